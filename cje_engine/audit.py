@@ -1,0 +1,107 @@
+"""Transport audit: does the calibration hold, in the mean, for a policy's own labels?
+
+Residuals ``r = Y - f(S, X)`` on the policy's labelled rows, with ``f`` not trained on
+those rows (out-of-fold, or trained only on the calibration policies). The mean residual
+``delta`` gets a prompt-clustered standard error. Verdicts against a declared margin:
+
+- ``fail``: H0 delta = 0 rejected at level alpha after Holm adjustment over audited policies;
+- ``pass``: not failed and the Bonferroni-adjusted CI lies inside [-margin, +margin];
+- ``inconclusive``: neither; ``extra_labels_needed`` says how many more labels would make it
+  decisive if the residual mean and spread stayed as observed;
+- ``not_run``: the policy has fewer than two labelled prompts of its own.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.stats import norm
+
+from .multiplicity import holm
+
+
+def residual_deciles(score: np.ndarray, resid: np.ndarray, weight: np.ndarray, n_bins: int = 10) -> list[dict]:
+    """Mean residual by decile of the judge score (ties keep bins whole, so fewer may appear)."""
+    if score.size == 0:
+        return []
+    edges = np.unique(np.quantile(score, np.linspace(0, 1, n_bins + 1)))
+    if edges.size == 1:
+        edges = np.array([edges[0], edges[0]])
+    idx = np.clip(np.searchsorted(edges, score, side="right") - 1, 0, edges.size - 2)
+    out = []
+    for b in range(edges.size - 1):
+        sel = idx == b
+        n = int(sel.sum())
+        if n == 0:
+            continue
+        w = weight[sel]
+        mean = float(np.sum(w * resid[sel]) / np.sum(w))
+        se = float(np.sqrt(np.sum(w**2 * (resid[sel] - mean) ** 2)) / np.sum(w)) if n > 1 else None
+        out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "n": n, "mean_residual": mean, "se": se})
+    return out
+
+
+def audit_policies(
+    delta: np.ndarray,
+    se: np.ndarray,
+    n_labels: np.ndarray,
+    n_label_prompts: np.ndarray,
+    alpha: float,
+    margin: float,
+) -> list[dict]:
+    """Verdicts for every policy from residual means and clustered SEs.
+
+    Parameters
+    ----------
+    delta, se : ndarray, shape (K,)
+        Mean residual and its clustered standard error (NaN where no labels).
+    n_labels, n_label_prompts : ndarray, shape (K,)
+        Labelled rows and distinct labelled prompts of each policy.
+    """
+    K = delta.size
+    audited = np.flatnonzero((n_label_prompts >= 2) & np.isfinite(se) & (se > 0))
+    m = audited.size
+    p = np.full(K, np.nan)
+    p[audited] = 2 * norm.sf(np.abs(delta[audited] / se[audited]))
+    p_adj = np.full(K, np.nan)
+    if m:
+        p_adj[audited] = holm(p[audited])
+    z = norm.ppf(1 - alpha / 2)
+    z_adj = norm.ppf(1 - alpha / (2 * max(m, 1)))
+    out = []
+    for k in range(K):
+        base = {"n_labels": int(n_labels[k]), "margin": margin, "family_size": int(m)}
+        if k not in audited:
+            base.update(verdict="not_run", reason=(
+                "no oracle labels of its own: the calibration's transport to this policy is untested"
+                if n_labels[k] == 0 else f"only {int(n_label_prompts[k])} labelled prompt(s); at least 2 needed"),
+                residual_mean=None if n_labels[k] == 0 else float(delta[k]), se=None, ci=None,
+                ci_adjusted=None, p_value=None, p_adjusted=None, extra_labels_needed=None)
+            out.append(base)
+            continue
+        d, s = float(delta[k]), float(se[k])
+        ci = [d - z * s, d + z * s]
+        ci_adj = [d - z_adj * s, d + z_adj * s]
+        n = int(n_labels[k])
+        extra = None
+        if p_adj[k] <= alpha:
+            verdict = "fail"
+            reason = (f"mean residual {d:+.3f} (SE {s:.3f}) differs from 0 at level {alpha} after Holm "
+                      f"adjustment over {m} audited policies: the calibration over-states" if d < 0 else
+                      f"mean residual {d:+.3f} (SE {s:.3f}) differs from 0 at level {alpha} after Holm "
+                      f"adjustment over {m} audited policies: the calibration under-states")
+            reason += " this policy's value"
+        elif ci_adj[0] >= -margin and ci_adj[1] <= margin:
+            verdict = "pass"
+            reason = f"adjusted CI [{ci_adj[0]:+.3f}, {ci_adj[1]:+.3f}] lies inside +/-{margin}"
+        else:
+            verdict = "inconclusive"
+            target = (margin - abs(d)) / z_adj if abs(d) < margin else abs(d) / z_adj
+            n_needed = n * (s / target) ** 2 if target > 0 else math.inf
+            extra = int(math.ceil(n_needed - n)) if math.isfinite(n_needed) else None
+            reason = (f"adjusted CI [{ci_adj[0]:+.3f}, {ci_adj[1]:+.3f}] neither excludes 0 nor fits inside "
+                      f"+/-{margin}" + (f"; about {extra} more labels would decide it" if extra is not None else ""))
+        base.update(verdict=verdict, reason=reason, residual_mean=d, se=s, ci=ci, ci_adjusted=ci_adj,
+                    p_value=float(p[k]), p_adjusted=float(p_adj[k]), extra_labels_needed=extra)
+        out.append(base)
+    return out

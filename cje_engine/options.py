@@ -1,0 +1,116 @@
+"""Evaluation options: every knob that shapes the numbers, validated in one place."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .data import Scale, parse_scale
+from .errors import CJEInputError
+
+
+@dataclass(frozen=True)
+class EvaluationOptions:
+    """Options of `cje_engine.evaluate` (see the README for their meaning).
+
+    Parameters
+    ----------
+    covariates : tuple of str
+        Covariate columns for two-stage calibration (e.g. ``("response_length",)``).
+    calibration_mode : {"auto", "monotone", "two_stage"}
+        ``auto`` picks by out-of-fold error among the modes the data allows.
+    calibration_policies : tuple of str or None
+        ``None``: every labelled row trains the calibrator (cross-fitted). Otherwise only
+        these policies' labels train it and other policies' labels are their audit slices.
+    estimator : {"auto", "augmented", "plug_in"}
+        ``auto``: augmented (theta_aug) when the policy has at least ``min_labels`` labels
+        of its own, else the calibrated plug-in.
+    inference : {"bootstrap", "analytic"}
+        The route for standard errors and intervals (both are always computed; this picks
+        the one reported).
+    n_bootstrap, seed, alpha, audit_margin, n_folds
+        Bootstrap replicates, RNG seed, 1 - confidence level, practical transport margin
+        (label units), cross-fitting folds.
+    multiplicity : {"bh", "holm"}
+        Adjustment of pairwise comparison p-values.
+    min_labels : int
+        Fewest own labels for an own-label (augmented or recalibrated) level, and fewest
+        calibration labels overall.
+    support_min_labels, support_bandwidth, support_material_share
+        A score is thinly supported when fewer than ``support_min_labels`` calibration
+        labels lie within ``support_bandwidth`` x (score range) of it; a plug-in level
+        is refused when more than ``support_material_share`` of the policy's rows are
+        thinly supported or outside the labelled range.
+    """
+
+    covariates: tuple[str, ...] = ()
+    calibration_mode: str = "auto"
+    calibration_policies: tuple[str, ...] | None = None
+    estimator: str = "auto"
+    inference: str = "bootstrap"
+    n_bootstrap: int = 2000
+    seed: int = 0
+    alpha: float = 0.05
+    audit_margin: float = 0.05
+    n_folds: int = 5
+    multiplicity: str = "bh"
+    label_scale: Scale = (0.0, 1.0)
+    score_scale: Scale | None = (0.0, 1.0)
+    min_labels: int = 30
+    support_min_labels: int = 10
+    support_bandwidth: float = 0.05
+    support_material_share: float = 0.10
+    policies: tuple[str, ...] | None = field(default=None)
+
+    @classmethod
+    def build(cls, **kwargs) -> "EvaluationOptions":
+        """Validate and normalise keyword options (lists become tuples, scales are parsed)."""
+        unknown = set(kwargs) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise CJEInputError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        kw = dict(kwargs)
+        for key in ("covariates", "calibration_policies", "policies"):
+            if kw.get(key) is not None:
+                v = kw[key]
+                kw[key] = (v,) if isinstance(v, str) else tuple(v)
+        if "covariates" in kw and kw["covariates"] is None:
+            kw["covariates"] = ()
+        if "label_scale" in kw:
+            kw["label_scale"] = parse_scale(kw["label_scale"], "label")
+            if kw["label_scale"] is None:
+                raise CJEInputError("label_scale must be bounded, e.g. '0-1' or '1-10'")
+        if "score_scale" in kw:
+            kw["score_scale"] = parse_scale(kw["score_scale"], "judge score")
+        opts = cls(**kw)
+        opts._check()
+        return opts
+
+    def _check(self) -> None:
+        def bad(msg: str) -> None:
+            raise CJEInputError(msg)
+
+        if self.calibration_mode not in ("auto", "monotone", "two_stage"):
+            bad(f"calibration_mode must be auto, monotone or two_stage; got {self.calibration_mode!r}")
+        if self.calibration_mode == "two_stage" and not self.covariates:
+            bad("calibration_mode='two_stage' needs at least one covariate (e.g. covariates=['response_length'])")
+        if self.estimator not in ("auto", "augmented", "plug_in"):
+            bad(f"estimator must be auto, augmented or plug_in; got {self.estimator!r}")
+        if self.inference not in ("bootstrap", "analytic"):
+            bad(f"inference must be bootstrap or analytic; got {self.inference!r}")
+        if self.multiplicity not in ("bh", "holm"):
+            bad(f"multiplicity must be bh or holm; got {self.multiplicity!r}")
+        if not (0 < self.alpha < 0.5):
+            bad(f"alpha must be in (0, 0.5); got {self.alpha}")
+        if self.inference == "bootstrap" and self.n_bootstrap < 50:
+            bad(f"n_bootstrap must be at least 50 for percentile intervals; got {self.n_bootstrap}")
+        if self.audit_margin <= 0:
+            bad(f"audit_margin must be positive (label units); got {self.audit_margin}")
+        if self.n_folds < 2:
+            bad(f"n_folds must be at least 2; got {self.n_folds}")
+        if self.min_labels < 2:
+            bad(f"min_labels must be at least 2; got {self.min_labels}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
