@@ -218,8 +218,8 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
 def cluster_cov(contrib: np.ndarray) -> np.ndarray:
     """Covariance of statistics from per-cluster influence sums, with the n/(n-1) correction."""
     n = contrib.shape[0]
-    c = contrib - np.nanmean(contrib, axis=0)
-    c = np.nan_to_num(c)
+    c = np.nan_to_num(contrib)
+    c = c - c.mean(axis=0)
     return (c.T @ c) * n / max(n - 1, 1)
 
 

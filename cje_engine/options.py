@@ -54,7 +54,7 @@ class EvaluationOptions:
     multiplicity: str = "bh"
     label_scale: Scale = (0.0, 1.0)
     score_scale: Scale | None = (0.0, 1.0)
-    min_labels: int = 30
+    min_labels: int = 10
     support_min_labels: int = 10
     support_bandwidth: float = 0.05
     support_material_share: float = 0.10

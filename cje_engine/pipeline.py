@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-from scipy.stats import kendalltau, norm
+from scipy.stats import kendalltau, norm, t as student_t
 
 from . import __version__
 from .audit import audit_policies, residual_deciles
@@ -235,7 +235,6 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     d = design.data
     K = len(d.policies)
     alpha = opts.alpha
-    z = norm.ppf(1 - alpha / 2)
     reps = np.vstack(chunks) if chunks else np.empty((0, 2 * K))
     use_boot = opts.inference == "bootstrap"
     if use_boot and reps.shape[0] != opts.n_bootstrap:
@@ -257,11 +256,14 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, opts.audit_margin)
     support = _support(design, opts)
 
+    dfs = _degrees_of_freedom(prep, n_own_prompts)
+    crit = student_t.ppf(1 - alpha / 2, dfs)
+
     def stat_summary(col: int) -> dict:
         est = float(stats[col])
         se_a = float(np.sqrt(max(cov[col, col], 0.0)))
         out = {"estimate": est, "se_analytic": se_a,
-               "ci_analytic": _clip([est - z * se_a, est + z * se_a], d.label_scale)}
+               "ci_analytic": _clip([est - crit[col] * se_a, est + crit[col] * se_a], d.label_scale)}
         if use_boot:
             r = reps[:, col]
             r = r[np.isfinite(r)]
@@ -349,7 +351,7 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
                                 f"{summ['se_analytic']:.4f} differ by a factor {ratio:.2f}")
         policies[name] = entry
 
-    comparisons = _compare(prep, reps if use_boot else None, cols, refused, cov, warnings)
+    comparisons = _compare(prep, reps if use_boot else None, cols, refused, cov, dfs, warnings)
     ranking, win, best, best_reason = _rank(d.policies, policies, comparisons, refused)
     raw = np.array([policies[p]["raw_judge_mean"] for p in d.policies])
     est = np.array([policies[p]["estimate"] for p in d.policies])
@@ -384,11 +386,25 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     return EvaluationResult(result, replicates=reps, influence=prep.infl["total"], columns=cols)
 
 
-def _compare(prep: Prepared, reps, cols, refused, cov, warnings) -> list[dict]:
+def _degrees_of_freedom(prep: Prepared, n_label_prompts: np.ndarray) -> np.ndarray:
+    """Degrees of freedom of each statistic for analytic intervals and tests.
+
+    Plug-in columns are means over many prompts (normal quantile, df = inf). Augmented
+    columns use (labelled prompts - 1): their variance is dominated by the mean of a few
+    label residuals, and the normal quantile under-covers with 10-30 labels.
+    """
+    K = len(prep.design.data.policies)
+    dfs = np.full(2 * K, np.inf)
+    for k in range(K):
+        if n_label_prompts[k] >= 2:
+            dfs[K + k] = n_label_prompts[k] - 1
+    return dfs
+
+
+def _compare(prep: Prepared, reps, cols, refused, cov, dfs, warnings) -> list[dict]:
     d = prep.design.data
     K = len(d.policies)
     alpha = prep.options.alpha
-    z = norm.ppf(1 - alpha / 2)
     span = d.label_scale[1] - d.label_scale[0]
     out = []
     for a in range(K):
@@ -410,8 +426,10 @@ def _compare(prep: Prepared, reps, cols, refused, cov, warnings) -> list[dict]:
                                     f"{se_a:.4f} differ by a factor {se / se_a:.2f}")
             else:
                 se = se_a
-                ci = [diff - z * se, diff + z * se]
-                p = float(2 * norm.sf(abs(diff) / se)) if se > 0 else (0.0 if diff != 0 else 1.0)
+                df_ = min(dfs[ca], dfs[cb])  # the policy with fewer labels sets the tails
+                c = student_t.ppf(1 - alpha / 2, df_)
+                ci = [diff - c * se, diff + c * se]
+                p = float(2 * student_t.sf(abs(diff) / se, df_)) if se > 0 else (0.0 if diff != 0 else 1.0)
                 prob = float(norm.cdf(diff / se)) if se > 0 else float(diff > 0)
             item.update(se=se, ci=[float(max(ci[0], -span)), float(min(ci[1], span))], p_value=float(p),
                         prob_a_better=prob, involves_refused=bool(refused[a] or refused[b]))
