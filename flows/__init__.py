@@ -1,0 +1,1 @@
+"""Prefect flows, storage, publishing, reports and the command line around the CJE engine."""
