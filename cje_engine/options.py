@@ -28,7 +28,8 @@ class EvaluationOptions:
         the one reported).
     n_bootstrap, seed, alpha, audit_margin, n_folds
         Bootstrap replicates, RNG seed, 1 - confidence level, practical transport margin
-        (label units), cross-fitting folds.
+        (as a fraction of the label scale's width: 0.05 on a 0-100 scale is 5 points),
+        cross-fitting folds.
     multiplicity : {"bh", "holm"}
         Adjustment of pairwise comparison p-values.
     min_labels : int
@@ -101,8 +102,8 @@ class EvaluationOptions:
             bad(f"alpha must be in (0, 0.5); got {self.alpha}")
         if self.inference == "bootstrap" and self.n_bootstrap < 50:
             bad(f"n_bootstrap must be at least 50 for percentile intervals; got {self.n_bootstrap}")
-        if self.audit_margin <= 0:
-            bad(f"audit_margin must be positive (label units); got {self.audit_margin}")
+        if not (0 < self.audit_margin < 1):
+            bad(f"audit_margin must be in (0, 1) (a fraction of the label scale); got {self.audit_margin}")
         if self.n_folds < 2:
             bad(f"n_folds must be at least 2; got {self.n_folds}")
         if self.min_labels < 2:

@@ -194,6 +194,19 @@ def _support(design: Design, opts: EvaluationOptions) -> list[dict]:
     return out
 
 
+def _oracle_only(d: EvalData, sel: np.ndarray, alpha: float) -> dict:
+    """The oracle-only baseline: weighted mean of the policy's own labels, prompt-clustered t interval."""
+    w = d.label_weight[sel]
+    y = d.label[sel]
+    mean = float(np.sum(w * y) / np.sum(w))
+    prompts, inv = np.unique(d.prompt[sel], return_inverse=True)
+    c = np.bincount(inv, weights=w * (y - mean) / np.sum(w))
+    n = prompts.size
+    se = float(np.sqrt(np.sum(c**2) * n / (n - 1)))
+    q = float(student_t.ppf(1 - alpha / 2, n - 1))
+    return {"estimate": mean, "se": se, "ci": _clip([mean - q * se, mean + q * se], d.label_scale), "n_labels": int(sel.sum())}
+
+
 def _calibration_summary(prep: Prepared) -> dict:
     d = prep.design.data
     cr = prep.design.cal_rows
@@ -253,7 +266,8 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     # Audits on residual means (= augmented - plug-in) with clustered SEs.
     delta = stats[K:] - stats[:K]
     se_delta = np.sqrt(np.maximum(np.diag(cov_cal)[K:], 0.0))
-    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, opts.audit_margin)
+    margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
+    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin)
     support = _support(design, opts)
 
     dfs = _degrees_of_freedom(prep, n_own_prompts)
@@ -334,6 +348,7 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
             "augmented": stat_summary(K + k) if has_aug else None,
             "raw_judge_mean": float(d.score[rows].mean()),
             "oracle_mean": float(np.sum(w_all * d.label[sel_lab]) / np.sum(w_all)) if has_aug else None,
+            "oracle_only": _oracle_only(d, sel_lab, alpha) if n_own_prompts[k] >= 2 else None,
             "n_rows": int(rows.sum()),
             "n_labelled": int(n_own[k]),
             "variance_share_calibration": share,

@@ -199,3 +199,28 @@ def test_analytic_and_bootstrap_routes_agree_on_arena(arena_dir):
     for c in d["comparisons"]:
         assert 0.8 < c["se"] / c["se_analytic"] < 1.25, c
     assert not d["warnings"]
+
+
+def test_label_scale_equivariance():
+    """Labels on 0-100 give 100x the estimates, SEs and margins of the same labels on 0-1."""
+    frame = make_frame(8)
+    a = evaluate(frame, inference="analytic").to_dict()
+    f100 = frame.assign(oracle_label=frame.oracle_label * 100)
+    b = evaluate(f100, inference="analytic", label_scale="0-100").to_dict()
+    for name in a["policies"]:
+        pa_, pb = a["policies"][name], b["policies"][name]
+        assert pb["estimate"] == pytest.approx(100 * pa_["estimate"], rel=1e-9)
+        assert pb["se"] == pytest.approx(100 * pa_["se"], rel=1e-9)
+        assert pb["audit"]["verdict"] == pa_["audit"]["verdict"]
+        assert pb["audit"]["margin"] == pytest.approx(100 * pa_["audit"]["margin"])
+
+
+def test_oracle_only_baseline_matches_slow_computation():
+    frame = make_frame(9)
+    d = evaluate(frame, inference="analytic").to_dict()
+    for name, p in d["policies"].items():
+        y = frame[(frame.policy == name) & frame.oracle_label.notna()].oracle_label.to_numpy()
+        n = y.size
+        assert p["oracle_only"]["estimate"] == pytest.approx(y.mean())
+        # one label per prompt here, so the clustered SE is the plain SE of the mean
+        assert p["oracle_only"]["se"] == pytest.approx(y.std(ddof=1) / np.sqrt(n), rel=1e-9)
