@@ -1,0 +1,587 @@
+"""infra/ kept truthful: what can be checked without a Docker engine or a Kubernetes cluster.
+
+* every YAML/JSON file parses;
+* every command the stack runs exists: `cje` sub-commands and their flags parse with the real
+  `flows.cli` parser, `prefect` / `ray` sub-commands and flags appear in their real ``--help``;
+* every environment variable the infra sets is read by the code (flows/, cje_engine/) or by
+  the component that receives it (Prefect settings, Ray, botocore, the Postgres/MinIO images);
+* the Dockerfile's files exist, the versions it and the RayCluster name match the tested ones;
+* the bucket policy grants no wildcard actions and no deletes, and its prefixes are the ones
+  the code writes to.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+INFRA = REPO / "infra"
+COMPOSE = INFRA / "compose.yaml"
+K8S = INFRA / "k8s"
+POLICY = INFRA / "bucket-policy.json"
+BIN = Path(sys.executable).parent
+
+#: Variables read by the software of third-party images (not our code), with who reads them.
+THIRD_PARTY_IMAGE_VARS = {
+    "postgres": {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB"},
+    "minio/minio": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"},
+    # the mc job's own shell script reads these (see its command)
+    "minio/mc": {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "CJE_BUCKET"},
+}
+
+#: Python/pip variables set in the Dockerfile (read by the interpreter and pip themselves).
+PYTHON_RUNTIME_VARS = {"PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PIP_NO_CACHE_DIR",
+                       "PIP_DISABLE_PIP_VERSION_CHECK"}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def load_yaml_docs(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def k8s_docs() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in load_yaml_docs(path):
+            doc["__file__"] = path.name
+            docs.append(doc)
+    return docs
+
+
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def interpolate(text: str) -> str:
+    """Compose-style ``${VAR:-default}`` / ``${VAR:?msg}`` / ``$$`` with defaults (no env)."""
+    text = re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
+    text = re.sub(r"\$\{[A-Z0-9_]+:\?[^}]*\}", "set-by-operator", text)
+    return text.replace("$$", "$")
+
+
+@lru_cache(maxsize=1)
+def code_env_reads() -> frozenset[str]:
+    """Environment variable names our code reads (AST over flows/ and cje_engine/).
+
+    Counted: ``os.environ[NAME]``, ``<x>.get(NAME)`` / ``getenv(NAME)`` / ``setdefault`` /
+    ``pop`` where the receiver mentions ``environ`` or ``env``, and string constants in
+    module-level tables whose name contains ``ENV`` (e.g. ``flows.storage.ENV_VARS``).
+    """
+    names: set[str] = set()
+    env_like = re.compile(r"^[A-Z][A-Z0-9_]+$")
+
+    def consts(node: ast.AST) -> list[str]:
+        return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and env_like.match(n.value)]
+
+    for pkg in ("flows", "cje_engine"):
+        for path in (REPO / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Subscript) and "environ" in ast.unparse(node.value):
+                    names.update(consts(node.slice))
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+                    recv = ast.unparse(node.func.value)
+                    if node.func.attr in ("get", "getenv", "setdefault", "pop") and re.search(r"environ|\benv\b", recv):
+                        names.update(consts(node.args[0]))
+                elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.getenv", "getenv") and node.args:
+                    names.update(consts(node.args[0]))
+                elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    if any(isinstance(t, ast.Name) and "ENV" in t.id.upper() for t in targets) and node.value:
+                        names.update(consts(node.value))
+    return frozenset(names)
+
+
+@lru_cache(maxsize=1)
+def prefect_setting_names() -> frozenset[str]:
+    from prefect.settings import Settings
+    from prefect.settings.legacy import _get_valid_setting_names
+
+    return frozenset(_get_valid_setting_names(Settings))
+
+
+@lru_cache(maxsize=None)
+def package_source_mentions(package: str, name: str) -> bool:
+    """True if the installed ``package``'s Python or shared-library text mentions ``name``."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations, package
+    needle = name.encode()
+    for root in spec.submodule_search_locations:
+        for path in Path(root).rglob("*"):
+            if path.suffix in (".py", ".so") and path.is_file():
+                try:
+                    if needle in path.read_bytes():
+                        return True
+                except OSError:
+                    continue
+    return False
+
+
+def read_by_cje_image(name: str) -> str | None:
+    """Who reads ``name`` in a container of our image (None: nobody found)."""
+    if name in code_env_reads():
+        return "our code"
+    if name.startswith("PREFECT_") and name in prefect_setting_names():
+        return "prefect settings"
+    if name.startswith("RAY_") and package_source_mentions("ray", name):
+        return "ray"
+    if name.startswith("AWS_") and package_source_mentions("botocore", name):
+        return "botocore"
+    if name in PYTHON_RUNTIME_VARS:
+        return "python/pip"
+    return None
+
+
+@lru_cache(maxsize=None)
+def help_text(*argv: str) -> str:
+    proc = subprocess.run([str(BIN / argv[0]), *argv[1:], "--help"], capture_output=True, text=True,
+                          timeout=180, env=dict(os.environ, COLUMNS="200", NO_COLOR="1", TERM="dumb"))
+    assert proc.returncode == 0, f"{' '.join(argv)} --help failed:\n{proc.stdout}\n{proc.stderr}"
+    return re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+
+
+def assert_cli_exists(argv: list[str], where: str) -> None:
+    """The program, its sub-command and every ``--flag`` exist (cje: parse with the real parser)."""
+    prog, args = argv[0], argv[1:]
+    if prog == "cje":
+        from flows.cli import build_parser
+
+        try:
+            build_parser().parse_args(args)
+        except SystemExit as exc:  # argparse error
+            pytest.fail(f"{where}: `cje {' '.join(args)}` does not parse with flows.cli ({exc})")
+        return
+    assert (BIN / prog).exists(), f"{where}: program {prog!r} is not installed with the package"
+    sub = [a for a in args if not a.startswith("-")][:2 if prog == "prefect" else 1]
+    text = help_text(prog, *sub)
+    for a in args:
+        if a.startswith("--"):
+            flag = a.split("=", 1)[0]
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), \
+                f"{where}: `{prog} {' '.join(sub)}` has no option {flag}"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (INFRA / "Dockerfile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_every_yaml_and_json_file_parses():
+    files = sorted(INFRA.rglob("*.yaml")) + sorted(INFRA.rglob("*.yml"))
+    assert COMPOSE in files and len(files) >= 6
+    for path in files:
+        docs = load_yaml_docs(path)
+        assert docs, f"{path} is empty"
+    for path in sorted(INFRA.rglob("*.json")):
+        json.loads(path.read_text())
+
+
+def test_k8s_manifests_have_kind_name_and_namespace():
+    docs = k8s_docs()
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    for needed in [("Deployment", "cje-serve"), ("RayCluster", "cje-ray"), ("ConfigMap", "cje-env"),
+                   ("ConfigMap", "cje-evaluations"), ("Secret", "cje-credentials"), ("Namespace", "cje")]:
+        assert needed in kinds, f"missing {needed} in infra/k8s"
+    for d in docs:
+        assert d.get("apiVersion"), d["__file__"]
+        if d["kind"] != "Namespace":
+            assert d["metadata"].get("namespace") == "cje", f"{d['__file__']}: {d['kind']} outside namespace cje"
+    ray = next(d for d in docs if d["kind"] == "RayCluster")
+    assert ray["apiVersion"] == "ray.io/v1"
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_k8s_references_resolve():
+    """Every ConfigMap/Secret (and Secret key) a pod refers to is defined in infra/k8s."""
+    docs = k8s_docs()
+    configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    secrets = {d["metadata"]["name"]: d.get("stringData", {}) for d in docs if d["kind"] == "Secret"}
+    refs = 0
+    for d in docs:
+        for node in _walk(d):
+            if not isinstance(node, dict):
+                continue
+            if "configMapRef" in node:
+                assert node["configMapRef"]["name"] in configmaps
+                refs += 1
+            if "secretKeyRef" in node:
+                ref = node["secretKeyRef"]
+                assert ref["key"] in secrets[ref["name"]], f"{d['__file__']}: secret key {ref}"
+                refs += 1
+            if "configMap" in node and isinstance(node["configMap"], dict):
+                assert node["configMap"]["name"] in configmaps
+                refs += 1
+    assert refs >= 6
+
+
+def _walk(node):
+    yield node
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from _walk(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _walk(v)
+
+
+def test_secret_template_holds_no_real_secret():
+    for d in k8s_docs():
+        if d["kind"] == "Secret":
+            assert set(d["stringData"].values()) == {"REPLACE_ME"}
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _compose_argv(svc: dict) -> list[str]:
+    entry = svc.get("entrypoint") or ["cje"]
+    cmd = svc.get("command") or []
+    entry = shlex.split(entry) if isinstance(entry, str) else list(entry)
+    cmd = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+    return [interpolate(str(a)) for a in entry + cmd]
+
+
+def test_compose_commands_exist():
+    doc = compose()
+    ours = {n: s for n, s in doc["services"].items() if "build" in s}
+    assert set(ours) == {"prefect-server", "ray-head", "ray-worker", "cje-serve"}
+    for name, svc in ours.items():
+        assert svc["build"]["dockerfile"] == "infra/Dockerfile"
+        assert (COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == \
+            (INFRA / "Dockerfile").resolve()
+        assert_cli_exists(_compose_argv(svc), f"compose service {name}")
+    assert _compose_argv(ours["cje-serve"])[:2] == ["cje", "serve"]
+    assert _compose_argv(ours["prefect-server"])[:3] == ["prefect", "server", "start"]
+
+
+def test_k8s_commands_exist():
+    dep = next(d for d in k8s_docs() if d["kind"] == "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert "command" not in container  # uses the image's entry point
+    assert_cli_exists(["cje", *container["args"]], "k8s Deployment cje-serve")
+    ray = next(d for d in k8s_docs() if d["kind"] == "RayCluster")
+    params = dict(ray["spec"]["headGroupSpec"]["rayStartParams"])
+    for group in ray["spec"]["workerGroupSpecs"]:
+        params.update(group["rayStartParams"])
+    # KubeRay turns rayStartParams into `ray start --<key>=<value>`.
+    assert_cli_exists(["ray", "start", *(f"--{k}={v}" for k, v in params.items())], "RayCluster rayStartParams")
+
+
+def test_dockerfile_entry_point_is_the_cje_console_script():
+    ins = dockerfile_instructions()
+    entry = [json.loads(rest) for word, rest in ins if word == "ENTRYPOINT"]
+    assert entry == [["cje"]]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    target = pyproject["project"]["scripts"]["cje"]
+    module, func = target.split(":")
+    import importlib
+
+    assert callable(getattr(importlib.import_module(module), func))
+    cmd = [json.loads(rest) for word, rest in ins if word == "CMD"]
+    assert len(cmd) == 1
+    assert_cli_exists(["cje", *cmd[0]], "Dockerfile CMD")
+    assert (BIN / "cje").exists(), "the cje console script is not installed in this environment"
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def test_dockerfile_base_copies_and_constraints():
+    ins = dockerfile_instructions()
+    froms = [rest for word, rest in ins if word == "FROM"]
+    assert froms == ["python:3.11-slim"]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["project"]["requires-python"] == ">=3.11"
+    assert sys.version_info[:2] == (3, 11), "tests run on the image's Python minor version"
+
+    copied: list[str] = []
+    for word, rest in ins:
+        if word == "COPY":
+            parts = [p for p in rest.split() if not p.startswith("--")]
+            copied += parts[:-1]
+    assert copied, "Dockerfile copies nothing"
+    for src in copied:
+        assert (REPO / src).exists(), f"Dockerfile copies {src!r}, which is not in the repository"
+    # What the package build needs is copied: the packages, pyproject and its readme.
+    for needed in ["pyproject.toml", "requirements.lock", "cje_engine", "flows", pyproject["project"]["readme"]]:
+        assert needed in copied, f"Dockerfile does not copy {needed}"
+
+    runs = " ".join(rest for word, rest in ins if word == "RUN")
+    assert re.search(r"pip install (.* )?--constraint requirements\.lock .*\.", runs)
+
+    # The .dockerignore next to the Dockerfile lets every copied path through.
+    ignore = (INFRA / "Dockerfile.dockerignore").read_text().split()
+    assert ignore[0] == "*"
+    allowed = {p.lstrip("!").rstrip("/") for p in ignore if p.startswith("!")}
+    assert set(copied) <= allowed
+
+
+def test_lock_pins_every_runtime_dependency():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    lock = {}
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            lock[re.sub(r"[-_.]+", "-", name.strip().lower())] = version.strip()
+    for dep in pyproject["project"]["dependencies"]:
+        name = re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~ ;]", dep, maxsplit=1)[0].lower())
+        assert name in lock, f"{dep} is not pinned in requirements.lock"
+    # The RayCluster and the image must run the Ray the lock pins (driver and nodes must match).
+    ray = next(d for d in k8s_docs() if d["kind"] == "RayCluster")
+    assert ray["spec"]["rayVersion"] == lock["ray"]
+    import ray as ray_pkg
+
+    assert ray_pkg.__version__ == lock["ray"]
+
+
+def test_one_image_everywhere():
+    """Driver and Ray nodes must run identical Python + Ray: every container of ours uses one image."""
+    images = {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in k8s_docs() if d["kind"] == "Deployment"}
+    ray = next(d for d in k8s_docs() if d["kind"] == "RayCluster")
+    images.add(ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"])
+    for g in ray["spec"]["workerGroupSpecs"]:
+        images.update(c["image"] for c in g["template"]["spec"]["containers"])
+    assert len(images) == 1
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert images == {f"cje-service:{version}"}
+    doc = compose()
+    assert {interpolate(s["image"]) for s in doc["services"].values() if "build" in s} == images
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def _compose_env(svc: dict) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(e.split("=", 1) for e in env)
+    return {k: interpolate(str(v)) for k, v in env.items() if k != "<<"}
+
+
+def _k8s_env() -> dict[str, set[str]]:
+    """Variable names set per k8s workload (ConfigMap via envFrom included)."""
+    docs = k8s_docs()
+    configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    out: dict[str, set[str]] = {}
+    for d in docs:
+        for node in _walk(d):
+            if isinstance(node, dict) and "image" in node and "name" in node:
+                names = {e["name"] for e in node.get("env", [])}
+                for src in node.get("envFrom", []):
+                    names |= set(configmaps[src["configMapRef"]["name"]])
+                out[f"{d['__file__']}:{node['name']}"] = names
+    return out
+
+
+def test_environment_the_infra_sets_is_read_by_someone():
+    unread: list[str] = []
+    doc = compose()
+    for name, svc in doc["services"].items():
+        env = _compose_env(svc)
+        if "build" in svc:
+            unread += [f"compose {name}: {v}" for v in env if read_by_cje_image(v) is None]
+        else:
+            image = svc["image"].split(":")[0]
+            known = THIRD_PARTY_IMAGE_VARS.get(image)
+            assert known is not None, f"compose {name}: image {image} has no list of variables it reads"
+            unread += [f"compose {name}: {v}" for v in env if v not in known]
+    for workload, names in _k8s_env().items():
+        unread += [f"k8s {workload}: {v}" for v in names if read_by_cje_image(v) is None]
+    docker_env = " ".join(rest for word, rest in dockerfile_instructions() if word == "ENV")
+    for var in re.findall(r"([A-Z][A-Z0-9_]+)=", docker_env):
+        if read_by_cje_image(var) is None:
+            unread.append(f"Dockerfile ENV {var}")
+    assert not unread, "variables set by infra/ that nothing reads:\n" + "\n".join(unread)
+
+
+def test_code_reader_finds_the_storage_and_ray_variables():
+    """Guard for the check above: the AST scan really sees what flows/ reads."""
+    reads = code_env_reads()
+    for name in ["PREFECT_API_URL", "RAY_ADDRESS", "CJE_S3_ENDPOINT", "AWS_ENDPOINT_URL",
+                 "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "CJE_S3_CONDITIONAL_WRITES"]:
+        assert name in reads, name
+    assert "NOT_A_VARIABLE_ANYWHERE" not in reads
+    assert read_by_cje_image("PREFECT_NOT_A_SETTING") is None
+    assert read_by_cje_image("RAY_NOT_A_SETTING_XYZ") is None
+
+
+def test_flow_runner_gets_what_the_code_needs_at_scale():
+    """At scale: PREFECT_API_URL, a Ray address and an S3 endpoint + credentials, same in compose
+    and k8s; create-only writes pinned to native (no probe object needing delete rights)."""
+    serve = _compose_env(compose()["services"]["cje-serve"])
+    k8s = _k8s_env()["prefect-worker.yaml:cje-serve"]
+    for name in ["PREFECT_API_URL", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "AWS_REGION",
+                 "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "CJE_S3_CONDITIONAL_WRITES"]:
+        assert name in serve and name in k8s, name
+    assert serve["RAY_ADDRESS"].startswith("ray://") and serve["RAY_ADDRESS"].endswith(":10001")
+    assert serve["CJE_S3_CONDITIONAL_WRITES"] == "native"
+    from flows.storage import StorageConfig
+
+    cfg = StorageConfig.from_env(serve)
+    assert cfg.endpoint_url == "http://minio:9000" and cfg.conditional_writes == "native"
+    # Ray: every node shares the flow runner's auth settings; the client port is the one in RAY_ADDRESS.
+    doc = compose()
+    for node in ("ray-head", "ray-worker"):
+        env = _compose_env(doc["services"][node])
+        assert env["RAY_AUTH_MODE"] == serve["RAY_AUTH_MODE"] == "token"
+        assert env["RAY_AUTH_TOKEN"] == serve["RAY_AUTH_TOKEN"]
+    head_cmd = _compose_argv(doc["services"]["ray-head"])
+    assert "--ray-client-server-port=10001" in head_cmd
+    assert serve["RAY_ADDRESS"] == "ray://ray-head:10001"
+    assert "--address=ray-head:6379" in _compose_argv(doc["services"]["ray-worker"])
+    assert "--port=6379" in head_cmd
+    cm = next(d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "cje-env")["data"]
+    ray = next(d for d in k8s_docs() if d["kind"] == "RayCluster")
+    # KubeRay names the head service <cluster>-head-svc and serves the Ray client on 10001.
+    assert cm["RAY_ADDRESS"] == f"ray://{ray['metadata']['name']}-head-svc.cje.svc:10001"
+    ports = {p["containerPort"] for p in ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert 10001 in ports
+
+
+def test_readme_documents_exactly_the_variables_the_flow_runner_gets():
+    readme = (INFRA / "README.md").read_text()
+    documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)`", readme, flags=re.M))
+    assert documented, "README has no variable table"
+    set_for_runner = set(_compose_env(compose()["services"]["cje-serve"])) | _k8s_env()["prefect-worker.yaml:cje-serve"]
+    missing = set_for_runner - documented
+    assert not missing, f"set for the flow runner but not documented in infra/README.md: {sorted(missing)}"
+    unread = sorted(v for v in documented if read_by_cje_image(v) is None)
+    assert not unread, f"documented in infra/README.md but read by nothing: {unread}"
+
+
+# --------------------------------------------------------------------------- evaluations
+
+
+def test_deployed_evaluations_load_and_match_the_configmap(tmp_path):
+    from flows.schedules import load_evaluations
+
+    specs = load_evaluations(INFRA / "evaluations.yaml")
+    assert specs and all(s.logs_uri.startswith("s3://") for s in specs.values())
+    cm = next(d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "cje-evaluations")
+    copy = tmp_path / "evaluations.yaml"
+    copy.write_text(cm["data"]["evaluations.yaml"])
+    assert load_evaluations(copy) == specs
+    # compose mounts this very file where `cje serve --config` looks.
+    vols = compose()["services"]["cje-serve"]["volumes"]
+    assert "./evaluations.yaml:/etc/cje/evaluations.yaml:ro" in vols
+    dep = next(d for d in k8s_docs() if d["kind"] == "Deployment")
+    mounts = dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert any(m["mountPath"] == "/etc/cje" for m in mounts)
+
+
+# --------------------------------------------------------------------------- bucket policy
+
+
+def _statements() -> list[dict]:
+    policy = json.loads(POLICY.read_text())
+    assert policy["Version"] == "2012-10-17"
+    return policy["Statement"]
+
+
+def _as_list(v) -> list:
+    return v if isinstance(v, list) else [v]
+
+
+def test_bucket_policy_grants_no_wildcards_and_no_deletes():
+    allow = [s for s in _statements() if s["Effect"] == "Allow"]
+    assert allow
+    for s in allow:
+        for action in _as_list(s["Action"]):
+            assert "*" not in action, f"{s['Sid']}: wildcard action {action}"
+            assert "Delete" not in action, f"{s['Sid']}: grants {action}"
+            assert action in {"s3:ListBucket", "s3:GetObject", "s3:PutObject"}, f"{s['Sid']}: {action}"
+        for res in _as_list(s["Resource"]):
+            assert res == "arn:aws:s3:::cje-data" or re.fullmatch(r"arn:aws:s3:::cje-data/(logs|labels|results)/\*", res), res
+        assert "NotAction" not in s and "NotResource" not in s and s["Principal"] != "*"
+    # Writes: results freely, labels only create-only, logs never.
+    puts = {r for s in allow if "s3:PutObject" in _as_list(s["Action"]) for r in _as_list(s["Resource"])}
+    assert puts == {"arn:aws:s3:::cje-data/results/*", "arn:aws:s3:::cje-data/labels/*"}
+    label_put = next(s for s in allow if "arn:aws:s3:::cje-data/labels/*" in _as_list(s["Resource"])
+                     and "s3:PutObject" in _as_list(s["Action"]))
+    assert label_put["Condition"] == {"Null": {"s3:if-none-match": "false"}}
+    # Explicit denies: no delete on results (nor labels/logs), no unconditional label overwrite.
+    deny = [s for s in _statements() if s["Effect"] == "Deny"]
+    denied_deletes = {r for s in deny if "s3:DeleteObject" in _as_list(s["Action"]) for r in _as_list(s["Resource"])}
+    assert "arn:aws:s3:::cje-data/results/*" in denied_deletes
+    assert "arn:aws:s3:::cje-data/labels/*" in denied_deletes
+    assert any(s.get("Condition") == {"Null": {"s3:if-none-match": "true"}} for s in deny)
+
+
+def test_bucket_policy_prefixes_are_where_the_code_reads_and_writes():
+    from flows.labels import LabelStore
+    from flows.publish import RESULTS
+    from flows.schedules import load_evaluations
+    from flows.storage import Storage, StorageConfig
+
+    cfg = StorageConfig(endpoint_url="http://minio:9000", access_key="x", secret_key="y")
+    spec = next(iter(load_evaluations(INFRA / "evaluations.yaml").values()))
+    logs = Storage.for_uri(spec.logs_uri, cfg)
+    labels = LabelStore(Storage.for_uri(spec.labels_uri, cfg))
+    results = Storage.for_uri(spec.results_uri, cfg)
+    assert {logs.bucket, labels.st.bucket, results.bucket} == {"cje-data"}
+    allow = [s for s in _statements() if s["Effect"] == "Allow"]
+    reads = {r for s in allow if "s3:GetObject" in _as_list(s["Action"]) for r in _as_list(s["Resource"])}
+    assert f"arn:aws:s3:::cje-data/{logs.prefix}/*" in reads
+    assert f"arn:aws:s3:::cje-data/{labels.st._full(labels.prefix)}/*" in reads
+    assert f"arn:aws:s3:::cje-data/{results._full(RESULTS)}/*" in reads
+    # The minio-init job creates this bucket.
+    init = " ".join(compose()["services"]["minio-init"]["command"])
+    assert "mc mb" in init
+    assert interpolate(compose()["services"]["minio-init"]["environment"]["CJE_BUCKET"]) == "cje-data"
+
+
+# --------------------------------------------------------------------------- radosgw scripts
+
+
+def test_radosgw_scripts_are_valid_bash():
+    for name in ("start.sh", "stop.sh"):
+        path = INFRA / "radosgw" / name
+        proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert os.access(path, os.X_OK), f"{path} is not executable"
+
+
+@pytest.mark.parametrize("required", ["1", "0"])
+def test_integration_tier_fails_or_skips_without_radosgw(tmp_path, required):
+    """Without the env file, CJE_REQUIRE_RGW=1 (CI) FAILS the radosgw tests; otherwise they skip
+    with the reason and the command to start the gateway."""
+    env = dict(os.environ, CJE_RGW_ENV=str(tmp_path / "missing.env"), CJE_REQUIRE_RGW=required)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs",
+         "tests/integration/test_radosgw.py::test_put_get_head_delete",
+         "tests/integration/test_radosgw.py::test_storage_roundtrip"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    if required == "1":
+        assert proc.returncode == 1, out
+        assert "2 errors" in out or "2 failed" in out, out
+        assert "radosgw required (CJE_REQUIRE_RGW=1)" in out and "missing.env" in out
+    else:
+        assert proc.returncode == 0, out
+        assert "2 skipped" in out and "infra/radosgw/start.sh" in out

@@ -1,0 +1,409 @@
+"""Gated, atomic, idempotent publishing on local folders and S3 (moto server)."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing as mp
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cje_engine.errors import CJEInputError
+from flows.publish import (
+    PublishGateError,
+    cleanup_orphans,
+    fingerprint_inputs,
+    list_runs,
+    publish_run,
+    read_latest,
+    read_run,
+    run_key,
+)
+from flows.storage import ObjectInfo, Storage, StorageConfig, StorageError
+from tests.storage.conftest import SECRET_KEY
+
+RESULT_EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
+
+
+def example_result() -> dict:
+    return json.loads(RESULT_EXAMPLE.read_text())
+
+
+def policy_parquet(result: dict) -> bytes:
+    names = sorted(result["policies"])
+    table = pa.table({"policy": names, "level_claim": [result["policies"][n]["level_claim"] for n in names],
+                      "estimate": [result["policies"][n]["estimate"] for n in names]})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def artifacts_for(result: dict | None = None, report: str = "<html>report</html>") -> dict[str, bytes]:
+    result = example_result() if result is None else result
+    return {"result.json": json.dumps(result, indent=1).encode(), "policies.parquet": policy_parquet(result),
+            "report.html": report.encode()}
+
+
+LINEAGE = {"inputs": {"files": [{"key": "dt=2025-03-01/part-0.parquet", "size": 123, "etag_or_mtime": "abc"}]},
+           "rows": 4150, "label_store_version": 3, "config_hash": "c0ffee", "code_version": "0.1.0", "seed": 0}
+
+
+def _run_objects(st: Storage) -> list[str]:
+    return [o.key for o in st.list("results/")]
+
+
+# --------------------------------------------------------------------------- basics
+
+
+def test_publish_layout_manifest_and_latest(storage: Storage):
+    arts = artifacts_for()
+    out = publish_run(storage, "arena", "2025-03-01_2025-03-07", "k1", arts, LINEAGE)
+    assert out.published and out.reason == "published"
+    run = "results/arena/2025-03-01_2025-03-07/k1"
+    assert out.path == storage.url(run)
+    manifest = json.loads(storage.read_bytes(f"{run}/manifest.json"))
+    for k, v in LINEAGE.items():
+        assert manifest[k] == v
+    assert manifest["run_key"] == "k1" and manifest["window"] == "2025-03-01_2025-03-07"
+    assert manifest["published_at"] and manifest["attempt"]
+    for name, blob in arts.items():
+        entry = manifest["artifacts"][name]
+        stored = storage.read_bytes(f"{run}/{entry['key']}")
+        assert stored == blob  # byte for byte: nothing stripped
+        assert entry["sha256"] == hashlib.sha256(blob).hexdigest() and entry["size"] == len(blob)
+        assert out.artifacts[name] == storage.url(f"{run}/{entry['key']}")
+    latest = json.loads(storage.read_bytes("results/arena/latest.json"))
+    assert latest["manifest"] == f"{run}/manifest.json" and latest["run_key"] == "k1"
+    got = read_latest(storage, "arena")
+    assert got["result"] == example_result()
+    refused = got["result"]["policies"]["unhelpful"]
+    assert refused["level_claim"] == "refused" and refused["refusal_reasons"]
+    assert [r["run_key"] for r in list_runs(storage, "arena")] == ["k1"]
+
+
+def test_rerun_is_idempotent(storage: Storage):
+    first = publish_run(storage, "ev", "w1", "k", artifacts_for(report="<html>one</html>"), LINEAGE)
+    before = {o.key: o.etag_or_mtime for o in storage.list()}
+    again = publish_run(storage, "ev", "w1", "k", artifacts_for(report="<html>two</html>"), LINEAGE)
+    assert (again.published, again.reason) == (False, "already published")
+    assert again.path == first.path and again.artifacts == first.artifacts
+    assert {o.key: o.etag_or_mtime for o in storage.list()} == before  # nothing added or overwritten
+    assert read_run(storage, "ev", "w1", "k")["result"] == example_result()
+    assert len(list_runs(storage, "ev")) == 1
+
+
+def test_run_key_is_stable():
+    cfg = {"n_bootstrap": 2000, "alpha": 0.05, "policies": ["a", "b"]}
+    files = [ObjectInfo("dt=2025-01-01/p.parquet", 10, "e1"), ObjectInfo("dt=2025-01-02/p.parquet", 20, "e2")]
+    fp = fingerprint_inputs(files, label_version=2)
+    k = run_key(cfg, fp)
+    assert len(k) == 20 and k == run_key(dict(reversed(list(cfg.items()))), fingerprint_inputs(files[::-1], 2))
+    assert run_key({**cfg, "alpha": 0.1}, fp) != k
+    assert run_key(cfg, fingerprint_inputs(files, 3)) != k  # a new label version is a new run
+    assert run_key(cfg, fingerprint_inputs([files[0]._replace(etag_or_mtime="e9"), files[1]], 2)) != k
+    with pytest.raises(CJEInputError, match="JSON"):
+        run_key({"x": object()}, fp)
+    with pytest.raises(CJEInputError, match="JSON"):
+        run_key({"x": float("nan")}, fp)
+
+
+@pytest.mark.parametrize("segment", ["../up", "a/b", "", ".hidden"])
+def test_unsafe_path_segments_are_rejected(local_storage: Storage, segment: str):
+    with pytest.raises(CJEInputError):
+        publish_run(local_storage, segment, "w", "k", artifacts_for(), LINEAGE)
+    with pytest.raises(CJEInputError):
+        publish_run(local_storage, "ev", "w", segment, artifacts_for(), LINEAGE)
+    assert local_storage.list() == []
+
+
+# --------------------------------------------------------------------------- gate
+
+
+def _mutated(fn) -> dict:
+    r = example_result()
+    fn(r)
+    return r
+
+
+@pytest.mark.parametrize("mutate, column", [
+    (lambda r: r["policies"]["unhelpful"].update(refusal_reasons=[]), "refusal_reasons"),
+    (lambda r: r["policies"]["unhelpful"].pop("refusal_reasons"), "refusal_reasons"),
+    (lambda r: r["policies"]["unhelpful"].update(refusal_reasons=["  "]), "refusal_reasons"),
+    (lambda r: r["policies"]["base"].update(level_claim="maybe"), "level_claim"),
+    (lambda r: r.update(best_policy="unhelpful"), "best_policy"),
+    (lambda r: r.update(policies={}), "policies"),
+])
+def test_gate_refuses_unsafe_results_and_writes_nothing(storage: Storage, mutate, column):
+    with pytest.raises(PublishGateError) as err:
+        publish_run(storage, "ev", "w", "k", artifacts_for(_mutated(mutate)), LINEAGE)
+    assert err.value.column == column
+    assert _run_objects(storage) == []
+
+
+def test_gate_checks_policy_table_agrees(local_storage: Storage):
+    arts = artifacts_for()
+    stripped = _mutated(lambda r: r["policies"]["unhelpful"].update(level_claim="ok", refusal_reasons=[]))
+    arts["policies.parquet"] = policy_parquet(stripped)  # the Parquet summary dropped the refusal
+    with pytest.raises(PublishGateError, match="unhelpful") as err:
+        publish_run(local_storage, "ev", "w", "k", arts, LINEAGE)
+    assert err.value.source == "policies.parquet"
+    bad = artifacts_for()
+    bad["result.json"] = b"{not json"
+    with pytest.raises(PublishGateError, match="not valid JSON"):
+        publish_run(local_storage, "ev", "w", "k", bad, LINEAGE)
+    with pytest.raises(CJEInputError, match="result.json"):
+        publish_run(local_storage, "ev", "w", "k", {"report.html": b"x"}, LINEAGE)
+    with pytest.raises(CJEInputError, match="reserved"):
+        publish_run(local_storage, "ev", "w", "k", artifacts_for(), {"artifacts": {}})
+    with pytest.raises(CJEInputError, match="disagrees"):
+        publish_run(local_storage, "ev", "w", "k", artifacts_for(), {"window": "other"})
+    with pytest.raises(CJEInputError, match="must be bytes"):
+        publish_run(local_storage, "ev", "w", "k", {**artifacts_for(), "report.html": "<html>str</html>"}, LINEAGE)
+    with pytest.raises(CJEInputError, match="plain file name"):
+        publish_run(local_storage, "ev", "w", "k", {**artifacts_for(), "manifest.json": b"{}"}, LINEAGE)
+    with pytest.raises(CJEInputError, match="JSON data"):
+        publish_run(local_storage, "ev", "w", "k", artifacts_for(), {"not_json": object()})
+    assert local_storage.list() == []
+
+
+def test_credentials_are_never_published(s3_storage: Storage, caplog):
+    leaky = dict(LINEAGE, storage=s3_storage.config.to_dict(include_secrets=True))
+    with pytest.raises(PublishGateError, match="credential") as err:
+        publish_run(s3_storage, "ev", "w", "k", artifacts_for(), leaky)
+    assert SECRET_KEY not in str(err.value) + caplog.text
+    arts = artifacts_for(report=f"<html>{SECRET_KEY}</html>")
+    with pytest.raises(PublishGateError, match="credential"):
+        publish_run(s3_storage, "ev", "w", "k", arts, LINEAGE)
+    assert _run_objects(s3_storage) == []
+    # The safe form of the configuration is fine to record.
+    ok = publish_run(s3_storage, "ev", "w", "k", artifacts_for(), dict(LINEAGE, storage=s3_storage.config.to_dict()))
+    assert ok.published
+    for o in s3_storage.list():
+        assert SECRET_KEY.encode() not in s3_storage.read_bytes(o.key)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+class FaultyStorage(Storage):
+    """Delegates to a real storage; raises (or dies) on the n-th write of a chosen kind."""
+
+    def __init__(self, inner: Storage, fail_on_write: int | None = None, fail_key_suffix: str | None = None,
+                 kill: bool = False) -> None:
+        self.inner, self.uri, self.config = inner, inner.uri, inner.config
+        self.fail_on_write, self.fail_key_suffix, self.kill = fail_on_write, fail_key_suffix, kill
+        self.writes: list[str] = []
+
+    def _maybe_fail(self, key: str) -> None:
+        self.writes.append(key)
+        hit = (self.fail_on_write is not None and len(self.writes) == self.fail_on_write) or (
+            self.fail_key_suffix is not None and key.endswith(self.fail_key_suffix))
+        if hit:
+            if self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise StorageError(f"write {self.url(key)} failed: injected fault", key=key, operation="write")
+
+    def write_bytes(self, key, data):
+        self._maybe_fail(key)
+        self.inner.write_bytes(key, data)
+
+    def put_if_absent(self, key, data):
+        self._maybe_fail(key)
+        return self.inner.put_if_absent(key, data)
+
+    def read_bytes(self, key):
+        return self.inner.read_bytes(key)
+
+    def info(self, key):
+        return self.inner.info(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self.inner.delete(key)
+
+    @property
+    def arrow_fs(self):
+        return self.inner.arrow_fs
+
+    def url(self, key=""):
+        return self.inner.url(key)
+
+    def open_output(self, key):
+        return self.inner.open_output(key)
+
+
+def test_failure_midway_leaves_nothing_visible_and_retry_succeeds(storage: Storage):
+    faulty = FaultyStorage(storage, fail_on_write=2)  # result.json written, policies.parquet fails
+    with pytest.raises(StorageError, match="injected fault"):
+        publish_run(faulty, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert list_runs(storage, "ev") == [] and read_latest(storage, "ev") is None
+    assert _run_objects(storage) == []  # the failed attempt removed what it wrote
+    out = publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert out.published and read_latest(storage, "ev")["result"] == example_result()
+
+
+def test_commit_failure_leaves_nothing_visible(storage: Storage):
+    faulty = FaultyStorage(storage, fail_key_suffix="manifest.json")
+    with pytest.raises(StorageError):
+        publish_run(faulty, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert _run_objects(storage) == [] and read_latest(storage, "ev") is None
+
+
+def test_latest_moves_only_after_manifest_and_is_repaired(storage: Storage):
+    faulty = FaultyStorage(storage, fail_key_suffix="latest.json")
+    with pytest.raises(StorageError):
+        publish_run(faulty, "ev", "w", "k", artifacts_for(), LINEAGE)
+    order = [k.rsplit("/", 1)[-1] for k in faulty.writes]
+    assert order.index("manifest.json") < order.index("latest.json") == len(order) - 1
+    assert order.index("manifest.json") > max(order.index(n) for n in ("result.json", "report.html",
+                                                                        "policies.parquet"))
+    # Died between manifest and pointer: the run is complete and found by listing ...
+    assert not storage.exists("results/ev/latest.json")
+    assert read_latest(storage, "ev")["run_key"] == "k"
+    # ... and the next publish of the same run repairs the pointer without writing a new run.
+    again = publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert again.reason == "already published"
+    assert json.loads(storage.read_bytes("results/ev/latest.json"))["run_key"] == "k"
+
+
+def test_latest_never_moves_back(storage: Storage):
+    publish_run(storage, "ev", "w1", "old", artifacts_for(), LINEAGE)
+    publish_run(storage, "ev", "w2", "new", artifacts_for(), LINEAGE)
+    assert read_latest(storage, "ev")["run_key"] == "new"
+    assert publish_run(storage, "ev", "w1", "old", artifacts_for(), LINEAGE).reason == "already published"
+    assert read_latest(storage, "ev")["run_key"] == "new"
+    assert [r["run_key"] for r in list_runs(storage, "ev")] == ["old", "new"]
+    assert [r["run_key"] for r in list_runs(storage, "ev", window="w1")] == ["old"]
+
+
+def _mp_context():
+    """forkserver with the heavy imports preloaded once: children start in milliseconds instead of
+    re-importing pyarrow/boto3/the engine (spawn), and without fork's inherited thread pools."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["flows.publish", "flows.storage", "tests.storage.test_publish"])
+    return ctx
+
+
+def _publish_then_die(uri: str, cfg: dict) -> None:
+    st = FaultyStorage(Storage.for_uri(uri, StorageConfig.from_dict(cfg)), fail_on_write=3, kill=True)
+    publish_run(st, "ev", "w", "k", artifacts_for(), LINEAGE)
+
+
+def test_publisher_killed_midway(storage: Storage):
+    """SIGKILL after two artifacts: no cleanup ran, yet readers see nothing and a rerun succeeds."""
+    ctx = _mp_context()
+    proc = ctx.Process(target=_publish_then_die, args=(storage.uri, storage.config.to_dict(include_secrets=True)))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    leftovers = _run_objects(storage)
+    assert len(leftovers) == 2 and not any(k.endswith("manifest.json") for k in leftovers)
+    assert list_runs(storage, "ev") == [] and read_latest(storage, "ev") is None
+    assert cleanup_orphans(storage, "ev", older_than_seconds=3600) == 0  # too young: may still be writing
+    out = publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert out.published
+    manifest = read_latest(storage, "ev")["manifest"]
+    # The committed run removed the dead attempt's objects.
+    assert sorted(_run_objects(storage)) == sorted(
+        ["results/ev/latest.json", "results/ev/w/k/manifest.json"]
+        + [f"results/ev/w/k/{a['key']}" for a in manifest["artifacts"].values()])
+
+
+def test_cleanup_orphans_removes_old_uncommitted_attempts(storage: Storage):
+    storage.write_bytes("results/ev/w/k2/20200101T000000Z-deadbeef/result.json", b"{}")  # old, never committed
+    young = f"results/ev/w/k3/{__import__('flows.publish', fromlist=['x'])._new_attempt()}/result.json"
+    storage.write_bytes(young, b"{}")
+    publish_run(storage, "ev", "w", "k1", artifacts_for(), LINEAGE)
+    committed = _run_objects(storage)
+    assert cleanup_orphans(storage, "ev", older_than_seconds=3600) == 1
+    assert not storage.exists("results/ev/w/k2/20200101T000000Z-deadbeef/result.json")
+    assert storage.exists(young)
+    assert set(_run_objects(storage)) == set(committed) - {"results/ev/w/k2/20200101T000000Z-deadbeef/result.json"}
+    assert read_latest(storage, "ev")["run_key"] == "k1"
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def _check_single_committed(storage: Storage, outcomes: list[Any]) -> None:
+    assert sum(o.published for o in outcomes) == 1, outcomes
+    assert all(o.reason == "already published" for o in outcomes if not o.published)
+    run = read_run(storage, "ev", "w", "k")
+    manifest = run["manifest"]
+    for name, entry in manifest["artifacts"].items():  # the committed artifacts match their checksums
+        assert hashlib.sha256(storage.read_bytes(f"results/ev/w/k/{entry['key']}")).hexdigest() == entry["sha256"]
+    attempts = {k.split("/")[4] for k in _run_objects(storage) if k.count("/") == 5}
+    assert attempts == {manifest["attempt"]}  # losers left nothing behind
+    assert len(list_runs(storage, "ev")) == 1
+
+
+def test_concurrent_thread_publishers_end_with_one_result(storage: Storage):
+    n = 6
+    barrier = threading.Barrier(n)
+    outcomes, errors = [], []
+
+    def worker(i: int) -> None:
+        try:
+            arts = artifacts_for(report=f"<html>{'x' * 200_000} writer {i}</html>")
+            barrier.wait()
+            outcomes.append(publish_run(storage, "ev", "w", "k", arts, dict(LINEAGE, writer=i)))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    _check_single_committed(storage, outcomes)
+    writer = read_latest(storage, "ev")["manifest"]["writer"]
+    report_key = read_latest(storage, "ev")["manifest"]["artifacts"]["report.html"]["key"]
+    assert storage.read_bytes(f"results/ev/w/k/{report_key}").endswith(f"writer {writer}</html>".encode())
+
+
+def _process_publisher(uri: str, cfg: dict, barrier, queue, i: int) -> None:
+    st = Storage.for_uri(uri, StorageConfig.from_dict(cfg))
+    arts = artifacts_for(report=f"<html>{'y' * 200_000} process {i}</html>")
+    barrier.wait()
+    out = publish_run(st, "ev", "w", "k", arts, dict(LINEAGE, writer=i))
+    queue.put((out.published, out.reason, out.path))
+
+
+def test_concurrent_process_publishers_end_with_one_result(storage: Storage):
+    ctx = _mp_context()
+    n = 3
+    barrier, queue = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_process_publisher,
+                         args=(storage.uri, storage.config.to_dict(include_secrets=True), barrier, queue, i))
+             for i in range(n)]
+    [p.start() for p in procs]
+    results = [queue.get(timeout=60) for _ in range(n)]
+    [p.join(30) for p in procs]
+    assert [p.exitcode for p in procs] == [0] * n
+
+    class O:  # adapt tuples to the outcome shape used by the checker
+        def __init__(self, t):
+            self.published, self.reason, self.path = t
+
+    _check_single_committed(storage, [O(r) for r in results])
+
+
+def test_publish_with_emulated_conditional_writes(s3_endpoint: str):
+    """The fallback for S3 servers without If-None-Match keeps sequential reruns idempotent."""
+    from tests.storage.conftest import make_s3_config, new_bucket
+
+    cfg = make_s3_config(s3_endpoint, conditional_writes="emulated")
+    st = Storage.for_uri(f"s3://{new_bucket(s3_endpoint, cfg)}/r", cfg)
+    assert publish_run(st, "ev", "w", "k", artifacts_for(), LINEAGE).published
+    again = publish_run(st, "ev", "w", "k", artifacts_for(report="<html>other</html>"), LINEAGE)
+    assert again.reason == "already published"
+    assert read_latest(st, "ev")["result"] == example_result()
+    assert len(list_runs(st, "ev")) == 1
