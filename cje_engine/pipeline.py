@@ -194,6 +194,17 @@ def _support(design: Design, opts: EvaluationOptions) -> list[dict]:
     return out
 
 
+def _variance_components(var_total: float, var_cal: float, n_prompts: int, m_labels: int) -> dict:
+    """Per-unit variance components for budget planning: Var ~ sigma_eval^2 / n + sigma_cal^2 / m.
+
+    ``var_cal`` is the influence-function variance of the calibration term (plug-in) or of the
+    label-residual term (augmented); the rest is attributed to evaluation sampling.
+    """
+    var_eval = max(var_total - var_cal, 0.0)
+    return {"sigma2_eval": var_eval * n_prompts, "sigma2_cal": var_cal * m_labels,
+            "n_prompts": int(n_prompts), "m_labels": int(m_labels)}
+
+
 def _oracle_only(d: EvalData, sel: np.ndarray, alpha: float) -> dict:
     """The oracle-only baseline: weighted mean of the policy's own labels, prompt-clustered t interval."""
     w = d.label_weight[sel]
@@ -352,6 +363,9 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
             "n_rows": int(rows.sum()),
             "n_labelled": int(n_own[k]),
             "variance_share_calibration": share,
+            "variance_components": _variance_components(
+                cov[cols[k], cols[k]], cov_cal[cols[k], cols[k]], d.n_prompts,
+                int(n_own[k]) if use_aug else int(n_cal)),
             "se_analytic": summ["se_analytic"],
             "se_bootstrap": summ.get("se_bootstrap"),
             "var_cal_jackknife_plug_in": float(prep.jackknife[k]),
