@@ -1,0 +1,196 @@
+"""The `cje` command line.
+
+    cje evaluate INPUT --out DIR [options]   engine only (no Prefect, no Ray)
+    cje demo [--data ./cje-data]             the README's main job, on embedded defaults
+    cje run NAME [--config evaluations.yaml] run one declared evaluation now
+    cje serve [--config evaluations.yaml]    deploy the declared evaluations and run their schedules
+
+Exit codes: 0 success, 2 bad input (`CJEInputError`, message on stderr, no traceback),
+1 any other failure.
+
+Embedded defaults: without ``PREFECT_API_URL`` the Prefect commands start one local
+Prefect API server for their lifetime (see `flows.server`); without ``RAY_ADDRESS`` the
+flow starts a local Ray; local folders need no storage settings.  At scale set
+``PREFECT_API_URL``, ``RAY_ADDRESS`` and an S3 endpoint (``AWS_ENDPOINT_URL``), nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from cje_engine.errors import CJEInputError
+
+log = logging.getLogger("cje")
+
+EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """Options mirroring `cje_engine.evaluate` keywords (unset ones keep engine defaults)."""
+    g = p.add_argument_group("engine options (default: the engine's)")
+    g.add_argument("--covariates", type=_csv, help="comma-separated covariate columns, e.g. response_length")
+    g.add_argument("--n-bootstrap", type=int, help="bootstrap replicates (engine default 2000)")
+    g.add_argument("--alpha", type=float, help="1 - confidence level (default 0.05)")
+    g.add_argument("--audit-margin", type=float, help="transport audit margin in label units (default 0.05)")
+    g.add_argument("--seed", type=int, help="random seed (default 0)")
+    g.add_argument("--calibration-policies", type=_csv,
+                   help="comma-separated policies whose labels train the calibrator")
+    g.add_argument("--calibration-mode", choices=["auto", "monotone", "two_stage"])
+    g.add_argument("--inference", choices=["bootstrap", "analytic"])
+    g.add_argument("--label-scale", help="declared oracle label scale, e.g. 0-1, 1-10, 0-100")
+    g.add_argument("--score-scale", help="declared judge score scale, e.g. 0-1, 1-10, 0-100")
+    g.add_argument("--multiplicity", choices=["bh", "holm"])
+
+
+_ENGINE_KEYS = ("covariates", "n_bootstrap", "alpha", "audit_margin", "seed", "calibration_policies",
+                "calibration_mode", "inference", "label_scale", "score_scale", "multiplicity")
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """The engine keywords given on the command line."""
+    return {k: getattr(ns, k) for k in _ENGINE_KEYS if getattr(ns, k, None) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cje", description="Causal Judge Evaluation service.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("evaluate", help="evaluate a file or folder with the engine (no Prefect/Ray)")
+    p.add_argument("input", help="Parquet file/folder, JSONL, CSV, or an arena-style folder")
+    p.add_argument("--out", required=True, help="output folder (result.json is written there)")
+    p.add_argument("--policies", type=_csv, help="only these policies")
+    _add_engine_options(p)
+
+    p = sub.add_parser("demo", help="simulate a week of logs, evaluate them end to end, publish a report")
+    p.add_argument("--data", default="cje-data", help="local data folder (default ./cje-data)")
+    p.add_argument("--days", type=int, default=7, help="days of logs (default 7)")
+    p.add_argument("--prompts-per-day", type=int, default=1000, help="prompts per day (default 1000)")
+    p.add_argument("--n-bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("run", help="run one evaluation declared in evaluations.yaml now")
+    p.add_argument("name")
+    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--as-of", help="reference date of a relative window (default today, UTC)")
+    p.add_argument("--window", help="override the declared window")
+
+    p = sub.add_parser("serve", help="deploy the declared evaluations and run their schedules")
+    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--only", type=_csv, help="serve only these evaluations")
+    p.add_argument("--limit", type=int, help="most flow runs at once")
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore", "botocore", "urllib3", "asyncio", "numba"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_evaluate(ns: argparse.Namespace) -> int:
+    """Engine only: write DIR/result.json and print the table."""
+    from cje_engine import evaluate
+
+    from .report import format_table
+
+    kwargs = engine_kwargs(ns)
+    if ns.policies:
+        kwargs["policies"] = ns.policies
+    res = evaluate(ns.input, **kwargs)
+    d = res.to_dict()
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".result.json.tmp"
+    tmp.write_text(json.dumps(d, indent=2, allow_nan=False))
+    os.replace(tmp, out / "result.json")
+    sys.stdout.write(format_table(d).rstrip("\n") + "\n")
+    sys.stdout.write(f"result: {out / 'result.json'}\n")
+    return EXIT_OK
+
+
+def _print_run(summary: dict) -> None:
+    from .report import format_table
+
+    sys.stdout.write(format_table(summary["result"]).rstrip("\n") + "\n")
+    state = "published" if summary.get("published") else f"not published ({summary.get('reason')})"
+    sys.stdout.write(f"evaluation {summary['evaluation']} window {summary['window']} run {summary['run_key']}: "
+                     f"{state}\n")
+    if summary.get("report"):
+        sys.stdout.write(f"report: {summary['report']}\n")
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from .evaluate_flow import run_evaluation
+    from .schedules import load_evaluations
+    from .server import prefect_api
+
+    specs = load_evaluations(ns.config)
+    if ns.name not in specs:
+        raise CJEInputError(f"no evaluation named {ns.name!r}; declared: {', '.join(sorted(specs))}",
+                            source=str(ns.config or "evaluations.yaml"))
+    with prefect_api():
+        summary = run_evaluation(specs[ns.name], as_of=ns.as_of, window=ns.window)
+    _print_run(summary)
+    return EXIT_OK
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from . import ray_runtime
+    from .schedules import load_evaluations, serve
+    from .server import prefect_api
+
+    specs = load_evaluations(ns.config)
+    if ns.only:
+        unknown = [n for n in ns.only if n not in specs]
+        if unknown:
+            raise CJEInputError(f"no evaluation named {unknown[0]!r}; declared: {', '.join(sorted(specs))}")
+        specs = {n: specs[n] for n in ns.only}
+    # Flow runs execute in subprocesses: they must find this code.
+    paths = [str(ray_runtime.CODE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    # An embedded server schedules new deployments within seconds instead of a minute.
+    with prefect_api(extra_env={"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}):
+        serve(specs, limit=ns.limit)
+    return EXIT_OK
+
+
+def cmd_demo(ns: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    summary = run_demo(Path(ns.data), days=ns.days, prompts_per_day=ns.prompts_per_day,
+                       n_bootstrap=ns.n_bootstrap, seed=ns.seed)
+    _print_run(summary)
+    return EXIT_OK
+
+
+COMMANDS = {"evaluate": cmd_evaluate, "run": cmd_run, "serve": cmd_serve, "demo": cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `cje` console script; returns the exit code."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    _setup_logging(ns.verbose)
+    try:
+        return COMMANDS[ns.command](ns)
+    except CJEInputError as exc:
+        sys.stderr.write(f"cje {ns.command}: error: {exc}\n")
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

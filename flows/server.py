@@ -1,0 +1,284 @@
+"""Lifecycle of the embedded local Prefect API server.
+
+With no configuration, `cje` starts ONE `prefect server start` subprocess for the whole
+command (127.0.0.1, a free port, a temporary PREFECT_HOME with its own SQLite database,
+analytics and UI off) and points itself and every child (Ray workers, flow-run
+subprocesses of `cje serve`) at it through ``PREFECT_API_URL``.  The alternative,
+Prefect's per-process ephemeral server, would be started again by every process that
+touches the API (about 8 s each) and cannot run schedules.
+
+When ``PREFECT_API_URL`` is already set, nothing is started: that server is used as is.
+
+Shutdown order matters: Prefect's log and event workers are drained first, then the
+server is stopped.  Stopping the server first leaves those workers retrying against a
+dead API and the process hangs for about 70 s at exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping
+
+log = logging.getLogger(__name__)
+
+#: Environment that keeps a local Prefect quiet and offline.
+QUIET_ENV: dict[str, str] = {
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_UI_ENABLED": "false",
+    "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",
+}
+
+
+@dataclass
+class PrefectServer:
+    """A running local Prefect API server subprocess.
+
+    Attributes
+    ----------
+    url : str
+        API URL (``http://127.0.0.1:PORT/api``) to use as ``PREFECT_API_URL``.
+    process : subprocess.Popen
+        The ``prefect server start`` process (its own process group).
+    home : Path
+        PREFECT_HOME of the server (holds the SQLite database and the server log).
+    owns_home : bool
+        Whether `stop` removes ``home``.
+    """
+
+    url: str
+    process: subprocess.Popen
+    home: Path
+    owns_home: bool = True
+    log_path: Path = field(default=Path())
+    started: float = 0.0
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def healthy(url: str, timeout: float = 2.0) -> bool:
+    """True when the Prefect API at ``url`` answers its health check."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def launch_server(
+    home: Path | None = None,
+    port: int | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> PrefectServer:
+    """Start ``prefect server start`` on 127.0.0.1 without waiting (see `wait_healthy`).
+
+    Booting takes seconds (imports, database migrations); callers can do other work
+    meanwhile (``cje demo`` writes its data and starts Ray).
+
+    Parameters
+    ----------
+    home : Path, optional
+        PREFECT_HOME for the server; a fresh temporary directory (removed by `stop_server`)
+        when omitted.
+    port : int, optional
+        Port to listen on; a free one when omitted.
+    extra_env : mapping, optional
+        More environment for the server (e.g. a short scheduler loop).
+    """
+    owns = home is None
+    home = Path(tempfile.mkdtemp(prefix="cje-prefect-")) if home is None else Path(home)
+    home.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    env = dict(os.environ)
+    # The server must not itself try to talk to another API.
+    env.pop("PREFECT_API_URL", None)
+    env.pop("PREFECT_API_KEY", None)
+    env.update(QUIET_ENV)
+    env.update(
+        {
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(port),
+            "PREFECT_LOGGING_LEVEL": env.get("PREFECT_LOGGING_LEVEL", "WARNING"),
+        }
+    )
+    if extra_env:
+        env.update(extra_env)
+    log_path = home / "server.log"
+    prefect_bin = Path(sys.executable).with_name("prefect")
+    cmd = [str(prefect_bin)] if prefect_bin.exists() else [sys.executable, "-m", "prefect"]
+    cmd += ["server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}/api"
+    log.info("starting a local Prefect API server at %s (pid %d)", url, proc.pid)
+    return PrefectServer(url=url, process=proc, home=home, owns_home=owns, log_path=log_path,
+                         started=time.monotonic())
+
+
+def wait_healthy(server: PrefectServer, timeout: float = 120.0) -> PrefectServer:
+    """Wait until ``server`` answers its health check.
+
+    Raises
+    ------
+    RuntimeError
+        If the server exits or is not healthy in time (the server is stopped and the message
+        carries the tail of its log).
+    """
+    proc = server.process
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            tail = _tail(server.log_path)
+            stop_server(server)
+            raise RuntimeError(f"Prefect server exited with code {proc.returncode} during start:\n{tail}")
+        if healthy(server.url, timeout=1.0):
+            log.info("Prefect API server ready at %s (%.1f s after launch)", server.url,
+                     time.monotonic() - server.started)
+            return server
+        time.sleep(0.2)
+    tail = _tail(server.log_path)
+    stop_server(server)
+    raise RuntimeError(f"Prefect server at {server.url} not healthy after {timeout:.0f} s:\n{tail}")
+
+
+def start_server(
+    home: Path | None = None,
+    port: int | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+) -> PrefectServer:
+    """`launch_server` then `wait_healthy`: a ready local Prefect API server."""
+    return wait_healthy(launch_server(home, port, extra_env), timeout)
+
+
+def _tail(path: Path, n: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def drain_workers(timeout: float = 15.0) -> None:
+    """Flush Prefect's background log and event workers of this process.
+
+    Must run before the API server goes away; afterwards they would retry against a dead
+    server and delay interpreter exit by about 70 s.
+    """
+    try:
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+    except ImportError:  # pragma: no cover - prefect always present in this package
+        return
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            result = worker.drain_all(timeout=timeout)
+            if inspect.isawaitable(result):  # pragma: no cover - only in async contexts
+                from prefect.utilities.asyncutils import run_coro_as_sync
+
+                run_coro_as_sync(result)
+        except Exception as exc:  # noqa: BLE001 - draining is best effort at shutdown
+            log.debug("draining %s failed: %s", worker.__name__, exc)
+
+
+def stop_server(server: PrefectServer, timeout: float = 15.0) -> None:
+    """Stop the server (SIGTERM to its process group, SIGKILL after ``timeout``) and
+    remove its temporary home."""
+    proc = server.process
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+    if server.owns_home:
+        shutil.rmtree(server.home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def use_api(url: str) -> Iterator[str]:
+    """Point this process (Prefect settings) and its children (environment) at ``url``."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    old = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            try:
+                yield url
+            finally:
+                drain_workers()
+    finally:
+        if old is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = old
+
+
+@contextlib.contextmanager
+def prefect_api(extra_env: Mapping[str, str] | None = None,
+                launched: PrefectServer | None = None) -> Iterator[str]:
+    """The Prefect API for this command: the configured one, or an embedded server.
+
+    If ``PREFECT_API_URL`` is set it is used unchanged (nothing is started or stopped).
+    Otherwise one local server is started for the duration of the block, this process
+    and its children are pointed at it, and on exit the log/event workers are drained
+    before the server is stopped and its temporary home removed.
+
+    ``launched`` is a server already started with `launch_server` (booting while the
+    caller did other work); it is waited for, used and stopped like an own one.
+
+    Yields
+    ------
+    str
+        The API URL in use.
+    """
+    configured = os.environ.get("PREFECT_API_URL")
+    if configured and launched is None:
+        log.info("using the Prefect API at %s", configured)
+        with use_api(configured) as url:
+            yield url
+        return
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    server = launched or launch_server(extra_env=extra_env)
+    try:
+        wait_healthy(server)
+    except BaseException:
+        stop_server(server)
+        raise
+    try:
+        with use_api(server.url) as url:  # drains workers on exit, before the stop below
+            yield url
+    finally:
+        stop_server(server)
+        log.info("local Prefect API server stopped (pid %d)", server.pid)

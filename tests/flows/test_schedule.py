@@ -1,0 +1,51 @@
+"""A served deployment fires on its own schedule (real Prefect server, `cje serve`)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from flows.publish import read_latest
+from flows.storage import Storage
+
+from .conftest import REPO, _stop_group, write_simulated_logs
+
+
+def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, ray_cluster, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    logs, labels = tmp_path / "logs", tmp_path / "labels"
+    _, window = write_simulated_logs(Storage.for_uri(str(logs)), Storage.for_uri(str(labels)), 300, 2)
+    config = tmp_path / "evaluations.yaml"
+    config.write_text(json.dumps({"evaluations": [{
+        "name": "every-few-seconds", "logs_uri": "logs", "labels_uri": "labels", "results_uri": ".",
+        "window": window, "interval": 4, "options": {"n_bootstrap": 100, "seed": 1}}]}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS"))}
+    env.update(PREFECT_API_URL=prefect_server.url, RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO),
+               PREFECT_RUNNER_POLL_FREQUENCY="1")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(config), "--limit", "1"],
+                            env=env, cwd=str(tmp_path), stdout=open(tmp_path / "serve.log", "wb"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    completed = []
+    try:
+        deadline = time.monotonic() + 150
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline and not completed:
+                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
+                    name=DeploymentFilterName(any_=["every-few-seconds"])))
+                completed = [r for r in runs if r.state and r.state.is_completed()]
+                failed = [r for r in runs if r.state and (r.state.is_failed() or r.state.is_crashed())]
+                assert not failed, (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(1)
+    finally:
+        _stop_group(proc, grace=10)
+    assert completed, "no scheduled run completed:\n" + (tmp_path / "serve.log").read_text()[-3000:]
+    run = completed[0]
+    assert run.auto_scheduled  # created by the schedule, not by us
+    assert run.parameters["evaluation"] == "every-few-seconds"
+    latest = read_latest(Storage.for_uri(str(tmp_path)), "every-few-seconds")
+    assert latest is not None and latest["window"] == window.replace("..", "_")
