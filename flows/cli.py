@@ -40,7 +40,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--covariates", type=_csv, help="comma-separated covariate columns, e.g. response_length")
     g.add_argument("--n-bootstrap", type=int, help="bootstrap replicates (engine default 2000)")
     g.add_argument("--alpha", type=float, help="1 - confidence level (default 0.05)")
-    g.add_argument("--audit-margin", type=float, help="transport audit margin in label units (default 0.05)")
+    g.add_argument("--audit-margin", type=float, help="transport audit margin as a fraction of the label scale (default 0.05)")
     g.add_argument("--seed", type=int, help="random seed (default 0)")
     g.add_argument("--calibration-policies", type=_csv,
                    help="comma-separated policies whose labels train the calibrator")
@@ -78,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
     p.add_argument("--seed", type=int, default=0)
 
+    p = sub.add_parser("plan", help="label/log allocation for a budget or a target MDE, from a pilot")
+    p.add_argument("input", help="a pilot's result.json, or pilot data (anything `cje evaluate` reads)")
+    p.add_argument("--out", help="folder for plan.json and plan.svg")
+    p.add_argument("--budget", type=float, help="total budget in cost units (default: the pilot's own spend)")
+    p.add_argument("--target-mde", type=float, help="minimum detectable effect to reach (label units)")
+    p.add_argument("--c-s", type=float, default=1.0, help="cost of one judged response (default 1)")
+    p.add_argument("--c-y", type=float, default=16.0, help="cost of one oracle label (default 16)")
+    p.add_argument("--target", help="a policy or a difference 'a - b' (default: every pairwise difference)")
+    p.add_argument("--power", type=float, default=0.8, help="power for the MDE (default 0.8)")
+    _add_engine_options(p)
+
     p = sub.add_parser("run", help="run one evaluation declared in evaluations.yaml now")
     p.add_argument("name")
     p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
@@ -102,7 +113,7 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     """Engine only: write DIR/result.json and print the table."""
     from cje_engine import evaluate
 
-    from .report import format_table
+    from .report import format_table, render_report
 
     kwargs = engine_kwargs(ns)
     if ns.policies:
@@ -114,8 +125,37 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     tmp = out / ".result.json.tmp"
     tmp.write_text(json.dumps(d, indent=2, allow_nan=False))
     os.replace(tmp, out / "result.json")
+    (out / "report.html").write_text(render_report(d, title=f"CJE evaluation of {Path(ns.input).name}"))
     sys.stdout.write(format_table(d).rstrip("\n") + "\n")
-    sys.stdout.write(f"result: {out / 'result.json'}\n")
+    sys.stdout.write(f"result: {out / 'result.json'}\nreport: {out / 'report.html'}\n")
+    return EXIT_OK
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    """Budget planner: from a pilot result.json or pilot data, print the plan; optionally write it."""
+    from cje_engine.planner import plan_from_data, plan_from_result, render_plan_svg, render_plan_text
+
+    common = dict(budget=ns.budget, target_mde=ns.target_mde, c_S=ns.c_s, c_Y=ns.c_y, target=ns.target,
+                  power=ns.power)
+    src = Path(ns.input)
+    if src.is_file() and src.suffix == ".json":
+        try:
+            result = json.loads(src.read_text())
+        except json.JSONDecodeError as exc:
+            raise CJEInputError(f"not a result.json: {exc}", source=str(src)) from None
+        plan = plan_from_result(result, **common)
+    else:
+        opts = engine_kwargs(ns)
+        opts.pop("n_bootstrap", None)
+        opts.pop("inference", None)
+        plan = plan_from_data(ns.input, **common, **opts)
+    sys.stdout.write(render_plan_text(plan).rstrip("\n") + "\n")
+    if ns.out:
+        out = Path(ns.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(plan, indent=2, allow_nan=False))
+        (out / "plan.svg").write_text(render_plan_svg(plan))
+        sys.stdout.write(f"plan: {out / 'plan.json'}\nplot: {out / 'plan.svg'}\n")
     return EXIT_OK
 
 
@@ -174,7 +214,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"evaluate": cmd_evaluate, "run": cmd_run, "serve": cmd_serve, "demo": cmd_demo}
+COMMANDS = {"evaluate": cmd_evaluate, "plan": cmd_plan, "run": cmd_run, "serve": cmd_serve, "demo": cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

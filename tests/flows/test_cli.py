@@ -84,3 +84,40 @@ def test_cje_demo_on_embedded_defaults_publishes_report_and_cleans_up(tmp_path):
     assert lag < 30, f"process exited {lag:.0f} s after the server stopped"
     # Ray's per-run token lived in the environment only: nothing written to ~/.ray.
     assert not (home / ".ray" / "auth_token").exists()
+
+
+def test_cje_evaluate_also_writes_a_report(tmp_path):
+    data = tmp_path / "scored.parquet"
+    simulate(200, seed=3).frame.to_parquet(data)
+    r = _cje("evaluate", str(data), "--out", str(tmp_path / "out"), "--inference", "analytic")
+    assert r.returncode == 0, r.stderr
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "<svg" in html and "unhelpful" in html
+
+
+def test_cje_plan_from_data_and_from_result(tmp_path):
+    data = tmp_path / "pilot.parquet"
+    simulate(400, seed=5, label_design="calibration_policy", audit_labels=40).frame.to_parquet(data)
+    r = _cje("plan", str(data), "--calibration-policies", "base", "--out", str(tmp_path / "plan"),
+             "--target", "base - clone", "--c-y", "10")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["costs"]["c_Y"] == 10
+    assert (tmp_path / "plan" / "plan.svg").read_text().startswith("<svg")
+    assert "variance-optimal oracle fraction" in r.stdout
+    # from a pilot's result.json
+    r = _cje("evaluate", str(data), "--out", str(tmp_path / "ev"), "--inference", "analytic",
+             "--calibration-policies", "base")
+    assert r.returncode == 0, r.stderr
+    r = _cje("plan", str(tmp_path / "ev" / "result.json"), "--budget", "20000")
+    assert r.returncode == 0, r.stderr
+    assert "best design for budget 20000" in r.stdout
+
+
+def test_cje_plan_bad_input_exits_2(tmp_path):
+    bad = tmp_path / "result.json"
+    bad.write_text("{not json")
+    r = _cje("plan", str(bad))
+    assert r.returncode == 2 and "result.json" in r.stderr and "Traceback" not in r.stderr
+    r = _cje("plan", str(tmp_path / "missing.parquet"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
