@@ -1,0 +1,249 @@
+"""Scale: 5 policies x 2,000,000 prompts (10M rows), 5% labels, full analytic inference.
+
+Targets (issue 2): under 60 s and under 4 GiB peak memory for the full inference.
+
+Two child processes, each measured on its own (peak RSS = ``getrusage(RUSAGE_SELF).ru_maxrss``
+of that process, plus a sampling thread reading ``/proc/self/statm`` every 20 ms for the
+per-stage peaks):
+
+1. ``simulate``: `cje_engine.simulate.simulate` (default policies, MCAR labels) written to a
+   Parquet file under ``benchmarks/_work/`` (reused on later runs unless ``--regenerate``);
+2. ``evaluate``: the timed inference from that Parquet file, stage by stage:
+   ``load_frame`` (read + validate) -> ``EvalData.from_frame`` (codes, prompt folds) ->
+   ``prepare`` (mode selection, cross-fitted calibration, point estimates, influence
+   functions, fold jackknife) -> ``finalize`` (analytic SEs / CIs, audits, gates, all pairwise
+   comparisons, ranking) with ``inference="analytic"``; afterwards a few bootstrap replicates
+   (``bootstrap_chunk``) are timed to give the cost per replicate at this size (reported
+   separately; not part of the 60 s target).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_scale.py                          # 2,000,000 prompts
+    .venv/bin/python benchmarks/bench_scale.py --prompts 100000 --replicates 2   # smoke run
+    .venv/bin/python benchmarks/bench_scale.py --mode monotone --no-covariates
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger("bench_scale")
+GiB = 1024**3
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class MemorySampler:
+    """Samples this process's RSS in a thread; `mark` closes a stage and records its peak."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self._peak = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.stages: list[dict] = []
+        self._t = time.perf_counter()
+        self._c = time.process_time()
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as fh:
+                return int(fh.read().split()[1]) * PAGE
+        except OSError:  # not Linux: fall back to the high-water mark
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            r = self.rss()
+            with self._lock:
+                self._peak = max(self._peak, r)
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "MemorySampler":
+        self._peak = self.rss()
+        self._thread.start()
+        self._t, self._c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mark(self, name: str) -> dict:
+        now, cpu = time.perf_counter(), time.process_time()
+        r = self.rss()
+        with self._lock:
+            peak = max(self._peak, r)
+            self._peak = r
+        st = {"stage": name, "seconds": now - self._t, "cpu_seconds": cpu - self._c, "peak_rss_gib": peak / GiB,
+              "rss_after_gib": r / GiB}
+        self.stages.append(st)
+        log.info("%-28s %7.2f s (cpu %.2f s)  peak RSS %.2f GiB  (after %.2f GiB)", name, st["seconds"],
+                 st["cpu_seconds"], st["peak_rss_gib"], st["rss_after_gib"])
+        self._t, self._c = time.perf_counter(), time.process_time()
+        return st
+
+
+def _maxrss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # ru_maxrss is KiB on Linux
+
+
+def stage_simulate(args: argparse.Namespace) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cje_engine.simulate import simulate
+
+    with MemorySampler() as mem:
+        sim = simulate(args.prompts, oracle_fraction=args.fraction, seed=args.seed)
+        mem.mark("simulate")
+        table = pa.Table.from_pandas(sim.frame, preserve_index=False)
+        del sim
+        args.parquet.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.parquet.with_suffix(".tmp")
+        pq.write_table(table, tmp, row_group_size=1 << 20)
+        os.replace(tmp, args.parquet)
+        mem.mark("write parquet")
+    return {"stages": mem.stages, "max_rss_gib": _maxrss_gib(), "rows": table.num_rows,
+            "bytes": args.parquet.stat().st_size}
+
+
+def stage_evaluate(args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    from cje_engine import bootstrap_chunk, finalize, prepare
+    from cje_engine.data import EvalData
+    from cje_engine.io import load_frame
+
+    covs = [] if args.no_covariates else ["response_length"]
+    opts = dict(covariates=covs, calibration_mode=args.mode, inference="analytic", seed=args.seed)
+    with MemorySampler() as mem:
+        t0 = time.perf_counter()
+        frame = load_frame(args.parquet, covariates=covs)
+        mem.mark("load + validate (load_frame)")
+        ed = EvalData.from_frame(frame, covariates=covs)
+        del frame
+        mem.mark("EvalData build")
+        prep = prepare(ed, **opts)
+        mem.mark("prepare")
+        res = finalize(prep, [])
+        d = res.to_dict()
+        json.dumps(d)
+        mem.mark("finalize (+ to_dict)")
+        total = time.perf_counter() - t0
+        total_cpu = sum(st["cpu_seconds"] for st in mem.stages)
+        max_rss_inference = _maxrss_gib()
+        boot = None
+        if args.replicates > 0:
+            tb = time.perf_counter()
+            reps = bootstrap_chunk(prep, 0, args.replicates)
+            per = (time.perf_counter() - tb) / args.replicates
+            assert np.isfinite(reps).all()
+            boot = {"replicates": args.replicates, "seconds_per_replicate": per,
+                    "projected_B2000_s": 2000 * per}
+            mem.mark(f"bootstrap x{args.replicates} (extra)")
+    pols = {p: {"estimate": e["estimate"], "se": e["se"], "ci": e["ci"], "basis": e["basis_code"],
+                "level_claim": e["level_claim"], "audit": e["audit"]["verdict"]}
+            for p, e in d["policies"].items()}
+    return {"stages": mem.stages, "total_inference_s": total, "total_inference_cpu_s": total_cpu, "max_rss_inference_gib": max_rss_inference,
+            "max_rss_gib": _maxrss_gib(), "bootstrap": boot, "mode": d["calibration"]["mode"],
+            "n_rows": d["data"]["n_rows"], "n_labelled": d["data"]["n_labelled"],
+            "n_comparisons": len(d["comparisons"]), "policies": pols}
+
+
+def _child(stage: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", stage, "--prompts", str(args.prompts),
+           "--fraction", str(args.fraction), "--seed", str(args.seed), "--mode", args.mode,
+           "--replicates", str(args.replicates), "--parquet", str(args.parquet)]
+    if args.no_covariates:
+        cmd.append("--no-covariates")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    sys.stderr.write(proc.stderr)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("STAGE_JSON ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"stage {stage} failed with exit code {proc.returncode}")
+    out = json.loads(line[len("STAGE_JSON "):])
+    out["process_wall_s"] = wall
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=2_000_000, help="prompts per policy (5 policies)")
+    ap.add_argument("--fraction", type=float, default=0.05, help="oracle (label) fraction, MCAR")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", default="auto", choices=["auto", "monotone", "two_stage"])
+    ap.add_argument("--no-covariates", action="store_true", help="no response_length covariate")
+    ap.add_argument("--replicates", type=int, default=3, help="bootstrap replicates to time after inference")
+    ap.add_argument("--parquet", type=Path, default=None, help="data file (default under benchmarks/_work)")
+    ap.add_argument("--regenerate", action="store_true", help="simulate even if the Parquet file exists")
+    ap.add_argument("--stage", choices=["simulate", "evaluate"], help=argparse.SUPPRESS)
+    ap.add_argument("--json", type=Path, help="write all figures to this JSON file")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("cje_engine").setLevel(logging.WARNING)
+    if args.parquet is None:
+        args.parquet = HERE / "_work" / f"scale_{args.prompts}x5_f{args.fraction}_s{args.seed}.parquet"
+
+    if args.stage == "simulate":
+        print("STAGE_JSON " + json.dumps(stage_simulate(args)))
+        return 0
+    if args.stage == "evaluate":
+        print("STAGE_JSON " + json.dumps(stage_evaluate(args)))
+        return 0
+
+    sim = None
+    if args.regenerate or not args.parquet.exists():
+        log.info("simulating %d prompts x 5 policies -> %s", args.prompts, args.parquet)
+        sim = _child("simulate", args)
+    else:
+        log.info("reusing %s (pass --regenerate to simulate again)", args.parquet)
+    ev = _child("evaluate", args)
+
+    print()
+    if sim:
+        for st in sim["stages"]:
+            print(f"{st['stage']:34s} {st['seconds']:7.2f} s  cpu {st['cpu_seconds']:7.2f} s   "
+                  f"peak RSS {st['peak_rss_gib']:5.2f} GiB")
+        print(f"{'(simulation process max RSS)':34s} {'':24s}     {sim['max_rss_gib']:5.2f} GiB; "
+              f"{sim['rows']:,} rows, {sim['bytes'] / 2**20:.0f} MiB Parquet")
+    print(f"--- inference on {ev['n_rows']:,} rows ({ev['n_labelled']:,} labelled), mode {ev['mode']}, analytic ---")
+    for st in ev["stages"]:
+        print(f"{st['stage']:34s} {st['seconds']:7.2f} s  cpu {st['cpu_seconds']:7.2f} s   "
+              f"peak RSS {st['peak_rss_gib']:5.2f} GiB")
+    ok_t = ev["total_inference_s"] < 60
+    ok_m = ev["max_rss_inference_gib"] < 4
+    print(f"{'TOTAL inference':34s} {ev['total_inference_s']:7.2f} s  cpu {ev['total_inference_cpu_s']:7.2f} s   max RSS {ev['max_rss_inference_gib']:5.2f} GiB"
+          f"   [time {'OK' if ok_t else 'MISSED'} (<60 s), memory {'OK' if ok_m else 'MISSED'} (<4 GiB)]")
+    if ev["bootstrap"]:
+        b = ev["bootstrap"]
+        print(f"bootstrap at this size: {b['seconds_per_replicate']:.2f} s per replicate "
+              f"(B=2000 would take ~{b['projected_B2000_s'] / 60:.0f} min on one core); process max RSS with "
+              f"bootstrap {ev['max_rss_gib']:.2f} GiB")
+    print(f"{ev['n_comparisons']} pairwise comparisons; policies:")
+    for p, e in ev["policies"].items():
+        print(f"  {p:10s} {e['estimate']:.4f} +/- {e['se']:.4f}  {e['basis']:12s} {e['level_claim']:7s} audit {e['audit']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "simulate": sim,
+                                         "evaluate": ev}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
