@@ -157,9 +157,13 @@ class TwoStageCalibrator:
         """Stage-1 index Z = h(S) + X beta (+ intercept)."""
         score = np.asarray(score, dtype=float)
         X = np.empty((score.size, 0)) if X is None else np.asarray(X, dtype=float)
-        F = self._features(score, X)
-        n_ramp = self.ramp_coef_.size
-        return F[:, :n_ramp] @ self.ramp_coef_ + F[:, n_ramp:] @ self.beta_ + self.intercept_
+        # sum_j a_j ramp_j(s) is the piecewise-linear interpolant through (knot_j, a_0 + ... + a_{j-1}),
+        # flat outside the knots: np.interp evaluates it without building the basis matrix.
+        h = np.interp(score, self.knots_, np.concatenate([[0.0], np.cumsum(self.ramp_coef_)]))
+        if X.shape[1]:
+            Xt = _signed_log(X) if self.log_covariates else X
+            h = h + ((Xt - self.x_mean_) / self.x_scale_) @ self.beta_
+        return h + self.intercept_
 
     def predict(self, score: np.ndarray, X: np.ndarray | None = None) -> np.ndarray:
         out = np.interp(self.index(score, X), self.x_, self.y_)

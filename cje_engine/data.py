@@ -7,7 +7,7 @@ errors), the fold of each prompt, and the declared scales.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -118,7 +118,6 @@ class EvalData:
     n_folds: int
     label_scale: Scale
     score_scale: Scale | None
-    response_id: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def n_rows(self) -> int:
@@ -192,7 +191,6 @@ class EvalData:
         used, prompt_codes = np.unique(prompt_codes, return_inverse=True)
         prompt_ids = np.asarray(prompt_ids)[used]
         folds_by_prompt = fold_of(prompt_ids, n_folds)
-        rid = frame[RESPONSE_ID].astype(str).to_numpy() if RESPONSE_ID in frame.columns else None
         return cls(
             prompt_ids=prompt_ids,
             prompt=prompt_codes.astype(np.int64),
@@ -207,5 +205,4 @@ class EvalData:
             n_folds=n_folds,
             label_scale=label_scale,
             score_scale=score_scale,
-            response_id=rid,
         )
