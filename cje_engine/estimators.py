@@ -92,6 +92,12 @@ def cross_fit(design: Design, row_w: np.ndarray | None = None):
         fit for all other rows.
     full : fitted calibrator on all calibration rows.
     """
+    f, full, _ = cross_fit_models(design, row_w)
+    return f, full
+
+
+def cross_fit_models(design: Design, row_w: np.ndarray | None = None):
+    """`cross_fit`, also returning the per-fold models (``None`` for a fold that kept the full fit)."""
     d = design.data
     cr = design.cal_rows
     wc = np.ones(cr.size) if row_w is None else row_w[cr]
@@ -100,15 +106,18 @@ def cross_fit(design: Design, row_w: np.ndarray | None = None):
     full = make_calibrator(design.mode, clip).fit(s, y, X, wc)
     f = full.predict(d.score, d.X)
     folds = design.cal_fold
+    models = []
     for k in range(d.n_folds):
         held = folds == k
         wk = np.where(held, 0.0, wc)
         if not held.any() or wk.sum() <= 0:
-            continue  # (bootstrap only) an empty complement keeps the full fit
+            models.append(None)  # (bootstrap only) an empty complement keeps the full fit
+            continue
         model = make_calibrator(design.mode, clip).fit(s, y, X, wk)
         rows = cr[held]
         f[rows] = model.predict(d.score[rows], d.X[rows])
-    return f, full
+        models.append(model)
+    return f, full, models
 
 
 def policy_stats(design: Design, f: np.ndarray, row_w: np.ndarray | None = None) -> np.ndarray:
@@ -275,23 +284,27 @@ def cluster_cov(contrib: np.ndarray) -> np.ndarray:
     return (c.T @ c) * n / max(n - 1, 1)
 
 
-def fold_jackknife(design: Design) -> np.ndarray:
+def fold_jackknife(design: Design, models: list | None = None) -> np.ndarray:
     """Delete-one-fold jackknife variance of the plug-in values (calibration variance only).
 
-    Each fold's calibration rows are removed, the calibrator is refitted on the rest and
-    the plug-in recomputed over all rows; Var = (K-1)/K * sum_k (theta_-k - mean)^2.
+    Each fold's calibration rows are removed, the calibrator is refitted on the rest (or the
+    fold models of `cross_fit_models` are reused: they are exactly these fits) and the
+    plug-in recomputed over all rows; Var = (K-1)/K * sum_k (theta_-k - mean)^2.
     """
     d = design.data
     K = design.n_policies
     cr = design.cal_rows
     folds = design.cal_fold
+    n_k = np.bincount(d.policy, minlength=K)
     thetas = []
     for k in range(d.n_folds):
-        keep = folds != k
-        model = make_calibrator(design.mode, d.label_scale).fit(
-            d.score[cr[keep]], d.label[cr[keep]], d.X[cr[keep]], None
-        )
+        model = models[k] if models is not None and models[k] is not None else None
+        if model is None:
+            keep = folds != k
+            model = make_calibrator(design.mode, d.label_scale).fit(
+                d.score[cr[keep]], d.label[cr[keep]], d.X[cr[keep]], None
+            )
         f = model.predict(d.score, d.X)
-        thetas.append(np.bincount(d.policy, weights=f, minlength=K) / np.bincount(d.policy, minlength=K))
+        thetas.append(np.bincount(d.policy, weights=f, minlength=K) / n_k)
     th = np.array(thetas)
     return (d.n_folds - 1) / d.n_folds * ((th - th.mean(0)) ** 2).sum(0)

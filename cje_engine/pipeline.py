@@ -24,10 +24,11 @@ from .estimators import (
     Design,
     bootstrap_weights,
     cluster_cov,
-    cross_fit,
+    cross_fit_models,
     fold_jackknife,
     influence,
     make_design,
+    policy_stats,
     replicate,
 )
 from .multiplicity import adjust
@@ -76,19 +77,21 @@ def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
     )
 
 
-def _oof_rmse(data: EvalData, mode: str, cal_pols) -> float:
-    design = make_design(data, mode, cal_pols)
-    f, _ = cross_fit(design)
-    cr = design.cal_rows
-    return float(np.sqrt(np.mean((data.label[cr] - f[cr]) ** 2)))
+def select_mode(data: EvalData, opts: EvaluationOptions) -> tuple[dict, dict]:
+    """Pick the calibration mode; ``auto`` compares out-of-fold RMSE on calibration rows.
 
-
-def select_mode(data: EvalData, opts: EvaluationOptions) -> dict:
-    """Pick the calibration mode; ``auto`` compares out-of-fold RMSE on calibration rows."""
+    Returns the selection (for the result) and the cross-fits of every mode tried, keyed by
+    mode, as ``(design, f, full, fold_models)`` so the chosen one is not fitted twice.
+    """
     has_cov = data.X.shape[1] > 0
-    rmse = {"monotone": _oof_rmse(data, "monotone", opts.calibration_policies)}
-    if has_cov:
-        rmse["two_stage"] = _oof_rmse(data, "two_stage", opts.calibration_policies)
+    modes = ["monotone", "two_stage"] if has_cov else ["monotone"]
+    fits, rmse = {}, {}
+    for mode in modes:
+        design = make_design(data, mode, opts.calibration_policies)
+        f, full, models = cross_fit_models(design)
+        cr = design.cal_rows
+        fits[mode] = (design, f, full, models)
+        rmse[mode] = float(np.sqrt(np.mean((data.label[cr] - f[cr]) ** 2)))
     if opts.calibration_mode != "auto":
         chosen, reason = opts.calibration_mode, "requested by the user"
     elif not has_cov:
@@ -101,7 +104,8 @@ def select_mode(data: EvalData, opts: EvaluationOptions) -> dict:
         chosen = "monotone"
         reason = (f"monotone has an out-of-fold RMSE ({rmse['monotone']:.4f}) no worse than two-stage "
                   f"({rmse['two_stage']:.4f}); the simpler mode wins ties")
-    return {"requested": opts.calibration_mode, "oof_rmse": rmse, "chosen": chosen, "reason": reason}
+    selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "chosen": chosen, "reason": reason}
+    return selection, fits
 
 
 def prepare(data: Any, **options: Any) -> Prepared:
@@ -118,14 +122,11 @@ def prepare(data: Any, **options: Any) -> Prepared:
         missing = [p for p in opts.calibration_policies if p not in ed.policies]
         if missing:
             raise CJEInputError(f"calibration policy {missing[0]!r} has no rows", column="policy")
-    selection = select_mode(ed, opts)
-    design = make_design(ed, selection["chosen"], opts.calibration_policies)
-    f, full = cross_fit(design)
-    from .estimators import policy_stats
-
+    selection, fits = select_mode(ed, opts)
+    design, f, full, models = fits[selection["chosen"]]
     stats = policy_stats(design, f)
     infl = influence(design, f, full)
-    jk = fold_jackknife(design)
+    jk = fold_jackknife(design, models)
     log.info("prepared %d rows, %d prompts, %d policies, mode=%s", ed.n_rows, ed.n_prompts,
              len(ed.policies), selection["chosen"])
     return Prepared(opts, design, selection, f, full, stats, infl, jk)
