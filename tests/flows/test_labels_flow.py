@@ -1,0 +1,190 @@
+"""The labels flow: reading, validation errors, append-only ingestion, fulfilment, windows."""
+from __future__ import annotations
+
+import io
+import json
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+
+from cje_engine import evaluate
+from cje_engine.errors import CJEInputError
+from cje_engine.simulate import PolicySpec, simulate
+from flows.label_requests import list_requests, raise_requests_for_run
+from flows.labels import LabelStore
+from flows.labels_flow import affected_windows, labels, parse_labels, validate_labels
+from flows.logs import write_logs
+from flows.schedules import EvaluationSpec
+from flows.storage import Storage
+
+POLICIES = (PolicySpec("base", quality_shift=0.8), PolicySpec("unhelpful", quality_shift=-1.0, adversarial=True))
+NOW = datetime(2025, 3, 5, 12, tzinfo=timezone.utc)
+
+
+def _bytes(table: pa.Table, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    if fmt == "parquet":
+        pq.write_table(table, buf)
+    elif fmt == "csv":
+        pacsv.write_csv(table, buf)
+    else:
+        buf.write("\n".join(json.dumps(r) for r in table.to_pylist()).encode())
+    return buf.getvalue()
+
+
+LABELS = pa.table({"response_id": ["a", "b", "c"], "oracle_label": [0.1, 0.5, 1.0]})
+KNOWN = {"a": {"inclusion_probability": 0.02, "request_id": "lr-1"}, "b": {"inclusion_probability": None},
+         "c": {"inclusion_probability": None}}
+
+
+@pytest.mark.parametrize("fmt, name", [("parquet", "x.parquet"), ("csv", "x.csv"), ("jsonl", "x.jsonl"),
+                                       ("jsonl", "x.ndjson")])
+def test_every_format_reads_the_same(fmt, name):
+    t = parse_labels(_bytes(LABELS, fmt), name, name)
+    out = validate_labels(t, name, KNOWN)
+    assert out.column("response_id").to_pylist() == ["a", "b", "c"]
+    assert out.column("oracle_label").to_pylist() == [0.1, 0.5, 1.0]
+    # the request's inclusion probability is filled in; ad-hoc labels keep none
+    assert out.column("label_probability").to_pylist() == [0.02, None, None]
+
+
+def test_numeric_ids_in_csv_stay_strings():
+    t = parse_labels(b"response_id,oracle_label\n007,0.5\n", "x.csv", "x.csv")
+    assert validate_labels(t, "x.csv", {"007": {}}).column("response_id").to_pylist() == ["007"]
+
+
+def test_unknown_extension_and_unreadable_file():
+    with pytest.raises(CJEInputError, match="unknown label file type '.xlsx'"):
+        parse_labels(b"", "x.xlsx", "x.xlsx")
+    with pytest.raises(CJEInputError, match=r"file bad.parquet: is not a readable parquet"):
+        parse_labels(b"not parquet", "bad.parquet", "bad.parquet")
+
+
+@pytest.mark.parametrize("rows, known, match", [
+    ({"response_id": ["a", "zzz"], "oracle_label": [0.1, 0.2]}, KNOWN,
+     r"file f.csv, column 'response_id', row 1: unknown response_id 'zzz'"),
+    ({"response_id": ["a", "b"], "oracle_label": [0.1, 1.7]}, KNOWN,
+     r"column 'oracle_label', row 1: label 1.7 is outside the label scale \[0, 1\]"),
+    ({"response_id": ["a", "b", "a"], "oracle_label": [0.1, 0.2, 0.1]}, KNOWN,
+     r"column 'response_id', row 2: response_id 'a' appears twice in the file \(rows 0 and 2\)"),
+    ({"response_id": ["a", None], "oracle_label": [0.1, 0.2]}, KNOWN, r"column 'response_id', row 1: is empty"),
+    ({"response_id": ["a", "b"], "oracle_label": [0.1, None]}, KNOWN, r"column 'oracle_label', row 1: is empty"),
+    ({"response_id": ["a"], "label": [0.1]}, KNOWN, r"column 'oracle_label': required label column is missing"),
+    ({"response_id": ["a"], "oracle_label": [0.1], "label_probability": [0.5]}, KNOWN,
+     r"row 0: label_probability 0.5 disagrees with the inclusion probability 0.02 recorded by request lr-1"),
+    ({"response_id": ["b"], "oracle_label": [0.1], "label_probability": [1.5]}, KNOWN,
+     r"row 0: label_probability 1.5 is not in \(0, 1\]"),
+    ({"response_id": ["b"], "oracle_label": ["good"]}, KNOWN, r"column 'oracle_label': has type string"),
+])
+def test_validation_errors_name_file_column_and_row(rows, known, match):
+    with pytest.raises(CJEInputError, match=match):
+        validate_labels(pa.table(rows), "f.csv", known)
+
+
+def test_custom_label_scale():
+    t = pa.table({"response_id": ["b"], "oracle_label": [7.0]})
+    assert validate_labels(t, "f", KNOWN, label_scale=(1, 10)).num_rows == 1
+    with pytest.raises(CJEInputError, match=r"outside the label scale \[1, 10\]"):
+        validate_labels(pa.table({"response_id": ["b"], "oracle_label": [0.0]}), "f", KNOWN, label_scale=(1, 10))
+
+
+def test_affected_windows():
+    spec = EvaluationSpec(name="e", logs_uri="/x", window="last 3 days")
+    published = ["2025-03-01_2025-03-03", "2025-03-04_2025-03-06", "2025-02-01_2025-02-07"]
+    got = affected_windows(spec, {"2025-03-02", "2025-03-05"}, published, "2025-03-08", 10)
+    # the two published windows holding a touched date, plus the current window (03-05..03-07)
+    assert got == ["2025-03-01_2025-03-03", "2025-03-04_2025-03-06", "2025-03-05_2025-03-07"]
+    assert affected_windows(spec, {"2025-03-02", "2025-03-05"}, published, "2025-03-08", 1) == \
+        ["2025-03-05_2025-03-07"]
+    assert affected_windows(spec, {"2024-01-01"}, published, "2025-03-08", 10) == []
+
+
+# ----------------------------------------------------------------------------- the flow
+
+
+@pytest.fixture
+def local_setup(tmp_path):
+    """Local logs over two days, the label store, a published-looking request for unhelpful."""
+    sim = simulate(200, POLICIES, label_design="calibration_policy", oracle_fraction=0.3, audit_labels=5, seed=4)
+    frame = sim.frame.copy()
+    start = datetime(2025, 3, 1, tzinfo=timezone.utc)
+    frame["ts"] = [start + timedelta(days=i % 2, hours=1) for i in range(len(frame))]
+    logs_uri = str(tmp_path / "logs")
+    st_logs = Storage.for_uri(logs_uri)
+    write_logs(st_logs, pa.Table.from_pandas(frame.drop(columns=["oracle_label", "label_probability"]),
+                                             preserve_index=False), basename="sim")
+    lab = frame.loc[frame["oracle_label"].notna(), ["response_id", "oracle_label", "label_probability"]]
+    LabelStore(st_logs).append(pa.Table.from_pandas(lab.reset_index(drop=True), preserve_index=False), "initial")
+    result = evaluate(frame.drop(columns=["ts"]), calibration_policies=["base"], inference="analytic").to_dict()
+    made = raise_requests_for_run(None, logs_uri, "ev", "2025-03-01_2025-03-02", result, logs_uri,
+                                  {"notify": False, "triggers": ["audit_failed"]}, now=NOW)
+    assert len(made) == 1 and made[0]["scope"] == "unhelpful"
+    oracle = dict(zip(frame["response_id"], sim.oracle_all))
+    return {"uri": logs_uri, "st": st_logs, "request": made[0], "oracle": oracle, "frame": frame, "tmp": tmp_path}
+
+
+def _write_returned(setup, name, rows):
+    path = setup["tmp"] / name
+    df = pd.DataFrame(rows)
+    if name.endswith(".jsonl"):
+        path.write_text("\n".join(json.dumps(r) for r in df.to_dict("records")))
+    else:
+        df.to_csv(path, index=False)
+    return str(path)
+
+
+def test_flow_ingests_fulfils_and_is_idempotent(prefect_server, local_setup):
+    s = local_setup
+    req = s["request"]
+    ids = [r["response_id"] for r in req["rows"]]
+    # the requested rows plus one ad-hoc label for a base row that no request asked for
+    adhoc = next(r for r in s["frame"].loc[s["frame"]["oracle_label"].isna(), "response_id"] if r.startswith("base"))
+    path = _write_returned(s, "returned.jsonl", {"response_id": ids + [adhoc],
+                                                 "oracle_label": [s["oracle"][i] for i in ids + [adhoc]]})
+    out = labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)
+    assert out["new"] is True and out["version"] == 2 and out["rows"] == len(ids) + 1 and out["conflicts"] == []
+    # (the request was created on NOW = 2025-03-05 with a 7-day deadline, so it is complete but late)
+    assert out["requests"] == [{"request_id": req["request_id"], "status": "fulfilled", "received": len(ids),
+                                "requested": len(ids), "late": True}]
+    assert [m["status"] for m in list_requests(s["st"])] == ["fulfilled"]
+    pos = int(np.flatnonzero(s["frame"]["response_id"].to_numpy() == adhoc)[0])
+    adhoc_dt = f"2025-03-0{1 + pos % 2}"  # ts = start + (row position % 2) days; found by scanning the logs
+    assert all(r["dt"] in ("2025-03-01", "2025-03-02") for r in req["rows"])
+    expect = sorted({r["dt"] for r in req["rows"]} | {adhoc_dt})
+    assert out["touched_dates"] == expect
+    store = LabelStore(s["st"]).read()
+    prob = dict(zip(store.column("response_id").to_pylist(), store.column("label_probability").to_pylist()))
+    assert all(prob[r["response_id"]] == pytest.approx(r["inclusion_probability"]) for r in req["rows"])
+    assert prob[adhoc] is None  # ad-hoc label, no design probability given
+    # same file again: nothing new
+    again = labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)
+    assert again["new"] is False and again["version"] == 2 and LabelStore(s["st"]).version() == 2
+
+
+def test_conflicting_label_is_kept_and_flagged(prefect_server, local_setup):
+    s = local_setup
+    labelled = s["frame"].loc[s["frame"]["oracle_label"].notna()].iloc[0]
+    other = 1.0 if labelled["oracle_label"] < 0.5 else 0.0
+    path = _write_returned(s, "second.csv", {"response_id": [labelled["response_id"]], "oracle_label": [other]})
+    out = labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)
+    assert out["conflicts"] == [labelled["response_id"]]
+    rows = LabelStore(s["st"]).read().to_pandas()
+    mine = rows[rows["response_id"] == labelled["response_id"]]
+    assert sorted(mine["oracle_label"]) == sorted([labelled["oracle_label"], other])  # nothing overwritten
+    assert mine["flagged"].all()
+
+
+def test_flow_rejects_unknown_ids_naming_file_and_row(prefect_server, local_setup):
+    s = local_setup
+    path = _write_returned(s, "typo.csv", {"response_id": [s["request"]["rows"][0]["response_id"], "nope:1"],
+                                           "oracle_label": [0.5, 0.5]})
+    with pytest.raises(CJEInputError, match=r"typo.csv, column 'response_id', row 1: unknown response_id 'nope:1'"):
+        labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)
+    assert LabelStore(s["st"]).version() == 1  # nothing appended
+    with pytest.raises(CJEInputError, match="label file not found"):
+        labels(path=str(s["tmp"] / "missing.csv"), labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)

@@ -1,0 +1,186 @@
+"""flows.notify against a real local HTTP receiver (stdlib http.server in a thread)."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from flows.notify import KINDS, notify, notify_result, redact_url
+
+
+class Receiver:
+    """A webhook receiver on 127.0.0.1 that records JSON bodies; can fail the first N posts."""
+
+    def __init__(self, fail_first: int = 0, fail_status: int = 503) -> None:
+        self.messages: list[dict] = []
+        self.hits = 0
+        self.fail_first = fail_first
+        self.fail_status = fail_status
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server API
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.hits += 1
+                if outer.hits <= outer.fail_first:
+                    self.send_response(outer.fail_status)
+                    self.end_headers()
+                    return
+                outer.messages.append({"path": self.path, "content_type": self.headers.get("Content-Type"),
+                                       "body": json.loads(body)})
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/hook?token=s3cr3t-token"
+
+    def kinds(self) -> list[str]:
+        return [m["body"]["kind"] for m in self.messages]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver():
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def _dead_url() -> str:
+    """A loopback port with nothing listening (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/hook"
+
+
+def test_webhook_posts_kind_payload_and_timestamp(receiver, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    out = notify("label_request", {"evaluation": "e", "n_labels": 12, "bad": float("nan")}, webhook_url=receiver.url)
+    assert out["ok"] is True and out["webhook"]["delivered"] is True and out["webhook"]["status"] == 204
+    assert len(receiver.messages) == 1
+    msg = receiver.messages[0]
+    assert msg["content_type"] == "application/json"
+    assert msg["body"]["kind"] == "label_request"
+    assert msg["body"]["payload"] == {"evaluation": "e", "n_labels": 12, "bad": None}  # NaN -> null
+    assert msg["body"]["ts"] == out["ts"]
+    # the token in the query string never reaches the returned record
+    assert "s3cr3t" not in json.dumps(out)
+
+
+def test_env_webhook_used_when_no_url_given(receiver, monkeypatch):
+    monkeypatch.setenv("CJE_WEBHOOK_URL", receiver.url)
+    out = notify("drift_alarm", {"look": 3})
+    assert out["webhook"]["delivered"] and receiver.kinds() == ["drift_alarm"]
+
+
+def test_retries_on_server_errors_then_delivers(monkeypatch):
+    r = Receiver(fail_first=2, fail_status=503)
+    try:
+        out = notify("audit_failed", {"policy": "p"}, webhook_url=r.url, attempts=3, backoff=0.01)
+        assert out["webhook"]["delivered"] and out["webhook"]["attempts"] == 3
+        assert r.hits == 3 and r.kinds() == ["audit_failed"]
+    finally:
+        r.close()
+
+
+def test_client_error_is_not_retried_and_not_raised():
+    r = Receiver(fail_first=10, fail_status=400)
+    try:
+        out = notify("audit_failed", {"policy": "p"}, webhook_url=r.url, attempts=3, backoff=0.01)
+        assert out["ok"] is False and out["webhook"]["status"] == 400 and out["webhook"]["attempts"] == 1
+        assert r.hits == 1
+    finally:
+        r.close()
+
+
+def test_receiver_down_never_raises_and_is_bounded():
+    t0 = time.perf_counter()
+    out = notify("level_refused", {"policy": "p"}, webhook_url=_dead_url(), attempts=3, backoff=0.01, timeout=1)
+    assert out["ok"] is False and out["webhook"]["delivered"] is False
+    assert out["webhook"]["attempts"] == 3 and "Connection" in out["webhook"]["error"]
+    assert time.perf_counter() - t0 < 5  # connection refused is immediate; 3 tries + 0.03 s of backoff
+
+
+def test_bad_inputs_are_reported_not_raised(receiver):
+    out = notify("not_a_kind", {}, webhook_url=receiver.url)
+    assert out["ok"] is False and "unknown notification kind" in out["error"] and receiver.hits == 0
+    out = notify("label_request", {"x": 1}, webhook_url="not a url")
+    assert out["ok"] is False and out["webhook"]["attempts"] == 1  # malformed URL: not retried
+
+
+def test_no_channel_configured(monkeypatch):
+    monkeypatch.delenv("CJE_WEBHOOK_URL", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: None}):
+        out = notify("label_request", {"x": 1})
+    assert out["ok"] is False and out["webhook"] is None and "no channel" in out["error"]
+    assert out["event"]["emitted"] is False
+
+
+def test_redact_url_drops_credentials_and_query():
+    assert redact_url("https://user:pw@hooks.example/x/y?token=abc#f") == "https://hooks.example/x/y"
+
+
+def test_notify_result_sends_refusals_and_failed_audits(receiver):
+    result = {"policies": {
+        "a": {"level_claim": "ok", "audit": {"verdict": "pass"}},
+        "b": {"level_claim": "refused", "refusal_reasons": ["the transport audit failed"], "basis_code": "plug_in",
+              "audit": {"verdict": "fail", "reason": "mean residual -0.3", "residual_mean": -0.3, "se": 0.05,
+                        "n_labels": 5}},
+        "c": {"level_claim": "refused", "refusal_reasons": ["limited calibration support"],
+              "audit": {"verdict": "inconclusive"}},
+    }}
+    sent = notify_result(result, evaluation="ev", window="w", path="/r", webhook_url=receiver.url)
+    assert [s["kind"] for s in sent] == ["level_refused", "audit_failed", "level_refused"]
+    bodies = [m["body"] for m in receiver.messages]
+    assert [(b["kind"], b["payload"]["policy"]) for b in bodies] == [
+        ("level_refused", "b"), ("audit_failed", "b"), ("level_refused", "c")]
+    assert bodies[0]["payload"]["refusal_reasons"] == ["the transport audit failed"]
+    assert bodies[1]["payload"]["residual_mean"] == -0.3
+
+
+def test_prefect_event_reaches_the_server(prefect_server, monkeypatch):
+    """With a Prefect API configured the notification is also a Prefect event ``cje.<kind>``."""
+    monkeypatch.delenv("CJE_WEBHOOK_URL", raising=False)
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+    from prefect.events.worker import EventsWorker
+
+    out = notify("drift_alarm", {"evaluation": "ev-notify", "look": 7})
+    assert out["event"]["emitted"] is True and out["ok"] is True
+    EventsWorker.drain_all()
+    found = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not found:
+        with get_client(sync_client=True) as client:
+            resp = client.request("POST", "/events/filter", json={
+                "filter": EventFilter(event=EventNameFilter(name=["cje.drift_alarm"])).model_dump(mode="json"),
+                "limit": 50})
+        found = [e for e in resp.json()["events"] if e["id"] == out["event"]["id"]]
+        if not found:
+            time.sleep(0.5)
+    assert found, "the event did not reach the Prefect server"
+    assert found[0]["resource"]["prefect.resource.id"] == "cje.evaluation.ev-notify"
+    assert found[0]["payload"] == {"evaluation": "ev-notify", "look": 7}
+
+
+def test_kinds_are_the_contract():
+    assert set(KINDS) == {"label_request", "drift_alarm", "level_refused", "audit_failed"}
