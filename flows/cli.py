@@ -95,9 +95,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--as-of", help="reference date of a relative window (default today, UTC)")
     p.add_argument("--window", help="override the declared window")
 
-    p = sub.add_parser("serve", help="deploy the declared evaluations and run their schedules")
+    p = sub.add_parser("drift", help="run one judge-drift monitor declared in evaluations.yaml now")
+    p.add_argument("name")
+    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--through", help="last score date considered, YYYY-MM-DD (default today, UTC)")
+
+    p = sub.add_parser("labels", help="ingest returned oracle labels and re-evaluate the windows they touch")
+    p.add_argument("file", help="labels: Parquet, CSV or JSONL with response_id, oracle_label[, label_probability]")
+    p.add_argument("--evaluation", required=True, help="the declared evaluation whose label store receives them")
+    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--no-reevaluate", action="store_true", help="only ingest; do not re-run the evaluations")
+
+    p = sub.add_parser("serve", help="deploy the declared evaluations and drift monitors and run their schedules")
     p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
     p.add_argument("--only", type=_csv, help="serve only these evaluations")
+    p.add_argument("--no-drift", action="store_true", help="do not serve the declared drift monitors")
     p.add_argument("--limit", type=int, help="most flow runs at once")
     return parser
 
@@ -170,18 +182,56 @@ def _print_run(summary: dict) -> None:
         sys.stdout.write(f"report: {summary['report']}\n")
 
 
-def cmd_run(ns: argparse.Namespace) -> int:
-    from .evaluate_flow import run_evaluation
+def _spec(config: str | None, name: str):
     from .schedules import load_evaluations
+
+    specs = load_evaluations(config)
+    if name not in specs:
+        raise CJEInputError(f"no evaluation named {name!r}; declared: {', '.join(sorted(specs))}",
+                            source=str(config or "evaluations.yaml"))
+    return specs[name]
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    """Run one declared evaluation now, with its notifications and automatic label requests."""
+    from .label_requests import evaluate_and_audit
     from .server import prefect_api
 
-    specs = load_evaluations(ns.config)
-    if ns.name not in specs:
-        raise CJEInputError(f"no evaluation named {ns.name!r}; declared: {', '.join(sorted(specs))}",
-                            source=str(ns.config or "evaluations.yaml"))
+    params = _spec(ns.config, ns.name).flow_parameters()
+    params.update({k: v for k, v in {"as_of": ns.as_of, "window": ns.window}.items() if v is not None})
     with prefect_api():
-        summary = run_evaluation(specs[ns.name], as_of=ns.as_of, window=ns.window)
+        summary = evaluate_and_audit(**params)
     _print_run(summary)
+    for req in summary.get("label_requests") or []:
+        sys.stdout.write(f"label request {req.get('request_id')}: {req.get('n_labels')} label(s) for "
+                         f"{req.get('scope')} ({', '.join(r.get('trigger', '') for r in req.get('reasons', []))})\n")
+    return EXIT_OK
+
+
+def cmd_drift(ns: argparse.Namespace) -> int:
+    from .drift_flow import format_summary, run_drift
+    from .server import prefect_api
+
+    with prefect_api():
+        summary = run_drift(ns.name, ns.config, through=ns.through)
+    sys.stdout.write(format_summary(summary).rstrip("\n") + "\n")
+    return EXIT_OK
+
+
+def cmd_labels(ns: argparse.Namespace) -> int:
+    from .labels_flow import labels
+    from .server import prefect_api
+
+    spec = _spec(ns.config, ns.evaluation)
+    with prefect_api():
+        out = labels(ns.file, labels_uri=spec.labels_uri or spec.logs_uri, logs_uri=spec.logs_uri,
+                     results_uri=spec.results_uri, evaluations_file=ns.config,
+                     reevaluate=not ns.no_reevaluate)
+    sys.stdout.write(f"ingested {out['rows']} label(s) from {out['source']}: label-store version {out['version']} "
+                     f"({'new' if out['new'] else 'already stored'}, {len(out['conflicts'])} conflict(s))\n")
+    for ev in out["reevaluations"]:
+        sys.stdout.write(f"re-evaluated {ev.get('evaluation')} {ev.get('window')}: "
+                         f"{'published ' + str(ev.get('run_key')) if ev.get('published') else ev.get('reason')}\n")
     return EXIT_OK
 
 
@@ -200,8 +250,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     paths = [str(ray_runtime.CODE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     # An embedded server schedules new deployments within seconds instead of a minute.
+    extra = []
+    if not ns.no_drift:
+        from .drift_flow import drift_deployments
+
+        extra = drift_deployments(ns.config)
     with prefect_api(extra_env={"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}):
-        serve(specs, limit=ns.limit)
+        serve(specs, limit=ns.limit, extra_deployments=extra)
     return EXIT_OK
 
 
@@ -214,7 +269,8 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"evaluate": cmd_evaluate, "plan": cmd_plan, "run": cmd_run, "serve": cmd_serve, "demo": cmd_demo}
+COMMANDS = {"evaluate": cmd_evaluate, "plan": cmd_plan, "run": cmd_run, "drift": cmd_drift, "labels": cmd_labels,
+            "serve": cmd_serve, "demo": cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_FILE = Path(__file__).resolve().parents[1] / "evaluations.yaml"
 
 _KEYS = {"name", "logs_uri", "results_uri", "labels_uri", "window", "cron", "interval", "timezone",
-         "policies", "options", "description"}
+         "policies", "options", "description", "label_requests"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class EvaluationSpec:
     policies: tuple[str, ...] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    label_requests: dict[str, Any] | None = None  # `flows.label_requests.RequestConfig` settings
 
     def flow_parameters(self) -> dict[str, Any]:
         """Parameters of the `evaluate` flow for this evaluation."""
@@ -64,13 +65,15 @@ class EvaluationSpec:
             "labels_uri": self.labels_uri,
             "policies": list(self.policies) if self.policies else None,
             "options": dict(self.options),
+            "label_requests": dict(self.label_requests) if self.label_requests else None,
         }
 
     def to_deployment(self):
-        """A Prefect ``RunnerDeployment`` of the `evaluate` flow on this schedule."""
+        """A Prefect ``RunnerDeployment`` on this schedule of `evaluate_and_audit`: the evaluate
+        flow, then notifications and automatic oracle label requests."""
         from datetime import timedelta
 
-        from .evaluate_flow import evaluate
+        from .label_requests import evaluate_and_audit
 
         kwargs: dict[str, Any] = {}
         if self.cron:
@@ -81,7 +84,7 @@ class EvaluationSpec:
             kwargs["interval"] = timedelta(seconds=float(self.interval))
         from prefect.types.entrypoint import EntrypointType
 
-        return evaluate.to_deployment(
+        return evaluate_and_audit.to_deployment(
             name=self.name,
             # Flow runs import `flows.evaluate_flow` as a module (not the file as a script),
             # so Ray workers can unpickle its functions by module name.
@@ -182,11 +185,12 @@ def load_evaluations(path: str | os.PathLike | None = None) -> dict[str, Evaluat
     return out
 
 
-def serve(specs: dict[str, EvaluationSpec] | list[EvaluationSpec], limit: int | None = None) -> None:
-    """Deploy the evaluations and run their schedules until interrupted (Prefect ``serve``)."""
+def serve(specs: dict[str, EvaluationSpec] | list[EvaluationSpec], limit: int | None = None,
+          extra_deployments: list | tuple = ()) -> None:
+    """Deploy the evaluations (and e.g. drift monitors) and run their schedules until interrupted."""
     from prefect import serve as prefect_serve
 
     items = list(specs.values()) if isinstance(specs, dict) else list(specs)
-    deployments = [s.to_deployment() for s in items]
-    log.info("serving %d evaluation(s): %s", len(deployments), ", ".join(s.name for s in items))
+    deployments = [s.to_deployment() for s in items] + list(extra_deployments)
+    log.info("serving %d deployment(s): %s", len(deployments), ", ".join(d.name for d in deployments))
     prefect_serve(*deployments, limit=limit, print_starting_message=False)

@@ -121,3 +121,14 @@ def test_cje_plan_bad_input_exits_2(tmp_path):
     assert r.returncode == 2 and "result.json" in r.stderr and "Traceback" not in r.stderr
     r = _cje("plan", str(tmp_path / "missing.parquet"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_cje_drift_and_labels_unknown_names_exit_2(tmp_path):
+    cfg = tmp_path / "e.yaml"
+    cfg.write_text("evaluations:\n  - name: a\n    logs_uri: ./logs\n")
+    r = _cje("drift", "nope", "--config", str(cfg))
+    assert r.returncode == 2 and "nope" in r.stderr and "Traceback" not in r.stderr
+    labels = tmp_path / "labels.csv"
+    labels.write_text("response_id,oracle_label\nx,0.5\n")
+    r = _cje("labels", str(labels), "--evaluation", "nope", "--config", str(cfg))
+    assert r.returncode == 2 and "no evaluation named 'nope'" in r.stderr and "Traceback" not in r.stderr
