@@ -202,10 +202,14 @@ def cmd_run(ns: argparse.Namespace) -> int:
     with prefect_api():
         summary = evaluate_and_audit(**params)
     _print_run(summary)
+    _print_requests(summary)
+    return EXIT_OK
+
+
+def _print_requests(summary: dict) -> None:
     for req in summary.get("label_requests") or []:
         sys.stdout.write(f"label request {req.get('request_id')}: {req.get('n_labels')} label(s) for "
                          f"{req.get('scope')} ({', '.join(r.get('trigger', '') for r in req.get('reasons', []))})\n")
-    return EXIT_OK
 
 
 def cmd_drift(ns: argparse.Namespace) -> int:
@@ -266,6 +270,13 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     summary = run_demo(Path(ns.data), days=ns.days, prompts_per_day=ns.prompts_per_day,
                        n_bootstrap=ns.n_bootstrap, seed=ns.seed)
     _print_run(summary)
+    _print_requests(summary)
+    if summary.get("drift"):
+        from .drift_flow import format_summary
+
+        sys.stdout.write(format_summary(summary["drift"]).rstrip("\n") + "\n")
+    if summary.get("report"):
+        sys.stdout.write(f"\nThe published report: {summary['report']}\n")
     return EXIT_OK
 
 

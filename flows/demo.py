@@ -93,11 +93,43 @@ def generate_logs(data: Path, days: int = 7, prompts_per_day: int = 1000, seed: 
                basename="demo")
     LabelStore(Storage.for_uri(str(labels_dir))).append(
         pa.Table.from_pandas(labels.reset_index(drop=True), preserve_index=False), "demo-oracle")
+    _write_demo_anchors(Storage.for_uri(str(data)), dates, seed)
     (labels_dir / MARKER).write_text(stamp)
     marker.write_text(stamp)
     out.update(generated=True, n_rows=len(frame), n_labels=len(labels))
     log.info("wrote %d log rows over %d day(s) and %d labels under %s", len(frame), days, len(labels), data)
     return out
+
+
+ANCHOR_SET = "demo-anchors"
+
+
+def _write_demo_anchors(st, dates, seed: int, n_anchors: int = 200) -> None:
+    """A versioned anchor set and one judge scoring of it per day.
+
+    The judge is re-scored daily with fresh noise ("judge-v1"); on the last day a judge update
+    ("judge-v2") shifts every score up by one level (0.1), the case the drift monitor exists for.
+    """
+    import pandas as pd
+
+    from cje_engine.simulate_drift import Judge, make_anchor_set
+
+    from .anchors import write_anchor_set, write_anchor_scores
+
+    rng = np.random.default_rng(seed + 7)
+    anchors = make_anchor_set(n_anchors, label_fraction=0.5, rng=rng)
+    ids = list(anchors.anchor_ids)
+    write_anchor_set(st, ANCHOR_SET, pd.DataFrame({
+        "anchor_id": ids, "prompt": [f"anchor prompt {i}" for i in ids],
+        "response": [f"anchor response {i}" for i in ids], "oracle_label": anchors.labels().to_numpy()}),
+        metadata={"source": "cje demo (cje_engine.simulate_drift)"})
+    v1, v2 = Judge(), Judge(shift=0.1)
+    for i, day in enumerate(dates):
+        judge, judge_id = (v2, "judge-v2") if i == len(dates) - 1 and len(dates) > 3 else (v1, "judge-v1")
+        ts = datetime.combine(day, datetime.min.time(), tzinfo=timezone.utc) + timedelta(hours=5)
+        write_anchor_scores(st, ANCHOR_SET, pd.DataFrame({
+            "anchor_id": ids, "judge_id": judge_id, "ts": [ts] * len(ids),
+            "judge_score": judge.score(anchors, rng).to_numpy()}), basename=f"demo-{day.isoformat()}")
 
 
 def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int = 1000,
@@ -109,7 +141,8 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
     import os
 
     from . import ray_runtime
-    from .evaluate_flow import evaluate
+    from .drift_flow import drift
+    from .label_requests import evaluate_and_audit
     from .server import launch_server, prefect_api
 
     # The embedded Prefect server boots while the data is written and Ray starts.
@@ -121,7 +154,7 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
             os.environ["PREFECT_API_URL"] = launched.url
         with ray_runtime.ray_session(), prefect_api(launched=launched):
             launched = None  # owned (and stopped) by prefect_api from here on
-            summary = evaluate(
+            summary = evaluate_and_audit(
                 logs_uri=info["logs_uri"],
                 labels_uri=info["labels_uri"],
                 results_uri=info["results_uri"],
@@ -130,6 +163,8 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
                 options={"covariates": ["response_length"], "calibration_policies": ["base"],
                          "n_bootstrap": n_bootstrap, "seed": seed},
             )
+            summary["drift"] = drift(set_name=ANCHOR_SET, anchors_uri=info["results_uri"], evaluation=EVALUATION,
+                                     results_uri=info["results_uri"], through=info["dates"][-1])
     finally:
         if launched is not None:  # failed before prefect_api took it over
             from .server import stop_server

@@ -72,6 +72,9 @@ def test_cje_demo_on_embedded_defaults_publishes_report_and_cleans_up(tmp_path):
     assert report.is_file() and report.stat().st_size > 10_000
     assert report.is_relative_to(tmp_path / "cje-data" / "results" / "demo")
     assert (report.parent / "result.json").is_file() and (report.parent.parent / "manifest.json").is_file()
+    # The anchor set was seeded and the drift monitor looked at every day after its reference.
+    assert "drift monitor demo-anchors" in r.stdout
+    assert (tmp_path / "cje-data" / "drift" / "demo-anchors" / "report.html").is_file()
     # The embedded server was ours and is gone.
     m = re.search(r"starting a local Prefect API server at (\S+) \(pid (\d+)\)", r.stderr)
     assert m, r.stderr[-2000:]
