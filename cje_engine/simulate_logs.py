@@ -114,6 +114,39 @@ class SimulatedLogs:
         f = self.fresh[target]
         return FreshData(f.prompt_ids, f.scores, f.target_logprob, f.lengths, source="<simulation fresh>")
 
+    def to_frames(self, logger: str = "base") -> tuple["pd.DataFrame", "pd.DataFrame"]:
+        """The data as tables for `cje_engine.offpolicy_pipeline.evaluate_offpolicy`.
+
+        Returns ``(logged, fresh)``: ``logged`` has one row per logged response (``prompt_id``,
+        ``policy`` = ``logger``, ``response_id``, ``judge_score``, ``oracle_label`` on the labelled
+        rows, ``n_tokens``, ``base_logprob`` and ``logprob__<target>``); ``fresh`` one row per fresh
+        draw (``policy`` = the target, its own ``logprob__<target>``, other logprob columns empty).
+        """
+        import pandas as pd
+
+        n = self.prompt_ids.shape[0]
+        logged = pd.DataFrame({
+            "prompt_id": self.prompt_ids, "policy": logger,
+            "response_id": [f"{logger}:{p}:0" for p in self.prompt_ids],
+            "judge_score": self.scores, "oracle_label": np.where(self.labelled, self.oracle, np.nan),
+            "n_tokens": np.full(n, float(self.length)), "base_logprob": self.logger_logprob,
+            **{f"logprob__{t}": v for t, v in self.target_logprob.items()},
+        })
+        parts = []
+        for t, f in self.fresh.items():
+            k = np.zeros(f.prompt_ids.shape[0], dtype=int)
+            seen: dict[str, int] = {}
+            for i, p in enumerate(f.prompt_ids):
+                k[i] = seen.get(p, 0)
+                seen[p] = k[i] + 1
+            parts.append(pd.DataFrame({
+                "prompt_id": f.prompt_ids, "policy": t,
+                "response_id": [f"{t}:{p}:{j}" for p, j in zip(f.prompt_ids, k)],
+                "judge_score": f.scores, "oracle_label": np.nan, "n_tokens": f.lengths, "base_logprob": np.nan,
+                **{f"logprob__{u}": (f.target_logprob if u == t else np.nan) for u in self.target_logprob},
+            }))
+        return logged, pd.concat(parts, ignore_index=True)
+
 
 def simulate_logs(*, n_prompts: int = 1000, length: int = 20,
                   targets: Mapping[str, float] | None = None, vocab_size: int = 16,

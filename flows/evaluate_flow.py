@@ -281,9 +281,12 @@ def validate(table: pa.Table, covariates: Sequence[str], source: str) -> dict:
         if col not in table.column_names:
             raise CJEInputError(f"column is missing from the logs (found: {', '.join(table.column_names)})",
                                 source=source, column=col)
-    if pc.count_distinct(table["response_id"]).as_py() != table.num_rows:
-        counts = pc.value_counts(table["response_id"])
-        dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+    from .logs import first_duplicate
+
+    # Sort-based (benchmarks/bench_flow.py, 10M ids: 1.1 s and 0.5 GB of Arrow memory, where
+    # the hash-based pc.count_distinct took 6.6 s and 1.0 GB).
+    dup = first_duplicate(table["response_id"])
+    if dup is not None:
         raise CJEInputError(f"response_id {dup!r} appears more than once in the window "
                             "(response ids must be unique)", source=source, column="response_id")
     if "oracle_label" not in table.column_names:
@@ -320,7 +323,7 @@ def bootstrap(prep: Any, n_chunks: int | None) -> list:
     n_chunks = max(1, min(int(n_chunks), max(1, B // MIN_CHUNK)))
     ranges = ray_runtime.chunk_ranges(B, n_chunks)
     t0 = time.perf_counter()
-    chunks = ray_runtime.map_ordered(ray_runtime.remote_bootstrap, ranges, shared=prep, name="cje_bootstrap")
+    chunks = ray_runtime.map_ordered(_chunk_fn(prep), ranges, shared=prep, name="cje_bootstrap")
     get_run_logger().info("%d replicates in %d Ray chunk(s) in %.2f s", B, len(ranges), time.perf_counter() - t0)
     return chunks
 
@@ -328,9 +331,29 @@ def bootstrap(prep: Any, n_chunks: int | None) -> list:
 @task(name="finalize", **_PURE_TASK)
 def finalize(prep: Any, chunks: list) -> Any:
     """Engine `finalize`: intervals, audits, gates, comparisons, ranking."""
+    from cje_engine import offpolicy_pipeline
     from cje_engine.pipeline import finalize as engine_finalize
 
+    if isinstance(prep, offpolicy_pipeline.OffPolicyPrepared):
+        return offpolicy_pipeline.finalize(prep, chunks)
     return engine_finalize(prep, chunks)
+
+
+@task(name="prepare_offpolicy", **_PURE_TASK)
+def prepare_offpolicy(table: pa.Table, options: dict) -> Any:
+    """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates."""
+    from cje_engine.offpolicy_pipeline import prepare as offpolicy_prepare
+
+    return offpolicy_prepare(table, **options)
+
+
+def _chunk_fn(prep: Any) -> Any:
+    """The Ray function computing bootstrap chunks for this prepared state."""
+    from cje_engine import offpolicy_pipeline
+
+    if isinstance(prep, offpolicy_pipeline.OffPolicyPrepared):
+        return offpolicy_pipeline.bootstrap_chunk
+    return ray_runtime.remote_bootstrap
 
 
 @task(name="render", **_PURE_TASK)
@@ -404,6 +427,7 @@ def evaluate(
     as_of: str | None = None,
     n_chunks: int | None = None,
     retry_delays: list[float] | None = None,
+    mode: str = "direct",
 ) -> dict:
     """Evaluate a window of logs and publish the result.
 
@@ -428,6 +452,11 @@ def evaluate(
         Bootstrap chunks on Ray (default: twice the cluster's CPUs).
     retry_delays : list of float, optional
         Backoff between retries of storage steps (default 2, 10, 30 s).
+    mode : {"direct", "logs-only", "hybrid"}
+        ``direct`` (default): fresh responses of every policy. ``logs-only`` / ``hybrid``: the
+        logger's logged responses with ``base_logprob`` and ``logprob__<candidate>`` columns (read
+        by projection), plus the candidates' fresh draws in hybrid mode
+        (`cje_engine.offpolicy_pipeline`; candidates from ``options["targets"]`` or ``policies``).
 
     Returns
     -------
@@ -443,7 +472,13 @@ def evaluate(
     results_uri = results_uri or logs_uri
     labels_uri = labels_uri or logs_uri
     win = parse_window(window, as_of)
-    opts = engine_options(options, policies)
+    if mode == "direct":
+        opts, extra_columns, read_policies = engine_options(options, policies), [], policies
+    else:
+        from cje_engine.offpolicy_pipeline import flow_columns, flow_options, flow_policies
+
+        opts = flow_options(options, policies, mode)
+        extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
     covariates = list(opts.get("covariates") or [])
     cfg = StorageConfig.from_env()  # from the driver's environment, never a flow parameter
     delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
@@ -459,9 +494,9 @@ def evaluate(
         labels, label_info = load_labels.with_options(**retry)(labels_uri, quote(cfg))
         # Projection pushed down; with an empty label store every column is read (the
         # logs may carry labels inline) and the needed ones are kept below.
-        needed = list(dict.fromkeys(list(BASE_COLUMNS) + covariates))
+        needed = list(dict.fromkeys(list(BASE_COLUMNS) + covariates + extra_columns))
         columns = needed if labels is not None else None
-        table = read.with_options(**retry)(logs_uri, quote(cfg), files, columns, policies,
+        table = read.with_options(**retry)(logs_uri, quote(cfg), files, columns, read_policies,
                                            2 * ray_runtime.cluster_cpus())
         if columns is None:
             table = table.select([c for c in needed + list(LABEL_COLUMNS) if c in table.column_names])
@@ -471,7 +506,7 @@ def evaluate(
 
         t1 = time.perf_counter()
         counts = validate(quote(table), covariates, logs_uri)
-        prep = prepare(quote(table), opts)
+        prep = (prepare if mode == "direct" else prepare_offpolicy)(quote(table), opts)
         del table
         chunks = bootstrap(quote(prep), n_chunks)
         result = finalize(quote(prep), quote(chunks))
@@ -479,6 +514,8 @@ def evaluate(
 
     config = {"evaluation": evaluation, "window": win.label, "policies": sorted(policies) if policies else None,
               "options": opts, "logs_uri": logs_uri, "labels_uri": labels_uri}
+    if mode != "direct":
+        config["mode"] = mode
     fingerprint = {"files": sorted(files, key=lambda f: f["key"]),
                    "label_store_version": label_info["label_store_version"]}
     key = _run_key(config, fingerprint)

@@ -316,7 +316,8 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
     marked ``True`` in the added boolean column ``label_conflict`` and counted in the schema
     metadata key ``cje.label_conflicts``.  Where the store has no label, an ``oracle_label``
     already in the logs is kept (store labels win where both exist).  Labels whose
-    ``response_id`` is not in the logs are ignored.
+    ``response_id`` is not in the logs are ignored.  A label without a ``label_probability``
+    gets 1.0 (drawn completely at random within its policy), the engine's convention.
     """
     if "response_id" not in logs_table.column_names:
         raise CJEInputError("logs have no response_id column; labels are joined on it", column="response_id")
@@ -353,6 +354,9 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
         prob = pc.if_else(has, pc.coalesce(store_prob, old_prob), old_prob)
     else:
         prob = store_prob
+    # A label stored without a probability was drawn completely at random within its policy.
+    prob = pc.if_else(pc.and_(pc.is_valid(label), pc.is_null(prob)), pa.scalar(1.0, pa.float64()),
+                      prob.cast(pa.float64()))
     for name, arr in (("oracle_label", label), ("label_probability", prob), ("label_conflict", conflict)):
         field = pa.field(name, arr.type)
         if name in out.column_names:

@@ -475,7 +475,9 @@ def labels(
             before = earlier[-1] if earlier else None
             params = spec.flow_parameters()
             params["window"] = w.replace("_", "..")
-            run = evaluate_and_audit(**params, label_requests=label_requests)
+            if label_requests is not None:
+                params["label_requests"] = label_requests
+            run = evaluate_and_audit(**params)
             summary = {k: run.get(k) for k in ("evaluation", "window", "run_key", "published", "path", "reason",
                                                "report")}
             summary["label_requests"] = [m["request_id"] for m in run.get("label_requests", [])]

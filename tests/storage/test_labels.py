@@ -166,7 +166,7 @@ def test_join_labels_preserves_order_and_fills(storage: Storage):
     conf = dict(zip(ids, out.column("label_conflict").to_pylist()))
     assert lab["r1"] == 0.25 and prob["r1"] == 0.5
     assert lab["r3"] == 1.0 and conf["r3"] is True  # first label (version 1) wins, conflict recorded
-    assert lab["r5"] == 0.75 and prob["r5"] is None and conf["r5"] is False
+    assert lab["r5"] == 0.75 and prob["r5"] == 1.0 and conf["r5"] is False
     assert lab["r0"] is None and conf["r0"] is False
     assert out.num_rows == 8
     assert out.schema.metadata[b"cje.label_conflicts"] == b"1"
