@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="Parquet file/folder, JSONL, CSV, or an arena-style folder")
     p.add_argument("--out", required=True, help="output folder (result.json is written there)")
     p.add_argument("--policies", type=_csv, help="only these policies")
+    p.add_argument("--mode", choices=["direct", "logs-only", "hybrid"], default="direct",
+                   help="direct (fresh draws, default), logs-only or hybrid (logged responses with "
+                        "log-probabilities; see docs/offpolicy.md)")
     _add_engine_options(p)
 
     p = sub.add_parser("demo", help="simulate a week of logs, evaluate them end to end, publish a report")
@@ -130,7 +133,15 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     kwargs = engine_kwargs(ns)
     if ns.policies:
         kwargs["policies"] = ns.policies
-    res = evaluate(ns.input, **kwargs)
+    if ns.mode == "direct":
+        res = evaluate(ns.input, **kwargs)
+    else:
+        from cje_engine.offpolicy_pipeline import evaluate_offpolicy
+
+        kwargs.pop("inference", None)  # off-policy modes infer by the bootstrap only
+        if "policies" in kwargs:
+            kwargs["targets"] = kwargs.pop("policies")
+        res = evaluate_offpolicy(ns.input, mode=ns.mode, **kwargs)
     d = res.to_dict()
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)

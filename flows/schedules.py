@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 DEFAULT_FILE = Path(__file__).resolve().parents[1] / "evaluations.yaml"
 
 _KEYS = {"name", "logs_uri", "results_uri", "labels_uri", "window", "cron", "interval", "timezone",
-         "policies", "options", "description", "label_requests"}
+         "policies", "options", "description", "label_requests", "mode"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class EvaluationSpec:
     options: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     label_requests: dict[str, Any] | None = None  # `flows.label_requests.RequestConfig` settings
+    mode: str = "direct"  # direct | logs-only | hybrid
 
     def flow_parameters(self) -> dict[str, Any]:
         """Parameters of the `evaluate` flow for this evaluation."""
@@ -66,6 +67,7 @@ class EvaluationSpec:
             "policies": list(self.policies) if self.policies else None,
             "options": dict(self.options),
             "label_requests": dict(self.label_requests) if self.label_requests else None,
+            "mode": self.mode,
         }
 
     def to_deployment(self):
@@ -167,6 +169,11 @@ def load_evaluations(path: str | os.PathLike | None = None) -> dict[str, Evaluat
 
             parse_window(e.get("window", "last 7 days"))
             engine_options(options, policies)
+            mode = str(e.get("mode", "direct"))
+            if mode not in ("direct", "logs-only", "hybrid"):
+                raise CJEInputError(f"mode must be direct, logs-only or hybrid, got {mode!r}")
+            if e.get("label_requests") is not None and not isinstance(e["label_requests"], dict):
+                raise CJEInputError("label_requests must be a mapping of request settings")
         except CJEInputError as exc:
             raise CJEInputError(f"{where}: {exc}", source=src) from None
         out[name] = EvaluationSpec(
@@ -181,6 +188,8 @@ def load_evaluations(path: str | os.PathLike | None = None) -> dict[str, Evaluat
             policies=tuple(policies) if policies else None,
             options=dict(options),
             description=str(e.get("description", "")),
+            label_requests=dict(e["label_requests"]) if e.get("label_requests") else None,
+            mode=mode,
         )
     return out
 

@@ -135,3 +135,12 @@ def test_cje_drift_and_labels_unknown_names_exit_2(tmp_path):
     labels.write_text("response_id,oracle_label\nx,0.5\n")
     r = _cje("labels", str(labels), "--evaluation", "nope", "--config", str(cfg))
     assert r.returncode == 2 and "no evaluation named 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cje_evaluate_logs_only_mode_on_arena_refuses_low_overlap_targets(tmp_path, arena_dir):
+    r = _cje("evaluate", str(arena_dir), "--mode", "logs-only", "--out", str(tmp_path / "lo"), "--n-bootstrap", "60")
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads((tmp_path / "lo" / "result.json").read_text())
+    assert d["policies"]["unhelpful"]["level_claim"] == "refused"
+    assert any("fresh draws" in x or "Direct" in x for x in d["policies"]["unhelpful"]["refusal_reasons"])
+    assert d["best_policy"] not in ("unhelpful", "parallel_universe_prompt")
