@@ -561,11 +561,4 @@ def _flow_run_id() -> str | None:
     return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
 
 
-def run_evaluation(spec: Any, **overrides: Any) -> dict:
-    """Run the flow for an `flows.schedules.EvaluationSpec` (``cje run NAME``)."""
-    params = spec.flow_parameters()
-    params.update({k: v for k, v in overrides.items() if v is not None})
-    return evaluate(**params)
-
-
-__all__ = ["evaluate", "parse_window", "Window", "engine_options", "run_evaluation", "DEFAULT_RETRY_DELAYS"]
+__all__ = ["evaluate", "parse_window", "Window", "engine_options", "DEFAULT_RETRY_DELAYS"]
