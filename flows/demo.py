@@ -10,6 +10,9 @@
    from the logs, as in production.
 3. Run the `evaluate` flow end to end (embedded Prefect server, local Ray, local
    folders) and publish under ``<data>/results/demo/<window>/<run_key>/``.
+4. Run the `drift` flow on the demo anchor set; the judge update on the last day alarms and
+   raises a label request (anchors + the evaluation's recent traffic) under
+   ``<data>/label_requests/``.
 
 Re-running on the same day reuses the generated data (same run key: the published run is
 not duplicated).  Only folders carrying the demo's marker file are ever replaced.
@@ -107,8 +110,10 @@ ANCHOR_SET = "demo-anchors"
 def _write_demo_anchors(st, dates, seed: int, n_anchors: int = 200) -> None:
     """A versioned anchor set and one judge scoring of it per day.
 
-    The judge is re-scored daily with fresh noise ("judge-v1"); on the last day a judge update
-    ("judge-v2") shifts every score up by one level (0.1), the case the drift monitor exists for.
+    The judge is re-scored daily with fresh noise ("judge-v1"); on the last day (from three days
+    on: reference, replicate, then at least one look) a judge update ("judge-v2") shifts every
+    score up by one level (0.1), the case the drift monitor exists for: its alarm raises a label
+    request for the anchors and the evaluation's recent traffic.
     """
     import pandas as pd
 
@@ -125,7 +130,7 @@ def _write_demo_anchors(st, dates, seed: int, n_anchors: int = 200) -> None:
         metadata={"source": "cje demo (cje_engine.simulate_drift)"})
     v1, v2 = Judge(), Judge(shift=0.1)
     for i, day in enumerate(dates):
-        judge, judge_id = (v2, "judge-v2") if i == len(dates) - 1 and len(dates) > 3 else (v1, "judge-v1")
+        judge, judge_id = (v2, "judge-v2") if i == len(dates) - 1 and len(dates) >= 3 else (v1, "judge-v1")
         ts = datetime.combine(day, datetime.min.time(), tzinfo=timezone.utc) + timedelta(hours=5)
         write_anchor_scores(st, ANCHOR_SET, pd.DataFrame({
             "anchor_id": ids, "judge_id": judge_id, "ts": [ts] * len(ids),
@@ -163,8 +168,11 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
                 options={"covariates": ["response_length"], "calibration_policies": ["base"],
                          "n_bootstrap": n_bootstrap, "seed": seed},
             )
+            # The drift alarm of the judge update raises a label request on the anchors and on the
+            # evaluation's recent traffic: the flow gets the evaluation's logs and label store.
             summary["drift"] = drift(set_name=ANCHOR_SET, anchors_uri=info["results_uri"], evaluation=EVALUATION,
-                                     results_uri=info["results_uri"], through=info["dates"][-1])
+                                     results_uri=info["results_uri"], through=info["dates"][-1],
+                                     evaluation_logs_uri=info["logs_uri"], labels_uri=info["labels_uri"])
     finally:
         if launched is not None:  # failed before prefect_api took it over
             from .server import stop_server

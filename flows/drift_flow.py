@@ -528,6 +528,58 @@ def notify_alarms(looks: list[dict], monitor: str, urls: dict[int, dict], evalua
     return sent
 
 
+def first_alarms_of(look: dict) -> list[str]:
+    """Metrics of a look that alarm there for the first time."""
+    first = look.get("first_alarm") or {}
+    return [m for m in look.get("alarms") or [] if first.get(m) == look.get("look")]
+
+
+@task(name="raise_label_requests", **_STORAGE_TASK)
+def raise_label_requests(results_uri: str, cfg: Any, looks: list[dict], anchor_ids: list[str],
+                         evaluation: str | None, evaluation_logs_uri: str | None, config: dict) -> dict:
+    """`flows.label_requests.raise_drift_requests` for every look with a first alarm of a metric.
+
+    Traffic rows come from the linked evaluation's latest published run (its window and
+    logs); without one the request holds anchors only and records why.
+    """
+    from .label_requests import raise_drift_requests
+    from .publish import read_latest
+
+    logger = get_run_logger()
+    latest = read_latest(Storage.for_uri(results_uri, cfg), evaluation) if evaluation else None
+    reason = None
+    if evaluation is None:
+        reason = "the drift monitor has no linked evaluation"
+    elif latest is None or latest.get("result") is None:
+        reason = f"evaluation {evaluation!r} has no published result under {results_uri} yet"
+    elif not evaluation_logs_uri:
+        reason = (f"the logs of evaluation {evaluation!r} are unknown: declare it in the same evaluations file "
+                  "as the monitor, or pass evaluation_logs_uri")
+    out: dict[str, list] = {"requests": [], "skipped": []}
+    for lk in looks:
+        got = raise_drift_requests(cfg, results_uri, lk, anchor_ids, evaluation=evaluation,
+                                   latest=latest if reason is None else None,
+                                   logs_uri=evaluation_logs_uri if reason is None else None, config=config,
+                                   no_traffic_reason=reason)
+        out["requests"] += got["requests"]
+        out["skipped"] += [dict(s, look=lk.get("look")) for s in got["skipped"]]
+        for m in got["requests"]:
+            logger.warning("drift look %s: label request %s for %d traffic row(s) and %d anchor(s) (%s)",
+                           lk.get("look"), m["request_id"], len(m["rows"]), len(m["anchors"]),
+                           m["drift"]["traffic"])
+    return out
+
+
+def _request_summary(m: dict) -> dict:
+    """The label request fields the drift summary lists (the manifest itself is in storage)."""
+    return {"request_id": m["request_id"], "uri": m.get("uri"), "scope": m["scope"], "evaluation": m["evaluation"],
+            "window": m["window"], "n_labels": m["n_labels"], "n_rows": len(m["rows"]),
+            "n_anchors": len(m["anchors"]), "look": (m.get("drift") or {}).get("look"),
+            "judge_id": (m.get("drift") or {}).get("judge_id"), "alarms": (m.get("drift") or {}).get("alarms"),
+            "traffic": (m.get("drift") or {}).get("traffic"), "deadline": m["deadline"],
+            "reasons": [{"trigger": r["trigger"], "reason": r["reason"]} for r in m["reasons"]]}
+
+
 @task(name="write_report", **_STORAGE_TASK)
 def write_report(drift_uri: str, cfg: Any, monitor: str, state: dict) -> str:
     st = Storage.for_uri(drift_uri, cfg)
@@ -578,6 +630,9 @@ def drift(
     notify_on: str = "new",
     webhook_url: str | None = None,
     retry_delays: list[float] | None = None,
+    evaluation_logs_uri: str | None = None,
+    labels_uri: str | None = None,
+    label_requests: dict[str, Any] | None = None,
 ) -> dict:
     """Judge drift on an anchor set: new looks against the reference, persisted, alarms notified.
 
@@ -622,13 +677,24 @@ def drift(
         Passed to `flows.notify.notify` (default ``$CJE_WEBHOOK_URL``).
     retry_delays : list of float, optional
         Backoff between retries of storage and scoring steps (default 2, 10, 30 s).
+    evaluation_logs_uri : str, optional
+        Logs of ``evaluation`` (its ``logs_uri``): a drift alarm requests fresh labels on their
+        recent traffic. Without it (or without a published result) the request holds anchors only.
+    labels_uri : str, optional
+        The evaluation's label store (default ``evaluation_logs_uri``): rows labelled already are
+        not requested.
+    label_requests : dict, optional
+        The evaluation's `flows.label_requests.RequestConfig` settings (sizes, budget per
+        period, ``requests_uri``; default: requests under ``results_uri``).
 
     Returns
     -------
     dict
         ``set_name``, ``monitor``, ``n_looks``, ``new_looks`` (look dicts), ``alarm`` (any new
         look alarmed), ``alarms``, ``first_alarm``, ``state_key``, ``look_keys``, ``report``,
-        ``notifications``, ``scored``, ``waiting``, ``reference``, ``replicate``.
+        ``notifications``, ``scored``, ``waiting``, ``reference``, ``replicate``,
+        ``label_requests`` (requests raised by this run), ``label_requests_skipped`` (with reasons)
+        and ``label_requests_error`` (None unless raising them failed).
     """
     logger = get_run_logger()
     check_name(set_name)
@@ -640,6 +706,11 @@ def drift(
                             column="judge_id")
     options = dict(monitor or {})
     DriftMonitor(**options)  # early, clear error on bad options
+    from .label_requests import RequestConfig
+
+    req_config = RequestConfig.from_dict(label_requests).to_dict()  # bad settings fail before any work
+    req_config["labels_uri"] = req_config["labels_uri"] or labels_uri or evaluation_logs_uri
+    req_config["webhook_url"] = req_config["webhook_url"] or webhook_url
     logs_uri = logs_uri or anchors_uri
     drift_uri = drift_uri or anchors_uri
     results_uri = results_uri or anchors_uri
@@ -687,6 +758,18 @@ def drift(
     urls = {int(lk["look"]): {"look": st.url(f"{state_prefix(name)}looks/{int(lk['look']):06d}.json"),
                               "report": st.url(state_prefix(name) + "report.html")} for lk in to_notify}
     notifications = notify_alarms(quote(to_notify), name, urls, evaluation, notify_on, webhook_url)
+    # a first alarm of a metric raises a label request (anchors + recent traffic), deduplicated per look
+    alarming = [lk for lk in to_notify if first_alarms_of(lk)]
+    raised: dict = {"requests": [], "skipped": []}
+    request_error = None
+    if alarming:
+        try:
+            raised = raise_label_requests.with_options(**retry)(results_uri, quote(cfg), quote(alarming),
+                                                                anchors.anchor_ids, evaluation,
+                                                                evaluation_logs_uri, req_config)
+        except Exception as exc:  # noqa: BLE001 - the looks are committed; report, do not fail the monitor
+            logger.error("label requests for the drift alarm of monitor %s failed: %s", name, exc)
+            request_error = f"{type(exc).__name__}: {exc}"
     report = None
     if outcome.state["monitor"]["n_looks"] > 0:
         report = write_report.with_options(**retry)(drift_uri, quote(cfg), name, quote(outcome.state))
@@ -700,6 +783,8 @@ def drift(
         "scored": scored, "waiting": outcome.waiting, "late_looks": outcome.late_looks,
         "reference": outcome.state.get("reference"), "replicate": outcome.state.get("replicate"),
         "anchors_version": anchors.version,
+        "label_requests": [_request_summary(m) for m in raised["requests"]],
+        "label_requests_skipped": raised["skipped"], "label_requests_error": request_error,
     }
     logger.info("drift monitor %s: %d new look(s), %d in total, alarm=%s %s", name, len(outcome.new_looks),
                 mon["n_looks"], summary["alarm"], summary["alarms"] or "")
@@ -1026,6 +1111,10 @@ class DriftMonitorSpec:
     timezone: str = "UTC"
     notify_on: str = "new"
     description: str = ""
+    #: from the linked evaluation declared in the same file (`flows.schedules.EvaluationSpec`)
+    evaluation_logs_uri: str | None = None
+    labels_uri: str | None = None
+    label_requests: dict | None = None
 
     def flow_parameters(self) -> dict[str, Any]:
         """Parameters of the `drift` flow for this monitor."""
@@ -1033,7 +1122,9 @@ class DriftMonitorSpec:
                 "drift_uri": self.drift_uri, "results_uri": self.results_uri, "evaluation": self.evaluation,
                 "judge_id": self.judge_id, "scorer": dict(self.scorer) if self.scorer else None,
                 "reference": self.reference, "replicate": self.replicate, "anchors_version": self.anchors_version,
-                "monitor": dict(self.monitor), "monitor_name": self.name, "notify_on": self.notify_on}
+                "monitor": dict(self.monitor), "monitor_name": self.name, "notify_on": self.notify_on,
+                "evaluation_logs_uri": self.evaluation_logs_uri, "labels_uri": self.labels_uri,
+                "label_requests": dict(self.label_requests) if self.label_requests else None}
 
     def to_deployment(self):
         """A Prefect ``RunnerDeployment`` of the `drift` flow on this monitor's schedule."""
@@ -1071,7 +1162,10 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
     """Read ``drift_monitors:`` of an evaluations file (default: the repository's).
 
     Relative local paths are resolved against the file's folder. A file without the key has no
-    monitors (empty dict). Errors name the file, the entry and the key.
+    monitors (empty dict). Errors name the file, the entry and the key. A monitor whose
+    ``evaluation`` is declared under ``evaluations:`` of the same file takes that evaluation's
+    ``logs_uri``, ``labels_uri`` and ``label_requests`` (drift alarms request labels on its recent
+    traffic) and, when it gives no ``results_uri``, the evaluation's results root.
     """
     import yaml
 
@@ -1091,6 +1185,12 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
     if not isinstance(entries, list):
         raise CJEInputError("'drift_monitors:' must be a list of monitors", source=src, column="drift_monitors")
     base = path.resolve().parent
+    evaluations: dict = {}
+    if isinstance(doc, dict) and doc.get("evaluations") and any(
+            isinstance(e, dict) and e.get("evaluation") for e in entries):
+        from .schedules import load_evaluations
+
+        evaluations = load_evaluations(path)
     out: dict[str, DriftMonitorSpec] = {}
     for i, e in enumerate(entries):
         where = f"drift_monitors[{i}]"
@@ -1148,12 +1248,22 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
         version = e.get("anchors_version")
         if version is not None and (not isinstance(version, int) or version < 1):
             raise CJEInputError(f"{where}: anchors_version must be a positive integer", source=src)
+        linked = evaluations.get(e.get("evaluation")) if e.get("evaluation") else None
+        if e.get("evaluation") and linked is None:
+            log.warning("%s: evaluation %r is not declared in %s; a drift alarm will request anchor labels only",
+                        where, e.get("evaluation"), src)
+        results_uri = _resolve(e.get("results_uri"), base, f"{where}.results_uri", src)
+        if results_uri is None and linked is not None:
+            results_uri = linked.results_uri or linked.logs_uri
         out[name] = DriftMonitorSpec(
             name=name, set_name=set_name,
             anchors_uri=_resolve(e["anchors_uri"], base, f"{where}.anchors_uri", src),
             logs_uri=_resolve(e.get("logs_uri"), base, f"{where}.logs_uri", src),
             drift_uri=_resolve(e.get("drift_uri"), base, f"{where}.drift_uri", src),
-            results_uri=_resolve(e.get("results_uri"), base, f"{where}.results_uri", src),
+            results_uri=results_uri,
+            evaluation_logs_uri=linked.logs_uri if linked else None,
+            labels_uri=(linked.labels_uri or linked.logs_uri) if linked else None,
+            label_requests=dict(linked.label_requests) if linked and linked.label_requests else None,
             evaluation=e.get("evaluation"), judge_id=e.get("judge_id"), scorer=dict(scorer) if scorer else None,
             reference=str(e.get("reference", "first")),
             replicate=None if e.get("replicate", "next") in (None, "none") else str(e.get("replicate", "next")),
@@ -1201,6 +1311,18 @@ def format_summary(summary: dict) -> str:
                      f" ({ests})")
     if summary.get("waiting"):
         lines.append(f"  {summary['waiting']}")
+    for req in summary.get("label_requests") or []:
+        lines.append(f"  label request {req['request_id']} (drift alarm at look {req.get('look')}, judge "
+                     f"{req.get('judge_id')}: {', '.join(req.get('alarms') or [])}): {req['n_labels']} label(s) = "
+                     f"{req['n_rows']} recent traffic row(s) + {req['n_anchors']} anchor(s)")
+        if req.get("n_rows") == 0 and req.get("traffic"):
+            lines.append(f"    traffic {req['traffic']}")
+        if req.get("uri"):
+            lines.append(f"    {req['uri']}")
+    for s in summary.get("label_requests_skipped") or []:
+        lines.append(f"  no label request for look {s.get('look')}: {s.get('reason')}")
+    if summary.get("label_requests_error"):
+        lines.append(f"  label requests FAILED: {summary['label_requests_error']}")
     first = {m: v for m, v in (summary.get("first_alarm") or {}).items() if v is not None}
     lines.append("  alarmed: " + (", ".join(f"{m} since look {v}" for m, v in first.items()) if first else "never"))
     if summary.get("report"):

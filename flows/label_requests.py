@@ -498,10 +498,19 @@ def drift_triggers(drift_look: Mapping | None, cfg: RequestConfig, anchor_ids: S
     alarms = list(drift_look.get("alarms") or [])
     if not (drift_look.get("alarm") or alarms):
         return []
+    meta = drift_look.get("meta") or {}
+    first = drift_look.get("first_alarm") or {}
+    new = [m for m in alarms if first.get(m) == drift_look.get("look")]
+    where = ", ".join(f"{k} {meta[k2]}" for k, k2 in (("judge", "judge_id"), ("monitor", "monitor"),
+                                                      ("anchor set", "set_name")) if meta.get(k2))
     return [_trigger("drift_alarm", "drift", cfg.drift_traffic_labels,
-                     f"judge drift alarm at look {drift_look.get('look')} on {', '.join(alarms) or 'a metric'}: "
-                     f"fresh labels on recent traffic" + (" and anchors" if anchor_ids else ""),
-                     look=drift_look.get("look"), alarms=alarms, first_alarm=drift_look.get("first_alarm"),
+                     f"judge drift alarm at look {drift_look.get('look')}" + (f" ({where})" if where else "")
+                     + f" on {', '.join(alarms) or 'a metric'}: fresh labels on recent traffic"
+                     + (" and anchors" if anchor_ids else ""),
+                     look=drift_look.get("look"), look_key=meta.get("look_key"), judge_id=meta.get("judge_id"),
+                     monitor=meta.get("monitor"), set_name=meta.get("set_name"),
+                     anchors_version=meta.get("anchors_version"), alarms=alarms, new_alarms=new,
+                     first_alarm=drift_look.get("first_alarm"),
                      n_anchor_labels=min(cfg.drift_anchor_labels, len(anchor_ids or [])),
                      sizing=f"configured drift_traffic_labels={cfg.drift_traffic_labels}, "
                             f"drift_anchor_labels={cfg.drift_anchor_labels}")]
@@ -517,9 +526,10 @@ def find_triggers(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
 
 def _find_triggers(result: Mapping, rows: _Rows, cfg: RequestConfig, drift_look: Mapping | None,
                    anchor_ids: Sequence[str] | None) -> list[dict]:
+    anchor_ids = None if anchor_ids is None else [str(a) for a in anchor_ids]
     trig = audit_triggers(result, cfg) + support_triggers(rows, result, cfg) + under_labelled_triggers(result, cfg)
     trig += drift_triggers(drift_look, cfg, anchor_ids)
-    return [t for t in trig if t["labels"] > 0]
+    return [t for t in trig if t["labels"] > 0 or t["detail"].get("n_anchor_labels", 0) > 0]
 
 
 # --------------------------------------------------------------------------------------
@@ -682,6 +692,7 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
     """
     cfg = RequestConfig.from_dict(config)
     result, info = _unwrap_result(result)
+    anchor_ids = None if anchor_ids is None else [str(a) for a in anchor_ids]
     run_key = run_key or info.get("run_key")
     now_ = _now(now)
     period = iso_period(now_)
@@ -690,17 +701,31 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
 
     pending = [e for e in existing if e.get("status") == "pending"]
     pending_ids = {r["response_id"] for e in pending for r in e.get("rows", [])}
-    pending_codes = {(e.get("evaluation"), e.get("scope"), r["trigger"]) for e in pending
-                     for r in e.get("reasons", [])}
+    # drift requests are deduplicated per drift monitor (one anchor set each), others per scope
+    pending_codes = {(e.get("evaluation"), e.get("scope"), r["trigger"],
+                      (e.get("drift") or {}).get("monitor") if e.get("scope") == "drift" else None)
+                     for e in pending for r in e.get("reasons", [])}
+    pending_anchors = {(str((e.get("drift") or {}).get("set_name")), str(a.get("anchor_id"))) for e in pending
+                       for a in e.get("anchors") or []}
+    # a drift look raises at most one request, whatever became of it (reruns and repairs of a look)
+    done_looks = {((e.get("drift") or {}).get("monitor"), (e.get("drift") or {}).get("look")): e
+                  for e in existing if e.get("scope") == "drift" and (e.get("drift") or {}).get("monitor")}
     used = sum(int(e.get("n_labels", 0)) for e in existing if e.get("period") == period)
     left = max(0, cfg.max_labels_per_period - used)
 
     skipped = []
     fresh = []
     for t in triggers:
-        if (evaluation, t["scope"], t["trigger"]) in pending_codes:
+        mon = t["detail"].get("monitor") if t["scope"] == "drift" else None
+        prior = done_looks.get((mon, t["detail"].get("look"))) if mon else None
+        if prior is not None:
             skipped.append({"scope": t["scope"], "trigger": t["trigger"],
-                            "reason": "a request for this trigger and scope is still pending"})
+                            "reason": f"drift look {t['detail'].get('look')} of monitor {mon!r} already raised "
+                                      f"request {prior.get('request_id')} ({prior.get('status')})"})
+        elif (evaluation, t["scope"], t["trigger"], mon) in pending_codes:
+            skipped.append({"scope": t["scope"], "trigger": t["trigger"],
+                            "reason": "a request for this trigger and scope is still pending"
+                                      + (f" (drift monitor {mon!r})" if mon else "")})
         else:
             fresh.append(t)
     merged = _merge(fresh)
@@ -710,21 +735,30 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
     taken: set[str] = set()
     for m in order:
         codes = sorted(r["trigger"] for r in m["reasons"])
-        request_id = f"lr-{now_:%Y%m%d}-{_hash(evaluation, window, run_key, m['scope'], codes)[:12]}"
+        id_parts: list[Any] = [evaluation, window, run_key, m["scope"], codes]
         n_anchor = 0
+        anchor_pool: list[str] = []
+        drift_detail: dict = {}
         if m["scope"] == "drift":
+            drift_detail = next((r["detail"] for r in m["reasons"] if r["trigger"] == "drift_alarm"), {})
             n_anchor = max(r["detail"].get("n_anchor_labels", 0) for r in m["reasons"])
+            set_key = str(drift_detail.get("set_name"))
+            anchor_pool = sorted({str(a) for a in anchor_ids or []} - {a for s, a in pending_anchors if s == set_key})
+            if drift_detail.get("monitor"):
+                id_parts += [drift_detail["monitor"], drift_detail.get("look")]  # one request per drift look
+        request_id = f"lr-{now_:%Y%m%d}-{_hash(*id_parts)[:12]}"
         want = min(m["labels"], cfg.max_labels_per_request)
         n_target = min(want, left)
-        if n_target <= 0:
+        if n_target <= 0 and not (n_anchor and anchor_pool and left > 0):
             skipped.append({"scope": m["scope"], "trigger": ",".join(codes), "labels": m["labels"],
                             "reason": f"label budget of period {period} exhausted ({used} of "
                                       f"{cfg.max_labels_per_period} already requested)"})
             continue
         pool = _pool(rows, m["scope"], result, cfg, pending_ids | taken)
-        if pool.size == 0:
+        if pool.size == 0 and not (n_anchor and anchor_pool):
             skipped.append({"scope": m["scope"], "trigger": ",".join(codes),
-                            "reason": "no unlabelled row left to request"})
+                            "reason": "no unlabelled row left to request"
+                                      + (" (and no anchor that is not pending already)" if n_anchor else "")})
             continue
         rule = m["rule"] or {}
         idx, p, strata = sample(rows.rid[pool], rows.score[pool], n_target, m["design"],
@@ -744,14 +778,19 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
                 "prior_probability": prior[pol], "inclusion_probability": float(pi * prior[pol]),
             })
         anchors = []
-        if n_anchor and anchor_ids:
-            ids = np.array(sorted({str(a) for a in anchor_ids}), dtype=object)
-            k = min(n_anchor, ids.size)
+        # anchors take what the traffic rows leave of the request cap and of the period budget
+        k = min(n_anchor, len(anchor_pool), max(0, cfg.max_labels_per_request - len(req_rows)),
+                max(0, left - len(req_rows)))
+        if k > 0:
+            ids = np.array(anchor_pool, dtype=object)
             pick = np.random.default_rng(_seed_for(cfg.seed + 1, request_id)).choice(ids.size, size=k, replace=False)
             anchors = [{"anchor_id": str(ids[j]), "selection_probability": k / ids.size} for j in np.sort(pick)]
         taken |= {r["response_id"] for r in req_rows}
         n_labels = len(req_rows) + len(anchors)
         caps = []
+        if len(anchors) < n_anchor:
+            caps.append(f"anchors: {len(anchors)} of {n_anchor} ({len(anchor_pool)} anchor(s) not pending "
+                        f"elsewhere, request cap and period budget)")
         if m["labels"] > cfg.max_labels_per_request:
             caps.append(f"max_labels_per_request={cfg.max_labels_per_request}")
         if left < want:
@@ -783,6 +822,10 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
             "rows": req_rows,
             "anchors": anchors,
         }
+        if m["scope"] == "drift" and drift_detail:
+            manifest["drift"] = {k: drift_detail.get(k) for k in (
+                "monitor", "set_name", "anchors_version", "look", "look_key", "judge_id", "alarms", "new_alarms")}
+            manifest["drift"]["n_anchors_in_set"] = len({str(a) for a in anchor_ids or []})
         used += n_labels
         requests.append(manifest)
     return {"requests": requests, "skipped": skipped, "triggers": triggers}
@@ -928,8 +971,6 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
     list of dict
         The manifests created by this call (with ``uri``); existing or skipped ones are not listed.
     """
-    from .notify import notify
-
     cfg = RequestConfig.from_dict(config)
     logs_uri = logs_table_or_uri if isinstance(logs_table_or_uri, str) else None
     if logs_uri is not None:
@@ -942,8 +983,16 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
                          existing=existing, drift_look=drift_look, anchor_ids=anchor_ids, now=now)
     for s in plan["skipped"]:
         log.info("label request not raised for %s/%s: %s", evaluation, s.get("scope"), s.get("reason"))
+    return _write_and_notify(st, plan["requests"], cfg, evaluation, window)
+
+
+def _write_and_notify(st: Any, manifests: Sequence[dict], cfg: RequestConfig, evaluation: str | None,
+                      window: str | None) -> list[dict]:
+    """Create each manifest (create-only) and notify it; returns the ones this call created."""
+    from .notify import notify
+
     created = []
-    for m in plan["requests"]:
+    for m in manifests:
         if not write_request(st, m):
             log.info("label request %s exists already; not written again", m["request_id"])
             continue
@@ -951,13 +1000,102 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
         log.info("label request %s: %d label(s) for %s/%s (%s)", m["request_id"], m["n_labels"], evaluation,
                  m["scope"], ", ".join(r["trigger"] for r in m["reasons"]))
         if cfg.notify:
-            m["notification"] = notify("label_request", {
+            payload = {
                 "evaluation": evaluation, "window": window, "request_id": m["request_id"], "uri": m["uri"],
                 "scope": m["scope"], "n_labels": m["n_labels"], "design": m["design"],
                 "triggers": [r["trigger"] for r in m["reasons"]], "reasons": [r["reason"] for r in m["reasons"]],
-                "deadline": m["deadline"]}, webhook_url=cfg.webhook_url)
+                "deadline": m["deadline"]}
+            if m.get("drift"):
+                payload["drift"] = m["drift"]
+                payload["n_anchors"] = len(m.get("anchors") or [])
+            m["notification"] = notify("label_request", payload, webhook_url=cfg.webhook_url)
         created.append(m)
     return created
+
+
+def _empty_logs() -> pa.Table:
+    return pa.table({"response_id": pa.array([], pa.string()), "policy": pa.array([], pa.string()),
+                     "judge_score": pa.array([], pa.float64())})
+
+
+def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mapping, anchor_ids: Sequence[str], *,
+                         evaluation: str | None = None, latest: Mapping | None = None, logs_uri: str | None = None,
+                         config: Mapping | RequestConfig | None = None, no_traffic_reason: str | None = None,
+                         now: datetime | str | None = None) -> dict:
+    """Raise the label request of a drift alarm: fresh labels on anchors and on recent traffic.
+
+    Only the ``drift_alarm`` trigger is evaluated here (the audit triggers belong to the
+    evaluation's own runs, `evaluate_and_audit`).
+
+    Parameters
+    ----------
+    storage_cfg : StorageConfig, dict or None
+    requests_uri : str
+        Root of ``label_requests/`` (``config.requests_uri`` takes precedence).
+    drift_look : dict
+        The alarming look (`DriftLook.to_dict()` with ``meta``: monitor, set_name, judge_id, ...).
+    anchor_ids : list of str
+        The anchor set's ids (anchor labels are drawn from them).
+    evaluation : str, optional
+        The monitor's linked evaluation.
+    latest : dict, optional
+        Its latest published run (`flows.publish.read_latest`): window and result.
+    logs_uri : str, optional
+        The evaluation's logs; the recent traffic is read from the latest run's window and
+        joined with the label store at ``config.labels_uri`` (default the logs URI).
+    config : dict or RequestConfig
+        The evaluation's ``label_requests`` settings (budget, sizes, deduplication scope).
+    no_traffic_reason : str, optional
+        Why recent traffic cannot be requested (recorded in the manifest); without ``latest``
+        and ``logs_uri`` the request holds anchors only.
+
+    Returns
+    -------
+    dict
+        ``requests`` (manifests created by this call, with ``uri``), ``skipped`` (with reasons)
+        and ``traffic`` (what "recent traffic" meant, or why there was none).
+    """
+    from dataclasses import replace
+
+    cfg = RequestConfig.from_dict(config)
+    if "drift_alarm" not in cfg.triggers:
+        return {"requests": [], "traffic": None, "skipped": [{
+            "scope": "drift", "trigger": "drift_alarm",
+            "reason": f"the drift_alarm trigger is disabled in the label_requests settings of evaluation "
+                      f"{evaluation!r}"}]}
+    cfg_drift = replace(cfg, triggers=("drift_alarm",))
+    has_result = isinstance(latest, Mapping) and isinstance(latest.get("result"), Mapping)
+    table = None
+    if has_result and logs_uri:
+        window = str(latest["window"])
+        try:
+            table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg)
+        except CJEInputError as exc:  # the alarm still asks for anchor labels; the manifest says why
+            log.warning("drift label request: recent traffic of %r not readable (%s); anchors only", evaluation, exc)
+            no_traffic_reason = f"the logs of window {window} of evaluation {evaluation!r} are not readable ({exc})"
+    if table is not None:
+        published: Mapping = latest
+        traffic = (f"the last {cfg.recent_days} log date(s) of window {window} of evaluation {evaluation!r} "
+                   f"(latest published run {latest.get('run_key')}), unlabelled rows only, from {logs_uri}")
+    else:
+        window = None
+        table = _empty_logs()
+        published = {"policies": {}, "config": {}}
+        traffic = "none requested: " + (no_traffic_reason or (
+            "the drift monitor has no linked evaluation" if not evaluation else
+            f"evaluation {evaluation!r} has no published result yet" if not has_result else
+            f"the logs of evaluation {evaluation!r} are unknown to the drift flow"))
+    st = _storage(cfg.requests_uri or requests_uri, storage_cfg)
+    existing = list_requests(st, now=now)
+    plan = plan_requests(published, table, cfg_drift, evaluation=evaluation, window=window, logs_uri=logs_uri,
+                         existing=existing, drift_look=drift_look,
+                         anchor_ids=[] if anchor_ids is None else list(anchor_ids), now=now)
+    for m in plan["requests"]:
+        m.setdefault("drift", {})["traffic"] = traffic
+    for s in plan["skipped"]:
+        log.info("drift label request not raised for look %s: %s", drift_look.get("look"), s.get("reason"))
+    created = _write_and_notify(st, plan["requests"], cfg, evaluation, window)
+    return {"requests": created, "skipped": plan["skipped"], "traffic": traffic}
 
 
 # --------------------------------------------------------------------------------------
@@ -1045,4 +1183,5 @@ def _build_flow():
 evaluate_and_audit = _build_flow()
 
 __all__ = ["RequestConfig", "find_triggers", "plan_requests", "sample", "raise_requests_for_run", "list_requests",
-           "write_request", "mark_fulfilled", "status_of", "iso_period", "evaluate_and_audit", "TRIGGERS"]
+           "write_request", "mark_fulfilled", "status_of", "iso_period", "evaluate_and_audit", "TRIGGERS",
+           "raise_drift_requests"]

@@ -27,7 +27,7 @@ from cje_engine.simulate_drift import Judge, drifted_judge, fit_calibration, mak
 from flows.anchors import score_files, write_anchor_scores, write_anchor_set
 from flows.drift_flow import (DriftStateConflict, calibration_from_result, commit_state, drift, drift_deployments,
                               latest_look, load_drift_monitors, load_state, read_looks, render_drift_report,
-                              run_drift)
+                              run_drift, format_summary)
 from flows.publish import publish_run
 from flows.storage import Storage
 
@@ -468,3 +468,132 @@ def test_declared_monitors_and_deployments(tmp_path):
         with pytest.raises(CJEInputError) as err:
             load_drift_monitors(config)
         assert text in str(err.value) and str(config) in str(err.value)
+
+
+# ------------------------------------------------------------------------------ label requests on alarms
+
+
+def test_drift_alarm_raises_one_label_request_for_anchors_and_recent_traffic(prefect_server, tmp_path, receiver):
+    """The shift scenario of test_scenario_over_scheduled_looks (same seed, same draws, so the same
+    looks: no alarm at looks 1-2, an alarm at look 3 or 4), now with a linked evaluation whose
+    logs cover 2025-03-01..02: the first alarm writes one manifest under label_requests/ with the
+    reason, the anchors and recent-traffic rows; later looks and reruns raise nothing new."""
+    from flows.label_requests import list_requests, mark_fulfilled, raise_drift_requests
+    from flows.publish import read_latest
+
+    from .conftest import write_simulated_logs
+
+    uri = str(tmp_path / "cje")
+    st = Storage.for_uri(uri)
+    st_logs, st_labels = Storage.for_uri(str(tmp_path / "logs")), Storage.for_uri(str(tmp_path / "labels"))
+    frame, _ = write_simulated_logs(st_logs, st_labels, n_prompts=150, days=2, seed=3)
+    world = World("shift", 12)
+    set_name = "anchors-shift"
+    write_anchor_set(st, set_name, world.frame())
+    window = "2025-03-01_2025-03-02"
+    result = {"schema_version": 1, "policies": {"base": {"level_claim": "ok", "estimate": 0.6}},
+              "config": {"label_scale": [0, 1]},
+              "calibration": {"mode": "monotone", "n_train": 2000, "curve": world.curve}}
+    assert publish_run(st, "main", window, "run1", {"result.json": json.dumps(result).encode()}, {}).published
+    ref, rep = world.score(False), world.score(False)
+    write_look(st, set_name, ref, "v1", 0)
+    write_look(st, set_name, rep, "v1", 1)
+    req_cfg = {"drift_traffic_labels": 30, "drift_anchor_labels": 10}
+    kw = dict(webhook_url=receiver.url, evaluation_logs_uri=str(tmp_path / "logs"),
+              labels_uri=str(tmp_path / "labels"), label_requests=req_cfg)
+    run(uri, set_name, 1, **kw)
+    outs = []
+    for t in range(1, 5):
+        drifted = t >= 3
+        write_look(st, set_name, world.score(drifted), "v2" if drifted else "v1", t + 1)
+        outs.append(run(uri, set_name, t + 1, **kw))
+    assert [o["alarm"] for o in outs[:2]] == [False, False]
+    assert all(o["label_requests"] == [] for o in outs[:2])
+    first = next(i for i, o in enumerate(outs) if o["alarm"])
+    look = outs[first]["new_looks"][0]
+    (req,) = outs[first]["label_requests"]
+    assert req["look"] == look["look"] == first + 1 and req["judge_id"] == "v2" and req["alarms"] == look["alarms"]
+    assert req["n_rows"] == 30 and req["n_anchors"] == 10 and req["n_labels"] == 40
+
+    stored = list_requests(Storage.for_uri(uri))
+    assert [m["request_id"] for m in stored] == [req["request_id"]]
+    m = json.loads((tmp_path / "cje" / "label_requests" / f"{req['request_id']}.json").read_text())
+    assert m["scope"] == "drift" and m["evaluation"] == "main" and m["window"] == window
+    (reason,) = m["reasons"]
+    assert reason["trigger"] == "drift_alarm"
+    assert f"look {look['look']}" in reason["reason"] and "judge v2" in reason["reason"]
+    for a in look["alarms"]:
+        assert a in reason["reason"]
+    assert reason["detail"]["look"] == look["look"] and reason["detail"]["judge_id"] == "v2"
+    assert m["drift"]["monitor"] == set_name and m["drift"]["look"] == look["look"]
+    assert m["drift"]["look_key"] == look["meta"]["look_key"]
+    assert "2025-03-01_2025-03-02" in m["drift"]["traffic"]
+    # anchors: 10 distinct ids of the anchor set, each drawn with probability 10/200
+    ids = {a["anchor_id"] for a in m["anchors"]}
+    assert len(ids) == 10 and ids <= set(world.anchors.anchor_ids)
+    assert all(a["selection_probability"] == 10 / N_ANCHORS for a in m["anchors"])
+    # recent traffic: unlabelled rows of the last log date of the window, with inclusion probabilities
+    unlabelled = set(frame.loc[frame["oracle_label"].isna(), "response_id"])
+    assert len({r["response_id"] for r in m["rows"]}) == 30
+    assert {r["dt"] for r in m["rows"]} == {"2025-03-02"}
+    assert all(r["response_id"] in unlabelled for r in m["rows"])
+    assert all(0 < r["inclusion_probability"] <= 1 and r["selection_probability"] > 0 for r in m["rows"])
+    hooks = [b for b in receiver.bodies if b["kind"] == "label_request"]
+    assert len(hooks) == 1 and hooks[0]["payload"]["request_id"] == req["request_id"]
+    assert hooks[0]["payload"]["drift"]["look"] == look["look"]
+    text = format_summary(outs[first])
+    assert f"label request {req['request_id']}" in text and "30 recent traffic row(s) + 10 anchor(s)" in text
+
+    # later looks raise nothing new while it is pending (a new first alarm of another metric is skipped)
+    for o in outs[first + 1:]:
+        assert o["label_requests"] == []
+        if any(lk["alarm"] for lk in o["new_looks"]) and o["label_requests_skipped"]:
+            assert all("pending" in s["reason"] for s in o["label_requests_skipped"])
+    # a second run of the same look: nothing new
+    again = run(uri, set_name, 5, **kw)
+    assert again["new_looks"] == [] and again["label_requests"] == []
+    # the same look raised once more (a repair, a retry), even after the request was fulfilled: nothing new
+    mark_fulfilled(st, req["request_id"], {"labels": 40})
+    latest = read_latest(st, "main")
+    redo = raise_drift_requests(None, uri, look, world.anchors.anchor_ids, evaluation="main", latest=latest,
+                                logs_uri=str(tmp_path / "logs"), config=req_cfg)
+    assert redo["requests"] == [] and "already raised request" in redo["skipped"][0]["reason"]
+    assert len(list_requests(st)) == 1
+
+
+def test_drift_alarm_without_linked_evaluation_requests_anchors_only(prefect_server, tmp_path):
+    """No evaluation: the residual metrics are skipped, the mean shift still alarms, and the request
+    holds anchor labels only with the reason recorded."""
+    uri = str(tmp_path / "cje")
+    st = Storage.for_uri(uri)
+    world = World("shift", 12)
+    write_anchor_set(st, "solo", world.frame())
+    for i, drifted in enumerate((False, False, True)):
+        write_look(st, "solo", world.score(drifted), "v2" if drifted else "v1", i)
+    out = run(uri, "solo", 2, evaluation=None, label_requests={"drift_anchor_labels": 20})
+    assert out["alarm"] and "mean_shift" in out["alarms"]  # a 0.1 shift on 200 anchors (docs/drift.md)
+    (req,) = out["label_requests"]
+    assert req["n_rows"] == 0 and req["n_anchors"] == 20 and req["evaluation"] is None
+    assert req["traffic"] == "none requested: the drift monitor has no linked evaluation"
+    assert "traffic none requested" in format_summary(out)
+
+
+def test_bad_label_request_settings_fail_before_any_work(prefect_server, tmp_path):
+    with pytest.raises(CJEInputError, match="unknown label request setting"):
+        run(str(tmp_path / "nothing"), "s", 1, label_requests={"colour": 1})
+
+
+def test_declared_monitor_takes_its_evaluations_logs_and_request_settings(tmp_path):
+    config = tmp_path / "e.yaml"
+    config.write_text(json.dumps({
+        "evaluations": [{"name": "e", "logs_uri": "logs", "labels_uri": "labels", "results_uri": "res",
+                         "label_requests": {"drift_traffic_labels": 7}}],
+        "drift_monitors": [{"name": "m", "set_name": "s", "anchors_uri": "data", "evaluation": "e"},
+                           {"name": "other", "set_name": "s", "anchors_uri": "data", "evaluation": "elsewhere",
+                            "results_uri": "r2"}]}))
+    specs = load_drift_monitors(config)
+    p = specs["m"].flow_parameters()
+    assert p["evaluation_logs_uri"] == str(tmp_path / "logs") and p["labels_uri"] == str(tmp_path / "labels")
+    assert p["results_uri"] == str(tmp_path / "res") and p["label_requests"] == {"drift_traffic_labels": 7}
+    q = specs["other"].flow_parameters()  # not declared here: anchors only on alarm
+    assert q["evaluation_logs_uri"] is None and q["label_requests"] is None and q["results_uri"] == str(tmp_path / "r2")

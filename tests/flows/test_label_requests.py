@@ -339,3 +339,83 @@ def test_inclusion_probability_scales_with_prior_labels(case):
         # unhelpful's 5 earlier labels had probability 5/400 (simulator SRS)
         assert row["prior_probability"] == pytest.approx(5 / 400)
         assert row["inclusion_probability"] == pytest.approx(row["selection_probability"] * 5 / 400)
+
+
+# ----------------------------------------------------------------------------- drift alarms
+
+
+def _drift_look(look: int = 3, monitor: str = "m", alarms=("mean_shift",)) -> dict:
+    return {"look": look, "alarm": True, "alarms": list(alarms), "first_alarm": {a: look for a in alarms},
+            "meta": {"monitor": monitor, "set_name": "anchors", "judge_id": "v2", "look_key": f"2025-03-05/v2",
+                     "anchors_version": 1}}
+
+
+def test_drift_request_without_traffic_holds_anchors_only_and_says_why(tmp_path):
+    from flows.label_requests import raise_drift_requests
+
+    anchors = [f"a{i:03d}" for i in range(40)]
+    cfg = {"drift_anchor_labels": 8, "notify": False}
+    out = raise_drift_requests(None, str(tmp_path), _drift_look(), anchors, config=cfg, now=NOW)
+    (m,) = out["requests"]
+    assert m["rows"] == [] and len(m["anchors"]) == 8 and m["n_labels"] == 8 and m["evaluation"] is None
+    assert m["drift"]["traffic"] == "none requested: the drift monitor has no linked evaluation"
+    assert all(a["selection_probability"] == 8 / 40 for a in m["anchors"])
+    assert m["reasons"][0]["trigger"] == "drift_alarm" and "look 3 (judge v2" in m["reasons"][0]["reason"]
+    # the same look again (any status): nothing; another monitor of the same set: other anchors only
+    mark_fulfilled(Storage.for_uri(str(tmp_path)), m["request_id"], {})
+    again = raise_drift_requests(None, str(tmp_path), _drift_look(), anchors, config=cfg, now=NOW)
+    assert again["requests"] == [] and "already raised" in again["skipped"][0]["reason"]
+    other = raise_drift_requests(None, str(tmp_path), _drift_look(monitor="m2"), anchors, config=cfg, now=NOW)
+    (m2,) = other["requests"]
+    # m's request is fulfilled, so its anchors are free again: 8 of 40, drawn independently
+    assert len(m2["anchors"]) == 8 and m2["request_id"] != m["request_id"]
+    third = raise_drift_requests(None, str(tmp_path), _drift_look(monitor="m3"), anchors, config=cfg, now=NOW)
+    pending = {a["anchor_id"] for a in m2["anchors"]}
+    (m3,) = third["requests"]
+    assert pending.isdisjoint(a["anchor_id"] for a in m3["anchors"])  # pending anchors never twice
+    assert all(a["selection_probability"] == 8 / 32 for a in m3["anchors"])
+    # evaluation given but nothing published yet
+    e = raise_drift_requests(None, str(tmp_path / "x"), _drift_look(), anchors, evaluation="ev", config=cfg, now=NOW)
+    assert e["requests"][0]["drift"]["traffic"] == "none requested: evaluation 'ev' has no published result yet"
+
+
+def test_drift_request_with_traffic_respects_pending_rows_budget_and_switch(case, tmp_path):
+    from flows.label_requests import raise_drift_requests
+    from flows.logs import write_logs
+
+    sim, table, r = case
+    logs = tmp_path / "logs"
+    frame = table.to_pandas()
+    frame["ts"] = pd_ts(frame["dt"])
+    labelled = frame["oracle_label"].notna()
+    write_logs(Storage.for_uri(str(logs)), pa.Table.from_pandas(
+        frame.drop(columns=["dt", "oracle_label", "label_probability"]), preserve_index=False), basename="t")
+    from flows.labels import LabelStore
+
+    LabelStore(Storage.for_uri(str(logs))).append(pa.Table.from_pandas(
+        frame.loc[labelled, ["response_id", "oracle_label", "label_probability"]].reset_index(drop=True),
+        preserve_index=False), "oracle")
+    latest = {"result": r, "window": "2025-03-01_2025-03-02", "run_key": "k1", "evaluation": "ev"}
+    anchors = [f"a{i}" for i in range(10)]
+    cfg = {"drift_traffic_labels": 20, "drift_anchor_labels": 5, "notify": False, "max_labels_per_period": 22}
+    # an audit request of the same run holds some rows of the recent day
+    audit = raise_requests_for_run(None, str(tmp_path), "ev", "2025-03-01_2025-03-02", {"result": r, "run_key": "k1"},
+                                   table, {"notify": False, "max_labels_per_period": 10 ** 6}, now=NOW)
+    held = {row["response_id"] for m in audit for row in m["rows"]}
+    out = raise_drift_requests(None, str(tmp_path), _drift_look(), anchors, evaluation="ev", latest=latest,
+                               logs_uri=str(logs), config=cfg, now=NOW + timedelta(days=7))  # next ISO week
+    (m,) = out["requests"]
+    assert len(m["rows"]) == 20 and {row["dt"] for row in m["rows"]} == {"2025-03-02"}
+    assert not labelled[frame["response_id"].isin([row["response_id"] for row in m["rows"]])].any()
+    assert held.isdisjoint(row["response_id"] for row in m["rows"])
+    assert len(m["anchors"]) == 2 and "anchors: 2 of 5" in m["note"]  # the budget of 22 leaves 2 anchors
+    assert m["drift"]["traffic"].startswith("the last 1 log date(s) of window 2025-03-01_2025-03-02")
+    off = raise_drift_requests(None, str(tmp_path), _drift_look(look=9), anchors, evaluation="ev", latest=latest,
+                               logs_uri=str(logs), config=dict(cfg, triggers=["audit_failed"]), now=NOW)
+    assert off["requests"] == [] and "disabled" in off["skipped"][0]["reason"]
+
+
+def pd_ts(dt):
+    import pandas as pd
+
+    return pd.to_datetime(dt).dt.tz_localize("UTC") + pd.Timedelta(hours=1)
