@@ -576,43 +576,6 @@ def _compare(names: list[str], point: np.ndarray, reps: np.ndarray, refused: np.
     return out
 
 
-def _rank(names: list[str], est: np.ndarray, comparisons: list[dict], refused: np.ndarray, claims: list[str]):
-    K = len(names)
-    idx = {n: i for i, n in enumerate(names)}
-    sig = np.zeros((K, K), dtype=int)
-    prob = np.full((K, K), np.nan)
-    for c in comparisons:
-        a, b = idx[c["a"]], idx[c["b"]]
-        if c["prob_a_better"] is not None:
-            prob[a, b], prob[b, a] = c["prob_a_better"], 1 - c["prob_a_better"]
-        if c["significant"]:
-            if c["diff"] > 0:
-                sig[a, b] = 1
-            elif c["diff"] < 0:
-                sig[b, a] = 1
-    rank = 1 + sig.sum(axis=0)
-    key = np.where(np.isfinite(est), est, -np.inf)
-    order = sorted(range(K), key=lambda i: (rank[i], -key[i]))
-    ranking = [{"policy": names[i], "rank": int(rank[i]), "estimate": _num(est[i]), "level_claim": claims[i],
-                "tied_with": [names[j] for j in range(K) if j != i and rank[j] == rank[i]]} for i in order]
-    win = {"policies": list(names), "significant": (sig - sig.T).tolist(),
-           "prob_row_better": [[None if not np.isfinite(v) else float(v) for v in row] for row in prob]}
-    ok = [i for i in range(K) if not refused[i] and np.isfinite(est[i])]
-    best, reason = None, "no policy has an unrefused level claim"
-    if ok:
-        top = max(ok, key=lambda i: est[i])
-        if all(sig[top, j] for j in range(K) if j != top):
-            best, reason = names[top], f"{names[top]} is significantly better than every other policy"
-        else:
-            ties = [names[j] for j in range(K) if j != top and not sig[top, j]]
-            reason = (f"no clear winner: {names[top]} has the highest unrefused estimate but is not significantly "
-                      f"better than {', '.join(ties)}")
-        top_all = int(np.argmax(key))
-        if refused[top_all] and top_all != top:
-            reason += f"; {names[top_all]} has a higher estimate but its level claim is refused"
-    return ranking, win, best, reason
-
-
 def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicyResult:
     """Direct's finalize for the logger (and the fresh draws), then every candidate's gated entry,
     paired comparisons over all policies, ranking and the best policy (never a refused one)."""
@@ -647,7 +610,7 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
     refused = np.array([policies[n]["level_claim"] == "refused" for n in names])
     span = eng.label_scale[1] - eng.label_scale[0]
     comparisons = _compare(names, est, R, refused, eng.alpha, eng.multiplicity, span)
-    ranking, win, best, best_reason = _rank(names, est, comparisons, refused,
+    ranking, win, best, best_reason = pipeline.rank_policies(names, est, comparisons, refused,
                                             [policies[n]["level_claim"] for n in names])
     raw = np.array([policies[n]["raw_judge_mean"] for n in names], dtype=float)
     tau = None

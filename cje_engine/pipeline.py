@@ -382,9 +382,10 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
         policies[name] = entry
 
     comparisons = _compare(prep, reps if use_boot else None, cols, refused, cov, dfs, warnings)
-    ranking, win, best, best_reason = _rank(d.policies, policies, comparisons, refused)
     raw = np.array([policies[p]["raw_judge_mean"] for p in d.policies])
     est = np.array([policies[p]["estimate"] for p in d.policies])
+    ranking, win, best, best_reason = rank_policies(
+        list(d.policies), est, comparisons, refused, [policies[p]["level_claim"] for p in d.policies])
     tau = float(kendalltau(raw, est, variant="b").statistic) if K >= 2 else None
     if tau is not None and not np.isfinite(tau):
         tau = None
@@ -472,40 +473,46 @@ def _compare(prep: Prepared, reps, cols, refused, cov, dfs, warnings) -> list[di
     return out
 
 
-def _rank(names, policies, comparisons, refused):
+def rank_policies(names: Sequence[str], est: np.ndarray, comparisons: list[dict], refused: np.ndarray,
+                  claims: Sequence[str]):
+    """Ranking with ties, win matrix and best policy from significance-marked comparisons.
+
+    Rank = 1 + number of policies significantly better. The best policy is the top unrefused one
+    when it is significantly better than every other policy; a refused policy is never best.
+    Estimates may be NaN (ranked last); ``prob_a_better`` may be None.
+    """
     K = len(names)
     idx = {n: i for i, n in enumerate(names)}
     sig = np.zeros((K, K), dtype=int)  # sig[i, j] = 1 if i significantly better than j
     prob = np.full((K, K), np.nan)
     for c in comparisons:
         a, b = idx[c["a"]], idx[c["b"]]
-        prob[a, b], prob[b, a] = c["prob_a_better"], 1 - c["prob_a_better"]
+        if c.get("prob_a_better") is not None:
+            prob[a, b], prob[b, a] = c["prob_a_better"], 1 - c["prob_a_better"]
         if c["significant"]:
             if c["diff"] > 0:
                 sig[a, b] = 1
             elif c["diff"] < 0:
                 sig[b, a] = 1
     rank = 1 + sig.sum(axis=0)
-    est = np.array([policies[n]["estimate"] for n in names])
-    order = sorted(range(K), key=lambda i: (rank[i], -est[i]))
-    ranking = [{"policy": names[i], "rank": int(rank[i]), "estimate": float(est[i]),
-                "level_claim": policies[names[i]]["level_claim"],
+    key = np.where(np.isfinite(est), est, -np.inf)
+    order = sorted(range(K), key=lambda i: (rank[i], -key[i]))
+    ranking = [{"policy": names[i], "rank": int(rank[i]), "estimate": float(est[i]), "level_claim": claims[i],
                 "tied_with": [names[j] for j in range(K) if j != i and rank[j] == rank[i]]} for i in order]
     win = {"policies": list(names),
            "significant": (sig - sig.T).tolist(),
            "prob_row_better": [[None if not np.isfinite(v) else float(v) for v in row] for row in prob]}
-    ok = [i for i in range(K) if not refused[i]]
+    ok = [i for i in range(K) if not refused[i] and np.isfinite(est[i])]
     best, reason = None, "no policy has an unrefused level claim"
     if ok:
         top = max(ok, key=lambda i: est[i])
-        beats_all = all(sig[top, j] for j in range(K) if j != top)
-        if beats_all:
+        if all(sig[top, j] for j in range(K) if j != top):
             best, reason = names[top], f"{names[top]} is significantly better than every other policy"
         else:
             ties = [names[j] for j in range(K) if j != top and not sig[top, j]]
             reason = (f"no clear winner: {names[top]} has the highest unrefused estimate but is not significantly "
                       f"better than {', '.join(ties)}")
-        top_all = int(np.argmax(est))
+        top_all = int(np.argmax(key))
         if refused[top_all] and top_all != top:
             reason += f"; {names[top_all]} has a higher estimate but its level claim is refused"
     return ranking, win, best, reason
