@@ -105,6 +105,8 @@ def generate_logs(data: Path, days: int = 7, prompts_per_day: int = 1000, seed: 
 
 
 ANCHOR_SET = "demo-anchors"
+#: The demo's label budget: room for the audit requests of the evaluation and the drift alarm's request.
+DEMO_REQUESTS = {"max_labels_per_period": 3000, "max_labels_per_request": 400}
 
 
 def _write_demo_anchors(st, dates, seed: int, n_anchors: int = 200) -> None:
@@ -167,12 +169,14 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
                 evaluation=EVALUATION,
                 options={"covariates": ["response_length"], "calibration_policies": ["base"],
                          "n_bootstrap": n_bootstrap, "seed": seed},
+                label_requests=DEMO_REQUESTS,
             )
             # The drift alarm of the judge update raises a label request on the anchors and on the
             # evaluation's recent traffic: the flow gets the evaluation's logs and label store.
             summary["drift"] = drift(set_name=ANCHOR_SET, anchors_uri=info["results_uri"], evaluation=EVALUATION,
                                      results_uri=info["results_uri"], through=info["dates"][-1],
-                                     evaluation_logs_uri=info["logs_uri"], labels_uri=info["labels_uri"])
+                                     evaluation_logs_uri=info["logs_uri"], labels_uri=info["labels_uri"],
+                                     label_requests=DEMO_REQUESTS)
     finally:
         if launched is not None:  # failed before prefect_api took it over
             from .server import stop_server
