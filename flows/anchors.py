@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 
 from cje_engine.errors import CJEInputError
 
-from .logs import PARTITION, as_date, partition_of
+from .logs import PARTITION, as_date, column_kind, partition_of
 from .storage import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -139,21 +139,6 @@ class AnchorSet:
             self.table.column("response").to_pylist())]
 
 
-def _kind(t: pa.DataType) -> str:
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return "string"
-    if pa.types.is_integer(t):
-        return "integer"
-    if pa.types.is_floating(t) or pa.types.is_decimal(t):
-        return "float"
-    if pa.types.is_timestamp(t):
-        return "timestamp"
-    if pa.types.is_null(t):
-        return "null"
-    return str(t)
-
 
 def _col(table: pa.Table, name: str, typ: pa.DataType) -> pa.ChunkedArray:
     arr = table.column(name)
@@ -186,7 +171,7 @@ def normalize_anchors(table: Any, source: str = "<anchors>") -> pa.Table:
     kinds = {"anchor_id": ("string", "integer"), "prompt": ("string",), "response": ("string",),
              "prompt_id": ("string", "integer"), "oracle_label": ("float", "integer", "null")}
     for col, ok in kinds.items():
-        if col in names and _kind(table.schema.field(col).type) not in ok:
+        if col in names and column_kind(table.schema.field(col).type) not in ok:
             raise CJEInputError(f"has type {table.schema.field(col).type}, expected "
                                 f"{'a number' if col == 'oracle_label' else 'a string'}", source=source, column=col)
     if table.num_rows < 1:
@@ -352,7 +337,7 @@ def _canonical_scores(table: pa.Table, source: str) -> pa.Table:
     kinds = {"anchor_id": ("string", "integer"), "judge_id": ("string", "integer"), "ts": ("timestamp",),
              "judge_score": ("float", "integer", "string", "null")}
     for col, ok in kinds.items():
-        if _kind(table.schema.field(col).type) not in ok:
+        if column_kind(table.schema.field(col).type) not in ok:
             want = {"ts": "a timestamp", "judge_score": "a number"}.get(col, "a string")
             raise CJEInputError(f"has type {table.schema.field(col).type}, expected {want}", source=source,
                                 column=col)
@@ -367,7 +352,7 @@ def _canonical_scores(table: pa.Table, source: str) -> pa.Table:
         raw = raw.cast(raw.type.value_type)
     if (row := _first_null(raw)) is not None:
         raise CJEInputError("judge_score is null; expected a number", source=source, column="judge_score", row=row)
-    if _kind(raw.type) == "string":
+    if column_kind(raw.type) == "string":
         values = raw.to_pylist()
         conv = pd.to_numeric(pd.Series(values, dtype=object), errors="coerce").to_numpy(dtype=float)
         bad = np.flatnonzero(np.isnan(conv))

@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 
 from cje_engine.errors import CJEInputError
 
+from .logs import column_kind
 from .storage import NotFoundError, Storage, StorageError
 
 log = logging.getLogger(__name__)
@@ -56,21 +57,6 @@ _DATA_RE = re.compile(r"^v(\d{6})-([0-9a-f]{16})\.parquet$")
 _COMMIT_RE = re.compile(r"^v(\d{6})\.json$")
 _MAX_RACES = 50
 
-
-def _kind(t: pa.DataType) -> str:
-    if pa.types.is_dictionary(t):
-        t = t.value_type
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
-        return "string"
-    if pa.types.is_integer(t):
-        return "integer"
-    if pa.types.is_floating(t) or pa.types.is_decimal(t):
-        return "float"
-    if pa.types.is_null(t):
-        return "null"
-    if pa.types.is_boolean(t):
-        return "boolean"
-    return str(t)
 
 
 def normalize_labels(table: pa.Table, source: str) -> pa.Table:
@@ -89,10 +75,10 @@ def normalize_labels(table: pa.Table, source: str) -> pa.Table:
     for col, kinds in (("response_id", ("string", "integer")), ("oracle_label", ("float", "integer", "boolean"))):
         if col not in names:
             raise CJEInputError(f"required label column is missing (found {names})", source=source, column=col)
-        if _kind(table.schema.field(col).type) not in kinds:
+        if column_kind(table.schema.field(col).type) not in kinds:
             raise CJEInputError(f"has type {table.schema.field(col).type}, expected "
                                 f"{'a string' if col == 'response_id' else 'a number'}", source=source, column=col)
-    if "label_probability" in names and _kind(table.schema.field("label_probability").type) not in (
+    if "label_probability" in names and column_kind(table.schema.field("label_probability").type) not in (
             "float", "integer", "null"):
         raise CJEInputError(f"has type {table.schema.field('label_probability').type}, expected a number",
                             source=source, column="label_probability")

@@ -128,9 +128,10 @@ def discover_partitions(st: Storage, start_date: date | str, end_date: date | st
 # --------------------------------------------------------------------------- schema checks
 
 
-def _kind(t: pa.DataType) -> str:
+def column_kind(t: pa.DataType) -> str:
+    """Coarse kind of an Arrow type for schema checks: string, integer, float, timestamp, boolean, null."""
     if pa.types.is_dictionary(t):
-        return _kind(t.value_type)
+        t = t.value_type
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return "string"
     if pa.types.is_integer(t):
@@ -139,6 +140,8 @@ def _kind(t: pa.DataType) -> str:
         return "float"
     if pa.types.is_timestamp(t):
         return "timestamp"
+    if pa.types.is_boolean(t):
+        return "boolean"
     if pa.types.is_null(t):
         return "null"
     return str(t)
@@ -168,7 +171,7 @@ def check_schema(schema: pa.Schema, source: str) -> None:
                 source=source, column=col)
     for col, accepted in _ACCEPTED.items():
         if col in names:
-            kind = _kind(schema.field(col).type)
+            kind = column_kind(schema.field(col).type)
             if kind not in accepted:
                 want = " or ".join(_EXPECTED_TEXT[a] for a in accepted if a != "null")
                 raise CJEInputError(f"has type {schema.field(col).type}, expected {want}", source=source, column=col)
