@@ -1169,7 +1169,7 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
     """
     import yaml
 
-    from .schedules import DEFAULT_FILE
+    from .schedules import DEFAULT_FILE, check_schedule
 
     path = Path(path) if path is not None else DEFAULT_FILE
     src = str(path)
@@ -1211,19 +1211,8 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
             raise CJEInputError(f"{where} is declared twice", source=src)
         if not e.get("anchors_uri"):
             raise CJEInputError(f"{where} needs anchors_uri", source=src)
-        if e.get("cron") and e.get("interval"):
-            raise CJEInputError(f"{where}: give either cron or interval, not both", source=src)
-        if e.get("cron") is not None:
-            from prefect.client.schemas.schedules import CronSchedule
-
-            try:
-                CronSchedule(cron=str(e["cron"]), timezone=str(e.get("timezone", "UTC")))
-            except ValueError as exc:
-                raise CJEInputError(f"{where}: cron {e['cron']!r} or timezone is not valid ({exc})",
-                                    source=src) from None
+        check_schedule(e, where, src)
         interval = e.get("interval")
-        if interval is not None and (not isinstance(interval, (int, float)) or interval <= 0):
-            raise CJEInputError(f"{where}: interval must be a positive number of seconds", source=src)
         monitor = e.get("monitor") or {}
         scorer = e.get("scorer")
         try:

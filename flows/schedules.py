@@ -110,6 +110,24 @@ def _resolve(uri: Any, base: Path, where: str) -> str | None:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
+def check_schedule(e: dict, where: str, src: str) -> None:
+    """Validate an entry's ``cron``/``timezone``/``interval`` keys (one of cron or interval at most)."""
+    if e.get("cron") and e.get("interval"):
+        raise CJEInputError(f"{where}: give either cron or interval, not both", source=src)
+    if e.get("cron") is not None:
+        from prefect.client.schemas.schedules import CronSchedule
+
+        try:
+            CronSchedule(cron=str(e["cron"]), timezone=str(e.get("timezone", "UTC")))
+        except ValueError as exc:
+            detail = exc.errors()[0]["msg"] if hasattr(exc, "errors") else str(exc)
+            raise CJEInputError(f"{where}: cron {e['cron']!r} or timezone is not valid ({detail})",
+                                source=src) from None
+    interval = e.get("interval")
+    if interval is not None and (not isinstance(interval, (int, float)) or interval <= 0):
+        raise CJEInputError(f"{where}: interval must be a positive number of seconds", source=src)
+
+
 def load_evaluations(path: str | os.PathLike | None = None) -> dict[str, EvaluationSpec]:
     """Read and check the declarations; errors name the file, the entry and the key.
 
@@ -144,20 +162,8 @@ def load_evaluations(path: str | os.PathLike | None = None) -> dict[str, Evaluat
             raise CJEInputError(f"{where} is declared twice", source=src)
         if not e.get("logs_uri"):
             raise CJEInputError(f"{where} needs logs_uri", source=src)
-        if e.get("cron") and e.get("interval"):
-            raise CJEInputError(f"{where}: give either cron or interval, not both", source=src)
-        if e.get("cron") is not None:
-            from prefect.client.schemas.schedules import CronSchedule
-
-            try:
-                CronSchedule(cron=str(e["cron"]), timezone=str(e.get("timezone", "UTC")))
-            except ValueError as exc:
-                detail = exc.errors()[0]["msg"] if hasattr(exc, "errors") else str(exc)
-                raise CJEInputError(f"{where}: cron {e['cron']!r} or timezone is not valid ({detail})",
-                                    source=src) from None
+        check_schedule(e, where, src)
         interval = e.get("interval")
-        if interval is not None and (not isinstance(interval, (int, float)) or interval <= 0):
-            raise CJEInputError(f"{where}: interval must be a positive number of seconds", source=src)
         options = e.get("options") or {}
         if not isinstance(options, dict):
             raise CJEInputError(f"{where}: options must be a mapping of engine options", source=src)
