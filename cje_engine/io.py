@@ -282,18 +282,8 @@ def _read_parquet(path: Path) -> pd.DataFrame:
     return table.to_pandas()
 
 
-def _read_jsonl(path: Path) -> pd.DataFrame:
-    import pyarrow.json as pj
-
-    if path.stat().st_size == 0:
-        raise CJEInputError("file is empty (0 rows)", source=str(path))
-    try:
-        table = pj.read_json(path, read_options=pj.ReadOptions(block_size=1 << 24))
-        return table.to_pandas()
-    except (pa.ArrowException, OSError):
-        # Mixed types, a bad line or a very long line: parse line by line to find the problem
-        # (or to get an object frame whose bad values `_normalise` reports by row).
-        pass
+def read_jsonl_records(path: Path) -> list[dict]:
+    """Parse a JSONL file line by line; a bad line is an error naming the file, line and row."""
     records = []
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh):
@@ -314,7 +304,22 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
                     row=len(records),
                 )
             records.append(rec)
-    return pd.DataFrame.from_records(records)
+    return records
+
+
+def _read_jsonl(path: Path) -> pd.DataFrame:
+    import pyarrow.json as pj
+
+    if path.stat().st_size == 0:
+        raise CJEInputError("file is empty (0 rows)", source=str(path))
+    try:
+        table = pj.read_json(path, read_options=pj.ReadOptions(block_size=1 << 24))
+        return table.to_pandas()
+    except (pa.ArrowException, OSError):
+        # Mixed types, a bad line or a very long line: parse line by line to find the problem
+        # (or to get an object frame whose bad values `_normalise` reports by row).
+        pass
+    return pd.DataFrame.from_records(read_jsonl_records(path))
 
 
 def _read_csv(path: Path) -> pd.DataFrame:

@@ -32,7 +32,6 @@ naming the file, the column and (where there is one) the row of the input.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ import pyarrow as pa
 
 from .data import LABEL, POLICY, PROMPT, RESPONSE_ID, SCORE, Scale
 from .errors import CJEInputError
+from .io import read_jsonl_records
 from .offpolicy import FreshData, LoggedData
 from .weights import LOG_PROB_ATOL
 
@@ -151,21 +151,7 @@ class OffPolicyData:
 def _read_jsonl_records(path: Path) -> pd.DataFrame:
     if path.stat().st_size == 0:
         raise CJEInputError("file is empty (0 rows)", source=str(path))
-    records = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CJEInputError(f"line {lineno + 1} is not valid JSON ({exc.msg}); expected one JSON object "
-                                    "per line", source=str(path), row=len(records)) from None
-            if not isinstance(rec, dict):
-                raise CJEInputError(f"line {lineno + 1} holds a {type(rec).__name__}; expected one JSON object per "
-                                    "line", source=str(path), row=len(records))
-            records.append(rec)
-    return pd.json_normalize(records, max_level=1)
+    return pd.json_normalize(read_jsonl_records(path), max_level=1)
 
 
 def _read_logged(logged: Any) -> tuple[pd.DataFrame, str, Path | None]:
