@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import pandas as pd
-import pyarrow as pa
 from scipy.stats import kendalltau, norm, t as student_t
 
 from . import __version__

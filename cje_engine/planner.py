@@ -1231,7 +1231,6 @@ def render_plan_svg(plan: Mapping[str, Any], width: int = 900, height: int = 700
     optimum, and the share diagnostic (calibration share of variance vs oracle share of budget)."""
     p = plan
     comp = VarianceComponents(**p["components"])
-    c_S, c_Y = p["costs"]["c_S"], p["costs"]["c_Y"]
     k = p["mde_multiplier"]
     iso = p["iso_cost"]
     opt = iso["optimum"]

@@ -23,13 +23,16 @@ simulated prompts is exact:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 from scipy.special import log_softmax
 
 from .errors import CJEInputError
 from .offpolicy import FreshData, LoggedData
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def oracle_curve(s: np.ndarray) -> np.ndarray:
@@ -114,7 +117,7 @@ class SimulatedLogs:
         f = self.fresh[target]
         return FreshData(f.prompt_ids, f.scores, f.target_logprob, f.lengths, source="<simulation fresh>")
 
-    def to_frames(self, logger: str = "base") -> tuple["pd.DataFrame", "pd.DataFrame"]:
+    def to_frames(self, logger: str = "base") -> tuple[pd.DataFrame, pd.DataFrame]:
         """The data as tables for `cje_engine.offpolicy_pipeline.evaluate_offpolicy`.
 
         Returns ``(logged, fresh)``: ``logged`` has one row per logged response (``prompt_id``,

@@ -964,7 +964,7 @@ def render_drift_report(history: Sequence[dict], *, state: dict | None = None, t
     cfg = (state.get("monitor") or {}).get("config") or {}
     alpha = history[-1].get("alpha", cfg.get("alpha", 0.05))
     horizon = cfg.get("horizon")
-    spending = (f"alpha/(t(t+1)) per look (unbounded)" if horizon is None else f"alpha/{horizon} per look "
+    spending = ("alpha/(t(t+1)) per look (unbounded)" if horizon is None else f"alpha/{horizon} per look "
                 f"(horizon {horizon} looks)")
     last = history[-1]
     first_alarm = last.get("first_alarm") or {}

@@ -1079,7 +1079,7 @@ def _audit_section(result: dict, order: list[str], alpha: float) -> str:
             else "<p class='muted'>No policy has audit residuals to show.</p>")
     head = ("<tr><th>policy</th><th>verdict</th><th class='r'>labels</th>"
             "<th class='r'>mean residual</th>"
-            f"<th class='r'>adjusted CI</th><th class='r'>adj. p</th>"
+            "<th class='r'>adjusted CI</th><th class='r'>adj. p</th>"
             "<th>calibrator</th><th class='r'>more labels</th><th>reason</th></tr>")
     adj_txt = f" ({_esc(str(adj).title())} over audited policies)" if adj else ""
     return (f"<p class='lead'>Residual = oracle label \u2212 calibrated score on each policy's own "

@@ -346,7 +346,7 @@ def test_inclusion_probability_scales_with_prior_labels(case):
 
 def _drift_look(look: int = 3, monitor: str = "m", alarms=("mean_shift",)) -> dict:
     return {"look": look, "alarm": True, "alarms": list(alarms), "first_alarm": {a: look for a in alarms},
-            "meta": {"monitor": monitor, "set_name": "anchors", "judge_id": "v2", "look_key": f"2025-03-05/v2",
+            "meta": {"monitor": monitor, "set_name": "anchors", "judge_id": "v2", "look_key": "2025-03-05/v2",
                      "anchors_version": 1}}
 
 

@@ -1,7 +1,6 @@
 """Audit verdicts, level-claim gates, multiplicity adjustments and ranking rules."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pandas as pd
