@@ -5,16 +5,16 @@ What runs (all real, all on this machine, every process started here stopped her
 * an S3 server on 127.0.0.1: moto's server mode (`tests.s3server`, default) or the one-node
   Ceph radosgw tier (``--s3 radosgw``: ``infra/radosgw/start.sh`` / ``stop.sh`` with a state
   directory of its own);
-* a Prefect API server (`flows.server.launch_server`, its own SQLite database);
+* a Prefect API server (`flows.runtime.prefect_server.launch_server`, its own SQLite database);
 * a Ray cluster: ``ray start --head --num-cpus=1`` first, a second ``ray start --address=...
   --num-cpus=1`` node joining it later (both nodes share this machine's 2 cores);
-* one child process that simulates the logs (`cje_engine.simulate.simulate`: 5 policies x
+* one child process that simulates the logs (`cje_engine.simulate.direct.simulate`: 5 policies x
   ``rows/5`` prompts, MCAR labels on ``--label-fraction`` of the rows), writes them as
   hive-partitioned Parquet (``dt=YYYY-MM-DD/``, one file per day over ``--days`` days) with
-  `flows.logs.write_logs` and the labels into the label store (`flows.labels.LabelStore`);
+  `flows.storage.logs.write_logs` and the labels into the label store (`flows.storage.labels.LabelStore`);
 * per configuration, one child process that is the flow's driver: it connects to the Prefect
   API (``PREFECT_API_URL``) and to the Ray cluster (``RAY_ADDRESS``), runs
-  `flows.evaluate_flow.evaluate` and reports the flow's ``timings``, each Prefect task run's
+  `flows.pipelines.evaluate.evaluate` and reports the flow's ``timings``, each Prefect task run's
   duration (read back from the API), its own CPU time and ``ru_maxrss``.
 
 Memory: a sampling thread reads ``/proc`` every 0.2 s and sums RSS and PSS over the process
@@ -399,7 +399,7 @@ def _alive_nodes(address: str, env: dict) -> int:
 
 
 def start_ray_head(env: dict, object_store: int, log_dir: Path) -> RayCluster:
-    from flows.server import free_port
+    from flows.runtime.prefect_server import free_port
 
     temp_dir = tempfile.mkdtemp(prefix="cjebr")  # short: Ray's socket paths have a length limit
     port, client_port = free_port(), free_port()
@@ -450,14 +450,14 @@ def child_generate(args: argparse.Namespace) -> dict:
     import numpy as np
     import pyarrow as pa
 
-    from cje_engine.simulate import simulate
-    from flows.labels import LabelStore
-    from flows.logs import write_logs
-    from flows.storage import Storage, StorageConfig
+    from cje_engine.simulate.direct import simulate
+    from flows.storage.labels import LabelStore
+    from flows.storage.logs import write_logs
+    from flows.storage.objects import Storage, StorageConfig
 
     t0, c0 = time.perf_counter(), time.process_time()
     n_prompts = args.rows // args.policies
-    from cje_engine.simulate import default_policies
+    from cje_engine.simulate.direct import default_policies
 
     pols = default_policies()
     if args.policies != len(pols):
@@ -524,8 +524,8 @@ def _task_durations(flow_run_id) -> list[dict]:
 def child_flow(args: argparse.Namespace) -> dict:
     """Run the evaluate flow once (this process is the Prefect and Ray driver)."""
     t0, c0 = time.perf_counter(), time.process_time()
-    from flows.evaluate_flow import evaluate
-    from flows.server import use_api
+    from flows.pipelines.evaluate import evaluate
+    from flows.runtime.prefect_server import use_api
 
     opts = engine_options(args.config, args.bootstrap_B)
     t_import = time.perf_counter() - t0
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    from flows.server import launch_server, stop_server, wait_healthy
+    from flows.runtime.prefect_server import launch_server, stop_server, wait_healthy
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     node_counts = sorted({int(x) for x in args.nodes.split(",")})

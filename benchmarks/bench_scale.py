@@ -6,7 +6,7 @@ Two child processes, each measured on its own (peak RSS = ``getrusage(RUSAGE_SEL
 of that process, plus a sampling thread reading ``/proc/self/statm`` every 20 ms for the
 per-stage peaks):
 
-1. ``simulate``: `cje_engine.simulate.simulate` (default policies, MCAR labels) written to a
+1. ``simulate``: `cje_engine.simulate.direct.simulate` (default policies, MCAR labels) written to a
    Parquet file under ``benchmarks/_work/`` (reused on later runs unless ``--regenerate``);
 2. ``evaluate``: the timed inference from that Parquet file, stage by stage:
    ``load_frame`` (read + validate) -> ``EvalData.from_frame`` (codes, prompt folds) ->
@@ -105,7 +105,7 @@ def stage_simulate(args: argparse.Namespace) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cje_engine.simulate import simulate
+    from cje_engine.simulate.direct import simulate
 
     with MemorySampler() as mem:
         sim = simulate(args.prompts, oracle_fraction=args.fraction, seed=args.seed)
@@ -125,8 +125,8 @@ def stage_evaluate(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from cje_engine import bootstrap_chunk, finalize, prepare
-    from cje_engine.data import EvalData
-    from cje_engine.io import load_frame
+    from cje_engine.data.frame import EvalData
+    from cje_engine.data.io import load_frame
 
     covs = [] if args.no_covariates else ["response_length"]
     opts = dict(covariates=covs, calibration_mode=args.mode, inference="analytic", seed=args.seed)

@@ -2,7 +2,7 @@
 
 Grid: oracle fractions x prompts per policy (default {0.05, 0.10, 0.25, 0.50} x {500, 1000, 5000}),
 ``--datasets`` simulated datasets per cell (default 200), five policies each
-(`cje_engine.simulate.default_policies`: base and clone identical, a verbose, a concise and an
+(`cje_engine.simulate.direct.default_policies`: base and clone identical, a verbose, a concise and an
 adversarial policy; judge bias grows with response length; labels MCAR). Every dataset is
 evaluated with `cje_engine.evaluate` (covariate ``response_length``, calibration mode ``auto``)
 and compared with the exact true values ``E[Y]`` of the simulator.
@@ -73,7 +73,7 @@ def run_one(task: tuple) -> dict:
 
     _logging.getLogger("cje_engine").setLevel(_logging.WARNING)
     from cje_engine import evaluate
-    from cje_engine.simulate import simulate
+    from cje_engine.simulate.direct import simulate
 
     seed = _seed(n, frac, rep)
     sim = simulate(n, oracle_fraction=frac, seed=seed)

@@ -1,6 +1,6 @@
 """Logs-only and hybrid evaluation of the Arena sample's three candidate policies, next to Direct.
 
-Runs the engine's off-policy mode (`cje_engine.offpolicy_pipeline.evaluate_offpolicy`) on
+Runs the engine's off-policy mode (`cje_engine.pipeline.offpolicy.evaluate_offpolicy`) on
 ``logged_data.jsonl`` (1000 responses of the base policy, the logger, with teacher-forced
 log-probabilities under each candidate; 480 oracle labels):
 
@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cje_engine import evaluate  # noqa: E402
-from cje_engine.offpolicy_pipeline import evaluate_offpolicy  # noqa: E402
+from cje_engine.pipeline.offpolicy import evaluate_offpolicy  # noqa: E402
 
 log = logging.getLogger("offpolicy_arena")
 

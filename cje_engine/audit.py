@@ -17,7 +17,7 @@ import math
 import numpy as np
 from scipy.stats import norm
 
-from .multiplicity import holm
+from cje_engine.inference.multiplicity import holm
 
 
 def residual_deciles(score: np.ndarray, resid: np.ndarray, weight: np.ndarray, n_bins: int = 10) -> list[dict]:

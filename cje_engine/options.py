@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .data import Scale, parse_scale
-from .errors import CJEInputError
+from cje_engine.data.frame import Scale, parse_scale
+from cje_engine.errors import CJEInputError
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _prefect_boot():
     """Launch the session's Prefect server at once; it boots while Ray and S3 start."""
-    from flows.server import launch_server, stop_server
+    from flows.runtime.prefect_server import launch_server, stop_server
 
     server = launch_server(extra_env={"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"})
     yield server
@@ -91,7 +91,7 @@ def prefect_server(_prefect_boot):
     The scheduler loop is 1 s (default 60 s) so that a new deployment's interval schedule
     produces runs within seconds.
     """
-    from flows.server import use_api, wait_healthy
+    from flows.runtime.prefect_server import use_api, wait_healthy
 
     server = wait_healthy(_prefect_boot)
     with use_api(server.url):  # drains this process's log/event workers on exit (before the stop)
@@ -145,7 +145,7 @@ def ray_cluster():
     """
     import ray
 
-    from flows import ray_runtime
+    from flows.runtime import ray_fanout as ray_runtime
 
     temp_dir = tempfile.mkdtemp(prefix="cjeray")  # short: Ray's socket paths have a length limit
     port = _free_port()
@@ -351,7 +351,7 @@ def bucket(s3_server, request):
 @pytest.fixture
 def direct_storage(s3_server):
     """Storage roots read directly from moto (bypassing the proxy), for checking results."""
-    from flows.storage import Storage, StorageConfig
+    from flows.storage.objects import Storage, StorageConfig
 
     cfg = StorageConfig(endpoint_url=s3_server.endpoint, region="us-east-1",
                         access_key=S3_ENV["AWS_ACCESS_KEY_ID"], secret_key=S3_ENV["AWS_SECRET_ACCESS_KEY"])
@@ -375,9 +375,9 @@ def write_simulated_logs(st_logs, st_labels, n_prompts: int, days: int, seed: in
     import numpy as np
     import pyarrow as pa
 
-    from cje_engine.simulate import simulate
-    from flows.labels import LabelStore
-    from flows.logs import write_logs
+    from cje_engine.simulate.direct import simulate
+    from flows.storage.labels import LabelStore
+    from flows.storage.logs import write_logs
 
     sim = simulate(n_prompts, label_design="calibration_policy", oracle_fraction=0.25, audit_labels=120,
                    seed=seed)

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from cje_engine.errors import CJEInputError
-from flows.anchors import (anchor_key, list_versions, manifest_key, read_anchor_scores, read_anchor_set, score_files,
+from flows.storage.anchors import (anchor_key, list_versions, manifest_key, read_anchor_scores, read_anchor_set, score_files,
                            split_looks, write_anchor_scores, write_anchor_set)
-from flows.storage import Storage
+from flows.storage.objects import Storage
 
 DAY = datetime(2025, 3, 1, 8, tzinfo=timezone.utc)
 

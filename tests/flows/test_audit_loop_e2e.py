@@ -17,12 +17,12 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pytest
 
-from cje_engine.simulate import PolicySpec, simulate
-from flows.label_requests import evaluate_and_audit, list_requests
-from flows.labels import LabelStore
-from flows.labels_flow import labels
-from flows.logs import write_logs
-from flows.publish import list_runs, read_latest, read_run
+from cje_engine.simulate.direct import PolicySpec, simulate
+from flows.label_requests.requests import evaluate_and_audit, list_requests
+from flows.storage.labels import LabelStore
+from flows.pipelines.labels import labels
+from flows.storage.logs import write_logs
+from flows.storage.publish import list_runs, read_latest, read_run
 
 from .test_notify import Receiver
 

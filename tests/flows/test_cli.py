@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cje_engine.simulate import simulate
+from cje_engine.simulate.direct import simulate
 
 from .conftest import REPO
 
@@ -20,7 +20,7 @@ def _env(**extra):
 
 
 def _cje(*args, env=None, cwd=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env or _env(), cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "flows.cli.main", *args], env=env or _env(), cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -81,7 +81,7 @@ def test_cje_demo_on_embedded_defaults_publishes_report_and_cleans_up(tmp_path):
     assert not os.path.exists(f"/proc/{m.group(2)}")
     # Nothing hung at exit: Prefect's log/event workers were drained before the server
     # stopped (the other order leaves the process hanging ~70 s after this line).
-    stopped = re.search(r"^(\S+ \S+) INFO flows.server: local Prefect API server stopped", r.stderr, re.M)
+    stopped = re.search(r"^(\S+ \S+) INFO flows.runtime.prefect_server: local Prefect API server stopped", r.stderr, re.M)
     assert stopped, r.stderr[-2000:]
     lag = (ended - datetime.strptime(stopped.group(1), "%Y-%m-%d %H:%M:%S,%f")).total_seconds()
     assert lag < 30, f"process exited {lag:.0f} s after the server stopped"

@@ -6,9 +6,9 @@ from datetime import date
 import pytest
 
 from cje_engine.errors import CJEInputError
-from flows.evaluate_flow import Window, _group_files, parse_window
-from flows.ray_runtime import chunk_ranges
-from flows.schedules import DEFAULT_FILE, load_evaluations
+from flows.pipelines.evaluate import Window, _group_files, parse_window
+from flows.runtime.ray_fanout import chunk_ranges
+from flows.runtime.schedules import DEFAULT_FILE, load_evaluations
 
 
 def test_parse_window_forms():
@@ -53,7 +53,7 @@ def test_repository_evaluations_file_deploys_with_its_cron():
     assert specs, "evaluations.yaml declares no evaluation"
     for spec in specs.values():
         dep = spec.to_deployment()
-        assert dep.name == spec.name and dep.entrypoint == "flows.label_requests.evaluate_and_audit"
+        assert dep.name == spec.name and dep.entrypoint == "flows.label_requests.requests.evaluate_and_audit"
         assert dep.parameters["evaluation"] == spec.name and dep.parameters["logs_uri"] == spec.logs_uri
         if spec.cron:
             assert dep.schedules[0].schedule.cron == spec.cron

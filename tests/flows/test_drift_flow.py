@@ -1,10 +1,10 @@
 """The `drift` flow on real parts: the session's Prefect API server, local folders and moto S3.
 
-The simulated scenarios of `cje_engine.simulate_drift` (uniform shift, reorder, score-to-oracle
+The simulated scenarios of `cje_engine.simulate.drift` (uniform shift, reorder, score-to-oracle
 remap, and no drift) arrive as daily anchor-score partitions; the flow runs once per day (one
 scheduled look), persists its state between runs, and must (a) compute exactly what a
 `DriftMonitor` fed the same looks directly computes, (b) alarm after the judge update and not
-before, (c) never alarm under no drift. Nothing is mocked: alarms go through `flows.notify` to a
+before, (c) never alarm under no drift. Nothing is mocked: alarms go through `flows.integrations.notify` to a
 webhook receiver started here, the judge endpoint of the scorer test is a local HTTP server.
 """
 from __future__ import annotations
@@ -21,15 +21,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cje_engine.drift import METRICS, DriftMonitor
+from cje_engine.drift.monitor import METRICS, DriftMonitor
 from cje_engine.errors import CJEInputError
-from cje_engine.simulate_drift import Judge, drifted_judge, fit_calibration, make_anchor_set
-from flows.anchors import score_files, write_anchor_scores, write_anchor_set
-from flows.drift_flow import (DriftStateConflict, calibration_from_result, commit_state, drift, drift_deployments,
+from cje_engine.simulate.drift import Judge, drifted_judge, fit_calibration, make_anchor_set
+from flows.storage.anchors import score_files, write_anchor_scores, write_anchor_set
+from flows.pipelines.drift import (DriftStateConflict, calibration_from_result, commit_state, drift, drift_deployments,
                               latest_look, load_drift_monitors, load_state, read_looks, render_drift_report,
                               run_drift, format_summary)
-from flows.publish import publish_run
-from flows.storage import Storage
+from flows.storage.publish import publish_run
+from flows.storage.objects import Storage
 
 from .conftest import REPO
 from .test_scorer import KEY, FakeJudge
@@ -209,7 +209,7 @@ def test_scenario_over_scheduled_looks(prefect_server, tmp_path, request, receiv
     after = set().union(*alarms[2:])
     assert after & expected, (scenario, alarms)
     first_look = min(t + 1 for t in range(2, 4) if alarms[t])
-    # the first alarming look was notified through flows.notify (webhook + Prefect event)
+    # the first alarming look was notified through flows.integrations.notify (webhook + Prefect event)
     hooks = [b for b in receiver.bodies if b["kind"] == "drift_alarm"]
     assert hooks and hooks[0]["payload"]["look"] == first_look
     payload = hooks[0]["payload"]
@@ -239,7 +239,7 @@ def test_state_survives_a_process_restart_and_an_interrupted_commit(prefect_serv
     # look 1 in another process (a fresh interpreter: nothing in memory survives)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_API_URL=prefect_server.url, PYTHONPATH=str(REPO))
-    code = ("import json, sys; from flows.drift_flow import run_drift; "
+    code = ("import json, sys; from flows.pipelines.drift import run_drift; "
             f"out = run_drift('restart', {str(config)!r}, through={day(2)!r}); "
             "print(json.dumps({'n': out['n_looks'], 'key': out['state_key']}))")
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tmp_path), capture_output=True, text=True,
@@ -300,7 +300,7 @@ def test_flow_scores_anchors_through_the_judge_endpoint(prefect_server, tmp_path
     assert {r["auth"] for r in server.requests} == {f"Bearer {KEY}"}
     assert {r["body"]["model"] for r in server.requests} == {"judge-1"}
     # the scores written are the judge's answers
-    from flows.anchors import read_anchor_scores, split_looks
+    from flows.storage.anchors import read_anchor_scores, split_looks
 
     looks = split_looks(read_anchor_scores(st, score_files(st, "scored")))
     assert [lk.key for lk in looks] == [f"{day(i)}/judge-1@2025-03" for i in range(3)]
@@ -375,7 +375,7 @@ def test_bad_input_names_the_object(prefect_server, tmp_path):
 
 def test_calibration_curve_of_a_real_engine_result():
     from cje_engine import evaluate
-    from cje_engine.simulate import simulate
+    from cje_engine.simulate.direct import simulate
 
     sim = simulate(300, label_design="calibration_policy", oracle_fraction=0.3, audit_labels=60, seed=5)
     result = evaluate(sim.frame, inference="analytic", seed=0).to_dict()
@@ -430,7 +430,7 @@ def test_report_is_self_contained_and_shows_thresholds(tmp_path):
 
 
 def test_declared_monitors_and_deployments(tmp_path):
-    from flows.schedules import load_evaluations
+    from flows.runtime.schedules import load_evaluations
 
     # the repository's file: evaluations unchanged, drift monitors parsed
     assert "demo-weekly" in load_evaluations()
@@ -478,8 +478,8 @@ def test_drift_alarm_raises_one_label_request_for_anchors_and_recent_traffic(pre
     looks: no alarm at looks 1-2, an alarm at look 3 or 4), now with a linked evaluation whose
     logs cover 2025-03-01..02: the first alarm writes one manifest under label_requests/ with the
     reason, the anchors and recent-traffic rows; later looks and reruns raise nothing new."""
-    from flows.label_requests import list_requests, mark_fulfilled, raise_drift_requests
-    from flows.publish import read_latest
+    from flows.label_requests.requests import list_requests, mark_fulfilled, raise_drift_requests
+    from flows.storage.publish import read_latest
 
     from .conftest import write_simulated_logs
 

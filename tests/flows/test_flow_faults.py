@@ -17,9 +17,9 @@ import pytest
 
 from cje_engine import evaluate as engine_evaluate
 from cje_engine.errors import CJEInputError
-from flows.evaluate_flow import evaluate
-from flows.publish import list_runs, read_latest
-from flows.storage import StorageError
+from flows.pipelines.evaluate import evaluate
+from flows.storage.publish import list_runs, read_latest
+from flows.storage.objects import StorageError
 
 from .conftest import REPO, S3_ENV, write_simulated_logs
 
@@ -121,7 +121,7 @@ def _cli_run(setup, name, options, window, tmp_path, proxy, prefect_server, ray_
     env.update(S3_ENV, CJE_S3_ENDPOINT=proxy.endpoint, PREFECT_API_URL=prefect_server.url,
                RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO))
     log = open(tmp_path / f"{name}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", name, "--config", str(config)],
+    return subprocess.Popen([sys.executable, "-m", "flows.cli.main", "run", name, "--config", str(config)],
                             env=env, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 

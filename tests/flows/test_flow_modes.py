@@ -17,10 +17,10 @@ import pytest
 
 from cje_engine import evaluate as engine_evaluate
 from cje_engine.errors import CJEInputError
-from cje_engine.offpolicy_pipeline import evaluate_offpolicy
-from cje_engine.simulate_logs import simulate_logs
-from flows.evaluate_flow import evaluate
-from flows.publish import check_result_gate, read_latest
+from cje_engine.pipeline.offpolicy import evaluate_offpolicy
+from cje_engine.simulate.logs import simulate_logs
+from flows.pipelines.evaluate import evaluate
+from flows.storage.publish import check_result_gate, read_latest
 
 from .conftest import FIRST_DAY
 
@@ -39,8 +39,8 @@ def logs(prefect_server, ray_cluster, s3_env, bucket, direct_storage):
     Returns the URIs and ``expected``: the rows in the order the flow reads them (by day, then
     file order), labels joined, restricted to the columns the flow projects.
     """
-    from flows.labels import LabelStore
-    from flows.logs import write_logs
+    from flows.storage.labels import LabelStore
+    from flows.storage.logs import write_logs
 
     sim = simulate_logs(n_prompts=N_PROMPTS, length=32, targets={"near": 0.02, "far": 0.6}, seed=11,
                         label_fraction=0.3)

@@ -1,4 +1,4 @@
-"""Trigger rules, sampling, manifests, deduplication and the period budget (flows.label_requests)."""
+"""Trigger rules, sampling, manifests, deduplication and the period budget (flows.label_requests.requests)."""
 from __future__ import annotations
 
 import json
@@ -11,11 +11,11 @@ import pytest
 
 from cje_engine import evaluate
 from cje_engine.errors import CJEInputError
-from cje_engine.simulate import PolicySpec, simulate
-from flows.label_requests import (RequestConfig, find_triggers, iso_period, list_requests, mark_fulfilled,
+from cje_engine.simulate.direct import PolicySpec, simulate
+from flows.label_requests.requests import (RequestConfig, find_triggers, iso_period, list_requests, mark_fulfilled,
                                   plan_requests, raise_requests_for_run, sample, status_of, support_regions,
                                   _Rows)
-from flows.storage import Storage
+from flows.storage.objects import Storage
 
 from .test_notify import Receiver
 
@@ -119,7 +119,7 @@ def test_thin_support_regions_follow_the_engine_rule(case):
 
 
 def test_under_labelled_uses_the_square_root_law(case):
-    from cje_engine.planner import is_under_labelled, policy_components
+    from cje_engine.planning.planner import is_under_labelled, policy_components
 
     _, table, r = case
     trig = find_triggers(r, table, {"triggers": ["under_labelled"], "share_margin": 0.0})
@@ -351,7 +351,7 @@ def _drift_look(look: int = 3, monitor: str = "m", alarms=("mean_shift",)) -> di
 
 
 def test_drift_request_without_traffic_holds_anchors_only_and_says_why(tmp_path):
-    from flows.label_requests import raise_drift_requests
+    from flows.label_requests.requests import raise_drift_requests
 
     anchors = [f"a{i:03d}" for i in range(40)]
     cfg = {"drift_anchor_labels": 8, "notify": False}
@@ -380,8 +380,8 @@ def test_drift_request_without_traffic_holds_anchors_only_and_says_why(tmp_path)
 
 
 def test_drift_request_with_traffic_respects_pending_rows_budget_and_switch(case, tmp_path):
-    from flows.label_requests import raise_drift_requests
-    from flows.logs import write_logs
+    from flows.label_requests.requests import raise_drift_requests
+    from flows.storage.logs import write_logs
 
     sim, table, r = case
     logs = tmp_path / "logs"
@@ -390,7 +390,7 @@ def test_drift_request_with_traffic_respects_pending_rows_budget_and_switch(case
     labelled = frame["oracle_label"].notna()
     write_logs(Storage.for_uri(str(logs)), pa.Table.from_pandas(
         frame.drop(columns=["dt", "oracle_label", "label_probability"]), preserve_index=False), basename="t")
-    from flows.labels import LabelStore
+    from flows.storage.labels import LabelStore
 
     LabelStore(Storage.for_uri(str(logs))).append(pa.Table.from_pandas(
         frame.loc[labelled, ["response_id", "oracle_label", "label_probability"]].reset_index(drop=True),

@@ -14,13 +14,13 @@ import pytest
 
 from cje_engine import evaluate
 from cje_engine.errors import CJEInputError
-from cje_engine.simulate import PolicySpec, simulate
-from flows.label_requests import list_requests, raise_requests_for_run
-from flows.labels import LabelStore
-from flows.labels_flow import affected_windows, labels, parse_labels, validate_labels
-from flows.logs import write_logs
-from flows.schedules import EvaluationSpec
-from flows.storage import Storage
+from cje_engine.simulate.direct import PolicySpec, simulate
+from flows.label_requests.requests import list_requests, raise_requests_for_run
+from flows.storage.labels import LabelStore
+from flows.pipelines.labels import affected_windows, labels, parse_labels, validate_labels
+from flows.storage.logs import write_logs
+from flows.runtime.schedules import EvaluationSpec
+from flows.storage.objects import Storage
 
 POLICIES = (PolicySpec("base", quality_shift=0.8), PolicySpec("unhelpful", quality_shift=-1.0, adversarial=True))
 NOW = datetime(2025, 3, 5, 12, tzinfo=timezone.utc)

@@ -1,4 +1,4 @@
-"""flows.notify against a real local HTTP receiver (stdlib http.server in a thread)."""
+"""flows.integrations.notify against a real local HTTP receiver (stdlib http.server in a thread)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from flows.notify import KINDS, notify, notify_result, redact_url
+from flows.integrations.notify import KINDS, notify, notify_result, redact_url
 
 
 class Receiver:

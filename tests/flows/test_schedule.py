@@ -7,8 +7,8 @@ import subprocess
 import sys
 import time
 
-from flows.publish import read_latest
-from flows.storage import Storage
+from flows.storage.publish import read_latest
+from flows.storage.objects import Storage
 
 from .conftest import REPO, _stop_group, write_simulated_logs
 
@@ -26,7 +26,7 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS"))}
     env.update(PREFECT_API_URL=prefect_server.url, RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO),
                PREFECT_RUNNER_POLL_FREQUENCY="1")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(config), "--limit", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli.main", "serve", "--config", str(config), "--limit", "1"],
                             env=env, cwd=str(tmp_path), stdout=open(tmp_path / "serve.log", "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     completed = []

@@ -1,4 +1,4 @@
-"""`flows.scorer.OpenAIChatScorer` against a local OpenAI-compatible server started here.
+"""`flows.integrations.scorer.OpenAIChatScorer` against a local OpenAI-compatible server started here.
 
 The server (stdlib ``http.server`` in a thread on 127.0.0.1) imitates ``/v1/chat/completions``
 and follows a per-item script of answers: ``ok``, HTTP 429 (with Retry-After), 500, 401,
@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from cje_engine.errors import CJEInputError
-from flows.scorer import JudgeScorer, OpenAIChatScorer, ScorerError, chat_endpoint, parse_score
+from flows.integrations.scorer import JudgeScorer, OpenAIChatScorer, ScorerError, chat_endpoint, parse_score
 
 KEY = "sk-test-judge-key-never-shown-0123456789"
 

@@ -2,7 +2,7 @@
 
 * every YAML/JSON file parses;
 * every command the stack runs exists: `cje` sub-commands and their flags parse with the real
-  `flows.cli` parser, `prefect` / `ray` sub-commands and flags appear in their real ``--help``;
+  `flows.cli.main` parser, `prefect` / `ray` sub-commands and flags appear in their real ``--help``;
 * every environment variable the infra sets is read by the code (flows/, cje_engine/) or by
   the component that receives it (Prefect settings, Ray, botocore, the Postgres/MinIO images);
 * the Dockerfile's files exist, the versions it and the RayCluster name match the tested ones;
@@ -78,7 +78,7 @@ def code_env_reads() -> frozenset[str]:
 
     Counted: ``os.environ[NAME]``, ``<x>.get(NAME)`` / ``getenv(NAME)`` / ``setdefault`` /
     ``pop`` where the receiver mentions ``environ`` or ``env``, and string constants in
-    module-level tables whose name contains ``ENV`` (e.g. ``flows.storage.ENV_VARS``).
+    module-level tables whose name contains ``ENV`` (e.g. ``flows.storage.objects.ENV_VARS``).
     """
     names: set[str] = set()
     env_like = re.compile(r"^[A-Z][A-Z0-9_]+$")
@@ -160,12 +160,12 @@ def assert_cli_exists(argv: list[str], where: str) -> None:
     """The program, its sub-command and every ``--flag`` exist (cje: parse with the real parser)."""
     prog, args = argv[0], argv[1:]
     if prog == "cje":
-        from flows.cli import build_parser
+        from flows.cli.main import build_parser
 
         try:
             build_parser().parse_args(args)
         except SystemExit as exc:  # argparse error
-            pytest.fail(f"{where}: `cje {' '.join(args)}` does not parse with flows.cli ({exc})")
+            pytest.fail(f"{where}: `cje {' '.join(args)}` does not parse with flows.cli.main ({exc})")
         return
     assert (BIN / prog).exists(), f"{where}: program {prog!r} is not installed with the package"
     sub = [a for a in args if not a.startswith("-")][:2 if prog == "prefect" else 1]
@@ -442,7 +442,7 @@ def test_flow_runner_gets_what_the_code_needs_at_scale():
         assert name in serve and name in k8s, name
     assert serve["RAY_ADDRESS"].startswith("ray://") and serve["RAY_ADDRESS"].endswith(":10001")
     assert serve["CJE_S3_CONDITIONAL_WRITES"] == "native"
-    from flows.storage import StorageConfig
+    from flows.storage.objects import StorageConfig
 
     cfg = StorageConfig.from_env(serve)
     assert cfg.endpoint_url == "http://minio:9000" and cfg.conditional_writes == "native"
@@ -480,7 +480,7 @@ def test_readme_documents_exactly_the_variables_the_flow_runner_gets():
 
 
 def test_deployed_evaluations_load_and_match_the_configmap(tmp_path):
-    from flows.schedules import load_evaluations
+    from flows.runtime.schedules import load_evaluations
 
     specs = load_evaluations(INFRA / "evaluations.yaml")
     assert specs and all(s.logs_uri.startswith("s3://") for s in specs.values())
@@ -535,10 +535,10 @@ def test_bucket_policy_grants_no_wildcards_and_no_deletes():
 
 
 def test_bucket_policy_prefixes_are_where_the_code_reads_and_writes():
-    from flows.labels import LabelStore
-    from flows.publish import RESULTS
-    from flows.schedules import load_evaluations
-    from flows.storage import Storage, StorageConfig
+    from flows.storage.labels import LabelStore
+    from flows.storage.publish import RESULTS
+    from flows.runtime.schedules import load_evaluations
+    from flows.storage.objects import Storage, StorageConfig
 
     cfg = StorageConfig(endpoint_url="http://minio:9000", access_key="x", secret_key="y")
     spec = next(iter(load_evaluations(INFRA / "evaluations.yaml").values()))

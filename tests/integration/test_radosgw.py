@@ -1,4 +1,4 @@
-"""Real-S3 tier: boto3, pyarrow and flows.storage against Ceph radosgw on loopback.
+"""Real-S3 tier: boto3, pyarrow and flows.storage.objects against Ceph radosgw on loopback.
 
 Start the gateway first: ``bash infra/radosgw/start.sh`` (``.ci/run`` does, with
 ``CJE_REQUIRE_RGW=1`` so that a missing gateway fails these tests instead of skipping them).
@@ -260,7 +260,7 @@ print("OK")
 
 @pytest.mark.parametrize("checksum_env", [None, "when_required"])
 def test_pyarrow_multipart_needs_checksum_when_required(rgw_env, rgw_bucket, checksum_env):
-    """The measured fact flows.storage relies on: pyarrow's AWS SDK sends CRC checksums with
+    """The measured fact flows.storage.objects relies on: pyarrow's AWS SDK sends CRC checksums with
     multipart parts by default, which this radosgw refuses (411 MissingContentLength), and
     AWS_REQUEST_CHECKSUM_CALCULATION=when_required fixes it.  Fresh processes, because the SDK
     reads the variable from the process environment."""
@@ -280,18 +280,18 @@ def test_pyarrow_multipart_needs_checksum_when_required(rgw_env, rgw_bucket, che
         assert "411" in proc.stdout or "MissingContentLength" in proc.stdout, proc.stdout
 
 
-# --------------------------------------------------------------------------- flows.storage
+# --------------------------------------------------------------------------- flows.storage.objects
 
 
 def _storage(rgw_env, bucket, prefix="root", **overrides):
-    from flows.storage import Storage, StorageConfig
+    from flows.storage.objects import Storage, StorageConfig
 
     cfg = StorageConfig.from_env(rgw_env, **overrides)
     return Storage.for_uri(f"s3://{bucket}/{prefix}", cfg)
 
 
 def test_storage_config_from_env_file(rgw_env):
-    from flows.storage import StorageConfig
+    from flows.storage.objects import StorageConfig
 
     cfg = StorageConfig.from_env(rgw_env)
     assert cfg.endpoint_url == rgw_env["CJE_S3_ENDPOINT"] == rgw_env["CJE_RGW_ENDPOINT"]
@@ -361,7 +361,7 @@ def test_storage_arrow_fs_dataset(rgw_env, rgw_bucket):
 
 
 def test_storage_errors_name_object_and_hide_secrets(rgw_env, rgw_bucket):
-    from flows.storage import NotFoundError, StorageError
+    from flows.storage.objects import NotFoundError, StorageError
 
     st = _storage(rgw_env, rgw_bucket)
     with pytest.raises(NotFoundError) as info:
@@ -395,10 +395,10 @@ def test_bucket_policy_lets_the_flow_read_and_publish_but_not_delete(rgw_env, rg
     from datetime import datetime, timezone
     from pathlib import Path
 
-    from flows.labels import LabelStore
-    from flows.logs import discover_partitions, read_window, write_logs
-    from flows.publish import publish_run, read_latest
-    from flows.storage import StorageError
+    from flows.storage.labels import LabelStore
+    from flows.storage.logs import discover_partitions, read_window, write_logs
+    from flows.storage.publish import publish_run, read_latest
+    from flows.storage.objects import StorageError
 
     repo = Path(__file__).resolve().parents[2]
     policy = (repo / "infra" / "bucket-policy.json").read_text()

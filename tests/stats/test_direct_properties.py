@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cje_engine import evaluate
-from cje_engine.simulate import PolicySpec, simulate
+from cje_engine.simulate.direct import PolicySpec, simulate
 
 NOMINAL = 0.95
 

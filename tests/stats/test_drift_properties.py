@@ -1,4 +1,4 @@
-"""Seeded statistical properties of the drift monitor (cje_engine.drift).
+"""Seeded statistical properties of the drift monitor (cje_engine.drift.monitor).
 
 Fast tier (default run): >= 200 monitors per check. Slow tier (-m slow): 1000.
 Every tolerance is derived from a binomial standard error in the comment next to it.
@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from cje_engine.drift import METRICS, kendall_tau_b
-from cje_engine.simulate_drift import DEFAULT_EFFECT, detection_study, false_alarm_study, simulate_monitor
+from cje_engine.drift.monitor import METRICS, kendall_tau_b
+from cje_engine.simulate.drift import DEFAULT_EFFECT, detection_study, false_alarm_study, simulate_monitor
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from cje_engine.offpolicy import Rewards, bootstrap_target, evaluate_target
-from cje_engine.simulate_logs import oracle_curve, population_value, simulate_logs
-from cje_engine.weights import SIMCal, isotonic_fit, isotonic_predict, solve_simplex_qp
+from cje_engine.offpolicy.estimators import Rewards, bootstrap_target, evaluate_target
+from cje_engine.simulate.logs import oracle_curve, population_value, simulate_logs
+from cje_engine.offpolicy.weights import SIMCal, isotonic_fit, isotonic_predict, solve_simplex_qp
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def test_calibration_aware_bootstrap_covers():
 
 
 # ------------------------------------------------------------------------------------------
-# through the engine's entry point (cje_engine.offpolicy_pipeline.evaluate_offpolicy)
+# through the engine's entry point (cje_engine.pipeline.offpolicy.evaluate_offpolicy)
 # ------------------------------------------------------------------------------------------
 
 
@@ -202,7 +202,7 @@ def _entry_point_coverage(reps: int, n: int, n_boot: int, seed0: int) -> dict[st
     """Share of replicates whose reported interval covers the population value, for the hybrid
     headline (IF stack) and the logs-only headline (calibrated IPS; identical numbers in both modes,
     see tests/unit/test_offpolicy_pipeline.py), plus the share of level claims."""
-    from cje_engine.offpolicy_pipeline import evaluate_offpolicy
+    from cje_engine.pipeline.offpolicy import evaluate_offpolicy
 
     T, eta = 4, 0.05
     truth = population_value(eta, length=T)
@@ -259,7 +259,7 @@ def test_entry_point_far_target_refused():
     TTC in every replicate (expected TTC ~0.01, see test_far_target_gates_fire), the refusal says to
     collect fresh draws, and such a target is never crowned best policy. In hybrid mode the headline
     leaves the refused logs-only estimators out of the stack."""
-    from cje_engine.offpolicy_pipeline import evaluate_offpolicy
+    from cje_engine.pipeline.offpolicy import evaluate_offpolicy
 
     for r in range(4):
         sim = simulate_logs(n_prompts=200, length=64, targets={"far": 1.0}, seed=50_000 + r)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.storage import LocalStorage, S3Storage, Storage, StorageConfig
+from flows.storage.objects import LocalStorage, S3Storage, Storage, StorageConfig
 from tests.s3server import start_s3_server
 
 #: Distinctive credentials so that tests can assert they never leak into messages or logs.

@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from cje_engine.errors import CJEInputError
-from flows.labels import LabelStore, join_labels, label_conflicts
-from flows.storage import Storage
+from flows.storage.labels import LabelStore, join_labels, label_conflicts
+from flows.storage.objects import Storage
 
 
 def labels(ids, values, probs=None) -> pa.Table:
@@ -185,7 +185,7 @@ def test_join_keeps_existing_log_labels_where_store_has_none():
 
 
 def test_damaged_store_errors_name_the_object(storage: Storage):
-    from flows.storage import StorageError
+    from flows.storage.objects import StorageError
 
     ls = LabelStore(storage)
     ls.append(labels(["a"], [1.0]), "one")

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cje_engine.errors import CJEInputError
-from flows.logs import (
+from flows.storage.logs import (
     check_unique_response_ids,
     discover_partitions,
     first_duplicate,
@@ -18,7 +18,7 @@ from flows.logs import (
     read_window,
     write_logs,
 )
-from flows.storage import Storage
+from flows.storage.objects import Storage
 from tests.storage.conftest import make_s3_config, new_bucket
 
 POLICIES = ["base", "clone", "premium", "unhelpful"]

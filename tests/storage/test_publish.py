@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cje_engine.errors import CJEInputError
-from flows.publish import (
+from flows.storage.publish import (
     PublishGateError,
     cleanup_orphans,
     fingerprint_inputs,
@@ -26,7 +26,7 @@ from flows.publish import (
     read_run,
     run_key,
 )
-from flows.storage import ObjectInfo, Storage, StorageConfig, StorageError
+from flows.storage.objects import ObjectInfo, Storage, StorageConfig, StorageError
 from tests.storage.conftest import SECRET_KEY
 
 RESULT_EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
@@ -289,7 +289,7 @@ def _mp_context():
     """forkserver with the heavy imports preloaded once: children start in milliseconds instead of
     re-importing pyarrow/boto3/the engine (spawn), and without fork's inherited thread pools."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["flows.publish", "flows.storage", "tests.storage.test_publish"])
+    ctx.set_forkserver_preload(["flows.storage.publish", "flows.storage.objects", "tests.storage.test_publish"])
     return ctx
 
 
@@ -320,7 +320,7 @@ def test_publisher_killed_midway(storage: Storage):
 
 def test_cleanup_orphans_removes_old_uncommitted_attempts(storage: Storage):
     storage.write_bytes("results/ev/w/k2/20200101T000000Z-deadbeef/result.json", b"{}")  # old, never committed
-    young = f"results/ev/w/k3/{__import__('flows.publish', fromlist=['x'])._new_attempt()}/result.json"
+    young = f"results/ev/w/k3/{__import__('flows.storage.publish', fromlist=['x'])._new_attempt()}/result.json"
     storage.write_bytes(young, b"{}")
     publish_run(storage, "ev", "w", "k1", artifacts_for(), LINEAGE)
     committed = _run_objects(storage)

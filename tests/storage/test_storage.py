@@ -11,7 +11,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from flows.storage import (
+from flows.storage.objects import (
     ENV_VARS,
     LocalStorage,
     NotFoundError,

@@ -6,7 +6,7 @@ import pytest
 from scipy.optimize import lsq_linear
 from sklearn.isotonic import IsotonicRegression
 
-from cje_engine.calibration import IsotonicCalibrator, TwoStageCalibrator, _ramp_basis, _signed_log
+from cje_engine.calibration.calibrators import IsotonicCalibrator, TwoStageCalibrator, _ramp_basis, _signed_log
 
 
 def slow_pava(x, y, w):

@@ -1,4 +1,4 @@
-"""Unit tests of cje_engine.drift: reference computations, inputs, alarms and state."""
+"""Unit tests of cje_engine.drift.monitor: reference computations, inputs, alarms and state."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from cje_engine import drift
-from cje_engine.drift import (
+from cje_engine.drift import monitor as drift
+from cje_engine.drift.monitor import (
     METRICS,
     DriftMonitor,
     as_scores,
@@ -23,7 +23,7 @@ from cje_engine.drift import (
     tau_b_leave_one_out,
 )
 from cje_engine.errors import CJEInputError
-from cje_engine.simulate_drift import (
+from cje_engine.simulate.drift import (
     DEFAULT_EFFECT,
     Judge,
     drifted_judge,

@@ -9,8 +9,8 @@ import pytest
 from sklearn.isotonic import IsotonicRegression
 
 from cje_engine import bootstrap_chunk, evaluate, finalize, prepare
-from cje_engine.data import EvalData
-from cje_engine.estimators import bootstrap_weights, cross_fit, influence, make_design, policy_stats
+from cje_engine.data.frame import EvalData
+from cje_engine.direct.estimators import bootstrap_weights, cross_fit, influence, make_design, policy_stats
 
 
 def make_frame(seed: int, n_prompts: int = 120, label_frac: float = 0.4) -> pd.DataFrame:
@@ -84,7 +84,7 @@ def test_bootstrap_replicate_equals_refit_on_physically_resampled_data():
     frame = make_frame(4)
     data = EvalData.from_frame(frame)
     design = make_design(data, "monotone", None)
-    from cje_engine.estimators import replicate
+    from cje_engine.direct.estimators import replicate
 
     w = bootstrap_weights(seed=11, b=3, n_prompts=data.n_prompts)
     stats = replicate(design, w)
@@ -229,7 +229,7 @@ def test_oracle_only_baseline_matches_slow_computation():
 @pytest.mark.parametrize("seed", range(4))
 def test_binned_replicates_equal_the_generic_refit(seed):
     """Monotone replicates use per-(fold, score) sums; they must equal the row-level refit."""
-    from cje_engine.estimators import _cross_fit_binned
+    from cje_engine.direct.estimators import _cross_fit_binned
 
     frame = make_frame(seed)
     data = EvalData.from_frame(frame)

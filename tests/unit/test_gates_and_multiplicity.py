@@ -8,7 +8,7 @@ import pytest
 
 from cje_engine import evaluate
 from cje_engine.audit import audit_policies
-from cje_engine.multiplicity import benjamini_hochberg, holm
+from cje_engine.inference.multiplicity import benjamini_hochberg, holm
 
 
 def slow_holm(p):

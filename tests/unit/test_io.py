@@ -1,4 +1,4 @@
-"""Loading and validating evaluation data (`cje_engine.io.load_frame`)."""
+"""Loading and validating evaluation data (`cje_engine.data.io.load_frame`)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cje_engine.errors import CJEInputError
-from cje_engine.io import load_frame
+from cje_engine.data.io import load_frame
 
 CANONICAL = ["prompt_id", "policy", "judge_score", "oracle_label", "label_probability", "response_id"]
 
@@ -503,7 +503,7 @@ def test_unsupported_extension_missing_path_and_bad_objects(tmp_path: Path):
 # ----------------------------------------------------------------------------- scale
 @pytest.mark.slow
 def test_ten_million_rows_validate_in_seconds():
-    from cje_engine.simulate import simulate
+    from cje_engine.simulate.direct import simulate
 
     frame = simulate(2_000_000, seed=3).frame  # 5 policies -> 10 million rows
     start = time.process_time()
@@ -579,7 +579,7 @@ def test_csv_with_a_bad_value_after_the_first_block(tmp_path: Path):
 
 
 def test_sparse_integer_keys_use_the_hash_path():
-    from cje_engine.io import _repeated
+    from cje_engine.data.io import _repeated
 
     key = np.array([5, 10**12, 7, 10**12 + 1, 5], dtype=np.int64)
     assert _repeated(key, 10**13).tolist() == [True, False, False, False, True]

@@ -11,9 +11,9 @@ import pytest
 from scipy.optimize import minimize
 from sklearn.isotonic import IsotonicRegression
 
-from cje_engine.data import fold_of
+from cje_engine.data.frame import fold_of
 from cje_engine.errors import CJEInputError
-from cje_engine.offpolicy import (
+from cje_engine.offpolicy.estimators import (
     FreshData,
     LoggedData,
     OffPolicyConfig,
@@ -32,8 +32,8 @@ from cje_engine.offpolicy import (
     stack_estimates,
     target_typical_coverage,
 )
-from cje_engine.simulate_logs import oracle_curve, population_value, simulate_logs
-from cje_engine.weights import (
+from cje_engine.simulate.logs import oracle_curve, population_value, simulate_logs
+from cje_engine.offpolicy.weights import (
     SIMCal,
     ess_fraction,
     hill_tail_index,

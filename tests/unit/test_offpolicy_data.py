@@ -1,4 +1,4 @@
-"""Loading and validation of logged data (cje_engine.offpolicy_data): shapes, and every bad input
+"""Loading and validation of logged data (cje_engine.data.offpolicy): shapes, and every bad input
 named by file, column and row."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from cje_engine.errors import CJEInputError
-from cje_engine.offpolicy_data import load_offpolicy, projection_columns
-from cje_engine.simulate_logs import simulate_logs
+from cje_engine.data.offpolicy import load_offpolicy, projection_columns
+from cje_engine.simulate.logs import simulate_logs
 
 
 def _frames(n=60, seed=0):
@@ -171,7 +171,7 @@ def test_missing_columns_and_ambiguous_logger(tmp_path):
 
 
 def test_engine_validation_names_the_original_row():
-    """Errors found by cje_engine.io.load_frame (scores, labels, ids) point at the input's row even
+    """Errors found by cje_engine.data.io.load_frame (scores, labels, ids) point at the input's row even
     when logged rows and fresh draws are interleaved in one table."""
     _, logged, fresh = _frames()
     combined = pd.concat([fresh.iloc[:5], logged, fresh.iloc[5:]], ignore_index=True)

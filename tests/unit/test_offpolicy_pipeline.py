@@ -1,4 +1,4 @@
-"""The off-policy mode's entry point (cje_engine.offpolicy_pipeline): shared machinery with Direct,
+"""The off-policy mode's entry point (cje_engine.pipeline.offpolicy): shared machinery with Direct,
 replicates against a slow reference, determinism, result schema, gates, and the flow helpers."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from cje_engine import pipeline
-from cje_engine.calibration import IsotonicCalibrator
+from cje_engine.pipeline import direct as pipeline
+from cje_engine.calibration.calibrators import IsotonicCalibrator
 from cje_engine.errors import CJEInputError
-from cje_engine.estimators import bootstrap_weights
-from cje_engine.offpolicy import FreshData, LoggedData, Rewards, evaluate_target
-from cje_engine.offpolicy_pipeline import (
+from cje_engine.direct.estimators import bootstrap_weights
+from cje_engine.offpolicy.estimators import FreshData, LoggedData, Rewards, evaluate_target
+from cje_engine.pipeline.offpolicy import (
     OffPolicyOptions,
     _replicate,
     bootstrap_chunk,
@@ -24,7 +24,7 @@ from cje_engine.offpolicy_pipeline import (
     prepare,
     refit_rewards,
 )
-from cje_engine.simulate_logs import simulate_logs
+from cje_engine.simulate.logs import simulate_logs
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_same_seed_same_numbers_and_any_chunking(hybrid_prep, sim_frames):
 
 
 def test_direct_part_is_the_engines_direct(hybrid_prep):
-    """The logger's entry and the Direct summaries are cje_engine.pipeline's, from the same replicates."""
+    """The logger's entry and the Direct summaries are cje_engine.pipeline.direct's, from the same replicates."""
     prep = hybrid_prep
     chunks = bootstrap_chunk(prep, 0, 60)
     res = finalize(prep, [chunks])
@@ -120,8 +120,8 @@ def test_direct_part_is_the_engines_direct(hybrid_prep):
 
 
 def test_result_schema_gate_and_report(hybrid_prep, sim_frames):
-    from flows.publish import check_result_gate
-    from flows.report import render_report
+    from flows.storage.publish import check_result_gate
+    from flows.reports.evaluation import render_report
 
     res = finalize(hybrid_prep, [bootstrap_chunk(hybrid_prep, 0, 60)])
     d = res.to_dict()

@@ -11,7 +11,7 @@ from scipy.stats import norm
 
 from cje_engine import evaluate
 from cje_engine.errors import CJEInputError
-from cje_engine.planner import (
+from cje_engine.planning.planner import (
     VarianceComponents,
     allocation_diagnostic,
     allocation_for_mde,
@@ -294,8 +294,8 @@ def test_difference_components_reproduce_the_paired_variance(arena):
 
 
 def test_exact_data_route_uses_the_evaluation_influence(arena_dir):
-    from cje_engine.estimators import cluster_cov
-    from cje_engine.pipeline import finalize, prepare
+    from cje_engine.direct.estimators import cluster_cov
+    from cje_engine.pipeline.direct import finalize, prepare
 
     prep = prepare(arena_dir, calibration_policies=["base"], inference="analytic")
     res = finalize(prep, [])

@@ -1,4 +1,4 @@
-"""Tests for flows.report: the self-contained HTML report and the terminal table."""
+"""Tests for flows.reports.evaluation: the self-contained HTML report and the terminal table."""
 from __future__ import annotations
 
 import copy
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cje_engine.errors import CJEInputError
-from flows import report
-from flows.report import format_table, render_report
+from flows.reports import evaluation as report
+from flows.reports.evaluation import format_table, render_report
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
 SVG_NS = "{http://www.w3.org/2000/svg}"

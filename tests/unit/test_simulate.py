@@ -1,4 +1,4 @@
-"""The public simulator (`cje_engine.simulate`): determinism, known truth, judge biases, label designs."""
+"""The public simulator (`cje_engine.simulate.direct`): determinism, known truth, judge biases, label designs."""
 from __future__ import annotations
 
 import time
@@ -10,8 +10,8 @@ from scipy import integrate, stats
 from scipy.special import ndtr
 
 from cje_engine.errors import CJEInputError
-from cje_engine.io import load_frame
-from cje_engine.simulate import PolicySpec, SimSpec, default_policies, simulate, true_value
+from cje_engine.data.io import load_frame
+from cje_engine.simulate.direct import PolicySpec, SimSpec, default_policies, simulate, true_value
 
 # Two-sided normal quantile used for "within tolerance" checks: P(|Z| > 4.5) = 6.8e-6 per check,
 # so even with ~50 such checks in this file a false failure has probability < 4e-4 (seeds are fixed

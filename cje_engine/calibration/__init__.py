@@ -1,0 +1,1 @@
+"""Judge-to-oracle calibrators (scikit-learn style), monotone in the judge score."""

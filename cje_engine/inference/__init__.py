@@ -1,0 +1,1 @@
+"""Inference shared by every mode: multiplicity adjustment (and, later, clustered variance, comparisons)."""

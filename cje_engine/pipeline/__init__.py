@@ -1,0 +1,1 @@
+"""prepare -> replicates -> finalize: the evaluation path from a frame to a result."""

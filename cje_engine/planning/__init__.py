@@ -1,0 +1,1 @@
+"""Budget planning: variance components, square-root allocation, MDE tables, iso-cost curves."""

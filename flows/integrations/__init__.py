@@ -1,0 +1,1 @@
+"""External systems: webhook/event notifications, an OpenAI-compatible judge scorer."""

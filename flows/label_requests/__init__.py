@@ -1,0 +1,1 @@
+"""Oracle label requests: triggers, allocation, budgets, manifests."""

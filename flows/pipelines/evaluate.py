@@ -1,0 +1,564 @@
+"""The `evaluate` Prefect flow: logs in object storage to a published, gated result.
+
+Steps (each a Prefect task, so each has its own state, logs, timing and retries):
+
+1. ``discover``   list the ``dt=YYYY-MM-DD/*.parquet`` partitions of the window;
+2. ``read``       read them on Ray, one task per group of partitions (projection and
+                  policy filter pushed down), concatenate on the driver;
+3. ``join_labels``left-join the append-only label store on ``response_id``;
+4. ``validate``   cheap structural checks with clear errors (the engine validates fully);
+5. ``prepare``    the engine's `prepare`: validation, mode selection, calibration fitted
+                  ONCE, point estimates;
+6. ``bootstrap``  fan the bootstrap replicates out on Ray in chunks;
+7. ``finalize``   gather the chunks in order; the engine gates level claims, audits and
+                  compares every pair of policies (bit-identical to `cje_engine.evaluate`);
+8. ``render``     result.json, the per-policy Parquet summary and report.html;
+9. ``publish``    `flows.storage.publish.publish_run`: artifacts, manifest last, then latest.json.
+
+Ray directly, not ``prefect-ray``'s ``RayTaskRunner``
+---------------------------------------------------
+The fan-out uses Ray directly inside the ``read`` and ``bootstrap`` tasks because:
+
+* the prepared calibration is put into Ray's object store once and every chunk gets it by
+  reference; with ``RayTaskRunner`` each chunk would be a Prefect task whose parameters
+  are serialised per task (and hashed for cache keys);
+* a worker killed mid-chunk is simply re-run by Ray's own task retries
+  (``max_retries``); replicate ``b`` depends only on ``(seed, b)``, so the numbers are
+  identical.  With ``RayTaskRunner`` the re-executed attempt belongs to a Prefect task run
+  already marked Running, and its recovery depends on Prefect's orchestration rules;
+* workers never need the Prefect API: no per-worker client, no ephemeral server;
+* Prefect still sees every stage as a task with retries, logs and timings.
+
+Workers do not inherit the driver's environment on a cluster, so the storage settings
+travel as an explicit argument (``StorageConfig.to_dict(include_secrets=True)``) into the
+Ray read tasks; they never appear in flow parameters (which Prefect stores), logs or
+results.  Storage steps retry with backoff (``retry_delays``); bad data
+(`CJEInputError`) is never retried.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from typing import Any, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+from prefect.utilities.annotations import quote
+
+from cje_engine import __version__ as ENGINE_VERSION
+from cje_engine.errors import CJEInputError
+
+from flows.runtime import ray_fanout as ray_runtime
+
+log = logging.getLogger(__name__)
+
+#: Default backoff (seconds) between retries of storage steps.
+DEFAULT_RETRY_DELAYS: tuple[float, ...] = (2.0, 10.0, 30.0)
+
+#: Columns the flow reads from the logs besides the covariates.
+BASE_COLUMNS = ("prompt_id", "policy", "judge_score", "response_id")
+LABEL_COLUMNS = ("oracle_label", "label_probability")
+
+#: Fewest bootstrap replicates per Ray chunk (below this, scheduling dominates).
+MIN_CHUNK = 50
+
+
+# --------------------------------------------------------------------------------------
+# windows
+
+
+@dataclass(frozen=True)
+class Window:
+    """An inclusive range of log dates."""
+
+    start: date
+    end: date
+
+    @property
+    def label(self) -> str:
+        """Path-safe name used in result paths: ``YYYY-MM-DD_YYYY-MM-DD``."""
+        return f"{self.start.isoformat()}_{self.end.isoformat()}"
+
+    @property
+    def days(self) -> int:
+        return (self.end - self.start).days + 1
+
+
+_LAST_RE = re.compile(r"^\s*last[\s_-]*(\d+)[\s_-]*days?\s*$|^\s*(\d+)\s*d\s*$", re.I)
+
+
+def _as_date(value: Any, what: str) -> date:
+    if isinstance(value, datetime):
+        return value.date()
+    if isinstance(value, date):
+        return value
+    try:
+        return date.fromisoformat(str(value).strip())
+    except ValueError:
+        raise CJEInputError(f"{what} {value!r} is not a date; expected YYYY-MM-DD") from None
+
+
+def parse_window(window: Any = "last 7 days", as_of: Any = None) -> Window:
+    """Turn a window specification into dates.
+
+    Accepted: ``"last N days"`` / ``"Nd"`` (the N full days before ``as_of``, which
+    defaults to today in UTC, so a daily schedule never reads a half-written day),
+    ``"YYYY-MM-DD..YYYY-MM-DD"``, a single ``"YYYY-MM-DD"``, or a mapping with
+    ``start``/``end`` or ``last_days``.
+    """
+    ref = _as_date(as_of, "as_of") if as_of not in (None, "") else datetime.now(timezone.utc).date()
+    if isinstance(window, Window):
+        return window
+    if isinstance(window, dict):
+        if "last_days" in window:
+            window = f"last {window['last_days']} days"
+        elif "start" in window and "end" in window:
+            window = f"{window['start']}..{window['end']}"
+        else:
+            raise CJEInputError(f"window {window!r} needs 'start' and 'end' or 'last_days'")
+    text = str(window).strip()
+    m = _LAST_RE.match(text)
+    if m:
+        n = int(m.group(1) or m.group(2))
+        if n < 1:
+            raise CJEInputError(f"window {window!r} must cover at least one day")
+        return Window(ref - timedelta(days=n), ref - timedelta(days=1))
+    if ".." in text:
+        a, b = text.split("..", 1)
+        start, end = _as_date(a, "window start"), _as_date(b, "window end")
+    else:
+        start = end = _as_date(text, "window")
+    if end < start:
+        raise CJEInputError(f"window {window!r} ends before it starts")
+    return Window(start, end)
+
+
+# --------------------------------------------------------------------------------------
+# retries
+
+
+def _retry_unless_bad_input(task_: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition: retry storage/infrastructure failures, never bad data."""
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 - cannot tell: retry
+        return True
+    return not isinstance(exc, CJEInputError)
+
+
+_STORAGE_TASK = dict(retries=len(DEFAULT_RETRY_DELAYS), retry_delay_seconds=list(DEFAULT_RETRY_DELAYS),
+                     retry_condition_fn=_retry_unless_bad_input, cache_policy=NO_CACHE)
+_PURE_TASK = dict(cache_policy=NO_CACHE)
+
+
+def _storage(uri: str, cfg: Any):
+    from flows.storage.objects import Storage
+
+    return Storage.for_uri(uri, cfg)
+
+
+# --------------------------------------------------------------------------------------
+# tasks
+
+
+@task(name="discover", **_STORAGE_TASK)
+def discover(logs_uri: str, cfg: Any, window: Window) -> list[dict]:
+    """Partitions of the window as ``{"key", "size", "etag_or_mtime"}`` dicts (lineage)."""
+    from flows.storage.logs import discover_partitions
+
+    st = _storage(logs_uri, cfg)
+    files = discover_partitions(st, window.start, window.end)
+    infos = [_info_dict(f) for f in files]
+    get_run_logger().info("window %s: %d partition file(s), %.1f MB", window.label, len(infos),
+                          sum(i["size"] or 0 for i in infos) / 1e6)
+    return infos
+
+
+def _info_dict(f: Any) -> dict:
+    if isinstance(f, dict):
+        return {"key": f["key"], "size": f.get("size"), "etag_or_mtime": f.get("etag_or_mtime")}
+    if isinstance(f, str):
+        return {"key": f, "size": None, "etag_or_mtime": None}
+    return {"key": f.key, "size": getattr(f, "size", None), "etag_or_mtime": getattr(f, "etag_or_mtime", None)}
+
+
+def _group_files(files: Sequence[dict], n_groups: int) -> list[list[dict]]:
+    """Contiguous groups of files with nearly equal total size (keeps key order)."""
+    if not files:
+        return []
+    n_groups = max(1, min(n_groups, len(files)))
+    total = sum(max(f["size"] or 1, 1) for f in files)
+    target = total / n_groups
+    groups: list[list[dict]] = [[]]
+    acc = 0.0
+    for i, f in enumerate(files):
+        if groups[-1] and len(groups) < n_groups and (
+                acc >= target * len(groups) or len(files) - i <= n_groups - len(groups)):
+            groups.append([])
+        groups[-1].append(f)
+        acc += max(f["size"] or 1, 1)
+    return groups
+
+
+@task(name="read", **_STORAGE_TASK)
+def read(logs_uri: str, cfg: Any, files: list[dict], columns: list[str] | None,
+         policies: list[str] | None, n_groups: int) -> pa.Table:
+    """Read the window's partitions on Ray, one task per group of files."""
+    groups = _group_files(files, n_groups)
+    cfg_dict = cfg.to_dict(include_secrets=True)
+    t0 = time.perf_counter()
+    parts = ray_runtime.map_ordered(
+        ray_runtime.remote_read,
+        [(logs_uri, cfg_dict, [f["key"] for f in g], columns, policies) for g in groups],
+        name="cje_read",
+    )
+    table = pa.concat_tables(parts, promote_options="default") if parts else None
+    if table is None or table.num_rows == 0:
+        raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {logs_uri}"
+                            + (f" for policies {policies}" if policies else ""), source=logs_uri)
+    get_run_logger().info("read %d rows in %d Ray task(s) in %.2f s", table.num_rows, len(groups),
+                          time.perf_counter() - t0)
+    return table
+
+
+@task(name="load_labels", **_STORAGE_TASK)
+def load_labels(labels_uri: str, cfg: Any) -> tuple[pa.Table | None, dict]:
+    """The label store's labels at its current version (``None`` when empty) and lineage."""
+    from flows.storage.labels import LabelStore
+
+    store = LabelStore(_storage(labels_uri, cfg))
+    version = int(store.version())
+    info = {"labels_uri": labels_uri, "label_store_version": version, "n_label_rows": 0, "n_flagged": 0}
+    if version == 0:
+        return None, info
+    labels = store.read(version=version)
+    info["n_label_rows"] = labels.num_rows
+    info["n_flagged"] = int(pc.sum(pc.cast(labels["flagged"], pa.int64())).as_py() or 0)
+    get_run_logger().info("label store version %d: %d label row(s), %d flagged", version,
+                          info["n_label_rows"], info["n_flagged"])
+    return labels, info
+
+
+@task(name="join_labels", **_PURE_TASK)
+def join_labels(table: pa.Table, labels: pa.Table | None, info: dict) -> tuple[pa.Table, dict]:
+    """Attach the store's labels on ``response_id`` (`flows.storage.labels.join_labels`).
+
+    A ``response_id`` with conflicting labels uses its first label and is counted in
+    ``n_conflicting_rows``; with an empty store, labels written inline in the logs (if any)
+    are used as they are.
+    """
+    from flows.storage.labels import join_labels as store_join
+
+    info = dict(info)
+    if labels is None:
+        info["source"] = "logs" if "oracle_label" in table.column_names else "none"
+        return table, info
+    joined = store_join(table, labels)
+    if "label_conflict" in joined.column_names:
+        info["n_conflicting_rows"] = int(pc.sum(pc.cast(joined["label_conflict"], pa.int64())).as_py() or 0)
+        joined = joined.drop_columns(["label_conflict"])
+    info["n_joined"] = int(joined.num_rows - joined["oracle_label"].null_count)
+    info["source"] = "label_store"
+    get_run_logger().info("joined %d label(s) onto %d log rows", info["n_joined"], joined.num_rows)
+    return joined, info
+
+
+@task(name="validate", **_PURE_TASK)
+def validate(table: pa.Table, covariates: Sequence[str], source: str) -> dict:
+    """Structural checks with clear errors; returns row and label counts per policy."""
+    need = list(BASE_COLUMNS) + list(covariates)
+    for col in need:
+        if col not in table.column_names:
+            raise CJEInputError(f"column is missing from the logs (found: {', '.join(table.column_names)})",
+                                source=source, column=col)
+    from flows.storage.logs import first_duplicate
+
+    # Sort-based (benchmarks/bench_flow.py, 10M ids: 1.1 s and 0.5 GB of Arrow memory, where
+    # the hash-based pc.count_distinct took 6.6 s and 1.0 GB).
+    dup = first_duplicate(table["response_id"])
+    if dup is not None:
+        raise CJEInputError(f"response_id {dup!r} appears more than once in the window "
+                            "(response ids must be unique)", source=source, column="response_id")
+    if "oracle_label" not in table.column_names:
+        raise CJEInputError("no oracle labels: neither the label store nor the logs have any", source=source,
+                            column="oracle_label")
+    n_lab = table.num_rows - table["oracle_label"].null_count
+    if n_lab == 0:
+        raise CJEInputError("no row of the window has an oracle label", source=source, column="oracle_label")
+    counts = table.group_by("policy").aggregate([("policy", "count"), ("oracle_label", "count")])
+    per_policy = {p: {"rows": int(r), "labelled": int(lab)} for p, r, lab in
+                  zip(counts["policy"].to_pylist(), counts["policy_count"].to_pylist(),
+                      counts["oracle_label_count"].to_pylist())}
+    return {"n_rows": table.num_rows, "n_labelled": int(n_lab), "policies": per_policy}
+
+
+@task(name="prepare", **_PURE_TASK)
+def prepare(table: pa.Table, options: dict) -> Any:
+    """Engine `prepare`: validate, select the mode, fit the calibration once."""
+    from cje_engine.pipeline.direct import prepare as engine_prepare
+
+    return engine_prepare(table, **options)
+
+
+@task(name="bootstrap", retries=1, retry_delay_seconds=[1.0], retry_condition_fn=_retry_unless_bad_input,
+      cache_policy=NO_CACHE)
+def bootstrap(prep: Any, n_chunks: int | None) -> list:
+    """Bootstrap replicates in chunks on Ray (Ray re-runs chunks of dead workers)."""
+    opts = prep.options
+    if opts.inference != "bootstrap":  # as cje_engine.evaluate: the analytic route has no replicates
+        return []
+    B = int(opts.n_bootstrap)
+    if n_chunks is None:
+        n_chunks = 2 * ray_runtime.cluster_cpus()
+    n_chunks = max(1, min(int(n_chunks), max(1, B // MIN_CHUNK)))
+    ranges = ray_runtime.chunk_ranges(B, n_chunks)
+    t0 = time.perf_counter()
+    chunks = ray_runtime.map_ordered(_chunk_fn(prep), ranges, shared=prep, name="cje_bootstrap")
+    get_run_logger().info("%d replicates in %d Ray chunk(s) in %.2f s", B, len(ranges), time.perf_counter() - t0)
+    return chunks
+
+
+@task(name="finalize", **_PURE_TASK)
+def finalize(prep: Any, chunks: list) -> Any:
+    """Engine `finalize`: intervals, audits, gates, comparisons, ranking."""
+    from cje_engine.pipeline import offpolicy as offpolicy_pipeline
+    from cje_engine.pipeline.direct import finalize as engine_finalize
+
+    if isinstance(prep, offpolicy_pipeline.OffPolicyPrepared):
+        return offpolicy_pipeline.finalize(prep, chunks)
+    return engine_finalize(prep, chunks)
+
+
+@task(name="prepare_offpolicy", **_PURE_TASK)
+def prepare_offpolicy(table: pa.Table, options: dict) -> Any:
+    """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates."""
+    from cje_engine.pipeline.offpolicy import prepare as offpolicy_prepare
+
+    return offpolicy_prepare(table, **options)
+
+
+def _chunk_fn(prep: Any) -> Any:
+    """The Ray function computing bootstrap chunks for this prepared state."""
+    from cje_engine.pipeline import offpolicy as offpolicy_pipeline
+
+    if isinstance(prep, offpolicy_pipeline.OffPolicyPrepared):
+        return offpolicy_pipeline.bootstrap_chunk
+    return ray_runtime.remote_bootstrap
+
+
+@task(name="render", **_PURE_TASK)
+def render(result: Any, title: str) -> dict[str, bytes]:
+    """The run's artifacts: result.json, policies.parquet, report.html."""
+    from flows.reports.evaluation import render_report
+
+    d = result.to_dict()
+    buf = io.BytesIO()
+    pq.write_table(result.to_policy_table(), buf)
+    return {
+        "result.json": json.dumps(d, indent=2, allow_nan=False).encode("utf-8"),
+        "policies.parquet": buf.getvalue(),
+        "report.html": render_report(d, title=title).encode("utf-8"),
+    }
+
+
+@task(name="publish", **_STORAGE_TASK)
+def publish(results_uri: str, cfg: Any, evaluation: str, window: Window, key: str,
+            artifacts: dict[str, bytes], manifest: dict) -> dict:
+    """Gated atomic publish (manifest last, then latest.json)."""
+    from flows.storage.publish import publish_run
+
+    st = _storage(results_uri, cfg)
+    outcome = publish_run(st, evaluation, window.label, key, artifacts=artifacts, manifest=manifest)
+    out = {"published": bool(outcome.published), "path": outcome.path, "reason": outcome.reason,
+           "artifacts": dict(outcome.artifacts)}
+    get_run_logger().info("publish: %s", out)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the flow
+
+
+def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict:
+    """Engine keyword options of a run (validated by the engine), JSON-ready."""
+    from cje_engine.options import EvaluationOptions
+
+    opts = dict(options or {})
+    if policies:
+        opts["policies"] = list(policies)
+    EvaluationOptions.build(**opts)  # early, clear error on an unknown or bad option
+    return opts
+
+
+def config_hash(config: dict) -> str:
+    """Stable short hash of a JSON-ready configuration."""
+    blob = json.dumps(config, sort_keys=True, default=str).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _code_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"cje-service {version('cje-service')}, engine {ENGINE_VERSION}"
+    except Exception:  # noqa: BLE001 - not installed: source tree
+        return f"engine {ENGINE_VERSION} (source tree)"
+
+
+@flow(name="evaluate", log_prints=False, validate_parameters=True)
+def evaluate(
+    logs_uri: str,
+    window: str = "last 7 days",
+    evaluation: str = "default",
+    results_uri: str | None = None,
+    labels_uri: str | None = None,
+    policies: list[str] | None = None,
+    options: dict[str, Any] | None = None,
+    as_of: str | None = None,
+    n_chunks: int | None = None,
+    retry_delays: list[float] | None = None,
+    mode: str = "direct",
+) -> dict:
+    """Evaluate a window of logs and publish the result.
+
+    Parameters
+    ----------
+    logs_uri : str
+        Root of the hive-partitioned logs (``s3://bucket/prefix`` or a local folder).
+    window : str
+        ``"last N days"`` (full days before ``as_of``), ``"YYYY-MM-DD..YYYY-MM-DD"`` or a
+        single date.
+    evaluation : str
+        Name of the evaluation (results go to ``results/<evaluation>/<window>/<run_key>/``).
+    results_uri, labels_uri : str, optional
+        Where results are published and where the label store lives (default: ``logs_uri``).
+    policies : list of str, optional
+        Only these policies (pushed down into the read).
+    options : dict, optional
+        Engine keyword options (``covariates``, ``n_bootstrap``, ``seed``, ...).
+    as_of : str, optional
+        Reference date of a relative window (default: today, UTC).
+    n_chunks : int, optional
+        Bootstrap chunks on Ray (default: twice the cluster's CPUs).
+    retry_delays : list of float, optional
+        Backoff between retries of storage steps (default 2, 10, 30 s).
+    mode : {"direct", "logs-only", "hybrid"}
+        ``direct`` (default): fresh responses of every policy. ``logs-only`` / ``hybrid``: the
+        logger's logged responses with ``base_logprob`` and ``logprob__<candidate>`` columns (read
+        by projection), plus the candidates' fresh draws in hybrid mode
+        (`cje_engine.pipeline.offpolicy`; candidates from ``options["targets"]`` or ``policies``).
+
+    Returns
+    -------
+    dict
+        ``evaluation``, ``window``, ``run_key``, ``published``, ``path``, ``reason``,
+        ``report`` (location of report.html), ``timings`` (seconds per stage) and
+        ``result`` (the result dict).
+    """
+    from flows.storage.objects import StorageConfig
+
+    logger = get_run_logger()
+    timings: dict[str, float] = {}
+    results_uri = results_uri or logs_uri
+    labels_uri = labels_uri or logs_uri
+    win = parse_window(window, as_of)
+    if mode == "direct":
+        opts, extra_columns, read_policies = engine_options(options, policies), [], policies
+    else:
+        from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
+
+        opts = flow_options(options, policies, mode)
+        extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
+    covariates = list(opts.get("covariates") or [])
+    cfg = StorageConfig.from_env()  # from the driver's environment, never a flow parameter
+    delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
+    retry = dict(retries=len(delays), retry_delay_seconds=delays or [0.0])
+    logger.info("evaluation %r over %s (%s) from %s", evaluation, win.label, window, logs_uri)
+
+    with ray_runtime.ray_session() as ray_kind:
+        t0 = time.perf_counter()
+        files = discover.with_options(**retry)(logs_uri, quote(cfg), win)
+        if not files:
+            raise CJEInputError(f"no log partitions dt={win.start}..dt={win.end} under {logs_uri}",
+                                source=logs_uri)
+        labels, label_info = load_labels.with_options(**retry)(labels_uri, quote(cfg))
+        # Projection pushed down; with an empty label store every column is read (the
+        # logs may carry labels inline) and the needed ones are kept below.
+        needed = list(dict.fromkeys(list(BASE_COLUMNS) + covariates + extra_columns))
+        columns = needed if labels is not None else None
+        table = read.with_options(**retry)(logs_uri, quote(cfg), files, columns, read_policies,
+                                           2 * ray_runtime.cluster_cpus())
+        if columns is None:
+            table = table.select([c for c in needed + list(LABEL_COLUMNS) if c in table.column_names])
+        table, label_info = join_labels(quote(table), quote(labels), label_info)
+        del labels
+        timings["read"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        counts = validate(quote(table), covariates, logs_uri)
+        prep = (prepare if mode == "direct" else prepare_offpolicy)(quote(table), opts)
+        del table
+        chunks = bootstrap(quote(prep), n_chunks)
+        result = finalize(quote(prep), quote(chunks))
+        timings["statistics"] = time.perf_counter() - t1
+
+    config = {"evaluation": evaluation, "window": win.label, "policies": sorted(policies) if policies else None,
+              "options": opts, "logs_uri": logs_uri, "labels_uri": labels_uri}
+    if mode != "direct":
+        config["mode"] = mode
+    fingerprint = {"files": sorted(files, key=lambda f: f["key"]),
+                   "label_store_version": label_info["label_store_version"]}
+    key = _run_key(config, fingerprint)
+    t2 = time.perf_counter()
+    artifacts = render(quote(result), f"CJE evaluation {evaluation} - {win.start} to {win.end}")
+    timings["render"] = time.perf_counter() - t2
+    manifest = {
+        "window_spec": {"start": win.start.isoformat(), "end": win.end.isoformat(), "spec": window},
+        "config": config,
+        "config_hash": config_hash(config),
+        "inputs": {"logs_uri": logs_uri, "files": files, "n_files": len(files),
+                   "bytes": sum(f["size"] or 0 for f in files)},
+        "rows": counts,
+        "labels": label_info,
+        "code_version": _code_version(),
+        "engine_version": ENGINE_VERSION,
+        "seed": int(opts.get("seed", 0)),
+        "ray": ray_kind,
+        "flow_run_id": _flow_run_id(),
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+    }
+    t3 = time.perf_counter()
+    outcome = publish.with_options(**retry)(results_uri, quote(cfg), evaluation, win, key, quote(artifacts),
+                                            manifest)
+    timings["publish"] = time.perf_counter() - t3
+    report = outcome.get("artifacts", {}).get("report.html")
+    logger.info("timings (s): %s", {k: round(v, 2) for k, v in timings.items()})
+    return {"evaluation": evaluation, "window": win.label, "run_key": key, **outcome, "report": report,
+            "timings": timings, "result": result.to_dict()}
+
+
+def _run_key(config: dict, fingerprint: dict) -> str:
+    from flows.storage.publish import run_key
+
+    return run_key(config, fingerprint)
+
+
+def _flow_run_id() -> str | None:
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
+
+
+__all__ = ["evaluate", "parse_window", "Window", "engine_options", "DEFAULT_RETRY_DELAYS"]

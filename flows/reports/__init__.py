@@ -1,0 +1,1 @@
+"""Things for people: the HTML report and the terminal tables."""

@@ -1,0 +1,361 @@
+"""Append-only store of oracle labels, keyed by ``response_id`` and joined to logs at evaluation time.
+
+Labels arrive after the logs (people or an expensive judge label a sample later), so they are
+kept apart from the logs and never rewrite them.  Layout under the storage root::
+
+    labels/v000001-<sha16>.parquet      one immutable object per append (data)
+    labels/v000002-<sha16>.parquet
+    labels/_commits/v000001.json        commit record of version 1 (created last)
+    labels/_commits/v000002.json
+
+An append (1) hashes its normalised content (sha256 over the rows sorted by
+``(response_id, oracle_label, label_probability)``, duplicates removed); (2) returns the existing
+version if a committed version has the same hash (idempotent re-ingest); (3) creates the data
+object ``labels/v{N:06d}-{sha16}.parquet`` with `Storage.put_if_absent` where ``N`` is the
+number of committed versions plus one; and (4) commits by creating ``labels/_commits/v{N:06d}.json``
+with `Storage.put_if_absent`.  The commit key depends on ``N`` only, so of two concurrent
+appends exactly one gets version ``N``; the other removes its data object and retries with
+``N + 1`` (or, if its content turns out to be the winner's, returns the winner's version).
+Data objects without a commit record (a writer that died between steps 3 and 4) are ignored.
+The version is the number of committed objects; versions are contiguous.
+
+Reading: `LabelStore.read` returns every committed row with its ``version`` and a ``flagged``
+column.  Identical rows repeated across versions are kept once (earliest version).  A
+``response_id`` with two different labels (value or probability) is a *conflict*: all its rows
+are kept and flagged.  `join_labels` uses the first label (lowest version, then row order) for
+a conflicting id and marks the row in a ``label_conflict`` column, so the conflict is visible
+downstream instead of being silently resolved.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from cje_engine.errors import CJEInputError
+
+from flows.storage.logs import column_kind
+from flows.storage.objects import NotFoundError, Storage, StorageError
+
+log = logging.getLogger(__name__)
+
+LABEL_SCHEMA = pa.schema([
+    ("response_id", pa.string()),
+    ("oracle_label", pa.float64()),
+    ("label_probability", pa.float64()),
+])
+READ_SCHEMA = pa.schema(list(LABEL_SCHEMA) + [("version", pa.int64()), ("flagged", pa.bool_())])
+_DATA_RE = re.compile(r"^v(\d{6})-([0-9a-f]{16})\.parquet$")
+_COMMIT_RE = re.compile(r"^v(\d{6})\.json$")
+_MAX_RACES = 50
+
+
+
+def normalize_labels(table: pa.Table, source: str) -> pa.Table:
+    """Validate a label table and return it in `LABEL_SCHEMA` (sorted, exact duplicates removed).
+
+    ``response_id`` (string or integer, non-null) and ``oracle_label`` (number, non-null, finite)
+    are required; ``label_probability`` (number in (0, 1], null allowed) is optional.
+    """
+    if not isinstance(table, pa.Table):
+        try:
+            table = pa.Table.from_pandas(table, preserve_index=False)
+        except Exception:
+            raise CJEInputError(f"labels must be a pyarrow Table or pandas DataFrame, got {type(table).__name__}",
+                                source=source) from None
+    names = table.column_names
+    for col, kinds in (("response_id", ("string", "integer")), ("oracle_label", ("float", "integer", "boolean"))):
+        if col not in names:
+            raise CJEInputError(f"required label column is missing (found {names})", source=source, column=col)
+        if column_kind(table.schema.field(col).type) not in kinds:
+            raise CJEInputError(f"has type {table.schema.field(col).type}, expected "
+                                f"{'a string' if col == 'response_id' else 'a number'}", source=source, column=col)
+    if "label_probability" in names and column_kind(table.schema.field("label_probability").type) not in (
+            "float", "integer", "null"):
+        raise CJEInputError(f"has type {table.schema.field('label_probability').type}, expected a number",
+                            source=source, column="label_probability")
+    if table.num_rows == 0:
+        raise CJEInputError("no labels to append (empty table)", source=source)
+
+    def col(name: str, typ: pa.DataType) -> pa.ChunkedArray:
+        arr = table.column(name)
+        if pa.types.is_dictionary(arr.type):
+            arr = arr.cast(arr.type.value_type)
+        return arr.cast(typ)
+
+    rid = col("response_id", pa.string())
+    label = col("oracle_label", pa.float64())
+    prob = (col("label_probability", pa.float64()) if "label_probability" in names
+            else pa.chunked_array([pa.nulls(table.num_rows, pa.float64())]))
+    for name, arr in (("response_id", rid), ("oracle_label", label)):
+        if arr.null_count:
+            raise CJEInputError("is null; every label row needs it", source=source, column=name,
+                                row=pc.index(pc.is_null(arr), True).as_py())
+    lab = label.to_numpy()
+    bad = ~np.isfinite(lab)
+    if bad.any():
+        raise CJEInputError(f"value {lab[bad][0]} is not a finite number", source=source, column="oracle_label",
+                            row=int(np.flatnonzero(bad)[0]))
+    p = prob.to_numpy(zero_copy_only=False)
+    badp = ~np.isnan(p) & ~((p > 0) & (p <= 1))
+    badp |= np.isnan(p) & ~pc.is_null(prob).to_numpy(zero_copy_only=False)  # NaN (not null) is an error
+    if badp.any():
+        raise CJEInputError(f"value {p[badp][0]} is not a probability in (0, 1] (or null)", source=source,
+                            column="label_probability", row=int(np.flatnonzero(badp)[0]))
+    out = pa.Table.from_arrays([rid, label, prob], schema=LABEL_SCHEMA)
+    out = out.sort_by([("response_id", "ascending"), ("oracle_label", "ascending"),
+                       ("label_probability", "ascending")])
+    return _drop_exact_duplicates(out)
+
+
+def _drop_exact_duplicates(table: pa.Table) -> pa.Table:
+    """Keep the first of rows identical in (response_id, oracle_label, label_probability)."""
+    if table.num_rows == 0:
+        return table
+    keep = _first_rows(table.select(LABEL_SCHEMA.names))
+    return table.take(pa.array(keep)) if len(keep) < table.num_rows else table
+
+
+def content_hash(normalized: pa.Table) -> str:
+    """sha256 (hex) of a normalised label table (order and duplicates already canonical)."""
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, LABEL_SCHEMA) as writer:
+        writer.write_table(normalized.cast(LABEL_SCHEMA))
+    return hashlib.sha256(sink.getvalue()).hexdigest()
+
+
+class LabelStore:
+    """Append-only label store under ``<root>/<prefix>/`` (see module docstring).
+
+    Parameters
+    ----------
+    st : Storage
+    prefix : str
+        Folder of the store inside the storage root (default ``labels``).
+    """
+
+    def __init__(self, st: Storage, prefix: str = "labels") -> None:
+        self.st = st
+        self.prefix = prefix.strip("/")
+
+    def __repr__(self) -> str:
+        return f"LabelStore({self.st.url(self.prefix)!r})"
+
+    # -- keys
+    def _data_key(self, version: int, sha: str) -> str:
+        return f"{self.prefix}/v{version:06d}-{sha[:16]}.parquet"
+
+    def _commit_key(self, version: int) -> str:
+        return f"{self.prefix}/_commits/v{version:06d}.json"
+
+    def _commits(self) -> dict[int, str]:
+        out = {}
+        for info in self.st.list(f"{self.prefix}/_commits/"):
+            m = _COMMIT_RE.match(info.key.rsplit("/", 1)[-1])
+            if m:
+                out[int(m.group(1))] = info.key
+        return out
+
+    def _commit_record(self, version: int) -> dict:
+        key = self._commit_key(version)
+        try:
+            return json.loads(self.st.read_bytes(key))
+        except (ValueError, UnicodeDecodeError):
+            raise CJEInputError("label-store commit record is not valid JSON", source=self.st.url(key)) from None
+
+    def _data_candidates(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for info in self.st.list(f"{self.prefix}/v"):
+            name = info.key[len(self.prefix) + 1:]
+            m = _DATA_RE.match(name)
+            if m:
+                out.setdefault(int(m.group(1)), []).append(m.group(2))
+        return out
+
+    # -- public
+    def version(self) -> int:
+        """Number of committed appends (0 for an empty store)."""
+        return len(self._commits())
+
+    def history(self) -> list[dict]:
+        """Commit records in version order (version, sha256, object, source_name, rows, created_at)."""
+        return [self._commit_record(v) for v in sorted(self._commits())]
+
+    def append(self, table: pa.Table, source_name: str) -> int:
+        """Append labels; returns the version that holds them.
+
+        Identical content (after normalisation) already committed returns that version and
+        writes nothing.  Raises `CJEInputError` for bad label tables.
+        """
+        norm = normalize_labels(table, source_name)
+        sha = content_hash(norm)
+        buf = io.BytesIO()
+        pq.write_table(norm, buf, compression="zstd")
+        data = buf.getvalue()
+        for _ in range(_MAX_RACES):
+            commits = self._commits()
+            existing = self._find_committed(sha, commits)
+            if existing is not None:
+                log.info("labels from %s already stored as version %d (same content)", source_name, existing)
+                return existing
+            version = len(commits) + 1
+            if version in commits or (commits and max(commits) != len(commits)):
+                raise StorageError(f"label store {self.st.url(self.prefix)} has non-contiguous commits "
+                                   f"{sorted(commits)[:5]}...", key=self.prefix, operation="append")
+            data_key = self._data_key(version, sha)
+            self.st.put_if_absent(data_key, data)  # False only if an identical leftover exists
+            record = {
+                "version": version, "sha256": sha, "object": data_key, "source_name": str(source_name),
+                "rows": norm.num_rows, "created_at": datetime.now(timezone.utc).isoformat(),
+            }
+            if self.st.put_if_absent(self._commit_key(version), json.dumps(record, indent=1).encode()):
+                log.info("appended %d labels from %s as version %d", norm.num_rows, source_name, version)
+                return version
+            # Lost the race for this version number: drop our data object unless it is the winner's.
+            winner = self._commit_record(version)
+            if winner.get("object") != data_key:
+                self.st.delete(data_key)
+        raise StorageError(f"label append to {self.st.url(self.prefix)} lost {_MAX_RACES} races in a row",
+                           key=self.prefix, operation="append")
+
+    def _find_committed(self, sha: str, commits: dict[int, str]) -> int | None:
+        for version, shas in sorted(self._data_candidates().items()):
+            if sha[:16] in shas and version in commits:
+                if self._commit_record(version).get("sha256") == sha:
+                    return version
+        return None
+
+    def read(self, version: int | None = None) -> pa.Table:
+        """All labels committed up to ``version`` (default: latest).
+
+        Columns: response_id, oracle_label, label_probability, version, flagged.  Rows are in
+        version order, then in each version's (sorted) order.
+        """
+        commits = self._commits()
+        latest = len(commits)
+        if version is None:
+            version = latest
+        if not isinstance(version, (int, np.integer)) or version < 0 or version > latest:
+            raise CJEInputError(f"label-store version {version!r} does not exist (latest is {latest})",
+                                source=self.st.url(self.prefix))
+        candidates = self._data_candidates()
+        parts = []
+        for v in range(1, int(version) + 1):
+            shas = candidates.get(v, [])
+            if len(shas) == 1:
+                key = self._data_key(v, shas[0])
+            else:  # leftovers of a crashed writer beside the committed object: ask the commit record
+                key = self._commit_record(v)["object"]
+            try:
+                raw = self.st.read_bytes(key)
+            except NotFoundError:
+                raise StorageError(f"label-store version {v} is committed but its object {self.st.url(key)} "
+                                   "is missing", key=key, operation="read") from None
+            try:
+                t = pq.read_table(io.BytesIO(raw)).cast(LABEL_SCHEMA)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as exc:
+                raise CJEInputError(f"label object is not readable Parquet with columns {LABEL_SCHEMA.names}: "
+                                    f"{' '.join(str(exc).split())[:200]}", source=self.st.url(key)) from None
+            parts.append(t.append_column("version", pa.array(np.full(t.num_rows, v, dtype=np.int64))))
+        if not parts:
+            return READ_SCHEMA.empty_table()
+        table = pa.concat_tables(parts)
+        table = _drop_exact_duplicates(table)
+        flagged = pc.is_in(table.column("response_id"), value_set=_conflicting_ids(table))
+        return table.append_column("flagged", flagged).cast(READ_SCHEMA)
+
+
+def _first_rows(labels: pa.Table) -> np.ndarray:
+    key = pa.Table.from_arrays(
+        [labels.column("response_id"), labels.column("oracle_label"),
+         pc.fill_null(labels.column("label_probability"), -1.0), pa.array(np.arange(labels.num_rows))],
+        names=["r", "l", "p", "i"])
+    first = key.group_by(["r", "l", "p"], use_threads=False).aggregate([("i", "min")])
+    return np.sort(first.column("i_min").to_numpy())
+
+
+def _conflicting_ids(table: pa.Table) -> pa.Array:
+    """response_ids that occur more than once after exact duplicates were removed."""
+    counts = pc.value_counts(table.column("response_id"))
+    return counts.filter(pc.greater(counts.field("counts"), 1)).field("values")
+
+
+def label_conflicts(label_table: pa.Table) -> list[str]:
+    """Sorted response_ids with conflicting labels (``flagged`` rows of `LabelStore.read`)."""
+    ids = pc.unique(label_table.filter(label_table.column("flagged")).column("response_id"))
+    return sorted(ids.to_pylist())
+
+
+def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
+    """Fill ``oracle_label`` and ``label_probability`` of the logs from the label store.
+
+    Order of the log rows is preserved.  For each ``response_id`` the first label (lowest
+    version, then row order of `LabelStore.read`) is used; ids with conflicting labels are
+    marked ``True`` in the added boolean column ``label_conflict`` and counted in the schema
+    metadata key ``cje.label_conflicts``.  Where the store has no label, an ``oracle_label``
+    already in the logs is kept (store labels win where both exist).  Labels whose
+    ``response_id`` is not in the logs are ignored.  A label without a ``label_probability``
+    gets 1.0 (drawn completely at random within its policy), the engine's convention.
+    """
+    if "response_id" not in logs_table.column_names:
+        raise CJEInputError("logs have no response_id column; labels are joined on it", column="response_id")
+    for col in ("response_id", "oracle_label", "label_probability"):
+        if col not in label_table.column_names:
+            raise CJEInputError(f"label table lacks column {col!r}", column=col)
+    rid = logs_table.column("response_id")
+    if not pa.types.is_string(rid.type):
+        rid = rid.cast(pa.string())
+    labels = label_table
+    if "flagged" not in labels.column_names:
+        labels = labels.append_column("flagged", pc.is_in(labels.column("response_id"),
+                                                          value_set=_conflicting_ids(labels)))
+    # First label per id: group_by without threads keeps the first row's values.
+    first = labels.select(["response_id", "oracle_label", "label_probability", "flagged"]).group_by(
+        "response_id", use_threads=False).aggregate([
+            ("oracle_label", "first", pc.ScalarAggregateOptions(skip_nulls=False)),
+            ("label_probability", "first", pc.ScalarAggregateOptions(skip_nulls=False)),
+            ("flagged", "max")])
+    idx = pc.index_in(rid, value_set=first.column("response_id").cast(pa.string()))
+    store_label = pc.take(first.column("oracle_label_first"), idx)
+    store_prob = pc.take(first.column("label_probability_first"), idx)
+    conflict = pc.fill_null(pc.take(first.column("flagged_max"), idx), False)
+    has = pc.is_valid(idx)
+
+    out = logs_table
+    if "oracle_label" in out.column_names:
+        old_label = out.column("oracle_label").cast(pa.float64())
+        label = pc.if_else(has, store_label, old_label)
+    else:
+        label = store_label
+    if "label_probability" in out.column_names:
+        old_prob = out.column("label_probability").cast(pa.float64())
+        prob = pc.if_else(has, pc.coalesce(store_prob, old_prob), old_prob)
+    else:
+        prob = store_prob
+    # A label stored without a probability was drawn completely at random within its policy.
+    prob = pc.if_else(pc.and_(pc.is_valid(label), pc.is_null(prob)), pa.scalar(1.0, pa.float64()),
+                      prob.cast(pa.float64()))
+    for name, arr in (("oracle_label", label), ("label_probability", prob), ("label_conflict", conflict)):
+        field = pa.field(name, arr.type)
+        if name in out.column_names:
+            out = out.set_column(out.schema.get_field_index(name), field, arr)
+        else:
+            out = out.append_column(field, arr)
+    n_conflicts = int(pc.sum(conflict).as_py() or 0)
+    n_joined = int(pc.sum(has).as_py() or 0)
+    meta = dict(out.schema.metadata or {})
+    meta[b"cje.label_conflicts"] = str(n_conflicts).encode()
+    out = out.replace_schema_metadata(meta)
+    if n_conflicts:
+        log.warning("%d logged responses have conflicting labels in the label store; the first label is used "
+                    "and the rows are marked in column label_conflict", n_conflicts)
+    log.info("joined %d labels onto %d log rows", n_joined, logs_table.num_rows)
+    return out

@@ -1,0 +1,493 @@
+"""Gated, atomic, idempotent publishing of evaluation results.
+
+Layout under the storage root::
+
+    results/<evaluation>/latest.json                          pointer to the newest published run
+    results/<evaluation>/<window>/<run_key>/manifest.json     the commit: written last, create-only
+    results/<evaluation>/<window>/<run_key>/<attempt>/        the artifacts of the committed attempt
+        result.json  policies.parquet  report.html
+
+Why an attempt folder: object stores have no atomic rename, so a multi-object result cannot be
+moved into place.  Each publisher writes its artifacts under its own attempt id
+(``<UTC time>-<random>``) and then *commits* by creating ``manifest.json`` with
+`Storage.put_if_absent` (an ``If-None-Match: *`` PUT on S3, a hard link locally).  The manifest
+lists every artifact with its key, size and sha256, plus the caller's lineage.  Consequences:
+
+* A reader never sees a partial result: a run exists only once its manifest exists, and the
+  manifest is created after every artifact it names.  Attempt folders without a manifest
+  (crashed or losing publishers) are invisible to `list_runs` / `read_latest` and removed by
+  `cleanup_orphans` (or by the next publish of the same run key).
+* Exactly one result per run key: of concurrent publishers (threads, processes or hosts) only
+  one creates the manifest; the others get ``PublishOutcome(published=False, reason="already
+  published")`` and delete their attempt folder.  The same holds for reruns.
+* ``latest.json`` is (re)written only after the manifest exists; a publisher that died between
+  the two is repaired by the next publish call for that run.  The pointer never moves back to
+  an older publication (by ``published_at``).  Two *different* runs finishing at the same
+  instant may leave the pointer on either (both are complete).
+
+Gate: before anything is written, ``result.json`` is checked (`check_result_gate`): every
+policy whose ``level_claim`` is ``"refused"`` must carry non-empty ``refusal_reasons``, level
+claims must be ``ok`` or ``refused``, ``best_policy`` must not be refused, and when
+``policies.parquet`` has ``policy``/``level_claim`` columns they must agree with ``result.json``.
+Artifacts are stored byte for byte; nothing is stripped.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import secrets
+from dataclasses import dataclass, field
+from datetime import date, datetime, timezone
+from pathlib import PurePath
+from typing import Any, Iterable, Mapping
+
+from cje_engine.errors import CJEInputError
+
+from flows.storage.objects import NotFoundError, ObjectInfo, Storage, StorageError
+
+log = logging.getLogger(__name__)
+
+RESULTS = "results"
+MANIFEST = "manifest.json"
+LATEST = "latest.json"
+MANIFEST_VERSION = 1
+#: Keys the publisher adds to the caller's manifest dict.
+RESERVED = ("manifest_version", "evaluation", "window", "run_key", "attempt", "published_at", "artifacts")
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
+_ATTEMPT = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}$")
+
+
+class PublishGateError(CJEInputError):
+    """The result would publish a refused level claim without reasons (or is otherwise unsafe)."""
+
+
+@dataclass(frozen=True)
+class PublishOutcome:
+    """What `publish_run` did.
+
+    Attributes
+    ----------
+    published : bool
+        True if this call committed the run.
+    path : str
+        Location of the run folder (``.../results/<evaluation>/<window>/<run_key>``).
+    reason : str
+        ``"published"`` or ``"already published"``.
+    artifacts : dict
+        Artifact name -> location of the committed artifact (also when already published).
+    """
+
+    published: bool
+    path: str
+    reason: str
+    artifacts: dict[str, str] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (datetime, date)):
+        return obj.isoformat()
+    if isinstance(obj, PurePath):
+        return str(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return obj.item()
+    if hasattr(obj, "tolist") and callable(obj.tolist):  # numpy arrays
+        return obj.tolist()
+    if hasattr(obj, "_asdict"):
+        return obj._asdict()
+    raise TypeError(f"value of type {type(obj).__name__} is not JSON serialisable")
+
+
+def canonical_json(value: Any) -> str:
+    """Deterministic JSON (sorted keys, no spaces, no NaN) used for hashing."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False, default=_json_default)
+
+
+def run_key(config_dict: Mapping[str, Any], input_fingerprint: Any) -> str:
+    """Stable 20-hex-digit key: same configuration and inputs -> same key.
+
+    Both arguments must be JSON data (dicts, lists, strings, numbers, booleans, None; dates,
+    paths and numpy scalars are converted).  Key order of dicts does not matter.
+    """
+    try:
+        text = canonical_json({"config": config_dict, "inputs": input_fingerprint})
+    except (TypeError, ValueError) as exc:
+        raise CJEInputError(f"run_key needs JSON data for the configuration and inputs: {exc}") from None
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def fingerprint_inputs(files: Iterable[ObjectInfo], label_version: int | None = None) -> dict[str, Any]:
+    """Lineage of the inputs: every file with size and ETag/mtime, plus the label-store version."""
+    return {
+        "files": [{"key": f.key, "size": int(f.size), "etag_or_mtime": f.etag_or_mtime}
+                  for f in sorted(files, key=lambda f: f.key)],
+        "label_store_version": label_version,
+    }
+
+
+def _segment(value: str, what: str) -> str:
+    if not isinstance(value, str) or not _SEGMENT.match(value) or value in (".", ".."):
+        raise CJEInputError(f"{what} {value!r} must be 1-200 characters of letters, digits and . _ = + - "
+                            "(starting with a letter or digit)")
+    return value
+
+
+def run_prefix(evaluation: str, window: str, key: str) -> str:
+    return (f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/{_segment(window, 'window')}/"
+            f"{_segment(key, 'run key')}")
+
+
+def _new_attempt() -> str:
+    return f"{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(4)}"
+
+
+def _attempt_age_seconds(attempt: str) -> float | None:
+    m = _ATTEMPT.match(attempt)
+    if not m:
+        return None
+    started = datetime.strptime(m.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - started).total_seconds()
+
+
+# --------------------------------------------------------------------------- gate
+
+
+def check_result_gate(result: Mapping[str, Any], policy_table: bytes | None = None) -> None:
+    """Raise `PublishGateError` unless the result is safe to publish (see module docstring)."""
+    policies = result.get("policies")
+    if not isinstance(policies, Mapping) or not policies:
+        raise PublishGateError("result.json has no 'policies' object; refusing to publish", source="result.json",
+                               column="policies")
+    claims: dict[str, str] = {}
+    for name, pol in policies.items():
+        if not isinstance(pol, Mapping):
+            raise PublishGateError(f"policy {name!r} is not an object", source="result.json", column="policies")
+        claim = pol.get("level_claim")
+        if claim not in ("ok", "refused"):
+            raise PublishGateError(f"policy {name!r} has level_claim {claim!r}; expected 'ok' or 'refused'",
+                                   source="result.json", column="level_claim")
+        reasons = pol.get("refusal_reasons")
+        if claim == "refused" and not (
+                isinstance(reasons, list) and reasons and all(isinstance(r, str) and r.strip() for r in reasons)):
+            raise PublishGateError(f"policy {name!r} is refused but carries no refusal reasons; a refused level "
+                                   "must say why", source="result.json", column="refusal_reasons")
+        claims[str(name)] = claim
+    best = result.get("best_policy")
+    if best is not None and claims.get(str(best)) == "refused":
+        raise PublishGateError(f"best_policy {best!r} is a refused policy", source="result.json",
+                               column="best_policy")
+    if policy_table is not None:
+        _check_policy_table(policy_table, claims)
+
+
+def _check_policy_table(data: bytes, claims: dict[str, str]) -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(io.BytesIO(data))
+    except Exception as exc:  # noqa: BLE001 - any parse failure is a gate failure
+        raise PublishGateError(f"policies.parquet is not readable Parquet: {exc}", source="policies.parquet") from None
+    if not {"policy", "level_claim"} <= set(table.column_names):
+        return
+    for row, (name, claim) in enumerate(zip(table.column("policy").to_pylist(),
+                                            table.column("level_claim").to_pylist())):
+        if name in claims and claims[name] != claim:
+            raise PublishGateError(f"policy {name!r} is {claims[name]!r} in result.json but {claim!r} here",
+                                   source="policies.parquet", column="level_claim", row=row)
+
+
+# --------------------------------------------------------------------------- publish
+
+
+def _read_json(st: Storage, key: str) -> dict | None:
+    try:
+        return json.loads(st.read_bytes(key))
+    except NotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError):
+        log.warning("ignoring unreadable JSON object %s", st.url(key))
+        return None
+
+
+def _artifact_urls(st: Storage, run: str, manifest: Mapping[str, Any]) -> dict[str, str]:
+    return {name: st.url(f"{run}/{a['key']}") for name, a in (manifest.get("artifacts") or {}).items()}
+
+
+def publish_run(
+    st: Storage,
+    evaluation: str,
+    window: str,
+    key: str,
+    artifacts: Mapping[str, bytes],
+    manifest: Mapping[str, Any],
+) -> PublishOutcome:
+    """Publish one run (see module docstring); idempotent and safe under concurrent publishers.
+
+    Parameters
+    ----------
+    st : Storage
+    evaluation, window, key : str
+        Path segments; ``key`` normally comes from `run_key`.
+    artifacts : dict of str -> bytes
+        Must contain ``result.json``; usually also ``policies.parquet`` and ``report.html``.
+    manifest : dict
+        Caller's lineage (input files, row counts, label-store version, configuration hash,
+        code version, seed, ...).  The publisher adds `RESERVED` keys: timestamps, the attempt
+        id and, per artifact, key, size and sha256.
+
+    Raises
+    ------
+    PublishGateError
+        The result fails the gate; nothing is written.
+    StorageError
+        Storage failed; whatever this call wrote is removed again (best effort) and nothing
+        is visible to readers.
+    """
+    run = run_prefix(evaluation, window, key)
+    artifacts = dict(artifacts)
+    for name, data in artifacts.items():
+        if not isinstance(name, str) or "/" in name or name in (MANIFEST, LATEST) or not _SEGMENT.match(name):
+            raise CJEInputError(f"artifact name {name!r} must be a plain file name other than {MANIFEST}/{LATEST}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise CJEInputError(f"artifact {name!r} must be bytes, got {type(data).__name__}")
+    if "result.json" not in artifacts:
+        raise CJEInputError("artifacts must include result.json")
+    try:
+        result = json.loads(bytes(artifacts["result.json"]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PublishGateError(f"result.json is not valid JSON: {exc}", source="result.json") from None
+    check_result_gate(result, bytes(artifacts["policies.parquet"]) if "policies.parquet" in artifacts else None)
+    for reserved in RESERVED:
+        if reserved in manifest and reserved not in ("evaluation", "window", "run_key"):
+            raise CJEInputError(f"manifest key {reserved!r} is reserved for the publisher")
+    for name, value in (("evaluation", evaluation), ("window", window), ("run_key", key)):
+        if name in manifest and manifest[name] != value:
+            raise CJEInputError(f"manifest {name}={manifest[name]!r} disagrees with the published {name} {value!r}")
+
+    _refuse_credentials(st, artifacts, manifest)
+
+    manifest_key = f"{run}/{MANIFEST}"
+    existing = _read_json(st, manifest_key)
+    if existing is not None:
+        _advance_latest(st, evaluation, existing, manifest_key)
+        log.info("run %s already published; nothing written", st.url(run))
+        return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, existing))
+
+    attempt = _new_attempt()
+    written: list[str] = []
+    committed = False
+    try:
+        entries = {}
+        for name, data in artifacts.items():
+            rel = f"{attempt}/{name}"
+            blob = bytes(data)
+            st.write_bytes(f"{run}/{rel}", blob)
+            written.append(f"{run}/{rel}")
+            entries[name] = {"key": rel, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+        full = dict(manifest)
+        full.update({
+            "manifest_version": MANIFEST_VERSION,
+            "evaluation": evaluation,
+            "window": window,
+            "run_key": key,
+            "attempt": attempt,
+            "published_at": datetime.now(timezone.utc).isoformat(),
+            "artifacts": entries,
+        })
+        try:
+            body = json.dumps(full, indent=1, sort_keys=True, allow_nan=False, default=_json_default).encode()
+        except (TypeError, ValueError) as exc:
+            raise CJEInputError(f"manifest must be JSON data: {exc}") from None
+        committed = st.put_if_absent(manifest_key, body)
+    finally:
+        if not committed:
+            for k in written:  # nothing of ours may stay behind (best effort; orphans are invisible anyway)
+                try:
+                    st.delete(k)
+                except StorageError as exc:
+                    log.warning("could not remove %s after a failed publish: %s", st.url(k), exc)
+
+    if not committed:
+        winner = _read_json(st, manifest_key) or {}
+        _advance_latest(st, evaluation, winner, manifest_key)
+        log.info("run %s was published concurrently by attempt %s", st.url(run), winner.get("attempt"))
+        return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, winner))
+
+    # Read the commit back: with emulated conditional writes (servers without If-None-Match)
+    # a racing writer could have replaced it; the stored manifest decides who owns the run.
+    stored = _read_json(st, manifest_key) or {}
+    if stored.get("attempt") != attempt:
+        log.warning("manifest of %s was replaced by attempt %s (storage without atomic create-only writes)",
+                    st.url(run), stored.get("attempt"))
+        for k in written:
+            try:
+                st.delete(k)
+            except StorageError:
+                pass
+        return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, stored))
+    _advance_latest(st, evaluation, full, manifest_key)
+    _remove_other_attempts(st, run, attempt)
+    log.info("published %s (attempt %s)", st.url(run), attempt)
+    return PublishOutcome(True, st.url(run), "published", _artifact_urls(st, run, full))
+
+
+def _refuse_credentials(st: Storage, artifacts: Mapping[str, bytes], manifest: Mapping[str, Any]) -> None:
+    """Never publish a storage credential (e.g. a configuration dict copied into the lineage)."""
+    creds = [c for c in st.config.secrets() if len(c) >= 8]
+    if not creds:
+        return
+    try:
+        manifest_text = json.dumps(manifest, default=_json_default)
+    except (TypeError, ValueError):
+        manifest_text = repr(manifest)
+    blobs = {name: bytes(data) for name, data in artifacts.items()}
+    blobs[MANIFEST] = manifest_text.encode()
+    for name, blob in blobs.items():
+        if any(c.encode() in blob for c in creds):
+            raise PublishGateError("contains a storage credential; refusing to publish it", source=name)
+
+
+def _advance_latest(st: Storage, evaluation: str, manifest: Mapping[str, Any], manifest_key: str) -> None:
+    """Point latest.json at this run unless it already points at a newer publication."""
+    if not manifest.get("published_at"):
+        return
+    pointer_key = f"{RESULTS}/{evaluation}/{LATEST}"
+    current = _read_json(st, pointer_key)
+    if current is not None:
+        if current.get("manifest") == manifest_key:
+            return
+        if str(current.get("published_at", "")) > str(manifest["published_at"]):
+            return
+    pointer = {
+        "evaluation": evaluation,
+        "window": manifest.get("window"),
+        "run_key": manifest.get("run_key"),
+        "manifest": manifest_key,
+        "published_at": manifest["published_at"],
+    }
+    st.write_bytes(pointer_key, json.dumps(pointer, indent=1, sort_keys=True).encode())
+
+
+def _remove_other_attempts(st: Storage, run: str, committed_attempt: str) -> int:
+    """After a commit every other attempt folder of the run is garbage (losers, crashed publishers).
+
+    A loser still writing may recreate some of its objects; it deletes them itself when its
+    commit fails.
+    """
+    removed = 0
+    for info in st.list(f"{run}/"):
+        rest = info.key[len(run) + 1:]
+        if "/" in rest and rest.split("/", 1)[0] != committed_attempt:
+            try:
+                st.delete(info.key)
+                removed += 1
+            except StorageError as exc:
+                log.warning("could not remove %s: %s", st.url(info.key), exc)
+    return removed
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def list_runs(st: Storage, evaluation: str, window: str | None = None) -> list[dict[str, Any]]:
+    """Published runs (those with a manifest), oldest publication first.
+
+    Each item: evaluation, window, run_key, path, published_at, manifest (the dict).
+    """
+    base = f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/"
+    if window is not None:
+        base += f"{_segment(window, 'window')}/"
+    runs = []
+    for info in st.list(base):
+        parts = info.key.split("/")
+        if len(parts) != 5 or parts[-1] != MANIFEST:
+            continue
+        manifest = _read_json(st, info.key)
+        if manifest is None:
+            continue
+        run = "/".join(parts[:-1])
+        runs.append({"evaluation": parts[1], "window": parts[2], "run_key": parts[3], "path": st.url(run),
+                     "published_at": manifest.get("published_at"), "manifest": manifest})
+    runs.sort(key=lambda r: (str(r["published_at"]), r["window"], r["run_key"]))
+    return runs
+
+
+def read_run(st: Storage, evaluation: str, window: str, key: str) -> dict[str, Any] | None:
+    """A published run: manifest, parsed result.json and artifact locations; None if unpublished."""
+    run = run_prefix(evaluation, window, key)
+    manifest = _read_json(st, f"{run}/{MANIFEST}")
+    if manifest is None:
+        return None
+    arts = manifest.get("artifacts") or {}
+    result = None
+    if "result.json" in arts:
+        raw = st.read_bytes(f"{run}/{arts['result.json']['key']}")
+        if hashlib.sha256(raw).hexdigest() != arts["result.json"].get("sha256"):
+            raise StorageError(f"{st.url(run)}: result.json does not match the manifest checksum",
+                               key=f"{run}/{arts['result.json']['key']}", operation="read")
+        result = json.loads(raw)
+    return {"evaluation": evaluation, "window": window, "run_key": key, "path": st.url(run),
+            "published_at": manifest.get("published_at"), "manifest": manifest, "result": result,
+            "artifacts": _artifact_urls(st, run, manifest)}
+
+
+def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
+    """The newest published run of ``evaluation`` (see `read_run`), or None if there is none.
+
+    Follows ``latest.json``; if it is missing or points nowhere (a publisher died between
+    manifest and pointer), falls back to the newest run found by listing.
+    """
+    _segment(evaluation, "evaluation name")
+    pointer = _read_json(st, f"{RESULTS}/{evaluation}/{LATEST}")
+    if pointer is not None:
+        try:
+            found = read_run(st, evaluation, str(pointer.get("window")), str(pointer.get("run_key")))
+        except CJEInputError:
+            found = None
+        if found is not None:
+            return found
+        log.warning("latest.json of %s points at no published run; falling back to listing", evaluation)
+    runs = list_runs(st, evaluation)
+    if not runs:
+        return None
+    newest = runs[-1]
+    return read_run(st, evaluation, newest["window"], newest["run_key"])
+
+
+def cleanup_orphans(st: Storage, evaluation: str, older_than_seconds: float = 3600.0) -> int:
+    """Delete attempt folders that no manifest references and that are older than the limit.
+
+    Returns the number of objects deleted.  Young orphans are kept because their publisher
+    may still be writing.
+    """
+    base = f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/"
+    runs: dict[str, set[str]] = {}
+    for info in st.list(base):
+        parts = info.key.split("/")
+        if len(parts) >= 5:
+            runs.setdefault("/".join(parts[:4]), set()).add(parts[4])
+    removed = 0
+    for run, names in runs.items():
+        manifest = _read_json(st, f"{run}/{MANIFEST}") if MANIFEST in names else None
+        keep = manifest.get("attempt") if manifest else None
+        for info in st.list(f"{run}/"):
+            rest = info.key[len(run) + 1:]
+            if "/" not in rest:
+                continue
+            attempt = rest.split("/", 1)[0]
+            if attempt == keep:
+                continue
+            age = _attempt_age_seconds(attempt)
+            if age is not None and age >= older_than_seconds:
+                st.delete(info.key)
+                removed += 1
+    if removed:
+        log.info("removed %d orphaned object(s) under %s", removed, st.url(base))
+    return removed
