@@ -16,6 +16,7 @@ flow starts a local Ray; local folders need no storage settings.  At scale set
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -27,7 +28,11 @@ from cje_engine.errors import CJEInputError
 
 log = logging.getLogger("cje")
 
-EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
+from flows.cli.exits import EXIT_BAD_INPUT, EXIT_OK
+
+#: Command modules: each exposes ``register(subparsers)``, adding its sub-command(s) with
+#: ``set_defaults(handler=fn)`` where ``fn(namespace) -> int`` returns the exit code.
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 def _csv(value: str) -> list[str]:
@@ -114,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", type=_csv, help="serve only these evaluations")
     p.add_argument("--no-drift", action="store_true", help="do not serve the declared drift monitors")
     p.add_argument("--limit", type=int, help="most flow runs at once")
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 
@@ -301,7 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     _setup_logging(ns.verbose)
     try:
-        return COMMANDS[ns.command](ns)
+        handler = getattr(ns, "handler", None) or COMMANDS[ns.command]
+        return handler(ns)
     except CJEInputError as exc:
         sys.stderr.write(f"cje {ns.command}: error: {exc}\n")
         return EXIT_BAD_INPUT
