@@ -1,0 +1,266 @@
+"""The paper's audited protocol on simulated data, this engine beside the reference package.
+
+Design (like the paper's study): seven policies on shared prompts, a judge that rewards length
+(``length_bias``), labels on the calibration policy ``base`` (``--fractions`` of its rows) plus a
+50-label audit slice on every other policy (``label_design="calibration_policy"``). Six policies'
+calibration transports given the length covariate (``base``, ``clone`` = base, ``verbose``,
+``concise``, ``better``, ``worse``); ``unhelpful`` fools the judge (``adversarial``).
+
+Per cell (n prompts per policy x calibration fraction), ``--datasets`` datasets, both engines on
+the same data with the length covariate:
+
+* ranking accuracy: share of pairs of *transported* policies with different true values that the
+  reported estimates order correctly (base and clone are a true tie and are skipped);
+* coverage: share of the transported policies' reported 95% intervals that contain the truth;
+* adversary safe: ``unhelpful`` is refused, or its audit fails and its reported interval covers;
+* false audit fails: share of audits of transported non-calibration policies that fail.
+
+Ours: ``cje_engine.evaluate(frame, covariates=["response_length"], calibration_policies=["base"],
+n_bootstrap=B)`` plus any ``--option key=value``. Reference: ``cje-eval`` in its own venv
+(``bash benchmarks/reference_env.sh``), ``analyze_dataset`` in Direct mode with
+``include_response_length=True``, the base labels in the fresh draws and each other policy's 50
+labels as its transport probe (``TransportAuditConfig``, margin 0.05), bootstrap with B replicates.
+
+Monte Carlo error: with D datasets, coverage over 6 D intervals has SE ~ sqrt(p (1-p) / (6 D))
+(0.011 at D = 60, p = 0.95); ranking accuracy over 14 D pairs likewise.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_protocol.py --n 250,1000 --fractions 0.1 --datasets 5 -B 500   # smoke
+    .venv/bin/python benchmarks/bench_protocol.py                              # the grid, 20 per cell
+    .venv/bin/python benchmarks/bench_protocol.py --skip-reference --option level_estimator=audited
+"""
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"  # before numpy is imported; each worker is single-threaded
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+REF_PYTHON = HERE / "_work" / "refvenv" / "bin" / "python"
+log = logging.getLogger("bench_protocol")
+
+TRANSPORTED = ("base", "clone", "verbose", "concise", "better", "worse")
+ADVERSARY = "unhelpful"
+
+REF_RUNNER = r'''
+import json, sys
+from pathlib import Path
+root, B, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+import cje
+from cje import TransportAuditConfig
+probes = {}
+for f in sorted((root / "probe_slice").glob("*_probe.jsonl")):
+    probes[f.name[: -len("_probe.jsonl")]] = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+res = cje.analyze_dataset(
+    fresh_draws_dir=str(root / "fresh_draws"), estimator="direct", include_response_length=True,
+    estimator_config={"inference_method": "bootstrap", "n_bootstrap": B, "bootstrap_seed": seed},
+    transport=TransportAuditConfig(probes_by_policy=probes, delta_max_by_policy={p: 0.05 for p in probes}),
+)
+md = res.metadata
+pols = list(md.get("target_policies") or [])
+ci = md.get("bootstrap_ci", {})
+audits = md.get("transport_audits") or {}
+def _status(a):
+    return a.get("status") if isinstance(a, dict) else a
+print("REF_JSON " + json.dumps({
+    "version": cje.__version__,
+    "policies": {p: {"estimate": float(res.estimates[i]),
+                     "ci": [ci.get("lower", [None] * len(pols))[i], ci.get("upper", [None] * len(pols))[i]],
+                     "audit": _status(audits.get(p))} for i, p in enumerate(pols)}}))
+'''
+
+
+def policies():
+    from cje_engine.simulate.direct import PolicySpec
+
+    return (
+        PolicySpec("base", quality_shift=0.8),
+        PolicySpec("clone", quality_shift=0.8),
+        PolicySpec("verbose", quality_shift=0.7, verbosity=2.0),
+        PolicySpec("concise", quality_shift=1.0, verbosity=0.6),
+        PolicySpec("better", quality_shift=1.1, verbosity=1.2),
+        PolicySpec("worse", quality_shift=0.55, verbosity=1.5),
+        PolicySpec(ADVERSARY, quality_shift=-1.0, adversarial=True),
+    )
+
+
+def _seed(n: int, frac: float, rep: int) -> int:
+    return 7_000_000_000 + (round(frac * 1000) * 100_000 + n) * 1_000 + rep
+
+
+def simulate_dataset(n: int, frac: float, rep: int):
+    from cje_engine.simulate.direct import simulate
+
+    return simulate(n, policies(), oracle_fraction=frac, label_design="calibration_policy",
+                    calibration_policy="base", audit_labels=50, seed=_seed(n, frac, rep))
+
+
+def run_ours(frame, seed: int, B: int, options: dict) -> dict:
+    from cje_engine import evaluate
+
+    res = evaluate(frame, covariates=["response_length"], calibration_policies=["base"], n_bootstrap=B,
+                   seed=seed, **options)
+    d = res.to_dict()
+    out = {}
+    for p, e in d["policies"].items():
+        out[p] = {"estimate": e["estimate"], "ci": e["ci"], "refused": e["level_claim"] == "refused",
+                  "audit": e["audit"]["verdict"], "basis": e["basis_code"]}
+    return {"policies": out, "mode": d["calibration"]["mode"]}
+
+
+def write_reference_layout(frame, root: Path) -> None:
+    """Fresh draws (labels on base only; response text with the row's word count) and probes."""
+    (root / "fresh_draws").mkdir(parents=True)
+    (root / "probe_slice").mkdir()
+    for pol, g in frame.groupby("policy", sort=False):
+        rows, probe = [], []
+        for r in g.itertuples(index=False):
+            rec = {"prompt_id": str(r.prompt_id), "prompt": "", "response": " ".join(["w"] * int(r.response_length)),
+                   "judge_score": float(r.judge_score), "draw_idx": 0}
+            labelled = not np.isnan(r.oracle_label)
+            if labelled and pol == "base":
+                rec["oracle_label"] = float(r.oracle_label)
+            elif labelled:
+                probe.append({**rec, "oracle_label": float(r.oracle_label)})
+            rows.append(rec)
+        (root / "fresh_draws" / f"{pol}_responses.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+        if probe:
+            (root / "probe_slice" / f"{pol}_probe.jsonl").write_text("\n".join(json.dumps(x) for x in probe) + "\n")
+
+
+def run_reference(frame, seed: int, B: int, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="cje-ref-") as tmp:
+        root = Path(tmp)
+        write_reference_layout(frame, root)
+        runner = root / "runner.py"
+        runner.write_text(REF_RUNNER)
+        proc = subprocess.run([str(REF_PYTHON), str(runner), str(root), str(B), str(seed)], capture_output=True,
+                              text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"reference failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REF_JSON "))
+    out = json.loads(line[len("REF_JSON "):])
+    for e in out["policies"].values():
+        e["refused"] = False
+        e["audit"] = {"PASS": "pass", "FAIL": "fail", "WARN": "inconclusive"}.get(str(e["audit"]).upper(),
+                                                                                   str(e["audit"]).lower())
+    return out
+
+
+def run_task(task: tuple) -> dict:
+    n, frac, rep, B, options, with_ref, timeout = task
+    logging.getLogger("cje_engine").setLevel(logging.WARNING)
+    sim = simulate_dataset(n, frac, rep)
+    seed = _seed(n, frac, rep) % (2**31)
+    t0 = time.process_time()
+    out = {"n": n, "frac": frac, "rep": rep, "truth": sim.true_values, "ours": run_ours(sim.frame, seed, B, options)}
+    out["ours_cpu_s"] = time.process_time() - t0
+    if with_ref:
+        t1 = time.perf_counter()
+        out["reference"] = run_reference(sim.frame, seed, B, timeout)
+        out["reference_wall_s"] = time.perf_counter() - t1
+    return out
+
+
+def score(runs: list[dict], engine: str) -> dict:
+    """Ranking accuracy, coverage, adversary safety and false audit fails of one engine."""
+    right = pairs = cover = n_ci = safe = false_fail = audits = 0
+    for r in runs:
+        pol, truth = r[engine]["policies"], r["truth"]
+        names = [p for p in TRANSPORTED if p in pol]
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                dt = truth[a] - truth[b]
+                if abs(dt) < 1e-12:
+                    continue
+                pairs += 1
+                ea, eb = pol[a]["estimate"], pol[b]["estimate"]
+                right += int(ea is not None and eb is not None and np.sign(ea - eb) == np.sign(dt))
+        for p in names:
+            ci = pol[p]["ci"]
+            if ci and ci[0] is not None:
+                n_ci += 1
+                cover += int(ci[0] <= truth[p] <= ci[1])
+            if p != "base" and pol[p]["audit"] not in (None, "not_run"):
+                audits += 1
+                false_fail += int(pol[p]["audit"] == "fail")
+        adv = pol.get(ADVERSARY)
+        if adv is not None:
+            ci = adv["ci"]
+            covers = bool(ci and ci[0] is not None and ci[0] <= truth[ADVERSARY] <= ci[1])
+            safe += int(adv["refused"] or (adv["audit"] == "fail" and covers))
+    d = len(runs)
+    return {"rank_acc": right / pairs if pairs else float("nan"), "coverage": cover / n_ci if n_ci else float("nan"),
+            "adversary_safe": safe / d if d else float("nan"),
+            "false_audit_fail": false_fail / audits if audits else float("nan"), "datasets": d}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", default="250,500,1000,5000")
+    ap.add_argument("--fractions", default="0.05,0.10,0.25")
+    ap.add_argument("--datasets", type=int, default=20)
+    ap.add_argument("-B", "--n-bootstrap", type=int, default=2000)
+    ap.add_argument("--option", action="append", default=[], help="extra engine option key=value (JSON value)")
+    ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    options = {}
+    for kv in args.option:
+        k, _, v = kv.partition("=")
+        try:
+            options[k] = json.loads(v)
+        except json.JSONDecodeError:
+            options[k] = v
+    with_ref = not args.skip_reference
+    if with_ref and not REF_PYTHON.exists():
+        raise SystemExit(f"reference venv missing: run `bash {HERE / 'reference_env.sh'}` (or --skip-reference)")
+    cells = [(int(n), float(f)) for n in args.n.split(",") for f in args.fractions.split(",")]
+    tasks = [(n, f, rep, args.n_bootstrap, options, with_ref, args.timeout) for n, f in cells
+             for rep in range(args.datasets)]
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        runs = list(pool.imap_unordered(run_task, tasks))
+    log.info("%d datasets in %.0f s (load %s)", len(runs), time.perf_counter() - t0, os.getloadavg())
+    rows = []
+    for n, f in cells:
+        rs = [r for r in runs if r["n"] == n and r["frac"] == f]
+        row = {"n": n, "fraction": f, "ours": score(rs, "ours")}
+        if with_ref:
+            row["reference"] = score(rs, "reference")
+        rows.append(row)
+    head = f"{'n':>5s} {'frac':>5s} {'sets':>4s} | {'rank acc':>17s} | {'coverage':>17s} | {'adversary safe':>17s} | {'false audit fail':>17s}"
+    print(head)
+    print(" " * 17 + "|" + "|".join(f"{'ours':>8s} {'ref':>8s}" for _ in range(4)))
+    for row in rows:
+        o, r = row["ours"], row.get("reference", {})
+        cells_txt = [f"{o[k]:8.3f} {r.get(k, float('nan')):8.3f}" for k in
+                     ("rank_acc", "coverage", "adversary_safe", "false_audit_fail")]
+        print(f"{row['n']:5d} {row['fraction']:5.2f} {o['datasets']:4d} |" + "|".join(cells_txt))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"options": options, "B": args.n_bootstrap, "rows": rows, "runs": runs},
+                                        indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
