@@ -44,6 +44,12 @@ class PolicyColumns:
     refused: np.ndarray
     claims: list[str]
     raw: np.ndarray
+    #: per policy: "ok", "rank_only" (limited support: conservative intervals) or "not_estimable"
+    relative: list[str] | None = None
+    relative_reason: list[str | None] | None = None
+
+    def status(self, k: int) -> str:
+        return "ok" if self.relative is None else self.relative[k]
 
     def covariance(self) -> np.ndarray | None:
         return None if self.influence is None else cluster_cov(self.influence)
@@ -92,6 +98,14 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
             if cols.replicates is not None:
                 D = cols.replicates[:, a] - cols.replicates[:, b]
                 D = D[np.isfinite(D)]
+            dropped = [k for k in (a, b) if cols.status(k) == "not_estimable"]
+            if dropped:
+                why = "; ".join(f"{cols.names[k]}: {cols.relative_reason[k]}" for k in dropped)
+                item.update(diff=None, se=None, ci=None, se_analytic=None, p_value=None, p_adjusted=None,
+                            significant=None, prob_a_better=None, involves_refused=True, reported=False,
+                            not_estimable=why)
+                out.append(item)
+                continue
             if not np.isfinite(diff) or (D is not None and D.size < 2) or (D is None and se_a is None):
                 se, ci, p, prob = None, None, 1.0, None
             elif D is not None:
@@ -102,26 +116,39 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
             else:
                 se = se_a
                 ci, p, prob = _analytic_pair(diff, se, min(cols.dfs[a], cols.dfs[b]), alpha)
+            if ci is not None and "rank_only" in (cols.status(a), cols.status(b)) and D is not None and se_a:
+                # conservative: the union of the bootstrap and analytic intervals and the larger p-value
+                ci_a, p_an, _ = _analytic_pair(diff, se_a, min(cols.dfs[a], cols.dfs[b]), alpha)
+                ci = [min(ci[0], ci_a[0]), max(ci[1], ci_a[1])]
+                p = max(p, p_an)
             item.update(se=se, ci=None if ci is None else [float(max(ci[0], -span)), float(min(ci[1], span))],
                         p_value=float(p), prob_a_better=prob,
-                        involves_refused=bool(cols.refused[a] or cols.refused[b]))
+                        involves_refused=bool(cols.refused[a] or cols.refused[b]), reported=True, not_estimable=None)
             out.append(item)
-    if out:
-        padj = adjust(np.array([c["p_value"] for c in out]), method)
-        for c, pa_ in zip(out, padj):
+    shown = [c for c in out if c["reported"]]
+    if shown:
+        padj = adjust(np.array([c["p_value"] for c in shown]), method)
+        for c, pa_ in zip(shown, padj):
             c["p_adjusted"] = float(pa_)
             c["significant"] = bool(pa_ <= alpha and c["se"] is not None)
     return out
 
 
 def rank_policies(names: Sequence[str], est: np.ndarray, comparisons: list[dict], refused: np.ndarray,
-                  claims: Sequence[str]):
+                  claims: Sequence[str], dropped: dict[str, str] | None = None):
     """Ranking with ties, win matrix and best policy from significance-marked comparisons.
 
     Rank = 1 + number of policies significantly better. The best policy is the top unrefused one
     when it is significantly better than every other policy; a refused policy is never best.
-    Estimates may be NaN (ranked last); ``prob_a_better`` may be None.
+    Estimates may be NaN (ranked last); ``prob_a_better`` may be None. Policies in ``dropped``
+    (name -> reason: not estimable even relatively) are left out of the ranking, the win matrix and
+    the best-policy logic.
     """
+    dropped = dropped or {}
+    keep = [i for i, n in enumerate(names) if n not in dropped]
+    names = [names[i] for i in keep]
+    est, refused, claims = np.asarray(est)[keep], np.asarray(refused)[keep], [claims[i] for i in keep]
+    comparisons = [c for c in comparisons if c.get("reported", True)]
     K = len(names)
     idx = {n: i for i, n in enumerate(names)}
     sig = np.zeros((K, K), dtype=int)  # sig[i, j] = 1 if i significantly better than j
@@ -156,6 +183,8 @@ def rank_policies(names: Sequence[str], est: np.ndarray, comparisons: list[dict]
         top_all = int(np.argmax(key))
         if refused[top_all] and top_all != top:
             reason += f"; {names[top_all]} has a higher estimate but its level claim is refused"
+    if dropped:
+        reason += "; not ranked: " + "; ".join(f"{n} ({r})" for n, r in dropped.items())
     return ranking, win, best, reason
 
 
@@ -173,10 +202,13 @@ def rank_agreement(names: Sequence[str], raw: np.ndarray, est: np.ndarray) -> di
 def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: float, warnings: list[str]) -> dict:
     """Comparisons, multiplicity, ranking, win matrix, best policy and rank agreement (result fields)."""
     comparisons = compare_pairs(cols, alpha=alpha, method=method, span=span, warnings=warnings)
-    ranking, win, best, reason = rank_policies(cols.names, cols.estimate, comparisons, cols.refused, cols.claims)
+    dropped = {n: cols.relative_reason[k] for k, n in enumerate(cols.names) if cols.status(k) == "not_estimable"}
+    ranking, win, best, reason = rank_policies(cols.names, cols.estimate, comparisons, cols.refused, cols.claims,
+                                               dropped)
     return {
         "comparisons": comparisons,
-        "multiplicity": {"method": method, "alpha": alpha, "n_comparisons": len(comparisons)},
+        "multiplicity": {"method": method, "alpha": alpha,
+                         "n_comparisons": sum(1 for c in comparisons if c["reported"])},
         "ranking": ranking,
         "win_matrix": win,
         "best_policy": best,

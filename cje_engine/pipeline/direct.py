@@ -194,7 +194,8 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
         names=names, estimate=np.array([pols[n]["estimate"] for n in names], dtype=float),
         replicates=reps[:, s.cols] if use_boot else None, influence=prep.infl["total"][:, s.cols],
         dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n]["level_claim"] for n in names],
-        raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float))
+        raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
+        relative=[pols[n]["relative_claim"] for n in names], relative_reason=[pols[n]["relative_reason"] for n in names])
     span = d.label_scale[1] - d.label_scale[0]
     rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=s.warnings)
     result = assemble(mode="direct", config=opts.to_dict(), data=direct_data_summary(prep),

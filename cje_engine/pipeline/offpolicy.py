@@ -326,10 +326,12 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
     names = list(policies)
     est = np.array([np.nan if policies[n]["estimate"] is None else policies[n]["estimate"] for n in names])
     cols = PolicyColumns(
-        names=names, estimate=est, replicates=np.column_stack(rep_cols), influence=None,
+        names=names, estimate=est, replicates=np.column_stack(rep_cols), influence=np.column_stack(infl),
         dfs=np.full(len(names), np.inf), refused=np.array([policies[n]["level_claim"] == "refused" for n in names]),
         claims=[policies[n]["level_claim"] for n in names],
-        raw=np.array([policies[n]["raw_judge_mean"] for n in names], dtype=float))
+        raw=np.array([policies[n]["raw_judge_mean"] for n in names], dtype=float),
+        relative=[policies[n]["relative_claim"] for n in names],
+        relative_reason=[policies[n]["relative_reason"] for n in names])
     rel = relative_claims(cols, alpha=eng.alpha, method=eng.multiplicity, span=eng.label_scale[1] - eng.label_scale[0],
                           warnings=warnings)
     inference = {**inference_summary(eng), "offpolicy": "the same prompt draws refit the calibrator (full and "

@@ -164,6 +164,23 @@ def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_
     return "plug_in", basis, reasons
 
 
+def relative_status(transport_failed: bool, support_limited: bool, too_few_labels: bool, n_cal: int,
+                    min_labels: int) -> tuple[str, str | None]:
+    """May a Direct policy appear in relative claims (docs/statistics.md, "Refused means refused")?
+
+    A failed transport audit without a valid recalibration biases differences as much as the level,
+    and so does a calibration on too few labels: not estimable. Limited calibration support only:
+    rank-only with conservative intervals.
+    """
+    if transport_failed:
+        return "not_estimable", "transport audit failed and no valid recalibration"
+    if too_few_labels:
+        return "not_estimable", f"only {n_cal} calibration labels (at least {min_labels} needed)"
+    if support_limited:
+        return "rank_only", "limited calibration support: rank-only, conservative intervals"
+    return "ok", None
+
+
 class _Stats:
     """Summaries of the 2K statistics by both routes (the reported one in ``se``/``ci``)."""
 
@@ -236,6 +253,9 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
         if n_cal < opts.min_labels:
             reasons.append(f"only {n_cal} calibration labels (at least {opts.min_labels} needed)")
         refused[k] = bool(reasons)
+        rel, rel_reason = relative_status(basis_code == "plug_in" and audit["verdict"] == "fail",
+                                          basis_code == "plug_in" and support[k]["limited"],
+                                          n_cal < opts.min_labels, int(n_cal), opts.min_labels)
         summ = summary(cols[k])
         var_tot = cov[cols[k], cols[k]]
         share = float(cov_cal[cols[k], cols[k]] / var_tot) if var_tot > 0 else None
@@ -262,6 +282,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
             "var_cal_influence_plug_in": float(cov_cal[k, k]),
             "support": support[k],
             "audit": audit,
+            "relative_claim": rel,
+            "relative_reason": rel_reason,
         }
         if reps is not None and summ["se_analytic"] > 0:
             ratio = summ["se_bootstrap"] / summ["se_analytic"]

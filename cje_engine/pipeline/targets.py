@@ -80,8 +80,10 @@ def _transport_refusal(t: str, audit: dict, dpol: dict | None) -> tuple[str, str
 
 
 def _claim(prep: Any, t: str, head: dict, audit: dict, dpol: dict | None, warnings: list[str]
-           ) -> tuple[str, list[str], str | None]:
-    """The candidate's claim (level, downgraded, refused), refusal reasons and recommendation."""
+           ) -> tuple[str, list[str], str | None, tuple[str, str | None]]:
+    """The candidate's claim (level, downgraded, refused), refusal reasons, recommendation and relative
+    status (docs/statistics.md: an overlap refusal or a failed transport audit drops the candidate
+    from comparisons and the ranking; a refusal inherited from Direct keeps Direct's status)."""
     opts = prep.options
     rep = prep.reports[t]
     name = prep.headline[t]
@@ -89,11 +91,16 @@ def _claim(prep: Any, t: str, head: dict, audit: dict, dpol: dict | None, warnin
     reasons: list[str] = []
     claim = verdict.claim
     recommendation = verdict.recommendation
+    relative: tuple[str, str | None] = ("ok", None)
     if claim == "refused" or (claim == "downgraded" and opts.downgraded == "refused"):
         reasons.extend(verdict.reasons)
         claim = "refused"
+        dg = rep.diagnostics
+        relative = ("not_estimable", f"overlap refusal of the {name} estimate (TTC {dg.ttc:.2f}, stabilised ESS "
+                                     f"{dg.ess_stabilised:.0%})")
     if audit["verdict"] == "fail":
         claim = "refused"
+        relative = ("not_estimable", "transport audit failed; off-policy estimates cannot be recalibrated")
         reason, recommendation = _transport_refusal(t, audit, dpol)
         reasons.append(reason)
     if audit["verdict"] == "inconclusive" and claim != "refused":
@@ -106,6 +113,8 @@ def _claim(prep: Any, t: str, head: dict, audit: dict, dpol: dict | None, warnin
         if name != "stacked" or coef.get("direct", 0) + coef.get("dr", 0) > 1e-6:
             claim = "refused"
             reasons.extend(f"Direct on the fresh draws: {r}" for r in dpol["refusal_reasons"])
+            if relative[0] == "ok":
+                relative = (dpol.get("relative_claim") or "not_estimable", dpol.get("relative_reason"))
             if recommendation is None or verdict.claim == "level":
                 recommendation = (f"label a sample of the fresh draws of '{t}' with the oracle so the calibration "
                                   "covers its judge scores, then use Direct (mode='direct'), which recalibrates on "
@@ -118,7 +127,7 @@ def _claim(prep: Any, t: str, head: dict, audit: dict, dpol: dict | None, warnin
     elif claim == "downgraded":
         warnings.append(f"{t}: the {name} estimate's claim is downgraded (its interval may be unreliable): "
                         + "; ".join(verdict.reasons))
-    return claim, reasons, recommendation
+    return claim, reasons, recommendation, relative
 
 
 def _raw_judge(prep: Any, t: str) -> tuple[float, str]:
@@ -148,7 +157,7 @@ def target_entry(prep: Any, t: str, off: np.ndarray, direct_policies: dict, warn
     dpol = direct_policies.get(t) if prep.fresh[t] is not None else None
     audit = dpol["audit"] if dpol is not None else _not_run_audit(
         t, eng.audit_margin * (eng.label_scale[1] - eng.label_scale[0]))
-    claim, reasons, recommendation = _claim(prep, t, head, audit, dpol, warnings)
+    claim, reasons, recommendation, relative = _claim(prep, t, head, audit, dpol, warnings)
     rep = prep.reports[t]
     fresh = prep.fresh[t]
     n_fresh = 0 if fresh is None else fresh.n
@@ -182,6 +191,7 @@ def target_entry(prep: Any, t: str, off: np.ndarray, direct_policies: dict, warn
         "se_analytic": head["se_if"], "se_bootstrap": head["se"],
         "support": dpol["support"] if dpol is not None else direct_policies[prep.data.logger]["support"],
         "audit": audit,
+        "relative_claim": relative[0], "relative_reason": relative[1],
         "direct": ({k: dpol[k] for k in ("estimate", "se", "ci", "level_claim", "refusal_reasons", "basis_code")}
                    if dpol is not None else None),
         "offpolicy": {

@@ -183,6 +183,11 @@ class PolicyResult(_Strict):
     audit: Audit
     direct: Optional[DirectSummary] = None
     offpolicy: Optional[OffPolicyBlock] = None
+    relative_claim: Optional[Literal["ok", "rank_only", "not_estimable"]] = Field(
+        None, description="may the policy appear in comparisons and the ranking: ok, rank_only (limited "
+                          "calibration support: conservative intervals) or not_estimable (overlap or transport "
+                          "refusal: dropped)")
+    relative_reason: Optional[str] = Field(None, description="why the relative claim is limited")
 
 
 # ------------------------------------------------------------------------------- comparisons
@@ -202,6 +207,10 @@ class Comparison(_Strict):
     significant: Optional[bool] = Field(description="p_adjusted <= alpha")
     prob_a_better: Num
     involves_refused: bool
+    reported: Optional[bool] = Field(
+        None, description="false when a policy of the pair is not estimable even relatively (then diff, ci, "
+                          "p_value, p_adjusted, significant are null)")
+    not_estimable: Optional[str] = Field(None, description="why the pair is not reported (policy: reason)")
 
 
 class RankEntry(_Strict):
@@ -221,7 +230,7 @@ class WinMatrix(_Strict):
 class Multiplicity(_Strict):
     method: Literal["bh", "holm"]
     alpha: float
-    n_comparisons: int
+    n_comparisons: int = Field(description="reported comparisons (the adjustment's family)")
 
 
 class RankAgreement(_Strict):
