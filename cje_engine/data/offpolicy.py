@@ -41,11 +41,12 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from cje_engine.data.frame import LABEL, POLICY, PROMPT, RESPONSE_ID, SCORE, Scale
 from cje_engine.errors import CJEInputError
-from cje_engine.data.io import read_jsonl_records
-from cje_engine.offpolicy.estimators import FreshData, LoggedData
+from cje_engine.data.io import load_frame, read_jsonl_records
+from cje_engine.offpolicy.inputs import FreshData, LoggedData
 from cje_engine.offpolicy.weights import LOG_PROB_ATOL
 
 logger = logging.getLogger(__name__)
@@ -171,8 +172,6 @@ def _read_logged(logged: Any) -> tuple[pd.DataFrame, str, Path | None]:
         if (path / ARENA_LOGGED).is_file():
             arena, path = path, path / ARENA_LOGGED
         else:
-            import pyarrow.parquet as pq
-
             try:
                 return pq.read_table(path).to_pandas(), str(path), None
             except (pa.ArrowException, OSError) as exc:
@@ -181,8 +180,6 @@ def _read_logged(logged: Any) -> tuple[pd.DataFrame, str, Path | None]:
     if suffix in (".jsonl", ".ndjson"):
         return _read_jsonl_records(path), str(path), arena
     if suffix in (".parquet", ".pq", ".parq"):
-        import pyarrow.parquet as pq
-
         try:
             return pq.read_table(path).to_pandas(), str(path), arena
         except (pa.ArrowException, OSError) as exc:
@@ -326,6 +323,178 @@ def _reraise(exc: CJEInputError, names: dict[str, tuple[str, np.ndarray | None]]
     return CJEInputError(exc.detail, source=src, column=exc.column, row=row)
 
 
+def _logger_column(raw: pd.DataFrame, logger_column: str | None, name: str) -> str:
+    """The column holding the logger's log-probabilities."""
+    if logger_column is not None:
+        if logger_column not in raw.columns:
+            raise CJEInputError(f"logger log-probability column '{logger_column}' is missing (columns: "
+                                f"{', '.join(c for c in raw.columns if c != _ROW)})", source=name, column=logger_column)
+        return logger_column
+    else:
+        found = [c for c in LOGGER_COLUMNS if c in raw.columns]
+        if not found:
+            raise CJEInputError(
+                "no logger log-probability column: expected one of " + ", ".join(LOGGER_COLUMNS)
+                + f" (columns: {', '.join(c for c in raw.columns if c != _ROW)})", source=name, column=LOGGER_COLUMNS[0])
+    return found[0]
+
+
+def _logged_rows(raw: pd.DataFrame, lcol: str, logger_policy: str | None, name: str) -> tuple[str, np.ndarray]:
+    """The logger's name and which rows are its logged responses (the rest are fresh draws)."""
+    lp_raw = raw[lcol]
+    carries = lp_raw.notna().to_numpy()
+    if POLICY in raw.columns:
+        pol = raw[POLICY].astype(str).where(raw[POLICY].notna(), None)
+        if logger_policy is None:
+            owners = sorted({p for p in pol[carries] if p is not None})
+            if len(owners) != 1:
+                raise CJEInputError(
+                    "cannot tell the logger: rows carrying the logger log-probability belong to "
+                    + (f"several policies ({', '.join(owners)}); pass logger=<policy>" if owners else
+                       "no policy (every value is empty)"), source=name, column=lcol)
+            logger_policy = owners[0]
+        is_logged = (pol == logger_policy).to_numpy()
+        if not is_logged.any():
+            raise CJEInputError(f"logger '{logger_policy}' has no rows", source=name, column=POLICY)
+    else:
+        logger_policy = logger_policy or DEFAULT_LOGGER
+        is_logged = np.ones(raw.shape[0], dtype=bool)
+    if logger_policy == _PLACEHOLDER:
+        raise CJEInputError(f"'{_PLACEHOLDER}' is reserved; rename the logger")
+    return logger_policy, is_logged
+
+
+def _candidates(raw: pd.DataFrame, targets: Sequence[str] | None, logger_policy: str, name: str) -> list[str]:
+    """The candidate policies (every ``logprob__<policy>`` column by default)."""
+    available = [c[len(TARGET_PREFIX):] for c in raw.columns if c.startswith(TARGET_PREFIX)]
+    if targets is None:
+        tlist = [t for t in available if t != logger_policy]
+    else:
+        tlist = [str(t) for t in ([targets] if isinstance(targets, str) else targets)]
+        for t in tlist:
+            if t == logger_policy:
+                raise CJEInputError(f"'{t}' is the logger; candidates must be other policies", column=POLICY)
+            if target_column(t) not in raw.columns:
+                raise CJEInputError(
+                    f"no log-probabilities for candidate '{t}': expected a column '{target_column(t)}' "
+                    f"(candidate columns present: {', '.join(map(target_column, available)) or 'none'})",
+                    source=name, column=target_column(t))
+    tlist = list(dict.fromkeys(tlist))
+    if not tlist:
+        raise CJEInputError(f"no candidate policies: expected at least one '{TARGET_PREFIX}<policy>' column",
+                            source=name, column=f"{TARGET_PREFIX}<policy>")
+    return tlist
+
+
+def _sources(raw: pd.DataFrame, is_logged: np.ndarray, rows_l: np.ndarray, name: str, mode: str, tlist: list[str],
+             fresh: Any, arena: Path | None, notes: list[str]):
+    """Sources for load_frame: logged rows under a placeholder policy (so they can never clash with
+    fresh draws of the same policy), then fresh draws in the same table, then ``fresh``.
+
+    Returns (sources, source names for error messages, fresh parts (rows, frame or None), fresh name).
+    """
+    logged_df = raw.loc[is_logged]
+    lf = logged_df.drop(columns=[_ROW]).copy()
+    lf[POLICY] = _PLACEHOLDER
+    sources: list[Any] = [lf]
+    names = {"<DataFrame #0>": (name, rows_l)}
+    in_table = raw.loc[~is_logged]
+    fresh_parts: list[tuple[int, pd.DataFrame | None]] = []  # (rows, frame with self-logprobs or None)
+    fresh_name = None
+    if mode == "hybrid":
+        if in_table.shape[0]:
+            keep = in_table[POLICY].astype(str).isin(tlist).to_numpy()
+            dropped = int((~keep).sum())
+            if dropped:
+                notes.append(f"{dropped} row(s) of policies that are neither the logger nor a candidate were ignored")
+            in_table = in_table.loc[keep]
+        if in_table.shape[0]:
+            names[f"<DataFrame #{len(sources)}>"] = (name, in_table[_ROW].to_numpy())
+            sources.append(in_table.drop(columns=[_ROW]))
+            fresh_parts.append((in_table.shape[0], in_table))
+            fresh_name = name
+        if fresh is None and arena is not None:
+            fresh = arena
+        if fresh is not None:
+            if isinstance(fresh, (list, tuple)):
+                items = list(fresh)
+            else:
+                items = [fresh]
+            for item in items:
+                if isinstance(item, (pd.DataFrame, pa.Table)):
+                    df = item.to_pandas() if isinstance(item, pa.Table) else item.reset_index(drop=True)
+                    names[f"<DataFrame #{len(sources)}>"] = ("<fresh DataFrame>", None)
+                    names[f"<pyarrow.Table #{len(sources)}>"] = ("<fresh pyarrow.Table>", None)
+                    sources.append(df)
+                    fresh_parts.append((df.shape[0], df))
+                else:
+                    sources.append(item)
+                    fresh_parts.append((-1, None))
+            fresh_name = str(fresh) if not isinstance(fresh, (pd.DataFrame, pa.Table, list, tuple)) else "<fresh>"
+    else:
+        n_fresh = int(in_table.shape[0]) + (0 if fresh is None else 1)
+        if n_fresh:
+            notes.append("logs-only mode: fresh draws in the input were ignored (use mode='hybrid' to use them)")
+    return sources, names, fresh_parts, fresh_name
+
+
+def _fresh_selfprobs(fresh_parts: list, tlist: list[str], n_all: int, n_logged: int, with_lengths: bool,
+                     lcol_len: str | None) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+    """Self log-probabilities and lengths of fresh draws, where the in-memory inputs carry them."""
+    fresh_lp = {t: np.full(n_all, np.nan) for t in tlist}
+    fresh_len = np.full(n_all, np.nan) if with_lengths else None
+    pos = n_logged
+    for n_rows, df in fresh_parts:
+        if n_rows < 0:
+            break  # a path of unknown row count: nothing after it can be aligned
+        if df is not None:
+            pol_f = df[POLICY].astype(str).to_numpy() if POLICY in df.columns else None
+            for t in tlist:
+                col = target_column(t)
+                if col in df.columns and pol_f is not None:
+                    v = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float)
+                    own = pol_f == t
+                    fresh_lp[t][pos:pos + n_rows][own] = v[own]
+            if fresh_len is not None and lcol_len in df.columns:
+                fresh_len[pos:pos + n_rows] = pd.to_numeric(df[lcol_len], errors="coerce").to_numpy(dtype=float)
+        pos += n_rows
+    return fresh_lp, fresh_len
+
+
+def _finish_frame(frame: pd.DataFrame, fresh_lp: dict[str, np.ndarray], fresh_len: np.ndarray | None, n_logged: int,
+                  tlist: list[str], logger_policy: str, mode: str, fresh_name: str, notes: list[str]):
+    """Drop fresh draws of non-candidates, restore the logger's name, check ids and hybrid coverage."""
+    n_all = frame.shape[0]
+    pol_all = frame[POLICY].astype(str).to_numpy()
+    keep = np.ones(n_all, dtype=bool)
+    keep[n_logged:] = np.isin(pol_all[n_logged:], tlist)
+    dropped = int((~keep).sum())
+    if dropped:
+        other = sorted(set(pol_all[n_logged:][~keep[n_logged:]]))
+        notes.append(f"{dropped} fresh draw(s) of {', '.join(other)} (not candidates) were ignored")
+    frame = frame.loc[keep].reset_index(drop=True)
+    fresh_lp = {t: v[keep] for t, v in fresh_lp.items()}
+    fresh_len = fresh_len[keep] if fresh_len is not None else None
+    frame[POLICY] = np.where(frame[POLICY].to_numpy() == _PLACEHOLDER, logger_policy, frame[POLICY].to_numpy())
+    rid = frame[RESPONSE_ID].astype(str)
+    frame[RESPONSE_ID] = np.where(rid.str.startswith(_PLACEHOLDER + ":"),
+                                  logger_policy + ":" + rid.str[len(_PLACEHOLDER) + 1:], rid)
+    if frame[RESPONSE_ID].duplicated().any():
+        r = int(np.flatnonzero(frame[RESPONSE_ID].duplicated().to_numpy())[0])
+        raise CJEInputError(f"response_id {frame[RESPONSE_ID].iloc[r]!r} is used by a logged response and a fresh "
+                            "draw; response ids must be unique", source=fresh_name, column=RESPONSE_ID)
+    if mode == "hybrid":
+        with_fresh = [t for t in tlist if np.any(frame[POLICY].to_numpy()[n_logged:] == t)]
+        if not with_fresh:
+            raise CJEInputError("hybrid mode needs fresh draws of at least one candidate (rows whose policy is one "
+                                f"of {', '.join(tlist)}); none were found. Use mode='logs-only' or give fresh=",
+                                source=fresh_name, column=POLICY)
+        missing = [t for t in tlist if t not in with_fresh]
+        if missing:
+            notes.append(f"no fresh draws of {', '.join(missing)}: logs-only estimates for them")
+    return frame, fresh_lp, fresh_len
+
+
 def load_offpolicy(
     logged: Any,
     fresh: Any = None,
@@ -378,60 +547,10 @@ def load_offpolicy(
     if _ROW not in raw.columns:
         raw[_ROW] = np.arange(raw.shape[0])
 
-    # the logger's column
-    if logger_column is not None:
-        if logger_column not in raw.columns:
-            raise CJEInputError(f"logger log-probability column '{logger_column}' is missing (columns: "
-                                f"{', '.join(c for c in raw.columns if c != _ROW)})", source=name, column=logger_column)
-        lcol = logger_column
-    else:
-        found = [c for c in LOGGER_COLUMNS if c in raw.columns]
-        if not found:
-            raise CJEInputError(
-                "no logger log-probability column: expected one of " + ", ".join(LOGGER_COLUMNS)
-                + f" (columns: {', '.join(c for c in raw.columns if c != _ROW)})", source=name, column=LOGGER_COLUMNS[0])
-        lcol = found[0]
+    lcol = _logger_column(raw, logger_column, name)
+    logger_policy, is_logged = _logged_rows(raw, lcol, logger_policy, name)
 
-    # logged rows vs fresh draws in the same table
-    lp_raw = raw[lcol]
-    carries = lp_raw.notna().to_numpy()
-    if POLICY in raw.columns:
-        pol = raw[POLICY].astype(str).where(raw[POLICY].notna(), None)
-        if logger_policy is None:
-            owners = sorted({p for p in pol[carries] if p is not None})
-            if len(owners) != 1:
-                raise CJEInputError(
-                    "cannot tell the logger: rows carrying the logger log-probability belong to "
-                    + (f"several policies ({', '.join(owners)}); pass logger=<policy>" if owners else
-                       "no policy (every value is empty)"), source=name, column=lcol)
-            logger_policy = owners[0]
-        is_logged = (pol == logger_policy).to_numpy()
-        if not is_logged.any():
-            raise CJEInputError(f"logger '{logger_policy}' has no rows", source=name, column=POLICY)
-    else:
-        logger_policy = logger_policy or DEFAULT_LOGGER
-        is_logged = np.ones(raw.shape[0], dtype=bool)
-    if logger_policy == _PLACEHOLDER:
-        raise CJEInputError(f"'{_PLACEHOLDER}' is reserved; rename the logger")
-
-    # candidates
-    available = [c[len(TARGET_PREFIX):] for c in raw.columns if c.startswith(TARGET_PREFIX)]
-    if targets is None:
-        tlist = [t for t in available if t != logger_policy]
-    else:
-        tlist = [str(t) for t in ([targets] if isinstance(targets, str) else targets)]
-        for t in tlist:
-            if t == logger_policy:
-                raise CJEInputError(f"'{t}' is the logger; candidates must be other policies", column=POLICY)
-            if target_column(t) not in raw.columns:
-                raise CJEInputError(
-                    f"no log-probabilities for candidate '{t}': expected a column '{target_column(t)}' "
-                    f"(candidate columns present: {', '.join(map(target_column, available)) or 'none'})",
-                    source=name, column=target_column(t))
-    tlist = list(dict.fromkeys(tlist))
-    if not tlist:
-        raise CJEInputError(f"no candidate policies: expected at least one '{TARGET_PREFIX}<policy>' column",
-                            source=name, column=f"{TARGET_PREFIX}<policy>")
+    tlist = _candidates(raw, targets, logger_policy, name)
 
     rows_l = raw[_ROW].to_numpy()[is_logged]
     logged_df = raw.loc[is_logged]
@@ -460,51 +579,7 @@ def load_offpolicy(
             raise CJEInputError("token count must be a positive number on every logged row", source=name,
                                 column=lcol_len, row=int(rows_l[np.flatnonzero(bad)[0]]))
 
-    # sources for load_frame: logged rows under a placeholder policy (so they can never clash with
-    # fresh draws of the same policy), then fresh draws in the same table, then `fresh`
-    from cje_engine.data.io import load_frame
-
-    lf = logged_df.drop(columns=[_ROW]).copy()
-    lf[POLICY] = _PLACEHOLDER
-    sources: list[Any] = [lf]
-    names = {"<DataFrame #0>": (name, rows_l)}
-    in_table = raw.loc[~is_logged]
-    fresh_parts: list[tuple[int, pd.DataFrame | None]] = []  # (rows, frame with self-logprobs or None)
-    fresh_name = None
-    if mode == "hybrid":
-        if in_table.shape[0]:
-            keep = in_table[POLICY].astype(str).isin(tlist).to_numpy()
-            dropped = int((~keep).sum())
-            if dropped:
-                notes.append(f"{dropped} row(s) of policies that are neither the logger nor a candidate were ignored")
-            in_table = in_table.loc[keep]
-        if in_table.shape[0]:
-            names[f"<DataFrame #{len(sources)}>"] = (name, in_table[_ROW].to_numpy())
-            sources.append(in_table.drop(columns=[_ROW]))
-            fresh_parts.append((in_table.shape[0], in_table))
-            fresh_name = name
-        if fresh is None and arena is not None:
-            fresh = arena
-        if fresh is not None:
-            if isinstance(fresh, (list, tuple)):
-                items = list(fresh)
-            else:
-                items = [fresh]
-            for item in items:
-                if isinstance(item, (pd.DataFrame, pa.Table)):
-                    df = item.to_pandas() if isinstance(item, pa.Table) else item.reset_index(drop=True)
-                    names[f"<DataFrame #{len(sources)}>"] = ("<fresh DataFrame>", None)
-                    names[f"<pyarrow.Table #{len(sources)}>"] = ("<fresh pyarrow.Table>", None)
-                    sources.append(df)
-                    fresh_parts.append((df.shape[0], df))
-                else:
-                    sources.append(item)
-                    fresh_parts.append((-1, None))
-            fresh_name = str(fresh) if not isinstance(fresh, (pd.DataFrame, pa.Table, list, tuple)) else "<fresh>"
-    else:
-        n_fresh = int(in_table.shape[0]) + (0 if fresh is None else 1)
-        if n_fresh:
-            notes.append("logs-only mode: fresh draws in the input were ignored (use mode='hybrid' to use them)")
+    sources, names, fresh_parts, fresh_name = _sources(raw, is_logged, rows_l, name, mode, tlist, fresh, arena, notes)
     try:
         frame = load_frame(sources if len(sources) > 1 else sources[0], label_scale=label_scale,
                            score_scale=score_scale, covariates=list(covariates))
@@ -517,52 +592,11 @@ def load_offpolicy(
     if not np.all(pol_all[:n_logged] == _PLACEHOLDER) or np.any(pol_all[n_logged:] == _PLACEHOLDER):
         raise AssertionError("load_frame did not keep the logged rows first")  # pragma: no cover
 
-    # self log-probabilities and lengths of fresh draws, where the in-memory inputs carry them
     n_all = frame.shape[0]
-    fresh_lp = {t: np.full(n_all, np.nan) for t in tlist}
-    fresh_len = np.full(n_all, np.nan) if lengths is not None else None
-    pos = n_logged
-    for n_rows, df in fresh_parts:
-        if n_rows < 0:
-            break  # a path of unknown row count: nothing after it can be aligned
-        if df is not None:
-            pol_f = df[POLICY].astype(str).to_numpy() if POLICY in df.columns else None
-            for t in tlist:
-                col = target_column(t)
-                if col in df.columns and pol_f is not None:
-                    v = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float)
-                    own = pol_f == t
-                    fresh_lp[t][pos:pos + n_rows][own] = v[own]
-            if fresh_len is not None and lcol_len in df.columns:
-                fresh_len[pos:pos + n_rows] = pd.to_numeric(df[lcol_len], errors="coerce").to_numpy(dtype=float)
-        pos += n_rows
+    fresh_lp, fresh_len = _fresh_selfprobs(fresh_parts, tlist, n_all, n_logged, lengths is not None, lcol_len)
 
-    keep = np.ones(n_all, dtype=bool)
-    keep[n_logged:] = np.isin(pol_all[n_logged:], tlist)
-    dropped = int((~keep).sum())
-    if dropped:
-        other = sorted(set(pol_all[n_logged:][~keep[n_logged:]]))
-        notes.append(f"{dropped} fresh draw(s) of {', '.join(other)} (not candidates) were ignored")
-    frame = frame.loc[keep].reset_index(drop=True)
-    fresh_lp = {t: v[keep] for t, v in fresh_lp.items()}
-    fresh_len = fresh_len[keep] if fresh_len is not None else None
-    frame[POLICY] = np.where(frame[POLICY].to_numpy() == _PLACEHOLDER, logger_policy, frame[POLICY].to_numpy())
-    rid = frame[RESPONSE_ID].astype(str)
-    frame[RESPONSE_ID] = np.where(rid.str.startswith(_PLACEHOLDER + ":"),
-                                  logger_policy + ":" + rid.str[len(_PLACEHOLDER) + 1:], rid)
-    if frame[RESPONSE_ID].duplicated().any():
-        r = int(np.flatnonzero(frame[RESPONSE_ID].duplicated().to_numpy())[0])
-        raise CJEInputError(f"response_id {frame[RESPONSE_ID].iloc[r]!r} is used by a logged response and a fresh "
-                            "draw; response ids must be unique", source=fresh_name or name, column=RESPONSE_ID)
-    if mode == "hybrid":
-        with_fresh = [t for t in tlist if np.any(frame[POLICY].to_numpy()[n_logged:] == t)]
-        if not with_fresh:
-            raise CJEInputError("hybrid mode needs fresh draws of at least one candidate (rows whose policy is one "
-                                f"of {', '.join(tlist)}); none were found. Use mode='logs-only' or give fresh=",
-                                source=fresh_name or name, column=POLICY)
-        missing = [t for t in tlist if t not in with_fresh]
-        if missing:
-            notes.append(f"no fresh draws of {', '.join(missing)}: logs-only estimates for them")
+    frame, fresh_lp, fresh_len = _finish_frame(frame, fresh_lp, fresh_len, n_logged, tlist, logger_policy, mode,
+                                               fresh_name or name, notes)
     n_lab = int(frame[LABEL].iloc[:n_logged].notna().sum())
     logger.info("off-policy data: %d logged responses of '%s' (%d labelled), %d fresh draws, candidates %s",
                 n_logged, logger_policy, n_lab, frame.shape[0] - n_logged, ", ".join(tlist))

@@ -276,14 +276,6 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     return {"total": total, "calibration": cal}
 
 
-def cluster_cov(contrib: np.ndarray) -> np.ndarray:
-    """Covariance of statistics from per-cluster influence sums, with the n/(n-1) correction."""
-    n = contrib.shape[0]
-    c = np.nan_to_num(contrib)
-    c = c - c.mean(axis=0)
-    return (c.T @ c) * n / max(n - 1, 1)
-
-
 def fold_jackknife(design: Design, models: list | None = None) -> np.ndarray:
     """Delete-one-fold jackknife variance of the plug-in values (calibration variance only).
 

@@ -31,6 +31,7 @@ import pandas as pd
 from scipy import special
 
 from cje_engine.errors import CJEInputError
+from cje_engine.result.jsonable import jsonable
 
 logger = logging.getLogger(__name__)
 
@@ -581,23 +582,8 @@ class DriftLook:
 
 
 def _jsonable(obj: Any) -> Any:
-    """Plain JSON data: numpy scalars to Python, NaN/inf to None, other objects to str."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, (bool, np.bool_)):
-        return bool(obj)
-    if isinstance(obj, (int, np.integer)):
-        return int(obj)
-    if isinstance(obj, (float, np.floating)):
-        f = float(obj)
-        return f if math.isfinite(f) else None
-    if obj is None or isinstance(obj, str):
-        return obj
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    return str(obj)  # timestamps and other labels in ``meta``
+    """Plain JSON data (`cje_engine.result.jsonable`); other objects (timestamps in ``meta``) to str."""
+    return jsonable(obj, default=str)
 
 
 # --------------------------------------------------------------------------------------------

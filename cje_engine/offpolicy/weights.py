@@ -30,6 +30,7 @@ from scipy.special import logsumexp
 
 from cje_engine.data.frame import fold_of
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.variance import cluster_covariance
 
 logger = logging.getLogger(__name__)
 
@@ -314,24 +315,6 @@ def solve_simplex_qp(sigma: np.ndarray) -> np.ndarray:
                 best_b, best_val = b, val
     assert best_b is not None  # every vertex is feasible
     return best_b
-
-
-def cluster_covariance(columns: np.ndarray, clusters: np.ndarray) -> np.ndarray:
-    """Covariance of the column means of ``columns`` (n x K), clustered by ``clusters``.
-
-    ``Cov = G/(G-1) * sum_c psi_c psi_c'`` with ``psi_c = sum_{i in c} (phi_i - mean phi) / n``.
-    """
-    cols = np.asarray(columns, dtype=float)
-    if cols.ndim == 1:
-        cols = cols[:, None]
-    n = cols.shape[0]
-    _, inv = np.unique(np.asarray(clusters), return_inverse=True)
-    g = int(inv.max()) + 1
-    centred = cols - cols.mean(axis=0)
-    psi = np.zeros((g, cols.shape[1]))
-    np.add.at(psi, inv, centred / n)
-    factor = g / (g - 1) if g > 1 else 1.0
-    return factor * psi.T @ psi
 
 
 # --------------------------------------------------------------------------------------------

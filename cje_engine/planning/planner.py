@@ -695,7 +695,7 @@ def _pilot(source: Any) -> _Pilot:
     from cje_engine.result import EvaluationResult
 
     if isinstance(source, EvaluationResult):
-        from cje_engine.direct.estimators import cluster_cov
+        from cje_engine.inference.variance import cluster_cov
 
         cov = cluster_cov(np.asarray(source.influence, dtype=float)) if source.influence is not None else None
         return _Pilot(source.to_dict(), cov_total=cov, columns=np.asarray(source.columns))
@@ -1059,7 +1059,7 @@ def plan_from_data(data: Any, budget: float | None = None, target_mde: float | N
                    power: float = 0.8, min_labels: int | None = None, **evaluate_options: Any) -> dict:
     """Plan from a pilot dataset: runs the engine (analytic inference) and keeps the calibration
     influence terms, so paired plug-in differences get their exact calibration covariance."""
-    from cje_engine.direct.estimators import cluster_cov
+    from cje_engine.inference.variance import cluster_cov
     from cje_engine.pipeline.direct import finalize, prepare
 
     evaluate_options = {**evaluate_options, "inference": "analytic"}

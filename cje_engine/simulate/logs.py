@@ -29,7 +29,7 @@ import numpy as np
 from scipy.special import log_softmax
 
 from cje_engine.errors import CJEInputError
-from cje_engine.offpolicy.estimators import FreshData, LoggedData
+from cje_engine.offpolicy.inputs import FreshData, LoggedData
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -25,6 +25,7 @@ from statistics import NormalDist
 from typing import Any, Iterable, Sequence
 
 from cje_engine.errors import CJEInputError
+from cje_engine.result import validate_result
 
 logger = logging.getLogger(__name__)
 
@@ -156,45 +157,9 @@ def _verdict(pol: dict) -> str:
 # validation
 # --------------------------------------------------------------------------------------------
 def _check_result(result: Any) -> None:
-    """Raise CJEInputError when the result dict cannot be rendered honestly."""
-    if not isinstance(result, dict):
-        raise CJEInputError(
-            f"expected the result dict of docs/result-schema.md, got {type(result).__name__}",
-            source="result")
-    version = result.get("schema_version")
-    if version is not None and version != SCHEMA_VERSION:
-        raise CJEInputError(
-            f"unsupported schema_version {version!r}; this renderer reads version {SCHEMA_VERSION}",
-            source="result", column="schema_version")
-    policies = result.get("policies")
-    if not isinstance(policies, dict) or not policies:
-        raise CJEInputError("expected a non-empty mapping of policy name -> policy result",
-                            source="result", column="policies")
-    for name, pol in policies.items():
-        where = f"policies.{name}"
-        if not isinstance(pol, dict):
-            raise CJEInputError(f"expected a dict, got {type(pol).__name__}",
-                                source="result", column=where)
-        if pol.get("level_claim") not in LEVEL_CLAIMS:
-            raise CJEInputError(
-                f"level_claim must be one of {LEVEL_CLAIMS}, got {pol.get('level_claim')!r}",
-                source="result", column=where + ".level_claim")
-        est = pol.get("estimate")
-        if est is not None and _num(est) is None:
-            raise CJEInputError(f"estimate must be a finite number or null, got {est!r}",
-                                source="result", column=where + ".estimate")
-        ci = pol.get("ci")
-        if ci is not None and _pair(ci) is None:
-            raise CJEInputError(f"ci must be [low, high] or null, got {ci!r}",
-                                source="result", column=where + ".ci")
-    best = result.get("best_policy")
-    if best is not None:
-        if best not in policies:
-            raise CJEInputError(f"best_policy {best!r} is not one of the policies",
-                                source="result", column="best_policy")
-        if _is_refused(policies[best]):
-            raise CJEInputError(f"best_policy {best!r} has a refused level claim; a refused "
-                                "policy is never crowned best", source="result", column="best_policy")
+    """Raise CJEInputError when the result dict cannot be rendered honestly (the engine's rules;
+    partial hand-made results render too)."""
+    validate_result(result, partial=True)
 
 
 def _policy_order(result: dict) -> list[str]:

@@ -45,6 +45,7 @@ from pathlib import PurePath
 from typing import Any, Iterable, Mapping
 
 from cje_engine.errors import CJEInputError
+from cje_engine.result import validate_result
 
 from flows.storage.objects import NotFoundError, ObjectInfo, Storage, StorageError
 
@@ -160,31 +161,17 @@ def _attempt_age_seconds(attempt: str) -> float | None:
 
 
 def check_result_gate(result: Mapping[str, Any], policy_table: bytes | None = None) -> None:
-    """Raise `PublishGateError` unless the result is safe to publish (see module docstring)."""
-    policies = result.get("policies")
-    if not isinstance(policies, Mapping) or not policies:
-        raise PublishGateError("result.json has no 'policies' object; refusing to publish", source="result.json",
-                               column="policies")
-    claims: dict[str, str] = {}
-    for name, pol in policies.items():
-        if not isinstance(pol, Mapping):
-            raise PublishGateError(f"policy {name!r} is not an object", source="result.json", column="policies")
-        claim = pol.get("level_claim")
-        if claim not in ("ok", "refused"):
-            raise PublishGateError(f"policy {name!r} has level_claim {claim!r}; expected 'ok' or 'refused'",
-                                   source="result.json", column="level_claim")
-        reasons = pol.get("refusal_reasons")
-        if claim == "refused" and not (
-                isinstance(reasons, list) and reasons and all(isinstance(r, str) and r.strip() for r in reasons)):
-            raise PublishGateError(f"policy {name!r} is refused but carries no refusal reasons; a refused level "
-                                   "must say why", source="result.json", column="refusal_reasons")
-        claims[str(name)] = claim
-    best = result.get("best_policy")
-    if best is not None and claims.get(str(best)) == "refused":
-        raise PublishGateError(f"best_policy {best!r} is a refused policy", source="result.json",
-                               column="best_policy")
+    """Raise `PublishGateError` unless the result is safe to publish (see module docstring): the
+    engine's `cje_engine.result.validate_result` (rules and schema), then the policy table."""
+    try:
+        validate_result(result)
+    except PublishGateError:
+        raise
+    except CJEInputError as exc:
+        raise PublishGateError(f"{exc.detail}; refusing to publish",
+                               source="result.json", column=(exc.column or "").rsplit(".", 1)[-1] or None) from None
     if policy_table is not None:
-        _check_policy_table(policy_table, claims)
+        _check_policy_table(policy_table, {str(n): p["level_claim"] for n, p in result["policies"].items()})
 
 
 def _check_policy_table(data: bytes, claims: dict[str, str]) -> None:

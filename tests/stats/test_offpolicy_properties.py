@@ -12,7 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from cje_engine.offpolicy.estimators import Rewards, bootstrap_target, evaluate_target
+from cje_engine.offpolicy.bootstrap import bootstrap_target
+from cje_engine.offpolicy.inputs import Rewards
+from cje_engine.offpolicy.target import evaluate_target
 from cje_engine.simulate.logs import oracle_curve, population_value, simulate_logs
 from cje_engine.offpolicy.weights import SIMCal, isotonic_fit, isotonic_predict, solve_simplex_qp
 

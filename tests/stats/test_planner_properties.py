@@ -22,7 +22,7 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 
 from cje_engine import evaluate
-from cje_engine.direct.estimators import cluster_cov
+from cje_engine.inference.variance import cluster_cov
 from cje_engine.pipeline.direct import finalize, prepare
 from cje_engine.planning.planner import plan_from_data
 from cje_engine.simulate.direct import PolicySpec, SimSpec, simulate, true_value

@@ -13,25 +13,19 @@ from sklearn.isotonic import IsotonicRegression
 
 from cje_engine.data.frame import fold_of
 from cje_engine.errors import CJEInputError
+from cje_engine.offpolicy.bootstrap import bootstrap_target
+from cje_engine.offpolicy.diagnostics import cle_floor, judge_score_affinity, target_typical_coverage
 from cje_engine.offpolicy.estimators import (
-    FreshData,
-    LoggedData,
-    OffPolicyConfig,
-    OffPolicyGates,
-    Rewards,
-    bootstrap_target,
-    cle_floor,
     estimate_direct,
     estimate_dr,
     estimate_ips,
     estimate_snips,
     estimate_weighted,
-    evaluate_target,
-    gate_verdicts,
-    judge_score_affinity,
     stack_estimates,
-    target_typical_coverage,
 )
+from cje_engine.offpolicy.gates import OffPolicyGates, gate_verdicts
+from cje_engine.offpolicy.inputs import FreshData, LoggedData, Rewards
+from cje_engine.offpolicy.target import OffPolicyConfig, evaluate_target
 from cje_engine.simulate.logs import oracle_curve, population_value, simulate_logs
 from cje_engine.offpolicy.weights import (
     SIMCal,

@@ -11,7 +11,8 @@ from cje_engine.pipeline import direct as pipeline
 from cje_engine.calibration.calibrators import IsotonicCalibrator
 from cje_engine.errors import CJEInputError
 from cje_engine.direct.estimators import bootstrap_weights
-from cje_engine.offpolicy.estimators import FreshData, LoggedData, Rewards, evaluate_target
+from cje_engine.offpolicy.inputs import FreshData, LoggedData, Rewards
+from cje_engine.offpolicy.target import evaluate_target
 from cje_engine.pipeline.offpolicy import (
     OffPolicyOptions,
     _replicate,
@@ -22,7 +23,7 @@ from cje_engine.pipeline.offpolicy import (
     flow_options,
     flow_policies,
     prepare,
-    refit_rewards,
+    rewards_and_outcome,
 )
 from cje_engine.simulate.logs import simulate_logs
 
@@ -44,7 +45,7 @@ def test_rewards_are_directs_calibration(hybrid_prep):
     prep = hybrid_prep
     design = prep.direct.design
     d = design.data
-    R, q = refit_rewards(design)
+    R, q = rewards_and_outcome(design)
     np.testing.assert_array_equal(R, prep.direct.f)  # Direct's cross-fitted values, row for row
     # q is out of fold for every row: a reference fit without the row's fold
     cr = design.cal_rows

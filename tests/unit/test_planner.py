@@ -294,7 +294,7 @@ def test_difference_components_reproduce_the_paired_variance(arena):
 
 
 def test_exact_data_route_uses_the_evaluation_influence(arena_dir):
-    from cje_engine.direct.estimators import cluster_cov
+    from cje_engine.inference.variance import cluster_cov
     from cje_engine.pipeline.direct import finalize, prepare
 
     prep = prepare(arena_dir, calibration_policies=["base"], inference="analytic")

@@ -1,0 +1,217 @@
+"""Paired comparisons, multiplicity, ranking and the best policy: one step for every mode.
+
+Input per policy: its reported estimate, its bootstrap replicates (one column per policy, from the
+same prompt draws, so differences are paired) and/or its per-prompt influence terms (the analytic
+route), degrees of freedom, and whether its level is refused. The modes differ only in how those
+columns were computed (`cje_engine.pipeline`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy.stats import kendalltau, norm, t as student_t
+
+from cje_engine.inference.multiplicity import adjust
+from cje_engine.inference.variance import cluster_cov
+
+#: Relative disagreement between bootstrap and analytic SEs that triggers a warning.
+SE_AGREEMENT_RATIO = 1.25
+
+
+@dataclass
+class PolicyColumns:
+    """What the comparison step needs of the K reported policies (in result order).
+
+    Attributes
+    ----------
+    names : policy names
+    estimate : ndarray (K,), NaN when there is none
+    replicates : ndarray (B, K) or None (analytic route)
+    influence : ndarray (n_prompts, K) or None (no analytic route)
+    dfs : ndarray (K,), degrees of freedom of each estimate (inf: normal)
+    refused : ndarray (K,) of bool
+    claims : level claims ("ok", "refused")
+    raw : ndarray (K,), raw judge means (rank agreement)
+    """
+
+    names: list[str]
+    estimate: np.ndarray
+    replicates: np.ndarray | None
+    influence: np.ndarray | None
+    dfs: np.ndarray
+    refused: np.ndarray
+    claims: list[str]
+    raw: np.ndarray
+    #: per policy: "ok", "rank_only" (limited support: conservative intervals) or "not_estimable"
+    relative: list[str] | None = None
+    relative_reason: list[str | None] | None = None
+
+    def status(self, k: int) -> str:
+        return "ok" if self.relative is None else self.relative[k]
+
+    def covariance(self) -> np.ndarray | None:
+        return None if self.influence is None else cluster_cov(self.influence)
+
+
+def _num(x: float) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def _bootstrap_pair(D: np.ndarray, alpha: float) -> tuple[float, list[float], float, float]:
+    B = D.size
+    se = float(np.std(D, ddof=1))
+    ci = np.percentile(D, [50 * alpha, 100 - 50 * alpha]).tolist()
+    p = min(1.0, 2 * min(1 + np.sum(D <= 0), 1 + np.sum(D >= 0)) / (B + 1))
+    prob = float(np.mean(D > 0) + 0.5 * np.mean(D == 0))
+    return se, ci, float(p), prob
+
+
+def _analytic_pair(diff: float, se: float, df: float, alpha: float) -> tuple[list[float], float, float]:
+    c = student_t.ppf(1 - alpha / 2, df)
+    ci = [diff - c * se, diff + c * se]
+    p = float(2 * student_t.sf(abs(diff) / se, df)) if se > 0 else (0.0 if diff != 0 else 1.0)
+    prob = float(norm.cdf(diff / se)) if se > 0 else float(diff > 0)
+    return ci, p, prob
+
+
+def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float,
+                  warnings: list[str]) -> list[dict]:
+    """Every unordered pair once: difference, SE, CI, p-value, adjusted p-value, significance.
+
+    The bootstrap route (``cols.replicates``) uses percentile intervals of the paired replicate
+    differences and the two-sided bootstrap p-value ``2 min(1 + #D<=0, 1 + #D>=0) / (B + 1)``; the
+    analytic route uses the clustered influence covariance with a t quantile whose df is the
+    smaller of the pair's. Both SEs are reported when both exist (a warning when they differ by
+    more than `SE_AGREEMENT_RATIO`). Intervals are clipped to +/- the label span.
+    """
+    cov = cols.covariance()
+    K = len(cols.names)
+    out = []
+    for a in range(K):
+        for b in range(a + 1, K):
+            diff = float(cols.estimate[a] - cols.estimate[b])
+            se_a = None if cov is None else float(np.sqrt(max(cov[a, a] + cov[b, b] - 2 * cov[a, b], 0.0)))
+            item = {"a": cols.names[a], "b": cols.names[b], "diff": _num(diff), "se_analytic": se_a}
+            D = None
+            if cols.replicates is not None:
+                D = cols.replicates[:, a] - cols.replicates[:, b]
+                D = D[np.isfinite(D)]
+            dropped = [k for k in (a, b) if cols.status(k) == "not_estimable"]
+            if dropped:
+                why = "; ".join(f"{cols.names[k]}: {cols.relative_reason[k]}" for k in dropped)
+                item.update(diff=None, se=None, ci=None, se_analytic=None, p_value=None, p_adjusted=None,
+                            significant=None, prob_a_better=None, involves_refused=True, reported=False,
+                            not_estimable=why)
+                out.append(item)
+                continue
+            if not np.isfinite(diff) or (D is not None and D.size < 2) or (D is None and se_a is None):
+                se, ci, p, prob = None, None, 1.0, None
+            elif D is not None:
+                se, ci, p, prob = _bootstrap_pair(D, alpha)
+                if se_a is not None and se_a > 0 and not (1 / SE_AGREEMENT_RATIO <= se / se_a <= SE_AGREEMENT_RATIO):
+                    warnings.append(f"{cols.names[a]} - {cols.names[b]}: bootstrap SE {se:.4f} and analytic SE "
+                                    f"{se_a:.4f} differ by a factor {se / se_a:.2f}")
+            else:
+                se = se_a
+                ci, p, prob = _analytic_pair(diff, se, min(cols.dfs[a], cols.dfs[b]), alpha)
+            if ci is not None and "rank_only" in (cols.status(a), cols.status(b)) and D is not None and se_a:
+                # conservative: the union of the bootstrap and analytic intervals and the larger p-value
+                ci_a, p_an, _ = _analytic_pair(diff, se_a, min(cols.dfs[a], cols.dfs[b]), alpha)
+                ci = [min(ci[0], ci_a[0]), max(ci[1], ci_a[1])]
+                p = max(p, p_an)
+            item.update(se=se, ci=None if ci is None else [float(max(ci[0], -span)), float(min(ci[1], span))],
+                        p_value=float(p), prob_a_better=prob,
+                        involves_refused=bool(cols.refused[a] or cols.refused[b]), reported=True, not_estimable=None)
+            out.append(item)
+    shown = [c for c in out if c["reported"]]
+    if shown:
+        padj = adjust(np.array([c["p_value"] for c in shown]), method)
+        for c, pa_ in zip(shown, padj):
+            c["p_adjusted"] = float(pa_)
+            c["significant"] = bool(pa_ <= alpha and c["se"] is not None)
+    return out
+
+
+def rank_policies(names: Sequence[str], est: np.ndarray, comparisons: list[dict], refused: np.ndarray,
+                  claims: Sequence[str], dropped: dict[str, str] | None = None):
+    """Ranking with ties, win matrix and best policy from significance-marked comparisons.
+
+    Rank = 1 + number of policies significantly better. The best policy is the top unrefused one
+    when it is significantly better than every other policy; a refused policy is never best.
+    Estimates may be NaN (ranked last); ``prob_a_better`` may be None. Policies in ``dropped``
+    (name -> reason: not estimable even relatively) are left out of the ranking, the win matrix and
+    the best-policy logic.
+    """
+    dropped = dropped or {}
+    keep = [i for i, n in enumerate(names) if n not in dropped]
+    names = [names[i] for i in keep]
+    est, refused, claims = np.asarray(est)[keep], np.asarray(refused)[keep], [claims[i] for i in keep]
+    comparisons = [c for c in comparisons if c.get("reported", True)]
+    K = len(names)
+    idx = {n: i for i, n in enumerate(names)}
+    sig = np.zeros((K, K), dtype=int)  # sig[i, j] = 1 if i significantly better than j
+    prob = np.full((K, K), np.nan)
+    for c in comparisons:
+        a, b = idx[c["a"]], idx[c["b"]]
+        if c.get("prob_a_better") is not None:
+            prob[a, b], prob[b, a] = c["prob_a_better"], 1 - c["prob_a_better"]
+        if c["significant"]:
+            if c["diff"] > 0:
+                sig[a, b] = 1
+            elif c["diff"] < 0:
+                sig[b, a] = 1
+    rank = 1 + sig.sum(axis=0)
+    key = np.where(np.isfinite(est), est, -np.inf)
+    order = sorted(range(K), key=lambda i: (rank[i], -key[i]))
+    ranking = [{"policy": names[i], "rank": int(rank[i]), "estimate": float(est[i]), "level_claim": claims[i],
+                "tied_with": [names[j] for j in range(K) if j != i and rank[j] == rank[i]]} for i in order]
+    win = {"policies": list(names),
+           "significant": (sig - sig.T).tolist(),
+           "prob_row_better": [[None if not np.isfinite(v) else float(v) for v in row] for row in prob]}
+    ok = [i for i in range(K) if not refused[i] and np.isfinite(est[i])]
+    best, reason = None, "no policy has an unrefused level claim"
+    if ok:
+        top = max(ok, key=lambda i: est[i])
+        if all(sig[top, j] for j in range(K) if j != top):
+            best, reason = names[top], f"{names[top]} is significantly better than every other policy"
+        else:
+            ties = [names[j] for j in range(K) if j != top and not sig[top, j]]
+            reason = (f"no clear winner: {names[top]} has the highest unrefused estimate but is not significantly "
+                      f"better than {', '.join(ties)}")
+        top_all = int(np.argmax(key))
+        if refused[top_all] and top_all != top:
+            reason += f"; {names[top_all]} has a higher estimate but its level claim is refused"
+    if dropped:
+        reason += "; not ranked: " + "; ".join(f"{n} ({r})" for n, r in dropped.items())
+    return ranking, win, best, reason
+
+
+def rank_agreement(names: Sequence[str], raw: np.ndarray, est: np.ndarray) -> dict:
+    """Kendall tau-b between raw judge means and calibrated estimates, and both orders."""
+    tau = None
+    if len(names) >= 2 and np.all(np.isfinite(est)):
+        tau = _num(float(kendalltau(raw, est, variant="b").statistic))
+    key = np.where(np.isfinite(est), est, -np.inf)
+    return {"kendall_tau_b_raw_vs_calibrated": tau,
+            "raw_order": [names[i] for i in np.argsort(-raw, kind="stable")],
+            "calibrated_order": [names[i] for i in np.argsort(-key, kind="stable")]}
+
+
+def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: float, warnings: list[str]) -> dict:
+    """Comparisons, multiplicity, ranking, win matrix, best policy and rank agreement (result fields)."""
+    comparisons = compare_pairs(cols, alpha=alpha, method=method, span=span, warnings=warnings)
+    dropped = {n: cols.relative_reason[k] for k, n in enumerate(cols.names) if cols.status(k) == "not_estimable"}
+    ranking, win, best, reason = rank_policies(cols.names, cols.estimate, comparisons, cols.refused, cols.claims,
+                                               dropped)
+    return {
+        "comparisons": comparisons,
+        "multiplicity": {"method": method, "alpha": alpha,
+                         "n_comparisons": sum(1 for c in comparisons if c["reported"])},
+        "ranking": ranking,
+        "win_matrix": win,
+        "best_policy": best,
+        "best_policy_reason": reason,
+        "rank_agreement": rank_agreement(cols.names, cols.raw, cols.estimate),
+    }

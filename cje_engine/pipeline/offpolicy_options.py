@@ -1,0 +1,136 @@
+"""Options of a logs-only or hybrid evaluation (`evaluate_offpolicy`), validated in one place."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from cje_engine.errors import CJEInputError
+from cje_engine.offpolicy.estimators import ALL_ESTIMATORS, DEFAULT_STACK
+from cje_engine.offpolicy.gates import OffPolicyGates
+from cje_engine.offpolicy.target import OffPolicyConfig
+from cje_engine.options import EvaluationOptions
+
+MODES = ("logs-only", "hybrid")
+ESTIMATOR_CHOICES = ("auto",) + ALL_ESTIMATORS + ("stacked",)
+
+
+@dataclass(frozen=True)
+class OffPolicyOptions:
+    """Options of an off-policy evaluation (the engine's shared options live in ``engine``).
+
+    Parameters
+    ----------
+    mode : {"logs-only", "hybrid"}
+    targets : candidates (default: every ``logprob__<policy>`` column)
+    logger : name of the logging policy (see `cje_engine.data.offpolicy.load_offpolicy`)
+    logger_column, length_column : columns of the logger log-probabilities and token counts
+    estimator : headline estimator, "auto" or one of ``ips, snips, calibrated_ips, dr, direct,
+        stacked`` (falls back to calibrated IPS for a candidate without fresh draws)
+    gates : `OffPolicyGates` thresholds (a dict is accepted: min_ttc, min_ess_fraction,
+        min_tail_index)
+    rho, projection, simcal_stack_by, ttc_mass, stack : see `OffPolicyConfig`
+    downgraded : "ok" (a downgraded verdict keeps its level, with a warning) or "refused"
+    engine : `EvaluationOptions` (covariates, calibration_mode, calibration_policies, n_bootstrap,
+        seed, alpha, audit_margin, n_folds, multiplicity, label_scale, score_scale, min_labels,
+        support_*; ``direct_estimator`` maps to its ``estimator``)
+    """
+
+    mode: str = "logs-only"
+    targets: tuple[str, ...] | None = None
+    logger: str | None = None
+    logger_column: str | None = None
+    length_column: str | None = None
+    estimator: str = "auto"
+    gates: OffPolicyGates = field(default_factory=OffPolicyGates)
+    rho: float = 1.0
+    projection: str = "exact"
+    simcal_stack_by: str = "mse"
+    ttc_mass: float = 0.9
+    stack: tuple[str, ...] = DEFAULT_STACK
+    downgraded: str = "ok"
+    engine: EvaluationOptions = field(default_factory=EvaluationOptions)
+
+    @classmethod
+    def build(cls, **kwargs: Any) -> "OffPolicyOptions":
+        """Validate keyword options; unknown keys go to `EvaluationOptions` (which rejects them)."""
+        own = {f.name for f in fields(cls)} - {"engine"}
+        mine = {k: v for k, v in kwargs.items() if k in own}
+        rest = {k: v for k, v in kwargs.items() if k not in own}
+        if "direct_estimator" in rest:
+            rest["estimator"] = rest.pop("direct_estimator")
+        engine = EvaluationOptions.build(**rest)
+        if engine.inference != "bootstrap":
+            raise CJEInputError("off-policy evaluation supports inference='bootstrap' only (its intervals refit the "
+                                "calibrator and the weight stabiliser per replicate)")
+        if mine.get("mode", "logs-only") not in MODES:
+            raise CJEInputError(f"mode must be one of direct, logs-only, hybrid; got {mine.get('mode')!r} "
+                                "(this entry point handles logs-only and hybrid)")
+        for key in ("targets", "stack"):
+            v = mine.get(key)
+            if v is not None:
+                mine[key] = (v,) if isinstance(v, str) else tuple(str(x) for x in v)
+        g = mine.get("gates")
+        if g is None:
+            mine.pop("gates", None)
+        elif isinstance(g, dict):
+            unknown = set(g) - {f.name for f in fields(OffPolicyGates)}
+            if unknown:
+                raise CJEInputError(f"unknown gate(s) {', '.join(sorted(unknown))}; expected min_ttc, "
+                                    "min_ess_fraction, min_tail_index")
+            mine["gates"] = OffPolicyGates(**{k: float(v) for k, v in g.items()})
+        elif not isinstance(g, OffPolicyGates):
+            raise CJEInputError(f"gates must be a dict or OffPolicyGates, got {type(g).__name__}")
+        opts = cls(engine=engine, **mine)
+        opts._check()
+        return opts
+
+    def _check(self) -> None:
+        if self.estimator not in ESTIMATOR_CHOICES:
+            raise CJEInputError(f"estimator must be one of {', '.join(ESTIMATOR_CHOICES)}; got {self.estimator!r}")
+        if self.downgraded not in ("ok", "refused"):
+            raise CJEInputError(f"downgraded must be 'ok' or 'refused'; got {self.downgraded!r}")
+        if not (np.isfinite(self.rho) and self.rho > 0):
+            raise CJEInputError(f"rho must be a positive number; got {self.rho!r}")
+        if not 0 < self.ttc_mass < 1:
+            raise CJEInputError(f"ttc_mass must lie in (0, 1); got {self.ttc_mass!r}")
+        if self.projection not in ("exact", "rescale"):
+            raise CJEInputError(f"projection must be 'exact' or 'rescale'; got {self.projection!r}")
+        if self.simcal_stack_by not in ("mse", "if_variance"):
+            raise CJEInputError(f"simcal_stack_by must be 'mse' or 'if_variance'; got {self.simcal_stack_by!r}")
+        unknown = [k for k in self.stack if k not in ALL_ESTIMATORS]
+        if unknown:
+            raise CJEInputError(f"unknown stacking candidate {unknown[0]!r}; expected some of {', '.join(ALL_ESTIMATORS)}")
+        g = self.gates
+        if not (0 <= g.min_ttc <= 1 and 0 <= g.min_ess_fraction <= 1 and g.min_tail_index >= 0):
+            raise CJEInputError(f"gate thresholds out of range: {g}")
+
+    # the attributes the evaluate flow's bootstrap task reads
+    @property
+    def inference(self) -> str:
+        return self.engine.inference
+
+    @property
+    def n_bootstrap(self) -> int:
+        return self.engine.n_bootstrap
+
+    @property
+    def seed(self) -> int:
+        return self.engine.seed
+
+    def config(self) -> OffPolicyConfig:
+        return OffPolicyConfig(rho=self.rho, n_folds=self.engine.n_folds, projection=self.projection,
+                               simcal_stack_by=self.simcal_stack_by, ttc_mass=self.ttc_mass, stack=self.stack,
+                               level=1 - self.engine.alpha, gates=self.gates)
+
+    def offpolicy_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
+        d["gates"] = asdict(self.gates)
+        for k in ("targets", "stack"):
+            if d[k] is not None:
+                d[k] = list(d[k])
+        return d
+
+    def to_dict(self) -> dict:
+        return {**self.engine.to_dict(), **self.offpolicy_dict()}

@@ -1,0 +1,293 @@
+"""Direct policy summaries: each policy's level, basis, audit, support and variance components.
+
+`summarize_direct` turns Direct's prepared statistics and replicates into one entry per design
+policy (every mode runs it: Direct for all policies, logs-only and hybrid for the logger and the
+candidates' fresh draws). Comparisons and ranking are not done here (`cje_engine.inference.comparisons`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+from scipy.stats import t as student_t
+
+from cje_engine.audit import audit_policies, residual_deciles
+from cje_engine.data.frame import EvalData
+from cje_engine.direct.estimators import Design
+from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
+from cje_engine.inference.variance import cluster_cov
+from cje_engine.options import EvaluationOptions
+
+
+@dataclass
+class DirectSummaries:
+    """Direct's per-policy results (design policy order) and what the comparison step needs."""
+
+    policies: dict[str, dict]
+    cols: np.ndarray  # reported statistic of each policy (index into the 2K statistics)
+    refused: np.ndarray
+    dfs: np.ndarray  # degrees of freedom of the 2K statistics
+    calibration: dict
+    warnings: list[str] = field(default_factory=list)
+
+
+def clip(ci: Sequence[float], scale: tuple[float, float]) -> list[float]:
+    return [float(np.clip(ci[0], *scale)), float(np.clip(ci[1], *scale))]
+
+
+def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.ndarray] | None = None) -> list[dict]:
+    """Calibration support of each policy's judge scores (or of the given score arrays)."""
+    d = design.data
+    cs = np.sort(d.score[design.cal_rows])
+    if d.score_scale is not None:
+        width = d.score_scale[1] - d.score_scale[0]
+    else:
+        width = float(d.score.max() - d.score.min()) or 1.0
+    h = opts.support_bandwidth * width
+    tol = 1e-9 * width
+    if scores is None:
+        scores = [d.score[d.policy == k] for k in range(len(d.policies))]
+    out = []
+    for s in scores:
+        cnt = np.searchsorted(cs, s + h + tol, side="right") - np.searchsorted(cs, s - h - tol, side="left")
+        outside = (s < cs[0] - tol) | (s > cs[-1] + tol)
+        thin = (cnt < opts.support_min_labels) | outside
+        share_thin = float(thin.mean())
+        out.append({
+            "share_outside_range": float(outside.mean()),
+            "share_thin": share_thin,
+            "limited": share_thin > opts.support_material_share,
+            "rule": (f"thin = fewer than {opts.support_min_labels} calibration labels within "
+                     f"+/-{h:.4g} of the score, or outside [{cs[0]:.4g}, {cs[-1]:.4g}]; limited when more than "
+                     f"{opts.support_material_share:.0%} of rows are thin"),
+        })
+    return out
+
+
+def variance_components(var_total: float, var_cal: float, n_prompts: int, m_labels: int) -> dict:
+    """Per-unit variance components for budget planning: Var ~ sigma_eval^2 / n + sigma_cal^2 / m.
+
+    ``var_cal`` is the influence-function variance of the calibration term (plug-in) or of the
+    label-residual term (augmented); the rest is attributed to evaluation sampling.
+    """
+    var_eval = max(var_total - var_cal, 0.0)
+    return {"sigma2_eval": var_eval * n_prompts, "sigma2_cal": var_cal * m_labels,
+            "n_prompts": int(n_prompts), "m_labels": int(m_labels)}
+
+
+def oracle_only(d: EvalData, sel: np.ndarray, alpha: float) -> dict:
+    """The oracle-only baseline: weighted mean of the policy's own labels, prompt-clustered t interval."""
+    w = d.label_weight[sel]
+    y = d.label[sel]
+    mean = float(np.sum(w * y) / np.sum(w))
+    prompts, inv = np.unique(d.prompt[sel], return_inverse=True)
+    c = np.bincount(inv, weights=w * (y - mean) / np.sum(w))
+    n = prompts.size
+    se = float(np.sqrt(np.sum(c**2) * n / (n - 1)))
+    q = float(student_t.ppf(1 - alpha / 2, n - 1))
+    return {"estimate": mean, "se": se, "ci": clip([mean - q * se, mean + q * se], d.label_scale),
+            "n_labels": int(sel.sum())}
+
+
+def calibration_summary(prep: Any) -> dict:
+    """The calibration block of the result: mode, selection, curve, points, reliability."""
+    d = prep.design.data
+    cr = prep.design.cal_rows
+    s_all = d.score
+    lo, hi = float(s_all.min()), float(s_all.max())
+    grid = np.linspace(lo, hi, 101)
+    Xmed = np.median(d.X[cr], axis=0) if d.X.shape[1] else np.zeros(0)
+    curve = prep.full.predict(grid, np.tile(Xmed, (grid.size, 1)))
+    stride = max(1, cr.size // 2000)
+    pts = cr[::stride]
+    pred = prep.f[cr]
+    y = d.label[cr]
+    edges = np.linspace(*d.label_scale, 11)
+    idx = np.clip(np.searchsorted(edges, pred, side="right") - 1, 0, 9)
+    rel = []
+    for b in range(10):
+        sel = idx == b
+        if sel.any():
+            rel.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "n": int(sel.sum()),
+                        "mean_predicted": float(pred[sel].mean()), "mean_label": float(y[sel].mean())})
+    cal_pols = sorted({d.policies[i] for i in np.unique(d.policy[cr])})
+    return {
+        "mode": prep.design.mode,
+        "selection": prep.selection,
+        "n_train": int(cr.size),
+        "calibration_policies": cal_pols,
+        "curve": {"score": grid.tolist(), "fitted": curve.tolist(),
+                  "covariates_at": dict(zip(d.covariate_names, Xmed.tolist()))},
+        "points": {"score": d.score[pts].tolist(), "label": d.label[pts].tolist()},
+        "reliability": rel,
+        "label_range": [float(d.score[cr].min()), float(d.score[cr].max())],
+    }
+
+
+def degrees_of_freedom(n_policies: int, n_label_prompts: np.ndarray) -> np.ndarray:
+    """Degrees of freedom of each statistic for analytic intervals and tests.
+
+    Plug-in columns are means over many prompts (normal quantile, df = inf). Augmented
+    columns use (labelled prompts - 1): their variance is dominated by the mean of a few
+    label residuals, and the normal quantile under-covers with 10-30 labels.
+    """
+    K = n_policies
+    dfs = np.full(2 * K, np.inf)
+    for k in range(K):
+        if n_label_prompts[k] >= 2:
+            dfs[K + k] = n_label_prompts[k] - 1
+    return dfs
+
+
+def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_aug: bool) -> tuple[str, str, list]:
+    """(basis_code, basis, refusal reasons) of one policy's Direct level."""
+    reasons: list[str] = []
+    if use_aug:
+        if audit["verdict"] == "fail":
+            return "recalibrated", (
+                f"recalibrated: the borrowed calibration failed its audit, so the level is the calibrated "
+                f"plug-in plus the mean residual on {n_own} own labels (augmented)"), reasons
+        return "augmented", f"augmented: calibrated plug-in plus the mean residual on {n_own} own labels", reasons
+    basis = "calibrated plug-in: mean of calibrated judge scores" + (
+        "; rests on the untested assumption that the calibration transports to this policy"
+        if n_own == 0 else f" ({n_own} own labels audit it)")
+    if audit["verdict"] == "fail":
+        reasons.append(
+            f"the transport audit failed and {n_own} own labels are too few to recalibrate "
+            f"(at least {opts.min_labels} needed)" if opts.estimator != "plug_in" else
+            "the transport audit failed and the plug-in estimator was forced")
+    if support["limited"]:
+        reasons.append(
+            f"limited calibration support: {support['share_thin']:.0%} of this policy's judge scores lie "
+            f"where calibration labels are thin or absent")
+    return "plug_in", basis, reasons
+
+
+def relative_status(transport_failed: bool, support_limited: bool, too_few_labels: bool, n_cal: int,
+                    min_labels: int) -> tuple[str, str | None]:
+    """May a Direct policy appear in relative claims (docs/statistics.md, "Refused means refused")?
+
+    A failed transport audit without a valid recalibration biases differences as much as the level,
+    and so does a calibration on too few labels: not estimable. Limited calibration support only:
+    rank-only with conservative intervals.
+    """
+    if transport_failed:
+        return "not_estimable", "transport audit failed and no valid recalibration"
+    if too_few_labels:
+        return "not_estimable", f"only {n_cal} calibration labels (at least {min_labels} needed)"
+    if support_limited:
+        return "rank_only", "limited calibration support: rank-only, conservative intervals"
+    return "ok", None
+
+
+class _Stats:
+    """Summaries of the 2K statistics by both routes (the reported one in ``se``/``ci``)."""
+
+    def __init__(self, stats: np.ndarray, cov: np.ndarray, reps: np.ndarray | None, crit: np.ndarray,
+                 alpha: float, scale: tuple[float, float]) -> None:
+        self.stats, self.cov, self.reps, self.crit, self.alpha, self.scale = stats, cov, reps, crit, alpha, scale
+
+    def __call__(self, col: int) -> dict:
+        est = float(self.stats[col])
+        se_a = float(np.sqrt(max(self.cov[col, col], 0.0)))
+        c = self.crit[col]
+        out = {"estimate": est, "se_analytic": se_a, "ci_analytic": clip([est - c * se_a, est + c * se_a], self.scale)}
+        if self.reps is not None:
+            r = self.reps[:, col]
+            r = r[np.isfinite(r)]
+            se_b = float(np.std(r, ddof=1))
+            a = self.alpha
+            out.update(se_bootstrap=se_b, ci_bootstrap=clip(np.percentile(r, [50 * a, 100 - 50 * a]), self.scale))
+            out.update(se=se_b, ci=out["ci_bootstrap"])
+        else:
+            out.update(se=se_a, ci=out["ci_analytic"])
+        return out
+
+
+def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
+    """Direct's gated entry for every design policy (see docs/statistics.md for the rules).
+
+    Parameters
+    ----------
+    prep : `cje_engine.pipeline.direct.Prepared`
+    reps : ndarray (B, 2K) of Direct's replicates, or None for the analytic route
+    """
+    opts, design = prep.options, prep.design
+    d = design.data
+    K = len(d.policies)
+    alpha = opts.alpha
+    cov = cluster_cov(prep.infl["total"])
+    cov_cal = cluster_cov(prep.infl["calibration"])
+    stats = prep.stats
+    warnings: list[str] = []
+    lab = d.labelled
+    n_own = np.bincount(d.policy[lab], minlength=K)
+    n_own_prompts = np.array([np.unique(d.prompt[lab & (d.policy == k)]).size for k in range(K)])
+    cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
+    n_cal = design.cal_rows.size
+
+    # Audits on residual means (= augmented - plug-in) with clustered SEs.
+    delta = stats[K:] - stats[:K]
+    se_delta = np.sqrt(np.maximum(np.diag(cov_cal)[K:], 0.0))
+    margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
+    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin)
+    support = support_checks(design, opts)
+    dfs = degrees_of_freedom(K, n_own_prompts)
+    summary = _Stats(stats, cov, reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale)
+
+    policies: dict[str, dict] = {}
+    cols = np.zeros(K, dtype=int)
+    refused = np.zeros(K, dtype=bool)
+    for k, name in enumerate(d.policies):
+        rows = d.policy == k
+        audit = audits[k]
+        audit["calibrator"] = "cross_fitted" if k in cal_set else "borrowed"
+        sel_lab = lab & rows
+        w_lab = d.label_weight[sel_lab]
+        audit["deciles"] = residual_deciles(d.score[sel_lab], d.label[sel_lab] - prep.f[sel_lab], w_lab)
+        has_aug = n_own[k] > 0
+        use_aug = {"plug_in": False, "augmented": has_aug}.get(opts.estimator, n_own[k] >= opts.min_labels)
+        cols[k] = K + k if use_aug else k
+        basis_code, basis, reasons = _basis(opts, audit, support[k], int(n_own[k]), use_aug)
+        if n_cal < opts.min_labels:
+            reasons.append(f"only {n_cal} calibration labels (at least {opts.min_labels} needed)")
+        refused[k] = bool(reasons)
+        rel, rel_reason = relative_status(basis_code == "plug_in" and audit["verdict"] == "fail",
+                                          basis_code == "plug_in" and support[k]["limited"],
+                                          n_cal < opts.min_labels, int(n_cal), opts.min_labels)
+        summ = summary(cols[k])
+        var_tot = cov[cols[k], cols[k]]
+        share = float(cov_cal[cols[k], cols[k]] / var_tot) if var_tot > 0 else None
+        policies[name] = {
+            "estimate": summ["estimate"], "se": summ["se"], "ci": summ["ci"],
+            "level_claim": "refused" if refused[k] else "ok",
+            "refusal_reasons": reasons,
+            "basis": basis, "basis_code": basis_code,
+            "transport": "audited" if audit["verdict"] != "not_run" else "unaudited",
+            "plug_in": summary(k),
+            "augmented": summary(K + k) if has_aug else None,
+            "raw_judge_mean": float(d.score[rows].mean()),
+            "oracle_mean": float(np.sum(w_lab * d.label[sel_lab]) / np.sum(w_lab)) if has_aug else None,
+            "oracle_only": oracle_only(d, sel_lab, alpha) if n_own_prompts[k] >= 2 else None,
+            "n_rows": int(rows.sum()),
+            "n_labelled": int(n_own[k]),
+            "variance_share_calibration": share,
+            "variance_components": variance_components(
+                cov[cols[k], cols[k]], cov_cal[cols[k], cols[k]], d.n_prompts,
+                int(n_own[k]) if use_aug else int(n_cal)),
+            "se_analytic": summ["se_analytic"],
+            "se_bootstrap": summ.get("se_bootstrap"),
+            "var_cal_jackknife_plug_in": float(prep.jackknife[k]),
+            "var_cal_influence_plug_in": float(cov_cal[k, k]),
+            "support": support[k],
+            "audit": audit,
+            "relative_claim": rel,
+            "relative_reason": rel_reason,
+        }
+        if reps is not None and summ["se_analytic"] > 0:
+            ratio = summ["se_bootstrap"] / summ["se_analytic"]
+            if not (1 / SE_AGREEMENT_RATIO <= ratio <= SE_AGREEMENT_RATIO):
+                warnings.append(f"{name}: bootstrap SE {summ['se_bootstrap']:.4f} and analytic SE "
+                                f"{summ['se_analytic']:.4f} differ by a factor {ratio:.2f}")
+    return DirectSummaries(policies, cols, refused, dfs, calibration_summary(prep), warnings)

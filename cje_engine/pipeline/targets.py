@@ -1,0 +1,221 @@
+"""Off-policy candidates' result entries: the headline estimate, its gated claim, basis, audit and detail.
+
+`target_entry` is the logs-only/hybrid counterpart of Direct's `cje_engine.pipeline.policies.summarize_direct`:
+same fields, plus ``claim``, ``recommendation``, ``direct`` and the ``offpolicy`` block.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cje_engine.offpolicy.gates import OffPolicyGates
+from cje_engine.offpolicy.target import TargetReport
+from cje_engine.offpolicy.weights import mean_one_weights
+
+#: Estimators that use the candidate's fresh draws (their validity also rests on Direct's checks).
+USES_FRESH = ("dr", "direct", "stacked")
+
+LABELS = {"ips": "IPS (raw importance weights)", "snips": "SNIPS (self-normalised importance weights)",
+          "calibrated_ips": "calibrated IPS (SIMCal-stabilised importance weights)",
+          "dr": "calibrated DR (fresh draws plus weighted residuals of the logs)",
+          "direct": "Direct (mean calibrated reward of the fresh draws)",
+          "stacked": "IF-stacked combination"}
+
+
+def _num(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if np.isfinite(v) else None
+
+
+def _boot_summary(r: np.ndarray, alpha: float, scale: tuple[float, float] | None) -> dict:
+    fin = r[np.isfinite(r)]
+    if fin.size < 2:
+        return {"se": None, "ci": None, "n_finite": int(fin.size)}
+    lo, hi = np.percentile(fin, [50 * alpha, 100 - 50 * alpha])
+    if scale is not None:
+        lo, hi = float(np.clip(lo, *scale)), float(np.clip(hi, *scale))
+    return {"se": float(np.std(fin, ddof=1)), "ci": [float(lo), float(hi)], "n_finite": int(fin.size)}
+
+
+def _not_run_audit(t: str, margin: float) -> dict:
+    return {"verdict": "not_run", "n_labels": 0, "margin": margin, "family_size": 0,
+            "reason": f"no oracle labels on responses of '{t}' itself: the judge calibration learned on the logger is "
+                      "assumed to transport to it (untested)",
+            "residual_mean": None, "se": None, "ci": None, "ci_adjusted": None, "p_value": None,
+            "p_adjusted": None, "extra_labels_needed": None, "calibrator": "borrowed", "deciles": []}
+
+
+def _estimator_table(prep: Any, t: str, off: np.ndarray) -> dict[str, dict]:
+    """Every estimator of candidate ``t``: influence-function and bootstrap routes, and its gate claim."""
+    rep = prep.reports[t]
+    alpha = prep.options.engine.alpha
+    col = {key: j for j, key in enumerate(prep.layout)}
+    ests: dict[str, dict] = {}
+    for k, e in rep.estimates.items():
+        lo, hi = e.ci(1 - alpha)
+        b = _boot_summary(off[:, col[(t, k)]], alpha, None)  # raw IPS can leave the label scale: no clipping
+        ests[k] = {"value": _num(e.value), "se_if": _num(e.se), "ci_if": [_num(lo), _num(hi)],
+                   "se": b["se"], "ci": b["ci"], "n_replicates_finite": b["n_finite"],
+                   "claim": rep.verdicts[k].claim}
+        if hasattr(e, "coef"):
+            ests[k]["coef"] = {c: float(v) for c, v in e.coef.items()}
+    return ests
+
+
+def _transport_refusal(t: str, audit: dict, dpol: dict | None) -> tuple[str, str]:
+    """(reason, recommendation) when the candidate's own labels fail the transport audit."""
+    reason = (f"the transport audit on {audit['n_labels']} own labels of '{t}' failed ({audit['reason']}): "
+              "the calibration learned on the logger does not hold for this policy, so every calibrated "
+              "off-policy estimate of it is biased")
+    if dpol is not None and dpol["level_claim"] == "ok" and dpol["basis_code"] == "recalibrated":
+        lo, hi = dpol["ci"]
+        return reason, (f"use the Direct estimate recalibrated on its own {dpol['n_labelled']} labels "
+                        f"({dpol['estimate']:.3f}, CI {lo:.3f} to {hi:.3f}; run with mode='direct')")
+    return reason, (f"label more fresh draws of '{t}' with the oracle and use Direct (mode='direct'), "
+                    "which recalibrates on a policy's own labels")
+
+
+def _claim(prep: Any, t: str, head: dict, audit: dict, dpol: dict | None, warnings: list[str]
+           ) -> tuple[str, list[str], str | None, tuple[str, str | None]]:
+    """The candidate's claim (level, downgraded, refused), refusal reasons, recommendation and relative
+    status (docs/statistics.md: an overlap refusal or a failed transport audit drops the candidate
+    from comparisons and the ranking; a refusal inherited from Direct keeps Direct's status)."""
+    opts = prep.options
+    rep = prep.reports[t]
+    name = prep.headline[t]
+    verdict = rep.verdicts[name]
+    reasons: list[str] = []
+    claim = verdict.claim
+    recommendation = verdict.recommendation
+    relative: tuple[str, str | None] = ("ok", None)
+    if claim == "refused" or (claim == "downgraded" and opts.downgraded == "refused"):
+        reasons.extend(verdict.reasons)
+        claim = "refused"
+        dg = rep.diagnostics
+        relative = ("not_estimable", f"overlap refusal of the {name} estimate (TTC {dg.ttc:.2f}, stabilised ESS "
+                                     f"{dg.ess_stabilised:.0%})")
+    if audit["verdict"] == "fail":
+        claim = "refused"
+        relative = ("not_estimable", "transport audit failed; off-policy estimates cannot be recalibrated")
+        reason, recommendation = _transport_refusal(t, audit, dpol)
+        reasons.append(reason)
+    if audit["verdict"] == "inconclusive" and claim != "refused":
+        warnings.append(f"{t}: the {name} estimate uses the calibration learned on the logger; the transport audit on "
+                        f"{audit['n_labels']} own labels of '{t}' is inconclusive ({audit['reason']}), so this level "
+                        "and comparisons with it rest on that calibration transporting (Direct, mode='direct', uses "
+                        "the own labels instead)")
+    if dpol is not None and name in USES_FRESH and dpol["level_claim"] == "refused" and dpol["basis_code"] == "plug_in":
+        coef = head.get("coef", {})
+        if name != "stacked" or coef.get("direct", 0) + coef.get("dr", 0) > 1e-6:
+            claim = "refused"
+            reasons.extend(f"Direct on the fresh draws: {r}" for r in dpol["refusal_reasons"])
+            if relative[0] == "ok":
+                relative = (dpol.get("relative_claim") or "not_estimable", dpol.get("relative_reason"))
+            if recommendation is None or verdict.claim == "level":
+                recommendation = (f"label a sample of the fresh draws of '{t}' with the oracle so the calibration "
+                                  "covers its judge scores, then use Direct (mode='direct'), which recalibrates on "
+                                  "a policy's own labels")
+    if claim == "refused":
+        if recommendation is None:
+            recommendation = verdict.recommendation or (
+                f"collect fresh draws of '{t}' and evaluate them with Direct (mode='direct')")
+        reasons.append(f"recommendation: {recommendation}")
+    elif claim == "downgraded":
+        warnings.append(f"{t}: the {name} estimate's claim is downgraded (its interval may be unreliable): "
+                        + "; ".join(verdict.reasons))
+    return claim, reasons, recommendation, relative
+
+
+def _raw_judge(prep: Any, t: str) -> tuple[float, str]:
+    fresh = prep.fresh[t]
+    if fresh is not None:
+        return float(np.mean(fresh.scores)), "mean judge score of the fresh draws"
+    w = mean_one_weights(prep.logged[t].log_w)
+    return (float(np.sum(w * prep.logged[t].scores) / np.sum(w)),
+            "importance-weighted (self-normalised) mean judge score of the logs")
+
+
+def target_entry(prep: Any, t: str, off: np.ndarray, direct_policies: dict, warnings: list[str],
+                 variance: dict) -> dict:
+    """The result entry of off-policy candidate ``t``.
+
+    Parameters
+    ----------
+    prep : `cje_engine.pipeline.offpolicy.OffPolicyPrepared`
+    off : the off-policy replicates (columns in ``prep.layout`` order)
+    direct_policies : Direct's entries of the design policies (the logger, and fresh draws)
+    variance : ``{"variance_components": ..., "variance_share_calibration": ...}`` of the headline
+    """
+    eng = prep.options.engine
+    name = prep.headline[t]
+    ests = _estimator_table(prep, t, off)
+    head = ests[name]
+    dpol = direct_policies.get(t) if prep.fresh[t] is not None else None
+    audit = dpol["audit"] if dpol is not None else _not_run_audit(
+        t, eng.audit_margin * (eng.label_scale[1] - eng.label_scale[0]))
+    claim, reasons, recommendation, relative = _claim(prep, t, head, audit, dpol, warnings)
+    rep = prep.reports[t]
+    fresh = prep.fresh[t]
+    n_fresh = 0 if fresh is None else fresh.n
+    n_logged = prep.data.n_logged
+    raw_judge, raw_judge_basis = _raw_judge(prep, t)
+    where = "logs-only" if fresh is None else "hybrid"
+    basis = (f"{where}: {LABELS[name]} of '{t}' from {n_logged} logged responses of '{prep.data.logger}'"
+             + (f" and {n_fresh} fresh draws" if n_fresh else "")
+             + "; rewards = the judge calibration learned on the labelled rows")
+    if name == "stacked" and "coef" in head:
+        basis += " (weights " + ", ".join(f"{k} {v:.2f}" for k, v in head["coef"].items()) + ")"
+    ci = head["ci"]
+    if ci is not None:  # the headline interval is clipped to the label scale, as Direct's
+        ci = [float(np.clip(ci[0], *eng.label_scale)), float(np.clip(ci[1], *eng.label_scale))]
+    return {
+        "estimate": head["value"], "se": head["se"], "ci": ci,
+        "level_claim": "refused" if claim == "refused" else "ok", "refusal_reasons": reasons,
+        "claim": "refused" if claim == "refused" else claim,
+        "recommendation": recommendation if claim != "level" else None,
+        "basis": basis, "basis_code": f"{where}/{name}",
+        "transport": "audited" if audit["verdict"] != "not_run" else "unaudited",
+        "plug_in": ({k: dpol["plug_in"][k] for k in ("estimate", "se", "ci")} if dpol is not None else None),
+        "augmented": None,
+        "raw_judge_mean": raw_judge, "raw_judge_basis": raw_judge_basis,
+        "oracle_mean": dpol["oracle_mean"] if dpol is not None else None,
+        "oracle_only": dpol.get("oracle_only") if dpol is not None else None,
+        "n_rows": n_logged + n_fresh, "n_logged": n_logged, "n_fresh": n_fresh,
+        "n_labelled": 0 if dpol is None else int(dpol["n_labelled"]),
+        "variance_share_calibration": variance["variance_share_calibration"],
+        "variance_components": variance["variance_components"],
+        "se_analytic": head["se_if"], "se_bootstrap": head["se"],
+        "support": dpol["support"] if dpol is not None else direct_policies[prep.data.logger]["support"],
+        "audit": audit,
+        "relative_claim": relative[0], "relative_reason": relative[1],
+        "direct": ({k: dpol[k] for k in ("estimate", "se", "ci", "level_claim", "refusal_reasons", "basis_code")}
+                   if dpol is not None else None),
+        "offpolicy": {
+            "estimator": name, "estimates": ests,
+            "diagnostics": rep.to_dict()["diagnostics"],
+            "verdicts": {k: {"claim": v.claim, "reasons": list(v.reasons), "recommendation": v.recommendation}
+                         for k, v in rep.verdicts.items()},
+            "gate_checks": gate_checks(rep, prep.options.gates),
+            "stack_candidates": list(rep.stack_candidates),
+        },
+    }
+
+
+def gate_checks(rep: TargetReport, gates: OffPolicyGates) -> list[dict]:
+    d = rep.diagnostics
+    return [
+        {"gate": "ttc", "value": _num(d.ttc), "threshold": gates.min_ttc, "passed": bool(d.ttc >= gates.min_ttc),
+         "applies_to": "ips, snips, calibrated_ips (refused); dr (downgraded)"},
+        {"gate": "ess_raw", "value": _num(d.ess_raw), "threshold": gates.min_ess_fraction,
+         "passed": bool(d.ess_raw >= gates.min_ess_fraction), "applies_to": "ips, snips (refused)"},
+        {"gate": "ess_stabilised", "value": _num(d.ess_stabilised), "threshold": gates.min_ess_fraction,
+         "passed": bool(d.ess_stabilised >= gates.min_ess_fraction),
+         "applies_to": "calibrated_ips (refused); dr (downgraded)"},
+        {"gate": "tail_index", "value": _num(d.hill_index), "threshold": gates.min_tail_index,
+         "passed": bool(not np.isfinite(d.hill_index) or d.hill_index >= gates.min_tail_index),
+         "applies_to": "ips, snips (downgraded)"},
+    ]

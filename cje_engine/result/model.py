@@ -1,0 +1,340 @@
+"""The typed result model: what `result.json` holds, field by field (pydantic v2).
+
+The JSON Schema committed beside this module (``result.schema.json``) and the field tables of
+``docs/result-schema.md`` are generated from these models (`cje_engine.result.schema`), so the
+three cannot disagree. Fields are only ever added within a schema version: a field that older
+results of the same version lack is optional here (``None`` default, not required in the schema).
+Mode-specific fields (logs-only / hybrid) are optional too and absent from Direct results.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+Num = Optional[float]
+#: ``[low, high]``; an end may be null when it is not finite (raw IPS)
+Pair = list[Optional[float]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ------------------------------------------------------------------------------------ policies
+
+
+class StatSummary(_Strict):
+    """One statistic by both inference routes (``se``/``ci`` = the reported route)."""
+
+    estimate: Num = Field(description="point estimate")
+    se: Num = Field(description="standard error by the reported route")
+    ci: Optional[Pair] = Field(description="interval by the reported route, clipped to the label scale")
+    se_analytic: Num = Field(None, description="influence-function standard error")
+    ci_analytic: Optional[Pair] = Field(None, description="normal/t interval from the influence function")
+    se_bootstrap: Num = Field(None, description="bootstrap standard error (bootstrap route only)")
+    ci_bootstrap: Optional[Pair] = Field(None, description="percentile interval (bootstrap route only)")
+
+
+class OracleOnly(_Strict):
+    """Baseline: weighted mean of the policy's own labels with a prompt-clustered t interval."""
+
+    estimate: float
+    se: float
+    ci: Pair
+    n_labels: int
+
+
+class VarianceComponents(_Strict):
+    """``Var ~ sigma2_eval / n_prompts + sigma2_cal / m_labels`` (for the budget planner)."""
+
+    sigma2_eval: float = Field(description="evaluation-sampling variance per prompt")
+    sigma2_cal: float = Field(description="calibration (or label-residual) variance per label")
+    n_prompts: int
+    m_labels: int
+
+
+class Support(_Strict):
+    """Calibration support of the policy's judge scores."""
+
+    share_outside_range: float
+    share_thin: float
+    limited: bool = Field(description="more than the material share of rows is thinly supported")
+    rule: Optional[str] = None
+
+
+class Decile(_Strict):
+    lo: float
+    hi: float
+    n: int
+    mean_residual: float
+    se: Num
+
+
+class Audit(_Strict):
+    """Transport audit of the calibration on the policy's own labels (see cje_engine.audit)."""
+
+    verdict: Literal["pass", "fail", "inconclusive", "not_run"]
+    reason: str
+    n_labels: int
+    residual_mean: Num = None
+    se: Num = None
+    ci: Optional[Pair] = None
+    ci_adjusted: Optional[Pair] = None
+    p_value: Num = None
+    p_adjusted: Num = None
+    margin: float = Field(description="practical margin in label units")
+    family_size: Optional[int] = Field(None, description="audited policies in the Holm family")
+    calibrator: Optional[Literal["cross_fitted", "borrowed"]] = None
+    deciles: Optional[list[Decile]] = None
+    extra_labels_needed: Optional[int] = None
+
+
+class DirectSummary(_Strict):
+    """Direct's estimate of an off-policy candidate from its fresh draws (hybrid)."""
+
+    estimate: Num
+    se: Num
+    ci: Optional[Pair]
+    level_claim: Literal["ok", "refused"]
+    refusal_reasons: list[str]
+    basis_code: str
+
+
+class OffPolicyEstimate(_Strict):
+    """One off-policy estimator of a candidate: influence-function and bootstrap routes."""
+
+    value: Num
+    se_if: Num
+    ci_if: Optional[Pair]
+    se: Num
+    ci: Optional[Pair]
+    n_replicates_finite: int
+    claim: Literal["level", "downgraded", "refused"]
+    coef: Optional[dict[str, float]] = Field(None, description="stacking weights (stacked only)")
+
+
+class GateCheck(_Strict):
+    gate: str
+    value: Num
+    threshold: float
+    passed: bool
+    applies_to: str
+
+
+class Verdict(_Strict):
+    claim: Literal["level", "downgraded", "refused"]
+    reasons: list[str]
+    recommendation: Optional[str]
+
+
+class OffPolicyBlock(_Strict):
+    """Off-policy detail of a policy: the logger's role, or a candidate's estimators and gates."""
+
+    role: Optional[Literal["logger"]] = None
+    estimator: str = Field(description="headline estimator")
+    estimates: Optional[dict[str, OffPolicyEstimate]] = None
+    diagnostics: Optional[dict[str, Any]] = Field(
+        None, description="ESS raw/stabilised, max-weight share, q99.5 weight, Hill index, TTC, affinity, CLE floor, "
+                          "SIMCal fit, DR orthogonality (docs/offpolicy.md)")
+    verdicts: Optional[dict[str, Verdict]] = None
+    gate_checks: Optional[list[GateCheck]] = None
+    stack_candidates: Optional[list[str]] = None
+
+
+class PolicyResult(_Strict):
+    """One policy's level, how it was obtained, and whether it may be quoted."""
+
+    estimate: Num = Field(description="the level by the reported route; kept for ranking only when refused")
+    se: Num
+    ci: Optional[Pair]
+    level_claim: Literal["ok", "refused"]
+    refusal_reasons: list[str] = Field(description="plain-language reasons, non-empty exactly when refused")
+    claim: Optional[Literal["level", "downgraded", "refused"]] = Field(
+        None, description="off-policy modes: the gate verdict (level, downgraded, refused)")
+    recommendation: Optional[str] = Field(None, description="off-policy modes: what to do when not a level")
+    basis: str
+    basis_code: str = Field(description="augmented, recalibrated, plug_in, or logs-only/<estimator>, "
+                                        "hybrid/<estimator>")
+    transport: Literal["audited", "unaudited"]
+    plug_in: Optional[StatSummary]
+    augmented: Optional[StatSummary]
+    raw_judge_mean: Num
+    raw_judge_basis: Optional[str] = None
+    oracle_mean: Num
+    oracle_only: Optional[OracleOnly] = None
+    n_rows: int
+    n_logged: Optional[int] = None
+    n_fresh: Optional[int] = None
+    n_labelled: int
+    variance_share_calibration: Num
+    variance_components: Optional[VarianceComponents] = None
+    se_analytic: Num = None
+    se_bootstrap: Num = None
+    var_cal_jackknife_plug_in: Num = None
+    var_cal_influence_plug_in: Num = None
+    support: Support
+    audit: Audit
+    direct: Optional[DirectSummary] = None
+    offpolicy: Optional[OffPolicyBlock] = None
+    relative_claim: Optional[Literal["ok", "rank_only", "not_estimable"]] = Field(
+        None, description="may the policy appear in comparisons and the ranking: ok, rank_only (limited "
+                          "calibration support: conservative intervals) or not_estimable (overlap or transport "
+                          "refusal: dropped)")
+    relative_reason: Optional[str] = Field(None, description="why the relative claim is limited")
+
+
+# ------------------------------------------------------------------------------- comparisons
+
+
+class Comparison(_Strict):
+    """A paired difference ``a - b`` (every unordered pair once)."""
+
+    a: str
+    b: str
+    diff: Num = Field(description="estimate a - estimate b")
+    se: Num
+    ci: Optional[Pair]
+    se_analytic: Num = None
+    p_value: Num
+    p_adjusted: Num = Field(description="adjusted by multiplicity.method")
+    significant: Optional[bool] = Field(description="p_adjusted <= alpha")
+    prob_a_better: Num
+    involves_refused: bool
+    reported: Optional[bool] = Field(
+        None, description="false when a policy of the pair is not estimable even relatively (then diff, ci, "
+                          "p_value, p_adjusted, significant are null)")
+    not_estimable: Optional[str] = Field(None, description="why the pair is not reported (policy: reason)")
+
+
+class RankEntry(_Strict):
+    policy: str
+    rank: int = Field(description="1 + number of policies significantly better")
+    estimate: Num
+    level_claim: Literal["ok", "refused"]
+    tied_with: Optional[list[str]] = None
+
+
+class WinMatrix(_Strict):
+    policies: list[str]
+    significant: list[list[int]] = Field(description="+1 row significantly better than column, -1 worse, 0 not")
+    prob_row_better: list[list[Optional[float]]]
+
+
+class Multiplicity(_Strict):
+    method: Literal["bh", "holm"]
+    alpha: float
+    n_comparisons: int = Field(description="reported comparisons (the adjustment's family)")
+
+
+class RankAgreement(_Strict):
+    kendall_tau_b_raw_vs_calibrated: Num
+    raw_order: list[str]
+    calibrated_order: list[str]
+
+
+# ------------------------------------------------------------------------------- run context
+
+
+class DataSummary(_Strict):
+    n_rows: int
+    n_prompts: int
+    n_labelled: int
+    n_calibration_labels: int
+    policies: list[str]
+    covariates: Optional[list[str]] = None
+    logger: Optional[str] = None
+    n_logged: Optional[int] = None
+    n_fresh: Optional[dict[str, int]] = None
+    source: Optional[str] = None
+    logger_column: Optional[str] = None
+
+
+class Selection(_Strict):
+    requested: str
+    oof_rmse: dict[str, float]
+    chosen: str
+    reason: str
+
+
+class Curve(_Strict):
+    score: list[float]
+    fitted: list[float]
+    covariates_at: Optional[dict[str, float]] = None
+
+
+class Points(_Strict):
+    score: list[float]
+    label: list[float]
+
+
+class ReliabilityBin(_Strict):
+    lo: float
+    hi: float
+    n: int
+    mean_predicted: float
+    mean_label: float
+
+
+class Calibration(_Strict):
+    mode: Literal["monotone", "two_stage"]
+    selection: Optional[Selection] = None
+    n_train: int
+    calibration_policies: Optional[list[str]] = None
+    curve: Optional[Curve] = None
+    points: Optional[Points] = None
+    reliability: Optional[list[ReliabilityBin]] = None
+    label_range: Optional[Pair] = None
+
+
+class Inference(_Strict):
+    method: Literal["bootstrap", "analytic"]
+    n_bootstrap: int
+    ci_method: str
+    seed: int
+    alpha: float
+    cluster: Optional[str] = None
+    offpolicy: Optional[str] = None
+
+
+class OffPolicyRun(_Strict):
+    """Off-policy settings of a logs-only or hybrid run."""
+
+    mode: Literal["logs-only", "hybrid"]
+    logger: str
+    targets: list[str]
+    estimator: dict[str, str]
+    gates: dict[str, float]
+    simcal: dict[str, Any]
+    ttc_mass: float
+    stack: list[str]
+    downgraded: Literal["ok", "refused"]
+    direct_from_fresh: dict[str, dict[str, Any]]
+
+
+class EvaluationModel(_Strict):
+    """The whole result (``EvaluationResult.to_dict()``, ``result.json``)."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    engine_version: str
+    mode: Optional[Literal["direct", "logs-only", "hybrid"]] = None
+    config: dict[str, Any] = Field(description="every option that shaped the numbers")
+    data: DataSummary
+    calibration: Calibration
+    inference: Inference
+    policies: dict[str, PolicyResult] = Field(min_length=1)
+    comparisons: list[Comparison]
+    multiplicity: Multiplicity
+    ranking: list[RankEntry]
+    win_matrix: WinMatrix
+    best_policy: Optional[str] = Field(description="never a refused policy")
+    best_policy_reason: str
+    rank_agreement: RankAgreement
+    offpolicy: Optional[OffPolicyRun] = None
+    warnings: list[str]
