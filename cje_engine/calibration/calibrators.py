@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 from scipy.linalg.lapack import dposv as _dposv
 from scipy.optimize import nnls
 
@@ -58,33 +59,41 @@ class Cells:
         return Cells(s, self.X[idx], values, code)
 
 
-def make_cells(score: np.ndarray, X: np.ndarray | None = None) -> tuple[Cells, np.ndarray]:
-    """Distinct (score, covariates) rows and each row's cell index.
+def _sorted_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct values and each element's index into them (hash-based: O(n + u log u))."""
+    codes, uniq = pd.factorize(values, sort=True)
+    return np.asarray(uniq), codes.astype(np.int64, copy=False)
 
-    Codes are built column by column (sorted distinct values), combined into one integer key,
-    so this is one sort per column plus one of the key, vectorised for millions of rows.
+
+def make_cells(score: np.ndarray, X: np.ndarray | None = None) -> tuple[Cells, np.ndarray]:
+    """Distinct (score, covariates) rows, sorted, and each row's cell index.
+
+    Codes are built column by column (hash-based factorisation, then a sort of the distinct
+    values only), combined into one integer key and factorised again, so ten million rows
+    take well under a second.
     """
     score = np.asarray(score, dtype=float)
     n = score.shape[0]
     X = np.empty((n, 0)) if X is None else np.asarray(X, dtype=float).reshape(n, -1)
-    values, key = np.unique(score, return_inverse=True)
-    key = key.astype(np.int64)
+    values, key = _sorted_codes(score)
     size = values.size
-    uniq_cols = []
     for j in range(X.shape[1]):
-        u, c = np.unique(X[:, j], return_inverse=True)
-        uniq_cols.append(u)
+        u, c = _sorted_codes(X[:, j])
         if size * u.size >= 2**62:  # re-code densely so the combined key stays in int64
-            _, key = np.unique(key, return_inverse=True)
+            _, key = _sorted_codes(key)
             size = int(key.max()) + 1
         key = key * u.size + c
         size *= u.size
-    ukey, row_cell = np.unique(key, return_inverse=True)
+    if X.shape[1]:
+        ukey, row_cell = _sorted_codes(key)  # sorted keys = cells sorted by (score, x1, x2, ...)
+    else:
+        row_cell = key
+        ukey = np.arange(values.size)
     first = np.zeros(ukey.size, dtype=np.int64)
-    first[row_cell[::-1]] = np.arange(n - 1, -1, -1)  # any row of each cell (here the first)
+    first[row_cell[::-1]] = np.arange(n - 1, -1, -1)  # a row of each cell (the first)
     cell_score = score[first]
     cells = Cells(cell_score, X[first], *np.unique(cell_score, return_inverse=True))
-    return cells, row_cell.astype(np.int64)
+    return cells, row_cell
 
 
 def pool_rows(row_cell: np.ndarray, n_cells: int, y: np.ndarray, w: np.ndarray

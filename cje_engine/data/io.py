@@ -60,13 +60,10 @@ seconds.
 """
 from __future__ import annotations
 
-import json
+import difflib
 import logging
 import os
-import urllib.parse
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -75,6 +72,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE, Scale, parse_scale
+from cje_engine.data.readers import ID_COLUMNS, Part, collect, read_jsonl_records  # noqa: F401 (re-export)
 from cje_engine.errors import CJEInputError
 
 logger = logging.getLogger(__name__)
@@ -83,28 +81,13 @@ RESPONSE = "response"
 DRAW_IDX = "draw_idx"
 RESPONSE_LENGTH = "response_length"
 
-PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-CSV_SUFFIXES = (".csv",)
-SUPPORTED_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES + CSV_SUFFIXES
-
-FRESH_DIR, PROBE_DIR = "fresh_draws", "probe_slice"
-FRESH_SUFFIX, PROBE_SUFFIX = "_responses", "_probe"
-
 SourceLike = Union[str, os.PathLike, pa.Table, pd.DataFrame]
+
+#: Canonical column names an input may carry (``columns=`` maps input names onto these).
+CANONICAL = (PROMPT, POLICY, SCORE, LABEL, LABEL_PROB, RESPONSE_ID, RESPONSE, DRAW_IDX)
 
 # Internal bookkeeping columns (dropped before returning).
 _SRC, _ROW = "__cje_source", "__cje_row"
-
-
-@dataclass
-class _Part:
-    """One input (file or in-memory table) before and after normalisation."""
-
-    name: str
-    frame: pd.DataFrame
-    policy: str | None = None  # from the file name (arena layout)
-    probe: bool = False
 
 
 # --------------------------------------------------------------------------------------
@@ -118,6 +101,7 @@ def load_frame(
     covariates: Sequence[str] = (),
     policies: Sequence[str] | None = None,
     keep_columns: Sequence[str] = (),
+    columns: Mapping[str, str] | None = None,
 ) -> pd.DataFrame:
     """Read, join and validate evaluation data into the canonical frame.
 
@@ -138,6 +122,10 @@ def load_frame(
         Keep only these policies (each must have rows). Default: all.
     keep_columns : sequence of str
         Extra columns to carry unchanged (e.g. a timestamp); each must exist in every input.
+    columns : mapping of str to str, optional
+        Canonical name -> column name in the input, for inputs whose columns are named
+        differently, e.g. ``{"prompt_id": "id", "policy": "model", "oracle_label": "human_rating"}``.
+        Applies to every input; identifier columns named here are read as text.
 
     Returns
     -------
@@ -153,27 +141,29 @@ def load_frame(
     lscale = parse_scale(label_scale, "label")
     if lscale is None:
         raise CJEInputError(
-            "label_scale must be declared as a finite range such as '0-1', '1-10' or '0-100'"
+            "label_scale must be declared as a finite range such as '0-1', '1-10' or '0-100'",
+            option="label_scale",
         )
     sscale = parse_scale(score_scale, "judge score")
     covariates = _as_names(covariates, "covariates")
     keep_columns = _as_names(keep_columns, "keep_columns")
-    canonical = {PROMPT, POLICY, SCORE, LABEL, LABEL_PROB, RESPONSE_ID, RESPONSE, DRAW_IDX}
-    clash = [c for c in list(covariates) + list(keep_columns) if c in canonical]
+    clash = [c for c in list(covariates) + list(keep_columns) if c in CANONICAL]
     if clash:
         raise CJEInputError(
             f"'{clash[0]}' is a canonical column and cannot be a covariate or keep_column",
             column=clash[0],
         )
 
-    parts = list(_collect(source))
+    mapping = _check_mapping(columns, covariates, keep_columns)
+    ids = set(ID_COLUMNS) | {src for canon, src in mapping.items() if canon in ID_COLUMNS}
+    parts = list(collect(source, ids))
     if not parts:
         raise CJEInputError("no input was given (empty list of sources)")
     rows = [p for p in parts if not p.probe]  # never empty: an arena folder needs fresh draws
     probes = [p for p in parts if p.probe]
 
     for i, part in enumerate(parts):
-        part.frame = _normalise(part, i, lscale, sscale, covariates, keep_columns)
+        part.frame = _normalise(part, i, lscale, sscale, covariates, keep_columns, mapping)
 
     frame = _concat([p.frame for p in rows])
     names = [p.name for p in parts]
@@ -211,6 +201,51 @@ def load_frame(
 # --------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------
+def _check_mapping(columns: Mapping[str, str] | None, covariates: Sequence[str],
+                   keep_columns: Sequence[str]) -> dict[str, str]:
+    """Validate a ``columns=`` mapping (canonical name -> input column)."""
+    if columns is None:
+        return {}
+    if not isinstance(columns, Mapping):
+        raise CJEInputError(f"columns must be a mapping of canonical name to input column, got {columns!r}",
+                            option="columns")
+    known = list(CANONICAL) + list(covariates) + list(keep_columns)
+    problems = []
+    for canon, src in columns.items():
+        if canon not in known:
+            problems.append(CJEInputError(
+                f"columns maps {canon!r}, which is not a canonical column{_did_you_mean(canon, known)} "
+                f"(canonical columns: {', '.join(CANONICAL)})", option="columns"))
+        elif not isinstance(src, str) or not src:
+            problems.append(CJEInputError(f"columns[{canon!r}] must be a column name, got {src!r}", option="columns"))
+    sources = [s for s in columns.values() if isinstance(s, str)]
+    dup = sorted({s for s in sources if sources.count(s) > 1})
+    if dup:
+        problems.append(CJEInputError(f"columns maps several canonical names to the same input column {dup[0]!r}",
+                                      option="columns"))
+    _raise_all(problems)
+    return dict(columns)
+
+
+def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, [str(c) for c in candidates], n=2, cutoff=0.6)
+    if not close:
+        lower = {str(c).lower(): str(c) for c in candidates}
+        close = [lower[name.lower()]] if name.lower() in lower else []
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _raise_all(problems: list[CJEInputError]) -> None:
+    """Raise nothing, the one problem, or one error listing every problem (first one's location)."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise problems[0]
+    first = problems[0]
+    text = "; ".join(f"({i + 1}) {p}" for i, p in enumerate(problems))
+    raise CJEInputError(f"{len(problems)} problems: {text}", option=first.option, problems=problems)
+
+
 def _as_names(value: Any, what: str) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
@@ -218,197 +253,6 @@ def _as_names(value: Any, what: str) -> tuple[str, ...]:
         return tuple(str(v) for v in value)
     except TypeError:
         raise CJEInputError(f"{what} must be a list of column names, got {value!r}") from None
-
-
-def _collect(source: Any) -> list[_Part]:
-    """Turn ``source`` into parts (one per file / table), in order."""
-    if isinstance(source, (list, tuple)):
-        parts: list[_Part] = []
-        for i, item in enumerate(source):
-            if isinstance(item, (list, tuple)):
-                raise CJEInputError(f"source #{i} is a nested list; give a flat list of sources")
-            parts.extend(_collect_one(item, index=i))
-        return parts
-    return _collect_one(source, index=None)
-
-
-def _collect_one(item: Any, index: int | None) -> list[_Part]:
-    tag = "" if index is None else f" #{index}"
-    if isinstance(item, pd.DataFrame):
-        return [_Part(f"<DataFrame{tag}>", item)]
-    if isinstance(item, pa.Table):
-        return [_Part(f"<pyarrow.Table{tag}>", item.to_pandas())]
-    if isinstance(item, (str, os.PathLike)):
-        return _read_path(Path(item))
-    raise CJEInputError(
-        f"unsupported source{tag} of type {type(item).__name__}: expected a path, "
-        "a pandas DataFrame, a pyarrow Table, or a list of these"
-    )
-
-
-def _read_path(path: Path) -> list[_Part]:
-    if not path.exists():
-        raise CJEInputError("path does not exist", source=str(path))
-    if path.is_dir():
-        if (path / FRESH_DIR).is_dir():
-            return _read_arena(path)
-        return _read_parquet_folder(path)
-    return [_Part(str(path), _read_file(path))]
-
-
-def _read_file(path: Path) -> pd.DataFrame:
-    suffix = path.suffix.lower()
-    if suffix in PARQUET_SUFFIXES:
-        return _read_parquet(path)
-    if suffix in JSONL_SUFFIXES:
-        return _read_jsonl(path)
-    if suffix in CSV_SUFFIXES:
-        return _read_csv(path)
-    raise CJEInputError(
-        f"unsupported file type '{suffix or '(no extension)'}'; supported: "
-        + ", ".join(SUPPORTED_SUFFIXES)
-        + " or a folder (Parquet files, or the arena layout with fresh_draws/)",
-        source=str(path),
-    )
-
-
-def _read_parquet(path: Path) -> pd.DataFrame:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise CJEInputError(f"not a readable Parquet file ({exc})", source=str(path)) from None
-    return table.to_pandas()
-
-
-def read_jsonl_records(path: Path) -> list[dict]:
-    """Parse a JSONL file line by line; a bad line is an error naming the file, line and row."""
-    records = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CJEInputError(
-                    f"line {lineno + 1} is not valid JSON ({exc.msg}); expected one JSON object per line",
-                    source=str(path),
-                    row=len(records),
-                ) from None
-            if not isinstance(rec, dict):
-                raise CJEInputError(
-                    f"line {lineno + 1} holds a {type(rec).__name__}; expected one JSON object per line",
-                    source=str(path),
-                    row=len(records),
-                )
-            records.append(rec)
-    return records
-
-
-def _read_jsonl(path: Path) -> pd.DataFrame:
-    import pyarrow.json as pj
-
-    if path.stat().st_size == 0:
-        raise CJEInputError("file is empty (0 rows)", source=str(path))
-    try:
-        table = pj.read_json(path, read_options=pj.ReadOptions(block_size=1 << 24))
-        return table.to_pandas()
-    except (pa.ArrowException, OSError):
-        # Mixed types, a bad line or a very long line: parse line by line to find the problem
-        # (or to get an object frame whose bad values `_normalise` reports by row).
-        pass
-    return pd.DataFrame.from_records(read_jsonl_records(path))
-
-
-def _read_csv(path: Path) -> pd.DataFrame:
-    import pyarrow.csv as pcsv
-
-    if path.stat().st_size == 0:
-        raise CJEInputError("file is empty (0 rows)", source=str(path))
-    try:
-        return pcsv.read_csv(path).to_pandas()
-    except (pa.ArrowException, OSError):
-        pass  # e.g. a non-numeric value deep in a numeric column: let pandas read it as objects
-    try:
-        return pd.read_csv(path, dtype=object, keep_default_na=True)
-    except (ValueError, OSError, pd.errors.ParserError) as exc:
-        raise CJEInputError(f"not a readable CSV file ({exc})", source=str(path)) from None
-
-
-def _read_parquet_folder(folder: Path) -> list[_Part]:
-    files = sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in PARQUET_SUFFIXES
-        and not any(part.startswith((".", "_")) for part in p.relative_to(folder).parts)
-    )
-    if not files:
-        raise CJEInputError(
-            f"folder has no Parquet files ({', '.join(PARQUET_SUFFIXES)}) and no {FRESH_DIR}/ "
-            "subfolder (arena layout)",
-            source=str(folder),
-        )
-    parts = []
-    for f in files:
-        df = _read_parquet(f)
-        for key, value in _hive_keys(f.relative_to(folder)).items():
-            if key in df.columns:
-                same = df[key].astype(str).eq(value)
-                if not bool(same.all()):
-                    row = int(np.flatnonzero(~same.to_numpy())[0])
-                    raise CJEInputError(
-                        f"value {df[key].iloc[row]!r} disagrees with the hive partition {key}={value}",
-                        source=str(f),
-                        column=key,
-                        row=row,
-                    )
-            else:
-                df[key] = value
-        parts.append(_Part(str(f), df))
-    return parts
-
-
-def _hive_keys(relative: Path) -> dict[str, str]:
-    keys = {}
-    for part in relative.parts[:-1]:
-        if "=" in part:
-            k, v = part.split("=", 1)
-            keys[urllib.parse.unquote(k)] = urllib.parse.unquote(v)
-    return keys
-
-
-def _policy_files(folder: Path, suffix: str) -> list[tuple[str, Path]]:
-    out = []
-    for f in sorted(folder.iterdir()):
-        if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES and f.stem.endswith(suffix):
-            policy = f.stem[: -len(suffix)]
-            if policy:
-                out.append((policy, f))
-    return out
-
-
-def _read_arena(folder: Path) -> list[_Part]:
-    fresh = _policy_files(folder / FRESH_DIR, FRESH_SUFFIX)
-    if not fresh:
-        raise CJEInputError(
-            f"no fresh-draw files named <policy>{FRESH_SUFFIX}.jsonl in {FRESH_DIR}/",
-            source=str(folder / FRESH_DIR),
-        )
-    parts = [_Part(str(f), _read_file(f), policy=pol) for pol, f in fresh]
-    fresh_policies = {pol for pol, _ in fresh}
-    if (folder / PROBE_DIR).is_dir():
-        for pol, f in _policy_files(folder / PROBE_DIR, PROBE_SUFFIX):
-            if pol not in fresh_policies:
-                raise CJEInputError(
-                    f"probe slice for policy '{pol}' but there is no {FRESH_DIR}/{pol}{FRESH_SUFFIX}.jsonl "
-                    "whose rows it could label",
-                    source=str(f),
-                )
-            parts.append(_Part(str(f), _read_file(f), policy=pol, probe=True))
-    return parts
 
 
 # --------------------------------------------------------------------------------------
@@ -485,17 +329,19 @@ def _check_range(values: np.ndarray, scale: Scale, name: str, col: str, arg: str
             "(scales are never guessed)",
             source=name,
             column=col,
+            option=arg,
             row=row,
         )
 
 
 def _normalise(
-    part: _Part,
+    part: Part,
     index: int,
     lscale: Scale,
     sscale: Scale | None,
     covariates: Sequence[str],
     keep_columns: Sequence[str],
+    mapping: Mapping[str, str] | None = None,
 ) -> pd.DataFrame:
     """Check one input and return it with canonical, typed columns plus bookkeeping."""
     df, name = part.frame, part.name
@@ -510,18 +356,8 @@ def _normalise(
     if n == 0:
         raise CJEInputError("input has no rows (0 rows)", source=name)
 
-    required = [PROMPT] if part.probe else [PROMPT, SCORE]
-    if part.probe:
-        required.append(LABEL)
-    if part.policy is None:
-        required.append(POLICY)
-    for col in required:
-        if col not in df.columns:
-            raise CJEInputError(
-                f"required column is missing (columns present: {', '.join(df.columns)})",
-                source=name,
-                column=col,
-            )
+    df = _apply_mapping(df, name, mapping or {})
+    _check_columns(df, part, covariates, keep_columns)
 
     out = pd.DataFrame(index=pd.RangeIndex(n))
     out[PROMPT] = _strings(df[PROMPT], name, PROMPT, required=True)
@@ -661,6 +497,58 @@ def _normalise(
     out[_SRC] = np.int32(index)
     out[_ROW] = np.arange(n, dtype=np.int64)
     return out
+
+
+def _apply_mapping(df: pd.DataFrame, name: str, mapping: Mapping[str, str]) -> pd.DataFrame:
+    """Rename the input's columns to canonical names (``columns=``); all problems at once."""
+    if not mapping:
+        return df
+    problems, rename = [], {}
+    for canon, src in mapping.items():
+        if src in df.columns:
+            if canon in df.columns and canon != src:
+                problems.append(CJEInputError(
+                    f"columns maps {canon!r} to {src!r}, but the input also has a column {canon!r}; "
+                    "drop or rename one of them", source=name, column=src, option="columns"))
+            else:
+                rename[src] = canon
+        elif canon not in df.columns:  # an input that already uses the canonical name needs no mapping
+            problems.append(CJEInputError(
+                f"columns maps {canon!r} to {src!r}, which is not a column{_did_you_mean(src, df.columns)} "
+                f"(columns present: {', '.join(df.columns)})", source=name, column=src, option="columns"))
+    _raise_all(problems)
+    return df.rename(columns=rename)
+
+
+def _check_columns(df: pd.DataFrame, part: Part, covariates: Sequence[str], keep_columns: Sequence[str]) -> None:
+    """Required, covariate and keep columns present; every missing one reported at once."""
+    name = part.name
+    required = [PROMPT] if part.probe else [PROMPT, SCORE]
+    if part.probe:
+        required.append(LABEL)
+    if part.policy is None:
+        required.append(POLICY)
+    present = ", ".join(df.columns)
+    problems = []
+    for col in required:
+        if col not in df.columns:
+            problems.append(CJEInputError(
+                f"required column is missing{_did_you_mean(col, df.columns)} (columns present: {present}); "
+                "if the input names it differently, map it with columns={" + repr(col) + ": '<name>'}",
+                source=name, column=col, option="columns"))
+    if not part.probe:
+        for col in covariates:
+            if col not in df.columns and not (col == RESPONSE_LENGTH and RESPONSE in df.columns):
+                hint = " (it can be derived only from a 'response' text column)" if col == RESPONSE_LENGTH else ""
+                problems.append(CJEInputError(
+                    f"covariate '{col}' was requested but is not a column{hint}{_did_you_mean(col, df.columns)} "
+                    f"(columns present: {present})", source=name, column=col, option="covariates"))
+        for col in keep_columns:
+            if col not in df.columns:
+                problems.append(CJEInputError(
+                    f"keep_columns asks for '{col}', which is not a column{_did_you_mean(col, df.columns)} "
+                    f"(columns present: {present})", source=name, column=col, option="keep_columns"))
+    _raise_all(problems)
 
 
 def _null_str(n: int) -> pd.Series:
@@ -836,7 +724,7 @@ def _arrow_str(s: pd.Series) -> pa.Array:
     return pc.cast(arr, pa.large_string())
 
 
-def _join_probe(frame: pd.DataFrame, part: _Part, names: list[str]) -> None:
+def _join_probe(frame: pd.DataFrame, part: Part, names: list[str]) -> None:
     """Set oracle labels of fresh-draw rows from a probe slice (matched, not appended)."""
     probe, name, pol = part.frame, part.name, part.policy
     in_pol = (frame[POLICY] == pol).to_numpy(dtype=bool)
