@@ -337,7 +337,6 @@ def fold_jackknife(design: Design, models: list | None = None) -> np.ndarray:
     plug-in recomputed over all rows; Var = (K-1)/K * sum_k (theta_-k - mean)^2.
     """
     d = design.data
-    K = design.n_policies
     cr = design.cal_rows
     folds = design.cal_fold
     counts = design.cells.counts
