@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cje_engine.calibration.calibrators import Cells, make_calibrator, make_cells
+from cje_engine.calibration.calibrators import Cells, TwoStageCalibrator, make_calibrator, make_cells
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
 
@@ -132,17 +132,27 @@ def _cell_fits(design: Design, wc: np.ndarray, warm=None):
     C = np.bincount(ci.cal_key, weights=wc > 0, minlength=K * Gc).reshape(K, Gc)
     w_all, wy_all, c_all = W.sum(0), WY.sum(0), C.sum(0)
     clip = d.label_scale
-    full = make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all, wy_all, c_all, warm)
+    folds = design.cal_fold
+    if design.mode == "two_stage":
+        # all six fits at once (shared design matrix and normal equations where knots agree)
+        comp = np.vstack([w_all[None], w_all - W]), np.vstack([wy_all[None], wy_all - WY]), \
+            np.vstack([c_all[None], c_all - C])
+        fitted = TwoStageCalibrator.fit_many(ci.cal_cells, *comp, clip=clip)
+        full = fitted[0]
+        fold_models = [m if C[k].sum() > 0 else None for k, m in enumerate(fitted[1:])]
+    else:
+        full = make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all, wy_all, c_all, warm)
+        fold_models = [None if C[k].sum() == 0 or not (c_all - C[k]).any() else
+                       make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all - W[k], wy_all - WY[k],
+                                                                    c_all - C[k], full)
+                       for k in range(K)]
     F_all = full.predict_cells(ci.cells)
     f_cal = F_all[ci.cal_global][ci.cal_cell]
-    folds = design.cal_fold
     models = []
-    for k in range(K):
-        c_k = c_all - C[k]
-        if C[k].sum() == 0 or not c_k.any():
+    for k, model in enumerate(fold_models):
+        if model is None:
             models.append(None)  # (bootstrap only) an empty fold or complement keeps the full fit
             continue
-        model = make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all - W[k], wy_all - WY[k], c_k, full)
         held = folds == k
         f_cal[held] = model.predict_cells(ci.cal_cells)[ci.cal_cell[held]]
         models.append(model)
