@@ -187,12 +187,15 @@ def load_frame(
     out_cols.extend(keep_columns)
     out = frame[out_cols].reset_index(drop=True)
     out.attrs["sources"] = [p.name for p in rows] + [p.name for p in probes]
+    n_inputs = len(parts)
+    del frame, parts, rows, probes
+    pa.default_memory_pool().release_unused()  # hand the readers' Arrow buffers back to the system
     logger.info(
         "loaded %d rows (%d labelled, %d policies) from %d input(s)",
         len(out),
         int(out[LABEL].notna().sum()),
         out[POLICY].nunique(),
-        len(parts),
+        n_inputs,
     )
     return out
 

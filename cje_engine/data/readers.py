@@ -81,12 +81,18 @@ def _collect_one(item: Any, index: int | None, ids: Collection[str]) -> list[Par
     )
 
 
-def _arrow_to_pandas(table: pa.Table, ids: Collection[str]) -> pd.DataFrame:
-    """Arrow -> pandas keeping integer ids exact (an int column with nulls would become float)."""
-    df = table.to_pandas()
-    for col in ids:
-        if col in table.column_names and pa.types.is_integer(table.schema.field(col).type):
-            df[col] = pd.Series(table.column(col).to_pylist(), dtype=object)
+def _arrow_to_pandas(table: pa.Table, ids: Collection[str], own: bool = False) -> pd.DataFrame:
+    """Arrow -> pandas keeping integer ids exact (an int column with nulls would become float).
+
+    ``own``: the table was read here and is not used afterwards, so its buffers are released
+    column by column during the conversion (lower peak memory for large files).
+    """
+    int_ids = {col: pd.Series(table.column(col).to_pylist(), dtype=object) for col in ids
+               if col in table.column_names and pa.types.is_integer(table.schema.field(col).type)}
+    df = table.to_pandas(self_destruct=True, split_blocks=True) if own else table.to_pandas()
+    del table
+    for col, values in int_ids.items():
+        df[col] = values
     return df
 
 
@@ -126,7 +132,7 @@ def _read_parquet(path: Path, ids: Collection[str]) -> pd.DataFrame:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as exc:
         raise CJEInputError(f"not a readable Parquet file ({exc})", source=str(path)) from None
-    return _arrow_to_pandas(table, ids)
+    return _arrow_to_pandas(table, ids, own=True)
 
 
 # --------------------------------------------------------------------------------------

@@ -62,7 +62,9 @@ def _cell_index(data: EvalData, mode: str, cal: np.ndarray) -> CellIndex:
     cells, row_cell = make_cells(data.score, X)
     G = cells.size
     K = len(data.policies)
-    row_key = data.policy * G + row_cell
+    small = np.int32 if K * G < 2**31 else np.int64  # 4 bytes a row where it fits
+    row_cell = row_cell.astype(small)
+    row_key = data.policy.astype(small) * small(G) + row_cell
     counts = np.bincount(row_key, minlength=K * G).reshape(K, G).astype(float)
     cal_global, cal_cell = np.unique(row_cell[cal], return_inverse=True)
     cal_cells = Cells(cells.score[cal_global], cells.X[cal_global],
@@ -280,7 +282,10 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
 
     # Evaluation terms (same for plug-in and augmented): one pass over the rows.
     eval_contrib = (f - plug[d.policy]) / n_k[d.policy]
-    total[:, :K] = np.bincount(d.prompt * K + d.policy, weights=eval_contrib, minlength=n_p * K).reshape(n_p, K)
+    key = d.prompt.astype(np.int64) * K
+    key += d.policy
+    total[:, :K] = np.bincount(key, weights=eval_contrib, minlength=n_p * K).reshape(n_p, K)
+    del key, eval_contrib
     total[:, K:] = total[:, :K]
 
     # Augmented: label residual terms.
