@@ -1,6 +1,9 @@
 """Scale: 5 policies x 2,000,000 prompts (10M rows), 5% labels, full analytic inference.
 
-Targets (issue 2): under 60 s and under 4 GiB peak memory for the full inference.
+Targets (issue 15): the full analytic inference within 8x of the comparator -- a pyarrow read
+of the same Parquet file plus a group-by mean of the judge score per policy, measured first in
+the same process -- and under 2 GiB peak memory. Both wall and CPU time are printed (pyarrow's
+read is multi-threaded; the engine mostly runs on one thread).
 
 Two child processes, each measured on its own (peak RSS = ``getrusage(RUSAGE_SELF).ru_maxrss``
 of that process, plus a sampling thread reading ``/proc/self/statm`` every 20 ms for the
@@ -128,8 +131,21 @@ def stage_evaluate(args: argparse.Namespace) -> dict:
     from cje_engine.data.frame import EvalData
     from cje_engine.data.io import load_frame
 
+    import pyarrow.parquet as pq
+
     covs = [] if args.no_covariates else ["response_length"]
     opts = dict(covariates=covs, calibration_mode=args.mode, inference="analytic", seed=args.seed)
+    t_c, c_c = time.perf_counter(), time.process_time()
+    table = pq.read_table(args.parquet)
+    means = table.group_by("policy").aggregate([("judge_score", "mean")])
+    comparator = {"seconds": time.perf_counter() - t_c, "cpu_seconds": time.process_time() - c_c,
+                  "groups": means.num_rows}
+    del table, means
+    import pyarrow as pa
+
+    pa.default_memory_pool().release_unused()
+    log.info("comparator (pyarrow read + group-by mean): %.2f s (cpu %.2f s)", comparator["seconds"],
+             comparator["cpu_seconds"])
     with MemorySampler() as mem:
         t0 = time.perf_counter()
         frame = load_frame(args.parquet, covariates=covs)
@@ -148,17 +164,18 @@ def stage_evaluate(args: argparse.Namespace) -> dict:
         max_rss_inference = _maxrss_gib()
         boot = None
         if args.replicates > 0:
-            tb = time.perf_counter()
+            tb, cb = time.perf_counter(), time.process_time()
             reps = bootstrap_chunk(prep, 0, args.replicates)
             per = (time.perf_counter() - tb) / args.replicates
             assert np.isfinite(reps).all()
             boot = {"replicates": args.replicates, "seconds_per_replicate": per,
+                    "cpu_seconds_per_replicate": (time.process_time() - cb) / args.replicates,
                     "projected_B2000_s": 2000 * per}
             mem.mark(f"bootstrap x{args.replicates} (extra)")
     pols = {p: {"estimate": e["estimate"], "se": e["se"], "ci": e["ci"], "basis": e["basis_code"],
                 "level_claim": e["level_claim"], "audit": e["audit"]["verdict"]}
             for p, e in d["policies"].items()}
-    return {"stages": mem.stages, "total_inference_s": total, "total_inference_cpu_s": total_cpu, "max_rss_inference_gib": max_rss_inference,
+    return {"comparator": comparator, "stages": mem.stages, "total_inference_s": total, "total_inference_cpu_s": total_cpu, "max_rss_inference_gib": max_rss_inference,
             "max_rss_gib": _maxrss_gib(), "bootstrap": boot, "mode": d["calibration"]["mode"],
             "n_rows": d["data"]["n_rows"], "n_labelled": d["data"]["n_labelled"],
             "n_comparisons": len(d["comparisons"]), "policies": pols}
@@ -226,14 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     for st in ev["stages"]:
         print(f"{st['stage']:34s} {st['seconds']:7.2f} s  cpu {st['cpu_seconds']:7.2f} s   "
               f"peak RSS {st['peak_rss_gib']:5.2f} GiB")
-    ok_t = ev["total_inference_s"] < 60
-    ok_m = ev["max_rss_inference_gib"] < 4
-    print(f"{'TOTAL inference':34s} {ev['total_inference_s']:7.2f} s  cpu {ev['total_inference_cpu_s']:7.2f} s   max RSS {ev['max_rss_inference_gib']:5.2f} GiB"
-          f"   [time {'OK' if ok_t else 'MISSED'} (<60 s), memory {'OK' if ok_m else 'MISSED'} (<4 GiB)]")
+    cmp_ = ev["comparator"]
+    ratio_w = ev["total_inference_s"] / cmp_["seconds"]
+    ratio_c = ev["total_inference_cpu_s"] / cmp_["cpu_seconds"]
+    ok_t = ratio_w <= 8 or ratio_c <= 8
+    ok_m = ev["max_rss_inference_gib"] < 2
+    print(f"{'TOTAL inference':34s} {ev['total_inference_s']:7.2f} s  cpu {ev['total_inference_cpu_s']:7.2f} s   max RSS {ev['max_rss_inference_gib']:5.2f} GiB")
+    print(f"{'comparator: pyarrow read + group-by':34s} {cmp_['seconds']:7.2f} s  cpu {cmp_['cpu_seconds']:7.2f} s")
+    print(f"{'ratio ours / comparator':34s} {ratio_w:7.1f}x wall, {ratio_c:.1f}x CPU   "
+          f"[time {'OK' if ok_t else 'MISSED'} (<= 8x), memory {'OK' if ok_m else 'MISSED'} (< 2 GiB)]")
     if ev["bootstrap"]:
         b = ev["bootstrap"]
         print(f"bootstrap at this size: {b['seconds_per_replicate']:.2f} s per replicate "
-              f"(B=2000 would take ~{b['projected_B2000_s'] / 60:.0f} min on one core); process max RSS with "
+              f"(cpu {b['cpu_seconds_per_replicate']:.2f} s; B=2000 would take ~{b['projected_B2000_s'] / 60:.0f} min on one "
+              f"core, ~{b['projected_B2000_s'] / 120:.0f} min on two); process max RSS with "
               f"bootstrap {ev['max_rss_gib']:.2f} GiB")
     print(f"{ev['n_comparisons']} pairwise comparisons; policies:")
     for p, e in ev["policies"].items():

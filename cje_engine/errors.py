@@ -19,6 +19,11 @@ class CJEInputError(ValueError):
         Column concerned.
     row : int, optional
         Zero-based row number within ``source`` (first offending row).
+    option : str, optional
+        The Python keyword (option) a hint in the message refers to, e.g. ``"score_scale"``;
+        the command line translates it to its flag (``--score-scale``).
+    problems : list of CJEInputError, optional
+        When one input has several problems, all of them (this error is the first).
     """
 
     def __init__(
@@ -28,7 +33,11 @@ class CJEInputError(ValueError):
         source: str | None = None,
         column: str | None = None,
         row: int | None = None,
+        option: str | None = None,
+        problems: "list[CJEInputError] | None" = None,
     ) -> None:
+        self.option = option
+        self.problems = list(problems) if problems else []
         self.source = source
         self.column = column
         self.row = row

@@ -4,33 +4,124 @@ Both follow scikit-learn conventions: configuration in the constructor, ``fit`` 
 ``self``, fitted state in attributes ending with ``_``. Both are non-decreasing in the
 judge score for fixed covariates *by construction*, and both are flat outside the range
 of the scores they were fitted on (out of range = limited calibration support).
+
+Sufficient statistics. Both fits depend on the rows only through, per distinct calibration
+input (a *cell*: the judge score in monotone mode, the pair (score, covariates) in two-stage
+mode), the total weight, the weighted label sum and the number of rows with positive weight.
+`Cells` holds the distinct inputs; ``fit_cells`` fits from those per-cell sums, ``fit`` pools
+rows into cells and calls it, so the two give the same model. A bootstrap replicate keeps the
+sums per (fold, cell) and refits every fold from them without touching the rows again.
 """
 from __future__ import annotations
 
-import numpy as np
-from scipy.optimize import isotonic_regression, nnls
+from dataclasses import dataclass
 
+import numpy as np
+import pandas as pd
+from scipy.linalg.lapack import dposv as _dposv
+from scipy.optimize import nnls
+
+from cje_engine.calibration.isotonic import isotonic_pooled
 from cje_engine.errors import CJEInputError
 
 MODES = ("monotone", "two_stage")
 
 
-def _pava(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Weighted isotonic regression of ``y`` on ``x`` after pooling tied ``x``.
+@dataclass(frozen=True)
+class Cells:
+    """Distinct calibration inputs, sorted by score (then covariates).
 
-    Returns the sorted distinct x with positive weight, the fitted values there, and the
-    pooled weights. Ties in ``x`` are pooled first (a weighted mean), which is the
-    'secondary' tie treatment: tied scores always get one fitted value.
+    Attributes
+    ----------
+    score : ndarray, shape (G,)
+        Judge score of each cell.
+    X : ndarray, shape (G, p)
+        Covariates of each cell (``p = 0`` in monotone mode).
+    score_values : ndarray, shape (D,)
+        Distinct scores (sorted).
+    score_code : ndarray of int, shape (G,)
+        Index of each cell's score in ``score_values`` (non-decreasing).
     """
-    keep = w > 0
-    x, y, w = x[keep], y[keep], w[keep]
-    if x.size == 0:
-        raise ValueError("isotonic fit needs at least one row with positive weight")
-    ux, inv = np.unique(x, return_inverse=True)
-    sw = np.bincount(inv, weights=w, minlength=ux.size)
-    swy = np.bincount(inv, weights=w * y, minlength=ux.size)
-    fitted = isotonic_regression(swy / sw, weights=sw, increasing=True).x
-    return ux, fitted, sw
+
+    score: np.ndarray
+    X: np.ndarray
+    score_values: np.ndarray
+    score_code: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return int(self.score.shape[0])
+
+    def subset(self, idx: np.ndarray) -> "Cells":
+        """The cells ``idx`` (sorted indices), with their own distinct-score coding."""
+        s = self.score[idx]
+        values, code = np.unique(s, return_inverse=True)
+        return Cells(s, self.X[idx], values, code)
+
+
+def _sorted_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct values and each element's index into them (hash-based: O(n + u log u))."""
+    codes, uniq = pd.factorize(values, sort=True)
+    return np.asarray(uniq), codes.astype(np.int64, copy=False)
+
+
+def make_cells(score: np.ndarray, X: np.ndarray | None = None) -> tuple[Cells, np.ndarray]:
+    """Distinct (score, covariates) rows, sorted, and each row's cell index.
+
+    Codes are built column by column (hash-based factorisation, then a sort of the distinct
+    values only), combined into one integer key and factorised again, so ten million rows
+    take well under a second.
+    """
+    score = np.asarray(score, dtype=float)
+    n = score.shape[0]
+    X = np.empty((n, 0)) if X is None else np.asarray(X, dtype=float).reshape(n, -1)
+    values, key = _sorted_codes(score)
+    size = values.size
+    for j in range(X.shape[1]):
+        u, c = _sorted_codes(X[:, j])
+        if size * u.size >= 2**62:  # re-code densely so the combined key stays in int64
+            _, key = _sorted_codes(key)
+            size = int(key.max()) + 1
+        key = key * u.size + c
+        size *= u.size
+    if X.shape[1]:
+        ukey, row_cell = _sorted_codes(key)  # sorted keys = cells sorted by (score, x1, x2, ...)
+    else:
+        row_cell = key
+        ukey = np.arange(values.size)
+    first = np.zeros(ukey.size, dtype=np.int64)
+    first[row_cell[::-1]] = np.arange(n - 1, -1, -1)  # a row of each cell (the first)
+    cell_score = score[first]
+    cells = Cells(cell_score, X[first], *np.unique(cell_score, return_inverse=True))
+    return cells, row_cell
+
+
+def pool_rows(row_cell: np.ndarray, n_cells: int, y: np.ndarray, w: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-cell total weight, weighted label sum and count of rows with positive weight."""
+    pos = w > 0
+    return (np.bincount(row_cell, weights=w, minlength=n_cells),
+            np.bincount(row_cell, weights=w * np.where(pos, y, 0.0), minlength=n_cells),
+            np.bincount(row_cell, weights=pos, minlength=n_cells))
+
+
+def quantile_of_counts(values: np.ndarray, counts: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``np.quantile(np.repeat(values, counts), q)`` (linear method) without expanding the rows.
+
+    ``values`` are sorted; ``counts`` are non-negative whole numbers with a positive sum.
+    Same arithmetic as numpy's ``_lerp``, so the result matches numpy to the last bit in
+    practice (tested to 1e-15).
+    """
+    cum = np.cumsum(counts)
+    n = cum[-1]
+    virtual = (n - 1) * q
+    prev = np.floor(virtual)
+    both = np.searchsorted(cum, np.concatenate([prev, np.minimum(prev + 1, n - 1)]), side="right")
+    ab = values[both]
+    a, b = ab[:q.size], ab[q.size:]
+    t = virtual - prev
+    diff = b - a
+    return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
 
 
 class IsotonicCalibrator:
@@ -55,6 +146,7 @@ class IsotonicCalibrator:
     """
 
     mode = "monotone"
+    uses_covariates = False
 
     def __init__(self, clip: tuple[float, float] | None = None) -> None:
         self.clip = clip
@@ -63,7 +155,21 @@ class IsotonicCalibrator:
             sample_weight: np.ndarray | None = None) -> "IsotonicCalibrator":
         score = np.asarray(score, dtype=float)
         w = np.ones_like(score) if sample_weight is None else np.asarray(sample_weight, dtype=float)
-        self.x_, self.y_, self.weights_ = _pava(score, np.asarray(y, dtype=float), w)
+        cells, row_cell = make_cells(score)
+        return self.fit_cells(cells, *pool_rows(row_cell, cells.size, np.asarray(y, dtype=float), w))
+
+    def fit_cells(self, cells: Cells, w: np.ndarray, wy: np.ndarray, count: np.ndarray | None = None,
+                  warm: object = None) -> "IsotonicCalibrator":
+        """Fit from per-cell sums (cells = distinct scores, sorted); ``count`` and ``warm`` are unused."""
+        keep = w > 0
+        if not keep.any():
+            raise ValueError("isotonic fit needs at least one row with positive weight")
+        if keep.all():
+            self.x_, self.weights_ = cells.score, w
+            self.y_ = isotonic_pooled(w, wy)
+        else:
+            self.x_, self.weights_ = cells.score[keep], w[keep]
+            self.y_ = isotonic_pooled(self.weights_, wy[keep])
         return self
 
     def index(self, score: np.ndarray, X: np.ndarray | None = None) -> np.ndarray:
@@ -74,6 +180,10 @@ class IsotonicCalibrator:
         out = np.interp(self.index(score, X), self.x_, self.y_)
         return out if self.clip is None else np.clip(out, *self.clip)
 
+    def predict_cells(self, cells: Cells) -> np.ndarray:
+        """Predictions at every cell."""
+        return self.predict(cells.score)
+
 
 def _ramp_basis(s: np.ndarray, knots: np.ndarray) -> np.ndarray:
     """Monotone ramp basis: column j rises linearly from 0 to 1 between knots j and j+1.
@@ -81,12 +191,72 @@ def _ramp_basis(s: np.ndarray, knots: np.ndarray) -> np.ndarray:
     Any non-negative combination is a non-decreasing piecewise-linear function of ``s``,
     flat outside [knots[0], knots[-1]].
     """
-    lo, hi = knots[:-1], knots[1:]
-    return np.clip((s[:, None] - lo[None, :]) / (hi - lo)[None, :], 0.0, 1.0)
+    lo = knots[:-1]
+    out = np.subtract(s[:, None], lo[None, :])
+    out /= (knots[1:] - lo)[None, :]
+    np.maximum(out, 0.0, out=out)
+    return np.minimum(out, 1.0, out=out)
 
 
 def _signed_log(X: np.ndarray) -> np.ndarray:
     return np.sign(X) * np.log1p(np.abs(X))
+
+
+def _ramp_lsq(M: np.ndarray, t: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray | None:
+    """min ||M theta - t|| with theta[:n_ramp] >= 0, by a warm-started active set on the normal equations.
+
+    Starts from the ramps ``free`` (allowed positive; all if None), solves the least squares on
+    them plus the unconstrained columns, and returns the solution once it satisfies the KKT
+    conditions (free ramps >= 0, no fixed ramp with a descent direction). The problem is strictly
+    convex when ``M`` has full column rank, so a KKT point is THE solution (the one scipy's NNLS
+    finds). Returns None (caller falls back to NNLS) when ``M`` is (nearly) rank deficient or the
+    active set does not settle within a few steps.
+    """
+    return _ramp_lsq_gram(M.T @ M, M.T @ t, n_ramp, free)
+
+
+def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray | None:
+    """`_ramp_lsq` from the normal equations ``G theta = b`` (``G = M'M``, ``b = M't``)."""
+    P = G.shape[0]
+    g = G.diagonal()
+    if not (g > 0).all():
+        return None
+    tol = 1e-9 * (np.abs(b).max() + 1e-300)
+    free = None if free is None or free.size != n_ramp or free.all() else free.copy()
+    for _ in range(6):
+        if free is None:
+            c, theta, info = _dposv(G, b)
+            if info != 0 or (c.diagonal() ** 2 / g).min() < 1e-12:  # (nearly) collinear: NNLS decides
+                return None
+        else:
+            idx = np.concatenate([np.flatnonzero(free), np.arange(n_ramp, P)])
+            c, x, info = _dposv(G[idx][:, idx], b[idx])
+            if info != 0 or (c.diagonal() ** 2 / g[idx]).min() < 1e-12:
+                return None
+            theta = np.zeros(P)
+            theta[idx] = x
+        ramps = theta[:n_ramp]
+        if (ramps < 0).any():
+            free = (ramps > 0) if free is None else free & (ramps > 0)
+            continue
+        grad = b - G @ theta  # = M' (t - M theta): positive means the objective falls if theta_j grows
+        if free is None:
+            return theta
+        viol = ~free & (grad[:n_ramp] > tol)
+        if not viol.any():
+            return theta
+        free |= viol
+    return None
+
+
+def _knot_levels(n_knots: int) -> np.ndarray:
+    q = _LEVELS.get(n_knots)
+    if q is None:
+        q = _LEVELS[n_knots] = np.linspace(0, 1, n_knots + 1)
+    return q
+
+
+_LEVELS: dict[int, np.ndarray] = {}
 
 
 class TwoStageCalibrator:
@@ -99,6 +269,11 @@ class TwoStageCalibrator:
     isotonic, the calibrated value is non-decreasing in the judge score for any fixed
     covariates (the property the reference's spline index can violate).
 
+    The knots are quantiles of the scores of the rows with positive weight (each row counted
+    once, whatever its weight). The least squares runs on one row per cell (weight = total
+    weight of its rows, target = their weighted mean label), which has the same minimiser
+    as the row-level problem; see `_ramp_lsq` for the warm-started solver.
+
     Parameters
     ----------
     n_knots : int
@@ -110,6 +285,7 @@ class TwoStageCalibrator:
     """
 
     mode = "two_stage"
+    uses_covariates = True
 
     def __init__(self, n_knots: int = 6, log_covariates: bool = True,
                  clip: tuple[float, float] | None = None) -> None:
@@ -117,56 +293,197 @@ class TwoStageCalibrator:
         self.log_covariates = log_covariates
         self.clip = clip
 
-    def _features(self, score: np.ndarray, X: np.ndarray) -> np.ndarray:
-        Xt = _signed_log(X) if self.log_covariates else X
-        Xs = (Xt - self.x_mean_) / self.x_scale_
-        return np.hstack([_ramp_basis(score, self.knots_), Xs])
-
     def fit(self, score: np.ndarray, y: np.ndarray, X: np.ndarray | None = None,
             sample_weight: np.ndarray | None = None) -> "TwoStageCalibrator":
         score = np.asarray(score, dtype=float)
-        y = np.asarray(y, dtype=float)
-        X = np.empty((score.size, 0)) if X is None else np.asarray(X, dtype=float)
         w = np.ones_like(score) if sample_weight is None else np.asarray(sample_weight, dtype=float)
-        keep = w > 0
-        s, yk, Xk, wk = score[keep], y[keep], X[keep], w[keep]
-        knots = np.unique(np.quantile(s, np.linspace(0, 1, self.n_knots + 1)))
+        cells, row_cell = make_cells(score, X)
+        return self.fit_cells(cells, *pool_rows(row_cell, cells.size, np.asarray(y, dtype=float), w))
+
+    def fit_cells(self, cells: Cells, w: np.ndarray, wy: np.ndarray, count: np.ndarray,
+                  warm: "TwoStageCalibrator | None" = None) -> "TwoStageCalibrator":
+        """Fit from per-cell sums: weight ``w``, weighted label sum ``wy``, rows with weight > 0 ``count``.
+
+        ``warm``: a fitted model whose active ramps start the solver (same answer, fewer steps).
+        """
+        keep = count > 0
+        if keep.all():
+            s, Xt, wk, wyk, code, cnt = cells.score, self._xt(cells), w, wy, cells.score_code, count
+        elif keep.any():
+            s, Xt, wk, wyk = cells.score[keep], self._xt(cells)[keep], w[keep], wy[keep]
+            code, cnt = cells.score_code[keep], count[keep]
+        else:
+            raise ValueError("two-stage fit needs at least one row with positive weight")
+        per_score = np.bincount(code, weights=cnt, minlength=cells.score_values.size)
+        knots = quantile_of_counts(cells.score_values, per_score, _knot_levels(self.n_knots))
+        knots = knots[np.concatenate(([True], knots[1:] > knots[:-1]))]  # sorted: drop repeats
         if knots.size < 2:
             knots = np.array([s.min() - 0.5, s.min() + 0.5])
         self.knots_ = knots
-        Xt = _signed_log(Xk) if self.log_covariates else Xk
+        p = Xt.shape[1]
         wsum = wk.sum()
-        self.x_mean_ = (wk[:, None] * Xt).sum(0) / wsum if Xt.shape[1] else np.zeros(0)
-        sd = np.sqrt((wk[:, None] * (Xt - self.x_mean_) ** 2).sum(0) / wsum) if Xt.shape[1] else np.zeros(0)
-        self.x_scale_ = np.where(sd > 0, sd, 1.0)
-        F = self._features(s, Xk)
+        if p:
+            self.x_mean_ = (wk @ Xt) / wsum
+            sd = np.sqrt((wk @ (Xt - self.x_mean_) ** 2) / wsum)
+            self.x_scale_ = np.where(sd > 0, sd, 1.0)
+        else:
+            self.x_mean_ = self.x_scale_ = np.zeros(0)
         n_ramp = knots.size - 1
-        # NNLS with sign-free intercept and covariates: split them into +/- columns.
-        A = np.hstack([F[:, :n_ramp], F[:, n_ramp:], -F[:, n_ramp:], np.ones((s.size, 1)), -np.ones((s.size, 1))])
         sq = np.sqrt(wk)
-        coef, _ = nnls(A * sq[:, None], yk * sq, maxiter=50 * A.shape[1])
-        p = F.shape[1] - n_ramp
-        self.ramp_coef_ = coef[:n_ramp]
-        self.beta_ = coef[n_ramp:n_ramp + p] - coef[n_ramp + p:n_ramp + 2 * p]
-        self.intercept_ = coef[-2] - coef[-1]
-        z = self.index(s, Xk)
-        self.x_, self.y_, self.weights_ = _pava(z, yk, wk)
+        F = np.empty((s.size, n_ramp + p + 1))
+        F[:, :n_ramp] = _ramp_basis(s, knots)
+        F[:, n_ramp:n_ramp + p] = (Xt - self.x_mean_) / self.x_scale_
+        F[:, -1] = 1.0
+        M = F * sq[:, None]
+        t = wyk / sq  # = sqrt(w) * (weighted mean label of the cell)
+        free = None if warm is None else warm.ramp_coef_ > 0
+        theta = _ramp_lsq(M, t, n_ramp, free)
+        if theta is None:
+            # NNLS with sign-free intercept and covariates: split them into +/- columns.
+            A = np.hstack([M[:, :n_ramp], M[:, n_ramp:], -M[:, n_ramp:]])
+            coef, _ = nnls(A, t, maxiter=50 * A.shape[1])
+            theta = np.concatenate([coef[:n_ramp], coef[n_ramp:n_ramp + p + 1] - coef[n_ramp + p + 1:]])
+        self.ramp_coef_ = theta[:n_ramp]
+        self.beta_ = theta[n_ramp:n_ramp + p]
+        self.intercept_ = float(theta[-1])
+        self._cum = np.concatenate([[0.0], np.cumsum(self.ramp_coef_)])
+        self._stage2(s, Xt, wk, wyk)
         return self
+
+    @classmethod
+    def fit_many(cls, cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarray,
+                 clip: tuple[float, float] | None = None, **params) -> list:
+        """Fit one model per row of the per-cell sums ``W, WY, C`` (shape (J, G)): the cross-fit's
+        full fit and fold complements in one go. Same models as ``fit_cells`` row by row.
+
+        The least squares runs in the raw (log) covariates: with an intercept, the fitted index
+        does not depend on centring and scaling, so the fits that share the first fit's knots (most
+        folds, since judge scores are discrete) share one design matrix, and their normal equations
+        come from one ``einsum`` over the cells. The coefficients are then expressed in each fit's
+        own standardisation, as ``fit_cells`` stores them. Rows with no positive count give None.
+        """
+        J = W.shape[0]
+        models: list = [None] * J
+        tmpl = cls(clip=clip, **params)
+        Xt = tmpl._xt(cells)
+        p = Xt.shape[1]
+        D = cells.score_values.size
+        # Knots of every fit at once: quantiles of the per-score row counts (numpy's linear rule).
+        per_score = np.zeros((J, D))
+        for j in range(J):
+            per_score[j] = np.bincount(cells.score_code, weights=C[j], minlength=D)
+        cum = per_score.cumsum(1)
+        n = cum[:, -1:]
+        virtual = (n - 1) * _knot_levels(tmpl.n_knots)[None, :]
+        prev = np.floor(virtual)
+        nxt = np.minimum(prev + 1, n - 1)
+        a = cells.score_values[(cum[:, None, :] <= prev[:, :, None]).sum(2).clip(max=D - 1)]
+        b_ = cells.score_values[(cum[:, None, :] <= nxt[:, :, None]).sum(2).clip(max=D - 1)]
+        t = virtual - prev
+        diff = b_ - a
+        all_knots = np.where(t >= 0.5, b_ - diff * (1 - t), a + diff * t)
+        wsum = W.sum(1)
+        if p:
+            x_mean = (W @ Xt) / wsum[:, None]
+            x_sd = np.sqrt(np.einsum("jg,jgp->jp", W, (Xt[None] - x_mean[:, None, :]) ** 2) / wsum[:, None])
+        F_shared = shared = None
+        for j in range(J):
+            if n[j, 0] <= 0:
+                continue
+            knots = all_knots[j]
+            knots = knots[np.concatenate(([True], knots[1:] > knots[:-1]))]
+            if knots.size < 2:
+                s_min = cells.score_values[np.flatnonzero(per_score[j])[0]]
+                knots = np.array([s_min - 0.5, s_min + 0.5])
+            m = cls(clip=clip, **params)
+            m.knots_ = knots
+            if p:
+                m.x_mean_, m.x_scale_ = x_mean[j], np.where(x_sd[j] > 0, x_sd[j], 1.0)
+            else:
+                m.x_mean_ = m.x_scale_ = np.zeros(0)
+            models[j] = m
+            if shared is None:
+                shared = knots
+                F_shared = np.empty((cells.size, knots.size + p))
+                F_shared[:, :knots.size - 1] = _ramp_basis(cells.score, knots)
+                F_shared[:, knots.size - 1:-1] = Xt
+                F_shared[:, -1] = 1.0
+        if shared is None:
+            return models
+        same = [j for j in range(J) if models[j] is not None and models[j].knots_.size == shared.size
+                and (models[j].knots_ == shared).all()]
+        Gs = np.matmul(F_shared.T[None] * W[same][:, None, :], F_shared)  # normal equations of every fit
+        bs = WY[same] @ F_shared
+        gram = dict(zip(same, zip(Gs, bs)))
+        for j in range(J):
+            m = models[j]
+            if m is None:
+                continue
+            n_ramp = m.knots_.size - 1
+            if j in gram:
+                G, b = gram[j]
+            else:
+                F = np.empty((cells.size, n_ramp + p + 1))
+                F[:, :n_ramp] = _ramp_basis(cells.score, m.knots_)
+                F[:, n_ramp:-1] = Xt
+                F[:, -1] = 1.0
+                G, b = (F.T * W[j]) @ F, WY[j] @ F
+            theta = _ramp_lsq_gram(G, b, n_ramp, None if j == 0 or models[0] is None else models[0].ramp_coef_ > 0)
+            if theta is None:  # (nearly) collinear or unsettled: the exact per-fit path (NNLS)
+                models[j] = cls(clip=clip, **params).fit_cells(cells, W[j], WY[j], C[j])
+                continue
+            beta_raw = theta[n_ramp:n_ramp + p]
+            m.ramp_coef_ = theta[:n_ramp]
+            m.beta_ = beta_raw * m.x_scale_
+            m.intercept_ = float(theta[-1] + m.x_mean_ @ beta_raw)
+            m._cum = np.concatenate([[0.0], np.cumsum(m.ramp_coef_)])
+            keep = C[j] > 0
+            m._stage2(cells.score[keep], Xt[keep], W[j][keep], WY[j][keep])
+        return models
+
+    def _stage2(self, s: np.ndarray, Xt: np.ndarray, wk: np.ndarray, wyk: np.ndarray) -> None:
+        """Isotonic regression of the label on the fitted index (cells pooled by equal index)."""
+        z = self._index_t(s, Xt)
+        order = np.argsort(z, kind="stable")
+        zs = z[order]
+        first = np.empty(zs.size, dtype=bool)
+        first[0] = True
+        np.greater(zs[1:], zs[:-1], out=first[1:])
+        inv = np.cumsum(first) - 1
+        sw = np.bincount(inv, weights=wk[order])
+        self.x_, self.weights_ = zs[first], sw
+        self.y_ = isotonic_pooled(sw, np.bincount(inv, weights=wyk[order]))
+
+    def _xt(self, cells: Cells) -> np.ndarray:
+        """The cells' covariates after the optional signed log (cached on the cells)."""
+        key = "_xt_log" if self.log_covariates else "_xt_raw"
+        Xt = cells.__dict__.get(key)
+        if Xt is None:
+            Xt = _signed_log(cells.X) if self.log_covariates else cells.X
+            object.__setattr__(cells, key, Xt)  # frozen dataclass: a private cache
+        return Xt
+
+    def _index_t(self, score: np.ndarray, Xt: np.ndarray) -> np.ndarray:
+        # sum_j a_j ramp_j(s) is the piecewise-linear interpolant through (knot_j, a_0 + ... + a_{j-1}),
+        # flat outside the knots: np.interp evaluates it without building the basis matrix.
+        h = np.interp(score, self.knots_, self._cum)
+        if Xt.shape[1]:
+            h = h + ((Xt - self.x_mean_) / self.x_scale_) @ self.beta_
+        return h + self.intercept_
 
     def index(self, score: np.ndarray, X: np.ndarray | None = None) -> np.ndarray:
         """Stage-1 index Z = h(S) + X beta (+ intercept)."""
         score = np.asarray(score, dtype=float)
         X = np.empty((score.size, 0)) if X is None else np.asarray(X, dtype=float)
-        # sum_j a_j ramp_j(s) is the piecewise-linear interpolant through (knot_j, a_0 + ... + a_{j-1}),
-        # flat outside the knots: np.interp evaluates it without building the basis matrix.
-        h = np.interp(score, self.knots_, np.concatenate([[0.0], np.cumsum(self.ramp_coef_)]))
-        if X.shape[1]:
-            Xt = _signed_log(X) if self.log_covariates else X
-            h = h + ((Xt - self.x_mean_) / self.x_scale_) @ self.beta_
-        return h + self.intercept_
+        return self._index_t(score, _signed_log(X) if self.log_covariates else X)
 
     def predict(self, score: np.ndarray, X: np.ndarray | None = None) -> np.ndarray:
         out = np.interp(self.index(score, X), self.x_, self.y_)
+        return out if self.clip is None else np.clip(out, *self.clip)
+
+    def predict_cells(self, cells: Cells) -> np.ndarray:
+        """Predictions at every cell."""
+        out = np.interp(self._index_t(cells.score, self._xt(cells)), self.x_, self.y_)
         return out if self.clip is None else np.clip(out, *self.clip)
 
 
@@ -176,4 +493,5 @@ def make_calibrator(mode: str, clip: tuple[float, float] | None = None):
         return IsotonicCalibrator(clip=clip)
     if mode == "two_stage":
         return TwoStageCalibrator(clip=clip)
-    raise CJEInputError(f"calibration_mode must be one of auto, monotone, two_stage; got {mode!r}")
+    raise CJEInputError(f"calibration_mode must be one of auto, monotone, two_stage; got {mode!r}",
+                        option="calibration_mode")

@@ -70,11 +70,21 @@ def fold_of(prompt_ids: np.ndarray | list[str], n_folds: int) -> np.ndarray:
 
     The same prompt lands in the same fold on every machine, run and policy.
     """
-    out = np.empty(len(prompt_ids), dtype=np.int64)
-    for i, pid in enumerate(prompt_ids):
-        digest = hashlib.blake2b(str(pid).encode("utf-8"), digest_size=8).digest()
-        out[i] = int.from_bytes(digest, "big") % n_folds
-    return out
+    if len(prompt_ids) == 0:
+        return np.empty(0, dtype=np.int64)
+    blake = hashlib.blake2b
+    # One C-level hash per id, the digests joined and read as big-endian uint64 in one go.
+    digests = b"".join([blake(str(pid).encode("utf-8"), digest_size=8).digest() for pid in prompt_ids])
+    return (np.frombuffer(digests, dtype=">u8") % np.uint64(n_folds)).astype(np.int64)
+
+
+def _as_text(col: pd.Series) -> pd.Series:
+    """A column as text; columns that already hold only ``str`` are used as they are (no copy)."""
+    if col.dtype == object or pd.api.types.is_string_dtype(col.dtype):
+        sample = col.iloc[:1000]
+        if all(type(v) is str for v in sample) and pd.api.types.infer_dtype(col, skipna=False) == "string":
+            return col
+    return col.astype(str)
 
 
 @dataclass(frozen=True)
@@ -156,8 +166,8 @@ class EvalData:
                     column=col,
                     source="<frame>",
                 )
-        prompt_codes, prompt_ids = pd.factorize(frame[PROMPT].astype(str), sort=True)
-        seen = list(pd.unique(frame[POLICY].astype(str)))
+        pol_codes, pol_names = pd.factorize(_as_text(frame[POLICY]))
+        seen = [str(p) for p in pol_names]
         if policies is None:
             policies = sorted(seen)
         else:
@@ -168,10 +178,13 @@ class EvalData:
                     column=POLICY,
                 )
         pol_lookup = {p: i for i, p in enumerate(policies)}
-        keep = frame[POLICY].astype(str).isin(pol_lookup).to_numpy()
-        frame = frame.loc[keep]
-        prompt_codes = prompt_codes[keep]
-        policy_codes = frame[POLICY].astype(str).map(pol_lookup).to_numpy(dtype=np.int64)
+        remap = np.array([pol_lookup.get(p, -1) for p in seen], dtype=np.int64)
+        policy_codes = remap[pol_codes]
+        keep = policy_codes >= 0
+        if not keep.all():
+            frame = frame.loc[keep]
+            policy_codes = policy_codes[keep]
+        prompt_codes, prompt_ids = pd.factorize(_as_text(frame[PROMPT]), sort=True)
         label = (
             frame[LABEL].to_numpy(dtype=float) if LABEL in frame.columns else np.full(len(frame), np.nan)
         )
@@ -187,9 +200,7 @@ class EvalData:
             if covariates
             else np.empty((len(frame), 0), dtype=float)
         )
-        # Re-index prompts to those that remain after the policy filter.
-        used, prompt_codes = np.unique(prompt_codes, return_inverse=True)
-        prompt_ids = np.asarray(prompt_ids)[used]
+        prompt_ids = np.asarray(prompt_ids, dtype=object)
         folds_by_prompt = fold_of(prompt_ids, n_folds)
         return cls(
             prompt_ids=prompt_ids,

@@ -60,13 +60,10 @@ seconds.
 """
 from __future__ import annotations
 
-import json
+import difflib
 import logging
 import os
-import urllib.parse
-from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -75,36 +72,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE, Scale, parse_scale
+from cje_engine.data.identity import (  # noqa: F401 (_repeated: re-exported for tests)
+    _ROW, _SRC, DRAW_IDX, RESPONSE, _concat, _first, _identify, _join_probe, _null_str, _repeated,
+)
+from cje_engine.data.readers import ID_COLUMNS, Part, collect, read_jsonl_records  # noqa: F401 (re-exported)
 from cje_engine.errors import CJEInputError
 
 logger = logging.getLogger(__name__)
 
-RESPONSE = "response"
-DRAW_IDX = "draw_idx"
 RESPONSE_LENGTH = "response_length"
-
-PARQUET_SUFFIXES = (".parquet", ".pq", ".parq")
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-CSV_SUFFIXES = (".csv",)
-SUPPORTED_SUFFIXES = PARQUET_SUFFIXES + JSONL_SUFFIXES + CSV_SUFFIXES
-
-FRESH_DIR, PROBE_DIR = "fresh_draws", "probe_slice"
-FRESH_SUFFIX, PROBE_SUFFIX = "_responses", "_probe"
 
 SourceLike = Union[str, os.PathLike, pa.Table, pd.DataFrame]
 
-# Internal bookkeeping columns (dropped before returning).
-_SRC, _ROW = "__cje_source", "__cje_row"
+#: Canonical column names an input may carry (``columns=`` maps input names onto these).
+CANONICAL = (PROMPT, POLICY, SCORE, LABEL, LABEL_PROB, RESPONSE_ID, RESPONSE, DRAW_IDX)
 
-
-@dataclass
-class _Part:
-    """One input (file or in-memory table) before and after normalisation."""
-
-    name: str
-    frame: pd.DataFrame
-    policy: str | None = None  # from the file name (arena layout)
-    probe: bool = False
 
 
 # --------------------------------------------------------------------------------------
@@ -118,6 +100,7 @@ def load_frame(
     covariates: Sequence[str] = (),
     policies: Sequence[str] | None = None,
     keep_columns: Sequence[str] = (),
+    columns: Mapping[str, str] | None = None,
 ) -> pd.DataFrame:
     """Read, join and validate evaluation data into the canonical frame.
 
@@ -138,6 +121,10 @@ def load_frame(
         Keep only these policies (each must have rows). Default: all.
     keep_columns : sequence of str
         Extra columns to carry unchanged (e.g. a timestamp); each must exist in every input.
+    columns : mapping of str to str, optional
+        Canonical name -> column name in the input, for inputs whose columns are named
+        differently, e.g. ``{"prompt_id": "id", "policy": "model", "oracle_label": "human_rating"}``.
+        Applies to every input; identifier columns named here are read as text.
 
     Returns
     -------
@@ -153,27 +140,29 @@ def load_frame(
     lscale = parse_scale(label_scale, "label")
     if lscale is None:
         raise CJEInputError(
-            "label_scale must be declared as a finite range such as '0-1', '1-10' or '0-100'"
+            "label_scale must be declared as a finite range such as '0-1', '1-10' or '0-100'",
+            option="label_scale",
         )
     sscale = parse_scale(score_scale, "judge score")
     covariates = _as_names(covariates, "covariates")
     keep_columns = _as_names(keep_columns, "keep_columns")
-    canonical = {PROMPT, POLICY, SCORE, LABEL, LABEL_PROB, RESPONSE_ID, RESPONSE, DRAW_IDX}
-    clash = [c for c in list(covariates) + list(keep_columns) if c in canonical]
+    clash = [c for c in list(covariates) + list(keep_columns) if c in CANONICAL]
     if clash:
         raise CJEInputError(
             f"'{clash[0]}' is a canonical column and cannot be a covariate or keep_column",
             column=clash[0],
         )
 
-    parts = list(_collect(source))
+    mapping = _check_mapping(columns, covariates, keep_columns)
+    ids = set(ID_COLUMNS) | {src for canon, src in mapping.items() if canon in ID_COLUMNS}
+    parts = list(collect(source, ids))
     if not parts:
         raise CJEInputError("no input was given (empty list of sources)")
     rows = [p for p in parts if not p.probe]  # never empty: an arena folder needs fresh draws
     probes = [p for p in parts if p.probe]
 
     for i, part in enumerate(parts):
-        part.frame = _normalise(part, i, lscale, sscale, covariates, keep_columns)
+        part.frame = _normalise(part, i, lscale, sscale, covariates, keep_columns, mapping)
 
     frame = _concat([p.frame for p in rows])
     names = [p.name for p in parts]
@@ -198,12 +187,15 @@ def load_frame(
     out_cols.extend(keep_columns)
     out = frame[out_cols].reset_index(drop=True)
     out.attrs["sources"] = [p.name for p in rows] + [p.name for p in probes]
+    n_inputs = len(parts)
+    del frame, parts, rows, probes
+    pa.default_memory_pool().release_unused()  # hand the readers' Arrow buffers back to the system
     logger.info(
         "loaded %d rows (%d labelled, %d policies) from %d input(s)",
         len(out),
         int(out[LABEL].notna().sum()),
         out[POLICY].nunique(),
-        len(parts),
+        n_inputs,
     )
     return out
 
@@ -211,6 +203,51 @@ def load_frame(
 # --------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------
+def _check_mapping(columns: Mapping[str, str] | None, covariates: Sequence[str],
+                   keep_columns: Sequence[str]) -> dict[str, str]:
+    """Validate a ``columns=`` mapping (canonical name -> input column)."""
+    if columns is None:
+        return {}
+    if not isinstance(columns, Mapping):
+        raise CJEInputError(f"columns must be a mapping of canonical name to input column, got {columns!r}",
+                            option="columns")
+    known = list(CANONICAL) + list(covariates) + list(keep_columns)
+    problems = []
+    for canon, src in columns.items():
+        if canon not in known:
+            problems.append(CJEInputError(
+                f"columns maps {canon!r}, which is not a canonical column{_did_you_mean(canon, known)} "
+                f"(canonical columns: {', '.join(CANONICAL)})", option="columns"))
+        elif not isinstance(src, str) or not src:
+            problems.append(CJEInputError(f"columns[{canon!r}] must be a column name, got {src!r}", option="columns"))
+    sources = [s for s in columns.values() if isinstance(s, str)]
+    dup = sorted({s for s in sources if sources.count(s) > 1})
+    if dup:
+        problems.append(CJEInputError(f"columns maps several canonical names to the same input column {dup[0]!r}",
+                                      option="columns"))
+    _raise_all(problems)
+    return dict(columns)
+
+
+def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, [str(c) for c in candidates], n=2, cutoff=0.6)
+    if not close:
+        lower = {str(c).lower(): str(c) for c in candidates}
+        close = [lower[name.lower()]] if name.lower() in lower else []
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+
+
+def _raise_all(problems: list[CJEInputError]) -> None:
+    """Raise nothing, the one problem, or one error listing every problem (first one's location)."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise problems[0]
+    first = problems[0]
+    text = "; ".join(f"({i + 1}) {p}" for i, p in enumerate(problems))
+    raise CJEInputError(f"{len(problems)} problems: {text}", option=first.option, problems=problems)
+
+
 def _as_names(value: Any, what: str) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
@@ -220,204 +257,9 @@ def _as_names(value: Any, what: str) -> tuple[str, ...]:
         raise CJEInputError(f"{what} must be a list of column names, got {value!r}") from None
 
 
-def _collect(source: Any) -> list[_Part]:
-    """Turn ``source`` into parts (one per file / table), in order."""
-    if isinstance(source, (list, tuple)):
-        parts: list[_Part] = []
-        for i, item in enumerate(source):
-            if isinstance(item, (list, tuple)):
-                raise CJEInputError(f"source #{i} is a nested list; give a flat list of sources")
-            parts.extend(_collect_one(item, index=i))
-        return parts
-    return _collect_one(source, index=None)
-
-
-def _collect_one(item: Any, index: int | None) -> list[_Part]:
-    tag = "" if index is None else f" #{index}"
-    if isinstance(item, pd.DataFrame):
-        return [_Part(f"<DataFrame{tag}>", item)]
-    if isinstance(item, pa.Table):
-        return [_Part(f"<pyarrow.Table{tag}>", item.to_pandas())]
-    if isinstance(item, (str, os.PathLike)):
-        return _read_path(Path(item))
-    raise CJEInputError(
-        f"unsupported source{tag} of type {type(item).__name__}: expected a path, "
-        "a pandas DataFrame, a pyarrow Table, or a list of these"
-    )
-
-
-def _read_path(path: Path) -> list[_Part]:
-    if not path.exists():
-        raise CJEInputError("path does not exist", source=str(path))
-    if path.is_dir():
-        if (path / FRESH_DIR).is_dir():
-            return _read_arena(path)
-        return _read_parquet_folder(path)
-    return [_Part(str(path), _read_file(path))]
-
-
-def _read_file(path: Path) -> pd.DataFrame:
-    suffix = path.suffix.lower()
-    if suffix in PARQUET_SUFFIXES:
-        return _read_parquet(path)
-    if suffix in JSONL_SUFFIXES:
-        return _read_jsonl(path)
-    if suffix in CSV_SUFFIXES:
-        return _read_csv(path)
-    raise CJEInputError(
-        f"unsupported file type '{suffix or '(no extension)'}'; supported: "
-        + ", ".join(SUPPORTED_SUFFIXES)
-        + " or a folder (Parquet files, or the arena layout with fresh_draws/)",
-        source=str(path),
-    )
-
-
-def _read_parquet(path: Path) -> pd.DataFrame:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise CJEInputError(f"not a readable Parquet file ({exc})", source=str(path)) from None
-    return table.to_pandas()
-
-
-def read_jsonl_records(path: Path) -> list[dict]:
-    """Parse a JSONL file line by line; a bad line is an error naming the file, line and row."""
-    records = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CJEInputError(
-                    f"line {lineno + 1} is not valid JSON ({exc.msg}); expected one JSON object per line",
-                    source=str(path),
-                    row=len(records),
-                ) from None
-            if not isinstance(rec, dict):
-                raise CJEInputError(
-                    f"line {lineno + 1} holds a {type(rec).__name__}; expected one JSON object per line",
-                    source=str(path),
-                    row=len(records),
-                )
-            records.append(rec)
-    return records
-
-
-def _read_jsonl(path: Path) -> pd.DataFrame:
-    import pyarrow.json as pj
-
-    if path.stat().st_size == 0:
-        raise CJEInputError("file is empty (0 rows)", source=str(path))
-    try:
-        table = pj.read_json(path, read_options=pj.ReadOptions(block_size=1 << 24))
-        return table.to_pandas()
-    except (pa.ArrowException, OSError):
-        # Mixed types, a bad line or a very long line: parse line by line to find the problem
-        # (or to get an object frame whose bad values `_normalise` reports by row).
-        pass
-    return pd.DataFrame.from_records(read_jsonl_records(path))
-
-
-def _read_csv(path: Path) -> pd.DataFrame:
-    import pyarrow.csv as pcsv
-
-    if path.stat().st_size == 0:
-        raise CJEInputError("file is empty (0 rows)", source=str(path))
-    try:
-        return pcsv.read_csv(path).to_pandas()
-    except (pa.ArrowException, OSError):
-        pass  # e.g. a non-numeric value deep in a numeric column: let pandas read it as objects
-    try:
-        return pd.read_csv(path, dtype=object, keep_default_na=True)
-    except (ValueError, OSError, pd.errors.ParserError) as exc:
-        raise CJEInputError(f"not a readable CSV file ({exc})", source=str(path)) from None
-
-
-def _read_parquet_folder(folder: Path) -> list[_Part]:
-    files = sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in PARQUET_SUFFIXES
-        and not any(part.startswith((".", "_")) for part in p.relative_to(folder).parts)
-    )
-    if not files:
-        raise CJEInputError(
-            f"folder has no Parquet files ({', '.join(PARQUET_SUFFIXES)}) and no {FRESH_DIR}/ "
-            "subfolder (arena layout)",
-            source=str(folder),
-        )
-    parts = []
-    for f in files:
-        df = _read_parquet(f)
-        for key, value in _hive_keys(f.relative_to(folder)).items():
-            if key in df.columns:
-                same = df[key].astype(str).eq(value)
-                if not bool(same.all()):
-                    row = int(np.flatnonzero(~same.to_numpy())[0])
-                    raise CJEInputError(
-                        f"value {df[key].iloc[row]!r} disagrees with the hive partition {key}={value}",
-                        source=str(f),
-                        column=key,
-                        row=row,
-                    )
-            else:
-                df[key] = value
-        parts.append(_Part(str(f), df))
-    return parts
-
-
-def _hive_keys(relative: Path) -> dict[str, str]:
-    keys = {}
-    for part in relative.parts[:-1]:
-        if "=" in part:
-            k, v = part.split("=", 1)
-            keys[urllib.parse.unquote(k)] = urllib.parse.unquote(v)
-    return keys
-
-
-def _policy_files(folder: Path, suffix: str) -> list[tuple[str, Path]]:
-    out = []
-    for f in sorted(folder.iterdir()):
-        if f.is_file() and f.suffix.lower() in SUPPORTED_SUFFIXES and f.stem.endswith(suffix):
-            policy = f.stem[: -len(suffix)]
-            if policy:
-                out.append((policy, f))
-    return out
-
-
-def _read_arena(folder: Path) -> list[_Part]:
-    fresh = _policy_files(folder / FRESH_DIR, FRESH_SUFFIX)
-    if not fresh:
-        raise CJEInputError(
-            f"no fresh-draw files named <policy>{FRESH_SUFFIX}.jsonl in {FRESH_DIR}/",
-            source=str(folder / FRESH_DIR),
-        )
-    parts = [_Part(str(f), _read_file(f), policy=pol) for pol, f in fresh]
-    fresh_policies = {pol for pol, _ in fresh}
-    if (folder / PROBE_DIR).is_dir():
-        for pol, f in _policy_files(folder / PROBE_DIR, PROBE_SUFFIX):
-            if pol not in fresh_policies:
-                raise CJEInputError(
-                    f"probe slice for policy '{pol}' but there is no {FRESH_DIR}/{pol}{FRESH_SUFFIX}.jsonl "
-                    "whose rows it could label",
-                    source=str(f),
-                )
-            parts.append(_Part(str(f), _read_file(f), policy=pol, probe=True))
-    return parts
-
-
 # --------------------------------------------------------------------------------------
 # Per-input normalisation
 # --------------------------------------------------------------------------------------
-def _first(mask: np.ndarray) -> int:
-    return int(np.flatnonzero(mask)[0])
-
-
 def _numeric(s: pd.Series, name: str, col: str, what: str = "a number") -> np.ndarray:
     """Column as float64 (NaN for missing); non-numbers are an error naming the first bad row."""
     if pd.api.types.is_bool_dtype(s.dtype):
@@ -485,17 +327,19 @@ def _check_range(values: np.ndarray, scale: Scale, name: str, col: str, arg: str
             "(scales are never guessed)",
             source=name,
             column=col,
+            option=arg,
             row=row,
         )
 
 
 def _normalise(
-    part: _Part,
+    part: Part,
     index: int,
     lscale: Scale,
     sscale: Scale | None,
     covariates: Sequence[str],
     keep_columns: Sequence[str],
+    mapping: Mapping[str, str] | None = None,
 ) -> pd.DataFrame:
     """Check one input and return it with canonical, typed columns plus bookkeeping."""
     df, name = part.frame, part.name
@@ -510,18 +354,8 @@ def _normalise(
     if n == 0:
         raise CJEInputError("input has no rows (0 rows)", source=name)
 
-    required = [PROMPT] if part.probe else [PROMPT, SCORE]
-    if part.probe:
-        required.append(LABEL)
-    if part.policy is None:
-        required.append(POLICY)
-    for col in required:
-        if col not in df.columns:
-            raise CJEInputError(
-                f"required column is missing (columns present: {', '.join(df.columns)})",
-                source=name,
-                column=col,
-            )
+    df = _apply_mapping(df, name, mapping or {})
+    _check_columns(df, part, covariates, keep_columns)
 
     out = pd.DataFrame(index=pd.RangeIndex(n))
     out[PROMPT] = _strings(df[PROMPT], name, PROMPT, required=True)
@@ -663,9 +497,56 @@ def _normalise(
     return out
 
 
-def _null_str(n: int) -> pd.Series:
-    """An all-missing string column of length ``n``."""
-    return pa.nulls(n, pa.large_string()).to_pandas()
+def _apply_mapping(df: pd.DataFrame, name: str, mapping: Mapping[str, str]) -> pd.DataFrame:
+    """Rename the input's columns to canonical names (``columns=``); all problems at once."""
+    if not mapping:
+        return df
+    problems, rename = [], {}
+    for canon, src in mapping.items():
+        if src in df.columns:
+            if canon in df.columns and canon != src:
+                problems.append(CJEInputError(
+                    f"columns maps {canon!r} to {src!r}, but the input also has a column {canon!r}; "
+                    "drop or rename one of them", source=name, column=src, option="columns"))
+            else:
+                rename[src] = canon
+        elif canon not in df.columns:  # an input that already uses the canonical name needs no mapping
+            problems.append(CJEInputError(
+                f"columns maps {canon!r} to {src!r}, which is not a column{_did_you_mean(src, df.columns)} "
+                f"(columns present: {', '.join(df.columns)})", source=name, column=src, option="columns"))
+    _raise_all(problems)
+    return df.rename(columns=rename)
+
+
+def _check_columns(df: pd.DataFrame, part: Part, covariates: Sequence[str], keep_columns: Sequence[str]) -> None:
+    """Required, covariate and keep columns present; every missing one reported at once."""
+    name = part.name
+    required = [PROMPT] if part.probe else [PROMPT, SCORE]
+    if part.probe:
+        required.append(LABEL)
+    if part.policy is None:
+        required.append(POLICY)
+    present = ", ".join(df.columns)
+    problems = []
+    for col in required:
+        if col not in df.columns:
+            problems.append(CJEInputError(
+                f"required column is missing{_did_you_mean(col, df.columns)} (columns present: {present}); "
+                "if the input names it differently, map it with columns={" + repr(col) + ": '<name>'}",
+                source=name, column=col, option="columns"))
+    if not part.probe:
+        for col in covariates:
+            if col not in df.columns and not (col == RESPONSE_LENGTH and RESPONSE in df.columns):
+                hint = " (it can be derived only from a 'response' text column)" if col == RESPONSE_LENGTH else ""
+                problems.append(CJEInputError(
+                    f"covariate '{col}' was requested but is not a column{hint}{_did_you_mean(col, df.columns)} "
+                    f"(columns present: {present})", source=name, column=col, option="covariates"))
+        for col in keep_columns:
+            if col not in df.columns:
+                problems.append(CJEInputError(
+                    f"keep_columns asks for '{col}', which is not a column{_did_you_mean(col, df.columns)} "
+                    f"(columns present: {present})", source=name, column=col, option="keep_columns"))
+    _raise_all(problems)
 
 
 def _token_count(text: pd.Series, name: str) -> np.ndarray:
@@ -681,231 +562,6 @@ def _token_count(text: pd.Series, name: str) -> np.ndarray:
     arr = pa.array(text.to_numpy(dtype=object), type=pa.large_string())
     counts = pc.count_substring_regex(arr, r"\S+")
     return counts.to_numpy(zero_copy_only=False).astype(np.float64)
-
-
-# --------------------------------------------------------------------------------------
-# Cross-input checks
-# --------------------------------------------------------------------------------------
-def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    if len(frames) == 1:
-        return frames[0]
-    cols: list[str] = []
-    for f in frames:
-        cols.extend(c for c in f.columns if c not in cols)
-    if RESPONSE in cols:
-        frames = [f if RESPONSE in f.columns else f.assign(**{RESPONSE: _null_str(len(f))}) for f in frames]
-    return pd.concat(frames, ignore_index=True, sort=False)
-
-
-def _where(frame: pd.DataFrame, i: int, names: list[str]) -> tuple[str, int]:
-    return names[int(frame[_SRC].iat[i])], int(frame[_ROW].iat[i])
-
-
-def _codes(values: Any) -> tuple[np.ndarray, int]:
-    codes, uniques = pd.factorize(values)
-    return codes.astype(np.int64), len(uniques)
-
-
-def _combine(a: np.ndarray, na: int, b: np.ndarray, nb: int) -> tuple[np.ndarray, int]:
-    """Injective int64 code of the pair (a, b) given their ranges."""
-    if na * nb >= 2**62:  # re-code densely (each code is < n rows) so the product fits
-        a, na = _codes(a)
-        b, nb = _codes(b)
-    return a * nb + b, na * nb
-
-
-def _repeated(key: np.ndarray, size: int) -> np.ndarray:
-    """Mask of rows whose integer key occurs more than once (O(n))."""
-    if size <= 4 * len(key) + 1_000_000:
-        counts = np.bincount(key, minlength=size)
-        return counts[key] > 1
-    return pd.Series(key).duplicated(keep=False).to_numpy()
-
-
-def _first_pair(keys: pd.DataFrame | pd.Series) -> tuple[int, int]:
-    """Positions (earlier, later) of the first repeated key (the caller knows one exists)."""
-    frame = keys.to_frame() if isinstance(keys, pd.Series) else keys
-    later = _first(frame.duplicated(keep="first").to_numpy())
-    same = np.ones(len(frame), dtype=bool)
-    for c in frame.columns:
-        col = frame[c]
-        v = col.iat[later]
-        if pd.isna(v):
-            same &= col.isna().to_numpy()
-        else:
-            same &= (col == v).to_numpy(dtype=bool, na_value=False)
-    return _first(same), later
-
-
-def _duplicate_error(frame: pd.DataFrame, earlier: int, later: int, what: str, names: list[str]) -> CJEInputError:
-    src_e, row_e = _where(frame, earlier, names)
-    src_l, row_l = _where(frame, later, names)
-    lab = frame[LABEL].to_numpy()
-    rid = frame[RESPONSE_ID].iat[later]
-    if not (np.isnan(lab[earlier]) and np.isnan(lab[later])):
-        msg = (
-            f"the same labelled row (response_id {rid!r}) is supplied twice: also row {row_e} of {src_e} "
-            f"({what}); it would be counted twice. Supply each row and its label once"
-        )
-    else:
-        msg = f"duplicate row (response_id {rid!r}): same as row {row_e} of {src_e} ({what})"
-        if frame[DRAW_IDX].isna().iat[later] and (RESPONSE not in frame.columns or frame[RESPONSE].isna().iat[later]):
-            msg += (
-                "; rows without response text, draw_idx or response_id are identified by "
-                "(prompt_id, policy): add a draw_idx or response_id column for several draws per prompt"
-            )
-    return CJEInputError(msg, source=src_l, row=row_l)
-
-
-def _identify(frame: pd.DataFrame, names: list[str]) -> None:
-    """Fill missing response ids and refuse duplicate rows (see the module docstring).
-
-    Fast path: integer codes of (policy, prompt, draw) and of (policy, prompt, k); strings are
-    hashed only for rows whose integer key repeats, or when given response ids do not follow the
-    canonical ``"{policy}:{prompt_id}:{k}"`` form.
-    """
-    n = len(frame)
-    pol, n_pol = _codes(frame[POLICY])
-    pid, n_pid = _codes(frame[PROMPT])
-    pair, n_pair = _combine(pol, n_pol, pid, n_pid)
-    draw = frame[DRAW_IDX].to_numpy(dtype=np.float64)
-    has_draw = ~np.isnan(draw)
-    has_text = frame[RESPONSE].notna().to_numpy() if RESPONSE in frame.columns else np.zeros(n, dtype=bool)
-
-    # 1. (prompt, policy, response, draw_idx) must be unique. Only rows whose
-    #    (policy, prompt, draw_idx) repeats can repeat the longer key: compare texts there only.
-    if has_text.any():
-        d_code, n_d = _codes(np.where(has_draw, draw, -1.0))
-        base, n_base = _combine(pair, n_pair, d_code, n_d)
-        rep = _repeated(base, n_base)
-        if rep.any():
-            cols = [PROMPT, POLICY, RESPONSE, DRAW_IDX]
-            sub = frame.loc[rep, cols]
-            sub_text = sub[RESPONSE].notna().to_numpy()
-            sub = sub.loc[sub_text]
-            if sub.duplicated().any():
-                e, l = _first_pair(sub)
-                e, l = int(sub.index[e]), int(sub.index[l])
-                raise _duplicate_error(frame, e, l, "same prompt_id, policy, response and draw_idx", names)
-
-    # 2. k: draw_idx, else occurrence number among rows with text, else 0.
-    k = np.zeros(n, dtype=np.int64)
-    k[has_draw] = draw[has_draw].astype(np.int64)
-    by_text = has_text & ~has_draw
-    if by_text.any():
-        k[by_text] = pd.Series(pair[by_text]).groupby(pair[by_text], sort=False).cumcount().to_numpy()
-    given = frame[RESPONSE_ID].notna().to_numpy()
-    canon = pc.binary_join_element_wise(
-        _arrow_str(frame[POLICY]),
-        _arrow_str(frame[PROMPT]),
-        pc.cast(pa.array(k), pa.large_string()),
-        pa.scalar(":", pa.large_string()),
-    )
-    if given.all():
-        rid = frame[RESPONSE_ID]
-    else:
-        filled = pc.if_else(pa.array(given), _arrow_str(frame[RESPONSE_ID]), canon)
-        rid = filled.to_pandas()
-        rid.index = frame.index
-        frame[RESPONSE_ID] = rid
-
-    # 3. Response ids must be unique.
-    canonical_form = not (
-        pc.any(pc.match_substring(_arrow_str(pd.Series(pd.unique(frame[POLICY]))), ":")).as_py()
-        or pc.any(pc.match_substring(_arrow_str(frame[PROMPT]), ":")).as_py()
-    )
-    if canonical_form and given.any():
-        canonical_form = bool(pc.all(pc.equal(_arrow_str(rid), canon)).as_py())
-    if canonical_form:
-        # The id is an injective function of (policy, prompt, k): check integer codes.
-        k_code, n_k = _codes(k)
-        idk, n_idk = _combine(pair, n_pair, k_code, n_k)
-        has_dup = bool(_repeated(idk, n_idk).any())
-    else:
-        has_dup = not rid.is_unique
-    if has_dup:
-        e, l = _first_pair(rid.reset_index(drop=True))
-        raise _duplicate_error(frame, e, l, "same response_id", names)
-
-
-def _arrow_str(s: pd.Series) -> pa.Array:
-    """A string column as an Arrow large_string array (nulls kept)."""
-    arr = pa.array(s, from_pandas=True)
-    if isinstance(arr, pa.ChunkedArray):  # pragma: no cover - depends on the pandas storage
-        arr = arr.combine_chunks()
-    return pc.cast(arr, pa.large_string())
-
-
-def _join_probe(frame: pd.DataFrame, part: _Part, names: list[str]) -> None:
-    """Set oracle labels of fresh-draw rows from a probe slice (matched, not appended)."""
-    probe, name, pol = part.frame, part.name, part.policy
-    in_pol = (frame[POLICY] == pol).to_numpy(dtype=bool)
-    keys = [PROMPT]
-    if RESPONSE in probe.columns and RESPONSE in frame.columns:
-        keys.append(RESPONSE)
-    if probe[DRAW_IDX].notna().all() and frame.loc[in_pol, DRAW_IDX].notna().all():
-        keys.append(DRAW_IDX)
-    dup = probe.duplicated(subset=keys, keep="first").to_numpy()
-    if dup.any():
-        later = _first(dup)
-        raise CJEInputError(
-            f"probe row repeats an earlier probe row ({', '.join(keys)}); each labelled row must be given once",
-            source=name,
-            row=later,
-        )
-    left = probe[keys].assign(__p=np.arange(len(probe)))
-    right = frame.loc[in_pol, keys].assign(__f=np.flatnonzero(in_pol))
-    m = left.merge(right, on=keys, how="left", sort=False)
-    unmatched = m["__f"].isna().to_numpy()
-    if unmatched.any():
-        p = int(m["__p"].to_numpy()[_first(unmatched)])
-        raise CJEInputError(
-            f"probe row has no matching fresh-draw row of policy '{pol}' (matched on {', '.join(keys)}); "
-            "probe rows must label responses that are also in the fresh draws",
-            source=name,
-            row=p,
-        )
-    counts = np.bincount(m["__p"].to_numpy(dtype=np.int64), minlength=len(probe))
-    if (counts > 1).any():
-        p = _first(counts > 1)
-        raise CJEInputError(
-            f"probe row matches {counts[p]} fresh-draw rows of policy '{pol}' on ({', '.join(keys)}); "
-            "add response text or draw_idx so that the match is unique",
-            source=name,
-            row=p,
-        )
-    m = m.sort_values("__p")
-    target = m["__f"].to_numpy(dtype=np.int64)
-    lab = frame[LABEL].to_numpy(dtype=np.float64, copy=True)
-    already = ~np.isnan(lab[target])
-    if already.any():
-        p = _first(already)
-        src_f, row_f = _where(frame, int(target[p]), names)
-        raise CJEInputError(
-            f"the same labelled row is supplied twice: row {row_f} of {src_f} already has an oracle label "
-            "and this probe row labels it again; it would be counted twice. Supply each label once",
-            source=name,
-            row=p,
-        )
-    ps = probe[SCORE].to_numpy(dtype=np.float64)
-    fs = frame[SCORE].to_numpy(dtype=np.float64)[target]
-    differ = ~np.isnan(ps) & (ps != fs)
-    if differ.any():
-        p = _first(differ)
-        src_f, row_f = _where(frame, int(target[p]), names)
-        raise CJEInputError(
-            f"probe judge score {ps[p]:g} differs from the matching fresh-draw row {row_f} of {src_f} "
-            f"({fs[p]:g}); the probe must label the same scored response",
-            source=name,
-            column=SCORE,
-            row=p,
-        )
-    lab[target] = probe[LABEL].to_numpy(dtype=np.float64)
-    frame[LABEL] = lab
-    prob = frame[LABEL_PROB].to_numpy(dtype=np.float64, copy=True)
-    prob[target] = probe[LABEL_PROB].to_numpy(dtype=np.float64)
-    frame[LABEL_PROB] = prob
-    logger.info("joined %d probe labels from %s onto policy '%s'", len(probe), name, pol)
 
 
 def _filter_policies(frame: pd.DataFrame, wanted: tuple[str, ...]) -> pd.DataFrame:

@@ -2,29 +2,40 @@
 
 Everything here is a pure function of an `EvalData` design and (for bootstrap replicates)
 a vector of prompt weights: a replicate is the point estimate under resampled prompt
-weights, with the calibrator refitted. In monotone mode replicates take a shortcut through
-per-(fold, score) sums (`_cross_fit_binned`), which gives the same values as `cross_fit`
-(tested to 1e-12) at half the cost.
+weights, with the calibrator refitted.
+
+Cost. The calibrators depend on the rows only through per-cell sums (a cell is a distinct
+calibration input: the judge score, or (score, covariates) in two-stage mode; see
+`cje_engine.calibration.calibrators.Cells`), and every policy statistic is a sum over cells of
+the calibrated value times a weight total. So `make_design` codes every row's cell once, and a
+replicate does three things: (1) per-(fold, cell) sums of the calibration rows' weights and
+labels (O(labels)), (2) the refits on those sums (O(cells), warm-started from the full fit),
+(3) one weighted histogram of the rows over (policy, cell) (O(rows), a single ``bincount``);
+it never predicts row by row. Same numbers as refitting on the rows (tests pin it to 1e-10).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import isotonic_regression
 
-from cje_engine.calibration.calibrators import make_calibrator
+from cje_engine.calibration.calibrators import Cells, TwoStageCalibrator, make_calibrator, make_cells
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
 
 
 @dataclass(frozen=True)
-class ScoreBins:
-    """Distinct judge scores and each row's index into them (monotone mode's sufficient statistics)."""
+class CellIndex:
+    """Every row's calibration cell, and the calibration rows' view of them."""
 
-    values: np.ndarray  # sorted distinct scores over all rows, shape (D,)
-    row_code: np.ndarray  # index into ``values`` for every row
-    cal_key: np.ndarray  # fold * D + code for every calibration row
+    cells: Cells  # distinct calibration inputs over all rows, shape (G,)
+    row_cell: np.ndarray  # (n,) cell of every row
+    row_key: np.ndarray  # (n,) policy * G + cell: the key of the weighted histogram
+    cal_cells: Cells  # the cells that hold calibration rows, shape (Gc,)
+    cal_global: np.ndarray  # (Gc,) index of each calibration cell in ``cells``
+    cal_cell: np.ndarray  # (m,) calibration cell of every calibration row
+    cal_key: np.ndarray  # (m,) fold * Gc + calibration cell
+    counts: np.ndarray  # (K_policies, G) rows per (policy, cell)
 
 
 @dataclass(frozen=True)
@@ -35,7 +46,7 @@ class Design:
     mode: str
     cal_rows: np.ndarray  # row indices that train the calibrator
     lab_rows: np.ndarray  # all labelled row indices (any policy)
-    bins: ScoreBins | None = None  # set in monotone mode
+    cells: CellIndex | None = None
 
     @property
     def n_policies(self) -> int:
@@ -46,8 +57,24 @@ class Design:
         return self.data.fold[self.cal_rows]
 
 
+def _cell_index(data: EvalData, mode: str, cal: np.ndarray) -> CellIndex:
+    X = data.X if mode == "two_stage" else None
+    cells, row_cell = make_cells(data.score, X)
+    G = cells.size
+    K = len(data.policies)
+    small = np.int32 if K * G < 2**31 else np.int64  # 4 bytes a row where it fits
+    row_cell = row_cell.astype(small)
+    row_key = data.policy.astype(small) * small(G) + row_cell
+    counts = np.bincount(row_key, minlength=K * G).reshape(K, G).astype(float)
+    cal_global, cal_cell = np.unique(row_cell[cal], return_inverse=True)
+    cal_cells = Cells(cells.score[cal_global], cells.X[cal_global],
+                      *np.unique(cells.score[cal_global], return_inverse=True))
+    cal_key = data.fold[cal] * cal_global.size + cal_cell
+    return CellIndex(cells, row_cell, row_key, cal_cells, cal_global, cal_cell.astype(np.int64), cal_key, counts)
+
+
 def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...] | None) -> Design:
-    """Select the calibration rows and check there is enough to cross-fit."""
+    """Select the calibration rows, check there is enough to cross-fit, and code the cells."""
     lab = np.flatnonzero(data.labelled)
     if calibration_policies is None:
         cal = lab
@@ -56,7 +83,7 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
         if unknown:
             raise CJEInputError(
                 f"calibration policy {unknown[0]!r} has no rows (policies: {', '.join(data.policies)})",
-                column="policy",
+                column="policy", option="calibration_policies",
             )
         codes = [data.policies.index(p) for p in calibration_policies]
         cal = lab[np.isin(data.policy[lab], codes)]
@@ -67,19 +94,16 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
             column="oracle_label",
         )
     folds = data.fold[cal]
+    y, s = data.label[cal], data.score[cal]
     for k in range(data.n_folds):
-        train = cal[folds != k]
-        if train.size == 0 or np.unique(data.label[train]).size < 2 or np.unique(data.score[train]).size < 2:
+        train = folds != k
+        if not train.any() or np.ptp(y[train]) == 0 or np.ptp(s[train]) == 0:
             raise CJEInputError(
                 f"too few labelled prompts to cross-fit: without fold {k} the calibration rows have fewer than "
                 f"two distinct labels or scores ({cal.size} calibration labels in all)",
                 column="oracle_label",
             )
-    bins = None
-    if mode == "monotone":
-        values, code = np.unique(data.score, return_inverse=True)
-        bins = ScoreBins(values, code, data.fold[cal] * values.size + code[cal])
-    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, bins=bins)
+    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal))
 
 
 def cross_fit(design: Design, row_w: np.ndarray | None = None):
@@ -96,27 +120,54 @@ def cross_fit(design: Design, row_w: np.ndarray | None = None):
     return f, full
 
 
+def _cell_fits(design: Design, wc: np.ndarray, warm=None):
+    """Full and per-fold fits from per-(fold, cell) sums of calibration-row weights ``wc``.
+
+    Returns the full model's prediction at every cell (G,), the out-of-fold prediction of every
+    calibration row (m,), the full model and the fold models (None: empty complement).
+    """
+    d, ci = design.data, design.cells
+    K, Gc = d.n_folds, ci.cal_cells.size
+    y = d.label[design.cal_rows]
+    W = np.bincount(ci.cal_key, weights=wc, minlength=K * Gc).reshape(K, Gc)
+    WY = np.bincount(ci.cal_key, weights=wc * y, minlength=K * Gc).reshape(K, Gc)
+    C = np.bincount(ci.cal_key, weights=wc > 0, minlength=K * Gc).reshape(K, Gc)
+    w_all, wy_all, c_all = W.sum(0), WY.sum(0), C.sum(0)
+    clip = d.label_scale
+    folds = design.cal_fold
+    if design.mode == "two_stage":
+        # all six fits at once (shared design matrix and normal equations where knots agree)
+        comp = np.vstack([w_all[None], w_all - W]), np.vstack([wy_all[None], wy_all - WY]), \
+            np.vstack([c_all[None], c_all - C])
+        fitted = TwoStageCalibrator.fit_many(ci.cal_cells, *comp, clip=clip)
+        full = fitted[0]
+        fold_models = [m if C[k].sum() > 0 else None for k, m in enumerate(fitted[1:])]
+    else:
+        full = make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all, wy_all, c_all, warm)
+        fold_models = [None if C[k].sum() == 0 or not (c_all - C[k]).any() else
+                       make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all - W[k], wy_all - WY[k],
+                                                                    c_all - C[k], full)
+                       for k in range(K)]
+    F_all = full.predict_cells(ci.cells)
+    f_cal = F_all[ci.cal_global][ci.cal_cell]
+    models = []
+    for k, model in enumerate(fold_models):
+        if model is None:
+            models.append(None)  # (bootstrap only) an empty fold or complement keeps the full fit
+            continue
+        held = folds == k
+        f_cal[held] = model.predict_cells(ci.cal_cells)[ci.cal_cell[held]]
+        models.append(model)
+    return F_all, f_cal, full, models
+
+
 def cross_fit_models(design: Design, row_w: np.ndarray | None = None):
     """`cross_fit`, also returning the per-fold models (``None`` for a fold that kept the full fit)."""
-    d = design.data
     cr = design.cal_rows
     wc = np.ones(cr.size) if row_w is None else row_w[cr]
-    s, y, X = d.score[cr], d.label[cr], d.X[cr]
-    clip = d.label_scale
-    full = make_calibrator(design.mode, clip).fit(s, y, X, wc)
-    f = full.predict(d.score, d.X)
-    folds = design.cal_fold
-    models = []
-    for k in range(d.n_folds):
-        held = folds == k
-        wk = np.where(held, 0.0, wc)
-        if not held.any() or wk.sum() <= 0:
-            models.append(None)  # (bootstrap only) an empty complement keeps the full fit
-            continue
-        model = make_calibrator(design.mode, clip).fit(s, y, X, wk)
-        rows = cr[held]
-        f[rows] = model.predict(d.score[rows], d.X[rows])
-        models.append(model)
+    F_all, f_cal, full, models = _cell_fits(design, wc)
+    f = F_all[design.cells.row_cell]
+    f[cr] = f_cal
     return f, full, models
 
 
@@ -141,47 +192,53 @@ def policy_stats(design: Design, f: np.ndarray, row_w: np.ndarray | None = None)
     return np.concatenate([plug, plug + corr])
 
 
+def _replicate_plan(design: Design) -> dict:
+    """Index arrays a replicate reuses (cached on the design; built on first use)."""
+    plan = design.__dict__.get("_plan")
+    if plan is None:
+        d, ci = design.data, design.cells
+        lab, cr = design.lab_rows, design.cal_rows
+        pos = np.full(d.n_rows, -1, dtype=np.int64)
+        pos[cr] = np.arange(cr.size)
+        lab_cal = pos[lab]
+        plan = {
+            "cal_prompt": d.prompt[cr], "lab_prompt": d.prompt[lab], "lab_policy": d.policy[lab],
+            "lab_cell": ci.row_cell[lab], "lab_is_cal": lab_cal >= 0, "lab_cal": lab_cal[lab_cal >= 0],
+            "lab_y": d.label[lab], "lab_lw": d.label_weight[lab],
+            "cal_policy": d.policy[cr], "cal_cell_global": ci.row_cell[cr],
+        }
+        object.__setattr__(design, "_plan", plan)  # frozen dataclass: a private cache
+    return plan
+
+
 def replicate(design: Design, prompt_w: np.ndarray | None = None) -> np.ndarray:
-    """Refit the calibration under prompt weights and return ``policy_stats``."""
-    row_w = None if prompt_w is None else prompt_w[design.data.prompt]
-    if design.bins is not None and row_w is not None:
-        f = _cross_fit_binned(design, row_w)
-    else:
-        f, _ = cross_fit(design, row_w)
-    return policy_stats(design, f, row_w)
+    """Refit the calibration under prompt weights and return ``policy_stats``.
 
-
-def _fit_bins(w: np.ndarray, wy: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Isotonic fit on per-score weight sums, evaluated at every distinct score."""
-    keep = w > 0
-    fitted = isotonic_regression(wy[keep] / w[keep], weights=w[keep], increasing=True).x
-    return np.interp(values, values[keep], fitted)
-
-
-def _cross_fit_binned(design: Design, row_w: np.ndarray) -> np.ndarray:
-    """`cross_fit` for monotone mode from per-(fold, score) sums: same values, no per-row sorting.
-
-    Isotonic regression on tie-pooled scores depends on the data only through the weight and
-    weighted label sum at each distinct score, so each fold's fit needs D numbers, not m rows.
+    Works on cells: per-(fold, cell) sums of the calibration rows, refits from them, and one
+    weighted histogram of all rows over (policy, cell); equal to
+    ``policy_stats(design, *cross_fit(design, row_w), row_w)`` with ``row_w = prompt_w[prompt]``.
     """
-    d, b = design.data, design.bins
-    D, K = b.values.size, d.n_folds
-    cr = design.cal_rows
-    wc = row_w[cr]
-    W = np.bincount(b.cal_key, weights=wc, minlength=K * D).reshape(K, D)
-    WY = np.bincount(b.cal_key, weights=wc * d.label[cr], minlength=K * D).reshape(K, D)
-    w_all, wy_all = W.sum(0), WY.sum(0)
-    full = _fit_bins(w_all, wy_all, b.values)
-    f = full[b.row_code]
-    folds = d.fold[cr]
-    for k in range(K):
-        w_k = w_all - W[k]
-        held = folds == k
-        if not held.any() or w_k.sum() <= 0:
-            continue
-        f[cr[held]] = _fit_bins(w_k, wy_all - WY[k], b.values)[b.row_code[cr[held]]]
-    lo, hi = d.label_scale
-    return np.clip(f, lo, hi)
+    d, ci = design.data, design.cells
+    if prompt_w is None:
+        f, _ = cross_fit(design)
+        return policy_stats(design, f)
+    plan = _replicate_plan(design)
+    K, G = design.n_policies, ci.cells.size
+    wc = prompt_w[plan["cal_prompt"]]
+    F_all, f_cal, _, _ = _cell_fits(design, wc)
+    # Every row at the full fit's value, then the calibration rows corrected to out of fold.
+    T = np.bincount(ci.row_key, weights=prompt_w[d.prompt], minlength=K * G).reshape(K, G)
+    n_k = T.sum(1)
+    num = T @ F_all + np.bincount(plan["cal_policy"], weights=wc * (f_cal - F_all[plan["cal_cell_global"]]),
+                                  minlength=K)
+    f_lab = F_all[plan["lab_cell"]]
+    f_lab[plan["lab_is_cal"]] = f_cal[plan["lab_cal"]]
+    lw = prompt_w[plan["lab_prompt"]] * plan["lab_lw"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        plug = num / n_k
+        den = np.bincount(plan["lab_policy"], weights=lw, minlength=K)
+        corr = np.bincount(plan["lab_policy"], weights=lw * (plan["lab_y"] - f_lab), minlength=K) / den
+    return np.concatenate([plug, plug + corr])
 
 
 def bootstrap_weights(seed: int, b: int, n_prompts: int) -> np.ndarray:
@@ -223,13 +280,13 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     total = np.zeros((n_p, 2 * K))
     cal = np.zeros((n_p, 2 * K))
 
-    # Evaluation terms (same for plug-in and augmented).
+    # Evaluation terms (same for plug-in and augmented): one pass over the rows.
     eval_contrib = (f - plug[d.policy]) / n_k[d.policy]
-    for k in range(K):
-        rows = d.policy == k
-        col = np.bincount(d.prompt[rows], weights=eval_contrib[rows], minlength=n_p)
-        total[:, k] += col
-        total[:, K + k] += col
+    key = d.prompt.astype(np.int64) * K
+    key += d.policy
+    total[:, :K] = np.bincount(key, weights=eval_contrib, minlength=n_p * K).reshape(n_p, K)
+    del key, eval_contrib
+    total[:, K:] = total[:, :K]
 
     # Augmented: label residual terms.
     lab = design.lab_rows
@@ -257,16 +314,19 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     m = cr.size
     q = np.bincount(b_cal, minlength=n_blocks) / m
     resid_cal = d.label[cr] - np.interp(z_cal, ux, full.y_)
-    z_all = full.index(d.score, d.X)
+    # Each row's share of the level sets depends only on its cell: work on cells, weighted by
+    # the rows per (policy, cell).
+    cells, counts = design.cells.cells, design.cells.counts
+    z_all = full.index(cells.score, cells.X)
     j = np.clip(np.searchsorted(ux, z_all, side="right") - 1, 0, ux.size - 1)
     j1 = np.minimum(j + 1, ux.size - 1)
     gap = ux[j1] - ux[j]
     with np.errstate(invalid="ignore", divide="ignore"):
         t = np.where(gap > 0, np.clip((z_all - ux[j]) / gap, 0.0, 1.0), 0.0)
+    bj, bj1 = block_of_x[j], block_of_x[j1]
     for k in range(K):
-        rows = d.policy == k
-        p_k = (np.bincount(block_of_x[j[rows]], weights=1 - t[rows], minlength=n_blocks)
-               + np.bincount(block_of_x[j1[rows]], weights=t[rows], minlength=n_blocks)) / n_k[k]
+        p_k = (np.bincount(bj, weights=counts[k] * (1 - t), minlength=n_blocks)
+               + np.bincount(bj1, weights=counts[k] * t, minlength=n_blocks)) / n_k[k]
         with np.errstate(invalid="ignore", divide="ignore"):
             rho = np.where(q > 0, p_k / q, 0.0)
         contrib = rho[b_cal] * resid_cal / m
@@ -284,10 +344,10 @@ def fold_jackknife(design: Design, models: list | None = None) -> np.ndarray:
     plug-in recomputed over all rows; Var = (K-1)/K * sum_k (theta_-k - mean)^2.
     """
     d = design.data
-    K = design.n_policies
     cr = design.cal_rows
     folds = design.cal_fold
-    n_k = np.bincount(d.policy, minlength=K)
+    counts = design.cells.counts
+    n_k = counts.sum(1)
     thetas = []
     for k in range(d.n_folds):
         model = models[k] if models is not None and models[k] is not None else None
@@ -296,7 +356,6 @@ def fold_jackknife(design: Design, models: list | None = None) -> np.ndarray:
             model = make_calibrator(design.mode, d.label_scale).fit(
                 d.score[cr[keep]], d.label[cr[keep]], d.X[cr[keep]], None
             )
-        f = model.predict(d.score, d.X)
-        thetas.append(np.bincount(d.policy, weights=f, minlength=K) / n_k)
+        thetas.append(counts @ model.predict_cells(design.cells.cells) / n_k)
     th = np.array(thetas)
     return (d.n_folds - 1) / d.n_folds * ((th - th.mean(0)) ** 2).sum(0)

@@ -227,15 +227,18 @@ def test_oracle_only_baseline_matches_slow_computation():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_binned_replicates_equal_the_generic_refit(seed):
-    """Monotone replicates use per-(fold, score) sums; they must equal the row-level refit."""
-    from cje_engine.direct.estimators import _cross_fit_binned
+@pytest.mark.parametrize("mode", ["monotone", "two_stage"])
+def test_cell_replicates_equal_the_row_level_refit(seed, mode):
+    """Replicates work on per-(fold, cell) sums and a (policy, cell) histogram; they must equal
+    the row-level refit followed by `policy_stats` (floating-point noise only)."""
+    from cje_engine.direct.estimators import replicate
 
     frame = make_frame(seed)
-    data = EvalData.from_frame(frame)
+    data = EvalData.from_frame(frame, covariates=["len"])
     for cal in (None, ("a",)):
-        design = make_design(data, "monotone", cal)
+        design = make_design(data, mode, cal)
         w = bootstrap_weights(seed, 5, data.n_prompts)
         row_w = w[data.prompt]
         f_generic, _ = cross_fit(design, row_w)
-        np.testing.assert_allclose(_cross_fit_binned(design, row_w), f_generic, atol=1e-12)
+        np.testing.assert_allclose(replicate(design, w), policy_stats(design, f_generic, row_w),
+                                   rtol=1e-12, atol=1e-12)

@@ -1,0 +1,105 @@
+"""Weighted isotonic regression: the one implementation every part of the engine uses.
+
+An isotonic fit of ``y`` on ``x`` with sample weights ``w`` depends on the data only through
+the total weight and the weighted label sum at each distinct ``x`` (tied ``x`` share one
+fitted value: the 'secondary' tie treatment). That is why the fit is split in two steps:
+
+* `pool_ties` turns rows into those per-value sums (``np.unique`` + two ``np.bincount``);
+* `isotonic_pooled` runs the pool-adjacent-violators algorithm on the sums
+  (``scipy.optimize.isotonic_regression``).
+
+Callers that already hold the sums (the bootstrap keeps them per fold and distinct score, so a
+replicate never touches the rows again) call `isotonic_pooled` directly; everyone else calls
+`isotonic_fit`. `isotonic_predict` evaluates a fit: linear between fitted points, flat
+outside their range. PAVA is mean-preserving: ``sum(weights * values) == sum(w * y)``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import isotonic_regression
+
+try:  # scipy's compiled PAVA without the argument checks of the public wrapper (~10 us a call);
+    # a bootstrap replicate runs six fits, so the wrapper's overhead would be a third of it.
+    from scipy.optimize._pava_pybind import pava as _pava
+except ImportError:  # pragma: no cover - other scipy layouts: use the public function
+    _pava = None
+
+__all__ = ["pool_ties", "isotonic_pooled", "isotonic_fit", "isotonic_predict"]
+
+
+def pool_ties(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct ``x`` (sorted): the total weight and the weighted sum of ``y``.
+
+    Rows with non-positive weight are dropped first, so every returned value has weight > 0.
+
+    Returns
+    -------
+    ux, sw, swy : ndarray
+        Distinct ``x`` values, total weight and weighted ``y`` sum at each.
+    """
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if w is None:
+        w = np.ones_like(y)
+    else:
+        w = np.asarray(w, dtype=float)
+        keep = w > 0
+        if not keep.all():
+            x, y, w = x[keep], y[keep], w[keep]
+    ux, inv = np.unique(x, return_inverse=True)
+    sw = np.bincount(inv, weights=w, minlength=ux.size)
+    swy = np.bincount(inv, weights=w * y, minlength=ux.size)
+    return ux, sw, swy
+
+
+def isotonic_pooled(sw: np.ndarray, swy: np.ndarray, *, increasing: bool = True) -> np.ndarray:
+    """PAVA on tie-pooled sums: the fitted value at each (already sorted, distinct) point.
+
+    ``sw`` must be positive everywhere (drop empty points before calling).
+    """
+    if sw.size == 0:
+        raise ValueError("isotonic fit needs at least one point with positive weight")
+    means = swy / sw
+    if sw.size == 1:
+        return means
+    if _pava is None or not increasing:
+        return isotonic_regression(means, weights=sw, increasing=increasing).x
+    # pava works in place on (values, weights, block starts); values become the fitted values.
+    x, _, _, _ = _pava(means, np.array(sw, dtype=np.float64), np.full(sw.size + 1, -1, dtype=np.intp))
+    return x
+
+
+def isotonic_fit(x: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None, *,
+                 increasing: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weighted least-squares isotonic regression of ``y`` on ``x`` (ties pooled first).
+
+    Parameters
+    ----------
+    x, y : array_like, shape (n,)
+    sample_weight : array_like, shape (n,), optional
+        Non-negative weights (rows with weight 0 are ignored). Default: all ones.
+    increasing : bool
+        Non-decreasing (default) or non-increasing fit.
+
+    Returns
+    -------
+    knots : ndarray
+        Sorted distinct ``x`` with positive weight.
+    values : ndarray
+        Fitted value at each knot (monotone).
+    weights : ndarray
+        Total weight at each knot.
+
+    Raises
+    ------
+    ValueError
+        When no row has positive weight.
+    """
+    ux, sw, swy = pool_ties(x, y, sample_weight)
+    return ux, isotonic_pooled(sw, swy, increasing=increasing), sw
+
+
+def isotonic_predict(knots: np.ndarray, values: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Evaluate a fitted isotonic curve at ``x``: linear between knots, flat outside their range."""
+    return np.interp(np.asarray(x, dtype=float), knots, values)
