@@ -461,7 +461,7 @@ def labels(
     if not (reevaluate and appended["new"]):
         return out
 
-    from flows.label_requests.requests import evaluate_and_audit
+    from flows.pipelines.audit import evaluate_and_audit
     from flows.storage.publish import list_runs
 
     res_st = {}
