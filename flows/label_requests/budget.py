@@ -12,9 +12,9 @@ locally, ``If-None-Match: *`` on S3, the same primitive publishing uses).  The e
 ``N`` only, so of two writers that read the same ledger exactly one creates ``N + 1``; the other
 gets ``False``, reads the ledger again and re-plans against what is left.  Hence the sum of the
 entries never exceeds the limit, whatever the number of threads, processes or hosts.  The manifest
-is written after its reservation: a writer that dies in between leaves labels reserved but never
-requested (the budget is under-spent, never over-spent), and its rerun finds the reservation by
-request id and writes the manifest without reserving again.
+is written after its reservation; until it exists, the entry's copy of the request's ids keeps
+other writers from requesting the same rows (for `INFLIGHT_SECONDS`).  A writer that dies in between
+leaves labels reserved but never requested: the budget is under-spent, never over-spent.
 
 Requests created before the ledger existed (no entry names them) still count, by their manifest.
 """
@@ -33,6 +33,9 @@ from flows.label_requests.config import PREFIX
 
 log = logging.getLogger(__name__)
 
+#: A reservation without its manifest after this long belongs to a writer that died: its labels stay
+#: spent, its rows become requestable again.
+INFLIGHT_SECONDS = 600.0
 _ENTRY_RE = re.compile(r"^(\d{6})\.json$")
 _PERIOD_RE = re.compile(r"^\d{4}-W\d{2}$")
 
@@ -45,6 +48,8 @@ class BudgetSnapshot:
     seq: int
     used: int
     reserved: dict[str, int]
+    #: requests reserved in the ledger whose manifest is not stored (yet): their rows count as pending
+    inflight: tuple[dict, ...] = ()
 
     def left(self, limit: int) -> int:
         return max(0, int(limit) - self.used)
@@ -97,7 +102,12 @@ class LabelBudget:
         used += sum(int(m.get("n_labels", 0)) for m in existing
                     if m.get("period") == self.period and m.get("request_id") not in reserved)
         seq = max((int(e["seq"]) for e in entries), default=0)
-        return BudgetSnapshot(self.period, seq, used, reserved)
+        stored = {m.get("request_id") for m in existing}
+        now = datetime.now(timezone.utc)
+        inflight = tuple(dict(r, status="pending") for e in entries for r in e.get("requests") or []
+                         if r.get("request_id") not in stored
+                         and (now - datetime.fromisoformat(e["created_at"])).total_seconds() < INFLIGHT_SECONDS)
+        return BudgetSnapshot(self.period, seq, used, reserved, inflight)
 
     def take(self, snap: BudgetSnapshot, manifests: Sequence[Mapping], limit: int, *,
              evaluation: str | None = None) -> bool:
@@ -113,12 +123,24 @@ class LabelBudget:
                                 f"{limit}")
         entry = {"seq": snap.seq + 1, "period": self.period, "request_ids": sorted(per), "per_request": per,
                  "labels": total, "used_before": snap.used, "limit": int(limit), "evaluation": evaluation,
-                 "created_at": datetime.now(timezone.utc).isoformat()}
+                 "created_at": datetime.now(timezone.utc).isoformat(),
+                 "requests": [_summary(m) for m in manifests]}
         ok = bool(self.st.put_if_absent(self._key(snap.seq + 1), json.dumps(entry, indent=1, sort_keys=True).encode()))
         if ok:
             log.info("label budget %s: reserved %d label(s) (%d used before, limit %d) for %s", self.period, total,
                      snap.used, limit, ", ".join(sorted(per)))
         return ok
+
+
+def _summary(m: Mapping) -> dict:
+    """What deduplication needs of a reserved request before its manifest exists."""
+    drift = m.get("drift") or {}
+    return {"request_id": m["request_id"], "evaluation": m.get("evaluation"), "scope": m.get("scope"),
+            "period": m.get("period"), "n_labels": int(m["n_labels"]),
+            "reasons": [{"trigger": r.get("trigger")} for r in m.get("reasons") or []],
+            "drift": {k: drift.get(k) for k in ("monitor", "set_name", "look")} if drift else None,
+            "rows": [{"response_id": r["response_id"]} for r in m.get("rows") or []],
+            "anchors": [{"anchor_id": a["anchor_id"]} for a in m.get("anchors") or []]}
 
 
 __all__ = ["LabelBudget", "BudgetSnapshot"]

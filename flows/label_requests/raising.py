@@ -116,7 +116,7 @@ def plan_within_budget(st: Any, cfg: RequestConfig, plan: Callable[[list[dict], 
     for _ in range(_MAX_RACES):
         existing = list_requests(st, now=now)
         snap = ledger.snapshot(existing)
-        out = plan(existing, snap.used)
+        out = plan(existing + list(snap.inflight), snap.used)
         stored = {m["request_id"] for m in existing}
         todo = [m for m in out["requests"] if m["request_id"] not in stored]
         fresh = [m for m in todo if m["request_id"] not in snap.reserved]
