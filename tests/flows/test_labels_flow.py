@@ -288,3 +288,57 @@ def test_a_drop_of_labelled_rows_warns_and_is_recorded(prefect_server, ray_clust
     drop = list_runs(Storage.for_uri(uri), "drop")[-1]["manifest"]["labels"]["labelled_count_drop"]
     assert drop["previous_run_key"] == first["run_key"] and drop["previous_n_labelled"] == 356
     assert drop["n_labelled"] == 300 and drop["policies"] == {"unhelpful": {"before": 56, "now": 0}}
+
+
+# ----------------------------------------------------------------------------- anchors and scales
+
+
+def test_anchor_labels_of_a_drift_request_become_a_new_anchor_set_version(prefect_server, local_setup):
+    """A drift request asks for anchor labels ('a003'...): they go back into their anchor set."""
+    from flows.label_requests.raising import raise_drift_requests
+    from flows.storage.anchors import list_versions, read_anchor_set, write_anchor_set
+
+    s = local_setup
+    anchors_root = str(s["tmp"] / "anchors")
+    st_a = Storage.for_uri(anchors_root)
+    ids = [f"a{i:03d}" for i in range(20)]
+    write_anchor_set(st_a, "anchors", pd.DataFrame({"anchor_id": ids, "prompt": ["p"] * 20, "response": ["r"] * 20,
+                                                    "oracle_label": [0.5] * 3 + [None] * 17}))
+    look = {"look": 3, "alarm": True, "alarms": ["mean_shift"], "first_alarm": {"mean_shift": 3},
+            "meta": {"monitor": "m", "set_name": "anchors", "judge_id": "v2", "anchors_version": 1}}
+    (req,) = raise_drift_requests(None, s["uri"], look, ids, config={"drift_anchor_labels": 6, "notify": False},
+                                  now=datetime.now(timezone.utc))["requests"]
+    asked = [a["anchor_id"] for a in req["anchors"]]
+    rows = {"response_id": asked, "oracle_label": [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]}
+    path = _write_returned(s, "anchors.csv", rows)
+    # without knowing where the anchor set lives, nothing is written and the error says what to pass
+    with pytest.raises(CJEInputError, match="pass --anchors-uri"):
+        labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)
+    assert list_versions(st_a, "anchors") == [1]
+    out = labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False, anchors_uri=anchors_root)
+    assert out["version"] is None and out["rows"] == 0  # nothing for the label store
+    (v,) = out["anchors"]
+    assert v["set_name"] == "anchors" and v["version"] == 2 and v["labels"] == 6
+    new = read_anchor_set(st_a, "anchors").labels()
+    assert [new[a] for a in asked] == rows["oracle_label"]
+    assert read_anchor_set(st_a, "anchors", 1).labels().notna().sum() == 3  # version 1 untouched
+    assert {r["request_id"]: r["status"] for r in out["requests"]} == {req["request_id"]: "fulfilled"}
+    assert LabelStore(s["st"]).version() == 1
+
+
+def test_answers_on_a_one_to_five_scale_are_mapped_onto_the_requests_scale(prefect_server, local_setup):
+    s = local_setup
+    req = s["request"]
+    ids = [r["response_id"] for r in req["rows"]]
+    stars = [1 + (i % 5) for i in range(len(ids))]
+    path = _write_returned(s, "stars.csv", {"response_id": ids, "oracle_label": stars})
+    with pytest.raises(CJEInputError, match=r"label 2.0 is outside the label scale \[0, 1\]"):
+        labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)  # scale not declared
+    out = labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False, label_scale=[1, 5])
+    assert out["label_scale"] == [0.0, 1.0] and out["rows"] == len(ids)
+    store = LabelStore(s["st"]).read()
+    got = dict(zip(store.column("response_id").to_pylist(), store.column("oracle_label").to_pylist()))
+    assert [got[i] for i in ids] == [(x - 1) / 4 for x in stars]
+    bad = _write_returned(s, "bad.csv", {"response_id": ids[:2], "oracle_label": [3, 6]})
+    with pytest.raises(CJEInputError, match=r"row 1: answer 6 for .* is outside the label scale \[1, 5\]"):
+        labels(path=bad, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False, label_scale=[1, 5])
