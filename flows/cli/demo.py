@@ -149,7 +149,7 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
 
     from flows.runtime import ray_fanout as ray_runtime
     from flows.pipelines.drift import drift
-    from flows.label_requests.requests import evaluate_and_audit
+    from flows.pipelines.audit import evaluate_and_audit
     from flows.runtime.prefect_server import launch_server, prefect_api
 
     # The embedded Prefect server boots while the data is written and Ray starts.

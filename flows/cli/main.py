@@ -32,7 +32,7 @@ from flows.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 
 #: Command modules: each exposes ``register(subparsers)``, adding its sub-command(s) with
 #: ``set_defaults(handler=fn)`` where ``fn(namespace) -> int`` returns the exit code.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("flows.cli.requests", "flows.cli.labels")
 
 
 def _csv(value: str) -> list[str]:
@@ -107,12 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
     p.add_argument("--through", help="last score date considered, YYYY-MM-DD (default today, UTC)")
-
-    p = sub.add_parser("labels", help="ingest returned oracle labels and re-evaluate the windows they touch")
-    p.add_argument("file", help="labels: Parquet, CSV or JSONL with response_id, oracle_label[, label_probability]")
-    p.add_argument("--evaluation", required=True, help="the declared evaluation whose label store receives them")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
-    p.add_argument("--no-reevaluate", action="store_true", help="only ingest; do not re-run the evaluations")
 
     p = sub.add_parser("serve", help="deploy the declared evaluations and drift monitors and run their schedules")
     p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
@@ -212,7 +206,7 @@ def _spec(config: str | None, name: str):
 
 def cmd_run(ns: argparse.Namespace) -> int:
     """Run one declared evaluation now, with its notifications and automatic label requests."""
-    from flows.label_requests.requests import evaluate_and_audit
+    from flows.pipelines.audit import evaluate_and_audit
     from flows.runtime.prefect_server import prefect_api
 
     params = _spec(ns.config, ns.name).flow_parameters()
@@ -237,23 +231,6 @@ def cmd_drift(ns: argparse.Namespace) -> int:
     with prefect_api():
         summary = run_drift(ns.name, ns.config, through=ns.through)
     sys.stdout.write(format_summary(summary).rstrip("\n") + "\n")
-    return EXIT_OK
-
-
-def cmd_labels(ns: argparse.Namespace) -> int:
-    from flows.pipelines.labels import labels
-    from flows.runtime.prefect_server import prefect_api
-
-    spec = _spec(ns.config, ns.evaluation)
-    with prefect_api():
-        out = labels(ns.file, labels_uri=spec.labels_uri or spec.logs_uri, logs_uri=spec.logs_uri,
-                     results_uri=spec.results_uri, evaluations_file=ns.config,
-                     reevaluate=not ns.no_reevaluate)
-    sys.stdout.write(f"ingested {out['rows']} label(s) from {out['source']}: label-store version {out['version']} "
-                     f"({'new' if out['new'] else 'already stored'}, {len(out['conflicts'])} conflict(s))\n")
-    for ev in out["reevaluations"]:
-        sys.stdout.write(f"re-evaluated {ev.get('evaluation')} {ev.get('window')}: "
-                         f"{'published ' + str(ev.get('run_key')) if ev.get('published') else ev.get('reason')}\n")
     return EXIT_OK
 
 
@@ -298,7 +275,7 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"evaluate": cmd_evaluate, "plan": cmd_plan, "run": cmd_run, "drift": cmd_drift, "labels": cmd_labels,
+COMMANDS = {"evaluate": cmd_evaluate, "plan": cmd_plan, "run": cmd_run, "drift": cmd_drift,
             "serve": cmd_serve, "demo": cmd_demo}
 
 

@@ -249,28 +249,57 @@ def load_labels(labels_uri: str, cfg: Any) -> tuple[pa.Table | None, dict]:
     return labels, info
 
 
+@task(name="inline_labels", **_STORAGE_TASK)
+def inline_labels(logs_uri: str, cfg: Any, files: list[dict]) -> dict:
+    """Label columns the log files carry inline (Parquet footers only; `inline_label_columns`)."""
+    from flows.storage.labels import inline_label_columns
+
+    return inline_label_columns(_storage(logs_uri, cfg), [f["key"] for f in files])
+
+
 @task(name="join_labels", **_PURE_TASK)
 def join_labels(table: pa.Table, labels: pa.Table | None, info: dict) -> tuple[pa.Table, dict]:
-    """Attach the store's labels on ``response_id`` (`flows.storage.labels.join_labels`).
+    """Combine the logs' inline labels with the store's on ``response_id`` (`flows.storage.labels.join_labels`).
 
-    A ``response_id`` with conflicting labels uses its first label and is counted in
-    ``n_conflicting_rows``; with an empty store, labels written inline in the logs (if any)
-    are used as they are.
+    The store wins where both have a label (differences counted in ``n_inline_overridden``); a
+    ``response_id`` with conflicting store labels uses its first label and is counted in
+    ``n_conflicting_rows``.  ``n_joined`` is the number of labelled rows after the join.
     """
-    from flows.storage.labels import join_labels as store_join
+    from flows.storage.labels import join_counts, join_labels as store_join
 
     info = dict(info)
+    inline = "oracle_label" in table.column_names
     if labels is None:
-        info["source"] = "logs" if "oracle_label" in table.column_names else "none"
+        info["source"] = "logs" if inline else "none"
+        info["n_inline_labels"] = int(table.num_rows - table["oracle_label"].null_count) if inline else 0
+        info["n_joined"] = info["n_inline_labels"]
         return table, info
     joined = store_join(table, labels)
+    info.update(join_counts(joined))
     if "label_conflict" in joined.column_names:
-        info["n_conflicting_rows"] = int(pc.sum(pc.cast(joined["label_conflict"], pa.int64())).as_py() or 0)
         joined = joined.drop_columns(["label_conflict"])
     info["n_joined"] = int(joined.num_rows - joined["oracle_label"].null_count)
-    info["source"] = "label_store"
-    get_run_logger().info("joined %d label(s) onto %d log rows", info["n_joined"], joined.num_rows)
+    info["source"] = "logs+label_store" if info["n_inline_labels"] else "label_store"
+    logger = get_run_logger()
+    logger.info("labels: %d inline in the logs, %d from the label store, %d labelled row(s) in all", info[
+        "n_inline_labels"], info["n_store_labels"], info["n_joined"])
+    if info["n_inline_overridden"]:
+        logger.warning("%d inline label(s) differ from the label store's; the store's are used",
+                       info["n_inline_overridden"])
     return joined, info
+
+
+@task(name="check_label_counts", **_STORAGE_TASK)
+def check_label_counts(results_uri: str, cfg: Any, evaluation: str, window: Window, counts: dict) -> dict | None:
+    """A drop of labelled rows against the previous published run of this window (or None)."""
+    from flows.storage.labels import labelled_count_drop
+    from flows.storage.publish import list_runs
+
+    runs = list_runs(_storage(results_uri, cfg), evaluation, window.label)
+    drop = labelled_count_drop(runs[-1] if runs else None, counts)
+    if drop:
+        get_run_logger().warning("evaluation %s window %s: %s", evaluation, window.label, drop["message"])
+    return drop
 
 
 @task(name="validate", **_PURE_TASK)
@@ -492,10 +521,12 @@ def evaluate(
             raise CJEInputError(f"no log partitions dt={win.start}..dt={win.end} under {logs_uri}",
                                 source=logs_uri)
         labels, label_info = load_labels.with_options(**retry)(labels_uri, quote(cfg))
-        # Projection pushed down; with an empty label store every column is read (the
-        # logs may carry labels inline) and the needed ones are kept below.
+        # Projection pushed down, keeping the label columns the logs carry inline (combined with
+        # the store's below); when only some files have them, every column is read and the
+        # needed ones are kept.
+        inline = inline_labels.with_options(**retry)(logs_uri, quote(cfg), files)
         needed = list(dict.fromkeys(list(BASE_COLUMNS) + covariates + extra_columns))
-        columns = needed if labels is not None else None
+        columns = None if inline["mixed"] else needed + inline["columns"]
         table = read.with_options(**retry)(logs_uri, quote(cfg), files, columns, read_policies,
                                            2 * ray_runtime.cluster_cpus())
         if columns is None:
@@ -519,6 +550,9 @@ def evaluate(
     fingerprint = {"files": sorted(files, key=lambda f: f["key"]),
                    "label_store_version": label_info["label_store_version"]}
     key = _run_key(config, fingerprint)
+    drop = check_label_counts.with_options(**retry)(results_uri, quote(cfg), evaluation, win, counts)
+    if drop:
+        label_info["labelled_count_drop"] = drop
     t2 = time.perf_counter()
     artifacts = render(quote(result), f"CJE evaluation {evaluation} - {win.start} to {win.end}")
     timings["render"] = time.perf_counter() - t2
@@ -545,7 +579,8 @@ def evaluate(
     report = outcome.get("artifacts", {}).get("report.html")
     logger.info("timings (s): %s", {k: round(v, 2) for k, v in timings.items()})
     return {"evaluation": evaluation, "window": win.label, "run_key": key, **outcome, "report": report,
-            "timings": timings, "result": result.to_dict()}
+            "timings": timings, "labels": label_info, "warnings": [drop["message"]] if drop else [],
+            "result": result.to_dict()}
 
 
 def _run_key(config: dict, fingerprint: dict) -> str:

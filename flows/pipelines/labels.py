@@ -16,7 +16,7 @@ Steps (Prefect tasks):
 6. re-evaluation     for every declared (or passed-in) evaluation that uses this label store,
                      every published window containing a touched log date (and the
                      evaluation's current window, if it does) is evaluated again with
-                     `flows.label_requests.requests.evaluate_and_audit`.  The label-store version is
+                     `flows.pipelines.audit.evaluate_and_audit`.  The label-store version is
                      part of the run key, so the new result is published beside the old one,
                      which stays readable (`list_runs` / `read_run`); ``latest.json`` moves.
 """
@@ -42,6 +42,14 @@ from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
+
+from flows.label_requests.answers import (ANSWER_FORMATS, detect_format, load_json_or_jsonl, parse_argilla,
+                                          parse_label_studio, parse_table, rescale)
+from flows.label_requests.manifests import list_requests, mark_fulfilled
+from flows.pipelines.audit import evaluate_and_audit
+from flows.storage.anchors import label_anchors
+from flows.storage.objects import NotFoundError
+from flows.storage.publish import list_runs
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +110,40 @@ def parse_labels(data: bytes, name: str, source: str) -> pa.Table:
                             source=source) from None
 
 
-def read_label_file(path: str, cfg: Any = None) -> tuple[pa.Table, str]:
-    """Read a returned label file; returns the table and its display name (URL)."""
+def read_label_file(path: str, cfg: Any = None, answers_format: str = "auto", answer_field: str = "oracle_label",
+                    id_field: str = "response_id") -> tuple[pa.Table, str, dict]:
+    """Read returned labels: a table file, a Label Studio JSON export or Argilla records.
+
+    Returns ``(table, display name (URL), info)``: the table has ``response_id``, ``oracle_label``
+    (as given, on the answers' scale) and ``label_probability`` when the file has it; ``info``
+    says the format, the answers ignored (cancelled, not submitted), duplicates counted once and
+    items without an answer (`flows.label_requests.answers`).
+    """
     root, name = _split_uri(path)
     st = _storage(root, cfg)
-    from flows.storage.objects import NotFoundError
-
     try:
         data = st.read_bytes(name)
     except NotFoundError:
         raise CJEInputError("label file not found", source=st.url(name)) from None
-    return parse_labels(data, name, st.url(name)), st.url(name)
+    source = st.url(name)
+    if answers_format not in ANSWER_FORMATS:
+        raise CJEInputError(f"unknown answers format {answers_format!r}; expected one of {list(ANSWER_FORMATS)}")
+    fmt = detect_format(data, name) if answers_format == "auto" else answers_format
+    if fmt == "table":
+        table = parse_labels(data, name if Path(name).suffix.lower() in FORMATS else name + ".jsonl", source)
+        if (id_field, answer_field) == ("response_id", "oracle_label"):
+            return table, source, {"format": "table"}
+        parsed = parse_table(table, source, answer_field=answer_field, id_field=id_field)
+    elif fmt == "label-studio":
+        parsed = parse_label_studio(load_json_or_jsonl(data, source), source, answer_field, id_field)
+    else:
+        parsed = parse_argilla(load_json_or_jsonl(data, source), source, answer_field)
+    info = {"format": fmt, "ignored": parsed.ignored, "duplicates": parsed.duplicates,
+            "unanswered": len(parsed.unanswered), "task_ids": parsed.task_ids}
+    if not parsed.ids:
+        raise CJEInputError(f"no answers in the {fmt} file ({len(parsed.unanswered)} item(s) without one, "
+                            f"ignored: {parsed.ignored or 'none'})", source=source)
+    return parsed.table(), source, info
 
 
 def _column(table: pa.Table, name: str, typ: pa.DataType, source: str) -> pa.ChunkedArray:
@@ -233,16 +264,15 @@ def _scan_logs(logs_uri: str, cfg: Any, ids: set[str], lookback: tuple[date, dat
 
 
 @task(name="read_labels", **_STORAGE_TASK)
-def read_labels_task(path: str, cfg: Any) -> tuple[pa.Table, str]:
-    return read_label_file(path, cfg)
+def read_labels_task(path: str, cfg: Any, answers_format: str, answer_field: str,
+                     id_field: str) -> tuple[pa.Table, str, dict]:
+    return read_label_file(path, cfg, answers_format, answer_field, id_field)
 
 
 @task(name="locate", **_STORAGE_TASK)
 def locate_task(table: pa.Table, source: str, requests_uri: str, logs_uris: list[str], cfg: Any,
                 lookback: tuple[date, date] | None) -> tuple[dict, list[dict]]:
     """Where every id of the file comes from (requests first, then the logs)."""
-    from flows.label_requests.requests import list_requests
-
     if "response_id" not in table.column_names:
         raise CJEInputError(f"required label column is missing (found {table.column_names})", source=source,
                             column="response_id")
@@ -293,15 +323,17 @@ def append_task(labels_uri: str, cfg: Any, table: pa.Table, source_name: str) ->
 
 @task(name="fulfil_requests", **_STORAGE_TASK)
 def fulfil_task(requests_uri: str, cfg: Any, requests: list[dict], labelled: set, version: int,
-                source: str) -> list[dict]:
-    """Mark requests whose every row has a label as fulfilled (``late`` when past the deadline)."""
-    from flows.label_requests.requests import mark_fulfilled
-
+                source: str, anchors_done: set | None = None) -> list[dict]:
+    """Mark requests whose every row (and anchor) has a label as fulfilled (``late`` when past the deadline)."""
     st = _storage(requests_uri, cfg)
     out = []
     for m in requests:
+        set_name = str((m.get("drift") or {}).get("set_name"))
         ids = [r["response_id"] for r in m.get("rows", [])]
         got = sum(1 for r in ids if r in labelled)
+        anchors = [str(a["anchor_id"]) for a in m.get("anchors") or []]
+        got += sum(1 for a in anchors if (set_name, a) in (anchors_done or set()))
+        ids += anchors
         entry = {"request_id": m["request_id"], "status": m.get("status"), "received": got, "requested": len(ids)}
         if m.get("status") in ("pending", "expired") and ids and got == len(ids):
             late = m.get("status") == "expired"
@@ -309,6 +341,99 @@ def fulfil_task(requests_uri: str, cfg: Any, requests: list[dict], labelled: set
                                                  "late": late})
             entry.update(status="fulfilled", late=late)
         out.append(entry)
+    return out
+
+
+
+# --------------------------------------------------------------------------------------
+# anchors and scales
+
+
+def split_anchors(table: pa.Table, known: Mapping[str, Any], requests: Sequence[Mapping]
+                  ) -> tuple[pa.Table, dict[str, float], dict[str, dict]]:
+    """Separate anchor labels (ids of anchors that drift requests asked for) from response labels.
+
+    Returns the response rows, ``{anchor_id: label}`` and ``{anchor_id: {"set_name", "request_id",
+    "label_scale"}}``.  An id the logs or a request's rows know stays a response id.
+    """
+    anchor_map: dict[str, dict] = {}
+    for m in requests:
+        set_name = (m.get("drift") or {}).get("set_name")
+        for a in m.get("anchors") or []:
+            anchor_map[str(a["anchor_id"])] = {"set_name": set_name, "request_id": m["request_id"],
+                                               "label_scale": m.get("label_scale")}
+    ids = [str(x) for x in table.column("response_id").to_pylist()]
+    is_anchor = [i not in known and i in anchor_map for i in ids]
+    if not any(is_anchor):
+        return table, {}, {}
+    lab = table.column("oracle_label").cast(pa.float64()).to_pylist()
+    anchors = {}
+    for i, flag, y in zip(ids, is_anchor, lab):
+        if flag:
+            if y is None:
+                raise CJEInputError(f"anchor {i!r} has an empty label", column="oracle_label")
+            anchors[i] = float(y)
+    keep = pa.array([not f for f in is_anchor])
+    return table.filter(keep), anchors, {a: anchor_map[a] for a in anchors}
+
+
+def scale_answers(table: pa.Table, anchors: dict[str, float], known: Mapping[str, Any], anchor_map: Mapping,
+                  answer_scale: Sequence[float] | None, source: str
+                  ) -> tuple[pa.Table, dict[str, float], list[float]]:
+    """Map answers given on ``answer_scale`` onto the requests' label scale (see the flow's docs)."""
+    scales = {tuple(v["label_scale"]) for v in list(known.values()) + list(anchor_map.values())
+              if v.get("label_scale")}
+    if len(scales) > 1:
+        raise CJEInputError(f"the requests behind these labels use different label scales {sorted(scales)}; "
+                            "ingest them separately", source=source)
+    target = list(scales.pop()) if scales else None
+    given = list(answer_scale) if answer_scale is not None else None
+    if given is None or target is None or [float(x) for x in given] == [float(x) for x in target]:
+        return table, anchors, list(given or target or [0.0, 1.0])
+    ids = [str(x) for x in table.column("response_id").to_pylist()]
+    vals = table.column("oracle_label").cast(pa.float64()).to_pylist()
+    if any(v is None for v in vals):
+        raise CJEInputError("is empty; every row needs it", source=source, column="oracle_label",
+                            row=vals.index(None))
+    mapped = rescale(vals, ids, [f"row {i}" for i in range(len(ids))], source, given, target)
+    table = table.set_column(table.schema.get_field_index("oracle_label"), "oracle_label",
+                             pa.array(mapped, pa.float64()))
+    a_ids = list(anchors)
+    a_vals = rescale([anchors[a] for a in a_ids], a_ids, [f"anchor {a}" for a in a_ids], source, given, target)
+    log.info("answers on [%g, %g] mapped linearly onto the requests' label scale [%g, %g]", *given, *target)
+    return table, dict(zip(a_ids, a_vals)), target
+
+
+def _anchors_uri_for(set_name: str, anchors_uri: str | None, evaluations_file: str | None) -> str:
+    if anchors_uri:
+        return anchors_uri
+    if evaluations_file:
+        from flows.pipelines.drift import load_drift_monitors  # the drift flow module is large: load on demand
+
+        for spec in load_drift_monitors(evaluations_file).values():
+            if spec.set_name == set_name:
+                return spec.anchors_uri
+    raise CJEInputError(f"labels for anchors of anchor set {set_name!r} (asked for by a drift request), but its "
+                        "storage is unknown: pass --anchors-uri (anchors_uri) or declare the drift monitor in the "
+                        "evaluations file")
+
+
+@task(name="label_anchors", **_STORAGE_TASK)
+def anchor_task(anchors: dict[str, float], anchor_map: dict[str, dict], anchors_uri: str | None,
+                evaluations_file: str | None, cfg: Any, source: str) -> dict:
+    """Write each anchor set's returned labels as a new version (`flows.storage.anchors.label_anchors`)."""
+    by_set: dict[str, dict[str, float]] = {}
+    for a, y in anchors.items():
+        by_set.setdefault(str(anchor_map[a]["set_name"]), {})[a] = y
+    out: dict[str, Any] = {"versions": [], "labelled": set()}
+    for set_name, labs in sorted(by_set.items()):
+        st = _storage(_anchors_uri_for(set_name, anchors_uri, evaluations_file), cfg)
+        reqs = sorted({anchor_map[a]["request_id"] for a in labs})
+        aset = label_anchors(st, set_name, labs, source=source, request_ids=reqs)
+        out["versions"].append({"set_name": set_name, "version": aset.version, "labels": len(labs),
+                                "relabelled": len(aset.manifest.get("metadata", {}).get("relabelled") or [])})
+        out["labelled"] |= {(set_name, a) for a in labs}
+        get_run_logger().info("anchor set %s: %d label(s) stored as version %d", set_name, len(labs), aset.version)
     return out
 
 
@@ -363,6 +488,36 @@ def affected_windows(spec: Any, dates: set[str], published: Sequence[str], as_of
 # the flow
 
 
+def reevaluate_windows(specs: Sequence[Any], touched: Sequence[str], cfg: Any, as_of: str | None, max_windows: int,
+                       label_requests: Mapping | None) -> tuple[list[dict], list[dict]]:
+    """Run `evaluate_and_audit` on every affected window of every evaluation; (summaries, superseded runs)."""
+    reevaluations: list[dict] = []
+    superseded: list[dict] = []
+    res_st = {}
+    for spec in specs:
+        spec_results = spec.results_uri or spec.logs_uri
+        st = res_st.setdefault(spec_results, _storage(spec_results, cfg))
+        published = sorted({r["window"] for r in list_runs(st, spec.name)})
+        windows = affected_windows(spec, set(touched), published, as_of, max_windows)
+        for w in windows:
+            earlier = list_runs(st, spec.name, w)
+            before = earlier[-1] if earlier else None
+            params = spec.flow_parameters()
+            params["window"] = w.replace("_", "..")
+            if label_requests is not None:
+                params["label_requests"] = label_requests
+            run = evaluate_and_audit(**params)
+            summary = {k: run.get(k) for k in ("evaluation", "window", "run_key", "published", "path", "reason",
+                                               "report")}
+            summary["label_requests"] = [m["request_id"] for m in run.get("label_requests", [])]
+            summary["level_claims"] = {p: v["level_claim"] for p, v in run["result"]["policies"].items()}
+            reevaluations.append(summary)
+            if before is not None and run.get("published") and before["run_key"] != run["run_key"]:
+                superseded.append({"evaluation": spec.name, "window": before["window"],
+                                   "run_key": before["run_key"], "path": before["path"]})
+    return reevaluations, superseded
+
+
 @flow(name="labels", log_prints=False, validate_parameters=True)
 def labels(
     path: str,
@@ -380,6 +535,10 @@ def labels(
     max_windows: int = 10,
     source_name: str | None = None,
     label_requests: dict[str, Any] | None = None,
+    answers_format: str = "auto",
+    answer_field: str = "oracle_label",
+    id_field: str = "response_id",
+    anchors_uri: str | None = None,
 ) -> dict:
     """Ingest returned oracle labels and re-evaluate the windows they touch.
 
@@ -400,7 +559,8 @@ def labels(
         ``name``, ``logs_uri`` and the other `EvaluationSpec` fields).  Those whose label store
         is ``labels_uri`` are re-evaluated.
     label_scale : [lo, hi], optional
-        Allowed label values (default: the requests' scale, else [0, 1]).
+        The scale the answers are on (default: the requests' scale, else [0, 1]).  Answers outside
+        it are errors; when the requests' scale differs, answers are mapped linearly onto it.
     lookback_start, lookback_end : str, optional
         Only log partitions in this date range are searched for ids (default: all).
     reevaluate : bool
@@ -413,11 +573,21 @@ def labels(
         Name recorded in the label store (default: the file's URL).
     label_requests : dict, optional
         `RequestConfig` settings for the re-evaluations' automatic requests.
+    answers_format : {"auto", "table", "label-studio", "argilla"}
+        Format of the file (`flows.label_requests.answers`); ``auto`` detects it.
+    answer_field, id_field : str
+        The tool's answer field (a column, a Label Studio control name or an Argilla question)
+        and the id column of a table.
+    anchors_uri : str, optional
+        Storage of the anchor sets that drift requests asked labels for (default: the drift
+        monitor declared with that set in ``evaluations_file``).  Anchor labels become a new
+        version of their anchor set.
 
     Returns
     -------
     dict
-        ``source``, ``rows``, ``version``, ``new``, ``conflicts``, ``requests`` (status per
+        ``source``, ``format``, ``rows``, ``version``, ``new``, ``conflicts``, ``anchors`` (anchor-set
+        versions written), ``ignored`` / ``duplicates`` / ``unanswered`` (tool answers), ``requests`` (status per
         request), ``touched_dates``, ``reevaluations`` (the `evaluate_and_audit` outputs, without
         the full result) and ``superseded`` (run keys replaced as latest).
     """
@@ -437,55 +607,38 @@ def labels(
             raise CJEInputError("give both lookback_start and lookback_end (or neither)")
         lookback = (date.fromisoformat(lookback_start), date.fromisoformat(lookback_end))
 
-    table, source = read_labels_task(path, quote(cfg))
+    table, source, read_info = read_labels_task(path, quote(cfg), answers_format, answer_field, id_field)
     known, requests = locate_task(quote(table), source, requests_uri, logs_uris, quote(cfg), lookback)
-    if label_scale is None:
-        scales = {tuple(v["label_scale"]) for v in known.values() if v.get("label_scale")}
-        if len(scales) > 1:
-            raise CJEInputError(f"the requests behind these labels use different label scales {sorted(scales)}; "
-                                "pass label_scale", source=source)
-        label_scale = list(scales.pop()) if scales else [0.0, 1.0]
-    clean = validate_task(quote(table), source, known, list(label_scale))
-    appended = append_task(labels_uri, quote(cfg), quote(clean), source_name or source)
-    logger.info("labels from %s: %d row(s), label-store version %d (%s)", source, clean.num_rows,
-                appended["version"], "new" if appended["new"] else "already stored")
+    table, anchor_rows, anchor_map = split_anchors(table, known, requests)
+    table, anchor_rows, label_scale = scale_answers(table, anchor_rows, known, anchor_map, label_scale, source)
+    anchors_out = {"versions": [], "labelled": set()}
+    if anchor_rows:
+        anchors_out = anchor_task(quote(anchor_rows), anchor_map, anchors_uri, evaluations_file, quote(cfg),
+                                  source_name or source)
+    appended = {"version": None, "new": False, "conflicts": [], "labelled_ids": set()}
+    clean = table.slice(0, 0)
+    if table.num_rows:
+        clean = validate_task(quote(table), source, known, list(label_scale))
+        appended = append_task(labels_uri, quote(cfg), quote(clean), source_name or source)
+        logger.info("labels from %s: %d row(s), label-store version %d (%s)", source, clean.num_rows,
+                    appended["version"], "new" if appended["new"] else "already stored")
     statuses = fulfil_task(requests_uri, quote(cfg), quote(requests), quote(appended["labelled_ids"]),
-                           appended["version"], source)
+                           appended["version"], source, quote(anchors_out["labelled"]))
     ingested = set(clean.column("response_id").to_pylist())
     touched = sorted({v["dt"] for r, v in known.items() if v.get("dt") and r in ingested})
     out: dict[str, Any] = {
-        "source": source, "rows": clean.num_rows, "version": appended["version"], "new": appended["new"],
-        "conflicts": appended["conflicts"], "requests": [s for s in statuses if s["received"]],
-        "touched_dates": touched, "reevaluations": [], "superseded": [],
+        "source": source, "format": read_info.get("format"), "rows": clean.num_rows, "version": appended["version"],
+        "new": appended["new"], "conflicts": appended["conflicts"], "requests": [s for s in statuses if s["received"]],
+        "touched_dates": touched, "reevaluations": [], "superseded": [], "label_scale": list(label_scale),
+        "anchors": [{k: v for k, v in a.items()} for a in anchors_out["versions"]],
+        "ignored": read_info.get("ignored", {}), "duplicates": read_info.get("duplicates", 0),
+        "unanswered": read_info.get("unanswered", 0),
     }
     if not (reevaluate and appended["new"]):
         return out
 
-    from flows.label_requests.requests import evaluate_and_audit
-    from flows.storage.publish import list_runs
-
-    res_st = {}
-    for spec in specs:
-        spec_results = spec.results_uri or spec.logs_uri
-        st = res_st.setdefault(spec_results, _storage(spec_results, cfg))
-        published = sorted({r["window"] for r in list_runs(st, spec.name)})
-        windows = affected_windows(spec, set(touched), published, as_of, max_windows)
-        for w in windows:
-            earlier = list_runs(st, spec.name, w)
-            before = earlier[-1] if earlier else None
-            params = spec.flow_parameters()
-            params["window"] = w.replace("_", "..")
-            if label_requests is not None:
-                params["label_requests"] = label_requests
-            run = evaluate_and_audit(**params)
-            summary = {k: run.get(k) for k in ("evaluation", "window", "run_key", "published", "path", "reason",
-                                               "report")}
-            summary["label_requests"] = [m["request_id"] for m in run.get("label_requests", [])]
-            summary["level_claims"] = {p: v["level_claim"] for p, v in run["result"]["policies"].items()}
-            out["reevaluations"].append(summary)
-            if before is not None and run.get("published") and before["run_key"] != run["run_key"]:
-                out["superseded"].append({"evaluation": spec.name, "window": before["window"],
-                                          "run_key": before["run_key"], "path": before["path"]})
+    out["reevaluations"], out["superseded"] = reevaluate_windows(specs, touched, cfg, as_of, max_windows,
+                                                                  label_requests)
     return out
 
 

@@ -75,7 +75,7 @@ class EvaluationSpec:
         flow, then notifications and automatic oracle label requests."""
         from datetime import timedelta
 
-        from flows.label_requests.requests import evaluate_and_audit
+        from flows.pipelines.audit import evaluate_and_audit
 
         kwargs: dict[str, Any] = {}
         if self.cron:

@@ -508,3 +508,41 @@ def split_looks(table: pa.Table) -> list[Look]:
 __all__ = ["AnchorSet", "Look", "write_anchor_set", "read_anchor_set", "list_versions", "normalize_anchors",
            "write_anchor_scores", "read_anchor_scores", "score_files", "split_looks", "anchor_key",
            "manifest_key", "scores_prefix", "check_name", "SCORE_SCHEMA"]
+
+
+def label_anchors(st: Storage, set_name: str, labels: dict[str, float], *, source: str,
+                  request_ids: list[str] | None = None) -> AnchorSet:
+    """A new version of an anchor set with returned oracle labels (the earlier versions stay as they were).
+
+    ``labels`` maps anchor ids of the latest version to labels; an unknown id is a `CJEInputError`.
+    The version's metadata records the source, the requests and which anchors were labelled
+    (``labelled``) and relabelled (``relabelled``: they had a different label before).
+    """
+    latest = read_anchor_set(st, set_name)
+    ids = latest.anchor_ids
+    unknown = sorted(set(labels) - set(ids))
+    if unknown:
+        raise CJEInputError(f"anchor id(s) {unknown[:5]} are not in anchor set {set_name!r} version {latest.version}",
+                            source=st.url(anchor_key(set_name, latest.version)), column="anchor_id")
+    old = latest.labels()
+    new = old.copy()
+    for a, y in labels.items():
+        new[a] = float(y)
+    relabelled = sorted(a for a in labels if not np.isnan(old[a]) and float(old[a]) != float(labels[a]))
+    table = latest.table
+    col = pa.array(new.reindex(ids).to_numpy(), pa.float64(), from_pandas=True)
+    table = (table.set_column(table.schema.get_field_index("oracle_label"), "oracle_label", col)
+             if "oracle_label" in table.column_names else table.append_column("oracle_label", col))
+    meta = {"source": source, "request_ids": sorted(request_ids or []), "labelled": sorted(labels),
+            "relabelled": relabelled, "from_version": latest.version}
+    return write_anchor_set(st, set_name, table, metadata=meta)
+
+
+def labelled_since(st: Storage, set_name: str, since: str | None = None) -> set[str]:
+    """Anchor ids labelled by `label_anchors` versions created at or after ``since`` (ISO time)."""
+    out: set[str] = set()
+    for v in list_versions(st, set_name):
+        m = _read_manifest(st, set_name, v)
+        if since is None or str(m.get("created_at", "")) >= since:
+            out.update((m.get("metadata") or {}).get("labelled") or [])
+    return out

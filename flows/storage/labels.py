@@ -25,6 +25,12 @@ column.  Identical rows repeated across versions are kept once (earliest version
 are kept and flagged.  `join_labels` uses the first label (lowest version, then row order) for
 a conflicting id and marks the row in a ``label_conflict`` column, so the conflict is visible
 downstream instead of being silently resolved.
+
+Labels written inline in the logs (an ``oracle_label`` column) and labels in the store are
+*combined*: a row keeps its inline label unless the store has one for its ``response_id``, in
+which case the store's wins; rows where both exist and differ are counted (``cje.inline_overridden``
+in the joined table's schema metadata) and logged.  `inline_label_columns` tells a reader which
+label columns the log files carry, so that a projected read keeps them.
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ import io
 import json
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -330,9 +338,14 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
     has = pc.is_valid(idx)
 
     out = logs_table
+    n_inline = n_overridden = 0
     if "oracle_label" in out.column_names:
         old_label = out.column("oracle_label").cast(pa.float64())
         label = pc.if_else(has, store_label, old_label)
+        n_inline = int(len(old_label) - old_label.null_count)
+        both = pc.and_(has, pc.is_valid(old_label))
+        differ = pc.and_(both, pc.not_equal(store_label, old_label))
+        n_overridden = int(pc.sum(pc.fill_null(differ, False)).as_py() or 0)
     else:
         label = store_label
     if "label_probability" in out.column_names:
@@ -353,9 +366,88 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
     n_joined = int(pc.sum(has).as_py() or 0)
     meta = dict(out.schema.metadata or {})
     meta[b"cje.label_conflicts"] = str(n_conflicts).encode()
+    meta[b"cje.inline_labels"] = str(n_inline).encode()
+    meta[b"cje.store_labels"] = str(n_joined).encode()
+    meta[b"cje.inline_overridden"] = str(n_overridden).encode()
     out = out.replace_schema_metadata(meta)
+    if n_overridden:
+        log.warning("%d logged response(s) carry an inline oracle_label that differs from the label store's; the "
+                    "store's label is used", n_overridden)
     if n_conflicts:
         log.warning("%d logged responses have conflicting labels in the label store; the first label is used "
                     "and the rows are marked in column label_conflict", n_conflicts)
-    log.info("joined %d labels onto %d log rows", n_joined, logs_table.num_rows)
+    log.info("joined %d labels onto %d log rows (%d inline)", n_joined, logs_table.num_rows, n_inline)
     return out
+
+
+def join_counts(joined: pa.Table) -> dict[str, int]:
+    """The counts `join_labels` put in the schema metadata (inline, store, overridden, conflicts)."""
+    meta = joined.schema.metadata or {}
+    return {name: int(meta.get(f"cje.{key}".encode(), b"0")) for name, key in (
+        ("n_inline_labels", "inline_labels"), ("n_store_labels", "store_labels"),
+        ("n_inline_overridden", "inline_overridden"), ("n_conflicting_rows", "label_conflicts"))}
+
+
+LABEL_COLUMNS = ("oracle_label", "label_probability")
+
+
+def inline_label_columns(st: Storage, keys: Sequence[str], threads: int = 8) -> dict[str, Any]:
+    """Which label columns (``oracle_label``, ``label_probability``) the log files carry inline.
+
+    Reads only the Parquet footers (in ``threads`` threads).  Returns ``{"columns": [...],
+    "mixed": bool}``: the label columns present in at least one file, and whether some file
+    lacks one of them (a projected read per group of files would then fail on the group without
+    it: read every column instead).
+    """
+    if not keys:
+        return {"columns": [], "mixed": False}
+    fs, _ = st.arrow_fs
+
+    def names(key: str) -> set[str]:
+        with fs.open_input_file(st.arrow_path(key)) as f:
+            return set(pq.read_schema(f).names)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(keys)))) as pool:
+        per_file = list(pool.map(names, list(keys)))
+    present = [c for c in LABEL_COLUMNS if any(c in n for n in per_file)]
+    mixed = any(c not in n for c in present for n in per_file)
+    return {"columns": present, "mixed": bool(mixed)}
+
+
+def labelled_count_drop(previous: Mapping[str, Any] | None, counts: Mapping[str, Any]) -> dict | None:
+    """Compare a run's labelled counts with the previous published run of the same window.
+
+    Parameters
+    ----------
+    previous : dict or None
+        The previous run (`flows.storage.publish.list_runs` item: ``run_key``, ``manifest`` with
+        ``rows`` = the evaluate flow's counts).
+    counts : dict
+        This run's counts: ``n_labelled`` and ``policies`` (``{policy: {"rows", "labelled"}}``).
+
+    Returns
+    -------
+    dict or None
+        ``{"previous_run_key", "previous_n_labelled", "n_labelled", "policies": {p: {"before", "now"}},
+        "message"}`` when the total or any policy's labelled count fell; None otherwise.
+    """
+    if not previous:
+        return None
+    before = (previous.get("manifest") or {}).get("rows") or {}
+    if "n_labelled" not in before:
+        return None
+    pols = {}
+    for p, c in (before.get("policies") or {}).items():
+        now_n = int(((counts.get("policies") or {}).get(p) or {}).get("labelled", 0))
+        if now_n < int(c.get("labelled", 0)):
+            pols[p] = {"before": int(c.get("labelled", 0)), "now": now_n}
+    total_before, total_now = int(before["n_labelled"]), int(counts.get("n_labelled", 0))
+    if total_now >= total_before and not pols:
+        return None
+    detail = ", ".join(f"{p} {v['before']} -> {v['now']}" for p, v in sorted(pols.items()))
+    return {"previous_run_key": previous.get("run_key"), "previous_n_labelled": total_before,
+            "n_labelled": total_now, "policies": pols,
+            "message": f"labelled rows dropped against the previous published run {previous.get('run_key')} of this "
+                       f"window: {total_before} -> {total_now}" + (f" ({detail})" if detail else "")
+                       + "; labels may have been lost (logs rewritten without their oracle_label, or a label "
+                         "store pointed elsewhere)"}

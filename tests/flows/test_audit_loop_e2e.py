@@ -18,7 +18,8 @@ import pyarrow.csv as pacsv
 import pytest
 
 from cje_engine.simulate.direct import PolicySpec, simulate
-from flows.label_requests.requests import evaluate_and_audit, list_requests
+from flows.label_requests.manifests import list_requests
+from flows.pipelines.audit import evaluate_and_audit
 from flows.storage.labels import LabelStore
 from flows.pipelines.labels import labels
 from flows.storage.logs import write_logs

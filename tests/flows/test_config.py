@@ -53,7 +53,7 @@ def test_repository_evaluations_file_deploys_with_its_cron():
     assert specs, "evaluations.yaml declares no evaluation"
     for spec in specs.values():
         dep = spec.to_deployment()
-        assert dep.name == spec.name and dep.entrypoint == "flows.label_requests.requests.evaluate_and_audit"
+        assert dep.name == spec.name and dep.entrypoint == "flows.pipelines.audit.evaluate_and_audit"
         assert dep.parameters["evaluation"] == spec.name and dep.parameters["logs_uri"] == spec.logs_uri
         if spec.cron:
             assert dep.schedules[0].schedule.cron == spec.cron

@@ -188,3 +188,157 @@ def test_flow_rejects_unknown_ids_naming_file_and_row(prefect_server, local_setu
     assert LabelStore(s["st"]).version() == 1  # nothing appended
     with pytest.raises(CJEInputError, match="label file not found"):
         labels(path=str(s["tmp"] / "missing.csv"), labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)
+
+
+# ----------------------------------------------------------------------------- inline labels + store
+
+
+def _inline_logs(tmp_path, n_inline: int, seed: int = 7):
+    """Two days of logs of base (rows 0-399) and unhelpful (400-799): base rows 0-299 and the first
+    ``n_inline - 300`` unhelpful rows carry their oracle label inline; no label store yet."""
+    sim = simulate(400, POLICIES, label_design="calibration_policy", oracle_fraction=1.0, audit_labels=400,
+                   seed=seed)
+    frame = sim.frame.copy().reset_index(drop=True)
+    i = np.arange(len(frame))
+    inline = (i < 300) | ((i >= 400) & (i < 100 + n_inline))
+    frame["oracle_label"] = np.where(inline, sim.oracle_all, np.nan)
+    frame["label_probability"] = np.where(inline, 1.0, np.nan)
+    start = datetime(2025, 3, 1, tzinfo=timezone.utc)
+    frame["ts"] = [start + timedelta(days=i % 2, hours=1) for i in range(len(frame))]
+    uri = str(tmp_path / "logs")
+    write_logs(Storage.for_uri(uri), pa.Table.from_pandas(frame, preserve_index=False), basename="sim")
+    return uri, frame, dict(zip(frame["response_id"], sim.oracle_all))
+
+
+def test_inline_labels_and_label_store_are_combined(prefect_server, ray_cluster, tmp_path):
+    """The issue's walk-through: 356 inline labels -> run -> 60 new labels for other rows -> 416."""
+    from flows.pipelines.audit import evaluate_and_audit
+    from flows.storage.publish import list_runs
+
+    uri, frame, oracle = _inline_logs(tmp_path, 356)
+    evaluation = {"name": "inline", "logs_uri": uri, "window": "2025-03-01..2025-03-02",
+                  "options": {"calibration_policies": ["base"], "inference": "analytic"}}
+    params = {k: v for k, v in evaluation.items() if k != "name"}
+    first = evaluate_and_audit(**params, evaluation="inline", label_requests={"notify": False})
+    assert first["published"] and first["labels"]["source"] == "logs" and first["labels"]["n_joined"] == 356
+    assert sum(p["n_labelled"] for p in first["result"]["policies"].values()) == 356
+    # 60 new labels for rows without one (unhelpful rows), ingested through the labels flow
+    others = frame.loc[frame["oracle_label"].isna(), "response_id"].tolist()[:60]
+    path = tmp_path / "new.csv"
+    pd.DataFrame({"response_id": others, "oracle_label": [oracle[i] for i in others]}).to_csv(path, index=False)
+    out = labels(path=str(path), labels_uri=uri, evaluations=[evaluation], label_requests={"notify": False})
+    assert out["new"] and out["version"] == 1 and out["rows"] == 60
+    (re,) = out["reevaluations"]
+    runs = list_runs(Storage.for_uri(uri), "inline")
+    latest = runs[-1]
+    assert latest["run_key"] == re["run_key"] != first["run_key"]
+    info = latest["manifest"]["labels"]
+    assert info["n_joined"] == 416 and info["n_inline_labels"] == 356 and info["n_store_labels"] == 60
+    assert info["source"] == "logs+label_store" and info["n_inline_overridden"] == 0
+    assert latest["manifest"]["rows"]["n_labelled"] == 416
+    assert "labelled_count_drop" not in info
+
+
+def test_store_wins_over_a_differing_inline_label_and_it_is_counted(tmp_path):
+    from flows.storage.labels import join_counts, join_labels
+
+    logs = pa.table({"response_id": ["a", "b", "c", "d"], "oracle_label": [0.2, 0.4, None, 1.0],
+                     "label_probability": [1.0, 1.0, None, 1.0]})
+    store = LabelStore(Storage.for_uri(str(tmp_path)))
+    store.append(pa.table({"response_id": ["b", "c", "d"], "oracle_label": [0.9, 0.5, 1.0]}), "s")
+    joined = join_labels(logs, store.read())
+    assert joined.column("oracle_label").to_pylist() == [0.2, 0.9, 0.5, 1.0]  # inline kept, store wins on b
+    assert join_counts(joined) == {"n_inline_labels": 3, "n_store_labels": 3, "n_inline_overridden": 1,
+                                   "n_conflicting_rows": 0}
+
+
+def test_inline_label_columns_reads_footers_and_flags_mixed_files(tmp_path):
+    from flows.storage.labels import inline_label_columns
+
+    st = Storage.for_uri(str(tmp_path))
+    with_lab = pa.table({"response_id": ["a"], "oracle_label": [0.5]})
+    without = pa.table({"response_id": ["b"]})
+    for key, t in (("dt=2025-03-01/x.parquet", with_lab), ("dt=2025-03-02/y.parquet", without)):
+        buf = io.BytesIO()
+        pq.write_table(t, buf)
+        st.write_bytes(key, buf.getvalue())
+    assert inline_label_columns(st, ["dt=2025-03-01/x.parquet"]) == {"columns": ["oracle_label"], "mixed": False}
+    assert inline_label_columns(st, ["dt=2025-03-02/y.parquet"]) == {"columns": [], "mixed": False}
+    assert inline_label_columns(st, ["dt=2025-03-01/x.parquet", "dt=2025-03-02/y.parquet"]) == {
+        "columns": ["oracle_label"], "mixed": True}
+
+
+def test_a_drop_of_labelled_rows_warns_and_is_recorded(prefect_server, ray_cluster, tmp_path):
+    """The logs are rewritten without their inline labels: the next run of the window says so."""
+    from flows.pipelines.evaluate import evaluate as evaluate_flow
+    from flows.storage.publish import list_runs
+
+    uri, frame, _ = _inline_logs(tmp_path, 356)
+    params = {"logs_uri": uri, "window": "2025-03-01..2025-03-02", "evaluation": "drop",
+              "options": {"calibration_policies": ["base"], "inference": "analytic"}}
+    first = evaluate_flow(**params)
+    assert first["warnings"] == []
+    fewer = frame.copy()
+    fewer.loc[400:, ["oracle_label", "label_probability"]] = np.nan  # the 300 base labels are left
+    write_logs(Storage.for_uri(uri), pa.Table.from_pandas(fewer, preserve_index=False), basename="sim")
+    second = evaluate_flow(**params)
+    assert second["published"] and second["run_key"] != first["run_key"]
+    (msg,) = second["warnings"]
+    assert "356 -> 300" in msg and "unhelpful 56 -> 0" in msg
+    drop = list_runs(Storage.for_uri(uri), "drop")[-1]["manifest"]["labels"]["labelled_count_drop"]
+    assert drop["previous_run_key"] == first["run_key"] and drop["previous_n_labelled"] == 356
+    assert drop["n_labelled"] == 300 and drop["policies"] == {"unhelpful": {"before": 56, "now": 0}}
+
+
+# ----------------------------------------------------------------------------- anchors and scales
+
+
+def test_anchor_labels_of_a_drift_request_become_a_new_anchor_set_version(prefect_server, local_setup):
+    """A drift request asks for anchor labels ('a003'...): they go back into their anchor set."""
+    from flows.label_requests.raising import raise_drift_requests
+    from flows.storage.anchors import list_versions, read_anchor_set, write_anchor_set
+
+    s = local_setup
+    anchors_root = str(s["tmp"] / "anchors")
+    st_a = Storage.for_uri(anchors_root)
+    ids = [f"a{i:03d}" for i in range(20)]
+    write_anchor_set(st_a, "anchors", pd.DataFrame({"anchor_id": ids, "prompt": ["p"] * 20, "response": ["r"] * 20,
+                                                    "oracle_label": [0.5] * 3 + [None] * 17}))
+    look = {"look": 3, "alarm": True, "alarms": ["mean_shift"], "first_alarm": {"mean_shift": 3},
+            "meta": {"monitor": "m", "set_name": "anchors", "judge_id": "v2", "anchors_version": 1}}
+    (req,) = raise_drift_requests(None, s["uri"], look, ids, config={"drift_anchor_labels": 6, "notify": False},
+                                  now=datetime.now(timezone.utc))["requests"]
+    asked = [a["anchor_id"] for a in req["anchors"]]
+    rows = {"response_id": asked, "oracle_label": [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]}
+    path = _write_returned(s, "anchors.csv", rows)
+    # without knowing where the anchor set lives, nothing is written and the error says what to pass
+    with pytest.raises(CJEInputError, match="pass --anchors-uri"):
+        labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)
+    assert list_versions(st_a, "anchors") == [1]
+    out = labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False, anchors_uri=anchors_root)
+    assert out["version"] is None and out["rows"] == 0  # nothing for the label store
+    (v,) = out["anchors"]
+    assert v["set_name"] == "anchors" and v["version"] == 2 and v["labels"] == 6
+    new = read_anchor_set(st_a, "anchors").labels()
+    assert [new[a] for a in asked] == rows["oracle_label"]
+    assert read_anchor_set(st_a, "anchors", 1).labels().notna().sum() == 3  # version 1 untouched
+    assert {r["request_id"]: r["status"] for r in out["requests"]} == {req["request_id"]: "fulfilled"}
+    assert LabelStore(s["st"]).version() == 1
+
+
+def test_answers_on_a_one_to_five_scale_are_mapped_onto_the_requests_scale(prefect_server, local_setup):
+    s = local_setup
+    req = s["request"]
+    ids = [r["response_id"] for r in req["rows"]]
+    stars = [1 + (i % 5) for i in range(len(ids))]
+    path = _write_returned(s, "stars.csv", {"response_id": ids, "oracle_label": stars})
+    with pytest.raises(CJEInputError, match=r"label 2.0 is outside the label scale \[0, 1\]"):
+        labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False)  # scale not declared
+    out = labels(path=path, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False, label_scale=[1, 5])
+    assert out["label_scale"] == [0.0, 1.0] and out["rows"] == len(ids)
+    store = LabelStore(s["st"]).read()
+    got = dict(zip(store.column("response_id").to_pylist(), store.column("oracle_label").to_pylist()))
+    assert [got[i] for i in ids] == [(x - 1) / 4 for x in stars]
+    bad = _write_returned(s, "bad.csv", {"response_id": ids[:2], "oracle_label": [3, 6]})
+    with pytest.raises(CJEInputError, match=r"row 1: answer 6 for .* is outside the label scale \[1, 5\]"):
+        labels(path=bad, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False, label_scale=[1, 5])

@@ -1,0 +1,112 @@
+"""``cje labels``: ingest returned oracle labels (a file or a Label Studio project) and re-evaluate.
+
+A file can be a table (CSV, JSONL, Parquet), a Label Studio JSON export or Argilla records; with
+``--from label-studio --url URL --project P`` the project's annotations are pulled first and kept,
+as pulled, under ``label_requests/_pulled/`` (create-only) before they are ingested.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
+from flows.cli.requests import config_path, spec_of
+from flows.label_requests.answers import ANSWER_FORMATS, parse_scale
+from flows.storage.objects import Storage, StorageConfig
+
+PULLED = "label_requests/_pulled"
+
+
+def pull_label_studio(ns: argparse.Namespace, requests_uri: str) -> tuple[str, list[str]]:
+    """Pull a project's export into the requests storage; returns its URL and items deleted in the tool."""
+    from flows.integrations.label_studio import LabelStudio, pull_project, pushed_tasks
+
+    st = Storage.for_uri(requests_uri, StorageConfig.from_env())
+    with LabelStudio(ns.url, token_env=ns.token_env) as client:
+        got = pull_project(client, ns.project, pushed_tasks(st))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    key = f"{PULLED}/label-studio-{int(ns.project)}-{stamp}.json"
+    st.put_if_absent(key, json.dumps(got["export"], indent=1).encode())
+    return st.url(key), got["deleted"]
+
+
+def cmd_labels(ns: argparse.Namespace) -> int:
+    from flows.integrations.label_studio import LabelStudioUnavailable
+    from flows.pipelines.labels import labels
+    from flows.runtime.prefect_server import prefect_api
+
+    config = config_path(ns)
+    spec = spec_of(config, ns.evaluation)
+    requests_uri = (spec.label_requests or {}).get("requests_uri") or spec.results_uri or spec.logs_uri
+    deleted: list[str] = []
+    path, fmt = ns.file, ns.format
+    if ns.source == "label-studio":
+        if ns.file or not (ns.url and ns.project is not None):
+            sys.stderr.write("cje labels: error: --from label-studio needs --url and --project (and no file)\n")
+            return 64
+        try:
+            path, deleted = pull_label_studio(ns, requests_uri)
+        except LabelStudioUnavailable as exc:
+            sys.stderr.write(f"cje labels: error: {exc}\n")
+            return EXIT_UNAVAILABLE
+        fmt = "label-studio"
+    elif not ns.file:
+        sys.stderr.write("cje labels: error: give a label file, or --from label-studio --url URL --project P\n")
+        return 64
+    with prefect_api():
+        out = labels(path, labels_uri=spec.labels_uri or spec.logs_uri, logs_uri=spec.logs_uri,
+                     results_uri=spec.results_uri, requests_uri=requests_uri, evaluations_file=config,
+                     reevaluate=not ns.no_reevaluate, label_scale=list(ns.label_scale) if ns.label_scale else None,
+                     answers_format=fmt, answer_field=ns.answer_field, id_field=ns.id_field,
+                     anchors_uri=ns.anchors_uri)
+    _print(out, deleted)
+    return EXIT_OK
+
+
+def _print(out: dict[str, Any], deleted: list[str]) -> None:
+    w = sys.stdout.write
+    if out["version"] is not None:
+        w(f"ingested {out['rows']} label(s) from {out['source']} ({out['format']}, scale "
+          f"{out['label_scale'][0]:g}-{out['label_scale'][1]:g}): label-store version {out['version']} "
+          f"({'new' if out['new'] else 'already stored'}, {len(out['conflicts'])} conflict(s))\n")
+    for a in out.get("anchors") or []:
+        w(f"anchor set {a['set_name']}: {a['labels']} label(s) stored as version {a['version']} "
+          f"({a['relabelled']} relabelled)\n")
+    if out.get("ignored") or out.get("duplicates") or out.get("unanswered"):
+        w(f"tool answers: {out.get('duplicates', 0)} duplicate(s) counted once, ignored {out.get('ignored') or {}}, "
+          f"{out.get('unanswered', 0)} item(s) not answered yet\n")
+    if deleted:
+        w(f"warning: {len(deleted)} pushed task(s) are no longer in the labelling tool (deleted there?): "
+          f"{', '.join(deleted[:5])}{' ...' if len(deleted) > 5 else ''}; their rows stay pending; push the request "
+          "again to recreate them\n")
+    for r in out["requests"]:
+        w(f"request {r['request_id']}: {r['received']}/{r['requested']} received ({r['status']})\n")
+    for ev in out["reevaluations"]:
+        w(f"re-evaluated {ev.get('evaluation')} {ev.get('window')}: "
+          f"{'published ' + str(ev.get('run_key')) if ev.get('published') else ev.get('reason')}\n")
+
+
+def register(sub: Any) -> None:
+    """Add ``cje labels`` to the ``cje`` parser."""
+    p = sub.add_parser("labels", help="ingest returned oracle labels and re-evaluate the windows they touch")
+    p.add_argument("file", nargs="?", help="labels: CSV/JSONL/Parquet (response_id, oracle_label[, label_probability]), "
+                                           "a Label Studio JSON export or Argilla records")
+    p.add_argument("--evaluation", required=True, help="the declared evaluation whose label store receives them")
+    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--no-reevaluate", action="store_true", help="only ingest; do not re-run the evaluations")
+    p.add_argument("--from", dest="source", choices=["label-studio"], help="pull the answers from a labelling tool")
+    p.add_argument("--url", help="Label Studio URL (with --from label-studio)")
+    p.add_argument("--project", type=int, help="Label Studio project id (with --from label-studio)")
+    p.add_argument("--token-env", default="LABEL_STUDIO_API_KEY",
+                   help="environment variable holding the token (default LABEL_STUDIO_API_KEY)")
+    p.add_argument("--format", choices=ANSWER_FORMATS, default="auto", help="format of the file (default: detect)")
+    p.add_argument("--answer-field", default="oracle_label",
+                   help="the tool's answer field: column, Label Studio control or Argilla question (default oracle_label)")
+    p.add_argument("--id-field", default="response_id", help="id column of a table (default response_id)")
+    p.add_argument("--label-scale", type=parse_scale,
+                   help="scale of the answers, e.g. 1-5 (mapped onto the evaluation's label scale when it differs)")
+    p.add_argument("--anchors-uri", help="anchor-set storage for anchor labels (default: the declared drift monitor's)")
+    p.set_defaults(handler=cmd_labels)

@@ -1,0 +1,291 @@
+"""``cje requests list | show | status | export | push``: label requests as work for people.
+
+Requests live under ``label_requests/`` of the evaluation's results (or ``label_requests.requests_uri``);
+``--evaluation NAME`` finds them through the evaluations file, ``--requests-uri`` names them directly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from cje_engine.errors import CJEInputError
+
+from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
+from flows.label_requests import exports
+from flows.label_requests.manifests import list_requests, progress, summarize
+from flows.storage.objects import Storage, StorageConfig
+
+STATUSES = ("pending", "partly_fulfilled", "fulfilled", "expired")
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def config_path(ns: argparse.Namespace) -> str:
+    from flows.runtime.schedules import DEFAULT_FILE
+
+    return str(ns.config or DEFAULT_FILE)
+
+
+def spec_of(config: str, name: str):
+    from flows.runtime.schedules import load_evaluations
+
+    specs = load_evaluations(config)
+    if name not in specs:
+        raise CJEInputError(f"no evaluation named {name!r}; declared: {', '.join(sorted(specs))}", source=config)
+    return specs[name]
+
+
+def _where(spec: Any) -> dict[str, str]:
+    req = (spec.label_requests or {}).get("requests_uri") or spec.results_uri or spec.logs_uri
+    return {"requests_uri": req, "labels_uri": (spec.label_requests or {}).get("labels_uri") or spec.labels_uri
+            or spec.logs_uri, "logs_uri": spec.logs_uri}
+
+
+def roots(ns: argparse.Namespace) -> list[dict[str, str]]:
+    """Where to look: the named evaluation, every declared one, or ``--requests-uri``."""
+    if getattr(ns, "requests_uri", None):
+        return [{"requests_uri": ns.requests_uri, "labels_uri": ns.labels_uri or ns.requests_uri,
+                 "logs_uri": ns.logs_uri}]
+    if ns.evaluation:
+        return [_where(spec_of(config_path(ns), ns.evaluation))]
+    from flows.runtime.schedules import load_evaluations
+
+    seen: dict[str, dict] = {}
+    for spec in load_evaluations(config_path(ns)).values():
+        w = _where(spec)
+        seen.setdefault(w["requests_uri"], w)
+    return list(seen.values())
+
+
+def _labelled(labels_uri: str, cfg: StorageConfig) -> set[str]:
+    from flows.storage.labels import LabelStore
+
+    store = LabelStore(Storage.for_uri(labels_uri, cfg))
+    return set(store.read().column("response_id").to_pylist()) if store.version() else set()
+
+
+def _anchors_done(manifests: list[dict], anchors_uri: str | None, cfg: StorageConfig) -> set | None:
+    from flows.storage.anchors import labelled_since
+
+    sets = {(m.get("drift") or {}).get("set_name") for m in manifests if m.get("anchors")}
+    if not sets:
+        return set()
+    if not anchors_uri:
+        return None
+    st = Storage.for_uri(anchors_uri, cfg)
+    first = min(str(m.get("created_at")) for m in manifests if m.get("anchors"))
+    return {(s, a) for s in sets if s for a in labelled_since(st, s, first)}
+
+
+def collect(ns: argparse.Namespace) -> list[tuple[dict, dict, dict]]:
+    """(where, manifest, progress) of every request found."""
+    cfg = StorageConfig.from_env()
+    out = []
+    for w in roots(ns):
+        manifests = list_requests(Storage.for_uri(w["requests_uri"], cfg))
+        if not manifests:
+            continue
+        labelled = _labelled(w["labels_uri"], cfg)
+        done = _anchors_done(manifests, getattr(ns, "anchors_uri", None), cfg)
+        out += [(w, m, progress(m, labelled, done)) for m in manifests]
+    return out
+
+
+def find(ns: argparse.Namespace, request_id: str) -> tuple[dict, dict, dict]:
+    for item in collect(ns):
+        if item[1]["request_id"] == request_id:
+            return item
+    raise CJEInputError(f"no label request {request_id!r} (see `cje requests list`)")
+
+
+# --------------------------------------------------------------------------------------
+# handlers
+
+
+def _line(p: dict) -> str:
+    anchors = f" + {p['anchors_received'] if p['anchors_received'] is not None else '?'}/{p['anchors']} anchors" \
+        if p["anchors"] else ""
+    return (f"{p['request_id']}  {p['status']:<16} {p['evaluation'] or '-'}/{p['scope']:<12} "
+            f"{p['rows_received']:>4}/{p['rows']:<4} rows{anchors}  {','.join(p['triggers'])}  "
+            f"deadline {str(p['deadline'])[:10]}")
+
+
+def cmd_list(ns: argparse.Namespace) -> int:
+    items = [p for _, _, p in collect(ns) if ns.status is None or p["status"] == ns.status]
+    if ns.json:
+        sys.stdout.write(json.dumps(items, indent=1) + "\n")
+        return EXIT_OK
+    if not items:
+        sys.stdout.write("no label requests" + (f" with status {ns.status}" if ns.status else "") + "\n")
+    for p in items:
+        sys.stdout.write(_line(p) + "\n")
+    return EXIT_OK
+
+
+def cmd_show(ns: argparse.Namespace) -> int:
+    w, m, p = find(ns, ns.request_id)
+    if ns.json:
+        sys.stdout.write(json.dumps(dict(m, progress=p), indent=1, default=str) + "\n")
+        return EXIT_OK
+    out = [_line(p), f"  requests: {w['requests_uri']}", f"  window {m.get('window')}  design {m.get('design')}",
+           f"  budget {m.get('budget', {}).get('period')}: {m.get('n_labels')} label(s)"]
+    out += [f"  reason [{r['trigger']}] {r['reason']}" for r in m.get("reasons") or []]
+    if m.get("note"):
+        out.append(f"  note: {m['note']}")
+    if m.get("drift"):
+        out.append(f"  drift: monitor {m['drift'].get('monitor')}, anchor set {m['drift'].get('set_name')}, "
+                   f"look {m['drift'].get('look')}; traffic: {m['drift'].get('traffic')}")
+    sys.stdout.write("\n".join(out) + "\n")
+    return EXIT_OK
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    items = [p for _, _, p in collect(ns)]
+    s = summarize(items)
+    if ns.json:
+        sys.stdout.write(json.dumps(dict(s, items=items), indent=1) + "\n")
+        return EXIT_OK
+    lines = [f"{s['requests']} request(s), {s['received']} of {s['requested']} label(s) received"]
+    lines += [f"  {st:<16} {s['by_status'].get(st, 0)}" for st in STATUSES]
+    lines.append("by reason:")
+    lines += [f"  {t:<18} {r['requests']} request(s), {r['received']}/{r['requested']} label(s)"
+              for t, r in sorted(s["by_reason"].items())]
+    lines += ["", *[_line(p) for p in items]]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return EXIT_OK
+
+
+def request_items(w: dict, m: dict, ns: argparse.Namespace) -> list[dict]:
+    """The request's items with text from the logs (and the anchor set)."""
+    cfg = StorageConfig.from_env()
+    cols = tuple(ns.text_columns)
+    logs_uri = ns.logs_uri or m.get("logs_uri") or w.get("logs_uri")
+    if m.get("rows") and not logs_uri:
+        raise CJEInputError(f"request {m['request_id']} does not name its logs; pass --logs-uri")
+    texts = exports.read_texts(logs_uri, cfg, m.get("rows") or [], cols) if m.get("rows") else {}
+    anchor_texts = None
+    if m.get("anchors"):
+        drift = m.get("drift") or {}
+        anchors_uri = ns.anchors_uri or _monitor_anchors_uri(ns, drift.get("set_name"))
+        if anchors_uri:
+            anchor_texts = exports.read_anchor_texts(anchors_uri, cfg, drift.get("set_name"),
+                                                     drift.get("anchors_version"), cols)
+    return exports.request_items(m, texts, anchor_texts, text_columns=cols, include_judge_score=ns.include_judge_score)
+
+
+def _monitor_anchors_uri(ns: argparse.Namespace, set_name: str | None) -> str | None:
+    try:
+        from flows.pipelines.drift import load_drift_monitors  # large module: only for drift requests
+
+        for spec in load_drift_monitors(config_path(ns)).values():
+            if spec.set_name == set_name:
+                return spec.anchors_uri
+    except CJEInputError:
+        return None
+    return None
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    w, m, _ = find(ns, ns.request_id)
+    items = request_items(w, m, ns)
+    data = exports.export_request(items, ns.format, tuple(ns.text_columns), m.get("label_scale") or (0.0, 1.0))
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(data)
+    extra = ""
+    if ns.format == "label-studio":
+        cfg_path = out.with_suffix(".label_config.xml")
+        cfg_path.write_text(exports.label_studio_config(m.get("label_scale") or (0, 1), tuple(ns.text_columns),
+                                                         ns.include_judge_score))
+        extra = f" (labeling config: {cfg_path})"
+    sys.stdout.write(f"request {m['request_id']}: {len(items)} item(s) as {ns.format} in {out}{extra}; judge scores "
+                     f"{'included' if ns.include_judge_score else 'left out'}\n")
+    return EXIT_OK
+
+
+def cmd_push(ns: argparse.Namespace) -> int:
+    from flows.integrations.label_studio import LabelStudio, LabelStudioUnavailable, push_request
+
+    w, m, _ = find(ns, ns.request_id)
+    items = request_items(w, m, ns)
+    tasks = exports.to_label_studio(items, tuple(ns.text_columns))
+    try:
+        with LabelStudio(ns.url, token_env=ns.token_env) as client:
+            project = ns.project
+            if project is None:
+                title = ns.new_project or f"cje {m['request_id']}"
+                project = client.create_project(title, exports.label_studio_config(
+                    m.get("label_scale") or (0, 1), tuple(ns.text_columns), ns.include_judge_score),
+                    description=exports._reason_text(m)[:1000])
+            out = push_request(client, project, m, tasks, st=Storage.for_uri(w["requests_uri"],
+                                                                             StorageConfig.from_env()))
+    except LabelStudioUnavailable as exc:
+        sys.stderr.write(f"cje requests push: error: {exc}\n")
+        return EXIT_UNAVAILABLE
+    sys.stdout.write(f"request {m['request_id']}: {out['imported']} task(s) imported into Label Studio project "
+                     f"{out['project']} at {ns.url} ({out['already']} there already)\n")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------
+# parser
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--evaluation", help="a declared evaluation (default: every declared one)")
+    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--requests-uri", help="where label_requests/ lives (instead of --evaluation)")
+    p.add_argument("--labels-uri", help="the label store (with --requests-uri; default the same root)")
+    p.add_argument("--logs-uri", help="logs to join the text from (default: the request's)")
+    p.add_argument("--anchors-uri", help="anchor sets of drift requests (default: the declared drift monitor's)")
+
+
+def _text(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text-columns", type=_csv, default=list(exports.DEFAULT_TEXT_COLUMNS),
+                   help="log columns shown to labellers (default prompt,response)")
+    p.add_argument("--include-judge-score", action="store_true",
+                   help="show the judge score (default: left out, labellers stay blind to it)")
+
+
+def register(sub: Any) -> None:
+    """Add ``cje requests ...`` to the ``cje`` parser."""
+    p = sub.add_parser("requests", help="list, show, export and push oracle label requests")
+    rs = p.add_subparsers(dest="requests_command", required=True)
+    q = rs.add_parser("list", help="requests with their status and counts")
+    _common(q)
+    q.add_argument("--status", choices=STATUSES)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(handler=cmd_list)
+    q = rs.add_parser("show", help="one request: reasons, budget, progress")
+    q.add_argument("request_id")
+    _common(q)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(handler=cmd_show)
+    q = rs.add_parser("status", help="counts per status and per reason")
+    _common(q)
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(handler=cmd_status)
+    q = rs.add_parser("export", help="a request as CSV, JSONL, Label Studio tasks or Argilla records")
+    q.add_argument("request_id")
+    q.add_argument("--format", choices=exports.FORMATS, default="csv")
+    q.add_argument("--out", required=True, help="output file")
+    _common(q)
+    _text(q)
+    q.set_defaults(handler=cmd_export)
+    q = rs.add_parser("push", help="push a request into a labelling tool")
+    q.add_argument("request_id")
+    q.add_argument("--to", choices=["label-studio"], required=True)
+    q.add_argument("--url", required=True, help="Label Studio URL")
+    g = q.add_mutually_exclusive_group(required=True)
+    g.add_argument("--project", type=int, help="an existing project id")
+    g.add_argument("--new-project", help="create a project with this title (labeling config from the request)")
+    q.add_argument("--token-env", default="LABEL_STUDIO_API_KEY",
+                   help="environment variable holding the token (default LABEL_STUDIO_API_KEY)")
+    _common(q)
+    _text(q)
+    q.set_defaults(handler=cmd_push)

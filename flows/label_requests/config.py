@@ -1,0 +1,178 @@
+"""Settings of automatic label requests and the small helpers every module shares."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+import numpy as np
+
+from cje_engine.errors import CJEInputError
+
+PREFIX = "label_requests"
+MANIFEST_VERSION = 1
+TRIGGERS = ("audit_failed", "no_own_labels", "audit_inconclusive", "drift_alarm", "thin_support", "under_labelled")
+#: Design chosen for each trigger; a merged request uses the most specific (targeted > stratified > random).
+DESIGN_OF = {"audit_failed": "stratified", "no_own_labels": "stratified", "audit_inconclusive": "stratified",
+             "drift_alarm": "stratified", "thin_support": "targeted", "under_labelled": "stratified"}
+DESIGNS = ("random", "stratified", "targeted")
+_DESIGN_RANK = {"random": 0, "stratified": 1, "targeted": 2}
+_ID_RE = re.compile(r"^lr-\d{8}-[0-9a-f]{12}$")
+
+
+# --------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True)
+class RequestConfig:
+    """Settings of automatic label requests (all optional; JSON-ready via `to_dict`).
+
+    Parameters
+    ----------
+    max_labels_per_period : int
+        Budget: labels requested per ISO week (all requests created that week count).
+    max_labels_per_request : int
+        Cap of one request.
+    deadline_days : float
+        A request not fulfilled this many days after creation is ``expired``.
+    c_S, c_Y : float
+        Cost of one judged response and of one oracle label (square-root law).
+    target_se : float, optional
+        SE a recalibrated level should reach; default ``audit_margin / z_{1-alpha/2}``
+        (95% CI half-width equal to the audit margin).
+    share_margin : float
+        ``under_labelled`` fires when calibration share > oracle budget share + this.
+    new_policy_labels : int, optional
+        Labels for a policy without own labels; default sized so that a pass is reachable
+        (module docs).
+    drift_traffic_labels, drift_anchor_labels : int
+        Sizes of a drift request (recent traffic rows; anchors when anchor ids are given).
+    recent_days : int
+        "Recent traffic" = the last ``recent_days`` log dates present.
+    background_share : float
+        Share of a targeted request drawn from outside the targeted score regions (keeps
+        every unlabelled row's probability positive, hence the estimates unbiased).
+    n_strata : int
+        Score strata of a stratified design.
+    seed : int
+    triggers : list of str
+        Enabled trigger rules.
+    labels_uri : str, optional
+        Label store to join when the logs are given as a URI (default: the logs URI).
+    requests_uri : str, optional
+        Where requests live (default: the results URI).
+    webhook_url : str, optional
+        Notification receiver (default ``$CJE_WEBHOOK_URL``).
+    notify : bool
+        Send ``label_request`` notifications.
+    """
+
+    max_labels_per_period: int = 2000
+    max_labels_per_request: int = 500
+    deadline_days: float = 7.0
+    c_S: float = 1.0
+    c_Y: float = 16.0
+    target_se: float | None = None
+    share_margin: float = 0.05
+    new_policy_labels: int | None = None
+    drift_traffic_labels: int = 100
+    drift_anchor_labels: int = 50
+    recent_days: int = 1
+    background_share: float = 0.2
+    n_strata: int = 5
+    seed: int = 0
+    triggers: tuple[str, ...] = TRIGGERS
+    labels_uri: str | None = None
+    requests_uri: str | None = None
+    webhook_url: str | None = None
+    notify: bool = True
+
+    def __post_init__(self) -> None:
+        def whole(name: str, lo: int) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise CJEInputError(f"label request setting {name} must be a whole number >= {lo}, got {v!r}")
+            object.__setattr__(self, name, int(v))
+
+        def positive(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and math.isfinite(float(v))
+            if not ok or float(v) < 0 or (float(v) == 0 and not allow_zero):
+                raise CJEInputError(f"label request setting {name} must be a number {'>=' if allow_zero else '>'} 0, "
+                                    f"got {v!r}")
+            object.__setattr__(self, name, float(v))
+
+        for name in ("max_labels_per_period", "max_labels_per_request", "drift_traffic_labels",
+                     "drift_anchor_labels", "seed"):
+            whole(name, 0)
+        whole("recent_days", 1)
+        whole("n_strata", 1)
+        for name in ("deadline_days", "c_S", "c_Y"):
+            positive(name)
+        positive("share_margin", allow_zero=True)
+        if self.target_se is not None:
+            positive("target_se")
+        if self.new_policy_labels is not None:
+            whole("new_policy_labels", 1)
+        if not (isinstance(self.background_share, (int, float)) and 0 <= self.background_share < 1):
+            raise CJEInputError(f"label request setting background_share must be in [0, 1), got "
+                                f"{self.background_share!r}")
+        trig = (self.triggers,) if isinstance(self.triggers, str) else tuple(self.triggers)
+        bad = [t for t in trig if t not in TRIGGERS]
+        if bad:
+            raise CJEInputError(f"unknown label request trigger(s) {bad}; expected some of {list(TRIGGERS)}")
+        object.__setattr__(self, "triggers", trig)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | "RequestConfig" | None) -> "RequestConfig":
+        """From a mapping (e.g. the ``label_requests`` entry of an evaluation); errors name the key."""
+        if d is None:
+            return cls()
+        if isinstance(d, RequestConfig):
+            return d
+        if not isinstance(d, Mapping):
+            raise CJEInputError(f"label request settings must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise CJEInputError(f"unknown label request setting(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["triggers"] = list(self.triggers)
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# small helpers
+
+
+def iso_period(when: datetime) -> str:
+    """ISO week of a UTC time, e.g. ``2025-W09`` (the budget period)."""
+    y, w, _ = when.astimezone(timezone.utc).isocalendar()
+    return f"{y}-W{w:02d}"
+
+
+def _now(now: datetime | str | None) -> datetime:
+    if now is None:
+        return datetime.now(timezone.utc)
+    if isinstance(now, str):
+        now = datetime.fromisoformat(now)
+    return now if now.tzinfo else now.replace(tzinfo=timezone.utc)
+
+
+def _hash(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _seed_for(seed: int, request_id: str) -> int:
+    return int(_hash(seed, request_id)[:16], 16)
+
+
+PRIORITY = {t: i for i, t in enumerate(TRIGGERS)}

@@ -1,0 +1,334 @@
+"""The six trigger rules (pure): which policies need labels, how many, and why (docs/label-requests.md)."""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+from scipy.stats import norm
+
+from cje_engine.errors import CJEInputError
+from cje_engine.planning.planner import (VarianceComponents, is_under_labelled, labels_to_request,
+                                         policy_components)
+
+from flows.label_requests.config import DESIGN_OF, RequestConfig
+
+log = logging.getLogger(__name__)
+
+
+def _unwrap_result(published: Mapping[str, Any]) -> tuple[dict, dict]:
+    """(result dict, run info) from a result dict or the evaluate flow's return value."""
+    if not isinstance(published, Mapping):
+        raise CJEInputError(f"expected a published result dict, got {type(published).__name__}")
+    if "policies" in published:
+        return dict(published), {}
+    inner = published.get("result")
+    if isinstance(inner, Mapping) and "policies" in inner:
+        info = {k: published.get(k) for k in ("run_key", "path", "window", "evaluation", "published")}
+        return dict(inner), info
+    raise CJEInputError("the published result has no 'policies' section (expected evaluate(...).to_dict() or the "
+                        "evaluate flow's return value)", column="policies")
+
+
+def _as_table(logs: Any) -> pa.Table:
+    if isinstance(logs, pa.Table):
+        table = logs
+    else:
+        try:
+            table = pa.Table.from_pandas(logs, preserve_index=False)
+        except Exception:
+            raise CJEInputError(f"logs must be a pyarrow Table, a pandas DataFrame or a URI, got "
+                                f"{type(logs).__name__}") from None
+    for col in ("response_id", "policy", "judge_score"):
+        if col not in table.column_names:
+            raise CJEInputError(f"the evaluated logs lack column {col!r} (found {table.column_names})",
+                                source="<logs>", column=col)
+    return table
+
+
+@dataclass
+class _Rows:
+    """Numpy view of the evaluated logs (only what the triggers need)."""
+
+    rid: np.ndarray
+    policy: np.ndarray
+    score: np.ndarray
+    labelled: np.ndarray
+    prob: np.ndarray
+    prompt: np.ndarray | None
+    dt: np.ndarray | None
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> "_Rows":
+        n = table.num_rows
+
+        def strings(name: str) -> np.ndarray:
+            col = table.column(name)
+            if pa.types.is_dictionary(col.type):
+                col = col.cast(col.type.value_type)
+            return np.asarray(col.cast(pa.string()).to_pylist(), dtype=object)
+
+        score = table.column("judge_score").cast(pa.float64()).to_numpy()
+        if "oracle_label" in table.column_names:
+            lab = table.column("oracle_label").cast(pa.float64()).to_numpy(zero_copy_only=False)
+            labelled = ~np.isnan(lab)  # nulls arrive as NaN
+        else:
+            labelled = np.zeros(n, dtype=bool)
+        if "label_probability" in table.column_names:
+            prob = table.column("label_probability").cast(pa.float64()).to_numpy(zero_copy_only=False)
+            prob = np.where(np.isnan(prob), 1.0, prob)
+        else:
+            prob = np.ones(n)
+        return cls(rid=strings("response_id"), policy=strings("policy"), score=score, labelled=labelled,
+                   prob=prob, prompt=strings("prompt_id") if "prompt_id" in table.column_names else None,
+                   dt=strings("dt") if "dt" in table.column_names else None)
+
+
+def _prior_probability(rows: _Rows, policy: str) -> float:
+    """Harmonic mean of the stored label probabilities of the policy's labels (1 if none)."""
+    sel = rows.labelled & (rows.policy == policy)
+    if not sel.any():
+        return 1.0
+    return float(sel.sum() / np.sum(1.0 / rows.prob[sel]))
+
+
+# --------------------------------------------------------------------------------------
+# trigger rules (pure)
+
+
+def _z(alpha: float) -> float:
+    return float(norm.ppf(1 - alpha / 2))
+
+
+def _target_se(result: Mapping, cfg: RequestConfig) -> float:
+    if cfg.target_se is not None:
+        return cfg.target_se
+    conf = result.get("config") or {}
+    lo, hi = (conf.get("label_scale") or [0.0, 1.0])[:2]
+    margin = float(conf.get("audit_margin", 0.05)) * (float(hi) - float(lo))
+    return margin / _z(float(conf.get("alpha", 0.05)))
+
+
+def _pooled_residual_sd(result: Mapping) -> float:
+    """Residual SD per label pooled over audited policies (sqrt of the median se^2 * n)."""
+    vals = []
+    for p in result["policies"].values():
+        a = p.get("audit") or {}
+        if a.get("se") and a.get("n_labels"):
+            vals.append(float(a["se"]) ** 2 * float(a["n_labels"]))
+    if vals:
+        return math.sqrt(float(np.median(vals)))
+    lo, hi = ((result.get("config") or {}).get("label_scale") or [0.0, 1.0])[:2]
+    return 0.25 * (float(hi) - float(lo))  # a label with a spread of a quarter of its scale
+
+
+def _trigger(code: str, scope: str, labels: int, reason: str, **detail: Any) -> dict:
+    return {"trigger": code, "scope": scope, "labels": int(max(0, labels)), "design": DESIGN_OF[code],
+            "reason": reason, "detail": detail}
+
+
+def audit_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
+    """Triggers 1-3: no own labels, inconclusive audit, failed audit."""
+    conf = result.get("config") or {}
+    alpha = float(conf.get("alpha", 0.05))
+    min_labels = int(conf.get("min_labels", 10))
+    lo, hi = (conf.get("label_scale") or [0.0, 1.0])[:2]
+    margin = float(conf.get("audit_margin", 0.05)) * (float(hi) - float(lo))
+    target = _target_se(result, cfg)
+    out = []
+    for name, p in result["policies"].items():
+        a = p.get("audit") or {}
+        verdict = a.get("verdict")
+        n_own = int(p.get("n_labelled") or 0)
+        if verdict == "not_run" and "no_own_labels" in cfg.triggers:
+            if cfg.new_policy_labels is not None:
+                n, how = cfg.new_policy_labels, "configured new_policy_labels"
+            else:
+                m = int(a.get("family_size") or 0) + 1
+                z_adj = float(norm.ppf(1 - alpha / (2 * m)))
+                sd = _pooled_residual_sd(result)
+                n = max(min_labels, math.ceil((z_adj * sd / margin) ** 2))
+                how = (f"n = max(min_labels={min_labels}, ceil((z_adj * sd_r / margin)^2)) with z_adj={z_adj:.3f} "
+                       f"(Bonferroni over {m} audits), pooled residual SD sd_r={sd:.4f}, margin={margin:g}: the "
+                       f"fewest labels whose adjusted CI fits inside the margin if the calibration transports")
+            out.append(_trigger("no_own_labels", name, n - n_own,
+                                f"policy {name!r} has {n_own} audit label(s) of its own: the calibration's transport "
+                                f"to it is untested", sizing=how, n_labelled=n_own))
+        elif verdict == "inconclusive" and "audit_inconclusive" in cfg.triggers:
+            extra = a.get("extra_labels_needed")
+            if extra is None:
+                extra = max(min_labels - n_own, 1)
+            out.append(_trigger("audit_inconclusive", name, int(extra),
+                                f"the transport audit of {name!r} is inconclusive ({a.get('reason')})",
+                                sizing="the audit's extra_labels_needed: n (se / target)^2 - n with target = "
+                                       "(margin - |delta|) / z_adj (or |delta| / z_adj past the margin)",
+                                residual_mean=a.get("residual_mean"), se=a.get("se"), n_labelled=n_own))
+        elif verdict == "fail" and "audit_failed" in cfg.triggers:
+            need_min = max(0, min_labels - n_own)
+            vc = p.get("variance_components") or {}
+            n_prompts = float(vc.get("n_prompts") or p.get("n_rows") or 0)
+            s2_res = float(a.get("se") or 0.0) ** 2 * max(n_own, 1)
+            # Variance of a recalibrated (augmented) level: evaluation part of the estimate plus the
+            # residual mean over own labels.  sigma2_eval from the result; sigma2 of the residual
+            # term from the audit's clustered SE (se^2 * n_own).
+            s2_eval = float(vc.get("sigma2_eval") or 0.0)
+            plan = None
+            need_se = 0
+            if n_prompts >= 1 and (s2_eval > 0 or s2_res > 0):
+                comps = VarianceComponents(s2_eval, s2_res, target=name, method="recalibration of a failed audit")
+                plan = labels_to_request(comps, n_prompts, min(max(n_own, 1), n_prompts), cfg.c_S, cfg.c_Y,
+                                         target_se=target, max_labels=cfg.max_labels_per_request)
+                need_se = int(plan["labels"]) if (float(p.get("se") or 0) > target or need_min > 0
+                                                  or p.get("basis_code") != "recalibrated") else 0
+            n = max(need_min, need_se)
+            if n > 0:
+                out.append(_trigger(
+                    "audit_failed", name, n,
+                    f"the transport audit of {name!r} failed ({a.get('reason')}); labels for a policy-specific "
+                    f"recalibration", level_claim=p.get("level_claim"), basis=p.get("basis_code"), n_labelled=n_own,
+                    sizing=(f"max(min_labels - n_own = {need_min}, labels for SE <= {target:.4g} with Var = "
+                            f"sigma2_eval/n + sigma2_res/m, sigma2_res = audit se^2 * n_own = {s2_res:.4g}, "
+                            f"sigma2_eval = {s2_eval:.4g}, n = {n_prompts:g})"),
+                    planner=plan))
+    return out
+
+
+def under_labelled_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
+    """Trigger 6: the square-root allocation law says the calibration is under-labelled."""
+    if "under_labelled" not in cfg.triggers:
+        return []
+    out = []
+    for name, p in result["policies"].items():
+        try:
+            comps = policy_components(result, name)
+        except CJEInputError as exc:
+            log.info("under_labelled: skipping %s (%s)", name, exc)
+            continue
+        n, m = comps.n_pilot, comps.m_pilot
+        if m is None or n is None or m > n:
+            continue
+        if not is_under_labelled(comps, n, m, cfg.c_S, cfg.c_Y, margin=cfg.share_margin):
+            continue
+        cal, bud = comps.shares(n, m, cfg.c_S, cfg.c_Y)
+        plan = labels_to_request(comps, n, m, cfg.c_S, cfg.c_Y, max_labels=cfg.max_labels_per_request)
+        own = p.get("basis_code") in ("augmented", "recalibrated")
+        scope = name if own else "calibration"
+        out.append(_trigger(
+            "under_labelled", scope, int(plan["labels"]),
+            f"{name!r}: calibration share of the variance {cal:.0%} exceeds the oracle share of the budget {bud:.0%} "
+            f"(+{cfg.share_margin:.0%} margin) at c_Y/c_S = {cfg.c_Y / cfg.c_S:g}: the "
+            + ("policy's own labels are" if own else "shared calibration labels are") + " under-labelled",
+            policy=name, calibration_share=cal, oracle_budget_share=bud,
+            sizing="planner.labels_to_request(goal='balance'): raise m to ceil(r* n), r* = sqrt(sigma2_cal c_S / "
+                   "(sigma2_eval c_Y)) (square-root law)", planner=plan))
+    return out
+
+
+def support_regions(rows: _Rows, result: Mapping, policy: str) -> tuple[list[dict], dict]:
+    """Thinly supported judge-score values of a policy and the labels each needs.
+
+    The engine's rule (result ``support.rule``): a score is thin when fewer than
+    ``support_min_labels`` calibration labels lie within ``+/- h`` (``h = support_bandwidth *
+    score range``) or it is outside the calibration labels' range.  Deficits are allocated
+    greedily from low to high score: labels placed at a score also count for scores within
+    ``h``.  Returns ``[{"score", "n_rows", "have", "labels"}]`` and the rule's parameters.
+    """
+    conf = result.get("config") or {}
+    cal_pols = (result.get("calibration") or {}).get("calibration_policies") or conf.get("calibration_policies")
+    k_min = int(conf.get("support_min_labels", 10))
+    bw = float(conf.get("support_bandwidth", 0.05))
+    scale = conf.get("score_scale")
+    if scale:
+        width = float(scale[1]) - float(scale[0])
+    else:
+        width = float(np.nanmax(rows.score) - np.nanmin(rows.score)) or 1.0
+    h = bw * width
+    tol = 1e-9 * width
+    cal = rows.labelled & (np.isin(rows.policy, list(cal_pols)) if cal_pols else True)
+    cs = np.sort(rows.score[cal])
+    pol = rows.score[rows.policy == policy]
+    values, counts = np.unique(pol, return_counts=True)
+    placed: list[float] = []
+    regions = []
+    for s, n_rows in zip(values, counts):
+        have = int(np.searchsorted(cs, s + h + tol, side="right") - np.searchsorted(cs, s - h - tol, side="left"))
+        have += sum(1 for x in placed if abs(x - s) <= h + tol)
+        outside = cs.size == 0 or s < cs[0] - tol or s > cs[-1] + tol
+        need = max(0, k_min - have) if (have < k_min or outside) else 0
+        if outside and need == 0:
+            need = 1  # outside the labelled range: at least one label there extends it
+        if need:
+            placed.extend([float(s)] * need)
+            regions.append({"score": float(s), "n_rows": int(n_rows), "have": have, "labels": int(need)})
+    return regions, {"support_min_labels": k_min, "bandwidth": h}
+
+
+def support_triggers(rows: _Rows, result: Mapping, cfg: RequestConfig) -> list[dict]:
+    """Trigger 5: limited calibration support where a policy's scores lie."""
+    if "thin_support" not in cfg.triggers:
+        return []
+    out = []
+    for name, p in result["policies"].items():
+        sup = p.get("support") or {}
+        if not sup.get("limited"):
+            continue
+        regions, rule = support_regions(rows, result, name)
+        n = sum(r["labels"] for r in regions)
+        if n == 0:
+            continue
+        total = math.ceil(n / (1 - cfg.background_share))
+        trig = _trigger("thin_support", name, total,
+                        f"limited calibration support for {name!r}: {float(sup.get('share_thin') or 0):.0%} of its "
+                        f"judge scores lie where calibration labels are thin or absent; targeted labels in "
+                        f"{len(regions)} score value(s)", regions=regions, rule=rule,
+                        sizing=(f"sum of per-score deficits (support_min_labels - labels within +/-{rule['bandwidth']:g}"
+                                f", greedy) = {n}, plus a background share {cfg.background_share:g} drawn outside "
+                                f"the regions"))
+        out.append(trig)
+    return out
+
+
+def drift_triggers(drift_look: Mapping | None, cfg: RequestConfig, anchor_ids: Sequence[str] | None) -> list[dict]:
+    """Trigger 4: a drift alarm asks for fresh labels on anchors and recent traffic."""
+    if not drift_look or "drift_alarm" not in cfg.triggers:
+        return []
+    if not isinstance(drift_look, Mapping):
+        raise CJEInputError(f"drift look must be a dict (DriftLook.to_dict()), got {type(drift_look).__name__}")
+    alarms = list(drift_look.get("alarms") or [])
+    if not (drift_look.get("alarm") or alarms):
+        return []
+    meta = drift_look.get("meta") or {}
+    first = drift_look.get("first_alarm") or {}
+    new = [m for m in alarms if first.get(m) == drift_look.get("look")]
+    where = ", ".join(f"{k} {meta[k2]}" for k, k2 in (("judge", "judge_id"), ("monitor", "monitor"),
+                                                      ("anchor set", "set_name")) if meta.get(k2))
+    return [_trigger("drift_alarm", "drift", cfg.drift_traffic_labels,
+                     f"judge drift alarm at look {drift_look.get('look')}" + (f" ({where})" if where else "")
+                     + f" on {', '.join(alarms) or 'a metric'}: fresh labels on recent traffic"
+                     + (" and anchors" if anchor_ids else ""),
+                     look=drift_look.get("look"), look_key=meta.get("look_key"), judge_id=meta.get("judge_id"),
+                     monitor=meta.get("monitor"), set_name=meta.get("set_name"),
+                     anchors_version=meta.get("anchors_version"), alarms=alarms, new_alarms=new,
+                     first_alarm=drift_look.get("first_alarm"),
+                     n_anchor_labels=min(cfg.drift_anchor_labels, len(anchor_ids or [])),
+                     sizing=f"configured drift_traffic_labels={cfg.drift_traffic_labels}, "
+                            f"drift_anchor_labels={cfg.drift_anchor_labels}")]
+
+
+def find_triggers(result: Mapping, logs: Any, config: Mapping | RequestConfig | None = None, *,
+                  drift_look: Mapping | None = None, anchor_ids: Sequence[str] | None = None) -> list[dict]:
+    """Every trigger that fires for a published result (pure; no storage)."""
+    cfg = RequestConfig.from_dict(config)
+    result, _ = _unwrap_result(result)
+    return _find_triggers(result, _Rows.from_table(_as_table(logs)), cfg, drift_look, anchor_ids)
+
+
+def _find_triggers(result: Mapping, rows: _Rows, cfg: RequestConfig, drift_look: Mapping | None,
+                   anchor_ids: Sequence[str] | None) -> list[dict]:
+    anchor_ids = None if anchor_ids is None else [str(a) for a in anchor_ids]
+    trig = audit_triggers(result, cfg) + support_triggers(rows, result, cfg) + under_labelled_triggers(result, cfg)
+    trig += drift_triggers(drift_look, cfg, anchor_ids)
+    return [t for t in trig if t["labels"] > 0 or t["detail"].get("n_anchor_labels", 0) > 0]

@@ -1,0 +1,86 @@
+"""The ``evaluate_and_audit`` flow: the `evaluate` flow, then notifications and automatic label requests.
+
+It is the flow that ``cje run``, ``cje serve`` (scheduled deployments), the demo and the re-evaluations of
+the ``labels`` flow call (docs/label-requests.md).  A failure after publishing (notification or request
+step) never unpublishes the result: it is logged and returned as ``label_requests_error``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+from prefect.utilities.annotations import quote
+
+from flows.integrations.notify import notify_result
+from flows.label_requests.config import RequestConfig
+from flows.label_requests.raising import raise_requests_for_run
+from flows.pipelines.evaluate import evaluate
+from flows.storage.objects import StorageConfig
+
+
+@task(name="raise_label_requests", retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE)
+def raise_label_requests(results_uri: str, cfg: Any, evaluation: str, window: str, outcome: dict,
+                         logs_uri: str, config: dict, drift_look: dict | None,
+                         anchor_ids: list[str] | None) -> list[dict]:
+    """`flows.label_requests.raising.raise_requests_for_run` as a Prefect task (storage retries)."""
+    return raise_requests_for_run(cfg, results_uri, evaluation, window, outcome, logs_uri, config,
+                                  drift_look=drift_look, anchor_ids=anchor_ids)
+
+
+@flow(name="evaluate_and_audit", log_prints=False, validate_parameters=True)
+def evaluate_and_audit(
+    logs_uri: str,
+    window: str = "last 7 days",
+    evaluation: str = "default",
+    results_uri: str | None = None,
+    labels_uri: str | None = None,
+    policies: list[str] | None = None,
+    options: dict[str, Any] | None = None,
+    as_of: str | None = None,
+    n_chunks: int | None = None,
+    retry_delays: list[float] | None = None,
+    label_requests: dict[str, Any] | None = None,
+    drift_look: dict[str, Any] | None = None,
+    anchor_ids: list[str] | None = None,
+    mode: str = "direct",
+) -> dict:
+    """The `evaluate` flow, then notifications and automatic label requests.
+
+    Same parameters as `flows.pipelines.evaluate.evaluate` (``mode`` is passed on when that flow
+    has it), plus ``label_requests`` (a `RequestConfig` mapping), ``drift_look``
+    (`DriftLook.to_dict()`) and ``anchor_ids``.
+
+    Returns
+    -------
+    dict
+        The `evaluate` flow's output plus ``notifications``, ``label_requests`` (manifests created)
+        and ``warnings`` (e.g. a labelled count that dropped against the previous run of the window).
+    """
+    logger = get_run_logger()
+    cfg_req = RequestConfig.from_dict(label_requests)  # bad settings fail before any work
+    req_dict = cfg_req.to_dict()
+    req_dict["labels_uri"] = req_dict["labels_uri"] or labels_uri or logs_uri
+    extra = {"mode": mode} if (mode != "direct" or "mode" in evaluate.parameters.properties) else {}
+    out = evaluate(logs_uri=logs_uri, window=window, evaluation=evaluation, results_uri=results_uri,
+                   labels_uri=labels_uri, policies=policies, options=options, as_of=as_of, n_chunks=n_chunks,
+                   retry_delays=retry_delays, **extra)
+    out["notifications"] = []
+    out["label_requests"] = []
+    if out.get("published"):  # a rerun of a published run notifies nothing new
+        out["notifications"] = notify_result(out["result"], evaluation=evaluation, window=out["window"],
+                                             path=out.get("path"), webhook_url=cfg_req.webhook_url)
+    cfg = StorageConfig.from_env()
+    try:
+        out["label_requests"] = raise_label_requests(results_uri or logs_uri, quote(cfg), evaluation,
+                                                     out["window"], quote(out), logs_uri, req_dict, drift_look,
+                                                     anchor_ids)
+    except Exception as exc:  # noqa: BLE001 - the result is published; report, do not unpublish
+        logger.error("label requests for %s/%s failed: %s", evaluation, out["window"], exc)
+        out["label_requests_error"] = f"{type(exc).__name__}: {exc}"
+    logger.info("%d label request(s) raised", len(out["label_requests"]))
+    return out
+
+
+__all__ = ["evaluate_and_audit"]

@@ -1,0 +1,178 @@
+"""Exports of a request (CSV, JSONL, Label Studio, Argilla), answers back, `cje requests` commands."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from datetime import datetime, timedelta, timezone
+
+import pyarrow as pa
+import pytest
+
+from cje_engine.errors import CJEInputError
+from flows.cli.main import main
+from flows.label_requests.answers import parse_argilla, parse_label_studio, parse_scale, parse_table, rescale
+from flows.label_requests.exports import argilla_settings, label_studio_config
+from flows.label_requests.manifests import list_requests
+from flows.label_requests.raising import raise_requests_for_run
+from flows.storage.labels import LabelStore
+from flows.storage.logs import write_logs
+from flows.storage.objects import Storage
+
+CFG = {"notify": False, "triggers": ["audit_failed"], "max_labels_per_request": 12, "target_se": 0.001}
+
+
+@pytest.fixture
+def raised(audit_case, tmp_path):
+    """Logs with prompt/response text in a local folder and one pending request on unhelpful."""
+    sim, table, result = audit_case
+    frame = table.to_pandas()
+    frame["prompt"] = "prompt of " + frame["prompt_id"]
+    frame["response"] = "answer " + frame["response_id"]
+    frame["ts"] = [datetime.fromisoformat(d).replace(tzinfo=timezone.utc) + timedelta(hours=1) for d in frame["dt"]]
+    root = str(tmp_path / "data")
+    st = Storage.for_uri(root)
+    write_logs(st, pa.Table.from_pandas(frame.drop(columns=["dt", "oracle_label", "label_probability"]),
+                                        preserve_index=False), basename="sim")
+    labelled = frame[frame["oracle_label"].notna()]
+    LabelStore(st).append(pa.Table.from_pandas(labelled[["response_id", "oracle_label", "label_probability"]],
+                                               preserve_index=False), "initial")
+    (m,) = raise_requests_for_run(None, root, "ev", "2025-03-01_2025-03-02", result, root, CFG)
+    return {"root": root, "st": st, "request": m, "oracle": dict(zip(frame["response_id"], sim.oracle_all))}
+
+
+def test_csv_export_has_text_and_metadata_and_no_judge_score(raised, tmp_path, capsys):
+    m, root = raised["request"], raised["root"]
+    out = tmp_path / "req.csv"
+    assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--format", "csv",
+                 "--out", str(out)]) == 0
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert len(rows) == m["n_labels"] == 12
+    by = {r["response_id"]: r for r in rows}
+    for r in m["rows"]:
+        got = by[r["response_id"]]
+        assert got["response"] == f"answer {r['response_id']}" and got["prompt"] == f"prompt of {r['prompt_id']}"
+        assert float(got["inclusion_probability"]) == pytest.approx(r["inclusion_probability"])
+        assert got["request_id"] == m["request_id"] and "audit of 'unhelpful' failed" in got["reason"]
+        assert got["oracle_label"] == ""
+    assert "judge_score" not in rows[0]  # labellers stay blind to the score
+    assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--format", "jsonl",
+                 "--out", str(tmp_path / "j.jsonl"), "--include-judge-score"]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "j.jsonl").read_text().splitlines()]
+    assert {x["response_id"]: x["meta"]["judge_score"] for x in lines} == {
+        r["response_id"]: r["judge_score"] for r in m["rows"]}
+
+
+def test_label_studio_and_argilla_exports(raised, tmp_path):
+    m, root = raised["request"], raised["root"]
+    assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--format", "label-studio",
+                 "--out", str(tmp_path / "ls.json")]) == 0
+    tasks = json.loads((tmp_path / "ls.json").read_text())
+    assert {t["data"]["response_id"] for t in tasks} == {r["response_id"] for r in m["rows"]}
+    assert all(t["data"]["cje_request_id"] == m["request_id"] and "judge_score" not in t["data"] for t in tasks)
+    assert '<Number name="oracle_label"' in (tmp_path / "ls.label_config.xml").read_text()
+    assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--format", "argilla",
+                 "--out", str(tmp_path / "ar.json")]) == 0
+    doc = json.loads((tmp_path / "ar.json").read_text())
+    assert doc["settings"]["questions"][0]["name"] == "oracle_label"
+    rec = doc["records"][0]
+    assert set(rec) == {"id", "fields", "metadata"} and set(rec["fields"]) == {"prompt", "response"}
+    assert "judge_score" not in rec["metadata"] and rec["metadata"]["request_id"] == m["request_id"]
+
+
+def test_export_names_a_missing_text_column_and_an_unknown_request(raised, tmp_path, capsys):
+    m, root = raised["request"], raised["root"]
+    assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--out", str(tmp_path / "x.csv"),
+                 "--text-columns", "prompt,transcript"]) == 2
+    assert "column 'transcript': requested column(s) ['transcript'] are not in any" in capsys.readouterr().err
+    assert not (tmp_path / "x.csv").exists()
+    assert main(["requests", "show", "lr-20990101-000000000000", "--requests-uri", root]) == 2
+    assert "no label request 'lr-20990101-000000000000'" in capsys.readouterr().err
+
+
+def test_list_and_status_count_partly_fulfilled_and_expired(raised, audit_case, capsys):
+    m, root, st = raised["request"], raised["root"], raised["st"]
+    _, table, result = audit_case
+    # an older request of another evaluation, past its deadline
+    old = datetime.now(timezone.utc) - timedelta(days=30)
+    raise_requests_for_run(None, root, "old", "2025-03-01_2025-03-02", result, root, dict(CFG, triggers=[
+        "audit_inconclusive"]), now=old)
+    half = [r["response_id"] for r in m["rows"]][:5]
+    LabelStore(st).append(pa.table({"response_id": half, "oracle_label": [raised["oracle"][i] for i in half]}),
+                          "partial")
+    assert main(["requests", "status", "--requests-uri", root, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["by_status"] == {"partly_fulfilled": 1, "expired": 1}
+    assert s["by_reason"]["audit_failed"] == {"requests": 1, "requested": 12, "received": 5}
+    assert s["by_reason"]["audit_inconclusive"]["received"] == 0
+    assert main(["requests", "list", "--requests-uri", root, "--status", "partly_fulfilled"]) == 0
+    out = capsys.readouterr().out
+    assert m["request_id"] in out and "5/12" in out and "partly_fulfilled" in out
+    assert main(["requests", "show", m["request_id"], "--requests-uri", root]) == 0
+    assert "reason [audit_failed]" in capsys.readouterr().out
+    assert len(list_requests(st)) == 2
+
+
+LS_EXPORT = [
+    {"id": 1, "data": {"response_id": "r1"}, "annotations": [
+        {"id": 10, "was_cancelled": False, "result": [{"from_name": "oracle_label", "value": {"number": 4}}]}]},
+    {"id": 2, "data": {"response_id": "r2"}, "annotations": [  # two labellers agree: counted once
+        {"id": 11, "result": [{"from_name": "oracle_label", "value": {"number": 2}}]},
+        {"id": 12, "result": [{"from_name": "oracle_label", "value": {"number": 2}}]}]},
+    {"id": 3, "data": {"response_id": "r3"}, "annotations": [
+        {"id": 13, "was_cancelled": True, "result": []}]},
+    {"id": 4, "data": {"response_id": "a003"}, "annotations": [
+        {"id": 14, "result": [{"from_name": "oracle_label", "value": {"rating": 5}}]}]},
+]
+
+
+def test_label_studio_export_answers():
+    a = parse_label_studio(LS_EXPORT, "ls.json")
+    assert a.ids == ["r1", "r2", "a003"] and a.values == [4.0, 2.0, 5.0]
+    assert a.duplicates == 1 and a.ignored == {"cancelled": 1} and a.unanswered == ["r3"]
+    assert a.task_ids == {"r1": 1, "r2": 2, "r3": 3, "a003": 4}
+
+
+def test_disagreeing_duplicate_annotations_are_an_error_naming_both():
+    bad = [{"id": 7, "data": {"response_id": "r9"}, "annotations": [
+        {"id": 1, "result": [{"from_name": "oracle_label", "value": {"number": 1}}]},
+        {"id": 2, "result": [{"from_name": "oracle_label", "value": {"number": 5}}]}]}]
+    with pytest.raises(CJEInputError, match=r"item 'r9' has 2 submitted answers that disagree \(1 in task 7.*"
+                                            r"annotation 1, 5 in task 7.*annotation 2\); resolve them"):
+        parse_label_studio(bad, "ls.json")
+    with pytest.raises(CJEInputError, match="not a number"):
+        parse_label_studio([{"id": 1, "data": {"response_id": "r"}, "annotations": [
+            {"result": [{"from_name": "oracle_label", "value": {"choices": ["good"]}}]}]}], "ls.json")
+
+
+def test_argilla_records_answers():
+    recs = [{"id": "r1", "fields": {}, "responses": {"oracle_label": [{"value": 3, "user_id": "u",
+                                                                       "status": "submitted"}]}},
+            {"id": "r2", "fields": {}, "responses": {"oracle_label": [{"value": 4, "status": "draft"}]}},
+            {"id": "r3", "fields": {}, "oracle_label.responses": [2, 2], "oracle_label.responses.users": ["u", "v"],
+             "oracle_label.responses.status": ["submitted", "submitted"]}]
+    a = parse_argilla({"records": recs}, "ar.json")
+    assert a.ids == ["r1", "r3"] and a.values == [3.0, 2.0] and a.duplicates == 1
+    assert a.ignored == {"status_draft": 1} and a.unanswered == ["r2"]
+
+
+def test_scales_are_parsed_checked_and_mapped():
+    assert parse_scale("1-5") == (1.0, 5.0) and parse_scale("0..1") == (0.0, 1.0) and parse_scale("-1-1") == (-1, 1)
+    assert parse_scale("10-100") == (10.0, 100.0)
+    with pytest.raises(CJEInputError, match="not like 1-5"):
+        parse_scale("five")
+    assert rescale([1, 3, 5], ["a", "b", "c"], ["r0", "r1", "r2"], "f", (1, 5), (0, 1)) == [0.0, 0.5, 1.0]
+    with pytest.raises(CJEInputError, match=r"r1: answer 6 for 'b' is outside the label scale \[1, 5\]"):
+        rescale([1, 6], ["a", "b"], ["r0", "r1"], "f", (1, 5), (0, 1))
+    t = parse_table(pa.table({"id": ["x", "y"], "score": ["4", None]}), "f.csv", answer_field="score", id_field="id")
+    assert t.ids == ["x"] and t.values == [4.0] and t.unanswered == ["y"]
+
+
+def test_tool_settings_follow_the_scale():
+    assert argilla_settings((1, 5))["questions"][0] == {"name": "oracle_label", "type": "rating",
+                                                       "values": [1, 2, 3, 4, 5], "required": True,
+                                                       "title": "Oracle label (1 to 5)"}
+    assert argilla_settings((0, 1))["questions"][0]["type"] == "rating"  # 0/1 is a two-point rating
+    assert argilla_settings((0, 100))["questions"][0]["type"] == "text"
+    assert 'min="1" max="5" step="1"' in label_studio_config((1, 5))
+    assert 'step="0.01"' in label_studio_config((0, 1))
