@@ -5,8 +5,12 @@ Workers then run them: ``prefect worker start --pool cje-process`` (see docs/sta
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
+
+from cje_engine.errors import CJEInputError
 
 from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
 
@@ -26,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--only", type=_csv, help="deploy only these evaluations")
     p.add_argument("--no-drift", action="store_true", help="do not deploy the declared drift monitors")
     p.add_argument("--image", help="container image of the flow runs (Kubernetes pools)")
+    p.add_argument("--base-job-template", help="JSON base job template for a pool that does not exist yet "
+                                               "(e.g. infra/k8s/base-job-template.json)")
     p.add_argument("--heartbeat-timeout", type=float, default=90.0,
                    help="seconds without a flow-run heartbeat before the run is marked Crashed (default 90)")
     p.set_defaults(handler=cmd_deploy)
@@ -40,8 +46,14 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     from flows.runtime.deploy import deploy
 
+    template = None
+    if ns.base_job_template:
+        try:
+            template = json.loads(Path(ns.base_job_template).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CJEInputError(f"not a JSON base job template: {exc}", source=ns.base_job_template) from None
     out = deploy(ns.config, pool=ns.pool, pool_type=ns.pool_type, only=ns.only, drift=not ns.no_drift,
-                 image=ns.image, heartbeat_timeout=ns.heartbeat_timeout)
+                 image=ns.image, heartbeat_timeout=ns.heartbeat_timeout, base_job_template=template)
     for d in out:
         sys.stdout.write(f"deployed {d.name} on pool {d.pool}: {d.schedule}\n")
     sys.stdout.write(f"{len(out)} deployment(s); start a worker with: prefect worker start --pool {ns.pool}\n")

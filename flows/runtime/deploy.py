@@ -95,11 +95,12 @@ def runner_deployments(config: str | None = None, only: Sequence[str] | None = N
     return deployments
 
 
-def ensure_pool(client: Any, pool: str, pool_type: str) -> bool:
+def ensure_pool(client: Any, pool: str, pool_type: str, base_job_template: dict | None = None) -> bool:
     """Create the work pool if it does not exist; returns True when it was created.
 
-    An existing pool of another type is an error (its workers could not run these deployments
-    the way the pool's name promises).
+    ``base_job_template`` (e.g. ``infra/k8s/base-job-template.json``) is used only when the pool
+    is created; an existing pool keeps its own.  An existing pool of another type is an error
+    (its workers could not run these deployments the way the pool's name promises).
     """
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectNotFound
@@ -107,7 +108,7 @@ def ensure_pool(client: Any, pool: str, pool_type: str) -> bool:
     try:
         existing = client.read_work_pool(pool)
     except ObjectNotFound:
-        client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type))
+        client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type, base_job_template=base_job_template or {}))
         log.info("created work pool %s (type %s)", pool, pool_type)
         return True
     if existing.type != pool_type:
@@ -150,6 +151,7 @@ def deploy(
     drift: bool = True,
     image: str | None = None,
     heartbeat_timeout: float = 90.0,
+    base_job_template: dict | None = None,
 ) -> list[Deployed]:
     """Create or update the deployments of an evaluations file on a work pool.
 
@@ -170,6 +172,8 @@ def deploy(
     heartbeat_timeout : float
         Seconds without a heartbeat after which a running flow run is marked ``Crashed``;
         must exceed the workers' ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (at least 30 s).
+    base_job_template : dict, optional
+        Base job template of a pool that does not exist yet (Kubernetes: image, env, secrets).
 
     Returns
     -------
@@ -179,7 +183,7 @@ def deploy(
 
     deployments = runner_deployments(config, only=only, drift=drift)
     with get_client(sync_client=True) as client:
-        ensure_pool(client, pool, pool_type)
+        ensure_pool(client, pool, pool_type, base_job_template)
         ensure_zombie_automation(client, heartbeat_timeout)
     out = []
     for dep in deployments:

@@ -14,8 +14,16 @@ PIDS="$DIR/pids"
 
 log() { echo "[stack] $*" >&2; }
 
-session_pids() {  # processes whose session id is $1
-    ps -eo pid=,sid= | awk -v s="$1" '$2 == s {print $1}'
+session_pids() {  # processes whose session id is $1, and their descendants in other sessions
+    # (the Prefect process worker starts each flow run in a session of its own)
+    ps -eo pid=,ppid=,sid= | awk -v s="$1" '
+        { ppid[$1] = $2; sid[$1] = $3 }
+        END {
+            for (p in sid) {
+                q = p; n = 0
+                while (q > 1 && n < 64) { if (sid[q] == s) { print p; break }; q = ppid[q]; n++ }
+            }
+        }'
 }
 
 stop_session() {  # name, pid, first signal
