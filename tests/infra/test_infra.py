@@ -660,3 +660,74 @@ def test_integration_tier_fails_or_skips_without_radosgw(tmp_path, required):
     else:
         assert proc.returncode == 0, out
         assert "2 skipped" in out and "infra/radosgw/start.sh" in out
+
+
+# --------------------------------------------------------------------------- the stack tier scripts
+
+
+STACK = INFRA / "stack"
+
+
+def test_stack_scripts_are_valid_bash_and_executable():
+    for name in ("start.sh", "stop.sh"):
+        path = STACK / name
+        proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert os.access(path, os.X_OK), f"{path} is not executable"
+
+
+def _script_commands(text: str, program: str) -> list[list[str]]:
+    """The ``"$BIN/<program>" ...`` command lines of a script (continuations joined, variables
+    and command substitutions replaced by a placeholder)."""
+    text = text.replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        m = re.search(rf'(?:exec|\$\(|^)\s*(?:PREFECT_API_URL="\$API"\s+)?"\$BIN/{program}"\s+(.*)$', line.strip())
+        if m:
+            rest = re.sub(r"\$\([^)]*\)", "", m.group(1))
+            rest = re.sub(r"\$\{[^}]*\}|\$[A-Za-z_]+", "X", rest).replace("\\", "")
+            out.append([program, *shlex.split(rest.split(">")[0])])
+    return out
+
+
+def test_stack_start_runs_commands_and_flags_that_exist():
+    text = (STACK / "start.sh").read_text()
+    ray = _script_commands(text, "ray")
+    prefect = _script_commands(text, "prefect")
+    assert len(ray) == 2 and {c[1] for c in ray} == {"start"}
+    assert any("--head" in c for c in ray) and any(a.startswith("--address=") for c in ray for a in c)
+    # ray_ports() adds these to both nodes: each must be a real `ray start` option.
+    ports = re.search(r"ray_ports\(\) \{.*?\n\}", text, flags=re.S).group(0)
+    port_flags = re.findall(r"(--[a-z-]+)=", ports)
+    assert len(port_flags) >= 6
+    for cmd in ray:
+        assert_cli_exists(cmd + port_flags, "infra/stack/start.sh ray")
+    kinds = {tuple(c[1:3]) for c in prefect}
+    assert {("server", "start"), ("worker", "start"), ("--no-prompt", "work-pool")} <= kinds
+    for cmd in prefect:
+        argv = [a for a in cmd if a != "--no-prompt"]
+        assert_cli_exists(argv, "infra/stack/start.sh prefect")
+    # The variables the launch scripts set are Prefect settings or read by our code.
+    script_locals = set(re.findall(r"^([A-Z_]+)=", text, flags=re.M))
+    for var in set(re.findall(r"\b(PREFECT_[A-Z_]+|CJE_[A-Z_]+|RAY_[A-Z_]+)=", text)) - script_locals:
+        if var.startswith("CJE_STACK_") or var in ("CJE_RGW_DIR", "CJE_RGW_ENV", "CJE_PYTHON"):
+            continue  # the scripts' own settings
+        assert read_by_cje_image(var) is not None, f"infra/stack/start.sh sets {var}, which nothing reads"
+
+
+@pytest.mark.parametrize("required", ["1", "0"])
+def test_stack_tier_fails_or_skips_without_the_stack(tmp_path, required):
+    """Without the env file, CJE_REQUIRE_STACK=1 (CI) FAILS the stack tests; otherwise they skip
+    with the reason and the command that starts the stack."""
+    env = dict(os.environ, CJE_STACK_ENV=str(tmp_path / "missing.env"), CJE_REQUIRE_STACK=required)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs",
+         "tests/stack/test_stack.py::test_prefect_server_restarted_mid_run"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    if required == "1":
+        assert proc.returncode == 1, out
+        assert "the stack is required (CJE_REQUIRE_STACK=1)" in out and "missing.env" in out
+    else:
+        assert proc.returncode == 0, out
+        assert "1 skipped" in out and "infra/stack/start.sh" in out

@@ -252,7 +252,7 @@ def _remove_deployments(stack: Stack) -> Iterator[None]:
             c.delete_deployment(uuid.UUID(dep_id))
 
 
-def deploy(stack: Stack, config: Path, heartbeat_timeout: float = 45.0) -> str:
+def deploy(stack: Stack, config: Path, heartbeat_timeout: float = 40.0) -> str:
     """`cje deploy` on the stack's pool; returns the deployment id."""
     out = stack.cje("deploy", "--config", str(config), "--pool", stack.pool, "--no-drift",
                     "--heartbeat-timeout", str(heartbeat_timeout))
@@ -301,27 +301,6 @@ def wait_state(stack: Stack, run_id: str, states: set[str], timeout: float = 300
             raise AssertionError(f"flow run {run_id} ended {last}: {run.state.message}")
         time.sleep(1.0)
     raise AssertionError(f"flow run {run_id} not in {sorted(states)} after {timeout:.0f} s (last: {last})")
-
-
-def wait_task_running(stack: Stack, run_id: str, task_name: str, timeout: float = 240.0) -> None:
-    """Poll until the flow run (or one of its subflows) has a task run ``task_name`` in Running."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with stack.client() as c:
-            # evaluate_and_audit runs `evaluate` as a subflow: look at the run and its children
-            children = c.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id={"any_": [uuid.UUID(run_id)]}))
-            ids = [uuid.UUID(run_id)] + [r.id for r in children]
-            trs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)),
-                                   task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[task_name])))
-        if any(t.state and t.state.type.value == "RUNNING" for t in trs):
-            return
-        run = read_run(stack, run_id)
-        if run.state and run.state.is_final():
-            raise AssertionError(f"flow run {run_id} ended ({run.state.type.value}) before task {task_name} ran")
-        time.sleep(0.5)
-    raise AssertionError(f"task {task_name} of flow run {run_id} not running after {timeout:.0f} s")
 
 
 def published(stack: Stack, bucket: str, evaluation: str) -> list[dict]:

@@ -29,10 +29,10 @@ from .conftest import (
 
 pytestmark = pytest.mark.stack
 
-#: A window of 2000 prompts x 5 policies and 2000 replicates: the bootstrap runs for ~20 s on
-#: the two 1-CPU nodes, long enough to hit it with a fault.
-SLOW = dict(n_prompts=2000)
-SLOW_B = 2000
+#: A window of 1000 prompts x 5 policies and 1500 replicates: the bootstrap runs for ~8 s on
+#: the two 1-CPU nodes, long enough to hit it with a fault (the tests poll every 0.2 s).
+SLOW = dict(n_prompts=1000)
+SLOW_B = 1500
 
 
 def _ray_task_running(stack, node: str, title: str = "cje_bootstrap") -> bool:
@@ -114,7 +114,7 @@ def test_worker_killed_mid_run_crashes_publishes_nothing_and_the_next_run_succee
     stack.kill("prefect-worker")
     os.kill(flow_pid, signal.SIGKILL)
     try:
-        # No heartbeat for 45 s: cje deploy's automation marks the run Crashed.
+        # No heartbeat for 40 s: cje deploy's automation marks the run Crashed.
         run = wait_state(stack, run_id, {"CRASHED"}, timeout=180)
         assert "heartbeat" in (run.state.message or "")
         assert published(stack, bucket, name) == []
