@@ -204,8 +204,10 @@ def test_every_yaml_and_json_file_parses():
 def test_k8s_manifests_have_kind_name_and_namespace():
     docs = k8s_docs()
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    for needed in [("Deployment", "cje-serve"), ("RayCluster", "cje-ray"), ("ConfigMap", "cje-env"),
-                   ("ConfigMap", "cje-evaluations"), ("Secret", "cje-credentials"), ("Namespace", "cje")]:
+    for needed in [("Deployment", "prefect-worker"), ("Job", "cje-deploy"), ("RayCluster", "cje-ray"),
+                   ("ConfigMap", "cje-env"), ("ConfigMap", "cje-evaluations"), ("ConfigMap", "cje-base-job-template"),
+                   ("Secret", "cje-credentials"), ("Namespace", "cje"), ("ServiceAccount", "cje-prefect-worker"),
+                   ("Role", "cje-prefect-worker"), ("RoleBinding", "cje-prefect-worker")]:
         assert needed in kinds, f"missing {needed} in infra/k8s"
     for d in docs:
         assert d.get("apiVersion"), d["__file__"]
@@ -213,8 +215,8 @@ def test_k8s_manifests_have_kind_name_and_namespace():
             assert d["metadata"].get("namespace") == "cje", f"{d['__file__']}: {d['kind']} outside namespace cje"
     ray = next(d for d in docs if d["kind"] == "RayCluster")
     assert ray["apiVersion"] == "ray.io/v1"
-    dep = next(d for d in docs if d["kind"] == "Deployment")
-    assert dep["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    for dep in (d for d in docs if d["kind"] == "Deployment"):
+        assert dep["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_k8s_references_resolve():
@@ -238,6 +240,15 @@ def test_k8s_references_resolve():
                 assert node["configMap"]["name"] in configmaps
                 refs += 1
     assert refs >= 6
+    # The flow-run Jobs of the Kubernetes pool get the settings and credentials from these.
+    container = base_job_template()["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"configMapRef": {"name": "cje-env"}} in container["envFrom"]
+    assert {"secretRef": {"name": "cje-credentials"}} in container["envFrom"]
+    assert set(configmaps["cje-env"]) and "cje-credentials" in secrets
+
+
+def base_job_template() -> dict:
+    return json.loads((K8S / "base-job-template.json").read_text())
 
 
 def _walk(node):
@@ -270,21 +281,60 @@ def _compose_argv(svc: dict) -> list[str]:
 def test_compose_commands_exist():
     doc = compose()
     ours = {n: s for n, s in doc["services"].items() if "build" in s}
-    assert set(ours) == {"prefect-server", "ray-head", "ray-worker", "cje-serve"}
+    assert set(ours) == {"prefect-server", "ray-head", "ray-worker", "cje-deploy", "prefect-worker"}
     for name, svc in ours.items():
         assert svc["build"]["dockerfile"] == "infra/Dockerfile"
         assert (COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == \
             (INFRA / "Dockerfile").resolve()
         assert_cli_exists(_compose_argv(svc), f"compose service {name}")
-    assert _compose_argv(ours["cje-serve"])[:2] == ["cje", "serve"]
+    deploy, worker = _compose_argv(ours["cje-deploy"]), _compose_argv(ours["prefect-worker"])
+    assert deploy[:2] == ["cje", "deploy"]
+    assert worker[:3] == ["prefect", "worker", "start"]
     assert _compose_argv(ours["prefect-server"])[:3] == ["prefect", "server", "start"]
+    # The worker polls the pool the deployments are on, and it is a process pool.
+    assert _opt(worker, "--pool") == _opt(deploy, "--pool") == "cje-process"
+    assert _opt(worker, "--type") == "process"
+    assert ours["prefect-worker"]["depends_on"]["cje-deploy"]["condition"] == "service_completed_successfully"
+
+
+def _opt(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``argv`` (``--flag value`` or ``--flag=value``)."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _k8s_container(kind: str, name: str) -> dict:
+    doc = next(d for d in k8s_docs() if d["kind"] == kind and d["metadata"]["name"] == name)
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    return container
 
 
 def test_k8s_commands_exist():
-    dep = next(d for d in k8s_docs() if d["kind"] == "Deployment")
-    (container,) = dep["spec"]["template"]["spec"]["containers"]
-    assert "command" not in container  # uses the image's entry point
-    assert_cli_exists(["cje", *container["args"]], "k8s Deployment cje-serve")
+    worker = _k8s_container("Deployment", "prefect-worker")
+    assert worker["command"] == ["prefect"]
+    assert_cli_exists(["prefect", *worker["args"]], "k8s Deployment prefect-worker")
+    deploy = _k8s_container("Job", "cje-deploy")
+    assert "command" not in deploy  # uses the image's entry point, cje
+    assert_cli_exists(["cje", *deploy["args"]], "k8s Job cje-deploy")
+    assert deploy["args"][0] == "deploy"
+    # One Kubernetes pool: the worker polls the pool the deployments go to, created with our template.
+    assert _opt(worker["args"], "--pool") == _opt(deploy["args"], "--pool") == "cje-kubernetes"
+    assert _opt(worker["args"], "--type") == _opt(deploy["args"], "--pool-type") == "kubernetes"
+    assert _opt(deploy["args"], "--base-job-template") == "/etc/cje/base-job-template.json"
+    assert _opt(deploy["args"], "--image") == worker["image"]
+    # The image's entry point is `cje`: the flow-run container runs the worker's command through env.
+    container = base_job_template()["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["/usr/bin/env"] and container["args"] == "{{ command }}"
+    # The worker's ServiceAccount may create the flow-run Jobs.
+    role = next(d for d in k8s_docs() if d["kind"] == "Role")
+    jobs = next(r for r in role["rules"] if "jobs" in r["resources"])
+    assert "create" in jobs["verbs"] and "batch" in jobs["apiGroups"]
+    dep = next(d for d in k8s_docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "prefect-worker")
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == role["metadata"]["name"]
     ray = next(d for d in k8s_docs() if d["kind"] == "RayCluster")
     params = dict(ray["spec"]["headGroupSpec"]["rayStartParams"])
     for group in ray["spec"]["workerGroupSpecs"]:
@@ -363,7 +413,9 @@ def test_lock_pins_every_runtime_dependency():
 
 def test_one_image_everywhere():
     """Driver and Ray nodes must run identical Python + Ray: every container of ours uses one image."""
-    images = {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in k8s_docs() if d["kind"] == "Deployment"}
+    images = {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in k8s_docs()
+              if d["kind"] in ("Deployment", "Job")}
+    images.add(base_job_template()["variables"]["properties"]["image"]["default"])
     ray = next(d for d in k8s_docs() if d["kind"] == "RayCluster")
     images.add(ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"])
     for g in ray["spec"]["workerGroupSpecs"]:
@@ -400,6 +452,21 @@ def _k8s_env() -> dict[str, set[str]]:
     return out
 
 
+def flow_run_pod_env() -> set[str]:
+    """Variable names a flow-run Job of the Kubernetes pool gets (envFrom of the base job template)."""
+    docs = k8s_docs()
+    configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    secrets = {d["metadata"]["name"]: d.get("stringData", {}) for d in docs if d["kind"] == "Secret"}
+    container = base_job_template()["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    names: set[str] = set()
+    for src in container["envFrom"]:
+        if "configMapRef" in src:
+            names |= set(configmaps[src["configMapRef"]["name"]])
+        if "secretRef" in src:
+            names |= set(secrets[src["secretRef"]["name"]])
+    return names
+
+
 def test_environment_the_infra_sets_is_read_by_someone():
     unread: list[str] = []
     doc = compose()
@@ -412,7 +479,7 @@ def test_environment_the_infra_sets_is_read_by_someone():
             known = THIRD_PARTY_IMAGE_VARS.get(image)
             assert known is not None, f"compose {name}: image {image} has no list of variables it reads"
             unread += [f"compose {name}: {v}" for v in env if v not in known]
-    for workload, names in _k8s_env().items():
+    for workload, names in list(_k8s_env().items()) + [("flow-run Job (base-job-template.json)", flow_run_pod_env())]:
         unread += [f"k8s {workload}: {v}" for v in names if read_by_cje_image(v) is None]
     docker_env = " ".join(rest for word, rest in dockerfile_instructions() if word == "ENV")
     for var in re.findall(r"([A-Z][A-Z0-9_]+)=", docker_env):
@@ -435,8 +502,8 @@ def test_code_reader_finds_the_storage_and_ray_variables():
 def test_flow_runner_gets_what_the_code_needs_at_scale():
     """At scale: PREFECT_API_URL, a Ray address and an S3 endpoint + credentials, same in compose
     and k8s; create-only writes pinned to native (no probe object needing delete rights)."""
-    serve = _compose_env(compose()["services"]["cje-serve"])
-    k8s = _k8s_env()["prefect-worker.yaml:cje-serve"]
+    serve = _compose_env(compose()["services"]["prefect-worker"])
+    k8s = flow_run_pod_env()
     for name in ["PREFECT_API_URL", "RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "AWS_REGION",
                  "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "CJE_S3_CONDITIONAL_WRITES"]:
         assert name in serve and name in k8s, name
@@ -469,7 +536,7 @@ def test_readme_documents_exactly_the_variables_the_flow_runner_gets():
     readme = (INFRA / "README.md").read_text()
     documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)`", readme, flags=re.M))
     assert documented, "README has no variable table"
-    set_for_runner = set(_compose_env(compose()["services"]["cje-serve"])) | _k8s_env()["prefect-worker.yaml:cje-serve"]
+    set_for_runner = set(_compose_env(compose()["services"]["prefect-worker"])) | flow_run_pod_env()
     missing = set_for_runner - documented
     assert not missing, f"set for the flow runner but not documented in infra/README.md: {sorted(missing)}"
     unread = sorted(v for v in documented if read_by_cje_image(v) is None)
@@ -488,12 +555,19 @@ def test_deployed_evaluations_load_and_match_the_configmap(tmp_path):
     copy = tmp_path / "evaluations.yaml"
     copy.write_text(cm["data"]["evaluations.yaml"])
     assert load_evaluations(copy) == specs
-    # compose mounts this very file where `cje serve --config` looks.
-    vols = compose()["services"]["cje-serve"]["volumes"]
+    # compose mounts this very file where `cje deploy --config` looks.
+    vols = compose()["services"]["cje-deploy"]["volumes"]
     assert "./evaluations.yaml:/etc/cje/evaluations.yaml:ro" in vols
-    dep = next(d for d in k8s_docs() if d["kind"] == "Deployment")
-    mounts = dep["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
-    assert any(m["mountPath"] == "/etc/cje" for m in mounts)
+    assert _opt(_compose_argv(compose()["services"]["cje-deploy"]), "--config") == "/etc/cje/evaluations.yaml"
+    deploy = _k8s_container("Job", "cje-deploy")
+    assert any(m["mountPath"] == "/etc/cje" for m in deploy["volumeMounts"])
+    assert _opt(deploy["args"], "--config") == "/etc/cje/evaluations.yaml"
+    # ... and the base job template next to it, a copy of the one in the repository.
+    job = next(d for d in k8s_docs() if d["kind"] == "Job")
+    sources = job["spec"]["template"]["spec"]["volumes"][0]["projected"]["sources"]
+    assert {s["configMap"]["name"] for s in sources} == {"cje-evaluations", "cje-base-job-template"}
+    cm = next(d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "cje-base-job-template")
+    assert json.loads(cm["data"]["base-job-template.json"]) == base_job_template()
 
 
 # --------------------------------------------------------------------------- bucket policy
@@ -586,3 +660,74 @@ def test_integration_tier_fails_or_skips_without_radosgw(tmp_path, required):
     else:
         assert proc.returncode == 0, out
         assert "2 skipped" in out and "infra/radosgw/start.sh" in out
+
+
+# --------------------------------------------------------------------------- the stack tier scripts
+
+
+STACK = INFRA / "stack"
+
+
+def test_stack_scripts_are_valid_bash_and_executable():
+    for name in ("start.sh", "stop.sh"):
+        path = STACK / name
+        proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        assert os.access(path, os.X_OK), f"{path} is not executable"
+
+
+def _script_commands(text: str, program: str) -> list[list[str]]:
+    """The ``"$BIN/<program>" ...`` command lines of a script (continuations joined, variables
+    and command substitutions replaced by a placeholder)."""
+    text = text.replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        m = re.search(rf'(?:exec|\$\(|^)\s*(?:PREFECT_API_URL="\$API"\s+)?"\$BIN/{program}"\s+(.*)$', line.strip())
+        if m:
+            rest = re.sub(r"\$\([^)]*\)", "", m.group(1))
+            rest = re.sub(r"\$\{[^}]*\}|\$[A-Za-z_]+", "X", rest).replace("\\", "")
+            out.append([program, *shlex.split(rest.split(">")[0])])
+    return out
+
+
+def test_stack_start_runs_commands_and_flags_that_exist():
+    text = (STACK / "start.sh").read_text()
+    ray = _script_commands(text, "ray")
+    prefect = _script_commands(text, "prefect")
+    assert len(ray) == 2 and {c[1] for c in ray} == {"start"}
+    assert any("--head" in c for c in ray) and any(a.startswith("--address=") for c in ray for a in c)
+    # ray_ports() adds these to both nodes: each must be a real `ray start` option.
+    ports = re.search(r"ray_ports\(\) \{.*?\n\}", text, flags=re.S).group(0)
+    port_flags = re.findall(r"(--[a-z-]+)=", ports)
+    assert len(port_flags) >= 6
+    for cmd in ray:
+        assert_cli_exists(cmd + port_flags, "infra/stack/start.sh ray")
+    kinds = {tuple(c[1:3]) for c in prefect}
+    assert {("server", "start"), ("worker", "start"), ("--no-prompt", "work-pool")} <= kinds
+    for cmd in prefect:
+        argv = [a for a in cmd if a != "--no-prompt"]
+        assert_cli_exists(argv, "infra/stack/start.sh prefect")
+    # The variables the launch scripts set are Prefect settings or read by our code.
+    script_locals = set(re.findall(r"^([A-Z_]+)=", text, flags=re.M))
+    for var in set(re.findall(r"\b(PREFECT_[A-Z_]+|CJE_[A-Z_]+|RAY_[A-Z_]+)=", text)) - script_locals:
+        if var.startswith("CJE_STACK_") or var in ("CJE_RGW_DIR", "CJE_RGW_ENV", "CJE_PYTHON"):
+            continue  # the scripts' own settings
+        assert read_by_cje_image(var) is not None, f"infra/stack/start.sh sets {var}, which nothing reads"
+
+
+@pytest.mark.parametrize("required", ["1", "0"])
+def test_stack_tier_fails_or_skips_without_the_stack(tmp_path, required):
+    """Without the env file, CJE_REQUIRE_STACK=1 (CI) FAILS the stack tests; otherwise they skip
+    with the reason and the command that starts the stack."""
+    env = dict(os.environ, CJE_STACK_ENV=str(tmp_path / "missing.env"), CJE_REQUIRE_STACK=required)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs",
+         "tests/stack/test_stack.py::test_prefect_server_restarted_mid_run"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    if required == "1":
+        assert proc.returncode == 1, out
+        assert "the stack is required (CJE_REQUIRE_STACK=1)" in out and "missing.env" in out
+    else:
+        assert proc.returncode == 0, out
+        assert "1 skipped" in out and "infra/stack/start.sh" in out

@@ -1,0 +1,198 @@
+"""`cje deploy`: the declared evaluations and drift monitors as Prefect deployments on a work pool.
+
+`cje serve` runs every deployment inside one process (Prefect ``serve``: one replica only).
+At scale the deployments live in the Prefect API instead and **workers** run them
+(``prefect worker start --pool cje-process``, any number, on any host that has this package
+installed):
+
+* each evaluation in ``evaluations.yaml`` becomes a deployment of `evaluate_and_audit`, each
+  drift monitor one of `drift`, with the declared schedule and flow parameters;
+* entrypoints are module paths (``flows.label_requests.requests.evaluate_and_audit``): a
+  process worker imports the installed package, nothing is pulled; a Kubernetes pool runs
+  the same image (``--image``), whose package is installed the same way;
+* **one run per evaluation window**: a deployment's window is relative (``last 7 days``), so
+  two runs of the same deployment at once would evaluate the same window.  Every deployment
+  gets a Prefect deployment concurrency limit of 1 (collision strategy ``ENQUEUE``: a second
+  run waits in ``AwaitingConcurrencySlot`` and then finds the window already published; the
+  publisher's create-only manifest is the second line of defence);
+* **crashed runs**: a flow run whose worker (or node) dies stops sending heartbeats
+  (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` on the worker); the automation that `deploy` creates
+  marks such a run ``Crashed``, which also releases its concurrency slot.  This is Prefect's
+  documented way to detect "zombie" runs; without it a dead worker's run stays ``Running``.
+
+Everything here talks to ``PREFECT_API_URL``; an embedded, temporary server makes no sense
+for deployments that must outlive the command, so `deploy` refuses to run without one.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+from cje_engine.errors import CJEInputError
+
+log = logging.getLogger(__name__)
+
+#: Default work pool (a process pool).
+DEFAULT_POOL = "cje-process"
+
+#: Name of the automation that marks flow runs without heartbeats as crashed.
+ZOMBIE_AUTOMATION = "cje: crash flow runs whose heartbeats stopped"
+
+#: Flow-run state events that end a run (no heartbeat is expected after them).
+_TERMINAL_EVENTS = ("prefect.flow-run.Completed", "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
+                    "prefect.flow-run.Crashed")
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """One deployment `deploy` created or updated."""
+
+    name: str
+    flow: str
+    deployment_id: str
+    schedule: str
+    pool: str
+
+
+def _schedule_text(dep: Any) -> str:
+    parts = []
+    for s in getattr(dep, "schedules", None) or []:
+        sch = getattr(s, "schedule", s)
+        if getattr(sch, "cron", None):
+            parts.append(f"cron {sch.cron} ({sch.timezone or 'UTC'})")
+        elif getattr(sch, "interval", None):
+            parts.append(f"every {sch.interval.total_seconds():g} s")
+    return ", ".join(parts) or "no schedule (run on demand)"
+
+
+def runner_deployments(config: str | None = None, only: Sequence[str] | None = None,
+                       drift: bool = True) -> list:
+    """The ``RunnerDeployment`` objects of the declared evaluations (and drift monitors).
+
+    Each gets the concurrency limit of one run at a time (module docstring).
+    """
+    from prefect.client.schemas.objects import ConcurrencyLimitStrategy, ConcurrencyOptions
+
+    from flows.runtime.schedules import load_evaluations
+
+    specs = load_evaluations(config)
+    if only:
+        unknown = [n for n in only if n not in specs]
+        if unknown:
+            raise CJEInputError(f"no evaluation named {unknown[0]!r}; declared: {', '.join(sorted(specs))}",
+                                source=str(config or "evaluations.yaml"))
+        specs = {n: specs[n] for n in only}
+    deployments = [s.to_deployment() for s in specs.values()]
+    if drift:
+        from flows.pipelines.drift import drift_deployments
+
+        deployments += drift_deployments(config)
+    for dep in deployments:
+        dep.concurrency_limit = 1
+        dep.concurrency_options = ConcurrencyOptions(collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
+    return deployments
+
+
+def ensure_pool(client: Any, pool: str, pool_type: str, base_job_template: dict | None = None) -> bool:
+    """Create the work pool if it does not exist; returns True when it was created.
+
+    ``base_job_template`` (e.g. ``infra/k8s/base-job-template.json``) is used only when the pool
+    is created; an existing pool keeps its own.  An existing pool of another type is an error
+    (its workers could not run these deployments the way the pool's name promises).
+    """
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        existing = client.read_work_pool(pool)
+    except ObjectNotFound:
+        client.create_work_pool(WorkPoolCreate(name=pool, type=pool_type, base_job_template=base_job_template or {}))
+        log.info("created work pool %s (type %s)", pool, pool_type)
+        return True
+    if existing.type != pool_type:
+        raise CJEInputError(f"work pool {pool!r} exists with type {existing.type!r}, not {pool_type!r}")
+    return False
+
+
+def ensure_zombie_automation(client: Any, within_seconds: float) -> str:
+    """Create (or replace) the automation that crashes runs without heartbeats; returns its id."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    automation = AutomationCore(
+        name=ZOMBIE_AUTOMATION,
+        description="A flow run that stopped sending heartbeats lost its worker: mark it Crashed "
+                    "(releases its deployment concurrency slot). Created by `cje deploy`.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *_TERMINAL_EVENTS},
+            match={"prefect.resource.id": ["prefect.flow-run.*"]},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=within_seconds),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {within_seconds:g} s: the worker running it died")],
+    )
+    for old in client.read_automations_by_name(ZOMBIE_AUTOMATION):
+        client.delete_automation(old.id)
+    return str(client.create_automation(automation))
+
+
+def deploy(
+    config: str | None = None,
+    pool: str = DEFAULT_POOL,
+    pool_type: str = "process",
+    only: Sequence[str] | None = None,
+    drift: bool = True,
+    image: str | None = None,
+    heartbeat_timeout: float = 90.0,
+    base_job_template: dict | None = None,
+) -> list[Deployed]:
+    """Create or update the deployments of an evaluations file on a work pool.
+
+    Parameters
+    ----------
+    config : str, optional
+        Evaluations file (default: the repository's ``evaluations.yaml``).
+    pool : str
+        Work pool; created with ``pool_type`` when missing.
+    pool_type : str
+        ``process`` (default) or ``kubernetes`` (needs ``prefect-kubernetes`` on the worker).
+    only : sequence of str, optional
+        Only these evaluations.
+    drift : bool
+        Also deploy the declared drift monitors.
+    image : str, optional
+        Container image of the flow runs (Kubernetes pools).
+    heartbeat_timeout : float
+        Seconds without a heartbeat after which a running flow run is marked ``Crashed``;
+        must exceed the workers' ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (at least 30 s).
+    base_job_template : dict, optional
+        Base job template of a pool that does not exist yet (Kubernetes: image, env, secrets).
+
+    Returns
+    -------
+    list of Deployed
+    """
+    from prefect.client.orchestration import get_client
+
+    deployments = runner_deployments(config, only=only, drift=drift)
+    with get_client(sync_client=True) as client:
+        ensure_pool(client, pool, pool_type, base_job_template)
+        ensure_zombie_automation(client, heartbeat_timeout)
+    out = []
+    for dep in deployments:
+        dep_id = dep.apply(work_pool_name=pool, image=image)
+        out.append(Deployed(name=f"{dep.flow_name}/{dep.name}", flow=dep.flow_name, deployment_id=str(dep_id),
+                            schedule=_schedule_text(dep), pool=pool))
+        log.info("deployed %s on pool %s (%s)", out[-1].name, pool, out[-1].schedule)
+    return out
+
+
+__all__ = ["deploy", "runner_deployments", "ensure_pool", "ensure_zombie_automation", "Deployed",
+           "DEFAULT_POOL", "ZOMBIE_AUTOMATION"]

@@ -1,0 +1,264 @@
+#!/usr/bin/env bash
+# Start the production topology on loopback, for the stack test tier (tests/stack/) and
+# benchmarks/bench_stack.py:
+#
+#   PostgreSQL (Debian's package, a private cluster made with initdb)
+#     -> Prefect API server on it (postgresql+asyncpg)
+#     -> a process work pool and one Prefect worker
+#   a two-node Ray cluster (`ray start --head` + `ray start --address`, 1 CPU each, Ray Client on)
+#   Ceph radosgw S3 (infra/radosgw/start.sh, in this stack's own state folder)
+#
+# Everything binds 127.0.0.1 on ports chosen free at start; every daemon runs in its own session
+# (setsid) and its PID is recorded, so stop.sh ends exactly what this script started.
+#
+#   bash infra/stack/start.sh      # prints the env file path (~30-60 s)
+#   bash infra/stack/stop.sh
+#
+# Environment (all optional):
+#   CJE_STACK_DIR     state folder (logs, data, pids, launch scripts)   default /tmp/cje-stack
+#   CJE_STACK_ENV     env file written for the tests                     default $CJE_STACK_DIR/env
+#   CJE_PYTHON        the Python whose prefect / ray / cje are used      default <repo>/.venv/bin/python
+#   CJE_STACK_RAY_OBJECT_STORE  bytes of object store per Ray node       default 2 GiB
+#   CJE_STACK_NO_RGW=1          no radosgw (S3 settings then come from the caller's environment)
+#
+# The env file holds NAME=value lines: PREFECT_API_URL, CJE_STACK_POOL, RAY_ADDRESS (ray://),
+# CJE_STACK_RAY_GCS, RAY_AUTH_MODE, RAY_AUTH_TOKEN, the S3 settings of infra/radosgw/start.sh,
+# CJE_STACK_PG_URL, and CJE_STACK_PIDS / CJE_STACK_RUN (the pid file and the folder of per-service
+# launch scripts the fault tests use to restart a service).
+set -Eeuo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+DIR="${CJE_STACK_DIR:-/tmp/cje-stack}"
+ENV_FILE="${CJE_STACK_ENV:-$DIR/env}"
+PY="${CJE_PYTHON:-$ROOT/.venv/bin/python}"
+BIN="$(dirname "$PY")"
+OBJ_STORE="${CJE_STACK_RAY_OBJECT_STORE:-2147483648}"
+POOL="cje-process"
+T0=$(date +%s.%N)
+
+log() { echo "[stack] $*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+elapsed() { python3 -c "import time; print(f'{time.time() - $T0:.1f}')"; }
+
+[[ -x "$PY" ]] || die "no Python at $PY (create the venv first, or set CJE_PYTHON)"
+[[ -x "$BIN/prefect" && -x "$BIN/ray" ]] || die "prefect / ray not installed next to $PY"
+
+export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0 \
+       RAY_USAGE_STATS_PROMPT_ENABLED=0
+
+# ---------------------------------------------------------------------------------------------
+# 0. Already up? Reuse it. Stale state: stop it first.
+# ---------------------------------------------------------------------------------------------
+if [[ -f "$DIR/pids" && -f "$ENV_FILE" ]]; then
+    api=$(grep '^PREFECT_API_URL=' "$ENV_FILE" | cut -d= -f2-)
+    if curl -fsS -o /dev/null --max-time 3 "$api/health"; then
+        log "already running (env file $ENV_FILE)"
+        echo "$ENV_FILE"
+        exit 0
+    fi
+    log "stale state in $DIR: stopping it first"
+    bash "$HERE/stop.sh" >/dev/null 2>&1 || true
+fi
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+rm -rf "$DIR"
+mkdir -p "$DIR"/{run,logs,pg} "$(dirname "$ENV_FILE")"
+chmod 755 "$DIR"
+PIDS="$DIR/pids"
+: > "$PIDS"
+
+on_error() {
+    log "start failed; last log lines:"
+    for f in "$DIR"/logs/*.log "$DIR"/pg/*.log; do
+        [[ -s "$f" ]] && { echo "== $f" >&2; tail -n 20 "$f" >&2; }
+    done
+    CJE_STACK_KEEP_LOGS=1 bash "$HERE/stop.sh" >/dev/null 2>&1 || true
+    log "stopped; logs kept in $DIR"
+}
+STARTED=0
+trap '[[ $STARTED == 1 ]] || on_error' EXIT
+
+wait_for() {  # description, timeout seconds, command...
+    local what=$1 timeout=$2; shift 2
+    local deadline=$(( $(date +%s) + timeout ))
+    until "$@" >/dev/null 2>&1; do
+        if (( $(date +%s) >= deadline )); then log "timed out after ${timeout}s waiting for $what"; return 1; fi
+        sleep 0.3
+    done
+}
+
+# A service = a launch script in $DIR/run/<name>.sh (kept, so tests can restart it), run in its
+# own session with its output in $DIR/logs/<name>.log; "<name> <pid>" goes to $PIDS.
+launch() {  # name (the script $DIR/run/<name>.sh must exist)
+    local name=$1
+    setsid bash "$DIR/run/$name.sh" >> "$DIR/logs/$name.log" 2>&1 < /dev/null &
+    echo "$name $!" >> "$PIDS"
+}
+write_service() {  # name, then the script body on stdin
+    { echo '#!/usr/bin/env bash'; echo "# launch script of the stack service '$1' (infra/stack/start.sh)"; cat; } > "$DIR/run/$1.sh"
+}
+
+# ---------------------------------------------------------------------------------------------
+# 1. S3: radosgw in this stack's folder (its own free ports).
+# ---------------------------------------------------------------------------------------------
+RGW_ENV="$DIR/rgw.env"
+if [[ "${CJE_STACK_NO_RGW:-0}" != 1 ]]; then
+    CJE_RGW_DIR="$DIR/rgw" CJE_RGW_ENV="$RGW_ENV" bash "$ROOT/infra/radosgw/start.sh" >/dev/null &
+    RGW_JOB=$!
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 2. PostgreSQL: Debian's server binaries, a private cluster, loopback only.
+# ---------------------------------------------------------------------------------------------
+pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
+if [[ -z "$(pg_bin)" ]]; then
+    SUDO=""; [[ $(id -u) != 0 ]] && SUDO="sudo"
+    log "installing postgresql (apt-get)"
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq >/dev/null || die "apt-get update failed"
+    $SUDO apt-get install -y -qq postgresql >/dev/null || die "apt-get install postgresql failed"
+fi
+PGBIN="$(pg_bin)"
+PG_PORT=$(free_port)
+PGDATA="$DIR/pg/data"
+# PostgreSQL refuses to run as root: as root, run it as the package's `postgres` user.
+AS=()
+if [[ $(id -u) == 0 ]]; then
+    id postgres >/dev/null 2>&1 || useradd --system --no-create-home postgres
+    chown postgres "$DIR/pg"
+    AS=(runuser -u postgres --)
+fi
+"${AS[@]}" "$PGBIN/initdb" -D "$PGDATA" -U prefect --auth=trust -E UTF8 --no-instructions >"$DIR/pg/initdb.log" 2>&1 \
+    || die "initdb failed (see $DIR/pg/initdb.log)"
+write_service postgres <<EOF
+exec ${AS[*]} "$PGBIN/postgres" -D "$PGDATA" -h 127.0.0.1 -p $PG_PORT -k "$DIR/pg" -c fsync=off -c max_connections=200
+EOF
+launch postgres
+wait_for "PostgreSQL on port $PG_PORT" 30 "$PGBIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT"
+psql -q -h 127.0.0.1 -p "$PG_PORT" -U prefect -d postgres -c "CREATE DATABASE prefect" >/dev/null
+PG_URL="postgresql+asyncpg://prefect@127.0.0.1:$PG_PORT/prefect"
+log "PostgreSQL up on 127.0.0.1:$PG_PORT ($(elapsed)s)"
+
+# ---------------------------------------------------------------------------------------------
+# 3. Prefect API server on PostgreSQL (scheduler and heartbeat services on short loops for tests).
+# ---------------------------------------------------------------------------------------------
+API_PORT=$(free_port)
+API="http://127.0.0.1:$API_PORT/api"
+mkdir -p "$DIR/prefect-server"
+write_service prefect-server <<EOF
+unset PREFECT_API_URL PREFECT_API_KEY
+export PREFECT_HOME="$DIR/prefect-server" PREFECT_API_DATABASE_CONNECTION_URL="$PG_URL"
+export PREFECT_SERVER_API_HOST=127.0.0.1 PREFECT_SERVER_API_PORT=$API_PORT PREFECT_UI_ENABLED=false
+export PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 PREFECT_LOGGING_LEVEL=WARNING
+export PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS=5
+export PREFECT_SERVER_SERVICES_LATE_RUNS_LOOP_SECONDS=5
+# Leases of deployment concurrency slots survive a server restart (the default keeps them in memory).
+export PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem
+exec "$BIN/prefect" server start --host 127.0.0.1 --port $API_PORT
+EOF
+launch prefect-server
+
+# ---------------------------------------------------------------------------------------------
+# 4. Ray: head + one worker node, 1 CPU each, every port chosen free, token auth.
+# ---------------------------------------------------------------------------------------------
+RAY_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')
+GCS_PORT=$(free_port); CLIENT_PORT=$(free_port)
+ray_ports() {  # the ports a Ray node opens, each free (Ray's defaults are fixed numbers)
+    echo --node-manager-port=$(free_port) --object-manager-port=$(free_port) \
+         --runtime-env-agent-port=$(free_port) --dashboard-agent-grpc-port=$(free_port) \
+         --dashboard-agent-listen-port=$(free_port) --metrics-export-port=$(free_port) \
+         --min-worker-port=0 --max-worker-port=0
+}
+RAY_ENV="export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1
+export PYTHONPATH=\"$ROOT\${PYTHONPATH:+:\$PYTHONPATH}\""
+write_service ray-head <<EOF
+$RAY_ENV
+exec "$BIN/ray" start --head --block --node-ip-address=127.0.0.1 --port=$GCS_PORT \
+    --ray-client-server-port=$CLIENT_PORT --include-dashboard=false --num-cpus=1 \
+    --object-store-memory=$OBJ_STORE --temp-dir="$DIR/ray" $(ray_ports) --disable-usage-stats
+EOF
+launch ray-head
+write_service ray-worker <<EOF
+$RAY_ENV
+exec "$BIN/ray" start --block --address=127.0.0.1:$GCS_PORT --node-ip-address=127.0.0.1 --num-cpus=1 \
+    --object-store-memory=$OBJ_STORE $(ray_ports) --disable-usage-stats
+EOF
+
+wait_for "the Prefect API at $API" 120 curl -fsS -o /dev/null --max-time 2 "$API/health"
+log "Prefect server up at $API ($(elapsed)s)"
+
+# The head must accept the second node: its GCS answers once `ray start --head` is done.
+ray_up() { RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN "$PY" - "$GCS_PORT" "$1" <<'PY'
+import sys, ray
+ray.init(address=f"127.0.0.1:{sys.argv[1]}", logging_level="ERROR", log_to_driver=False)
+alive = [n for n in ray.nodes() if n["Alive"]]
+sys.exit(0 if len(alive) >= int(sys.argv[2]) else 1)
+PY
+}
+wait_for "the Ray head on port $GCS_PORT" 90 ray_up 1
+launch ray-worker
+log "Ray head up on 127.0.0.1:$GCS_PORT ($(elapsed)s)"
+
+# ---------------------------------------------------------------------------------------------
+# 5. S3 ready (radosgw started in the background above); the stack's bucket.
+# ---------------------------------------------------------------------------------------------
+S3_LINES=""
+if [[ "${CJE_STACK_NO_RGW:-0}" != 1 ]]; then
+    wait "$RGW_JOB" || die "radosgw did not start (see $DIR/rgw)"
+    S3_LINES=$(grep -v '^#' "$RGW_ENV")
+    while read -r n p; do echo "rgw-$n $p" >> "$PIDS"; done < "$DIR/rgw/pids"
+    log "radosgw up ($(elapsed)s)"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 6. Work pool and worker; the worker's flow runs get the cluster and storage settings.
+# ---------------------------------------------------------------------------------------------
+PREFECT_API_URL="$API" "$BIN/prefect" --no-prompt work-pool create "$POOL" --type process --overwrite >/dev/null
+{
+    echo "PREFECT_API_URL=$API"
+    echo "CJE_STACK_POOL=$POOL"
+    echo "RAY_ADDRESS=ray://127.0.0.1:$CLIENT_PORT"
+    echo "CJE_STACK_RAY_GCS=127.0.0.1:$GCS_PORT"
+    echo "RAY_AUTH_MODE=token"
+    echo "RAY_AUTH_TOKEN=$RAY_TOKEN"
+    echo "CJE_S3_CONDITIONAL_WRITES=native"
+    # Every shared state goes into the cluster over the direct path (ray_fanout.put_shared).
+    echo "CJE_RAY_DIRECT_PUT_MIN_BYTES=1"
+    # Flow runs ride out an API restart (the client retries connection errors with backoff).
+    echo "PREFECT_CLIENT_MAX_RETRIES=8"
+    [[ -n "$S3_LINES" ]] && echo "$S3_LINES"
+} > "$DIR/service.env"
+write_service prefect-worker <<EOF
+set -a; . "$DIR/service.env"; set +a
+export DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0 PREFECT_HOME="$DIR/prefect-worker-\${CJE_WORKER_NAME:-worker-1}"
+# Flow runs send heartbeats: a run whose worker died is marked Crashed (cje deploy's automation).
+export PREFECT_FLOWS_HEARTBEAT_FREQUENCY=\${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30}
+exec "$BIN/prefect" worker start --pool "$POOL" --name "\${CJE_WORKER_NAME:-worker-1}" \
+    --type process --prefetch-seconds 5
+EOF
+launch prefect-worker
+wait_for "the Ray worker node" 90 ray_up 2
+log "Ray worker node joined ($(elapsed)s)"
+
+# ---------------------------------------------------------------------------------------------
+# 7. The env file, written atomically once everything answers.
+# ---------------------------------------------------------------------------------------------
+tmp="$ENV_FILE.tmp.$$"
+{
+    echo "# written by infra/stack/start.sh; loopback test stack (stop: bash infra/stack/stop.sh)"
+    cat "$DIR/service.env"
+    echo "CJE_STACK_PG_URL=$PG_URL"
+    echo "CJE_STACK_DIR=$DIR"
+    echo "CJE_STACK_PIDS=$PIDS"
+    echo "CJE_STACK_RUN=$DIR/run"
+    echo "CJE_STACK_LOGS=$DIR/logs"
+    echo "CJE_STACK_STARTUP_S=$(elapsed)"
+} > "$tmp"
+mv "$tmp" "$ENV_FILE"
+STARTED=1
+log "stack up in $(elapsed)s (env $ENV_FILE)"
+echo "$ENV_FILE"
