@@ -164,9 +164,10 @@ class RankChange:
     tau_within_reference: float | None
 
 
-def _mean_tau(pairs: list[tuple[np.ndarray, np.ndarray]], codes: np.ndarray | None) -> tuple[float, np.ndarray]:
+def _mean_tau(pairs: list[tuple[np.ndarray, np.ndarray]], codes: np.ndarray | None
+              ) -> tuple[float, np.ndarray, list[float]]:
     taus, loos = zip(*(tau_b_leave_one_out(a, b, codes) for a, b in pairs))
-    return float(np.mean(taus)), np.mean(np.stack(loos), axis=0)
+    return float(np.mean(taus)), np.mean(np.stack(loos), axis=0), list(taus)
 
 
 def _tau_plain(a: np.ndarray, b: np.ndarray) -> float:
@@ -228,8 +229,8 @@ def rank_change(
     between = [(b, c) for b in references for c in recent]
     within_ref = list(itertools.combinations(references, 2))
     within = within_ref + list(itertools.combinations(recent, 2))
-    t_b, loo_b = _mean_tau(between, codes)
-    t_w, loo_w = _mean_tau(within, codes)
+    t_b, loo_b, _ = _mean_tau(between, codes)
+    t_w, loo_w, taus_w = _mean_tau(within, codes)
     est = t_b - t_w
     se = jackknife_se(loo_b - loo_w)
     G = loo_b.shape[0]
@@ -239,7 +240,7 @@ def rank_change(
         stacked = np.stack(list(references) + list(recent))
         p = _permutation_p(stacked, len(references), codes, est, n_permutations)
         method = f"permutation_{n_permutations}"
-    t_ref = float(np.mean([tau_b_leave_one_out(a, b, codes)[0] for a, b in within_ref])) if within_ref else None
+    t_ref = float(np.mean(taus_w[: len(within_ref)])) if within_ref else None
     return RankChange(est, se, G - 1, float(p), method, len(between), len(within), t_b, t_w, t_ref)
 
 
