@@ -16,36 +16,40 @@ Scenarios (the drifted judge takes over at look ``change_at``):
 - ``remap``: the judge's weights rotate by ``effect`` degrees (default 45) from quality towards
   the nuisance trait at the same total variance: the marginal score distribution is unchanged,
   the relation between scores and oracle labels shifts.
+- ``length``: a reorder by a covariate: the judge adds ``effect`` (default 0.1, one level) to
+  "long" responses (nuisance trait > 0) and subtracts it from "short" ones; mean unchanged.
+- ``compress``: scores shrink towards 0.5 by the factor ``1 - effect`` (default 0.5).
+- ``slow``: the shift grows by ``effect`` per look from ``change_at`` (default 0.005 per look).
+
+Anchors can share prompts (``anchors_per_prompt``): quality then has a prompt component and the
+judge's noise a prompt-shared share ``shared_noise`` (the same draw for every anchor of a prompt
+in one scoring), the case where the anchors are not independent and the clusters matter.
 
 The calibration function ``f`` is an isotonic regression of oracle on reference-judge scores fitted
 on an independent calibration sample (never on the anchors themselves).
 
-Run ``python -m cje_engine.simulate.drift --reps 1000`` for the figures quoted in docs/drift.md.
+``benchmarks/bench_drift.py`` runs the studies below for the figures in docs/drift.md.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
-import sys
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import special
-from sklearn.isotonic import IsotonicRegression
+from scipy import optimize, special
 
 from cje_engine.drift.monitor import METRICS, DriftMonitor
 from cje_engine.errors import CJEInputError
 
 logger = logging.getLogger(__name__)
 
-SCENARIOS: tuple[str, ...] = ("none", "shift", "reorder", "remap")
+SCENARIOS: tuple[str, ...] = ("none", "shift", "reorder", "remap", "length", "compress", "slow")
 #: Stated effect sizes of the detection figures in docs/drift.md.
-DEFAULT_EFFECT: dict[str, float] = {"none": 0.0, "shift": 0.1, "reorder": 0.5, "remap": 45.0}
+DEFAULT_EFFECT: dict[str, float] = {"none": 0.0, "shift": 0.1, "reorder": 0.5, "remap": 45.0, "length": 0.1,
+                                    "compress": 0.5, "slow": 0.005}
 
 
 def _phi(z: np.ndarray) -> np.ndarray:
@@ -61,10 +65,17 @@ class AnchorSet:
     nuisance: np.ndarray
     oracle: np.ndarray
     labelled: np.ndarray
+    prompts: np.ndarray | None = None
 
     @property
     def n(self) -> int:
         return int(self.quality.shape[0])
+
+    def clusters(self) -> pd.Series | None:
+        """Prompt of each anchor by anchor id (None when every anchor has its own prompt)."""
+        if self.prompts is None:
+            return None
+        return pd.Series([f"p{int(p):05d}" for p in self.prompts], index=self.anchor_ids, dtype=object)
 
     def labels(self) -> pd.Series:
         """Oracle labels by anchor id (NaN where unlabelled)."""
@@ -75,18 +86,31 @@ def _oracle(q: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return _phi((q + 0.3 * rng.standard_normal(q.shape[0])) / math.sqrt(1.09))
 
 
-def make_anchor_set(n_anchors: int = 200, label_fraction: float = 0.5, *, rng: np.random.Generator) -> AnchorSet:
-    """Draw an anchor set; ``label_fraction`` of the anchors get an oracle label."""
+def make_anchor_set(n_anchors: int = 200, label_fraction: float = 0.5, *, rng: np.random.Generator,
+                    anchors_per_prompt: int = 1, prompt_share: float = 0.5) -> AnchorSet:
+    """Draw an anchor set; ``label_fraction`` of the anchors get an oracle label.
+
+    With ``anchors_per_prompt > 1`` consecutive anchors share a prompt, and a share
+    ``prompt_share`` of the quality variance is the prompt's.
+    """
     if n_anchors < 3:
         raise CJEInputError(f"n_anchors must be >= 3, got {n_anchors}")
     if not 0 <= label_fraction <= 1:
         raise CJEInputError(f"label_fraction must be in [0, 1], got {label_fraction}")
+    if anchors_per_prompt < 1 or not 0 <= prompt_share <= 1:
+        raise CJEInputError(f"anchors_per_prompt must be >= 1 and prompt_share in [0, 1], got "
+                            f"{anchors_per_prompt}, {prompt_share}")
+    prompts = None
     q = rng.standard_normal(n_anchors)
+    if anchors_per_prompt > 1:
+        prompts = np.arange(n_anchors) // anchors_per_prompt
+        a = rng.standard_normal(int(prompts.max()) + 1)[prompts]
+        q = math.sqrt(prompt_share) * a + math.sqrt(1 - prompt_share) * q
     v = rng.standard_normal(n_anchors)
     labelled = np.zeros(n_anchors, dtype=bool)
     labelled[rng.choice(n_anchors, size=int(round(label_fraction * n_anchors)), replace=False)] = True
     ids = pd.Index([f"a{i:05d}" for i in range(n_anchors)], name="anchor_id")
-    return AnchorSet(ids, q, v, _oracle(q, rng), labelled)
+    return AnchorSet(ids, q, v, _oracle(q, rng), labelled, prompts)
 
 
 @dataclass(frozen=True)
@@ -99,21 +123,32 @@ class Judge:
     shift: float = 0.0
     levels: int = 11
     order: np.ndarray | None = field(default=None, repr=False)
+    length_bonus: float = 0.0
+    scale: float = 1.0
+    shared_noise: float = 0.0
 
     @property
     def sd(self) -> float:
         return math.sqrt(self.quality_weight**2 + self.nuisance_weight**2 + self.noise_sd**2)
 
-    def score_traits(self, q: np.ndarray, v: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def score_traits(self, q: np.ndarray, v: np.ndarray, rng: np.random.Generator,
+                     prompts: np.ndarray | None = None) -> np.ndarray:
+        """Scores of items with traits ``q, v``; ``prompts`` (int codes) share noise within a prompt."""
         if self.order is not None:
             q, v = q[self.order], v[self.order]
-        latent = self.quality_weight * q + self.nuisance_weight * v + self.noise_sd * rng.standard_normal(q.shape[0])
-        u = np.clip(_phi(latent / self.sd) + self.shift, 0.0, 1.0)
+        eps = rng.standard_normal(q.shape[0])
+        if prompts is not None and self.shared_noise > 0:
+            shared = rng.standard_normal(int(prompts.max()) + 1)[prompts]
+            eps = math.sqrt(1 - self.shared_noise) * eps + math.sqrt(self.shared_noise) * shared
+        latent = self.quality_weight * q + self.nuisance_weight * v + self.noise_sd * eps
+        u = 0.5 + self.scale * (_phi(latent / self.sd) - 0.5) + self.shift + self.length_bonus * np.sign(v)
+        u = np.clip(u, 0.0, 1.0)
         return np.round(u * (self.levels - 1)) / (self.levels - 1)
 
     def score(self, anchors: AnchorSet, rng: np.random.Generator) -> pd.Series:
         """One scoring of the anchors (fresh noise) as a Series by anchor id."""
-        return pd.Series(self.score_traits(anchors.quality, anchors.nuisance, rng), index=anchors.anchor_ids)
+        return pd.Series(self.score_traits(anchors.quality, anchors.nuisance, rng, anchors.prompts),
+                         index=anchors.anchor_ids)
 
 
 def drifted_judge(
@@ -125,8 +160,14 @@ def drifted_judge(
     eff = DEFAULT_EFFECT[scenario] if effect is None else float(effect)
     if scenario == "none":
         return reference
-    if scenario == "shift":
+    if scenario in ("shift", "slow"):  # slow: the shift of the first drifted look (see `judge_at`)
         return replace(reference, shift=reference.shift + eff)
+    if scenario == "length":
+        return replace(reference, length_bonus=reference.length_bonus + eff)
+    if scenario == "compress":
+        if not 0 <= eff < 1:
+            raise CJEInputError(f"compress effect is the shrinkage in [0, 1); got {eff}")
+        return replace(reference, scale=reference.scale * (1 - eff))
     if scenario == "reorder":
         if not 0 < eff <= 1:
             raise CJEInputError(f"reorder effect is the share of anchors reordered, in (0, 1]; got {eff}")
@@ -141,12 +182,46 @@ def drifted_judge(
     return replace(reference, quality_weight=r * math.cos(angle), nuisance_weight=r * math.sin(angle))
 
 
-def fit_calibration(judge: Judge, *, n: int = 2000, rng: np.random.Generator) -> IsotonicRegression:
-    """Isotonic oracle-on-score calibration fitted on an independent sample scored by ``judge``."""
+def judge_at(scenario: str, reference: Judge, drifted: Judge, look: int, change_at: int, effect: float | None) -> Judge:
+    """The judge scoring look ``look``: the reference before ``change_at``, then the drifted one
+    (``slow``: the shift grows by ``effect`` per look)."""
+    if look < change_at:
+        return reference
+    if scenario == "slow":
+        eff = DEFAULT_EFFECT["slow"] if effect is None else float(effect)
+        return replace(reference, shift=reference.shift + eff * (look - change_at + 1))
+    return drifted
+
+
+@dataclass(frozen=True)
+class StepCalibration:
+    """Isotonic step function: ``predict`` interpolates linearly between the fitted values at the
+    distinct scores and is flat outside them (what an isotonic regression predicts)."""
+
+    scores: np.ndarray
+    fitted: np.ndarray
+
+    def predict(self, s: np.ndarray) -> np.ndarray:
+        return np.interp(np.asarray(s, dtype=float), self.scores, self.fitted)
+
+    __call__ = predict
+
+
+def fit_calibration(judge: Judge, *, n: int = 2000, rng: np.random.Generator) -> StepCalibration:
+    """Isotonic oracle-on-score calibration fitted on an independent sample scored by ``judge``.
+
+    Pool-adjacent-violators on the means per distinct score (``scipy.optimize.isotonic_regression``
+    with the counts as weights). The shared isotonic of the engine is not used here so that the
+    simulator stays independent of the code it checks.
+    """
     q = rng.standard_normal(n)
     v = rng.standard_normal(n)
     s = judge.score_traits(q, v, rng)
-    return IsotonicRegression(out_of_bounds="clip").fit(s, _oracle(q, rng))
+    y = _oracle(q, rng)
+    xs, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    means = np.bincount(inv, weights=y) / counts
+    fitted = optimize.isotonic_regression(means, weights=counts.astype(float), increasing=True).x
+    return StepCalibration(xs, np.asarray(fitted, dtype=float))
 
 
 @dataclass
@@ -192,41 +267,35 @@ def simulate_monitor(
     with_labels: bool = True,
     stop_at_first_alarm: bool = False,
     monitor_kwargs: dict[str, Any] | None = None,
+    anchors_per_prompt: int = 1,
+    shared_noise: float = 0.0,
+    pass_clusters: bool = True,
     seed: int | np.random.SeedSequence = 0,
 ) -> SimRun:
     """Run one `DriftMonitor` over ``n_looks`` scheduled looks of a scenario.
 
     The reference judge scores the anchors once (and once more as the replicate); looks
-    ``1 .. change_at - 1`` re-score with the reference judge, looks from ``change_at`` on with
-    the drifted judge.
+    ``1 .. change_at - 1`` re-score with the reference judge, later looks with the drifted judge
+    (`judge_at`). With ``anchors_per_prompt > 1`` the judge's noise has the prompt-shared share
+    ``shared_noise`` and the prompts are passed to the monitor as clusters (``pass_clusters``).
     """
     if n_looks < 1 or change_at < 1:
         raise CJEInputError(f"n_looks and change_at must be >= 1, got {n_looks}, {change_at}")
     rng = np.random.default_rng(seed)
-    anchors = make_anchor_set(n_anchors, label_fraction, rng=rng)
-    ref_judge = Judge()
+    anchors = make_anchor_set(n_anchors, label_fraction, rng=rng, anchors_per_prompt=anchors_per_prompt)
+    ref_judge = Judge(shared_noise=shared_noise)
     new_judge = drifted_judge(scenario, ref_judge, n_anchors, effect, rng)
-    calib = fit_calibration(ref_judge, rng=rng)
-    # same values as calib.predict (linear interpolation between thresholds, flat outside)
-    thresholds_x, thresholds_y = calib.X_thresholds_, calib.y_thresholds_
-
-    def calibrate(s: np.ndarray) -> np.ndarray:
-        return np.interp(s, thresholds_x, thresholds_y)
+    calibrate = fit_calibration(ref_judge, rng=rng)
     reference = ref_judge.score(anchors, rng)
     replicate = ref_judge.score(anchors, rng) if with_replicate else None
     labels = anchors.labels() if with_labels else None
+    clusters = anchors.clusters() if pass_clusters else None
     mon = DriftMonitor(**(monitor_kwargs or {}))
     pv, sp = [], []
     for t in range(1, n_looks + 1):
-        judge = ref_judge if t < change_at else new_judge
-        current = judge.score(anchors, rng)
-        look = mon.update(
-            reference,
-            current,
-            labels,
-            calibrate if with_labels else None,
-            reference_replicate=replicate,
-        )
+        current = judge_at(scenario, ref_judge, new_judge, t, change_at, effect).score(anchors, rng)
+        look = mon.update(reference, current, labels, calibrate if with_labels else None,
+                          reference_replicate=replicate, clusters=clusters)
         pv.append([np.nan if look.metrics[m].p_value is None else look.metrics[m].p_value for m in METRICS])
         sp.append([look.metrics[m].alpha_spent for m in METRICS])
         if stop_at_first_alarm and look.alarm:
@@ -318,54 +387,3 @@ def detection_study(
         "delay_max": float(d.max()) if d.size else None,
         "first_alarm_metric_share": {m: c / n_reps for m, c in first_metric.items()},
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Print the false-alarm and detection figures as JSON."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=1000, help="monitors per scenario")
-    p.add_argument("--looks", type=int, default=50, help="scheduled looks for the false-alarm run")
-    p.add_argument("--anchors", type=int, default=200)
-    p.add_argument("--change-at", type=int, default=10, help="first drifted look in detection runs")
-    p.add_argument("--within", type=int, default=5, help="detection window in looks")
-    p.add_argument("--horizon", type=int, default=None, help="monitor horizon (default unbounded)")
-    p.add_argument(
-        "--effect", action="append", default=[], metavar="SCENARIO=VALUE",
-        help="effect size of a scenario (repeatable), e.g. --effect shift=0.05",
-    )
-    p.add_argument("--skip-false-alarm", action="store_true", help="only run the detection studies")
-    args = p.parse_args(argv)
-    effects: dict[str, float] = {}
-    for item in args.effect:
-        name, _, value = item.partition("=")
-        if name not in SCENARIOS[1:] or not value:
-            p.error(f"--effect wants SCENARIO=VALUE with SCENARIO in {list(SCENARIOS[1:])}, got {item!r}")
-        effects[name] = float(value)
-    logging.basicConfig(level=logging.ERROR)
-    mk = {"horizon": args.horizon} if args.horizon else {}
-    t0 = time.perf_counter()
-    out: dict[str, Any] = {
-        "command": "python -m cje_engine.simulate.drift " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "false_alarm": None
-        if args.skip_false_alarm
-        else false_alarm_study(args.reps, n_looks=args.looks, n_anchors=args.anchors, monitor_kwargs=mk),
-        "detection": [
-            detection_study(
-                s,
-                args.reps,
-                effect=effects.get(s),
-                change_at=args.change_at,
-                within=args.within,
-                n_anchors=args.anchors,
-                monitor_kwargs=mk,
-            )
-            for s in SCENARIOS[1:]
-        ],
-    }
-    out["seconds"] = round(time.perf_counter() - t0, 1)
-    sys.stdout.write(json.dumps(out, indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

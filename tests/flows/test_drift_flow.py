@@ -84,7 +84,7 @@ class World:
         self.new_judge = drifted_judge(scenario, self.ref_judge, n_anchors, None, self.rng)
         cal = fit_calibration(self.ref_judge, rng=self.rng)
         # the isotonic fit's knots: np.interp over them reproduces cal.predict exactly
-        self.curve = {"score": cal.X_thresholds_.tolist(), "fitted": cal.y_thresholds_.tolist()}
+        self.curve = {"score": cal.scores.tolist(), "fitted": cal.fitted.tolist()}
 
     def frame(self) -> pd.DataFrame:
         ids = list(self.anchors.anchor_ids)

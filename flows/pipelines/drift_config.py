@@ -1,0 +1,303 @@
+"""Drift monitor configuration: the flow's settings and the ``drift_monitors:`` declarations.
+
+`DriftSettings` groups the parameters of the `flows.pipelines.drift.drift` flow (one validated
+pydantic object instead of loose parameters). `load_drift_monitors` reads ``drift_monitors:`` of
+an evaluations file into `DriftMonitorSpec` objects; `drift_deployments` makes one Prefect
+deployment per monitor. (The coordinator moves these declarations onto the project's single
+config model, ``flows/config.py``, at merge.)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from cje_engine.drift.monitor import DriftMonitor
+from cje_engine.errors import CJEInputError
+from flows.storage.anchors import check_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETRY_DELAYS: tuple[float, ...] = (2.0, 10.0, 30.0)
+LOOK_KEY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}/.+$")
+
+
+class DriftSettings(BaseModel):
+    """Everything one run of the `drift` flow needs, validated before any work.
+
+    Groups: *what* (``set_name``, ``anchors_version``, ``monitor_name``); *where*
+    (``anchors_uri``; ``logs_uri``, ``drift_uri``, ``results_uri`` default to it); *judge*
+    (``judge_id``, ``scorer``, ``scored_at``: the flow re-scores the anchors itself when a scorer
+    is given); *comparison* (``reference``, ``replicate``, ``monitor`` = `DriftMonitor` options,
+    ``through``); *linked evaluation* (``evaluation``, ``evaluation_logs_uri``, ``labels_uri``,
+    ``label_requests``); *alerts and retries* (``notify_on``, ``webhook_url``, ``retry_delays``).
+    docs/drift-flow.md explains each.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    set_name: str
+    anchors_uri: str
+    anchors_version: int | None = Field(default=None, ge=1)
+    monitor_name: str | None = None
+    logs_uri: str | None = None
+    drift_uri: str | None = None
+    results_uri: str | None = None
+    judge_id: str | None = None
+    scorer: dict[str, Any] | None = None
+    scored_at: str | None = None
+    reference: str = "first"
+    replicate: str | None = "next"
+    monitor: dict[str, Any] = Field(default_factory=dict)
+    through: str | None = None
+    evaluation: str | None = None
+    evaluation_logs_uri: str | None = None
+    labels_uri: str | None = None
+    label_requests: dict[str, Any] | None = None
+    notify_on: Literal["new", "every"] = "new"
+    webhook_url: str | None = None
+    retry_delays: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "DriftSettings":
+        check_name(self.set_name)
+        check_name(self.name, "monitor name")
+        if self.scorer is not None and not self.judge_id:
+            raise ValueError("judge_id is required with a scorer: it labels the scores the flow writes")
+        ref = self.reference
+        if ref != "first" and not ref.startswith("judge:") and not LOOK_KEY_RE.match(ref):
+            raise ValueError(f"reference {ref!r} must be 'first', 'judge:<judge_id>' or 'YYYY-MM-DD/<judge_id>'")
+        try:
+            DriftMonitor(**self.monitor)
+        except TypeError as exc:
+            raise ValueError(f"bad monitor option ({exc})") from None
+        return self
+
+    @property
+    def name(self) -> str:
+        """The monitor's name (its folder under ``drift/``): ``monitor_name`` or ``set_name``."""
+        return self.monitor_name or self.set_name
+
+    @property
+    def delays(self) -> list[float]:
+        return list(self.retry_delays) if self.retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
+
+    def uri(self, which: Literal["logs", "drift", "results"]) -> str:
+        """A storage root, defaulting to ``anchors_uri``."""
+        return getattr(self, f"{which}_uri") or self.anchors_uri
+
+
+def settings_from(params: dict[str, Any], source: str = "drift flow parameters") -> DriftSettings:
+    """`DriftSettings` from a mapping; a bad value raises `CJEInputError` naming the key."""
+    from pydantic import ValidationError
+
+    try:
+        return DriftSettings(**params)
+    except CJEInputError:
+        raise
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        col = ".".join(str(p) for p in err.get("loc", ())) or None
+        raise CJEInputError(str(err.get("msg", exc)).removeprefix("Value error, "), source=source,
+                            column=col) from None
+
+
+_SPEC_KEYS = {"name", "set_name", "anchors_uri", "logs_uri", "drift_uri", "results_uri", "evaluation", "judge_id",
+              "scorer", "reference", "replicate", "anchors_version", "monitor", "cron", "interval", "timezone",
+              "notify_on", "description"}
+
+
+@dataclass(frozen=True)
+class DriftMonitorSpec:
+    """One drift monitor declared under ``drift_monitors:`` in evaluations.yaml."""
+
+    name: str
+    set_name: str
+    anchors_uri: str
+    logs_uri: str | None = None
+    drift_uri: str | None = None
+    results_uri: str | None = None
+    evaluation: str | None = None
+    judge_id: str | None = None
+    scorer: dict | None = None
+    reference: str = "first"
+    replicate: str | None = "next"
+    anchors_version: int | None = None
+    monitor: dict = field(default_factory=dict)
+    cron: str | None = None
+    interval: float | None = None
+    timezone: str = "UTC"
+    notify_on: str = "new"
+    description: str = ""
+    #: from the linked evaluation declared in the same file (`flows.runtime.schedules.EvaluationSpec`)
+    evaluation_logs_uri: str | None = None
+    labels_uri: str | None = None
+    label_requests: dict | None = None
+
+    def flow_parameters(self) -> dict[str, Any]:
+        """Parameters of the `drift` flow for this monitor: ``{"settings": {...}}``."""
+        return {"settings": self.settings_dict()}
+
+    def settings_dict(self) -> dict[str, Any]:
+        """`DriftSettings` fields of this monitor."""
+        return {"set_name": self.set_name, "anchors_uri": self.anchors_uri, "logs_uri": self.logs_uri,
+                "drift_uri": self.drift_uri, "results_uri": self.results_uri, "evaluation": self.evaluation,
+                "judge_id": self.judge_id, "scorer": dict(self.scorer) if self.scorer else None,
+                "reference": self.reference, "replicate": self.replicate, "anchors_version": self.anchors_version,
+                "monitor": dict(self.monitor), "monitor_name": self.name, "notify_on": self.notify_on,
+                "evaluation_logs_uri": self.evaluation_logs_uri, "labels_uri": self.labels_uri,
+                "label_requests": dict(self.label_requests) if self.label_requests else None}
+
+    def to_deployment(self):
+        """A Prefect ``RunnerDeployment`` of the `drift` flow on this monitor's schedule."""
+        from datetime import timedelta
+
+        from prefect.types.entrypoint import EntrypointType
+
+        kwargs: dict[str, Any] = {}
+        if self.cron:
+            from prefect.schedules import Cron
+
+            kwargs["schedule"] = Cron(self.cron, timezone=self.timezone)
+        elif self.interval:
+            kwargs["interval"] = timedelta(seconds=float(self.interval))
+        from flows.pipelines.drift import drift  # the flow module imports this one: import at use
+
+        return drift.to_deployment(
+            name=f"drift-{self.name}", entrypoint_type=EntrypointType.MODULE_PATH,
+            parameters=self.flow_parameters(),
+            description=self.description or f"Judge drift on anchor set {self.set_name}", tags=["cje", "drift"],
+            **kwargs)
+
+
+def _resolve(uri: Any, base: Path, where: str, src: str) -> str | None:
+    if uri is None:
+        return None
+    if not isinstance(uri, str) or not uri.strip():
+        raise CJEInputError(f"{where} must be a non-empty string, got {uri!r}", source=src)
+    uri = os.path.expanduser(uri.strip())
+    if "://" in uri:
+        return uri
+    p = Path(uri)
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, DriftMonitorSpec]:
+    """Read ``drift_monitors:`` of an evaluations file (default: the repository's).
+
+    Relative local paths are resolved against the file's folder. A file without the key has no
+    monitors (empty dict). Errors name the file, the entry and the key. A monitor whose
+    ``evaluation`` is declared under ``evaluations:`` of the same file takes that evaluation's
+    ``logs_uri``, ``labels_uri`` and ``label_requests`` (drift alarms request labels on its recent
+    traffic) and, when it gives no ``results_uri``, the evaluation's results root.
+    """
+    import yaml
+
+    from flows.runtime.schedules import DEFAULT_FILE, check_schedule
+
+    path = Path(path) if path is not None else DEFAULT_FILE
+    src = str(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise CJEInputError("evaluations file not found", source=src) from None
+    except yaml.YAMLError as exc:
+        raise CJEInputError(f"not valid YAML: {exc}", source=src) from None
+    entries = (doc or {}).get("drift_monitors") if isinstance(doc, dict) else None
+    if entries is None:
+        return {}
+    if not isinstance(entries, list):
+        raise CJEInputError("'drift_monitors:' must be a list of monitors", source=src, column="drift_monitors")
+    base = path.resolve().parent
+    evaluations: dict = {}
+    if isinstance(doc, dict) and doc.get("evaluations") and any(
+            isinstance(e, dict) and e.get("evaluation") for e in entries):
+        from flows.runtime.schedules import load_evaluations
+
+        evaluations = load_evaluations(path)
+    out: dict[str, DriftMonitorSpec] = {}
+    for i, e in enumerate(entries):
+        where = f"drift_monitors[{i}]"
+        if not isinstance(e, dict):
+            raise CJEInputError(f"{where} must be a mapping", source=src)
+        unknown = sorted(set(e) - _SPEC_KEYS)
+        if unknown:
+            raise CJEInputError(f"{where} has unknown key(s) {unknown}; expected some of {sorted(_SPEC_KEYS)}",
+                                source=src)
+        set_name = e.get("set_name")
+        try:
+            check_name(set_name)
+            name = check_name(e.get("name", set_name), "monitor name")
+        except CJEInputError as exc:
+            raise CJEInputError(f"{where}: {exc}", source=src) from None
+        where = f"drift monitor {name!r}"
+        if name in out:
+            raise CJEInputError(f"{where} is declared twice", source=src)
+        if not e.get("anchors_uri"):
+            raise CJEInputError(f"{where} needs anchors_uri", source=src)
+        check_schedule(e, where, src)
+        interval = e.get("interval")
+        monitor = e.get("monitor") or {}
+        scorer = e.get("scorer")
+        try:
+            if not isinstance(monitor, dict):
+                raise CJEInputError("monitor must be a mapping of DriftMonitor options")
+            DriftMonitor(**monitor)
+            if scorer is not None:
+                from flows.integrations.scorer import OpenAIChatScorer
+
+                OpenAIChatScorer.from_config(scorer)
+                if not e.get("judge_id"):
+                    raise CJEInputError("judge_id is required with a scorer")
+            if e.get("notify_on", "new") not in ("new", "every"):
+                raise CJEInputError("notify_on must be 'new' or 'every'")
+            ref = str(e.get("reference", "first"))
+            if ref != "first" and not ref.startswith("judge:") and not LOOK_KEY_RE.match(ref):
+                raise CJEInputError(f"reference {ref!r} must be 'first', 'judge:<id>' or 'YYYY-MM-DD/<judge_id>'")
+        except TypeError as exc:
+            raise CJEInputError(f"{where}: bad monitor option ({exc})", source=src) from None
+        except CJEInputError as exc:
+            raise CJEInputError(f"{where}: {exc}", source=src) from None
+        version = e.get("anchors_version")
+        if version is not None and (not isinstance(version, int) or version < 1):
+            raise CJEInputError(f"{where}: anchors_version must be a positive integer", source=src)
+        linked = evaluations.get(e.get("evaluation")) if e.get("evaluation") else None
+        if e.get("evaluation") and linked is None:
+            log.warning("%s: evaluation %r is not declared in %s; a drift alarm will request anchor labels only",
+                        where, e.get("evaluation"), src)
+        results_uri = _resolve(e.get("results_uri"), base, f"{where}.results_uri", src)
+        if results_uri is None and linked is not None:
+            results_uri = linked.results_uri or linked.logs_uri
+        out[name] = DriftMonitorSpec(
+            name=name, set_name=set_name,
+            anchors_uri=_resolve(e["anchors_uri"], base, f"{where}.anchors_uri", src),
+            logs_uri=_resolve(e.get("logs_uri"), base, f"{where}.logs_uri", src),
+            drift_uri=_resolve(e.get("drift_uri"), base, f"{where}.drift_uri", src),
+            results_uri=results_uri,
+            evaluation_logs_uri=linked.logs_uri if linked else None,
+            labels_uri=(linked.labels_uri or linked.logs_uri) if linked else None,
+            label_requests=dict(linked.label_requests) if linked and linked.label_requests else None,
+            evaluation=e.get("evaluation"), judge_id=e.get("judge_id"), scorer=dict(scorer) if scorer else None,
+            reference=str(e.get("reference", "first")),
+            replicate=None if e.get("replicate", "next") in (None, "none") else str(e.get("replicate", "next")),
+            anchors_version=version, monitor=dict(monitor), cron=str(e["cron"]) if e.get("cron") else None,
+            interval=float(interval) if interval is not None else None, timezone=str(e.get("timezone", "UTC")),
+            notify_on=str(e.get("notify_on", "new")), description=str(e.get("description", "")))
+    return out
+
+
+def drift_deployments(path: str | os.PathLike | None = None, only: Sequence[str] | None = None) -> list:
+    """Prefect deployments of the drift monitors declared in an evaluations file (for ``cje serve``)."""
+    specs = load_drift_monitors(path)
+    if only:
+        unknown = [n for n in only if n not in specs]
+        if unknown:
+            raise CJEInputError(f"no drift monitor named {unknown[0]!r}; declared: {', '.join(sorted(specs))}")
+        specs = {n: specs[n] for n in only}
+    return [s.to_deployment() for s in specs.values()]

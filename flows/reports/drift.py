@@ -1,0 +1,532 @@
+"""The drift monitor's HTML report: one self-contained page (inline CSS and SVG, no scripts).
+
+`render_drift_report(history, state=...)` draws one timeline panel per metric over the looks,
+with each look's fixed-sample interval and its alarm thresholds (every look spends its own share
+of alpha, so the thresholds move), and a table of the looks. The small SVG/HTML helpers below are
+this module's own (the evaluation report's are private to it).
+"""
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from cje_engine.drift.monitor import METRICS
+from cje_engine.errors import CJEInputError
+
+__all__ = ["render_drift_report"]
+
+# Okabe-Ito palette (colour-blind safe) plus neutral greys, as in the evaluation report.
+BLUE = "#0072B2"
+SKY = "#56B4E9"
+GREEN = "#009E73"
+VERMILLION = "#D55E00"
+PURPLE = "#CC79A7"
+INK = "#1f2328"
+MUTED = "#59636e"
+GREY = "#9aa1a9"
+GRID = "#e4e7eb"
+FONT = ('system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", "Noto Sans", '
+        '"Liberation Sans", "DejaVu Sans", Arial, sans-serif')
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    v = _num(value)
+    if v is None:
+        return "n/a"
+    text = f"{v:.{digits}f}"
+    return "0." + "0" * digits if text == "-0." + "0" * digits else text
+
+
+def _signed(value: Any, digits: int = 3) -> str:
+    v = _num(value)
+    if v is None:
+        return "n/a"
+    text = _fmt(v, digits)
+    return text if text.startswith("-") or text == _fmt(0.0, digits) else "+" + text
+
+
+def _fmt_p(p: Any) -> str:
+    v = _num(p)
+    if v is None:
+        return "n/a"
+    return "<0.001" if v < 0.001 else f"{v:.3f}"
+
+
+def _name_cell(name: Any) -> str:
+    return _esc(name).replace("_", "_<wbr>")
+
+
+def _r(v: float) -> str:
+    return f"{v:.1f}".rstrip("0").rstrip(".") if math.isfinite(v) else "0"
+
+
+def _el(tag: str, content: str | None = None, **attrs: Any) -> str:
+    a = "".join(f' {k.rstrip("_").replace("_", "-")}="{_esc(_r(v) if isinstance(v, float) else v)}"'
+                for k, v in attrs.items() if v is not None)
+    return f"<{tag}{a}/>" if content is None else f"<{tag}{a}>{content}</{tag}>"
+
+
+def _text(x: float, y: float, s: Any, **attrs: Any) -> str:
+    return _el("text", _esc(s), x=float(x), y=float(y), **attrs)
+
+
+def _line(x1: float, y1: float, x2: float, y2: float, **attrs: Any) -> str:
+    return _el("line", x1=float(x1), y1=float(y1), x2=float(x2), y2=float(y2), **attrs)
+
+
+def _svg(width: int, height: int, body: Iterable[str], label: str) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
+            f'width="{width}" height="{height}" role="img" aria-label="{_esc(label)}" '
+            f'class="chart" font-family="{_esc(FONT)}" font-size="12">'
+            f"<title>{_esc(label)}</title>{''.join(body)}</svg>")
+
+
+class _Lin:
+    """Linear map from a data domain to a pixel range."""
+
+    def __init__(self, d0: float, d1: float, r0: float, r1: float) -> None:
+        if d1 == d0:
+            d0, d1 = d0 - 0.5, d1 + 0.5
+        self.d0, self.d1, self.r0, self.r1 = d0, d1, r0, r1
+
+    def __call__(self, v: float) -> float:
+        return self.r0 + (v - self.d0) / (self.d1 - self.d0) * (self.r1 - self.r0)
+
+
+def _ticks(lo: float, hi: float, target: int = 6) -> tuple[float, float, list[float], int]:
+    """Nice tick positions covering [lo, hi]; returns (lo', hi', ticks, decimals)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        lo, hi = 0.0, 1.0
+    if hi <= lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    raw = (hi - lo) / max(target - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * 0.999)
+    start = math.floor(lo / step + 1e-9) * step
+    stop = math.ceil(hi / step - 1e-9) * step
+    ticks = [start + i * step for i in range(int(round((stop - start) / step)) + 1)]
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) + (1 if abs(step / mag - 2.5) < 1e-9 else 0)
+    return start, stop, ticks, decimals
+
+
+def _y_axis(sy: _Lin, ticks: Sequence[float], decimals: int, x: float, right: float,
+            label: str | None = None) -> list[str]:
+    out = []
+    for t in ticks:
+        y = sy(t)
+        text = f"{t:.{decimals}f}"
+        text = text[1:] if text.startswith("-") and float(text) == 0 else text
+        out.append(_line(x, y, right, y, stroke=GRID, stroke_width="1"))
+        out.append(_line(x - 5, y, x, y, stroke=MUTED, stroke_width="1"))
+        out.append(_text(x - 8, y + 4, text, text_anchor="end", fill=MUTED, font_size="11"))
+    out.append(_line(x, sy(ticks[0]), x, sy(ticks[-1]), stroke=MUTED, stroke_width="1"))
+    if label:
+        cy = (sy(ticks[0]) + sy(ticks[-1])) / 2
+        out.append(_el("text", _esc(label), x=float(x - 46), y=float(cy), text_anchor="middle",
+                       fill=INK, font_size="12", transform=f"rotate(-90 {_r(x - 46)} {_r(cy)})"))
+    return out
+
+
+def _diamond(x: float, y: float, r: float, **attrs: Any) -> str:
+    pts = f"{_r(x)},{_r(y - r)} {_r(x + r)},{_r(y)} {_r(x)},{_r(y + r)} {_r(x - r)},{_r(y)}"
+    return _el("polygon", points=pts, **attrs)
+
+
+def _legend(items: Sequence[tuple[str, str]], x: float, y: float, gap: float = 26) -> list[str]:
+    out, cx = [], x
+    for marker, label in items:
+        out.append(f'<g transform="translate({_r(cx)},{_r(y)})">{marker}</g>')
+        out.append(_text(cx + 14, y + 4, label, fill=INK, font_size="12"))
+        cx += 14 + 6.6 * len(label) + gap
+    return out
+
+
+CSS = """
+:root{--ink:#1f2328;--muted:#59636e;--line:#d8dee4;--bg:#f4f6f8;--card:#fff;--blue:#0072B2;
+--green:#009E73;--verm:#D55E00;--amber:#B07800}
+*{box-sizing:border-box}
+body{margin:0;background:var(--bg);color:var(--ink);font:15px/1.5 FONT;
+-webkit-font-smoothing:antialiased}
+main{max-width:1180px;margin:0 auto;padding:28px 24px 40px}
+header.top{margin-bottom:18px}
+header.top h1{font-size:26px;margin:0 0 4px;letter-spacing:-.01em}
+header.top .meta{color:var(--muted);font-size:14px}
+section,footer{background:var(--card);border:1px solid var(--line);border-radius:10px;
+padding:20px 24px;margin:0 0 18px}
+h2{font-size:18px;margin:0 0 12px;letter-spacing:-.005em}
+h3{font-size:15px;margin:20px 0 4px}
+p{margin:6px 0}
+.lead{color:var(--muted);font-size:14px;max-width:900px}
+.summary .item{border-left:4px solid var(--line);padding:6px 12px;margin:8px 0;background:#fafbfc;
+border-radius:0 6px 6px 0}
+.summary .item ul{margin:4px 0 2px;padding-left:20px}
+.summary .ok{border-left-color:var(--green)}
+.summary .warn{border-left-color:#E69F00}
+.summary .bad{border-left-color:var(--verm)}
+.note{color:var(--muted);font-size:13px}
+.muted{color:var(--muted)}
+.num{font-variant-numeric:tabular-nums}
+.figure{overflow-x:auto}
+svg.chart{display:block;max-width:100%;height:auto}
+table.data{border-collapse:collapse;width:100%;font-size:13px;margin:10px 0}
+table.data.compact{width:auto;min-width:420px}
+table.data th{text-align:left;font-weight:600;color:var(--muted);border-bottom:2px solid var(--line);
+padding:6px 8px;white-space:nowrap}
+table.data td{border-bottom:1px solid #eaeef2;padding:6px 8px;vertical-align:top}
+table.data tbody tr:hover{background:#f6f8fa}
+table.data .r{text-align:right}
+table.data .c{text-align:center}
+td.name{font-weight:600;overflow-wrap:break-word}
+td.num,th{white-space:nowrap}
+td.reason{color:var(--muted);min-width:220px}
+tr.is-refused td{background:#fafafa}
+td.refused-cell{color:var(--muted);font-style:italic;text-align:center}
+tr.alarm td{background:#fdf0e8}
+.scroll{overflow-x:auto}
+.badge{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600;
+white-space:nowrap;border:1px solid transparent}
+.badge.ok{background:#e3f4ee;color:#00664a;border-color:#b5e2d2}
+.badge.refused{background:#eceef1;color:#4b5259;border:1px dashed #8d949c}
+.v-pass{background:#e3f4ee;color:#00664a}
+.v-fail{background:#fbe6da;color:#9a3d00}
+.v-inconclusive{background:#fdf3d9;color:#7a5400}
+.v-not_run{background:#eceef1;color:#4b5259}
+.sig{color:#3f1f80;font-weight:600}
+.panels{display:grid;grid-template-columns:repeat(auto-fill,minmax(500px,1fr));gap:14px;margin:12px 0}
+figure.panel{margin:0;border:1px solid #eaeef2;border-radius:8px;padding:10px 10px 4px}
+figure.panel figcaption{font-size:14px}
+figure.panel .cap{display:block;color:var(--muted);font-size:12.5px;margin-top:2px}
+.facts{font-size:14px}
+ul.bases{font-size:13px;color:var(--muted);margin:6px 0 0;padding-left:20px}
+dl.config{display:grid;grid-template-columns:repeat(auto-fill,minmax(250px,1fr));gap:4px 18px;
+margin:0 0 10px;font-size:13px}
+dl.config div{display:flex;justify-content:space-between;gap:8px;border-bottom:1px dotted #e1e4e8;
+padding:2px 0}
+dl.config dt{color:var(--muted)}
+dl.config dd{margin:0;font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,"DejaVu Sans Mono",monospace;
+font-size:12px;text-align:right;word-break:break-all}
+footer p{font-size:13px;color:var(--muted)}
+footer .stamp{color:var(--ink)}
+a{color:var(--blue)}
+@media print{body{background:#fff}section,footer{break-inside:avoid;border-color:#ccc}}
+""".replace("FONT", FONT)
+
+
+# --------------------------------------------------------------------------------------------
+# panels and page
+# --------------------------------------------------------------------------------------------
+def _threshold(m: dict) -> tuple[float | None, float | None]:
+    """Alarm thresholds of a metric at its look, from its anytime interval.
+
+    Two-sided: ``null -/+ half-width of ci_anytime``; one-sided (``alternative="less"``, the rank
+    metric): ``null - (upper bound - estimate)`` below, none above.
+    """
+    ci = m.get("ci_anytime")
+    null, est = m.get("null_value"), m.get("estimate")
+    if not ci or null is None:
+        return None, None
+    if m.get("alternative") == "less":
+        if ci[1] is None or est is None:
+            return None, None
+        return null - (ci[1] - est), None
+    if ci[0] is None or ci[1] is None:
+        return None, None
+    half = (ci[1] - ci[0]) / 2.0
+    return null - half, null + half
+
+
+def _panel(xs: list[int], labels: list[str], series: dict, title: str, ylab: str, note: str,
+           judge_changes: list[tuple[int, str]], width: int = 1040) -> str:
+    """One timeline panel: estimate (line+dots), fixed-sample CIs, per-look alarm thresholds."""
+    est, lo_ci, hi_ci = series["estimate"], series["ci_lo"], series["ci_hi"]
+    thr_lo, thr_hi, alarm, base = series["thr_lo"], series["thr_hi"], series["alarm"], series.get("baseline")
+    n = len(xs)
+    L, W, T, H = 80, width - 80 - 40, 34, 190
+    rotate = n > 12
+    xlab_h = 62 if rotate else 34
+    height = T + H + xlab_h + 8
+    vals = [v for arr in (est, lo_ci, hi_ci, thr_lo, thr_hi, base or []) for v in arr if v is not None]
+    if not vals:
+        return ""
+    vlo, vhi = min(vals), max(vals)
+    pad = 0.06 * (vhi - vlo or 1.0)
+    ylo, yhi, yt, yd = _ticks(vlo - pad, vhi + pad, 5)
+    sx = _Lin(-0.5, n - 0.5, L, L + W)
+    sy = _Lin(ylo, yhi, T + H, T)
+    b: list[str] = [_text(L, T - 14, title, fill=INK, font_size="13", font_weight="600")]
+    if note:
+        b.append(_text(L + W, T - 14, note, fill=MUTED, font_size="11", text_anchor="end"))
+    # no-alarm band between the thresholds of each look
+    for i in range(n):
+        if thr_lo[i] is not None and thr_hi[i] is not None:
+            x0, x1 = sx(i - 0.5), sx(i + 0.5)
+            b.append(_el("rect", x=x0, y=sy(min(thr_hi[i], yhi)), width=x1 - x0,
+                             height=max(0.0, sy(max(thr_lo[i], ylo)) - sy(min(thr_hi[i], yhi))),
+                             fill=GREEN, fill_opacity="0.09"))
+    b += _y_axis(sy, yt, yd, L, L + W, ylab)
+    for i, j in judge_changes:
+        x = sx(i - 0.5)
+        b.append(_line(x, T, x, T + H, stroke=PURPLE, stroke_width="1.2", stroke_dasharray="2 3"))
+        b.append(_text(x + 4, T + 11, f"judge {j}", fill=PURPLE, font_size="10.5"))
+    if base is not None:
+        pts = [(i, v) for i, v in enumerate(base) if v is not None]
+        if pts:
+            b.append(_el("polyline", points=" ".join(f"{_r(sx(i))},{_r(sy(v))}" for i, v in pts),
+                             fill="none", stroke=GREY, stroke_width="1.5", stroke_dasharray="4 3"))
+    for arr in (thr_lo, thr_hi):  # stepped threshold lines (they widen as the budget per look shrinks)
+        for i, v in enumerate(arr):
+            if v is not None and ylo <= v <= yhi:
+                b.append(_line(sx(i - 0.45), sy(v), sx(i + 0.45), sy(v), stroke=VERMILLION,
+                                   stroke_width="1.6", stroke_dasharray="5 3"))
+    for i in range(n):
+        if lo_ci[i] is not None and hi_ci[i] is not None:
+            b.append(_line(sx(i), sy(lo_ci[i]), sx(i), sy(hi_ci[i]), stroke=SKY, stroke_width="2"))
+    segs: list[list[str]] = [[]]
+    for i, v in enumerate(est):
+        if v is None:
+            segs.append([])
+        else:
+            segs[-1].append(f"{_r(sx(i))},{_r(sy(v))}")
+    for seg in segs:
+        if len(seg) > 1:
+            b.append(_el("polyline", points=" ".join(seg), fill="none", stroke=BLUE, stroke_width="2"))
+    for i, v in enumerate(est):
+        if v is None:
+            continue
+        if alarm[i]:
+            b.append(_diamond(sx(i), sy(v), 7, fill=VERMILLION, stroke="#fff"))
+        else:
+            b.append(_el("circle", cx=sx(i), cy=sy(v), r="4", fill=BLUE, stroke="#fff"))
+    b.append(_line(L, T + H, L + W, T + H, stroke=MUTED, stroke_width="1"))
+    step = max(1, math.ceil(n / 40))
+    for i, lab in enumerate(labels):
+        if i % step and i != n - 1:
+            continue
+        x, ty = sx(i), T + H + 16
+        b.append(_line(x, T + H, x, T + H + 4, stroke=MUTED))
+        if rotate:
+            b.append(_el("text", _esc(lab), x=float(x), y=float(ty), text_anchor="end", fill=MUTED,
+                             font_size="10.5", transform=f"rotate(-40 {_r(x)} {_r(ty)})"))
+        else:
+            b.append(_text(x, ty, lab, text_anchor="middle", fill=MUTED, font_size="10.5"))
+    return _svg(width, height, b, title)
+
+
+def _series(history: list[dict], metric: str) -> dict:
+    out: dict[str, list] = {k: [] for k in ("estimate", "ci_lo", "ci_hi", "thr_lo", "thr_hi", "alarm")}
+    for lk in history:
+        m = (lk.get("metrics") or {}).get(metric) or {}
+        ci = m.get("ci") or [None, None]
+        lo, hi = _threshold(m)
+        out["estimate"].append(m.get("estimate"))
+        out["ci_lo"].append(ci[0])
+        out["ci_hi"].append(ci[1])
+        out["thr_lo"].append(lo)
+        out["thr_hi"].append(hi)
+        out["alarm"].append(bool(m.get("alarm")))
+    return out
+
+
+def _tau_series(history: list[dict]) -> dict:
+    """Agreement with the reference judge on the tau scale, thresholds around the baseline.
+
+    Rank metric (``comparison="rank_change"``): the mean tau of the reference scorings with the
+    recent looks, against the mean tau within them (the baseline, grey); the alarm threshold is
+    the baseline plus the metric's threshold. Floor test: tau(reference, current) against the floor.
+    """
+    out: dict[str, list] = {k: [] for k in ("estimate", "ci_lo", "ci_hi", "thr_lo", "thr_hi", "alarm", "baseline")}
+    for lk in history:
+        m = (lk.get("metrics") or {}).get("tau_b") or {}
+        d = m.get("detail") or {}
+        lo, hi = _threshold(m)
+        ci = d.get("tau_ci") or [None, None]
+        tau, base = d.get("tau"), None
+        if d.get("comparison") == "rank_change":
+            base = d.get("tau_within")
+            tau = d.get("tau_between")
+            mci = m.get("ci") or [None, None]
+            shift = None if base is None else base
+            ci = [None if v is None or shift is None else shift + v for v in mci]
+            lo = None if lo is None or shift is None else shift + lo
+            hi = None
+        elif d.get("comparison") == "tau_floor":
+            base = m.get("null_value")
+        out["estimate"].append(tau)
+        out["ci_lo"].append(ci[0])
+        out["ci_hi"].append(ci[1])
+        out["thr_lo"].append(lo)
+        out["thr_hi"].append(hi)
+        out["alarm"].append(bool(m.get("alarm")))
+        out["baseline"].append(base)
+    return out
+
+
+def render_drift_report(history: Sequence[dict], *, state: dict | None = None, title: str | None = None) -> str:
+    """A self-contained HTML page (inline CSS and SVG) with the drift timeline of a monitor.
+
+    Parameters
+    ----------
+    history : list of dict
+        ``DriftLook.to_dict()`` of every look, in look order (`read_looks`).
+    state : dict, optional
+        The monitor's state (reference, replicate, monitor configuration) for the header.
+    title : str, optional
+
+    Panels: Kendall tau-b of reference vs current scores (with the reference's test-retest
+    baseline), the mean residual shift on labelled anchors, the calibration-loss change and the
+    paired mean score shift; each with the fixed-sample interval of the look (light bars) and the
+    look's alarm thresholds (dashed: ``null -/+ t quantile(alpha spent) x SE``; they widen over
+    looks as the per-look budget shrinks). Alarms are diamonds.
+    """
+    history = [h for h in history if isinstance(h, dict)]
+    if not history:
+        raise CJEInputError("no looks to report", source="drift history")
+    for i, h in enumerate(history):
+        if not isinstance(h.get("metrics"), dict) or "look" not in h:
+            raise CJEInputError("each look needs 'look' and 'metrics' (DriftLook.to_dict())",
+                                source="drift history", row=i)
+    state = state or {}
+    meta0 = history[0].get("meta") or {}
+    set_name = meta0.get("set_name") or state.get("set_name") or "?"
+    monitor = meta0.get("monitor") or state.get("monitor_name") or set_name
+    page_title = title or f"Judge drift: anchor set {set_name}"
+    labels = [f"#{h['look']} {(h.get('meta') or {}).get('dt', '')}".strip() for h in history]
+    judges = [(h.get("meta") or {}).get("judge_id") for h in history]
+    ref_judge = (state.get("reference") or {}).get("judge_id") or meta0.get("reference_look", "/").split("/", 1)[-1]
+    changes = [(i, j) for i, j in enumerate(judges) if j is not None and j != (judges[i - 1] if i else ref_judge)]
+    cfg = (state.get("monitor") or {}).get("config") or {}
+    alpha = history[-1].get("alpha", cfg.get("alpha", 0.05))
+    horizon = cfg.get("horizon")
+    spending = ("alpha/(t(t+1)) per look (unbounded)" if horizon is None else f"alpha/{horizon} per look "
+                f"(horizon {horizon} looks)")
+    last = history[-1]
+    first_alarm = last.get("first_alarm") or {}
+    alarmed = {m: v for m, v in first_alarm.items() if v is not None}
+    xs = list(range(len(history)))
+
+    panels = []
+    tau = _tau_series(history)
+    tau_note = ("mean tau of the reference scorings with the recent looks; grey: mean tau within them "
+                "(no-drift value)" if any(v is not None for v in tau["baseline"])
+                else "no baseline (replicate, window or floor): tau-b cannot alarm")
+    panels.append(_panel(xs, labels, tau, "Kendall \u03c4-b agreement with the reference judge", "\u03c4-b",
+                         tau_note, changes))
+    for metric, title_, ylab, note in (
+            ("residual_mean", "Mean residual shift on labelled anchors (oracle scale)", "shift",
+             "below 0: the judge now scores higher; levels calibrated before would be biased up"),
+            ("calibration_loss", "Calibration loss change, MSE current \u2212 reference", "\u0394 MSE",
+             "above 0: the old calibration fits the judge's scores worse"),
+            ("mean_shift", "Paired mean shift of judge scores", "shift", "current \u2212 reference, per anchor")):
+        s = _series(history, metric)
+        if any(v is not None for v in s["estimate"]):
+            panels.append(_panel(xs, labels, s, title_, ylab, note, changes))
+        else:
+            why = ((history[-1]["metrics"].get(metric) or {}).get("note") or "not computed")
+            panels.append(f"<p class='note'><b>{_esc(title_)}</b>: not computed ({_esc(why)}).</p>")
+    legend = _svg(1040, 26, _legend([
+        (_el("circle", cx=0.0, cy=0.0, r="4", fill=BLUE), "estimate"),
+        (_line(0, -7, 0, 7, stroke=SKY, stroke_width="2"), f"{100 * (1 - alpha):g}% interval (this look)"),
+        (_line(-9, 0, 9, 0, stroke=VERMILLION, stroke_dasharray="5 3"), "alarm threshold (anytime)"),
+        (_el("rect", x=-8.0, y=-6.0, width="16", height="12", fill=GREEN, fill_opacity="0.2"), "no alarm"),
+        (_diamond(0, 0, 6, fill=VERMILLION), "alarm"),
+        (_line(0, -7, 0, 7, stroke=PURPLE, stroke_dasharray="2 3"), "judge changed"),
+    ], 84, 14, gap=22), "Legend")
+
+    sep = " \u00b7 "
+    look_label = {h["look"]: lab for h, lab in zip(history, labels)}
+    if alarmed:
+        first = min(alarmed.values())
+        status = (f"<div class='item bad'><p><b>Drift alarm</b> since look "
+                  f"{_esc(look_label.get(first, first))}: "
+                  + ", ".join(f"{_esc(m)} (first at look {v})" for m, v in sorted(alarmed.items(), key=lambda t: t[1]))
+                  + ". Fresh oracle labels on the anchors and on recent traffic are needed before levels "
+                  "calibrated with the old judge are trusted.</p></div>")
+    else:
+        status = (f"<div class='item ok'><p>No drift alarm in {len(history)} look(s). Family-wise false-alarm "
+                  f"rate over all looks and metrics \u2264 {_fmt(alpha, 2)}.</p></div>")
+    ref = state.get("reference") or {}
+    repl = state.get("replicate") or {}
+    cal = meta0.get("calibration") or (last.get("meta") or {}).get("calibration")
+    facts = [
+        f"reference look <b>{_esc(ref.get('look_key') or meta0.get('reference_look'))}</b>",
+        f"replicate <b>{_esc(repl.get('look_key') or meta0.get('replicate_look') or 'none')}</b>",
+        f"{_esc(last.get('n_anchors'))} paired anchors, {_esc(last.get('n_labelled'))} labelled",
+        f"anchor set v{_esc((last.get('meta') or {}).get('anchors_version'))}",
+        f"alpha {_fmt(alpha, 2)}, spent {_esc(spending)}, split equally over "
+        f"{len(METRICS)} metrics" if not cfg.get("weights") or len(set(cfg["weights"].values())) == 1
+        else f"alpha {_fmt(alpha, 2)}, spent {_esc(spending)}, weights {_esc(cfg['weights'])}",
+        ("calibration: " + _esc(f"{cal.get('evaluation')} {cal.get('window')} ({cal.get('mode')})")) if cal
+        else ("calibration supplied by the caller" if (last["metrics"].get("residual_mean") or {}).get("estimate")
+              is not None else "no calibration: residual metrics skipped"),
+    ]
+    rows = []
+    for h in history:
+        ms = h["metrics"]
+        meta = h.get("meta") or {}
+
+        def cell(m: str, digits: int = 3) -> str:
+            d = ms.get(m) or {}
+            v = d.get("estimate")
+            if v is None:
+                return "<td class='num r muted'>\u2013</td>"
+            cls = " sig" if d.get("alarm") else ""
+            return (f"<td class='num r{cls}' title='p={_fmt_p(d.get('p_value'))}, alpha spent="
+                    f"{d.get('alpha_spent', 0):.2g}'>{_signed(v, digits)}</td>")
+
+        tdet = (ms.get("tau_b") or {}).get("detail") or {}
+        rows.append(
+            f"<tr class='{'alarm' if h.get('alarm') else ''}'><td class='num'>{_esc(h['look'])}</td>"
+            f"<td>{_esc(meta.get('dt', ''))}</td><td>{_name_cell(meta.get('judge_id', ''))}</td>"
+            f"<td class='num r'>{_esc(h.get('n_anchors'))}</td>"
+            f"<td class='num r'>{_fmt(tdet.get('tau'))}</td>{cell('tau_b')}{cell('residual_mean')}"
+            f"{cell('calibration_loss', 4)}{cell('mean_shift')}"
+            f"<td class='num r'>{_fmt((ms.get('distribution') or {}).get('estimate'))}</td>"
+            f"<td>{_esc(', '.join(h.get('alarms') or []) or 'none')}</td></tr>")
+    table = ("<div class='scroll'><table class='data'><thead><tr><th>look</th><th>date</th><th>judge</th>"
+             "<th class='r'>anchors</th><th class='r'>\u03c4-b</th><th class='r'>\u03c4 \u2212 baseline</th>"
+             "<th class='r'>residual shift</th><th class='r'>\u0394 loss</th><th class='r'>mean shift</th>"
+             "<th class='r'>KS</th><th>alarms</th></tr></thead><tbody>" + "".join(rows)
+             + "</tbody></table></div><p class='note'>Bold purple values alarmed at that look; hover a value for "
+             "its p-value and the alpha it was allowed to spend.</p>")
+    css = CSS + "\n.facts b{font-weight:600}\n.summary .item p{margin:4px 0}\n"
+    parts = [
+        "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<title>{_esc(page_title)}</title><style>{css}</style></head><body><main>",
+        f"<header class='top'><h1>{_esc(page_title)}</h1><div class='meta'>monitor "
+        f"{_esc(monitor)} \u00b7 {len(history)} look(s) \u00b7 latest "
+        f"{_esc((last.get('meta') or {}).get('dt', ''))} by judge {_esc((last.get('meta') or {}).get('judge_id', ''))}"
+        "</div></header>",
+        f"<section class='summary' id='status'><h2>Status</h2>{status}"
+        f"<p class='facts'>{sep.join(facts)}</p></section>",
+        "<section id='timeline'><h2>Timeline</h2><p class='lead'>Each look compares the judge's current scores "
+        "of the anchors with the reference scores, anchor by anchor. Alarms keep a family-wise error rate "
+        f"\u2264 {_fmt(alpha, 2)} over all looks and metrics: every look spends a fixed share of alpha "
+        "(union bound), so its alarm thresholds (dashed) lie further out than a single test's and widen as "
+        "looks accumulate. A value outside the green band alarms.</p>"
+        f"<div class='figure'>{legend}</div>" + "".join(f"<div class='figure'>{p}</div>" for p in panels)
+        + "</section>",
+        f"<section id='looks'><h2>Looks</h2>{table}</section>",
+        "<footer><p class='stamp'>Statistics: cje_engine.drift.monitor (docs/drift.md) \u00b7 report generated "
+        f"{_esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))} \u00b7 self-contained "
+        "(no external resources)</p></footer>",
+        "</main></body></html>",
+    ]
+    return "\n".join(parts)
