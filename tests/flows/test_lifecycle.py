@@ -132,6 +132,7 @@ def _ports_reused(report: dict) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_kill_9_of_cje_run_leaves_nothing_running_and_nothing_listens(tmp_path):
     report = _run_and_interrupt(tmp_path, signal.SIGKILL)
     assert report["returncode"] == -signal.SIGKILL
@@ -164,3 +165,46 @@ def test_a_stale_temporary_home_is_removed_by_the_next_start(tmp_path):
     foreign.mkdir()
     assert clean_stale_homes(tmp_path) == [stale]
     assert not stale.exists() and mine.exists() and foreign.exists()
+
+
+def test_the_watchdog_stops_the_orphans_of_a_killed_parent_and_removes_its_folders(tmp_path):
+    """Fast twin of the kill -9 test: a parent registers a folder and starts a child in its own
+    session (as the Prefect server is started) that starts a grandchild; kill -9 of the parent
+    leaves both orphaned until the watchdog stops them and removes the folder."""
+    folder = tmp_path / "home"
+    script = f"""
+import os, subprocess, sys, time
+from flows.runtime.watchdog import register_cleanup
+os.makedirs({str(folder)!r}, exist_ok=True)
+register_cleanup({str(folder)!r})
+child = subprocess.Popen([sys.executable, "-c",
+    "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"],
+    start_new_session=True)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
+    seen: dict[int, int] = {}
+    try:
+        proc.stdout.readline()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(seen) < 3:  # watchdog, child, grandchild
+            seen.update(_descendants({proc.pid}, _table()))
+            time.sleep(0.2)
+        assert len(seen) >= 3 and folder.exists()
+        time.sleep(1.5)  # the watchdog has seen the grandchild (it polls every second)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (any(_alive(p, s) for p, s in seen.items()) or folder.exists()):
+            time.sleep(0.2)
+        assert not any(_alive(p, s) for p, s in seen.items()), "an orphan survived its parent"
+        assert not folder.exists(), "the registered folder was not removed"
+    finally:
+        for pid, start in seen.items():
+            if _alive(pid, start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
