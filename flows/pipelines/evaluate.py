@@ -50,7 +50,7 @@ from typing import Any, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from prefect import flow, task
+from prefect import task
 from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
@@ -59,6 +59,7 @@ from cje_engine.errors import CJEInputError
 
 from flows.config import Window, check_publish_name, check_uri, parse_window
 from flows.runtime import ray_fanout as ray_runtime
+from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
 from flows.storage.logs import concat_with_sources, locate_row, row_sources
 from flows.storage.objects import StorageConfig
@@ -468,7 +469,7 @@ def run_key_of(plan: RunPlan, files: list[dict], label_info: dict) -> str:
 # the flow
 
 
-@flow(name="evaluate", log_prints=False, validate_parameters=True)
+@checked_flow(name="evaluate", log_prints=False, validate_parameters=True)
 def evaluate(
     logs_uri: str,
     window: str = "last 7 days",
