@@ -187,3 +187,38 @@ def test_bad_settings_exit_2_before_prefect_or_ray_start(tmp_path):
     assert len(lines) == 1 and str(f) in lines[0] and "logs_uri" in lines[0], r.stderr
     assert "wJalrSecret42" not in r.stderr + r.stdout and "Traceback" not in r.stderr
     assert "starting a local" not in r.stderr and elapsed < 30  # neither Prefect nor Ray was started
+
+
+def test_engine_options_are_typed_and_bounded_before_any_allocation():
+    from cje_engine.options import MAX_N_BOOTSTRAP, EvaluationOptions
+
+    for kw, needle in [({"seed": -1}, "seed must be"), ({"seed": True}, "must be an integer"),
+                       ({"n_bootstrap": 10**9}, f"at most {MAX_N_BOOTSTRAP}"), ({"n_bootstrap": 2.5}, "integer"),
+                       ({"alpha": float("nan")}, "finite number"), ({"n_folds": 10**6}, "n_folds"),
+                       ({"support_bandwidth": 0}, "support_bandwidth"), ({"n_bootstrapp": 1}, "did you mean")]:
+        with pytest.raises(CJEInputError, match=needle):
+            EvaluationOptions.build(**kw)
+    opts = EvaluationOptions.build(n_bootstrap=MAX_N_BOOTSTRAP)
+    # 3 copies x 8 bytes x 100,000 replicates x n_stats: 24 MB for 10 statistics, 24 GB for 10,000
+    assert opts.bootstrap_bytes(10) == 3 * 8 * MAX_N_BOOTSTRAP * 10
+    opts.check_bootstrap_memory(10)
+    with pytest.raises(CJEInputError, match="GiB for the replicates"):
+        opts.check_bootstrap_memory(10_000)
+    with pytest.raises(CJEInputError, match="lower n_bootstrap"):
+        opts.check_bootstrap_memory(10, budget=1024)
+    assert EvaluationOptions.build(inference="analytic", n_bootstrap=50).bootstrap_bytes(10**6) == 0
+
+
+@pytest.mark.parametrize("flags, needle", [(["--seed", "-1"], "seed must be"),
+                                           (["--n-bootstrap", "1000000000"], "n_bootstrap must be at most")])
+def test_cje_evaluate_out_of_range_options_exit_2_without_a_traceback(tmp_path, flags, needle):
+    import subprocess
+    import sys
+
+    data = tmp_path / "d.csv"
+    data.write_text("prompt_id,policy,judge_score,oracle_label\n" + "".join(
+        f"p{i},{pol},0.5,{'' if i % 2 else 0.5}\n" for i in range(40) for pol in ("a", "b")))
+    r = subprocess.run([str(Path(sys.executable).with_name("cje")), "evaluate", str(data), "--out",
+                        str(tmp_path / "out"), *flags], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything was computed or written

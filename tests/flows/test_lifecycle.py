@@ -208,3 +208,46 @@ time.sleep(600)
                     os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
+
+
+def test_the_embedded_local_ray_listens_on_127_0_0_1_only(tmp_path):
+    """Every listener of the local Ray that `ray_session` starts (GCS, raylet, agents, driver,
+    workers) is on 127.0.0.1 (Ray otherwise binds every interface and reports the machine's address)."""
+    script = """
+import json, os, sys, time
+import ray
+from flows.runtime.ray_fanout import ray_session, map_ordered
+def pid():
+    return os.getpid()
+with ray_session(num_cpus=1) as kind:
+    map_ordered(pid, [()])
+    print(json.dumps({"kind": kind, "node_ip": ray.nodes()[0]["NodeManagerAddress"],
+                      "temp": ray._private.worker._global_node.get_temp_dir_path()}), flush=True)
+    sys.stdin.readline()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(REPO), TMPDIR=tempfile.mkdtemp(prefix="cjt"))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    seen: dict[int, int] = {}
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert info["kind"] == "local" and info["node_ip"] == "127.0.0.1"
+        seen = _descendants({proc.pid}, _table())
+        listeners = _listeners(set(seen) | {proc.pid})
+        names = {n for _, _, n in listeners}
+        assert {"gcs_server", "raylet"} <= names, listeners
+        outside = [l for l in listeners if not LOOPBACK.match(l[0])]
+        assert not outside, f"listening beyond 127.0.0.1: {outside}"
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(timeout=60) == 0
+        assert not Path(info["temp"]).exists()  # the session's temporary folder went with it
+    finally:
+        for pid, start in seen.items():
+            if _alive(pid, start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)
