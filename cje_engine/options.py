@@ -1,10 +1,59 @@
 """Evaluation options: every knob that shapes the numbers, validated in one place."""
 from __future__ import annotations
 
+import difflib
+import math
+import numbers
+import os
 from dataclasses import asdict, dataclass, field
 
 from cje_engine.data.frame import Scale, parse_scale
 from cje_engine.errors import CJEInputError
+
+#: Most bootstrap replicates (percentile intervals are stable to ~0.1% of their width
+#: long before this; more only costs time and memory).
+MAX_N_BOOTSTRAP = 100_000
+#: Largest seed (NumPy seeds are unsigned; 2**63 - 1 keeps it a JSON-safe signed integer too).
+MAX_SEED = 2**63 - 1
+#: Most cross-fitting folds.
+MAX_FOLDS = 100
+#: Default memory budget of the bootstrap replicate matrix (bytes); ``CJE_MAX_BOOTSTRAP_BYTES``
+#: overrides it.
+DEFAULT_BOOTSTRAP_BYTES = 2 * 1024**3
+
+_INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labels")
+_FLOAT_FIELDS = ("alpha", "audit_margin", "support_bandwidth", "support_material_share")
+_STR_FIELDS = ("calibration_mode", "estimator", "inference", "multiplicity")
+_NAMES_FIELDS = ("covariates", "calibration_policies", "policies")
+
+
+def did_you_mean(word: str, choices) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``choices``, or ``""``."""
+    close = difflib.get_close_matches(str(word), sorted(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_errors(kw: dict) -> None:
+    """Raise on an option of the wrong type (before any range check or allocation)."""
+    for key in _INT_FIELDS:
+        v = kw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+            raise CJEInputError(f"option {key} must be an integer, got {v!r}")
+    for key in _FLOAT_FIELDS:
+        v = kw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                              or not math.isfinite(float(v))):
+            raise CJEInputError(f"option {key} must be a finite number, got {v!r}")
+    for key in _STR_FIELDS:
+        v = kw.get(key)
+        if v is not None and not isinstance(v, str):
+            raise CJEInputError(f"option {key} must be a string, got {v!r}")
+    for key in _NAMES_FIELDS:
+        v = kw.get(key)
+        if v is None or isinstance(v, str):
+            continue
+        if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+            raise CJEInputError(f"option {key} must be a list of names, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -64,10 +113,12 @@ class EvaluationOptions:
     @classmethod
     def build(cls, **kwargs) -> "EvaluationOptions":
         """Validate and normalise keyword options (lists become tuples, scales are parsed)."""
-        unknown = set(kwargs) - set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
         if unknown:
-            raise CJEInputError(f"unknown option(s): {', '.join(sorted(unknown))}")
+            raise CJEInputError(f"unknown option(s): {', '.join(unknown)}"
+                                + did_you_mean(unknown[0], cls.__dataclass_fields__))
         kw = dict(kwargs)
+        _type_errors(kw)
         for key in ("covariates", "calibration_policies", "policies"):
             if kw.get(key) is not None:
                 v = kw[key]
@@ -102,12 +153,46 @@ class EvaluationOptions:
             bad(f"alpha must be in (0, 0.5); got {self.alpha}")
         if self.inference == "bootstrap" and self.n_bootstrap < 50:
             bad(f"n_bootstrap must be at least 50 for percentile intervals; got {self.n_bootstrap}")
+        if self.n_bootstrap > MAX_N_BOOTSTRAP:
+            bad(f"n_bootstrap must be at most {MAX_N_BOOTSTRAP}; got {self.n_bootstrap}")
+        if not (0 <= self.seed <= MAX_SEED):
+            bad(f"seed must be an integer from 0 to 2**63-1; got {self.seed}")
+        if self.n_folds > MAX_FOLDS:
+            bad(f"n_folds must be at most {MAX_FOLDS}; got {self.n_folds}")
+        if self.support_min_labels < 1:
+            bad(f"support_min_labels must be at least 1; got {self.support_min_labels}")
+        if not (0 < self.support_bandwidth < 1):
+            bad(f"support_bandwidth must be in (0, 1); got {self.support_bandwidth}")
+        if not (0 <= self.support_material_share <= 1):
+            bad(f"support_material_share must be in [0, 1]; got {self.support_material_share}")
         if not (0 < self.audit_margin < 1):
             bad(f"audit_margin must be in (0, 1) (a fraction of the label scale); got {self.audit_margin}")
         if self.n_folds < 2:
             bad(f"n_folds must be at least 2; got {self.n_folds}")
         if self.min_labels < 2:
             bad(f"min_labels must be at least 2; got {self.min_labels}")
+
+    def bootstrap_bytes(self, n_stats: int) -> int:
+        """Estimated bytes of the replicate matrix (``n_bootstrap x n_stats`` float64), counted
+        three times: the chunks, their concatenation and one working copy in ``finalize``."""
+        if self.inference != "bootstrap":
+            return 0
+        return 3 * 8 * int(self.n_bootstrap) * max(1, int(n_stats))
+
+    def check_bootstrap_memory(self, n_stats: int, budget: int | None = None) -> None:
+        """Raise `CJEInputError` before allocating when the replicates would not fit the budget.
+
+        ``budget`` defaults to ``CJE_MAX_BOOTSTRAP_BYTES`` or 2 GiB.
+        """
+        if budget is None:
+            raw = os.environ.get("CJE_MAX_BOOTSTRAP_BYTES", "")
+            budget = int(raw) if raw.strip().isdigit() else DEFAULT_BOOTSTRAP_BYTES
+        need = self.bootstrap_bytes(n_stats)
+        if need > budget:
+            raise CJEInputError(
+                f"n_bootstrap={self.n_bootstrap} with {n_stats} statistics needs about {need / 1024**3:.1f} GiB "
+                f"for the replicates, over the budget of {budget / 1024**3:.1f} GiB; lower n_bootstrap "
+                "(or raise CJE_MAX_BOOTSTRAP_BYTES)")
 
     def to_dict(self) -> dict:
         d = asdict(self)

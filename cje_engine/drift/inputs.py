@@ -6,7 +6,6 @@ mapping holding both is a duplicate).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 

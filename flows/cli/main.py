@@ -36,6 +36,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "flows.cli.requests",
     "flows.cli.labels",
     "flows.cli.deploy",
+    "flows.cli.ui",
 )
 
 

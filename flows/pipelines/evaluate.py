@@ -37,33 +37,34 @@ results.  Storage steps retry with backoff (``retry_delays``); bad data
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
-import re
 import time
-from dataclasses import dataclass
-from datetime import date, datetime, timedelta, timezone
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import task
 from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
 from cje_engine import __version__ as ENGINE_VERSION
 from cje_engine.errors import CJEInputError
 
+from flows.config import Window, check_publish_name, check_uri, parse_window
 from flows.runtime import ray_fanout as ray_runtime
+from flows.runtime.guard import checked_flow
+from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
+from flows.storage.logs import concat_with_sources, locate_row, row_sources
+from flows.storage.objects import StorageConfig
 
 log = logging.getLogger(__name__)
-
-#: Default backoff (seconds) between retries of storage steps.
-DEFAULT_RETRY_DELAYS: tuple[float, ...] = (2.0, 10.0, 30.0)
 
 #: Columns the flow reads from the logs besides the covariates.
 BASE_COLUMNS = ("prompt_id", "policy", "judge_score", "response_id")
@@ -72,93 +73,8 @@ LABEL_COLUMNS = ("oracle_label", "label_probability")
 #: Fewest bootstrap replicates per Ray chunk (below this, scheduling dominates).
 MIN_CHUNK = 50
 
-
-# --------------------------------------------------------------------------------------
-# windows
-
-
-@dataclass(frozen=True)
-class Window:
-    """An inclusive range of log dates."""
-
-    start: date
-    end: date
-
-    @property
-    def label(self) -> str:
-        """Path-safe name used in result paths: ``YYYY-MM-DD_YYYY-MM-DD``."""
-        return f"{self.start.isoformat()}_{self.end.isoformat()}"
-
-    @property
-    def days(self) -> int:
-        return (self.end - self.start).days + 1
-
-
-_LAST_RE = re.compile(r"^\s*last[\s_-]*(\d+)[\s_-]*days?\s*$|^\s*(\d+)\s*d\s*$", re.I)
-
-
-def _as_date(value: Any, what: str) -> date:
-    if isinstance(value, datetime):
-        return value.date()
-    if isinstance(value, date):
-        return value
-    try:
-        return date.fromisoformat(str(value).strip())
-    except ValueError:
-        raise CJEInputError(f"{what} {value!r} is not a date; expected YYYY-MM-DD") from None
-
-
-def parse_window(window: Any = "last 7 days", as_of: Any = None) -> Window:
-    """Turn a window specification into dates.
-
-    Accepted: ``"last N days"`` / ``"Nd"`` (the N full days before ``as_of``, which
-    defaults to today in UTC, so a daily schedule never reads a half-written day),
-    ``"YYYY-MM-DD..YYYY-MM-DD"``, a single ``"YYYY-MM-DD"``, or a mapping with
-    ``start``/``end`` or ``last_days``.
-    """
-    ref = _as_date(as_of, "as_of") if as_of not in (None, "") else datetime.now(timezone.utc).date()
-    if isinstance(window, Window):
-        return window
-    if isinstance(window, dict):
-        if "last_days" in window:
-            window = f"last {window['last_days']} days"
-        elif "start" in window and "end" in window:
-            window = f"{window['start']}..{window['end']}"
-        else:
-            raise CJEInputError(f"window {window!r} needs 'start' and 'end' or 'last_days'")
-    text = str(window).strip()
-    m = _LAST_RE.match(text)
-    if m:
-        n = int(m.group(1) or m.group(2))
-        if n < 1:
-            raise CJEInputError(f"window {window!r} must cover at least one day")
-        return Window(ref - timedelta(days=n), ref - timedelta(days=1))
-    if ".." in text:
-        a, b = text.split("..", 1)
-        start, end = _as_date(a, "window start"), _as_date(b, "window end")
-    else:
-        start = end = _as_date(text, "window")
-    if end < start:
-        raise CJEInputError(f"window {window!r} ends before it starts")
-    return Window(start, end)
-
-
-# --------------------------------------------------------------------------------------
-# retries
-
-
-def _retry_unless_bad_input(task_: Any, task_run: Any, state: Any) -> bool:
-    """Prefect retry condition: retry storage/infrastructure failures, never bad data."""
-    try:
-        exc = state.result(raise_on_failure=False)
-    except Exception:  # noqa: BLE001 - cannot tell: retry
-        return True
-    return not isinstance(exc, CJEInputError)
-
-
-_STORAGE_TASK = dict(retries=len(DEFAULT_RETRY_DELAYS), retry_delay_seconds=list(DEFAULT_RETRY_DELAYS),
-                     retry_condition_fn=_retry_unless_bad_input, cache_policy=NO_CACHE)
-_PURE_TASK = dict(cache_policy=NO_CACHE)
+_STORAGE_TASK = storage_task_options()
+_PURE_TASK = PURE_TASK
 
 
 def _storage(uri: str, cfg: Any):
@@ -179,6 +95,9 @@ def discover(logs_uri: str, cfg: Any, window: Window) -> list[dict]:
     st = _storage(logs_uri, cfg)
     files = discover_partitions(st, window.start, window.end)
     infos = [_info_dict(f) for f in files]
+    if not infos:
+        raise CJEInputError(f"no log partitions dt={window.start}..dt={window.end} under {logs_uri}",
+                            source=logs_uri)
     get_run_logger().info("window %s: %d partition file(s), %.1f MB", window.label, len(infos),
                           sum(i["size"] or 0 for i in infos) / 1e6)
     return infos
@@ -222,12 +141,29 @@ def read(logs_uri: str, cfg: Any, files: list[dict], columns: list[str] | None,
         [(logs_uri, cfg_dict, [f["key"] for f in g], columns, policies) for g in groups],
         name="cje_read",
     )
-    table = pa.concat_tables(parts, promote_options="default") if parts else None
+    table = concat_with_sources(parts) if parts else None
     if table is None or table.num_rows == 0:
         raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {logs_uri}"
                             + (f" for policies {policies}" if policies else ""), source=logs_uri)
     get_run_logger().info("read %d rows in %d Ray task(s) in %.2f s", table.num_rows, len(groups),
                           time.perf_counter() - t0)
+    return table
+
+
+def read_needed(plan: "RunPlan", cfg: Any, files: list[dict]) -> pa.Table:
+    """The `read` task with the run's projection pushed down.
+
+    The label columns the logs carry inline are kept (they are combined with the store's in
+    `join_labels`); when only some files have them, every column is read and the needed ones
+    are kept afterwards.
+    """
+    inline = inline_labels.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files)
+    needed = plan.needed_columns
+    columns = None if inline["mixed"] else needed + inline["columns"]
+    table = read.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files, columns, plan.read_policies,
+                                            2 * ray_runtime.cluster_cpus())
+    if columns is None:
+        table = table.select([c for c in needed + list(LABEL_COLUMNS) if c in table.column_names])
     return table
 
 
@@ -331,21 +267,40 @@ def validate(table: pa.Table, covariates: Sequence[str], source: str) -> dict:
     return {"n_rows": table.num_rows, "n_labelled": int(n_lab), "policies": per_policy}
 
 
+@contextlib.contextmanager
+def _rows_named_by_object(table: pa.Table, logs_uri: str | None, cfg: Any) -> Iterator[None]:
+    """Re-raise the engine's bad-value errors about row N of the assembled table as errors
+    about the log object and its row (the engine only sees one in-memory table)."""
+    try:
+        yield
+    except CJEInputError as exc:
+        where = None
+        if logs_uri and exc.row is not None and str(exc.source or "").startswith("<"):
+            where = locate_row(_storage(logs_uri, cfg), row_sources(table), table, int(exc.row))
+        if where is None:
+            raise
+        raise CJEInputError(exc.detail, source=where[0], column=exc.column, row=where[1]) from None
+
+
 @task(name="prepare", **_PURE_TASK)
-def prepare(table: pa.Table, options: dict) -> Any:
+def prepare(table: pa.Table, options: dict, logs_uri: str | None = None, cfg: Any = None) -> Any:
     """Engine `prepare`: validate, select the mode, fit the calibration once."""
     from cje_engine.pipeline.direct import prepare as engine_prepare
 
-    return engine_prepare(table, **options)
+    with _rows_named_by_object(table, logs_uri, cfg):
+        return engine_prepare(table, **options)
 
 
-@task(name="bootstrap", retries=1, retry_delay_seconds=[1.0], retry_condition_fn=_retry_unless_bad_input,
-      cache_policy=NO_CACHE)
+@task(name="bootstrap", **storage_task_options((1.0,)))
 def bootstrap(prep: Any, n_chunks: int | None) -> list:
     """Bootstrap replicates in chunks on Ray (Ray re-runs chunks of dead workers)."""
     opts = prep.options
     if opts.inference != "bootstrap":  # as cje_engine.evaluate: the analytic route has no replicates
         return []
+    stats = getattr(prep, "stats", None)
+    engine_opts = getattr(opts, "engine", opts)
+    if hasattr(engine_opts, "check_bootstrap_memory"):  # before any replicate is allocated
+        engine_opts.check_bootstrap_memory(getattr(stats, "size", None) or len(getattr(prep, "policies", ())) or 1)
     B = int(opts.n_bootstrap)
     if n_chunks is None:
         n_chunks = 2 * ray_runtime.cluster_cpus()
@@ -369,11 +324,12 @@ def finalize(prep: Any, chunks: list) -> Any:
 
 
 @task(name="prepare_offpolicy", **_PURE_TASK)
-def prepare_offpolicy(table: pa.Table, options: dict) -> Any:
+def prepare_offpolicy(table: pa.Table, options: dict, logs_uri: str | None = None, cfg: Any = None) -> Any:
     """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates."""
     from cje_engine.pipeline.offpolicy import prepare as offpolicy_prepare
 
-    return offpolicy_prepare(table, **options)
+    with _rows_named_by_object(table, logs_uri, cfg):
+        return offpolicy_prepare(table, **options)
 
 
 def _chunk_fn(prep: Any) -> Any:
@@ -415,7 +371,7 @@ def publish(results_uri: str, cfg: Any, evaluation: str, window: Window, key: st
 
 
 # --------------------------------------------------------------------------------------
-# the flow
+# the run's plan (parameters resolved and checked before anything starts)
 
 
 def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict:
@@ -427,6 +383,63 @@ def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict
         opts["policies"] = list(policies)
     EvaluationOptions.build(**opts)  # early, clear error on an unknown or bad option
     return opts
+
+
+@dataclass
+class RunPlan:
+    """One flow run's resolved parameters: where to read and publish, the window, the options."""
+
+    evaluation: str
+    window_spec: str
+    window: Window
+    logs_uri: str
+    results_uri: str
+    labels_uri: str
+    policies: list[str] | None
+    mode: str
+    opts: dict
+    extra_columns: list[str]
+    read_policies: list[str] | None
+    retry: dict
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def covariates(self) -> list[str]:
+        return list(self.opts.get("covariates") or [])
+
+    @property
+    def needed_columns(self) -> list[str]:
+        return list(dict.fromkeys(list(BASE_COLUMNS) + self.covariates + self.extra_columns))
+
+    @contextlib.contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - t0
+
+
+def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | None, labels_uri: str | None,
+             policies: list[str] | None, options: dict | None, as_of: str | None, retry_delays: list[float] | None,
+             mode: str) -> RunPlan:
+    """Resolve defaults and check every parameter (names, URIs, window, options); no I/O."""
+    check_publish_name(evaluation, "evaluation name")
+    for what, uri in (("logs_uri", logs_uri), ("results_uri", results_uri), ("labels_uri", labels_uri)):
+        if uri:
+            check_uri(uri, what)
+    if mode == "direct":
+        opts, extra_columns, read_policies = engine_options(options, policies), [], policies
+    else:
+        from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
+
+        opts = flow_options(options, policies, mode)
+        extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
+    delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
+    return RunPlan(evaluation=evaluation, window_spec=str(window), window=parse_window(window, as_of),
+                   logs_uri=logs_uri, results_uri=results_uri or logs_uri, labels_uri=labels_uri or logs_uri,
+                   policies=policies, mode=mode, opts=opts, extra_columns=extra_columns,
+                   read_policies=read_policies, retry=dict(retries=len(delays), retry_delay_seconds=delays or [0.0]))
 
 
 def config_hash(config: dict) -> str:
@@ -444,7 +457,50 @@ def _code_version() -> str:
         return f"engine {ENGINE_VERSION} (source tree)"
 
 
-@flow(name="evaluate", log_prints=False, validate_parameters=True)
+def run_config(plan: RunPlan) -> dict:
+    """The configuration that, with the inputs' fingerprint, names the run (its run key)."""
+    config = {"evaluation": plan.evaluation, "window": plan.window.label,
+              "policies": sorted(plan.policies) if plan.policies else None, "options": plan.opts,
+              "logs_uri": plan.logs_uri, "labels_uri": plan.labels_uri}
+    if plan.mode != "direct":
+        config["mode"] = plan.mode
+    return config
+
+
+def build_manifest(plan: RunPlan, files: list[dict], counts: dict, label_info: dict, ray_kind: str) -> dict:
+    """The run's manifest: window, configuration, input lineage, row counts, versions, timings."""
+    config = run_config(plan)
+    return {
+        "window_spec": {"start": plan.window.start.isoformat(), "end": plan.window.end.isoformat(),
+                        "spec": plan.window_spec},
+        "config": config,
+        "config_hash": config_hash(config),
+        "inputs": {"logs_uri": plan.logs_uri, "files": files, "n_files": len(files),
+                   "bytes": sum(f["size"] or 0 for f in files)},
+        "rows": counts,
+        "labels": label_info,
+        "code_version": _code_version(),
+        "engine_version": ENGINE_VERSION,
+        "seed": int(plan.opts.get("seed", 0)),
+        "ray": ray_kind,
+        "flow_run_id": _flow_run_id(),
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "timings_s": {k: round(v, 3) for k, v in plan.timings.items()},
+    }
+
+
+def run_key_of(plan: RunPlan, files: list[dict], label_info: dict) -> str:
+    """Deterministic run key from the configuration and the inputs' fingerprint."""
+    fingerprint = {"files": sorted(files, key=lambda f: f["key"]),
+                   "label_store_version": label_info["label_store_version"]}
+    return _run_key(run_config(plan), fingerprint)
+
+
+# --------------------------------------------------------------------------------------
+# the flow
+
+
+@checked_flow(name="evaluate", log_prints=False, validate_parameters=True)
 def evaluate(
     logs_uri: str,
     window: str = "last 7 days",
@@ -494,92 +550,41 @@ def evaluate(
         ``report`` (location of report.html), ``timings`` (seconds per stage) and
         ``result`` (the result dict).
     """
-    from flows.storage.objects import StorageConfig
-
-    logger = get_run_logger()
-    timings: dict[str, float] = {}
-    results_uri = results_uri or logs_uri
-    labels_uri = labels_uri or logs_uri
-    win = parse_window(window, as_of)
-    if mode == "direct":
-        opts, extra_columns, read_policies = engine_options(options, policies), [], policies
-    else:
-        from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
-
-        opts = flow_options(options, policies, mode)
-        extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
-    covariates = list(opts.get("covariates") or [])
+    plan = plan_run(logs_uri, window, evaluation, results_uri, labels_uri, policies, options, as_of,
+                    retry_delays, mode)
     cfg = StorageConfig.from_env()  # from the driver's environment, never a flow parameter
-    delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
-    retry = dict(retries=len(delays), retry_delay_seconds=delays or [0.0])
-    logger.info("evaluation %r over %s (%s) from %s", evaluation, win.label, window, logs_uri)
+    win, retry = plan.window, plan.retry
+    get_run_logger().info("evaluation %r over %s (%s) from %s", evaluation, win.label, window, logs_uri)
 
     with ray_runtime.ray_session() as ray_kind:
-        t0 = time.perf_counter()
-        files = discover.with_options(**retry)(logs_uri, quote(cfg), win)
-        if not files:
-            raise CJEInputError(f"no log partitions dt={win.start}..dt={win.end} under {logs_uri}",
-                                source=logs_uri)
-        labels, label_info = load_labels.with_options(**retry)(labels_uri, quote(cfg))
-        # Projection pushed down, keeping the label columns the logs carry inline (combined with
-        # the store's below); when only some files have them, every column is read and the
-        # needed ones are kept.
-        inline = inline_labels.with_options(**retry)(logs_uri, quote(cfg), files)
-        needed = list(dict.fromkeys(list(BASE_COLUMNS) + covariates + extra_columns))
-        columns = None if inline["mixed"] else needed + inline["columns"]
-        table = read.with_options(**retry)(logs_uri, quote(cfg), files, columns, read_policies,
-                                           2 * ray_runtime.cluster_cpus())
-        if columns is None:
-            table = table.select([c for c in needed + list(LABEL_COLUMNS) if c in table.column_names])
-        table, label_info = join_labels(quote(table), quote(labels), label_info)
-        del labels
-        timings["read"] = time.perf_counter() - t0
+        with plan.timed("read"):
+            files = discover.with_options(**retry)(plan.logs_uri, quote(cfg), win)
+            labels, label_info = load_labels.with_options(**retry)(plan.labels_uri, quote(cfg))
+            table = read_needed(plan, cfg, files)
+            table, label_info = join_labels(quote(table), quote(labels), label_info)
+            del labels
+        with plan.timed("statistics"):
+            counts = validate(quote(table), plan.covariates, plan.logs_uri)
+            prep = (prepare if mode == "direct" else prepare_offpolicy)(quote(table), plan.opts, plan.logs_uri,
+                                                                         quote(cfg))
+            del table
+            chunks = bootstrap(quote(prep), n_chunks)
+            result = finalize(quote(prep), quote(chunks))
 
-        t1 = time.perf_counter()
-        counts = validate(quote(table), covariates, logs_uri)
-        prep = (prepare if mode == "direct" else prepare_offpolicy)(quote(table), opts)
-        del table
-        chunks = bootstrap(quote(prep), n_chunks)
-        result = finalize(quote(prep), quote(chunks))
-        timings["statistics"] = time.perf_counter() - t1
-
-    config = {"evaluation": evaluation, "window": win.label, "policies": sorted(policies) if policies else None,
-              "options": opts, "logs_uri": logs_uri, "labels_uri": labels_uri}
-    if mode != "direct":
-        config["mode"] = mode
-    fingerprint = {"files": sorted(files, key=lambda f: f["key"]),
-                   "label_store_version": label_info["label_store_version"]}
-    key = _run_key(config, fingerprint)
-    drop = check_label_counts.with_options(**retry)(results_uri, quote(cfg), evaluation, win, counts)
+    key = run_key_of(plan, files, label_info)
+    drop = check_label_counts.with_options(**retry)(plan.results_uri, quote(cfg), evaluation, win, counts)
     if drop:
         label_info["labelled_count_drop"] = drop
-    t2 = time.perf_counter()
-    artifacts = render(quote(result), f"CJE evaluation {evaluation} - {win.start} to {win.end}")
-    timings["render"] = time.perf_counter() - t2
-    manifest = {
-        "window_spec": {"start": win.start.isoformat(), "end": win.end.isoformat(), "spec": window},
-        "config": config,
-        "config_hash": config_hash(config),
-        "inputs": {"logs_uri": logs_uri, "files": files, "n_files": len(files),
-                   "bytes": sum(f["size"] or 0 for f in files)},
-        "rows": counts,
-        "labels": label_info,
-        "code_version": _code_version(),
-        "engine_version": ENGINE_VERSION,
-        "seed": int(opts.get("seed", 0)),
-        "ray": ray_kind,
-        "flow_run_id": _flow_run_id(),
-        "created_at": datetime.now(timezone.utc).isoformat(),
-        "timings_s": {k: round(v, 3) for k, v in timings.items()},
-    }
-    t3 = time.perf_counter()
-    outcome = publish.with_options(**retry)(results_uri, quote(cfg), evaluation, win, key, quote(artifacts),
-                                            manifest)
-    timings["publish"] = time.perf_counter() - t3
-    report = outcome.get("artifacts", {}).get("report.html")
-    logger.info("timings (s): %s", {k: round(v, 2) for k, v in timings.items()})
-    return {"evaluation": evaluation, "window": win.label, "run_key": key, **outcome, "report": report,
-            "timings": timings, "labels": label_info, "warnings": [drop["message"]] if drop else [],
+    with plan.timed("render"):
+        artifacts = render(quote(result), f"CJE evaluation {evaluation} - {win.start} to {win.end}")
+    manifest = build_manifest(plan, files, counts, label_info, ray_kind)
+    with plan.timed("publish"):
+        outcome = publish.with_options(**retry)(plan.results_uri, quote(cfg), evaluation, win, key,
+                                                quote(artifacts), manifest)
+    get_run_logger().info("timings (s): %s", {k: round(v, 2) for k, v in plan.timings.items()})
+    return {"evaluation": evaluation, "window": win.label, "run_key": key, **outcome,
+            "report": outcome.get("artifacts", {}).get("report.html"), "timings": plan.timings,
+            "labels": label_info, "warnings": [drop["message"]] if drop else [],
             "result": result.to_dict()}
 
 
@@ -596,4 +601,4 @@ def _flow_run_id() -> str | None:
     return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
 
 
-__all__ = ["evaluate", "parse_window", "Window", "engine_options", "DEFAULT_RETRY_DELAYS"]
+__all__ = ["evaluate", "parse_window", "Window", "engine_options", "DEFAULT_RETRY_DELAYS", "plan_run", "RunPlan"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-from dataclasses import fields
 from datetime import date
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -50,6 +49,7 @@ from flows.pipelines.audit import evaluate_and_audit
 from flows.storage.anchors import label_anchors
 from flows.storage.objects import NotFoundError
 from flows.storage.publish import list_runs
+from flows.runtime.retries import retry_unless_bad_input
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +58,7 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "js
 _RETRY = dict(retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE)
 
 
-def _retry_unless_bad_input(task_: Any, task_run: Any, state: Any) -> bool:
-    try:
-        exc = state.result(raise_on_failure=False)
-    except Exception:  # noqa: BLE001
-        return True
-    return not isinstance(exc, CJEInputError)
-
-
-_STORAGE_TASK = dict(_RETRY, retry_condition_fn=_retry_unless_bad_input)
+_STORAGE_TASK = dict(_RETRY, retry_condition_fn=retry_unless_bad_input)
 
 
 def _storage(uri: str, cfg: Any):
@@ -442,20 +434,12 @@ def anchor_task(anchors: dict[str, float], anchor_map: dict[str, dict], anchors_
 
 
 def _specs(evaluations_file: str | None, evaluations: Sequence[Mapping] | None) -> list:
+    from flows.config import validate_entry
     from flows.runtime.schedules import EvaluationSpec, load_evaluations
 
     specs = list(load_evaluations(evaluations_file).values()) if evaluations_file else []
-    allowed = {f.name for f in fields(EvaluationSpec)}
-    for i, e in enumerate(evaluations or []):
-        if not isinstance(e, Mapping) or "name" not in e or "logs_uri" not in e:
-            raise CJEInputError(f"evaluations[{i}] must be a mapping with at least 'name' and 'logs_uri'")
-        unknown = sorted(set(e) - allowed)
-        if unknown:
-            raise CJEInputError(f"evaluations[{i}] has unknown key(s) {unknown}; expected some of {sorted(allowed)}")
-        d = dict(e)
-        if d.get("policies") is not None:
-            d["policies"] = tuple(d["policies"])
-        specs.append(EvaluationSpec(**d))
+    specs += [validate_entry(EvaluationSpec, dict(e) if isinstance(e, Mapping) else e, f"evaluations[{i}]")
+              for i, e in enumerate(evaluations or [])]
     return specs
 
 
@@ -466,7 +450,7 @@ def affected_windows(spec: Any, dates: set[str], published: Sequence[str], as_of
     Candidates: every published window of the evaluation plus its declared window as of
     ``as_of``; the newest ``max_windows`` (by end date) are returned.
     """
-    from flows.pipelines.evaluate import parse_window
+    from flows.config import parse_window
 
     cands = set(published)
     try:

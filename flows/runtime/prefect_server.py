@@ -8,6 +8,13 @@ Prefect's per-process ephemeral server, would be started again by every process 
 touches the API (about 8 s each) and cannot run schedules.
 
 When ``PREFECT_API_URL`` is already set, nothing is started: that server is used as is.
+When ``cje ui`` runs (its state file `ui_state_file` names a live, healthy server), that
+persistent server is used, so flow runs, logs and artifacts outlive the command.
+
+Lifecycle: the server binds 127.0.0.1 only.  It dies with `cje` however `cje` ends (see
+`flows.runtime.watchdog`: the context manager on exit, SIGINT and SIGTERM; a watchdog process
+after ``kill -9``), and a temporary home left behind by a `cje` that could not clean up is
+removed by the next start (`clean_stale_homes`).
 
 Shutdown order matters: Prefect's log and event workers are drained first, then the
 server is stopped.  Stopping the server first leaves those workers retrying against a
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import os
 import shutil
@@ -30,9 +38,16 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
+
+from flows.runtime.watchdog import _start_time, ensure_watchdog, graceful_sigterm, register_cleanup
 
 log = logging.getLogger(__name__)
+
+#: Prefix of the temporary homes of embedded servers (``<tmp>/cje-prefect-*``).
+HOME_PREFIX = "cje-prefect-"
+#: File in a home naming the `cje` process that owns it.
+OWNER_FILE = "owner.json"
 
 #: Environment that keeps a local Prefect quiet and offline.
 QUIET_ENV: dict[str, str] = {
@@ -87,6 +102,27 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def _owner_alive(home: Path) -> bool:
+    try:
+        owner = json.loads((home / OWNER_FILE).read_text())
+        return _start_time(int(owner["pid"])) == int(owner["start"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def clean_stale_homes(root: Path | None = None) -> list[Path]:
+    """Remove temporary server homes whose owning `cje` process is gone; returns them."""
+    root = Path(root or tempfile.gettempdir())
+    removed = []
+    for home in root.glob(HOME_PREFIX + "*"):
+        if home.is_dir() and (home / OWNER_FILE).exists() and not _owner_alive(home):
+            shutil.rmtree(home, ignore_errors=True)
+            removed.append(home)
+    if removed:
+        log.info("removed %d stale Prefect home(s) of earlier cje runs", len(removed))
+    return removed
+
+
 def launch_server(
     home: Path | None = None,
     port: int | None = None,
@@ -108,8 +144,14 @@ def launch_server(
         More environment for the server (e.g. a short scheduler loop).
     """
     owns = home is None
-    home = Path(tempfile.mkdtemp(prefix="cje-prefect-")) if home is None else Path(home)
+    ensure_watchdog()  # stops the server if this process is killed without cleaning up
+    if owns:
+        clean_stale_homes()
+    home = Path(tempfile.mkdtemp(prefix=HOME_PREFIX)) if home is None else Path(home)
     home.mkdir(parents=True, exist_ok=True)
+    if owns:
+        (home / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}))
+        register_cleanup(home)
     port = port or free_port()
     env = dict(os.environ)
     # The server must not itself try to talk to another API.
@@ -263,22 +305,77 @@ def prefect_api(extra_env: Mapping[str, str] | None = None,
         The API URL in use.
     """
     configured = os.environ.get("PREFECT_API_URL")
+    persistent = None if configured or launched is not None else running_ui()
+    if persistent is not None:
+        configured = persistent["api_url"]
+        log.info("using the Prefect server of `cje ui` at %s (UI: %s)", configured, persistent.get("ui_url"))
     if configured and launched is None:
-        log.info("using the Prefect API at %s", configured)
-        with use_api(configured) as url:
+        if persistent is None:
+            log.info("using the Prefect API at %s", configured)
+        with graceful_sigterm(), use_api(configured) as url:
             yield url
         return
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    server = launched or launch_server(extra_env=extra_env)
+    with graceful_sigterm():
+        server = launched or launch_server(extra_env=extra_env)
+        try:
+            wait_healthy(server)
+        except BaseException:
+            stop_server(server)
+            raise
+        try:
+            with use_api(server.url) as url:  # drains workers on exit, before the stop below
+                yield url
+        finally:
+            stop_server(server)
+            log.info("local Prefect API server stopped (pid %d)", server.pid)
+
+
+# --------------------------------------------------------------------------------------
+# the persistent server of `cje ui`
+
+
+def ui_state_file() -> Path:
+    """Where `cje ui` records its running server: ``$CJE_STATE_DIR/ui.json`` (default
+    ``~/.local/state/cje/ui.json``)."""
+    root = os.environ.get("CJE_STATE_DIR") or os.path.join(os.path.expanduser("~"), ".local", "state", "cje")
+    return Path(root) / "ui.json"
+
+
+def write_ui_state(server: PrefectServer, ui_url: str, data: Path) -> Path:
+    """Record a running `cje ui` server (URL, PID, start time, home) for later commands."""
+    path = ui_state_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"api_url": server.url, "ui_url": ui_url, "pid": server.pid, "start": _start_time(server.pid),
+             "owner_pid": os.getpid(), "home": str(server.home), "data": str(data)}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def clear_ui_state(pid: int | None = None) -> None:
+    """Remove the state file (only if it names ``pid``, when given)."""
+    path = ui_state_file()
+    with contextlib.suppress(OSError, ValueError):
+        if pid is None or json.loads(path.read_text()).get("pid") == pid:
+            path.unlink()
+
+
+def running_ui() -> dict[str, Any] | None:
+    """The state of a live, healthy `cje ui` server, or None (a stale state file is removed)."""
+    path = ui_state_file()
     try:
-        wait_healthy(server)
-    except BaseException:
-        stop_server(server)
-        raise
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
     try:
-        with use_api(server.url) as url:  # drains workers on exit, before the stop below
-            yield url
-    finally:
-        stop_server(server)
-        log.info("local Prefect API server stopped (pid %d)", server.pid)
+        alive = _start_time(int(state["pid"])) == int(state["start"])
+    except (KeyError, TypeError, ValueError):
+        alive = False
+    if alive and healthy(str(state.get("api_url", "")), timeout=2.0):
+        return state
+    if not alive:
+        clear_ui_state()
+    return None

@@ -14,6 +14,12 @@
   through ``runtime_env`` (Prefect API URL, telemetry off, the code path), and storage
   settings travel as explicit task arguments (``StorageConfig.to_dict``), never through
   the environment.
+* The embedded local Ray listens on 127.0.0.1 only (GCS, raylet, agents, driver, workers):
+  Ray turns a loopback ``node_ip_address`` into the machine's address unless it runs in its
+  single-machine mode, which `_loopback_only` switches on for the session (Ray's
+  ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, inherited by the processes Ray starts).  Its
+  temporary folder is the session's own and is removed afterwards; if `cje` is killed, its
+  watchdog stops Ray's processes and removes the folder (`flows.runtime.watchdog`).
 * `map_ordered` submits one task per argument tuple with Ray task retries (a worker
   killed mid-task is re-run elsewhere) and returns results in submission order, with
   a task's own exception re-raised unwrapped (so a `CJEInputError` keeps its message).
@@ -39,6 +45,8 @@ import secrets
 import socket
 import struct
 import time
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -100,6 +108,51 @@ def _prepare_local_auth() -> None:
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """Ray's single-machine mode for the block: every Ray server binds 127.0.0.1."""
+    from ray._private import ray_constants
+
+    old_env, old_flag = os.environ.get(_LOCAL_ONLY_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOCAL_ONLY_ENV] = "0"  # read by the processes Ray starts
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read by this process (imported before the env was set)
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(_LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[_LOCAL_ONLY_ENV] = old_env
+
+
+@contextlib.contextmanager
+def _local_ray(num_cpus: int | None, runtime_env: dict) -> Iterator[None]:
+    """An in-process local Ray on 127.0.0.1 with its own temporary folder (removed after)."""
+    import ray
+
+    from flows.runtime.watchdog import graceful_sigterm, register_cleanup
+
+    _prepare_local_auth()
+    temp_dir = tempfile.mkdtemp(prefix="cjeray")  # short: Ray's socket paths have a length limit
+    register_cleanup(temp_dir)  # starts the watchdog: Ray's processes die with this one
+    log.info("starting a local Ray")
+    try:
+        with graceful_sigterm(), _loopback_only():
+            ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1",
+                     _node_ip_address="127.0.0.1", _temp_dir=temp_dir, runtime_env=runtime_env,
+                     log_to_driver=False, logging_level=logging.WARNING)
+            try:
+                yield
+            finally:
+                ray.shutdown()
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[str]:
     """Ray for the duration of the block.
@@ -127,17 +180,13 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=False,
                  logging_level=logging.WARNING)
-        kind = "cluster"
-    else:
-        _prepare_local_auth()
-        log.info("starting a local Ray")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
-                 log_to_driver=False, logging_level=logging.WARNING)
-        kind = "local"
-    try:
-        yield kind
-    finally:
-        ray.shutdown()
+        try:
+            yield "cluster"
+        finally:
+            ray.shutdown()
+        return
+    with _local_ray(num_cpus, runtime_env):
+        yield "local"
 
 
 def map_ordered(

@@ -39,6 +39,7 @@ Parquet, corrupt pages, missing or mistyped columns, null or duplicate ``respons
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
@@ -335,6 +336,7 @@ def read_window(
         out = out.select(columns)
     if check_unique and "response_id" in out.column_names and out.num_rows:
         _check_unique(out, keys, sizes, st)
+    out = with_row_sources(out, list(zip(keys, sizes)))
     log.info("read %d rows x %d columns from %d log file(s)", out.num_rows, out.num_columns, len(keys))
     return out
 
@@ -394,6 +396,58 @@ def _check_unique(table: pa.Table, keys: list[str], sizes: list[int], st: Storag
     raise CJEInputError(f"response_id {dup!r} is not unique: it appears {len(rows)} times "
                         f"(first in {first_src}); response ids must be unique over the window",
                         source=second_src, column="response_id", row=second_row)
+
+
+# --------------------------------------------------------------------------- row provenance
+
+#: Schema metadata key of `read_window` output: JSON ``[[object key, rows], ...]`` in row order.
+ROW_SOURCES = b"cje.row_sources"
+
+
+def with_row_sources(table: pa.Table, sources: Sequence[tuple[str, int]]) -> pa.Table:
+    """``table`` with its row provenance (object keys and row counts, in row order) attached."""
+    meta = dict(table.schema.metadata or {})
+    meta[ROW_SOURCES] = json.dumps([[k, int(n)] for k, n in sources]).encode("utf-8")
+    return table.replace_schema_metadata(meta)
+
+
+def row_sources(table: pa.Table) -> list[tuple[str, int]]:
+    """The provenance attached by `with_row_sources` (empty when there is none)."""
+    raw = (table.schema.metadata or {}).get(ROW_SOURCES)
+    return [(str(k), int(n)) for k, n in json.loads(raw)] if raw else []
+
+
+def concat_with_sources(parts: Sequence[pa.Table]) -> pa.Table:
+    """Concatenate `read_window` outputs, keeping their combined row provenance."""
+    sources = [s for p in parts for s in row_sources(p)]
+    return with_row_sources(pa.concat_tables(parts, promote_options="default"), sources)
+
+
+def locate_row(st: Storage, sources: Sequence[tuple[str, int]], table: pa.Table, row: int) -> tuple[str, int] | None:
+    """Where row ``row`` of ``table`` (assembled in the order of ``sources``) was read from:
+    ``(object URL, row within the object)``, or None when it cannot be told.
+
+    The object's row is found by the row's ``response_id`` (unique over the window), so it is
+    right even when a policy filter dropped rows of the object during the read.  Error path
+    only: it reads one column of one object.
+    """
+    acc = 0
+    for key, n in sources:
+        if acc <= row < acc + n:
+            break
+        acc += n
+    else:
+        return None
+    if "response_id" not in table.column_names or not 0 <= row < table.num_rows:
+        return None
+    rid = table.column("response_id")[row].as_py()
+    try:
+        fs, _ = st.arrow_fs
+        ids = ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").to_table(columns=["response_id"])
+        hit = pc.index(ids.column("response_id").cast(pa.string()), pa.scalar(str(rid), pa.string())).as_py()
+    except (OSError, pa.ArrowException, StorageError):
+        hit = -1
+    return st.url(key), (hit if hit >= 0 else row - acc)
 
 
 # --------------------------------------------------------------------------- writing

@@ -58,6 +58,8 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
+from cje_engine.errors import CJEInputError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -77,6 +79,9 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
 
 _SECRET_FIELDS = ("access_key", "secret_key", "session_token")
 _TMP_PREFIX = ".cje-tmp-"
+#: A local temporary file untouched this long belongs to a killed writer and is removed by the
+#: next write into its folder (a live writer touches its file continuously).
+STALE_TMP_SECONDS = 3600.0
 _CONDITIONAL_MODES = ("auto", "native", "emulated")
 
 
@@ -378,7 +383,9 @@ class Storage(ABC):
         if text.startswith("s3://") or text.startswith("s3a://"):
             p = urlparse(text)
             if p.username or p.password or "@" in p.netloc:
-                raise ValueError("put credentials in StorageConfig or the AWS environment, not in the URI")
+                raise CJEInputError(f"S3 URI s3://***@{p.netloc.rsplit('@', 1)[-1]}{p.path} has credentials in it; "
+                                    "put them in the AWS environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                                    "a profile or a role) or StorageConfig, never in a URI")
             if not p.netloc:
                 raise ValueError(f"S3 URI {text!r} has no bucket; expected s3://bucket/prefix")
             return S3Storage(p.netloc, p.path.strip("/"), config)
@@ -490,8 +497,26 @@ class LocalStorage(Storage):
         except OSError as exc:
             raise self._fail("read", key, exc) from None
 
+    @staticmethod
+    def sweep_stale_tmp(folder: Path, older_than: float = STALE_TMP_SECONDS) -> int:
+        """Remove ``.cje-tmp-*`` files of killed writers (untouched for ``older_than`` seconds)
+        from ``folder``; returns how many were removed."""
+        removed = 0
+        cutoff = time.time() - older_than
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(folder):
+                if entry.name.startswith(_TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                            os.unlink(entry.path)
+                            removed += 1
+        if removed:
+            log.info("removed %d stale temporary file(s) of killed writers in %s", removed, folder)
+        return removed
+
     def _tmp_file(self, path: Path, data: bytes) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.sweep_stale_tmp(path.parent)
         tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -603,6 +628,7 @@ class LocalStorage(Storage):
     def open_output(self, key: str) -> Iterator[Any]:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.sweep_stale_tmp(path.parent)
         tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
         fs = pafs.LocalFileSystem()
         try:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime, timedelta, timezone
 
 from flows.storage.publish import read_latest
 from flows.storage.objects import Storage
@@ -20,9 +21,11 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
     logs, labels = tmp_path / "logs", tmp_path / "labels"
     _, window = write_simulated_logs(Storage.for_uri(str(logs)), Storage.for_uri(str(labels)), 300, 2)
     config = tmp_path / "evaluations.yaml"
+    anchor = (datetime.now(timezone.utc) - timedelta(seconds=55)).isoformat()
     config.write_text(json.dumps({"evaluations": [{
         "name": "every-few-seconds", "logs_uri": "logs", "labels_uri": "labels", "results_uri": ".",
-        "window": window, "interval": 4, "options": {"n_bootstrap": 100, "seed": 1}}]}))
+        # The shortest interval allowed (60 s), anchored 55 s ago: the first run is due ~5 s after deploying.
+        "window": window, "interval": 60, "anchor": anchor, "options": {"n_bootstrap": 100, "seed": 1}}]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS"))}
     env.update(PREFECT_API_URL=prefect_server.url, RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO),
                PREFECT_RUNNER_POLL_FREQUENCY="1")
@@ -49,3 +52,15 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
     assert run.parameters["evaluation"] == "every-few-seconds"
     latest = read_latest(Storage.for_uri(str(tmp_path)), "every-few-seconds")
     assert latest is not None and latest["window"] == window.replace("..", "_")
+
+
+def test_cje_serve_refuses_a_sub_minute_interval_before_starting_anything(tmp_path):
+    """`interval: true` / `0.001` once made `cje serve` fork 14 flow runs in 46 s: now exit 2 at load."""
+    for bad in ("true", "0.001", "5"):
+        config = tmp_path / "evaluations.yaml"
+        config.write_text(f"evaluations:\n  - {{name: fast, logs_uri: logs, interval: {bad}}}\n")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+        r = subprocess.run([sys.executable, "-m", "flows.cli.main", "serve", "--config", str(config)], env=env,
+                           cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "key interval" in r.stderr and str(config) in r.stderr, r.stderr
+        assert "starting a local" not in r.stderr

@@ -297,3 +297,25 @@ def test_uniqueness_helpers_for_tables_read_in_groups():
     with pytest.raises(CJEInputError, match="r000007") as err:
         check_unique_response_ids(joined, "window 2025-03-01")
     assert (err.value.source, err.value.column, err.value.row) == ("window 2025-03-01", "response_id", 10)
+
+
+def test_rows_of_an_assembled_window_are_traced_to_their_object_and_row(storage: Storage):
+    """A bad value found at row N of the table assembled from several reads (as the flow does
+    on Ray) is traced to its object and its row there, even through a policy filter."""
+    from flows.storage.logs import concat_with_sources, locate_row, row_sources
+
+    table = make_logs(600, days=3, seed=4)
+    write_logs(storage, table, basename="t")
+    files = discover_partitions(storage, "2025-03-01", "2025-03-03")
+    parts = [read_window(storage, files[:1], policies=["clone", "premium"]),
+             read_window(storage, files[1:], policies=["clone", "premium"])]
+    assembled = concat_with_sources(parts)
+    assert [k for k, _ in row_sources(assembled)] == [f.key for f in files]
+    assert sum(n for _, n in row_sources(assembled)) == assembled.num_rows
+    for row in (0, parts[0].num_rows - 1, parts[0].num_rows, assembled.num_rows - 1):
+        url, obj_row = locate_row(storage, row_sources(assembled), assembled, row)
+        rid = assembled["response_id"][row].as_py()
+        key = next(f.key for f in files if storage.url(f.key) == url)
+        whole = pq.read_table(storage.arrow_path(key), filesystem=storage.arrow_fs[0])  # unfiltered object
+        assert whole["response_id"][obj_row].as_py() == rid  # the object's own row, not the filtered one
+    assert locate_row(storage, row_sources(assembled), assembled, assembled.num_rows) is None

@@ -11,6 +11,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
+from cje_engine.errors import CJEInputError
 from flows.storage.objects import (
     ENV_VARS,
     LocalStorage,
@@ -69,8 +70,9 @@ def test_for_uri_dispatch(tmp_path):
     loc = Storage.for_uri(f"file://{tmp_path}/x", cfg)
     assert isinstance(loc, LocalStorage) and loc.root == (tmp_path / "x").resolve()
     assert isinstance(Storage.for_uri(tmp_path), LocalStorage)
-    with pytest.raises(ValueError, match="not in the URI"):
+    with pytest.raises(CJEInputError, match="never in a URI") as err:
         Storage.for_uri(f"s3://AK:{SECRET_KEY}@bucket/p", cfg)
+    assert SECRET_KEY not in str(err.value) and "AWS_ACCESS_KEY_ID" in str(err.value)
     with pytest.raises(ValueError, match="unsupported storage URI"):
         Storage.for_uri("gs://bucket/p", cfg)
 
@@ -322,3 +324,27 @@ def test_local_os_error_is_storage_error_naming_the_path(tmp_path):
     assert err.value.key == "x/a/b" and err.value.operation == "write"
     with pytest.raises(StorageError):
         st.put_if_absent("x/a/c", b"3")
+
+
+def test_a_killed_writers_temporary_files_are_swept_by_the_next_write(tmp_path):
+    """kill -9 during a local write leaves a ``.cje-tmp-*`` file; the next write into that folder
+    removes it once it is stale (untouched for an hour), never a live writer's fresh one."""
+    import os
+
+    from flows.storage.objects import _TMP_PREFIX, STALE_TMP_SECONDS, LocalStorage
+
+    st = LocalStorage(tmp_path)
+    (tmp_path / "results").mkdir()
+    stale = tmp_path / "results" / f"{_TMP_PREFIX}dead-result.json"
+    fresh = tmp_path / "results" / f"{_TMP_PREFIX}live-result.json"
+    for p in (stale, fresh):
+        p.write_bytes(b"partial")
+    old = time.time() - STALE_TMP_SECONDS - 60
+    os.utime(stale, (old, old))
+    st.write_bytes("results/other.json", b"{}")
+    assert not stale.exists() and fresh.exists()
+    os.utime(fresh, (old, old))
+    with st.open_output("results/table.parquet") as out:
+        out.write(b"x")
+    assert not fresh.exists()
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["other.json", "table.parquet"]

@@ -1,0 +1,472 @@
+"""The service's configuration: ONE validated model of ``evaluations.yaml``.
+
+``load_config(path)`` reads the file once (`read_yaml`, the one YAML loader) and validates
+every entry with pydantic before anything starts (no Prefect server, no Ray, no storage
+call):
+
+* ``evaluations:`` - `EvaluationConfig` (engine options checked by
+  `cje_engine.options.EvaluationOptions` or the off-policy options);
+* ``drift_monitors:`` - `DriftMonitorConfig` (drift options checked by
+  `cje_engine.drift.monitor.DriftMonitor`).
+
+Checks: unknown keys are errors with a did-you-mean hint; types are strict (``interval: true``,
+``n_bootstrap: "abc"`` and ``alpha: "0.05"`` are refused, not coerced); ranges (seed >= 0,
+``n_bootstrap`` <= `cje_engine.options.MAX_N_BOOTSTRAP`, windows of 1 to `MAX_WINDOW_DAYS`
+days, ``interval`` >= `MIN_INTERVAL_SECONDS`); names are valid result-path segments by the
+publisher's own rule (`flows.storage.publish`), so a run never computes for an hour and then
+fails to publish; URIs carry no credentials (`check_uri`: credentials come from the
+environment - ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, a profile or an instance role -
+and never travel as flow parameters, which Prefect stores).
+
+Every error is a one-line `CJEInputError` naming the file, the entry and the key.
+
+Windows (`parse_window`, `Window`, `as_date`) live here too: they are configuration, and the
+flows, the label ingestion and the checks above share them.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from datetime import date, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Literal, Mapping
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from cje_engine.errors import CJEInputError
+from cje_engine.options import did_you_mean
+
+#: Default location of the declarations: the repository root.
+DEFAULT_FILE = Path(__file__).resolve().parents[1] / "evaluations.yaml"
+#: Shortest schedule interval (seconds): shorter ones pile up flow runs faster than they finish.
+MIN_INTERVAL_SECONDS = 60.0
+#: Longest schedule interval (seconds): one year.
+MAX_INTERVAL_SECONDS = 366 * 86400.0
+#: Longest evaluation window (days): ten years of daily partitions.
+MAX_WINDOW_DAYS = 3660
+
+CREDENTIALS_HINT = ("credentials never go in a URI (Prefect stores flow parameters and logs them); set "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an instance role) in the "
+                    "environment of `cje`, see docs/failure-modes.md")
+
+
+# --------------------------------------------------------------------------------------
+# dates and windows
+
+
+@dataclass(frozen=True)
+class Window:
+    """An inclusive range of log dates."""
+
+    start: date
+    end: date
+
+    @property
+    def label(self) -> str:
+        """Path-safe name used in result paths: ``YYYY-MM-DD_YYYY-MM-DD``."""
+        return f"{self.start.isoformat()}_{self.end.isoformat()}"
+
+    @property
+    def days(self) -> int:
+        return (self.end - self.start).days + 1
+
+
+# "last N days" with optional _ or - separators; the sign is captured so "last -3 days" is refused.
+_LAST_RE = re.compile(r"^\s*last(?:[\s_]+|-)([+-]?\d+)[\s_-]*days?\s*$|^\s*([+-]?\d+)\s*d\s*$", re.I)
+
+
+def as_date(value: Any, what: str = "date") -> date:
+    """``date``, ``datetime`` or ``"YYYY-MM-DD"`` -> ``date`` (`CJEInputError` otherwise)."""
+    if isinstance(value, datetime):
+        return value.date()
+    if isinstance(value, date):
+        return value
+    try:
+        return date.fromisoformat(str(value).strip())
+    except ValueError:
+        raise CJEInputError(f"{what} {value!r} is not a date; expected YYYY-MM-DD") from None
+
+
+def parse_window(window: Any = "last 7 days", as_of: Any = None) -> Window:
+    """Turn a window specification into dates.
+
+    Accepted: ``"last N days"`` / ``"Nd"`` (the N full days before ``as_of``, which
+    defaults to today in UTC, so a daily schedule never reads a half-written day),
+    ``"YYYY-MM-DD..YYYY-MM-DD"``, a single ``"YYYY-MM-DD"``, or a mapping with
+    ``start``/``end`` or ``last_days``.  A window covers 1 to `MAX_WINDOW_DAYS` days.
+    """
+    ref = as_date(as_of, "as_of") if as_of not in (None, "") else datetime.now(timezone.utc).date()
+    if isinstance(window, Window):
+        return window
+    if isinstance(window, dict):
+        if "last_days" in window:
+            window = f"last {window['last_days']} days"
+        elif "start" in window and "end" in window:
+            window = f"{window['start']}..{window['end']}"
+        else:
+            raise CJEInputError(f"window {window!r} needs 'start' and 'end' or 'last_days'")
+    text = str(window).strip()
+    m = _LAST_RE.match(text)
+    if m:
+        n = int(m.group(1) or m.group(2))
+        if n < 1:
+            raise CJEInputError(f"window {window!r} must cover at least one day")
+        if n > MAX_WINDOW_DAYS:
+            raise CJEInputError(f"window {window!r} is longer than {MAX_WINDOW_DAYS} days")
+        try:
+            return Window(ref - timedelta(days=n), ref - timedelta(days=1))
+        except OverflowError:
+            raise CJEInputError(f"window {window!r} starts before year 1") from None
+    if ".." in text:
+        a, b = text.split("..", 1)
+        start, end = as_date(a, "window start"), as_date(b, "window end")
+    else:
+        start = end = as_date(text, "window")
+    if end < start:
+        raise CJEInputError(f"window {window!r} ends before it starts")
+    if (end - start).days + 1 > MAX_WINDOW_DAYS:
+        raise CJEInputError(f"window {window!r} is longer than {MAX_WINDOW_DAYS} days")
+    return Window(start, end)
+
+
+# --------------------------------------------------------------------------------------
+# shared checks
+
+
+def check_uri(uri: str, what: str = "URI") -> str:
+    """Refuse a URI carrying credentials (user-info or a password-like query); return it.
+
+    The message never repeats the URI's secret part.
+    """
+    if "://" not in uri:
+        return uri
+    parts = urlsplit(uri)
+    if "@" in parts.netloc or parts.username is not None or parts.password is not None:
+        host = parts.netloc.rsplit("@", 1)[-1]
+        raise CJEInputError(f"{what} {parts.scheme}://***@{host}{parts.path} has credentials in it; "
+                            + CREDENTIALS_HINT)
+    if re.search(r"(?i)(secret|password|token|access[_-]?key|signature)=", parts.query):
+        raise CJEInputError(f"{what} {parts.scheme}://{parts.netloc}{parts.path}?*** has credentials in its "
+                            "query; " + CREDENTIALS_HINT)
+    return uri
+
+
+def check_publish_name(name: str, what: str) -> str:
+    """A name the publisher accepts as one result-path segment (`flows.storage.publish`'s rule)."""
+    from flows.storage.publish import _segment  # the publisher's own rule, not a copy of it
+
+    return _segment(name, what)
+
+
+def resolve_uri(uri: str, base: Path | None) -> str:
+    """Local paths relative to ``base`` (the YAML file's folder); URIs unchanged."""
+    uri = os.path.expanduser(uri.strip())
+    if "://" in uri or base is None:
+        return uri
+    p = Path(uri)
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def check_cron(cron: str, tz: str) -> None:
+    from prefect.client.schemas.schedules import CronSchedule  # a schema only: starts nothing
+
+    try:
+        CronSchedule(cron=str(cron), timezone=str(tz))
+    except ValueError as exc:
+        detail = exc.errors()[0]["msg"] if hasattr(exc, "errors") else str(exc)
+        raise CJEInputError(f"cron {cron!r} or timezone {tz!r} is not valid ({detail})") from None
+
+
+# --------------------------------------------------------------------------------------
+# models
+
+
+class _Entry(BaseModel):
+    """Shared keys and checks of a scheduled entry (an evaluation or a drift monitor)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    description: str = ""
+    cron: str | None = None
+    interval: float | None = None
+    anchor: datetime | None = Field(default=None, description="start of the interval grid (default: now)")
+    timezone: str = "UTC"
+
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _interval(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"must be a number of seconds, got {v!r}")
+        if not (MIN_INTERVAL_SECONDS <= v <= MAX_INTERVAL_SECONDS):
+            raise ValueError(f"must be from {MIN_INTERVAL_SECONDS:.0f} s to one year, got {v!r}")
+        return float(v)
+
+    @field_validator("anchor", mode="before")
+    @classmethod
+    def _anchor(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                v = datetime.fromisoformat(v.replace("Z", "+00:00"))
+            except ValueError:
+                raise ValueError(f"must be an ISO 8601 time such as 2025-01-01T06:00:00Z, got {v!r}") from None
+        if isinstance(v, datetime) and v.tzinfo is None:
+            v = v.replace(tzinfo=timezone.utc)
+        return v
+
+    def _check_schedule(self) -> None:
+        if self.cron and self.interval:
+            raise CJEInputError("give either cron or interval, not both")
+        if self.cron is not None:
+            check_cron(self.cron, self.timezone)
+
+    def schedule_kwargs(self) -> dict[str, Any]:
+        """``schedule=`` keyword of ``flow.to_deployment`` (empty: no schedule)."""
+        if self.cron:
+            from prefect.schedules import Cron
+
+            return {"schedule": Cron(self.cron, timezone=self.timezone)}
+        if self.interval:
+            from prefect.schedules import Interval
+
+            return {"schedule": Interval(timedelta(seconds=self.interval), anchor_date=self.anchor,
+                                         timezone=self.timezone)}
+        return {}
+
+
+def _uri_validator(*names: str):
+    """A before-validator for URI fields: non-empty string, no credentials, resolved."""
+
+    def check(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError(f"must be a non-empty string, got {v!r}")
+        try:
+            check_uri(v.strip(), info.field_name)
+        except CJEInputError as exc:
+            raise ValueError(str(exc)) from None
+        return resolve_uri(v, (info.context or {}).get("base"))
+
+    return field_validator(*names, mode="before")(classmethod(check))
+
+
+class EvaluationConfig(_Entry):
+    """One entry of ``evaluations:`` (see `flows.runtime.schedules` for the file format)."""
+
+    name: str
+    logs_uri: str
+    results_uri: str | None = None
+    labels_uri: str | None = None
+    window: str = "last 7 days"
+    policies: tuple[str, ...] | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    label_requests: dict[str, Any] | None = None
+    mode: Literal["direct", "logs-only", "hybrid"] = "direct"
+
+    _uris = _uri_validator("logs_uri", "results_uri", "labels_uri")
+
+    @field_validator("window", mode="before")
+    @classmethod
+    def _window(cls, v: Any) -> Any:
+        if isinstance(v, (date, datetime)):  # YAML reads an unquoted 2025-01-01 as a date
+            return as_date(v).isoformat()
+        if isinstance(v, dict):
+            w = parse_window(v, "2000-01-01")
+            return v and (f"last {v['last_days']} days" if "last_days" in v else f"{w.start}..{w.end}")
+        return v
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _policies(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if not isinstance(v, (list, tuple)) or not all(isinstance(p, str) for p in v):
+            raise ValueError(f"must be a list of policy names, got {v!r}")
+        return tuple(v) or None
+
+    def check(self) -> None:
+        """Semantic checks (names, window, schedule, engine options); raise `CJEInputError`."""
+        check_publish_name(self.name, "name")
+        parse_window(self.window)
+        self._check_schedule()
+        if self.mode == "direct":
+            from cje_engine.options import EvaluationOptions
+
+            opts = dict(self.options)
+            if self.policies:
+                opts["policies"] = list(self.policies)
+            EvaluationOptions.build(**opts)
+        else:
+            from cje_engine.pipeline.offpolicy import flow_options
+
+            flow_options(self.options, self.policies, self.mode)
+
+
+class DriftMonitorConfig(_Entry):
+    """One entry of ``drift_monitors:`` (see docs/drift-flow.md for the keys)."""
+
+    name: str | None = None
+    set_name: str
+    anchors_uri: str
+    logs_uri: str | None = None
+    drift_uri: str | None = None
+    results_uri: str | None = None
+    evaluation: str | None = None
+    judge_id: str | None = None
+    scorer: dict[str, Any] | None = None
+    reference: str = "first"
+    replicate: str | None = "next"
+    anchors_version: int | None = Field(default=None, ge=1)
+    monitor: dict[str, Any] = Field(default_factory=dict)
+    notify_on: Literal["new", "every"] = "new"
+
+    _uris = _uri_validator("anchors_uri", "logs_uri", "drift_uri", "results_uri")
+
+    @property
+    def monitor_name(self) -> str:
+        return self.name or self.set_name
+
+    def check(self) -> None:
+        """Semantic checks (names, schedule, drift options, scorer); raise `CJEInputError`."""
+        from flows.storage.anchors import check_name
+
+        check_name(self.set_name)
+        check_name(self.monitor_name, "monitor name")
+        check_publish_name(self.monitor_name, "monitor name")
+        self._check_schedule()
+        if self.reference != "first" and not self.reference.startswith("judge:") and not re.match(
+                r"^\d{4}-\d{2}-\d{2}/.+$", self.reference):
+            raise CJEInputError(f"reference {self.reference!r} must be 'first', 'judge:<id>' or "
+                                "'YYYY-MM-DD/<judge_id>'")
+        from cje_engine.drift.monitor import DriftMonitor
+
+        try:
+            DriftMonitor(**self.monitor)
+        except TypeError as exc:
+            raise CJEInputError(f"monitor: bad drift monitor option ({exc})") from None
+        if self.scorer is not None:
+            if "api_key" in self.scorer:
+                raise CJEInputError("scorer: api_key is a credential; name the environment variable holding "
+                                    "it with api_key_env instead")
+            check_uri(str(self.scorer.get("base_url", "")), "scorer base_url")
+            from flows.integrations.scorer import OpenAIChatScorer
+
+            OpenAIChatScorer.from_config(dict(self.scorer))
+            if not self.judge_id:
+                raise CJEInputError("judge_id is required with a scorer")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The validated file: evaluations and drift monitors by name."""
+
+    path: Path
+    evaluations: dict[str, EvaluationConfig]
+    drift_monitors: dict[str, DriftMonitorConfig]
+
+
+# --------------------------------------------------------------------------------------
+# loading
+
+
+def read_yaml(path: str | os.PathLike | None = None) -> tuple[Path, dict]:
+    """The one YAML loader of the service: ``(path, top-level mapping)`` or `CJEInputError`."""
+    p = Path(path) if path is not None else DEFAULT_FILE
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CJEInputError("evaluations file not found", source=str(p)) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CJEInputError(f"cannot read the evaluations file ({type(exc).__name__})", source=str(p)) from None
+    except yaml.YAMLError as exc:
+        raise CJEInputError(f"not valid YAML: {' '.join(str(exc).split())}", source=str(p)) from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise CJEInputError("expected a mapping with 'evaluations:' and/or 'drift_monitors:'", source=str(p))
+    unknown = sorted(set(map(str, doc)) - {"evaluations", "drift_monitors"})
+    if unknown:
+        raise CJEInputError(f"unknown top-level key {unknown[0]!r}"
+                            + did_you_mean(unknown[0], ("evaluations", "drift_monitors"))
+                            + "; expected evaluations, drift_monitors", source=str(p))
+    return p, doc
+
+
+def _one_line(exc: ValidationError, model: type[BaseModel]) -> str:
+    """The first pydantic error as ``key K: message``."""
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "entry"
+    top = str(err["loc"][0]) if err["loc"] else ""
+    if err["type"] == "extra_forbidden":
+        fields = sorted(model.model_fields)
+        return f"unknown key {top!r}{did_you_mean(top, fields)}; expected some of {', '.join(fields)}"
+    if err["type"] == "missing":
+        return f"needs {loc}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] != "value_error":
+        msg = f"{msg}, got {err.get('input')!r}"
+    return f"key {loc}: {msg}"
+
+
+def validate_entry(model: type[_Entry], entry: Any, where: str, src: str | None = None,
+                   base: Path | None = None) -> _Entry:
+    """Validate one entry (a mapping from the file or a flow parameter) as ``model``."""
+    if not isinstance(entry, dict):
+        raise CJEInputError(f"{where} must be a mapping", source=src)
+    label = entry.get("name", entry.get("set_name"))
+    if isinstance(label, str):
+        where = f"{where} ({label!r})"
+    try:
+        obj = model.model_validate(entry, context={"base": base})
+        obj.check()
+    except ValidationError as exc:
+        raise CJEInputError(f"{where}: {_one_line(exc, model)}", source=src) from None
+    except CJEInputError as exc:
+        raise CJEInputError(f"{where}: {exc}", source=src) from None
+    return obj
+
+
+def _entries(doc: Mapping, key: str, src: str, required: bool) -> list:
+    entries = doc.get(key)
+    if entries is None and not required:
+        return []
+    if not isinstance(entries, list) or (required and not entries):
+        raise CJEInputError(f"expected a top-level '{key}:' list" + (" with at least one entry" if required else ""),
+                            source=src)
+    return entries
+
+
+def load_config(path: str | os.PathLike | None = None, *, evaluation_cls: type[EvaluationConfig] = EvaluationConfig,
+                monitor_cls: type[DriftMonitorConfig] = DriftMonitorConfig,
+                require_evaluations: bool = True) -> Config:
+    """Read and validate ``evaluations.yaml`` (default: the repository's) in one pass.
+
+    ``evaluation_cls`` / ``monitor_cls`` are the classes built (subclasses adding runtime
+    methods, e.g. `flows.runtime.schedules.EvaluationSpec`).  Relative local paths resolve
+    against the file's folder.  Raises `CJEInputError` (one line: file, entry, key).
+    """
+    p, doc = read_yaml(path)
+    src, base = str(p), p.resolve().parent
+    evaluations: dict[str, EvaluationConfig] = {}
+    for i, e in enumerate(_entries(doc, "evaluations", src, require_evaluations)):
+        spec = validate_entry(evaluation_cls, e, f"evaluations[{i}]", src, base)
+        if spec.name in evaluations:
+            raise CJEInputError(f"evaluation {spec.name!r} is declared twice", source=src)
+        evaluations[spec.name] = spec
+    monitors: dict[str, DriftMonitorConfig] = {}
+    for i, e in enumerate(_entries(doc, "drift_monitors", src, False)):
+        mon = validate_entry(monitor_cls, e, f"drift_monitors[{i}]", src, base)
+        if mon.monitor_name in monitors:
+            raise CJEInputError(f"drift monitor {mon.monitor_name!r} is declared twice", source=src)
+        monitors[mon.monitor_name] = mon
+    return Config(path=p, evaluations=evaluations, drift_monitors=monitors)
+
+
+__all__ = ["Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "as_date", "load_config",
+           "read_yaml", "validate_entry", "check_uri", "check_publish_name", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]
