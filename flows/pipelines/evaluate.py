@@ -58,6 +58,7 @@ from prefect.utilities.annotations import quote
 from cje_engine import __version__ as ENGINE_VERSION
 from cje_engine.errors import CJEInputError
 
+from flows.pipelines import preflight  # derived covariates (a separate module of the `cli` branch)
 from flows.runtime import ray_fanout as ray_runtime
 
 log = logging.getLogger(__name__)
@@ -495,6 +496,8 @@ def evaluate(
         # Projection pushed down; with an empty label store every column is read (the
         # logs may carry labels inline) and the needed ones are kept below.
         needed = list(dict.fromkeys(list(BASE_COLUMNS) + covariates + extra_columns))
+        # Derivable covariates (response_length) missing from the logs: read their source text.
+        needed = preflight.read_columns(needed, covariates, preflight.logs_columns(logs_uri, cfg, files))
         columns = needed if labels is not None else None
         table = read.with_options(**retry)(logs_uri, quote(cfg), files, columns, read_policies,
                                            2 * ray_runtime.cluster_cpus())
@@ -505,6 +508,7 @@ def evaluate(
         timings["read"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
+        table = preflight.derive_covariates(table, covariates, logs_uri)  # as `cje evaluate` does
         counts = validate(quote(table), covariates, logs_uri)
         prep = (prepare if mode == "direct" else prepare_offpolicy)(quote(table), opts)
         del table
