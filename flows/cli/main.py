@@ -470,9 +470,16 @@ def _print_requests(summary: dict) -> None:
 
 
 def cmd_drift(ns: argparse.Namespace) -> int:
-    from flows.pipelines.drift import format_summary, run_drift
+    from flows.pipelines.drift import format_summary, load_drift_monitors, run_drift
 
     path = find_config(ns.config)
+    monitors = load_drift_monitors(path)  # a bad name fails before Prefect starts
+    if ns.name not in monitors:
+        from difflib import get_close_matches
+
+        close = get_close_matches(ns.name, list(monitors), n=1)
+        raise CJEInputError(f"no drift monitor named {ns.name!r}{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+                            f" (declared: {', '.join(sorted(monitors)) or 'none'})", source=str(path))
     with _services(), progress(f"drift monitor {ns.name}"):
         summary = run_drift(ns.name, path, through=ns.through)
     if ns.json:

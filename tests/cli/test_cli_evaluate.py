@@ -190,8 +190,14 @@ def test_plan_defaults_to_an_mde_for_unresolved_pairs_and_parses_targets(tmp_pat
     assert "unknown policy 'nope'" in capsys.readouterr().err
 
 
-def test_evaluate_as_a_process_bad_input_exit_2_no_traceback(team_csv, tmp_path):
-    r = run_cje("evaluate", str(team_csv), "--out", str(tmp_path / "o"), "--columns", "prompt_id=ident", *FAST,
+def test_evaluate_as_a_process_json_and_bad_input(team_csv, tmp_path):
+    r = run_cje("evaluate", str(team_csv), "--out", str(tmp_path / "o"), "--columns", MAP, *SCALES, *FAST, "--json",
+                cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["command"] == "evaluate"  # stdout: the JSON document only; logs on stderr
+    assert "loaded" in r.stderr
+    assert "\x1b[" not in r.stderr and "bootstrap" not in r.stderr  # no progress display without a terminal
+    r = run_cje("evaluate", str(team_csv), "--out", str(tmp_path / "o2"), "--columns", "prompt_id=ident", *FAST,
                 cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "'ident'" in r.stderr
     assert r.stdout == ""
