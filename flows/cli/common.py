@@ -103,9 +103,16 @@ def _load_renamed(source: Any, columns: dict[str, str], **kw: Any):
     for i, part in enumerate(parts):
         missing = [src for src in rename if src not in part.frame.columns]
         if missing and not part.probe:
-            raise CJEInputError(f"column {missing[0]!r} given in the column mapping is not in the input "
-                                f"(columns present: {', '.join(map(str, part.frame.columns))})", source=part.name,
-                                column=missing[0])
+            from difflib import get_close_matches
+
+            present = [str(c) for c in part.frame.columns]
+            problems = []
+            for src in missing:
+                close = get_close_matches(src, present, n=1)
+                problems.append(f"--columns {rename[src]}={src}: no column {src!r}"
+                                + (f"; did you mean {rename[src]}={close[0]}?" if close else ""))
+            raise CJEInputError("; ".join(problems) + f" (columns present: {', '.join(present)})",
+                                source=part.name, column=missing[0])
         frame = part.frame.rename(columns=rename)
         if part.policy is not None and "policy" not in frame.columns:
             frame = frame.assign(policy=part.policy)

@@ -418,10 +418,24 @@ def _spec(config: str | None, name: str):
     return specs[name]
 
 
+def check_prefect_api(url: str, timeout: float = 5.0) -> None:
+    """Raise `ServiceUnavailable` unless the configured Prefect API answers ``/health``."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+        r.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise ServiceUnavailable(f"the Prefect API at PREFECT_API_URL={url} does not answer ({type(exc).__name__}: "
+                                 f"{exc}); start it, or unset PREFECT_API_URL to use an embedded server") from None
+
+
 def _services(extra_env: dict | None = None):
-    """The Prefect API (embedded or ``PREFECT_API_URL``); failure to start it is exit 69."""
+    """The Prefect API (embedded or ``PREFECT_API_URL``, checked first); failure is exit 69."""
     from flows.runtime.prefect_server import prefect_api
 
+    if os.environ.get("PREFECT_API_URL"):
+        check_prefect_api(os.environ["PREFECT_API_URL"])
     return _Unavailable(prefect_api(extra_env=extra_env) if extra_env else prefect_api(), "Prefect API")
 
 
@@ -564,6 +578,8 @@ def exit_code_of(exc: BaseException) -> int:
     if isinstance(exc, CJEInputError):
         return EXIT_BAD_INPUT
     if isinstance(exc, ServiceUnavailable):
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, RuntimeError) and str(exc).startswith("Failed to reach API"):  # Prefect's client
         return EXIT_UNAVAILABLE
     names = {c.__module__ + "." + c.__name__ for c in type(exc).__mro__}
     if names & {"flows.storage.objects.StorageError", "httpx.ConnectError", "httpx.ConnectTimeout",

@@ -179,3 +179,17 @@ def test_cje_run_config_discovery(tmp_path, monkeypatch, capsys):
     assert cli.main(["run", "fromenv"]) == 2
     err = capsys.readouterr().err
     assert "evaluations file not found" in err and "--config" in err and "CJE_CONFIG" in err
+
+
+def test_unreachable_prefect_api_exit_69_before_any_work(tmp_path, capsys, in_tmp, monkeypatch):
+    import socket
+
+    _logs(tmp_path / "logs")
+    cfg = _config(tmp_path, tmp_path / "logs", "[]")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{port}/api")
+    assert cli.main(["run", "ev", "--config", str(cfg)]) == 69
+    err = capsys.readouterr().err
+    assert "service unavailable" in err and "PREFECT_API_URL" in err and "Traceback" not in err
