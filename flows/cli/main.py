@@ -230,8 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Logs to the current ``sys.stderr`` (looked up at each record, so a replaced stream is followed)."""
+class StderrHandler(logging.StreamHandler):
+    """Logs to the current ``sys.stderr`` (looked up at each record, so a replaced stream is followed).
+
+    Its name must not start with ``_``: Prefect keeps the root handlers only when they look like the
+    user's (`prefect.logging.configuration.setup_logging`).
+    """
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
@@ -247,7 +251,7 @@ class _StderrHandler(logging.StreamHandler):
 
 def _setup_logging(verbose: bool, quiet: bool) -> None:
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, handlers=[_StderrHandler()], force=True,
+    logging.basicConfig(level=level, handlers=[StderrHandler()], force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "botocore", "urllib3", "asyncio", "numba"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

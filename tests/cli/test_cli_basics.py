@@ -177,3 +177,15 @@ def test_json_documents_are_ascii(capsys):
     out_json({"policy": "é\x1b\u202e"})
     text = capsys.readouterr().out
     assert text.isascii() and json.loads(text)["policy"] == "é\x1b\u202e"
+
+
+def test_cli_logging_survives_prefects_logging_setup(capsys):
+    """Prefect replaces root handlers that do not look like the user's; the CLI's must stay."""
+    import logging
+
+    import prefect.logging.configuration as prefect_logging
+
+    cli._setup_logging(False, False)
+    prefect_logging.setup_logging(incremental=False)
+    logging.getLogger("flows.cli.test").info("still here")
+    assert "INFO flows.cli.test: still here" in capsys.readouterr().err
