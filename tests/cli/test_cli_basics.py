@@ -185,7 +185,15 @@ def test_cli_logging_survives_prefects_logging_setup(capsys):
 
     import prefect.logging.configuration as prefect_logging
 
-    cli._setup_logging(False, False)
-    prefect_logging.setup_logging(incremental=False)
-    logging.getLogger("flows.cli.test").info("still here")
-    assert "INFO flows.cli.test: still here" in capsys.readouterr().err
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level, dict(prefect_logging.PROCESS_LOGGING_CONFIG))
+    try:
+        cli._setup_logging(False, False)
+        prefect_logging.setup_logging(incremental=False)
+        logging.getLogger("flows.cli.test").info("still here")
+        assert "INFO flows.cli.test: still here" in capsys.readouterr().err
+    finally:  # leave the session's logging as it was
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        prefect_logging.PROCESS_LOGGING_CONFIG.clear()
+        prefect_logging.PROCESS_LOGGING_CONFIG.update(saved[2])
