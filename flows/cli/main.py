@@ -1,12 +1,20 @@
-"""The `cje` command line.
+"""The `cje` command line (reference: docs/cli.md, generated from this parser).
 
     cje evaluate INPUT --out DIR [options]   engine only (no Prefect, no Ray)
+    cje plan INPUT [--target-mde 0.02]       labels and responses to buy next, from a pilot
+    cje gate RESULT --baseline NAME --fail-if EXPR    a CI gate on a result.json
     cje demo [--data ./cje-data]             the README's main job, on embedded defaults
-    cje run NAME [--config evaluations.yaml] run one declared evaluation now
-    cje serve [--config evaluations.yaml]    deploy the declared evaluations and run their schedules
+    cje run NAME                             run one declared evaluation now
+    cje drift NAME                           run one declared drift monitor now
+    cje serve                                deploy the declared evaluations and run their schedules
+    cje anchors create | add-scores | list   anchor sets for the drift monitors
 
-Exit codes: 0 success, 2 bad input (`CJEInputError`, message on stderr, no traceback),
-1 any other failure.
+Global options, before or after the sub-command: ``-v`` (debug logging, tracebacks), ``-q``
+(warnings only, no progress), ``--version``. Commands that print a table take ``--json`` (one
+JSON document on stdout; logs on stderr). The evaluations file is ``--config``, else
+``$CJE_CONFIG``, else ``./evaluations.yaml``; the path in use is printed on stderr.
+Exit codes: `flows.cli.exits` (0 ok, 1 a gate failed, 2 bad input, 64 usage, 69 a service
+unavailable, 70 internal error).
 
 Embedded defaults: without ``PREFECT_API_URL`` the Prefect commands start one local
 Prefect API server for their lifetime (see `flows.runtime.prefect_server`); without ``RAY_ADDRESS`` the
@@ -21,23 +29,79 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
 from cje_engine.errors import CJEInputError
 
-log = logging.getLogger("cje")
+from flows.cli import terminal
+from flows.cli.common import (check_columns, check_out_dir, config_columns, find_config, load_input, parse_columns,
+                              result_problems, write_atomic)
+from flows.cli.exits import (EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,
+                             EXIT_UNAVAILABLE, EXIT_USAGE, ServiceUnavailable)
+from flows.cli.hints import message_of
+from flows.cli.terminal import err, out, out_json, progress
 
-from flows.cli.exits import EXIT_BAD_INPUT, EXIT_OK
+log = logging.getLogger("cje")
 
 #: Command modules: each exposes ``register(subparsers)``, adding its sub-command(s) with
 #: ``set_defaults(handler=fn)`` where ``fn(namespace) -> int`` returns the exit code.
 COMMAND_MODULES: tuple[str, ...] = (
+    "flows.cli.gate",
+    "flows.cli.anchors",
     "flows.cli.requests",
     "flows.cli.labels",
     "flows.cli.deploy",
     "flows.cli.ui",
 )
+
+#: Version of the ``--json`` documents (docs/cli.md); fields are only ever added within a version.
+JSON_SCHEMA_VERSION = 1
+
+
+def version_string() -> str:
+    from cje_engine import __version__ as engine
+
+    try:
+        from importlib.metadata import version
+
+        service = version("cje-service")
+    except Exception:  # noqa: BLE001 - not installed: running from the source tree
+        service = "source tree"
+    return f"cje {service} (engine {engine})"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse with the global ``-v``/``-q`` on every (sub-)parser and exit code 64 on usage errors.
+
+    Sub-parsers created through ``subparsers.add_parser`` (also by the modules of
+    `COMMAND_MODULES`) are of this class, so ``-v``/``-q`` work before or after any sub-command.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        g = self.add_argument_group("global options")
+        # SUPPRESS: a sub-parser leaves the value of the main parser alone unless given.
+        g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help="debug logging and tracebacks")
+        g.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help="warnings and errors only, no progress display")
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {terminal.escape(message)}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    """``--json``: one JSON document on stdout instead of the table (docs/cli.md has the shapes)."""
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of the table "
+                   "(shape in docs/cli.md); logs stay on stderr")
+
+
+def json_doc(command: str, **fields: Any) -> dict:
+    return {"cje_json": JSON_SCHEMA_VERSION, "command": command, **fields}
 
 
 def _csv(value: str) -> list[str]:
@@ -56,13 +120,23 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="comma-separated policies whose labels train the calibrator")
     g.add_argument("--calibration-mode", choices=["auto", "monotone", "two_stage"])
     g.add_argument("--inference", choices=["bootstrap", "analytic"])
-    g.add_argument("--label-scale", help="declared oracle label scale, e.g. 0-1, 1-10, 0-100")
+    g.add_argument("--label-scale", help="declared oracle label scale, e.g. 0-1, 1-5, 1-10, 0-100")
     g.add_argument("--score-scale", help="declared judge score scale, e.g. 0-1, 1-10, 0-100")
     g.add_argument("--multiplicity", choices=["bh", "holm"])
 
 
+def _add_columns(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--columns", type=parse_columns, metavar="CANONICAL=SOURCE,...",
+                   help="map your column names to the canonical ones, e.g. "
+                        "prompt_id=id,policy=model,oracle_label=human_rating (default: the top-level "
+                        "'columns:' of the evaluations file, if one is found)")
+    p.add_argument("--config", help="evaluations file whose 'columns:' mapping applies (default: $CJE_CONFIG, "
+                                    "else ./evaluations.yaml if present)")
+
+
 _ENGINE_KEYS = ("covariates", "n_bootstrap", "alpha", "audit_margin", "seed", "calibration_policies",
                 "calibration_mode", "inference", "label_scale", "score_scale", "multiplicity")
+_CONFIG_HELP = "evaluations file (default: $CJE_CONFIG, else ./evaluations.yaml)"
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -70,19 +144,23 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(ns, k) for k in _ENGINE_KEYS if getattr(ns, k, None) is not None}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cje", description="Causal Judge Evaluation service.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("evaluate", help="evaluate a file or folder with the engine (no Prefect/Ray)")
-    p.add_argument("input", help="Parquet file/folder, JSONL, CSV, or an arena-style folder")
-    p.add_argument("--out", required=True, help="output folder (result.json is written there)")
+def _add_builtin_commands(sub: Any) -> None:
+    p = sub.add_parser("evaluate", help="evaluate a file or folder with the engine (no Prefect/Ray)",
+                       description="Evaluate a file or folder with the engine only; write DIR/result.json and "
+                                   "DIR/report.html and print the table. Exit 1 when an audit failed or a level "
+                                   "was refused (unless --exit-zero).")
+    p.add_argument("input", help="Parquet file/folder, JSONL, CSV, an arena folder or its fresh_draws/ folder")
+    p.add_argument("--out", required=True, help="output folder (result.json and report.html are written there)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier result in --out")
     p.add_argument("--policies", type=_csv, help="only these policies")
     p.add_argument("--mode", choices=["direct", "logs-only", "hybrid"], default="direct",
                    help="direct (fresh draws, default), logs-only or hybrid (logged responses with "
                         "log-probabilities; see docs/offpolicy.md)")
+    p.add_argument("--exit-zero", action="store_true", help="exit 0 even when an audit failed or a level was refused")
+    _add_columns(p)
+    add_json(p)
     _add_engine_options(p)
+    p.set_defaults(handler=cmd_evaluate)
 
     p = sub.add_parser("demo", help="simulate a week of logs, evaluate them end to end, publish a report")
     p.add_argument("--data", default="cje-data", help="local data folder (default ./cje-data)")
@@ -90,166 +168,361 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-per-day", type=int, default=1000, help="prompts per day (default 1000)")
     p.add_argument("--n-bootstrap", type=int, default=2000, help="bootstrap replicates (default 2000)")
     p.add_argument("--seed", type=int, default=0)
+    add_json(p)
+    p.set_defaults(handler=cmd_demo)
 
-    p = sub.add_parser("plan", help="label/log allocation for a budget or a target MDE, from a pilot")
+    p = sub.add_parser("plan", help="label/log allocation for a target MDE or a budget, from a pilot",
+                       description="Plan the next evaluation from a pilot: by default the cheapest design whose "
+                                   "minimum detectable effect is --target-mde (0.02) for the pairs you care about "
+                                   "(--target, or every pair the pilot has not already resolved).")
     p.add_argument("input", help="a pilot's result.json, or pilot data (anything `cje evaluate` reads)")
     p.add_argument("--out", help="folder for plan.json and plan.svg")
-    p.add_argument("--budget", type=float, help="total budget in cost units (default: the pilot's own spend)")
-    p.add_argument("--target-mde", type=float, help="minimum detectable effect to reach (label units)")
+    p.add_argument("--budget", type=float, help="total budget in cost units (plans for the budget instead of an MDE)")
+    p.add_argument("--target-mde", type=float,
+                   help="minimum detectable effect to reach, in label units (default 0.02 unless --budget)")
     p.add_argument("--c-s", type=float, default=1.0, help="cost of one judged response (default 1)")
     p.add_argument("--c-y", type=float, default=16.0, help="cost of one oracle label (default 16)")
-    p.add_argument("--target", help="a policy or a difference 'a - b' (default: every pairwise difference)")
+    p.add_argument("--target", action="append", metavar="TARGET",
+                   help="a policy or a difference 'a - b' (spaces optional; repeat or separate by commas for "
+                        "several; default: every pair not already resolved in the pilot)")
     p.add_argument("--power", type=float, default=0.8, help="power for the MDE (default 0.8)")
+    _add_columns(p)
+    add_json(p)
     _add_engine_options(p)
+    p.set_defaults(handler=cmd_plan)
 
-    p = sub.add_parser("run", help="run one evaluation declared in evaluations.yaml now")
+    p = sub.add_parser("run", help="run one evaluation declared in the evaluations file now",
+                       description="Check the inputs (logs layout, columns, covariates), then run the declared "
+                                   "evaluation with Prefect and Ray and publish it. Exit 1 when an audit failed or "
+                                   "a level was refused (unless --exit-zero).")
     p.add_argument("name")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--as-of", help="reference date of a relative window (default today, UTC)")
     p.add_argument("--window", help="override the declared window")
+    p.add_argument("--exit-zero", action="store_true", help="exit 0 even when an audit failed or a level was refused")
+    add_json(p)
+    p.set_defaults(handler=cmd_run)
 
-    p = sub.add_parser("drift", help="run one judge-drift monitor declared in evaluations.yaml now")
+    p = sub.add_parser("drift", help="run one judge-drift monitor declared in the evaluations file now")
     p.add_argument("name")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--through", help="last score date considered, YYYY-MM-DD (default today, UTC)")
+    add_json(p)
+    p.set_defaults(handler=cmd_drift)
 
     p = sub.add_parser("serve", help="deploy the declared evaluations and drift monitors and run their schedules")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--only", type=_csv, help="serve only these evaluations")
     p.add_argument("--no-drift", action="store_true", help="do not serve the declared drift monitors")
     p.add_argument("--limit", type=int, help="most flow runs at once")
+    p.set_defaults(handler=cmd_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="cje", description="Causal Judge Evaluation service.",
+                           epilog="Exit codes: 0 ok, 1 a gate failed, 2 bad input, 64 usage error, "
+                                  "69 service unavailable, 70 internal error (docs/cli.md).")
+    parser.add_argument("--version", action="version", version=version_string())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
+    _add_builtin_commands(sub)
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(sub)
     return parser
 
 
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+class StderrHandler(logging.StreamHandler):
+    """Logs to the current ``sys.stderr`` (looked up at each record, so a replaced stream is followed).
+
+    Its name must not start with ``_``: Prefect keeps the root handlers only when they look like the
+    user's (`prefect.logging.configuration.setup_logging`).
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _setup_logging(verbose: bool, quiet: bool) -> None:
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, handlers=[StderrHandler()], force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "botocore", "urllib3", "asyncio", "numba"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def cmd_evaluate(ns: argparse.Namespace) -> int:
-    """Engine only: write DIR/result.json and print the table."""
-    from cje_engine import evaluate
+# ------------------------------------------------------------------------------ evaluate
 
+
+def _columns(ns: argparse.Namespace) -> dict[str, str]:
+    """``--columns``, else the top-level ``columns:`` of the evaluations file found."""
+    if ns.columns:
+        return check_columns(ns.columns)
+    return config_columns(find_config(ns.config, required=bool(ns.config)))
+
+
+def _bootstrap(prep: Any) -> list:
+    """Bootstrap replicates in chunks, with a progress bar (replicates depend on (seed, b) only,
+    so the chunks give the numbers of one call)."""
+    from cje_engine.pipeline.direct import bootstrap_chunk
+
+    if prep.options.inference != "bootstrap":
+        return []
+    B = int(prep.options.n_bootstrap)
+    step = max(1, B // 50)
+    chunks = []
+    with progress("bootstrap", total=B) as bar:
+        for start in range(0, B, step):
+            stop = min(B, start + step)
+            chunks.append(bootstrap_chunk(prep, start, stop))
+            bar.advance(stop - start)
+    return chunks
+
+
+def _evaluate_direct(ns: argparse.Namespace, kwargs: dict) -> Any:
+    from cje_engine.pipeline.direct import finalize, prepare
+
+    columns = _columns(ns)
+    with progress(f"reading {ns.input}"):
+        frame = load_input(ns.input, columns, label_scale=kwargs.get("label_scale"),
+                           score_scale=kwargs.get("score_scale"), covariates=kwargs.get("covariates") or (),
+                           policies=kwargs.get("policies"))
+    with progress("calibrating"):
+        prep = prepare(frame, **kwargs)
+    return finalize(prep, _bootstrap(prep))
+
+
+def cmd_evaluate(ns: argparse.Namespace) -> int:
+    """Engine only: write DIR/result.json and DIR/report.html and print the table."""
     from flows.reports.evaluation import format_table, render_report
 
+    out_dir = check_out_dir(ns.out, overwrite=ns.overwrite)
     kwargs = engine_kwargs(ns)
     if ns.policies:
         kwargs["policies"] = ns.policies
     if ns.mode == "direct":
-        res = evaluate(ns.input, **kwargs)
+        res = _evaluate_direct(ns, kwargs)
     else:
         from cje_engine.pipeline.offpolicy import evaluate_offpolicy
 
+        if ns.columns:
+            raise CJEInputError("--columns applies to --mode direct; logged data must use the canonical names "
+                                "(docs/offpolicy.md)")
         kwargs.pop("inference", None)  # off-policy modes infer by the bootstrap only
         if "policies" in kwargs:
             kwargs["targets"] = kwargs.pop("policies")
-        res = evaluate_offpolicy(ns.input, mode=ns.mode, **kwargs)
+        with progress(f"evaluating {ns.input} ({ns.mode})"):
+            res = evaluate_offpolicy(ns.input, mode=ns.mode, **kwargs)
     d = res.to_dict()
-    out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".result.json.tmp"
-    tmp.write_text(json.dumps(d, indent=2, allow_nan=False))
-    os.replace(tmp, out / "result.json")
-    (out / "report.html").write_text(render_report(d, title=f"CJE evaluation of {Path(ns.input).name}"))
-    sys.stdout.write(format_table(d).rstrip("\n") + "\n")
-    sys.stdout.write(f"result: {out / 'result.json'}\nreport: {out / 'report.html'}\n")
+    result_path, report_path = out_dir / "result.json", out_dir / "report.html"
+    write_atomic(result_path, json.dumps(d, indent=2, allow_nan=False))
+    write_atomic(report_path, render_report(d, title=f"CJE evaluation of {Path(ns.input).name}"))
+    problems = result_problems(d)
+    if ns.json:
+        out_json(json_doc("evaluate", result_path=str(result_path), report_path=str(report_path),
+                          problems=problems, result=d))
+    else:
+        out(format_table(d))
+        out(f"result: {result_path}\nreport: {report_path}")
+    return _problems_exit(problems, ns.exit_zero)
+
+
+def _problems_exit(problems: list[str], exit_zero: bool) -> int:
+    for p in problems:
+        err(f"cje: {p}")
+    if problems and not exit_zero:
+        err("cje: exit code 1 (an audit failed or a level was refused; --exit-zero to exit 0)")
+        return EXIT_GATE_FAILED
     return EXIT_OK
+
+
+# ------------------------------------------------------------------------------ plan
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     """Budget planner: from a pilot result.json or pilot data, print the plan; optionally write it."""
-    from cje_engine.planning.planner import plan_from_data, plan_from_result, render_plan_svg, render_plan_text
+    from cje_engine.planning.planner import plan_from_data, plan_from_result
 
-    common = dict(budget=ns.budget, target_mde=ns.target_mde, c_S=ns.c_s, c_Y=ns.c_y, target=ns.target,
-                  power=ns.power)
+    from flows.reports.plan import render_plan_svg, render_plan_text
+
+    targets = [t for arg in (ns.target or []) for t in _csv(arg)] or None
+    target_mde = ns.target_mde
+    if target_mde is None and ns.budget is None:
+        target_mde = 0.02
+    common = dict(budget=ns.budget, target_mde=target_mde, c_S=ns.c_s, c_Y=ns.c_y, targets=targets, power=ns.power)
+    out_dir = check_out_dir(ns.out, overwrite=True, files=()) if ns.out else None
     src = Path(ns.input)
     if src.is_file() and src.suffix == ".json":
         try:
-            result = json.loads(src.read_text())
-        except json.JSONDecodeError as exc:
+            result = json.loads(src.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CJEInputError(f"not a result.json: {exc}", source=str(src)) from None
         plan = plan_from_result(result, **common)
     else:
         opts = engine_kwargs(ns)
         opts.pop("n_bootstrap", None)
         opts.pop("inference", None)
-        plan = plan_from_data(ns.input, **common, **opts)
-    sys.stdout.write(render_plan_text(plan).rstrip("\n") + "\n")
-    if ns.out:
-        out = Path(ns.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "plan.json").write_text(json.dumps(plan, indent=2, allow_nan=False))
-        (out / "plan.svg").write_text(render_plan_svg(plan))
-        sys.stdout.write(f"plan: {out / 'plan.json'}\nplot: {out / 'plan.svg'}\n")
+        columns = _columns(ns)
+        with progress(f"reading {ns.input}"):
+            frame = load_input(ns.input, columns, label_scale=opts.get("label_scale"),
+                               score_scale=opts.get("score_scale"), covariates=opts.get("covariates") or ())
+        with progress("planning"):
+            plan = plan_from_data(frame, **common, **opts)
+    paths = {}
+    if out_dir is not None:
+        paths = {"plan_path": str(out_dir / "plan.json"), "plot_path": str(out_dir / "plan.svg")}
+        write_atomic(out_dir / "plan.json", json.dumps(plan, indent=2, allow_nan=False))
+        write_atomic(out_dir / "plan.svg", render_plan_svg(plan))
+    if ns.json:
+        out_json(json_doc("plan", plan=plan, **paths))
+    else:
+        out(render_plan_text(plan))
+        if paths:
+            out(f"plan: {paths['plan_path']}\nplot: {paths['plot_path']}")
     return EXIT_OK
+
+
+# ------------------------------------------------------------------------------ service mode
+
+
+def _run_doc(summary: dict) -> dict:
+    keep = ("evaluation", "window", "run_key", "published", "reason", "path", "report", "label_requests",
+            "label_requests_error", "timings", "result")
+    return {k: summary.get(k) for k in keep if k in summary}
 
 
 def _print_run(summary: dict) -> None:
     from flows.reports.evaluation import format_table
 
-    sys.stdout.write(format_table(summary["result"]).rstrip("\n") + "\n")
+    out(format_table(summary["result"]))
     state = "published" if summary.get("published") else f"not published ({summary.get('reason')})"
-    sys.stdout.write(f"evaluation {summary['evaluation']} window {summary['window']} run {summary['run_key']}: "
-                     f"{state}\n")
+    out(f"evaluation {summary['evaluation']} window {summary['window']} run {summary['run_key']}: {state}")
     if summary.get("report"):
-        sys.stdout.write(f"report: {summary['report']}\n")
+        out(f"report: {summary['report']}")
 
 
 def _spec(config: str | None, name: str):
     from flows.runtime.schedules import load_evaluations
 
-    specs = load_evaluations(config)
+    path = find_config(config)
+    specs = load_evaluations(path)
     if name not in specs:
-        raise CJEInputError(f"no evaluation named {name!r}; declared: {', '.join(sorted(specs))}",
-                            source=str(config or "evaluations.yaml"))
+        from difflib import get_close_matches
+
+        close = get_close_matches(name, list(specs), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise CJEInputError(f"no evaluation named {name!r}{hint} (declared: {', '.join(sorted(specs))})",
+                            source=str(path))
     return specs[name]
 
 
-def cmd_run(ns: argparse.Namespace) -> int:
-    """Run one declared evaluation now, with its notifications and automatic label requests."""
-    from flows.pipelines.audit import evaluate_and_audit
+def check_prefect_api(url: str, timeout: float = 5.0) -> None:
+    """Raise `ServiceUnavailable` unless the configured Prefect API answers ``/health``."""
+    import httpx
+
+    try:
+        r = httpx.get(url.rstrip("/") + "/health", timeout=timeout)
+        r.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise ServiceUnavailable(f"the Prefect API at PREFECT_API_URL={url} does not answer ({type(exc).__name__}: "
+                                 f"{exc}); start it, or unset PREFECT_API_URL to use an embedded server") from None
+
+
+def _services(extra_env: dict | None = None):
+    """The Prefect API (embedded or ``PREFECT_API_URL``, checked first); failure is exit 69."""
     from flows.runtime.prefect_server import prefect_api
 
-    params = _spec(ns.config, ns.name).flow_parameters()
+    if os.environ.get("PREFECT_API_URL"):
+        check_prefect_api(os.environ["PREFECT_API_URL"])
+    return _Unavailable(prefect_api(extra_env=extra_env) if extra_env else prefect_api(), "Prefect API")
+
+
+class _Unavailable:
+    """Turn a failure to enter a service context into `ServiceUnavailable` (exit 69)."""
+
+    def __init__(self, cm: Any, what: str) -> None:
+        self.cm, self.what = cm, what
+
+    def __enter__(self) -> Any:
+        try:
+            return self.cm.__enter__()
+        except (RuntimeError, OSError, TimeoutError) as exc:
+            raise ServiceUnavailable(f"{self.what} unavailable: {str(exc).splitlines()[0] if str(exc) else exc}") \
+                from exc
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.cm.__exit__(*exc)
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    """Check the inputs, then run one declared evaluation now (notifications, label requests)."""
+    from flows.pipelines.preflight import check_evaluation
+
+    spec = _spec(ns.config, ns.name)
+    params = spec.flow_parameters()
     params.update({k: v for k, v in {"as_of": ns.as_of, "window": ns.window}.items() if v is not None})
-    with prefect_api():
+    check_evaluation(params)  # before Prefect and Ray start
+    from flows.pipelines.audit import evaluate_and_audit
+
+    with _services(), progress(f"evaluation {ns.name}: running the flow (Prefect + Ray)"):
         summary = evaluate_and_audit(**params)
-    _print_run(summary)
-    _print_requests(summary)
-    return EXIT_OK
+    problems = result_problems(summary.get("result") or {})
+    if ns.json:
+        out_json(json_doc("run", problems=problems, **_run_doc(summary)))
+    else:
+        _print_run(summary)
+        _print_requests(summary)
+    return _problems_exit(problems, ns.exit_zero)
 
 
 def _print_requests(summary: dict) -> None:
     for req in summary.get("label_requests") or []:
-        sys.stdout.write(f"label request {req.get('request_id')}: {req.get('n_labels')} label(s) for "
-                         f"{req.get('scope')} ({', '.join(r.get('trigger', '') for r in req.get('reasons', []))})\n")
+        out(f"label request {req.get('request_id')}: {req.get('n_labels')} label(s) for "
+            f"{req.get('scope')} ({', '.join(r.get('trigger', '') for r in req.get('reasons', []))})")
 
 
 def cmd_drift(ns: argparse.Namespace) -> int:
-    from flows.pipelines.drift import format_summary, run_drift
-    from flows.runtime.prefect_server import prefect_api
+    from flows.pipelines.drift import format_summary, load_drift_monitors, run_drift
 
-    with prefect_api():
-        summary = run_drift(ns.name, ns.config, through=ns.through)
-    sys.stdout.write(format_summary(summary).rstrip("\n") + "\n")
+    path = find_config(ns.config)
+    monitors = load_drift_monitors(path)  # a bad name fails before Prefect starts
+    if ns.name not in monitors:
+        from difflib import get_close_matches
+
+        close = get_close_matches(ns.name, list(monitors), n=1)
+        raise CJEInputError(f"no drift monitor named {ns.name!r}{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+                            f" (declared: {', '.join(sorted(monitors)) or 'none'})", source=str(path))
+    with _services(), progress(f"drift monitor {ns.name}"):
+        summary = run_drift(ns.name, path, through=ns.through)
+    if ns.json:
+        out_json(json_doc("drift", summary=summary))
+    else:
+        out(format_summary(summary))
     return EXIT_OK
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from flows.runtime import ray_fanout as ray_runtime
     from flows.runtime.schedules import load_evaluations, serve
-    from flows.runtime.prefect_server import prefect_api
 
-    specs = load_evaluations(ns.config)
+    config = find_config(ns.config)
+    specs = load_evaluations(config)
     if ns.only:
         unknown = [n for n in ns.only if n not in specs]
         if unknown:
-            raise CJEInputError(f"no evaluation named {unknown[0]!r}; declared: {', '.join(sorted(specs))}")
+            raise CJEInputError(f"no evaluation named {unknown[0]!r}; declared: {', '.join(sorted(specs))}",
+                                source=str(config))
         specs = {n: specs[n] for n in ns.only}
+    from flows.pipelines.preflight import check_evaluation
+
+    for spec in specs.values():
+        check_evaluation(spec.flow_parameters())
     # Flow runs execute in subprocesses: they must find this code.
     paths = [str(ray_runtime.CODE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
@@ -258,8 +531,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if not ns.no_drift:
         from flows.pipelines.drift import drift_deployments
 
-        extra = drift_deployments(ns.config)
-    with prefect_api(extra_env={"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}):
+        extra = drift_deployments(config)
+    with _services({"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}):
         serve(specs, limit=ns.limit, extra_deployments=extra)
     return EXIT_OK
 
@@ -267,37 +540,73 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_demo(ns: argparse.Namespace) -> int:
     from flows.cli.demo import run_demo
 
-    summary = run_demo(Path(ns.data), days=ns.days, prompts_per_day=ns.prompts_per_day,
-                       n_bootstrap=ns.n_bootstrap, seed=ns.seed)
+    with progress("demo: simulating, evaluating and publishing"):
+        summary = run_demo(Path(ns.data), days=ns.days, prompts_per_day=ns.prompts_per_day,
+                           n_bootstrap=ns.n_bootstrap, seed=ns.seed)
+    if ns.json:
+        out_json(json_doc("demo", **_run_doc(summary), drift=summary.get("drift")))
+        return EXIT_OK
     _print_run(summary)
     _print_requests(summary)
     if summary.get("drift"):
         from flows.pipelines.drift import format_summary
 
-        sys.stdout.write(format_summary(summary["drift"]).rstrip("\n") + "\n")
+        out(format_summary(summary["drift"]))
     if summary.get("report"):
-        sys.stdout.write(f"\nThe published report: {summary['report']}\n")
+        out(f"\nThe published report: {summary['report']}")
     return EXIT_OK
 
 
-COMMANDS = {"evaluate": cmd_evaluate, "plan": cmd_plan, "run": cmd_run, "drift": cmd_drift,
-            "serve": cmd_serve, "demo": cmd_demo}
+# ------------------------------------------------------------------------------ dispatch
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code for an exception escaping a command."""
+    if isinstance(exc, CJEInputError):
+        return EXIT_BAD_INPUT
+    if isinstance(exc, ServiceUnavailable):
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, RuntimeError) and str(exc).startswith("Failed to reach API"):  # Prefect's client
+        return EXIT_UNAVAILABLE
+    names = {c.__module__ + "." + c.__name__ for c in type(exc).__mro__}
+    if names & {"flows.storage.objects.StorageError", "httpx.ConnectError", "httpx.ConnectTimeout",
+                "prefect.exceptions.PrefectHTTPStatusError"} or isinstance(exc, ConnectionError):
+        return EXIT_UNAVAILABLE
+    return EXIT_INTERNAL
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cje` console script; returns the exit code."""
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    _setup_logging(ns.verbose)
     try:
-        handler = getattr(ns, "handler", None) or COMMANDS[ns.command]
-        return handler(ns)
-    except CJEInputError as exc:
-        sys.stderr.write(f"cje {ns.command}: error: {exc}\n")
-        return EXIT_BAD_INPUT
+        ns = parser.parse_args(argv)
+    except SystemExit as exc:  # --help / --version (0) or a usage error (64)
+        return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+    verbose, quiet = getattr(ns, "verbose", False), getattr(ns, "quiet", False)
+    _setup_logging(verbose, quiet)
+    terminal.enable_progress(not quiet and not getattr(ns, "json", False))
+    command = getattr(ns, "command", "?")
+    try:
+        return int(ns.handler(ns))
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        return 130
+        err("interrupted")
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line and an exit code
+        code = exit_code_of(exc)
+        context = "yaml" if command in ("run", "serve", "drift", "labels") else "cli"
+        text = message_of(exc, context=context) if code == EXIT_BAD_INPUT else (str(exc) or type(exc).__name__)
+        if verbose:
+            traceback.print_exc(file=sys.stderr)
+        lines = text.strip().splitlines() or [type(exc).__name__]
+        if code != EXIT_BAD_INPUT:  # every problem of an input is listed; other failures: one line
+            lines = lines[:1]
+        kind = {EXIT_UNAVAILABLE: "service unavailable: ", EXIT_INTERNAL: f"internal error ({type(exc).__name__}): "
+                }.get(code, "")
+        more = "" if verbose or code == EXIT_BAD_INPUT else " (run with -v for the traceback)"
+        err(f"cje {command}: error: {kind}{lines[0]}{more}")
+        for line in lines[1:]:
+            err(f"  {line}")
+        return code
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from cje_engine import __version__ as ENGINE_VERSION
 from cje_engine.errors import CJEInputError
 
 from flows.config import Window, check_publish_name, check_uri, parse_window
+from flows.pipelines import preflight
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
@@ -158,7 +159,9 @@ def read_needed(plan: "RunPlan", cfg: Any, files: list[dict]) -> pa.Table:
     are kept afterwards.
     """
     inline = inline_labels.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files)
-    needed = plan.needed_columns
+    # Derivable covariates (response_length) missing from the logs: read their source text.
+    needed = preflight.read_columns(plan.needed_columns, plan.covariates,
+                                    preflight.logs_columns(plan.logs_uri, cfg, files))
     columns = None if inline["mixed"] else needed + inline["columns"]
     table = read.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files, columns, plan.read_policies,
                                             2 * ray_runtime.cluster_cpus())
@@ -564,6 +567,7 @@ def evaluate(
             table, label_info = join_labels(quote(table), quote(labels), label_info)
             del labels
         with plan.timed("statistics"):
+            table = preflight.derive_covariates(table, plan.covariates, plan.logs_uri)  # as `cje evaluate` does
             counts = validate(quote(table), plan.covariates, plan.logs_uri)
             prep = (prepare if mode == "direct" else prepare_offpolicy)(quote(table), plan.opts, plan.logs_uri,
                                                                          quote(cfg))

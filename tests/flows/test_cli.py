@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timedelta, timezone
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
 
 from cje_engine.simulate.direct import simulate
 
@@ -28,7 +33,8 @@ def test_cje_evaluate_writes_result_and_prints_table(tmp_path):
     data = tmp_path / "scored.parquet"
     simulate(300, seed=2).frame.to_parquet(data)
     r = _cje("evaluate", str(data), "--out", str(tmp_path / "out"), "--n-bootstrap", "60", "--seed", "4",
-             "--covariates", "response_length", "--calibration-mode", "monotone", "--multiplicity", "holm")
+             "--covariates", "response_length", "--calibration-mode", "monotone", "--multiplicity", "holm",
+             "--exit-zero")
     assert r.returncode == 0, r.stderr
     d = json.loads((tmp_path / "out" / "result.json").read_text())
     assert set(d["policies"]) == {"base", "clone", "verbose", "concise", "unhelpful"}
@@ -92,7 +98,7 @@ def test_cje_demo_on_embedded_defaults_publishes_report_and_cleans_up(tmp_path):
 def test_cje_evaluate_also_writes_a_report(tmp_path):
     data = tmp_path / "scored.parquet"
     simulate(200, seed=3).frame.to_parquet(data)
-    r = _cje("evaluate", str(data), "--out", str(tmp_path / "out"), "--inference", "analytic")
+    r = _cje("evaluate", str(data), "--out", str(tmp_path / "out"), "--inference", "analytic", "--exit-zero")
     assert r.returncode == 0, r.stderr
     html = (tmp_path / "out" / "report.html").read_text()
     assert "<svg" in html and "unhelpful" in html
@@ -110,7 +116,7 @@ def test_cje_plan_from_data_and_from_result(tmp_path):
     assert "variance-optimal oracle fraction" in r.stdout
     # from a pilot's result.json
     r = _cje("evaluate", str(data), "--out", str(tmp_path / "ev"), "--inference", "analytic",
-             "--calibration-policies", "base")
+             "--calibration-policies", "base", "--exit-zero")
     assert r.returncode == 0, r.stderr
     r = _cje("plan", str(tmp_path / "ev" / "result.json"), "--budget", "20000")
     assert r.returncode == 0, r.stderr
@@ -139,8 +145,47 @@ def test_cje_drift_and_labels_unknown_names_exit_2(tmp_path):
 
 def test_cje_evaluate_logs_only_mode_on_arena_refuses_low_overlap_targets(tmp_path, arena_dir):
     r = _cje("evaluate", str(arena_dir), "--mode", "logs-only", "--out", str(tmp_path / "lo"), "--n-bootstrap", "60")
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 1, r.stderr[-2000:]  # a level refused: exit 1 (the result is written)
+    assert "level of 'unhelpful' refused" in r.stderr
     d = json.loads((tmp_path / "lo" / "result.json").read_text())
     assert d["policies"]["unhelpful"]["level_claim"] == "refused"
     assert any("fresh draws" in x or "Direct" in x for x in d["policies"]["unhelpful"]["refusal_reasons"])
     assert d["best_policy"] not in ("unhelpful", "parallel_universe_prompt")
+
+
+def test_cje_run_derives_response_length_like_cje_evaluate(tmp_path, prefect_server, ray_cluster, monkeypatch, capsys):
+    """`covariates: [response_length]` with logs that only carry the response text: `cje run`
+    derives it (as `cje evaluate` does) instead of failing on a missing column."""
+    import importlib
+
+    import pyarrow as pa
+
+    from flows.storage.logs import write_logs
+    from flows.storage.objects import Storage
+
+    frame = simulate(200, seed=7).frame
+    rng = np.random.default_rng(0)
+    frame["response"] = [" ".join(["w"] * int(k)) for k in rng.integers(1, 60, len(frame))]
+    frame = frame.drop(columns=["response_length", "label_probability"])
+    yesterday = datetime.now(timezone.utc).date() - timedelta(days=1)
+    frame["ts"] = pd.Timestamp(yesterday, tz="UTC") + pd.Timedelta(hours=12)
+    write_logs(Storage.for_uri(str(tmp_path / "logs")), pa.Table.from_pandas(frame, preserve_index=False))
+    cfg = tmp_path / "evaluations.yaml"
+    cfg.write_text("evaluations:\n  - name: ev\n    logs_uri: ./logs\n    window: last 3 days\n"
+                   "    options: {covariates: [response_length], calibration_mode: two_stage, n_bootstrap: 60}\n")
+    cli = importlib.import_module("flows.cli.main")
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["run", "ev", "--json", "--exit-zero"])
+    cap = capsys.readouterr()
+    assert code == 0, cap.err[-3000:]
+    doc = json.loads(cap.out)
+    assert doc["published"] and doc["result"]["config"]["covariates"] == ["response_length"]
+    assert doc["result"]["calibration"]["mode"] == "two_stage"
+    # the same numbers as cje evaluate on the same rows (derived the same way)
+    from cje_engine import evaluate
+
+    ref = evaluate(frame.drop(columns=["ts"]), covariates=["response_length"], calibration_mode="two_stage",
+                   n_bootstrap=60).to_dict()
+    for name, p in ref["policies"].items():
+        assert doc["result"]["policies"][name]["plug_in"]["estimate"] == pytest.approx(p["plug_in"]["estimate"],
+                                                                                       abs=1e-9)

@@ -28,9 +28,9 @@ from cje_engine.planning.planner import (
     plan_from_data,
     plan_from_result,
     policy_components,
-    render_plan_svg,
-    render_plan_text,
+    parse_target,
 )
+from flows.reports.plan import render_plan_svg, render_plan_text
 
 
 # --------------------------------------------------------------------------------------
@@ -310,7 +310,8 @@ def test_exact_data_route_uses_the_evaluation_influence(arena_dir):
 
 def test_arena_plan_end_to_end(arena):
     d = arena.to_dict()
-    p = plan_from_result(d, budget=20_000, target_mde=0.05, c_S=1, c_Y=16)
+    pairs = [f"{a} - {b}" for i, a in enumerate(d["policies"]) for b in list(d["policies"])[i + 1:]]
+    p = plan_from_result(d, budget=20_000, target_mde=0.05, c_S=1, c_Y=16, targets=pairs)
     json.dumps(p, allow_nan=False)
     assert len(p["planned_for"]) == 6 and p["scope"] == "all"
     al = p["allocation_for_budget"]
@@ -334,10 +335,32 @@ def test_arena_plan_end_to_end(arena):
     assert root.tag.endswith("svg")
     assert "href" not in svg  # self-contained
     assert "optimum" in svg and "Iso-cost" in svg
-    # default budget = the pilot's own spend
+    # default: the target MDE 0.02 for the pairs the pilot has not resolved yet
     p0 = plan_from_result(arena)
-    assert p0["allocation_for_budget"]["cost"] <= 4000 + 16 * 630
-    assert any("pilot's own cost" in n for n in p0["notes"])
+    unresolved = {f"{c['a']} - {c['b']}" for c in d["comparisons"] if not c["significant"]}
+    resolved = {f"{c['a']} - {c['b']}" for c in d["comparisons"] if c["significant"]}
+    assert unresolved and resolved  # the Arena pilot has both kinds
+    assert set(p0["planned_for"]) == unresolved and p0["target_mde"] == 0.02
+    assert p0["allocation_for_budget"] is None and p0["allocation_for_mde"]["mde"] <= 0.02 * (1 + 1e-9)
+    assert any("already resolved" in n and all(r in n for r in resolved) for n in p0["notes"])
+    assert not any("plan_" in n or "(" in n.split(":")[0] for n in p0["notes"])  # no function names
+    assert p0["target_choice"].startswith("every pair not yet resolved")
+
+
+def test_targets_parse_with_or_without_spaces(arena):
+    d = arena.to_dict()
+    assert parse_target(d, "base-clone") == parse_target(d, "base - clone") == ("base", "clone")
+    assert parse_target(d, " base -clone ") == ("base", "clone")
+    assert parse_target(d, "parallel_universe_prompt-unhelpful") == ("parallel_universe_prompt", "unhelpful")
+    assert parse_target(d, "base") == ("base",)
+    # names containing '-': the split that gives two known names wins; two such splits are an error
+    hy = {"policies": {n: d["policies"]["base"] for n in ("gpt-4", "gpt", "4-mini", "a-b", "a", "b-c", "c")}}
+    assert parse_target(hy, "gpt-4 - gpt") == ("gpt-4", "gpt")
+    assert parse_target(hy, "gpt-4-mini") == ("gpt", "4-mini")
+    with pytest.raises(CJEInputError, match="ambiguous"):
+        parse_target(hy, "a-b-c")
+    with pytest.raises(CJEInputError, match="unknown policy 'nope'"):
+        parse_target(d, "base-nope")
 
 
 def test_single_policy_plan_and_user_components():

@@ -1,0 +1,223 @@
+"""Pieces shared by the `cje` sub-commands: column mapping, config discovery, output folders,
+atomic writes and the audit/refusal status of a result."""
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+from cje_engine.errors import CJEInputError
+
+from flows.cli.terminal import err
+
+#: Canonical columns a ``--columns`` mapping may name.
+CANONICAL_COLUMNS = ("prompt_id", "policy", "judge_score", "oracle_label", "label_probability", "response_id",
+                     "response", "draw_idx")
+CONFIG_ENV = "CJE_CONFIG"
+CONFIG_NAME = "evaluations.yaml"
+
+
+# ------------------------------------------------------------------------------ column mapping
+
+
+def parse_columns(text: str) -> dict[str, str]:
+    """``"prompt_id=id,policy=model"`` -> ``{"prompt_id": "id", "policy": "model"}`` (canonical = source).
+
+    Raises ``argparse.ArgumentTypeError`` (a usage error) on a malformed mapping.
+    """
+    out: dict[str, str] = {}
+    for item in (p.strip() for p in str(text).split(",")):
+        if not item:
+            continue
+        canonical, sep, source = (s.strip() for s in item.partition("="))
+        if not sep or not canonical or not source:
+            raise argparse.ArgumentTypeError(f"expected CANONICAL=SOURCE pairs separated by commas "
+                                             f"(e.g. prompt_id=id,policy=model), got {item!r}")
+        if canonical in out:
+            raise argparse.ArgumentTypeError(f"column {canonical!r} is mapped twice")
+        out[canonical] = source
+    if not out:
+        raise argparse.ArgumentTypeError("empty column mapping")
+    return out
+
+
+def check_columns(columns: Any, source: str = "--columns") -> dict[str, str]:
+    """Validate a mapping canonical -> source column (from ``--columns`` or ``columns:`` in the config)."""
+    if columns is None:
+        return {}
+    if not isinstance(columns, Mapping) or not all(isinstance(k, str) and isinstance(v, str) and v.strip()
+                                                   for k, v in columns.items()):
+        raise CJEInputError("columns must map canonical column names to source column names, e.g. "
+                            "{prompt_id: id, policy: model}", source=source, column="columns")
+    unknown = [k for k in columns if k not in CANONICAL_COLUMNS]
+    if unknown:
+        from difflib import get_close_matches
+
+        close = get_close_matches(unknown[0], CANONICAL_COLUMNS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise CJEInputError(f"{unknown[0]!r} is not a canonical column{hint} (canonical columns: "
+                            f"{', '.join(CANONICAL_COLUMNS)})", source=source, column="columns")
+    sources = list(columns.values())
+    dup = next((s for s in sources if sources.count(s) > 1), None)
+    if dup is not None:
+        raise CJEInputError(f"source column {dup!r} is mapped to two canonical columns", source=source,
+                            column="columns")
+    return dict(columns)
+
+
+def _load_frame_takes_columns() -> bool:
+    from cje_engine.data.io import load_frame
+
+    return "columns" in inspect.signature(load_frame).parameters
+
+
+def load_input(source: Any, columns: Mapping[str, str] | None, **options: Any):
+    """The canonical frame of ``source`` with the column mapping applied (`load_frame`).
+
+    ``options``: ``label_scale``, ``score_scale``, ``covariates``, ``policies`` (unset ones keep
+    the engine's defaults).
+    """
+    from cje_engine.data.io import load_frame
+
+    kw = {k: v for k, v in options.items() if v is not None}
+    if not columns:
+        return load_frame(source, **kw)
+    if _load_frame_takes_columns():
+        return load_frame(source, columns=dict(columns), **kw)
+    return _load_renamed(source, dict(columns), **kw)
+
+
+def _load_renamed(source: Any, columns: dict[str, str], **kw: Any):
+    """COORDINATOR: temporary, until the `speed` branch's ``load_frame(..., columns=)`` is merged
+    (then `load_input` calls it and this function goes). Reads each input with the engine's
+    readers, renames source -> canonical and validates the renamed tables, restoring file names
+    in error messages."""
+    from cje_engine.data import io as engine_io
+
+    parts = engine_io._collect(source)  # noqa: SLF001 - temporary, see the docstring
+    rename = {src: canonical for canonical, src in columns.items()}
+    frames, names = [], {}
+    for i, part in enumerate(parts):
+        missing = [src for src in rename if src not in part.frame.columns]
+        if missing and not part.probe:
+            from difflib import get_close_matches
+
+            present = [str(c) for c in part.frame.columns]
+            problems = []
+            for src in missing:
+                close = get_close_matches(src, present, n=1)
+                problems.append(f"--columns {rename[src]}={src}: no column {src!r}"
+                                + (f"; did you mean {rename[src]}={close[0]}?" if close else ""))
+            raise CJEInputError("; ".join(problems) + f" (columns present: {', '.join(present)})",
+                                source=part.name, column=missing[0])
+        frame = part.frame.rename(columns=rename)
+        if part.policy is not None and "policy" not in frame.columns:
+            frame = frame.assign(policy=part.policy)
+        frames.append(frame)
+        names[f"<DataFrame #{i}>"] = part.name
+    try:
+        return engine_io.load_frame(frames, **kw)
+    except CJEInputError as exc:
+        src = names.get(exc.source, exc.source)
+        raise CJEInputError(exc.detail, source=src, column=exc.column, row=exc.row) from None
+
+
+# ------------------------------------------------------------------------------ configuration
+
+
+def find_config(given: str | os.PathLike | None, *, required: bool = True, quiet: bool = False) -> Path | None:
+    """The evaluations file in use: ``--config``, else ``$CJE_CONFIG``, else ``./evaluations.yaml``.
+
+    The path (and where it came from) is printed on stderr. Without ``required`` a missing
+    ``./evaluations.yaml`` gives ``None``.
+    """
+    if given:
+        path, how = Path(given), "--config"
+    elif os.environ.get(CONFIG_ENV):
+        path, how = Path(os.environ[CONFIG_ENV]), f"${CONFIG_ENV}"
+    else:
+        path, how = Path.cwd() / CONFIG_NAME, f"./{CONFIG_NAME}"
+        if not path.is_file() and not required:
+            return None
+    if not path.is_file():
+        raise CJEInputError(f"evaluations file not found (from {how}); give --config FILE, set {CONFIG_ENV}, or "
+                            f"create ./{CONFIG_NAME} in the current folder", source=str(path))
+    path = path.resolve()
+    if not quiet:
+        err(f"config: {path} (from {how})")
+    return path
+
+
+def config_columns(path: Path | None) -> dict[str, str]:
+    """The top-level ``columns:`` mapping of an evaluations file (empty without one)."""
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise CJEInputError(f"cannot read the evaluations file: {exc}", source=str(path)) from None
+    return check_columns((doc or {}).get("columns") if isinstance(doc, dict) else None, source=str(path))
+
+
+# ------------------------------------------------------------------------------ output folders
+
+
+RESULT_FILES = ("result.json", "report.html")
+
+
+def check_out_dir(path: str | os.PathLike, *, overwrite: bool, files: tuple[str, ...] = RESULT_FILES) -> Path:
+    """Check, before any work, that ``path`` is (or can become) a writable folder without an
+    earlier result (unless ``overwrite``). Creates the folder."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise CJEInputError("--out must be a folder, but this is a file", source=str(out))
+    earlier = [f for f in files if (out / f).exists()]
+    if earlier and not overwrite:
+        raise CJEInputError(f"holds an earlier result ({', '.join(earlier)}); give --overwrite to replace it or "
+                            f"choose another --out folder", source=str(out))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".cje-write-test-"):
+            pass
+    except OSError as exc:
+        raise CJEInputError(f"--out folder is not writable ({exc.strerror or exc})", source=str(out)) from None
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename;
+    the temporary file never outlives a failure."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(exc, OSError):
+            raise CJEInputError(f"cannot write the file ({exc.strerror or exc})", source=str(path)) from None
+        raise
+
+
+# ------------------------------------------------------------------------------ result status
+
+
+def result_problems(result: Mapping[str, Any]) -> list[str]:
+    """Plain-language reasons for exit code 1: failed audits and refused levels."""
+    problems = []
+    for name, p in (result.get("policies") or {}).items():
+        audit = (p.get("audit") or {}).get("verdict")
+        if audit == "fail":
+            problems.append(f"audit failed for {name!r}")
+        if p.get("level_claim") == "refused":
+            reasons = "; ".join(p.get("refusal_reasons") or []) or "no reason given"
+            problems.append(f"level of {name!r} refused ({reasons})")
+    return problems

@@ -1,0 +1,261 @@
+"""`cje gate RESULT --baseline NAME --fail-if EXPR`: a CI gate on an evaluation result.
+
+Expressions (``--fail-if`` and ``--pass-if`` may each be repeated):
+
+``worse``              a candidate is significantly worse than the baseline
+``better``             a candidate is significantly better (mostly as ``--pass-if better``)
+``refused``            the level of the baseline or a candidate was refused
+``audit-fail``         the transport audit of the baseline or a candidate failed
+``cand - base OP T``   a claim about the true difference, OP one of < <= > >=, T a number in label
+                       units (``base - cand`` also works; spaces are optional)
+
+A claim about a difference counts as *established* when the data show it after the result's
+multiplicity adjustment: for T = 0 (``worse``, ``better``, ``cand - base < 0``) that is the result's
+own adjusted comparison (``significant`` and the sign of ``diff``); for T != 0 a one-sided z test of
+the shifted null (``p = Phi((diff - T) / se)`` for ``<``), adjusted with the result's
+``multiplicity.method`` over the gate's comparisons. ``--fail-if`` fails when its claim is
+established for some candidate; ``--pass-if`` fails unless its claim is established for every
+candidate. A comparison the result does not report (``reported: false`` or ``not_estimable``)
+establishes nothing: it fails every ``--pass-if``, and fails ``--fail-if`` too unless
+``--allow-not-estimable`` (a gate fails closed). The reasons are printed either way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from difflib import get_close_matches
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from scipy.stats import norm
+
+from cje_engine.errors import CJEInputError
+
+from flows.cli.exits import EXIT_GATE_FAILED, EXIT_OK
+from flows.cli.terminal import escape, out, out_json
+
+_SIDE = r"(cand|candidate|base|baseline)"
+_EXPR = re.compile(rf"^\s*{_SIDE}\s*-\s*{_SIDE}\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+KEYWORDS = ("worse", "better", "refused", "audit-fail")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """``cand - base OP threshold`` (``OP`` in < <= > >=)."""
+
+    op: str
+    threshold: float
+    text: str
+
+    @property
+    def below(self) -> bool:
+        return self.op in ("<", "<=")
+
+
+def parse_expression(text: str) -> str | Claim:
+    """A keyword of `KEYWORDS` or a `Claim`; anything else is a usage error."""
+    t = " ".join(str(text).split()).lower()
+    if t in KEYWORDS:
+        return t
+    m = _EXPR.match(t)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a gate expression: {text!r}; expected one of {', '.join(KEYWORDS)} or "
+                                         f"'cand - base < -0.01' (operators < <= > >=)")
+    left, right, op, value = m.groups()
+    left_cand, right_cand = left.startswith("cand"), right.startswith("cand")
+    if left_cand == right_cand:
+        raise argparse.ArgumentTypeError(f"{text!r}: compare the candidate with the baseline ('cand - base')")
+    threshold = float(value)
+    if not math.isfinite(threshold):
+        raise argparse.ArgumentTypeError(f"{text!r}: the threshold must be a finite number")
+    if not left_cand:  # base - cand OP T  <=>  cand - base OP' -T
+        op = {"<": ">", "<=": ">=", ">": "<", ">=": "<="}[op]
+        threshold = -threshold
+    return Claim(op, threshold, f"cand - base {op} {threshold:g}")
+
+
+def _keyword_claim(keyword: str) -> Claim:
+    return Claim("<", 0.0, "cand - base < 0") if keyword == "worse" else Claim(">", 0.0, "cand - base > 0")
+
+
+@dataclass
+class Check:
+    """The outcome of one expression for one candidate (or for the policies involved)."""
+
+    rule: str
+    expression: str
+    candidate: str | None
+    failed: bool
+    reason: str
+    diff: float | None = None
+    se: float | None = None
+    p_value: float | None = None
+    p_adjusted: float | None = None
+
+
+def _comparison(result: Mapping[str, Any], cand: str, base: str) -> dict | None:
+    """The result's comparison of ``cand`` and ``base`` oriented as ``cand - base``."""
+    for c in result.get("comparisons") or []:
+        if {c.get("a"), c.get("b")} != {cand, base}:
+            continue
+        c = dict(c)
+        if c.get("a") == base:
+            c["diff"] = -c["diff"] if c.get("diff") is not None else None
+            if c.get("ci"):
+                c["ci"] = [-c["ci"][1], -c["ci"][0]]
+        return c
+    return None
+
+
+def _not_estimable(c: Mapping[str, Any]) -> str | None:
+    reason = c.get("not_estimable")
+    if c.get("reported") is False or reason:
+        return f"not estimable: {reason}" if isinstance(reason, str) and reason else "not reported by the result"
+    if c.get("diff") is None:
+        return "not estimable: the result has no difference for this pair"
+    return None
+
+
+def _claim_checks(result: Mapping[str, Any], base: str, cands: Sequence[str], claim: Claim, rule: str,
+                  expression: str, allow_not_estimable: bool) -> list[Check]:
+    alpha = float((result.get("multiplicity") or {}).get("alpha") or (result.get("config") or {}).get("alpha", 0.05))
+    method = (result.get("multiplicity") or {}).get("method", "bh")
+    comps = {c: _comparison(result, c, base) for c in cands}
+    usable = [c for c in cands if comps[c] is not None and _not_estimable(comps[c]) is None]
+    p_one = {}
+    if claim.threshold != 0.0:
+        from cje_engine.inference.multiplicity import adjust
+
+        for c in usable:
+            d, se = float(comps[c]["diff"]), comps[c].get("se")
+            if se is None or not se > 0:
+                p_one[c] = 0.0 if (d < claim.threshold if claim.below else d > claim.threshold) else 1.0
+            else:
+                z = (d - claim.threshold) / float(se)
+                p_one[c] = float(norm.cdf(z) if claim.below else norm.sf(z))
+        adj = dict(zip(usable, adjust(np.array([p_one[c] for c in usable]), method).tolist())) if usable else {}
+    checks = []
+    for cand in cands:
+        c = comps[cand]
+        if c is None:
+            raise CJEInputError(f"the result has no comparison of {cand!r} with {base!r}", column="comparisons")
+        why = _not_estimable(c)
+        if why is not None:
+            fails = rule == "pass-if" or not allow_not_estimable
+            checks.append(Check(rule, expression, cand, fails, f"{cand} vs {base}: {why}; the gate cannot tell"
+                                + ("" if fails else " (allowed by --allow-not-estimable)")))
+            continue
+        d, se = float(c["diff"]), c.get("se")
+        if claim.threshold == 0.0:
+            p, p_adj = c.get("p_value"), c.get("p_adjusted")
+            established = bool(c.get("significant")) and (d < 0 if claim.below else d > 0)
+            test = f"adjusted p {p_adj:.3g} ({method})" if isinstance(p_adj, (int, float)) else "adjusted p n/a"
+        else:
+            p, p_adj = p_one[cand], adj[cand]
+            established = p_adj <= alpha
+            test = f"one-sided p {p:.3g}, adjusted {p_adj:.3g} ({method}, {len(usable)} comparison(s))"
+        shown = "shown" if established else "not shown"
+        ci = c.get("ci")
+        ci_txt = f", CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci and None not in ci else ""
+        reason = (f"{cand} - {base} = {d:+.4f}{ci_txt}; {claim.text} {shown} at alpha {alpha:g} ({test})")
+        failed = established if rule == "fail-if" else not established
+        checks.append(Check(rule, expression, cand, failed, reason, d, se, p, p_adj))
+    return checks
+
+
+def _policy_checks(result: Mapping[str, Any], names: Sequence[str], keyword: str, rule: str) -> list[Check]:
+    pols = result.get("policies") or {}
+    checks = []
+    for name in names:
+        p = pols[name]
+        if keyword == "refused":
+            bad = p.get("level_claim") == "refused"
+            why = ("level refused: " + "; ".join(p.get("refusal_reasons") or [])) if bad else "level claimed"
+        else:
+            verdict = (p.get("audit") or {}).get("verdict", "not_run")
+            bad = verdict == "fail"
+            why = f"audit {verdict}" + (f": {(p.get('audit') or {}).get('reason')}" if bad and
+                                         (p.get("audit") or {}).get("reason") else "")
+        failed = bad if rule == "fail-if" else not bad
+        checks.append(Check(rule, keyword, name, failed, f"{name}: {why}"))
+    return checks
+
+
+def judge(result: Mapping[str, Any], baseline: str, *, fail_if: Sequence[Any] = (), pass_if: Sequence[Any] = (),
+          candidates: Sequence[str] | None = None, allow_not_estimable: bool = False) -> list[Check]:
+    """Every check of the gate (pure; `cmd_gate` prints them and sets the exit code)."""
+    pols = list((result.get("policies") or {}))
+    if not pols:
+        raise CJEInputError("the result has no policies: expected a result.json of `cje evaluate` or `cje run`",
+                            column="policies")
+    for name in [baseline, *(candidates or [])]:
+        if name not in pols:
+            close = get_close_matches(name, pols, n=1)
+            raise CJEInputError(f"policy {name!r} is not in the result{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+                                f" (policies: {', '.join(pols)})", column="policies")
+    cands = list(candidates) if candidates else [p for p in pols if p != baseline]
+    if baseline in cands:
+        raise CJEInputError(f"the baseline {baseline!r} cannot also be a candidate")
+    if not cands:
+        raise CJEInputError("the result has no policy besides the baseline to gate")
+    checks: list[Check] = []
+    for rule, exprs in (("fail-if", fail_if), ("pass-if", pass_if)):
+        for e in exprs:
+            e = parse_expression(e) if isinstance(e, str) else e
+            if isinstance(e, str) and e in ("refused", "audit-fail"):
+                checks += _policy_checks(result, [baseline, *cands], e, rule)
+            else:
+                claim = _keyword_claim(e) if isinstance(e, str) else e
+                checks += _claim_checks(result, baseline, cands, claim, rule, e if isinstance(e, str) else e.text,
+                                        allow_not_estimable)
+    return checks
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("gate", help="a CI gate on a result.json: exit 1 when a --fail-if holds (docs/ci.md)",
+                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("result", help="result.json of `cje evaluate` (or a published result)")
+    p.add_argument("--baseline", required=True, help="the policy the candidates are compared with")
+    p.add_argument("--candidate", action="append", metavar="NAME",
+                   help="a candidate policy (repeat or separate by commas; default: every other policy)")
+    p.add_argument("--fail-if", action="append", type=parse_expression, metavar="EXPR", default=[],
+                   help="fail when this holds: worse, refused, audit-fail or 'cand - base < -0.01'")
+    p.add_argument("--pass-if", action="append", type=parse_expression, metavar="EXPR", default=[],
+                   help="fail unless this holds for every candidate, e.g. better or 'cand - base > -0.01'")
+    p.add_argument("--allow-not-estimable", action="store_true",
+                   help="a comparison the result does not report does not fail a --fail-if")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout (shape in docs/cli.md)")
+    p.set_defaults(handler=cmd_gate)
+
+
+def cmd_gate(ns: argparse.Namespace) -> int:
+    if not ns.fail_if and not ns.pass_if:
+        raise CJEInputError("give at least one --fail-if or --pass-if expression (e.g. --fail-if worse)")
+    src = Path(ns.result)
+    try:
+        result = json.loads(src.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CJEInputError("result file not found", source=str(src)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CJEInputError(f"not a result.json: {exc}", source=str(src)) from None
+    if not isinstance(result, dict):
+        raise CJEInputError("not a result.json: expected a JSON object", source=str(src))
+    cands = [c.strip() for arg in (ns.candidate or []) for c in arg.split(",") if c.strip()] or None
+    checks = judge(result, ns.baseline, fail_if=ns.fail_if, pass_if=ns.pass_if, candidates=cands,
+                   allow_not_estimable=ns.allow_not_estimable)
+    failed = [c for c in checks if c.failed]
+    if ns.json:
+        from flows.cli.main import json_doc
+
+        out_json(json_doc("gate", result_path=str(src), baseline=ns.baseline, passed=not failed,
+                          checks=[asdict(c) for c in checks]))
+    else:
+        for c in checks:
+            out(f"{'FAIL' if c.failed else 'ok  '} {c.rule} {escape(c.expression)}: {escape(c.reason)}")
+        out(f"gate {'FAILED' if failed else 'passed'}: {len(failed)} of {len(checks)} check(s) failed "
+            f"(baseline {escape(ns.baseline)})")
+    return EXIT_GATE_FAILED if failed else EXIT_OK

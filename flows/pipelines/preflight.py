@@ -1,0 +1,148 @@
+"""Checks of a declared evaluation's inputs before Prefect and Ray start, and the covariates
+the service derives from the logs (as `cje evaluate` does).
+
+`check_evaluation` looks at the logs (layout, the first partition's columns, the covariates) with
+the driver's own storage settings and raises `CJEInputError` with one line naming what is wrong
+(exit code 2), or lets `flows.storage.objects.StorageError` through (exit code 69), so that
+`cje run` / `cje serve` fail in a second instead of after starting the services.
+
+Derived covariates: ``response_length`` is the number of whitespace-separated tokens of the
+``response`` text, the rule of `cje_engine.data.io.load_frame` (regex ``\\S+`` on the text). When
+the logs have no ``response_length`` column but have ``response``, the flow reads ``response``
+instead (`read_columns`) and adds the covariate after the read (`derive_covariates`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cje_engine.errors import CJEInputError
+
+log = logging.getLogger(__name__)
+
+#: Derivable covariate -> the log column it is derived from.
+DERIVED = {"response_length": "response"}
+_TOKEN = r"\S+"  # the engine's rule (cje_engine.data.io._token_count)
+_OTHER_FORMATS = (".csv", ".jsonl", ".ndjson", ".json")
+
+
+def read_columns(columns: Sequence[str], covariates: Sequence[str], available: Sequence[str]) -> list[str]:
+    """``columns`` to read, with each derivable covariate missing from ``available`` replaced by its source."""
+    have = set(available)
+    out = []
+    for c in columns:
+        if c in covariates and c in DERIVED and c not in have and DERIVED[c] in have:
+            out.append(DERIVED[c])
+        else:
+            out.append(c)
+    return list(dict.fromkeys(out))
+
+
+def derive_covariates(table: pa.Table, covariates: Sequence[str], source: str = "<logs>") -> pa.Table:
+    """Add the derivable covariates the table lacks (and drop their source text column if it was
+    read only for them)."""
+    for cov in covariates:
+        src = DERIVED.get(cov)
+        if src is None or cov in table.column_names or src not in table.column_names:
+            continue
+        text = table[src]
+        if text.null_count:
+            row = int(pc.index(pc.is_null(text), True).as_py())
+            raise CJEInputError(f"response text is missing, so {cov} cannot be derived for this row", source=source,
+                                column=src, row=row)
+        counts = pc.count_substring_regex(text, _TOKEN)
+        table = table.append_column(cov, pc.cast(counts, pa.float64()))
+        if src not in covariates:
+            table = table.drop_columns([src])
+    return table
+
+
+def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict]) -> list[str]:
+    """Column names of the first partition file of the window (its Parquet footer only)."""
+    import pyarrow.dataset as ds
+
+    from flows.storage.objects import Storage
+
+    if not files:
+        return []
+    st = Storage.for_uri(logs_uri, cfg)
+    fs, _ = st.arrow_fs
+    key = files[0]["key"]
+    try:
+        return list(ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema.names)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
+                            source=st.url(key)) from None
+
+
+def _layout_error(st: Any, win: Any) -> CJEInputError:
+    """What the logs root holds instead of the window's ``dt=YYYY-MM-DD/*.parquet`` partitions."""
+    from flows.storage.logs import partition_of
+
+    infos = st.list("")
+    dates = sorted({d for i in infos if (d := partition_of(i.key))})
+    other = [i.key for i in infos if i.key.lower().endswith(_OTHER_FORMATS)]
+    layout = "see docs/logs-layout.md"
+    if not infos:
+        return CJEInputError(f"the logs root is empty: expected Parquet files under dt=YYYY-MM-DD/ folders ({layout})",
+                             source=st.url())
+    if not dates and other:
+        return CJEInputError(f"the logs must be Parquet files under dt=YYYY-MM-DD/ folders, but this root holds "
+                             f"{len(other)} CSV/JSON file(s) (e.g. {other[0]}); for a file or folder of CSV/JSONL use "
+                             f"`cje evaluate`, or write the logs with flows.storage.logs.write_logs ({layout})",
+                             source=st.url())
+    if not dates:
+        return CJEInputError(f"no dt=YYYY-MM-DD/ partition folders under the logs root ({len(infos)} object(s), "
+                             f"e.g. {infos[0].key}; {layout})", source=st.url())
+    return CJEInputError(f"no log partitions in the window {win.start}..{win.end}: the logs have dt={dates[0]} to "
+                         f"dt={dates[-1]} ({len(dates)} day(s)); change window, or give --as-of / --window",
+                         source=st.url())
+
+
+def check_evaluation(params: dict) -> dict:
+    """Check the inputs of an evaluate-flow run (``EvaluationSpec.flow_parameters()`` plus overrides).
+
+    Returns ``{"n_files", "columns", "derived"}``. Raises `CJEInputError` (one line) on a bad
+    window, options, layout, missing columns or underivable covariates.
+    """
+    from pathlib import Path
+
+    from flows.pipelines.evaluate import engine_options, parse_window
+    from flows.storage.logs import REQUIRED, discover_partitions
+    from flows.storage.objects import Storage, StorageConfig
+
+    logs_uri = params["logs_uri"]
+    win = parse_window(params.get("window") or "last 7 days", params.get("as_of"))
+    mode = params.get("mode") or "direct"
+    covariates: list[str] = []
+    if mode == "direct":
+        covariates = list(engine_options(params.get("options"), params.get("policies")).get("covariates") or [])
+    if "://" not in str(logs_uri) and not Path(logs_uri).is_dir():
+        raise CJEInputError("the logs folder does not exist (logs_uri)", source=str(logs_uri))
+    cfg = StorageConfig.from_env()
+    st = Storage.for_uri(logs_uri, cfg)
+    files = [{"key": f.key} for f in discover_partitions(st, win.start, win.end)]
+    if not files:
+        raise _layout_error(st, win)
+    names = logs_columns(logs_uri, cfg, files)
+    source = st.url(files[0]["key"])
+    missing = [c for c in REQUIRED if c not in names]
+    if missing:
+        raise CJEInputError(f"required log column(s) {missing} missing (found: {', '.join(names)}; "
+                            f"see docs/logs-layout.md)", source=source, column=missing[0])
+    derived = []
+    for cov in covariates:
+        if cov in names:
+            continue
+        if cov in DERIVED and DERIVED[cov] in names:
+            derived.append(cov)
+            continue
+        how = f" and there is no {DERIVED[cov]!r} column to derive it from" if cov in DERIVED else ""
+        raise CJEInputError(f"covariate {cov!r} is not a log column{how} (found: {', '.join(names)})",
+                            source=source, column=cov)
+    log.info("inputs checked: %d partition file(s) in %s..%s%s", len(files), win.start, win.end,
+             f"; derived from the response text: {', '.join(derived)}" if derived else "")
+    return {"n_files": len(files), "columns": names, "derived": derived}
