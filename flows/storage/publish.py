@@ -21,9 +21,20 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
   one creates the manifest; the others get ``PublishOutcome(published=False, reason="already
   published")`` and delete their attempt folder.  The same holds for reruns.
 * ``latest.json`` is (re)written only after the manifest exists; a publisher that died between
-  the two is repaired by the next publish call for that run.  The pointer never moves back to
-  an older publication (by ``published_at``).  Two *different* runs finishing at the same
-  instant may leave the pointer on either (both are complete).
+  the two is repaired by the next publish call for that run.  What a reader of ``latest.json``
+  sees: a complete pointer (one atomic object write) to a committed run, and over time only
+  publications with a later or equal ``published_at`` (the publisher's UTC clock at commit).  The
+  pointer moves by compare-and-swap on that time (`_compare_and_swap`: an exclusive lock on the
+  folder for local storage, a conditional PUT with ``If-Match: <ETag>`` on S3), so of racing
+  publishers the newest publication always ends in the pointer.  On S3 endpoints without
+  conditional writes (``conditional_writes="emulated"``) the swap is read-compare-write and a
+  racing older publisher can win until the next publish.  Two publications with the same
+  ``published_at`` (microseconds) keep the first.
+* Temporary files (``.cje-tmp-*``, local storage) of a writer killed mid-write are invisible to
+  readers (listings skip them) and are removed by the next publish of the evaluation once older
+  than 60 s (`clean_temp_files`).
+* After a commit the publisher rebuilds ``results/index.html`` and ``results/<evaluation>/trend.html``
+  (`flows.reports.trend.write_pages`); a failure there is logged and never fails the publish.
 
 Gate: before anything is written, ``result.json`` is checked (`check_result_gate`): every
 policy whose ``level_claim`` is ``"refused"`` must carry non-empty ``refusal_reasons``, level
