@@ -7,7 +7,8 @@ from typing import Any
 
 from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, SKY, VERDICT_STYLE, VERMILLION,
                                   _conf_label, _esc, _fmt, _fmt_ci, _is_refused, _num, _pair, _policy_order,
-                                  _short, _verdict, _z)
+                                  _raw_on_label_scale, _same_scale, _scale_text, _scales, _short, _verdict,
+                                  _z, _not_estimable)
 from flows.reports.svg import (_cross, _diamond, _el, _legend, _line, _Lin, _r, _svg, _text, _ticks, _x_axis,
                                _y_axis)
 
@@ -23,7 +24,7 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
     values: list[float] = []
     for name in order:
         p = pols[name]
-        values += [v for v in (_num(p.get("estimate")), _num(p.get("raw_judge_mean")),
+        values += [v for v in (_num(p.get("estimate")), _raw_on_label_scale(result, p.get("raw_judge_mean")),
                                _num(p.get("oracle_mean"))) if v is not None]
         if (ci := _pair(p.get("ci"))) is not None:
             values += list(ci)
@@ -38,7 +39,7 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
         (_line(-9, 0, 9, 0, stroke=GREY, stroke_width="2", stroke_dasharray="3 3")
          + _el("circle", cx=0.0, cy=0.0, r="5", fill="#fff", stroke=GREY, stroke_width="2"),
          "refused: ranking only, not a level"),
-        (_diamond(0, 0, 5.5, fill=ORANGE, stroke="#8a5d00", stroke_width="0.8"), "raw judge mean"),
+        (_diamond(0, 0, 5.5, fill=ORANGE, stroke="#8a5d00", stroke_width="0.8"), _raw_legend(result)),
         (_cross(0, 0, 4, INK), "oracle mean of own labels"),
     ], x0 - 230, 20)
     header_y = top - 12
@@ -75,7 +76,7 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
                               stroke_dasharray=dash))
             for v in ci:
                 body.append(_line(sx(v), cy - 5, sx(v), cy + 5, stroke=colour, stroke_width=sw))
-        raw = _num(p.get("raw_judge_mean"))
+        raw = _raw_on_label_scale(result, p.get("raw_judge_mean"))
         if raw is not None:
             body.append(_diamond(sx(raw), cy, 5.5, fill=ORANGE, stroke="#8a5d00",
                                  stroke_width="0.8"))
@@ -101,6 +102,13 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
         body.append(_text(width - 8, cy + 4, f"{sym} {label}", text_anchor="end", fill=vcol,
                           font_size="12", font_weight="600"))
     return _svg(width, height, body, "Forest plot of policy estimates with confidence intervals")
+
+
+def _raw_legend(result: dict) -> str:
+    if _same_scale(result):
+        return "raw judge mean"
+    score, label = _scales(result)
+    return f"raw judge mean, {_scale_text(score)} read on {_scale_text(label)}"
 
 
 def _calibration_svg(cal: dict, config: dict) -> str:
@@ -133,10 +141,11 @@ def _calibration_svg(cal: dict, config: dict) -> str:
         if lr[0] - xlo > (xhi - xlo) * 0.08:
             body.append(_text((sx(xlo) + sx(lr[0])) / 2, T + 14, "no labels", text_anchor="middle",
                               fill=MUTED, font_size="10.5"))
-    body += _x_axis(sx, xt, xd, T + H, T, "judge score")
-    body += _y_axis(sy, yt, yd, L, L + W, "oracle label")
+    body += _x_axis(sx, xt, xd, T + H, T, f"judge score ({_scale_text(score_scale or (0.0, 1.0))})")
+    body += _y_axis(sy, yt, yd, L, L + W, f"oracle label ({_scale_text(label_scale or (0.0, 1.0))})")
     lo_d, hi_d = max(xlo, ylo), min(xhi, yhi)
-    if hi_d > lo_d:
+    same = (score_scale or (0.0, 1.0)) == (label_scale or (0.0, 1.0))
+    if same and hi_d > lo_d:  # an identity line only where score and label share one scale
         body.append(_line(sx(lo_d), sy(lo_d), sx(hi_d), sy(hi_d), stroke=GREY, stroke_width="1.2",
                           stroke_dasharray="5 4"))
     for i, (s, y) in enumerate(pts):
@@ -151,8 +160,8 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     body += _legend([
         (_el("circle", cx=0.0, cy=0.0, r="3.5", fill=SKY, fill_opacity="0.6"), "labelled point"),
         (_line(-9, 0, 9, 0, stroke=BLUE, stroke_width="2.5"), "fitted calibration"),
-        (_line(-9, 0, 9, 0, stroke=GREY, stroke_width="1.2", stroke_dasharray="5 4"), "identity"),
-    ], L + 6, T + H + 58, gap=18)
+    ] + ([(_line(-9, 0, 9, 0, stroke=GREY, stroke_width="1.2", stroke_dasharray="5 4"), "identity")]
+         if same else []), L + 6, T + H + 58, gap=18)
     # right panel: reliability diagram
     L2 = 600
     W2 = 380
@@ -259,6 +268,8 @@ def _pairwise(result: dict) -> tuple[list[str], list[list[float | None]], list[l
     for c in result.get("comparisons") or []:
         if not isinstance(c, dict) or c.get("a") not in policies or c.get("b") not in policies:
             continue
+        if _not_estimable(c) is not None:
+            continue  # no number: the cell stays empty
         d, pa, sig = _num(c.get("diff")), _num(c.get("prob_a_better")), bool(c.get("significant"))
         diffs[(c["a"], c["b"])] = (d, pa, sig)
         diffs[(c["b"], c["a"])] = (-d if d is not None else None,

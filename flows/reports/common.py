@@ -254,3 +254,65 @@ def _check_drift(drift: Any) -> dict:
     return out
 
 
+
+
+# --------------------------------------------------------------------------------------------
+# scales and non-estimable comparisons
+# --------------------------------------------------------------------------------------------
+def _scales(result: dict) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+    """(score scale, label scale) as declared in the result's config (None when not declared)."""
+    config = result.get("config") if isinstance(result.get("config"), dict) else {}
+    return _pair(config.get("score_scale")), _pair(config.get("label_scale"))
+
+
+def _same_scale(result: dict) -> bool:
+    """True when judge scores and oracle labels share one scale (undeclared scales default to 0-1)."""
+    score, label = _scales(result)
+    return (score or (0.0, 1.0)) == (label or (0.0, 1.0))
+
+
+def _raw_on_label_scale(result: dict, raw: Any) -> float | None:
+    """A raw judge mean mapped linearly from the declared score scale onto the declared label scale.
+
+    This is the naive reading of the judge (its score taken at face value on the label scale), the
+    comparator the calibration corrects; None when either scale is unknown or degenerate.
+    """
+    v = _num(raw)
+    score, label = _scales(result)
+    if v is None:
+        return None
+    if _same_scale(result):
+        return v
+    if score is None or label is None or score[1] == score[0]:
+        return None
+    return label[0] + (v - score[0]) / (score[1] - score[0]) * (label[1] - label[0])
+
+
+def _scale_text(pair: tuple[float, float] | None) -> str:
+    return "n/a" if pair is None else f"{pair[0]:g}\u2013{pair[1]:g}"
+
+
+def _not_estimable(comparison: dict) -> str | None:
+    """The reason a comparison carries no number (``reported`` false or ``not_estimable`` set), else None.
+
+    Coded to the engine contract of issue 16 with ``.get`` so that results before it (no such keys)
+    render as before.
+    """
+    reason = comparison.get("not_estimable")
+    if comparison.get("reported", True) is False or reason:
+        return str(reason or "not reported by the engine")
+    return None
+
+
+_UNSAFE = {0x7F, *range(0x00, 0x20), *range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F),
+           *range(0x2066, 0x206A)}
+
+
+def _safe(value: Any) -> str:
+    """A user string made safe for a terminal: control characters, ANSI escapes and bidirectional
+    overrides (e.g. U+202E) are shown as escapes (``\\x1b``, ``\\u202e``), never sent raw."""
+    text = str(value)
+    if not any(ord(c) in _UNSAFE for c in text):
+        return text
+    return "".join((f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") if ord(c) in _UNSAFE else c
+                   for c in text)

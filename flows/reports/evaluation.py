@@ -35,8 +35,8 @@ from flows.reports.common import (BLUE, FONT, GREEN, GREY, GRID, INK, MUTED, ORA
                                   SKY, VERDICT_STYLE, VERMILLION, _alpha, _audit, _check_drift, _check_result,
                                   _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused, _num, _pair,
                                   _policy_order, _short, _signed, _verdict)
-from flows.reports.sections import (_audit_section, _calibration_section, _comparisons_table,  # noqa: F401
-                                    _drift_section, _estimator_table, _footer, _policy_table, _summary_html)
+from flows.reports.sections import (_audit_section, _calibration_section, _changed_section,  # noqa: F401
+                                    _comparisons_table, _context_meta, _drift_section, _estimator_table, _footer, _policy_table, _summary_html)
 from flows.reports.svg import (_attrs, _cross, _diamond, _el, _legend, _line, _Lin, _r, _svg,  # noqa: F401
                                _text, _tick_label, _ticks, _x_axis, _y_axis)
 from flows.reports.table import format_table  # noqa: F401
@@ -113,7 +113,31 @@ a{color:var(--blue)}
 """.replace("FONT", FONT)
 
 
-def render_report(result: dict, *, title: str | None = None, drift: dict | None = None) -> str:
+def _meta_items(result: dict, order: list[str]) -> list[str]:
+    """The facts under the title: policies, rows, prompts, labels, calibration, inference."""
+    data = result.get("data") if isinstance(result.get("data"), dict) else {}
+    cal = result.get("calibration") if isinstance(result.get("calibration"), dict) else {}
+    inference = result.get("inference") if isinstance(result.get("inference"), dict) else {}
+    meta = [f"{len(order)} policies"]
+    if data.get("n_rows") is not None:
+        meta.append(f"{data['n_rows']} rows")
+    if data.get("n_prompts") is not None:
+        meta.append(f"{data['n_prompts']} prompts")
+    if data.get("n_labelled") is not None:
+        meta.append(f"{data['n_labelled']} oracle labels"
+                    + (f" ({data['n_calibration_labels']} calibrate)"
+                       if data.get("n_calibration_labels") is not None else ""))
+    if cal.get("mode"):
+        meta.append(f"{cal['mode']} calibration")
+    if inference.get("method"):
+        nb = inference.get("n_bootstrap")
+        meta.append(f"{inference['method']} inference"
+                    + (f" ({nb} replicates)" if inference["method"] == "bootstrap" and nb else ""))
+    return meta
+
+
+def render_report(result: dict, *, title: str | None = None, drift: dict | None = None,
+                  context: dict | None = None) -> str:
     """Render a result dict as one self-contained HTML page.
 
     Parameters
@@ -138,6 +162,14 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
               "n_anchors": 200, "method": "..."         # optional, shown in the section text
             }
 
+    context : dict, optional
+        The run's place in its evaluation (`flows.reports.history.report_context`, filled in by the
+        publisher): ``generated_at``, ``result_href``, ``trend_href``, ``index_href``, ``previous``
+        (window, run_key, published_at, href), ``changes`` (`flows.reports.history.what_changed`) and
+        ``drift`` (monitor -> drift dict as above, for the monitors linked to the evaluation). Adds the
+        generated-at time and links under the title, a "What changed since the previous run" section and
+        one judge-drift section per linked monitor.
+
     Returns
     -------
     str
@@ -150,27 +182,11 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
     """
     _check_result(result)
     drift_data = _check_drift(drift) if drift is not None else None
+    ctx = context if isinstance(context, dict) else {}
     alpha = _alpha(result)
     order = _policy_order(result)
     page_title = title if title is not None else "CJE evaluation report"
-    data = result.get("data") if isinstance(result.get("data"), dict) else {}
-    cal = result.get("calibration") if isinstance(result.get("calibration"), dict) else {}
-    inference = result.get("inference") if isinstance(result.get("inference"), dict) else {}
-    meta = [f"{len(order)} policies"]
-    if data.get("n_rows") is not None:
-        meta.append(f"{data['n_rows']} rows")
-    if data.get("n_prompts") is not None:
-        meta.append(f"{data['n_prompts']} prompts")
-    if data.get("n_labelled") is not None:
-        meta.append(f"{data['n_labelled']} oracle labels"
-                    + (f" ({data['n_calibration_labels']} calibrate)"
-                       if data.get("n_calibration_labels") is not None else ""))
-    if cal.get("mode"):
-        meta.append(f"{cal['mode']} calibration")
-    if inference.get("method"):
-        nb = inference.get("n_bootstrap")
-        meta.append(f"{inference['method']} inference"
-                    + (f" ({nb} replicates)" if inference["method"] == "bootstrap" and nb else ""))
+    meta = _meta_items(result, order)
     warnings = [str(w) for w in result.get("warnings") or []]
     warn_html = ("<ul>" + "".join(f"<li>{_esc(w)}</li>" for w in warnings) + "</ul>"
                  if warnings else "<p class='muted'>No warnings.</p>")
@@ -182,8 +198,9 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
         f"<title>{_esc(page_title)}</title><style>{CSS}</style></head><body><main>",
         f"<header class='top'><h1>{_esc(page_title)}</h1>"
-        f"<div class='meta'>{_esc(sep.join(meta))}</div></header>",
+        f"<div class='meta'>{_esc(sep.join(meta))}</div>{_context_meta(ctx) if ctx else ''}</header>",
         _summary_html(result, order, alpha, drift_data),
+        _changed_section(ctx) if ctx else "",
         "<section id='estimates'><h2>Policy estimates</h2>"
         f"<p class='lead'>Calibrated values on the oracle scale with {conf} intervals that include "
         "the calibration's uncertainty. Refused policies are drawn hollow and dashed: their "
@@ -202,6 +219,10 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
     ]
     if drift_data is not None:
         parts.append(_drift_section(drift_data))
+    for monitor, d in sorted((ctx.get("drift") or {}).items()):
+        parts.append(_drift_section(_check_drift(d)).replace("<h2>Judge drift</h2>",
+                                                              f"<h2>Judge drift: monitor {_esc(monitor)}</h2>", 1)
+                     .replace("id='drift'", f"id='drift-{_esc(monitor)}'", 1))
     parts.append(f"<section id='warnings'><h2>Warnings</h2>{warn_html}</section>")
     parts.append(_footer(result))
     parts.append("</main></body></html>")

@@ -182,9 +182,14 @@ def linked_drift(st: Storage, evaluation: str) -> dict[str, list[dict[str, Any]]
         cal = meta.get("calibration") or {}
         if cal.get("evaluation") != evaluation:
             continue
+        metrics = doc.get("metrics") or {}
+        tau = metrics.get("tau_b") or {}
+        res = metrics.get("residual_mean") or {}
         out.setdefault(m.group(1), []).append({
             "look": doc.get("look"), "dt": meta.get("dt"), "alarm": bool(doc.get("alarm")),
-            "alarms": list(doc.get("alarms") or []), "judge_id": meta.get("judge_id")})
+            "alarms": list(doc.get("alarms") or []), "judge_id": meta.get("judge_id"),
+            "tau": _num((tau.get("detail") or {}).get("tau", tau.get("estimate"))),
+            "residual_shift": _num(res.get("estimate")), "residual_shift_ci": _pair(res.get("ci"))})
     for looks in out.values():
         looks.sort(key=lambda lk: int(lk.get("look") or 0))
     return out
@@ -207,3 +212,45 @@ def open_label_requests(st: Storage, evaluation: str) -> list[dict[str, Any]]:
              "window": r.get("window"), "deadline": r.get("deadline"),
              "reasons": [x.get("reason") for x in r.get("reasons") or [] if isinstance(x, Mapping)]}
             for r in reqs if r.get("evaluation") == evaluation]
+
+
+def drift_for_report(monitor: str, looks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Looks of one linked monitor in the drift format of `flows.reports.evaluation.render_report`."""
+    looks = [lk for lk in looks if lk.get("tau") is not None or lk.get("residual_shift") is not None]
+    if not looks:
+        return None
+    shift = [lk.get("residual_shift") for lk in looks]
+    return {"periods": [f"#{lk.get('look')} {lk.get('dt') or ''}".strip() for lk in looks],
+            "kendall_tau": [lk.get("tau") for lk in looks],
+            "residual_shift": shift if any(v is not None for v in shift) else None,
+            "residual_shift_ci": ([list(lk["residual_shift_ci"]) if lk.get("residual_shift_ci") else None
+                                   for lk in looks] if any(v is not None for v in shift) else None),
+            "alarms": [bool(lk.get("alarm")) for lk in looks],
+            "method": f"monitor {monitor}: alarms from its anytime-valid tests"}
+
+
+def report_context(st: Storage, evaluation: str, window: str, run_key: str, result: Mapping[str, Any],
+                   attempt: str, generated_at: str) -> dict[str, Any]:
+    """What the run's report shows beyond its result: generated-at time, links (result.json, previous run,
+    trend page, index), what changed since the previous run and the drift of linked monitors."""
+    history = read_history(st, evaluation)
+    cur = run_summary({"evaluation": evaluation, "window": window, "run_key": run_key, "result": result})
+    prev = previous_run(history, window, run_key)
+    up = "../../../"  # from results/<evaluation>/<window>/<run_key>/<attempt>/ to results/<evaluation>/
+    drift = {}
+    for mon, looks in linked_drift(st, evaluation).items():
+        d = drift_for_report(mon, looks)
+        if d is not None:
+            drift[mon] = d
+    return {
+        "generated_at": generated_at,
+        "result_href": "result.json",
+        "trend_href": f"{up}trend.html",
+        "index_href": f"{up}../index.html",
+        "previous": None if prev is None else {
+            "window": prev["window"], "run_key": prev["run_key"], "published_at": prev.get("published_at"),
+            "href": f"{up}{prev['report_key'].split('/', 1)[1]}" if prev.get("report_key") else None},
+        "changes": what_changed(prev, cur),
+        "drift": drift,
+        "attempt": attempt,
+    }

@@ -6,7 +6,8 @@ from typing import Any, Sequence
 
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
 from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
-                                  _name_cell, _num, _pair, _pct, _signed, _verdict)
+                                  _name_cell, _not_estimable, _num, _pair, _pct, _same_scale, _scale_text, _scales,
+                                  _signed, _verdict)
 
 # --------------------------------------------------------------------------------------------
 # HTML pieces
@@ -138,12 +139,19 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     return f'<section id="summary" class="summary"><h2>Summary</h2>{body}</section>'
 
 
+def _raw_header(result: dict) -> str:
+    """The raw judge column is on the judge's scale; say so when that is not the label scale."""
+    if _same_scale(result):
+        return "raw judge"
+    return f"raw judge ({_esc(_scale_text(_scales(result)[0]))})"
+
+
 def _policy_table(result: dict, order: list[str], alpha: float) -> str:
     pols = result["policies"]
     conf = _conf_label(alpha)
     head = ("<tr><th>policy</th><th class='r'>estimate</th>"
             f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>basis</th>"
-            "<th>audit</th><th class='r'>raw judge</th><th class='r'>oracle mean</th>"
+            f"<th>audit</th><th class='r'>{_raw_header(result)}</th><th class='r'>oracle mean</th>"
             "<th class='r'>labels / rows</th>"
             "<th class='r' title='share of the variance due to calibration'>calib. var.</th>"
             "<th>support</th></tr>")
@@ -265,6 +273,12 @@ def _comparisons_table(result: dict, alpha: float) -> str:
         a, b = str(c.get("a")), str(c.get("b"))
         involves = bool(c.get("involves_refused")) or any(
             _is_refused(pols[x]) for x in (a, b) if x in pols)
+        why = _not_estimable(c)
+        if why is not None:
+            rows.append(f"<tr class='is-refused not-estimable'><td class='name'>{_name_cell(a)}</td>"
+                        f"<td class='name'>{_name_cell(b)}</td><td class='refused-cell' colspan='6'>not estimable: "
+                        f"{_esc(why)}</td><td></td></tr>")
+            continue
         sig = bool(c.get("significant"))
         sig_txt = "<span class='sig'>\u2713 yes</span>" if sig else "no"
         rows.append(
@@ -280,7 +294,9 @@ def _comparisons_table(result: dict, alpha: float) -> str:
         return "<p class='muted'>No pairwise comparisons in this result.</p>"
     mult = result.get("multiplicity") or {}
     method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "")
-    caption = (f"{len(rows)} comparisons; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
+    n_ne = sum(1 for c in result.get("comparisons") or [] if isinstance(c, dict) and _not_estimable(c))
+    caption = (f"{len(rows) - n_ne} comparisons reported"
+               + (f", {n_ne} not estimable" if n_ne else "") + "; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
                f"\u03b1 = {_esc(_fmt(mult.get('alpha', alpha), 2))}.")
     return (f"<p class='lead'>{caption} Differences are a \u2212 b on the oracle scale; comparisons "
             f"involving a refused policy are relative claims only.</p><div class='scroll'>"
@@ -370,3 +386,48 @@ def _footer(result: dict) -> str:
             f"schema v{_esc(result.get('schema_version', '?'))} \u00b7 self-contained report "
             "(no external resources)</p></footer>")
 
+
+
+# --------------------------------------------------------------------------------------------
+# context of a published run (previous run, links, linked drift monitors)
+# --------------------------------------------------------------------------------------------
+def _context_meta(ctx: dict) -> str:
+    """Generated-at time and links, under the page title."""
+    links = [f"<a href='{_esc(ctx['result_href'])}'>result.json</a>"] if ctx.get("result_href") else []
+    prev = ctx.get("previous")
+    if prev and prev.get("href"):
+        links.append(f"<a href='{_esc(prev['href'])}' rel='prev'>previous run ({_esc(prev['window'])})</a>")
+    if ctx.get("trend_href"):
+        links.append(f"<a href='{_esc(ctx['trend_href'])}'>trend</a>")
+    if ctx.get("index_href"):
+        links.append(f"<a href='{_esc(ctx['index_href'])}'>all evaluations</a>")
+    when = f"generated {_esc(ctx['generated_at'])}" if ctx.get("generated_at") else ""
+    sep = " \u00b7 "
+    return f"<div class='meta links'>{sep.join(([when] if when else []) + links)}</div>"
+
+
+def _changed_section(ctx: dict) -> str:
+    """What changed since the previous run (levels, claims, audits, best policy)."""
+    prev = ctx.get("previous")
+    if prev is None:
+        return ("<section id='changed'><h2>What changed since the previous run</h2>"
+                "<p class='muted'>First published run of this evaluation.</p></section>")
+    rows, notes = [], []
+    for ch in ctx.get("changes") or []:
+        if ch.get("policy") is None:
+            notes += ch.get("notes") or []
+            continue
+        before = "refused" if ch.get("claim_before") == "refused" else _fmt(ch.get("before"))
+        after = "refused" if ch.get("claim_after") == "refused" else _fmt(ch.get("after"))
+        diff = _signed(ch.get("diff")) if ch.get("diff") is not None else "n/a"
+        rows.append(f"<tr><td class='name'>{_name_cell(ch['policy'])}</td><td class='r num'>{_esc(before)}</td>"
+                    f"<td class='r num'>{_esc(after)}</td><td class='r num'><b>{_esc(diff)}</b></td>"
+                    f"<td>{_esc('; '.join(ch.get('notes') or []))}</td></tr>")
+    note_html = "".join(f"<div class='item warn'><p>{_esc(n)}</p></div>" for n in notes)
+    return ("<section id='changed' class='summary'><h2>What changed since the previous run</h2>"
+            f"<p class='lead'>Compared with run {_esc(prev.get('run_key'))} of window {_esc(prev.get('window'))} "
+            f"(published {_esc(prev.get('published_at'))}). Differences are not tests; the trend page tests "
+            f"changes with error rates held over all windows.</p>{note_html}"
+            "<div class='scroll'><table class='data compact'><thead><tr><th>policy</th><th class='r'>before</th>"
+            "<th class='r'>now</th><th class='r'>change</th><th>what moved</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div></section>")

@@ -40,12 +40,16 @@ Gate: before anything is written, ``result.json`` is checked (`check_result_gate
 policy whose ``level_claim`` is ``"refused"`` must carry non-empty ``refusal_reasons``, level
 claims must be ``ok`` or ``refused``, ``best_policy`` must not be refused, and when
 ``policies.parquet`` has ``policy``/``level_claim`` columns they must agree with ``result.json``.
-Artifacts are stored byte for byte; nothing is stripped.
+Artifacts are stored byte for byte; nothing is stripped.  One exception: ``report.html`` is rendered
+again from ``result.json`` with the run's context (generated-at time, links to result.json, the
+previous run, the trend page and the index, what changed since the previous run, the drift of linked
+monitors), which only the publisher knows; if that fails the caller's report is stored unchanged.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import html
 import io
 import json
 import logging
@@ -296,6 +300,9 @@ def publish_run(
         return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, existing))
 
     attempt = _new_attempt()
+    if "report.html" in artifacts:
+        artifacts["report.html"] = _contextual_report(st, evaluation, window, key, result, attempt,
+                                                      bytes(artifacts["report.html"]))
     written: list[str] = []
     committed = False
     try:
@@ -490,6 +497,29 @@ def clean_temp_files(st: Storage, evaluation: str, older_than_seconds: float = 6
     if removed:
         log.info("removed %d temporary file(s) left by killed writers under %s", removed, top)
     return removed
+
+
+def _contextual_report(st: Storage, evaluation: str, window: str, key: str, result: Mapping[str, Any],
+                       attempt: str, report: bytes) -> bytes:
+    """The run's report rendered again with its place in the evaluation: generated-at time, links to
+    result.json, the previous run, the trend page and the index, what changed since the previous run,
+    and the drift of linked monitors (`flows.reports.history.report_context`).
+
+    The caller's report is kept (and a warning logged) when the result cannot be rendered with context.
+    """
+    # imported here: the report context reads runs through this module (a cycle otherwise)
+    from flows.reports.evaluation import render_report
+    from flows.reports.history import report_context
+
+    m = re.search(rb"<title>(.*?)</title>", report, re.S)
+    title = html.unescape(m.group(1).decode("utf-8", "replace")) if m else None
+    try:
+        ctx = report_context(st, evaluation, window, key, result, attempt,
+                             datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+        return render_report(dict(result), title=title, context=ctx).encode("utf-8")
+    except Exception as exc:  # noqa: BLE001 - context is an addition; the caller's report stays valid
+        log.warning("report of %s/%s/%s published without run context: %s", evaluation, window, key, exc)
+        return report
 
 
 def _rebuild_pages(st: Storage, evaluation: str) -> None:
