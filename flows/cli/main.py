@@ -32,7 +32,7 @@ from flows.cli.exits import EXIT_BAD_INPUT, EXIT_OK
 
 #: Command modules: each exposes ``register(subparsers)``, adding its sub-command(s) with
 #: ``set_defaults(handler=fn)`` where ``fn(namespace) -> int`` returns the exit code.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("flows.cli.monitor",)
 
 
 def _csv(value: str) -> list[str]:

@@ -70,6 +70,7 @@ from prefect.utilities.annotations import quote
 from cje_engine.drift.monitor import METRICS, DriftMonitor
 from cje_engine.errors import CJEInputError
 
+from flows.reports.artifacts import drift_artifacts
 from flows.storage.anchors import (AnchorSet, Look, check_name, read_anchor_scores, read_anchor_set, score_files,
                       split_looks, write_anchor_scores)
 from flows.storage.objects import NotFoundError, Storage, StorageConfig
@@ -788,7 +789,7 @@ def drift(
     }
     logger.info("drift monitor %s: %d new look(s), %d in total, alarm=%s %s", name, len(outcome.new_looks),
                 mon["n_looks"], summary["alarm"], summary["alarms"] or "")
-    return summary
+    return drift_artifacts(summary)  # Prefect artifacts: flows/reports/artifacts.py
 
 
 def _as_iso_date(value: Any) -> str:

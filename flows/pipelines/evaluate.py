@@ -58,6 +58,7 @@ from prefect.utilities.annotations import quote
 from cje_engine import __version__ as ENGINE_VERSION
 from cje_engine.errors import CJEInputError
 
+from flows.integrations.regressions import monitor_evaluation
 from flows.runtime import ray_fanout as ray_runtime
 
 log = logging.getLogger(__name__)
@@ -544,6 +545,7 @@ def evaluate(
     timings["publish"] = time.perf_counter() - t3
     report = outcome.get("artifacts", {}).get("report.html")
     logger.info("timings (s): %s", {k: round(v, 2) for k, v in timings.items()})
+    monitor_evaluation(results_uri, cfg, evaluation, win.label, key, outcome, result.to_dict())  # flows/integrations/regressions.py
     return {"evaluation": evaluation, "window": win.label, "run_key": key, **outcome, "report": report,
             "timings": timings, "result": result.to_dict()}
 

@@ -43,6 +43,8 @@ from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
 
+from flows.reports.artifacts import labels_artifacts
+
 log = logging.getLogger(__name__)
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl",
@@ -459,7 +461,7 @@ def labels(
         "touched_dates": touched, "reevaluations": [], "superseded": [],
     }
     if not (reevaluate and appended["new"]):
-        return out
+        return labels_artifacts(out)  # Prefect artifacts: flows/reports/artifacts.py
 
     from flows.label_requests.requests import evaluate_and_audit
     from flows.storage.publish import list_runs
@@ -486,7 +488,7 @@ def labels(
             if before is not None and run.get("published") and before["run_key"] != run["run_key"]:
                 out["superseded"].append({"evaluation": spec.name, "window": before["window"],
                                           "run_key": before["run_key"], "path": before["path"]})
-    return out
+    return labels_artifacts(out)
 
 
 __all__ = ["labels", "validate_labels", "read_label_file", "parse_labels", "affected_windows"]
