@@ -265,11 +265,13 @@ def _pairwise(result: dict) -> tuple[list[str], list[list[float | None]], list[l
     """Win matrix as (policies, P(row better), sig) with sig in {1 row better, -1 worse, 0}."""
     policies = result["policies"]
     diffs: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {}
+    blank: set[tuple[str, str]] = set()
     for c in result.get("comparisons") or []:
         if not isinstance(c, dict) or c.get("a") not in policies or c.get("b") not in policies:
             continue
         if _not_estimable(c) is not None:
-            continue  # no number: the cell stays empty
+            blank |= {(c["a"], c["b"]), (c["b"], c["a"])}
+            continue  # no number: the cell stays empty, whatever the win matrix says
         d, pa, sig = _num(c.get("diff")), _num(c.get("prob_a_better")), bool(c.get("significant"))
         diffs[(c["a"], c["b"])] = (d, pa, sig)
         diffs[(c["b"], c["a"])] = (-d if d is not None else None,
@@ -290,7 +292,7 @@ def _pairwise(result: dict) -> tuple[list[str], list[list[float | None]], list[l
     sig = [[0] * k for _ in range(k)]
     for i, a in enumerate(names):
         for j, b in enumerate(names):
-            if i == j:
+            if i == j or (a, b) in blank:
                 continue
             d, pa, s = diffs.get((a, b), (None, None, False))
             p = _num(cell(prob_m, a, b))

@@ -391,12 +391,18 @@ def _footer(result: dict) -> str:
 # --------------------------------------------------------------------------------------------
 # context of a published run (previous run, links, linked drift monitors)
 # --------------------------------------------------------------------------------------------
+def _window_text(window: Any) -> str:
+    """``2025-01-01_2025-01-07`` -> ``2025-01-01..2025-01-07``; a one-day window -> its date."""
+    a, _, b = str(window).partition("_")
+    return a if not b or a == b else f"{a}..{b}"
+
+
 def _context_meta(ctx: dict) -> str:
     """Generated-at time and links, under the page title."""
     links = [f"<a href='{_esc(ctx['result_href'])}'>result.json</a>"] if ctx.get("result_href") else []
     prev = ctx.get("previous")
     if prev and prev.get("href"):
-        links.append(f"<a href='{_esc(prev['href'])}' rel='prev'>previous run ({_esc(prev['window'])})</a>")
+        links.append(f"<a href='{_esc(prev['href'])}' rel='prev'>previous run ({_esc(_window_text(prev['window']))})</a>")
     if ctx.get("trend_href"):
         links.append(f"<a href='{_esc(ctx['trend_href'])}'>trend</a>")
     if ctx.get("index_href"):
@@ -425,8 +431,9 @@ def _changed_section(ctx: dict) -> str:
                     f"<td>{_esc('; '.join(ch.get('notes') or []))}</td></tr>")
     note_html = "".join(f"<div class='item warn'><p>{_esc(n)}</p></div>" for n in notes)
     return ("<section id='changed' class='summary'><h2>What changed since the previous run</h2>"
-            f"<p class='lead'>Compared with run {_esc(prev.get('run_key'))} of window {_esc(prev.get('window'))} "
-            f"(published {_esc(prev.get('published_at'))}). Differences are not tests; the trend page tests "
+            f"<p class='lead'>Compared with run {_esc(prev.get('run_key'))} of window "
+            f"{_esc(_window_text(prev.get('window')))} (published {_esc(str(prev.get('published_at'))[:19].replace('T', ' '))}"
+            " UTC). Differences are not tests; the trend page tests "
             f"changes with error rates held over all windows.</p>{note_html}"
             "<div class='scroll'><table class='data compact'><thead><tr><th>policy</th><th class='r'>before</th>"
             "<th class='r'>now</th><th class='r'>change</th><th>what moved</th></tr></thead>"

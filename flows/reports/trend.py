@@ -30,6 +30,7 @@ TREND = "trend.html"
 
 WIDTH, LEFT, RIGHT = 1040, 190, 24
 DASH, DOT = "\u2013", " \u00b7 "
+OK_BADGE = "<span class='badge ok'>ok</span>"
 EXTRA_CSS = """
 .chip{display:inline-block;margin:1px 6px 1px 0;padding:1px 8px;border-radius:10px;background:#eef3f8;
 font-size:12.5px;white-space:nowrap}
@@ -42,6 +43,7 @@ font-size:12.5px;white-space:nowrap}
 .kpi.bad{border-color:#f0c3a8;background:#fdf3ed}
 td.cell{text-align:center;white-space:nowrap}
 nav.crumbs{font-size:14px;margin-bottom:6px}
+td.links{white-space:nowrap}
 """
 
 
@@ -115,9 +117,9 @@ def render_index(entries: Sequence[Mapping[str, Any]]) -> str:
             f"</td><td class='num'>{_esc(_window_label(latest['window']))}</td>"
             f"<td class='num'>{_esc(str(latest.get('published_at') or '')[:19].replace('T', ' '))}</td>"
             f"<td>{_esc(latest.get('best_policy') or 'none')}</td><td>{chips}</td>"
-            f"<td>{''.join(status) or '<span class=badge-ok>ok</span>'}</td>"
+            f"<td>{''.join(status) or OK_BADGE}</td>"
             f"<td class='r num'>{_esc(e.get('n_windows', 0))} / {_esc(e.get('n_runs', 0))}</td>"
-            f"<td>{DOT.join(links)}</td></tr>")
+            f"<td class='links'>{DOT.join(links)}</td></tr>")
     table = ("<section><h2>Evaluations</h2><div class='scroll'><table class='data'><thead><tr>"
              "<th>evaluation</th><th>latest window</th><th>published (UTC)</th><th>best policy</th>"
              "<th>policy values (oracle scale)</th><th>status</th><th class='r'>windows / runs</th><th></th>"
