@@ -28,8 +28,8 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
   folder for local storage, a conditional PUT with ``If-Match: <ETag>`` on S3), so of racing
   publishers the newest publication always ends in the pointer.  On S3 endpoints without
   conditional writes (``conditional_writes="emulated"``) the swap is read-compare-write and a
-  racing older publisher can win until the next publish.  Two publications with the same
-  ``published_at`` (microseconds) keep the first.
+  racing older publisher can win until the next publish.  Of two publications with the same
+  ``published_at`` (microseconds) either may end in the pointer (both are complete).
 * Temporary files (``.cje-tmp-*``, local storage) of a writer killed mid-write are invisible to
   readers (listings skip them) and are removed by the next publish of the evaluation once older
   than 60 s (`clean_temp_files`).
