@@ -54,6 +54,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "flows.cli.labels",
     "flows.cli.deploy",
     "flows.cli.ui",
+    "flows.cli.monitor",
 )
 
 #: Version of the ``--json`` documents (docs/cli.md); fields are only ever added within a version.

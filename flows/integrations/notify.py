@@ -31,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 log = logging.getLogger(__name__)
 
-KINDS = ("label_request", "drift_alarm", "level_refused", "audit_failed")
+KINDS = ("label_request", "drift_alarm", "level_refused", "audit_failed", "regression_alarm")
 ENV_WEBHOOK = "CJE_WEBHOOK_URL"
 #: Attempts per webhook delivery and the first backoff (doubled after each failure).
 DEFAULT_ATTEMPTS = 3

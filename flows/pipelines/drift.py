@@ -62,6 +62,7 @@ from flows.reports.drift import render_drift_report
 from flows.storage.drift_state import (DriftStateConflict, commit_state, latest_look, load_state, look_key,
                                        read_looks, state_prefix)
 from flows.storage.objects import Storage, StorageConfig
+from flows.reports.artifacts import drift_artifacts
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +207,7 @@ def drift(settings: DriftSettings) -> dict:
     }
     logger.info("drift monitor %s: %d new look(s), %d in total, alarm=%s %s", s.name, len(outcome.new_looks),
                 mon["n_looks"], summary["alarm"], summary["alarms"] or "")
-    return summary
+    return drift_artifacts(summary)  # Prefect artifacts: flows/reports/artifacts.py
 
 
 def run_drift(name: str, config_path: str | os.PathLike | None = None, **overrides: Any) -> dict:

@@ -59,6 +59,7 @@ from cje_engine.errors import CJEInputError
 
 from flows.config import Window, check_publish_name, check_uri, parse_window
 from flows.pipelines import preflight
+from flows.integrations.regressions import monitor_evaluation
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
@@ -586,6 +587,7 @@ def evaluate(
         outcome = publish.with_options(**retry)(plan.results_uri, quote(cfg), evaluation, win, key,
                                                 quote(artifacts), manifest)
     get_run_logger().info("timings (s): %s", {k: round(v, 2) for k, v in plan.timings.items()})
+    monitor_evaluation(plan.results_uri, cfg, evaluation, win.label, key, outcome, result.to_dict())
     return {"evaluation": evaluation, "window": win.label, "run_key": key, **outcome,
             "report": outcome.get("artifacts", {}).get("report.html"), "timings": plan.timings,
             "labels": label_info, "warnings": [drop["message"]] if drop else [],

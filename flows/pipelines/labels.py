@@ -50,6 +50,7 @@ from flows.storage.anchors import label_anchors
 from flows.storage.objects import NotFoundError
 from flows.storage.publish import list_runs
 from flows.runtime.retries import retry_unless_bad_input
+from flows.reports.artifacts import labels_artifacts
 
 log = logging.getLogger(__name__)
 
@@ -619,11 +620,11 @@ def labels(
         "unanswered": read_info.get("unanswered", 0),
     }
     if not (reevaluate and appended["new"]):
-        return out
+        return labels_artifacts(out)  # Prefect artifacts: flows/reports/artifacts.py
 
     out["reevaluations"], out["superseded"] = reevaluate_windows(specs, touched, cfg, as_of, max_windows,
                                                                   label_requests)
-    return out
+    return labels_artifacts(out)  # Prefect artifacts: flows/reports/artifacts.py
 
 
 __all__ = ["labels", "validate_labels", "read_label_file", "parse_labels", "affected_windows"]

@@ -21,33 +21,52 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
   one creates the manifest; the others get ``PublishOutcome(published=False, reason="already
   published")`` and delete their attempt folder.  The same holds for reruns.
 * ``latest.json`` is (re)written only after the manifest exists; a publisher that died between
-  the two is repaired by the next publish call for that run.  The pointer never moves back to
-  an older publication (by ``published_at``).  Two *different* runs finishing at the same
-  instant may leave the pointer on either (both are complete).
+  the two is repaired by the next publish call for that run.  What a reader of ``latest.json``
+  sees: a complete pointer (one atomic object write) to a committed run, and over time only
+  publications with a later or equal ``published_at`` (the publisher's UTC clock at commit).  The
+  pointer moves by compare-and-swap on that time (`_compare_and_swap`: an exclusive lock on the
+  folder for local storage, a conditional PUT with ``If-Match: <ETag>`` on S3), so of racing
+  publishers the newest publication always ends in the pointer.  On S3 endpoints without
+  conditional writes (``conditional_writes="emulated"``) the swap is read-compare-write and a
+  racing older publisher can win until the next publish.  Of two publications with the same
+  ``published_at`` (microseconds) either may end in the pointer (both are complete).
+* Temporary files (``.cje-tmp-*``, local storage) of a writer killed mid-write are invisible to
+  readers (listings skip them) and are removed by the next publish of the evaluation once older
+  than 60 s (`clean_temp_files`).
+* After a commit the publisher rebuilds ``results/index.html`` and ``results/<evaluation>/trend.html``
+  (`flows.reports.trend.write_pages`); a failure there is logged and never fails the publish.
 
 Gate: before anything is written, ``result.json`` is checked (`check_result_gate`): every
 policy whose ``level_claim`` is ``"refused"`` must carry non-empty ``refusal_reasons``, level
 claims must be ``ok`` or ``refused``, ``best_policy`` must not be refused, and when
 ``policies.parquet`` has ``policy``/``level_claim`` columns they must agree with ``result.json``.
-Artifacts are stored byte for byte; nothing is stripped.
+Artifacts are stored byte for byte; nothing is stripped.  One exception: ``report.html`` is rendered
+again from ``result.json`` with the run's context (generated-at time, links to result.json, the
+previous run, the trend page and the index, what changed since the previous run, the drift of linked
+monitors), which only the publisher knows; if that fails the caller's report is stored unchanged.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import html
 import io
 import json
 import logging
+import os
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, Iterable, Mapping
 
 from cje_engine.errors import CJEInputError
 from cje_engine.result import validate_result
 
-from flows.storage.objects import NotFoundError, ObjectInfo, Storage, StorageError
+from flows.storage.objects import (_TMP_PREFIX, LocalStorage, NotFoundError, ObjectInfo, S3Storage, Storage,
+                                  StorageError)
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +287,9 @@ def publish_run(
         return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, existing))
 
     attempt = _new_attempt()
+    if "report.html" in artifacts:
+        artifacts["report.html"] = _contextual_report(st, evaluation, window, key, result, attempt,
+                                                      bytes(artifacts["report.html"]))
     written: list[str] = []
     committed = False
     try:
@@ -321,6 +343,8 @@ def publish_run(
         return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, stored))
     _advance_latest(st, evaluation, full, manifest_key)
     _remove_other_attempts(st, run, attempt)
+    clean_temp_files(st, evaluation)
+    _rebuild_pages(st, evaluation)
     log.info("published %s (attempt %s)", st.url(run), attempt)
     return PublishOutcome(True, st.url(run), "published", _artifact_urls(st, run, full))
 
@@ -342,16 +366,15 @@ def _refuse_credentials(st: Storage, artifacts: Mapping[str, bytes], manifest: M
 
 
 def _advance_latest(st: Storage, evaluation: str, manifest: Mapping[str, Any], manifest_key: str) -> None:
-    """Point latest.json at this run unless it already points at a newer publication."""
+    """Point latest.json at this run unless it already points at a newer publication.
+
+    A compare-and-swap on the publication time: the pointer is replaced only if, at the instant of
+    the write, it still holds what was read (a directory lock locally, ``If-Match`` on the ETag on
+    S3), so of two racing publishers the newer publication always ends in the pointer.
+    """
     if not manifest.get("published_at"):
         return
     pointer_key = f"{RESULTS}/{evaluation}/{LATEST}"
-    current = _read_json(st, pointer_key)
-    if current is not None:
-        if current.get("manifest") == manifest_key:
-            return
-        if str(current.get("published_at", "")) > str(manifest["published_at"]):
-            return
     pointer = {
         "evaluation": evaluation,
         "window": manifest.get("window"),
@@ -359,7 +382,142 @@ def _advance_latest(st: Storage, evaluation: str, manifest: Mapping[str, Any], m
         "manifest": manifest_key,
         "published_at": manifest["published_at"],
     }
-    st.write_bytes(pointer_key, json.dumps(pointer, indent=1, sort_keys=True).encode())
+    body = json.dumps(pointer, indent=1, sort_keys=True).encode()
+
+    def wanted(current: dict | None) -> bool:
+        if current is None:
+            return True
+        if current.get("manifest") == manifest_key:
+            return False
+        return str(current.get("published_at", "")) <= str(manifest["published_at"])
+
+    _compare_and_swap(st, pointer_key, wanted, body)
+
+
+def _parse(raw: bytes | None) -> dict | None:
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _compare_and_swap(st: Storage, key: str, wanted: Any, body: bytes, attempts: int = 20) -> bool:
+    """Write ``body`` to ``key`` if ``wanted(current document)``, atomically with respect to other
+    callers of this function. Returns True if written."""
+    if isinstance(st, LocalStorage):
+        folder = st.url(key).rsplit("/", 1)[0]
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if the process dies
+            try:
+                current = _parse(st.read_bytes(key))
+            except NotFoundError:
+                current = None
+            if not wanted(current):
+                return False
+            st.write_bytes(key, body)
+            return True
+        finally:
+            os.close(fd)
+    if isinstance(st, S3Storage) and st.config.conditional_writes != "emulated":
+        return _s3_compare_and_swap(st, key, wanted, body, attempts)
+    # no conditional writes: read-compare-write (a racing writer may win; see the module docstring)
+    if not wanted(_read_json(st, key)):
+        return False
+    st.write_bytes(key, body)
+    return True
+
+
+def _s3_compare_and_swap(st: "S3Storage", key: str, wanted: Any, body: bytes, attempts: int) -> bool:
+    from botocore.exceptions import ClientError
+
+    full = st._full(key)  # the bucket key of a storage key (S3Storage's own mapping)
+    for attempt in range(attempts):
+        try:
+            got = st.client.get_object(Bucket=st.bucket, Key=full)
+            raw, etag = got["Body"].read(), got["ETag"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("NoSuchKey", "404"):
+                raise StorageError(f"read {st.url(key)} failed: {exc}", key=key, operation="read") from None
+            raw, etag = None, None
+        if not wanted(_parse(raw)):
+            return False
+        cond = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        try:
+            st.client.put_object(Bucket=st.bucket, Key=full, Body=body, **cond)
+            return True
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                time.sleep(0.02 * (attempt + 1))  # another publisher moved the pointer: read again
+                continue
+            raise StorageError(f"write {st.url(key)} failed: {exc}", key=key, operation="write") from None
+    raise StorageError(f"write {st.url(key)} failed: the pointer kept changing over {attempts} attempts",
+                       key=key, operation="write")
+
+
+def clean_temp_files(st: Storage, evaluation: str, older_than_seconds: float = 60.0) -> int:
+    """Remove temporary files (``.cje-tmp-*``) of writers that died (kill -9) under ``results/``.
+
+    Local storage only (S3 writes have no temporary objects). A temporary file lives for the
+    milliseconds of one write; one older than ``older_than_seconds`` has no live writer.
+    """
+    if not isinstance(st, LocalStorage):
+        return 0
+    now = time.time()
+    top = Path(st.url(RESULTS))
+    candidates = [p for p in top.glob(f"{_TMP_PREFIX}*")]  # the index's
+    candidates += (top / _segment(evaluation, "evaluation name")).rglob(f"{_TMP_PREFIX}*")
+    removed = 0
+    for path in candidates:
+        try:
+            if path.is_file() and now - path.stat().st_mtime >= older_than_seconds:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:
+            continue  # its writer finished meanwhile
+    if removed:
+        log.info("removed %d temporary file(s) left by killed writers under %s", removed, top)
+    return removed
+
+
+def _contextual_report(st: Storage, evaluation: str, window: str, key: str, result: Mapping[str, Any],
+                       attempt: str, report: bytes) -> bytes:
+    """The run's report rendered again with its place in the evaluation: generated-at time, links to
+    result.json, the previous run, the trend page and the index, what changed since the previous run,
+    and the drift of linked monitors (`flows.reports.history.report_context`).
+
+    The caller's report is kept (and a warning logged) when the result cannot be rendered with context.
+    """
+    # imported here: the report context reads runs through this module (a cycle otherwise)
+    from flows.reports.evaluation import render_report
+    from flows.reports.history import report_context
+
+    m = re.search(rb"<title>(.*?)</title>", report, re.S)
+    title = html.unescape(m.group(1).decode("utf-8", "replace")) if m else None
+    try:
+        ctx = report_context(st, evaluation, window, key, result, attempt,
+                             datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+        return render_report(dict(result), title=title, context=ctx).encode("utf-8")
+    except Exception as exc:  # noqa: BLE001 - context is an addition; the caller's report stays valid
+        log.warning("report of %s/%s/%s published without run context: %s", evaluation, window, key, exc)
+        return report
+
+
+def _rebuild_pages(st: Storage, evaluation: str) -> None:
+    """The service index and this evaluation's trend page; a failure here never fails a publish."""
+    # imported here: the pages read runs through this module (a cycle otherwise)
+    from flows.reports.trend import write_pages
+
+    try:
+        write_pages(st, evaluation)
+    except Exception as exc:  # noqa: BLE001 - the run is committed; the pages are rebuilt next time
+        log.warning("could not rebuild the results index and trend page of %s: %s", evaluation, exc)
 
 
 def _remove_other_attempts(st: Storage, run: str, committed_attempt: str) -> int:

@@ -519,3 +519,124 @@ def test_cli_bad_json_names_the_file(tmp_path):
     with pytest.raises(CJEInputError) as err:
         report.main([str(bad)])
     assert err.value.source == str(bad)
+
+
+# ---------------------------------------------------------------------------- issue 16: non-estimable comparisons
+def _not_estimable(result: dict, legacy_numbers: bool) -> dict:
+    """base - unhelpful made non-estimable in the engine's contract (reported false, numbers null); with
+    ``legacy_numbers`` the numbers are left in place, which must not matter."""
+    res = copy.deepcopy(result)
+    c = next(c for c in res["comparisons"] if (c["a"], c["b"]) == ("base", "unhelpful"))
+    c.update(reported=False, not_estimable="overlap refused: TTC 0.34 < 0.70")
+    if not legacy_numbers:
+        c.update(diff=None, ci=None, p_value=None, p_adjusted=None, significant=None, prob_a_better=None)
+    else:
+        c.update(diff=0.6351, ci=[0.5791, 0.7013])
+    for other in res["comparisons"]:
+        other.setdefault("reported", True)
+        other.setdefault("not_estimable", None)
+    return res
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_non_estimable_comparison_is_never_a_number(result, legacy):
+    res = _not_estimable(result, legacy)
+    doc = render_report(res)
+    comp = section(doc, "comparisons")
+    row = re.search(r"<tr class='is-refused not-estimable'>(.*?)</tr>", comp, re.S).group(1)
+    assert "not estimable: overlap refused: TTC 0.34 &lt; 0.70" in row
+    assert not re.search(r"\d\.\d{3}", row), row  # no diff, CI or p in the row
+    assert "0.635" not in comp and "0.579" not in comp
+    assert "5 comparisons reported, 1 not estimable" in visible_text(comp)
+    # the win matrix leaves that cell without a number or a significance mark
+    win = svg_by_label(doc, "Pairwise win matrix")[0]
+    titles = [t.text for t in win.iter(SVG_NS + "title") if t.text and t.text.startswith("base vs unhelpful")]
+    assert titles and all("n/a" in t and "not significant" in t for t in titles)
+    table = format_table(res)
+    line = next(ln for ln in table.splitlines() if ln.startswith("base") and "unhelpful" in ln)
+    assert "not estimable: overlap refused: TTC 0.34 < 0.70" in line
+    assert "0.635" not in table and "+0.6" not in line
+
+
+def test_comparisons_without_the_new_keys_render_as_before(result):
+    assert "not estimable" not in render_report(result) and "not estimable" not in format_table(result)
+
+
+# ---------------------------------------------------------------------------- issue 13: scales
+def _two_scales(result: dict) -> dict:
+    """Judge scores on 1-10, labels on 1-5: every label-scale number mapped by y = 1 + 4 v, raw judge means by
+    s = 1 + 9 v, so the judge reads 1 + 4 (s - 1) / 9 on the label scale."""
+    res = copy.deepcopy(result)
+    res["config"]["score_scale"], res["config"]["label_scale"] = [1, 10], [1, 5]
+    for p in res["policies"].values():
+        for k in ("estimate", "oracle_mean"):
+            if p.get(k) is not None:
+                p[k] = 1 + 4 * p[k]
+        if p.get("ci"):
+            p["ci"] = [1 + 4 * v for v in p["ci"]]
+        p["raw_judge_mean"] = 1 + 9 * p["raw_judge_mean"]
+    cal = res["calibration"]
+    cal["curve"]["score"] = [1 + 9 * v for v in cal["curve"]["score"]]
+    cal["curve"]["fitted"] = [1 + 4 * v for v in cal["curve"]["fitted"]]
+    cal["points"]["score"] = [1 + 9 * v for v in cal["points"]["score"]]
+    cal["points"]["label"] = [1 + 4 * v for v in cal["points"]["label"]]
+    cal["label_range"] = [1 + 9 * v for v in cal["label_range"]]
+    return res
+
+
+def test_raw_judge_means_are_read_on_the_label_scale_and_no_identity_across_scales(result):
+    res = _two_scales(result)
+    doc = render_report(res)
+    forest = svg_by_label(doc, "Forest plot")[0]
+    # the forest's x axis is the label scale: every tick is within [1, 5] (raw means 8.6 on 1-10 would push it out)
+    ticks = [float(t.text) for t in forest.iter(SVG_NS + "text") if t.text and re.fullmatch(r"-?\d+(\.\d+)?", t.text)]
+    assert ticks and max(ticks) <= 5.0 and min(ticks) >= 1.0
+    assert "raw judge mean, 1\u201310 read on 1\u20135" in visible_text(doc)
+    cal = svg_by_label(doc, "Calibration curve")[0]
+    legend = [t.text for t in cal.iter(SVG_NS + "text")]
+    assert "identity" not in legend and "judge score (1\u201310)" in legend and "oracle label (1\u20135)" in legend
+    assert "raw judge (1\u201310)" in visible_text(section(doc, "estimates"))
+    assert "raw judge (1\u201310)" in format_table(res)
+    # on one scale the identity line stays, and the raw judge column keeps its plain header
+    same = visible_text(render_report(result))
+    assert "identity" in same and "raw judge mean" in same and "read on" not in same
+
+
+# ---------------------------------------------------------------------------- issue 11: terminal escapes
+@pytest.mark.parametrize("name", ["two\nlines", "red\x1b[31mALERT\x1b[0m", "abc\u202edcba", "bell\x07", "c1\x9bx"])
+def test_terminal_table_escapes_control_characters(result, name):
+    res = rename(result, "clone", name)
+    res["best_policy_reason"] = f"{name} is not better"
+    out = format_table(res)
+    assert not any(ord(c) < 0x20 and c != "\n" or 0x7f <= ord(c) < 0xa0 or c in "\u202e\u2066" for c in out)
+    n_lines = len(format_table(result).splitlines())
+    assert len(out.splitlines()) == n_lines  # a newline in a name never splits a row
+    shown = {"two\nlines": "two\\x0alines", "red\x1b[31mALERT\x1b[0m": "red\\x1b[31mALERT\\x1b[0m",
+             "abc\u202edcba": "abc\\u202edcba", "bell\x07": "bell\\x07", "c1\x9bx": "c1\\x9bx"}[name]
+    assert shown in out and f"{shown} is not better" in out
+
+
+# ---------------------------------------------------------------------------- issue 12: run context
+def test_report_context_links_and_what_changed(result):
+    prev = {"window": "2025-03-01_2025-03-07", "run_key": "abc123", "published_at": "2025-03-08T06:00:00+00:00",
+            "href": "../../../2025-03-01_2025-03-07/abc123/20250308T060000Z-00000000/report.html"}
+    ctx = {"generated_at": "2025-03-15 06:00:01 UTC", "result_href": "result.json", "trend_href": "../../../trend.html",
+           "index_href": "../../../../index.html", "previous": prev,
+           "changes": [{"policy": "base", "before": 0.741, "after": 0.756, "diff": 0.015, "notes": [],
+                        "claim_before": "ok", "claim_after": "ok"},
+                       {"policy": "unhelpful", "before": None, "after": None, "diff": None,
+                        "notes": ["level ok \u2192 refused"], "claim_before": "ok", "claim_after": "refused"},
+                       {"policy": None, "notes": ["best policy base \u2192 none"]}],
+           "drift": {"judge-mon": dict(DRIFT, alarms=[False, False, False, True])}}
+    doc = render_report(result, context=ctx)
+    head = doc[doc.index("<header"):doc.index("</header>")]
+    assert "generated 2025-03-15 06:00:01 UTC" in head and "href='result.json'" in head
+    assert f"href='{prev['href']}' rel='prev'" in head and "previous run (2025-03-01..2025-03-07)" in head
+    changed = " ".join(re.sub(r"<[^>]+>", " ", section(doc, "changed")).split())
+    assert "base 0.741 0.756 +0.015" in changed and "unhelpful n/a refused n/a" in changed
+    assert "level ok \u2192 refused" in changed and "best policy base \u2192 none" in changed
+    drift = section(doc, "drift-judge-mon")
+    assert "Judge drift: monitor judge-mon" in drift and "<b>alarm</b>" in drift
+    # without context: no such block (cje evaluate writes a report outside any service)
+    plain = render_report(result)
+    assert "id='changed'" not in plain and "generated " not in plain

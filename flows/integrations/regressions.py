@@ -1,0 +1,67 @@
+"""After an evaluate run is published: changes across windows, regression alarms and the run's Prefect artifacts.
+
+`monitor_evaluation` is called once at the end of the evaluate flow. It reads the evaluation's published
+history, computes each policy's changes across windows (`cje_engine.inference.changes`: consecutive and
+against the baseline window, alpha spending over windows), sends one ``regression_alarm`` notification
+(webhook and Prefect event, like a drift alarm) per policy whose value dropped significantly in the
+published window, and creates the run's Prefect artifacts (`flows.reports.artifacts`). Nothing here can
+fail the flow: the run is already published.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from flows.reports.artifacts import evaluate_artifacts
+from flows.reports.history import read_history, window_changes_of
+from flows.storage.objects import Storage
+
+log = logging.getLogger(__name__)
+
+__all__ = ["monitor_evaluation", "regression_payload"]
+
+
+def regression_payload(evaluation: str, window: str, run_key: str, policy: str, pc: Any,
+                       links: Mapping[str, Any]) -> dict[str, Any]:
+    """The notification of one regression alarm: the failing test(s) with their anytime intervals."""
+    i = pc.windows.index(window)
+    tests = [c.to_dict() for c in (pc.consecutive[i], pc.against_baseline[i]) if c is not None]
+    return {"evaluation": evaluation, "window": window, "run_key": run_key, "policy": policy,
+            "baseline": pc.baseline, "first_alarm": pc.first_alarm,
+            "tests": [t for t in tests if t["status"] == "regression"],
+            "labels_needed": max((t["labels_needed"] or 0 for t in tests), default=0) or None,
+            **{k: v for k, v in links.items() if v}}
+
+
+def monitor_evaluation(results_uri: str, cfg: Any, evaluation: str, window: str, run_key: str,
+                       outcome: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]:
+    """Regression alarms and Prefect artifacts of a published evaluate run (see the module docstring).
+
+    Returns ``{"alarms": [policy, ...], "notifications": [...], "artifacts": [id, ...], "error": str | None}``.
+    """
+    out: dict[str, Any] = {"alarms": [], "notifications": [], "artifacts": [], "error": None}
+    changes: dict[str, Any] = {}
+    trend = None
+    try:
+        st = Storage.for_uri(results_uri, cfg)
+        changes = window_changes_of(read_history(st, evaluation))
+        trend = st.url(f"results/{evaluation}/trend.html")
+        out["alarms"] = sorted(n for n, pc in changes.items() if window in pc.alarms)
+    except Exception as exc:  # noqa: BLE001 - the run is published; monitoring is an addition
+        log.warning("changes across windows of %s not computed: %s", evaluation, exc)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    if out["alarms"]:
+        from flows.integrations.notify import notify
+
+        links = {"report": (outcome.get("artifacts") or {}).get("report.html"), "trend": trend}
+        for name in out["alarms"]:
+            payload = regression_payload(evaluation, window, run_key, name, changes[name], links)
+            log.warning("regression alarm: %s of %s dropped in window %s", name, evaluation, window)
+            out["notifications"].append(notify("regression_alarm", payload))
+    try:
+        out["artifacts"] = evaluate_artifacts(evaluation, window, run_key, result, outcome, trend, changes,
+                                              out["alarms"])
+    except Exception as exc:  # noqa: BLE001 - artifacts never fail a flow
+        log.warning("Prefect artifacts of %s %s not created: %s", evaluation, window, exc)
+        out["error"] = out["error"] or f"{type(exc).__name__}: {exc}"
+    return out

@@ -1,0 +1,283 @@
+"""Shared pieces of the report renderers: palette, number formatting, result accessors, validation.
+
+Pure functions over the result dict of ``docs/result-schema.md``; no I/O.
+"""
+from __future__ import annotations
+
+import html
+import math
+from statistics import NormalDist
+from typing import Any
+
+from cje_engine.errors import CJEInputError
+from cje_engine.result import validate_result
+
+# Okabe-Ito palette (colour-blind safe) plus neutral greys.
+BLUE = "#0072B2"
+SKY = "#56B4E9"
+ORANGE = "#E69F00"
+GREEN = "#009E73"
+VERMILLION = "#D55E00"
+PURPLE = "#CC79A7"
+INK = "#1f2328"
+MUTED = "#59636e"
+GREY = "#9aa1a9"
+GRID = "#e4e7eb"
+FONT = ('system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", "Noto Sans", '
+        '"Liberation Sans", "DejaVu Sans", Arial, sans-serif')
+
+VERDICT_STYLE = {  # verdict -> (symbol, label, colour)
+    "pass": ("\u2713", "pass", GREEN),
+    "fail": ("\u2717", "fail", VERMILLION),
+    "inconclusive": ("?", "inconclusive", "#B07800"),
+    "not_run": ("\u2013", "not run", "#6b7280"),
+}
+LEVEL_CLAIMS = ("ok", "refused")
+SCHEMA_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+# --------------------------------------------------------------------------------------------
+def _esc(value: Any) -> str:
+    """HTML/XML-escape any value (quotes included)."""
+    return html.escape(str(value), quote=True)
+
+
+def _num(value: Any) -> float | None:
+    """A finite float, or None for null, NaN, infinities, booleans and non-numbers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    v = _num(value)
+    if v is None:
+        return "n/a"
+    text = f"{v:.{digits}f}"
+    return "0." + "0" * digits if text == "-0." + "0" * digits else text
+
+
+def _signed(value: Any, digits: int = 3) -> str:
+    v = _num(value)
+    if v is None:
+        return "n/a"
+    text = _fmt(v, digits)
+    return text if text.startswith("-") or text == _fmt(0.0, digits) else "+" + text
+
+
+def _pair(ci: Any) -> tuple[float, float] | None:
+    if not isinstance(ci, (list, tuple)) or len(ci) != 2:
+        return None
+    lo, hi = _num(ci[0]), _num(ci[1])
+    return None if lo is None or hi is None else (lo, hi)
+
+
+def _fmt_ci(ci: Any, digits: int = 3) -> str:
+    pair = _pair(ci)
+    return "n/a" if pair is None else f"[{_fmt(pair[0], digits)}, {_fmt(pair[1], digits)}]"
+
+
+def _fmt_p(p: Any) -> str:
+    v = _num(p)
+    if v is None:
+        return "n/a"
+    if v < 0.001:
+        return "<0.001"
+    return f"{v:.3f}"
+
+
+def _pct(value: Any) -> str:
+    v = _num(value)
+    return "n/a" if v is None else f"{100 * v:.0f}%"
+
+
+def _name_cell(name: Any) -> str:
+    """Escaped name with line-break opportunities after underscores (for table cells)."""
+    return _esc(name).replace("_", "_<wbr>")
+
+
+def _short(name: str, limit: int = 28) -> str:
+    """Shorten a long label for a chart (the full name goes into a tooltip)."""
+    return name if len(name) <= limit else name[: limit - 1] + "\u2026"
+
+
+def _alpha(result: dict) -> float:
+    for section in ("inference", "config"):
+        a = _num((result.get(section) or {}).get("alpha"))
+        if a is not None and 0 < a < 1:
+            return a
+    return 0.05
+
+
+def _conf_label(alpha: float) -> str:
+    return f"{100 * (1 - alpha):g}%"
+
+
+def _z(alpha: float) -> float:
+    return NormalDist().inv_cdf(1 - alpha / 2)
+
+
+def _is_refused(pol: dict) -> bool:
+    return pol.get("level_claim") == "refused"
+
+
+def _audit(pol: dict) -> dict:
+    audit = pol.get("audit")
+    return audit if isinstance(audit, dict) else {}
+
+
+def _verdict(pol: dict) -> str:
+    verdict = _audit(pol).get("verdict")
+    return verdict if verdict in VERDICT_STYLE else "not_run"
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+def _check_result(result: Any) -> None:
+    """Raise CJEInputError when the result dict cannot be rendered honestly (the engine's rules,
+    `cje_engine.result.validate_result`; partial hand-made results render too)."""
+    validate_result(result, partial=True)
+
+
+def _policy_order(result: dict) -> list[str]:
+    """Policies in ranking order when a ranking is given, else in the order of the dict."""
+    policies = result["policies"]
+    order: list[str] = []
+    for entry in result.get("ranking") or []:
+        name = entry.get("policy") if isinstance(entry, dict) else None
+        if name in policies and name not in order:
+            order.append(name)
+    order.extend(name for name in policies if name not in order)
+    return order
+
+
+def _check_drift(drift: Any) -> dict:
+    """Validate the drift dict (see :func:`render_report`) and fill in defaults."""
+    if not isinstance(drift, dict):
+        raise CJEInputError(f"expected a dict, got {type(drift).__name__}", source="drift")
+    periods = drift.get("periods")
+    if not isinstance(periods, list) or not periods:
+        raise CJEInputError("expected a non-empty list of period labels", source="drift",
+                            column="periods")
+    n = len(periods)
+
+    def series(key: str, required: bool) -> list[float | None] | None:
+        values = drift.get(key)
+        if values is None and not required:
+            return None
+        if not isinstance(values, list) or len(values) != n:
+            raise CJEInputError(f"expected a list of {n} numbers (one per period) or nulls",
+                                source="drift", column=key)
+        for i, v in enumerate(values):
+            if v is not None and _num(v) is None:
+                raise CJEInputError(f"expected a finite number or null, got {v!r}",
+                                    source="drift", column=key, row=i)
+        return [_num(v) for v in values]
+
+    out = {
+        "periods": [str(p) for p in periods],
+        "kendall_tau": series("kendall_tau", True),
+        "residual_shift": series("residual_shift", False),
+        "residual_shift_ci": None,
+        "alarms": None,
+        "n_anchors": drift.get("n_anchors"),
+        "method": drift.get("method"),
+    }
+    for key, default in (("tau_threshold", 0.8), ("shift_threshold", 0.05)):
+        value = drift.get(key, default)
+        if _num(value) is None:
+            raise CJEInputError(f"expected a finite number, got {value!r}", source="drift",
+                                column=key)
+        out[key] = float(value)
+    cis = drift.get("residual_shift_ci")
+    if cis is not None:
+        if not isinstance(cis, list) or len(cis) != n:
+            raise CJEInputError(f"expected a list of {n} [low, high] pairs or nulls",
+                                source="drift", column="residual_shift_ci")
+        for i, ci in enumerate(cis):
+            if ci is not None and _pair(ci) is None:
+                raise CJEInputError(f"expected [low, high] or null, got {ci!r}", source="drift",
+                                    column="residual_shift_ci", row=i)
+        out["residual_shift_ci"] = [_pair(ci) for ci in cis]
+    alarms = drift.get("alarms")
+    if alarms is not None:
+        if not isinstance(alarms, list) or len(alarms) != n or \
+                not all(isinstance(a, bool) for a in alarms):
+            raise CJEInputError(f"expected a list of {n} booleans", source="drift", column="alarms")
+        out["alarms"] = list(alarms)
+    else:
+        tau, shift, thr_t, thr_s = (out["kendall_tau"], out["residual_shift"],
+                                    out["tau_threshold"], out["shift_threshold"])
+        out["alarms"] = [
+            (tau[i] is not None and tau[i] < thr_t)
+            or (shift is not None and shift[i] is not None and abs(shift[i]) > thr_s)
+            for i in range(n)]
+    return out
+
+
+
+
+# --------------------------------------------------------------------------------------------
+# scales and non-estimable comparisons
+# --------------------------------------------------------------------------------------------
+def _scales(result: dict) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+    """(score scale, label scale) as declared in the result's config (None when not declared)."""
+    config = result.get("config") if isinstance(result.get("config"), dict) else {}
+    return _pair(config.get("score_scale")), _pair(config.get("label_scale"))
+
+
+def _same_scale(result: dict) -> bool:
+    """True when judge scores and oracle labels share one scale (undeclared scales default to 0-1)."""
+    score, label = _scales(result)
+    return (score or (0.0, 1.0)) == (label or (0.0, 1.0))
+
+
+def _raw_on_label_scale(result: dict, raw: Any) -> float | None:
+    """A raw judge mean mapped linearly from the declared score scale onto the declared label scale.
+
+    This is the naive reading of the judge (its score taken at face value on the label scale), the
+    comparator the calibration corrects; None when either scale is unknown or degenerate.
+    """
+    v = _num(raw)
+    score, label = _scales(result)
+    if v is None:
+        return None
+    if _same_scale(result):
+        return v
+    if score is None or label is None or score[1] == score[0]:
+        return None
+    return label[0] + (v - score[0]) / (score[1] - score[0]) * (label[1] - label[0])
+
+
+def _scale_text(pair: tuple[float, float] | None) -> str:
+    return "n/a" if pair is None else f"{pair[0]:g}\u2013{pair[1]:g}"
+
+
+def _not_estimable(comparison: dict) -> str | None:
+    """The reason a comparison carries no number (``reported`` false or ``not_estimable`` set), else None.
+
+    Coded to the engine contract of issue 16 with ``.get`` so that results before it (no such keys)
+    render as before.
+    """
+    reason = comparison.get("not_estimable")
+    if comparison.get("reported", True) is False or reason:
+        return str(reason or "not reported by the engine")
+    return None
+
+
+_UNSAFE = {0x7F, *range(0x00, 0x20), *range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F),
+           *range(0x2066, 0x206A)}
+
+
+def _safe(value: Any) -> str:
+    """A user string made safe for a terminal: control characters, ANSI escapes and bidirectional
+    overrides (e.g. U+202E) are shown as escapes (``\\x1b``, ``\\u202e``), never sent raw."""
+    text = str(value)
+    if not any(ord(c) in _UNSAFE for c in text):
+        return text
+    return "".join((f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") if ord(c) in _UNSAFE else c
+                   for c in text)

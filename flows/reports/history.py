@@ -1,0 +1,256 @@
+"""Run history of an evaluation, read from the published results: rows for `cje runs`, the trend page,
+the index and the report's "what changed" block.
+
+Reads only committed runs (`flows.storage.publish.list_runs`), linked drift monitors (``drift/<monitor>/looks/``
+in the same storage root, linked when a look's calibration came from this evaluation) and label requests
+(``label_requests/``). Everything else is pure: dicts in, dicts out.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Mapping, Sequence
+
+from cje_engine.inference.changes import PolicyChanges, changes_by_policy
+
+from flows.reports.common import _num, _pair
+from flows.storage.objects import NotFoundError, Storage, StorageError
+from flows.storage.publish import RESULTS, list_runs, read_run
+
+log = logging.getLogger(__name__)
+
+_LOOK = re.compile(r"^drift/([^/]+)/looks/(\d+)\.json$")
+
+
+def _verdict(pol: Mapping[str, Any]) -> str:
+    audit = pol.get("audit") if isinstance(pol.get("audit"), Mapping) else {}
+    return str(audit.get("verdict") or "not_run")
+
+
+def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
+    """One published run as a history row (JSON data; ``result`` is the parsed result.json)."""
+    result = run.get("result") or {}
+    pols = result.get("policies") if isinstance(result.get("policies"), Mapping) else {}
+    policies = {}
+    for name, p in pols.items():
+        refused = p.get("level_claim") == "refused"
+        policies[name] = {
+            "estimate": None if refused else _num(p.get("estimate")),
+            "se": None if refused else _num(p.get("se")),
+            "ci": None if refused else (list(_pair(p.get("ci"))) if _pair(p.get("ci")) else None),
+            "level_claim": p.get("level_claim"),
+            "refusal_reasons": list(p.get("refusal_reasons") or []),
+            "audit": _verdict(p),
+            "n_labelled": p.get("n_labelled"),
+        }
+    data = result.get("data") if isinstance(result.get("data"), Mapping) else {}
+    arts = run.get("artifacts") or {}
+    return {
+        "evaluation": run.get("evaluation"), "window": run.get("window"), "run_key": run.get("run_key"),
+        "published_at": run.get("published_at"), "path": run.get("path"),
+        "report": arts.get("report.html"), "result": arts.get("result.json"),
+        "report_key": _artifact_key(run, "report.html"),
+        "best_policy": result.get("best_policy"), "n_labels": data.get("n_labelled"),
+        "policies": policies,
+    }
+
+
+def _artifact_key(run: Mapping[str, Any], name: str) -> str | None:
+    """Key of an artifact relative to ``results/`` (for relative links between pages)."""
+    art = ((run.get("manifest") or {}).get("artifacts") or {}).get(name)
+    if not art:
+        return None
+    return f"{run['evaluation']}/{run['window']}/{run['run_key']}/{art['key']}"
+
+
+def read_history(st: Storage, evaluation: str) -> list[dict[str, Any]]:
+    """Every published run of ``evaluation`` as `run_summary` rows, oldest publication first.
+
+    A run whose result cannot be read (checksum mismatch, missing object) is listed with no policies
+    and an ``error``.
+    """
+    rows = []
+    for r in list_runs(st, evaluation):
+        try:
+            run = read_run(st, evaluation, r["window"], r["run_key"])
+        except (StorageError, ValueError) as exc:
+            rows.append({**run_summary({**r, "result": None}), "error": str(exc)})
+            continue
+        if run is not None:
+            rows.append(run_summary(run))
+    return rows
+
+
+def evaluations(st: Storage) -> list[str]:
+    """Names of evaluations with at least one published run."""
+    names = set()
+    for info in st.list(f"{RESULTS}/"):
+        parts = info.key.split("/")
+        if len(parts) == 5 and parts[-1] == "manifest.json":
+            names.add(parts[1])
+    return sorted(names)
+
+
+def latest_per_window(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The newest publication of each window (new labels supersede), windows in time order.
+
+    Window labels start with their first date (``YYYY-MM-DD...``), so their string order is time order.
+    """
+    by_window: dict[str, Mapping[str, Any]] = {}
+    for row in history:
+        w = str(row.get("window"))
+        if w not in by_window or str(row.get("published_at")) >= str(by_window[w].get("published_at")):
+            by_window[w] = row
+    return [dict(by_window[w]) for w in sorted(by_window)]
+
+
+def window_changes_of(history: Sequence[Mapping[str, Any]], *, alpha: float = 0.05,
+                      baseline: str | None = None, horizon: int | None = None,
+                      decision_margin: float = 0.02) -> dict[str, PolicyChanges]:
+    """Per-policy changes across windows (`cje_engine.inference.changes`) of the latest run per window."""
+    seq = [(str(r["window"]), {"policies": r.get("policies") or {}}) for r in latest_per_window(history)]
+    return changes_by_policy(seq, alpha=alpha, baseline=baseline, horizon=horizon, decision_margin=decision_margin)
+
+
+def previous_run(history: Sequence[Mapping[str, Any]], window: str, run_key: str) -> dict[str, Any] | None:
+    """The run a new publication is compared with: the latest run of the previous window, or else the
+    previous publication of the same window."""
+    windows = latest_per_window([r for r in history if not (r["window"] == window and r["run_key"] == run_key)])
+    earlier = [r for r in windows if str(r["window"]) < window]
+    same = [r for r in history if r["window"] == window and r["run_key"] != run_key]
+    if same:
+        return dict(max(same, key=lambda r: str(r.get("published_at"))))
+    return earlier[-1] if earlier else None
+
+
+def what_changed(prev: Mapping[str, Any] | None, cur: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per policy: previous and current value and claim, difference, and what moved (pure)."""
+    if prev is None:
+        return []
+    out = []
+    names = list(cur.get("policies") or {}) + [n for n in prev.get("policies") or {} if n not in
+                                                 (cur.get("policies") or {})]
+    for n in names:
+        a = (prev.get("policies") or {}).get(n)
+        b = (cur.get("policies") or {}).get(n)
+        notes = []
+        if a is None:
+            notes.append("new policy")
+        elif b is None:
+            notes.append("no longer evaluated")
+        else:
+            if a.get("level_claim") != b.get("level_claim"):
+                notes.append(f"level {a.get('level_claim')} \u2192 {b.get('level_claim')}")
+            if a.get("audit") != b.get("audit"):
+                notes.append(f"audit {a.get('audit')} \u2192 {b.get('audit')}")
+        ea, eb = (a or {}).get("estimate"), (b or {}).get("estimate")
+        diff = eb - ea if ea is not None and eb is not None else None
+        out.append({"policy": n, "before": ea, "after": eb, "diff": diff, "notes": notes,
+                    "claim_before": (a or {}).get("level_claim"), "claim_after": (b or {}).get("level_claim")})
+    if prev.get("best_policy") != cur.get("best_policy"):
+        out.append({"policy": None, "notes": [f"best policy {prev.get('best_policy') or 'none'} \u2192 "
+                                              f"{cur.get('best_policy') or 'none'}"]})
+    return out
+
+
+def _read_json(st: Storage, key: str) -> Any:
+    try:
+        return json.loads(st.read_bytes(key))
+    except (NotFoundError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def linked_drift(st: Storage, evaluation: str) -> dict[str, list[dict[str, Any]]]:
+    """Looks of the drift monitors whose calibration came from ``evaluation`` (monitor -> looks).
+
+    Each look: ``look``, ``dt`` (day scored), ``alarm``, ``alarms`` (metrics), ``judge_id``.
+    """
+    out: dict[str, list[dict[str, Any]]] = {}
+    try:
+        infos = st.list("drift/")
+    except StorageError:
+        return out
+    for info in infos:
+        m = _LOOK.match(info.key)
+        if not m:
+            continue
+        doc = _read_json(st, info.key)
+        if not isinstance(doc, dict):
+            continue
+        meta = doc.get("meta") or {}
+        cal = meta.get("calibration") or {}
+        if cal.get("evaluation") != evaluation:
+            continue
+        metrics = doc.get("metrics") or {}
+        tau = metrics.get("tau_b") or {}
+        res = metrics.get("residual_mean") or {}
+        out.setdefault(m.group(1), []).append({
+            "look": doc.get("look"), "dt": meta.get("dt"), "alarm": bool(doc.get("alarm")),
+            "alarms": list(doc.get("alarms") or []), "judge_id": meta.get("judge_id"),
+            "tau": _num((tau.get("detail") or {}).get("tau", tau.get("estimate"))),
+            "residual_shift": _num(res.get("estimate")), "residual_shift_ci": _pair(res.get("ci"))})
+    for looks in out.values():
+        looks.sort(key=lambda lk: int(lk.get("look") or 0))
+    return out
+
+
+def open_label_requests(st: Storage, evaluation: str) -> list[dict[str, Any]]:
+    """Open label requests of ``evaluation`` (id, scope, labels, deadline, reasons)."""
+    # imported here: the label-request package imports the engine's planner (heavy) and this module
+    # is also used by the publisher, which must not pay for it unless requests exist
+    try:
+        if not st.list("label_requests/"):
+            return []
+        from flows.label_requests.requests import list_requests
+
+        reqs = list_requests(st, status="open")
+    except (StorageError, ValueError) as exc:
+        log.warning("could not read label requests: %s", exc)
+        return []
+    return [{"request_id": r.get("request_id"), "scope": r.get("scope"), "n_labels": r.get("n_labels"),
+             "window": r.get("window"), "deadline": r.get("deadline"),
+             "reasons": [x.get("reason") for x in r.get("reasons") or [] if isinstance(x, Mapping)]}
+            for r in reqs if r.get("evaluation") == evaluation]
+
+
+def drift_for_report(monitor: str, looks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Looks of one linked monitor in the drift format of `flows.reports.evaluation.render_report`."""
+    looks = [lk for lk in looks if lk.get("tau") is not None or lk.get("residual_shift") is not None]
+    if not looks:
+        return None
+    shift = [lk.get("residual_shift") for lk in looks]
+    return {"periods": [f"#{lk.get('look')} {lk.get('dt') or ''}".strip() for lk in looks],
+            "kendall_tau": [lk.get("tau") for lk in looks],
+            "residual_shift": shift if any(v is not None for v in shift) else None,
+            "residual_shift_ci": ([list(lk["residual_shift_ci"]) if lk.get("residual_shift_ci") else None
+                                   for lk in looks] if any(v is not None for v in shift) else None),
+            "alarms": [bool(lk.get("alarm")) for lk in looks],
+            "method": f"monitor {monitor}: alarms from its anytime-valid tests"}
+
+
+def report_context(st: Storage, evaluation: str, window: str, run_key: str, result: Mapping[str, Any],
+                   attempt: str, generated_at: str) -> dict[str, Any]:
+    """What the run's report shows beyond its result: generated-at time, links (result.json, previous run,
+    trend page, index), what changed since the previous run and the drift of linked monitors."""
+    history = read_history(st, evaluation)
+    cur = run_summary({"evaluation": evaluation, "window": window, "run_key": run_key, "result": result})
+    prev = previous_run(history, window, run_key)
+    up = "../../../"  # from results/<evaluation>/<window>/<run_key>/<attempt>/ to results/<evaluation>/
+    drift = {}
+    for mon, looks in linked_drift(st, evaluation).items():
+        d = drift_for_report(mon, looks)
+        if d is not None:
+            drift[mon] = d
+    return {
+        "generated_at": generated_at,
+        "result_href": "result.json",
+        "trend_href": f"{up}trend.html",
+        "index_href": f"{up}../index.html",
+        "previous": None if prev is None else {
+            "window": prev["window"], "run_key": prev["run_key"], "published_at": prev.get("published_at"),
+            "href": f"{up}{prev['report_key'].split('/', 1)[1]}" if prev.get("report_key") else None},
+        "changes": what_changed(prev, cur),
+        "drift": drift,
+        "attempt": attempt,
+    }

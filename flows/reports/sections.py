@@ -1,0 +1,440 @@
+"""HTML sections of the evaluation report (summary, tables, audit, comparisons, calibration, drift, footer)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
+from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
+                                  _name_cell, _not_estimable, _num, _pair, _pct, _same_scale, _scale_text, _scales,
+                                  _signed, _verdict)
+
+# --------------------------------------------------------------------------------------------
+# HTML pieces
+# --------------------------------------------------------------------------------------------
+def _badge(verdict: str) -> str:
+    sym, label, _ = VERDICT_STYLE.get(verdict, VERDICT_STYLE["not_run"])
+    return f'<span class="badge v-{_esc(verdict)}">{_esc(sym)} {_esc(label)}</span>'
+
+
+def _claim_badge(pol: dict) -> str:
+    if _is_refused(pol):
+        return ('<span class="badge refused" title="level claim refused: ranked only, no level '
+                'may be quoted">refused</span>')
+    return '<span class="badge ok">quotable</span>'
+
+
+def _join_names(names: Sequence[str]) -> str:
+    parts = [f"<b>{_esc(n)}</b>" for n in names]
+    if len(parts) <= 1:
+        return "".join(parts)
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _strip_winner_prefix(reason: Any) -> str:
+    """Drop a leading "no clear winner:" from the engine's reason (the report says it already)."""
+    text = str(reason).strip() if reason else ""
+    low = text.lower()
+    if low.startswith("no clear winner"):
+        text = text[len("no clear winner"):].lstrip(" :;,\u2014-")
+    return text
+
+
+def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | None) -> str:
+    pols = result["policies"]
+    conf = _conf_label(alpha)
+    items: list[tuple[str, str]] = []
+    quotable = [n for n in order if not _is_refused(pols[n])]
+    refused = [n for n in order if _is_refused(pols[n])]
+    if quotable:
+        lines = []
+        for n in quotable:
+            p = pols[n]
+            ci = _pair(p.get("ci"))
+            ci_txt = f" ({conf} CI {_fmt(ci[0])}\u2013{_fmt(ci[1])})" if ci else ""
+            note = ""
+            if p.get("transport") == "unaudited" or _verdict(p) == "not_run":
+                note = " <span class='note'>unaudited: rests on the assumption that the " \
+                       "calibration transports</span>"
+            elif _verdict(p) == "inconclusive":
+                note = " <span class='note'>audit inconclusive</span>"
+            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(p.get('estimate')))}"
+                         f"</span>{_esc(ci_txt)}{note}</li>")
+        items.append(("ok", f"<p>Levels that can be quoted (oracle scale):</p><ul>{''.join(lines)}</ul>"))
+    else:
+        items.append(("bad", "<p>No policy has a quotable level.</p>"))
+    if refused:
+        lines = []
+        for n in refused:
+            reasons = [str(r) for r in pols[n].get("refusal_reasons") or []] or [
+                "no reason given by the engine"]
+            lines.append(f"<li><b>{_esc(n)}</b>: {'; '.join(_esc(r) for r in reasons)}</li>")
+        items.append(("bad", "<p>Level claims <b>refused</b> (ranked only; do not quote a level):"
+                             f"</p><ul>{''.join(lines)}</ul>"))
+    best = result.get("best_policy")
+    reason = _strip_winner_prefix(result.get("best_policy_reason"))
+    reason_txt = f" \u2014 {_esc(reason)}" if reason else ""
+    if best is not None:
+        items.append(("ok", f"<p>Best policy: <b>{_esc(best)}</b>{reason_txt}</p>"))
+    else:
+        items.append(("warn", f"<p><b>No clear winner</b>{reason_txt}</p>"))
+    failed = [n for n in order if _verdict(pols[n]) == "fail"]
+    inconclusive = [n for n in order if _verdict(pols[n]) == "inconclusive"]
+    not_run = [n for n in order if _verdict(pols[n]) == "not_run"]
+    passed = [n for n in order if _verdict(pols[n]) == "pass"]
+    audit_parts = []
+    if failed:
+        details = []
+        for n in failed:
+            a = _audit(pols[n])
+            details.append(f"<b>{_esc(n)}</b> (mean residual {_esc(_signed(a.get('residual_mean')))}"
+                           f" on {_esc(a.get('n_labels', '?'))} labels)")
+        audit_parts.append("Transport audit <b>failed</b> for " + ", ".join(details) +
+                           ": the calibration learned elsewhere does not hold for "
+                           + ("this policy." if len(failed) == 1 else "these policies."))
+    if inconclusive:
+        details = []
+        for n in inconclusive:
+            extra = _audit(pols[n]).get("extra_labels_needed")
+            details.append(f"<b>{_esc(n)}</b>" + (f" (about {_esc(extra)} more labels needed)"
+                                                  if extra is not None else ""))
+        audit_parts.append("Audit inconclusive for " + ", ".join(details) + ".")
+    if not_run:
+        audit_parts.append("Not audited (no oracle labels of their own): " + _join_names(not_run)
+                           + ".")
+    if passed:
+        audit_parts.append("Audit passed for " + _join_names(passed) + ".")
+    if audit_parts:
+        kind = "bad" if failed else ("warn" if inconclusive or not_run else "ok")
+        items.append((kind, "<p>" + " ".join(audit_parts) + "</p>"))
+    ra = result.get("rank_agreement") if isinstance(result.get("rank_agreement"), dict) else {}
+    tau = _num(ra.get("kendall_tau_b_raw_vs_calibrated"))
+    raw_order = [str(x) for x in ra.get("raw_order") or []]
+    cal_order = [str(x) for x in ra.get("calibrated_order") or []]
+    if tau is not None or raw_order:
+        tau_txt = f"Kendall \u03c4-b = {_fmt(tau, 2)}" if tau is not None else "\u03c4 not given"
+        if raw_order and raw_order == cal_order or (tau is not None and tau >= 0.999):
+            items.append(("ok", f"<p>The raw judge and the calibrated estimates rank the policies "
+                                f"the same way ({_esc(tau_txt)}).</p>"))
+        else:
+            orders = ""
+            if raw_order and cal_order:
+                orders = (" Raw judge order: " + " &gt; ".join(_esc(n) for n in raw_order)
+                          + "; calibrated order: " + " &gt; ".join(_esc(n) for n in cal_order) + ".")
+            items.append(("warn", f"<p>The raw judge ranking <b>disagrees</b> with the calibrated "
+                                  f"ranking ({_esc(tau_txt)}).{orders}</p>"))
+    if drift is not None:
+        alarms = [p for p, a in zip(drift["periods"], drift["alarms"]) if a]
+        if alarms:
+            items.append(("bad", "<p>Judge drift <b>alarm</b> in period(s) "
+                                 + ", ".join(_esc(p) for p in alarms) + ".</p>"))
+        else:
+            items.append(("ok", f"<p>No judge drift alarm over {len(drift['periods'])} "
+                                "period(s).</p>"))
+    warnings = [str(w) for w in result.get("warnings") or []]
+    if warnings:
+        items.append(("warn", f"<p>{len(warnings)} engine warning(s); see "
+                              "<a href='#warnings'>Warnings</a>.</p>"))
+    body = "".join(f'<div class="item {kind}">{content}</div>' for kind, content in items)
+    return f'<section id="summary" class="summary"><h2>Summary</h2>{body}</section>'
+
+
+def _raw_header(result: dict) -> str:
+    """The raw judge column is on the judge's scale; say so when that is not the label scale."""
+    if _same_scale(result):
+        return "raw judge"
+    return f"raw judge ({_esc(_scale_text(_scales(result)[0]))})"
+
+
+def _policy_table(result: dict, order: list[str], alpha: float) -> str:
+    pols = result["policies"]
+    conf = _conf_label(alpha)
+    head = ("<tr><th>policy</th><th class='r'>estimate</th>"
+            f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>basis</th>"
+            f"<th>audit</th><th class='r'>{_raw_header(result)}</th><th class='r'>oracle mean</th>"
+            "<th class='r'>labels / rows</th>"
+            "<th class='r' title='share of the variance due to calibration'>calib. var.</th>"
+            "<th>support</th></tr>")
+    rows = []
+    for n in order:
+        p = pols[n]
+        refused = _is_refused(p)
+        sup = p.get("support") if isinstance(p.get("support"), dict) else {}
+        sup_txt = ("limited" if sup.get("limited") else "ok") if sup else "n/a"
+        sup_tip = (f"{_pct(sup.get('share_outside_range'))} of scores outside the labelled range, "
+                   f"{_pct(sup.get('share_thin'))} in thinly labelled regions") if sup else ""
+        if refused:
+            est = f"<td class='c' colspan='3'>{_claim_badge(p)}</td>"
+        else:
+            est = (f"<td class='r num'><b>{_esc(_fmt(p.get('estimate')))}</b></td>"
+                   f"<td class='r num'>{_esc(_fmt_ci(p.get('ci')))}</td>"
+                   f"<td class='r num'>{_esc(_fmt(p.get('se')))}</td>")
+        tr_cls = " class='is-refused'" if refused else ""
+        rows.append(
+            f"<tr{tr_cls}><td class='name'>{_name_cell(n)}</td>"
+            f"{est}"
+            f"<td title='{_esc(p.get('basis') or '')}'>{_esc(p.get('basis_code') or 'n/a')}</td>"
+            f"<td title='transport: {_esc(p.get('transport') or 'n/a')}'>{_badge(_verdict(p))}</td>"
+            f"<td class='r num'>{_esc(_fmt(p.get('raw_judge_mean')))}</td>"
+            f"<td class='r num'>{_esc(_fmt(p.get('oracle_mean')))}</td>"
+            f"<td class='r num'>{_esc(p.get('n_labelled', 'n/a'))} / "
+            f"{_esc(p.get('n_rows', 'n/a'))}</td>"
+            f"<td class='r num'>{_esc(_pct(p.get('variance_share_calibration')))}</td>"
+            f"<td title='{_esc(sup_tip)}'>{_esc(sup_txt)}</td></tr>")
+    bases = []
+    for n in order:
+        p = pols[n]
+        if p.get("basis"):
+            bases.append(f"<li><b>{_esc(n)}</b>: {_esc(p['basis'])}</li>")
+    basis_list = f"<ul class='bases'>{''.join(bases)}</ul>" if bases else ""
+    return (f"<div class='scroll'><table class='data'><thead>{head}</thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>{basis_list}")
+
+
+def _estimator_table(result: dict, order: list[str], alpha: float) -> str:
+    """Plug-in vs augmented numbers for quotable policies (refused ones stay hidden)."""
+    pols = result["policies"]
+    conf = _conf_label(alpha)
+    rows = []
+    for n in order:
+        p = pols[n]
+        if _is_refused(p):
+            rows.append(f"<tr class='is-refused'><td class='name'>{_name_cell(n)}</td>"
+                        "<td class='r refused-cell' colspan='4'>refused</td></tr>")
+            continue
+        cells = []
+        for key in ("plug_in", "augmented"):
+            part = p.get(key) if isinstance(p.get(key), dict) else None
+            if part is None:
+                cells.append("<td class='r muted' colspan='2'>not available</td>")
+            else:
+                cells.append(f"<td class='r num'>{_esc(_fmt(part.get('estimate')))}</td>"
+                             f"<td class='r num'>{_esc(_fmt_ci(part.get('ci')))}</td>")
+        rows.append(f"<tr><td class='name'>{_name_cell(n)}</td>{''.join(cells)}</tr>")
+    return ("<div class='scroll'><table class='data'><thead><tr><th>policy</th>"
+            f"<th class='r'>plug-in</th><th class='r'>{conf} CI</th><th class='r'>augmented</th>"
+            f"<th class='r'>{conf} CI</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def _audit_section(result: dict, order: list[str], alpha: float) -> str:
+    pols = result["policies"]
+    panels = []
+    rows = []
+    adj = (result.get("config") or {}).get("audit_adjustment")
+    for n in order:
+        a = _audit(pols[n])
+        verdict = _verdict(pols[n])
+        extra = a.get("extra_labels_needed")
+        extra_txt = "\u2013" if extra is None else str(extra)
+        rows.append(
+            f"<tr><td class='name'>{_name_cell(n)}</td><td>{_badge(verdict)}</td>"
+            f"<td class='r num'>{_esc(a.get('n_labels', 'n/a'))}</td>"
+            f"<td class='r num'>{_esc(_signed(a.get('residual_mean')))}</td>"
+            f"<td class='r num'>{_esc(_fmt_ci(a.get('ci_adjusted') or a.get('ci')))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(a.get('p_adjusted')))}</td>"
+            f"<td>{_esc(a.get('calibrator') or 'n/a')}</td>"
+            f"<td class='r num'>{_esc(extra_txt)}</td>"
+            f"<td class='reason'>{_esc(a.get('reason') or '')}</td></tr>")
+        has_data = any(isinstance(d, dict) and _num(d.get("mean_residual")) is not None
+                       for d in a.get("deciles") or []) or _num(a.get("residual_mean")) is not None
+        if verdict != "not_run" and has_data:
+            caption = (f"mean residual {_signed(a.get('residual_mean'))}, adjusted CI "
+                       f"{_fmt_ci(a.get('ci_adjusted') or a.get('ci'))} on {a.get('n_labels', '?')} "
+                       f"labels; margin \u00b1{_fmt(a.get('margin'), 2)}")
+            panels.append(f"<figure class='panel'><figcaption><b>{_esc(n)}</b> {_badge(verdict)}"
+                          f"<span class='cap'>{_esc(caption)}</span></figcaption>"
+                          f"{_audit_svg(n, a, alpha)}</figure>")
+    not_audited = [n for n in order if _verdict(pols[n]) == "not_run"]
+    note = (f"<p class='note'>Not audited (no own labels): {_join_names(not_audited)}.</p>"
+            if not_audited else "")
+    grid = (f"<div class='panels'>{''.join(panels)}</div>" if panels
+            else "<p class='muted'>No policy has audit residuals to show.</p>")
+    head = ("<tr><th>policy</th><th>verdict</th><th class='r'>labels</th>"
+            "<th class='r'>mean residual</th>"
+            "<th class='r'>adjusted CI</th><th class='r'>adj. p</th>"
+            "<th>calibrator</th><th class='r'>more labels</th><th>reason</th></tr>")
+    adj_txt = f" ({_esc(str(adj).title())} over audited policies)" if adj else ""
+    return (f"<p class='lead'>Residual = oracle label \u2212 calibrated score on each policy's own "
+            f"labelled rows, with a calibrator not trained on those rows. Points: bin means with "
+            f"{_conf_label(alpha)} intervals; diamond: overall mean with its adjusted CI{adj_txt}; "
+            f"green band: the practical margin. Compensating errors across bins can cancel in the "
+            f"overall mean. Each panel has its own vertical scale.</p>{grid}{note}"
+            f"<div class='scroll'><table class='data'><thead>{head}</thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def _comparisons_table(result: dict, alpha: float) -> str:
+    rows = []
+    pols = result["policies"]
+    conf = _conf_label(alpha)
+    for c in result.get("comparisons") or []:
+        if not isinstance(c, dict):
+            continue
+        a, b = str(c.get("a")), str(c.get("b"))
+        involves = bool(c.get("involves_refused")) or any(
+            _is_refused(pols[x]) for x in (a, b) if x in pols)
+        why = _not_estimable(c)
+        if why is not None:
+            rows.append(f"<tr class='is-refused not-estimable'><td class='name'>{_name_cell(a)}</td>"
+                        f"<td class='name'>{_name_cell(b)}</td><td class='refused-cell' colspan='6'>not estimable: "
+                        f"{_esc(why)}</td><td></td></tr>")
+            continue
+        sig = bool(c.get("significant"))
+        sig_txt = "<span class='sig'>\u2713 yes</span>" if sig else "no"
+        rows.append(
+            f"<tr><td class='name'>{_name_cell(a)}</td><td class='name'>{_name_cell(b)}</td>"
+            f"<td class='r num'>{_esc(_signed(c.get('diff')))}</td>"
+            f"<td class='r num'>{_esc(_fmt_ci(c.get('ci')))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(c.get('p_value')))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(c.get('p_adjusted')))}</td>"
+            f"<td class='c'>{sig_txt}</td>"
+            f"<td class='r num'>{_esc(_fmt(c.get('prob_a_better'), 2))}</td>"
+            f"<td class='note'>{'relative only (refused policy)' if involves else ''}</td></tr>")
+    if not rows:
+        return "<p class='muted'>No pairwise comparisons in this result.</p>"
+    mult = result.get("multiplicity") or {}
+    method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "")
+    n_ne = sum(1 for c in result.get("comparisons") or [] if isinstance(c, dict) and _not_estimable(c))
+    caption = (f"{len(rows) - n_ne} comparisons reported"
+               + (f", {n_ne} not estimable" if n_ne else "") + "; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
+               f"\u03b1 = {_esc(_fmt(mult.get('alpha', alpha), 2))}.")
+    return (f"<p class='lead'>{caption} Differences are a \u2212 b on the oracle scale; comparisons "
+            f"involving a refused policy are relative claims only.</p><div class='scroll'>"
+            "<table class='data'><thead><tr><th>a</th><th>b</th><th class='r'>diff (a\u2212b)</th>"
+            f"<th class='r'>{conf} CI</th><th class='r'>p</th><th class='r'>adj. p</th>"
+            "<th class='c'>significant</th><th class='r'>P(a better)</th><th></th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div>")
+
+
+def _calibration_section(result: dict) -> str:
+    cal = result.get("calibration") if isinstance(result.get("calibration"), dict) else {}
+    config = result.get("config") if isinstance(result.get("config"), dict) else {}
+    if not cal:
+        return "<p class='muted'>No calibration information in this result.</p>"
+    sel = cal.get("selection") if isinstance(cal.get("selection"), dict) else {}
+    facts = [f"mode used: <b>{_esc(cal.get('mode') or 'n/a')}</b>"]
+    if sel:
+        facts.append(f"requested: {_esc(sel.get('requested') or 'n/a')}")
+        rmse = sel.get("oof_rmse") if isinstance(sel.get("oof_rmse"), dict) else {}
+        if rmse:
+            facts.append("out-of-fold RMSE: " + ", ".join(
+                f"{_esc(k)} {_esc(_fmt(v))}" for k, v in rmse.items()))
+    facts.append(f"trained on {_esc(cal.get('n_train', 'n/a'))} labels")
+    lr = _pair(cal.get("label_range"))
+    if lr:
+        facts.append(f"labelled judge-score range [{_fmt(lr[0], 2)}, {_fmt(lr[1], 2)}]")
+    reason = f"<p class='note'>Selection: {_esc(sel.get('reason'))}</p>" if sel.get("reason") else ""
+    two_stage = ("<p class='note'>Two-stage calibration: the curve is drawn at the median of the "
+                 "covariates.</p>" if cal.get("mode") == "two_stage" else "")
+    row_list = []
+    for b in cal.get("reliability") or []:
+        if not isinstance(b, dict):
+            continue
+        mp, ml = _num(b.get("mean_predicted")), _num(b.get("mean_label"))
+        gap = _signed(ml - mp) if mp is not None and ml is not None else "n/a"
+        row_list.append(
+            f"<tr><td class='num'>[{_esc(_fmt(b.get('lo'), 2))}, {_esc(_fmt(b.get('hi'), 2))})</td>"
+            f"<td class='r num'>{_esc(b.get('n', 'n/a'))}</td>"
+            f"<td class='r num'>{_esc(_fmt(mp))}</td><td class='r num'>{_esc(_fmt(ml))}</td>"
+            f"<td class='r num'>{_esc(gap)}</td></tr>")
+    rel_rows = "".join(row_list)
+    rel_table = ("<table class='data compact'><thead><tr><th>prediction bin</th><th class='r'>n</th>"
+                 "<th class='r'>mean predicted</th><th class='r'>mean label</th>"
+                 "<th class='r'>label \u2212 predicted</th></tr></thead>"
+                 f"<tbody>{rel_rows}</tbody></table>") if rel_rows else ""
+    sep = " \u00b7 "
+    return (f"<p class='facts'>{sep.join(facts)}</p>{reason}{two_stage}"
+            f"<div class='figure'>{_calibration_svg(cal, config)}</div>{rel_table}")
+
+
+def _drift_section(d: dict) -> str:
+    extra = []
+    if d.get("n_anchors") is not None:
+        extra.append(f"{_esc(d['n_anchors'])} anchor pairs")
+    if d.get("method"):
+        extra.append(_esc(d["method"]))
+    row_list = []
+    for i, p in enumerate(d["periods"]):
+        alarm = d["alarms"][i]
+        shift = _signed(d["residual_shift"][i]) if d["residual_shift"] else "n/a"
+        row_list.append(
+            f"<tr{' class=alarm' if alarm else ''}><td>{_esc(p)}</td>"
+            f"<td class='r num'>{_esc(_fmt(d['kendall_tau'][i]))}</td>"
+            f"<td class='r num'>{_esc(shift)}</td>"
+            f"<td>{'<b>alarm</b>' if alarm else 'ok'}</td></tr>")
+    rows = "".join(row_list)
+    return (f"<section id='drift'><h2>Judge drift</h2><p class='lead'>Anchor set re-scored every "
+            f"period{(' (' + '; '.join(extra) + ')') if extra else ''}. Alarm when Kendall "
+            f"\u03c4-b drops below {_esc(_fmt(d['tau_threshold'], 2))} or the mean residual shifts "
+            f"by more than \u00b1{_esc(_fmt(d['shift_threshold'], 2))}"
+            f" (or as flagged by the monitor that produced the alarms).</p>"
+            f"<div class='figure'>{_drift_svg(d)}</div><table class='data compact'><thead><tr>"
+            "<th>period</th><th class='r'>\u03c4-b</th><th class='r'>residual shift</th>"
+            f"<th>status</th></tr></thead><tbody>{rows}</tbody></table></section>")
+
+
+def _footer(result: dict) -> str:
+    config = result.get("config") if isinstance(result.get("config"), dict) else {}
+    inference = result.get("inference") if isinstance(result.get("inference"), dict) else {}
+    seed = config.get("seed", inference.get("seed"))
+    items = "".join(f"<div><dt>{_esc(k)}</dt><dd>{_esc(json.dumps(v, default=str))}</dd></div>"
+                    for k, v in config.items())
+    inf = " \u00b7 ".join(f"{_esc(k)}={_esc(v)}" for k, v in inference.items())
+    return (f"<footer id='footer'><h2>Configuration</h2><dl class='config'>{items}</dl>"
+            f"<p>Inference: {inf or 'n/a'}</p><p class='stamp'>seed <b>{_esc(seed)}</b> \u00b7 "
+            f"engine version <b>{_esc(result.get('engine_version', 'unknown'))}</b> \u00b7 result "
+            f"schema v{_esc(result.get('schema_version', '?'))} \u00b7 self-contained report "
+            "(no external resources)</p></footer>")
+
+
+
+# --------------------------------------------------------------------------------------------
+# context of a published run (previous run, links, linked drift monitors)
+# --------------------------------------------------------------------------------------------
+def _window_text(window: Any) -> str:
+    """``2025-01-01_2025-01-07`` -> ``2025-01-01..2025-01-07``; a one-day window -> its date."""
+    a, _, b = str(window).partition("_")
+    return a if not b or a == b else f"{a}..{b}"
+
+
+def _context_meta(ctx: dict) -> str:
+    """Generated-at time and links, under the page title."""
+    links = [f"<a href='{_esc(ctx['result_href'])}'>result.json</a>"] if ctx.get("result_href") else []
+    prev = ctx.get("previous")
+    if prev and prev.get("href"):
+        links.append(f"<a href='{_esc(prev['href'])}' rel='prev'>previous run ({_esc(_window_text(prev['window']))})</a>")
+    if ctx.get("trend_href"):
+        links.append(f"<a href='{_esc(ctx['trend_href'])}'>trend</a>")
+    if ctx.get("index_href"):
+        links.append(f"<a href='{_esc(ctx['index_href'])}'>all evaluations</a>")
+    when = f"generated {_esc(ctx['generated_at'])}" if ctx.get("generated_at") else ""
+    sep = " \u00b7 "
+    return f"<div class='meta links'>{sep.join(([when] if when else []) + links)}</div>"
+
+
+def _changed_section(ctx: dict) -> str:
+    """What changed since the previous run (levels, claims, audits, best policy)."""
+    prev = ctx.get("previous")
+    if prev is None:
+        return ("<section id='changed'><h2>What changed since the previous run</h2>"
+                "<p class='muted'>First published run of this evaluation.</p></section>")
+    rows, notes = [], []
+    for ch in ctx.get("changes") or []:
+        if ch.get("policy") is None:
+            notes += ch.get("notes") or []
+            continue
+        before = "refused" if ch.get("claim_before") == "refused" else _fmt(ch.get("before"))
+        after = "refused" if ch.get("claim_after") == "refused" else _fmt(ch.get("after"))
+        diff = _signed(ch.get("diff")) if ch.get("diff") is not None else "n/a"
+        rows.append(f"<tr><td class='name'>{_name_cell(ch['policy'])}</td><td class='r num'>{_esc(before)}</td>"
+                    f"<td class='r num'>{_esc(after)}</td><td class='r num'><b>{_esc(diff)}</b></td>"
+                    f"<td>{_esc('; '.join(ch.get('notes') or []))}</td></tr>")
+    note_html = "".join(f"<div class='item warn'><p>{_esc(n)}</p></div>" for n in notes)
+    return ("<section id='changed' class='summary'><h2>What changed since the previous run</h2>"
+            f"<p class='lead'>Compared with run {_esc(prev.get('run_key'))} of window "
+            f"{_esc(_window_text(prev.get('window')))} (published {_esc(str(prev.get('published_at'))[:19].replace('T', ' '))}"
+            " UTC). Differences are not tests; the trend page tests "
+            f"changes with error rates held over all windows.</p>{note_html}"
+            "<div class='scroll'><table class='data compact'><thead><tr><th>policy</th><th class='r'>before</th>"
+            "<th class='r'>now</th><th class='r'>change</th><th>what moved</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table></div></section>")

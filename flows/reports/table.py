@@ -1,0 +1,98 @@
+"""Fixed-width terminal tables for a CJE result."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from flows.reports.common import (VERDICT_STYLE, _alpha, _check_result, _conf_label, _fmt, _fmt_ci, _fmt_p,
+                                  _is_refused, _not_estimable, _policy_order, _safe, _same_scale, _scale_text,
+                                  _scales, _signed, _verdict)
+from flows.reports.sections import _strip_winner_prefix
+
+__all__ = ["format_table"]
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
+
+
+def format_table(result: dict) -> str:
+    """Fixed-width text summary of a result dict for the terminal.
+
+    One row per policy (estimate, CI, level claim, basis, audit verdict, raw judge mean on the judge's
+    own scale, oracle mean; refused levels read "refused"), then the pairwise comparisons with adjusted
+    p-values ("not estimable: <reason>" where the engine reported none) and the best-policy line. User
+    strings are escaped for the terminal (control characters, ANSI escapes, bidirectional overrides).
+
+    Raises
+    ------
+    CJEInputError
+        When ``result`` does not follow ``docs/result-schema.md``.
+    """
+    _check_result(result)
+    alpha = _alpha(result)
+    conf = _conf_label(alpha)
+    pols = result["policies"]
+    order = _policy_order(result)
+    rows = []
+    for n in order:
+        p = pols[n]
+        refused = _is_refused(p)
+        rows.append([
+            _safe(n),
+            "refused" if refused else _fmt(p.get("estimate")),
+            "refused" if refused else _fmt_ci(p.get("ci")),
+            str(p.get("level_claim")),
+            _safe(p.get("basis_code") or "n/a"),
+            VERDICT_STYLE[_verdict(p)][1],
+            _fmt(p.get("raw_judge_mean")),
+            _fmt(p.get("oracle_mean")),
+        ])
+    lines = ["Policy estimates (oracle scale)"]
+    raw_head = "raw judge" if _same_scale(result) else f"raw judge ({_scale_text(_scales(result)[0])})"
+    lines += _table(["policy", "estimate", f"{conf} CI", "level", "basis", "audit", raw_head,
+                     "oracle mean"], rows, right={1, 2, 6, 7})
+    comps = [c for c in result.get("comparisons") or [] if isinstance(c, dict)]
+    mult = result.get("multiplicity") or {}
+    method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "n/a")
+    lines.append("")
+    if comps:
+        lines.append(f"Pairwise comparisons (a - b; p adjusted by {method.upper()}, "
+                     f"alpha {_fmt(mult.get('alpha', alpha), 2)})")
+        crow = []
+        any_refused = False
+        for c in comps:
+            a, b = str(c.get("a")), str(c.get("b"))
+            why = _not_estimable(c)
+            if why is not None:  # never a number: the engine threw it out (issue 16)
+                crow.append([_safe(a), _safe(b), f"not estimable: {_safe(why)}", "", "", "", "", "", ""])
+                continue
+            involves = bool(c.get("involves_refused")) or any(
+                _is_refused(pols[x]) for x in (a, b) if x in pols)
+            any_refused |= involves
+            crow.append([_safe(a), _safe(b), _signed(c.get("diff")), _fmt_ci(c.get("ci")),
+                         _fmt_p(c.get("p_value")), _fmt_p(c.get("p_adjusted")),
+                         "yes" if c.get("significant") else "no",
+                         _fmt(c.get("prob_a_better"), 2), "*" if involves else ""])
+        lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", ""],
+                        crow, right={3, 4, 5, 7})
+        if any_refused:
+            lines.append("* involves a refused policy: relative comparison only, no level implied")
+    else:
+        lines.append("Pairwise comparisons: none")
+    lines.append("")
+    best = result.get("best_policy")
+    if best is not None:
+        reason = _safe(result.get("best_policy_reason") or "")
+        lines.append(f"Best policy: {_safe(best)}" + (f" ({reason})" if reason else ""))
+    else:
+        reason = _safe(_strip_winner_prefix(result.get("best_policy_reason")))
+        lines.append("Best policy: none, no clear winner" + (f" ({reason})" if reason else ""))
+    return "\n".join(lines)
+

@@ -1,0 +1,127 @@
+"""Trend page, results index and run history (pure parts; storage end to end in tests/flows/test_monitoring.py)."""
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from flows.reports.history import (drift_for_report, latest_per_window, linked_drift, previous_run, read_history,
+                                   what_changed, window_changes_of)
+from flows.reports.trend import render_index, render_trend, write_pages
+from flows.storage.objects import Storage
+from flows.storage.publish import publish_run
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
+
+
+def _row(window: str, key: str, published: str, values: dict, refused=(), best=None) -> dict:
+    pols = {}
+    for n, v in values.items():
+        r = n in refused
+        pols[n] = {"estimate": None if r else v, "se": None if r else 0.01, "ci": None if r else [v - 0.02, v + 0.02],
+                   "level_claim": "refused" if r else "ok", "refusal_reasons": ["overlap: TTC 0.3"] if r else [],
+                   "audit": "fail" if r else "pass", "n_labelled": 50}
+    return {"evaluation": "ev", "window": window, "run_key": key, "published_at": published, "policies": pols,
+            "best_policy": best, "n_labels": 100, "report_key": f"ev/{window}/{key}/a/report.html"}
+
+
+def _history() -> list[dict]:
+    days = [f"2025-01-0{d}_2025-01-0{d}" for d in range(1, 6)]
+    hist = [_row(days[0], "k1", "2025-01-02T06", {"a": 0.70, "b": 0.50}),
+            _row(days[1], "k2", "2025-01-03T06", {"a": 0.70, "b": 0.50}, refused={"b"}),
+            _row(days[2], "k3", "2025-01-04T06", {"a": 0.70, "b": 0.50}),
+            _row(days[3], "k4", "2025-01-05T06", {"a": 0.60, "b": 0.50}, best="b"),
+            _row(days[4], "k5", "2025-01-06T06", {"a": 0.60, "b": 0.50}, best="b"),
+            _row(days[2], "k3b", "2025-01-07T06", {"a": 0.71, "b": 0.50})]  # new labels for day 3
+    return hist
+
+
+def test_latest_per_window_and_previous_run():
+    hist = _history()
+    latest = latest_per_window(hist)
+    assert [r["run_key"] for r in latest] == ["k1", "k2", "k3b", "k4", "k5"]
+    assert previous_run(hist, "2025-01-05_2025-01-05", "k5")["run_key"] == "k4"
+    assert previous_run(hist, "2025-01-03_2025-01-03", "k3b")["run_key"] == "k3"  # same window, superseded
+    assert previous_run(hist, "2025-01-01_2025-01-01", "k1") is None
+
+
+def test_what_changed_lists_values_claims_and_best_policy():
+    hist = _history()
+    ch = what_changed(hist[0], hist[1])
+    b = next(c for c in ch if c["policy"] == "b")
+    assert b["after"] is None and "level ok \u2192 refused" in b["notes"] and "audit pass \u2192 fail" in b["notes"]
+    ch = what_changed(hist[2], hist[3])
+    a = next(c for c in ch if c["policy"] == "a")
+    assert a["diff"] == pytest.approx(-0.10)
+    assert {"policy": None, "notes": ["best policy none \u2192 b"]} in ch
+
+
+def test_trend_page_draws_values_refusals_alarms_and_drift_on_one_axis():
+    hist = _history()
+    windows = latest_per_window(hist)
+    changes = window_changes_of(hist)
+    assert changes["a"].alarms == ["2025-01-04_2025-01-04", "2025-01-05_2025-01-05"]  # a drop of 0.1 = 7 SEs
+    drift = {"mon": [{"look": 1, "dt": "2025-01-02", "alarm": False, "alarms": []},
+                     {"look": 2, "dt": "2025-01-04", "alarm": True, "alarms": ["residual_mean"]}]}
+    reqs = [{"request_id": "r1", "scope": "a", "n_labels": 40, "deadline": "2025-01-10", "reasons": ["audit fail"]}]
+    page = render_trend("ev", windows, hist, changes, drift, reqs)
+    svgs = [ET.fromstring(b) for b in re.findall(r"<svg\b.*?</svg>", page, re.S)]  # well-formed
+    assert len(svgs) == 4  # legend, a, b, drift strip
+    marks = re.findall(r'<g class="alarm-marker" data-policy="(\w+)" data-window="([\d_-]+)"', page)
+    assert marks == [("a", "2025-01-04_2025-01-04"), ("a", "2025-01-05_2025-01-05")]
+    refused = re.findall(r'class="refused-marker" data-policy="(\w+)" data-window="([\d_-]+)"', page)
+    assert refused == [("b", "2025-01-02_2025-01-02")]
+    # a refused window has no value marker (its number is never drawn)
+    assert 'class="value-marker" data-policy="b" data-window="2025-01-02_2025-01-02"' not in page
+    # drift marks sit on the x position of their window in the policy panels (same time axis)
+    x_of = {w: float(x) for x, w in re.findall(r'<circle[^>]*cx="([\d.]+)"[^>]*class="value-marker" data-policy="a" '
+                                                r'data-window="([\d_-]+)"', page)}
+    drift_alarm = re.search(r'<g class="drift-alarm" data-monitor="mon" data-window="([\d_-]+)"><title>[^<]*</title>'
+                            r'<polygon points="([\d.]+),', page)
+    assert drift_alarm.group(1) == "2025-01-04_2025-01-04"
+    look = re.search(r'<circle[^>]*cx="([\d.]+)"[^>]*class="drift-look" data-monitor="mon" data-window="([\d_-]+)"',
+                     page)
+    assert float(look.group(1)) == pytest.approx(x_of["2025-01-02_2025-01-02"], abs=0.1)
+    assert "r1" in page and "audit fail" in page and "Changes in the latest window" in page
+    assert not re.search(r"(src|href)=['\"](https?:)?//", page)  # self-contained
+
+
+def test_index_lists_evaluations_with_latest_run_and_alarms():
+    hist = _history()
+    changes = window_changes_of(hist)
+    entry = {"evaluation": "ev", "latest": latest_per_window(hist)[-1], "n_runs": 6, "n_windows": 5,
+             "alarms": {n: pc.alarms for n, pc in changes.items()}, "drift_alarms": 1, "open_requests": 2}
+    page = render_index([entry])
+    assert "data-evaluation='ev'" in page and "regression: a" in page and "drift alarm \u00d71" in page
+    assert "2 label request(s)" in page and "href='ev/trend.html'" in page and "5 / 6" in page
+    assert "Nothing published yet" in render_index([])
+
+
+def test_pages_written_on_publish_and_read_back(tmp_path):
+    st = Storage.for_uri(tmp_path)
+    result = json.loads(FIXTURE.read_text())
+    for d in (1, 2):
+        publish_run(st, "ev", f"2025-01-0{d}_2025-01-0{d}", f"k{d}", {"result.json": json.dumps(result).encode()}, {})
+    hist = read_history(st, "ev")
+    assert [r["run_key"] for r in hist] == ["k1", "k2"] and hist[0]["policies"]["unhelpful"]["estimate"] is None
+    index, trend = (tmp_path / "results" / "index.html").read_text(), (tmp_path / "results/ev/trend.html").read_text()
+    assert "data-evaluation='ev'" in index and "2025-01-02" in index
+    assert trend.count('class="value-marker" data-policy="base"') == 2
+    assert write_pages(st)["results/index.html"].endswith("index.html")
+
+
+def test_linked_drift_reads_looks_of_monitors_calibrated_by_the_evaluation(tmp_path):
+    st = Storage.for_uri(tmp_path)
+    look = {"look": 1, "alarm": True, "alarms": ["tau_b"], "meta": {"dt": "2025-01-02", "calibration": {"evaluation": "ev"}},
+            "metrics": {"tau_b": {"estimate": -0.2, "detail": {"tau": 0.71}},
+                        "residual_mean": {"estimate": 0.06, "ci": [0.02, 0.1]}}}
+    st.write_bytes("drift/mon/looks/000001.json", json.dumps(look).encode())
+    other = dict(look, meta={"dt": "2025-01-02", "calibration": {"evaluation": "other"}})
+    st.write_bytes("drift/mon2/looks/000001.json", json.dumps(other).encode())
+    got = linked_drift(st, "ev")
+    assert list(got) == ["mon"] and got["mon"][0]["tau"] == 0.71 and got["mon"][0]["alarm"]
+    d = drift_for_report("mon", got["mon"])
+    assert d["periods"] == ["#1 2025-01-02"] and d["alarms"] == [True] and d["residual_shift_ci"] == [[0.02, 0.1]]
