@@ -7,7 +7,7 @@ installed):
 
 * each evaluation in ``evaluations.yaml`` becomes a deployment of `evaluate_and_audit`, each
   drift monitor one of `drift`, with the declared schedule and flow parameters;
-* entrypoints are module paths (``flows.label_requests.requests.evaluate_and_audit``): a
+* entrypoints are module paths (``flows.pipelines.audit.evaluate_and_audit``): a
   process worker imports the installed package, nothing is pulled; a Kubernetes pool runs
   the same image (``--image``), whose package is installed the same way;
 * **one run per evaluation window**: a deployment's window is relative (``last 7 days``), so

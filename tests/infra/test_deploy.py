@@ -41,7 +41,7 @@ def test_runner_deployments_carry_schedules_parameters_and_a_limit_of_one(tmp_pa
         assert d.concurrency_limit == 1
         assert d.concurrency_options.collision_strategy.value == "ENQUEUE"
         assert "." in d.entrypoint and ":" not in d.entrypoint, "a module path (the worker imports the package)"
-    assert deps["daily"].entrypoint == "flows.label_requests.requests.evaluate_and_audit"
+    assert deps["daily"].entrypoint == "flows.pipelines.audit.evaluate_and_audit"
     assert deps["drift-anchors"].entrypoint == "flows.pipelines.drift.drift"
     assert deps["daily"].parameters["options"] == {"n_bootstrap": 200, "seed": 1}
     assert deps["daily"].parameters["evaluation"] == "daily"

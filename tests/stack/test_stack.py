@@ -79,7 +79,7 @@ def test_schedule_fires_and_the_worker_runs_it_on_ray_and_s3(stack, bucket, tmp_
     assert dep.work_pool_name == stack.pool
     assert dep.global_concurrency_limit is not None and dep.global_concurrency_limit.limit == 1
     assert dep.concurrency_options.collision_strategy.value == "ENQUEUE"
-    assert dep.entrypoint == "flows.label_requests.requests.evaluate_and_audit"
+    assert dep.entrypoint == "flows.pipelines.audit.evaluate_and_audit"
     # Nobody asked for a run: the server's scheduler creates it from the interval schedule.
     deadline = time.monotonic() + 30
     while not (runs := sorted(runs_of(stack, dep_id), key=lambda r: r.expected_start_time)):
