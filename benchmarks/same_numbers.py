@@ -47,7 +47,10 @@ def _simulate(work: Path) -> None:
 
 
 def write(out: Path) -> int:
-    from flows.cli import main
+    try:
+        from flows.cli.main import main
+    except ImportError:  # revisions before the package layout
+        from flows.cli import main
 
     out.mkdir(parents=True, exist_ok=True)
     _simulate(out)
