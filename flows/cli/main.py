@@ -583,7 +583,10 @@ def exit_code_of(exc: BaseException) -> int:
         return EXIT_BAD_INPUT
     if isinstance(exc, ServiceUnavailable):
         return EXIT_UNAVAILABLE
-    if isinstance(exc, RuntimeError) and str(exc).startswith("Failed to reach API"):  # Prefect's client
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and text.startswith("Failed to reach API"):  # Prefect's client
+        return EXIT_UNAVAILABLE
+    if "node timed out during startup" in text or "Failed to connect to GCS" in text:  # Ray could not start
         return EXIT_UNAVAILABLE
     names = {c.__module__ + "." + c.__name__ for c in type(exc).__mro__}
     if names & {"flows.storage.objects.StorageError", "httpx.ConnectError", "httpx.ConnectTimeout",
