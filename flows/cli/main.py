@@ -141,8 +141,14 @@ _CONFIG_HELP = "evaluations file (default: $CJE_CONFIG, else ./evaluations.yaml)
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    """The engine keywords given on the command line."""
-    return {k: getattr(ns, k) for k in _ENGINE_KEYS if getattr(ns, k, None) is not None}
+    """The engine keywords given on the command line (whole-number options checked here)."""
+    kw = {k: getattr(ns, k) for k in _ENGINE_KEYS if getattr(ns, k, None) is not None}
+    if kw.get("seed") is not None and kw["seed"] < 0:
+        raise CJEInputError(f"--seed must be a whole number >= 0, got {kw['seed']}", column="seed")
+    if kw.get("n_bootstrap") is not None and kw["n_bootstrap"] < 1:
+        raise CJEInputError(f"--n-bootstrap must be a whole number >= 1, got {kw['n_bootstrap']}",
+                            column="n_bootstrap")
+    return kw
 
 
 def _add_builtin_commands(sub: Any) -> None:
@@ -563,11 +569,14 @@ def cmd_demo(ns: argparse.Namespace) -> int:
 
 def exit_code_of(exc: BaseException) -> int:
     """The exit code for an exception escaping a command."""
-    if isinstance(exc, CJEInputError):
+    if isinstance(exc, (CJEInputError, UnicodeDecodeError)):
         return EXIT_BAD_INPUT
     if isinstance(exc, ServiceUnavailable):
         return EXIT_UNAVAILABLE
-    if isinstance(exc, RuntimeError) and str(exc).startswith("Failed to reach API"):  # Prefect's client
+    text = str(exc)
+    if isinstance(exc, RuntimeError) and text.startswith("Failed to reach API"):  # Prefect's client
+        return EXIT_UNAVAILABLE
+    if "node timed out during startup" in text or "Failed to connect to GCS" in text:  # Ray could not start
         return EXIT_UNAVAILABLE
     names = {c.__module__ + "." + c.__name__ for c in type(exc).__mro__}
     if names & {"flows.storage.objects.StorageError", "httpx.ConnectError", "httpx.ConnectTimeout",
@@ -595,7 +604,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line and an exit code
         code = exit_code_of(exc)
         context = "yaml" if command in ("run", "serve", "drift", "labels") else "cli"
-        text = message_of(exc, context=context) if code == EXIT_BAD_INPUT else (str(exc) or type(exc).__name__)
+        if isinstance(exc, UnicodeDecodeError):  # a reader met another encoding
+            text = (f"the input is not UTF-8 text ({exc.encoding} cannot decode byte {exc.start}: {exc.reason}); "
+                    "save it as UTF-8")
+        elif code == EXIT_BAD_INPUT:
+            text = message_of(exc, context=context)
+        else:
+            text = str(exc) or type(exc).__name__
         if verbose:
             traceback.print_exc(file=sys.stderr)
         lines = text.strip().splitlines() or [type(exc).__name__]

@@ -57,3 +57,15 @@ def canonical_parquet(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("canon") / "scored.parquet"
     simulate(240, seed=2).frame.to_parquet(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """`main()` reconfigures the root logger (as the `cje` process does); undo it after each test."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

@@ -169,6 +169,9 @@ def test_service_unavailable_exit_69(monkeypatch, capsys, in_tmp):
     monkeypatch.setattr(gate, "cmd_gate", down)
     assert cli.main(["gate", "r.json", "--baseline", "b", "--fail-if", "worse"]) == 69
     assert "service unavailable" in capsys.readouterr().err
+    # Ray that cannot start (seen on an overloaded machine) is a service unavailable too
+    assert cli.exit_code_of(Exception("The current node timed out during startup. This could happen ...")) == 69
+    assert cli.exit_code_of(ConnectionError("refused")) == 69 and cli.exit_code_of(KeyError("x")) == 70
 
 
 def test_json_documents_are_ascii(capsys):

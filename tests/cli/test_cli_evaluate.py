@@ -7,7 +7,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 
@@ -201,3 +200,14 @@ def test_evaluate_as_a_process_json_and_bad_input(team_csv, tmp_path):
                 cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "'ident'" in r.stderr
     assert r.stdout == ""
+
+
+def test_bad_whole_numbers_and_encodings_are_bad_input(canonical_parquet, tmp_path, capsys, in_tmp):
+    assert cli.main(["evaluate", str(canonical_parquet), "--out", str(tmp_path / "o"), "--seed", "-1"]) == 2
+    assert "--seed must be a whole number >= 0" in capsys.readouterr().err
+    assert cli.main(["evaluate", str(canonical_parquet), "--out", str(tmp_path / "o"), "--n-bootstrap", "0"]) == 2
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("prompt_id,policy,judge_score,oracle_label\n1,caf\xe9,0.5,0.4\n".encode("latin-1"))
+    assert cli.main(["evaluate", str(latin), "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8" in err and "Traceback" not in err

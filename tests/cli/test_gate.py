@@ -1,10 +1,8 @@
 """`cje gate`: expressions, multiplicity-adjusted judgement, not-estimable comparisons, exit codes."""
 from __future__ import annotations
 
-import copy
 import importlib
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

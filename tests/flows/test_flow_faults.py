@@ -121,7 +121,8 @@ def _cli_run(setup, name, options, window, tmp_path, proxy, prefect_server, ray_
     env.update(S3_ENV, CJE_S3_ENDPOINT=proxy.endpoint, PREFECT_API_URL=prefect_server.url,
                RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO))
     log = open(tmp_path / f"{name}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "flows.cli.main", "run", name, "--config", str(config)],
+    return subprocess.Popen([sys.executable, "-m", "flows.cli.main", "run", name, "--config", str(config),
+                             "--exit-zero"],  # the simulated `unhelpful` policy fails its audit (exit 1)
                             env=env, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
