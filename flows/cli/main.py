@@ -206,7 +206,7 @@ def _spec(config: str | None, name: str):
 
 def cmd_run(ns: argparse.Namespace) -> int:
     """Run one declared evaluation now, with its notifications and automatic label requests."""
-    from flows.pipelines.audit import evaluate_and_audit
+    from flows.label_requests.requests import evaluate_and_audit
     from flows.runtime.prefect_server import prefect_api
 
     params = _spec(ns.config, ns.name).flow_parameters()
