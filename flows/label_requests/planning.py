@@ -47,6 +47,40 @@ def _pool(rows: _Rows, scope: str, result: Mapping, cfg: RequestConfig, exclude:
     return np.flatnonzero(ok)
 
 
+def _deduplicate(triggers: Sequence[dict], existing: Sequence[Mapping], evaluation: str | None
+                 ) -> tuple[list[dict], list[dict], set[str], set[tuple[str, str]]]:
+    """Triggers not already pending (or, for a drift look, not already raised), the skipped ones with
+    reasons, and the response ids and (anchor set, anchor id) pairs pending in other requests."""
+    pending = [e for e in existing if e.get("status") == "pending"]
+    pending_ids = {r["response_id"] for e in pending for r in e.get("rows", [])}
+    # drift requests are deduplicated per drift monitor (one anchor set each), others per scope
+    pending_codes = {(e.get("evaluation"), e.get("scope"), r["trigger"],
+                      (e.get("drift") or {}).get("monitor") if e.get("scope") == "drift" else None)
+                     for e in pending for r in e.get("reasons", [])}
+    pending_anchors = {(str((e.get("drift") or {}).get("set_name")), str(a.get("anchor_id"))) for e in pending
+                       for a in e.get("anchors") or []}
+    # a drift look raises at most one request, whatever became of it (reruns and repairs of a look)
+    done_looks = {((e.get("drift") or {}).get("monitor"), (e.get("drift") or {}).get("look")): e
+                  for e in existing if e.get("scope") == "drift" and (e.get("drift") or {}).get("monitor")}
+
+    skipped = []
+    fresh = []
+    for t in triggers:
+        mon = t["detail"].get("monitor") if t["scope"] == "drift" else None
+        prior = done_looks.get((mon, t["detail"].get("look"))) if mon else None
+        if prior is not None:
+            skipped.append({"scope": t["scope"], "trigger": t["trigger"],
+                            "reason": f"drift look {t['detail'].get('look')} of monitor {mon!r} already raised "
+                                      f"request {prior.get('request_id')} ({prior.get('status')})"})
+        elif (evaluation, t["scope"], t["trigger"], mon) in pending_codes:
+            skipped.append({"scope": t["scope"], "trigger": t["trigger"],
+                            "reason": "a request for this trigger and scope is still pending"
+                                      + (f" (drift monitor {mon!r})" if mon else "")})
+        else:
+            fresh.append(t)
+    return fresh, skipped, pending_ids, pending_anchors
+
+
 def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | None = None, *,
                   evaluation: str, window: str, run_key: str | None = None, logs_uri: str | None = None,
                   existing: Sequence[Mapping] = (), drift_look: Mapping | None = None,
@@ -71,36 +105,10 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
     rows = _Rows.from_table(_as_table(logs))
     triggers = _find_triggers(result, rows, cfg, drift_look, anchor_ids)
 
-    pending = [e for e in existing if e.get("status") == "pending"]
-    pending_ids = {r["response_id"] for e in pending for r in e.get("rows", [])}
-    # drift requests are deduplicated per drift monitor (one anchor set each), others per scope
-    pending_codes = {(e.get("evaluation"), e.get("scope"), r["trigger"],
-                      (e.get("drift") or {}).get("monitor") if e.get("scope") == "drift" else None)
-                     for e in pending for r in e.get("reasons", [])}
-    pending_anchors = {(str((e.get("drift") or {}).get("set_name")), str(a.get("anchor_id"))) for e in pending
-                       for a in e.get("anchors") or []}
-    # a drift look raises at most one request, whatever became of it (reruns and repairs of a look)
-    done_looks = {((e.get("drift") or {}).get("monitor"), (e.get("drift") or {}).get("look")): e
-                  for e in existing if e.get("scope") == "drift" and (e.get("drift") or {}).get("monitor")}
+    fresh, skipped, pending_ids, pending_anchors = _deduplicate(triggers, existing, evaluation)
     used = budget_used if budget_used is not None else sum(
         int(e.get("n_labels", 0)) for e in existing if e.get("period") == period)
     left = max(0, cfg.max_labels_per_period - used)
-
-    skipped = []
-    fresh = []
-    for t in triggers:
-        mon = t["detail"].get("monitor") if t["scope"] == "drift" else None
-        prior = done_looks.get((mon, t["detail"].get("look"))) if mon else None
-        if prior is not None:
-            skipped.append({"scope": t["scope"], "trigger": t["trigger"],
-                            "reason": f"drift look {t['detail'].get('look')} of monitor {mon!r} already raised "
-                                      f"request {prior.get('request_id')} ({prior.get('status')})"})
-        elif (evaluation, t["scope"], t["trigger"], mon) in pending_codes:
-            skipped.append({"scope": t["scope"], "trigger": t["trigger"],
-                            "reason": "a request for this trigger and scope is still pending"
-                                      + (f" (drift monitor {mon!r})" if mon else "")})
-        else:
-            fresh.append(t)
     merged = _merge(fresh)
     order = sorted(merged.values(), key=lambda m: min(PRIORITY[r["trigger"]] for r in m["reasons"]))
     conf = result.get("config") or {}
@@ -138,47 +146,19 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
                                 _seed_for(cfg.seed, request_id), n_strata=cfg.n_strata, regions=m["regions"],
                                 bandwidth=float(rule.get("bandwidth", 0.0)), background_share=cfg.background_share)
         chosen = pool[idx]
-        prior = {pol: _prior_probability(rows, pol) for pol in set(rows.policy[chosen].tolist())}
-        req_rows = []
-        for i, pi, s in zip(chosen, p, strata):
-            pol = str(rows.policy[i])
-            req_rows.append({
-                "response_id": str(rows.rid[i]), "policy": pol,
-                "prompt_id": None if rows.prompt is None else str(rows.prompt[i]),
-                "judge_score": float(rows.score[i]),
-                "dt": None if rows.dt is None or rows.dt[i] is None else str(rows.dt[i]),
-                "stratum": int(s), "selection_probability": float(pi),
-                "prior_probability": prior[pol], "inclusion_probability": float(pi * prior[pol]),
-            })
-        anchors = []
+        req_rows = _request_rows(rows, chosen, p, strata)
         # anchors take what the traffic rows leave of the request cap and of the period budget
-        k = min(n_anchor, len(anchor_pool), max(0, cfg.max_labels_per_request - len(req_rows)),
-                max(0, left - len(req_rows)))
-        if k > 0:
-            ids = np.array(anchor_pool, dtype=object)
-            pick = np.random.default_rng(_seed_for(cfg.seed + 1, request_id)).choice(ids.size, size=k, replace=False)
-            anchors = [{"anchor_id": str(ids[j]), "selection_probability": k / ids.size} for j in np.sort(pick)]
+        anchors = _sample_anchors(anchor_pool, min(n_anchor, max(0, cfg.max_labels_per_request - len(req_rows)),
+                                                   max(0, left - len(req_rows))), _seed_for(cfg.seed + 1, request_id))
         taken |= {r["response_id"] for r in req_rows}
         n_labels = len(req_rows) + len(anchors)
-        caps = []
-        if len(anchors) < n_anchor:
-            caps.append(f"anchors: {len(anchors)} of {n_anchor} ({len(anchor_pool)} anchor(s) not pending "
-                        f"elsewhere, request cap and period budget)")
-        if m["labels"] > cfg.max_labels_per_request:
-            caps.append(f"max_labels_per_request={cfg.max_labels_per_request}")
-        if left < want:
-            caps.append(f"the period budget ({left} label(s) left of {cfg.max_labels_per_period})")
-        if len(req_rows) < n_target:
-            caps.append(f"the pool ({pool.size} unlabelled row(s) not pending elsewhere)")
-        note = f"requested {len(req_rows)} of {m['labels']} label(s); limited by " + ", ".join(caps) if caps else None
+        note = _cap_note(cfg, m["labels"], want, left, n_target, len(req_rows), pool.size, len(anchors), n_anchor,
+                         len(anchor_pool))
         left -= n_labels
         manifest = {
-            "manifest_version": MANIFEST_VERSION,
-            "request_id": request_id,
-            "status": "pending",
+            "manifest_version": MANIFEST_VERSION, "request_id": request_id, "status": "pending",
             "evaluation": evaluation, "window": window, "run_key": run_key, "result_path": info.get("path"),
-            "logs_uri": logs_uri, "scope": m["scope"],
-            "design": m["design"],
+            "logs_uri": logs_uri, "scope": m["scope"], "design": m["design"],
             "design_detail": _design_text(m["design"], cfg, m["regions"], rule),
             "reasons": m["reasons"],
             "n_labels": n_labels, "labels_wanted": m["labels"], "note": note,
@@ -187,13 +167,9 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
                        "max_labels_per_request": cfg.max_labels_per_request,
                        "cost": n_labels * cfg.c_Y, "c_Y": cfg.c_Y},
             "label_scale": list(conf.get("label_scale") or [0.0, 1.0]),
-            "seed": _seed_for(cfg.seed, request_id),
-            "pool_size": int(pool.size),
-            "created_at": now_.isoformat(),
-            "deadline": (now_ + timedelta(days=cfg.deadline_days)).isoformat(),
-            "period": period,
-            "rows": req_rows,
-            "anchors": anchors,
+            "seed": _seed_for(cfg.seed, request_id), "pool_size": int(pool.size), "created_at": now_.isoformat(),
+            "deadline": (now_ + timedelta(days=cfg.deadline_days)).isoformat(), "period": period,
+            "rows": req_rows, "anchors": anchors,
         }
         if m["scope"] == "drift" and drift_detail:
             manifest["drift"] = {k: drift_detail.get(k) for k in (
@@ -202,6 +178,49 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
         used += n_labels
         requests.append(manifest)
     return {"requests": requests, "skipped": skipped, "triggers": triggers}
+
+
+def _request_rows(rows: _Rows, chosen: np.ndarray, p: np.ndarray, strata: np.ndarray) -> list[dict]:
+    """Manifest rows of the chosen pool rows, with selection and inclusion probabilities."""
+    prior = {pol: _prior_probability(rows, pol) for pol in set(rows.policy[chosen].tolist())}
+    out = []
+    for i, pi, s in zip(chosen, p, strata):
+        pol = str(rows.policy[i])
+        out.append({
+            "response_id": str(rows.rid[i]), "policy": pol,
+            "prompt_id": None if rows.prompt is None else str(rows.prompt[i]),
+            "judge_score": float(rows.score[i]),
+            "dt": None if rows.dt is None or rows.dt[i] is None else str(rows.dt[i]),
+            "stratum": int(s), "selection_probability": float(pi),
+            "prior_probability": prior[pol], "inclusion_probability": float(pi * prior[pol]),
+        })
+    return out
+
+
+def _sample_anchors(pool: Sequence[str], k: int, seed: int) -> list[dict]:
+    """A simple random sample of ``k`` anchors of the pool (``selection_probability = k / N``)."""
+    k = min(int(k), len(pool))
+    if k <= 0:
+        return []
+    ids = np.array(pool, dtype=object)
+    pick = np.random.default_rng(seed).choice(ids.size, size=k, replace=False)
+    return [{"anchor_id": str(ids[j]), "selection_probability": k / ids.size} for j in np.sort(pick)]
+
+
+def _cap_note(cfg: RequestConfig, labels: int, want: int, left: int, n_target: int, n_rows: int, pool_size: int,
+              n_anchors: int, n_anchor_wanted: int, anchor_pool: int) -> str | None:
+    """What limited a request (None when nothing did)."""
+    caps = []
+    if n_anchors < n_anchor_wanted:
+        caps.append(f"anchors: {n_anchors} of {n_anchor_wanted} ({anchor_pool} anchor(s) not pending "
+                    f"elsewhere, request cap and period budget)")
+    if labels > cfg.max_labels_per_request:
+        caps.append(f"max_labels_per_request={cfg.max_labels_per_request}")
+    if left < want:
+        caps.append(f"the period budget ({left} label(s) left of {cfg.max_labels_per_period})")
+    if n_rows < n_target:
+        caps.append(f"the pool ({pool_size} unlabelled row(s) not pending elsewhere)")
+    return f"requested {n_rows} of {labels} label(s); limited by " + ", ".join(caps) if caps else None
 
 
 def _design_text(design: str, cfg: RequestConfig, regions: Any, rule: Mapping) -> str:

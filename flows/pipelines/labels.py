@@ -47,7 +47,7 @@ from flows.label_requests.answers import (ANSWER_FORMATS, detect_format, load_js
 from flows.label_requests.manifests import list_requests, mark_fulfilled
 from flows.pipelines.audit import evaluate_and_audit
 from flows.storage.anchors import label_anchors
-from flows.storage.objects import NotFoundError
+from flows.storage.objects import NotFoundError, StorageConfig
 from flows.storage.publish import list_runs
 from flows.runtime.retries import retry_unless_bad_input
 from flows.reports.artifacts import labels_artifacts
@@ -473,6 +473,33 @@ def affected_windows(spec: Any, dates: set[str], published: Sequence[str], as_of
 # the flow
 
 
+def _scope(labels_uri: str, logs_uri: str | None, evaluations_file: str | None, evaluations: Sequence[Mapping] | None,
+           lookback_start: str | None, lookback_end: str | None) -> tuple[list, list[str], tuple[date, date] | None]:
+    """The evaluations using this label store, the logs to look ids up in, the lookback range."""
+    specs = [s for s in _specs(evaluations_file, evaluations)
+             if os.path.normpath(s.labels_uri or s.logs_uri) == os.path.normpath(labels_uri)
+             or (s.labels_uri or s.logs_uri) == labels_uri]
+    logs_uris = list(dict.fromkeys(([logs_uri] if logs_uri else []) + [s.logs_uri for s in specs]))
+    lookback = None
+    if lookback_start or lookback_end:
+        if not (lookback_start and lookback_end):
+            raise CJEInputError("give both lookback_start and lookback_end (or neither)")
+        lookback = (date.fromisoformat(lookback_start), date.fromisoformat(lookback_end))
+    return specs, logs_uris, lookback
+
+
+def _ingest(table: pa.Table, source: str, known: dict, label_scale: Sequence[float], labels_uri: str, cfg: Any,
+            source_name: str) -> tuple[pa.Table, dict]:
+    """Validate the response labels and append them to the label store (nothing when there are none)."""
+    if not table.num_rows:
+        return table.slice(0, 0), {"version": None, "new": False, "conflicts": [], "labelled_ids": set()}
+    clean = validate_task(quote(table), source, known, list(label_scale))
+    appended = append_task(labels_uri, quote(cfg), quote(clean), source_name)
+    get_run_logger().info("labels from %s: %d row(s), label-store version %d (%s)", source, clean.num_rows,
+                          appended["version"], "new" if appended["new"] else "already stored")
+    return clean, appended
+
+
 def reevaluate_windows(specs: Sequence[Any], touched: Sequence[str], cfg: Any, as_of: str | None, max_windows: int,
                        label_requests: Mapping | None) -> tuple[list[dict], list[dict]]:
     """Run `evaluate_and_audit` on every affected window of every evaluation; (summaries, superseded runs)."""
@@ -576,37 +603,19 @@ def labels(
         request), ``touched_dates``, ``reevaluations`` (the `evaluate_and_audit` outputs, without
         the full result) and ``superseded`` (run keys replaced as latest).
     """
-    from flows.storage.objects import StorageConfig
-
-    logger = get_run_logger()
     cfg = StorageConfig.from_env()
     results_uri = results_uri or labels_uri
     requests_uri = requests_uri or results_uri
-    specs = [s for s in _specs(evaluations_file, evaluations)
-             if os.path.normpath(s.labels_uri or s.logs_uri) == os.path.normpath(labels_uri)
-             or (s.labels_uri or s.logs_uri) == labels_uri]
-    logs_uris = list(dict.fromkeys(([logs_uri] if logs_uri else []) + [s.logs_uri for s in specs]))
-    lookback = None
-    if lookback_start or lookback_end:
-        if not (lookback_start and lookback_end):
-            raise CJEInputError("give both lookback_start and lookback_end (or neither)")
-        lookback = (date.fromisoformat(lookback_start), date.fromisoformat(lookback_end))
+    specs, logs_uris, lookback = _scope(labels_uri, logs_uri, evaluations_file, evaluations, lookback_start,
+                                        lookback_end)
 
     table, source, read_info = read_labels_task(path, quote(cfg), answers_format, answer_field, id_field)
     known, requests = locate_task(quote(table), source, requests_uri, logs_uris, quote(cfg), lookback)
     table, anchor_rows, anchor_map = split_anchors(table, known, requests)
     table, anchor_rows, label_scale = scale_answers(table, anchor_rows, known, anchor_map, label_scale, source)
-    anchors_out = {"versions": [], "labelled": set()}
-    if anchor_rows:
-        anchors_out = anchor_task(quote(anchor_rows), anchor_map, anchors_uri, evaluations_file, quote(cfg),
-                                  source_name or source)
-    appended = {"version": None, "new": False, "conflicts": [], "labelled_ids": set()}
-    clean = table.slice(0, 0)
-    if table.num_rows:
-        clean = validate_task(quote(table), source, known, list(label_scale))
-        appended = append_task(labels_uri, quote(cfg), quote(clean), source_name or source)
-        logger.info("labels from %s: %d row(s), label-store version %d (%s)", source, clean.num_rows,
-                    appended["version"], "new" if appended["new"] else "already stored")
+    anchors_out = (anchor_task(quote(anchor_rows), anchor_map, anchors_uri, evaluations_file, quote(cfg),
+                               source_name or source) if anchor_rows else {"versions": [], "labelled": set()})
+    clean, appended = _ingest(table, source, known, label_scale, labels_uri, cfg, source_name or source)
     statuses = fulfil_task(requests_uri, quote(cfg), quote(requests), quote(appended["labelled_ids"]),
                            appended["version"], source, quote(anchors_out["labelled"]))
     ingested = set(clean.column("response_id").to_pylist())
@@ -615,15 +624,11 @@ def labels(
         "source": source, "format": read_info.get("format"), "rows": clean.num_rows, "version": appended["version"],
         "new": appended["new"], "conflicts": appended["conflicts"], "requests": [s for s in statuses if s["received"]],
         "touched_dates": touched, "reevaluations": [], "superseded": [], "label_scale": list(label_scale),
-        "anchors": [{k: v for k, v in a.items()} for a in anchors_out["versions"]],
-        "ignored": read_info.get("ignored", {}), "duplicates": read_info.get("duplicates", 0),
-        "unanswered": read_info.get("unanswered", 0),
-    }
-    if not (reevaluate and appended["new"]):
-        return labels_artifacts(out)  # Prefect artifacts: flows/reports/artifacts.py
-
-    out["reevaluations"], out["superseded"] = reevaluate_windows(specs, touched, cfg, as_of, max_windows,
-                                                                  label_requests)
+        "anchors": anchors_out["versions"], **{k: read_info.get(k, d) for k, d in (
+            ("ignored", {}), ("duplicates", 0), ("unanswered", 0))}}
+    if reevaluate and appended["new"]:
+        out["reevaluations"], out["superseded"] = reevaluate_windows(specs, touched, cfg, as_of, max_windows,
+                                                                      label_requests)
     return labels_artifacts(out)  # Prefect artifacts: flows/reports/artifacts.py
 
 

@@ -397,20 +397,27 @@ def inline_label_columns(st: Storage, keys: Sequence[str], threads: int = 8) -> 
     Reads only the Parquet footers (in ``threads`` threads).  Returns ``{"columns": [...],
     "mixed": bool}``: the label columns present in at least one file, and whether some file
     lacks one of them (a projected read per group of files would then fail on the group without
-    it: read every column instead).
+    it: read every column instead).  A file whose footer cannot be read (storage down, not
+    Parquet) also gives ``mixed``: the read that follows reads every column and reports the
+    failure with its own retries and messages.
     """
     if not keys:
         return {"columns": [], "mixed": False}
     fs, _ = st.arrow_fs
 
-    def names(key: str) -> set[str]:
-        with fs.open_input_file(st.arrow_path(key)) as f:
-            return set(pq.read_schema(f).names)
+    def names(key: str) -> set[str] | None:
+        try:
+            with fs.open_input_file(st.arrow_path(key)) as f:
+                return set(pq.read_schema(f).names)
+        except (OSError, pa.ArrowException) as exc:  # left to the read, which retries and names the object
+            log.debug("footer of %s not readable (%s); every column will be read", st.url(key), exc)
+            return None
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(keys)))) as pool:
         per_file = list(pool.map(names, list(keys)))
-    present = [c for c in LABEL_COLUMNS if any(c in n for n in per_file)]
-    mixed = any(c not in n for c in present for n in per_file)
+    readable = [n for n in per_file if n is not None]
+    present = [c for c in LABEL_COLUMNS if any(c in n for n in readable)]
+    mixed = len(readable) < len(per_file) or any(c not in n for c in present for n in readable)
     return {"columns": present, "mixed": bool(mixed)}
 
 

@@ -12,6 +12,9 @@
 #   CJE_LS_VENV   Label Studio's virtualenv                      default <repo>/.venv-labelstudio
 #   CJE_LS_PORT   port on 127.0.0.1                              default: a free port
 #
+# The first start migrates a new SQLite database (minutes on a loaded machine) and keeps a copy,
+# $CJE_LS_VENV/.cje-template-<version>.sqlite3; later starts begin from that copy.
+#
 # The env file holds LABEL_STUDIO_URL, LABEL_STUDIO_API_KEY (a personal access token: a JWT
 # refresh token, sent as a Bearer access token after /api/token/refresh/), LABEL_STUDIO_LEGACY_TOKEN
 # (sent as 'Token ...'), CJE_LS_PID, and the start-up time and resident memory measured here.
@@ -30,13 +33,18 @@ LEGACY_TOKEN="cjelabelstudiotesttoken0000000000000001"
 T0=$(date +%s.%N)
 
 log() { echo "[labelstudio] $*" >&2; }
-die() { log "ERROR: $*"; [[ -f "$DIR/server.log" ]] && tail -n 30 "$DIR/server.log" >&2; exit 1; }
+die() {
+    log "ERROR: $*"
+    [[ -f "$DIR/server.log" ]] && tail -n 30 "$DIR/server.log" >&2
+    [[ -f "$DIR/pid" ]] && bash "$HERE/stop.sh" >/dev/null 2>&1   # never leave a half-started server behind
+    exit 1
+}
 
 # 0. already running? (idempotent)
-if [[ -f "$DIR/pid" && -f "$ENV_FILE" ]]; then
+if [[ -f "$DIR/pid" ]]; then
     pid=$(cat "$DIR/pid")
-    url=$(. "$ENV_FILE"; echo "$LABEL_STUDIO_URL")
-    if kill -0 "$pid" 2>/dev/null && curl -fsS -o /dev/null --max-time 3 "$url/health"; then
+    url=$([[ -f "$ENV_FILE" ]] && (. "$ENV_FILE"; echo "$LABEL_STUDIO_URL") || true)
+    if [[ -n "$url" ]] && kill -0 "$pid" 2>/dev/null && curl -fsS -o /dev/null --max-time 3 "$url/health" 2>/dev/null; then
         log "already running at $url (pid $pid, env file $ENV_FILE)"
         echo "$ENV_FILE"
         exit 0
@@ -66,6 +74,14 @@ export LABEL_STUDIO_DISABLE_SIGNUP_WITHOUT_LINK=true
 export LABEL_STUDIO_HOST="$URL"
 export DO_NOT_TRACK=1
 
+# A fresh database takes minutes of migrations; a migrated copy made by an earlier start (same
+# version, same fixed test user) is reused when present.
+TEMPLATE="$VENV/.cje-template-$LS_VERSION.sqlite3"
+if [[ -f "$TEMPLATE" ]]; then
+    cp "$TEMPLATE" "$DIR/data/label_studio.sqlite3"
+    log "database from the migrated template $TEMPLATE"
+fi
+
 # 3. start (own session, so stop.sh can end the whole process group by the recorded PID)
 log "starting label-studio $LS_VERSION on $URL (data in $DIR/data)"
 setsid "$VENV/bin/label-studio" start --no-browser --internal-host 127.0.0.1 --port "$PORT" \
@@ -81,6 +97,13 @@ for _ in $(seq 1 600); do
 done
 curl -fsS -o /dev/null --max-time 2 "$URL/health" || die "label-studio did not answer $URL/health in 300 s"
 T1=$(date +%s.%N)
+
+# the migrated database before any personal access token exists (one per user): an online copy
+# (SQLite backup API) for the next start
+if [[ ! -f "$TEMPLATE" ]]; then
+    "$VENV/bin/python" -c 'import sqlite3, sys; s = sqlite3.connect(sys.argv[1]); d = sqlite3.connect(sys.argv[2]); s.backup(d); d.close()' \
+        "$DIR/data/label_studio.sqlite3" "$TEMPLATE.tmp" && mv "$TEMPLATE.tmp" "$TEMPLATE" || rm -f "$TEMPLATE.tmp"
+fi
 
 # 4. a personal access token (the current kind), made with the legacy token
 PAT=$(curl -fsS --max-time 30 -X POST -H "Authorization: Token $LEGACY_TOKEN" "$URL/api/token/" \

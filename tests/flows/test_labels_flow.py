@@ -266,6 +266,10 @@ def test_inline_label_columns_reads_footers_and_flags_mixed_files(tmp_path):
     assert inline_label_columns(st, ["dt=2025-03-02/y.parquet"]) == {"columns": [], "mixed": False}
     assert inline_label_columns(st, ["dt=2025-03-01/x.parquet", "dt=2025-03-02/y.parquet"]) == {
         "columns": ["oracle_label"], "mixed": True}
+    # an unreadable footer is left to the read (which names the object and is not retried): read everything
+    st.write_bytes("dt=2025-03-03/z.parquet", b"PAR1 not parquet")
+    assert inline_label_columns(st, ["dt=2025-03-01/x.parquet", "dt=2025-03-03/z.parquet"]) == {
+        "columns": ["oracle_label"], "mixed": True}
 
 
 def test_a_drop_of_labelled_rows_warns_and_is_recorded(prefect_server, ray_cluster, tmp_path):
