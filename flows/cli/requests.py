@@ -26,9 +26,10 @@ def _csv(value: str) -> list[str]:
 
 
 def config_path(ns: argparse.Namespace) -> str:
-    from flows.runtime.schedules import DEFAULT_FILE
+    """The evaluations file in use (`flows.cli.common.find_config`: --config, $CJE_CONFIG, ./evaluations.yaml)."""
+    from flows.cli.common import find_config
 
-    return str(ns.config or DEFAULT_FILE)
+    return str(find_config(ns.config))
 
 
 def spec_of(config: str, name: str):
