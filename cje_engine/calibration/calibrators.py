@@ -249,6 +249,30 @@ def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray |
     return None
 
 
+def _ramp_lsq_batch(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray) -> list:
+    """`_ramp_lsq_gram` for a stack of systems sharing the warm-start set ``free``, in one solve.
+
+    Each solution is returned only if it passes the same checks (full rank, KKT); None entries
+    are left to the caller's per-system solver.
+    """
+    P = G.shape[1]
+    idx = np.concatenate([np.flatnonzero(free), np.arange(n_ramp, P)])
+    Gs = G[:, idx][:, :, idx]
+    g = np.diagonal(Gs, axis1=1, axis2=2)
+    try:
+        L = np.linalg.cholesky(Gs)
+    except np.linalg.LinAlgError:
+        return [None] * G.shape[0]
+    ok = (g > 0).all(1) & ((np.diagonal(L, axis1=1, axis2=2) ** 2 / g).min(1) >= 1e-12)
+    x = np.linalg.solve(Gs, b[:, idx, None])[:, :, 0]
+    theta = np.zeros((G.shape[0], P))
+    theta[:, idx] = x
+    grad = b - np.einsum("jpq,jq->jp", G, theta)
+    tol = 1e-9 * (np.abs(b).max(1) + 1e-300)
+    ok &= (theta[:, :n_ramp] >= 0).all(1) & ~((~free)[None, :] & (grad[:, :n_ramp] > tol[:, None])).any(1)
+    return [theta[i] if ok[i] else None for i in range(G.shape[0])]
+
+
 def _knot_levels(n_knots: int) -> np.ndarray:
     q = _LEVELS.get(n_knots)
     if q is None:
@@ -415,20 +439,29 @@ class TwoStageCalibrator:
         Gs = np.matmul(F_shared.T[None] * W[same][:, None, :], F_shared)  # normal equations of every fit
         bs = WY[same] @ F_shared
         gram = dict(zip(same, zip(Gs, bs)))
+        thetas: dict[int, np.ndarray | None] = {}
+        if same and same[0] == 0:  # the full fit first: its active ramps warm-start the folds
+            thetas[0] = _ramp_lsq_gram(Gs[0], bs[0], shared.size - 1, None)
+            rest = same[1:]
+            if thetas[0] is not None and rest:
+                thetas.update(zip(rest, _ramp_lsq_batch(Gs[1:], bs[1:], shared.size - 1, thetas[0][:shared.size - 1] > 0)))
         for j in range(J):
             m = models[j]
             if m is None:
                 continue
             n_ramp = m.knots_.size - 1
-            if j in gram:
-                G, b = gram[j]
-            else:
-                F = np.empty((cells.size, n_ramp + p + 1))
-                F[:, :n_ramp] = _ramp_basis(cells.score, m.knots_)
-                F[:, n_ramp:-1] = Xt
-                F[:, -1] = 1.0
-                G, b = (F.T * W[j]) @ F, WY[j] @ F
-            theta = _ramp_lsq_gram(G, b, n_ramp, None if j == 0 or models[0] is None else models[0].ramp_coef_ > 0)
+            theta = thetas.get(j)
+            if theta is None:
+                if j in gram:
+                    G, b = gram[j]
+                else:
+                    F = np.empty((cells.size, n_ramp + p + 1))
+                    F[:, :n_ramp] = _ramp_basis(cells.score, m.knots_)
+                    F[:, n_ramp:-1] = Xt
+                    F[:, -1] = 1.0
+                    G, b = (F.T * W[j]) @ F, WY[j] @ F
+                warm = None if j == 0 or models[0] is None else models[0].ramp_coef_ > 0
+                theta = _ramp_lsq_gram(G, b, n_ramp, warm)
             if theta is None:  # (nearly) collinear or unsettled: the exact per-fit path (NNLS)
                 models[j] = cls(clip=clip, **params).fit_cells(cells, W[j], WY[j], C[j])
                 continue
