@@ -493,7 +493,7 @@ def _normalise(
             out[col] = df[col]
 
     out[_SRC] = np.int32(index)
-    out[_ROW] = np.arange(n, dtype=np.int64)
+    out[_ROW] = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
     return out
 
 
