@@ -22,6 +22,19 @@ from scipy.linalg.lapack import dposv as _dposv
 from scipy.optimize import nnls
 
 from cje_engine.calibration.isotonic import isotonic_pooled
+
+try:  # numpy's compiled interpolation without the Python wrapper's checks (float inputs only here)
+    from numpy._core.multiarray import interp as _interp
+except ImportError:  # pragma: no cover - other numpy layouts
+    _interp = np.interp
+
+
+def _clip(out: np.ndarray, clip: tuple[float, float] | None) -> np.ndarray:
+    """In-place clip (np.clip's dispatch costs more than the work on small arrays)."""
+    if clip is None:
+        return out
+    np.maximum(out, clip[0], out=out)
+    return np.minimum(out, clip[1], out=out)
 from cje_engine.errors import CJEInputError
 
 MODES = ("monotone", "two_stage")
@@ -182,7 +195,7 @@ class IsotonicCalibrator:
 
     def predict_cells(self, cells: Cells) -> np.ndarray:
         """Predictions at every cell."""
-        return self.predict(cells.score)
+        return _clip(_interp(cells.score, self.x_, self.y_), self.clip)
 
 
 def _ramp_basis(s: np.ndarray, knots: np.ndarray) -> np.ndarray:
@@ -393,9 +406,8 @@ class TwoStageCalibrator:
         p = Xt.shape[1]
         D = cells.score_values.size
         # Knots of every fit at once: quantiles of the per-score row counts (numpy's linear rule).
-        per_score = np.zeros((J, D))
-        for j in range(J):
-            per_score[j] = np.bincount(cells.score_code, weights=C[j], minlength=D)
+        key = (np.arange(J)[:, None] * D + cells.score_code[None, :]).ravel()
+        per_score = np.bincount(key, weights=C.ravel(), minlength=J * D).reshape(J, D)
         cum = per_score.cumsum(1)
         n = cum[:, -1:]
         virtual = (n - 1) * _knot_levels(tmpl.n_knots)[None, :]
@@ -499,7 +511,7 @@ class TwoStageCalibrator:
     def _index_t(self, score: np.ndarray, Xt: np.ndarray) -> np.ndarray:
         # sum_j a_j ramp_j(s) is the piecewise-linear interpolant through (knot_j, a_0 + ... + a_{j-1}),
         # flat outside the knots: np.interp evaluates it without building the basis matrix.
-        h = np.interp(score, self.knots_, self._cum)
+        h = _interp(score, self.knots_, self._cum)
         if Xt.shape[1]:
             h = h + ((Xt - self.x_mean_) / self.x_scale_) @ self.beta_
         return h + self.intercept_
@@ -516,8 +528,7 @@ class TwoStageCalibrator:
 
     def predict_cells(self, cells: Cells) -> np.ndarray:
         """Predictions at every cell."""
-        out = np.interp(self._index_t(cells.score, self._xt(cells)), self.x_, self.y_)
-        return out if self.clip is None else np.clip(out, *self.clip)
+        return _clip(_interp(self._index_t(cells.score, self._xt(cells)), self.x_, self.y_), self.clip)
 
 
 def make_calibrator(mode: str, clip: tuple[float, float] | None = None):
