@@ -100,6 +100,22 @@ class MemorySampler:
         return st
 
 
+def _release_memory() -> None:
+    """Hand freed memory back to the OS (Arrow's pool and glibc's heap keep it otherwise), so the
+    next stage's peak is its own."""
+    import ctypes
+    import gc
+
+    import pyarrow as pa
+
+    gc.collect()
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _maxrss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # ru_maxrss is KiB on Linux
 
@@ -152,6 +168,7 @@ def stage_evaluate(args: argparse.Namespace) -> dict:
         mem.mark("load + validate (load_frame)")
         ed = EvalData.from_frame(frame, covariates=covs)
         del frame
+        _release_memory()
         mem.mark("EvalData build")
         prep = prepare(ed, **opts)
         mem.mark("prepare")

@@ -22,6 +22,19 @@ from scipy.linalg.lapack import dposv as _dposv
 from scipy.optimize import nnls
 
 from cje_engine.calibration.isotonic import isotonic_pooled
+
+try:  # numpy's compiled interpolation without the Python wrapper's checks (float inputs only here)
+    from numpy._core.multiarray import interp as _interp
+except ImportError:  # pragma: no cover - other numpy layouts
+    _interp = np.interp
+
+
+def _clip(out: np.ndarray, clip: tuple[float, float] | None) -> np.ndarray:
+    """In-place clip (np.clip's dispatch costs more than the work on small arrays)."""
+    if clip is None:
+        return out
+    np.maximum(out, clip[0], out=out)
+    return np.minimum(out, clip[1], out=out)
 from cje_engine.errors import CJEInputError
 
 MODES = ("monotone", "two_stage")
@@ -182,7 +195,7 @@ class IsotonicCalibrator:
 
     def predict_cells(self, cells: Cells) -> np.ndarray:
         """Predictions at every cell."""
-        return self.predict(cells.score)
+        return _clip(_interp(cells.score, self.x_, self.y_), self.clip)
 
 
 def _ramp_basis(s: np.ndarray, knots: np.ndarray) -> np.ndarray:
@@ -247,6 +260,30 @@ def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray |
             return theta
         free |= viol
     return None
+
+
+def _ramp_lsq_batch(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray) -> list:
+    """`_ramp_lsq_gram` for a stack of systems sharing the warm-start set ``free``, in one solve.
+
+    Each solution is returned only if it passes the same checks (full rank, KKT); None entries
+    are left to the caller's per-system solver.
+    """
+    P = G.shape[1]
+    idx = np.concatenate([np.flatnonzero(free), np.arange(n_ramp, P)])
+    Gs = G[:, idx][:, :, idx]
+    g = np.diagonal(Gs, axis1=1, axis2=2)
+    try:
+        L = np.linalg.cholesky(Gs)
+    except np.linalg.LinAlgError:
+        return [None] * G.shape[0]
+    ok = (g > 0).all(1) & ((np.diagonal(L, axis1=1, axis2=2) ** 2 / g).min(1) >= 1e-12)
+    x = np.linalg.solve(Gs, b[:, idx, None])[:, :, 0]
+    theta = np.zeros((G.shape[0], P))
+    theta[:, idx] = x
+    grad = b - np.einsum("jpq,jq->jp", G, theta)
+    tol = 1e-9 * (np.abs(b).max(1) + 1e-300)
+    ok &= (theta[:, :n_ramp] >= 0).all(1) & ~((~free)[None, :] & (grad[:, :n_ramp] > tol[:, None])).any(1)
+    return [theta[i] if ok[i] else None for i in range(G.shape[0])]
 
 
 def _knot_levels(n_knots: int) -> np.ndarray:
@@ -369,9 +406,8 @@ class TwoStageCalibrator:
         p = Xt.shape[1]
         D = cells.score_values.size
         # Knots of every fit at once: quantiles of the per-score row counts (numpy's linear rule).
-        per_score = np.zeros((J, D))
-        for j in range(J):
-            per_score[j] = np.bincount(cells.score_code, weights=C[j], minlength=D)
+        key = (np.arange(J)[:, None] * D + cells.score_code[None, :]).ravel()
+        per_score = np.bincount(key, weights=C.ravel(), minlength=J * D).reshape(J, D)
         cum = per_score.cumsum(1)
         n = cum[:, -1:]
         virtual = (n - 1) * _knot_levels(tmpl.n_knots)[None, :]
@@ -415,20 +451,29 @@ class TwoStageCalibrator:
         Gs = np.matmul(F_shared.T[None] * W[same][:, None, :], F_shared)  # normal equations of every fit
         bs = WY[same] @ F_shared
         gram = dict(zip(same, zip(Gs, bs)))
+        thetas: dict[int, np.ndarray | None] = {}
+        if same and same[0] == 0:  # the full fit first: its active ramps warm-start the folds
+            thetas[0] = _ramp_lsq_gram(Gs[0], bs[0], shared.size - 1, None)
+            rest = same[1:]
+            if thetas[0] is not None and rest:
+                thetas.update(zip(rest, _ramp_lsq_batch(Gs[1:], bs[1:], shared.size - 1, thetas[0][:shared.size - 1] > 0)))
         for j in range(J):
             m = models[j]
             if m is None:
                 continue
             n_ramp = m.knots_.size - 1
-            if j in gram:
-                G, b = gram[j]
-            else:
-                F = np.empty((cells.size, n_ramp + p + 1))
-                F[:, :n_ramp] = _ramp_basis(cells.score, m.knots_)
-                F[:, n_ramp:-1] = Xt
-                F[:, -1] = 1.0
-                G, b = (F.T * W[j]) @ F, WY[j] @ F
-            theta = _ramp_lsq_gram(G, b, n_ramp, None if j == 0 or models[0] is None else models[0].ramp_coef_ > 0)
+            theta = thetas.get(j)
+            if theta is None:
+                if j in gram:
+                    G, b = gram[j]
+                else:
+                    F = np.empty((cells.size, n_ramp + p + 1))
+                    F[:, :n_ramp] = _ramp_basis(cells.score, m.knots_)
+                    F[:, n_ramp:-1] = Xt
+                    F[:, -1] = 1.0
+                    G, b = (F.T * W[j]) @ F, WY[j] @ F
+                warm = None if j == 0 or models[0] is None else models[0].ramp_coef_ > 0
+                theta = _ramp_lsq_gram(G, b, n_ramp, warm)
             if theta is None:  # (nearly) collinear or unsettled: the exact per-fit path (NNLS)
                 models[j] = cls(clip=clip, **params).fit_cells(cells, W[j], WY[j], C[j])
                 continue
@@ -466,7 +511,7 @@ class TwoStageCalibrator:
     def _index_t(self, score: np.ndarray, Xt: np.ndarray) -> np.ndarray:
         # sum_j a_j ramp_j(s) is the piecewise-linear interpolant through (knot_j, a_0 + ... + a_{j-1}),
         # flat outside the knots: np.interp evaluates it without building the basis matrix.
-        h = np.interp(score, self.knots_, self._cum)
+        h = _interp(score, self.knots_, self._cum)
         if Xt.shape[1]:
             h = h + ((Xt - self.x_mean_) / self.x_scale_) @ self.beta_
         return h + self.intercept_
@@ -483,8 +528,7 @@ class TwoStageCalibrator:
 
     def predict_cells(self, cells: Cells) -> np.ndarray:
         """Predictions at every cell."""
-        out = np.interp(self._index_t(cells.score, self._xt(cells)), self.x_, self.y_)
-        return out if self.clip is None else np.clip(out, *self.clip)
+        return _clip(_interp(self._index_t(cells.score, self._xt(cells)), self.x_, self.y_), self.clip)
 
 
 def make_calibrator(mode: str, clip: tuple[float, float] | None = None):

@@ -23,6 +23,9 @@ logger = logging.getLogger("cje_engine.data.io")
 RESPONSE = "response"
 DRAW_IDX = "draw_idx"
 
+#: Rows per chunk when building temporary text columns (bounds their memory).
+_CHUNK = 1 << 20
+
 # Internal bookkeeping columns (dropped before returning).
 _SRC, _ROW = "__cje_source", "__cje_row"
 
@@ -150,27 +153,33 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
     if by_text.any():
         k[by_text] = pd.Series(pair[by_text]).groupby(pair[by_text], sort=False).cumcount().to_numpy()
     given = frame[RESPONSE_ID].notna().to_numpy()
-    canon = pc.binary_join_element_wise(
-        _arrow_str(frame[POLICY]),
-        _arrow_str(frame[PROMPT]),
-        pc.cast(pa.array(k), pa.large_string()),
-        pa.scalar(":", pa.large_string()),
-    )
+    pol_s, pid_s, rid_s = frame[POLICY], frame[PROMPT], frame[RESPONSE_ID]
+
+    def canon(lo: int, hi: int) -> pa.Array:
+        # built a chunk of rows at a time: the full column of canonical ids would be a
+        # second copy of every id (~0.3 GB at 10M rows) just to be compared and dropped
+        return pc.binary_join_element_wise(
+            _arrow_str(pol_s.iloc[lo:hi]), _arrow_str(pid_s.iloc[lo:hi]),
+            pc.cast(pa.array(k[lo:hi]), pa.large_string()), pa.scalar(":", pa.large_string()))
+
+    bounds = [(lo, min(lo + _CHUNK, n)) for lo in range(0, n, _CHUNK)]
     if given.all():
-        rid = frame[RESPONSE_ID]
+        rid = rid_s
     else:
-        filled = pc.if_else(pa.array(given), _arrow_str(frame[RESPONSE_ID]), canon)
-        rid = filled.to_pandas()
+        pieces = [pc.if_else(pa.array(given[lo:hi]), _arrow_str(rid_s.iloc[lo:hi]), canon(lo, hi))
+                  for lo, hi in bounds]
+        rid = pa.chunked_array(pieces, type=pa.large_string()).to_pandas()
         rid.index = frame.index
         frame[RESPONSE_ID] = rid
 
     # 3. Response ids must be unique.
     canonical_form = not (
-        pc.any(pc.match_substring(_arrow_str(pd.Series(pd.unique(frame[POLICY]))), ":")).as_py()
-        or pc.any(pc.match_substring(_arrow_str(frame[PROMPT]), ":")).as_py()
+        pd.Series(pd.unique(pol_s)).astype(str).str.contains(":", regex=False).any()
+        or bool(pid_s.str.contains(":", regex=False).any())
     )
     if canonical_form and given.any():
-        canonical_form = bool(pc.all(pc.equal(_arrow_str(rid), canon)).as_py())
+        canonical_form = all(pc.all(pc.equal(_arrow_str(rid.iloc[lo:hi]), canon(lo, hi))).as_py()
+                             for lo, hi in bounds)
     if canonical_form:
         # The id is an injective function of (policy, prompt, k): check integer codes.
         k_code, n_k = _codes(k)

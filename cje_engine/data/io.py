@@ -170,6 +170,15 @@ def load_frame(
     for part in probes:
         _join_probe(frame, part, names)
 
+    sources = [p.name for p in rows] + [p.name for p in probes]
+    n_inputs = len(parts)
+    del parts, rows, probes
+    return _finish(frame, policies, covariates, keep_columns, sources, n_inputs)
+
+
+def _finish(frame: pd.DataFrame, policies: Sequence[str] | None, covariates: Sequence[str],
+            keep_columns: Sequence[str], sources: list[str], n_inputs: int) -> pd.DataFrame:
+    """Label probabilities, the policy filter, whole-data checks and the output columns."""
     labelled = frame[LABEL].notna().to_numpy()
     prob = frame[LABEL_PROB].to_numpy(dtype=np.float64, copy=True)
     prob[labelled & np.isnan(prob)] = 1.0
@@ -186,17 +195,11 @@ def load_frame(
         out_cols.append(RESPONSE)
     out_cols.extend(keep_columns)
     out = frame[out_cols].reset_index(drop=True)
-    out.attrs["sources"] = [p.name for p in rows] + [p.name for p in probes]
-    n_inputs = len(parts)
-    del frame, parts, rows, probes
+    out.attrs["sources"] = sources
+    del frame
     pa.default_memory_pool().release_unused()  # hand the readers' Arrow buffers back to the system
-    logger.info(
-        "loaded %d rows (%d labelled, %d policies) from %d input(s)",
-        len(out),
-        int(out[LABEL].notna().sum()),
-        out[POLICY].nunique(),
-        n_inputs,
-    )
+    logger.info("loaded %d rows (%d labelled, %d policies) from %d input(s)", len(out),
+                int(out[LABEL].notna().sum()), out[POLICY].nunique(), n_inputs)
     return out
 
 
@@ -358,6 +361,19 @@ def _normalise(
     _check_columns(df, part, covariates, keep_columns)
 
     out = pd.DataFrame(index=pd.RangeIndex(n))
+    _ids_and_policy(df, part, out)
+    labelled = _score_and_label(df, part, out, lscale, sscale)
+    _optional_columns(df, part, out, labelled, covariates, keep_columns)
+    out[_SRC] = np.int32(index)
+    out[_ROW] = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    return out
+
+
+
+
+def _ids_and_policy(df: pd.DataFrame, part: Part, out: pd.DataFrame) -> None:
+    """``prompt_id`` and ``policy`` (from the column, or from the file name in the arena layout)."""
+    name, n = part.name, len(df)
     out[PROMPT] = _strings(df[PROMPT], name, PROMPT, required=True)
     if part.policy is not None:
         if POLICY in df.columns:
@@ -375,6 +391,11 @@ def _normalise(
     else:
         out[POLICY] = _strings(df[POLICY], name, POLICY, required=True)
 
+
+def _score_and_label(df: pd.DataFrame, part: Part, out: pd.DataFrame, lscale: Scale,
+                     sscale: Scale | None) -> np.ndarray:
+    """Judge score, oracle label and label probability; returns the labelled-row mask."""
+    name, n = part.name, len(df)
     if SCORE in df.columns:
         score = _numeric(df[SCORE], name, SCORE)
         if not part.probe:
@@ -435,7 +456,13 @@ def _normalise(
     else:
         prob = np.full(n, np.nan)
     out[LABEL_PROB] = prob
+    return labelled
 
+
+def _optional_columns(df: pd.DataFrame, part: Part, out: pd.DataFrame, labelled: np.ndarray,
+                      covariates: Sequence[str], keep_columns: Sequence[str]) -> None:
+    """``response_id``, ``draw_idx``, ``response``, covariates and kept columns."""
+    name, n = part.name, len(df)
     if RESPONSE_ID in df.columns:
         out[RESPONSE_ID] = _strings(df[RESPONSE_ID], name, RESPONSE_ID, required=False)
     else:
@@ -491,10 +518,6 @@ def _normalise(
                     column=col,
                 )
             out[col] = df[col]
-
-    out[_SRC] = np.int32(index)
-    out[_ROW] = np.arange(n, dtype=np.int64)
-    return out
 
 
 def _apply_mapping(df: pd.DataFrame, name: str, mapping: Mapping[str, str]) -> pd.DataFrame:

@@ -129,10 +129,12 @@ def _read_parquet(path: Path, ids: Collection[str]) -> pd.DataFrame:
     import pyarrow.parquet as pq  # optional submodule, loaded on first use
 
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(path, pre_buffer=False)  # no read-ahead copy of the column chunks
     except (pa.ArrowException, OSError) as exc:
         raise CJEInputError(f"not a readable Parquet file ({exc})", source=str(path)) from None
-    return _arrow_to_pandas(table, ids, own=True)
+    df = _arrow_to_pandas(table, ids, own=True)
+    pa.default_memory_pool().release_unused()  # the table's buffers, freed during the conversion
+    return df
 
 
 # --------------------------------------------------------------------------------------

@@ -155,10 +155,22 @@ def _cell_fits(design: Design, wc: np.ndarray, warm=None):
         if model is None:
             models.append(None)  # (bootstrap only) an empty fold or complement keeps the full fit
             continue
-        held = folds == k
-        f_cal[held] = model.predict_cells(ci.cal_cells)[ci.cal_cell[held]]
+        held, cells_k, pos_k = _fold_cells(design, k)
+        f_cal[held] = model.predict_cells(cells_k)[pos_k]  # predicted only where fold k has rows
         models.append(model)
     return F_all, f_cal, full, models
+
+
+def _fold_cells(design: Design, k: int) -> tuple[np.ndarray, Cells, np.ndarray]:
+    """Calibration rows of fold k, the cells they occupy, and each row's index into those (cached)."""
+    cache = design.__dict__.setdefault("_fold_cache", {})
+    if k not in cache:
+        ci = design.cells
+        held = np.flatnonzero(design.cal_fold == k)
+        used, pos = np.unique(ci.cal_cell[held], return_inverse=True)
+        cells = ci.cal_cells
+        cache[k] = (held, Cells(cells.score[used], cells.X[used], cells.score_values, cells.score_code[used]), pos)
+    return cache[k]
 
 
 def cross_fit_models(design: Design, row_w: np.ndarray | None = None):

@@ -25,9 +25,10 @@ import logging
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import isotonic_regression
 from scipy.special import logsumexp
 
+from cje_engine.calibration.isotonic import isotonic_fit as _isotonic_fit
+from cje_engine.calibration.isotonic import isotonic_predict as _isotonic_predict
 from cje_engine.data.frame import fold_of
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.variance import cluster_covariance
@@ -212,27 +213,13 @@ def isotonic_fit(s: np.ndarray, y: np.ndarray, *, increasing: bool = True,
     Returns ``(knots, values)``: the distinct values of ``s`` (sorted) and the fitted level at
     each. PAVA is mean-preserving: ``sum(counts * values) == sum(y)`` (weighted).
     """
-    s = np.asarray(s, dtype=float)
-    y = np.asarray(y, dtype=float)
-    sw = np.ones_like(y) if sample_weight is None else np.asarray(sample_weight, dtype=float)
-    knots, inv = np.unique(s, return_inverse=True)
-    wsum = np.bincount(inv, weights=sw, minlength=knots.shape[0])
-    ysum = np.bincount(inv, weights=sw * y, minlength=knots.shape[0])
-    keep = wsum > 0
-    knots, wsum, ysum = knots[keep], wsum[keep], ysum[keep]
-    means = ysum / wsum
-    if knots.shape[0] == 1:
-        return knots, means
-    values = isotonic_regression(means, weights=wsum, increasing=increasing).x
-    return knots, np.asarray(values, dtype=float)
+    knots, values, _ = _isotonic_fit(s, y, sample_weight, increasing=increasing)
+    return knots, values
 
 
 def isotonic_predict(knots: np.ndarray, values: np.ndarray, s: np.ndarray) -> np.ndarray:
     """Evaluate a fitted isotonic curve: linear between knots, flat outside their range."""
-    s = np.asarray(s, dtype=float)
-    if knots.shape[0] == 1:
-        return np.full(s.shape, float(values[0]))
-    return np.interp(s, knots, values)
+    return _isotonic_predict(knots, values, s)
 
 
 def project_monotone_mean_one(s: np.ndarray, u: np.ndarray, *, increasing: bool,

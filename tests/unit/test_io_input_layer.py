@@ -144,3 +144,18 @@ def test_scale_errors_name_the_option():
     with pytest.raises(CJEInputError) as e:
         load_frame(f)
     assert e.value.option == "score_scale" and "score_scale='0-100'" in str(e.value)
+
+
+def test_response_ids_built_in_chunks_equal_one_pass(monkeypatch):
+    """Canonical ids are built and compared a chunk of rows at a time; chunking changes nothing."""
+    import cje_engine.data.identity as identity
+
+    f = _frame([f"q{i}" for i in range(30)], n_pol=3)
+    f["response_id"] = [None if i % 3 else f"{pol}:{pid}:0" for i, (pol, pid) in enumerate(zip(f.policy, f.prompt_id))]
+    whole = load_frame(f)
+    monkeypatch.setattr(identity, "_CHUNK", 7)
+    np.testing.assert_array_equal(load_frame(f).response_id.to_numpy(), whole.response_id.to_numpy())
+    dup = f.copy()
+    dup.loc[dup.index[50], "response_id"] = dup.loc[dup.index[0], "response_id"] = "same"
+    with pytest.raises(CJEInputError, match="same response_id"):
+        load_frame(dup)
