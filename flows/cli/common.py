@@ -3,7 +3,6 @@ atomic writes and the audit/refusal status of a result."""
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import tempfile
 from pathlib import Path
@@ -68,12 +67,6 @@ def check_columns(columns: Any, source: str = "--columns") -> dict[str, str]:
     return dict(columns)
 
 
-def _load_frame_takes_columns() -> bool:
-    from cje_engine.data.io import load_frame
-
-    return "columns" in inspect.signature(load_frame).parameters
-
-
 def load_input(source: Any, columns: Mapping[str, str] | None, **options: Any):
     """The canonical frame of ``source`` with the column mapping applied (`load_frame`).
 
@@ -83,46 +76,7 @@ def load_input(source: Any, columns: Mapping[str, str] | None, **options: Any):
     from cje_engine.data.io import load_frame
 
     kw = {k: v for k, v in options.items() if v is not None}
-    if not columns:
-        return load_frame(source, **kw)
-    if _load_frame_takes_columns():
-        return load_frame(source, columns=dict(columns), **kw)
-    return _load_renamed(source, dict(columns), **kw)
-
-
-def _load_renamed(source: Any, columns: dict[str, str], **kw: Any):
-    """COORDINATOR: temporary, until the `speed` branch's ``load_frame(..., columns=)`` is merged
-    (then `load_input` calls it and this function goes). Reads each input with the engine's
-    readers, renames source -> canonical and validates the renamed tables, restoring file names
-    in error messages."""
-    from cje_engine.data import io as engine_io
-
-    parts = engine_io._collect(source)  # noqa: SLF001 - temporary, see the docstring
-    rename = {src: canonical for canonical, src in columns.items()}
-    frames, names = [], {}
-    for i, part in enumerate(parts):
-        missing = [src for src in rename if src not in part.frame.columns]
-        if missing and not part.probe:
-            from difflib import get_close_matches
-
-            present = [str(c) for c in part.frame.columns]
-            problems = []
-            for src in missing:
-                close = get_close_matches(src, present, n=1)
-                problems.append(f"--columns {rename[src]}={src}: no column {src!r}"
-                                + (f"; did you mean {rename[src]}={close[0]}?" if close else ""))
-            raise CJEInputError("; ".join(problems) + f" (columns present: {', '.join(present)})",
-                                source=part.name, column=missing[0])
-        frame = part.frame.rename(columns=rename)
-        if part.policy is not None and "policy" not in frame.columns:
-            frame = frame.assign(policy=part.policy)
-        frames.append(frame)
-        names[f"<DataFrame #{i}>"] = part.name
-    try:
-        return engine_io.load_frame(frames, **kw)
-    except CJEInputError as exc:
-        src = names.get(exc.source, exc.source)
-        raise CJEInputError(exc.detail, source=src, column=exc.column, row=exc.row) from None
+    return load_frame(source, columns=dict(columns) if columns else None, **kw)
 
 
 # ------------------------------------------------------------------------------ configuration
