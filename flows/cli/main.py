@@ -145,7 +145,6 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     else:
         from cje_engine.pipeline.offpolicy import evaluate_offpolicy
 
-        kwargs.pop("inference", None)  # off-policy modes infer by the bootstrap only
         if "policies" in kwargs:
             kwargs["targets"] = kwargs.pop("policies")
         res = evaluate_offpolicy(ns.input, mode=ns.mode, **kwargs)
