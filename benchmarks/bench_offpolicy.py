@@ -63,6 +63,8 @@ class Tally:
     pairs: int = 0
     correct_offpolicy: int = 0
     correct_direct: int = 0
+    only_offpolicy: int = 0  # discordant pairs: right by logs-only only / by Direct only (McNemar)
+    only_direct: int = 0
     covered: int = 0
     intervals: int = 0
     covered_by_target: dict = field(default_factory=dict)
@@ -76,6 +78,7 @@ class Tally:
         return {"n_datasets": self.n_datasets, "refused_target_ranked": self.refused_ranked,
                 "overlap_refusals": dict(self.n_refused), "reported_pairs": self.pairs,
                 "ranking_accuracy_offpolicy": acc_o, "ranking_accuracy_direct_same_pairs": acc_d,
+                "discordant_pairs": {"offpolicy_only": self.only_offpolicy, "direct_only": self.only_direct},
                 "coverage_reported_intervals": cov, "reported_intervals": self.intervals,
                 "coverage_by_target": {t: c[0] / c[1] for t, c in self.covered_by_target.items() if c[1]},
                 "cpu_seconds_offpolicy": round(self.seconds_offpolicy, 1),
@@ -118,7 +121,7 @@ def one_dataset(seed: int, tally: Tally, truth: dict[str, float], *, n_prompts: 
         if p.get("relative_claim") == "not_estimable" and "overlap" in (p.get("relative_reason") or ""):
             tally.n_refused[t] = tally.n_refused.get(t, 0) + 1
             tally.refused_ranked += int(t in ranked)
-        if p["level_claim"] == "ok" and p.get("ci"):
+        if t != LOGGER and p["level_claim"] == "ok" and p.get("ci"):  # the logger's level is Direct's
             lo, hi = p["ci"]
             hit = bool(lo <= truth[t] <= hi)
             tally.covered += hit
@@ -133,19 +136,24 @@ def one_dataset(seed: int, tally: Tally, truth: dict[str, float], *, n_prompts: 
         a, b = c["a"], c["b"]
         true_sign = np.sign(truth[a] - truth[b])
         tally.pairs += 1
-        tally.correct_offpolicy += int(np.sign(c["diff"]) == true_sign)
-        tally.correct_direct += int(np.sign(est_d[a] - est_d[b]) == true_sign)
+        ok_o = bool(np.sign(c["diff"]) == true_sign)
+        ok_d = bool(np.sign(est_d[a] - est_d[b]) == true_sign)
+        tally.correct_offpolicy += ok_o
+        tally.correct_direct += ok_d
+        tally.only_offpolicy += ok_o and not ok_d
+        tally.only_direct += ok_d and not ok_o
     return off
 
 
-def run(n_datasets: int, *, n_prompts: int, inference: str, n_boot: int, seed0: int = 0) -> dict:
-    truth = truths()
+def run(n_datasets: int, *, n_prompts: int, inference: str, n_boot: int, seed0: int = 0,
+        targets: dict[str, float] = TARGETS) -> dict:
+    truth = truths(targets)
     tally = Tally()
     for s in range(seed0, seed0 + n_datasets):
-        one_dataset(s, tally, truth, n_prompts=n_prompts, inference=inference, n_boot=n_boot)
+        one_dataset(s, tally, truth, n_prompts=n_prompts, inference=inference, n_boot=n_boot, targets=targets)
         if (s - seed0 + 1) % 20 == 0:
             log.info("%d data sets: %s", s - seed0 + 1, tally.figures())
-    return {"targets": TARGETS, "length": LENGTH, "n_prompts": n_prompts, "inference": inference,
+    return {"targets": targets, "length": LENGTH, "n_prompts": n_prompts, "inference": inference,
             "n_boot": n_boot if inference == "bootstrap" else 0, "truth": truth, **tally.figures()}
 
 
@@ -156,15 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inference", choices=["analytic", "bootstrap"], default="analytic")
     ap.add_argument("--n-boot", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--targets", type=json.loads, default=TARGETS,
+                    help='JSON name -> tilt, default {"near": 0.15, "mid": 0.4, "far": 1.5}')
     ap.add_argument("--out")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("cje_engine",):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    res = run(ns.n_datasets, n_prompts=ns.n_prompts, inference=ns.inference, n_boot=ns.n_boot, seed0=ns.seed)
+    res = run(ns.n_datasets, n_prompts=ns.n_prompts, inference=ns.inference, n_boot=ns.n_boot, seed0=ns.seed,
+              targets=ns.targets)
     acc_o, acc_d = res["ranking_accuracy_offpolicy"], res["ranking_accuracy_direct_same_pairs"]
     lines = [
-        f"{res['n_datasets']} simulated data sets, {ns.n_prompts} prompts, T={LENGTH}, targets {TARGETS}, "
+        f"{res['n_datasets']} simulated data sets, {ns.n_prompts} prompts, T={LENGTH}, targets {ns.targets}, "
         f"inference={ns.inference}",
         f"overlap refusals per target: {res['overlap_refusals']}; refused targets in the published ranking: "
         f"{res['refused_target_ranked']} (must be 0)",
