@@ -1056,6 +1056,13 @@ def _audit_section(result: dict, order: list[str], alpha: float) -> str:
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
+def _pair_note(c: dict, involves: bool) -> str:
+    """Note of a comparison: not estimable (with the reason; no number is shown) or relative only."""
+    if c.get("reported") is False:
+        return f"not estimable: {c.get('not_estimable') or 'a policy of the pair is not estimable'}"
+    return "relative only (refused policy)" if involves else ""
+
+
 def _comparisons_table(result: dict, alpha: float) -> str:
     rows = []
     pols = result["policies"]
@@ -1076,7 +1083,7 @@ def _comparisons_table(result: dict, alpha: float) -> str:
             f"<td class='r num'>{_esc(_fmt_p(c.get('p_adjusted')))}</td>"
             f"<td class='c'>{sig_txt}</td>"
             f"<td class='r num'>{_esc(_fmt(c.get('prob_a_better'), 2))}</td>"
-            f"<td class='note'>{'relative only (refused policy)' if involves else ''}</td></tr>")
+            f"<td class='note'>{_esc(_pair_note(c, involves))}</td></tr>")
     if not rows:
         return "<p class='muted'>No pairwise comparisons in this result.</p>"
     mult = result.get("multiplicity") or {}
@@ -1404,11 +1411,15 @@ def format_table(result: dict) -> str:
             crow.append([a, b, _signed(c.get("diff")), _fmt_ci(c.get("ci")),
                          _fmt_p(c.get("p_value")), _fmt_p(c.get("p_adjusted")),
                          "yes" if c.get("significant") else "no",
-                         _fmt(c.get("prob_a_better"), 2), "*" if involves else ""])
+                         _fmt(c.get("prob_a_better"), 2),
+                         "not estimable" if c.get("reported") is False else ("*" if involves else "")])
         lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", ""],
                         crow, right={2, 3, 4, 5, 7})
         if any_refused:
             lines.append("* involves a refused policy: relative comparison only, no level implied")
+        for c in comps:
+            if c.get("reported") is False:
+                lines.append(f"not estimable: {c.get('a')} - {c.get('b')}: {c.get('not_estimable')}")
     else:
         lines.append("Pairwise comparisons: none")
     lines.append("")
