@@ -1074,7 +1074,7 @@ def _comparisons_table(result: dict, alpha: float) -> str:
         involves = bool(c.get("involves_refused")) or any(
             _is_refused(pols[x]) for x in (a, b) if x in pols)
         sig = bool(c.get("significant"))
-        sig_txt = "<span class='sig'>\u2713 yes</span>" if sig else "no"
+        sig_txt = "<span class='sig'>\u2713 yes</span>" if sig else ("n/a" if c.get("reported") is False else "no")
         rows.append(
             f"<tr><td class='name'>{_name_cell(a)}</td><td class='name'>{_name_cell(b)}</td>"
             f"<td class='r num'>{_esc(_signed(c.get('diff')))}</td>"
@@ -1410,7 +1410,7 @@ def format_table(result: dict) -> str:
             any_refused |= involves
             crow.append([a, b, _signed(c.get("diff")), _fmt_ci(c.get("ci")),
                          _fmt_p(c.get("p_value")), _fmt_p(c.get("p_adjusted")),
-                         "yes" if c.get("significant") else "no",
+                         "yes" if c.get("significant") else ("n/a" if c.get("reported") is False else "no"),
                          _fmt(c.get("prob_a_better"), 2),
                          "not estimable" if c.get("reported") is False else ("*" if involves else "")])
         lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", ""],
