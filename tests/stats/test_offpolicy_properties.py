@@ -287,6 +287,9 @@ def _refusal_study(n_datasets: int) -> dict:
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_offpolicy.py"
     spec = importlib.util.spec_from_file_location("bench_offpolicy", path)
     mod = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules.setdefault("bench_offpolicy", mod)  # its dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(mod)
     return mod.run(n_datasets, n_prompts=400, inference="analytic", n_boot=0)
 
