@@ -86,3 +86,25 @@ def test_analytic_is_accepted_and_has_no_replicates():
     assert lo < p["estimate"] < hi and np.isclose(hi - p["estimate"], 1.959964 * p["se"], rtol=1e-3) or hi == 1.0
     with pytest.raises(CJEInputError):
         OffPolicyOptions.build(mode="logs-only", inference="jackknife")
+
+
+def test_cli_logs_only_analytic(tmp_path, capsys):
+    """`cje evaluate --mode logs-only --inference analytic`: no replicates, the table prints, and the
+    not-estimable comparisons show as such (never as a number)."""
+    import json
+
+    from flows.cli.main import main
+
+    sim = simulate_logs(n_prompts=150, length=8, targets={"near": 0.05, "far": 1.5}, seed=2, label_fraction=0.5)
+    logged, _ = sim.to_frames("base")
+    src = tmp_path / "logs.parquet"
+    logged.to_parquet(src)
+    assert main(["evaluate", str(src), "--mode", "logs-only", "--inference", "analytic", "--out",
+                 str(tmp_path / "out")]) == 0
+    d = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert d["inference"]["method"] == "analytic" and d["inference"]["n_bootstrap"] == 0
+    assert d["policies"]["far"]["relative_claim"] == "not_estimable"
+    table = capsys.readouterr().out
+    assert "not estimable: base - far: far: overlap refusal" in table
+    far_rows = [ln for ln in table.splitlines() if ln.startswith("base ") and " far " in ln]
+    assert far_rows and "n/a" in far_rows[0] and "not estimable" in far_rows[0]
