@@ -140,18 +140,43 @@ def reasons(res: dict) -> str:
     return "\n".join(out)
 
 
+def relative_table(results: dict[str, dict]) -> str:
+    """Markdown: per mode, which policies are ranked, which comparisons are reported, and why not."""
+    lines = ["| mode | ranked (rank) | reported comparisons | not estimable (why) | levels of the candidates |",
+             "|---|---|---|---|---|"]
+    for mode, r in results.items():
+        ranked = ", ".join(f"{e['policy']} ({e['rank']})" for e in r["ranking"])
+        comps = r["comparisons"]
+        rep = [c for c in comps if c.get("reported", True)]
+        rep_txt = f"{len(rep)}/{len(comps)}: " + "; ".join(
+            f"{c['a']} - {c['b']} {c['diff']:+.3f}{' (sig)' if c['significant'] else ''}" for c in rep)
+        why = "; ".join(f"{n}: {p['relative_reason']}" for n, p in r["policies"].items()
+                        if p.get("relative_claim") == "not_estimable") or "none"
+        levels = "; ".join(f"{n} {_ci(p)} {p['level_claim']} ({p['basis_code']}, relative {p.get('relative_claim')})"
+                           for n, p in r["policies"].items() if n in TARGETS)
+        lines.append(f"| {mode} | {ranked} | {rep_txt} | {why} | {levels} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arena-dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--n-boot", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write the three full results as JSON here")
+    ap.add_argument("--relative-from", nargs=3, type=Path, metavar=("DIRECT", "LOGS_ONLY", "HYBRID"),
+                    help="only print the ranked/reported/not-estimable table from three result.json files")
     args = ap.parse_args(argv)
+    if args.relative_from:
+        res = {m: json.loads(p.read_text()) for m, p in zip(("direct", "logs-only", "hybrid"), args.relative_from)}
+        sys.stdout.write(relative_table(res) + "\n")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     res = run(args.arena_dir, args.n_boot, args.seed)
     if args.out is not None:
         args.out.write_text(json.dumps(res, indent=2, allow_nan=False))
-    sys.stdout.write(markdown(res) + "\n\nRefusals:\n" + reasons(res) + "\n")
+    sys.stdout.write(markdown(res) + "\n\nRefusals:\n" + reasons(res) + "\n\n"
+                     + relative_table({m: res[m] for m in ("direct", "logs-only", "hybrid")}) + "\n")
     sys.stdout.write(f"\ntimings (s): {res['timings_s']}\n")
     return 0
 

@@ -33,8 +33,14 @@ Direct, leaving out refused components) for candidates with fresh draws in hybri
 Gate verdicts (`cje_engine.offpolicy.estimators.gate_verdicts`) become ``level_claim``: "refused" keeps the
 reasons and a recommendation to collect fresh draws (Direct); "downgraded" keeps the level
 (``downgraded="ok"``, with a warning) or refuses it (``downgraded="refused"``). In hybrid mode a
-candidate whose own labels fail the transport audit is refused too: every off-policy estimate
-rests on the logger's calibration.
+candidate whose own labels fail the transport audit takes Direct's level path: with enough own labels
+(``min_labels``) its level is Direct's recalibrated one (fresh draws plus own labels, Direct's
+replicates and influence in comparisons), otherwise it is refused and not estimable even relatively,
+as in Direct: every off-policy estimate rests on the logger's calibration.
+
+Inference: ``inference="bootstrap"`` (default) or ``"analytic"`` (no replicates: each estimate's
+clustered influence function with the first-order calibration term, normal intervals; comparisons
+from the influence columns), which agrees with the bootstrap SE within 25% (tests/unit/test_offpolicy_analytic.py).
 """
 from __future__ import annotations
 
@@ -65,7 +71,7 @@ from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.direct import direct_data_summary, inference_summary, stacked_replicates
 from cje_engine.pipeline.offpolicy_options import ESTIMATOR_CHOICES, MODES, OffPolicyOptions
 from cje_engine.pipeline.policies import summarize_direct, variance_components
-from cje_engine.pipeline.targets import target_entry
+from cje_engine.pipeline.targets import target_entry, uses_direct_level
 from cje_engine.result import EvaluationResult
 
 log = logging.getLogger(__name__)
@@ -246,15 +252,16 @@ class OffPolicyResult(EvaluationResult):
         self.reports = reports
 
 
-def _target_influence(prep: OffPolicyPrepared, t: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-prompt influence of candidate ``t``'s headline estimate: (total, calibration part).
+def _target_influence(prep: OffPolicyPrepared, t: str, name: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-prompt influence of candidate ``t``'s estimate ``name`` (default: the headline):
+    (total, calibration part).
 
     Total = the estimator's clustered influence with the calibrator fixed (`Estimate.psi`) plus
     the first-order effect of estimating the calibrator (`cje_engine.offpolicy.influence`).
     """
     design = prep.direct.design
     d = design.data
-    name = prep.headline[t]
+    name = name or prep.headline[t]
     est = prep.reports[t].estimates[name]
     psi = align_clusters(est.clusters, est.psi, d.prompt_ids)
     a_logged, a_fresh = prep.reports[t].reward_weights[name]
@@ -263,6 +270,18 @@ def _target_influence(prep: OffPolicyPrepared, t: str) -> tuple[np.ndarray, np.n
         rows, a = np.concatenate([rows, prep.fresh_rows[t]]), np.concatenate([a_logged, a_fresh])
     cal = calibration_term(design, prep.direct.full, rows, a)
     return psi + cal, cal
+
+
+def _influence_ses(prep: OffPolicyPrepared, t: str) -> dict[str, float]:
+    """Influence-function SE (with the calibration term) of every estimate of candidate ``t``."""
+    out = {}
+    for k, e in prep.reports[t].estimates.items():
+        if not (np.isfinite(e.value) and np.all(np.isfinite(e.psi))) or k not in prep.reports[t].reward_weights:
+            out[k] = float(e.se)
+            continue
+        total, _ = _target_influence(prep, t, k)
+        out[k] = float(np.sqrt(max(cluster_cov(total)[0, 0], 0.0)))
+    return out
 
 
 def _variance(total: np.ndarray, cal: np.ndarray, n_prompts: int, m_labels: int) -> dict:
@@ -292,7 +311,8 @@ def _run_block(prep: OffPolicyPrepared, direct_policies: dict) -> dict:
     opts = prep.options
     return {
         "mode": opts.mode, "logger": prep.data.logger, "targets": list(prep.data.targets),
-        "estimator": dict(prep.headline), "gates": asdict(opts.gates),
+        "estimator": {t: ("direct_recalibrated" if uses_direct_level(prep, t, direct_policies) else h)
+                      for t, h in prep.headline.items()}, "gates": asdict(opts.gates),
         "simcal": {"rho": opts.rho, "projection": opts.projection, "stack_by": opts.simcal_stack_by},
         "ttc_mass": opts.ttc_mass, "stack": list(opts.stack), "downgraded": opts.downgraded,
         "direct_from_fresh": {t: {k: direct_policies[t][k] for k in ("estimate", "se", "ci", "level_claim",
@@ -306,9 +326,10 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
     shared comparison, ranking and result steps (the best policy is never a refused one)."""
     eng = prep.options.engine
     nd = prep.n_direct_stats
-    reps = stacked_replicates(chunks, eng.n_bootstrap, nd + len(prep.layout))
-    direct = summarize_direct(prep.direct, reps[:, :nd])
-    off = reps[:, nd:]
+    boot = eng.inference == "bootstrap"
+    reps = stacked_replicates(chunks, eng.n_bootstrap if boot else 0, nd + len(prep.layout))
+    direct = summarize_direct(prep.direct, reps[:, :nd] if boot else None)
+    off = reps[:, nd:] if boot else None
     warnings = direct.warnings + list(prep.notes)
     d = prep.direct.design.data
     logger_name = prep.data.logger
@@ -320,13 +341,20 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
     n_cal = int(prep.direct.design.cal_rows.size)
     for t in prep.data.targets:
         total, cal = _target_influence(prep, t)
-        policies[t] = target_entry(prep, t, off, direct.policies, warnings, _variance(total, cal, d.n_prompts, n_cal))
-        infl.append(total)
-        rep_cols.append(off[:, col[(t, prep.headline[t])]])
+        policies[t] = target_entry(prep, t, off, direct.policies, warnings, _variance(total, cal, d.n_prompts, n_cal),
+                                   _influence_ses(prep, t))
+        if uses_direct_level(prep, t, direct.policies):  # Direct's recalibrated level: its column, paired draws
+            k_t = int(direct.cols[list(d.policies).index(t)])
+            infl.append(np.nan_to_num(prep.direct.infl["total"][:, k_t]))
+            rep_cols.append(reps[:, k_t])
+        else:
+            infl.append(total)
+            rep_cols.append(off[:, col[(t, prep.headline[t])]] if boot else np.empty(0))
     names = list(policies)
     est = np.array([np.nan if policies[n]["estimate"] is None else policies[n]["estimate"] for n in names])
     cols = PolicyColumns(
-        names=names, estimate=est, replicates=np.column_stack(rep_cols), influence=np.column_stack(infl),
+        names=names, estimate=est, replicates=np.column_stack(rep_cols) if boot else None,
+        influence=np.column_stack(infl),
         dfs=np.full(len(names), np.inf), refused=np.array([policies[n]["level_claim"] == "refused" for n in names]),
         claims=[policies[n]["level_claim"] for n in names],
         raw=np.array([policies[n]["raw_judge_mean"] for n in names], dtype=float),
@@ -334,12 +362,16 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
         relative_reason=[policies[n]["relative_reason"] for n in names])
     rel = relative_claims(cols, alpha=eng.alpha, method=eng.multiplicity, span=eng.label_scale[1] - eng.label_scale[0],
                           warnings=warnings)
-    inference = {**inference_summary(eng), "offpolicy": "the same prompt draws refit the calibrator (full and "
-                 "per-fold fits) and SIMCal in every replicate; IF stacks are re-solved per replicate"}
+    inference = {**inference_summary(eng), "offpolicy": (
+        "the same prompt draws refit the calibrator (full and per-fold fits) and SIMCal in every replicate; IF "
+        "stacks are re-solved per replicate" if boot else
+        "influence functions: each estimator's clustered influence with the calibrator and SIMCal fixed plus the "
+        "first-order calibration term (cje_engine.offpolicy.influence); normal intervals")}
     result = assemble(mode=prep.options.mode, config=prep.options.to_dict(), data=_data_summary(prep, names),
                       calibration=direct.calibration, inference=inference, policies=policies, relative=rel,
                       warnings=warnings, offpolicy=_run_block(prep, direct.policies))
-    return OffPolicyResult(result, cols.replicates, np.column_stack(infl), np.arange(len(names)), dict(prep.reports))
+    return OffPolicyResult(result, cols.replicates if boot else np.empty((0, len(names))), np.column_stack(infl),
+                           np.arange(len(names)), dict(prep.reports))
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +406,9 @@ def evaluate_offpolicy(
         Fresh draws of the candidates (hybrid), anything `cje_engine.data.io.load_frame` reads.
     mode : {"logs-only", "hybrid"}
     targets : candidates (default: all with a log-probability column)
-    covariates, n_bootstrap, alpha, seed, calibration_mode : as Direct's `cje_engine.evaluate`
+    covariates, n_bootstrap, alpha, seed, calibration_mode : as Direct's `cje_engine.evaluate`;
+        ``inference="analytic"`` (in ``options``) skips the bootstrap: influence-function intervals
+        with the first-order calibration term (within 25% of the bootstrap SE, see docs/offpolicy.md)
     gates : `OffPolicyGates` or a dict of thresholds (default: TTC >= 0.70, ESS/n >= 0.30, Hill >= 2)
     **options : see `OffPolicyOptions` (logger, estimator, rho, downgraded, calibration_policies,
         multiplicity, label_scale, score_scale, ...)
@@ -393,6 +427,8 @@ def evaluate_offpolicy(
     """
     prep = prepare(logged, fresh, mode=mode, targets=targets, covariates=covariates, n_bootstrap=n_bootstrap,
                    alpha=alpha, seed=seed, calibration_mode=calibration_mode, gates=gates, **options)
+    if prep.options.inference != "bootstrap":
+        return finalize(prep, [])
     return finalize(prep, [bootstrap_chunk(prep, 0, prep.options.n_bootstrap)])
 
 

@@ -32,8 +32,9 @@ class OffPolicyOptions:
         min_tail_index)
     rho, projection, simcal_stack_by, ttc_mass, stack : see `OffPolicyConfig`
     downgraded : "ok" (a downgraded verdict keeps its level, with a warning) or "refused"
-    engine : `EvaluationOptions` (covariates, calibration_mode, calibration_policies, n_bootstrap,
-        seed, alpha, audit_margin, n_folds, multiplicity, label_scale, score_scale, min_labels,
+    engine : `EvaluationOptions` (covariates, calibration_mode, calibration_policies, inference
+        ("bootstrap", the default, or "analytic": influence functions with the first-order calibration
+        term, no replicates), n_bootstrap, seed, alpha, audit_margin, n_folds, multiplicity, label_scale, score_scale, min_labels,
         support_*; ``direct_estimator`` maps to its ``estimator``)
     """
 
@@ -61,9 +62,6 @@ class OffPolicyOptions:
         if "direct_estimator" in rest:
             rest["estimator"] = rest.pop("direct_estimator")
         engine = EvaluationOptions.build(**rest)
-        if engine.inference != "bootstrap":
-            raise CJEInputError("off-policy evaluation supports inference='bootstrap' only (its intervals refit the "
-                                "calibrator and the weight stabiliser per replicate)")
         if mine.get("mode", "logs-only") not in MODES:
             raise CJEInputError(f"mode must be one of direct, logs-only, hybrid; got {mine.get('mode')!r} "
                                 "(this entry point handles logs-only and hybrid)")

@@ -36,8 +36,14 @@ def clip(ci: Sequence[float], scale: tuple[float, float]) -> list[float]:
     return [float(np.clip(ci[0], *scale)), float(np.clip(ci[1], *scale))]
 
 
-def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.ndarray] | None = None) -> list[dict]:
-    """Calibration support of each policy's judge scores (or of the given score arrays)."""
+def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.ndarray] | None = None,
+                   weights: Sequence[np.ndarray | None] | None = None) -> list[dict]:
+    """Calibration support of each policy's judge scores (or of the given score arrays).
+
+    ``weights`` (one array or None per score array) make the shares weighted: a logs-only target's
+    judge-score distribution is the logger's reweighted by the estimate's weights on its rewards
+    (``sum_i a_i R_i``), so its thin share is the share of that weight on thinly supported scores.
+    """
     d = design.data
     cs = np.sort(d.score[design.cal_rows])
     if d.score_scale is not None:
@@ -49,13 +55,16 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
     if scores is None:
         scores = [d.score[d.policy == k] for k in range(len(d.policies))]
     out = []
-    for s in scores:
+    for i, s in enumerate(scores):
         cnt = np.searchsorted(cs, s + h + tol, side="right") - np.searchsorted(cs, s - h - tol, side="left")
         outside = (s < cs[0] - tol) | (s > cs[-1] + tol)
         thin = (cnt < opts.support_min_labels) | outside
-        share_thin = float(thin.mean())
+        w = None if weights is None or weights[i] is None else np.abs(np.nan_to_num(np.asarray(weights[i], float)))
+        if w is None or not w.sum() > 0:
+            w = np.ones(s.shape[0])
+        share_thin = float(np.sum(w * thin) / np.sum(w))
         out.append({
-            "share_outside_range": float(outside.mean()),
+            "share_outside_range": float(np.sum(w * outside) / np.sum(w)),
             "share_thin": share_thin,
             "limited": share_thin > opts.support_material_share,
             "rule": (f"thin = fewer than {opts.support_min_labels} calibration labels within "

@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from scipy.stats import norm
 
 from cje_engine.offpolicy.gates import OffPolicyGates
 from cje_engine.offpolicy.target import TargetReport
 from cje_engine.offpolicy.weights import mean_one_weights
+from cje_engine.pipeline.policies import support_checks
 
 #: Estimators that use the candidate's fresh draws (their validity also rests on Direct's checks).
 USES_FRESH = ("dr", "direct", "stacked")
@@ -49,16 +51,26 @@ def _not_run_audit(t: str, margin: float) -> dict:
             "p_adjusted": None, "extra_labels_needed": None, "calibrator": "borrowed", "deciles": []}
 
 
-def _estimator_table(prep: Any, t: str, off: np.ndarray) -> dict[str, dict]:
-    """Every estimator of candidate ``t``: influence-function and bootstrap routes, and its gate claim."""
+def _estimator_table(prep: Any, t: str, off: np.ndarray | None, se_total: dict[str, float]) -> dict[str, dict]:
+    """Every estimator of candidate ``t``: influence-function and bootstrap routes, and its gate claim.
+
+    ``se_if``/``ci_if`` are the influence-function route with the first-order calibration term
+    (``se_total``: `cje_engine.offpolicy.influence`); ``se``/``ci`` the reported route: bootstrap
+    percentiles, or the influence-function route when ``off`` is None (``inference="analytic"``).
+    """
     rep = prep.reports[t]
     alpha = prep.options.engine.alpha
+    z = float(norm.ppf(1 - alpha / 2))
     col = {key: j for j, key in enumerate(prep.layout)}
     ests: dict[str, dict] = {}
     for k, e in rep.estimates.items():
-        lo, hi = e.ci(1 - alpha)
-        b = _boot_summary(off[:, col[(t, k)]], alpha, None)  # raw IPS can leave the label scale: no clipping
-        ests[k] = {"value": _num(e.value), "se_if": _num(e.se), "ci_if": [_num(lo), _num(hi)],
+        v, se_a = _num(e.value), _num(se_total.get(k))
+        ci_a = [v - z * se_a, v + z * se_a] if v is not None and se_a is not None else [None, None]
+        if off is not None:
+            b = _boot_summary(off[:, col[(t, k)]], alpha, None)  # raw IPS can leave the label scale: no clipping
+        else:
+            b = {"se": se_a, "ci": ci_a if se_a is not None else None, "n_finite": 0}
+        ests[k] = {"value": v, "se_if": se_a, "ci_if": ci_a,
                    "se": b["se"], "ci": b["ci"], "n_replicates_finite": b["n_finite"],
                    "claim": rep.verdicts[k].claim}
         if hasattr(e, "coef"):
@@ -79,7 +91,7 @@ def _transport_refusal(t: str, audit: dict, dpol: dict | None) -> tuple[str, str
                     "which recalibrates on a policy's own labels")
 
 
-def _claim(prep: Any, t: str, head: dict, audit: dict, dpol: dict | None, warnings: list[str]
+def _claim(prep: Any, t: str, head: dict, audit: dict, dpol: dict | None, support: dict, warnings: list[str]
            ) -> tuple[str, list[str], str | None, tuple[str, str | None]]:
     """The candidate's claim (level, downgraded, refused), refusal reasons, recommendation and relative
     status (docs/statistics.md: an overlap refusal or a failed transport audit drops the candidate
@@ -103,6 +115,15 @@ def _claim(prep: Any, t: str, head: dict, audit: dict, dpol: dict | None, warnin
         relative = ("not_estimable", "transport audit failed; off-policy estimates cannot be recalibrated")
         reason, recommendation = _transport_refusal(t, audit, dpol)
         reasons.append(reason)
+    if dpol is None and support["limited"]:
+        # the support rule on the calibrated rewards of a logs-only target (docs/statistics.md)
+        reasons.append(f"limited calibration support: {support['share_thin']:.0%} of the {name} estimate's weight "
+                       "on the logged rewards lies on judge scores where calibration labels are thin or absent")
+        if claim != "refused":
+            claim = "refused"
+            relative = ("rank_only", "limited calibration support: rank-only, conservative intervals")
+            recommendation = (f"label logged responses whose judge scores resemble those of '{t}' (the thinly "
+                              "supported range), or collect its fresh draws and use Direct")
     if audit["verdict"] == "inconclusive" and claim != "refused":
         warnings.append(f"{t}: the {name} estimate uses the calibration learned on the logger; the transport audit on "
                         f"{audit['n_labels']} own labels of '{t}' is inconclusive ({audit['reason']}), so this level "
@@ -139,25 +160,66 @@ def _raw_judge(prep: Any, t: str) -> tuple[float, str]:
             "importance-weighted (self-normalised) mean judge score of the logs")
 
 
-def target_entry(prep: Any, t: str, off: np.ndarray, direct_policies: dict, warnings: list[str],
-                 variance: dict) -> dict:
+def target_support(prep: Any, t: str, direct_policies: dict) -> dict:
+    """Calibration support of candidate ``t``: Direct's check of its fresh draws (hybrid) or, for a
+    logs-only target, the logged judge scores weighted by the headline estimate's weights on the
+    calibrated rewards (the target's reweighted score distribution; `support_checks`)."""
+    if prep.fresh[t] is not None:
+        return direct_policies[t]["support"]
+    a_logged = prep.reports[t].reward_weights[prep.headline[t]][0]
+    sup = support_checks(prep.direct.design, prep.direct.options, [prep.direct.design.data.score[prep.logged_rows]],
+                         [a_logged])[0]
+    sup["rule"] += f"; shares weighted by the {prep.headline[t]} estimate's weights on the logged rewards"
+    return sup
+
+
+def uses_direct_level(prep: Any, t: str, direct_policies: dict) -> bool:
+    """Hybrid: a candidate whose own labels fail the transport audit and allow a recalibration takes
+    Direct's level path (its recalibrated level from the fresh draws and own labels), as in Direct."""
+    dpol = direct_policies.get(t) if prep.fresh[t] is not None else None
+    return dpol is not None and dpol["audit"]["verdict"] == "fail" and dpol["basis_code"] == "recalibrated"
+
+
+def _direct_level(entry: dict, dpol: dict, t: str) -> dict:
+    """The entry of a candidate on Direct's level path: Direct's recalibrated level and its claims;
+    the off-policy estimates stay in the ``offpolicy`` block for reference only."""
+    out = dict(entry)
+    for k in ("estimate", "se", "ci", "level_claim", "refusal_reasons", "basis_code", "augmented",
+              "variance_share_calibration", "variance_components", "se_analytic", "se_bootstrap",
+              "relative_claim", "relative_reason"):
+        out[k] = dpol.get(k)
+    out["claim"] = "level" if dpol["level_claim"] == "ok" else "refused"
+    out["recommendation"] = None
+    out["basis"] = (f"hybrid, Direct's level path: the transport audit on {dpol['n_labelled']} own labels of '{t}' "
+                    "failed, so the off-policy estimates (which rest on the logger's calibration) are not used; "
+                    + dpol["basis"])
+    out["offpolicy"] = {**entry["offpolicy"], "estimator": "direct_recalibrated"}
+    return out
+
+
+def target_entry(prep: Any, t: str, off: np.ndarray | None, direct_policies: dict, warnings: list[str],
+                 variance: dict, se_total: dict[str, float]) -> dict:
     """The result entry of off-policy candidate ``t``.
 
     Parameters
     ----------
     prep : `cje_engine.pipeline.offpolicy.OffPolicyPrepared`
-    off : the off-policy replicates (columns in ``prep.layout`` order)
+    off : the off-policy replicates (columns in ``prep.layout`` order), None for the analytic route
     direct_policies : Direct's entries of the design policies (the logger, and fresh draws)
     variance : ``{"variance_components": ..., "variance_share_calibration": ...}`` of the headline
+    se_total : estimator -> influence-function SE including the first-order calibration term
     """
     eng = prep.options.engine
     name = prep.headline[t]
-    ests = _estimator_table(prep, t, off)
+    ests = _estimator_table(prep, t, off, se_total)
     head = ests[name]
     dpol = direct_policies.get(t) if prep.fresh[t] is not None else None
     audit = dpol["audit"] if dpol is not None else _not_run_audit(
         t, eng.audit_margin * (eng.label_scale[1] - eng.label_scale[0]))
-    claim, reasons, recommendation, relative = _claim(prep, t, head, audit, dpol, warnings)
+    support = target_support(prep, t, direct_policies)
+    direct_path = uses_direct_level(prep, t, direct_policies)
+    claim, reasons, recommendation, relative = _claim(prep, t, head, audit, dpol, support,
+                                                      [] if direct_path else warnings)
     rep = prep.reports[t]
     fresh = prep.fresh[t]
     n_fresh = 0 if fresh is None else fresh.n
@@ -172,7 +234,7 @@ def target_entry(prep: Any, t: str, off: np.ndarray, direct_policies: dict, warn
     ci = head["ci"]
     if ci is not None:  # the headline interval is clipped to the label scale, as Direct's
         ci = [float(np.clip(ci[0], *eng.label_scale)), float(np.clip(ci[1], *eng.label_scale))]
-    return {
+    entry = {
         "estimate": head["value"], "se": head["se"], "ci": ci,
         "level_claim": "refused" if claim == "refused" else "ok", "refusal_reasons": reasons,
         "claim": "refused" if claim == "refused" else claim,
@@ -188,8 +250,8 @@ def target_entry(prep: Any, t: str, off: np.ndarray, direct_policies: dict, warn
         "n_labelled": 0 if dpol is None else int(dpol["n_labelled"]),
         "variance_share_calibration": variance["variance_share_calibration"],
         "variance_components": variance["variance_components"],
-        "se_analytic": head["se_if"], "se_bootstrap": head["se"],
-        "support": dpol["support"] if dpol is not None else direct_policies[prep.data.logger]["support"],
+        "se_analytic": head["se_if"], "se_bootstrap": head["se"] if off is not None else None,
+        "support": support,
         "audit": audit,
         "relative_claim": relative[0], "relative_reason": relative[1],
         "direct": ({k: dpol[k] for k in ("estimate", "se", "ci", "level_claim", "refusal_reasons", "basis_code")}
@@ -203,6 +265,7 @@ def target_entry(prep: Any, t: str, off: np.ndarray, direct_policies: dict, warn
             "stack_candidates": list(rep.stack_candidates),
         },
     }
+    return _direct_level(entry, dpol, t) if direct_path else entry
 
 
 def gate_checks(rep: TargetReport, gates: OffPolicyGates) -> list[dict]:

@@ -161,7 +161,8 @@ class PolicyResult(_Strict):
     recommendation: Optional[str] = Field(None, description="off-policy modes: what to do when not a level")
     basis: str
     basis_code: str = Field(description="augmented, recalibrated, plug_in, or logs-only/<estimator>, "
-                                        "hybrid/<estimator>")
+                                        "hybrid/<estimator> (a hybrid candidate whose audit failed and whose own "
+                                        "labels allow it takes Direct's path: recalibrated)")
     transport: Literal["audited", "unaudited"]
     plug_in: Optional[StatSummary]
     augmented: Optional[StatSummary]

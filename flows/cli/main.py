@@ -321,7 +321,6 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
         if ns.columns:
             raise CJEInputError("--columns applies to --mode direct; logged data must use the canonical names "
                                 "(docs/offpolicy.md)")
-        kwargs.pop("inference", None)  # off-policy modes infer by the bootstrap only
         if "policies" in kwargs:
             kwargs["targets"] = kwargs.pop("policies")
         with progress(f"evaluating {ns.input} ({ns.mode})"):

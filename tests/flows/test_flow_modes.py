@@ -120,7 +120,7 @@ def test_direct_mode_is_the_default_flow(logs):
     exp = logs["expected"].drop(columns=["base_logprob", "logprob__near", "logprob__far", "n_tokens"])
     ref = engine_evaluate(exp, n_bootstrap=100, seed=5).to_dict()
     assert out["result"]["policies"] == ref["policies"]
-    assert "mode" not in out["result"]
+    assert out["result"]["mode"] == "direct"  # every result names its mode (the typed result)
     manifest, _ = _published(logs, out)
     assert "mode" not in manifest["config"]  # direct run keys are unchanged by the new parameter
 

@@ -274,3 +274,61 @@ def test_entry_point_far_target_refused():
         hy = evaluate_offpolicy(logged, fresh, mode="hybrid", n_bootstrap=50, seed=r).to_dict()
         coef = hy["policies"]["far"]["offpolicy"]["estimates"]["stacked"]["coef"]
         assert set(coef) <= {"dr", "direct"}
+
+
+# ------------------------------------------------------------------ refused means refused (issue 16)
+
+
+def _refusal_study(n_datasets: int) -> dict:
+    """benchmarks/bench_offpolicy.py: logs-only (analytic route) beside Direct on the fresh draws."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_offpolicy.py"
+    spec = importlib.util.spec_from_file_location("bench_offpolicy", path)
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules.setdefault("bench_offpolicy", mod)  # its dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod.run(n_datasets, n_prompts=400, inference="analytic", n_boot=0)
+
+
+def _check_refusal_study(r: dict, acc_slack: float, cov_band: tuple[float, float]) -> None:
+    # an overlap-refused target is never ranked (exact), and the far target is refused at all
+    assert r["refused_target_ranked"] == 0
+    assert r["overlap_refusals"].get("far", 0) >= 0.9 * r["n_datasets"]
+    d = r["discordant_pairs"]
+    diff = (d["offpolicy_only"] - d["direct_only"]) / r["reported_pairs"]
+    assert diff >= -acc_slack, (r["ranking_accuracy_offpolicy"], r["ranking_accuracy_direct_same_pairs"])
+    lo, hi = cov_band
+    assert lo <= r["coverage_reported_intervals"] <= hi, r["coverage_by_target"]
+
+
+def test_refusal_study_small():
+    # 25 data sets. Accuracy: the paired difference (McNemar) has SE sqrt(b + c) / P over P reported
+    # pairs with b + c discordant ones; slack = the claim's 0.02 plus 3 SE with b + c <= 15 of ~75
+    # pairs (at most ~20% discordant at this size): 0.02 + 3 * sqrt(15) / 75 = 0.175. Coverage: two
+    # reported targets per data set share the data, so count the data sets (25) as the independent
+    # units: 0.95 +/- (0.02 + 3 * sqrt(0.95 * 0.05 / 25)) = [0.80, 1.0].
+    r = _refusal_study(25)
+    _check_refusal_study(r, 0.175, (0.80, 1.0))
+
+
+@pytest.fixture(scope="module")
+def study_200():
+    return _refusal_study(200)
+
+
+@pytest.mark.slow
+def test_refusal_study_200(study_200):
+    # The claims of issue 16 on 200 data sets (benchmarks/RESULTS.md has the figures): never ranked,
+    # accuracy >= Direct - 0.02, coverage at least 0.93 (the upper end is the next test).
+    _check_refusal_study(study_200, 0.02, (0.93, 1.0))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known gap: the analytic intervals over-cover (0.987 on 228 reported "
+                                       "intervals, above the claimed 0.97)")
+def test_refusal_study_200_coverage_not_above_097(study_200):
+    assert study_200["coverage_reported_intervals"] <= 0.97

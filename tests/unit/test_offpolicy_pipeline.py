@@ -164,8 +164,14 @@ def test_logs_only_equals_hybrid_on_the_logs(sim_frames):
     for t in ("near", "far"):
         assert lo["policies"][t]["offpolicy"]["estimates"]["calibrated_ips"] == \
             hy["policies"][t]["offpolicy"]["estimates"]["calibrated_ips"]
-    assert lo["policies"]["near"]["basis_code"] == "logs-only/calibrated_ips"
-    assert lo["policies"]["near"]["level_claim"] == "ok"
+    near = lo["policies"]["near"]
+    assert near["basis_code"] == "logs-only/calibrated_ips"
+    # the near clone passes the overlap gates; with 75 labels its (weighted) judge scores are thinly
+    # supported, so the support rule refuses its level and keeps it rank-only
+    assert near["support"]["limited"] and "weighted" in near["support"]["rule"]
+    assert near["level_claim"] == "refused" and near["relative_claim"] == "rank_only"
+    assert any("limited calibration support" in r for r in near["refusal_reasons"])
+    assert "near" in {e["policy"] for e in lo["ranking"]}
     assert lo["policies"]["far"]["level_claim"] == "refused"
     assert "collect fresh draws" in lo["policies"]["far"]["refusal_reasons"][-1]
     assert lo["policies"]["far"]["transport"] == "unaudited"
@@ -200,8 +206,7 @@ def test_custom_gates_are_honoured(sim_frames):
 
 def test_arena_modes(arena_dir):
     """The Arena's logs: the clone alone passes logs-only; in hybrid mode the adversarial policy's own
-    probe labels fail the transport audit, so its level is refused even though its overlap is not the
-    issue there, with a pointer to Direct recalibrated on its labels."""
+    probe labels fail the transport audit, so its level is Direct's recalibrated one (as in Direct)."""
     lo = evaluate_offpolicy(arena_dir, mode="logs-only", logger="base", calibration_policies=["base"],
                             n_bootstrap=50).to_dict()
     claims = {t: lo["policies"][t]["level_claim"] for t in ("clone", "parallel_universe_prompt", "unhelpful")}
@@ -209,16 +214,19 @@ def test_arena_modes(arena_dir):
     hy = evaluate_offpolicy(arena_dir, mode="hybrid", logger="base", calibration_policies=["base"],
                             n_bootstrap=50).to_dict()
     un = hy["policies"]["unhelpful"]
-    assert un["audit"]["verdict"] == "fail" and un["level_claim"] == "refused"
-    assert any("transport audit" in r for r in un["refusal_reasons"])
-    assert "recalibrated" in un["refusal_reasons"][-1]
+    # hybrid gives it Direct's level path: its 50 own labels fail the audit and recalibrate it
+    assert un["audit"]["verdict"] == "fail" and un["level_claim"] == "ok" and un["basis_code"] == "recalibrated"
+    assert un["estimate"] == pytest.approx(un["direct"]["estimate"]) and un["ci"] == un["direct"]["ci"]
+    assert un["estimate"] < 0.2 < un["offpolicy"]["estimates"]["calibrated_ips"]["value"]
+    assert un["relative_claim"] == "ok" and "unhelpful" in {e["policy"] for e in hy["ranking"]}
     assert hy["best_policy"] != "unhelpful"
+    assert all(c["reported"] for c in hy["comparisons"] if "unhelpful" in (c["a"], c["b"]))
 
 
 def test_options_validation(sim_frames):
     _, logged, _ = sim_frames
     for kw, msg in ((dict(mode="direct"), "mode must be one of"), (dict(estimator="magic"), "estimator must be"),
-                    (dict(gates={"min_foo": 1}), "unknown gate"), (dict(inference="analytic"), "'bootstrap' only"),
+                    (dict(gates={"min_foo": 1}), "unknown gate"), (dict(inference="jackknife"), "inference must be"),
                     (dict(nonsense=1), "unknown option"), (dict(downgraded="maybe"), "downgraded"),
                     (dict(stack=("nope",)), "stacking candidate"), (dict(rho=-1.0), "rho")):
         with pytest.raises(CJEInputError, match=msg):
