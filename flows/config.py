@@ -185,7 +185,7 @@ def check_cron(cron: str, tz: str) -> None:
 # models
 
 
-class _Entry(BaseModel):
+class ScheduledEntry(BaseModel):
     """Shared keys and checks of a scheduled entry (an evaluation or a drift monitor)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -256,7 +256,7 @@ def _uri_validator(*names: str):
     return field_validator(*names, mode="before")(classmethod(check))
 
 
-class EvaluationConfig(_Entry):
+class EvaluationConfig(ScheduledEntry):
     """One entry of ``evaluations:`` (see `flows.runtime.schedules` for the file format)."""
 
     name: str
@@ -308,7 +308,7 @@ class EvaluationConfig(_Entry):
             flow_options(self.options, self.policies, self.mode)
 
 
-class DriftMonitorConfig(_Entry):
+class DriftMonitorConfig(ScheduledEntry):
     """One entry of ``drift_monitors:`` (see docs/drift-flow.md for the keys)."""
 
     name: str | None = None
@@ -414,8 +414,8 @@ def _one_line(exc: ValidationError, model: type[BaseModel]) -> str:
     return f"key {loc}: {msg}"
 
 
-def validate_entry(model: type[_Entry], entry: Any, where: str, src: str | None = None,
-                   base: Path | None = None) -> _Entry:
+def validate_entry(model: type[ScheduledEntry], entry: Any, where: str, src: str | None = None,
+                   base: Path | None = None) -> ScheduledEntry:
     """Validate one entry (a mapping from the file or a flow parameter) as ``model``."""
     if not isinstance(entry, dict):
         raise CJEInputError(f"{where} must be a mapping", source=src)

@@ -44,6 +44,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from datetime import datetime, timezone
 from typing import Any, Iterator, Sequence
 
@@ -51,11 +52,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prefect import task
+from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
 from cje_engine import __version__ as ENGINE_VERSION
 from cje_engine.errors import CJEInputError
+from cje_engine.options import EvaluationOptions
+from cje_engine.pipeline import offpolicy as offpolicy_pipeline
+from cje_engine.pipeline.direct import finalize as engine_finalize
+from cje_engine.pipeline.direct import prepare as engine_prepare
+from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
 
 from flows.config import Window, check_publish_name, check_uri, parse_window
 from flows.pipelines import preflight
@@ -63,8 +70,10 @@ from flows.integrations.regressions import monitor_evaluation
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
-from flows.storage.logs import concat_with_sources, locate_row, row_sources
-from flows.storage.objects import StorageConfig
+from flows.storage.labels import LabelStore
+from flows.storage.logs import concat_with_sources, discover_partitions, first_duplicate, locate_row, row_sources
+from flows.storage.objects import Storage, StorageConfig
+from flows.storage.publish import run_key
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +89,6 @@ _PURE_TASK = PURE_TASK
 
 
 def _storage(uri: str, cfg: Any):
-    from flows.storage.objects import Storage
-
     return Storage.for_uri(uri, cfg)
 
 
@@ -92,8 +99,6 @@ def _storage(uri: str, cfg: Any):
 @task(name="discover", **_STORAGE_TASK)
 def discover(logs_uri: str, cfg: Any, window: Window) -> list[dict]:
     """Partitions of the window as ``{"key", "size", "etag_or_mtime"}`` dicts (lineage)."""
-    from flows.storage.logs import discover_partitions
-
     st = _storage(logs_uri, cfg)
     files = discover_partitions(st, window.start, window.end)
     infos = [_info_dict(f) for f in files]
@@ -174,8 +179,6 @@ def read_needed(plan: "RunPlan", cfg: Any, files: list[dict]) -> pa.Table:
 @task(name="load_labels", **_STORAGE_TASK)
 def load_labels(labels_uri: str, cfg: Any) -> tuple[pa.Table | None, dict]:
     """The label store's labels at its current version (``None`` when empty) and lineage."""
-    from flows.storage.labels import LabelStore
-
     store = LabelStore(_storage(labels_uri, cfg))
     version = int(store.version())
     info = {"labels_uri": labels_uri, "label_store_version": version, "n_label_rows": 0, "n_flagged": 0}
@@ -250,8 +253,6 @@ def validate(table: pa.Table, covariates: Sequence[str], source: str) -> dict:
         if col not in table.column_names:
             raise CJEInputError(f"column is missing from the logs (found: {', '.join(table.column_names)})",
                                 source=source, column=col)
-    from flows.storage.logs import first_duplicate
-
     # Sort-based (benchmarks/bench_flow.py, 10M ids: 1.1 s and 0.5 GB of Arrow memory, where
     # the hash-based pc.count_distinct took 6.6 s and 1.0 GB).
     dup = first_duplicate(table["response_id"])
@@ -289,8 +290,6 @@ def _rows_named_by_object(table: pa.Table, logs_uri: str | None, cfg: Any) -> It
 @task(name="prepare", **_PURE_TASK)
 def prepare(table: pa.Table, options: dict, logs_uri: str | None = None, cfg: Any = None) -> Any:
     """Engine `prepare`: validate, select the mode, fit the calibration once."""
-    from cje_engine.pipeline.direct import prepare as engine_prepare
-
     with _rows_named_by_object(table, logs_uri, cfg):
         return engine_prepare(table, **options)
 
@@ -319,9 +318,6 @@ def bootstrap(prep: Any, n_chunks: int | None) -> list:
 @task(name="finalize", **_PURE_TASK)
 def finalize(prep: Any, chunks: list) -> Any:
     """Engine `finalize`: intervals, audits, gates, comparisons, ranking."""
-    from cje_engine.pipeline import offpolicy as offpolicy_pipeline
-    from cje_engine.pipeline.direct import finalize as engine_finalize
-
     if isinstance(prep, offpolicy_pipeline.OffPolicyPrepared):
         return offpolicy_pipeline.finalize(prep, chunks)
     return engine_finalize(prep, chunks)
@@ -330,16 +326,12 @@ def finalize(prep: Any, chunks: list) -> Any:
 @task(name="prepare_offpolicy", **_PURE_TASK)
 def prepare_offpolicy(table: pa.Table, options: dict, logs_uri: str | None = None, cfg: Any = None) -> Any:
     """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates."""
-    from cje_engine.pipeline.offpolicy import prepare as offpolicy_prepare
-
     with _rows_named_by_object(table, logs_uri, cfg):
-        return offpolicy_prepare(table, **options)
+        return offpolicy_pipeline.prepare(table, **options)
 
 
 def _chunk_fn(prep: Any) -> Any:
     """The Ray function computing bootstrap chunks for this prepared state."""
-    from cje_engine.pipeline import offpolicy as offpolicy_pipeline
-
     if isinstance(prep, offpolicy_pipeline.OffPolicyPrepared):
         return offpolicy_pipeline.bootstrap_chunk
     return ray_runtime.remote_bootstrap
@@ -380,8 +372,6 @@ def publish(results_uri: str, cfg: Any, evaluation: str, window: Window, key: st
 
 def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict:
     """Engine keyword options of a run (validated by the engine), JSON-ready."""
-    from cje_engine.options import EvaluationOptions
-
     opts = dict(options or {})
     if policies:
         opts["policies"] = list(policies)
@@ -435,8 +425,6 @@ def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | Non
     if mode == "direct":
         opts, extra_columns, read_policies = engine_options(options, policies), [], policies
     else:
-        from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
-
         opts = flow_options(options, policies, mode)
         extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
     delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
@@ -454,8 +442,6 @@ def config_hash(config: dict) -> str:
 
 def _code_version() -> str:
     try:
-        from importlib.metadata import version
-
         return f"cje-service {version('cje-service')}, engine {ENGINE_VERSION}"
     except Exception:  # noqa: BLE001 - not installed: source tree
         return f"engine {ENGINE_VERSION} (source tree)"
@@ -595,14 +581,10 @@ def evaluate(
 
 
 def _run_key(config: dict, fingerprint: dict) -> str:
-    from flows.storage.publish import run_key
-
     return run_key(config, fingerprint)
 
 
 def _flow_run_id() -> str | None:
-    from prefect.context import FlowRunContext
-
     ctx = FlowRunContext.get()
     return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from cje_engine.errors import CJEInputError
 
-from flows.config import DEFAULT_FILE, EvaluationConfig, _Entry, load_config
+from flows.config import DEFAULT_FILE, EvaluationConfig, ScheduledEntry, load_config
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def check_schedule(e: dict, where: str, src: str) -> None:
     `flows.config` (one of cron or interval; interval a number of seconds >= 60)."""
     keys = {k: e[k] for k in ("cron", "interval", "timezone", "anchor") if k in e}
     try:
-        _Entry.model_validate(keys)._check_schedule()
+        ScheduledEntry.model_validate(keys)._check_schedule()
     except CJEInputError as exc:
         raise CJEInputError(f"{where}: {exc}", source=src) from None
     except ValueError as exc:  # pydantic's ValidationError

@@ -61,6 +61,6 @@ def test_cje_serve_refuses_a_sub_minute_interval_before_starting_anything(tmp_pa
         config.write_text(f"evaluations:\n  - {{name: fast, logs_uri: logs, interval: {bad}}}\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
         r = subprocess.run([sys.executable, "-m", "flows.cli.main", "serve", "--config", str(config)], env=env,
-                           cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+                           cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "key interval" in r.stderr and str(config) in r.stderr, r.stderr
         assert "starting a local" not in r.stderr
