@@ -375,6 +375,10 @@ class Config:
 # loading
 
 
+#: Top-level keys of ``evaluations.yaml`` (``columns``: the column mapping of `cje evaluate`/`cje plan`).
+TOP_LEVEL_KEYS = ("evaluations", "drift_monitors", "columns")
+
+
 def read_yaml(path: str | os.PathLike | None = None) -> tuple[Path, dict]:
     """The one YAML loader of the service: ``(path, top-level mapping)`` or `CJEInputError`."""
     p = Path(path) if path is not None else DEFAULT_FILE
@@ -390,11 +394,16 @@ def read_yaml(path: str | os.PathLike | None = None) -> tuple[Path, dict]:
         doc = {}
     if not isinstance(doc, dict):
         raise CJEInputError("expected a mapping with 'evaluations:' and/or 'drift_monitors:'", source=str(p))
-    unknown = sorted(set(map(str, doc)) - {"evaluations", "drift_monitors"})
+    unknown = sorted(set(map(str, doc)) - set(TOP_LEVEL_KEYS))
     if unknown:
         raise CJEInputError(f"unknown top-level key {unknown[0]!r}"
-                            + did_you_mean(unknown[0], ("evaluations", "drift_monitors"))
-                            + "; expected evaluations, drift_monitors", source=str(p))
+                            + did_you_mean(unknown[0], TOP_LEVEL_KEYS)
+                            + f"; expected {', '.join(TOP_LEVEL_KEYS)}", source=str(p))
+    columns = doc.get("columns")
+    if columns is not None and not (isinstance(columns, dict)
+                                    and all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items())):
+        raise CJEInputError("columns: expected a mapping of canonical column -> your column name, e.g. "
+                            "{prompt_id: id, policy: model}", source=str(p))
     return p, doc
 
 

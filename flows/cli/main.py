@@ -309,10 +309,11 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     """Engine only: write DIR/result.json and DIR/report.html and print the table."""
     from flows.reports.evaluation import format_table, render_report
 
-    out_dir = check_out_dir(ns.out, overwrite=ns.overwrite)
     kwargs = engine_kwargs(ns)
     if ns.policies:
         kwargs["policies"] = ns.policies
+    _check_options(ns.mode, kwargs)  # bad options: exit 2 before the output folder or the data is touched
+    out_dir = check_out_dir(ns.out, overwrite=ns.overwrite)
     if ns.mode == "direct":
         res = _evaluate_direct(ns, kwargs)
     else:
@@ -337,6 +338,20 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
         out(format_table(d))
         out(f"result: {result_path}\nreport: {report_path}")
     return _problems_exit(problems, ns.exit_zero)
+
+
+def _check_options(mode: str, kwargs: dict[str, Any]) -> None:
+    """Validate the engine options alone (`EvaluationOptions` / `OffPolicyOptions`), raising `CJEInputError`."""
+    from cje_engine.options import EvaluationOptions
+    from cje_engine.pipeline.offpolicy_options import OffPolicyOptions
+
+    if mode == "direct":
+        EvaluationOptions.build(**kwargs)
+    else:
+        opts = dict(kwargs)
+        if "policies" in opts:
+            opts["targets"] = opts.pop("policies")
+        OffPolicyOptions.build(mode=mode, **opts)
 
 
 def _problems_exit(problems: list[str], exit_zero: bool) -> int:

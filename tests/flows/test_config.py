@@ -180,7 +180,8 @@ def test_bad_settings_exit_2_before_prefect_or_ray_start(tmp_path):
     r = subprocess.run([str(Path(sys.executable).with_name("cje")), "run", "a", "--config", str(f)], cwd=str(tmp_path),
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    # the CLI names the config file in use on its own line (`config: PATH (from --config)`), then the error
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("config: ")]
     assert len(lines) == 1 and str(f) in lines[0] and "logs_uri" in lines[0], r.stderr
     assert "wJalrSecret42" not in r.stderr + r.stdout and "Traceback" not in r.stderr
     assert "starting a local" not in r.stderr  # neither a Prefect server nor Ray was started
@@ -214,7 +215,7 @@ def test_cje_evaluate_out_of_range_options_exit_2_without_a_traceback(tmp_path, 
 
     data = tmp_path / "d.csv"
     data.write_text("prompt_id,policy,judge_score,oracle_label\n" + "".join(
-        f"p{i},{pol},0.5,{'' if i % 2 else 0.5}\n" for i in range(40) for pol in ("a", "b")))
+        f"p{i},{pol},0.5,{'' if i % 2 else (0.25 if i % 4 else 0.75)}\n" for i in range(40) for pol in ("a", "b")))
     r = subprocess.run([str(Path(sys.executable).with_name("cje")), "evaluate", str(data), "--out",
                         str(tmp_path / "out"), *flags], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
