@@ -198,6 +198,17 @@ def _test(kind: str, cur: WindowValue, ref: WindowValue, look: int, alpha: float
                   status=status, labels_needed=needed)
 
 
+def _baseline_value(period: Sequence[WindowValue]) -> WindowValue:
+    """The mean of a baseline period (independent windows); not usable if any window of it is not."""
+    label = f"{period[0].window}..{period[-1].window}"
+    bad = next((v for v in period if not v.usable), None)
+    if bad is not None:
+        return WindowValue(label, None, None, False, f"baseline window {bad.window}: {bad.reason or 'not usable'}")
+    k = len(period)
+    return WindowValue(label, sum(float(v.estimate) for v in period) / k,
+                       math.sqrt(sum(float(v.se) ** 2 for v in period)) / k)
+
+
 def _pooled(values: Sequence[WindowValue], i: int, k: int, base: WindowValue, look: int, alpha: float,
             spent: float) -> Change:
     """Mean of the last ``k`` windows (``i-k+1 .. i``) against the baseline: a sustained shift."""
@@ -223,6 +234,7 @@ def window_changes(
     horizon: int | None = None,
     decision_margin: float = 0.02,
     pools: Sequence[int] = (2, 4, 8),
+    baseline_windows: int = 1,
 ) -> PolicyChanges:
     """Consecutive, baseline and pooled changes of one policy over windows in time order.
 
@@ -252,6 +264,9 @@ def window_changes(
         ``consecutive[i]``, ``against_baseline[i]`` and ``pooled[i]`` test window ``i`` (None / empty for
         untested windows). The budget of window i is split equally over its tests; their number depends only
         on i, never on the data.
+    baseline_windows : int
+        The baseline is the mean of this many windows from the baseline window on (a baseline period: its SE
+        shrinks like 1/sqrt(m), which is what limits the detection of small changes); testing starts after it.
     """
     _check(alpha, decision_margin, horizon)
     windows = [v.window for v in values]
@@ -268,17 +283,20 @@ def window_changes(
                         against_baseline=[None] * len(values), pooled=[[] for _ in values])
     if b_idx is None:
         return out
-    for i in range(b_idx + 1, len(values)):
-        look = i - b_idx
+    m = int(baseline_windows)
+    if m < 1:
+        raise CJEInputError(f"baseline_windows must be >= 1, got {baseline_windows!r}", column="baseline_windows")
+    base = _baseline_value(values[b_idx:b_idx + m]) if m > 1 else values[b_idx]
+    for i in range(b_idx + m, len(values)):
+        look = i - (b_idx + m - 1)
         if horizon is not None and look > horizon:
             break
         ks = sorted({int(k) for k in pools if 2 <= int(k) <= look})
         spent = alpha * look_spending(look, horizon) / (2 + len(ks))  # equal shares of the window's budget
         out.consecutive[i] = _test("consecutive", values[i], values[i - 1], look, alpha, spent,
                                    decision_margin)
-        out.against_baseline[i] = _test("baseline", values[i], values[b_idx], look, alpha, spent,
-                                        decision_margin)
-        out.pooled[i] = [_pooled(values, i, k, values[b_idx], look, alpha, spent) for k in ks]
+        out.against_baseline[i] = _test("baseline", values[i], base, look, alpha, spent, decision_margin)
+        out.pooled[i] = [_pooled(values, i, k, base, look, alpha, spent) for k in ks]
     return out
 
 

@@ -137,3 +137,14 @@ def test_pooled_test_is_the_mean_of_the_last_windows_against_the_baseline():
     assert k4.alpha_spent == pytest.approx(0.05 * look_spending(4, None) / 4)
     refused = window_changes(_series([0.7, 0.7, 0.7, 0.7], refused={2}), alpha=0.05)
     assert all(c.status == "not_estimable" and "w2" in c.reason for c in refused.pooled[3])
+
+
+def test_baseline_period_is_the_mean_of_its_windows_and_testing_starts_after_it():
+    vals = _series([0.70, 0.72, 0.68, 0.70, 0.60], se=0.01)
+    pc = window_changes(vals, alpha=0.05, baseline_windows=3)
+    assert pc.consecutive[:3] == [None, None, None] and pc.against_baseline[3].look == 1
+    b = pc.against_baseline[4]
+    assert b.ref == "w0..w2" and b.diff == pytest.approx(0.60 - 0.70)
+    assert b.se == pytest.approx(math.sqrt(0.01 ** 2 + 3 * 0.01 ** 2 / 9))
+    with pytest.raises(CJEInputError, match="baseline_windows"):
+        window_changes(vals, baseline_windows=0)
