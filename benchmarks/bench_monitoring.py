@@ -69,14 +69,14 @@ def _naive_alarm(vals: list[WindowValue], alpha: float) -> bool:
 
 
 def normal_sequences(n_seq: int, n_win: int, se: float, change: float, change_at: int, alpha: float,
-                     horizon: int | None, rng: np.random.Generator) -> dict:
+                     horizon: int | None, rng: np.random.Generator, baseline_windows: int = 1) -> dict:
     """Level 2: estimates ~ N(value, se^2) per window; returns false-alarm / delay figures."""
     early, delays, never = 0, [], 0
     for _ in range(n_seq):
         est = 0.7 + se * rng.standard_normal(n_win)
         est[change_at:] -= change
         vals = [WindowValue(f"w{i:03d}", float(v), se) for i, v in enumerate(est)]
-        first = window_changes(vals, alpha=alpha, horizon=horizon).first_alarm
+        first = window_changes(vals, alpha=alpha, horizon=horizon, baseline_windows=baseline_windows).first_alarm
         idx = None if first is None else int(first[1:])
         if idx is not None and idx < change_at:
             early += 1
@@ -85,7 +85,8 @@ def normal_sequences(n_seq: int, n_win: int, se: float, change: float, change_at
         else:
             delays.append(idx - change_at)
     d = np.array(delays, dtype=float)
-    return {"change": change, "horizon": horizon, "false_alarm_before_change": early / n_seq,
+    return {"change": change, "horizon": horizon, "baseline_windows": baseline_windows,
+            "false_alarm_before_change": early / n_seq,
             "detected": len(delays) / n_seq, "never": never / n_seq,
             "delay_median": float(np.median(d)) if delays else float("nan"),
             "delay_p90": float(np.percentile(d, 90)) if delays else float("nan"),
@@ -95,13 +96,15 @@ def normal_sequences(n_seq: int, n_win: int, se: float, change: float, change_at
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sequences", type=int, default=20, help="engine-level sequences (default 20)")
+    ap.add_argument("--sequences", type=int, default=30, help="engine-level sequences (default 20)")
     ap.add_argument("--windows", type=int, default=50, help="windows per sequence (default 50)")
     ap.add_argument("--prompts", type=int, default=1000, help="prompts per window and policy (default 1000)")
     ap.add_argument("--audit", type=int, default=100, help="own labels of the candidate per window (default 100)")
     ap.add_argument("--normal-sequences", type=int, default=2000, help="normal-level sequences (default 2000)")
-    ap.add_argument("--change-at", type=int, default=10, help="window index of the step change (default 10)")
+    ap.add_argument("--change-at", type=int, default=10, help="window index of the step change (default 10); the "
+                    "baseline period must end before it")
     ap.add_argument("--alpha", type=float, default=0.05)
+    ap.add_argument("--baseline-windows", type=int, default=8, help="baseline period of the second set of rows")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     eng = engine_sequences(args.sequences, args.windows, args.prompts, args.audit, args.alpha)
@@ -112,17 +115,17 @@ def main() -> None:
           f"{eng['wall_s']:.0f} s wall, {eng['cpu_s']:.0f} s CPU")
     rng = np.random.default_rng(0)
     rows = []
-    for horizon in (None, args.windows):
+    for horizon, m in ((None, 1), (args.windows, 1), (None, args.baseline_windows), (args.windows, args.baseline_windows)):
         for change in (0.0, 0.02, 0.05):
             r = normal_sequences(args.normal_sequences, args.windows, eng["mean_se"], change, args.change_at,
-                                 args.alpha, horizon, rng)
+                                 args.alpha, horizon, rng, m)
             rows.append(r)
-            spend = "1/(t(t+1))" if horizon is None else f"horizon {horizon}"
+            spend = ("1/(t(t+1))" if horizon is None else f"horizon {horizon}") + f", baseline {m} window(s)"
             if change == 0:
-                print(f"[normal] {spend:>12}: no change, false-alarm rate over {args.windows} windows "
+                print(f"[normal] {spend:>34}: no change, false-alarm rate over {args.windows} windows "
                       f"{r['false_alarm_before_change'] + r['detected']:.3f}")
             else:
-                print(f"[normal] {spend:>12}: change {change:.2f} at window {args.change_at}: false alarm before "
+                print(f"[normal] {spend:>34}: change {change:.2f} at window {args.change_at}: false alarm before "
                       f"{r['false_alarm_before_change']:.3f}, detected {r['detected']:.3f} (at the change "
                       f"{r['within_0']:.3f}, within 2 windows {r['within_2']:.3f}), delay median "
                       f"{r['delay_median']:.0f}, p90 {r['delay_p90']:.0f} windows, never {r['never']:.3f}")

@@ -20,7 +20,8 @@ Error control: alpha spending with a union bound
 Window ``t`` (t = 1 for the first window after the baseline) spends ``alpha * g(t)`` with
 ``g(t) = 1 / (t (t + 1))`` (unbounded; sums to 1) or ``g(t) = 1 / H`` for a stated horizon ``H``
 (`cje_engine.drift.monitor.look_spending`, the same rule the judge-drift monitor uses). The budget of
-a window is split equally between its two tests. A test that cannot run (a refused level, a missing
+a window is split equally between its tests: consecutive, baseline, and pooled (the mean of the last k
+windows against the baseline, k in 2, 4, 8 as far as there are k windows after the baseline). A test that cannot run (a refused level, a missing
 SE) leaves its budget unused, so the guarantee never depends on the data. By the union bound,
 P(any false alarm at any window) <= alpha for each policy, whatever the dependence between the
 tests (the baseline comparisons all share the baseline window's estimate, which is why a
@@ -87,11 +88,12 @@ class Change:
     drop decidable (None when labels in this window cannot decide it).
     """
 
-    kind: str  # "consecutive" | "baseline"
+    kind: str  # "consecutive" | "baseline" | "pooled"
     window: str
     ref: str
     look: int
     alpha_spent: float
+    n_windows: int = 1  # windows averaged on the current side (pooled tests: the last n_windows)
     diff: float | None = None
     se: float | None = None
     ci: tuple[float, float] | None = None
@@ -118,15 +120,16 @@ class PolicyChanges:
     windows: list[str]
     consecutive: list[Change | None] = field(default_factory=list)
     against_baseline: list[Change | None] = field(default_factory=list)
+    pooled: list[list[Change]] = field(default_factory=list)
+
+    def tests_at(self, i: int) -> list[Change]:
+        """Every test run at window index ``i``."""
+        return [c for c in (self.consecutive[i], self.against_baseline[i]) if c is not None] + list(self.pooled[i])
 
     @property
     def alarms(self) -> list[str]:
-        """Windows with a regression alarm (a significant drop in either test), in time order."""
-        out = []
-        for w, c, b in zip(self.windows, self.consecutive, self.against_baseline):
-            if any(x is not None and x.status == "regression" for x in (c, b)):
-                out.append(w)
-        return out
+        """Windows with a regression alarm (a significant drop in any test), in time order."""
+        return [w for i, w in enumerate(self.windows) if any(c.status == "regression" for c in self.tests_at(i))]
 
     @property
     def first_alarm(self) -> str | None:
@@ -137,6 +140,7 @@ class PolicyChanges:
         return {"policy": self.policy, "baseline": self.baseline, "windows": list(self.windows),
                 "consecutive": [c.to_dict() if c else None for c in self.consecutive],
                 "baseline_changes": [c.to_dict() if c else None for c in self.against_baseline],
+                "pooled_changes": [[c.to_dict() for c in cs] for cs in self.pooled],
                 "alarms": self.alarms, "first_alarm": self.first_alarm}
 
 
@@ -194,6 +198,33 @@ def _test(kind: str, cur: WindowValue, ref: WindowValue, look: int, alpha: float
                   status=status, labels_needed=needed)
 
 
+def _baseline_value(period: Sequence[WindowValue]) -> WindowValue:
+    """The mean of a baseline period (independent windows); not usable if any window of it is not."""
+    label = f"{period[0].window}..{period[-1].window}"
+    bad = next((v for v in period if not v.usable), None)
+    if bad is not None:
+        return WindowValue(label, None, None, False, f"baseline window {bad.window}: {bad.reason or 'not usable'}")
+    k = len(period)
+    return WindowValue(label, sum(float(v.estimate) for v in period) / k,
+                       math.sqrt(sum(float(v.se) ** 2 for v in period)) / k)
+
+
+def _pooled(values: Sequence[WindowValue], i: int, k: int, base: WindowValue, look: int, alpha: float,
+            spent: float) -> Change:
+    """Mean of the last ``k`` windows (``i-k+1 .. i``) against the baseline: a sustained shift."""
+    pool = list(values[i - k + 1:i + 1])
+    bad = next((v for v in pool if not v.usable), None)
+    if bad is not None:
+        why = bad.reason or ("level refused" if not bad.estimable else "no estimate or SE")
+        return Change("pooled", values[i].window, base.window, look, spent, n_windows=k,
+                      reason=f"window {bad.window} of the pool: {why}")
+    mean = sum(float(v.estimate) for v in pool) / k
+    se = math.sqrt(sum(float(v.se) ** 2 for v in pool)) / k  # independent windows
+    merged = WindowValue(values[i].window, mean, se)
+    c = _test("pooled", merged, base, look, alpha, spent, 0.0)
+    return Change(**{**asdict(c), "n_windows": k})
+
+
 def window_changes(
     values: Sequence[WindowValue],
     *,
@@ -202,8 +233,10 @@ def window_changes(
     baseline: str | None = None,
     horizon: int | None = None,
     decision_margin: float = 0.02,
+    pools: Sequence[int] = (2, 4, 8),
+    baseline_windows: int = 1,
 ) -> PolicyChanges:
-    """Consecutive and baseline changes of one policy over windows in time order.
+    """Consecutive, baseline and pooled changes of one policy over windows in time order.
 
     Parameters
     ----------
@@ -221,11 +254,19 @@ def window_changes(
         (unbounded spending ``1/(t(t+1))``). Windows past the horizon are not tested.
     decision_margin : float
         A non-significant drop at least this large is "undecided" (more labels could decide it).
+    pools : sequence of int
+        Pooled tests: the mean of the last k windows against the baseline, for each k >= 2 with k windows
+        after the baseline (a sustained shift is detected with the SE of k windows, not of one).
 
     Returns
     -------
     PolicyChanges
-        ``consecutive[i]`` and ``against_baseline[i]`` test window ``i`` (None for untested windows).
+        ``consecutive[i]``, ``against_baseline[i]`` and ``pooled[i]`` test window ``i`` (None / empty for
+        untested windows). The budget of window i is split equally over its tests; their number depends only
+        on i, never on the data.
+    baseline_windows : int
+        The baseline is the mean of this many windows from the baseline window on (a baseline period: its SE
+        shrinks like 1/sqrt(m), which is what limits the detection of small changes); testing starts after it.
     """
     _check(alpha, decision_margin, horizon)
     windows = [v.window for v in values]
@@ -239,18 +280,23 @@ def window_changes(
         b_idx = windows.index(baseline)
     out = PolicyChanges(policy=policy, baseline=windows[b_idx] if b_idx is not None else None,
                         windows=windows, consecutive=[None] * len(values),
-                        against_baseline=[None] * len(values))
+                        against_baseline=[None] * len(values), pooled=[[] for _ in values])
     if b_idx is None:
         return out
-    for i in range(b_idx + 1, len(values)):
-        look = i - b_idx
+    m = int(baseline_windows)
+    if m < 1:
+        raise CJEInputError(f"baseline_windows must be >= 1, got {baseline_windows!r}", column="baseline_windows")
+    base = _baseline_value(values[b_idx:b_idx + m]) if m > 1 else values[b_idx]
+    for i in range(b_idx + m, len(values)):
+        look = i - (b_idx + m - 1)
         if horizon is not None and look > horizon:
             break
-        spent = alpha * look_spending(look, horizon) / 2  # half for each of the two tests
+        ks = sorted({int(k) for k in pools if 2 <= int(k) <= look})
+        spent = alpha * look_spending(look, horizon) / (2 + len(ks))  # equal shares of the window's budget
         out.consecutive[i] = _test("consecutive", values[i], values[i - 1], look, alpha, spent,
                                    decision_margin)
-        out.against_baseline[i] = _test("baseline", values[i], values[b_idx], look, alpha, spent,
-                                        decision_margin)
+        out.against_baseline[i] = _test("baseline", values[i], base, look, alpha, spent, decision_margin)
+        out.pooled[i] = [_pooled(values, i, k, base, look, alpha, spent) for k in ks]
     return out
 
 
@@ -295,8 +341,9 @@ def changes_by_policy(
     baseline: str | None = None,
     horizon: int | None = None,
     decision_margin: float = 0.02,
+    pools: Sequence[int] = (2, 4, 8),
 ) -> dict[str, PolicyChanges]:
     """`window_changes` for every policy of a sequence of ``(window, result dict)`` in time order."""
     return {name: window_changes(vals, policy=name, alpha=alpha, baseline=baseline, horizon=horizon,
-                                 decision_margin=decision_margin)
+                                 decision_margin=decision_margin, pools=pools)
             for name, vals in series_from_results(results).items()}

@@ -25,7 +25,7 @@ def regression_payload(evaluation: str, window: str, run_key: str, policy: str, 
                        links: Mapping[str, Any]) -> dict[str, Any]:
     """The notification of one regression alarm: the failing test(s) with their anytime intervals."""
     i = pc.windows.index(window)
-    tests = [c.to_dict() for c in (pc.consecutive[i], pc.against_baseline[i]) if c is not None]
+    tests = [c.to_dict() for c in pc.tests_at(i)]
     return {"evaluation": evaluation, "window": window, "run_key": run_key, "policy": policy,
             "baseline": pc.baseline, "first_alarm": pc.first_alarm,
             "tests": [t for t in tests if t["status"] == "regression"],

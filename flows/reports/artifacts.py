@@ -56,6 +56,7 @@ def policy_rows(result: Mapping[str, Any], changes: Mapping[str, Any] | None = N
             c, b = pc.consecutive[i], pc.against_baseline[i]
             row["change_vs_previous"] = c.status if c else ""
             row["change_vs_baseline"] = b.status if b else ""
+            row["pooled_alarm"] = any(x.status == "regression" for x in pc.pooled[i])
         rows.append(row)
     return rows
 

@@ -33,7 +33,7 @@ from flows.reports.charts import (_audit_svg, _calibration_svg, _drift_svg, _for
                                   _pairwise, _puor, _win_svg)
 from flows.reports.common import (BLUE, FONT, GREEN, GREY, GRID, INK, MUTED, ORANGE, PURPLE,  # noqa: F401
                                   SKY, VERDICT_STYLE, VERMILLION, _alpha, _audit, _check_drift, _check_result,
-                                  _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused, _num, _pair,
+                                  _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused, _name_cell, _num, _pair,
                                   _policy_order, _short, _signed, _verdict)
 from flows.reports.sections import (_audit_section, _calibration_section, _changed_section,  # noqa: F401
                                     _comparisons_table, _context_meta, _drift_section, _estimator_table, _footer, _policy_table, _summary_html)

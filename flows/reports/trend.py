@@ -274,9 +274,7 @@ def _changes_table(changes: Mapping[str, PolicyChanges], window: str) -> str:
         if window not in pc.windows:
             continue
         i = pc.windows.index(window)
-        for c in (pc.consecutive[i], pc.against_baseline[i]):
-            if c is None:
-                continue
+        for c in pc.tests_at(i):
             if c.status == "not_estimable":
                 num = f"<td class='muted' colspan='2'>not estimable: {_esc(c.reason)}</td>"
             else:
@@ -285,7 +283,8 @@ def _changes_table(changes: Mapping[str, PolicyChanges], window: str) -> str:
             cls = {"regression": "v-fail", "improvement": "v-pass", "undecided": "v-inconclusive"}.get(c.status,
                                                                                                     "v-not_run")
             extra = f" ({c.labels_needed} more labels would decide)" if c.labels_needed else ""
-            rows.append(f"<tr><td class='name'>{_esc(n)}</td><td>{_esc(c.kind)} vs "
+            what = f"mean of last {c.n_windows} windows" if c.kind == "pooled" else c.kind
+            rows.append(f"<tr><td class='name'>{_esc(n)}</td><td>{_esc(what)} vs "
                         f"{_esc(_window_label(c.ref))}</td>{num}<td><span class='badge {cls}'>{_esc(c.status)}"
                         f"</span>{_esc(extra)}</td><td class='r num'>{_esc(f'{c.alpha_spent:.1e}')}</td></tr>")
     if not rows:

@@ -226,6 +226,30 @@ def _artifact_urls(st: Storage, run: str, manifest: Mapping[str, Any]) -> dict[s
     return {name: st.url(f"{run}/{a['key']}") for name, a in (manifest.get("artifacts") or {}).items()}
 
 
+def _check_publish_input(evaluation: str, window: str, key: str, artifacts: dict[str, Any],
+                         manifest: Mapping[str, Any]) -> dict:
+    """Artifact names and types, the result gate and the caller's manifest keys; returns the parsed result."""
+    for name, data in artifacts.items():
+        if not isinstance(name, str) or "/" in name or name in (MANIFEST, LATEST) or not _SEGMENT.match(name):
+            raise CJEInputError(f"artifact name {name!r} must be a plain file name other than {MANIFEST}/{LATEST}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise CJEInputError(f"artifact {name!r} must be bytes, got {type(data).__name__}")
+    if "result.json" not in artifacts:
+        raise CJEInputError("artifacts must include result.json")
+    try:
+        result = json.loads(bytes(artifacts["result.json"]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PublishGateError(f"result.json is not valid JSON: {exc}", source="result.json") from None
+    check_result_gate(result, bytes(artifacts["policies.parquet"]) if "policies.parquet" in artifacts else None)
+    for reserved in RESERVED:
+        if reserved in manifest and reserved not in ("evaluation", "window", "run_key"):
+            raise CJEInputError(f"manifest key {reserved!r} is reserved for the publisher")
+    for name, value in (("evaluation", evaluation), ("window", window), ("run_key", key)):
+        if name in manifest and manifest[name] != value:
+            raise CJEInputError(f"manifest {name}={manifest[name]!r} disagrees with the published {name} {value!r}")
+    return result
+
+
 def publish_run(
     st: Storage,
     evaluation: str,
@@ -258,25 +282,7 @@ def publish_run(
     """
     run = run_prefix(evaluation, window, key)
     artifacts = dict(artifacts)
-    for name, data in artifacts.items():
-        if not isinstance(name, str) or "/" in name or name in (MANIFEST, LATEST) or not _SEGMENT.match(name):
-            raise CJEInputError(f"artifact name {name!r} must be a plain file name other than {MANIFEST}/{LATEST}")
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise CJEInputError(f"artifact {name!r} must be bytes, got {type(data).__name__}")
-    if "result.json" not in artifacts:
-        raise CJEInputError("artifacts must include result.json")
-    try:
-        result = json.loads(bytes(artifacts["result.json"]))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PublishGateError(f"result.json is not valid JSON: {exc}", source="result.json") from None
-    check_result_gate(result, bytes(artifacts["policies.parquet"]) if "policies.parquet" in artifacts else None)
-    for reserved in RESERVED:
-        if reserved in manifest and reserved not in ("evaluation", "window", "run_key"):
-            raise CJEInputError(f"manifest key {reserved!r} is reserved for the publisher")
-    for name, value in (("evaluation", evaluation), ("window", window), ("run_key", key)):
-        if name in manifest and manifest[name] != value:
-            raise CJEInputError(f"manifest {name}={manifest[name]!r} disagrees with the published {name} {value!r}")
-
+    result = _check_publish_input(evaluation, window, key, artifacts, manifest)
     _refuse_credentials(st, artifacts, manifest)
 
     manifest_key = f"{run}/{MANIFEST}"
@@ -300,16 +306,9 @@ def publish_run(
             st.write_bytes(f"{run}/{rel}", blob)
             written.append(f"{run}/{rel}")
             entries[name] = {"key": rel, "size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-        full = dict(manifest)
-        full.update({
-            "manifest_version": MANIFEST_VERSION,
-            "evaluation": evaluation,
-            "window": window,
-            "run_key": key,
-            "attempt": attempt,
-            "published_at": datetime.now(timezone.utc).isoformat(),
-            "artifacts": entries,
-        })
+        full = {**manifest, "manifest_version": MANIFEST_VERSION, "evaluation": evaluation, "window": window,
+                "run_key": key, "attempt": attempt, "published_at": datetime.now(timezone.utc).isoformat(),
+                "artifacts": entries}
         try:
             body = json.dumps(full, indent=1, sort_keys=True, allow_nan=False, default=_json_default).encode()
         except (TypeError, ValueError) as exc:

@@ -183,4 +183,4 @@ def test_prefect_event_reaches_the_server(prefect_server, monkeypatch):
 
 
 def test_kinds_are_the_contract():
-    assert set(KINDS) == {"label_request", "drift_alarm", "level_refused", "audit_failed"}
+    assert set(KINDS) == {"label_request", "drift_alarm", "level_refused", "audit_failed", "regression_alarm"}
