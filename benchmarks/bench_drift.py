@@ -133,7 +133,8 @@ def _table(rows: list[dict]) -> str:
            "|---|---|---|---|---|---|"]
     for r in rows:
         if r["study"] == "false_alarm":
-            setting = f"no drift, shared noise {r['shared_noise']}, clusters {'passed' if r['clusters_passed'] else 'NOT passed'}"
+            passed = "passed" if r["clusters_passed"] else "NOT passed"
+            setting = f"no drift, shared noise {r['shared_noise']}, clusters {passed}"
             per = ", ".join(f"{m} {v:.3f}" for m, v in r["by_metric"].items())
             out.append(f"| {r['generator']} | FWER over {r['looks']} looks | {setting} | {r['rate']:.3f} "
                        f"({r['se']:.3f}) | | {per} |")
@@ -143,6 +144,15 @@ def _table(rows: list[dict]) -> str:
                        f"{r['change_at']}, shared noise {r['shared_noise']} | {r['power']:.3f} ({r['se']:.3f}) | "
                        f"{r['rank_power']:.3f} ({r['rank_se']:.3f}) | first alarm by: {per} |")
     return "\n".join(out)
+
+
+class _Rows(list):
+    """Rows that are also logged to stderr as they complete (a long run shows its progress)."""
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        sys.stderr.write(json.dumps(row) + "\n")
+        sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     logging.disable(logging.WARNING)  # the monitor logs every alarm
-    rows: list[dict] = []
+    rows = _Rows()
     t0, c0 = time.perf_counter(), time.process_time()
     for g in args.generators.split(","):
         if not args.skip_false_alarm:
