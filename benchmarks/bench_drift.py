@@ -164,19 +164,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generators", default="panel,sim")
     p.add_argument("--skip-false-alarm", action="store_true")
     p.add_argument("--skip-detection", action="store_true")
+    p.add_argument("--scenarios", default=None, help="comma-separated subset of the detection scenarios")
+    p.add_argument("--shared", default="0.0,0.3", help="shared-noise levels of the false-alarm studies")
+    p.add_argument("--seed", type=int, default=1701, help="seed of the false-alarm studies (detection: +1, +2)")
     p.add_argument("--json", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     logging.disable(logging.WARNING)  # the monitor logs every alarm
     rows = _Rows()
     t0, c0 = time.perf_counter(), time.process_time()
+    levels = [float(v) for v in args.shared.split(",")]
     for g in args.generators.split(","):
+        scenarios = PANEL_SCENARIOS if g == "panel" else SIM_SCENARIOS
+        if args.scenarios:
+            scenarios = tuple(x for x in args.scenarios.split(",") if x in scenarios)
         if not args.skip_false_alarm:
-            for shared, clusters in ((0.0, True), (0.3, True), (0.3, False)):
-                rows.append(false_alarm(g, args.reps, args.looks, shared, clusters, seed=1701))
+            for shared, clusters in [(v, True) for v in levels] + [(v, False) for v in levels if v > 0]:
+                rows.append(false_alarm(g, args.reps, args.looks, shared, clusters, seed=args.seed))
         if not args.skip_detection:
-            for scenario in PANEL_SCENARIOS if g == "panel" else SIM_SCENARIOS:
-                rows.append(detection(g, scenario, args.reps, args.change_at, args.within, 0.0, seed=1702))
-            rows.append(detection(g, "length", args.reps, args.change_at, args.within, 0.3, seed=1703))
+            for scenario in scenarios:
+                rows.append(detection(g, scenario, args.reps, args.change_at, args.within, 0.0, seed=args.seed + 1))
+            if "length" in scenarios and 0.3 in levels:
+                rows.append(detection(g, "length", args.reps, args.change_at, args.within, 0.3, seed=args.seed + 2))
     doc = {"command": "benchmarks/bench_drift.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1), "rows": rows}
     text = json.dumps(doc, indent=1)
