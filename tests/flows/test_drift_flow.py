@@ -601,3 +601,23 @@ def test_declared_monitor_takes_its_evaluations_logs_and_request_settings(tmp_pa
     assert p["results_uri"] == str(tmp_path / "res") and p["label_requests"] == {"drift_traffic_labels": 7}
     q = specs["other"].settings_dict()  # not declared here: anchors only on alarm
     assert q["evaluation_logs_uri"] is None and q["label_requests"] is None and q["results_uri"] == str(tmp_path / "r2")
+
+
+def test_clusters_come_from_prompt_id_or_repeated_prompts(tmp_path):
+    from flows.pipelines.drift_tasks import _clusters
+
+    st = Storage.for_uri(str(tmp_path))
+    ids = [f"a{i}" for i in range(8)]
+    base = {"anchor_id": ids, "response": [f"r{i}" for i in range(8)], "oracle_label": [None] * 8}
+    # no prompt_id, every prompt different: no clusters (the monitor warns that it assumes independence)
+    a = write_anchor_set(st, "solo", pd.DataFrame({**base, "prompt": [f"p{i}" for i in range(8)]}))
+    assert _clusters(a) == (None, None)
+    # repeated prompt texts: the prompt is the cluster
+    b = write_anchor_set(st, "shared", pd.DataFrame({**base, "prompt": [f"p{i // 4}" for i in range(8)]}))
+    cl, source = _clusters(b)
+    assert source == "prompt" and cl.nunique() == 2 and list(cl.index) == ids
+    # an explicit prompt_id wins
+    c = write_anchor_set(st, "ids", pd.DataFrame({**base, "prompt": [f"p{i}" for i in range(8)],
+                                                  "prompt_id": [f"q{i // 2}" for i in range(8)]}))
+    cl, source = _clusters(c)
+    assert source == "prompt_id" and cl.nunique() == 4
