@@ -33,7 +33,7 @@ from cje_engine.drift.kendall import (
     TauResult, jackknife_se, kendall_tau_b, tau_b_influence, tau_b_leave_one_out, tau_result,
 )
 from cje_engine.drift.metrics import (
-    DistributionChange, DriftLook, MetricResult, distribution_change, paired_mean, rank_change,
+    DistributionChange, DriftLook, MetricResult, cluster_sums, distribution_change, paired_mean, rank_change,
 )
 from cje_engine.drift.monitor_state import check_state, state_dict
 from cje_engine.drift.signflip import sign_flip_interval, sign_flip_p
@@ -360,8 +360,7 @@ class DriftMonitor:
         """Paired mean: exact sign-flip test over clusters; t interval for this look alone."""
         a_spent = self.alpha_spent(look, name)
         mean, se, df = paired_mean(d, codes)
-        sums = d if codes is None else np.bincount(codes, weights=d, minlength=int(codes.max()) + 1)
-        p, method = sign_flip_p(sums)
+        p, method = sign_flip_p(cluster_sums(d, codes))
         q = t_isf(self.alpha / 2, max(int(df), 1))
         ci = (mean - q * se, mean + q * se) if np.isfinite(se) else None
         ci_any = sign_flip_interval(d, codes, a_spent) if a_spent > 0 else (-np.inf, np.inf)

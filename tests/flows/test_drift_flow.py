@@ -621,3 +621,20 @@ def test_clusters_come_from_prompt_id_or_repeated_prompts(tmp_path):
                                                   "prompt_id": [f"q{i // 2}" for i in range(8)]}))
     cl, source = _clusters(c)
     assert source == "prompt_id" and cl.nunique() == 4
+
+
+def test_summary_line_names_tau_and_its_change():
+    # issue 13: the line printed "tau_b=+0.040", which was the change, not tau
+    rng, n = np.random.default_rng(9), 60
+    ids = [f"a{i}" for i in range(n)]
+    q = rng.normal(size=n)
+    score = lambda: pd.Series(np.round(q + rng.normal(0, 0.6, n), 1), index=ids)  # noqa: E731
+    mon = DriftMonitor()
+    look = mon.update(score(), score(), reference_replicate=score()).to_dict()
+    look["meta"] = {"look_key": "2025-03-02/v1"}
+    text = format_summary({"monitor": "m", "set_name": "s", "anchors_version": 1, "new_looks": [look], "n_looks": 1,
+                           "first_alarm": look["first_alarm"]})
+    d = look["metrics"]["tau_b"]["detail"]
+    assert f"tau={d['tau']:.3f}, rank change {look['metrics']['tau_b']['estimate']:+.3f}" in text
+    assert f"({d['tau_between']:.3f} across vs {d['tau_within']:.3f} within)" in text
+    assert "tau_b=" not in text
