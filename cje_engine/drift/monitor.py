@@ -33,7 +33,7 @@ from cje_engine.drift.kendall import (
     TauResult, jackknife_se, kendall_tau_b, tau_b_influence, tau_b_leave_one_out, tau_result,
 )
 from cje_engine.drift.metrics import (
-    DistributionChange, DriftLook, MetricResult, distribution_change, paired_mean, rank_change,
+    DistributionChange, DriftLook, MetricResult, cluster_sums, distribution_change, paired_mean, rank_change,
 )
 from cje_engine.drift.monitor_state import check_state, state_dict
 from cje_engine.drift.signflip import sign_flip_interval, sign_flip_p
@@ -56,6 +56,9 @@ METRICS: tuple[str, ...] = ("tau_b", "mean_shift", "distribution", "residual_mea
 DEFAULT_WEIGHTS: dict[str, float] = {
     "tau_b": 0.3, "mean_shift": 0.175, "distribution": 0.175, "residual_mean": 0.175, "calibration_loss": 0.175,
 }
+
+#: Share of the rank metric's budget spent on the full window of looks (the rest: the current look).
+WINDOW_SHARE = 0.75
 
 NO_CLUSTERS_WARNING = (
     "no clusters given: every test assumes the judge's noise is independent across anchors; if anchors "
@@ -357,8 +360,7 @@ class DriftMonitor:
         """Paired mean: exact sign-flip test over clusters; t interval for this look alone."""
         a_spent = self.alpha_spent(look, name)
         mean, se, df = paired_mean(d, codes)
-        sums = d if codes is None else np.bincount(codes, weights=d, minlength=int(codes.max()) + 1)
-        p, method = sign_flip_p(sums)
+        p, method = sign_flip_p(cluster_sums(d, codes))
         q = t_isf(self.alpha / 2, max(int(df), 1))
         ci = (mean - q * se, mean + q * se) if np.isfinite(se) else None
         ci_any = sign_flip_interval(d, codes, a_spent) if a_spent > 0 else (-np.inf, np.inf)
@@ -400,18 +402,27 @@ class DriftMonitor:
             return self._skipped("tau_b", look, n, f"tau-b undefined: {exc.detail}")
         detail: dict[str, Any] = {"tau": tau.tau, "tau_se": tau.se, "tau_ci": list(tau.ci)}
         refs = [r] + replicates
-        recent = self._window(common) + [c]
-        a_spent = self.alpha_spent(look, "tau_b")
-        if len(refs) + len(recent) >= 3:
+        past = self._window(common)
+        # windows: the full one (a persistent reordering accumulates evidence over its looks) and
+        # the current look alone (a step change at its first look); weighted Bonferroni over the
+        # windows that have a baseline: WINDOW_SHARE of the budget to the full window
+        windows = sorted({w for w in (1, len(past) + 1) if len(refs) + w >= 3}, reverse=True)
+        if windows:
             try:
-                rc = rank_change(refs, recent, codes)
+                fits = [(w, rank_change(refs, past[len(past) - w + 1:] + [c], codes)) for w in windows]
             except CJEInputError as exc:
                 return self._skipped("tau_b", look, n, f"tau-b undefined: {exc.detail}", detail)
+            shares = [1.0] if len(fits) == 1 else [WINDOW_SHARE, 1.0 - WINDOW_SHARE]
+            k = int(np.argmin([f.p_value / sh for (_, f), sh in zip(fits, shares)]))
+            (w, rc), share = fits[k], shares[k]
             detail.update({"tau_baseline": rc.tau_within_reference, "tau_between": rc.tau_between,
                            "tau_within": rc.tau_within, "comparison": "rank_change",
-                           "n_reference_scorings": len(refs), "n_window_looks": len(recent)})
-            return self._one_sided(look, rc.estimate, rc.se, rc.df, 0.0, rc.p_value, n, detail, rc.method,
-                                   "estimate is mean tau(reference scorings, recent looks) - mean tau within them")
+                           "n_reference_scorings": len(refs), "window": w,
+                           "p_by_window": {str(wf): f.p_value for wf, f in fits}})
+            return self._one_sided(look, rc.estimate, rc.se, rc.df, 0.0, min(1.0, rc.p_value / share), n, detail,
+                                   rc.method, "estimate is mean tau(reference scorings, recent looks) - mean tau "
+                                   f"within them, over the last {w} look(s); weighted Bonferroni over "
+                                   f"{len(fits)} window(s)", share=share)
         if self.tau_floor is not None:
             detail["comparison"] = "tau_floor"
             df = tau.n_clusters - 1
@@ -422,19 +433,20 @@ class DriftMonitor:
                                    f"estimate is tau(reference, current), tested one-sided below "
                                    f"tau_floor={self.tau_floor}")
         detail["comparison"] = "none"
-        note = ("no reference_replicate, rank_window=1 and no tau_floor: tau-b is reported but cannot alarm "
-                "(its no-drift value is the judge's unknown test-retest agreement)")
-        return MetricResult("tau_b", tau.tau, tau.se, tau.ci, None, float("nan"), None, a_spent, False, n, note,
-                            detail, "less", "")
+        note = ("no reference_replicate, no earlier look in the window and no tau_floor: tau-b is reported but "
+                "cannot alarm (its no-drift value is the judge's unknown test-retest agreement)")
+        return MetricResult("tau_b", tau.tau, tau.se, tau.ci, None, float("nan"), None, self.alpha_spent(look, "tau_b"),
+                            False, n, note, detail, "less", "")
 
     def _one_sided(self, look: int, est: float, se: float, df: int, null: float, p: float, n: int,
-                   detail: dict[str, Any], method: str, note: str) -> MetricResult:
-        """A lower-tail test: alarm when ``est`` is credibly below ``null``."""
+                   detail: dict[str, Any], method: str, note: str, share: float = 1.0) -> MetricResult:
+        """A lower-tail test: alarm when ``est`` is credibly below ``null`` (``p`` already divided by
+        the ``share`` of the budget its test gets; the upper bound is at level ``share * alpha_spent``)."""
         a_spent = self.alpha_spent(look, "tau_b")
         df = max(int(df), 1)
         ok = bool(np.isfinite(se))
         ci = (est - t_isf(self.alpha / 2, df) * se, est + t_isf(self.alpha / 2, df) * se) if ok else None
-        upper = est + t_isf(a_spent, df) * se if ok and a_spent > 0 else np.inf
+        upper = est + t_isf(a_spent * share, df) * se if ok and a_spent > 0 else np.inf
         alarm = bool(a_spent > 0 and p <= a_spent)
         return MetricResult("tau_b", est, se, ci, (-np.inf, upper), null, p, a_spent, alarm, n, note, detail,
                             "less", method)

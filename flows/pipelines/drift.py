@@ -225,7 +225,7 @@ def run_drift(name: str, config_path: str | os.PathLike | None = None, **overrid
 
 
 def _tau_text(m: dict) -> str:
-    """``tau=0.583 (change -0.034: 0.590 across vs 0.624 within)``: tau-b of reference vs current,
+    """``tau=0.583, rank change -0.034 (0.590 across vs 0.624 within)``: tau-b of reference vs current,
     then the rank metric, i.e. its change = agreement across the reference scorings and the recent
     looks minus the agreement within them (its no-drift value); or the floor tau is tested against."""
     d = m.get("detail") or {}
@@ -233,10 +233,10 @@ def _tau_text(m: dict) -> str:
         return "tau=n/a"
     text = f"tau={d['tau']:.3f}"
     if d.get("comparison") == "rank_change" and m.get("estimate") is not None:
-        text += (f" (change {m['estimate']:+.3f}: {d.get('tau_between', float('nan')):.3f} across vs "
+        text += (f", rank change {m['estimate']:+.3f} ({d.get('tau_between', float('nan')):.3f} across vs "
                  f"{d.get('tau_within', float('nan')):.3f} within)")
     elif d.get("comparison") == "tau_floor":
-        text += f" (floor {m.get('null_value'):.3f})"
+        text += f", floor {m.get('null_value'):.3f}"
     return text
 
 
@@ -250,8 +250,8 @@ def format_summary(summary: dict) -> str:
         ests = ", ".join([_tau_text(lk["metrics"].get("tau_b") or {})] + [
             f"{m}={lk['metrics'][m]['estimate']:+.3f}" for m in ("mean_shift", "residual_mean")
             if (lk["metrics"].get(m) or {}).get("estimate") is not None])
-        lines.append(f"  look {lk['look']} {meta.get('look_key')}: {'ALARM ' + ','.join(lk['alarms']) if lk['alarm'] else 'ok'}"
-                     f" ({ests})")
+        status = "ALARM " + ",".join(lk["alarms"]) if lk["alarm"] else "ok"
+        lines.append(f"  look {lk['look']} {meta.get('look_key')}: {status} | {ests}")
     if summary.get("waiting"):
         lines.append(f"  {summary['waiting']}")
     for req in summary.get("label_requests") or []:

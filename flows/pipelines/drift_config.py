@@ -188,6 +188,29 @@ def _resolve(uri: Any, base: Path, where: str, src: str) -> str | None:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
+def _check_entry(e: dict, monitor: Any, scorer: Any, where: str, src: str) -> None:
+    """Monitor options, scorer, notify_on and reference of one declared monitor."""
+    try:
+        if not isinstance(monitor, dict):
+            raise CJEInputError("monitor must be a mapping of DriftMonitor options")
+        DriftMonitor(**monitor)
+        if scorer is not None:
+            from flows.integrations.scorer import OpenAIChatScorer
+
+            OpenAIChatScorer.from_config(scorer)
+            if not e.get("judge_id"):
+                raise CJEInputError("judge_id is required with a scorer")
+        if e.get("notify_on", "new") not in ("new", "every"):
+            raise CJEInputError("notify_on must be 'new' or 'every'")
+        ref = str(e.get("reference", "first"))
+        if ref != "first" and not ref.startswith("judge:") and not LOOK_KEY_RE.match(ref):
+            raise CJEInputError(f"reference {ref!r} must be 'first', 'judge:<id>' or 'YYYY-MM-DD/<judge_id>'")
+    except TypeError as exc:
+        raise CJEInputError(f"{where}: bad monitor option ({exc})", source=src) from None
+    except CJEInputError as exc:
+        raise CJEInputError(f"{where}: {exc}", source=src) from None
+
+
 def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, DriftMonitorSpec]:
     """Read ``drift_monitors:`` of an evaluations file (default: the repository's).
 
@@ -245,25 +268,7 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
         interval = e.get("interval")
         monitor = e.get("monitor") or {}
         scorer = e.get("scorer")
-        try:
-            if not isinstance(monitor, dict):
-                raise CJEInputError("monitor must be a mapping of DriftMonitor options")
-            DriftMonitor(**monitor)
-            if scorer is not None:
-                from flows.integrations.scorer import OpenAIChatScorer
-
-                OpenAIChatScorer.from_config(scorer)
-                if not e.get("judge_id"):
-                    raise CJEInputError("judge_id is required with a scorer")
-            if e.get("notify_on", "new") not in ("new", "every"):
-                raise CJEInputError("notify_on must be 'new' or 'every'")
-            ref = str(e.get("reference", "first"))
-            if ref != "first" and not ref.startswith("judge:") and not LOOK_KEY_RE.match(ref):
-                raise CJEInputError(f"reference {ref!r} must be 'first', 'judge:<id>' or 'YYYY-MM-DD/<judge_id>'")
-        except TypeError as exc:
-            raise CJEInputError(f"{where}: bad monitor option ({exc})", source=src) from None
-        except CJEInputError as exc:
-            raise CJEInputError(f"{where}: {exc}", source=src) from None
+        _check_entry(e, monitor, scorer, where, src)
         version = e.get("anchors_version")
         if version is not None and (not isinstance(version, int) or version < 1):
             raise CJEInputError(f"{where}: anchors_version must be a positive integer", source=src)

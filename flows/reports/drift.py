@@ -378,6 +378,64 @@ def _tau_series(history: list[dict]) -> dict:
     return out
 
 
+def _looks_table(history: list[dict]) -> str:
+    """One row per look: tau-b, the rank change and the other metrics' estimates (alarms bold)."""
+    rows = []
+    for h in history:
+        ms = h["metrics"]
+        meta = h.get("meta") or {}
+
+        def cell(m: str, digits: int = 3) -> str:
+            d = ms.get(m) or {}
+            v = d.get("estimate")
+            if v is None:
+                return "<td class='num r muted'>\u2013</td>"
+            cls = " sig" if d.get("alarm") else ""
+            return (f"<td class='num r{cls}' title='p={_fmt_p(d.get('p_value'))}, alpha spent="
+                    f"{d.get('alpha_spent', 0):.2g}'>{_signed(v, digits)}</td>")
+
+        tdet = (ms.get("tau_b") or {}).get("detail") or {}
+        rows.append(
+            f"<tr class='{'alarm' if h.get('alarm') else ''}'><td class='num'>{_esc(h['look'])}</td>"
+            f"<td>{_esc(meta.get('dt', ''))}</td><td>{_name_cell(meta.get('judge_id', ''))}</td>"
+            f"<td class='num r'>{_esc(h.get('n_anchors'))}</td>"
+            f"<td class='num r'>{_fmt(tdet.get('tau'))}</td>{cell('tau_b')}{cell('residual_mean')}"
+            f"{cell('calibration_loss', 4)}{cell('mean_shift')}"
+            f"<td class='num r'>{_fmt((ms.get('distribution') or {}).get('estimate'))}</td>"
+            f"<td>{_esc(', '.join(h.get('alarms') or []) or 'none')}</td></tr>")
+    table = ("<div class='scroll'><table class='data'><thead><tr><th>look</th><th>date</th><th>judge</th>"
+             "<th class='r'>anchors</th><th class='r'>\u03c4-b</th><th class='r'>rank change</th>"
+             "<th class='r'>residual shift</th><th class='r'>\u0394 loss</th><th class='r'>mean shift</th>"
+             "<th class='r'>KS</th><th>alarms</th></tr></thead><tbody>" + "".join(rows)
+             + "</tbody></table></div><p class='note'>Bold purple values alarmed at that look; hover a value for "
+             "its p-value and the alpha it was allowed to spend.</p>")
+    return table
+
+
+def _panels(history: list[dict], xs: list[int], labels: list[str], changes: list[tuple[int, str]]) -> list[str]:
+    """The timeline panels: rank agreement, residual shift, calibration loss, mean shift."""
+    panels = []
+    tau = _tau_series(history)
+    tau_note = ("mean tau of the reference scorings with the recent looks; grey: mean tau within them "
+                "(no-drift value)" if any(v is not None for v in tau["baseline"])
+                else "no baseline (replicate, window or floor): tau-b cannot alarm")
+    panels.append(_panel(xs, labels, tau, "Kendall \u03c4-b agreement with the reference judge", "\u03c4-b",
+                         tau_note, changes))
+    for metric, title_, ylab, note in (
+            ("residual_mean", "Mean residual shift on labelled anchors (oracle scale)", "shift",
+             "below 0: the judge now scores higher; levels calibrated before would be biased up"),
+            ("calibration_loss", "Calibration loss change, MSE current \u2212 reference", "\u0394 MSE",
+             "above 0: the old calibration fits the judge's scores worse"),
+            ("mean_shift", "Paired mean shift of judge scores", "shift", "current \u2212 reference, per anchor")):
+        s = _series(history, metric)
+        if any(v is not None for v in s["estimate"]):
+            panels.append(_panel(xs, labels, s, title_, ylab, note, changes))
+        else:
+            why = ((history[-1]["metrics"].get(metric) or {}).get("note") or "not computed")
+            panels.append(f"<p class='note'><b>{_esc(title_)}</b>: not computed ({_esc(why)}).</p>")
+    return panels
+
+
 def render_drift_report(history: Sequence[dict], *, state: dict | None = None, title: str | None = None) -> str:
     """A self-contained HTML page (inline CSS and SVG) with the drift timeline of a monitor.
 
@@ -421,25 +479,7 @@ def render_drift_report(history: Sequence[dict], *, state: dict | None = None, t
     alarmed = {m: v for m, v in first_alarm.items() if v is not None}
     xs = list(range(len(history)))
 
-    panels = []
-    tau = _tau_series(history)
-    tau_note = ("mean tau of the reference scorings with the recent looks; grey: mean tau within them "
-                "(no-drift value)" if any(v is not None for v in tau["baseline"])
-                else "no baseline (replicate, window or floor): tau-b cannot alarm")
-    panels.append(_panel(xs, labels, tau, "Kendall \u03c4-b agreement with the reference judge", "\u03c4-b",
-                         tau_note, changes))
-    for metric, title_, ylab, note in (
-            ("residual_mean", "Mean residual shift on labelled anchors (oracle scale)", "shift",
-             "below 0: the judge now scores higher; levels calibrated before would be biased up"),
-            ("calibration_loss", "Calibration loss change, MSE current \u2212 reference", "\u0394 MSE",
-             "above 0: the old calibration fits the judge's scores worse"),
-            ("mean_shift", "Paired mean shift of judge scores", "shift", "current \u2212 reference, per anchor")):
-        s = _series(history, metric)
-        if any(v is not None for v in s["estimate"]):
-            panels.append(_panel(xs, labels, s, title_, ylab, note, changes))
-        else:
-            why = ((history[-1]["metrics"].get(metric) or {}).get("note") or "not computed")
-            panels.append(f"<p class='note'><b>{_esc(title_)}</b>: not computed ({_esc(why)}).</p>")
+    panels = _panels(history, xs, labels, changes)
     legend = _svg(1040, 26, _legend([
         (_el("circle", cx=0.0, cy=0.0, r="4", fill=BLUE), "estimate"),
         (_line(0, -7, 0, 7, stroke=SKY, stroke_width="2"), f"{100 * (1 - alpha):g}% interval (this look)"),
@@ -476,35 +516,7 @@ def render_drift_report(history: Sequence[dict], *, state: dict | None = None, t
         else ("calibration supplied by the caller" if (last["metrics"].get("residual_mean") or {}).get("estimate")
               is not None else "no calibration: residual metrics skipped"),
     ]
-    rows = []
-    for h in history:
-        ms = h["metrics"]
-        meta = h.get("meta") or {}
-
-        def cell(m: str, digits: int = 3) -> str:
-            d = ms.get(m) or {}
-            v = d.get("estimate")
-            if v is None:
-                return "<td class='num r muted'>\u2013</td>"
-            cls = " sig" if d.get("alarm") else ""
-            return (f"<td class='num r{cls}' title='p={_fmt_p(d.get('p_value'))}, alpha spent="
-                    f"{d.get('alpha_spent', 0):.2g}'>{_signed(v, digits)}</td>")
-
-        tdet = (ms.get("tau_b") or {}).get("detail") or {}
-        rows.append(
-            f"<tr class='{'alarm' if h.get('alarm') else ''}'><td class='num'>{_esc(h['look'])}</td>"
-            f"<td>{_esc(meta.get('dt', ''))}</td><td>{_name_cell(meta.get('judge_id', ''))}</td>"
-            f"<td class='num r'>{_esc(h.get('n_anchors'))}</td>"
-            f"<td class='num r'>{_fmt(tdet.get('tau'))}</td>{cell('tau_b')}{cell('residual_mean')}"
-            f"{cell('calibration_loss', 4)}{cell('mean_shift')}"
-            f"<td class='num r'>{_fmt((ms.get('distribution') or {}).get('estimate'))}</td>"
-            f"<td>{_esc(', '.join(h.get('alarms') or []) or 'none')}</td></tr>")
-    table = ("<div class='scroll'><table class='data'><thead><tr><th>look</th><th>date</th><th>judge</th>"
-             "<th class='r'>anchors</th><th class='r'>\u03c4-b</th><th class='r'>\u03c4 \u2212 baseline</th>"
-             "<th class='r'>residual shift</th><th class='r'>\u0394 loss</th><th class='r'>mean shift</th>"
-             "<th class='r'>KS</th><th>alarms</th></tr></thead><tbody>" + "".join(rows)
-             + "</tbody></table></div><p class='note'>Bold purple values alarmed at that look; hover a value for "
-             "its p-value and the alpha it was allowed to spend.</p>")
+    table = _looks_table(history)
     css = CSS + "\n.facts b{font-weight:600}\n.summary .item p{margin:4px 0}\n"
     parts = [
         "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",

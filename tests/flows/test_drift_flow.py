@@ -25,9 +25,10 @@ from cje_engine.drift.monitor import METRICS, DriftMonitor
 from cje_engine.errors import CJEInputError
 from cje_engine.simulate.drift import Judge, drifted_judge, fit_calibration, make_anchor_set
 from flows.storage.anchors import score_files, write_anchor_scores, write_anchor_set
-from flows.pipelines.drift import (DriftStateConflict, calibration_from_result, commit_state, drift, drift_deployments,
-                              latest_look, load_drift_monitors, load_state, read_looks, render_drift_report,
-                              run_drift, format_summary)
+from flows.pipelines.drift import (DriftSettings, DriftStateConflict, calibration_from_result, commit_state, drift,
+                                   drift_deployments, latest_look, load_drift_monitors, load_state, read_looks,
+                                   render_drift_report, run_drift, format_summary)
+from flows.pipelines.drift_config import settings_from
 from flows.storage.publish import publish_run
 from flows.storage.objects import Storage
 
@@ -123,7 +124,7 @@ def day(i: int) -> str:
 def run(uri: str, set_name: str, through: int, **kw) -> dict:
     params = dict(set_name=set_name, anchors_uri=uri, evaluation="main", through=day(through), retry_delays=FAST)
     params.update(kw)
-    return drift(**params)
+    return drift(settings_from(params))
 
 
 def strip_meta(look: dict) -> dict:
@@ -291,8 +292,10 @@ def test_flow_scores_anchors_through_the_judge_endpoint(prefect_server, tmp_path
     try:
         for i, scores in enumerate(scorings):
             server.scores = {f"response of {a}": float(v) for a, v in scores.items()}
-            outs.append(drift(set_name="scored", anchors_uri=uri, judge_id="judge-1@2025-03", scorer=scorer,
-                              scored_at=f"{day(i)}T05:00:00Z", retry_delays=FAST))
+            settings = dict(set_name="scored", anchors_uri=uri, judge_id="judge-1@2025-03", scorer=scorer,
+                            scored_at=f"{day(i)}T05:00:00Z", retry_delays=FAST)
+            # a plain mapping (what a deployment passes) is validated into DriftSettings by Prefect
+            outs.append(drift(settings if i == 0 else DriftSettings(**settings)))
     finally:
         server.close()
     assert [o["n_looks"] for o in outs] == [0, 0, 1]
@@ -444,13 +447,14 @@ def test_declared_monitors_and_deployments(tmp_path):
          "scorer": {"base_url": "http://127.0.0.1:8000/v1", "model": "m", "api_key_env": "JUDGE_KEY"}}]}))
     specs = load_drift_monitors(config)
     assert set(specs) == {"m1", "s2"}
-    m1 = specs["m1"].flow_parameters()
+    assert set(specs["m1"].flow_parameters()) == {"settings"}
+    m1 = specs["m1"].flow_parameters()["settings"]
     assert m1["anchors_uri"] == str(tmp_path / "data") and m1["logs_uri"] == "s3://b/scores"
     assert m1["replicate"] is None and m1["monitor"] == {"alpha": 0.01, "horizon": 365} and m1["monitor_name"] == "m1"
-    assert specs["s2"].flow_parameters()["scorer"]["api_key_env"] == "JUDGE_KEY"
+    assert specs["s2"].settings_dict()["scorer"]["api_key_env"] == "JUDGE_KEY"
     deps = drift_deployments(config)
     assert [d.name for d in deps] == ["drift-m1", "drift-s2"]
-    assert deps[0].parameters["set_name"] == "s1" and deps[0].schedules[0].schedule.cron == "15 6 * * *"
+    assert deps[0].parameters["settings"]["set_name"] == "s1" and deps[0].schedules[0].schedule.cron == "15 6 * * *"
     assert deps[1].schedules[0].schedule.interval == timedelta(hours=1)
     assert [d.name for d in drift_deployments(config, only=["s2"])] == ["drift-s2"]
     with pytest.raises(CJEInputError, match="no drift monitor named 'x'"):
@@ -592,8 +596,45 @@ def test_declared_monitor_takes_its_evaluations_logs_and_request_settings(tmp_pa
                            {"name": "other", "set_name": "s", "anchors_uri": "data", "evaluation": "elsewhere",
                             "results_uri": "r2"}]}))
     specs = load_drift_monitors(config)
-    p = specs["m"].flow_parameters()
+    p = specs["m"].settings_dict()
     assert p["evaluation_logs_uri"] == str(tmp_path / "logs") and p["labels_uri"] == str(tmp_path / "labels")
     assert p["results_uri"] == str(tmp_path / "res") and p["label_requests"] == {"drift_traffic_labels": 7}
-    q = specs["other"].flow_parameters()  # not declared here: anchors only on alarm
+    q = specs["other"].settings_dict()  # not declared here: anchors only on alarm
     assert q["evaluation_logs_uri"] is None and q["label_requests"] is None and q["results_uri"] == str(tmp_path / "r2")
+
+
+def test_clusters_come_from_prompt_id_or_repeated_prompts(tmp_path):
+    from flows.pipelines.drift_tasks import _clusters
+
+    st = Storage.for_uri(str(tmp_path))
+    ids = [f"a{i}" for i in range(8)]
+    base = {"anchor_id": ids, "response": [f"r{i}" for i in range(8)], "oracle_label": [None] * 8}
+    # no prompt_id, every prompt different: no clusters (the monitor warns that it assumes independence)
+    a = write_anchor_set(st, "solo", pd.DataFrame({**base, "prompt": [f"p{i}" for i in range(8)]}))
+    assert _clusters(a) == (None, None)
+    # repeated prompt texts: the prompt is the cluster
+    b = write_anchor_set(st, "shared", pd.DataFrame({**base, "prompt": [f"p{i // 4}" for i in range(8)]}))
+    cl, source = _clusters(b)
+    assert source == "prompt" and cl.nunique() == 2 and list(cl.index) == ids
+    # an explicit prompt_id wins
+    c = write_anchor_set(st, "ids", pd.DataFrame({**base, "prompt": [f"p{i}" for i in range(8)],
+                                                  "prompt_id": [f"q{i // 2}" for i in range(8)]}))
+    cl, source = _clusters(c)
+    assert source == "prompt_id" and cl.nunique() == 4
+
+
+def test_summary_line_names_tau_and_its_change():
+    # issue 13: the line printed "tau_b=+0.040", which was the change, not tau
+    rng, n = np.random.default_rng(9), 60
+    ids = [f"a{i}" for i in range(n)]
+    q = rng.normal(size=n)
+    score = lambda: pd.Series(np.round(q + rng.normal(0, 0.6, n), 1), index=ids)  # noqa: E731
+    mon = DriftMonitor()
+    look = mon.update(score(), score(), reference_replicate=score()).to_dict()
+    look["meta"] = {"look_key": "2025-03-02/v1"}
+    text = format_summary({"monitor": "m", "set_name": "s", "anchors_version": 1, "new_looks": [look], "n_looks": 1,
+                           "first_alarm": look["first_alarm"]})
+    d = look["metrics"]["tau_b"]["detail"]
+    assert f"tau={d['tau']:.3f}, rank change {look['metrics']['tau_b']['estimate']:+.3f}" in text
+    assert f"({d['tau_between']:.3f} across vs {d['tau_within']:.3f} within)" in text
+    assert "tau_b=" not in text

@@ -23,6 +23,7 @@ from cje_engine.drift.monitor import (
     tau_b_influence,
     tau_b_leave_one_out,
 )
+from cje_engine.drift.signflip import BD_CONSTANT, sign_flip_bound_p, sign_flip_interval, sign_flip_p
 from cje_engine.errors import CJEInputError
 from cje_engine.simulate.drift import (
     DEFAULT_EFFECT,
@@ -648,3 +649,149 @@ def test_simulate_monitor_is_seeded_and_stops_at_alarm():
     assert a.first_alarm_look == 1 and a.n_looks_run == 1
     none = simulate_monitor("none", n_looks=3, seed=3)
     assert none.n_looks_run == 3 and none.p_values.shape == (3, len(METRICS))
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 17: exact tests with few clusters, degenerate looks, ids, clusters, the rank metric
+# ---------------------------------------------------------------------------------------------
+
+
+def brute_sign_flip(s: np.ndarray) -> float:
+    """P(|sum eps s| >= |sum s|) by listing all sign vectors."""
+    import itertools
+
+    obs = abs(s.sum())
+    sums = [abs(np.dot(e, s)) for e in itertools.product((-1, 1), repeat=s.shape[0])]
+    return float(np.mean(np.array(sums) >= obs - 1e-9))
+
+
+def test_sign_flip_p_matches_brute_force():
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        k = int(rng.integers(1, 13))
+        s = rng.integers(-6, 7, k).astype(float) * 0.1  # a lattice of step 0.1
+        p, method = sign_flip_p(s)
+        assert p == pytest.approx(brute_sign_flip(s), abs=1e-12), (s, method)
+        s2 = rng.normal(size=k)  # no lattice: enumeration
+        p2, method2 = sign_flip_p(s2)
+        assert method2 == "exact" and p2 == pytest.approx(brute_sign_flip(s2), abs=1e-12)
+    # many clusters, lattice: the convolution agrees with the binomial sign test for +-1 values
+    s = np.array([1.0] * 30 + [-1.0] * 10)
+    p, method = sign_flip_p(s)
+    assert method == "lattice" and p == pytest.approx(stats.binomtest(30, 40).pvalue, rel=1e-9)
+
+
+def test_sign_flip_bound_is_valid_and_not_far_from_exact():
+    # the Bentkus-Dzindzalieta bound is >= the exact tail (it is a bound), within its constant
+    rng = np.random.default_rng(4)
+    for _ in range(10):
+        s = rng.integers(-5, 6, 40).astype(float) + 0.5
+        exact, _ = sign_flip_p(s)
+        bound = sign_flip_bound_p(s)
+        assert bound >= exact - 1e-12
+        assert bound <= max(exact * 2 * BD_CONSTANT * 2, 1e-300) or bound == 1.0
+    lo, hi = sign_flip_interval(rng.normal(0.5, 1, 200), None, 0.01)
+    assert lo < 0.5 < hi and hi - lo < 1.0
+
+
+def test_degenerate_looks_do_not_alarm():
+    # 5 anchors all shifted +5: the sign-flip p-value is 2/32 = 1/16, no alarm at any budget < 1/16
+    ref = pd.Series([60.0, 70, 80, 90, 50], index=list("abcde"))
+    mon = DriftMonitor(min_anchors=5)
+    look = mon.update(ref, ref + 5)
+    ms = look.metrics["mean_shift"]
+    assert ms.p_value == pytest.approx(1 / 16) and ms.se == 0 and not ms.alarm
+    assert not look.alarm and look.metrics["distribution"].p_value > 0.05
+    # 24 anchors in 2 clusters all shifted +5: p = 2/4 = 0.5 (the issue's SE-0 alarm)
+    ref24 = pd.Series(np.tile([50.0, 60, 70, 80, 90, 100], 4), index=[f"x{i}" for i in range(24)])
+    cl = pd.Series(["p1"] * 12 + ["p2"] * 12, index=ref24.index)
+    look = DriftMonitor().update(ref24, ref24 - 5, clusters=cl)
+    assert look.metrics["mean_shift"].p_value == pytest.approx(0.5)
+    assert look.metrics["distribution"].p_value >= 0.5 and not look.alarm
+    assert look.n_clusters == 2 and look.warnings == []
+
+
+def test_rank_metric_with_few_clusters_uses_a_permutation_test():
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=24)
+    score = lambda: pd.Series(np.round(q + rng.normal(0, 0.5, 24), 1), index=[f"x{i}" for i in range(24)])  # noqa: E731
+    cl = pd.Series([f"p{i // 6}" for i in range(24)], index=[f"x{i}" for i in range(24)])
+    look = DriftMonitor().update(score(), score(), reference_replicate=score(), clusters=cl)
+    tau = look.metrics["tau_b"]
+    assert tau.method == "permutation_999" and 1 / 1000 <= tau.p_value <= 1 and not tau.alarm
+
+
+def test_rank_metric_matches_its_definition_and_window():
+    rng, anchors, judge, calib, ref, rep = _world(seed=6)
+    mon = DriftMonitor(rank_window=3)
+    cur = [judge.score(anchors, rng) for _ in range(3)]
+    for c in cur:
+        look = mon.update(ref, c, reference_replicate=rep)
+    d = look.metrics["tau_b"].detail
+    kt = lambda a, b: stats.kendalltau(a, b).statistic  # noqa: E731
+    # window 3: between = mean over {ref, rep} x {c1, c2, c3}; within = (ref, rep) and the 3 look pairs
+    between = np.mean([kt(b, c) for b in (ref, rep) for c in cur])
+    within = np.mean([kt(ref, rep), kt(cur[0], cur[1]), kt(cur[0], cur[2]), kt(cur[1], cur[2])])
+    if d["window"] == 3:
+        assert d["tau_between"] == pytest.approx(between) and d["tau_within"] == pytest.approx(within)
+    assert set(d["p_by_window"]) == {"1", "3"}
+    assert d["tau"] == pytest.approx(kt(ref, cur[-1]))
+    # the stored window survives a state round trip
+    again = DriftMonitor.from_dict(json.loads(json.dumps(mon.to_dict())))
+    assert again.recent_ == mon.recent_ and len(again.recent_) == 2
+
+
+def test_mixed_int_and_str_anchor_ids_are_duplicates():
+    with pytest.raises(CJEInputError, match="appears more than once") as err:
+        as_scores({1: 0.5, "1": 0.7, 2: 0.1}, "current_scores")
+    assert err.value.column == "anchor_id"
+    s = as_scores({1: 0.5, 2: 0.7}, "x")
+    assert list(s.index) == ["1", "2"]
+    with pytest.raises(CJEInputError, match="appears more than once"):
+        scores_from_frame(pd.DataFrame({"anchor_id": [1, "1"], "judge_score": [0.1, 0.2]}))
+    # ints and strings pair up across inputs
+    ref = pd.Series(np.linspace(0, 1, 30), index=range(30))
+    cur = pd.Series(np.linspace(0, 1, 30), index=[str(i) for i in range(30)])
+    assert DriftMonitor().update(ref, cur).n_anchors == 30
+
+
+def test_clusters_with_duplicate_or_missing_anchors_are_refused():
+    rng, anchors, judge, calib, ref, rep = _world(seed=7)
+    cur = judge.score(anchors, rng)
+    with pytest.raises(CJEInputError, match="no cluster given"):
+        DriftMonitor().update(ref, cur, clusters=pd.Series(["p"] * 5, index=ref.index[:5]))
+    ids = list(ref.index)
+    bad = pd.Series(["p"] * (len(ids) + 1), index=ids + [ids[0]])
+    with pytest.raises(CJEInputError, match="appears more than once"):
+        DriftMonitor().update(ref, cur, clusters=bad)
+
+
+def test_distribution_test_with_clusters_is_exact_sign_flip():
+    rng = np.random.default_rng(8)
+    r = rng.integers(0, 5, 40).astype(float)
+    c = np.clip(r + rng.integers(-1, 2, 40), 0, 4)
+    codes = np.repeat(np.arange(10), 4)
+    dc = distribution_change(r, c, clusters=codes)
+    # reference: per threshold, brute-force sign flips of the cluster sums; Bonferroni over them
+    ps = []
+    for v in np.unique(np.concatenate([r, c]))[:-1]:
+        z = (c <= v).astype(float) - (r <= v)
+        zg = np.bincount(codes, weights=z)
+        if np.any(zg != 0):
+            ps.append(brute_sign_flip(zg))
+    assert dc.p_value == pytest.approx(min(1.0, len(ps) * min(ps)), abs=1e-12)
+    assert dc.method.startswith("sign_flip")
+
+
+def test_version_1_state_reads_with_its_options():
+    mon = DriftMonitor()
+    state = mon.to_dict()
+    state["state_version"] = 1
+    del state["recent"]
+    del state["config"]["rank_window"]
+    state["config"]["weights"] = {m: 0.2 for m in METRICS}
+    old = DriftMonitor.from_dict(state)
+    assert old.rank_window == 1 and old.weights["tau_b"] == 0.2 and old.recent_ == []
+    state["state_version"] = 9
+    with pytest.raises(CJEInputError, match="not supported"):
+        DriftMonitor.from_dict(state)
