@@ -349,7 +349,7 @@ class DriftMonitorConfig(ScheduledEntry):
         try:
             DriftMonitor(**self.monitor)
         except TypeError as exc:
-            raise CJEInputError(f"monitor: bad drift monitor option ({exc})") from None
+            raise CJEInputError(f"monitor: bad monitor option ({exc})") from None
         if self.scorer is not None:
             if "api_key" in self.scorer:
                 raise CJEInputError("scorer: api_key is a credential; name the environment variable holding "

@@ -148,7 +148,7 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
     import os
 
     from flows.runtime import ray_fanout as ray_runtime
-    from flows.pipelines.drift import drift
+    from flows.pipelines.drift import DriftSettings, drift
     from flows.pipelines.audit import evaluate_and_audit
     from flows.runtime.prefect_server import launch_server, prefect_api
 
@@ -173,10 +173,10 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
             )
             # The drift alarm of the judge update raises a label request on the anchors and on the
             # evaluation's recent traffic: the flow gets the evaluation's logs and label store.
-            summary["drift"] = drift(set_name=ANCHOR_SET, anchors_uri=info["results_uri"], evaluation=EVALUATION,
-                                     results_uri=info["results_uri"], through=info["dates"][-1],
-                                     evaluation_logs_uri=info["logs_uri"], labels_uri=info["labels_uri"],
-                                     label_requests=DEMO_REQUESTS)
+            summary["drift"] = drift(DriftSettings(
+                set_name=ANCHOR_SET, anchors_uri=info["results_uri"], evaluation=EVALUATION,
+                results_uri=info["results_uri"], through=info["dates"][-1], evaluation_logs_uri=info["logs_uri"],
+                labels_uri=info["labels_uri"], label_requests=DEMO_REQUESTS))
     finally:
         if launched is not None:  # failed before prefect_api took it over
             from flows.runtime.prefect_server import stop_server

@@ -13,7 +13,6 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -108,11 +107,6 @@ def settings_from(params: dict[str, Any], source: str = "drift flow parameters")
                             column=col) from None
 
 
-_SPEC_KEYS = {"name", "set_name", "anchors_uri", "logs_uri", "drift_uri", "results_uri", "evaluation", "judge_id",
-              "scorer", "reference", "replicate", "anchors_version", "monitor", "cron", "interval", "timezone",
-              "notify_on", "description"}
-
-
 @dataclass(frozen=True)
 class DriftMonitorSpec:
     """One drift monitor declared under ``drift_monitors:`` in evaluations.yaml."""
@@ -176,124 +170,36 @@ class DriftMonitorSpec:
             **kwargs)
 
 
-def _resolve(uri: Any, base: Path, where: str, src: str) -> str | None:
-    if uri is None:
-        return None
-    if not isinstance(uri, str) or not uri.strip():
-        raise CJEInputError(f"{where} must be a non-empty string, got {uri!r}", source=src)
-    uri = os.path.expanduser(uri.strip())
-    if "://" in uri:
-        return uri
-    p = Path(uri)
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
-def _check_entry(e: dict, monitor: Any, scorer: Any, where: str, src: str) -> None:
-    """Monitor options, scorer, notify_on and reference of one declared monitor."""
-    try:
-        if not isinstance(monitor, dict):
-            raise CJEInputError("monitor must be a mapping of DriftMonitor options")
-        DriftMonitor(**monitor)
-        if scorer is not None:
-            from flows.integrations.scorer import OpenAIChatScorer
-
-            OpenAIChatScorer.from_config(scorer)
-            if not e.get("judge_id"):
-                raise CJEInputError("judge_id is required with a scorer")
-        if e.get("notify_on", "new") not in ("new", "every"):
-            raise CJEInputError("notify_on must be 'new' or 'every'")
-        ref = str(e.get("reference", "first"))
-        if ref != "first" and not ref.startswith("judge:") and not LOOK_KEY_RE.match(ref):
-            raise CJEInputError(f"reference {ref!r} must be 'first', 'judge:<id>' or 'YYYY-MM-DD/<judge_id>'")
-    except TypeError as exc:
-        raise CJEInputError(f"{where}: bad monitor option ({exc})", source=src) from None
-    except CJEInputError as exc:
-        raise CJEInputError(f"{where}: {exc}", source=src) from None
-
-
 def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, DriftMonitorSpec]:
-    """Read ``drift_monitors:`` of an evaluations file (default: the repository's).
+    """The ``drift_monitors:`` of an evaluations file (default: the repository's), validated by the
+    service's one configuration model (`flows.config.load_config`; errors name file, entry and key).
 
-    Relative local paths are resolved against the file's folder. A file without the key has no
-    monitors (empty dict). Errors name the file, the entry and the key. A monitor whose
-    ``evaluation`` is declared under ``evaluations:`` of the same file takes that evaluation's
-    ``logs_uri``, ``labels_uri`` and ``label_requests`` (drift alarms request labels on its recent
-    traffic) and, when it gives no ``results_uri``, the evaluation's results root.
+    A file without the key has no monitors (empty dict). A monitor whose ``evaluation`` is declared
+    under ``evaluations:`` of the same file takes that evaluation's ``logs_uri``, ``labels_uri`` and
+    ``label_requests`` (drift alarms request labels on its recent traffic) and, when it gives no
+    ``results_uri``, the evaluation's results root.
     """
-    import yaml
+    from flows.config import load_config
 
-    from flows.runtime.schedules import DEFAULT_FILE, check_schedule
-
-    path = Path(path) if path is not None else DEFAULT_FILE
-    src = str(path)
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise CJEInputError("evaluations file not found", source=src) from None
-    except yaml.YAMLError as exc:
-        raise CJEInputError(f"not valid YAML: {exc}", source=src) from None
-    entries = (doc or {}).get("drift_monitors") if isinstance(doc, dict) else None
-    if entries is None:
-        return {}
-    if not isinstance(entries, list):
-        raise CJEInputError("'drift_monitors:' must be a list of monitors", source=src, column="drift_monitors")
-    base = path.resolve().parent
-    evaluations: dict = {}
-    if isinstance(doc, dict) and doc.get("evaluations") and any(
-            isinstance(e, dict) and e.get("evaluation") for e in entries):
-        from flows.runtime.schedules import load_evaluations
-
-        evaluations = load_evaluations(path)
+    cfg = load_config(path, require_evaluations=False)
     out: dict[str, DriftMonitorSpec] = {}
-    for i, e in enumerate(entries):
-        where = f"drift_monitors[{i}]"
-        if not isinstance(e, dict):
-            raise CJEInputError(f"{where} must be a mapping", source=src)
-        unknown = sorted(set(e) - _SPEC_KEYS)
-        if unknown:
-            raise CJEInputError(f"{where} has unknown key(s) {unknown}; expected some of {sorted(_SPEC_KEYS)}",
-                                source=src)
-        set_name = e.get("set_name")
-        try:
-            check_name(set_name)
-            name = check_name(e.get("name", set_name), "monitor name")
-        except CJEInputError as exc:
-            raise CJEInputError(f"{where}: {exc}", source=src) from None
-        where = f"drift monitor {name!r}"
-        if name in out:
-            raise CJEInputError(f"{where} is declared twice", source=src)
-        if not e.get("anchors_uri"):
-            raise CJEInputError(f"{where} needs anchors_uri", source=src)
-        check_schedule(e, where, src)
-        interval = e.get("interval")
-        monitor = e.get("monitor") or {}
-        scorer = e.get("scorer")
-        _check_entry(e, monitor, scorer, where, src)
-        version = e.get("anchors_version")
-        if version is not None and (not isinstance(version, int) or version < 1):
-            raise CJEInputError(f"{where}: anchors_version must be a positive integer", source=src)
-        linked = evaluations.get(e.get("evaluation")) if e.get("evaluation") else None
-        if e.get("evaluation") and linked is None:
-            log.warning("%s: evaluation %r is not declared in %s; a drift alarm will request anchor labels only",
-                        where, e.get("evaluation"), src)
-        results_uri = _resolve(e.get("results_uri"), base, f"{where}.results_uri", src)
+    for name, m in cfg.drift_monitors.items():
+        linked = cfg.evaluations.get(m.evaluation) if m.evaluation else None
+        if m.evaluation and linked is None:
+            log.warning("drift monitor %r: evaluation %r is not declared in %s; a drift alarm will request anchor "
+                        "labels only", name, m.evaluation, cfg.path)
+        results_uri = m.results_uri
         if results_uri is None and linked is not None:
             results_uri = linked.results_uri or linked.logs_uri
         out[name] = DriftMonitorSpec(
-            name=name, set_name=set_name,
-            anchors_uri=_resolve(e["anchors_uri"], base, f"{where}.anchors_uri", src),
-            logs_uri=_resolve(e.get("logs_uri"), base, f"{where}.logs_uri", src),
-            drift_uri=_resolve(e.get("drift_uri"), base, f"{where}.drift_uri", src),
-            results_uri=results_uri,
-            evaluation_logs_uri=linked.logs_uri if linked else None,
+            name=name, set_name=m.set_name, anchors_uri=m.anchors_uri, logs_uri=m.logs_uri, drift_uri=m.drift_uri,
+            results_uri=results_uri, evaluation_logs_uri=linked.logs_uri if linked else None,
             labels_uri=(linked.labels_uri or linked.logs_uri) if linked else None,
             label_requests=dict(linked.label_requests) if linked and linked.label_requests else None,
-            evaluation=e.get("evaluation"), judge_id=e.get("judge_id"), scorer=dict(scorer) if scorer else None,
-            reference=str(e.get("reference", "first")),
-            replicate=None if e.get("replicate", "next") in (None, "none") else str(e.get("replicate", "next")),
-            anchors_version=version, monitor=dict(monitor), cron=str(e["cron"]) if e.get("cron") else None,
-            interval=float(interval) if interval is not None else None, timezone=str(e.get("timezone", "UTC")),
-            notify_on=str(e.get("notify_on", "new")), description=str(e.get("description", "")))
+            evaluation=m.evaluation, judge_id=m.judge_id, scorer=dict(m.scorer) if m.scorer else None,
+            reference=m.reference, replicate=None if m.replicate in (None, "none") else m.replicate,
+            anchors_version=m.anchors_version, monitor=dict(m.monitor), cron=m.cron, interval=m.interval,
+            timezone=m.timezone, notify_on=m.notify_on, description=m.description)
     return out
 
 

@@ -10,6 +10,7 @@ webhook receiver started here, the judge endpoint of the scorer test is a local 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -97,10 +98,21 @@ class World:
         return (self.new_judge if drifted else self.ref_judge).score(self.anchors, self.rng)
 
 
+RESULT_EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
+
+
+def example_result(curve: dict) -> dict:
+    """A complete, valid result (the publisher validates what it publishes) carrying ``curve``,
+    the calibration curve the drift flow reads (on the 0-1 label scale)."""
+    result = json.loads(RESULT_EXAMPLE.read_text())
+    result["calibration"]["curve"] = curve
+    result["config"]["label_scale"] = [0.0, 1.0]
+    return result
+
+
 def publish_calibration(st: Storage, curve: dict, evaluation: str = "main") -> None:
     """A published evaluation result carrying the calibration curve (the fields the flow reads)."""
-    result = {"schema_version": 1, "policies": {"base": {"level_claim": "ok", "estimate": 0.6}},
-              "calibration": {"mode": "monotone", "n_train": 2000, "curve": curve}}
+    result = example_result(curve)
     out = publish_run(st, evaluation, "2025-02-01_2025-02-28", "calib", {"result.json": json.dumps(result).encode()},
                       {"note": "test calibration"})
     assert out.published
@@ -495,9 +507,7 @@ def test_drift_alarm_raises_one_label_request_for_anchors_and_recent_traffic(pre
     set_name = "anchors-shift"
     write_anchor_set(st, set_name, world.frame())
     window = "2025-03-01_2025-03-02"
-    result = {"schema_version": 1, "policies": {"base": {"level_claim": "ok", "estimate": 0.6}},
-              "config": {"label_scale": [0, 1]},
-              "calibration": {"mode": "monotone", "n_train": 2000, "curve": world.curve}}
+    result = example_result(world.curve)
     assert publish_run(st, "main", window, "run1", {"result.json": json.dumps(result).encode()}, {}).published
     ref, rep = world.score(False), world.score(False)
     write_look(st, set_name, ref, "v1", 0)
