@@ -338,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             print("  tasks: " + ", ".join(f"{x['name']} {x['seconds']:.1f}" for x in r["tasks"]))
             print_memory(r["memory"])
             print("  largest processes: " + "; ".join(f"{x['service']} {x['title'][:40]!r} {_fmt(x['rss'])}"
-                                                      for x in r["top_processes"][:5]))
+                                                      for x in r["top_processes"][:5]), flush=True)
+            if args.json:  # after every configuration: a partial report survives a timeout
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(report, indent=2, default=str))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str))
