@@ -85,11 +85,18 @@ def _mem(pid: int) -> tuple[int, int] | None:
 
 
 def _title(pid: int) -> str:
+    """``ray::<task>`` for Ray workers, else the program and script names."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:80]
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
         return "?"
+    if not argv:
+        return "?"
+    if argv[0].startswith("ray::"):
+        return " ".join(argv)[:60]
+    names = [os.path.basename(a) for a in argv[:3] if not a.startswith("-")]
+    return " ".join(names)[:60]
 
 
 def services(stack: dict[str, str]) -> dict[str, int]:
@@ -126,7 +133,7 @@ class Sampler(threading.Thread):
                 except OSError:
                     pass
         totals: dict[str, list[int]] = {}
-        for name, sid in self.sessions.items():
+        for name, sid in list(self.sessions.items()):
             g = _group(name)
             acc = totals.setdefault(g, [0, 0])
             for pid in by_sid.get(sid, []):
@@ -228,6 +235,12 @@ def run_one(stack: dict[str, str], name: str, bucket: str, timeout: float) -> di
         time.sleep(1.0)
         with _client(stack) as c:
             run = c.read_flow_run(run.id)
+        if run.infrastructure_pid and "flow-run (driver)" not in sampler.sessions:
+            # The process worker starts each flow run in a session of its own.
+            try:
+                sampler.sessions["flow-run (driver)"] = os.getsid(int(str(run.infrastructure_pid).rsplit(":", 1)[-1]))
+            except OSError:
+                pass
         if run.state and run.state.is_final():
             break
         if time.monotonic() - t0 > timeout:
@@ -267,6 +280,8 @@ def _fmt(n: int) -> str:
 def print_memory(mem: dict) -> None:
     print(f"  {'service':<18} {'peak RSS':>10} {'peak PSS':>10}")
     for g, v in sorted(mem.items(), key=lambda kv: -kv[1]["pss"]):
+        if not v["rss"]:
+            continue  # a service that is not running (a stopped extra worker)
         print(f"  {g:<18} {_fmt(v['rss']):>10} {_fmt(v['pss']):>10}")
 
 
@@ -323,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
             print("  tasks: " + ", ".join(f"{x['name']} {x['seconds']:.1f}" for x in r["tasks"]))
             print_memory(r["memory"])
             print("  largest processes: " + "; ".join(f"{x['service']} {x['title'][:40]!r} {_fmt(x['rss'])}"
-                                                      for x in r["top_processes"][:5]))
+                                                      for x in r["top_processes"][:5]), flush=True)
+            if args.json:  # after every configuration: a partial report survives a timeout
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(report, indent=2, default=str))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str))

@@ -188,9 +188,6 @@ exec "$BIN/ray" start --block --address=127.0.0.1:$GCS_PORT --node-ip-address=12
     --object-store-memory=$OBJ_STORE $(ray_ports) --disable-usage-stats
 EOF
 
-wait_for "the Prefect API at $API" 120 curl -fsS -o /dev/null --max-time 2 "$API/health"
-log "Prefect server up at $API ($(elapsed)s)"
-
 # The head must accept the second node: its GCS answers once `ray start --head` is done.
 ray_up() { RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN "$PY" - "$GCS_PORT" "$1" <<'PY'
 import sys, ray
@@ -199,9 +196,13 @@ alive = [n for n in ray.nodes() if n["Alive"]]
 sys.exit(0 if len(alive) >= int(sys.argv[2]) else 1)
 PY
 }
-wait_for "the Ray head on port $GCS_PORT" 90 ray_up 1
+wait_for "the Ray head on port $GCS_PORT" 180 ray_up 1
 launch ray-worker
 log "Ray head up on 127.0.0.1:$GCS_PORT ($(elapsed)s)"
+
+# Both boot at once: the Prefect server (migrations on a new database) and the second Ray node.
+wait_for "the Prefect API at $API" 180 curl -fsS -o /dev/null --max-time 2 "$API/health"
+log "Prefect server up at $API ($(elapsed)s)"
 
 # ---------------------------------------------------------------------------------------------
 # 5. S3 ready (radosgw started in the background above); the stack's bucket.
@@ -241,7 +242,7 @@ exec "$BIN/prefect" worker start --pool "$POOL" --name "\${CJE_WORKER_NAME:-work
     --type process --prefetch-seconds 5
 EOF
 launch prefect-worker
-wait_for "the Ray worker node" 90 ray_up 2
+wait_for "the Ray worker node" 180 ray_up 2
 log "Ray worker node joined ($(elapsed)s)"
 
 # ---------------------------------------------------------------------------------------------
