@@ -48,13 +48,13 @@ log = logging.getLogger("cje")
 #: Command modules: each exposes ``register(subparsers)``, adding its sub-command(s) with
 #: ``set_defaults(handler=fn)`` where ``fn(namespace) -> int`` returns the exit code.
 COMMAND_MODULES: tuple[str, ...] = (
-    "flows.cli.gate",
-    "flows.cli.anchors",
-    "flows.cli.requests",
-    "flows.cli.labels",
-    "flows.cli.deploy",
-    "flows.cli.ui",
-    "flows.cli.monitor",
+    "flows.cli.commands.gate",
+    "flows.cli.commands.anchors",
+    "flows.cli.commands.requests",
+    "flows.cli.commands.labels",
+    "flows.cli.commands.deploy",
+    "flows.cli.commands.ui",
+    "flows.cli.commands.monitor",
 )
 
 #: Version of the ``--json`` documents (docs/cli.md); fields are only ever added within a version.

@@ -145,7 +145,7 @@ def test_bad_input_exit_2_prints_one_line_and_no_traceback(tmp_path, capsys, in_
 
 
 def test_internal_error_exit_70_traceback_only_with_v(monkeypatch, capsys, in_tmp):
-    from flows.cli import gate
+    from flows.cli.commands import gate
 
     def boom(ns):
         raise ZeroDivisionError("division by zero")
@@ -160,7 +160,7 @@ def test_internal_error_exit_70_traceback_only_with_v(monkeypatch, capsys, in_tm
 
 
 def test_service_unavailable_exit_69(monkeypatch, capsys, in_tmp):
-    from flows.cli import gate
+    from flows.cli.commands import gate
     from flows.storage.objects import StorageError
 
     def down(ns):

@@ -9,7 +9,7 @@ import pytest
 from scipy.stats import norm
 
 from cje_engine.inference.multiplicity import adjust
-from flows.cli.gate import Claim, judge, parse_expression
+from flows.cli.commands.gate import Claim, judge, parse_expression
 
 from .conftest import REPO, run_cje
 

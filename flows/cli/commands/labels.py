@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
-from flows.cli.requests import config_path, spec_of
+from flows.cli.commands.requests import config_path, spec_of
 from flows.label_requests.answers import ANSWER_FORMATS, parse_scale
 from flows.storage.objects import Storage, StorageConfig
 
