@@ -65,7 +65,9 @@ from typing import Any, Iterable, Mapping
 from cje_engine.errors import CJEInputError
 from cje_engine.result import validate_result
 
-from flows.storage.objects import (_TMP_PREFIX, LocalStorage, NotFoundError, ObjectInfo, S3Storage, Storage,
+from flows.storage.local import LocalStorage
+from flows.storage.s3 import S3Storage
+from flows.storage.objects import (_TMP_PREFIX, NotFoundError, ObjectInfo, Storage,
                                   StorageError)
 
 log = logging.getLogger(__name__)

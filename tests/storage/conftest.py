@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.storage.objects import LocalStorage, S3Storage, Storage, StorageConfig
+from flows.storage.local import LocalStorage
+from flows.storage.objects import Storage, StorageConfig
+from flows.storage.s3 import S3Storage
 from tests.s3server import start_s3_server
 
 #: Distinctive credentials so that tests can assert they never leak into messages or logs.

@@ -12,16 +12,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from cje_engine.errors import CJEInputError
+from flows.storage.local import LocalStorage
 from flows.storage.objects import (
     ENV_VARS,
-    LocalStorage,
     NotFoundError,
-    S3Storage,
     Storage,
     StorageConfig,
     StorageError,
     with_retries,
 )
+from flows.storage.s3 import S3Storage
 from tests.storage.conftest import ACCESS_KEY, SECRET_KEY, closed_port_endpoint, make_s3_config, new_bucket
 
 
@@ -331,7 +331,8 @@ def test_a_killed_writers_temporary_files_are_swept_by_the_next_write(tmp_path):
     removes it once it is stale (untouched for an hour), never a live writer's fresh one."""
     import os
 
-    from flows.storage.objects import _TMP_PREFIX, STALE_TMP_SECONDS, LocalStorage
+    from flows.storage.local import LocalStorage
+    from flows.storage.objects import _TMP_PREFIX, STALE_TMP_SECONDS
 
     st = LocalStorage(tmp_path)
     (tmp_path / "results").mkdir()

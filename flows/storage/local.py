@@ -1,0 +1,201 @@
+"""Local folders as object storage (atomic writes, create-only puts, stale temp-file cleanup)."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow.fs as pafs
+
+
+from flows.storage.objects import (NotFoundError, ObjectInfo, STALE_TMP_SECONDS, Storage, StorageConfig, StorageError, _TMP_PREFIX, _check_key, _short)
+
+log = logging.getLogger(__name__)
+
+
+def _iso_mtime(ns: int) -> str:
+    return "mtime:" + datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class LocalStorage(Storage):
+    """A local folder; writes are atomic (temporary file + rename / hard link)."""
+
+    def __init__(self, root: Path, config: StorageConfig | None = None) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.config = config or StorageConfig()
+        self.uri = str(self.root)
+
+    def __reduce__(self):
+        return (LocalStorage, (self.root, self.config))
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*_check_key(key).split("/"))
+
+    def url(self, key: str = "") -> str:
+        if not key:
+            return str(self.root)
+        return str(self.root.joinpath(*_check_key(key, allow_empty=True).rstrip("/").split("/")))
+
+    def _fail(self, op: str, key: str, exc: BaseException) -> StorageError:
+        cls = NotFoundError if isinstance(exc, FileNotFoundError) else StorageError
+        what = "does not exist" if cls is NotFoundError else _short(exc, self.config)
+        return cls(f"{op} {self.url(key)} failed: {what}", key=key, operation=op)
+
+    def read_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except OSError as exc:
+            raise self._fail("read", key, exc) from None
+
+    @staticmethod
+    def sweep_stale_tmp(folder: Path, older_than: float = STALE_TMP_SECONDS) -> int:
+        """Remove ``.cje-tmp-*`` files of killed writers (untouched for ``older_than`` seconds)
+        from ``folder``; returns how many were removed."""
+        removed = 0
+        cutoff = time.time() - older_than
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(folder):
+                if entry.name.startswith(_TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                            os.unlink(entry.path)
+                            removed += 1
+        if removed:
+            log.info("removed %d stale temporary file(s) of killed writers in %s", removed, folder)
+        return removed
+
+    def _tmp_file(self, path: Path, data: bytes) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.sweep_stale_tmp(path.parent)
+        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = None
+        try:
+            tmp = self._tmp_file(path, bytes(data))
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            raise self._fail("write", key, exc) from None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        tmp = None
+        try:
+            tmp = self._tmp_file(path, bytes(data))
+            try:
+                os.link(tmp, path)
+                return True
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                # No hard links on this filesystem: exclusive create (content appears progressively).
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return False
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(bytes(data))
+                return True
+        except OSError as exc:
+            raise self._fail("create", key, exc) from None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+
+    def info(self, key: str) -> ObjectInfo:
+        try:
+            st = self._path(key).stat()
+        except OSError as exc:
+            raise self._fail("stat", key, exc) from None
+        if not os.path.isfile(self._path(key)):
+            raise NotFoundError(f"stat {self.url(key)} failed: not a file", key=key, operation="stat")
+        return ObjectInfo(key, st.st_size, _iso_mtime(st.st_mtime_ns), st.st_mtime_ns / 1e9)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        _check_key(prefix, allow_empty=True) if prefix else None
+        # Walk the deepest existing folder that covers the prefix.
+        folder_part = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root.joinpath(*folder_part.split("/")) if folder_part else self.root
+        out: list[ObjectInfo] = []
+        if not start.is_dir():
+            return out
+        try:
+            for dirpath, dirnames, filenames in os.walk(start):
+                dirnames.sort()
+                rel_dir = os.path.relpath(dirpath, self.root)
+                for name in filenames:
+                    if name.startswith(_TMP_PREFIX):
+                        continue
+                    key = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
+                    if not key.startswith(prefix):
+                        continue
+                    try:
+                        st = os.stat(os.path.join(dirpath, name))
+                    except FileNotFoundError:
+                        continue  # deleted while listing
+                    out.append(ObjectInfo(key, st.st_size, _iso_mtime(st.st_mtime_ns), st.st_mtime_ns / 1e9))
+        except OSError as exc:
+            raise self._fail("list", prefix or ".", exc) from None
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._fail("delete", key, exc) from None
+        # Remove folders left empty (never the root).
+        parent = path.parent
+        while parent != self.root and self.root in parent.parents:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    @property
+    def arrow_fs(self) -> tuple[pafs.FileSystem, str]:
+        return pafs.LocalFileSystem(), str(self.root)
+
+    @contextlib.contextmanager
+    def open_output(self, key: str) -> Iterator[Any]:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.sweep_stale_tmp(path.parent)
+        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+        fs = pafs.LocalFileSystem()
+        try:
+            stream = fs.open_output_stream(str(tmp))
+            try:
+                yield stream
+            finally:
+                stream.close()
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise self._fail("write", key, exc) from None
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
