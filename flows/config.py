@@ -38,6 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from cje_engine.errors import CJEInputError
+from flows.storage.logs import as_date
 from cje_engine.options import did_you_mean
 
 #: Default location of the declarations: the repository root.
@@ -77,18 +78,6 @@ class Window:
 
 # "last N days" with optional _ or - separators; the sign is captured so "last -3 days" is refused.
 _LAST_RE = re.compile(r"^\s*last(?:[\s_]+|-)([+-]?\d+)[\s_-]*days?\s*$|^\s*([+-]?\d+)\s*d\s*$", re.I)
-
-
-def as_date(value: Any, what: str = "date") -> date:
-    """``date``, ``datetime`` or ``"YYYY-MM-DD"`` -> ``date`` (`CJEInputError` otherwise)."""
-    if isinstance(value, datetime):
-        return value.date()
-    if isinstance(value, date):
-        return value
-    try:
-        return date.fromisoformat(str(value).strip())
-    except ValueError:
-        raise CJEInputError(f"{what} {value!r} is not a date; expected YYYY-MM-DD") from None
 
 
 def parse_window(window: Any = "last 7 days", as_of: Any = None) -> Window:

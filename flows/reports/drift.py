@@ -2,64 +2,30 @@
 
 `render_drift_report(history, state=...)` draws one timeline panel per metric over the looks,
 with each look's fixed-sample interval and its alarm thresholds (every look spends its own share
-of alpha, so the thresholds move), and a table of the looks. The small SVG/HTML helpers below are
-this module's own (the evaluation report's are private to it).
+of alpha, so the thresholds move), and a table of the looks. It shares the evaluation report's
+formatting and SVG helpers (`flows.reports.common`, `flows.reports.svg`).
 """
 from __future__ import annotations
 
-import html
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 from cje_engine.drift.monitor import METRICS
 from cje_engine.errors import CJEInputError
 
-__all__ = ["render_drift_report"]
+from flows.reports.common import (BLUE, GREEN, GREY, GRID, INK, MUTED, PURPLE, SKY, VERMILLION, _esc, _fmt,
+                                  _name_cell, _num, _signed)
+from flows.reports.evaluation import CSS  # the evaluation report's page style
+from flows.reports.svg import _diamond, _legend, _Lin, _line, _r, _svg, _text
 
-# Okabe-Ito palette (colour-blind safe) plus neutral greys, as in the evaluation report.
-BLUE = "#0072B2"
-SKY = "#56B4E9"
-GREEN = "#009E73"
-VERMILLION = "#D55E00"
-PURPLE = "#CC79A7"
-INK = "#1f2328"
-MUTED = "#59636e"
-GREY = "#9aa1a9"
-GRID = "#e4e7eb"
-FONT = ('system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", "Noto Sans", '
-        '"Liberation Sans", "DejaVu Sans", Arial, sans-serif')
+__all__ = ["render_drift_report"]
 
 
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-def _fmt(value: Any, digits: int = 3) -> str:
-    v = _num(value)
-    if v is None:
-        return "n/a"
-    text = f"{v:.{digits}f}"
-    return "0." + "0" * digits if text == "-0." + "0" * digits else text
-
-
-def _signed(value: Any, digits: int = 3) -> str:
-    v = _num(value)
-    if v is None:
-        return "n/a"
-    text = _fmt(v, digits)
-    return text if text.startswith("-") or text == _fmt(0.0, digits) else "+" + text
 
 
 def _fmt_p(p: Any) -> str:
@@ -69,45 +35,10 @@ def _fmt_p(p: Any) -> str:
     return "<0.001" if v < 0.001 else f"{v:.3f}"
 
 
-def _name_cell(name: Any) -> str:
-    return _esc(name).replace("_", "_<wbr>")
-
-
-def _r(v: float) -> str:
-    return f"{v:.1f}".rstrip("0").rstrip(".") if math.isfinite(v) else "0"
-
-
 def _el(tag: str, content: str | None = None, **attrs: Any) -> str:
     a = "".join(f' {k.rstrip("_").replace("_", "-")}="{_esc(_r(v) if isinstance(v, float) else v)}"'
                 for k, v in attrs.items() if v is not None)
     return f"<{tag}{a}/>" if content is None else f"<{tag}{a}>{content}</{tag}>"
-
-
-def _text(x: float, y: float, s: Any, **attrs: Any) -> str:
-    return _el("text", _esc(s), x=float(x), y=float(y), **attrs)
-
-
-def _line(x1: float, y1: float, x2: float, y2: float, **attrs: Any) -> str:
-    return _el("line", x1=float(x1), y1=float(y1), x2=float(x2), y2=float(y2), **attrs)
-
-
-def _svg(width: int, height: int, body: Iterable[str], label: str) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" '
-            f'width="{width}" height="{height}" role="img" aria-label="{_esc(label)}" '
-            f'class="chart" font-family="{_esc(FONT)}" font-size="12">'
-            f"<title>{_esc(label)}</title>{''.join(body)}</svg>")
-
-
-class _Lin:
-    """Linear map from a data domain to a pixel range."""
-
-    def __init__(self, d0: float, d1: float, r0: float, r1: float) -> None:
-        if d1 == d0:
-            d0, d1 = d0 - 0.5, d1 + 0.5
-        self.d0, self.d1, self.r0, self.r1 = d0, d1, r0, r1
-
-    def __call__(self, v: float) -> float:
-        return self.r0 + (v - self.d0) / (self.d1 - self.d0) * (self.r1 - self.r0)
 
 
 def _ticks(lo: float, hi: float, target: int = 6) -> tuple[float, float, list[float], int]:
@@ -142,91 +73,6 @@ def _y_axis(sy: _Lin, ticks: Sequence[float], decimals: int, x: float, right: fl
         out.append(_el("text", _esc(label), x=float(x - 46), y=float(cy), text_anchor="middle",
                        fill=INK, font_size="12", transform=f"rotate(-90 {_r(x - 46)} {_r(cy)})"))
     return out
-
-
-def _diamond(x: float, y: float, r: float, **attrs: Any) -> str:
-    pts = f"{_r(x)},{_r(y - r)} {_r(x + r)},{_r(y)} {_r(x)},{_r(y + r)} {_r(x - r)},{_r(y)}"
-    return _el("polygon", points=pts, **attrs)
-
-
-def _legend(items: Sequence[tuple[str, str]], x: float, y: float, gap: float = 26) -> list[str]:
-    out, cx = [], x
-    for marker, label in items:
-        out.append(f'<g transform="translate({_r(cx)},{_r(y)})">{marker}</g>')
-        out.append(_text(cx + 14, y + 4, label, fill=INK, font_size="12"))
-        cx += 14 + 6.6 * len(label) + gap
-    return out
-
-
-CSS = """
-:root{--ink:#1f2328;--muted:#59636e;--line:#d8dee4;--bg:#f4f6f8;--card:#fff;--blue:#0072B2;
---green:#009E73;--verm:#D55E00;--amber:#B07800}
-*{box-sizing:border-box}
-body{margin:0;background:var(--bg);color:var(--ink);font:15px/1.5 FONT;
--webkit-font-smoothing:antialiased}
-main{max-width:1180px;margin:0 auto;padding:28px 24px 40px}
-header.top{margin-bottom:18px}
-header.top h1{font-size:26px;margin:0 0 4px;letter-spacing:-.01em}
-header.top .meta{color:var(--muted);font-size:14px}
-section,footer{background:var(--card);border:1px solid var(--line);border-radius:10px;
-padding:20px 24px;margin:0 0 18px}
-h2{font-size:18px;margin:0 0 12px;letter-spacing:-.005em}
-h3{font-size:15px;margin:20px 0 4px}
-p{margin:6px 0}
-.lead{color:var(--muted);font-size:14px;max-width:900px}
-.summary .item{border-left:4px solid var(--line);padding:6px 12px;margin:8px 0;background:#fafbfc;
-border-radius:0 6px 6px 0}
-.summary .item ul{margin:4px 0 2px;padding-left:20px}
-.summary .ok{border-left-color:var(--green)}
-.summary .warn{border-left-color:#E69F00}
-.summary .bad{border-left-color:var(--verm)}
-.note{color:var(--muted);font-size:13px}
-.muted{color:var(--muted)}
-.num{font-variant-numeric:tabular-nums}
-.figure{overflow-x:auto}
-svg.chart{display:block;max-width:100%;height:auto}
-table.data{border-collapse:collapse;width:100%;font-size:13px;margin:10px 0}
-table.data.compact{width:auto;min-width:420px}
-table.data th{text-align:left;font-weight:600;color:var(--muted);border-bottom:2px solid var(--line);
-padding:6px 8px;white-space:nowrap}
-table.data td{border-bottom:1px solid #eaeef2;padding:6px 8px;vertical-align:top}
-table.data tbody tr:hover{background:#f6f8fa}
-table.data .r{text-align:right}
-table.data .c{text-align:center}
-td.name{font-weight:600;overflow-wrap:break-word}
-td.num,th{white-space:nowrap}
-td.reason{color:var(--muted);min-width:220px}
-tr.is-refused td{background:#fafafa}
-td.refused-cell{color:var(--muted);font-style:italic;text-align:center}
-tr.alarm td{background:#fdf0e8}
-.scroll{overflow-x:auto}
-.badge{display:inline-block;padding:1px 8px;border-radius:10px;font-size:12px;font-weight:600;
-white-space:nowrap;border:1px solid transparent}
-.badge.ok{background:#e3f4ee;color:#00664a;border-color:#b5e2d2}
-.badge.refused{background:#eceef1;color:#4b5259;border:1px dashed #8d949c}
-.v-pass{background:#e3f4ee;color:#00664a}
-.v-fail{background:#fbe6da;color:#9a3d00}
-.v-inconclusive{background:#fdf3d9;color:#7a5400}
-.v-not_run{background:#eceef1;color:#4b5259}
-.sig{color:#3f1f80;font-weight:600}
-.panels{display:grid;grid-template-columns:repeat(auto-fill,minmax(500px,1fr));gap:14px;margin:12px 0}
-figure.panel{margin:0;border:1px solid #eaeef2;border-radius:8px;padding:10px 10px 4px}
-figure.panel figcaption{font-size:14px}
-figure.panel .cap{display:block;color:var(--muted);font-size:12.5px;margin-top:2px}
-.facts{font-size:14px}
-ul.bases{font-size:13px;color:var(--muted);margin:6px 0 0;padding-left:20px}
-dl.config{display:grid;grid-template-columns:repeat(auto-fill,minmax(250px,1fr));gap:4px 18px;
-margin:0 0 10px;font-size:13px}
-dl.config div{display:flex;justify-content:space-between;gap:8px;border-bottom:1px dotted #e1e4e8;
-padding:2px 0}
-dl.config dt{color:var(--muted)}
-dl.config dd{margin:0;font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,"DejaVu Sans Mono",monospace;
-font-size:12px;text-align:right;word-break:break-all}
-footer p{font-size:13px;color:var(--muted)}
-footer .stamp{color:var(--ink)}
-a{color:var(--blue)}
-@media print{body{background:#fff}section,footer{break-inside:avoid;border-color:#ccc}}
-""".replace("FONT", FONT)
 
 
 # --------------------------------------------------------------------------------------------
