@@ -19,11 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cje_engine.drift.monitor import DriftMonitor
 from cje_engine.errors import CJEInputError
+from flows.runtime.retries import DEFAULT_RETRY_DELAYS
 from flows.storage.anchors import check_name
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RETRY_DELAYS: tuple[float, ...] = (2.0, 10.0, 30.0)
 LOOK_KEY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}/.+$")
 
 

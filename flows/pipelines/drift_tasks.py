@@ -19,10 +19,11 @@ from prefect.logging import get_run_logger
 from cje_engine.drift.monitor import DriftMonitor
 from cje_engine.errors import CJEInputError
 from flows.pipelines.drift_config import DEFAULT_RETRY_DELAYS, LOOK_KEY_RE
+from flows.runtime.retries import storage_task_options
 from flows.reports.drift import render_drift_report
 from flows.storage.anchors import (AnchorSet, Look, read_anchor_scores, read_anchor_set, score_files, split_looks,
                                    write_anchor_scores)
-from flows.storage.drift_state import (DriftStateConflict, commit_state, load_state, read_looks, repair,
+from flows.storage.drift_state import (commit_state, load_state, read_looks, repair,
                                        state_prefix, STATE_FORMAT)
 from flows.storage.objects import Storage
 
@@ -63,16 +64,7 @@ def calibration_from_result(result: dict, source: str = "result.json") -> Callab
 # storage tasks
 
 
-def _retry_unless_bad_input(task_: Any, task_run: Any, state: Any) -> bool:
-    try:
-        exc = state.result(raise_on_failure=False)
-    except Exception:  # noqa: BLE001 - cannot tell: retry
-        return True
-    return not isinstance(exc, (CJEInputError, DriftStateConflict))
-
-
-_STORAGE_TASK = dict(retries=len(DEFAULT_RETRY_DELAYS), retry_delay_seconds=list(DEFAULT_RETRY_DELAYS),
-                     retry_condition_fn=_retry_unless_bad_input, cache_policy=NO_CACHE)
+_STORAGE_TASK = storage_task_options(DEFAULT_RETRY_DELAYS)
 _PURE_TASK = dict(cache_policy=NO_CACHE)
 
 

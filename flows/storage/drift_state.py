@@ -37,6 +37,9 @@ __all__ = ["DRIFT", "STATE_FORMAT", "DriftStateConflict", "state_prefix", "load_
 class DriftStateConflict(RuntimeError):
     """Another run committed the monitor's next state first; rerun to continue from it."""
 
+    #: Final for this run (`flows.runtime.retries`): a retry would conflict the same way.
+    retryable = False
+
 
 def state_prefix(monitor: str) -> str:
     """``drift/<monitor>/``."""
