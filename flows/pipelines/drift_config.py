@@ -3,8 +3,8 @@
 `DriftSettings` groups the parameters of the `flows.pipelines.drift.drift` flow (one validated
 pydantic object instead of loose parameters). `load_drift_monitors` reads ``drift_monitors:`` of
 an evaluations file into `DriftMonitorSpec` objects; `drift_deployments` makes one Prefect
-deployment per monitor. (The coordinator moves these declarations onto the project's single
-config model, ``flows/config.py``, at merge.)
+deployment per monitor. The declarations are validated by the project's one config model
+(`flows.config`).
 """
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ def test_hints_name_the_flag_not_the_keyword():
         "did you mean --columns oracle_label=human_rating?"
     assert cli_hint("label_scale=(1, 5) please") == "--label-scale 1-5 please"
     assert cli_hint("covariates=['response_length']") == "--covariates response_length"
-    # the keyword a hint refers to is taken from CJEInputError.option (the `speed` branch's contract)
+    # the keyword a hint refers to is taken from CJEInputError.option
     exc = CJEInputError("declare level_range='1-5'")
     exc.option = "level_range"
     assert message_of(exc) == "declare --level-range 1-5"
