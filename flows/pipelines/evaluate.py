@@ -166,8 +166,9 @@ def read_needed(plan: "RunPlan", cfg: Any, files: list[dict]) -> pa.Table:
     """
     inline = inline_labels.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files)
     # Derivable covariates (response_length) missing from the logs: read their source text.
-    needed = preflight.read_columns(plan.needed_columns, plan.covariates,
-                                    preflight.logs_columns(plan.logs_uri, cfg, files))
+    needed = plan.needed_columns
+    if any(c in preflight.DERIVED for c in plan.covariates):
+        needed = preflight.read_columns(needed, plan.covariates, preflight.logs_columns(plan.logs_uri, cfg, files))
     columns = None if inline["mixed"] else needed + inline["columns"]
     table = read.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files, columns, plan.read_policies,
                                             2 * ray_runtime.cluster_cpus())

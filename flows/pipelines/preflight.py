@@ -60,8 +60,13 @@ def derive_covariates(table: pa.Table, covariates: Sequence[str], source: str = 
     return table
 
 
-def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict]) -> list[str]:
-    """Column names of the first partition file of the window (its Parquet footer only)."""
+def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool = False) -> list[str]:
+    """Column names of the first partition file of the window (its Parquet footer only).
+
+    ``strict`` (the pre-flight check): an unreadable footer is `CJEInputError` naming the object.
+    Otherwise (inside the flow) it gives ``[]``: the read that follows retries storage errors and
+    names a malformed object itself, so an outage is never reported as bad input here.
+    """
     import pyarrow.dataset as ds
 
     from flows.storage.objects import Storage
@@ -74,8 +79,11 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict]) -> list[str]:
     try:
         return list(ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema.names)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
-                            source=st.url(key)) from None
+        if strict:
+            raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
+                                source=st.url(key)) from None
+        log.debug("footer of %s not readable (%s); no covariate is derived from it", st.url(key), exc)
+        return []
 
 
 def _layout_error(st: Any, win: Any) -> CJEInputError:
@@ -127,7 +135,7 @@ def check_evaluation(params: dict) -> dict:
     files = [{"key": f.key} for f in discover_partitions(st, win.start, win.end)]
     if not files:
         raise _layout_error(st, win)
-    names = logs_columns(logs_uri, cfg, files)
+    names = logs_columns(logs_uri, cfg, files, strict=True)
     source = st.url(files[0]["key"])
     missing = [c for c in REQUIRED if c not in names]
     if missing:
