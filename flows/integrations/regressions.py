@@ -18,7 +18,7 @@ from flows.storage.objects import Storage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["monitor_evaluation", "regression_payload"]
+__all__ = ["monitor_evaluation", "regression_payload", "undecided_at"]
 
 
 def regression_payload(evaluation: str, window: str, run_key: str, policy: str, pc: Any,
@@ -33,13 +33,27 @@ def regression_payload(evaluation: str, window: str, run_key: str, policy: str, 
             **{k: v for k, v in links.items() if v}}
 
 
+def undecided_at(changes: Mapping[str, Any], window: str) -> dict[str, int]:
+    """Policy -> the most own labels in ``window`` any of its undecided drop tests asks for (the
+    ``regression_undecided`` label-request trigger, `flows.label_requests.triggers`)."""
+    out: dict[str, int] = {}
+    for name, pc in changes.items():
+        if window not in pc.windows:
+            continue
+        needed = [int(t.labels_needed) for t in pc.tests_at(pc.windows.index(window))
+                  if t.status == "undecided" and t.labels_needed]
+        if needed:
+            out[name] = max(needed)
+    return out
+
+
 def monitor_evaluation(results_uri: str, cfg: Any, evaluation: str, window: str, run_key: str,
                        outcome: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]:
     """Regression alarms and Prefect artifacts of a published evaluate run (see the module docstring).
 
-    Returns ``{"alarms": [policy, ...], "notifications": [...], "artifacts": [id, ...], "error": str | None}``.
+    Returns ``{"alarms": [policy, ...], "undecided": {policy: labels}, "notifications": [...], "artifacts": [id, ...], "error": str | None}``.
     """
-    out: dict[str, Any] = {"alarms": [], "notifications": [], "artifacts": [], "error": None}
+    out: dict[str, Any] = {"alarms": [], "undecided": {}, "notifications": [], "artifacts": [], "error": None}
     changes: dict[str, Any] = {}
     trend = None
     try:
@@ -47,6 +61,7 @@ def monitor_evaluation(results_uri: str, cfg: Any, evaluation: str, window: str,
         changes = window_changes_of(read_history(st, evaluation))
         trend = st.url(f"results/{evaluation}/trend.html")
         out["alarms"] = sorted(n for n, pc in changes.items() if window in pc.alarms)
+        out["undecided"] = undecided_at(changes, window)
     except Exception as exc:  # noqa: BLE001 - the run is published; monitoring is an addition
         log.warning("changes across windows of %s not computed: %s", evaluation, exc)
         out["error"] = f"{type(exc).__name__}: {exc}"

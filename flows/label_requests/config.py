@@ -15,10 +15,12 @@ from cje_engine.errors import CJEInputError
 
 PREFIX = "label_requests"
 MANIFEST_VERSION = 1
-TRIGGERS = ("audit_failed", "no_own_labels", "audit_inconclusive", "drift_alarm", "thin_support", "under_labelled")
+TRIGGERS = ("audit_failed", "no_own_labels", "audit_inconclusive", "drift_alarm", "thin_support", "under_labelled",
+            "regression_undecided")
 #: Design chosen for each trigger; a merged request uses the most specific (targeted > stratified > random).
 DESIGN_OF = {"audit_failed": "stratified", "no_own_labels": "stratified", "audit_inconclusive": "stratified",
-             "drift_alarm": "stratified", "thin_support": "targeted", "under_labelled": "stratified"}
+             "drift_alarm": "stratified", "thin_support": "targeted", "under_labelled": "stratified",
+             "regression_undecided": "stratified"}
 DESIGNS = ("random", "stratified", "targeted")
 _DESIGN_RANK = {"random": 0, "stratified": 1, "targeted": 2}
 _ID_RE = re.compile(r"^lr-\d{8}-[0-9a-f]{12}$")

@@ -103,7 +103,7 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
     now_ = _now(now)
     period = iso_period(now_)
     rows = _Rows.from_table(_as_table(logs))
-    triggers = _find_triggers(result, rows, cfg, drift_look, anchor_ids)
+    triggers = _find_triggers(result, rows, cfg, drift_look, anchor_ids, info.get("undecided"))
 
     fresh, skipped, pending_ids, pending_anchors = _deduplicate(triggers, existing, evaluation)
     used = budget_used if budget_used is not None else sum(

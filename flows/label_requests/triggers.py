@@ -20,7 +20,11 @@ log = logging.getLogger(__name__)
 
 
 def _unwrap_result(published: Mapping[str, Any]) -> tuple[dict, dict]:
-    """(result dict, run info) from a result dict or the evaluate flow's return value."""
+    """(result dict, run info) from a result dict or the evaluate flow's return value.
+
+    The run info carries ``undecided`` (policy -> labels that would decide a drop across windows)
+    when the flow's monitoring found one (`flows.integrations.regressions.monitor_evaluation`).
+    """
     if not isinstance(published, Mapping):
         raise CJEInputError(f"expected a published result dict, got {type(published).__name__}")
     if "policies" in published:
@@ -28,6 +32,7 @@ def _unwrap_result(published: Mapping[str, Any]) -> tuple[dict, dict]:
     inner = published.get("result")
     if isinstance(inner, Mapping) and "policies" in inner:
         info = {k: published.get(k) for k in ("run_key", "path", "window", "evaluation", "published")}
+        info["undecided"] = dict((published.get("monitoring") or {}).get("undecided") or {})
         return dict(inner), info
     raise CJEInputError("the published result has no 'policies' section (expected evaluate(...).to_dict() or the "
                         "evaluate flow's return value)", column="policies")
@@ -318,17 +323,35 @@ def drift_triggers(drift_look: Mapping | None, cfg: RequestConfig, anchor_ids: S
                             f"drift_anchor_labels={cfg.drift_anchor_labels}")]
 
 
+def regression_triggers(undecided: Mapping[str, Any] | None, cfg: RequestConfig) -> list[dict]:
+    """Trigger 7: a drop across windows is not yet significant and more own labels in this window
+    would decide it (``labels_needed`` of `cje_engine.inference.changes`)."""
+    if not undecided or "regression_undecided" not in cfg.triggers:
+        return []
+    out = []
+    for name, needed in sorted(undecided.items()):
+        needed = int(needed or 0)
+        if needed <= 0:
+            continue
+        out.append(_trigger(
+            "regression_undecided", name, min(needed, cfg.max_labels_per_request),
+            f"{name!r}: a drop against an earlier window is not yet significant; about {needed} more own labels "
+            "in this window would decide it", policy=name, labels_needed=needed))
+    return out
+
+
 def find_triggers(result: Mapping, logs: Any, config: Mapping | RequestConfig | None = None, *,
                   drift_look: Mapping | None = None, anchor_ids: Sequence[str] | None = None) -> list[dict]:
     """Every trigger that fires for a published result (pure; no storage)."""
     cfg = RequestConfig.from_dict(config)
-    result, _ = _unwrap_result(result)
-    return _find_triggers(result, _Rows.from_table(_as_table(logs)), cfg, drift_look, anchor_ids)
+    result, info = _unwrap_result(result)
+    return _find_triggers(result, _Rows.from_table(_as_table(logs)), cfg, drift_look, anchor_ids,
+                          info.get("undecided"))
 
 
 def _find_triggers(result: Mapping, rows: _Rows, cfg: RequestConfig, drift_look: Mapping | None,
-                   anchor_ids: Sequence[str] | None) -> list[dict]:
+                   anchor_ids: Sequence[str] | None, undecided: Mapping[str, Any] | None = None) -> list[dict]:
     anchor_ids = None if anchor_ids is None else [str(a) for a in anchor_ids]
     trig = audit_triggers(result, cfg) + support_triggers(rows, result, cfg) + under_labelled_triggers(result, cfg)
-    trig += drift_triggers(drift_look, cfg, anchor_ids)
+    trig += drift_triggers(drift_look, cfg, anchor_ids) + regression_triggers(undecided, cfg)
     return [t for t in trig if t["labels"] > 0 or t["detail"].get("n_anchor_labels", 0) > 0]

@@ -574,10 +574,11 @@ def evaluate(
         outcome = publish.with_options(**retry)(plan.results_uri, quote(cfg), evaluation, win, key,
                                                 quote(artifacts), manifest)
     get_run_logger().info("timings (s): %s", {k: round(v, 2) for k, v in plan.timings.items()})
-    monitor_evaluation(plan.results_uri, cfg, evaluation, win.label, key, outcome, result.to_dict())
+    monitoring = monitor_evaluation(plan.results_uri, cfg, evaluation, win.label, key, outcome, result.to_dict())
     return {"evaluation": evaluation, "window": win.label, "run_key": key, **outcome,
             "report": outcome.get("artifacts", {}).get("report.html"), "timings": plan.timings,
             "labels": label_info, "warnings": [drop["message"]] if drop else [],
+            "monitoring": {k: monitoring.get(k) for k in ("alarms", "undecided", "error")},
             "result": result.to_dict()}
 
 

@@ -152,6 +152,37 @@ def test_drift_trigger_requests_recent_traffic_and_anchors(case):
                          now=NOW)["requests"] == []
 
 
+def test_an_undecided_drop_across_windows_requests_the_labels_that_would_decide_it(case):
+    """Monitoring (cje_engine.inference.changes) finds a drop of clone that is not yet significant;
+    the evaluate flow's return value carries it and the request asks for labels_needed of clone."""
+    from cje_engine.inference.changes import WindowValue, window_changes
+    from flows.integrations.regressions import undecided_at
+
+    _, table, r = case
+    pc = window_changes([WindowValue("w0", 0.70, 0.005, n_labelled=100), WindowValue("w1", 0.675, 0.02, n_labelled=100)],
+                        alpha=0.05, decision_margin=0.02)
+    undecided = undecided_at({"clone": pc}, "w1")
+    needed = pc.consecutive[1].labels_needed
+    assert needed and undecided == {"clone": needed}
+    assert undecided_at({"clone": pc}, "w0") == {}  # the baseline window is not tested
+    published = {"result": r, "run_key": "k1", "window": "w1", "monitoring": {"undecided": undecided}}
+    trig = find_triggers(published, table, {"triggers": ["regression_undecided"]})
+    assert _codes(trig) == {("regression_undecided", "clone")}
+    assert trig[0]["labels"] == min(needed, RequestConfig().max_labels_per_request)
+    assert trig[0]["detail"]["labels_needed"] == needed
+    plan = plan_requests(published, table, {"triggers": ["regression_undecided"]}, evaluation="e", window="w1",
+                         now=NOW)
+    (m,) = plan["requests"]
+    pool = sum(1 for pol, y in zip(table["policy"].to_pylist(), table["oracle_label"].to_pylist())
+               if pol == "clone" and (y is None or y != y))  # clone's unlabelled rows
+    assert m["scope"] == "clone" and len(m["rows"]) == min(trig[0]["labels"], pool)
+    # nothing undecided, or the trigger switched off: no request
+    assert find_triggers({**published, "monitoring": {"undecided": {}}}, table,
+                         {"triggers": ["regression_undecided"]}) == []
+    assert find_triggers(published, table, {"triggers": ["audit_failed"]}) == [t for t in find_triggers(
+        r, table, {"triggers": ["audit_failed"]})]
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
