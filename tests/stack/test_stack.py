@@ -31,8 +31,11 @@ pytestmark = pytest.mark.stack
 
 #: A window of 1000 prompts x 5 policies and 1500 replicates: the bootstrap runs for ~8 s on
 #: the two 1-CPU nodes, long enough to hit it with a fault (the tests poll every 0.2 s).
-SLOW = dict(n_prompts=1000)
-SLOW_B = 1500
+# Runs the fault tests interrupt must still be bootstrapping when the fault hits: about 2.3 ms CPU per
+# replicate at 20,000 prompts x 5 policies (the engine's replicate cost grows with n), so 20,000
+# replicates keep the two one-CPU Ray nodes busy for ~25 s (1,000 prompts finished in under a second).
+SLOW = dict(n_prompts=20000)
+SLOW_B = 20000
 
 
 def _ray_task_running(stack, node: str, title: str = "cje_bootstrap") -> bool:
