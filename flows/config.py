@@ -297,6 +297,26 @@ class EvaluationConfig(ScheduledEntry):
             flow_options(self.options, self.policies, self.mode)
 
 
+#: A reference look named by its key: ``YYYY-MM-DD/<judge_id>``.
+LOOK_KEY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}/.+$")
+
+
+def check_drift_comparison(reference: str, monitor: Mapping[str, Any]) -> None:
+    """A drift monitor's ``reference`` and ``monitor`` options (`DriftMonitor` keywords); `CJEInputError`.
+
+    Shared by the declarations here and the drift flow's own settings
+    (`flows.pipelines.drift_config.DriftSettings`).
+    """
+    from cje_engine.drift.monitor import DriftMonitor  # the drift engine is only needed to check monitors
+
+    if reference != "first" and not reference.startswith("judge:") and not LOOK_KEY_RE.match(reference):
+        raise CJEInputError(f"reference {reference!r} must be 'first', 'judge:<judge_id>' or 'YYYY-MM-DD/<judge_id>'")
+    try:
+        DriftMonitor(**dict(monitor))
+    except TypeError as exc:
+        raise CJEInputError(f"monitor: bad monitor option ({exc})") from None
+
+
 class DriftMonitorConfig(ScheduledEntry):
     """One entry of ``drift_monitors:`` (see docs/drift-flow.md for the keys)."""
 
@@ -329,16 +349,7 @@ class DriftMonitorConfig(ScheduledEntry):
         check_name(self.monitor_name, "monitor name")
         check_publish_name(self.monitor_name, "monitor name")
         self._check_schedule()
-        if self.reference != "first" and not self.reference.startswith("judge:") and not re.match(
-                r"^\d{4}-\d{2}-\d{2}/.+$", self.reference):
-            raise CJEInputError(f"reference {self.reference!r} must be 'first', 'judge:<id>' or "
-                                "'YYYY-MM-DD/<judge_id>'")
-        from cje_engine.drift.monitor import DriftMonitor
-
-        try:
-            DriftMonitor(**self.monitor)
-        except TypeError as exc:
-            raise CJEInputError(f"monitor: bad monitor option ({exc})") from None
+        check_drift_comparison(self.reference, self.monitor)
         if self.scorer is not None:
             if "api_key" in self.scorer:
                 raise CJEInputError("scorer: api_key is a credential; name the environment variable holding "

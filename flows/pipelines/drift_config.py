@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cje_engine.drift.monitor import DriftMonitor
 from cje_engine.errors import CJEInputError
+from flows.config import check_drift_comparison
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS
 from flows.storage.anchors import check_name
 
 log = logging.getLogger(__name__)
 
-LOOK_KEY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}/.+$")
 
 
 class DriftSettings(BaseModel):
@@ -69,13 +67,10 @@ class DriftSettings(BaseModel):
         check_name(self.name, "monitor name")
         if self.scorer is not None and not self.judge_id:
             raise ValueError("judge_id is required with a scorer: it labels the scores the flow writes")
-        ref = self.reference
-        if ref != "first" and not ref.startswith("judge:") and not LOOK_KEY_RE.match(ref):
-            raise ValueError(f"reference {ref!r} must be 'first', 'judge:<judge_id>' or 'YYYY-MM-DD/<judge_id>'")
         try:
-            DriftMonitor(**self.monitor)
-        except TypeError as exc:
-            raise ValueError(f"bad monitor option ({exc})") from None
+            check_drift_comparison(self.reference, self.monitor)
+        except CJEInputError as exc:
+            raise ValueError(exc.detail) from None
         return self
 
     @property

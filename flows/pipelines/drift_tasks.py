@@ -18,7 +18,8 @@ from prefect.logging import get_run_logger
 
 from cje_engine.drift.monitor import DriftMonitor
 from cje_engine.errors import CJEInputError
-from flows.pipelines.drift_config import DEFAULT_RETRY_DELAYS, LOOK_KEY_RE
+from flows.config import LOOK_KEY_RE
+from flows.pipelines.drift_config import DEFAULT_RETRY_DELAYS
 from flows.runtime.retries import storage_task_options
 from flows.reports.drift import render_drift_report
 from flows.storage.anchors import (AnchorSet, Look, read_anchor_scores, read_anchor_set, score_files, split_looks,
