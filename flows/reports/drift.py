@@ -18,7 +18,7 @@ from cje_engine.errors import CJEInputError
 from flows.reports.common import (BLUE, GREEN, GREY, GRID, INK, MUTED, PURPLE, SKY, VERMILLION, _esc, _fmt,
                                   _name_cell, _num, _signed)
 from flows.reports.evaluation import CSS  # the evaluation report's page style
-from flows.reports.svg import _diamond, _legend, _Lin, _line, _r, _svg, _text
+from flows.reports.svg import _diamond, _legend, _Lin, _line, _r, _svg, _text, _ticks
 
 __all__ = ["render_drift_report"]
 
@@ -41,20 +41,6 @@ def _el(tag: str, content: str | None = None, **attrs: Any) -> str:
     return f"<{tag}{a}/>" if content is None else f"<{tag}{a}>{content}</{tag}>"
 
 
-def _ticks(lo: float, hi: float, target: int = 6) -> tuple[float, float, list[float], int]:
-    """Nice tick positions covering [lo, hi]; returns (lo', hi', ticks, decimals)."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        lo, hi = 0.0, 1.0
-    if hi <= lo:
-        lo, hi = lo - 0.5, hi + 0.5
-    raw = (hi - lo) / max(target - 1, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * 0.999)
-    start = math.floor(lo / step + 1e-9) * step
-    stop = math.ceil(hi / step - 1e-9) * step
-    ticks = [start + i * step for i in range(int(round((stop - start) / step)) + 1)]
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) + (1 if abs(step / mag - 2.5) < 1e-9 else 0)
-    return start, stop, ticks, decimals
 
 
 def _y_axis(sy: _Lin, ticks: Sequence[float], decimals: int, x: float, right: float,
