@@ -23,7 +23,9 @@ DEFAULT_BOOTSTRAP_BYTES = 2 * 1024**3
 
 _INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labels")
 _FLOAT_FIELDS = ("alpha", "audit_margin", "support_bandwidth", "support_material_share")
-_STR_FIELDS = ("calibration_mode", "estimator", "inference", "multiplicity")
+_STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity")
+#: The level estimators (docs/statistics.md, "Levels").
+LEVEL_ESTIMATORS = ("audited", "robust", "augmented", "plug_in")
 _NAMES_FIELDS = ("covariates", "calibration_policies", "policies")
 
 
@@ -69,9 +71,13 @@ class EvaluationOptions:
     calibration_policies : tuple of str or None
         ``None``: every labelled row trains the calibrator (cross-fitted). Otherwise only
         these policies' labels train it and other policies' labels are their audit slices.
-    estimator : {"auto", "augmented", "plug_in"}
-        ``auto``: augmented (theta_aug) when the policy has at least ``min_labels`` labels
-        of its own, else the calibrated plug-in.
+    level_estimator : {"audited", "robust", "augmented", "plug_in"}
+        ``audited`` (the paper's protocol): the calibrated plug-in wherever the transport audit
+        did not fail (pass, inconclusive, or no own labels: unaudited); the own-label level
+        (recalibrated) where it failed and the policy has at least ``min_labels`` own labels;
+        refused otherwise. ``robust``: the own-label (augmented) level whenever the policy has
+        at least ``min_labels`` labels of its own, else the plug-in (unbiased without
+        transport, at the variance of its own labels). ``augmented``/``plug_in`` force one.
     inference : {"bootstrap", "analytic"}
         The route for standard errors and intervals (both are always computed; this picks
         the one reported).
@@ -94,7 +100,7 @@ class EvaluationOptions:
     covariates: tuple[str, ...] = ()
     calibration_mode: str = "auto"
     calibration_policies: tuple[str, ...] | None = None
-    estimator: str = "auto"
+    level_estimator: str = "audited"
     inference: str = "bootstrap"
     n_bootstrap: int = 2000
     seed: int = 0
@@ -113,6 +119,9 @@ class EvaluationOptions:
     @classmethod
     def build(cls, **kwargs) -> "EvaluationOptions":
         """Validate and normalise keyword options (lists become tuples, scales are parsed)."""
+        if "estimator" in kwargs:
+            raise CJEInputError("option estimator was renamed level_estimator (audited, robust, augmented or "
+                                "plug_in; the former 'auto' is 'robust')", option="level_estimator")
         unknown = sorted(set(kwargs) - set(cls.__dataclass_fields__))
         if unknown:
             raise CJEInputError(f"unknown option(s): {', '.join(unknown)}"
@@ -143,8 +152,9 @@ class EvaluationOptions:
             bad(f"calibration_mode must be auto, monotone or two_stage; got {self.calibration_mode!r}")
         if self.calibration_mode == "two_stage" and not self.covariates:
             bad("calibration_mode='two_stage' needs at least one covariate (e.g. covariates=['response_length'])")
-        if self.estimator not in ("auto", "augmented", "plug_in"):
-            bad(f"estimator must be auto, augmented or plug_in; got {self.estimator!r}")
+        if self.level_estimator not in LEVEL_ESTIMATORS:
+            bad(f"level_estimator must be one of {', '.join(LEVEL_ESTIMATORS)}; got {self.level_estimator!r}"
+                + did_you_mean(self.level_estimator, LEVEL_ESTIMATORS))
         if self.inference not in ("bootstrap", "analytic"):
             bad(f"inference must be bootstrap or analytic; got {self.inference!r}")
         if self.multiplicity not in ("bh", "holm"):

@@ -271,9 +271,11 @@ def _level_sets(full) -> tuple[np.ndarray, int]:
 def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     """Per-prompt influence contributions of every policy statistic.
 
-    Returns a dict with ``total`` (n_prompts, 2K) -- the column order of `policy_stats` --
-    and ``calibration`` (n_prompts, 2K), the part due to estimating the calibrator
-    (plug-in columns) or to the label residuals (augmented columns). Summed per prompt,
+    Returns a dict with ``total`` (n_prompts, 2K) -- the column order of `policy_stats` --,
+    ``calibration`` (n_prompts, 2K), the part due to estimating the calibrator (plug-in
+    columns) or to the label residuals (augmented columns), and ``audit`` (n_prompts, K), the
+    influence of each policy's mean label residual (augmented - plug-in) including the
+    calibrator's estimation error on its audit slice (`calibration_term`). Summed per prompt,
     so cross-policy and label/evaluation coupling on shared prompts is kept.
 
     Plug-in: eval term ``(f_i - theta_k) / n_k`` plus the isotonic calibration term
@@ -316,7 +318,34 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
         total[:, K + k] += col
         cal[:, K + k] = col
 
-    # Plug-in: isotonic calibration term over level sets of the full fit.
+    # Plug-in: the calibration term over level sets of the full fit, weighted by every row of the
+    # policy; the audit's calibration term: the same, weighted by the policy's labelled rows.
+    cells, counts = design.cells.cells, design.cells.counts
+    term = calibration_term(design, full, counts / n_k[:, None])
+    total[:, :K] += term
+    cal[:, :K] = term
+    G = cells.size
+    lab_key = d.policy[lab].astype(np.int64) * G + design.cells.row_cell[lab]
+    lab_counts = np.bincount(lab_key, weights=lw, minlength=K * G).reshape(K, G)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lab_share = np.where(den[:, None] > 0, lab_counts / den[:, None], 0.0)
+    audit = cal[:, K:] - calibration_term(design, full, lab_share)
+    audit[:, den <= 0] = np.nan
+    return {"total": total, "calibration": cal, "audit": audit}
+
+
+def calibration_term(design: Design, full, share: np.ndarray) -> np.ndarray:
+    """Per-prompt first-order effect of estimating the calibrator on ``sum_c share[k, c] f(c)``.
+
+    ``share`` (K', G) weights the cells (rows of a policy per cell over the policy's rows: its
+    plug-in; labelled rows' label weights over their total: the mean calibrated value on its audit
+    slice). For an isotonic fit on level sets, a calibration row ``j`` contributes
+    ``rho_k(block_j) (y_j - f(z_j)) / m``, with ``rho_k`` the weighted share of the cells in a level
+    set over the calibration rows' share of it (linear interpolation between level sets splits a cell
+    between them). Returns (n_prompts, K').
+    """
+    d = design.data
+    n_p = d.n_prompts
     cr = design.cal_rows
     block_of_x, n_blocks = _level_sets(full)
     ux = full.x_
@@ -326,9 +355,8 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     m = cr.size
     q = np.bincount(b_cal, minlength=n_blocks) / m
     resid_cal = d.label[cr] - np.interp(z_cal, ux, full.y_)
-    # Each row's share of the level sets depends only on its cell: work on cells, weighted by
-    # the rows per (policy, cell).
-    cells, counts = design.cells.cells, design.cells.counts
+    # Each row's share of the level sets depends only on its cell.
+    cells = design.cells.cells
     z_all = full.index(cells.score, cells.X)
     j = np.clip(np.searchsorted(ux, z_all, side="right") - 1, 0, ux.size - 1)
     j1 = np.minimum(j + 1, ux.size - 1)
@@ -336,16 +364,14 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     with np.errstate(invalid="ignore", divide="ignore"):
         t = np.where(gap > 0, np.clip((z_all - ux[j]) / gap, 0.0, 1.0), 0.0)
     bj, bj1 = block_of_x[j], block_of_x[j1]
-    for k in range(K):
-        p_k = (np.bincount(bj, weights=counts[k] * (1 - t), minlength=n_blocks)
-               + np.bincount(bj1, weights=counts[k] * t, minlength=n_blocks)) / n_k[k]
+    out = np.zeros((n_p, share.shape[0]))
+    for k in range(share.shape[0]):
+        p_k = (np.bincount(bj, weights=share[k] * (1 - t), minlength=n_blocks)
+               + np.bincount(bj1, weights=share[k] * t, minlength=n_blocks))
         with np.errstate(invalid="ignore", divide="ignore"):
             rho = np.where(q > 0, p_k / q, 0.0)
-        contrib = rho[b_cal] * resid_cal / m
-        col = np.bincount(d.prompt[cr], weights=contrib, minlength=n_p)
-        total[:, k] += col
-        cal[:, k] = col
-    return {"total": total, "calibration": cal}
+        out[:, k] = np.bincount(d.prompt[cr], weights=rho[b_cal] * resid_cal / m, minlength=n_p)
+    return out
 
 
 def fold_jackknife(design: Design, models: list | None = None) -> np.ndarray:

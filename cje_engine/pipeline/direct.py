@@ -8,27 +8,19 @@ chunking gives bit-identical numbers.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from cje_engine.data.frame import EvalData
 from cje_engine.data.io import load_frame
-from cje_engine.direct.estimators import (
-    Design,
-    bootstrap_weights,
-    cross_fit_models,
-    fold_jackknife,
-    influence,
-    make_design,
-    policy_stats,
-    replicate,
-)
+from cje_engine.direct.estimators import Design, bootstrap_weights, fold_jackknife, replicate
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.comparisons import PolicyColumns, relative_claims
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.assemble import assemble
+from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.policies import summarize_direct
 from cje_engine.result import EvaluationResult
 
@@ -48,6 +40,7 @@ class Prepared:
     infl: dict
     jackknife: np.ndarray
     models: list | None = None  # per-fold calibrators of the cross-fit (None: the fold kept the full fit)
+    excluded: list = field(default_factory=list)  # calibration sources removed by robust pooling
 
 
 def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
@@ -70,37 +63,6 @@ def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
     )
 
 
-def select_mode(data: EvalData, opts: EvaluationOptions) -> tuple[dict, dict]:
-    """Pick the calibration mode; ``auto`` compares out-of-fold RMSE on calibration rows.
-
-    Returns the selection (for the result) and the cross-fits of every mode tried, keyed by
-    mode, as ``(design, f, full, fold_models)`` so the chosen one is not fitted twice.
-    """
-    has_cov = data.X.shape[1] > 0
-    modes = ["monotone", "two_stage"] if has_cov else ["monotone"]
-    fits, rmse = {}, {}
-    for mode in modes:
-        design = make_design(data, mode, opts.calibration_policies)
-        f, full, models = cross_fit_models(design)
-        cr = design.cal_rows
-        fits[mode] = (design, f, full, models)
-        rmse[mode] = float(np.sqrt(np.mean((data.label[cr] - f[cr]) ** 2)))
-    if opts.calibration_mode != "auto":
-        chosen, reason = opts.calibration_mode, "requested by the user"
-    elif not has_cov:
-        chosen, reason = "monotone", "no covariates given, so the two-stage index has nothing to add"
-    elif rmse["two_stage"] < rmse["monotone"]:
-        chosen = "two_stage"
-        reason = (f"two-stage has the lower out-of-fold RMSE ({rmse['two_stage']:.4f} vs "
-                  f"{rmse['monotone']:.4f} for monotone)")
-    else:
-        chosen = "monotone"
-        reason = (f"monotone has an out-of-fold RMSE ({rmse['monotone']:.4f}) no worse than two-stage "
-                  f"({rmse['two_stage']:.4f}); the simpler mode wins ties")
-    selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "chosen": chosen, "reason": reason}
-    return selection, fits
-
-
 def prepare(data: Any, **options: Any) -> Prepared:
     """Validate the data, choose and fit the calibration, compute point estimates.
 
@@ -115,14 +77,12 @@ def prepare(data: Any, **options: Any) -> Prepared:
         missing = [p for p in opts.calibration_policies if p not in ed.policies]
         if missing:
             raise CJEInputError(f"calibration policy {missing[0]!r} has no rows", column="policy")
-    selection, fits = select_mode(ed, opts)
-    design, f, full, models = fits[selection["chosen"]]
-    stats = policy_stats(design, f)
-    infl = influence(design, f, full)
-    jk = fold_jackknife(design, models)
-    log.info("prepared %d rows, %d prompts, %d policies, mode=%s", ed.n_rows, ed.n_prompts,
-             len(ed.policies), selection["chosen"])
-    return Prepared(opts, design, selection, f, full, stats, infl, jk, models)
+    fit, selection, excluded = fit_calibration(ed, opts)
+    jk = fold_jackknife(fit.design, fit.models)
+    log.info("prepared %d rows, %d prompts, %d policies, mode=%s%s", ed.n_rows, ed.n_prompts,
+             len(ed.policies), selection["chosen"],
+             f", excluded from the calibrator: {', '.join(e['policy'] for e in excluded)}" if excluded else "")
+    return Prepared(opts, fit.design, selection, fit.f, fit.full, fit.stats, fit.infl, jk, fit.models, excluded)
 
 
 def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:

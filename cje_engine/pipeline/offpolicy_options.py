@@ -35,7 +35,7 @@ class OffPolicyOptions:
     engine : `EvaluationOptions` (covariates, calibration_mode, calibration_policies, inference
         ("bootstrap", the default, or "analytic": influence functions with the first-order calibration
         term, no replicates), n_bootstrap, seed, alpha, audit_margin, n_folds, multiplicity, label_scale, score_scale, min_labels,
-        support_*; ``direct_estimator`` maps to its ``estimator``)
+        support_*; ``direct_estimator`` maps to its ``level_estimator``)
     """
 
     mode: str = "logs-only"
@@ -60,7 +60,7 @@ class OffPolicyOptions:
         mine = {k: v for k, v in kwargs.items() if k in own}
         rest = {k: v for k, v in kwargs.items() if k not in own}
         if "direct_estimator" in rest:
-            rest["estimator"] = rest.pop("direct_estimator")
+            rest["level_estimator"] = rest.pop("direct_estimator")
         engine = EvaluationOptions.build(**rest)
         if mine.get("mode", "logs-only") not in MODES:
             raise CJEInputError(f"mode must be one of direct, logs-only, hybrid; got {mine.get('mode')!r} "

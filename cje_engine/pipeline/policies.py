@@ -18,6 +18,7 @@ from cje_engine.direct.estimators import Design
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
+from cje_engine.pipeline.calibration import Fit, audit_statistics
 
 
 @dataclass
@@ -131,6 +132,7 @@ def calibration_summary(prep: Any) -> dict:
         "points": {"score": d.score[pts].tolist(), "label": d.label[pts].tolist()},
         "reliability": rel,
         "label_range": [float(d.score[cr].min()), float(d.score[cr].max())],
+        "excluded_sources": list(getattr(prep, "excluded", [])),
     }
 
 
@@ -149,6 +151,24 @@ def degrees_of_freedom(n_policies: int, n_label_prompts: np.ndarray) -> np.ndarr
     return dfs
 
 
+def uses_own_labels(level_estimator: str, verdict: str, n_own: int, min_labels: int,
+                    support_limited: bool = False) -> bool:
+    """Does the policy's reported level use its own labels (augmented/recalibrated column)?
+
+    ``audited``: only where the plug-in would be refused (its audit failed, or its calibration
+    support is limited) and there are ``min_labels`` own labels to recalibrate with; ``robust``:
+    whenever there are ``min_labels`` own labels; ``augmented``: whenever there are any;
+    ``plug_in``: never.
+    """
+    if level_estimator == "plug_in" or n_own == 0:
+        return False
+    if level_estimator == "augmented":
+        return True
+    if level_estimator == "robust":
+        return n_own >= min_labels
+    return (verdict == "fail" or support_limited) and n_own >= min_labels
+
+
 def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_aug: bool) -> tuple[str, str, list]:
     """(basis_code, basis, refusal reasons) of one policy's Direct level."""
     reasons: list[str] = []
@@ -157,14 +177,24 @@ def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_
             return "recalibrated", (
                 f"recalibrated: the borrowed calibration failed its audit, so the level is the calibrated "
                 f"plug-in plus the mean residual on {n_own} own labels (augmented)"), reasons
-        return "augmented", f"augmented: calibrated plug-in plus the mean residual on {n_own} own labels", reasons
-    basis = "calibrated plug-in: mean of calibrated judge scores" + (
-        "; rests on the untested assumption that the calibration transports to this policy"
-        if n_own == 0 else f" ({n_own} own labels audit it)")
-    if audit["verdict"] == "fail":
+        why = ("; the plug-in's calibration support is limited, so the level rests on the policy's own labels"
+               if support["limited"] and opts.level_estimator == "audited" else "")
+        return "augmented", f"augmented: calibrated plug-in plus the mean residual on {n_own} own labels{why}", reasons
+    verdict = audit["verdict"]
+    if n_own == 0 or verdict == "not_run":
+        tail = ("; unaudited: rests on the untested assumption that the calibration transports to this policy"
+                if n_own == 0 else f"; unaudited: {n_own} own label(s) are too few to audit it")
+    elif verdict == "pass":
+        tail = f"; the transport audit on {n_own} own labels passed"
+    elif verdict == "inconclusive":
+        tail = f"; the transport audit on {n_own} own labels did not fail (inconclusive)"
+    else:
+        tail = f"; the transport audit on {n_own} own labels failed"
+    basis = "calibrated plug-in: mean of calibrated judge scores" + tail
+    if verdict == "fail":
         reasons.append(
             f"the transport audit failed and {n_own} own labels are too few to recalibrate "
-            f"(at least {opts.min_labels} needed)" if opts.estimator != "plug_in" else
+            f"(at least {opts.min_labels} needed)" if opts.level_estimator != "plug_in" else
             "the transport audit failed and the plug-in estimator was forced")
     if support["limited"]:
         reasons.append(
@@ -234,11 +264,11 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     n_own = np.bincount(d.policy[lab], minlength=K)
     n_own_prompts = np.array([np.unique(d.prompt[lab & (d.policy == k)]).size for k in range(K)])
     cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
+    excluded = {e["policy"] for e in getattr(prep, "excluded", [])}
     n_cal = design.cal_rows.size
 
-    # Audits on residual means (= augmented - plug-in) with clustered SEs.
-    delta = stats[K:] - stats[:K]
-    se_delta = np.sqrt(np.maximum(np.diag(cov_cal)[K:], 0.0))
+    # Audits on residual means (= augmented - plug-in); SEs carry a borrowed calibrator's error.
+    delta, se_delta, _ = audit_statistics(Fit(design, prep.f, prep.full, prep.models, stats, prep.infl))
     margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
     audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin)
     support = support_checks(design, opts)
@@ -251,12 +281,13 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     for k, name in enumerate(d.policies):
         rows = d.policy == k
         audit = audits[k]
-        audit["calibrator"] = "cross_fitted" if k in cal_set else "borrowed"
+        audit["calibrator"] = "cross_fitted" if k in cal_set else "excluded" if name in excluded else "borrowed"
         sel_lab = lab & rows
         w_lab = d.label_weight[sel_lab]
         audit["deciles"] = residual_deciles(d.score[sel_lab], d.label[sel_lab] - prep.f[sel_lab], w_lab)
         has_aug = n_own[k] > 0
-        use_aug = {"plug_in": False, "augmented": has_aug}.get(opts.estimator, n_own[k] >= opts.min_labels)
+        use_aug = uses_own_labels(opts.level_estimator, audit["verdict"], int(n_own[k]), opts.min_labels,
+                                  bool(support[k]["limited"]))
         cols[k] = K + k if use_aug else k
         basis_code, basis, reasons = _basis(opts, audit, support[k], int(n_own[k]), use_aug)
         if n_cal < opts.min_labels:

@@ -91,7 +91,9 @@ class Audit(_Strict):
     p_adjusted: Num = None
     margin: float = Field(description="practical margin in label units")
     family_size: Optional[int] = Field(None, description="audited policies in the Holm family")
-    calibrator: Optional[Literal["cross_fitted", "borrowed"]] = None
+    calibrator: Optional[Literal["cross_fitted", "borrowed", "excluded"]] = Field(
+        None, description="cross_fitted: its labels train the calibrator (out-of-fold residuals); borrowed: they "
+                          "do not; excluded: they were removed from it by robust pooling")
     deciles: Optional[list[Decile]] = None
     extra_labels_needed: Optional[int] = None
 
@@ -259,8 +261,26 @@ class DataSummary(_Strict):
 
 class Selection(_Strict):
     requested: str
-    oof_rmse: dict[str, float]
+    oof_rmse: dict[str, float] = Field(description="out-of-fold RMSE on the calibration rows, per mode tried")
+    labelled_rmse: Optional[dict[str, float]] = Field(
+        None, description="RMSE on every labelled row (out of fold on calibration rows, borrowed fit on audit "
+                          "slices), each policy weighted equally, per mode tried")
+    paired_difference: Num = Field(None, description="auto with covariates: monotone minus two-stage mean "
+                                                     "squared error on the labelled rows (positive: two-stage fits better)")
+    paired_se: Num = Field(None, description="its prompt-clustered standard error")
     chosen: str
+    reason: str
+
+
+class ExcludedSource(_Strict):
+    """A calibration source removed from the calibrator by robust pooling."""
+
+    policy: str
+    residual_mean: float = Field(description="its out-of-fold mean label residual when it was removed")
+    se: float
+    p_adjusted: float = Field(description="Holm-adjusted over the calibration sources of that round")
+    family_size: int
+    round: int
     reason: str
 
 
@@ -292,6 +312,8 @@ class Calibration(_Strict):
     points: Optional[Points] = None
     reliability: Optional[list[ReliabilityBin]] = None
     label_range: Optional[Pair] = None
+    excluded_sources: list[ExcludedSource] = Field(
+        default_factory=list, description="calibration sources whose labels left the calibrator (robust pooling)")
 
 
 class Inference(_Strict):

@@ -27,6 +27,9 @@ from cje_engine.pipeline.direct import finalize, prepare
 from cje_engine.planning.planner import plan_from_data
 from cje_engine.simulate.direct import PolicySpec, SimSpec, simulate, true_value
 
+#: The planner's label model (m own labels per policy) is that of the own-label levels.
+LEVELS = "robust"
+
 ALPHA = 0.05
 BASE_SHIFT = 0.8
 TARGET_MDE = 0.05
@@ -42,7 +45,7 @@ def _policies(diff: float) -> tuple[PolicySpec, PolicySpec]:
 
 def _pilot_rel_se(frame, pick) -> float:
     """Relative SE of the pilot's predicted SE for the statistic picked from the influence terms."""
-    prep = prepare(frame, inference="analytic")
+    prep = prepare(frame, inference="analytic", level_estimator=LEVELS)
     res = finalize(prep, [])
     c = pick(np.nan_to_num(prep.infl["total"]), res.columns)
     c = c - c.mean()
@@ -57,7 +60,7 @@ def _replicate(pols, n: int, m: int, reps: int, seed0: int):
     diffs, rejects, levels = [], [], []
     for s in range(reps):
         sd = simulate(n, pols, oracle_fraction=m / n, seed=seed0 + s)
-        d = evaluate(sd.frame, inference="analytic").to_dict()
+        d = evaluate(sd.frame, inference="analytic", level_estimator=LEVELS).to_dict()
         comp = d["comparisons"][0]
         diffs.append(comp["diff"])
         rejects.append(comp["p_value"] <= ALPHA)
@@ -69,7 +72,7 @@ def _check_mde_plan(reps: int) -> None:
     pols = _policies(TARGET_MDE)
     pilot = simulate(6000, pols, oracle_fraction=0.25, seed=20261129)
     plan = plan_from_data(pilot.frame, target="a - b", scope="target", target_mde=TARGET_MDE, alpha=ALPHA,
-                          power=0.8)
+                          power=0.8, level_estimator=LEVELS)
     al = plan["allocation_for_mde"]
     assert al["mde"] <= TARGET_MDE * (1 + 1e-9)
     rel_pilot = _pilot_rel_se(pilot.frame, lambda T, cols: T[:, cols[0]] - T[:, cols[1]])
@@ -95,7 +98,8 @@ def _check_mde_plan(reps: int) -> None:
 def _check_budget_plan(reps: int) -> None:
     pols = _policies(0.03)
     pilot = simulate(6000, pols, oracle_fraction=0.2, seed=7)
-    plan = plan_from_data(pilot.frame, target="a", scope="target", budget=6000.0, c_S=1.0, c_Y=16.0)
+    plan = plan_from_data(pilot.frame, target="a", scope="target", budget=6000.0, c_S=1.0, c_Y=16.0,
+                          level_estimator=LEVELS)
     al = plan["allocation_for_budget"]
     assert al["cost"] <= 6000.0
     rel_pilot = _pilot_rel_se(pilot.frame, lambda T, cols: T[:, cols[0]])

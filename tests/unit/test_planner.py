@@ -265,7 +265,7 @@ def test_cost_multipliers_scale_costs_not_fraction():
 
 @pytest.fixture(scope="module")
 def arena(arena_dir):
-    return evaluate(arena_dir, calibration_policies=["base"], inference="analytic")
+    return evaluate(arena_dir, calibration_policies=["base"], inference="analytic", level_estimator="robust")
 
 
 def test_policy_components_come_from_the_result(arena):

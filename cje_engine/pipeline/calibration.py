@@ -1,0 +1,209 @@
+"""Choosing the calibration: the sources that train it (robust pooling) and its mode.
+
+`fit_calibration` is the first step of every evaluation:
+
+1. **Mode.** ``auto`` without covariates is monotone. With covariates it compares the two modes on
+   every labelled row: out of fold for the calibration rows, under the borrowed fit for the audit
+   slices of the other policies, each policy's labelled rows weighted equally, so that a judge bias
+   that depends on a covariate and matters only where the evaluated policies differ from the
+   calibration source is seen (`choose_mode`).
+2. **Robust pooling.** With two or more calibration sources, a source whose own (out-of-fold) audit
+   fails after Holm adjustment over the sources leaves the calibrator; the calibrator is refitted
+   (mode chosen anew) and the remaining sources re-audited, to a fixed point. One source leaves per
+   round, the most significant; a source is kept when the rest could not be cross-fitted. An excluded
+   policy is then audited like any policy whose labels did not train the calibration.
+
+Audit statistics (`audit_statistics`): the mean label residual ``delta_k`` (= augmented - plug-in)
+of each policy. Its standard error carries the borrowed calibrator's estimation error (influence
+``estimators.influence(...)["audit"]``) for a policy that did not train the calibrator. For a
+calibration source the residuals are out of fold and the first-order calibration term would nearly
+cancel its own residual term (the fit is partly a fit to those rows), so its SE is the residual
+term's alone, which over-states the true SE by about ``1 / sqrt(1 - share)``: a conservative test.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.stats import norm
+
+from cje_engine.data.frame import EvalData
+from cje_engine.direct.estimators import Design, cross_fit_models, influence, make_design, policy_stats
+from cje_engine.errors import CJEInputError
+from cje_engine.inference.multiplicity import holm
+from cje_engine.options import EvaluationOptions
+
+log = logging.getLogger(__name__)
+
+#: z of the one-sided test that keeps monotone in ``auto`` mode with covariates: two-stage is used
+#: unless its squared error on the labelled rows is larger by more than this many standard errors.
+MODE_Z = 2.0
+
+
+@dataclass
+class Fit:
+    """One cross-fitted calibration: design, calibrated values, models, statistics, influence."""
+
+    design: Design
+    f: np.ndarray
+    full: object
+    models: list | None
+    stats: np.ndarray
+    _infl: dict | None = field(default=None, repr=False)
+
+    @property
+    def infl(self) -> dict:
+        """Influence terms (`estimators.influence`), computed on first use."""
+        if self._infl is None:
+            self._infl = influence(self.design, self.f, self.full)
+        return self._infl
+
+    @property
+    def sources(self) -> np.ndarray:
+        """Policy codes whose labels train the calibrator."""
+        return np.unique(self.design.data.policy[self.design.cal_rows])
+
+
+def fit_mode(data: EvalData, mode: str, sources: tuple[str, ...] | None) -> Fit:
+    """Cross-fit the calibrator of ``mode`` on the labels of ``sources`` (None: every labelled row)."""
+    design = make_design(data, mode, sources)
+    f, full, models = cross_fit_models(design)
+    return Fit(design, f, full, models, policy_stats(design, f))
+
+
+def _column_var(psi: np.ndarray) -> np.ndarray:
+    """Clustered variance of each column's statistic from per-prompt influence sums (G/(G-1))."""
+    p = np.nan_to_num(np.asarray(psi, dtype=float))
+    g = p.shape[0]
+    c = p - p.mean(axis=0)
+    return (g / (g - 1) if g > 1 else 1.0) * np.sum(c * c, axis=0)
+
+
+def audit_statistics(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean label residual, its SE and whether the policy trains the calibrator, per policy.
+
+    Returns ``(delta, se, is_source)``, each of shape (K,); NaN where a policy has no labels.
+    """
+    K = fit.design.n_policies
+    delta = fit.stats[K:] - fit.stats[:K]
+    is_source = np.isin(np.arange(K), fit.sources)
+    infl = fit.infl
+    psi = np.where(is_source[None, :], infl["calibration"][:, K:], infl["audit"])
+    se = np.sqrt(np.maximum(_column_var(psi), 0.0))
+    se[~np.isfinite(delta)] = np.nan
+    return delta, se, is_source
+
+
+def _labelled_residual_terms(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt, weight, residual) of every labelled row, weights summing to 1 within each policy."""
+    d, lab = fit.design.data, fit.design.lab_rows
+    lw = d.label_weight[lab]
+    den = np.bincount(d.policy[lab], weights=lw, minlength=fit.design.n_policies)
+    w = lw / den[d.policy[lab]]
+    return d.prompt[lab], w, d.label[lab] - fit.f[lab]
+
+
+def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...] | None) -> tuple[dict, dict]:
+    """The calibration mode and the fits of every mode tried (so the chosen one is not refitted).
+
+    ``auto`` with covariates: two-stage unless monotone has a significantly smaller squared error on
+    the labelled rows of the evaluated policies (paired, prompt-clustered, each policy weighted
+    equally; one-sided at ``MODE_Z``). The declared covariates are kept by default because a
+    covariate-dependent judge bias left in the calibration biases every plug-in level, which no
+    interval carries, while an unneeded covariate costs only variance, which the intervals do carry.
+    """
+    has_cov = data.X.shape[1] > 0
+    if opts.calibration_mode != "auto":
+        modes = [opts.calibration_mode]
+    else:
+        modes = ["monotone", "two_stage"] if has_cov else ["monotone"]
+    fits = {m: fit_mode(data, m, sources) for m in modes}
+    rmse, labelled_rmse = {}, {}
+    for m, fit in fits.items():
+        cr = fit.design.cal_rows
+        rmse[m] = float(np.sqrt(np.mean((data.label[cr] - fit.f[cr]) ** 2)))
+        _, w, r = _labelled_residual_terms(fit)
+        labelled_rmse[m] = float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
+    selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "labelled_rmse": labelled_rmse}
+    if opts.calibration_mode != "auto":
+        chosen, reason = opts.calibration_mode, "requested by the user"
+    elif not has_cov:
+        chosen, reason = "monotone", "no covariates given, so the two-stage index has nothing to add"
+    else:
+        prompt, w, r_mono = _labelled_residual_terms(fits["monotone"])
+        _, _, r_two = _labelled_residual_terms(fits["two_stage"])
+        t = np.bincount(prompt, weights=w * (r_mono**2 - r_two**2), minlength=data.n_prompts)
+        n_pol = float(np.sum(w))  # policies with labels (each weighs 1)
+        diff = float(t.sum() / n_pol)
+        se = float(np.sqrt(_column_var(t[:, None] / n_pol)[0]))
+        selection.update(paired_difference=diff, paired_se=se)
+        if diff < -MODE_Z * se:
+            chosen = "monotone"
+            reason = (f"monotone fits the labelled rows of the evaluated policies better: its mean squared "
+                      f"error is smaller by {-diff:.5f} (SE {se:.5f}, more than {MODE_Z:g} SE), so the "
+                      "covariates are not used")
+        else:
+            chosen = "two_stage"
+            reason = (f"covariates declared and monotone is not significantly better on the labelled rows "
+                      f"of the evaluated policies (squared-error difference {diff:+.5f}, SE {se:.5f}; "
+                      f"labelled RMSE {labelled_rmse['two_stage']:.4f} two-stage vs "
+                      f"{labelled_rmse['monotone']:.4f} monotone); a covariate-dependent judge bias left "
+                      "out would bias every plug-in level")
+    selection.update(chosen=chosen, reason=reason)
+    return selection, fits
+
+
+def _failing_source(fit: Fit, alpha: float) -> dict | None:
+    """The most significant calibration source whose own audit fails (Holm over the sources)."""
+    delta, se, is_source = audit_statistics(fit)
+    names = fit.design.data.policies
+    cand = np.flatnonzero(is_source & np.isfinite(se) & (se > 0))
+    if cand.size < 2:
+        return None
+    p = 2 * norm.sf(np.abs(delta[cand] / se[cand]))
+    p_adj = holm(p)
+    i = int(np.argmin(p_adj))
+    if p_adj[i] > alpha:
+        return None
+    k = int(cand[i])
+    return {"policy": names[k], "residual_mean": float(delta[k]), "se": float(se[k]),
+            "p_adjusted": float(p_adj[i]), "family_size": int(cand.size)}
+
+
+def fit_calibration(data: EvalData, opts: EvaluationOptions) -> tuple[Fit, dict, list[dict]]:
+    """Choose the mode and the calibration sources (robust pooling); see the module docstring.
+
+    Returns
+    -------
+    fit : the chosen `Fit`
+    selection : the mode selection record (result ``calibration.selection``)
+    excluded : one record per source removed from the calibrator, in order
+    """
+    labelled = np.unique(data.policy[data.labelled])
+    sources = opts.calibration_policies
+    names = list(sources) if sources is not None else [data.policies[k] for k in labelled]
+    excluded: list[dict] = []
+    selection, fits = choose_mode(data, opts, sources)
+    fit = fits[selection["chosen"]]
+    while True:
+        bad = _failing_source(fit, opts.alpha)
+        if bad is None:
+            break
+        rest = tuple(n for n in names if n != bad["policy"])
+        try:
+            selection_new, fits_new = choose_mode(data, opts, rest)
+        except CJEInputError as exc:
+            log.warning("calibration source %s failed its audit but is kept: %s", bad["policy"], exc)
+            break
+        bad["reason"] = (f"its own out-of-fold audit failed (mean residual {bad['residual_mean']:+.3f}, SE "
+                         f"{bad['se']:.3f}, Holm-adjusted p {bad['p_adjusted']:.2g} over {bad['family_size']} "
+                         "calibration sources): its labels disagree with the other sources' calibration, so "
+                         "they no longer train it; it is audited against the calibration of the others")
+        bad["round"] = len(excluded) + 1
+        excluded.append(bad)
+        log.info("robust pooling: %s leaves the calibrator (%s)", bad["policy"], bad["reason"])
+        names = list(rest)
+        selection, fits = selection_new, fits_new
+        fit = fits[selection["chosen"]]
+    return fit, selection, excluded

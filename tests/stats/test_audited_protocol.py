@@ -1,0 +1,120 @@
+"""Statistical properties of the audited protocol (issue #9) on simulated data with known truth.
+
+Designs: labels on ``base`` plus 50-label audit slices on the other policies (the paper's protocol),
+or every policy labelled at random (pooled); clones of ``base`` whose calibration transports exactly
+(``judge_noise_sd=0``, no length bias, so E[Y | S] is the same for them) and one adversarial policy
+that fools the judge.
+
+Tolerances are binomial. A rate estimated from R datasets has SE sqrt(p (1 - p) / R); intervals and
+audits of several policies in one dataset share the calibrator, so they are not independent and the
+bands below count datasets, not intervals (conservative); 3 SE leaves a ~0.1% chance of a false
+failure per check. Seeds are fixed; the bounds were derived from R, never tuned.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cje_engine import evaluate
+from cje_engine.simulate.direct import PolicySpec, simulate
+
+ALPHA = 0.05
+CLONES = ("clone", "clone2", "clone3")
+POLICIES = (PolicySpec("base", 0.8), *(PolicySpec(c, 0.8) for c in CLONES),
+            PolicySpec("unhelpful", -1.0, adversarial=True))
+EXACT = {"length_bias": 0.0, "judge_noise_sd": 0.0}
+
+
+def _band(R: int, p: float) -> float:
+    return 3 * math.sqrt(p * (1 - p) / R)
+
+
+def _protocol(n: int, frac: float, seed: int):
+    return simulate(n, POLICIES, oracle_fraction=frac, label_design="calibration_policy", audit_labels=50,
+                    seed=seed, **EXACT)
+
+
+def _run_protocol(R: int, n: int, frac: float, seed0: int, **opts) -> dict:
+    cover = fails = safe = 0
+    for r in range(R):
+        sim = _protocol(n, frac, seed0 + r)
+        res = evaluate(sim.frame, calibration_policies=["base"], calibration_mode="monotone", alpha=ALPHA,
+                       seed=r, **opts).to_dict()
+        pols = res["policies"]
+        cover += sum(pols[p]["ci"][0] <= sim.true_values[p] <= pols[p]["ci"][1] for p in ("base", *CLONES))
+        fails += sum(pols[c]["audit"]["verdict"] == "fail" for c in CLONES)
+        adv = pols["unhelpful"]
+        safe += adv["level_claim"] == "refused" or (adv["audit"]["verdict"] == "fail"
+                                                   and adv["basis_code"] == "recalibrated")
+    return {"coverage": cover / (4 * R), "false_fail": fails / (3 * R), "safe": safe / R}
+
+
+def test_audited_levels_cover_and_audits_rarely_fail_falsely():
+    """n=400, 10% of base labelled (40 calibration labels), analytic route: the clones' plug-in
+    intervals cover at 0.95 (band +/- 3 SE over R datasets), a clone's audit fails at most at rate
+    alpha (Holm-adjusted; + 3 SE over R datasets) although the calibrator it borrows has only 40
+    labels, and the adversary is never reported at its borrowed level."""
+    R = 150
+    out = _run_protocol(R, 400, 0.10, 81_000, inference="analytic")
+    assert abs(out["coverage"] - 0.95) <= _band(R, 0.95), out
+    assert out["false_fail"] <= ALPHA + _band(R, ALPHA), out
+    assert out["safe"] >= 0.97, out
+
+
+def test_audits_with_25_calibration_labels_hold_their_level():
+    """25 calibration labels (n=250, 10%) against 50-label audit slices: before the audit carried the
+    calibrator's error, 17.5% of transported policies failed. Bound: alpha + 3 SE over R datasets."""
+    R = 200
+    fails = 0
+    for r in range(R):
+        sim = _protocol(250, 0.10, 91_000 + r)
+        res = evaluate(sim.frame, calibration_policies=["base"], calibration_mode="monotone",
+                       inference="analytic").to_dict()
+        fails += sum(res["policies"][c]["audit"]["verdict"] == "fail" for c in CLONES)
+    assert fails / (3 * R) <= ALPHA + _band(R, ALPHA), fails
+
+
+def test_pooled_design_excludes_the_adversary_and_keeps_the_others():
+    """Every policy 30% labelled, the adversary's labels among them: robust pooling removes the
+    adversary from the calibrator first in >= 97% of datasets (its residual z is ~-15); a further
+    (false) exclusion of a clone happens at most at the family-wise rate alpha of the Holm-adjusted
+    source audits (+ 3 SE over R datasets); the clones' audits then fail at most at rate alpha."""
+    R = 60
+    first = extra = fails = 0
+    for r in range(R):
+        sim = simulate(300, POLICIES, oracle_fraction=0.3, seed=95_000 + r, **EXACT)
+        res = evaluate(sim.frame, calibration_mode="monotone", inference="analytic").to_dict()
+        out = [e["policy"] for e in res["calibration"]["excluded_sources"]]
+        first += out[:1] == ["unhelpful"]
+        extra += len(out) > 1
+        fails += sum(res["policies"][c]["audit"]["verdict"] == "fail" for c in ("base", *CLONES))
+    assert first / R >= 0.97, first
+    assert extra / R <= ALPHA + _band(R, ALPHA), extra
+    assert fails / (4 * R) <= ALPHA + _band(R, ALPHA), fails
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,frac", [(250, 0.10), (1000, 0.05), (1000, 0.25)])
+def test_audited_bootstrap_intervals_cover_slow(n, frac):
+    """The reported route (bootstrap, B=400): coverage within 3 SE of 0.95 over R=200 datasets."""
+    R = 200
+    out = _run_protocol(R, n, frac, 99_000, n_bootstrap=400)
+    assert abs(out["coverage"] - 0.95) <= _band(R, 0.95), out
+    assert out["false_fail"] <= ALPHA + _band(R, ALPHA), out
+    assert out["safe"] >= 0.97, out
+
+
+def test_audited_levels_are_more_precise_than_own_label_levels():
+    """Why the protocol reuses the calibration: on the clones the audited (plug-in) level's SE is
+    well below the own-label level's (50 labels), here by a factor > 1.5 on every dataset."""
+    for r in range(5):
+        sim = _protocol(1000, 0.25, 97_000 + r)
+        res = evaluate(sim.frame, calibration_policies=["base"], calibration_mode="monotone",
+                       inference="analytic").to_dict()
+        for c in CLONES:
+            p = res["policies"][c]
+            if p["basis_code"] == "plug_in":
+                assert p["augmented"]["se"] > 1.5 * p["plug_in"]["se"], (c, p["augmented"]["se"], p["plug_in"]["se"])
+    assert np.isfinite(p["plug_in"]["se"])
