@@ -15,7 +15,7 @@ from typing import Any
 FLAGS: dict[str, str] = {
     "covariates": "--covariates", "n_bootstrap": "--n-bootstrap", "alpha": "--alpha",
     "audit_margin": "--audit-margin", "seed": "--seed", "calibration_policies": "--calibration-policies",
-    "calibration_mode": "--calibration-mode", "inference": "--inference", "label_scale": "--label-scale",
+    "calibration_mode": "--calibration-mode", "inference": "--inference", "level_estimator": "--level-estimator", "label_scale": "--label-scale",
     "score_scale": "--score-scale", "multiplicity": "--multiplicity", "policies": "--policies",
     "columns": "--columns", "budget": "--budget", "target_mde": "--target-mde", "target": "--target",
     "c_S": "--c-s", "c_Y": "--c-y", "power": "--power",

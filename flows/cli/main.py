@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from cje_engine.errors import CJEInputError
+from cje_engine.options import LEVEL_ESTIMATORS
 
 from flows.cli import terminal
 from flows.cli.common import (check_columns, check_out_dir, config_columns, find_config, load_input, parse_columns,
@@ -121,6 +122,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="comma-separated policies whose labels train the calibrator")
     g.add_argument("--calibration-mode", choices=["auto", "monotone", "two_stage"])
     g.add_argument("--inference", choices=["bootstrap", "analytic"])
+    g.add_argument("--level-estimator", choices=list(LEVEL_ESTIMATORS),
+                   help="audited (default: the plug-in where the transport audit holds), robust (own labels "
+                        "whenever a policy has enough), augmented or plug_in")
     g.add_argument("--label-scale", help="declared oracle label scale, e.g. 0-1, 1-5, 1-10, 0-100")
     g.add_argument("--score-scale", help="declared judge score scale, e.g. 0-1, 1-10, 0-100")
     g.add_argument("--multiplicity", choices=["bh", "holm"])
@@ -136,7 +140,7 @@ def _add_columns(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("covariates", "n_bootstrap", "alpha", "audit_margin", "seed", "calibration_policies",
-                "calibration_mode", "inference", "label_scale", "score_scale", "multiplicity")
+                "calibration_mode", "inference", "level_estimator", "label_scale", "score_scale", "multiplicity")
 _CONFIG_HELP = "evaluations file (default: $CJE_CONFIG, else ./evaluations.yaml)"
 
 
