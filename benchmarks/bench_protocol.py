@@ -111,9 +111,18 @@ def _seed(n: int, frac: float, rep: int) -> int:
 JUDGE_NOISE = 0.0
 
 
+DESIGN = ["protocol"]  # this process's design (set per task): "protocol" or "pooled"
+
+
 def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_NOISE):
+    """The paper's protocol (labels on base + 50-label audit slices), or ``pooled``: every policy's
+    rows labelled at random at ``frac``, the adversary's labels among them, all training the
+    calibrator (then ``frac`` is the share of every policy)."""
     from cje_engine.simulate.direct import simulate
 
+    if DESIGN[0] == "pooled":
+        return simulate(n, policies(), oracle_fraction=frac, seed=_seed(n, frac, rep) + 500,
+                        judge_noise_sd=judge_noise)
     return simulate(n, policies(), oracle_fraction=frac, label_design="calibration_policy",
                     calibration_policy="base", audit_labels=50, seed=_seed(n, frac, rep),
                     judge_noise_sd=judge_noise)
@@ -122,7 +131,8 @@ def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_N
 def run_ours(frame, seed: int, B: int, options: dict) -> dict:
     from cje_engine import evaluate
 
-    res = evaluate(frame, covariates=["response_length"], calibration_policies=["base"], n_bootstrap=B,
+    cal = None if DESIGN[0] == "pooled" else ["base"]
+    res = evaluate(frame, covariates=["response_length"], calibration_policies=cal, n_bootstrap=B,
                    seed=seed, **options)
     d = res.to_dict()
     out = {}
@@ -192,9 +202,10 @@ JUDGE_NOISE_RUN = [JUDGE_NOISE]  # this process's judge noise (set per task)
 
 
 def run_task(task: tuple) -> dict:
-    n, frac, rep, B, options, with_ref, timeout, ref_B, cache, ours, judge_noise, ref_datasets = task
+    n, frac, rep, B, options, with_ref, timeout, ref_B, cache, ours, judge_noise, ref_datasets, design = task
     logging.getLogger("cje_engine").setLevel(logging.WARNING)
     JUDGE_NOISE_RUN[0] = judge_noise
+    DESIGN[0] = design
     with_ref = with_ref and rep < ref_datasets
     sim = simulate_dataset(n, frac, rep, judge_noise)
     seed = _seed(n, frac, rep) % (2**31)
@@ -228,7 +239,7 @@ def score(runs: list[dict], engine: str) -> dict:
             if ci and ci[0] is not None:
                 n_ci += 1
                 cover += int(ci[0] <= truth[p] <= ci[1])
-            if p != "base" and pol[p]["audit"] not in (None, "not_run"):
+            if (p != "base" or DESIGN[0] == "pooled") and pol[p]["audit"] not in (None, "not_run"):
                 audits += 1
                 false_fail += int(pol[p]["audit"] == "fail")
         adv = pol.get(ADVERSARY)
@@ -260,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-only", action="store_true", help="only fill the reference cache")
     ap.add_argument("--reference-datasets", type=int, default=None,
                     help="run the reference on the first K datasets of each cell only (default: all)")
+    ap.add_argument("--design", choices=["protocol", "pooled"], default="protocol",
+                    help="protocol: labels on base + 50-label audit slices; pooled: every policy labelled at random, "
+                         "all labels calibrate (no reference run: it has no pooled robust mode)")
     ap.add_argument("--judge-noise", type=float, default=JUDGE_NOISE, help="SimSpec.judge_noise_sd (see JUDGE_NOISE)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -270,13 +284,14 @@ def main(argv: list[str] | None = None) -> int:
             options[k] = json.loads(v)
         except json.JSONDecodeError:
             options[k] = v
-    with_ref = not args.skip_reference
+    with_ref = not args.skip_reference and args.design == "protocol"
     if with_ref and not REF_PYTHON.exists():
         raise SystemExit(f"reference venv missing: run `bash {HERE / 'reference_env.sh'}` (or --skip-reference)")
     cells = [(int(n), float(f)) for n in args.n.split(",") for f in args.fractions.split(",")]
     ref_B = args.reference_B or args.n_bootstrap
+    DESIGN[0] = args.design
     tasks = [(n, f, rep, args.n_bootstrap, options, with_ref, args.timeout, ref_B, args.reference_cache,
-              not args.reference_only, args.judge_noise, args.reference_datasets or args.datasets)
+              not args.reference_only, args.judge_noise, args.reference_datasets or args.datasets, args.design)
              for rep in range(args.datasets) for n, f in cells]  # every cell early
     t0 = time.perf_counter()
     with mp.get_context("spawn").Pool(args.workers) as pool:
