@@ -277,7 +277,10 @@ def _ramp_lsq_batch(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray)
     except np.linalg.LinAlgError:
         return [None] * G.shape[0]
     ok = (g > 0).all(1) & ((np.diagonal(L, axis1=1, axis2=2) ** 2 / g).min(1) >= 1e-12)
-    x = np.linalg.solve(Gs, b[:, idx, None])[:, :, 0]
+    try:
+        x = np.linalg.solve(Gs, b[:, idx, None])[:, :, 0]
+    except np.linalg.LinAlgError:  # an exactly singular system (tiny bootstrap calibration sets)
+        return [None] * G.shape[0]
     theta = np.zeros((G.shape[0], P))
     theta[:, idx] = x
     grad = b - np.einsum("jpq,jq->jp", G, theta)

@@ -79,6 +79,8 @@ def test_repository_evaluations_file_deploys_with_its_cron():
     ("evaluations:\n  - {name: a, logs_uri: x, colour: red}\n", "unknown key"),
     ("evaluations:\n  - {name: a, logs_uri: x, intervall: 60}\n", "unknown key 'intervall' \\(did you mean 'interval'\\?\\)"),
     ("evaluations:\n  - {name: a, logs_uri: x, options: {n_bootstrapp: 5}}\n", "did you mean 'n_bootstrap'"),
+    ("evaluations:\n  - {name: a, logs_uri: x, options: {estimator: auto}}\n", "renamed level_estimator"),
+    ("evaluations:\n  - {name: a, logs_uri: x, options: {level_estimator: audit}}\n", "did you mean 'audited'"),
     ("evaluationz: []\n", "did you mean 'evaluations'"),
     # types: refused, not coerced
     ("evaluations:\n  - {name: a, logs_uri: x, interval: true}\n", "key interval: must be a number of seconds"),

@@ -182,3 +182,30 @@ def test_monotone_replicate_equals_refitting_physically_resampled_rows(seed):
     plug = np.array([f[pol == k].mean() for k in range(K)])
     aug = np.array([plug[k] + (y[lab & (pol == k)] - f[lab & (pol == k)]).mean() for k in range(K)])
     np.testing.assert_allclose(replicate(design, pw), np.concatenate([plug, aug]), rtol=1e-10, atol=1e-12)
+
+
+def test_two_stage_replicate_survives_an_exactly_singular_batched_solve():
+    """17 calibration labels, bootstrap replicate 162 (found by benchmarks/bench_protocol.py): the folds'
+    batched normal equations are exactly singular. The replicate falls back to the per-fit solver and
+    matches the slow row-level refits."""
+    from cje_engine.simulate.direct import PolicySpec, simulate
+
+    pols = (PolicySpec("base", 0.8), PolicySpec("clone", 0.8), PolicySpec("verbose", 0.7, verbosity=2.0),
+            PolicySpec("concise", 1.0, verbosity=0.6), PolicySpec("better", 1.1, verbosity=1.2),
+            PolicySpec("worse", 0.55, verbosity=1.5), PolicySpec("unhelpful", -1.0, adversarial=True))
+    seed = 7_000_000_000 + (50 * 100_000 + 500) * 1_000
+    sim = simulate(500, pols, oracle_fraction=0.05, label_design="calibration_policy", calibration_policy="base",
+                   audit_labels=50, seed=seed, judge_noise_sd=0.0)
+    data = EvalData.from_frame(sim.frame, covariates=["response_length"])
+    design = make_design(data, "two_stage", ("base",))
+    cr = design.cal_rows
+    assert cr.size == 17
+    pw = bootstrap_weights(seed % 2**31, 162, data.n_prompts)
+    w = pw[data.prompt]
+    s, y, X, wc, fold = data.score[cr], data.label[cr], data.X[cr], w[cr], data.fold[cr]
+    f = SlowTwoStage().fit(s, y, X, wc).predict(data.score, data.X)
+    for k in range(data.n_folds):
+        held = fold == k
+        if (wc[held] > 0).any() and (wc[~held] > 0).any():
+            f[cr[held]] = SlowTwoStage().fit(s, y, X, np.where(held, 0, wc)).predict(s[held], X[held])
+    np.testing.assert_allclose(replicate(design, pw), _slow_stats(data, cr, f, w), rtol=1e-9, atol=1e-10)
