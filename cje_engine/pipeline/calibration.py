@@ -29,12 +29,17 @@ import numpy as np
 from scipy.stats import norm
 
 from cje_engine.data.frame import EvalData
+from cje_engine.calibration.calibrators import TwoStageCalibrator
 from cje_engine.direct.estimators import Design, cross_fit_models, influence, make_design, policy_stats
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.multiplicity import holm
 from cje_engine.options import EvaluationOptions
 
 log = logging.getLogger(__name__)
+
+#: Fewest calibration labels per stage-1 parameter of the two-stage index for ``auto`` to consider it
+#: (6 ramps + covariates + intercept: 40 labels with one covariate).
+TWO_STAGE_LABELS_PER_PARAMETER = 5
 
 #: z of the one-sided test that keeps monotone in ``auto`` mode with covariates: two-stage is used
 #: unless its squared error on the labelled rows is larger by more than this many standard errors.
@@ -114,10 +119,13 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
     interval carries, while an unneeded covariate costs only variance, which the intervals do carry.
     """
     has_cov = data.X.shape[1] > 0
+    n_params = TwoStageCalibrator().n_knots + data.X.shape[1] + 1
+    n_cal = int(make_design(data, "monotone", sources).cal_rows.size) if has_cov else 0
+    too_few = has_cov and n_cal < TWO_STAGE_LABELS_PER_PARAMETER * n_params
     if opts.calibration_mode != "auto":
         modes = [opts.calibration_mode]
     else:
-        modes = ["monotone", "two_stage"] if has_cov else ["monotone"]
+        modes = ["monotone", "two_stage"] if has_cov and not too_few else ["monotone"]
     fits = {m: fit_mode(data, m, sources) for m in modes}
     rmse, labelled_rmse = {}, {}
     for m, fit in fits.items():
@@ -130,6 +138,10 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         chosen, reason = opts.calibration_mode, "requested by the user"
     elif not has_cov:
         chosen, reason = "monotone", "no covariates given, so the two-stage index has nothing to add"
+    elif too_few:
+        chosen = "monotone"
+        reason = (f"only {n_cal} calibration labels for the two-stage index's {n_params} parameters (at least "
+                  f"{TWO_STAGE_LABELS_PER_PARAMETER} per parameter needed), so the covariates are not used")
     else:
         prompt, w, r_mono = _labelled_residual_terms(fits["monotone"])
         _, _, r_two = _labelled_residual_terms(fits["two_stage"])

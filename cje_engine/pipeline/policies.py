@@ -268,7 +268,17 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     n_cal = design.cal_rows.size
 
     # Audits on residual means (= augmented - plug-in); SEs carry a borrowed calibrator's error.
-    delta, se_delta, _ = audit_statistics(Fit(design, prep.f, prep.full, prep.models, stats, prep.infl))
+    delta, se_delta, is_source = audit_statistics(Fit(design, prep.f, prep.full, prep.models, stats, prep.infl))
+    se_route = np.where(is_source, "influence (residual term)", "influence")
+    if reps is not None:
+        # borrowed calibrators: the bootstrap SD of the residual mean, refitting the calibrator (both
+        # stages in two-stage mode, whose first stage the influence term leaves out) in every replicate
+        for k in np.flatnonzero(~is_source & np.isfinite(se_delta)):
+            dk = reps[:, K + k] - reps[:, k]
+            dk = dk[np.isfinite(dk)]
+            if dk.size > 1:
+                se_delta[k] = float(np.std(dk, ddof=1))
+                se_route[k] = "bootstrap"
     margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
     audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin)
     support = support_checks(design, opts)
@@ -282,6 +292,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
         rows = d.policy == k
         audit = audits[k]
         audit["calibrator"] = "cross_fitted" if k in cal_set else "excluded" if name in excluded else "borrowed"
+        audit["se_route"] = str(se_route[k]) if audit["se"] is not None else None
         sel_lab = lab & rows
         w_lab = d.label_weight[sel_lab]
         audit["deciles"] = residual_deciles(d.score[sel_lab], d.label[sel_lab] - prep.f[sel_lab], w_lab)

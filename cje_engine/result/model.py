@@ -96,6 +96,10 @@ class Audit(_Strict):
                           "do not; excluded: they were removed from it by robust pooling")
     deciles: Optional[list[Decile]] = None
     extra_labels_needed: Optional[int] = None
+    se_route: Optional[str] = Field(
+        None, description="how the SE was obtained: bootstrap (SD of the residual mean over replicates that refit "
+                          "the calibrator), influence (residual and calibration terms) or influence (residual term) "
+                          "for a calibration source")
 
 
 class DirectSummary(_Strict):
