@@ -190,7 +190,11 @@ def cached_reference(frame, n: int, frac: float, rep: int, seed: int, B: int, ti
         d = json.loads(path.read_text())
         return d["reference"], d["wall_s"]
     t1 = time.perf_counter()
-    ref = run_reference(frame, seed, B, timeout)
+    try:
+        ref = run_reference(frame, seed, B, timeout)
+    except RuntimeError as exc:  # the reference could not evaluate this dataset: nothing reported
+        truth = {p: None for p in frame["policy"].unique()}
+        ref = _nothing(truth, str(exc)[-500:])
     wall = time.perf_counter() - t1
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,6 +203,12 @@ def cached_reference(frame, n: int, frac: float, rep: int, seed: int, B: int, ti
 
 
 JUDGE_NOISE_RUN = [JUDGE_NOISE]  # this process's judge noise (set per task)
+
+
+def _nothing(truth: dict, why: str) -> dict:
+    """The record of an evaluation that refused the dataset: every policy refused, no estimate."""
+    return {"policies": {p: {"estimate": None, "ci": None, "refused": True, "audit": "not_run", "basis": "none"}
+                         for p in truth}, "mode": None, "error": why}
 
 
 def run_task(task: tuple) -> dict:
@@ -211,8 +221,13 @@ def run_task(task: tuple) -> dict:
     seed = _seed(n, frac, rep) % (2**31)
     out = {"n": n, "frac": frac, "rep": rep, "truth": sim.true_values}
     if ours:
+        from cje_engine.errors import CJEInputError
+
         t0 = time.process_time()
-        out["ours"] = run_ours(sim.frame, seed, B, options)
+        try:
+            out["ours"] = run_ours(sim.frame, seed, B, options)
+        except CJEInputError as exc:  # e.g. 5 calibration labels: nothing can be estimated, all refused
+            out["ours"] = _nothing(sim.true_values, str(exc))
         out["ours_cpu_s"] = time.process_time() - t0
     if with_ref:
         out["reference"], out["reference_wall_s"] = cached_reference(sim.frame, n, frac, rep, seed, ref_B, timeout,

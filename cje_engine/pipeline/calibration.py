@@ -38,8 +38,9 @@ from cje_engine.options import EvaluationOptions
 log = logging.getLogger(__name__)
 
 #: Fewest calibration labels per stage-1 parameter of the two-stage index for ``auto`` to consider it
-#: (6 ramps + covariates + intercept: 40 labels with one covariate).
-TWO_STAGE_LABELS_PER_PARAMETER = 5
+#: (6 ramps + covariates + intercept: 16 labels with one covariate; below that the stage-1 fit is not
+#: identified in most bootstrap replicates).
+TWO_STAGE_LABELS_PER_PARAMETER = 2
 
 #: z of the one-sided test that keeps monotone in ``auto`` mode with covariates: two-stage is used
 #: unless its squared error on the labelled rows is larger by more than this many standard errors.
