@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping
 from urllib.parse import urlsplit
 
 import yaml
@@ -168,20 +168,24 @@ def resolve_uri(uri: str, base: Path | None) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
-def check_columns(columns: Any, where: str = "columns", covariates: Sequence[str] = ()) -> dict[str, str]:
+def check_columns(columns: Any, where: str = "columns", covariates: Any = ()) -> dict[str, str]:
     """A ``columns:`` mapping (canonical log column -> your column), validated; `CJEInputError`.
 
     The engine's rule (`cje_engine.data.io.check_mapping`: canonical keys with a did-you-mean
     hint, no column mapped twice) with the service's ``ts`` and the ``covariates`` allowed as
-    keys.  Messages start with ``where``.
+    keys.  Messages start with ``where``.  ``covariates``: the evaluation's ``options.covariates``
+    (a name or a list; anything else is left to the engine options' own check).
     """
     if columns is None:
         return {}
+    if isinstance(covariates, str):
+        covariates = (covariates,)
+    covariates = tuple(c for c in covariates if isinstance(c, str)) if isinstance(covariates, (list, tuple)) else ()
     if not isinstance(columns, Mapping):
         raise CJEInputError(f"{where}: expected a mapping of canonical column -> your column name, e.g. "
                             "{prompt_id: id, policy: model}, got " + repr(columns))
     try:
-        return check_mapping(columns, tuple(covariates), SERVICE_COLUMNS)
+        return check_mapping(columns, covariates, SERVICE_COLUMNS)
     except CJEInputError as exc:
         raise CJEInputError(f"{where}: {exc.detail}", option="columns") from None
 
@@ -328,8 +332,6 @@ class EvaluationConfig(ScheduledEntry):
         check_publish_name(self.name, "name")
         parse_window(self.window)
         self._check_schedule()
-        covariates = self.options.get("covariates") or ()
-        check_columns(self.columns, "key columns", [covariates] if isinstance(covariates, str) else covariates)
         if self.mode == "direct":
             from cje_engine.options import EvaluationOptions
 
@@ -341,6 +343,7 @@ class EvaluationConfig(ScheduledEntry):
             from cje_engine.pipeline.offpolicy import flow_options
 
             flow_options(self.options, self.policies, self.mode)
+        check_columns(self.columns, "key columns", self.options.get("covariates"))
 
 
 #: A reference look named by its key: ``YYYY-MM-DD/<judge_id>``.

@@ -424,8 +424,6 @@ def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | Non
              mode: str, columns: dict[str, str] | None = None) -> RunPlan:
     """Resolve defaults and check every parameter (names, URIs, window, options, column mapping); no I/O."""
     check_publish_name(evaluation, "evaluation name")
-    covariates = (options or {}).get("covariates") or ()
-    columns = check_columns(columns, "columns", [covariates] if isinstance(covariates, str) else covariates) or None
     for what, uri in (("logs_uri", logs_uri), ("results_uri", results_uri), ("labels_uri", labels_uri)):
         if uri:
             check_uri(uri, what)
@@ -434,6 +432,7 @@ def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | Non
     else:
         opts = flow_options(options, policies, mode)
         extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
+    columns = check_columns(columns, "columns", (options or {}).get("covariates")) or None
     delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
     return RunPlan(evaluation=evaluation, window_spec=str(window), window=parse_window(window, as_of),
                    logs_uri=logs_uri, results_uri=results_uri or logs_uri, labels_uri=labels_uri or logs_uri,

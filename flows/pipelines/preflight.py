@@ -158,8 +158,7 @@ def check_evaluation(params: dict) -> dict:
     covariates: list[str] = []
     if mode == "direct":
         covariates = list(engine_options(params.get("options"), params.get("policies")).get("covariates") or [])
-    cov = (params.get("options") or {}).get("covariates") or ()
-    mapping = check_columns(params.get("columns"), "columns", [cov] if isinstance(cov, str) else cov) or None
+    mapping = check_columns(params.get("columns"), "columns", (params.get("options") or {}).get("covariates")) or None
     if "://" not in str(logs_uri) and not Path(logs_uri).is_dir():
         raise CJEInputError("the logs folder does not exist (logs_uri)", source=str(logs_uri))
     cfg = StorageConfig.from_env()
