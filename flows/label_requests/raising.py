@@ -212,7 +212,7 @@ def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mappin
     if has_result and logs_uri:
         window = str(latest["window"])
         try:
-            table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg, columns)
+            table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg)
         except CJEInputError as exc:  # the alarm still asks for anchor labels; the manifest says why
             log.warning("drift label request: recent traffic of %r not readable (%s); anchors only", evaluation, exc)
             no_traffic_reason = f"the logs of window {window} of evaluation {evaluation!r} are not readable ({exc})"
