@@ -177,6 +177,29 @@ def test_mapped_logs_read_as_the_canonical_ones_from_s3(s3_server, bucket, direc
     assert got.filter(pc.invert(first))["oracle_label"].null_count == int(pc.sum(pc.invert(first)).as_py())
 
 
+def test_the_labelling_loop_reads_mapped_logs(tmp_path):
+    """Request exports (response texts) and label ingestion (ids to log dates) read the logs
+    through the evaluation's mapping too."""
+    from flows.label_requests.exports import read_texts
+    from flows.pipelines.labels import _scan_logs
+
+    frame = _frame(30)
+    frame["response"] = [f"answer {i}" for i in range(len(frame))]
+    mapping = {**MAPPING, "response": "answer"}
+    _write(_local(tmp_path / "logs"), frame, mapping)
+    rows = [{"response_id": r, "dt": d} for r, d in zip(frame["response_id"][:3],
+                                                         frame["ts"].dt.strftime("%Y-%m-%d")[:3])]
+    texts = read_texts(str(tmp_path / "logs"), None, rows, ("response",), mapping)
+    assert texts == {r["response_id"]: {"response": frame.set_index("response_id").at[r["response_id"], "response"]}
+                     for r in rows}
+    ids = set(frame["response_id"][-4:])
+    found = _scan_logs(str(tmp_path / "logs"), None, ids, None, mapping)
+    assert {r: v["dt"] for r, v in found.items()} == dict(zip(frame["response_id"][-4:],
+                                                              frame["ts"].dt.strftime("%Y-%m-%d")[-4:]))
+    with pytest.raises(CJEInputError, match="columns: in evaluations.yaml"):  # unmapped: refused, with the way out
+        _scan_logs(str(tmp_path / "logs"), None, ids, None)
+
+
 # ------------------------------------------------------------------------------ pre-flight
 
 
