@@ -479,6 +479,11 @@ def affected_windows(spec: Any, dates: set[str], published: Sequence[str], as_of
 # the flow
 
 
+def _mappings(specs: Sequence[Any]) -> dict[str, dict]:
+    """Logs URI -> the column mapping (``columns:``) of the evaluation reading it."""
+    return {s.logs_uri: dict(s.columns) for s in specs if getattr(s, "columns", None)}
+
+
 def _scope(labels_uri: str, logs_uri: str | None, evaluations_file: str | None, evaluations: Sequence[Mapping] | None,
            lookback_start: str | None, lookback_end: str | None) -> tuple[list, list[str], tuple[date, date] | None]:
     """The evaluations using this label store, the logs to look ids up in, the lookback range."""
@@ -616,8 +621,7 @@ def labels(
                                         lookback_end)
 
     table, source, read_info = read_labels_task(path, quote(cfg), answers_format, answer_field, id_field)
-    mappings = {s.logs_uri: dict(s.columns) for s in specs if getattr(s, "columns", None)}
-    known, requests = locate_task(quote(table), source, requests_uri, logs_uris, quote(cfg), lookback, mappings)
+    known, requests = locate_task(quote(table), source, requests_uri, logs_uris, quote(cfg), lookback, _mappings(specs))
     table, anchor_rows, anchor_map = split_anchors(table, known, requests)
     table, anchor_rows, label_scale = scale_answers(table, anchor_rows, known, anchor_map, label_scale, source)
     anchors_out = (anchor_task(quote(anchor_rows), anchor_map, anchors_uri, evaluations_file, quote(cfg),
