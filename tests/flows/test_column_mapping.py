@@ -139,6 +139,21 @@ def test_a_covariate_named_in_options_may_be_mapped(tmp_path):
     assert load_config(cfg).evaluations["ev"].columns == {"response_length": "n_words"}
 
 
+def test_cje_evaluate_shares_the_top_level_default_and_ignores_its_ts_key(tmp_path, capsys, monkeypatch):
+    """The top-level mapping of a service config (with ``ts``, a log column the engine does not
+    read) is also `cje evaluate`'s default; the result is the canonical frame's."""
+    frame = _frame(60)
+    frame.rename(columns={**MAPPING, "ts": "time"}).to_csv(tmp_path / "scores.csv", index=False)
+    _config(tmp_path, "columns: {prompt_id: id, policy: model, judge_score: judge, oracle_label: human_rating, "
+            "ts: time}\nevaluations:\n  - {name: ev, logs_uri: ./logs}\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = _run(capsys, "evaluate", "scores.csv", "--out", "o", "--n-bootstrap", "60", "--json",
+                          "--exit-zero")
+    assert code == 0, err
+    ref = evaluate(frame.drop(columns=["ts"]), n_bootstrap=60, seed=0).to_dict()
+    _same_numbers(json.loads(out)["result"], ref)
+
+
 # ------------------------------------------------------------------------------ reading
 
 
