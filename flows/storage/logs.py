@@ -336,6 +336,8 @@ def read_window(
     mapping : mapping of str to str, optional
         Canonical name -> column name in the files (an evaluation's ``columns:``); ``columns``,
         ``policies`` and ``row_filter`` name canonical columns, and so does the table returned.
+        The projection and the policy filter stay in the scan; a ``row_filter`` on a file whose
+        columns are renamed is applied after reading that file whole (one file at a time).
 
     Returns
     -------
