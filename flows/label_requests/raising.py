@@ -166,7 +166,7 @@ def _empty_logs() -> pa.Table:
 def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mapping, anchor_ids: Sequence[str], *,
                          evaluation: str | None = None, latest: Mapping | None = None, logs_uri: str | None = None,
                          config: Mapping | RequestConfig | None = None, no_traffic_reason: str | None = None,
-                         now: datetime | str | None = None) -> dict:
+                         now: datetime | str | None = None, columns: Mapping[str, str] | None = None) -> dict:
     """Raise the label request of a drift alarm: fresh labels on anchors and on recent traffic.
 
     Only the ``drift_alarm`` trigger is evaluated here (the audit triggers belong to the
@@ -193,6 +193,8 @@ def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mappin
     no_traffic_reason : str, optional
         Why recent traffic cannot be requested (recorded in the manifest); without ``latest``
         and ``logs_uri`` the request holds anchors only.
+    columns : mapping of str to str, optional
+        The evaluation's column mapping (``columns:``), applied when its logs are read.
 
     Returns
     -------
@@ -212,7 +214,7 @@ def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mappin
     if has_result and logs_uri:
         window = str(latest["window"])
         try:
-            table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg)
+            table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg, columns)
         except CJEInputError as exc:  # the alarm still asks for anchor labels; the manifest says why
             log.warning("drift label request: recent traffic of %r not readable (%s); anchors only", evaluation, exc)
             no_traffic_reason = f"the logs of window {window} of evaluation {evaluation!r} are not readable ({exc})"

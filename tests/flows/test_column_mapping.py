@@ -215,6 +215,35 @@ def test_the_labelling_loop_reads_mapped_logs(tmp_path):
         _scan_logs(str(tmp_path / "logs"), None, ids, None)
 
 
+def test_label_requests_and_drift_alarms_read_the_linked_evaluations_mapped_logs(tmp_path):
+    """The rows a label request samples from (inline labels under ``human_rating`` combined
+    with the store's) and the drift monitor's link to its evaluation's mapping."""
+    from flows.label_requests.raising import read_evaluated_logs
+    from flows.pipelines.drift_config import DriftSettings, load_drift_monitors
+    from flows.storage.objects import Storage
+
+    frame = _frame(40)
+    labelled = np.flatnonzero(frame["oracle_label"].notna().to_numpy())
+    logs = frame.copy()
+    logs.loc[labelled[::2], "oracle_label"] = np.nan
+    _write(_local(tmp_path / "logs"), logs, MAPPING)
+    store = frame.loc[labelled[::2], ["response_id", "oracle_label"]].reset_index(drop=True)
+    LabelStore(Storage.for_uri(str(tmp_path / "labels"))).append(pa.Table.from_pandas(store, preserve_index=False),
+                                                                 "oracle")
+    rows = read_evaluated_logs(str(tmp_path / "logs"), f"{DAYS[0]}_{DAYS[1]}", str(tmp_path / "labels"), None,
+                               MAPPING)
+    assert rows.num_rows == len(frame) and rows["oracle_label"].null_count == len(frame) - len(labelled)
+    got = dict(zip(rows["response_id"].to_pylist(), rows["oracle_label"].to_pylist()))
+    assert all(got[r] == pytest.approx(y) for r, y in zip(frame["response_id"][labelled],
+                                                           frame["oracle_label"][labelled]))
+    cfg = _config(tmp_path, "columns: {prompt_id: id}\nevaluations:\n  - name: ev\n    logs_uri: ./logs\n"
+                  "    columns: {policy: model, judge_score: judge, oracle_label: human_rating}\n"
+                  "drift_monitors:\n  - {set_name: anchors, anchors_uri: ./a, evaluation: ev}\n")
+    settings = load_drift_monitors(cfg)["anchors"].settings_dict()
+    assert settings["evaluation_columns"] == MAPPING
+    assert DriftSettings(**settings).evaluation_columns == MAPPING
+
+
 # ------------------------------------------------------------------------------ pre-flight
 
 
