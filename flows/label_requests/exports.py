@@ -20,7 +20,6 @@ import logging
 from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from cje_engine.errors import CJEInputError
 
@@ -60,9 +59,9 @@ def read_texts(logs_uri: str, storage_cfg: Any, rows: Sequence[Mapping],
         files = [f for d in dates for f in discover_partitions(st, d, d)]
     else:
         files = discover_partitions(st, "1970-01-01", "2999-12-31")
-    flt = pc.field("response_id").isin(pa.array(ids, pa.string()))
-    table = read_window(st, files, columns=["response_id", *text_columns], check_unique=False, row_filter=flt,
-                        mapping=mapping)
+    wanted = pa.array(ids, pa.string())
+    table = read_window(st, files, columns=["response_id", *text_columns], check_unique=False, mapping=mapping,
+                        row_filter=lambda field: field("response_id").isin(wanted))
     out = {}
     for rec in table.to_pylist():
         rid = str(rec.pop("response_id"))  # popped first: the value of `out[k] = v` is evaluated before k

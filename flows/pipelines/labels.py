@@ -248,9 +248,9 @@ def _scan_logs(logs_uri: str, cfg: Any, ids: set[str], lookback: tuple[date, dat
         files = [f for f in st.list(f"{PARTITION}=") if f.key.endswith(".parquet") and partition_of(f.key)]
     if not files or not ids:
         return {}
-    flt = pc.field("response_id").isin(pa.array(sorted(ids), pa.string()))
-    table = read_window(st, files, columns=["response_id", PARTITION], check_unique=False, row_filter=flt,
-                        mapping=mapping)
+    wanted = pa.array(sorted(ids), pa.string())
+    table = read_window(st, files, columns=["response_id", PARTITION], check_unique=False, mapping=mapping,
+                        row_filter=lambda field: field("response_id").isin(wanted))
     return {r: {"inclusion_probability": None, "dt": d, "logs_uri": logs_uri}
             for r, d in zip(table.column("response_id").to_pylist(), table.column(PARTITION).to_pylist())}
 

@@ -57,7 +57,7 @@ import re
 import time
 import uuid
 from datetime import date, datetime, timedelta
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -90,6 +90,9 @@ _ID_COLUMNS = ("prompt_id", "response_id")
 SERVICE_COLUMNS = (TS,)
 #: Mapped columns a log file may lack (inline labels: only some partitions carry them).
 OPTIONAL_MAPPED = ("oracle_label", "label_probability")
+#: A row filter of `read_window`: an expression on canonical names, or a function of a field
+#: resolver (canonical name -> ``pc.field`` of the column in the file) returning one.
+RowFilter = Union[pc.Expression, Callable[[Callable[[str], pc.Expression]], pc.Expression]]
 _DT_RE = re.compile(r"(?:^|/)dt=(\d{4}-\d{2}-\d{2})/")
 
 
@@ -249,7 +252,7 @@ def _is_transient(exc: BaseException) -> bool:
 
 
 def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Sequence[str] | None,
-              batch_size: int, row_filter: pc.Expression | None = None,
+              batch_size: int, row_filter: RowFilter | None = None,
               mapping: Mapping[str, str] | None = None) -> pa.Table:
     """Read one log object (with retries on transient storage errors), columns renamed by ``mapping``."""
     fs, _ = st.arrow_fs
@@ -268,11 +271,13 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
             file_name = {c: s for s, c in renames.items()}
             flt = pc.field(file_name.get("policy", "policy")).isin(pa.array(list(policies), pa.string())) \
                 if policies else None
-            after = None  # a caller's filter names canonical columns: with renames it runs after the read
-            if row_filter is not None and renames:
-                after = row_filter
-            elif row_filter is not None:
-                flt = row_filter if flt is None else (flt & row_filter)
+            flt_row, after = row_filter, None
+            if callable(row_filter):  # built on the file's own names: pushed into the scan like the rest
+                flt_row = row_filter(lambda c: pc.field(file_name.get(c, c)))
+            elif row_filter is not None and renames:  # an expression on canonical names: after the read
+                flt_row, after = None, row_filter
+            if flt_row is not None:
+                flt = flt_row if flt is None else (flt & flt_row)
             # Projection and the policy filter go into the Parquet scan.
             if after is None:
                 table = dataset.to_table(columns=[file_name.get(c, c) for c in wanted], filter=flt,
@@ -312,7 +317,7 @@ def read_window(
     *,
     batch_size: int = 131_072,
     check_unique: bool = True,
-    row_filter: pc.Expression | None = None,
+    row_filter: RowFilter | None = None,
     mapping: Mapping[str, str] | None = None,
 ) -> pa.Table:
     """Read log files into one table with projection and the policy filter pushed down.
@@ -330,14 +335,17 @@ def read_window(
         Keep only these policies (filter evaluated inside the scan).
     check_unique : bool
         Check that ``response_id`` (when returned) is unique over the window.
-    row_filter : pyarrow.compute.Expression, optional
+    row_filter : pyarrow.compute.Expression or callable, optional
         Extra row filter evaluated inside the scan (e.g. ``pc.field("ts") >= start``); its
-        columns need not be among ``columns``.
+        columns need not be among ``columns``.  A callable gets a function giving the field of a
+        canonical column in each file (``lambda field: field("response_id").isin(ids)``), so that
+        with a ``mapping`` the filter still goes into the scan.
     mapping : mapping of str to str, optional
         Canonical name -> column name in the files (an evaluation's ``columns:``); ``columns``,
         ``policies`` and ``row_filter`` name canonical columns, and so does the table returned.
-        The projection and the policy filter stay in the scan; a ``row_filter`` on a file whose
-        columns are renamed is applied after reading that file whole (one file at a time).
+        The projection, the policy filter and a callable ``row_filter`` stay in the scan; an
+        expression ``row_filter`` on a file whose columns are renamed is applied after reading that
+        file whole (one file at a time).
 
     Returns
     -------

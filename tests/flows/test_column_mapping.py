@@ -173,6 +173,9 @@ def test_mapped_logs_read_as_the_canonical_ones_locally(tmp_path):
     flt = read_window(mapped, files, columns=["response_id"], row_filter=pc.field("policy") == "base",
                       mapping=MAPPING, check_unique=False)
     assert sorted(flt["response_id"].to_pylist()) == sorted(frame.loc[frame.policy == "base", "response_id"])
+    pushed = read_window(mapped, files, columns=["response_id"], row_filter=lambda field: field("policy") == "base",
+                         mapping=MAPPING, check_unique=False)  # built on the files' names: into the scan
+    assert pushed.equals(flt)
     # unmapped, the same files are refused with the way out in the message
     with pytest.raises(CJEInputError, match="map it with columns: in evaluations.yaml"):
         read_window(mapped, files, columns=COLS)
