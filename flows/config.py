@@ -18,6 +18,13 @@ fails to publish; URIs carry no credentials (`check_uri`: credentials come from 
 environment - ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, a profile or an instance role -
 and never travel as flow parameters, which Prefect stores).
 
+``columns:`` (top level, and on each evaluation): canonical log column -> the column name in your
+logs, e.g. ``{prompt_id: id, policy: model, judge_score: judge, oracle_label: human_rating}``.
+The top-level mapping is every evaluation's default (and `cje evaluate`'s); an evaluation's own
+mapping overrides it key by key (``key: null`` drops a default key).  Keys are the engine's
+canonical columns (`cje_engine.data.io.CANONICAL`), ``ts``, or (per evaluation) a declared
+covariate; no column may be mapped twice (`check_columns`, did-you-mean hints).
+
 Every error is a one-line `CJEInputError` naming the file, the entry and the key.
 
 Windows (`parse_window`, `Window`, `as_date`) live here too: they are configuration, and the
@@ -37,8 +44,9 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from cje_engine.data.io import check_mapping
 from cje_engine.errors import CJEInputError
-from flows.storage.logs import as_date
+from flows.storage.logs import SERVICE_COLUMNS, as_date
 from cje_engine.options import did_you_mean
 
 #: Default location of the declarations: the repository root.
@@ -160,6 +168,38 @@ def resolve_uri(uri: str, base: Path | None) -> str:
     return str(p if p.is_absolute() else (base / p).resolve())
 
 
+def check_columns(columns: Any, where: str = "columns", covariates: Any = ()) -> dict[str, str]:
+    """A ``columns:`` mapping (canonical log column -> your column), validated; `CJEInputError`.
+
+    The engine's rule (`cje_engine.data.io.check_mapping`: canonical keys with a did-you-mean
+    hint, no column mapped twice) with the service's ``ts`` and the ``covariates`` allowed as
+    keys.  Messages start with ``where``.  ``covariates``: the evaluation's ``options.covariates``
+    (a name or a list; anything else is left to the engine options' own check).
+    """
+    if columns is None:
+        return {}
+    if isinstance(covariates, str):
+        covariates = (covariates,)
+    covariates = tuple(c for c in covariates if isinstance(c, str)) if isinstance(covariates, (list, tuple)) else ()
+    if not isinstance(columns, Mapping):
+        raise CJEInputError(f"{where}: expected a mapping of canonical column -> your column name, e.g. "
+                            "{prompt_id: id, policy: model}, got " + repr(columns))
+    try:
+        return check_mapping(columns, covariates, SERVICE_COLUMNS)
+    except CJEInputError as exc:
+        raise CJEInputError(f"{where}: {exc.detail}", option="columns") from None
+
+
+def merge_columns(default: Mapping[str, str] | None, own: Any) -> Any:
+    """An evaluation's mapping: the top-level ``default`` overridden key by key by its ``own``
+    (a ``null`` value drops a default key).  Anything but a mapping is returned for the check
+    to refuse."""
+    if own is not None and not isinstance(own, Mapping):
+        return own
+    merged = {**dict(default or {}), **dict(own or {})}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
 def check_cron(cron: str, tz: str) -> None:
     from prefect.client.schemas.schedules import CronSchedule  # a schema only: starts nothing
 
@@ -257,8 +297,16 @@ class EvaluationConfig(ScheduledEntry):
     options: dict[str, Any] = Field(default_factory=dict)
     label_requests: dict[str, Any] | None = None
     mode: Literal["direct", "logs-only", "hybrid"] = "direct"
+    columns: dict[str, str] = Field(default_factory=dict, validate_default=True,
+                                    description="canonical log column -> your column (top-level columns: merged)")
 
     _uris = _uri_validator("logs_uri", "results_uri", "labels_uri")
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _columns(cls, v: Any, info: ValidationInfo) -> Any:
+        """The top-level ``columns:`` (validation context) overridden key by key by the entry's."""
+        return merge_columns((info.context or {}).get("columns"), v)
 
     @field_validator("window", mode="before")
     @classmethod
@@ -295,6 +343,7 @@ class EvaluationConfig(ScheduledEntry):
             from cje_engine.pipeline.offpolicy import flow_options
 
             flow_options(self.options, self.policies, self.mode)
+        check_columns(self.columns, "key columns", self.options.get("covariates"))
 
 
 #: A reference look named by its key: ``YYYY-MM-DD/<judge_id>``.
@@ -375,7 +424,8 @@ class Config:
 # loading
 
 
-#: Top-level keys of ``evaluations.yaml`` (``columns``: the column mapping of `cje evaluate`/`cje plan`).
+#: Top-level keys of ``evaluations.yaml`` (``columns``: the default column mapping of every evaluation and of
+#: `cje evaluate` / `cje plan`).
 TOP_LEVEL_KEYS = ("evaluations", "drift_monitors", "columns")
 
 
@@ -399,11 +449,10 @@ def read_yaml(path: str | os.PathLike | None = None) -> tuple[Path, dict]:
         raise CJEInputError(f"unknown top-level key {unknown[0]!r}"
                             + did_you_mean(unknown[0], TOP_LEVEL_KEYS)
                             + f"; expected {', '.join(TOP_LEVEL_KEYS)}", source=str(p))
-    columns = doc.get("columns")
-    if columns is not None and not (isinstance(columns, dict)
-                                    and all(isinstance(k, str) and isinstance(v, str) for k, v in columns.items())):
-        raise CJEInputError("columns: expected a mapping of canonical column -> your column name, e.g. "
-                            "{prompt_id: id, policy: model}", source=str(p))
+    try:
+        check_columns(doc.get("columns"), "top-level key columns")
+    except CJEInputError as exc:
+        raise CJEInputError(exc.detail, source=str(p), option="columns") from None
     return p, doc
 
 
@@ -424,20 +473,28 @@ def _one_line(exc: ValidationError, model: type[BaseModel]) -> str:
 
 
 def validate_entry(model: type[ScheduledEntry], entry: Any, where: str, src: str | None = None,
-                   base: Path | None = None) -> ScheduledEntry:
-    """Validate one entry (a mapping from the file or a flow parameter) as ``model``."""
+                   base: Path | None = None, columns: Mapping[str, str] | None = None) -> ScheduledEntry:
+    """Validate one entry (a mapping from the file or a flow parameter) as ``model``
+    (``columns``: the file's top-level ``columns:``, the default of an evaluation's)."""
     if not isinstance(entry, dict):
         raise CJEInputError(f"{where} must be a mapping", source=src)
     label = entry.get("name", entry.get("set_name"))
     if isinstance(label, str):
         where = f"{where} ({label!r})"
     try:
-        obj = model.model_validate(entry, context={"base": base})
+        context: dict[str, Any] = {"base": base}
+        if columns:
+            context["columns"] = dict(columns)
+        obj = model.model_validate(entry, context=context)
         obj.check()
     except ValidationError as exc:
         raise CJEInputError(f"{where}: {_one_line(exc, model)}", source=src) from None
     except CJEInputError as exc:
-        raise CJEInputError(f"{where}: {exc}", source=src) from None
+        hint = ""
+        if columns and str(exc).startswith("key columns"):
+            hint = ("; the top-level columns: is merged into every evaluation's: override its keys here, or drop "
+                    "one with KEY: null")
+        raise CJEInputError(f"{where}: {exc}{hint}", source=src, option=exc.option) from None
     return obj
 
 
@@ -464,7 +521,7 @@ def load_config(path: str | os.PathLike | None = None, *, evaluation_cls: type[E
     src, base = str(p), p.resolve().parent
     evaluations: dict[str, EvaluationConfig] = {}
     for i, e in enumerate(_entries(doc, "evaluations", src, require_evaluations)):
-        spec = validate_entry(evaluation_cls, e, f"evaluations[{i}]", src, base)
+        spec = validate_entry(evaluation_cls, e, f"evaluations[{i}]", src, base, doc.get("columns"))
         if spec.name in evaluations:
             raise CJEInputError(f"evaluation {spec.name!r} is declared twice", source=src)
         evaluations[spec.name] = spec
@@ -478,4 +535,4 @@ def load_config(path: str | os.PathLike | None = None, *, evaluation_cls: type[E
 
 
 __all__ = ["Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "as_date", "load_config",
-           "read_yaml", "validate_entry", "check_uri", "check_publish_name", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]
+           "read_yaml", "validate_entry", "check_uri", "check_columns", "merge_columns", "check_publish_name", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]

@@ -153,7 +153,7 @@ def load_frame(
             column=clash[0],
         )
 
-    mapping = _check_mapping(columns, covariates, keep_columns)
+    mapping = check_mapping(columns, covariates, keep_columns)
     ids = set(ID_COLUMNS) | {src for canon, src in mapping.items() if canon in ID_COLUMNS}
     parts = list(collect(source, ids))
     if not parts:
@@ -206,9 +206,14 @@ def _finish(frame: pd.DataFrame, policies: Sequence[str] | None, covariates: Seq
 # --------------------------------------------------------------------------------------
 # Reading
 # --------------------------------------------------------------------------------------
-def _check_mapping(columns: Mapping[str, str] | None, covariates: Sequence[str],
-                   keep_columns: Sequence[str]) -> dict[str, str]:
-    """Validate a ``columns=`` mapping (canonical name -> input column)."""
+def check_mapping(columns: Mapping[str, str] | None, covariates: Sequence[str] = (),
+                  keep_columns: Sequence[str] = ()) -> dict[str, str]:
+    """Validate a ``columns=`` mapping (canonical name -> input column); every problem at once.
+
+    Keys must be canonical names (`CANONICAL`), ``covariates`` or ``keep_columns`` (with a
+    did-you-mean hint otherwise); values non-empty column names, no two keys mapping one column.
+    Raises `CJEInputError` (``option="columns"``).
+    """
     if columns is None:
         return {}
     if not isinstance(columns, Mapping):
@@ -220,14 +225,15 @@ def _check_mapping(columns: Mapping[str, str] | None, covariates: Sequence[str],
         if canon not in known:
             problems.append(CJEInputError(
                 f"columns maps {canon!r}, which is not a canonical column{_did_you_mean(canon, known)} "
-                f"(canonical columns: {', '.join(CANONICAL)})", option="columns"))
+                f"(canonical columns: {', '.join(list(CANONICAL) + list(keep_columns))})", option="columns"))
         elif not isinstance(src, str) or not src:
             problems.append(CJEInputError(f"columns[{canon!r}] must be a column name, got {src!r}", option="columns"))
     sources = [s for s in columns.values() if isinstance(s, str)]
     dup = sorted({s for s in sources if sources.count(s) > 1})
     if dup:
-        problems.append(CJEInputError(f"columns maps several canonical names to the same input column {dup[0]!r}",
-                                      option="columns"))
+        keys = " and ".join(repr(k) for k, s in columns.items() if s == dup[0])
+        problems.append(CJEInputError(f"columns maps several canonical names ({keys}) to the same input column "
+                                      f"{dup[0]!r}", option="columns"))
     _raise_all(problems)
     return dict(columns)
 
@@ -522,23 +528,57 @@ def _optional_columns(df: pd.DataFrame, part: Part, out: pd.DataFrame, labelled:
 
 def _apply_mapping(df: pd.DataFrame, name: str, mapping: Mapping[str, str]) -> pd.DataFrame:
     """Rename the input's columns to canonical names (``columns=``); all problems at once."""
-    if not mapping:
-        return df
+    return df.rename(columns=column_renames(df.columns, mapping, name)) if mapping else df
+
+
+def column_renames(names: Sequence[str], mapping: Mapping[str, str] | None, source: str,
+                   optional: Sequence[str] = ()) -> dict[str, str]:
+    """The renames (input column -> canonical name) a ``columns=`` mapping makes of one input.
+
+    The one rename rule of every reader: `load_frame` (``cje evaluate``) and the service's log
+    reads (`flows.storage.logs.read_window`, the pre-flight check of ``cje run``).
+
+    Parameters
+    ----------
+    names : sequence of str
+        The input's column names.
+    mapping : mapping of str to str or None
+        Canonical name -> input column (validated with `check_mapping`).
+    source : str
+        The input's name (file or object URL) for error messages.
+    optional : sequence of str
+        Canonical names whose mapped column may be absent from this input (the service's inline
+        label columns, which only some partitions carry).  Others must be present, unless the
+        input already has the canonical name.
+
+    Returns
+    -------
+    dict
+        ``{input column: canonical name}`` for the mapped columns present.
+
+    Raises
+    ------
+    CJEInputError
+        A mapped column missing from the input (with a did-you-mean hint), or an input having both
+        the mapped column and the canonical one; every problem at once, naming ``source``.
+    """
+    present = [str(c) for c in names]
+    have = set(present)
     problems, rename = [], {}
-    for canon, src in mapping.items():
-        if src in df.columns:
-            if canon in df.columns and canon != src:
+    for canon, src in (mapping or {}).items():
+        if src in have:
+            if canon in have and canon != src:
                 problems.append(CJEInputError(
                     f"columns maps {canon!r} to {src!r}, but the input also has a column {canon!r}; "
-                    "drop or rename one of them", source=name, column=src, option="columns"))
+                    "drop or rename one of them", source=source, column=src, option="columns"))
             else:
                 rename[src] = canon
-        elif canon not in df.columns:  # an input that already uses the canonical name needs no mapping
+        elif canon not in have and canon not in optional:  # already canonical: nothing to rename
             problems.append(CJEInputError(
-                f"columns maps {canon!r} to {src!r}, which is not a column{_did_you_mean(src, df.columns)} "
-                f"(columns present: {', '.join(df.columns)})", source=name, column=src, option="columns"))
+                f"columns maps {canon!r} to {src!r}, which is not a column{_did_you_mean(src, present)} "
+                f"(columns present: {', '.join(present)})", source=source, column=src, option="columns"))
     _raise_all(problems)
-    return df.rename(columns=rename)
+    return rename
 
 
 def _check_columns(df: pd.DataFrame, part: Part, covariates: Sequence[str], keep_columns: Sequence[str]) -> None:

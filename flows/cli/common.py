@@ -8,13 +8,13 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from cje_engine.data.io import check_mapping
 from cje_engine.errors import CJEInputError
 
 from flows.cli.terminal import err
+from flows.config import read_yaml
+from flows.storage.logs import SERVICE_COLUMNS
 
-#: Canonical columns a ``--columns`` mapping may name.
-CANONICAL_COLUMNS = ("prompt_id", "policy", "judge_score", "oracle_label", "label_probability", "response_id",
-                     "response", "draw_idx")
 CONFIG_ENV = "CJE_CONFIG"
 CONFIG_NAME = "evaluations.yaml"
 
@@ -44,27 +44,14 @@ def parse_columns(text: str) -> dict[str, str]:
 
 
 def check_columns(columns: Any, source: str = "--columns") -> dict[str, str]:
-    """Validate a mapping canonical -> source column (from ``--columns`` or ``columns:`` in the config)."""
+    """Validate a mapping canonical -> source column (``--columns``): the engine's rule
+    (`cje_engine.data.io.check_mapping`, did-you-mean hints, no column mapped twice)."""
     if columns is None:
         return {}
-    if not isinstance(columns, Mapping) or not all(isinstance(k, str) and isinstance(v, str) and v.strip()
-                                                   for k, v in columns.items()):
-        raise CJEInputError("columns must map canonical column names to source column names, e.g. "
-                            "{prompt_id: id, policy: model}", source=source, column="columns")
-    unknown = [k for k in columns if k not in CANONICAL_COLUMNS]
-    if unknown:
-        from difflib import get_close_matches
-
-        close = get_close_matches(unknown[0], CANONICAL_COLUMNS, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise CJEInputError(f"{unknown[0]!r} is not a canonical column{hint} (canonical columns: "
-                            f"{', '.join(CANONICAL_COLUMNS)})", source=source, column="columns")
-    sources = list(columns.values())
-    dup = next((s for s in sources if sources.count(s) > 1), None)
-    if dup is not None:
-        raise CJEInputError(f"source column {dup!r} is mapped to two canonical columns", source=source,
-                            column="columns")
-    return dict(columns)
+    try:
+        return check_mapping(columns)
+    except CJEInputError as exc:
+        raise CJEInputError(exc.detail, source=source, column="columns", option="columns") from None
 
 
 def load_input(source: Any, columns: Mapping[str, str] | None, **options: Any):
@@ -106,16 +93,12 @@ def find_config(given: str | os.PathLike | None, *, required: bool = True, quiet
 
 
 def config_columns(path: Path | None) -> dict[str, str]:
-    """The top-level ``columns:`` mapping of an evaluations file (empty without one)."""
+    """The top-level ``columns:`` mapping of an evaluations file (empty without one), checked by
+    `flows.config.read_yaml`; ``ts`` (a service log column the engine does not read) is left out."""
     if path is None:
         return {}
-    import yaml
-
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise CJEInputError(f"cannot read the evaluations file: {exc}", source=str(path)) from None
-    return check_columns((doc or {}).get("columns") if isinstance(doc, dict) else None, source=str(path))
+    _, doc = read_yaml(path)
+    return {k: v for k, v in (doc.get("columns") or {}).items() if k not in SERVICE_COLUMNS}
 
 
 # ------------------------------------------------------------------------------ output folders

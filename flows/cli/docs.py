@@ -41,7 +41,8 @@ parser disagree. Every command also answers `cje COMMAND --help`.
 * **The evaluations file** is `--config FILE`, else `$CJE_CONFIG`, else `./evaluations.yaml` in the current
   folder; the path in use is printed on stderr (`config: PATH (from ...)`). Its top-level `columns:`
   mapping (e.g. `columns: {prompt_id: id, policy: model}`) is the default of `--columns` for
-  `cje evaluate` and `cje plan`.
+  `cje evaluate` and `cje plan`, and of every evaluation's own `columns:` for `cje run` and `cje serve`
+  (merged key by key; docs/logs-layout.md).
 * **Column mapping.** `--columns CANONICAL=SOURCE,...` renames your columns to the canonical ones
   (`prompt_id`, `policy`, `judge_score`, `oracle_label`, `label_probability`, `response_id`, `response`,
   `draw_idx`), e.g. `--columns prompt_id=id,policy=model,oracle_label=human_rating`.
@@ -49,8 +50,9 @@ parser disagree. Every command also answers `cje COMMAND --help`.
   holds no earlier result (`--overwrite` replaces one); files are written through a temporary file and
   a rename, and no temporary file is left after a failed write.
 * **Service mode** (`cje run`, `cje serve`) checks its inputs before starting Prefect and Ray: the logs
-  layout (docs/logs-layout.md), the first partition's columns and the covariates (`response_length`
-  is derived from the `response` text, as in `cje evaluate`).
+  layout (docs/logs-layout.md), the first partition's columns (every partition's, when the evaluation
+  maps its columns) and the covariates (`response_length` is derived from the `response` text, as in
+  `cje evaluate`).
 """
 
 JSON_SHAPES = """\

@@ -20,7 +20,6 @@ import logging
 from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from cje_engine.errors import CJEInputError
 
@@ -43,12 +42,13 @@ def _reason_text(manifest: Mapping) -> str:
 
 
 def read_texts(logs_uri: str, storage_cfg: Any, rows: Sequence[Mapping],
-               text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> dict[str, dict]:
+               text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS,
+               mapping: Mapping[str, str] | None = None) -> dict[str, dict]:
     """Text of the requested responses from the logs: ``response_id -> {column: text}``.
 
     Only the partitions of the rows' log dates are read, with the id filter pushed into the scan.
     Raises `CJEInputError` naming the column when the logs lack a text column, and the ids the
-    logs do not have.
+    logs do not have.  ``mapping``: the evaluation's ``columns:`` (the logs' own names).
     """
     if not rows:
         return {}
@@ -59,11 +59,13 @@ def read_texts(logs_uri: str, storage_cfg: Any, rows: Sequence[Mapping],
         files = [f for d in dates for f in discover_partitions(st, d, d)]
     else:
         files = discover_partitions(st, "1970-01-01", "2999-12-31")
-    flt = pc.field("response_id").isin(pa.array(ids, pa.string()))
-    table = read_window(st, files, columns=["response_id", *text_columns], check_unique=False, row_filter=flt)
+    wanted = pa.array(ids, pa.string())
+    table = read_window(st, files, columns=["response_id", *text_columns], check_unique=False, mapping=mapping,
+                        row_filter=lambda field: field("response_id").isin(wanted))
     out = {}
     for rec in table.to_pylist():
-        out[str(rec.pop("response_id"))] = {k: (None if v is None else str(v)) for k, v in rec.items()}
+        rid = str(rec.pop("response_id"))  # popped first: the value of `out[k] = v` is evaluated before k
+        out[rid] = {k: (None if v is None else str(v)) for k, v in rec.items()}
     missing = [i for i in ids if i not in out]
     if missing:
         raise CJEInputError(f"{len(missing)} requested response(s) are not in the logs (first: {missing[:3]}); the "

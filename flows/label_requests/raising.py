@@ -38,15 +38,18 @@ def _window_dates(window: str) -> tuple[date, date]:
         raise CJEInputError(f"window {window!r} is not 'YYYY-MM-DD_YYYY-MM-DD'") from None
 
 
-def read_evaluated_logs(logs_uri: str, window: str, labels_uri: str | None, storage_cfg: Any) -> pa.Table:
+def read_evaluated_logs(logs_uri: str, window: str, labels_uri: str | None, storage_cfg: Any,
+                        columns: Mapping[str, str] | None = None) -> pa.Table:
     """The window's rows (ids, policy, prompt, score, dt) with their labels: inline ones of the logs
-    combined with the label store's (the store wins), as the evaluate flow joins them."""
+    combined with the label store's (the store wins), as the evaluate flow joins them (``columns``:
+    the evaluation's column mapping, applied as the evaluate flow reads)."""
     st = _storage(logs_uri, storage_cfg)
     start, end = _window_dates(window)
     files = discover_partitions(st, start, end)
     base = ["response_id", "policy", "prompt_id", "judge_score", "dt"]
-    inline = inline_label_columns(st, [f.key for f in files])
-    table = read_window(st, files, columns=None if inline["mixed"] else base + inline["columns"], check_unique=False)
+    inline = inline_label_columns(st, [f.key for f in files], mapping=columns)
+    table = read_window(st, files, columns=None if inline["mixed"] else base + inline["columns"], check_unique=False,
+                        mapping=columns)
     table = table.select([c for c in base + list(LABEL_COLUMNS) if c in table.column_names])
     store = LabelStore(_storage(labels_uri or logs_uri, storage_cfg))
     if store.version() > 0:
@@ -59,7 +62,8 @@ def read_evaluated_logs(logs_uri: str, window: str, labels_uri: str | None, stor
 def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, window: str,
                            published_result: Mapping, logs_table_or_uri: Any,
                            config: Mapping | RequestConfig | None = None, *, drift_look: Mapping | None = None,
-                           anchor_ids: Sequence[str] | None = None, now: datetime | str | None = None) -> list[dict]:
+                           anchor_ids: Sequence[str] | None = None, now: datetime | str | None = None,
+                           columns: Mapping[str, str] | None = None) -> list[dict]:
     """Raise (write and notify) the label requests a published run calls for.
 
     Parameters
@@ -76,6 +80,8 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
         Evaluated rows, or the logs URI (the window is read, labels joined from
         ``config.labels_uri`` or the logs URI).
     config : dict or RequestConfig
+    columns : mapping of str to str, optional
+        The evaluation's column mapping (canonical -> column in the logs) when the logs are read.
 
     Returns
     -------
@@ -85,7 +91,7 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
     cfg = RequestConfig.from_dict(config)
     logs_uri = logs_table_or_uri if isinstance(logs_table_or_uri, str) else None
     if logs_uri is not None:
-        table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg)
+        table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg, columns)
     else:
         table = _as_table(logs_table_or_uri)
     st = _storage(cfg.requests_uri or results_uri, storage_cfg)
@@ -160,7 +166,7 @@ def _empty_logs() -> pa.Table:
 def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mapping, anchor_ids: Sequence[str], *,
                          evaluation: str | None = None, latest: Mapping | None = None, logs_uri: str | None = None,
                          config: Mapping | RequestConfig | None = None, no_traffic_reason: str | None = None,
-                         now: datetime | str | None = None) -> dict:
+                         now: datetime | str | None = None, columns: Mapping[str, str] | None = None) -> dict:
     """Raise the label request of a drift alarm: fresh labels on anchors and on recent traffic.
 
     Only the ``drift_alarm`` trigger is evaluated here (the audit triggers belong to the
@@ -187,6 +193,8 @@ def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mappin
     no_traffic_reason : str, optional
         Why recent traffic cannot be requested (recorded in the manifest); without ``latest``
         and ``logs_uri`` the request holds anchors only.
+    columns : mapping of str to str, optional
+        The evaluation's column mapping (``columns:``), applied when its logs are read.
 
     Returns
     -------
@@ -206,7 +214,7 @@ def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mappin
     if has_result and logs_uri:
         window = str(latest["window"])
         try:
-            table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg)
+            table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg, columns)
         except CJEInputError as exc:  # the alarm still asks for anchor labels; the manifest says why
             log.warning("drift label request: recent traffic of %r not readable (%s); anchors only", evaluation, exc)
             no_traffic_reason = f"the logs of window {window} of evaluation {evaluation!r} are not readable ({exc})"

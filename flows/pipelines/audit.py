@@ -23,10 +23,10 @@ from flows.storage.objects import StorageConfig
 @task(name="raise_label_requests", retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE)
 def raise_label_requests(results_uri: str, cfg: Any, evaluation: str, window: str, outcome: dict,
                          logs_uri: str, config: dict, drift_look: dict | None,
-                         anchor_ids: list[str] | None) -> list[dict]:
+                         anchor_ids: list[str] | None, columns: dict[str, str] | None = None) -> list[dict]:
     """`flows.label_requests.raising.raise_requests_for_run` as a Prefect task (storage retries)."""
     return raise_requests_for_run(cfg, results_uri, evaluation, window, outcome, logs_uri, config,
-                                  drift_look=drift_look, anchor_ids=anchor_ids)
+                                  drift_look=drift_look, anchor_ids=anchor_ids, columns=columns)
 
 
 @flow(name="evaluate_and_audit", log_prints=False, validate_parameters=True)
@@ -45,6 +45,7 @@ def evaluate_and_audit(
     drift_look: dict[str, Any] | None = None,
     anchor_ids: list[str] | None = None,
     mode: str = "direct",
+    columns: dict[str, str] | None = None,
 ) -> dict:
     """The `evaluate` flow, then notifications and automatic label requests.
 
@@ -63,6 +64,8 @@ def evaluate_and_audit(
     req_dict = cfg_req.to_dict()
     req_dict["labels_uri"] = req_dict["labels_uri"] or labels_uri or logs_uri
     extra = {"mode": mode} if (mode != "direct" or "mode" in evaluate.parameters.properties) else {}
+    if columns:  # the evaluation's column mapping (``columns:`` in evaluations.yaml)
+        extra["columns"] = dict(columns)
     out = evaluate(logs_uri=logs_uri, window=window, evaluation=evaluation, results_uri=results_uri,
                    labels_uri=labels_uri, policies=policies, options=options, as_of=as_of, n_chunks=n_chunks,
                    retry_delays=retry_delays, **extra)
@@ -75,7 +78,7 @@ def evaluate_and_audit(
     try:
         out["label_requests"] = raise_label_requests(results_uri or logs_uri, quote(cfg), evaluation,
                                                      out["window"], quote(out), logs_uri, req_dict, drift_look,
-                                                     anchor_ids)
+                                                     anchor_ids, columns)
     except Exception as exc:  # noqa: BLE001 - the result is published; report, do not unpublish
         logger.error("label requests for %s/%s failed: %s", evaluation, out["window"], exc)
         out["label_requests_error"] = f"{type(exc).__name__}: {exc}"

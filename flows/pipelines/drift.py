@@ -118,7 +118,8 @@ def _label_requests(s: DriftSettings, cfg: Any, retry: dict, alarming: list[dict
         return {"requests": [], "skipped": []}, None
     try:
         return raise_label_requests.with_options(**retry)(s.uri("results"), quote(cfg), quote(alarming), anchor_ids,
-                                                          s.evaluation, s.evaluation_logs_uri, req_config), None
+                                                          s.evaluation, s.evaluation_logs_uri, req_config,
+                                                          s.evaluation_columns), None
     except Exception as exc:  # noqa: BLE001 - the looks are committed; report, do not fail the monitor
         get_run_logger().error("label requests for the drift alarm of monitor %s failed: %s", s.name, exc)
         return {"requests": [], "skipped": []}, f"{type(exc).__name__}: {exc}"

@@ -32,8 +32,8 @@ class DriftSettings(BaseModel):
     (``anchors_uri``; ``logs_uri``, ``drift_uri``, ``results_uri`` default to it); *judge*
     (``judge_id``, ``scorer``, ``scored_at``: the flow re-scores the anchors itself when a scorer
     is given); *comparison* (``reference``, ``replicate``, ``monitor`` = `DriftMonitor` options,
-    ``through``); *linked evaluation* (``evaluation``, ``evaluation_logs_uri``, ``labels_uri``,
-    ``label_requests``); *alerts and retries* (``notify_on``, ``webhook_url``, ``retry_delays``).
+    ``through``); *linked evaluation* (``evaluation``, ``evaluation_logs_uri``, ``evaluation_columns``
+    = its ``columns:`` mapping, ``labels_uri``, ``label_requests``); *alerts and retries* (``notify_on``, ``webhook_url``, ``retry_delays``).
     docs/drift-flow.md explains each.
     """
 
@@ -55,6 +55,7 @@ class DriftSettings(BaseModel):
     through: str | None = None
     evaluation: str | None = None
     evaluation_logs_uri: str | None = None
+    evaluation_columns: dict[str, str] | None = None
     labels_uri: str | None = None
     label_requests: dict[str, Any] | None = None
     notify_on: Literal["new", "every"] = "new"
@@ -126,6 +127,7 @@ class DriftMonitorSpec:
     description: str = ""
     #: from the linked evaluation declared in the same file (`flows.runtime.schedules.EvaluationSpec`)
     evaluation_logs_uri: str | None = None
+    evaluation_columns: dict | None = None
     labels_uri: str | None = None
     label_requests: dict | None = None
 
@@ -141,6 +143,7 @@ class DriftMonitorSpec:
                 "reference": self.reference, "replicate": self.replicate, "anchors_version": self.anchors_version,
                 "monitor": dict(self.monitor), "monitor_name": self.name, "notify_on": self.notify_on,
                 "evaluation_logs_uri": self.evaluation_logs_uri, "labels_uri": self.labels_uri,
+                "evaluation_columns": dict(self.evaluation_columns) if self.evaluation_columns else None,
                 "label_requests": dict(self.label_requests) if self.label_requests else None}
 
     def to_deployment(self):
@@ -189,6 +192,7 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
         out[name] = DriftMonitorSpec(
             name=name, set_name=m.set_name, anchors_uri=m.anchors_uri, logs_uri=m.logs_uri, drift_uri=m.drift_uri,
             results_uri=results_uri, evaluation_logs_uri=linked.logs_uri if linked else None,
+            evaluation_columns=dict(linked.columns) if linked and linked.columns else None,
             labels_uri=(linked.labels_uri or linked.logs_uri) if linked else None,
             label_requests=dict(linked.label_requests) if linked and linked.label_requests else None,
             evaluation=m.evaluation, judge_id=m.judge_id, scorer=dict(m.scorer) if m.scorer else None,

@@ -384,7 +384,8 @@ def first_alarms_of(look: dict) -> list[str]:
 
 @task(name="raise_label_requests", **_STORAGE_TASK)
 def raise_label_requests(results_uri: str, cfg: Any, looks: list[dict], anchor_ids: list[str],
-                         evaluation: str | None, evaluation_logs_uri: str | None, config: dict) -> dict:
+                         evaluation: str | None, evaluation_logs_uri: str | None, config: dict,
+                         evaluation_columns: dict[str, str] | None = None) -> dict:
     """`flows.label_requests.requests.raise_drift_requests` for every look with a first alarm of a metric.
 
     Traffic rows come from the linked evaluation's latest published run (its window and
@@ -408,6 +409,7 @@ def raise_label_requests(results_uri: str, cfg: Any, looks: list[dict], anchor_i
         got = raise_drift_requests(cfg, results_uri, lk, anchor_ids, evaluation=evaluation,
                                    latest=latest if reason is None else None,
                                    logs_uri=evaluation_logs_uri if reason is None else None, config=config,
+                                   columns=evaluation_columns,
                                    no_traffic_reason=reason)
         out["requests"] += got["requests"]
         out["skipped"] += [dict(s, look=lk.get("look")) for s in got["skipped"]]

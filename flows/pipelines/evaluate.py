@@ -64,7 +64,7 @@ from cje_engine.pipeline.direct import finalize as engine_finalize
 from cje_engine.pipeline.direct import prepare as engine_prepare
 from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
 
-from flows.config import Window, check_publish_name, check_uri, parse_window
+from flows.config import Window, check_columns, check_publish_name, check_uri, parse_window
 from flows.pipelines import preflight
 from flows.integrations.regressions import monitor_evaluation
 from flows.runtime import ray_fanout as ray_runtime
@@ -138,14 +138,15 @@ def _group_files(files: Sequence[dict], n_groups: int) -> list[list[dict]]:
 
 @task(name="read", **_STORAGE_TASK)
 def read(logs_uri: str, cfg: Any, files: list[dict], columns: list[str] | None,
-         policies: list[str] | None, n_groups: int) -> pa.Table:
-    """Read the window's partitions on Ray, one task per group of files."""
+         policies: list[str] | None, n_groups: int, mapping: dict[str, str] | None = None) -> pa.Table:
+    """Read the window's partitions on Ray, one task per group of files (columns renamed by
+    ``mapping``, the evaluation's ``columns:``)."""
     groups = _group_files(files, n_groups)
     cfg_dict = cfg.to_dict(include_secrets=True)
     t0 = time.perf_counter()
     parts = ray_runtime.map_ordered(
         ray_runtime.remote_read,
-        [(logs_uri, cfg_dict, [f["key"] for f in g], columns, policies) for g in groups],
+        [(logs_uri, cfg_dict, [f["key"] for f in g], columns, policies, mapping) for g in groups],
         name="cje_read",
     )
     table = concat_with_sources(parts) if parts else None
@@ -164,14 +165,15 @@ def read_needed(plan: "RunPlan", cfg: Any, files: list[dict]) -> pa.Table:
     `join_labels`); when only some files have them, every column is read and the needed ones
     are kept afterwards.
     """
-    inline = inline_labels.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files)
+    inline = inline_labels.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files, plan.columns)
     # Derivable covariates (response_length) missing from the logs: read their source text.
     needed = plan.needed_columns
     if any(c in preflight.DERIVED for c in plan.covariates):
-        needed = preflight.read_columns(needed, plan.covariates, preflight.logs_columns(plan.logs_uri, cfg, files))
+        needed = preflight.read_columns(needed, plan.covariates,
+                                        preflight.logs_columns(plan.logs_uri, cfg, files, mapping=plan.columns))
     columns = None if inline["mixed"] else needed + inline["columns"]
     table = read.with_options(**plan.retry)(plan.logs_uri, quote(cfg), files, columns, plan.read_policies,
-                                            2 * ray_runtime.cluster_cpus())
+                                            2 * ray_runtime.cluster_cpus(), plan.columns)
     if columns is None:
         table = table.select([c for c in needed + list(LABEL_COLUMNS) if c in table.column_names])
     return table
@@ -194,11 +196,12 @@ def load_labels(labels_uri: str, cfg: Any) -> tuple[pa.Table | None, dict]:
 
 
 @task(name="inline_labels", **_STORAGE_TASK)
-def inline_labels(logs_uri: str, cfg: Any, files: list[dict]) -> dict:
-    """Label columns the log files carry inline (Parquet footers only; `inline_label_columns`)."""
+def inline_labels(logs_uri: str, cfg: Any, files: list[dict], mapping: dict[str, str] | None = None) -> dict:
+    """Label columns the log files carry inline, under their canonical names after ``mapping``
+    (Parquet footers only; `inline_label_columns`)."""
     from flows.storage.labels import inline_label_columns
 
-    return inline_label_columns(_storage(logs_uri, cfg), [f["key"] for f in files])
+    return inline_label_columns(_storage(logs_uri, cfg), [f["key"] for f in files], mapping=mapping)
 
 
 @task(name="join_labels", **_PURE_TASK)
@@ -396,6 +399,7 @@ class RunPlan:
     extra_columns: list[str]
     read_policies: list[str] | None
     retry: dict
+    columns: dict[str, str] | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -417,8 +421,8 @@ class RunPlan:
 
 def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | None, labels_uri: str | None,
              policies: list[str] | None, options: dict | None, as_of: str | None, retry_delays: list[float] | None,
-             mode: str) -> RunPlan:
-    """Resolve defaults and check every parameter (names, URIs, window, options); no I/O."""
+             mode: str, columns: dict[str, str] | None = None) -> RunPlan:
+    """Resolve defaults and check every parameter (names, URIs, window, options, column mapping); no I/O."""
     check_publish_name(evaluation, "evaluation name")
     for what, uri in (("logs_uri", logs_uri), ("results_uri", results_uri), ("labels_uri", labels_uri)):
         if uri:
@@ -428,11 +432,13 @@ def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | Non
     else:
         opts = flow_options(options, policies, mode)
         extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
+    columns = check_columns(columns, "columns", (options or {}).get("covariates")) or None
     delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
     return RunPlan(evaluation=evaluation, window_spec=str(window), window=parse_window(window, as_of),
                    logs_uri=logs_uri, results_uri=results_uri or logs_uri, labels_uri=labels_uri or logs_uri,
                    policies=policies, mode=mode, opts=opts, extra_columns=extra_columns,
-                   read_policies=read_policies, retry=dict(retries=len(delays), retry_delay_seconds=delays or [0.0]))
+                   read_policies=read_policies, retry=dict(retries=len(delays), retry_delay_seconds=delays or [0.0]),
+                   columns=columns)
 
 
 def config_hash(config: dict) -> str:
@@ -455,6 +461,8 @@ def run_config(plan: RunPlan) -> dict:
               "logs_uri": plan.logs_uri, "labels_uri": plan.labels_uri}
     if plan.mode != "direct":
         config["mode"] = plan.mode
+    if plan.columns:  # the same rows under other names: a different input, so a different run key
+        config["columns"] = dict(sorted(plan.columns.items()))
     return config
 
 
@@ -504,6 +512,7 @@ def evaluate(
     n_chunks: int | None = None,
     retry_delays: list[float] | None = None,
     mode: str = "direct",
+    columns: dict[str, str] | None = None,
 ) -> dict:
     """Evaluate a window of logs and publish the result.
 
@@ -533,6 +542,9 @@ def evaluate(
         logger's logged responses with ``base_logprob`` and ``logprob__<candidate>`` columns (read
         by projection), plus the candidates' fresh draws in hybrid mode
         (`cje_engine.pipeline.offpolicy`; candidates from ``options["targets"]`` or ``policies``).
+    columns : dict, optional
+        Canonical column -> the column name in the logs (the evaluation's ``columns:``); the
+        files' columns are renamed as they are read (`flows.storage.logs.read_window`).
 
     Returns
     -------
@@ -542,7 +554,7 @@ def evaluate(
         ``result`` (the result dict).
     """
     plan = plan_run(logs_uri, window, evaluation, results_uri, labels_uri, policies, options, as_of,
-                    retry_delays, mode)
+                    retry_delays, mode, columns)
     cfg = StorageConfig.from_env()  # from the driver's environment, never a flow parameter
     win, retry = plan.window, plan.retry
     get_run_logger().info("evaluation %r over %s (%s) from %s", evaluation, win.label, window, logs_uri)

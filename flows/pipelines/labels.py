@@ -235,8 +235,10 @@ def _from_requests(requests: Sequence[Mapping], ids: set[str]) -> dict[str, dict
     return out
 
 
-def _scan_logs(logs_uri: str, cfg: Any, ids: set[str], lookback: tuple[date, date] | None) -> dict[str, dict]:
-    """Look ids up in the logs: ``response_id`` and ``dt`` only, the id filter pushed into the scan."""
+def _scan_logs(logs_uri: str, cfg: Any, ids: set[str], lookback: tuple[date, date] | None,
+               mapping: dict[str, str] | None = None) -> dict[str, dict]:
+    """Look ids up in the logs: ``response_id`` and ``dt`` only, the id filter pushed into the scan
+    (``mapping``: the evaluation's ``columns:``, the logs' own names)."""
     from flows.storage.logs import PARTITION, discover_partitions, partition_of, read_window
 
     st = _storage(logs_uri, cfg)
@@ -246,8 +248,9 @@ def _scan_logs(logs_uri: str, cfg: Any, ids: set[str], lookback: tuple[date, dat
         files = [f for f in st.list(f"{PARTITION}=") if f.key.endswith(".parquet") and partition_of(f.key)]
     if not files or not ids:
         return {}
-    flt = pc.field("response_id").isin(pa.array(sorted(ids), pa.string()))
-    table = read_window(st, files, columns=["response_id", PARTITION], check_unique=False, row_filter=flt)
+    wanted = pa.array(sorted(ids), pa.string())
+    table = read_window(st, files, columns=["response_id", PARTITION], check_unique=False, mapping=mapping,
+                        row_filter=lambda field: field("response_id").isin(wanted))
     return {r: {"inclusion_probability": None, "dt": d, "logs_uri": logs_uri}
             for r, d in zip(table.column("response_id").to_pylist(), table.column(PARTITION).to_pylist())}
 
@@ -264,8 +267,11 @@ def read_labels_task(path: str, cfg: Any, answers_format: str, answer_field: str
 
 @task(name="locate", **_STORAGE_TASK)
 def locate_task(table: pa.Table, source: str, requests_uri: str, logs_uris: list[str], cfg: Any,
-                lookback: tuple[date, date] | None) -> tuple[dict, list[dict]]:
-    """Where every id of the file comes from (requests first, then the logs)."""
+                lookback: tuple[date, date] | None,
+                mappings: dict[str, dict] | None = None) -> tuple[dict, list[dict]]:
+    """Where every id of the file comes from (requests first, then the logs; ``mappings``: logs URI
+    -> the column mapping of the evaluation reading it)."""
+    mappings = mappings or {}
     if "response_id" not in table.column_names:
         raise CJEInputError(f"required label column is missing (found {table.column_names})", source=source,
                             column="response_id")
@@ -276,14 +282,14 @@ def locate_task(table: pa.Table, source: str, requests_uri: str, logs_uris: list
         missing = ids - set(known)
         if not missing:
             break
-        for r, v in _scan_logs(uri, cfg, missing, lookback).items():
+        for r, v in _scan_logs(uri, cfg, missing, lookback, mappings.get(uri)).items():
             known.setdefault(r, v)
     # A request row without a log date: take it from the logs when they have it.
     undated = {r for r, v in known.items() if v.get("dt") is None}
     for uri in logs_uris:
         if not undated:
             break
-        for r, v in _scan_logs(uri, cfg, undated, lookback).items():
+        for r, v in _scan_logs(uri, cfg, undated, lookback, mappings.get(uri)).items():
             known[r]["dt"] = v["dt"]
             known[r].setdefault("logs_uri", uri)
         undated = {r for r, v in known.items() if v.get("dt") is None}
@@ -473,6 +479,11 @@ def affected_windows(spec: Any, dates: set[str], published: Sequence[str], as_of
 # the flow
 
 
+def _mappings(specs: Sequence[Any]) -> dict[str, dict]:
+    """Logs URI -> the column mapping (``columns:``) of the evaluation reading it."""
+    return {s.logs_uri: dict(s.columns) for s in specs if getattr(s, "columns", None)}
+
+
 def _scope(labels_uri: str, logs_uri: str | None, evaluations_file: str | None, evaluations: Sequence[Mapping] | None,
            lookback_start: str | None, lookback_end: str | None) -> tuple[list, list[str], tuple[date, date] | None]:
     """The evaluations using this label store, the logs to look ids up in, the lookback range."""
@@ -610,7 +621,7 @@ def labels(
                                         lookback_end)
 
     table, source, read_info = read_labels_task(path, quote(cfg), answers_format, answer_field, id_field)
-    known, requests = locate_task(quote(table), source, requests_uri, logs_uris, quote(cfg), lookback)
+    known, requests = locate_task(quote(table), source, requests_uri, logs_uris, quote(cfg), lookback, _mappings(specs))
     table, anchor_rows, anchor_map = split_anchors(table, known, requests)
     table, anchor_rows, label_scale = scale_answers(table, anchor_rows, known, anchor_map, label_scale, source)
     anchors_out = (anchor_task(quote(anchor_rows), anchor_map, anchors_uri, evaluations_file, quote(cfg),

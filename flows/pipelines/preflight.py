@@ -10,16 +10,24 @@ Derived covariates: ``response_length`` is the number of whitespace-separated to
 ``response`` text, the rule of `cje_engine.data.io.load_frame` (regex ``\\S+`` on the text). When
 the logs have no ``response_length`` column but have ``response``, the flow reads ``response``
 instead (`read_columns`) and adds the covariate after the read (`derive_covariates`).
+
+Column mapping: with an evaluation's ``columns:`` (canonical -> the logs' own names) every name
+here is canonical, after the files' columns are renamed by the reader's own rule
+(`flows.storage.logs.log_renames`).  The check reads every partition's footer then, so that a
+mapped column missing from any file is one line naming that object and the column.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from cje_engine.errors import CJEInputError
+from cje_engine.options import did_you_mean
+
+from flows.storage.logs import log_renames
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +68,10 @@ def derive_covariates(table: pa.Table, covariates: Sequence[str], source: str = 
     return table
 
 
-def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool = False) -> list[str]:
-    """Column names of the first partition file of the window (its Parquet footer only).
+def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool = False,
+                 mapping: Mapping[str, str] | None = None) -> list[str]:
+    """Column names of the first partition file of the window (its Parquet footer only), renamed
+    by ``mapping`` (`flows.storage.logs.log_renames`: a mapped column the file lacks is `CJEInputError`).
 
     ``strict`` (the pre-flight check): an unreadable footer is `CJEInputError` naming the object.
     Otherwise (inside the flow) it gives ``[]``: the read that follows retries storage errors and
@@ -77,13 +87,32 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool
     fs, _ = st.arrow_fs
     key = files[0]["key"]
     try:
-        return list(ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema.names)
+        names = list(ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema.names)
     except (pa.ArrowInvalid, OSError) as exc:
         if strict:
             raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
                                 source=st.url(key)) from None
         log.debug("footer of %s not readable (%s); no covariate is derived from it", st.url(key), exc)
         return []
+    renames = log_renames(names, mapping, st.url(key))
+    return [renames.get(n, n) for n in names]
+
+
+def check_mapped_files(st: Any, files: Sequence[dict], mapping: Mapping[str, str],
+                       first_names: Sequence[str] = ()) -> None:
+    """Every file of the window has the mapped columns (footers only, `inline_label_columns`,
+    which renames each file's columns by `log_renames`), and a mapped label column is in at
+    least one file (else the labels the mapping names would silently be none)."""
+    from flows.storage.labels import LABEL_COLUMNS, inline_label_columns
+
+    keys = [f["key"] for f in files]
+    inline = inline_label_columns(st, keys, mapping=mapping)
+    for canon in LABEL_COLUMNS:
+        if canon in mapping and canon not in inline["columns"]:
+            raise CJEInputError(f"columns maps {canon!r} to {mapping[canon]!r}, which is in none of the {len(keys)} "
+                                f"log file(s) of the window{did_you_mean(mapping[canon], first_names)}; fix the "
+                                "name, or drop the key", source=st.url(keys[0]),
+                                column=mapping[canon], option="columns")
 
 
 def _layout_error(st: Any, win: Any) -> CJEInputError:
@@ -118,6 +147,7 @@ def check_evaluation(params: dict) -> dict:
     """
     from pathlib import Path
 
+    from flows.config import check_columns
     from flows.pipelines.evaluate import engine_options, parse_window
     from flows.storage.logs import REQUIRED, discover_partitions
     from flows.storage.objects import Storage, StorageConfig
@@ -128,6 +158,7 @@ def check_evaluation(params: dict) -> dict:
     covariates: list[str] = []
     if mode == "direct":
         covariates = list(engine_options(params.get("options"), params.get("policies")).get("covariates") or [])
+    mapping = check_columns(params.get("columns"), "columns", (params.get("options") or {}).get("covariates")) or None
     if "://" not in str(logs_uri) and not Path(logs_uri).is_dir():
         raise CJEInputError("the logs folder does not exist (logs_uri)", source=str(logs_uri))
     cfg = StorageConfig.from_env()
@@ -135,12 +166,16 @@ def check_evaluation(params: dict) -> dict:
     files = [{"key": f.key} for f in discover_partitions(st, win.start, win.end)]
     if not files:
         raise _layout_error(st, win)
-    names = logs_columns(logs_uri, cfg, files, strict=True)
+    names = logs_columns(logs_uri, cfg, files, strict=True, mapping=mapping)
     source = st.url(files[0]["key"])
     missing = [c for c in REQUIRED if c not in names]
     if missing:
+        how = "add it to" if mapping else "map your names with"
         raise CJEInputError(f"required log column(s) {missing} missing (found: {', '.join(names)}; "
+                            f"{how} the evaluation's columns:, e.g. {{{missing[0]}: <your column>}}; "
                             f"see docs/logs-layout.md)", source=source, column=missing[0])
+    if mapping:
+        check_mapped_files(st, files, mapping, names)
     derived = []
     for cov in covariates:
         if cov in names:

@@ -386,13 +386,14 @@ def cluster_cpus() -> int:
 
 
 def remote_read(uri: str, cfg_dict: dict, keys: list[str], columns: list[str] | None,
-                policies: list[str] | None):
-    """Read some partition files on a worker; storage settings arrive explicitly."""
+                policies: list[str] | None, mapping: dict[str, str] | None = None):
+    """Read some partition files on a worker (columns renamed by ``mapping``); storage settings
+    arrive explicitly."""
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
-    return read_window(st, keys, columns=columns, policies=policies)
+    return read_window(st, keys, columns=columns, policies=policies, mapping=mapping)
 
 
 def remote_bootstrap(prep, start: int, stop: int):

@@ -14,6 +14,7 @@ File format (all keys but ``name`` and ``logs_uri`` optional)::
         timezone: UTC
         policies: [base, clone]           # default: every policy in the logs
         options: {covariates: [response_length], n_bootstrap: 2000, seed: 0}
+        columns: {prompt_id: id, policy: model}  # your log column names (default: the top-level columns:)
 
 `cje serve` deploys every declared evaluation with ``flow.to_deployment`` and runs them
 with Prefect's ``serve``; `cje run NAME` runs one now.
@@ -47,6 +48,7 @@ class EvaluationSpec(EvaluationConfig):
             "options": dict(self.options),
             "label_requests": dict(self.label_requests) if self.label_requests else None,
             "mode": self.mode,
+            "columns": dict(self.columns) or None,
         }
 
     def to_deployment(self):

@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 
 from cje_engine.errors import CJEInputError
 
-from flows.storage.logs import column_kind
+from flows.storage.logs import column_kind, log_renames
 from flows.storage.objects import NotFoundError, Storage, StorageError
 
 log = logging.getLogger(__name__)
@@ -391,7 +391,8 @@ def join_counts(joined: pa.Table) -> dict[str, int]:
 LABEL_COLUMNS = ("oracle_label", "label_probability")
 
 
-def inline_label_columns(st: Storage, keys: Sequence[str], threads: int = 8) -> dict[str, Any]:
+def inline_label_columns(st: Storage, keys: Sequence[str], threads: int = 8,
+                         mapping: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Which label columns (``oracle_label``, ``label_probability``) the log files carry inline.
 
     Reads only the Parquet footers (in ``threads`` threads).  Returns ``{"columns": [...],
@@ -399,7 +400,9 @@ def inline_label_columns(st: Storage, keys: Sequence[str], threads: int = 8) -> 
     lacks one of them (a projected read per group of files would then fail on the group without
     it: read every column instead).  A file whose footer cannot be read (storage down, not
     Parquet) also gives ``mixed``: the read that follows reads every column and reports the
-    failure with its own retries and messages.
+    failure with its own retries and messages.  ``mapping`` (an evaluation's ``columns:``):
+    the files' columns are renamed first (`flows.storage.logs.log_renames`), so an inline label
+    under another name counts.
     """
     if not keys:
         return {"columns": [], "mixed": False}
@@ -408,10 +411,12 @@ def inline_label_columns(st: Storage, keys: Sequence[str], threads: int = 8) -> 
     def names(key: str) -> set[str] | None:
         try:
             with fs.open_input_file(st.arrow_path(key)) as f:
-                return set(pq.read_schema(f).names)
+                names = pq.read_schema(f).names
         except (OSError, pa.ArrowException) as exc:  # left to the read, which retries and names the object
             log.debug("footer of %s not readable (%s); every column will be read", st.url(key), exc)
             return None
+        renames = log_renames(names, mapping, st.url(key))
+        return {renames.get(n, n) for n in names}
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(keys)))) as pool:
         per_file = list(pool.map(names, list(keys)))

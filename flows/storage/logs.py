@@ -23,7 +23,18 @@ anything else      kept as written             e.g. covariates such as ``respons
 =================  ==========================  ==========================================
 
 ``dt`` is not stored in the files; it comes from the folder name (hive partitioning) and can be
-requested as a column.  `read_window` reads one file at a time through ``pyarrow.dataset`` with
+requested as a column.
+
+Logs whose columns are named otherwise (``id``, ``model``, ``judge``, ``human_rating``) are read
+with a ``mapping`` (canonical name -> column in the files, an evaluation's ``columns:`` in
+``evaluations.yaml``): each file's columns are renamed by `log_renames` (the rule of
+``cje evaluate``, `cje_engine.data.io.column_renames`) before its schema is checked, the
+projection and the policy filter are pushed down under the files' own names, and the table
+returned has the canonical names only.  A mapped column missing from a file is an error naming
+the object and the column, except the inline label columns (``oracle_label``,
+``label_probability``), which only some partitions may carry, as without a mapping.
+
+`read_window` reads one file at a time through ``pyarrow.dataset`` with
 the explicit filesystem of the storage, pushing the column projection and the policy filter
 into the Parquet scan (row groups whose statistics exclude the policies are skipped), so memory
 is bounded by the projected, filtered rows rather than by the files.
@@ -46,7 +57,7 @@ import re
 import time
 import uuid
 from datetime import date, datetime, timedelta
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +65,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from cje_engine.data.io import column_renames
 from cje_engine.errors import CJEInputError
 
 from flows.storage.objects import ObjectInfo, Storage, StorageError, _short
@@ -74,6 +86,13 @@ COLUMN_TYPES: dict[str, pa.DataType] = {
 }
 REQUIRED = ("prompt_id", "policy", "judge_score", "response_id", TS)
 _ID_COLUMNS = ("prompt_id", "response_id")
+#: Log columns a ``columns:`` mapping may name besides the engine's canonical ones.
+SERVICE_COLUMNS = (TS,)
+#: Mapped columns a log file may lack (inline labels: only some partitions carry them).
+OPTIONAL_MAPPED = ("oracle_label", "label_probability")
+#: A row filter of `read_window`: an expression on canonical names, or a function of a field
+#: resolver (canonical name -> ``pc.field`` of the column in the file) returning one.
+RowFilter = Union[pc.Expression, Callable[[Callable[[str], pc.Expression]], pc.Expression]]
 _DT_RE = re.compile(r"(?:^|/)dt=(\d{4}-\d{2}-\d{2})/")
 
 
@@ -168,7 +187,8 @@ def check_schema(schema: pa.Schema, source: str) -> None:
     for col in REQUIRED:
         if col not in names:
             raise CJEInputError(
-                f"required log column is missing (found columns {sorted(names)}; required {list(REQUIRED)})",
+                f"required log column is missing (found columns {sorted(names)}; required {list(REQUIRED)}; "
+                f"logs naming it otherwise map it with columns: in evaluations.yaml, e.g. {{{col}: <your name>}})",
                 source=source, column=col)
     for col, accepted in _ACCEPTED.items():
         if col in names:
@@ -176,6 +196,22 @@ def check_schema(schema: pa.Schema, source: str) -> None:
             if kind not in accepted:
                 want = " or ".join(_EXPECTED_TEXT[a] for a in accepted if a != "null")
                 raise CJEInputError(f"has type {schema.field(col).type}, expected {want}", source=source, column=col)
+
+
+def log_renames(names: Sequence[str], mapping: Mapping[str, str] | None, source: str) -> dict[str, str]:
+    """``{column in the file: canonical name}`` of one log file under a ``columns:`` mapping.
+
+    `cje_engine.data.io.column_renames` (the rule of ``cje evaluate``) with the inline label
+    columns optional; raises `CJEInputError` naming ``source`` and the column.
+    """
+    return column_renames(names, mapping, source, optional=OPTIONAL_MAPPED) if mapping else {}
+
+
+def renamed_schema(schema: pa.Schema, renames: Mapping[str, str]) -> pa.Schema:
+    """``schema`` with its fields renamed (``renames``: file column -> canonical name)."""
+    if not renames:
+        return schema
+    return pa.schema([f.with_name(renames.get(f.name, f.name)) for f in schema], metadata=schema.metadata)
 
 
 def _canonical_column(arr: pa.ChunkedArray | pa.Array, col: str) -> pa.ChunkedArray | pa.Array:
@@ -216,8 +252,9 @@ def _is_transient(exc: BaseException) -> bool:
 
 
 def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Sequence[str] | None,
-              batch_size: int, row_filter: pc.Expression | None = None) -> pa.Table:
-    """Read one log object (with retries on transient storage errors)."""
+              batch_size: int, row_filter: RowFilter | None = None,
+              mapping: Mapping[str, str] | None = None) -> pa.Table:
+    """Read one log object (with retries on transient storage errors), columns renamed by ``mapping``."""
     fs, _ = st.arrow_fs
     path = st.arrow_path(key)
     source = st.url(key)
@@ -226,15 +263,28 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
     for attempt in range(1, attempts + 1):
         try:
             dataset = ds.dataset(path, filesystem=fs, format="parquet")
-            check_schema(dataset.schema, source)
-            names = dataset.schema.names
+            renames = {f: c for f, c in log_renames(dataset.schema.names, mapping, source).items() if f != c}
+            schema = renamed_schema(dataset.schema, renames)
+            check_schema(schema, source)
+            names = schema.names
             wanted = list(names) if columns is None else [c for c in columns if c != PARTITION and c in names]
-            flt = pc.field("policy").isin(pa.array(list(policies), pa.string())) if policies else None
-            if row_filter is not None:
-                flt = row_filter if flt is None else (flt & row_filter)
+            file_name = {c: s for s, c in renames.items()}
+            flt = pc.field(file_name.get("policy", "policy")).isin(pa.array(list(policies), pa.string())) \
+                if policies else None
+            flt_row, after = row_filter, None
+            if callable(row_filter):  # built on the file's own names: pushed into the scan like the rest
+                flt_row = row_filter(lambda c: pc.field(file_name.get(c, c)))
+            elif row_filter is not None and renames:  # an expression on canonical names: after the read
+                flt_row, after = None, row_filter
+            if flt_row is not None:
+                flt = flt_row if flt is None else (flt & flt_row)
             # Projection and the policy filter go into the Parquet scan.
-            table = dataset.to_table(columns=wanted, filter=flt, batch_size=batch_size)
-            return table
+            if after is None:
+                table = dataset.to_table(columns=[file_name.get(c, c) for c in wanted], filter=flt,
+                                         batch_size=batch_size)
+                return table.rename_columns(wanted)
+            table = dataset.to_table(filter=flt, batch_size=batch_size).rename_columns(names)
+            return table.filter(after).select(wanted)
         except CJEInputError:
             raise
         except FileNotFoundError:
@@ -267,7 +317,8 @@ def read_window(
     *,
     batch_size: int = 131_072,
     check_unique: bool = True,
-    row_filter: pc.Expression | None = None,
+    row_filter: RowFilter | None = None,
+    mapping: Mapping[str, str] | None = None,
 ) -> pa.Table:
     """Read log files into one table with projection and the policy filter pushed down.
 
@@ -284,9 +335,17 @@ def read_window(
         Keep only these policies (filter evaluated inside the scan).
     check_unique : bool
         Check that ``response_id`` (when returned) is unique over the window.
-    row_filter : pyarrow.compute.Expression, optional
+    row_filter : pyarrow.compute.Expression or callable, optional
         Extra row filter evaluated inside the scan (e.g. ``pc.field("ts") >= start``); its
-        columns need not be among ``columns``.
+        columns need not be among ``columns``.  A callable gets a function giving the field of a
+        canonical column in each file (``lambda field: field("response_id").isin(ids)``), so that
+        with a ``mapping`` the filter still goes into the scan.
+    mapping : mapping of str to str, optional
+        Canonical name -> column name in the files (an evaluation's ``columns:``); ``columns``,
+        ``policies`` and ``row_filter`` name canonical columns, and so does the table returned.
+        The projection, the policy filter and a callable ``row_filter`` stay in the scan; an
+        expression ``row_filter`` on a file whose columns are renamed is applied after reading that
+        file whole (one file at a time).
 
     Returns
     -------
@@ -311,7 +370,7 @@ def read_window(
     seen_columns: set[str] = set()
     for key in keys:
         source = st.url(key)
-        table = _read_one(st, key, columns, policies, batch_size, row_filter)
+        table = _read_one(st, key, columns, policies, batch_size, row_filter, mapping)
         seen_columns.update(table.column_names)
         table = canonicalize(table)
         _check_ids(table, source)

@@ -41,10 +41,10 @@ def spec_of(config: str, name: str):
     return specs[name]
 
 
-def _where(spec: Any) -> dict[str, str]:
+def _where(spec: Any) -> dict[str, Any]:
     req = (spec.label_requests or {}).get("requests_uri") or spec.results_uri or spec.logs_uri
     return {"requests_uri": req, "labels_uri": (spec.label_requests or {}).get("labels_uri") or spec.labels_uri
-            or spec.logs_uri, "logs_uri": spec.logs_uri}
+            or spec.logs_uri, "logs_uri": spec.logs_uri, "columns": dict(spec.columns) or None}
 
 
 def roots(ns: argparse.Namespace) -> list[dict[str, str]]:
@@ -168,7 +168,8 @@ def request_items(w: dict, m: dict, ns: argparse.Namespace) -> list[dict]:
     logs_uri = ns.logs_uri or m.get("logs_uri") or w.get("logs_uri")
     if m.get("rows") and not logs_uri:
         raise CJEInputError(f"request {m['request_id']} does not name its logs; pass --logs-uri")
-    texts = exports.read_texts(logs_uri, cfg, m.get("rows") or [], cols) if m.get("rows") else {}
+    mapping = w.get("columns") if logs_uri == w.get("logs_uri") else None  # the evaluation's column names
+    texts = exports.read_texts(logs_uri, cfg, m.get("rows") or [], cols, mapping) if m.get("rows") else {}
     anchor_texts = None
     if m.get("anchors"):
         drift = m.get("drift") or {}
