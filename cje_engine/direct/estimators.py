@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cje_engine.calibration.calibrators import Cells, TwoStageCalibrator, make_calibrator, make_cells
+from cje_engine.calibration.calibrators import Cells, _clip, _interp, make_calibrator, make_cells
+from cje_engine.calibration.two_stage_batch import fit_two_stage_many
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
 
@@ -120,45 +121,110 @@ def cross_fit(design: Design, row_w: np.ndarray | None = None):
     return f, full
 
 
-def _cell_fits(design: Design, wc: np.ndarray, warm=None):
+def _fit_plan(design: Design) -> dict:
+    """Index arrays the cross-fit reuses on every call (cached on the design; built on first use)."""
+    plan = design.__dict__.get("_fit_plan")
+    if plan is None:
+        d, ci = design.data, design.cells
+        K, Gc = d.n_folds, ci.cal_cells.size
+        folds = design.cal_fold
+        order = np.argsort(folds, kind="stable")  # calibration rows grouped by fold
+        ends = np.cumsum(np.bincount(folds, minlength=K))
+        plan = {
+            "y": d.label[design.cal_rows],
+            "key3": np.concatenate([ci.cal_key, ci.cal_key + K * Gc, ci.cal_key + 2 * K * Gc]),
+            "order": order, "fold_bounds": list(zip((ends - np.bincount(folds, minlength=K)).tolist(), ends.tolist())),
+            "z_index": (folds[order] + 1) * Gc + ci.cal_cell[order],  # into the (fit, cell) index matrix
+            "global_sorted": ci.cal_global[ci.cal_cell[order]],
+        }
+        object.__setattr__(design, "_fit_plan", plan)  # frozen dataclass: a private cache
+    return plan
+
+
+def _fold_sums(design: Design, wc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-(fold, cell) sums of the calibration rows under weights ``wc``, and the fits' sums.
+
+    Returns ``S`` (3, K, Gc): weight, weighted label sum and rows with positive weight per fold
+    and calibration cell (one ``bincount``), and ``M`` (3, K + 1, Gc): the same for the full
+    fit (``M[:, 0]``, all folds) and each fold's complement (``M[:, k + 1]``, all but fold k).
+    """
+    plan = _fit_plan(design)
+    K, Gc = design.data.n_folds, design.cells.cal_cells.size
+    m = wc.size
+    vals = np.empty(3 * m)
+    vals[:m] = wc
+    np.multiply(wc, plan["y"], out=vals[m:2 * m])
+    np.greater(wc, 0, out=vals[2 * m:])
+    S = np.bincount(plan["key3"], weights=vals, minlength=3 * K * Gc).reshape(3, K, Gc)
+    M = np.empty((3, K + 1, Gc))
+    np.sum(S, axis=1, out=M[:, 0])
+    np.subtract(M[:, :1], S, out=M[:, 1:])
+    return S, M
+
+
+def _cell_fits(design: Design, wc: np.ndarray, warm=None, with_models: bool = True):
     """Full and per-fold fits from per-(fold, cell) sums of calibration-row weights ``wc``.
 
     Returns the full model's prediction at every cell (G,), the out-of-fold prediction of every
-    calibration row (m,), the full model and the fold models (None: empty complement).
+    calibration row (m,), the full model and the fold models (None: empty fold or complement;
+    both None when ``with_models`` is false, for bootstrap replicates).
     """
     d, ci = design.data, design.cells
-    K, Gc = d.n_folds, ci.cal_cells.size
-    y = d.label[design.cal_rows]
-    W = np.bincount(ci.cal_key, weights=wc, minlength=K * Gc).reshape(K, Gc)
-    WY = np.bincount(ci.cal_key, weights=wc * y, minlength=K * Gc).reshape(K, Gc)
-    C = np.bincount(ci.cal_key, weights=wc > 0, minlength=K * Gc).reshape(K, Gc)
-    w_all, wy_all, c_all = W.sum(0), WY.sum(0), C.sum(0)
+    K = d.n_folds
     clip = d.label_scale
-    folds = design.cal_fold
+    S, M = _fold_sums(design, wc)
+    has_rows = S[2].sum(1) > 0
     if design.mode == "two_stage":
-        # all six fits at once (shared design matrix and normal equations where knots agree)
-        comp = np.vstack([w_all[None], w_all - W]), np.vstack([wy_all[None], wy_all - WY]), \
-            np.vstack([c_all[None], c_all - C])
-        fitted = TwoStageCalibrator.fit_many(ci.cal_cells, *comp, clip=clip)
-        full = fitted[0]
-        fold_models = [m if C[k].sum() > 0 else None for k, m in enumerate(fitted[1:])]
-    else:
-        full = make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all, wy_all, c_all, warm)
-        fold_models = [None if C[k].sum() == 0 or not (c_all - C[k]).any() else
-                       make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all - W[k], wy_all - WY[k],
-                                                                    c_all - C[k], full)
-                       for k in range(K)]
+        # all six fits at once (shared design matrices, batched normal equations and solves)
+        fits = fit_two_stage_many(ci.cal_cells, M[0], M[1], M[2], clip=clip, warm=_warm_start(design))
+        F_all = fits.predict_cells(0, ci.cells)
+        live = [k for k in range(K) if has_rows[k] and fits.ok[k + 1]]
+        f_cal = _out_of_fold(design, F_all, fits.Z, live, fits.x[1:], fits.y[1:])
+        if not with_models:
+            return F_all, f_cal, None, None
+        return F_all, f_cal, fits.model(0), [fits.model(k + 1) if k in live else None for k in range(K)]
+    full = make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, M[0, 0], M[1, 0], M[2, 0], warm)
+    fold_models = [None if not has_rows[k] or not M[2, k + 1].any() else
+                   make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, M[0, k + 1], M[1, k + 1],
+                                                                M[2, k + 1], full)
+                   for k in range(K)]
     F_all = full.predict_cells(ci.cells)
     f_cal = F_all[ci.cal_global][ci.cal_cell]
-    models = []
     for k, model in enumerate(fold_models):
-        if model is None:
-            models.append(None)  # (bootstrap only) an empty fold or complement keeps the full fit
-            continue
-        held, cells_k, pos_k = _fold_cells(design, k)
-        f_cal[held] = model.predict_cells(cells_k)[pos_k]  # predicted only where fold k has rows
-        models.append(model)
-    return F_all, f_cal, full, models
+        if model is not None:
+            held, cells_k, pos_k = _fold_cells(design, k)
+            f_cal[held] = model.predict_cells(cells_k)[pos_k]  # predicted only where fold k has rows
+    return F_all, f_cal, full, fold_models
+
+
+def _warm_start(design: Design) -> dict:
+    """The active ramps of the unweighted full two-stage fit (number of ramps -> mask), where the
+    solver of every refit starts: a function of the design only, so every process starts alike
+    (the fits do not depend on the start; the number of solver rounds does)."""
+    plan = _fit_plan(design)
+    if "warm" not in plan:
+        plan["warm"] = None
+        _, M = _fold_sums(design, np.ones(design.cal_rows.size))
+        fits = fit_two_stage_many(design.cells.cal_cells, M[0, :1], M[1, :1], M[2, :1],
+                                  clip=design.data.label_scale)
+        plan["warm"] = {} if fits.ramp[0] is None else {fits.ramp[0].size: fits.ramp[0] > 0}
+    return plan["warm"]
+
+
+def _out_of_fold(design: Design, F_all: np.ndarray, Z: np.ndarray, live: list[int], xs: list, ys: list
+                 ) -> np.ndarray:
+    """Out-of-fold value of every calibration row from the fits' index matrix ``Z`` (fit k + 1 at
+    the cells of fold k's rows, then its stage-2 curve ``xs[k], ys[k]``); folds not in ``live``
+    keep the full fit's value ``F_all``."""
+    plan = _fit_plan(design)
+    z = Z.ravel()[plan["z_index"]]
+    out = F_all[plan["global_sorted"]]
+    for k in live:
+        a, b = plan["fold_bounds"][k]
+        out[a:b] = _interp(z[a:b], xs[k], ys[k])
+    f_cal = np.empty(out.size)
+    f_cal[plan["order"]] = _clip(out, design.data.label_scale)
+    return f_cal
 
 
 def _fold_cells(design: Design, k: int) -> tuple[np.ndarray, Cells, np.ndarray]:
@@ -237,7 +303,7 @@ def replicate(design: Design, prompt_w: np.ndarray | None = None) -> np.ndarray:
     plan = _replicate_plan(design)
     K, G = design.n_policies, ci.cells.size
     wc = prompt_w[plan["cal_prompt"]]
-    F_all, f_cal, _, _ = _cell_fits(design, wc)
+    F_all, f_cal, _, _ = _cell_fits(design, wc, with_models=False)
     # Every row at the full fit's value, then the calibration rows corrected to out of fold.
     T = np.bincount(ci.row_key, weights=prompt_w[d.prompt], minlength=K * G).reshape(K, G)
     n_k = T.sum(1)
