@@ -336,8 +336,8 @@ def _stage2_all(out: TwoStageFits, cells: Cells, Xt: np.ndarray, W: np.ndarray, 
                 C: np.ndarray) -> None:
     """Stage-1 index of every fit at every cell, then every fit's isotonic stage 2 at once.
 
-    Per fit the cells with rows are sorted by index (stable; the others sort last as +inf),
-    cells with equal index pool, and PAVA runs on the pooled sums: as ``_stage2`` fit by fit.
+    Per fit the cells with rows are sorted by index (stable), cells with equal index pool, and
+    PAVA runs on the pooled sums: as ``_stage2`` fit by fit.
     """
     J, G = W.shape
     Z = np.empty((J, G))
@@ -351,21 +351,25 @@ def _stage2_all(out: TwoStageFits, cells: Cells, Xt: np.ndarray, W: np.ndarray, 
     Z += out.intercept[:, None]
     Z[~out.ok] = np.nan
     out.Z = Z
-    pos = C > 0
-    zs = np.where(pos, Z, np.inf)
-    flat = np.argsort(zs, axis=1, kind="stable")
+    # Sort each fit's index (stable). Cells are ordered by score, then covariates, so each fit's
+    # index is monotone within a score: a few runs, which the stable sort (timsort) merges fast.
+    flat = np.argsort(Z, axis=1, kind="stable")
     flat += _row_offsets(cells, J)
-    zs = zs.take(flat)
-    first = np.empty((J, G), dtype=bool)
-    first[:, 0] = True
-    np.greater(zs[:, 1:], zs[:, :-1], out=first[:, 1:])
-    starts = np.flatnonzero(first)  # groups never span two fits: each row starts one
-    sw = np.add.reduceat(W.take(flat).ravel(), starts)
-    swy = np.add.reduceat(WY.take(flat).ravel(), starts)
-    ux = zs.ravel()[starts]
-    ends = np.cumsum(first.sum(1))
-    stops = ends - (pos.sum(1) < G)  # drop each fit's +inf group (cells without rows)
-    bounds = [(a, b) for a, b in zip((ends - first.sum(1))[rows].tolist(), stops[rows].tolist())]
+    flat = flat.ravel()
+    kept = flat[C.take(flat) > 0]  # cells with rows, sorted by index within each fit, fits in order
+    zs = Z.take(kept)
+    n_kept = (C > 0).sum(1)
+    row_start = np.cumsum(n_kept) - n_kept
+    first = np.empty(zs.size, dtype=bool)
+    first[0] = True
+    np.greater(zs[1:], zs[:-1], out=first[1:])
+    first[row_start[n_kept > 0]] = True  # a group never spans two fits
+    starts = np.flatnonzero(first)
+    sw = np.add.reduceat(W.take(kept), starts)
+    swy = np.add.reduceat(WY.take(kept), starts)
+    ux = zs[starts]
+    g = np.searchsorted(starts, np.append(row_start, zs.size)).tolist()
+    bounds = [(g[j], g[j + 1]) for j in rows]
     fitted = isotonic_pooled_segments(sw, swy, bounds)
     for j, (a, b), yj in zip(rows, bounds, fitted):
         out.x[j], out.w[j], out.y[j] = ux[a:b], sw[a:b], yj
