@@ -263,30 +263,6 @@ def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray |
     return None
 
 
-def _ramp_lsq_batch(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray) -> list:
-    """`_ramp_lsq_gram` for a stack of systems sharing the warm-start set ``free``, in one solve.
-
-    Each solution is returned only if it passes the same checks (full rank, KKT); None entries
-    are left to the caller's per-system solver.
-    """
-    P = G.shape[1]
-    idx = np.concatenate([np.flatnonzero(free), np.arange(n_ramp, P)])
-    Gs = G[:, idx][:, :, idx]
-    g = np.diagonal(Gs, axis1=1, axis2=2)
-    try:
-        L = np.linalg.cholesky(Gs)
-    except np.linalg.LinAlgError:
-        return [None] * G.shape[0]
-    ok = (g > 0).all(1) & ((np.diagonal(L, axis1=1, axis2=2) ** 2 / g).min(1) >= 1e-12)
-    x = np.linalg.solve(Gs, b[:, idx, None])[:, :, 0]
-    theta = np.zeros((G.shape[0], P))
-    theta[:, idx] = x
-    grad = b - np.einsum("jpq,jq->jp", G, theta)
-    tol = 1e-9 * (np.abs(b).max(1) + 1e-300)
-    ok &= (theta[:, :n_ramp] >= 0).all(1) & ~((~free)[None, :] & (grad[:, :n_ramp] > tol[:, None])).any(1)
-    return [theta[i] if ok[i] else None for i in range(G.shape[0])]
-
-
 def _knot_levels(n_knots: int) -> np.ndarray:
     q = _LEVELS.get(n_knots)
     if q is None:

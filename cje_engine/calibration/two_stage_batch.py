@@ -12,11 +12,12 @@ a 9-column least squares. `fit_two_stage_many` does every step for all fits toge
   knots are one matrix product ``W @ O`` (the least squares runs in the raw (log) covariates:
   with an intercept the fitted index does not depend on centring and scaling; the coefficients
   are then expressed in each fit's own standardisation, as ``fit_cells`` stores them);
-* the full fit by the warm-started active set (`_ramp_lsq_gram`), the fold fits in one batched
-  solve warm-started from its active set and checked by the KKT conditions (`_ramp_lsq_batch`),
-  a per-fit solve and finally scipy NNLS (``fit_cells``) only for the fits that fail the checks;
-* stage 2 for all fits from one stable sort of the index matrix (cells without rows sorted
-  last as +inf), one pooling ``bincount`` and one PAVA call per fit.
+* every fit's active set at once (`_ramp_lsq_stack`): batched LAPACK solves of the masked
+  normal equations, each fit with its own free set, started from the design's point fit and
+  checked by the KKT conditions; the scalar solver (`_ramp_lsq_gram`) and finally scipy NNLS
+  (``fit_cells``) only for the fits that fail the checks;
+* stage 2 for all fits from one stable sort of the index matrix, one pooling ``reduceat`` and
+  one PAVA call per fit.
 
 The models equal ``TwoStageCalibrator.fit_cells`` on each row of sums (the same convex problems;
 tests pin them to 1e-9 against a row-level fit with scipy NNLS). `TwoStageFits.models` builds the
