@@ -226,7 +226,8 @@ def _ramp_lsq(M: np.ndarray, t: np.ndarray, n_ramp: int, free: np.ndarray | None
     finds). Returns None (caller falls back to NNLS) when ``M`` is (nearly) rank deficient or the
     active set does not settle within a few steps.
     """
-    return _ramp_lsq_gram(M.T @ M, M.T @ t, n_ramp, free)
+    # einsum, not BLAS: the same bits whatever the BLAS thread count of the process
+    return _ramp_lsq_gram(np.einsum("gp,gq->pq", M, M), np.einsum("gp,g->p", M, t), n_ramp, free)
 
 
 def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray | None:
@@ -337,8 +338,8 @@ class TwoStageCalibrator:
         p = Xt.shape[1]
         wsum = wk.sum()
         if p:
-            self.x_mean_ = (wk @ Xt) / wsum
-            sd = np.sqrt((wk @ (Xt - self.x_mean_) ** 2) / wsum)
+            self.x_mean_ = np.einsum("g,gp->p", wk, Xt) / wsum
+            sd = np.sqrt(np.einsum("g,gp->p", wk, (Xt - self.x_mean_) ** 2) / wsum)
             self.x_scale_ = np.where(sd > 0, sd, 1.0)
         else:
             self.x_mean_ = self.x_scale_ = np.zeros(0)

@@ -9,7 +9,8 @@ a 9-column least squares. `fit_two_stage_many` does every step for all fits toge
   as `quantile_of_counts`);
 * one design matrix ``[ramps, covariates, 1]`` per distinct knot vector, cached on the cells
   together with its per-cell outer products, so the normal equations of all fits sharing those
-  knots are one matrix product ``W @ O`` (the least squares runs in the raw (log) covariates:
+  knots are one product ``W @ O`` (``einsum``: no threaded BLAS, whose rounding depends on
+  the thread count, so every process computes the same bits; the least squares runs in the raw (log) covariates:
   with an intercept the fitted index does not depend on centring and scaling; the coefficients
   are then expressed in each fit's own standardisation, as ``fit_cells`` stores them);
 * every fit's active set at once (`_ramp_lsq_stack`): batched LAPACK solves of the masked
@@ -236,7 +237,9 @@ def _solve_all(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, W
         F, O = _basis(cells, Xt, knots[js[0]], log_covariates)
         P = F.shape[1]
         Ws, WYs = (W, WY) if len(js) == J else (W[js], WY[js])
-        parts.append((js, (Ws @ O).reshape(len(js), P, P), WYs @ F))
+        # einsum, not BLAS: a threaded BLAS product's rounding depends on its thread count, and
+        # replicates must be the same bits in every process (any node, any chunking)
+        parts.append((js, np.einsum("jg,gq->jq", Ws, O).reshape(len(js), P, P), np.einsum("jg,gp->jp", WYs, F)))
     n_ramp = knots.shape[1] - 1
     if len(parts) == 1:
         G, b = parts[0][1], parts[0][2]
@@ -297,7 +300,7 @@ def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarra
     if p:
         wsum = W.sum(1)[:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
-            x_mean = (W @ Xt) / wsum
+            x_mean = np.einsum("jg,gp->jp", W, Xt) / wsum
             if p == 1:
                 dev = Xt[:, 0] - x_mean
                 dev *= dev

@@ -359,7 +359,8 @@ def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
     # Every row at the full fit's value, then the calibration rows corrected to out of fold.
     T = np.bincount(view.row_key, weights=prompt_w[view.row_prompt], minlength=K * G).reshape(K, G)
     n_k = T.sum(1)
-    num = T @ F_all + np.bincount(view.cal_policy, weights=wc * (f_cal - F_all[view.cal_cell_global]), minlength=K)
+    # einsum, not BLAS: the same bits whatever the BLAS thread count of the process
+    num = np.einsum("kg,g->k", T, F_all) + np.bincount(view.cal_policy, weights=wc * (f_cal - F_all[view.cal_cell_global]), minlength=K)
     f_lab = F_all[view.lab_cell]
     f_lab[view.lab_is_cal] = f_cal[view.lab_cal]
     lw = prompt_w[view.lab_prompt] * view.lab_lw
