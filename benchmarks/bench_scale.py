@@ -19,11 +19,21 @@ per-stage peaks):
    (``bootstrap_chunk``) are timed to give the cost per replicate at this size (reported
    separately; not part of the 60 s target).
 
+3. ``ray`` (with ``--ray-nodes``): the bootstrap fanned out on a real Ray cluster on 127.0.0.1,
+   once per cluster size (a head plus ``n - 1`` worker nodes, each ``ray start --num-cpus=1``,
+   started and stopped by PID): ``prepare`` in the driver, then ``--ray-B`` replicates in chunks
+   of the compact `BootstrapView` (what the flow ships), as the flow splits them (2 chunks per
+   CPU, at least 50 replicates a chunk). Printed per cluster size: wall time of the fan-out,
+   CPU time of every chunk (measured inside the task), the cores used, and the speed-up; the
+   replicates of every cluster size must be bit-identical to each other and to
+   ``bootstrap_chunk`` in the driver (checked on the first two).
+
 Usage::
 
     .venv/bin/python benchmarks/bench_scale.py                          # 2,000,000 prompts
     .venv/bin/python benchmarks/bench_scale.py --prompts 100000 --replicates 2   # smoke run
     .venv/bin/python benchmarks/bench_scale.py --mode monotone --no-covariates
+    .venv/bin/python benchmarks/bench_scale.py --ray-nodes 1,2 --ray-B 200    # Ray fan-out, 1 vs 2 nodes
 """
 from __future__ import annotations
 
@@ -198,12 +208,115 @@ def stage_evaluate(args: argparse.Namespace) -> dict:
             "n_comparisons": len(d["comparisons"]), "policies": pols}
 
 
+def _timed_chunk(view, start: int, stop: int) -> dict:
+    """A bootstrap chunk on a Ray worker, with the task's own CPU and wall time and its node."""
+    import ray
+
+    from cje_engine.direct.estimators import bootstrap_replicates
+
+    t0, c0, at = time.perf_counter(), time.process_time(), time.time()
+    reps = bootstrap_replicates(view, start, stop)
+    return {"reps": reps, "cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - t0,
+            "start": at, "end": time.time(), "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(), "max_rss_gib": _maxrss_gib()}
+
+
+def _ray_run(prep, view, nodes: int, B: int, log_dir: Path) -> dict:
+    """One fan-out of B replicates on a fresh cluster of ``nodes`` one-CPU nodes; stopped after."""
+    import numpy as np
+    import ray
+
+    from bench_flow import add_ray_node, start_ray_head
+    from flows.runtime import ray_fanout
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "PREFECT_"))}
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.environ["RAY_AUTH_TOKEN"], "RAY_USAGE_STATS_ENABLED": "0",
+                "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])})
+    t0 = time.perf_counter()
+    cluster = start_ray_head(env, 2 * GiB, log_dir)
+    try:
+        for _ in range(nodes - 1):
+            add_ray_node(cluster, 2 * GiB, log_dir)
+        started = time.perf_counter() - t0
+        n_chunks = max(1, min(2 * nodes, B // 50))  # as flows.pipelines.evaluate (MIN_CHUNK = 50)
+        ranges = ray_fanout.chunk_ranges(B, n_chunks)
+        load0 = os.getloadavg()
+        with ray_fanout.ray_session(address=cluster.address):
+            alive = sum(1 for n in ray.nodes() if n["Alive"])
+            tw, tc = time.perf_counter(), time.process_time()
+            parts = ray_fanout.map_ordered(_timed_chunk, ranges, shared=view, name="cje_bootstrap")
+            wall, driver_cpu = time.perf_counter() - tw, time.process_time() - tc
+        load1 = os.getloadavg()
+    finally:
+        cluster.stop()
+    reps = np.vstack([p["reps"] for p in parts])
+    first = min(p["start"] for p in parts)
+    return {"nodes": nodes, "alive_nodes": alive, "cluster_start_s": started, "B": B, "chunks": ranges,
+            "wall_s": wall, "driver_cpu_s": driver_cpu, "cpu_s": sum(p["cpu_s"] for p in parts),
+            "node_ids": sorted({p["node"] for p in parts}), "load_before": load0, "load_after": load1,
+            "tasks": [{k: v for k, v in p.items() if k != "reps"} | {"start": p["start"] - first,
+                                                                      "end": p["end"] - first} for p in parts],
+            "reps": reps}
+
+
+def stage_ray(args: argparse.Namespace) -> dict:
+    import pickle
+    import secrets
+    import tempfile
+
+    # token auth for the clusters this stage starts: in the environment before Ray is imported
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
+
+    import numpy as np
+
+    from cje_engine import bootstrap_chunk, prepare
+    from cje_engine.data.frame import EvalData
+    from cje_engine.data.io import load_frame
+    from flows.runtime.ray_fanout import bootstrap_state
+
+    covs = [] if args.no_covariates else ["response_length"]
+    t0, c0 = time.perf_counter(), time.process_time()
+    ed = EvalData.from_frame(load_frame(args.parquet, covariates=covs), covariates=covs)
+    prep = prepare(ed, covariates=covs, calibration_mode=args.mode, inference="bootstrap",
+                   n_bootstrap=max(50, args.ray_B), seed=args.seed)
+    prepared = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+    view = bootstrap_state(prep)
+
+    def pickled(obj) -> int:  # pickle-5 with out-of-band buffers: no copy of the arrays
+        bufs: list = []
+        return len(pickle.dumps(obj, protocol=5, buffer_callback=bufs.append)) + sum(b.raw().nbytes for b in bufs)
+
+    sizes = {"prepared_bytes": pickled(prep), "view_bytes": pickled(view), "rows": ed.n_rows}
+    log.info("prepared in %.1f s; shipped state %.0f MB (the whole prepared state: %.0f MB)", prepared["wall_s"],
+             sizes["view_bytes"] / 1e6, sizes["prepared_bytes"] / 1e6)
+    tc = time.process_time()
+    in_process = bootstrap_chunk(prep, 0, 2)
+    in_process_cpu = (time.process_time() - tc) / 2
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="cjebs") as log_dir:
+        for nodes in args.ray_nodes:
+            log.info("Ray: %d node(s), B=%d", nodes, args.ray_B)
+            runs.append(_ray_run(prep, view, nodes, args.ray_B, Path(log_dir)))
+            log.info("Ray: %d node(s): %.1f s wall, %.1f s CPU in the tasks", nodes, runs[-1]["wall_s"],
+                     runs[-1]["cpu_s"])
+    same = all(np.array_equal(r["reps"], runs[0]["reps"], equal_nan=True) for r in runs)
+    same_in_process = all(np.array_equal(r["reps"][:2], in_process, equal_nan=True) for r in runs)
+    for r in runs:
+        del r["reps"]
+    return {"prepare": prepared, "sizes": sizes, "in_process_cpu_s_per_replicate": in_process_cpu,
+            "runs": runs, "identical_across_clusters": same, "identical_to_in_process": same_in_process,
+            "cpus": os.cpu_count()}
+
+
 def _child(stage: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", stage, "--prompts", str(args.prompts),
            "--fraction", str(args.fraction), "--seed", str(args.seed), "--mode", args.mode,
            "--replicates", str(args.replicates), "--parquet", str(args.parquet)]
     if args.no_covariates:
         cmd.append("--no-covariates")
+    if stage == "ray":
+        cmd += ["--ray-nodes", ",".join(map(str, args.ray_nodes)), "--ray-B", str(args.ray_B)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -216,6 +329,38 @@ def _child(stage: str, args: argparse.Namespace) -> dict:
     return out
 
 
+def _report_ray(out: dict, args: argparse.Namespace) -> int:
+    sz = out["sizes"]
+    print(f"\n--- bootstrap on Ray: {sz['rows']:,} rows, B={args.ray_B}; machine: {out['cpus']} cores "
+          f"(shared with other users: see the load averages) ---")
+    print(f"prepare in the driver: {out['prepare']['wall_s']:.1f} s wall, {out['prepare']['cpu_s']:.1f} s CPU")
+    print(f"shipped to the workers: BootstrapView {sz['view_bytes'] / 1e6:.0f} MB "
+          f"(the whole prepared state would be {sz['prepared_bytes'] / 1e6:.0f} MB)")
+    print(f"one replicate in the driver (bootstrap_chunk): {out['in_process_cpu_s_per_replicate']:.3f} s CPU")
+    base = None
+    for r in out["runs"]:
+        per_cpu = r["cpu_s"] / r["B"]
+        print(f"{r['nodes']} node(s) x 1 CPU ({r['alive_nodes']} alive, cores used: {r['nodes']}), "
+              f"{len(r['chunks'])} chunks: fan-out {r['wall_s']:.1f} s wall, tasks {r['cpu_s']:.1f} s CPU "
+              f"({per_cpu:.3f} s CPU a replicate), driver {r['driver_cpu_s']:.1f} s CPU; cluster start "
+              f"{r['cluster_start_s']:.0f} s; load {r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f}")
+        for t in r["tasks"]:
+            print(f"    task on node {t['node'][:8]}: {t['start']:6.1f} -> {t['end']:6.1f} s, "
+                  f"{t['cpu_s']:.1f} s CPU / {t['wall_s']:.1f} s wall, worker max RSS {t['max_rss_gib']:.2f} GiB")
+        if base is None:
+            base = r
+        else:
+            print(f"    speed-up {base['nodes']} -> {r['nodes']} nodes: {base['wall_s'] / r['wall_s']:.2f}x (wall)")
+        print(f"    B=2000 at this rate: ~{r['wall_s'] * 2000 / r['B'] / 60:.1f} min wall "
+              f"(extrapolated linearly from B={r['B']})")
+    print(f"replicates identical across cluster sizes: {out['identical_across_clusters']}; "
+          f"equal to bootstrap_chunk in the driver: {out['identical_to_in_process']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "ray": out}, indent=2))
+    return 0 if out["identical_across_clusters"] and out["identical_to_in_process"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=2_000_000, help="prompts per policy (5 policies)")
@@ -226,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicates", type=int, default=3, help="bootstrap replicates to time after inference")
     ap.add_argument("--parquet", type=Path, default=None, help="data file (default under benchmarks/_work)")
     ap.add_argument("--regenerate", action="store_true", help="simulate even if the Parquet file exists")
-    ap.add_argument("--stage", choices=["simulate", "evaluate"], help=argparse.SUPPRESS)
+    ap.add_argument("--ray-nodes", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="instead of the analytic run: the bootstrap on Ray clusters of these sizes, e.g. 1,2")
+    ap.add_argument("--ray-B", type=int, default=200, help="replicates of each Ray run")
+    ap.add_argument("--stage", choices=["simulate", "evaluate", "ray"], help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, help="write all figures to this JSON file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -240,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "evaluate":
         print("STAGE_JSON " + json.dumps(stage_evaluate(args)))
         return 0
+    if args.stage == "ray":
+        print("STAGE_JSON " + json.dumps(stage_ray(args)))
+        return 0
 
     sim = None
     if args.regenerate or not args.parquet.exists():
@@ -247,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         sim = _child("simulate", args)
     else:
         log.info("reusing %s (pass --regenerate to simulate again)", args.parquet)
+    if args.ray_nodes:
+        return _report_ray(_child("ray", args), args)
     ev = _child("evaluate", args)
 
     print()

@@ -22,6 +22,7 @@ from scipy.linalg.lapack import dposv as _dposv
 from scipy.optimize import nnls
 
 from cje_engine.calibration.isotonic import isotonic_pooled
+from cje_engine.errors import CJEInputError
 
 try:  # numpy's compiled interpolation without the Python wrapper's checks (float inputs only here)
     from numpy._core.multiarray import interp as _interp
@@ -35,7 +36,7 @@ def _clip(out: np.ndarray, clip: tuple[float, float] | None) -> np.ndarray:
         return out
     np.maximum(out, clip[0], out=out)
     return np.minimum(out, clip[1], out=out)
-from cje_engine.errors import CJEInputError
+
 
 MODES = ("monotone", "two_stage")
 
@@ -225,7 +226,8 @@ def _ramp_lsq(M: np.ndarray, t: np.ndarray, n_ramp: int, free: np.ndarray | None
     finds). Returns None (caller falls back to NNLS) when ``M`` is (nearly) rank deficient or the
     active set does not settle within a few steps.
     """
-    return _ramp_lsq_gram(M.T @ M, M.T @ t, n_ramp, free)
+    # einsum, not BLAS: the same bits whatever the BLAS thread count of the process
+    return _ramp_lsq_gram(np.einsum("gp,gq->pq", M, M), np.einsum("gp,g->p", M, t), n_ramp, free)
 
 
 def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray | None:
@@ -260,33 +262,6 @@ def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray |
             return theta
         free |= viol
     return None
-
-
-def _ramp_lsq_batch(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray) -> list:
-    """`_ramp_lsq_gram` for a stack of systems sharing the warm-start set ``free``, in one solve.
-
-    Each solution is returned only if it passes the same checks (full rank, KKT); None entries
-    are left to the caller's per-system solver.
-    """
-    P = G.shape[1]
-    idx = np.concatenate([np.flatnonzero(free), np.arange(n_ramp, P)])
-    Gs = G[:, idx][:, :, idx]
-    g = np.diagonal(Gs, axis1=1, axis2=2)
-    try:
-        L = np.linalg.cholesky(Gs)
-    except np.linalg.LinAlgError:
-        return [None] * G.shape[0]
-    ok = (g > 0).all(1) & ((np.diagonal(L, axis1=1, axis2=2) ** 2 / g).min(1) >= 1e-12)
-    try:
-        x = np.linalg.solve(Gs, b[:, idx, None])[:, :, 0]
-    except np.linalg.LinAlgError:  # an exactly singular system (tiny bootstrap calibration sets)
-        return [None] * G.shape[0]
-    theta = np.zeros((G.shape[0], P))
-    theta[:, idx] = x
-    grad = b - np.einsum("jpq,jq->jp", G, theta)
-    tol = 1e-9 * (np.abs(b).max(1) + 1e-300)
-    ok &= (theta[:, :n_ramp] >= 0).all(1) & ~((~free)[None, :] & (grad[:, :n_ramp] > tol[:, None])).any(1)
-    return [theta[i] if ok[i] else None for i in range(G.shape[0])]
 
 
 def _knot_levels(n_knots: int) -> np.ndarray:
@@ -363,8 +338,8 @@ class TwoStageCalibrator:
         p = Xt.shape[1]
         wsum = wk.sum()
         if p:
-            self.x_mean_ = (wk @ Xt) / wsum
-            sd = np.sqrt((wk @ (Xt - self.x_mean_) ** 2) / wsum)
+            self.x_mean_ = np.einsum("g,gp->p", wk, Xt) / wsum
+            sd = np.sqrt(np.einsum("g,gp->p", wk, (Xt - self.x_mean_) ** 2) / wsum)
             self.x_scale_ = np.where(sd > 0, sd, 1.0)
         else:
             self.x_mean_ = self.x_scale_ = np.zeros(0)
@@ -389,105 +364,6 @@ class TwoStageCalibrator:
         self._cum = np.concatenate([[0.0], np.cumsum(self.ramp_coef_)])
         self._stage2(s, Xt, wk, wyk)
         return self
-
-    @classmethod
-    def fit_many(cls, cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarray,
-                 clip: tuple[float, float] | None = None, **params) -> list:
-        """Fit one model per row of the per-cell sums ``W, WY, C`` (shape (J, G)): the cross-fit's
-        full fit and fold complements in one go. Same models as ``fit_cells`` row by row.
-
-        The least squares runs in the raw (log) covariates: with an intercept, the fitted index
-        does not depend on centring and scaling, so the fits that share the first fit's knots (most
-        folds, since judge scores are discrete) share one design matrix, and their normal equations
-        come from one ``einsum`` over the cells. The coefficients are then expressed in each fit's
-        own standardisation, as ``fit_cells`` stores them. Rows with no positive count give None.
-        """
-        J = W.shape[0]
-        models: list = [None] * J
-        tmpl = cls(clip=clip, **params)
-        Xt = tmpl._xt(cells)
-        p = Xt.shape[1]
-        D = cells.score_values.size
-        # Knots of every fit at once: quantiles of the per-score row counts (numpy's linear rule).
-        key = (np.arange(J)[:, None] * D + cells.score_code[None, :]).ravel()
-        per_score = np.bincount(key, weights=C.ravel(), minlength=J * D).reshape(J, D)
-        cum = per_score.cumsum(1)
-        n = cum[:, -1:]
-        virtual = (n - 1) * _knot_levels(tmpl.n_knots)[None, :]
-        prev = np.floor(virtual)
-        nxt = np.minimum(prev + 1, n - 1)
-        a = cells.score_values[(cum[:, None, :] <= prev[:, :, None]).sum(2).clip(max=D - 1)]
-        b_ = cells.score_values[(cum[:, None, :] <= nxt[:, :, None]).sum(2).clip(max=D - 1)]
-        t = virtual - prev
-        diff = b_ - a
-        all_knots = np.where(t >= 0.5, b_ - diff * (1 - t), a + diff * t)
-        wsum = W.sum(1)
-        if p:
-            x_mean = (W @ Xt) / wsum[:, None]
-            x_sd = np.sqrt(np.einsum("jg,jgp->jp", W, (Xt[None] - x_mean[:, None, :]) ** 2) / wsum[:, None])
-        F_shared = shared = None
-        for j in range(J):
-            if n[j, 0] <= 0:
-                continue
-            knots = all_knots[j]
-            knots = knots[np.concatenate(([True], knots[1:] > knots[:-1]))]
-            if knots.size < 2:
-                s_min = cells.score_values[np.flatnonzero(per_score[j])[0]]
-                knots = np.array([s_min - 0.5, s_min + 0.5])
-            m = cls(clip=clip, **params)
-            m.knots_ = knots
-            if p:
-                m.x_mean_, m.x_scale_ = x_mean[j], np.where(x_sd[j] > 0, x_sd[j], 1.0)
-            else:
-                m.x_mean_ = m.x_scale_ = np.zeros(0)
-            models[j] = m
-            if shared is None:
-                shared = knots
-                F_shared = np.empty((cells.size, knots.size + p))
-                F_shared[:, :knots.size - 1] = _ramp_basis(cells.score, knots)
-                F_shared[:, knots.size - 1:-1] = Xt
-                F_shared[:, -1] = 1.0
-        if shared is None:
-            return models
-        same = [j for j in range(J) if models[j] is not None and models[j].knots_.size == shared.size
-                and (models[j].knots_ == shared).all()]
-        Gs = np.matmul(F_shared.T[None] * W[same][:, None, :], F_shared)  # normal equations of every fit
-        bs = WY[same] @ F_shared
-        gram = dict(zip(same, zip(Gs, bs)))
-        thetas: dict[int, np.ndarray | None] = {}
-        if same and same[0] == 0:  # the full fit first: its active ramps warm-start the folds
-            thetas[0] = _ramp_lsq_gram(Gs[0], bs[0], shared.size - 1, None)
-            rest = same[1:]
-            if thetas[0] is not None and rest:
-                thetas.update(zip(rest, _ramp_lsq_batch(Gs[1:], bs[1:], shared.size - 1, thetas[0][:shared.size - 1] > 0)))
-        for j in range(J):
-            m = models[j]
-            if m is None:
-                continue
-            n_ramp = m.knots_.size - 1
-            theta = thetas.get(j)
-            if theta is None:
-                if j in gram:
-                    G, b = gram[j]
-                else:
-                    F = np.empty((cells.size, n_ramp + p + 1))
-                    F[:, :n_ramp] = _ramp_basis(cells.score, m.knots_)
-                    F[:, n_ramp:-1] = Xt
-                    F[:, -1] = 1.0
-                    G, b = (F.T * W[j]) @ F, WY[j] @ F
-                warm = None if j == 0 or models[0] is None else models[0].ramp_coef_ > 0
-                theta = _ramp_lsq_gram(G, b, n_ramp, warm)
-            if theta is None:  # (nearly) collinear or unsettled: the exact per-fit path (NNLS)
-                models[j] = cls(clip=clip, **params).fit_cells(cells, W[j], WY[j], C[j])
-                continue
-            beta_raw = theta[n_ramp:n_ramp + p]
-            m.ramp_coef_ = theta[:n_ramp]
-            m.beta_ = beta_raw * m.x_scale_
-            m.intercept_ = float(theta[-1] + m.x_mean_ @ beta_raw)
-            m._cum = np.concatenate([[0.0], np.cumsum(m.ramp_coef_)])
-            keep = C[j] > 0
-            m._stage2(cells.score[keep], Xt[keep], W[j][keep], WY[j][keep])
-        return models
 
     def _stage2(self, s: np.ndarray, Xt: np.ndarray, wk: np.ndarray, wyk: np.ndarray) -> None:
         """Isotonic regression of the label on the fitted index (cells pooled by equal index)."""

@@ -24,7 +24,7 @@ try:  # scipy's compiled PAVA without the argument checks of the public wrapper 
 except ImportError:  # pragma: no cover - other scipy layouts: use the public function
     _pava = None
 
-__all__ = ["pool_ties", "isotonic_pooled", "isotonic_fit", "isotonic_predict"]
+__all__ = ["pool_ties", "isotonic_pooled", "isotonic_pooled_segments", "isotonic_fit", "isotonic_predict"]
 
 
 def pool_ties(x: np.ndarray, y: np.ndarray, w: np.ndarray | None = None
@@ -68,6 +68,30 @@ def isotonic_pooled(sw: np.ndarray, swy: np.ndarray, *, increasing: bool = True)
     # pava works in place on (values, weights, block starts); values become the fitted values.
     x, _, _, _ = _pava(means, np.array(sw, dtype=np.float64), np.full(sw.size + 1, -1, dtype=np.intp))
     return x
+
+
+def isotonic_pooled_segments(sw: np.ndarray, swy: np.ndarray, bounds: list[tuple[int, int]]) -> list[np.ndarray]:
+    """`isotonic_pooled` on each segment ``[a, b)`` of one pair of sum arrays (one fit per segment).
+
+    For many small fits at once (a cross-fit's six stage-2 fits): one division and one copy
+    for all segments, then one PAVA call per segment. Same values as `isotonic_pooled`.
+    """
+    if _pava is None:  # pragma: no cover - other scipy layouts
+        return [isotonic_pooled(sw[a:b], swy[a:b]) for a, b in bounds]
+    with np.errstate(invalid="ignore", divide="ignore"):  # entries outside the segments may be 0 / 0
+        means = swy / sw
+    wts = np.array(sw, dtype=np.float64)  # pava overwrites its weights
+    blocks = np.full(sw.size + len(bounds), -1, dtype=np.intp)
+    out = []
+    for i, (a, b) in enumerate(bounds):
+        if b <= a:
+            raise ValueError("isotonic fit needs at least one point with positive weight")
+        if b - a == 1:
+            out.append(means[a:b])
+            continue
+        x, _, _, _ = _pava(means[a:b], wts[a:b], blocks[a + i:b + i + 1])
+        out.append(x)
+    return out
 
 
 def isotonic_fit(x: np.ndarray, y: np.ndarray, sample_weight: np.ndarray | None = None, *,

@@ -15,11 +15,12 @@ it never predicts row by row. Same numbers as refitting on the rows (tests pin i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cje_engine.calibration.calibrators import Cells, TwoStageCalibrator, make_calibrator, make_cells
+from cje_engine.calibration.calibrators import Cells, _clip, _interp, make_calibrator, make_cells
+from cje_engine.calibration.two_stage_batch import fit_two_stage_many
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
 
@@ -51,6 +52,10 @@ class Design:
     @property
     def n_policies(self) -> int:
         return len(self.data.policies)
+
+    def __getstate__(self) -> dict:
+        # the private caches (calibration plan, bootstrap view) are rebuilt where they are needed
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     @property
     def cal_fold(self) -> np.ndarray:
@@ -120,64 +125,142 @@ def cross_fit(design: Design, row_w: np.ndarray | None = None):
     return f, full
 
 
-def _cell_fits(design: Design, wc: np.ndarray, warm=None):
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """What a refit of the cross-fitted calibrator reads: O(labels + cells), no per-row arrays.
+
+    Built once per design (`calibration_plan`); the refits of `cross_fit` and of every bootstrap
+    replicate run on it (`_cell_fits`), so both compute the same numbers the same way.
+    """
+
+    mode: str
+    n_folds: int
+    label_scale: tuple[float, float] | None
+    cells: Cells  # every cell (G): where the full fit is evaluated
+    cal_cells: Cells  # the cells holding calibration rows (Gc)
+    cal_global: np.ndarray  # (Gc,) each calibration cell's index in ``cells``
+    cal_cell: np.ndarray  # (m,) calibration cell of every calibration row
+    y: np.ndarray  # (m,) label of every calibration row
+    key3: np.ndarray  # (3m,) flat (quantity, fold, cell) key of the fold sums
+    order: np.ndarray  # (m,) calibration rows grouped by fold
+    fold_bounds: tuple  # (K,) (start, stop) of each fold in ``order``
+    z_index: np.ndarray  # (m,) in ``order``: flat (fit = fold + 1, cell) index into a fits' index matrix
+    global_sorted: np.ndarray  # (m,) in ``order``: each row's cell in ``cells``
+    fold_cells: tuple  # (K,) monotone mode: (rows of fold k, the cells they occupy, index into those)
+    warm: dict | None  # two-stage: where the solver of every refit starts (`_warm_start`)
+
+
+def calibration_plan(design: Design) -> CalibrationPlan:
+    """The design's `CalibrationPlan` (cached on the design)."""
+    plan = design.__dict__.get("_calibration_plan")
+    if plan is None:
+        d, ci = design.data, design.cells
+        K, Gc = d.n_folds, ci.cal_cells.size
+        folds = design.cal_fold
+        order = np.argsort(folds, kind="stable")
+        size = np.bincount(folds, minlength=K)
+        ends = np.cumsum(size)
+        fold_cells = []
+        for k in range(K):
+            held = np.flatnonzero(folds == k)
+            used, pos = np.unique(ci.cal_cell[held], return_inverse=True)
+            c = ci.cal_cells
+            fold_cells.append((held, Cells(c.score[used], c.X[used], c.score_values, c.score_code[used]), pos))
+        plan = CalibrationPlan(
+            mode=design.mode, n_folds=K, label_scale=d.label_scale, cells=ci.cells, cal_cells=ci.cal_cells,
+            cal_global=ci.cal_global, cal_cell=ci.cal_cell, y=d.label[design.cal_rows],
+            key3=np.concatenate([ci.cal_key, ci.cal_key + K * Gc, ci.cal_key + 2 * K * Gc]),
+            order=order, fold_bounds=tuple(zip((ends - size).tolist(), ends.tolist())),
+            z_index=(folds[order] + 1) * Gc + ci.cal_cell[order], global_sorted=ci.cal_global[ci.cal_cell[order]],
+            fold_cells=tuple(fold_cells), warm=None)
+        if design.mode == "two_stage":
+            plan = replace(plan, warm=_warm_start(plan))
+        object.__setattr__(design, "_calibration_plan", plan)  # frozen dataclass: a private cache
+    return plan
+
+
+def _fold_sums(plan: CalibrationPlan, wc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-(fold, cell) sums of the calibration rows under weights ``wc``, and the fits' sums.
+
+    Returns ``S`` (3, K, Gc): weight, weighted label sum and rows with positive weight per fold
+    and calibration cell (one ``bincount``), and ``M`` (3, K + 1, Gc): the same for the full
+    fit (``M[:, 0]``, all folds) and each fold's complement (``M[:, k + 1]``, all but fold k).
+    """
+    K, Gc = plan.n_folds, plan.cal_cells.size
+    m = wc.size
+    vals = np.empty(3 * m)
+    vals[:m] = wc
+    np.multiply(wc, plan.y, out=vals[m:2 * m])
+    np.greater(wc, 0, out=vals[2 * m:])
+    S = np.bincount(plan.key3, weights=vals, minlength=3 * K * Gc).reshape(3, K, Gc)
+    M = np.empty((3, K + 1, Gc))
+    np.sum(S, axis=1, out=M[:, 0])
+    np.subtract(M[:, :1], S, out=M[:, 1:])
+    return S, M
+
+
+def _cell_fits(plan: CalibrationPlan, wc: np.ndarray, with_models: bool = True):
     """Full and per-fold fits from per-(fold, cell) sums of calibration-row weights ``wc``.
 
     Returns the full model's prediction at every cell (G,), the out-of-fold prediction of every
-    calibration row (m,), the full model and the fold models (None: empty complement).
+    calibration row (m,), the full model and the fold models (None: empty fold or complement;
+    both None when ``with_models`` is false, for bootstrap replicates).
     """
-    d, ci = design.data, design.cells
-    K, Gc = d.n_folds, ci.cal_cells.size
-    y = d.label[design.cal_rows]
-    W = np.bincount(ci.cal_key, weights=wc, minlength=K * Gc).reshape(K, Gc)
-    WY = np.bincount(ci.cal_key, weights=wc * y, minlength=K * Gc).reshape(K, Gc)
-    C = np.bincount(ci.cal_key, weights=wc > 0, minlength=K * Gc).reshape(K, Gc)
-    w_all, wy_all, c_all = W.sum(0), WY.sum(0), C.sum(0)
-    clip = d.label_scale
-    folds = design.cal_fold
-    if design.mode == "two_stage":
-        # all six fits at once (shared design matrix and normal equations where knots agree)
-        comp = np.vstack([w_all[None], w_all - W]), np.vstack([wy_all[None], wy_all - WY]), \
-            np.vstack([c_all[None], c_all - C])
-        fitted = TwoStageCalibrator.fit_many(ci.cal_cells, *comp, clip=clip)
-        full = fitted[0]
-        fold_models = [m if C[k].sum() > 0 else None for k, m in enumerate(fitted[1:])]
-    else:
-        full = make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all, wy_all, c_all, warm)
-        fold_models = [None if C[k].sum() == 0 or not (c_all - C[k]).any() else
-                       make_calibrator(design.mode, clip).fit_cells(ci.cal_cells, w_all - W[k], wy_all - WY[k],
-                                                                    c_all - C[k], full)
-                       for k in range(K)]
-    F_all = full.predict_cells(ci.cells)
-    f_cal = F_all[ci.cal_global][ci.cal_cell]
-    models = []
+    K, clip = plan.n_folds, plan.label_scale
+    S, M = _fold_sums(plan, wc)
+    has_rows = S[2].sum(1) > 0
+    if plan.mode == "two_stage":
+        # all six fits at once (shared design matrices, batched normal equations and solves)
+        fits = fit_two_stage_many(plan.cal_cells, M[0], M[1], M[2], clip=clip, warm=plan.warm)
+        F_all = fits.predict_cells(0, plan.cells)
+        live = [k for k in range(K) if has_rows[k] and fits.ok[k + 1]]
+        f_cal = _out_of_fold(plan, F_all, fits.Z, live, fits.x[1:], fits.y[1:])
+        if not with_models:
+            return F_all, f_cal, None, None
+        return F_all, f_cal, fits.model(0), [fits.model(k + 1) if k in live else None for k in range(K)]
+    full = make_calibrator(plan.mode, clip).fit_cells(plan.cal_cells, M[0, 0], M[1, 0], M[2, 0])
+    fold_models = [None if not has_rows[k] or not M[2, k + 1].any() else
+                   make_calibrator(plan.mode, clip).fit_cells(plan.cal_cells, M[0, k + 1], M[1, k + 1],
+                                                              M[2, k + 1], full)
+                   for k in range(K)]
+    F_all = full.predict_cells(plan.cells)
+    f_cal = F_all[plan.cal_global][plan.cal_cell]
     for k, model in enumerate(fold_models):
-        if model is None:
-            models.append(None)  # (bootstrap only) an empty fold or complement keeps the full fit
-            continue
-        held, cells_k, pos_k = _fold_cells(design, k)
-        f_cal[held] = model.predict_cells(cells_k)[pos_k]  # predicted only where fold k has rows
-        models.append(model)
-    return F_all, f_cal, full, models
+        if model is not None:
+            held, cells_k, pos_k = plan.fold_cells[k]
+            f_cal[held] = model.predict_cells(cells_k)[pos_k]  # predicted only where fold k has rows
+    return F_all, f_cal, full, fold_models
 
 
-def _fold_cells(design: Design, k: int) -> tuple[np.ndarray, Cells, np.ndarray]:
-    """Calibration rows of fold k, the cells they occupy, and each row's index into those (cached)."""
-    cache = design.__dict__.setdefault("_fold_cache", {})
-    if k not in cache:
-        ci = design.cells
-        held = np.flatnonzero(design.cal_fold == k)
-        used, pos = np.unique(ci.cal_cell[held], return_inverse=True)
-        cells = ci.cal_cells
-        cache[k] = (held, Cells(cells.score[used], cells.X[used], cells.score_values, cells.score_code[used]), pos)
-    return cache[k]
+def _warm_start(plan: CalibrationPlan) -> dict:
+    """The active ramps of the unweighted full two-stage fit (number of ramps -> mask), where the
+    solver of every refit starts: a function of the design only, so every process starts alike
+    (the fits do not depend on the start; the number of solver rounds does)."""
+    _, M = _fold_sums(plan, np.ones(plan.y.size))
+    fits = fit_two_stage_many(plan.cal_cells, M[0, :1], M[1, :1], M[2, :1], clip=plan.label_scale)
+    return {} if fits.ramp[0] is None else {fits.ramp[0].size: fits.ramp[0] > 0}
+
+
+def _out_of_fold(plan: CalibrationPlan, F_all: np.ndarray, Z: np.ndarray, live: list[int], xs: list,
+                 ys: list) -> np.ndarray:
+    """Out-of-fold value of every calibration row from the fits' index matrix ``Z`` (fit k + 1 at
+    the cells of fold k's rows, then its stage-2 curve ``xs[k], ys[k]``); folds not in ``live``
+    keep the full fit's value ``F_all``."""
+    z = Z.ravel()[plan.z_index]
+    out = F_all[plan.global_sorted]
+    for k in live:
+        a, b = plan.fold_bounds[k]
+        out[a:b] = _interp(z[a:b], xs[k], ys[k])
+    f_cal = np.empty(out.size)
+    f_cal[plan.order] = _clip(out, plan.label_scale)
+    return f_cal
 
 
 def cross_fit_models(design: Design, row_w: np.ndarray | None = None):
     """`cross_fit`, also returning the per-fold models (``None`` for a fold that kept the full fit)."""
     cr = design.cal_rows
     wc = np.ones(cr.size) if row_w is None else row_w[cr]
-    F_all, f_cal, full, models = _cell_fits(design, wc)
+    F_all, f_cal, full, models = _cell_fits(calibration_plan(design), wc)
     f = F_all[design.cells.row_cell]
     f[cr] = f_cal
     return f, full, models
@@ -204,53 +287,105 @@ def policy_stats(design: Design, f: np.ndarray, row_w: np.ndarray | None = None)
     return np.concatenate([plug, plug + corr])
 
 
-def _replicate_plan(design: Design) -> dict:
-    """Index arrays a replicate reuses (cached on the design; built on first use)."""
-    plan = design.__dict__.get("_plan")
-    if plan is None:
+@dataclass(frozen=True)
+class BootstrapView:
+    """Everything a bootstrap replicate reads, and nothing else: what a Ray worker receives.
+
+    Per row only the prompt code and the (policy, cell) key of the weighted histogram (int32
+    where they fit: 8 bytes a row); the rest is O(labels + cells): the `CalibrationPlan`, and the
+    prompt, policy, cell, label and label weight of the labelled rows. `bootstrap_replicates`
+    on it gives the replicates ``bootstrap_chunk`` gives on the whole prepared state, bit for bit
+    (`replicate` itself runs on the view).
+    """
+
+    calibration: CalibrationPlan
+    seed: int
+    n_prompts: int
+    n_policies: int
+    row_prompt: np.ndarray  # (n,) prompt code of every row
+    row_key: np.ndarray  # (n,) policy * G + cell of every row
+    cal_prompt: np.ndarray  # (m,) calibration rows: prompt, policy, cell
+    cal_policy: np.ndarray
+    cal_cell_global: np.ndarray
+    lab_prompt: np.ndarray  # labelled rows (any policy): prompt, policy, cell, label, label weight
+    lab_policy: np.ndarray
+    lab_cell: np.ndarray
+    lab_y: np.ndarray
+    lab_lw: np.ndarray
+    lab_is_cal: np.ndarray  # labelled rows that calibrate, and their index among the calibration rows
+    lab_cal: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in arrays (the size of what a worker receives, up to pickling overhead)."""
+        c = self.calibration
+        arrays = [v for v in vars(self).values() if isinstance(v, np.ndarray)]
+        arrays += [v for v in vars(c).values() if isinstance(v, np.ndarray)]
+        arrays += [c.cells.score, c.cells.X, c.cal_cells.score, c.cal_cells.X]
+        return int(sum(a.nbytes for a in arrays))
+
+
+def bootstrap_view(design: Design, seed: int = 0) -> BootstrapView:
+    """The design's `BootstrapView` for bootstrap seed ``seed`` (the arrays are cached on the design)."""
+    base = design.__dict__.get("_bootstrap_view")
+    if base is None:
         d, ci = design.data, design.cells
         lab, cr = design.lab_rows, design.cal_rows
         pos = np.full(d.n_rows, -1, dtype=np.int64)
         pos[cr] = np.arange(cr.size)
         lab_cal = pos[lab]
-        plan = {
-            "cal_prompt": d.prompt[cr], "lab_prompt": d.prompt[lab], "lab_policy": d.policy[lab],
-            "lab_cell": ci.row_cell[lab], "lab_is_cal": lab_cal >= 0, "lab_cal": lab_cal[lab_cal >= 0],
-            "lab_y": d.label[lab], "lab_lw": d.label_weight[lab],
-            "cal_policy": d.policy[cr], "cal_cell_global": ci.row_cell[cr],
-        }
-        object.__setattr__(design, "_plan", plan)  # frozen dataclass: a private cache
-    return plan
+        small = np.int32 if d.n_prompts < 2**31 else np.int64
+        base = BootstrapView(
+            calibration=calibration_plan(design), seed=0, n_prompts=d.n_prompts, n_policies=design.n_policies,
+            row_prompt=d.prompt.astype(small, copy=False), row_key=ci.row_key,
+            cal_prompt=d.prompt[cr], cal_policy=d.policy[cr], cal_cell_global=ci.row_cell[cr],
+            lab_prompt=d.prompt[lab], lab_policy=d.policy[lab], lab_cell=ci.row_cell[lab],
+            lab_y=d.label[lab], lab_lw=d.label_weight[lab], lab_is_cal=lab_cal >= 0, lab_cal=lab_cal[lab_cal >= 0])
+        object.__setattr__(design, "_bootstrap_view", base)  # frozen dataclass: a private cache
+    return base if base.seed == seed else replace(base, seed=seed)
+
+
+def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
+    """One replicate (``policy_stats`` under prompt weights ``prompt_w``, calibrator refitted) on a view.
+
+    Per-(fold, cell) sums of the calibration rows, refits from them, and one weighted histogram
+    of all rows over (policy, cell): equal to ``policy_stats(design, *cross_fit(design, row_w),
+    row_w)`` with ``row_w = prompt_w[prompt]``.
+    """
+    plan = view.calibration
+    K, G = view.n_policies, plan.cells.size
+    wc = prompt_w[view.cal_prompt]
+    F_all, f_cal, _, _ = _cell_fits(plan, wc, with_models=False)
+    # Every row at the full fit's value, then the calibration rows corrected to out of fold.
+    T = np.bincount(view.row_key, weights=prompt_w[view.row_prompt], minlength=K * G).reshape(K, G)
+    n_k = T.sum(1)
+    # einsum, not BLAS: the same bits whatever the BLAS thread count of the process
+    num = np.einsum("kg,g->k", T, F_all) + np.bincount(view.cal_policy, weights=wc * (f_cal - F_all[view.cal_cell_global]), minlength=K)
+    f_lab = F_all[view.lab_cell]
+    f_lab[view.lab_is_cal] = f_cal[view.lab_cal]
+    lw = prompt_w[view.lab_prompt] * view.lab_lw
+    with np.errstate(invalid="ignore", divide="ignore"):
+        plug = num / n_k
+        den = np.bincount(view.lab_policy, weights=lw, minlength=K)
+        corr = np.bincount(view.lab_policy, weights=lw * (view.lab_y - f_lab), minlength=K) / den
+    return np.concatenate([plug, plug + corr])
+
+
+def bootstrap_replicates(view: BootstrapView, start: int, stop: int) -> np.ndarray:
+    """Replicates ``start..stop-1`` on a view, shape (stop - start, 2K); replicate ``b`` depends
+    only on ``(view.seed, b)``, so any split into chunks gives the same rows."""
+    out = np.empty((stop - start, 2 * view.n_policies))
+    for i, b in enumerate(range(start, stop)):
+        out[i] = replicate_view(view, bootstrap_weights(view.seed, b, view.n_prompts))
+    return out
 
 
 def replicate(design: Design, prompt_w: np.ndarray | None = None) -> np.ndarray:
-    """Refit the calibration under prompt weights and return ``policy_stats``.
-
-    Works on cells: per-(fold, cell) sums of the calibration rows, refits from them, and one
-    weighted histogram of all rows over (policy, cell); equal to
-    ``policy_stats(design, *cross_fit(design, row_w), row_w)`` with ``row_w = prompt_w[prompt]``.
-    """
-    d, ci = design.data, design.cells
+    """Refit the calibration under prompt weights and return ``policy_stats`` (see `replicate_view`)."""
     if prompt_w is None:
         f, _ = cross_fit(design)
         return policy_stats(design, f)
-    plan = _replicate_plan(design)
-    K, G = design.n_policies, ci.cells.size
-    wc = prompt_w[plan["cal_prompt"]]
-    F_all, f_cal, _, _ = _cell_fits(design, wc)
-    # Every row at the full fit's value, then the calibration rows corrected to out of fold.
-    T = np.bincount(ci.row_key, weights=prompt_w[d.prompt], minlength=K * G).reshape(K, G)
-    n_k = T.sum(1)
-    num = T @ F_all + np.bincount(plan["cal_policy"], weights=wc * (f_cal - F_all[plan["cal_cell_global"]]),
-                                  minlength=K)
-    f_lab = F_all[plan["lab_cell"]]
-    f_lab[plan["lab_is_cal"]] = f_cal[plan["lab_cal"]]
-    lw = prompt_w[plan["lab_prompt"]] * plan["lab_lw"]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        plug = num / n_k
-        den = np.bincount(plan["lab_policy"], weights=lw, minlength=K)
-        corr = np.bincount(plan["lab_policy"], weights=lw * (plan["lab_y"] - f_lab), minlength=K) / den
-    return np.concatenate([plug, plug + corr])
+    return replicate_view(bootstrap_view(design), prompt_w)
 
 
 def bootstrap_weights(seed: int, b: int, n_prompts: int) -> np.ndarray:

@@ -201,8 +201,10 @@ def map_ordered(
     """Run ``fn(*a)`` (or ``fn(shared, *a)``) as Ray tasks, results in order.
 
     ``shared`` is put into the object store once and handed to every task by reference
-    (not re-serialised per task).  Worker deaths are retried by Ray ``max_retries``
-    times; a Python exception raised by ``fn`` is re-raised as itself (not wrapped).
+    (not re-serialised per task); a function with a ``ship`` attribute gets ``fn.ship(shared)``
+    instead (`remote_bootstrap`: the compact bootstrap view, not the whole prepared state).
+    Worker deaths are retried by Ray ``max_retries`` times; a Python exception raised by ``fn``
+    is re-raised as itself (not wrapped).
     """
     import ray
     from ray.exceptions import RayTaskError
@@ -211,7 +213,8 @@ def map_ordered(
                                     num_cpus=num_cpus, name=name or fn.__name__)
     receiver = None
     if shared is not None:
-        ref, receiver = put_shared(shared)
+        ship = getattr(fn, "ship", None)
+        ref, receiver = put_shared(shared if ship is None else ship(shared))
         refs = [remote.remote(ref, *a) for a in args]
     else:
         refs = [remote.remote(*a) for a in args]
@@ -396,8 +399,33 @@ def remote_read(uri: str, cfg_dict: dict, keys: list[str], columns: list[str] | 
     return read_window(st, keys, columns=columns, policies=policies, mapping=mapping)
 
 
-def remote_bootstrap(prep, start: int, stop: int):
-    """Bootstrap replicates ``start..stop-1`` (deterministic in ``(seed, b)``)."""
+def remote_bootstrap(state, start: int, stop: int):
+    """Bootstrap replicates ``start..stop-1`` (deterministic in ``(seed, b)``).
+
+    ``state`` is what `bootstrap_state` ships: a `BootstrapView` for Direct evaluations (8 bytes
+    a row plus the labelled rows, instead of the ~100 bytes a row of the prepared state), or the
+    prepared state itself for anything else.
+    """
+    from cje_engine.direct.estimators import BootstrapView, bootstrap_replicates
+
+    if isinstance(state, BootstrapView):
+        return bootstrap_replicates(state, start, stop)
     from cje_engine.pipeline.direct import bootstrap_chunk
 
-    return bootstrap_chunk(prep, start, stop)
+    return bootstrap_chunk(state, start, stop)
+
+
+def bootstrap_state(prep):
+    """What the bootstrap tasks receive for ``prep``: its `BootstrapView` when it is a Direct
+    prepared state (replicates bit-identical to ``bootstrap_chunk(prep, ...)``), else ``prep``."""
+    from cje_engine.direct.estimators import Design, bootstrap_view
+    from cje_engine.pipeline.direct import Prepared
+
+    if isinstance(prep, Prepared) and isinstance(prep.design, Design):
+        view = bootstrap_view(prep.design, seed=prep.options.seed)
+        if view.n_policies * 2 == prep.stats.size:
+            return view
+    return prep
+
+
+remote_bootstrap.ship = bootstrap_state  # type: ignore[attr-defined]  # see map_ordered

@@ -209,3 +209,94 @@ def test_two_stage_replicate_survives_an_exactly_singular_batched_solve():
         if (wc[held] > 0).any() and (wc[~held] > 0).any():
             f[cr[held]] = SlowTwoStage().fit(s, y, X, np.where(held, 0, wc)).predict(s[held], X[held])
     np.testing.assert_allclose(replicate(design, pw), _slow_stats(data, cr, f, w), rtol=1e-9, atol=1e-10)
+
+
+# --- the batched two-stage cross-fit (cje_engine.calibration.two_stage_batch) -------------------
+
+def _fold_sums_of(seed, n=400, J=6):
+    """Per-(fit, cell) sums like a cross-fit's: fit 0 all rows, fit j>0 without a random fold."""
+    from cje_engine.calibration.calibrators import make_cells, pool_rows
+
+    s, y, X = _two_stage_data(seed, n)
+    cells, row_cell = make_cells(s, X)
+    rng = np.random.default_rng(seed + 7)
+    w = rng.integers(0, 3, n).astype(float)
+    fold = rng.integers(0, J - 1, n)
+    sums = [pool_rows(row_cell, cells.size, y, w)] + [pool_rows(row_cell, cells.size, y, np.where(fold == k, 0, w))
+                                                      for k in range(J - 1)]
+    W, WY, C = (np.array(part) for part in zip(*sums))
+    return cells, W, WY, C
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_fits_equal_fit_cells_row_by_row(seed):
+    """Every row of `fit_two_stage_many` is the model `fit_cells` fits on that row's sums: same
+    knots, coefficients (rtol 1e-9: the same KKT point from differently ordered solves, see the
+    module docstring) and predictions; rows without data give None; a fit whose knots differ
+    (here: fit 3 keeps only two distinct scores) is solved in its own group."""
+    from cje_engine.calibration.two_stage_batch import fit_two_stage_many
+
+    cells, W, WY, C = _fold_sums_of(seed)
+    lo = cells.score <= np.quantile(cells.score, 0.3)
+    W[3, ~lo], WY[3, ~lo], C[3, ~lo] = 0, 0, 0  # few distinct scores: fewer knots than the others
+    W[4], WY[4], C[4] = 0, 0, 0  # no data
+    fits = fit_two_stage_many(cells, W, WY, C, clip=(0, 1))
+    models = fits.models()
+    assert models[4] is None and not fits.ok[4]
+    assert fits.knots[3].size < fits.knots[0].size
+    for j in (0, 1, 2, 3, 5):
+        ref = TwoStageCalibrator(clip=(0, 1)).fit_cells(cells, W[j], WY[j], C[j])
+        m = models[j]
+        np.testing.assert_array_equal(m.knots_, ref.knots_)
+        for attr in ("ramp_coef_", "beta_", "x_mean_", "x_scale_"):
+            np.testing.assert_allclose(getattr(m, attr), getattr(ref, attr), rtol=1e-9, atol=1e-12)
+        assert m.intercept_ == pytest.approx(ref.intercept_, rel=1e-9, abs=1e-12)
+        np.testing.assert_allclose(m.predict_cells(cells), ref.predict_cells(cells), rtol=1e-9, atol=1e-10)
+        np.testing.assert_allclose(fits.predict_cells(j, cells), ref.predict_cells(cells), rtol=1e-9, atol=1e-10)
+        np.testing.assert_allclose(fits.Z[j], ref._index_t(cells.score, ref._xt(cells)), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stacked_active_set_is_nnls(seed):
+    """The batched active set solves min ||A theta - t|| with theta[:r] >= 0 exactly as scipy's NNLS
+    (sign-free columns split into +/- pairs), whatever set it starts from; random problems with
+    negative unconstrained solutions so that several rounds are needed. Conditioning < 1e3, so
+    the two solvers agree to ~1e-12; rtol 1e-8."""
+    from cje_engine.calibration.two_stage_batch import _ramp_lsq_stack
+
+    rng = np.random.default_rng(seed)
+    N, n, r, q = 8, 60, 5, 2
+    A = rng.normal(size=(N, n, r + q))
+    t = rng.normal(size=(N, n)) + A[:, :, :r] @ rng.normal(0, 1, r)  # some ramps want to be negative
+    G, b = np.einsum("jnp,jnq->jpq", A, A), np.einsum("jnp,jn->jp", A, t)
+    for free in (None, rng.uniform(size=r) < 0.5):
+        theta, done = _ramp_lsq_stack(G, b, r, free)
+        assert done.all()
+        for i in range(N):
+            coef, _ = nnls(np.hstack([A[i, :, :r], A[i, :, r:], -A[i, :, r:]]), t[i], maxiter=2000)
+            ref = np.concatenate([coef[:r], coef[r:r + q] - coef[r + q:]])
+            np.testing.assert_allclose(theta[i], ref, rtol=1e-8, atol=1e-10)
+
+
+def test_stacked_active_set_refuses_singular_systems():
+    """A rank-deficient system is left undone (the caller falls back to NNLS); the others settle."""
+    from cje_engine.calibration.two_stage_batch import _ramp_lsq_stack
+
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(3, 40, 4))
+    A[1, :, 3] = A[1, :, 2]  # two equal columns
+    t = rng.normal(size=(3, 40))
+    theta, done = _ramp_lsq_stack(np.einsum("jnp,jnq->jpq", A, A), np.einsum("jnp,jn->jp", A, t), 2)
+    assert done.tolist() == [True, False, True]
+
+
+def test_isotonic_segments_equal_one_fit_per_segment():
+    from cje_engine.calibration.isotonic import isotonic_pooled, isotonic_pooled_segments
+
+    rng = np.random.default_rng(3)
+    sw = rng.uniform(0.5, 2, 30)
+    swy = sw * rng.uniform(0, 1, 30)
+    bounds = [(0, 9), (9, 10), (12, 30)]  # 10-11 lie outside every segment (e.g. empty cells)
+    sw[10:12] = 0
+    for (a, b), got in zip(bounds, isotonic_pooled_segments(sw, swy, bounds)):
+        np.testing.assert_array_equal(got, isotonic_pooled(sw[a:b], swy[a:b]))

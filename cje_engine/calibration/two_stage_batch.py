@@ -1,0 +1,388 @@
+"""Many two-stage fits at once: the cross-fit's full fit and its fold complements.
+
+A cross-fit (and every bootstrap replicate of it) fits the same two-stage model six times, on
+per-cell sums that differ only in which fold is left out. Fitting them one by one spends most of
+the time in per-call overhead (a few hundred small numpy calls), not in arithmetic: ~400 cells and
+a 9-column least squares. `fit_two_stage_many` does every step for all fits together:
+
+* knots of all fits from one (fit, distinct score) count matrix (numpy's linear quantile rule,
+  as `quantile_of_counts`);
+* one design matrix ``[ramps, covariates, 1]`` per distinct knot vector, cached on the cells
+  together with its per-cell outer products, so the normal equations of all fits sharing those
+  knots are one product ``W @ O`` (``einsum``: no threaded BLAS, whose rounding depends on
+  the thread count, so every process computes the same bits; the least squares runs in the raw (log) covariates:
+  with an intercept the fitted index does not depend on centring and scaling; the coefficients
+  are then expressed in each fit's own standardisation, as ``fit_cells`` stores them);
+* every fit's active set at once (`_ramp_lsq_stack`): batched LAPACK solves of the masked
+  normal equations, each fit with its own free set, started from the design's point fit and
+  checked by the KKT conditions; the scalar solver (`_ramp_lsq_gram`) and finally scipy NNLS
+  (``fit_cells``) only for the fits that fail the checks;
+* stage 2 for all fits from one stable sort of the index matrix, one pooling ``reduceat`` and
+  one PAVA call per fit.
+
+The models equal ``TwoStageCalibrator.fit_cells`` on each row of sums (the same convex problems;
+tests pin them to 1e-9 against a row-level fit with scipy NNLS). `TwoStageFits.models` builds the
+calibrator objects; the bootstrap uses the arrays directly (`index`, `predict_cells`).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.linalg import _umath_linalg as _lapack  # the batched LAPACK gufuncs, without the wrappers' checks
+
+from cje_engine.calibration.calibrators import (
+    Cells,
+    TwoStageCalibrator,
+    _clip,
+    _interp,
+    _knot_levels,
+    _ramp_basis,
+    _ramp_lsq_gram,
+)
+from cje_engine.calibration.isotonic import isotonic_pooled_segments
+
+__all__ = ["TwoStageFits", "fit_two_stage_many"]
+
+_MAX_BASES = 256  # design matrices cached per cells object (one per distinct knot vector)
+
+
+def _cells_cache(cells: Cells) -> dict:
+    """A private dict on the (frozen) cells object for arrays that depend on the cells only."""
+    cache = cells.__dict__.get("_batch_cache")
+    if cache is None:
+        cache = {}
+        object.__setattr__(cells, "_batch_cache", cache)
+    return cache
+
+
+def _score_key(cells: Cells, J: int) -> np.ndarray:
+    """Flat (fit, distinct score) key of every (fit, cell) pair, for the per-score counts."""
+    cache = _cells_cache(cells)
+    key = cache.get(("score_key", J))
+    if key is None:
+        D = cells.score_values.size
+        key = cache[("score_key", J)] = (np.arange(J)[:, None] * D + cells.score_code[None, :]).ravel()
+    return key
+
+
+def _basis(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Design matrix ``[ramps(knots), Xt, 1]`` of the cells and its per-cell outer products (cached).
+
+    ``O[g] = F[g] (x) F[g]`` flattened, so the normal equations of weights ``w`` are ``w @ O``.
+    """
+    cache = _cells_cache(cells)
+    bases = cache.setdefault("bases", {})
+    key = (log_covariates, knots.tobytes())
+    hit = bases.get(key)
+    if hit is None:
+        if len(bases) >= _MAX_BASES:
+            bases.clear()
+        nr, p = knots.size - 1, Xt.shape[1]
+        F = np.empty((cells.size, nr + p + 1))
+        F[:, :nr] = _ramp_basis(cells.score, knots)
+        F[:, nr:nr + p] = Xt
+        F[:, -1] = 1.0
+        O = (F[:, :, None] * F[:, None, :]).reshape(cells.size, -1)
+        hit = bases[key] = (F, O)
+    return hit
+
+
+def _all_knots(cells: Cells, C: np.ndarray, n_knots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raw knots of every fit (J, n_knots + 1), rows with positive weight per fit, per-score counts."""
+    J = C.shape[0]
+    D = cells.score_values.size
+    per_score = np.bincount(_score_key(cells, J), weights=C.ravel(), minlength=J * D).reshape(J, D)
+    cum = per_score.cumsum(1)
+    n = cum[:, -1:]
+    virtual = (n - 1) * _knot_levels(n_knots)[None, :]
+    prev = np.floor(virtual)
+    both = np.concatenate([prev, np.minimum(prev + 1, n - 1)], axis=1)
+    ab = cells.score_values[(cum[:, None, :] <= both[:, :, None]).sum(2).clip(max=D - 1)]
+    L = prev.shape[1]
+    a, b = ab[:, :L], ab[:, L:]
+    t = virtual - prev
+    diff = b - a
+    return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t), n[:, 0], per_score
+
+
+class TwoStageFits:
+    """The fitted parameters of J two-stage models on the same cells (None rows: no data).
+
+    Attributes
+    ----------
+    ok : ndarray of bool, shape (J,)
+        Fits with at least one row of positive weight.
+    knots, cum : list of ndarray
+        Ramp knots of each fit and the cumulative ramp coefficients (the index's
+        piecewise-linear part passes through ``(knots[i], cum[i])``).
+    x_mean, x_scale, beta : ndarray, shape (J, p)
+        Covariate standardisation and coefficients on the standardised covariates.
+    intercept : ndarray, shape (J,)
+    Z : ndarray, shape (J, G)
+        Stage-1 index of every fit at every cell.
+    x, y, w : list of ndarray
+        Stage 2: the pooled index values, the isotonic fitted values and their weights.
+    """
+
+    def __init__(self, J: int, p: int, clip, n_knots: int, log_covariates: bool) -> None:
+        self.J, self.clip, self.n_knots, self.log_covariates = J, clip, n_knots, log_covariates
+        self.ok = np.zeros(J, dtype=bool)
+        self.knots: list = [None] * J
+        self.cum: list = [None] * J
+        self.ramp: list = [None] * J
+        self.x_mean = np.zeros((J, p))
+        self.x_scale = np.ones((J, p))
+        self.beta = np.zeros((J, p))
+        self.intercept = np.zeros(J)
+        self.x: list = [None] * J
+        self.y: list = [None] * J
+        self.w: list = [None] * J
+        self.Z = np.empty((J, 0))
+
+    def index(self, j: int, score: np.ndarray, Xt: np.ndarray) -> np.ndarray:
+        """Stage-1 index of fit ``j`` at scores ``score`` and transformed covariates ``Xt``."""
+        h = _interp(score, self.knots[j], self.cum[j])
+        if Xt.shape[1]:
+            h = h + ((Xt - self.x_mean[j]) / self.x_scale[j]) @ self.beta[j]
+        return h + self.intercept[j]
+
+    def predict_cells(self, j: int, cells: Cells) -> np.ndarray:
+        """Calibrated value of fit ``j`` at every cell of ``cells`` (any cells object)."""
+        Xt = TwoStageCalibrator(log_covariates=self.log_covariates)._xt(cells)
+        return _clip(_interp(self.index(j, cells.score, Xt), self.x[j], self.y[j]), self.clip)
+
+    def model(self, j: int) -> TwoStageCalibrator | None:
+        """Fit ``j`` as a `TwoStageCalibrator` (None for a fit without data)."""
+        if not self.ok[j]:
+            return None
+        m = TwoStageCalibrator(n_knots=self.n_knots, log_covariates=self.log_covariates, clip=self.clip)
+        m.knots_, m.x_mean_, m.x_scale_ = self.knots[j], self.x_mean[j], self.x_scale[j]
+        m.ramp_coef_, m.beta_, m.intercept_ = self.ramp[j], self.beta[j], float(self.intercept[j])
+        m._cum = self.cum[j]
+        m.x_, m.y_, m.weights_ = self.x[j], self.y[j], self.w[j]
+        return m
+
+    def models(self) -> list:
+        return [self.model(j) for j in range(self.J)]
+
+
+def _ramp_lsq_stack(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None = None,
+                    rounds: int = 6) -> tuple[np.ndarray, np.ndarray]:
+    """The active set of `_ramp_lsq_gram` for a stack of systems at once, each with its own free set.
+
+    ``free`` (n_ramp,): the ramps every system starts with (all if None). Every round solves all
+    unsettled systems in one batched call, with the fixed ramps masked out (their rows and
+    columns replaced by the identity, their right-hand side by 0, so they solve to exactly 0); a
+    system with a negative free ramp drops its non-positive ramps, one without gains the fixed
+    ramps with a descent direction, one with neither is a KKT point: THE solution of its strictly
+    convex problem, computed from the final free set alone (so the start does not change it).
+    Returns ``theta`` (N, P) and ``done`` (N,): False where the system is (nearly) rank deficient
+    or did not settle (the caller then takes the exact path).
+    """
+    N, P = b.shape
+    theta = np.zeros((N, P))
+    done = np.zeros(N, dtype=bool)
+    tol = 1e-9 * (np.abs(b).max(1) + 1e-300)
+    mask = np.ones((N, P), dtype=bool)
+    if free is not None:
+        mask[:, :n_ramp] = free
+    act = np.flatnonzero((np.diagonal(G, axis1=1, axis2=2) > 0).all(1))
+    eye = _eye(P)
+    for _ in range(rounds):
+        if act.size == 0:
+            break
+        every = act.size == N
+        m = mask if every else mask[act]
+        Ga, ba = (G, b) if every else (G[act], b[act])
+        Gm = np.where(m[:, :, None] & m[:, None, :], Ga, eye)
+        with np.errstate(invalid="ignore"):  # not positive definite: NaN factor, fails the check
+            L = _lapack.cholesky_lo(Gm, signature="d->d")
+            rank_ok = (np.diagonal(L, axis1=1, axis2=2) ** 2 / np.diagonal(Gm, axis1=1, axis2=2)).min(1) >= 1e-12
+            x = _lapack.solve1(Gm, np.where(m, ba, 0.0), signature="dd->d")
+        x[~m] = 0.0
+        ramps, fr = x[:, :n_ramp], m[:, :n_ramp]
+        neg = (ramps < 0).any(1)
+        grad = ba - np.matmul(Ga, x[:, :, None])[:, :, 0]  # positive: the objective falls if theta_j grows
+        viol = ~fr & (grad[:, :n_ramp] > tol[act, None])
+        settled = rank_ok & ~neg & ~viol.any(1)
+        if settled.all():
+            theta[act], done[act] = x, True
+            break
+        mask[act, :n_ramp] = np.where(neg[:, None], fr & (ramps > 0), fr | viol)
+        theta[act[settled]] = x[settled]
+        done[act[settled]] = True
+        act = act[rank_ok & ~settled]
+    return theta, done
+
+
+_EYE: dict[int, np.ndarray] = {}
+
+
+def _eye(P: int) -> np.ndarray:
+    e = _EYE.get(P)
+    if e is None:
+        e = _EYE[P] = np.eye(P)
+    return e
+
+
+def _solve_all(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, WY: np.ndarray,
+               log_covariates: bool, warm: dict | None) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares coefficients (raw covariates) of fits with the same number of knots
+    (``knots`` (J, k)); ``done`` False where the fast path failed (the caller refits those)."""
+    J = W.shape[0]
+    groups: dict[bytes, list[int]] = {}
+    for j in range(J):
+        groups.setdefault(knots[j].tobytes(), []).append(j)
+    parts = []
+    for js in groups.values():
+        F, O = _basis(cells, Xt, knots[js[0]], log_covariates)
+        P = F.shape[1]
+        Ws, WYs = (W, WY) if len(js) == J else (W[js], WY[js])
+        # einsum, not BLAS: a threaded BLAS product's rounding depends on its thread count, and
+        # replicates must be the same bits in every process (any node, any chunking)
+        parts.append((js, np.einsum("jg,gq->jq", Ws, O).reshape(len(js), P, P), np.einsum("jg,gp->jp", WYs, F)))
+    n_ramp = knots.shape[1] - 1
+    if len(parts) == 1:
+        G, b = parts[0][1], parts[0][2]
+    else:
+        order = np.array([j for part in parts for j in part[0]])
+        G = np.empty((J, P, P))
+        b = np.empty((J, P))
+        G[order] = np.concatenate([part[1] for part in parts])
+        b[order] = np.concatenate([part[2] for part in parts])
+    theta, done = _ramp_lsq_stack(G, b, n_ramp, None if warm is None else warm.get(n_ramp))
+    for j in np.flatnonzero(~done):  # the scalar solver (its own checks), then NNLS in the caller
+        th = _ramp_lsq_gram(G[j], b[j], n_ramp, None)
+        if th is not None:
+            theta[j], done[j] = th, True
+    return theta, done
+
+
+def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarray,
+                       clip: tuple[float, float] | None = None, n_knots: int = 6,
+                       log_covariates: bool = True, warm: dict | None = None) -> TwoStageFits:
+    """Fit one two-stage model per row of the per-cell sums (shape (J, G) each).
+
+    Parameters
+    ----------
+    cells : Cells
+        The cells the sums refer to.
+    W, WY, C : ndarray, shape (J, G)
+        Per fit and cell: total weight, weighted label sum, rows with positive weight.
+    clip, n_knots, log_covariates
+        As `TwoStageCalibrator`.
+    warm : dict, optional
+        Number of ramps -> the ramps the active-set solver starts with (e.g. the active ramps of
+        the point-estimate fit). Only the number of solver rounds depends on it, not the result.
+
+    Returns
+    -------
+    TwoStageFits
+        Row ``j`` equals ``TwoStageCalibrator(...).fit_cells(cells, W[j], WY[j], C[j])``.
+    """
+    J = W.shape[0]
+    Xt = TwoStageCalibrator(log_covariates=log_covariates)._xt(cells)
+    p = Xt.shape[1]
+    out = TwoStageFits(J, p, clip, n_knots, log_covariates)
+    raw, n, per_score = _all_knots(cells, C, n_knots)
+    out.ok = ok = n > 0
+    keep = np.empty(raw.shape, dtype=bool)
+    keep[:, 0] = True
+    np.greater(raw[:, 1:], raw[:, :-1], out=keep[:, 1:])  # sorted: drop repeats
+    sizes = keep.sum(1)
+    for j in np.flatnonzero(ok & (sizes < 2)):  # one distinct score: a unit-wide ramp around it
+        s_min = cells.score_values[np.flatnonzero(per_score[j])[0]]
+        raw[j, :2] = s_min - 0.5, s_min + 0.5
+        keep[j], sizes[j] = False, 2
+        keep[j, :2] = True
+    if not ok.any():
+        out.Z = np.full((J, cells.size), np.nan)
+        return out
+    if p:
+        wsum = W.sum(1)[:, None]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            x_mean = np.einsum("jg,gp->jp", W, Xt) / wsum
+            if p == 1:
+                dev = Xt[:, 0] - x_mean
+                dev *= dev
+                sd = np.sqrt((W * dev).sum(1)[:, None] / wsum)
+            else:
+                sd = np.sqrt(np.einsum("jg,jgp->jp", W, (Xt[None] - x_mean[:, None, :]) ** 2) / wsum)
+        out.x_mean, out.x_scale = x_mean, np.where(sd > 0, sd, 1.0)
+    refit = []
+    every = ok.all() and (sizes == sizes[0]).all()
+    for size in [int(sizes[0])] if every else np.unique(sizes[ok]).tolist():
+        # fits with the same number of knots solve together
+        js = np.arange(J) if every else np.flatnonzero(ok & (sizes == size))
+        kn = (raw[keep] if every else raw[js][keep[js]]).reshape(js.size, size)
+        theta, done = _solve_all(cells, Xt, kn, *((W, WY) if every else (W[js], WY[js])), log_covariates, warm)
+        nr = size - 1
+        cum = np.zeros((js.size, size))
+        np.cumsum(theta[:, :nr], axis=1, out=cum[:, 1:])
+        beta_raw = theta[:, nr:nr + p]
+        beta = beta_raw * out.x_scale[js]
+        out.beta[js] = beta
+        out.intercept[js] = theta[:, -1] + (out.x_mean[js] * beta_raw).sum(1)
+        for i, j in enumerate(js.tolist()):
+            out.knots[j], out.ramp[j], out.cum[j] = kn[i], theta[i, :nr], cum[i]
+        refit += js[~done].tolist()
+    fallback = {}
+    for j in refit:  # (nearly) collinear or unsettled: the exact per-fit path (NNLS)
+        m = fallback[j] = TwoStageCalibrator(n_knots, log_covariates, clip).fit_cells(cells, W[j], WY[j], C[j])
+        out.knots[j], out.ramp[j], out.cum[j] = m.knots_, m.ramp_coef_, m._cum
+        out.x_mean[j], out.x_scale[j], out.beta[j], out.intercept[j] = m.x_mean_, m.x_scale_, m.beta_, m.intercept_
+    _stage2_all(out, cells, Xt, W, WY, C)
+    for j, m in fallback.items():  # its own stage 2 (the same pooled data; kept for exactness)
+        out.x[j], out.y[j], out.w[j] = m.x_, m.y_, m.weights_
+    return out
+
+
+def _stage2_all(out: TwoStageFits, cells: Cells, Xt: np.ndarray, W: np.ndarray, WY: np.ndarray,
+                C: np.ndarray) -> None:
+    """Stage-1 index of every fit at every cell, then every fit's isotonic stage 2 at once.
+
+    Per fit the cells with rows are sorted by index (stable), cells with equal index pool, and
+    PAVA runs on the pooled sums: as ``_stage2`` fit by fit.
+    """
+    J, G = W.shape
+    Z = np.empty((J, G))
+    rows = np.flatnonzero(out.ok).tolist()
+    for j in rows:
+        Z[j] = _interp(cells.score, out.knots[j], out.cum[j])
+    if Xt.shape[1] == 1:
+        Z += ((Xt[:, 0] - out.x_mean) / out.x_scale) * out.beta
+    elif Xt.shape[1]:
+        Z += np.einsum("jgp,jp->jg", (Xt[None] - out.x_mean[:, None, :]) / out.x_scale[:, None, :], out.beta)
+    Z += out.intercept[:, None]
+    Z[~out.ok] = np.nan
+    out.Z = Z
+    # Sort each fit's index (stable). Cells are ordered by score, then covariates, so each fit's
+    # index is monotone within a score: a few runs, which the stable sort (timsort) merges fast.
+    flat = np.argsort(Z, axis=1, kind="stable")
+    flat += _row_offsets(cells, J)
+    flat = flat.ravel()
+    kept = flat[C.take(flat) > 0]  # cells with rows, sorted by index within each fit, fits in order
+    zs = Z.take(kept)
+    n_kept = (C > 0).sum(1)
+    row_start = np.cumsum(n_kept) - n_kept
+    first = np.empty(zs.size, dtype=bool)
+    first[0] = True
+    np.greater(zs[1:], zs[:-1], out=first[1:])
+    first[row_start[n_kept > 0]] = True  # a group never spans two fits
+    starts = np.flatnonzero(first)
+    sw = np.add.reduceat(W.take(kept), starts)
+    swy = np.add.reduceat(WY.take(kept), starts)
+    ux = zs[starts]
+    g = np.searchsorted(starts, np.append(row_start, zs.size)).tolist()
+    bounds = [(g[j], g[j + 1]) for j in rows]
+    fitted = isotonic_pooled_segments(sw, swy, bounds)
+    for j, (a, b), yj in zip(rows, bounds, fitted):
+        out.x[j], out.w[j], out.y[j] = ux[a:b], sw[a:b], yj
+
+
+def _row_offsets(cells: Cells, J: int) -> np.ndarray:
+    """``j * G`` for each of J rows, shape (J, 1): row-wise indices into a flattened (J, G) array."""
+    cache = _cells_cache(cells)
+    off = cache.get(("rows", J))
+    if off is None:
+        off = cache[("rows", J)] = (np.arange(J) * cells.size)[:, None]
+    return off
