@@ -137,7 +137,8 @@ def stage_simulate(args: argparse.Namespace) -> dict:
     from cje_engine.simulate.direct import simulate
 
     with MemorySampler() as mem:
-        sim = simulate(args.prompts, oracle_fraction=args.fraction, seed=args.seed)
+        extra = {} if args.judge_noise is None else {"judge_noise_sd": args.judge_noise}
+        sim = simulate(args.prompts, oracle_fraction=args.fraction, seed=args.seed, **extra)
         mem.mark("simulate")
         table = pa.Table.from_pandas(sim.frame, preserve_index=False)
         del sim
@@ -315,6 +316,8 @@ def _child(stage: str, args: argparse.Namespace) -> dict:
            "--replicates", str(args.replicates), "--parquet", str(args.parquet)]
     if args.no_covariates:
         cmd.append("--no-covariates")
+    if args.judge_noise is not None:
+        cmd += ["--judge-noise", str(args.judge_noise)]
     if stage == "ray":
         cmd += ["--ray-nodes", ",".join(map(str, args.ray_nodes)), "--ray-B", str(args.ray_B)]
     t0 = time.perf_counter()
@@ -366,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=2_000_000, help="prompts per policy (5 policies)")
     ap.add_argument("--fraction", type=float, default=0.05, help="oracle (label) fraction, MCAR")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--judge-noise", type=float, default=None,
+                    help="SimSpec.judge_noise_sd (default the simulator's 0.4; 0 makes the calibration transport "
+                         "exactly to every non-adversarial policy, see bench_protocol.JUDGE_NOISE)")
     ap.add_argument("--mode", default="auto", choices=["auto", "monotone", "two_stage"])
     ap.add_argument("--no-covariates", action="store_true", help="no response_length covariate")
     ap.add_argument("--replicates", type=int, default=3, help="bootstrap replicates to time after inference")
@@ -380,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("cje_engine").setLevel(logging.WARNING)
     if args.parquet is None:
-        args.parquet = HERE / "_work" / f"scale_{args.prompts}x5_f{args.fraction}_s{args.seed}.parquet"
+        noise = "" if args.judge_noise is None else f"_j{args.judge_noise:g}"
+        args.parquet = HERE / "_work" / f"scale_{args.prompts}x5_f{args.fraction}_s{args.seed}{noise}.parquet"
 
     if args.stage == "simulate":
         print("STAGE_JSON " + json.dumps(stage_simulate(args)))

@@ -174,11 +174,11 @@ def _failing_source(fit: Fit, alpha: float) -> dict | None:
     cand = np.flatnonzero(is_source & np.isfinite(se) & (se > 0))
     if cand.size < 2:
         return None
-    p = 2 * norm.sf(np.abs(delta[cand] / se[cand]))
-    p_adj = holm(p)
-    i = int(np.argmin(p_adj))
-    if p_adj[i] > alpha:
+    z = np.abs(delta[cand] / se[cand])
+    p_adj = holm(2 * norm.sf(z))
+    if not (p_adj <= alpha).any():
         return None
+    i = int(np.argmax(np.where(p_adj <= alpha, z, -np.inf)))  # by |z|: adjusted p-values underflow to 0
     k = int(cand[i])
     return {"policy": names[k], "residual_mean": float(delta[k]), "se": float(se[k]),
             "p_adjusted": float(p_adj[i]), "family_size": int(cand.size)}
