@@ -9,7 +9,7 @@ from cje_engine import evaluate, prepare
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import cross_fit_models, influence, make_design, replicate
 from cje_engine.errors import CJEInputError
-from cje_engine.pipeline.calibration import MODE_Z, audit_statistics, choose_mode, fit_mode
+from cje_engine.pipeline.calibration import MODE_Z, audit_statistics, choose_mode, fit_calibration, fit_mode
 from cje_engine.pipeline.policies import uses_own_labels
 from cje_engine.options import EvaluationOptions
 from cje_engine.simulate.direct import PolicySpec, simulate
@@ -186,3 +186,13 @@ def test_requested_mode_and_no_covariates_skip_the_comparison():
     assert sel["chosen"] == "monotone" and list(fits) == ["monotone"] and sel["reason"] == "requested by the user"
     sel, fits = choose_mode(_data(sim.frame), EvaluationOptions.build(), None)
     assert sel["chosen"] == "monotone" and "paired_difference" not in sel
+
+
+def test_robust_pooling_removes_the_most_extreme_source_when_p_values_underflow():
+    """At 3,000 labels a policy the adversary contaminates fails with z ~ 40 and the adversary with
+    z ~ 90: both Holm-adjusted p-values are 0.0 in floating point, so the order must come from |z|."""
+    sim = simulate(60_000, PROTOCOL[:2] + PROTOCOL[3:], oracle_fraction=0.05, seed=0, judge_noise_sd=0.0,
+                   length_bias=0.0)
+    _, _, excluded = fit_calibration(_data(sim.frame), EvaluationOptions.build(calibration_mode="monotone"))
+    assert [e["policy"] for e in excluded] == ["unhelpful"]
+    assert excluded[0]["p_adjusted"] == 0.0  # the underflow this guards against
