@@ -333,7 +333,7 @@ def test_refusal_study_2000(study_2000):
 def test_refusal_study_coverage_in_band(study_2000):
     # The band of issue 16, [0.93, 0.97], for the reported off-policy levels. The independent unit
     # is the data set, not the interval: the two reported targets of a data set share its 100
-    # labels, and the calibration noise is ~85% of each interval's variance. The coverage's Monte
+    # labels, and the calibration noise is ~83% of each interval's variance. The coverage's Monte
     # Carlo SD over 200 data sets is 0.019-0.024 (resampling data sets; blocks of 200 consecutive
     # seeds range 0.878-0.987 with the old intervals, 0.900-0.991 with the new), so 200 cannot pin
     # a band of +/- 0.02; over 2000 it is 0.006, so a method with true coverage 0.95 lands in the
