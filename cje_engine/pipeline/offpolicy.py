@@ -268,7 +268,7 @@ def _target_influence(prep: OffPolicyPrepared, t: str, name: str | None = None) 
     rows, a = prep.logged_rows, a_logged
     if a_fresh is not None:
         rows, a = np.concatenate([rows, prep.fresh_rows[t]]), np.concatenate([a_logged, a_fresh])
-    cal = calibration_term(design, prep.direct.full, rows, a)
+    cal = calibration_term(design, prep.direct.full, rows, a, prep.rewards[design.cal_rows])
     return psi + cal, cal
 
 

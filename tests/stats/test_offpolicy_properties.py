@@ -316,19 +316,35 @@ def test_refusal_study_small():
 
 
 @pytest.fixture(scope="module")
-def study_200():
-    return _refusal_study(200)
+def study_2000():
+    return _refusal_study(2000)
 
 
 @pytest.mark.slow
-def test_refusal_study_200(study_200):
-    # The claims of issue 16 on 200 data sets (benchmarks/RESULTS.md has the figures): never ranked,
-    # accuracy >= Direct - 0.02, coverage at least 0.93 (the upper end is the next test).
-    _check_refusal_study(study_200, 0.02, (0.93, 1.0))
+def test_refusal_study_2000(study_2000):
+    # The claims of issue 16 (benchmarks/RESULTS.md has the figures), on 2000 data sets (the
+    # issue asks for 200; more only tightens the estimates; ~150 s CPU): never ranked, accuracy >=
+    # Direct - 0.02. Coverage here only against a gross failure: 0.95 - 4 Monte Carlo SEs of a
+    # 2000-data-set coverage (0.006, measured by resampling data sets; the next test derives it).
+    _check_refusal_study(study_2000, 0.02, (0.95 - 4 * 0.006, 1.0))
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known gap: the analytic intervals over-cover (0.987 on 228 reported "
-                                       "intervals, above the claimed 0.97)")
-def test_refusal_study_200_coverage_not_above_097(study_200):
-    assert study_200["coverage_reported_intervals"] <= 0.97
+def test_refusal_study_coverage_in_band(study_2000):
+    # The band of issue 16, [0.93, 0.97], for the reported off-policy levels. The independent unit
+    # is the data set, not the interval: the two reported targets of a data set share its 100
+    # labels, and the calibration noise is ~83% of each interval's variance. The coverage's Monte
+    # Carlo SD over 200 data sets is 0.019-0.024 (resampling data sets; blocks of 200 consecutive
+    # seeds range 0.878-0.987 with the old intervals, 0.900-0.991 with the new), so 200 cannot pin
+    # a band of +/- 0.02; over 2000 it is 0.006, so a method with true coverage 0.95 lands in the
+    # band with probability > 0.999, and one at 0.92 or 0.98 (the old 200-data-set reading) lands
+    # outside it with probability ~0.95. The run's own Monte Carlo SE is checked to be that small,
+    # so the band is not met by a lucky draw of a noisy study.
+    r = study_2000
+    assert r["coverage_mc_se"] < 0.008, r["coverage_mc_se"]
+    assert 0.93 <= r["coverage_reported_intervals"] <= 0.97, (r["coverage_reported_intervals"],
+                                                             r["coverage_by_200_block"])
+    # The width is right on average, not only the coverage: mean reported SE over the RMSE of the
+    # reported estimates, 1 for an honest SE. The RMSE of ~2200 estimates that share labels in
+    # pairs (~1100 independent units) has relative Monte Carlo SD 1/sqrt(2 * 1100) = 0.021: 1 +/- 3 SD.
+    assert 0.936 <= r["se_over_rmse"] <= 1.064, r["se_over_rmse"]

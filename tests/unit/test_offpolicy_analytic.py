@@ -3,12 +3,20 @@
 The analytic SE of an off-policy estimate is the clustered SD of its influence function with the
 calibrator and SIMCal fixed plus the first-order calibration term (`cje_engine.offpolicy.influence`);
 the bootstrap refits both per replicate. The claim (issue 16): SE ratio within 25% on the Arena
-sample and on simulated logs, for the estimates that are reported (not refused for overlap: under
-low overlap neither route is trustworthy, which is why those levels and comparisons are refused).
+sample and on simulated logs, for the levels that are reported (level claim ok) and the comparisons
+between policies whose levels are. Refused levels are not reported: under low overlap neither route
+is trustworthy (not estimable); under limited calibration support the isotonic fit's boundary
+blocks carry the target's weight and the two routes disagree in either direction (simulated seed 1:
+analytic/bootstrap 0.72-0.82 before the leverage correction of the calibration residuals, 1.10-1.37
+after), which is why such levels are refused and their comparisons are rank-only with the union of
+both intervals (checked here instead).
 
 Tolerance: the bootstrap SE from B replicates has a relative Monte Carlo SD of about
 1/sqrt(2(B-1)) (0.07 at B = 100), so a true ratio of 1 lands outside [0.75, 1.25] with
 probability < 1e-3 from the bootstrap's noise alone; the 25% band is the claim itself, not tuned.
+On Arena logs-only the clone's ratio is close to the band's edge (1.22 with B = 400, 1.26 with
+B = 100, whose noise alone is +/- 0.085 on a ratio of 1.2): the claim holds there only narrowly,
+so the Arena reference bootstrap uses B = 400 (+/- 0.043).
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ from cje_engine.pipeline.offpolicy_options import OffPolicyOptions
 from cje_engine.simulate.logs import simulate_logs
 
 B = 100
+B_ARENA = 400  # module docstring: the clone's ratio sits near the band's edge
 OPTIONS = {"calibration_policies": ["base"], "covariates": ["response_length"]}
 
 
@@ -29,7 +38,7 @@ def _ratios(boot: dict, an: dict) -> dict[str, float]:
     for t, p in boot["policies"].items():
         q = an["policies"][t]
         assert q["estimate"] == pytest.approx(p["estimate"], nan_ok=True)  # same point estimates
-        if p.get("relative_claim") == "not_estimable" and "overlap" in (p.get("relative_reason") or ""):
+        if p["level_claim"] != "ok":  # not reported as a level (module docstring)
             continue
         out[t] = q["se"] / p["se"]
     return out
@@ -41,9 +50,14 @@ def _check(boot: dict, an: dict) -> None:
     assert r, "no reported policy to compare"
     for t, ratio in r.items():
         assert 0.75 <= ratio <= 1.25, f"{t}: analytic/bootstrap SE ratio {ratio:.2f}"
+    rank_only = {t for t, p in boot["policies"].items() if p["relative_claim"] == "rank_only"}
     for c, ca in zip(boot["comparisons"], an["comparisons"]):
         assert (c["a"], c["b"], c["reported"]) == (ca["a"], ca["b"], ca["reported"])
-        if c["reported"] and c["se"] and ca["se"]:
+        if c["reported"] and {c["a"], c["b"]} & rank_only:
+            # conservative: the reported interval holds the analytic one (normal, df = inf off-policy)
+            half = 1.959964 * c["se_analytic"]
+            assert c["ci"][0] <= max(c["diff"] - half, -1.0) + 1e-9 and c["ci"][1] >= min(c["diff"] + half, 1.0) - 1e-9
+        elif c["reported"] and c["se"] and ca["se"]:
             # comparisons: the analytic route may be wider (up to 1.6x on Arena logs-only, logger - clone:
             # the logger's augmented residual term and the candidate's isotonic calibration term do not
             # cancel as they do in the bootstrap) but never narrower than the level claim allows
@@ -53,16 +67,14 @@ def _check(boot: dict, an: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["logs-only", "hybrid"])
 def test_arena_analytic_matches_bootstrap(arena_dir, mode):
-    boot = evaluate_offpolicy(arena_dir, mode=mode, logger="base", n_bootstrap=B, seed=0, **OPTIONS).to_dict()
+    boot = evaluate_offpolicy(arena_dir, mode=mode, logger="base", n_bootstrap=B_ARENA, seed=0, **OPTIONS).to_dict()
     an = evaluate_offpolicy(arena_dir, mode=mode, logger="base", inference="analytic", seed=0, **OPTIONS).to_dict()
     _check(boot, an)
     if mode == "hybrid":  # unhelpful: Direct's recalibrated level in both routes
         assert an["policies"]["unhelpful"]["basis_code"] == "recalibrated"
 
 
-@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=[pytest.mark.slow, pytest.mark.xfail(
-    strict=True, reason="known gap: seed 1, target 'mid' (stabilised weights, limited support) has an analytic/"
-                        "bootstrap SE ratio of 0.72-0.77, outside the 25% band")])])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_simulated_logs_analytic_matches_bootstrap(seed):
     sim = simulate_logs(n_prompts=400, length=8, targets={"near": 0.15, "mid": 0.4}, seed=seed, label_fraction=0.25)
     logged, fresh = sim.to_frames("base")
@@ -70,6 +82,10 @@ def test_simulated_logs_analytic_matches_bootstrap(seed):
         boot = evaluate_offpolicy(logged, fr, mode=mode, n_bootstrap=B, seed=seed).to_dict()
         an = evaluate_offpolicy(logged, fr, mode=mode, inference="analytic", seed=seed).to_dict()
         _check(boot, an)
+        if seed == 1:  # the thin-support case: both levels refused by the support rule, rank-only
+            for t in ("near", "mid"):
+                p = boot["policies"][t]
+                assert p["level_claim"] == "refused" and p["relative_claim"] == "rank_only", (t, p["refusal_reasons"])
 
 
 def test_analytic_is_accepted_and_has_no_replicates():
