@@ -456,7 +456,8 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     # Plug-in: the calibration term over level sets of the full fit, weighted by every row of the
     # policy; the audit's calibration term: the same, weighted by the policy's labelled rows.
     cells, counts = design.cells.cells, design.cells.counts
-    term = calibration_term(design, full, counts / n_k[:, None])
+    f_cal = f[design.cal_rows]  # out of fold: the residuals of singleton level sets
+    term = calibration_term(design, full, counts / n_k[:, None], f_cal)
     total[:, :K] += term
     cal[:, :K] = term
     G = cells.size
@@ -464,20 +465,36 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     lab_counts = np.bincount(lab_key, weights=lw, minlength=K * G).reshape(K, G)
     with np.errstate(invalid="ignore", divide="ignore"):
         lab_share = np.where(den[:, None] > 0, lab_counts / den[:, None], 0.0)
-    audit = cal[:, K:] - calibration_term(design, full, lab_share)
+    audit = cal[:, K:] - calibration_term(design, full, lab_share, f_cal)
     audit[:, den <= 0] = np.nan
     return {"total": total, "calibration": cal, "audit": audit}
 
 
-def calibration_term(design: Design, full, share: np.ndarray) -> np.ndarray:
+def corrected_residuals(r_in: np.ndarray, block: np.ndarray, n_blocks: int, r_oof: np.ndarray) -> np.ndarray:
+    """Leverage-corrected isotonic residuals: ``r_in / sqrt(1 - 1/k)`` for a row of a level set of
+    ``k >= 2`` calibration rows (HC2), the out-of-fold residual ``r_oof`` for a singleton.
+
+    In-sample isotonic residuals are shrunk: the fit is the projection onto block means, so a row of
+    a block of ``k`` rows has leverage ``1 / k`` (a singleton's residual is exactly 0). Measured on
+    2,000 simulated off-policy data sets, the uncorrected residuals made analytic SEs 0.93-0.94 of
+    the RMSE, corrected 1.00-1.02 (docs/statistics.md, "Off-policy coverage").
+    """
+    k = np.bincount(block, minlength=n_blocks)[block]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(k > 1, r_in * np.sqrt(k / np.maximum(k - 1, 1)), r_oof)
+
+
+def calibration_term(design: Design, full, share: np.ndarray, f_cal: np.ndarray | None = None) -> np.ndarray:
     """Per-prompt first-order effect of estimating the calibrator on ``sum_c share[k, c] f(c)``.
 
     ``share`` (K', G) weights the cells (rows of a policy per cell over the policy's rows: its
     plug-in; labelled rows' label weights over their total: the mean calibrated value on its audit
-    slice). For an isotonic fit on level sets, a calibration row ``j`` contributes
-    ``rho_k(block_j) (y_j - f(z_j)) / m``, with ``rho_k`` the weighted share of the cells in a level
-    set over the calibration rows' share of it (linear interpolation between level sets splits a cell
-    between them). Returns (n_prompts, K').
+    slice; any weights ``a_i`` summed per cell: an off-policy estimate). For an isotonic fit on level
+    sets, a calibration row ``j`` contributes ``rho_k(block_j) r_j / m``, with ``rho_k`` the weighted
+    share of the cells in a level set over the calibration rows' share of it (linear interpolation
+    between level sets splits a cell between them) and ``r_j`` its residual: leverage-corrected
+    (`corrected_residuals`) when the cross-fitted values of the calibration rows ``f_cal`` are given,
+    else in sample (the exact derivative for fixed level sets). Returns (n_prompts, K').
     """
     d = design.data
     n_p = d.n_prompts
@@ -490,6 +507,8 @@ def calibration_term(design: Design, full, share: np.ndarray) -> np.ndarray:
     m = cr.size
     q = np.bincount(b_cal, minlength=n_blocks) / m
     resid_cal = d.label[cr] - np.interp(z_cal, ux, full.y_)
+    if f_cal is not None:
+        resid_cal = corrected_residuals(resid_cal, b_cal, n_blocks, d.label[cr] - np.asarray(f_cal, dtype=float))
     # Each row's share of the level sets depends only on its cell.
     cells = design.cells.cells
     z_all = full.index(cells.score, cells.X)

@@ -25,21 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from cje_engine.direct.estimators import Design
-
-
-def _level_sets(fy: np.ndarray) -> tuple[np.ndarray, int]:
-    scale = max(1.0, float(np.max(np.abs(fy))))
-    jumps = np.abs(np.diff(fy)) > 1e-12 * scale
-    block = np.concatenate([[0], np.cumsum(jumps)])
-    return block, int(block[-1]) + 1
-
-
-def corrected_residuals(r_in: np.ndarray, block: np.ndarray, n_blocks: int, r_oof: np.ndarray) -> np.ndarray:
-    """Leverage-corrected isotonic residuals: ``r_in / sqrt(1 - 1/k)`` for a row of a level set of
-    ``k >= 2`` calibration rows (HC2), the out-of-fold residual ``r_oof`` for a singleton."""
-    k = np.bincount(block, minlength=n_blocks)[block]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(k > 1, r_in * np.sqrt(k / np.maximum(k - 1, 1)), r_oof)
+from cje_engine.direct.estimators import calibration_term as direct_calibration_term
 
 
 def calibration_term(design: Design, full, rows: np.ndarray, a: np.ndarray, f_cal: np.ndarray) -> np.ndarray:
@@ -55,28 +41,9 @@ def calibration_term(design: Design, full, rows: np.ndarray, a: np.ndarray, f_ca
 
     Returns
     -------
-    ndarray, shape (n_prompts,)
+    ndarray, shape (n_prompts,): Direct's `cje_engine.direct.estimators.calibration_term` with the
+    weights ``a`` summed per calibration cell.
     """
-    d = design.data
-    cr = design.cal_rows
     a = np.nan_to_num(np.asarray(a, dtype=float), nan=0.0, posinf=0.0, neginf=0.0)
-    block_of_x, n_blocks = _level_sets(full.y_)
-    ux = full.x_
-    z_cal = full.index(d.score[cr], d.X[cr])
-    pos = np.clip(np.searchsorted(ux, z_cal), 0, ux.size - 1)
-    b_cal = block_of_x[pos]
-    m = cr.size
-    q = np.bincount(b_cal, minlength=n_blocks) / m
-    resid = corrected_residuals(d.label[cr] - np.interp(z_cal, ux, full.y_), b_cal, n_blocks,
-                                d.label[cr] - np.asarray(f_cal, dtype=float))
-    z = full.index(d.score[rows], d.X[rows])
-    j = np.clip(np.searchsorted(ux, z, side="right") - 1, 0, ux.size - 1)
-    j1 = np.minimum(j + 1, ux.size - 1)
-    gap = ux[j1] - ux[j]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        t = np.where(gap > 0, np.clip((z - ux[j]) / gap, 0.0, 1.0), 0.0)
-    p_a = (np.bincount(block_of_x[j], weights=a * (1 - t), minlength=n_blocks)
-           + np.bincount(block_of_x[j1], weights=a * t, minlength=n_blocks))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rho = np.where(q > 0, p_a / q, 0.0)
-    return np.bincount(d.prompt[cr], weights=rho[b_cal] * resid / m, minlength=d.n_prompts)
+    share = np.bincount(design.cells.row_cell[rows], weights=a, minlength=design.cells.cells.size)
+    return direct_calibration_term(design, full, share[None, :], f_cal)[:, 0]
