@@ -350,11 +350,15 @@ def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
 
     Per-(fold, cell) sums of the calibration rows, refits from them, and one weighted histogram
     of all rows over (policy, cell): equal to ``policy_stats(design, *cross_fit(design, row_w),
-    row_w)`` with ``row_w = prompt_w[prompt]``.
+    row_w)`` with ``row_w = prompt_w[prompt]``. All NaN when the resample holds no calibration prompt
+    (a handful of calibration labels); intervals and tests use the finite replicates and the result
+    says how many were dropped.
     """
     plan = view.calibration
     K, G = view.n_policies, plan.cells.size
     wc = prompt_w[view.cal_prompt]
+    if not (wc > 0).any():  # the resample drew no calibration prompt: no calibrator, no statistic
+        return np.full(2 * K, np.nan)
     F_all, f_cal, _, _ = _cell_fits(plan, wc, with_models=False)
     # Every row at the full fit's value, then the calibration rows corrected to out of fold.
     T = np.bincount(view.row_key, weights=prompt_w[view.row_prompt], minlength=K * G).reshape(K, G)

@@ -148,6 +148,11 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     use_boot = opts.inference == "bootstrap"
     reps = stacked_replicates(chunks, opts.n_bootstrap if use_boot else 0, prep.stats.size)
     s = summarize_direct(prep, reps if use_boot else None)
+    if use_boot and reps.size:
+        dropped = int(np.all(np.isnan(reps), axis=1).sum())
+        if dropped:
+            s.warnings.append(f"{dropped} of {reps.shape[0]} bootstrap replicates drew no calibration label "
+                              f"(only {prep.design.cal_rows.size} in all) and were left out of the intervals")
     names = list(d.policies)
     pols = s.policies
     cols = PolicyColumns(

@@ -206,3 +206,23 @@ def test_robust_pooling_removes_the_most_extreme_source_when_p_values_underflow(
     _, _, excluded = fit_calibration(_data(sim.frame), EvaluationOptions.build(calibration_mode="monotone"))
     assert [e["policy"] for e in excluded] == ["unhelpful"]
     assert excluded[0]["p_adjusted"] == 0.0  # the underflow this guards against
+
+
+def test_a_replicate_without_calibration_labels_is_left_out_and_said():
+    """Six calibration labels among 300 prompts: about e^-6 of the resamples draw none of them. Such a
+    replicate has no calibrator; it is NaN, dropped from the intervals, and counted in a warning."""
+    sim = simulate(300, PROTOCOL[:2], oracle_fraction=0.02, label_design="calibration_policy", audit_labels=0,
+                   seed=1)
+    prep = prepare(sim.frame, calibration_policies=["base"], n_bootstrap=50, min_labels=2)
+    from cje_engine.direct.estimators import replicate as rep
+    from cje_engine.pipeline.direct import bootstrap_chunk, finalize
+
+    cal_prompts = np.unique(prep.design.data.prompt[prep.design.cal_rows])
+    w = np.ones(prep.design.data.n_prompts)
+    w[cal_prompts] = 0.0
+    assert np.isnan(rep(prep.design, w)).all()
+    chunk = bootstrap_chunk(prep, 0, 50)
+    chunk[3] = np.nan  # as if replicate 3 had drawn none
+    res = finalize(prep, [chunk]).to_dict()
+    assert any("1 of 50 bootstrap replicates drew no calibration label" in x for x in res["warnings"])
+    assert all(np.isfinite(p["ci"]).all() for p in res["policies"].values())
