@@ -14,8 +14,12 @@ Per cell and method:
 * ranking accuracy: share of policy pairs with different true values (9 of the 10 pairs; base and
   clone are a true tie) that the point estimates order correctly.
 
-Methods: ``cje`` = the reported level (``estimate`` / ``ci``: augmented or recalibrated with own
-labels, else the calibrated plug-in) on the chosen route (``--route analytic``: influence
+The paper's audited protocol (labels on one calibration policy plus 50-label audit slices, the
+reference package side by side) and the pooled design with an adversary are in
+``benchmarks/bench_protocol.py``; this grid is the MCAR design, where every policy's labels calibrate.
+
+Methods: ``cje`` = the reported level (``estimate`` / ``ci`` under ``level_estimator``: by default
+the calibrated plug-in where the audit does not fail, else the own-label level) on the chosen route (``--route analytic``: influence
 function + fold jackknife, t quantiles on label-dominated columns; ``--route bootstrap``:
 calibration-aware cluster bootstrap with ``--B`` replicates, percentile intervals; the bootstrap
 run also reports the analytic interval of the same fits as ``cje-analytic``); ``raw judge`` =
