@@ -62,7 +62,9 @@ class Design:
         return self.data.fold[self.cal_rows]
 
 
-def _cell_index(data: EvalData, mode: str, cal: np.ndarray) -> CellIndex:
+def row_cells(data: EvalData, mode: str) -> tuple:
+    """The row-level part of a `CellIndex` (cells, row_cell, row_key, counts): it depends on the mode
+    only, so designs of one mode with other calibration rows can share it (`make_design`)."""
     X = data.X if mode == "two_stage" else None
     cells, row_cell = make_cells(data.score, X)
     G = cells.size
@@ -71,6 +73,11 @@ def _cell_index(data: EvalData, mode: str, cal: np.ndarray) -> CellIndex:
     row_cell = row_cell.astype(small)
     row_key = data.policy.astype(small) * small(G) + row_cell
     counts = np.bincount(row_key, minlength=K * G).reshape(K, G).astype(float)
+    return cells, row_cell, row_key, counts
+
+
+def _cell_index(data: EvalData, mode: str, cal: np.ndarray, rows: tuple | None = None) -> CellIndex:
+    cells, row_cell, row_key, counts = rows if rows is not None else row_cells(data, mode)
     cal_global, cal_cell = np.unique(row_cell[cal], return_inverse=True)
     cal_cells = Cells(cells.score[cal_global], cells.X[cal_global],
                       *np.unique(cells.score[cal_global], return_inverse=True))
@@ -78,8 +85,12 @@ def _cell_index(data: EvalData, mode: str, cal: np.ndarray) -> CellIndex:
     return CellIndex(cells, row_cell, row_key, cal_cells, cal_global, cal_cell.astype(np.int64), cal_key, counts)
 
 
-def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...] | None) -> Design:
-    """Select the calibration rows, check there is enough to cross-fit, and code the cells."""
+def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...] | None,
+                rows: tuple | None = None) -> Design:
+    """Select the calibration rows, check there is enough to cross-fit, and code the cells.
+
+    ``rows``: `row_cells` of ``data`` in ``mode``, when already computed (saves a pass over the rows).
+    """
     lab = np.flatnonzero(data.labelled)
     if calibration_policies is None:
         cal = lab
@@ -108,7 +119,7 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
                 f"two distinct labels or scores ({cal.size} calibration labels in all)",
                 column="oracle_label",
             )
-    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal))
+    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal, rows))
 
 
 def cross_fit(design: Design, row_w: np.ndarray | None = None):

@@ -30,7 +30,8 @@ from scipy.stats import norm
 
 from cje_engine.data.frame import EvalData
 from cje_engine.calibration.calibrators import TwoStageCalibrator
-from cje_engine.direct.estimators import Design, cross_fit_models, influence, make_design, policy_stats
+from cje_engine.direct.estimators import (Design, _cell_fits, calibration_plan, influence, make_design,
+                                          policy_stats, row_cells)
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.multiplicity import holm
 from cje_engine.options import EvaluationOptions
@@ -49,21 +50,52 @@ MODE_Z = 2.0
 
 @dataclass
 class Fit:
-    """One cross-fitted calibration: design, calibrated values, models, statistics, influence."""
+    """One cross-fitted calibration: design, fitted values per cell and out of fold, models.
+
+    Everything over all rows (``f``, ``stats``, ``infl``) is computed on first use: mode selection
+    and robust pooling need only the labelled rows, so the fits they discard never touch the rest.
+    """
 
     design: Design
-    f: np.ndarray
+    F_all: np.ndarray  # full fit at every cell
+    f_cal: np.ndarray  # out-of-fold value of every calibration row
     full: object
     models: list | None
-    stats: np.ndarray
-    _infl: dict | None = field(default=None, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def f(self) -> np.ndarray:
+        """Calibrated value of every row: out of fold on calibration rows, the full fit elsewhere."""
+        if "f" not in self._cache:
+            f = self.F_all[self.design.cells.row_cell]
+            f[self.design.cal_rows] = self.f_cal
+            self._cache["f"] = f
+        return self._cache["f"]
+
+    @property
+    def stats(self) -> np.ndarray:
+        if "stats" not in self._cache:
+            self._cache["stats"] = policy_stats(self.design, self.f)
+        return self._cache["stats"]
 
     @property
     def infl(self) -> dict:
         """Influence terms (`estimators.influence`), computed on first use."""
-        if self._infl is None:
-            self._infl = influence(self.design, self.f, self.full)
-        return self._infl
+        if "infl" not in self._cache:
+            self._cache["infl"] = influence(self.design, self.f, self.full)
+        return self._cache["infl"]
+
+    @property
+    def f_lab(self) -> np.ndarray:
+        """Calibrated value of every labelled row (``design.lab_rows`` order)."""
+        if "f_lab" not in self._cache:
+            lab, cr = self.design.lab_rows, self.design.cal_rows
+            f = self.F_all[self.design.cells.row_cell[lab]]
+            pos = np.clip(np.searchsorted(cr, lab), 0, max(cr.size - 1, 0))
+            is_cal = cr[pos] == lab
+            f[is_cal] = self.f_cal[pos[is_cal]]
+            self._cache["f_lab"] = f
+        return self._cache["f_lab"]
 
     @property
     def sources(self) -> np.ndarray:
@@ -71,11 +103,14 @@ class Fit:
         return np.unique(self.design.data.policy[self.design.cal_rows])
 
 
-def fit_mode(data: EvalData, mode: str, sources: tuple[str, ...] | None) -> Fit:
-    """Cross-fit the calibrator of ``mode`` on the labels of ``sources`` (None: every labelled row)."""
-    design = make_design(data, mode, sources)
-    f, full, models = cross_fit_models(design)
-    return Fit(design, f, full, models, policy_stats(design, f))
+def fit_mode(data: EvalData, mode: str, sources: tuple[str, ...] | None, rows: tuple | None = None) -> Fit:
+    """Cross-fit the calibrator of ``mode`` on the labels of ``sources`` (None: every labelled row).
+
+    ``rows``: `estimators.row_cells` of ``data`` in ``mode`` (shared by the fits of one mode).
+    """
+    design = make_design(data, mode, sources, rows)
+    F_all, f_cal, full, models = _cell_fits(calibration_plan(design), np.ones(design.cal_rows.size))
+    return Fit(design, F_all, f_cal, full, models)
 
 
 def _column_var(psi: np.ndarray) -> np.ndarray:
@@ -86,18 +121,43 @@ def _column_var(psi: np.ndarray) -> np.ndarray:
     return (g / (g - 1) if g > 1 else 1.0) * np.sum(c * c, axis=0)
 
 
-def audit_statistics(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean label residual, its SE and whether the policy trains the calibrator, per policy.
 
+    ``stats`` and ``infl``: `estimators.policy_stats` and `estimators.influence` of the design's fit.
     Returns ``(delta, se, is_source)``, each of shape (K,); NaN where a policy has no labels.
     """
-    K = fit.design.n_policies
-    delta = fit.stats[K:] - fit.stats[:K]
-    is_source = np.isin(np.arange(K), fit.sources)
-    infl = fit.infl
+    K = design.n_policies
+    delta = stats[K:] - stats[:K]
+    is_source = np.isin(np.arange(K), np.unique(design.data.policy[design.cal_rows]))
     psi = np.where(is_source[None, :], infl["calibration"][:, K:], infl["audit"])
     se = np.sqrt(np.maximum(_column_var(psi), 0.0))
     se[~np.isfinite(delta)] = np.nan
+    return delta, se, is_source
+
+
+def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`audit_statistics` of the calibration sources from their labelled rows alone (O(labels)).
+
+    The same numbers as `audit_statistics` for the sources (residual mean, residual-term SE);
+    NaN for every other policy.
+    """
+    d, lab = fit.design.data, fit.design.lab_rows
+    K = fit.design.n_policies
+    is_source = np.isin(np.arange(K), fit.sources)
+    pol = d.policy[lab]
+    lw = d.label_weight[lab]
+    r = d.label[lab] - fit.f_lab
+    den = np.bincount(pol, weights=lw, minlength=K)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        delta = np.bincount(pol, weights=lw * r, minlength=K) / den
+    delta[~is_source] = np.nan
+    se = np.full(K, np.nan)
+    g = d.n_prompts
+    for k in np.flatnonzero(is_source & (den > 0)):
+        sel = pol == k
+        psi = np.bincount(d.prompt[lab[sel]], weights=lw[sel] * (r[sel] - delta[k]) / den[k], minlength=g)
+        se[k] = float(np.sqrt(_column_var(psi[:, None])[0]))
     return delta, se, is_source
 
 
@@ -107,10 +167,11 @@ def _labelled_residual_terms(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarr
     lw = d.label_weight[lab]
     den = np.bincount(d.policy[lab], weights=lw, minlength=fit.design.n_policies)
     w = lw / den[d.policy[lab]]
-    return d.prompt[lab], w, d.label[lab] - fit.f[lab]
+    return d.prompt[lab], w, d.label[lab] - fit.f_lab
 
 
-def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...] | None) -> tuple[dict, dict]:
+def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...] | None,
+                rows: dict | None = None) -> tuple[dict, dict]:
     """The calibration mode and the fits of every mode tried (so the chosen one is not refitted).
 
     ``auto`` with covariates: two-stage unless monotone has a significantly smaller squared error on
@@ -121,13 +182,20 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
     """
     has_cov = data.X.shape[1] > 0
     n_params = TwoStageCalibrator().n_knots + data.X.shape[1] + 1
-    n_cal = int(make_design(data, "monotone", sources).cal_rows.size) if has_cov else 0
+    lab_pol = data.policy[data.labelled]
+    n_cal = int(lab_pol.size if sources is None else np.isin(lab_pol, [data.policies.index(p) for p in sources
+                                                                        if p in data.policies]).sum())
     too_few = has_cov and n_cal < TWO_STAGE_LABELS_PER_PARAMETER * n_params
     if opts.calibration_mode != "auto":
         modes = [opts.calibration_mode]
     else:
         modes = ["monotone", "two_stage"] if has_cov and not too_few else ["monotone"]
-    fits = {m: fit_mode(data, m, sources) for m in modes}
+    rows = {} if rows is None else rows
+    fits = {}
+    for m in modes:
+        if m not in rows:
+            rows[m] = row_cells(data, m)
+        fits[m] = fit_mode(data, m, sources, rows[m])
     rmse, labelled_rmse = {}, {}
     for m, fit in fits.items():
         cr = fit.design.cal_rows
@@ -169,7 +237,7 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
 
 def _failing_source(fit: Fit, alpha: float) -> dict | None:
     """The most significant calibration source whose own audit fails (Holm over the sources)."""
-    delta, se, is_source = audit_statistics(fit)
+    delta, se, is_source = source_audits(fit)
     names = fit.design.data.policies
     cand = np.flatnonzero(is_source & np.isfinite(se) & (se > 0))
     if cand.size < 2:
@@ -197,7 +265,8 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions) -> tuple[Fit, dict,
     sources = opts.calibration_policies
     names = list(sources) if sources is not None else [data.policies[k] for k in labelled]
     excluded: list[dict] = []
-    selection, fits = choose_mode(data, opts, sources)
+    rows: dict = {}  # row-level cell coding per mode, shared by every round
+    selection, fits = choose_mode(data, opts, sources, rows)
     fit = fits[selection["chosen"]]
     while True:
         bad = _failing_source(fit, opts.alpha)
@@ -205,7 +274,7 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions) -> tuple[Fit, dict,
             break
         rest = tuple(n for n in names if n != bad["policy"])
         try:
-            selection_new, fits_new = choose_mode(data, opts, rest)
+            selection_new, fits_new = choose_mode(data, opts, rest, rows)
         except CJEInputError as exc:
             log.warning("calibration source %s failed its audit but is kept: %s", bad["policy"], exc)
             break

@@ -18,7 +18,7 @@ from cje_engine.direct.estimators import Design
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
-from cje_engine.pipeline.calibration import Fit, audit_statistics
+from cje_engine.pipeline.calibration import audit_statistics
 
 
 @dataclass
@@ -268,7 +268,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     n_cal = design.cal_rows.size
 
     # Audits on residual means (= augmented - plug-in); SEs carry a borrowed calibrator's error.
-    delta, se_delta, is_source = audit_statistics(Fit(design, prep.f, prep.full, prep.models, stats, prep.infl))
+    delta, se_delta, is_source = audit_statistics(design, stats, prep.infl)
     se_route = np.where(is_source, "influence (residual term)", "influence")
     if reps is not None:
         # borrowed calibrators: the bootstrap SD of the residual mean, refitting the calibrator (both

@@ -103,7 +103,7 @@ def test_audit_influence_is_the_derivative_of_the_residual_mean():
             assert d_delta[k] == pytest.approx(exact[p, k], rel=1e-4, abs=1e-9)
     # and the calibrator's error is really there: the audit SE exceeds the residual term's alone
     fit = fit_mode(data, "monotone", ("base",))
-    _, se, is_source = audit_statistics(fit)
+    _, se, is_source = audit_statistics(fit.design, fit.stats, fit.infl)
     resid_only = np.sqrt(np.sum((infl["calibration"][:, K:] - infl["calibration"][:, K:].mean(0)) ** 2, axis=0)
                          * data.n_prompts / (data.n_prompts - 1))
     assert is_source.tolist() == [True, False, False]
@@ -123,7 +123,7 @@ def test_audit_se_agrees_with_the_bootstrap_of_the_residual_mean():
     reps = bootstrap_chunk(prep, 0, 600)
     K = 3
     fit = fit_mode(prep.design.data, "monotone", ("base",))
-    _, se, _ = audit_statistics(fit)
+    _, se, _ = audit_statistics(fit.design, fit.stats, fit.infl)
     boot = np.std(reps[:, K:] - reps[:, :K], axis=0, ddof=1)
     for k in (1, 2):
         assert se[k] / boot[k] == pytest.approx(1.0, abs=0.15), (k, se[k], boot[k])
@@ -226,3 +226,18 @@ def test_a_replicate_without_calibration_labels_is_left_out_and_said():
     res = finalize(prep, [chunk]).to_dict()
     assert any("1 of 50 bootstrap replicates drew no calibration label" in x for x in res["warnings"])
     assert all(np.isfinite(p["ci"]).all() for p in res["policies"].values())
+
+
+def test_source_audits_from_labelled_rows_equal_the_full_influence_route():
+    """Robust pooling audits sources from their labelled rows alone; the numbers must be those of the
+    full influence computation the reported audits use."""
+    from cje_engine.pipeline.calibration import source_audits
+
+    sim = _pooled(3)
+    fit = fit_mode(_data(sim.frame), "monotone", None)
+    d_fast, se_fast, src = source_audits(fit)
+    d_full, se_full, src_full = audit_statistics(fit.design, fit.stats, fit.infl)
+    assert src.tolist() == src_full.tolist() == [True] * 4
+    np.testing.assert_allclose(d_fast, d_full, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(se_fast, se_full, rtol=1e-10)
+    np.testing.assert_allclose(fit.f_lab, fit.f[fit.design.lab_rows], rtol=0, atol=0)
