@@ -68,11 +68,13 @@ def intervals_of(est: float, reps: np.ndarray, infl: np.ndarray, se_a: float, df
     }
 
 
-def run_dataset(n: int, frac: float, labels: int, rep: int, B: int, alpha: float) -> dict:
+def run_dataset(n: int, frac: float, labels: int, rep: int, B: int, alpha: float,
+                covariates: tuple[str, ...] = ()) -> dict:
     seed = 9_100_000 + labels * 10_000 + rep
     sim = simulate(n, oracle_fraction=frac, label_design="calibration_policy", calibration_policy="base",
                    audit_labels=labels, seed=seed)
-    prep = prepare(sim.frame, calibration_policies=["base"], n_bootstrap=B, seed=seed, alpha=alpha)
+    prep = prepare(sim.frame, calibration_policies=["base"], n_bootstrap=B, seed=seed, alpha=alpha,
+                   covariates=list(covariates))
     reps = bootstrap_chunk(prep, 0, B)
     d = prep.design.data
     K = len(d.policies)
@@ -121,21 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--datasets", type=int, default=1000)
     ap.add_argument("-B", type=int, default=400)
     ap.add_argument("--alpha", type=float, default=0.05)
+    ap.add_argument("--covariates", default="", help="comma-separated, e.g. response_length")
     ap.add_argument("--out", type=Path, default=HERE / "_work" / "intervals.json")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("cje_engine").setLevel(logging.WARNING)
     all_runs = {}
+    covs = tuple(c for c in ns.covariates.split(",") if c)
     t0 = time.process_time()
     for L in [int(x) for x in ns.labels.split(",")]:
         runs = []
         for rep in range(ns.datasets):
-            runs.append(run_dataset(ns.n, ns.fraction, L, rep, ns.B, ns.alpha))
+            runs.append(run_dataset(ns.n, ns.fraction, L, rep, ns.B, ns.alpha, covs))
             if (rep + 1) % 100 == 0:
                 log.info("L=%d: %d datasets, %.0f s CPU", L, rep + 1, time.process_time() - t0)
         all_runs[L] = runs
         print("\n".join(table(runs, L)), flush=True)
-    print(f"CPU {time.process_time() - t0:.0f} s; n={ns.n}, base fraction {ns.fraction}, B={ns.B}")
+    print(f"CPU {time.process_time() - t0:.0f} s; n={ns.n}, base fraction {ns.fraction}, B={ns.B}, "
+          f"covariates {list(covs)}")
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps({str(k): v for k, v in all_runs.items()}))
     return 0

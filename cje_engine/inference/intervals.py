@@ -13,11 +13,13 @@ sum_c U_c`` over prompts ``c``). Nothing new is needed from a bootstrap replicat
 * `acceleration`: the BCa acceleration ``a = sum U^3 / (6 (sum U^2)^(3/2))`` (Efron 1987; the
   jackknife's value for a mean, and the first-order skewness of the statistic divided by 6).
 * `bias_correction`: ``z0 = Phi^-1(share of replicates below the estimate)`` (ties count half).
-* `expanded_quantile`: ``sqrt(df / (df - 1))``-free t quantile widened for the bootstrap's
+* `expanded_quantile`: the t quantile of ``df`` degrees of freedom widened for the bootstrap's
   ``(n-1)/n`` variance deficit (Hesterberg 2015, "expanded percentile"): ``sqrt((df+1)/df) t_df``.
-* `bca_interval`: BCa percentiles of the replicates, optionally with the expanded quantile.
+* `bca_interval`: BCa percentiles of the replicates, optionally with the expanded quantile (the
+  engine's bootstrap-route choice, ``OWN_LABEL_BOOTSTRAP``).
 * `skew_t_interval`: the analytic analogue, a t interval with Hall's (1992) first-order
-  Edgeworth correction for skewness, whose skewness term is the same ``a``.
+  Edgeworth correction for skewness, whose skewness term is the same ``a`` (the analytic-route
+  choice, ``OWN_LABEL_ANALYTIC``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ from scipy.stats import t as student_t
 BOOTSTRAP_METHODS = ("percentile", "bca", "bca_expanded", "t_bootstrap_se")
 #: Own-label interval methods of the analytic route.
 ANALYTIC_METHODS = ("t", "skew_t")
+#: The engine's choice for own-label levels, by route (measured: docs/statistics.md, "Own-label intervals").
+OWN_LABEL_BOOTSTRAP = "bca_expanded"
+OWN_LABEL_ANALYTIC = "skew_t"
 
 
 def acceleration(infl: np.ndarray) -> float:
@@ -156,3 +161,42 @@ def skew_t_interval(estimate: float, se: float, infl: np.ndarray, alpha: float, 
     q = float(student_t.ppf(1 - alpha / 2, df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
     shift = acceleration(infl) * (2 * q * q + 1) * se
     return estimate - q * se + shift, estimate + q * se + shift
+
+
+def own_label_interval(method: str, estimate: float, *, alpha: float, df: float, infl: np.ndarray,
+                       se: float | None = None, reps: np.ndarray | None = None) -> tuple[float, float]:
+    """The interval of one own-label statistic by the named method.
+
+    Parameters
+    ----------
+    method : str
+        One of `BOOTSTRAP_METHODS` (needs ``reps``) or `ANALYTIC_METHODS` (needs ``se``).
+    estimate : float
+    alpha : float
+    df : float
+        Labelled prompts - 1 (``inf`` when not a small-sample statistic).
+    infl : ndarray, shape (G,)
+        Per-prompt influence values of the statistic.
+    se : float, optional
+        Influence-function standard error (analytic methods).
+    reps : ndarray, shape (B,), optional
+        Bootstrap replicates (bootstrap methods).
+    """
+    if method in BOOTSTRAP_METHODS:
+        if reps is None:
+            raise ValueError(f"interval method {method!r} needs bootstrap replicates")
+        if method == "percentile":
+            return percentile_interval(reps, alpha)
+        if method == "bca":
+            return bca_interval(estimate, reps, infl, alpha)
+        if method == "bca_expanded":
+            return bca_interval(estimate, reps, infl, alpha, df=df)
+        return t_bootstrap_se_interval(estimate, reps, alpha, df)
+    if method in ANALYTIC_METHODS:
+        if se is None:
+            raise ValueError(f"interval method {method!r} needs a standard error")
+        if method == "skew_t":
+            return skew_t_interval(estimate, se, infl, alpha, df)
+        q = float(student_t.ppf(1 - alpha / 2, df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
+        return estimate - q * se, estimate + q * se
+    raise ValueError(f"unknown interval method {method!r}; one of {BOOTSTRAP_METHODS + ANALYTIC_METHODS}")
