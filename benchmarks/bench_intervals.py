@@ -15,6 +15,9 @@ interval for each policy's own-label column (``K + k``) is computed from the sam
 * ``t_bootstrap_se`` bootstrap SE x t(labelled prompts - 1);
 * ``skew_t``         analytic t with the Edgeworth skewness correction.
 
+``--scenario symmetric`` replaces the policies by five centred, non-adversarial ones (near-symmetric
+residuals everywhere): the check that a method does not over-cover where there is no skew.
+
 Coverage = share of datasets whose 95% interval contains the exact true value. Monte Carlo SE of a
 coverage near 0.95 from R datasets: sqrt(0.95 * 0.05 / R) = 0.0069 at R = 1000.
 
@@ -47,11 +50,19 @@ sys.path.insert(0, str(HERE.parent))
 from cje_engine.inference import intervals as iv  # noqa: E402
 from cje_engine.inference.variance import cluster_cov  # noqa: E402
 from cje_engine.pipeline.direct import bootstrap_chunk, prepare  # noqa: E402
-from cje_engine.simulate.direct import simulate  # noqa: E402
+from cje_engine.simulate.direct import PolicySpec, default_policies, simulate  # noqa: E402
 
 log = logging.getLogger("bench_intervals")
 METHODS = ("percentile", "t", "bca", "bca_expanded", "t_bootstrap_se", "skew_t")
-OWN = ("clone", "verbose", "concise", "unhelpful")
+
+
+def scenario_policies(scenario: str) -> tuple[PolicySpec, ...]:
+    """``adversarial``: the simulator's defaults; ``symmetric``: every policy centred on Y ~ 0.5 and
+    none adversarial, so every residual distribution is near-symmetric."""
+    if scenario == "adversarial":
+        return default_policies()
+    return (PolicySpec("base", 0.0), PolicySpec("clone", 0.0), PolicySpec("verbose", -0.1, verbosity=2.0),
+            PolicySpec("concise", 0.1, verbosity=0.6), PolicySpec("shifted", 0.25))
 
 
 def intervals_of(est: float, reps: np.ndarray, infl: np.ndarray, se_a: float, df: float,
@@ -69,10 +80,10 @@ def intervals_of(est: float, reps: np.ndarray, infl: np.ndarray, se_a: float, df
 
 
 def run_dataset(n: int, frac: float, labels: int, rep: int, B: int, alpha: float,
-                covariates: tuple[str, ...] = ()) -> dict:
+                covariates: tuple[str, ...] = (), scenario: str = "adversarial") -> dict:
     seed = 9_100_000 + labels * 10_000 + rep
-    sim = simulate(n, oracle_fraction=frac, label_design="calibration_policy", calibration_policy="base",
-                   audit_labels=labels, seed=seed)
+    sim = simulate(n, scenario_policies(scenario), oracle_fraction=frac, label_design="calibration_policy",
+                   calibration_policy="base", audit_labels=labels, seed=seed)
     prep = prepare(sim.frame, calibration_policies=["base"], n_bootstrap=B, seed=seed, alpha=alpha,
                    covariates=list(covariates))
     reps = bootstrap_chunk(prep, 0, B)
@@ -81,7 +92,9 @@ def run_dataset(n: int, frac: float, labels: int, rep: int, B: int, alpha: float
     cov = cluster_cov(prep.infl["total"])
     lab = d.labelled
     out = {}
-    for name in OWN:
+    for name in d.policies:
+        if name == "base":
+            continue
         k = d.policies.index(name)
         col = K + k
         sel = lab & (d.policy == k)
@@ -99,12 +112,40 @@ def run_dataset(n: int, frac: float, labels: int, rep: int, B: int, alpha: float
     return out
 
 
+def timing(n: int, frac: float, B: int, repeats: int = 20) -> list[str]:
+    """CPU time of Direct's summary step with today's and the new own-label intervals, same data.
+
+    Replicates are untouched by the method (`cje_engine.direct.estimators.replicate` is not changed);
+    their cost is printed beside the summary step's for scale.
+    """
+    from cje_engine.pipeline import policies as pol
+
+    sim = simulate(n, oracle_fraction=frac, label_design="calibration_policy", calibration_policy="base",
+                   audit_labels=50, seed=1)
+    prep = prepare(sim.frame, calibration_policies=["base"], n_bootstrap=B, seed=1)
+    t0 = time.process_time()
+    reps = bootstrap_chunk(prep, 0, B)
+    per_rep = (time.process_time() - t0) / B
+    out = {}
+    saved = (pol.OWN_LABEL_BOOTSTRAP, pol.OWN_LABEL_ANALYTIC)
+    for label, methods in (("before (percentile / t)", ("percentile", "t")), ("after", saved)):
+        pol.OWN_LABEL_BOOTSTRAP, pol.OWN_LABEL_ANALYTIC = methods
+        t0 = time.process_time()
+        for _ in range(repeats):
+            pol.summarize_direct(prep, reps)
+        out[label] = (time.process_time() - t0) / repeats
+    pol.OWN_LABEL_BOOTSTRAP, pol.OWN_LABEL_ANALYTIC = saved
+    return [f"timing (n={n}, B={B}): one replicate {1e3 * per_rep:.2f} ms CPU; summarize_direct "
+            + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in out.items())
+            + f"; ratio {out['after'] / out['before (percentile / t)']:.3f}"]
+
+
 def table(runs: list[dict], labels: int) -> list[str]:
     lines = [f"### {labels} own labels, {len(runs)} datasets",
              "| policy | residual skewness (median) | " + " | ".join(METHODS) + " |",
              "|---|---|" + "---|" * len(METHODS)]
     R = len(runs)
-    for name in OWN:
+    for name in runs[0]:
         cov = {m: np.mean([r[name]["cover"][m] for r in runs]) for m in METHODS}
         wid = {m: np.mean([r[name]["width"][m] for r in runs]) for m in METHODS}
         low = {m: np.mean([r[name]["miss_low"][m] for r in runs]) for m in METHODS}
@@ -124,23 +165,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-B", type=int, default=400)
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--covariates", default="", help="comma-separated, e.g. response_length")
+    ap.add_argument("--scenario", choices=("adversarial", "symmetric"), default="adversarial")
+    ap.add_argument("--timing", action="store_true", help="only time the summary step, before vs after")
     ap.add_argument("--out", type=Path, default=HERE / "_work" / "intervals.json")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("cje_engine").setLevel(logging.WARNING)
+    if ns.timing:
+        print("\n".join(timing(ns.n, ns.fraction, ns.B)))
+        return 0
     all_runs = {}
     covs = tuple(c for c in ns.covariates.split(",") if c)
     t0 = time.process_time()
     for L in [int(x) for x in ns.labels.split(",")]:
         runs = []
         for rep in range(ns.datasets):
-            runs.append(run_dataset(ns.n, ns.fraction, L, rep, ns.B, ns.alpha, covs))
+            runs.append(run_dataset(ns.n, ns.fraction, L, rep, ns.B, ns.alpha, covs, ns.scenario))
             if (rep + 1) % 100 == 0:
                 log.info("L=%d: %d datasets, %.0f s CPU", L, rep + 1, time.process_time() - t0)
         all_runs[L] = runs
         print("\n".join(table(runs, L)), flush=True)
     print(f"CPU {time.process_time() - t0:.0f} s; n={ns.n}, base fraction {ns.fraction}, B={ns.B}, "
-          f"covariates {list(covs)}")
+          f"covariates {list(covs)}, scenario {ns.scenario}")
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.write_text(json.dumps({str(k): v for k, v in all_runs.items()}))
     return 0
