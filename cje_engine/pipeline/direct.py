@@ -18,6 +18,7 @@ from cje_engine.data.io import load_frame
 from cje_engine.direct.estimators import Design, bootstrap_weights, fold_jackknife, replicate
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.comparisons import PolicyColumns, relative_claims
+from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.calibration import fit_calibration
@@ -138,6 +139,7 @@ def inference_summary(opts: EvaluationOptions) -> dict:
     boot = opts.inference == "bootstrap"
     return {"method": opts.inference, "n_bootstrap": opts.n_bootstrap if boot else 0,
             "ci_method": "percentile" if boot else "normal (influence function)",
+            "own_label_ci_method": OWN_LABEL_BOOTSTRAP if boot else OWN_LABEL_ANALYTIC,
             "seed": opts.seed, "alpha": opts.alpha, "cluster": "prompt_id"}
 
 

@@ -16,6 +16,7 @@ from cje_engine.audit import audit_policies, residual_deciles
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import Design
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
+from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP, own_label_interval
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import audit_statistics
@@ -221,23 +222,40 @@ def relative_status(transport_failed: bool, support_limited: bool, too_few_label
 
 
 class _Stats:
-    """Summaries of the 2K statistics by both routes (the reported one in ``se``/``ci``)."""
+    """Summaries of the 2K statistics by both routes (the reported one in ``se``/``ci``).
+
+    Own-label columns (``col >= n_policies``: plug-in plus own label residuals) get the small-sample
+    intervals of `cje_engine.inference.intervals` (``OWN_LABEL_BOOTSTRAP`` / ``OWN_LABEL_ANALYTIC``,
+    from the replicates, the influence column ``infl[:, col]`` and ``dfs[col]``); plug-in columns keep
+    the percentile and normal intervals.
+    """
 
     def __init__(self, stats: np.ndarray, cov: np.ndarray, reps: np.ndarray | None, crit: np.ndarray,
-                 alpha: float, scale: tuple[float, float]) -> None:
+                 alpha: float, scale: tuple[float, float], *, infl: np.ndarray | None = None,
+                 dfs: np.ndarray | None = None, n_policies: int | None = None) -> None:
         self.stats, self.cov, self.reps, self.crit, self.alpha, self.scale = stats, cov, reps, crit, alpha, scale
+        self.infl, self.dfs = infl, dfs
+        self.n_policies = len(stats) // 2 if n_policies is None else n_policies
+
+    def _own(self, col: int) -> bool:
+        return self.infl is not None and self.dfs is not None and col >= self.n_policies
 
     def __call__(self, col: int) -> dict:
         est = float(self.stats[col])
         se_a = float(np.sqrt(max(self.cov[col, col], 0.0)))
         c = self.crit[col]
-        out = {"estimate": est, "se_analytic": se_a, "ci_analytic": clip([est - c * se_a, est + c * se_a], self.scale)}
+        own = self._own(col)
+        kw = dict(alpha=self.alpha, df=float(self.dfs[col]), infl=self.infl[:, col]) if own else {}
+        ci_a = own_label_interval(OWN_LABEL_ANALYTIC, est, se=se_a, **kw) if own else [est - c * se_a, est + c * se_a]
+        out = {"estimate": est, "se_analytic": se_a, "ci_analytic": clip(ci_a, self.scale)}
         if self.reps is not None:
             r = self.reps[:, col]
             r = r[np.isfinite(r)]
             se_b = float(np.std(r, ddof=1))
             a = self.alpha
-            out.update(se_bootstrap=se_b, ci_bootstrap=clip(np.percentile(r, [50 * a, 100 - 50 * a]), self.scale))
+            ci_b = (own_label_interval(OWN_LABEL_BOOTSTRAP, est, reps=r, **kw) if own
+                    else np.percentile(r, [50 * a, 100 - 50 * a]))
+            out.update(se_bootstrap=se_b, ci_bootstrap=clip(ci_b, self.scale))
             out.update(se=se_b, ci=out["ci_bootstrap"])
         else:
             out.update(se=se_a, ci=out["ci_analytic"])
@@ -283,7 +301,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin)
     support = support_checks(design, opts)
     dfs = degrees_of_freedom(K, n_own_prompts)
-    summary = _Stats(stats, cov, reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale)
+    summary = _Stats(stats, cov, reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
+                     infl=prep.infl["total"], dfs=dfs, n_policies=K)
 
     policies: dict[str, dict] = {}
     cols = np.zeros(K, dtype=int)

@@ -324,6 +324,9 @@ class Inference(_Strict):
     method: Literal["bootstrap", "analytic"]
     n_bootstrap: int
     ci_method: str
+    own_label_ci_method: Optional[str] = Field(
+        None, description="interval method of own-label (augmented / recalibrated) levels; `ci_method` covers "
+                          "the plug-in levels and comparisons (docs/statistics.md, 'Own-label intervals')")
     seed: int
     alpha: float
     cluster: Optional[str] = None
