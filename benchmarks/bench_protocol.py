@@ -12,7 +12,10 @@ the same data with the length covariate:
 * ranking accuracy: share of pairs of *transported* policies with different true values that the
   reported estimates order correctly (base and clone are a true tie and are skipped);
 * coverage: share of the transported policies' reported 95% intervals that contain the truth;
-* adversary safe: ``unhelpful`` is refused, or its audit fails and its reported interval covers;
+* adversary unbiased: ``unhelpful`` is refused or reported at an own-label level (recalibrated), never at
+  its borrowed plug-in (the issue's "never reported at a biased level");
+* adversary safe: ``unhelpful`` is refused, or its audit fails and its reported interval covers (so it
+  also counts the ~5% an honest 95% interval misses);
 * false audit fails: share of audits of transported non-calibration policies that fail.
 
 Ours: ``cje_engine.evaluate(frame, covariates=["response_length"], calibration_policies=["base"],
@@ -237,7 +240,7 @@ def run_task(task: tuple) -> dict:
 
 def score(runs: list[dict], engine: str) -> dict:
     """Ranking accuracy, coverage, adversary safety and false audit fails of one engine."""
-    right = pairs = cover = n_ci = safe = false_fail = audits = 0
+    right = pairs = cover = n_ci = safe = unbiased = false_fail = audits = 0
     for r in runs:
         pol, truth = r[engine]["policies"], r["truth"]
         names = [p for p in TRANSPORTED if p in pol]
@@ -262,9 +265,11 @@ def score(runs: list[dict], engine: str) -> dict:
             ci = adv["ci"]
             covers = bool(ci and ci[0] is not None and ci[0] <= truth[ADVERSARY] <= ci[1])
             safe += int(adv["refused"] or (adv["audit"] == "fail" and covers))
+            unbiased += int(adv["refused"] or adv.get("basis") in ("recalibrated", "augmented"))
     d = len(runs)
     return {"rank_acc": right / pairs if pairs else float("nan"), "coverage": cover / n_ci if n_ci else float("nan"),
             "adversary_safe": safe / d if d else float("nan"),
+            "adversary_unbiased": unbiased / d if d else float("nan"),
             "false_audit_fail": false_fail / audits if audits else float("nan"), "datasets": d}
 
 
@@ -289,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--design", choices=["protocol", "pooled"], default="protocol",
                     help="protocol: labels on base + 50-label audit slices; pooled: every policy labelled at random, "
                          "all labels calibrate (no reference run: it has no pooled robust mode)")
+    ap.add_argument("--rescore", type=Path, default=None, help="print the table of a --json file again (no runs)")
     ap.add_argument("--judge-noise", type=float, default=JUDGE_NOISE, help="SimSpec.judge_noise_sd (see JUDGE_NOISE)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -309,9 +315,12 @@ def main(argv: list[str] | None = None) -> int:
               not args.reference_only, args.judge_noise, args.reference_datasets or args.datasets, args.design)
              for rep in range(args.datasets) for n, f in cells]  # every cell early
     t0 = time.perf_counter()
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        runs = list(pool.imap_unordered(run_task, tasks))
-    log.info("%d datasets in %.0f s (load %s)", len(runs), time.perf_counter() - t0, os.getloadavg())
+    if args.rescore is not None:
+        runs = json.loads(args.rescore.read_text())["runs"]
+    else:
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            runs = list(pool.imap_unordered(run_task, tasks))
+        log.info("%d datasets in %.0f s (load %s)", len(runs), time.perf_counter() - t0, os.getloadavg())
     if args.reference_only:
         return 0
     rows = []
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             row["reference"] = score(common, "reference")
             row["ours_common"] = score(common, "ours")
         rows.append(row)
-    keys = ("rank_acc", "coverage", "adversary_safe", "false_audit_fail")
+    keys = ("rank_acc", "coverage", "adversary_unbiased", "adversary_safe", "false_audit_fail")
     print(f"judge noise {args.judge_noise:g}; ours on every dataset of a cell; 'ours=' and 'ref' on the datasets "
           "the reference ran on")
     print(f"{'n':>5s} {'frac':>5s} {'sets':>4s} |" + "|".join(f"{k:>26s}" for k in keys))
