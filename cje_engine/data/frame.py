@@ -180,7 +180,6 @@ class EvalData:
         pol_lookup = {p: i for i, p in enumerate(policies)}
         remap = np.array([pol_lookup.get(p, -1) for p in seen], dtype=np.int64)
         policy_codes = remap[pol_codes]
-        del pol_codes
         keep = policy_codes >= 0
         if not keep.all():
             frame = frame.loc[keep]
@@ -189,15 +188,13 @@ class EvalData:
         label = (
             frame[LABEL].to_numpy(dtype=float) if LABEL in frame.columns else np.full(len(frame), np.nan)
         )
-        lab = ~np.isnan(label)
         if LABEL_PROB in frame.columns:
             prob = frame[LABEL_PROB].to_numpy(dtype=float)
             prob = np.where(np.isnan(prob), 1.0, prob)
-            label_weight = np.where(lab, 1.0 / prob, 0.0)
-            del prob
-        else:  # every probability 1: the weights are the labelled indicator (no row-sized temporaries)
-            label_weight = lab.astype(float)
-        del lab
+        else:
+            prob = np.ones(len(frame))
+        lab = ~np.isnan(label)
+        label_weight = np.where(lab, 1.0 / prob, 0.0)
         X = (
             frame[list(covariates)].to_numpy(dtype=float)
             if covariates
@@ -207,7 +204,7 @@ class EvalData:
         folds_by_prompt = fold_of(prompt_ids, n_folds)
         return cls(
             prompt_ids=prompt_ids,
-            prompt=prompt_codes.astype(np.int64, copy=False),
+            prompt=prompt_codes.astype(np.int64),
             policies=tuple(policies),
             policy=policy_codes,
             score=frame[SCORE].to_numpy(dtype=float),
