@@ -23,7 +23,8 @@ term's alone, which over-states the true SE by about ``1 / sqrt(1 - share)``: a 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from scipy.stats import norm
@@ -61,41 +62,33 @@ class Fit:
     f_cal: np.ndarray  # out-of-fold value of every calibration row
     full: object
     models: list | None
-    _cache: dict = field(default_factory=dict, repr=False)
 
-    @property
+    @cached_property
     def f(self) -> np.ndarray:
         """Calibrated value of every row: out of fold on calibration rows, the full fit elsewhere."""
-        if "f" not in self._cache:
-            f = self.F_all[self.design.cells.row_cell]
-            f[self.design.cal_rows] = self.f_cal
-            self._cache["f"] = f
-        return self._cache["f"]
+        f = self.F_all[self.design.cells.row_cell]
+        f[self.design.cal_rows] = self.f_cal
+        return f
 
-    @property
+    @cached_property
     def stats(self) -> np.ndarray:
-        if "stats" not in self._cache:
-            self._cache["stats"] = policy_stats(self.design, self.f)
-        return self._cache["stats"]
+        """`estimators.policy_stats` of this fit."""
+        return policy_stats(self.design, self.f)
 
-    @property
+    @cached_property
     def infl(self) -> dict:
-        """Influence terms (`estimators.influence`), computed on first use."""
-        if "infl" not in self._cache:
-            self._cache["infl"] = influence(self.design, self.f, self.full)
-        return self._cache["infl"]
+        """Influence terms (`estimators.influence`)."""
+        return influence(self.design, self.f, self.full)
 
-    @property
+    @cached_property
     def f_lab(self) -> np.ndarray:
-        """Calibrated value of every labelled row (``design.lab_rows`` order)."""
-        if "f_lab" not in self._cache:
-            lab, cr = self.design.lab_rows, self.design.cal_rows
-            f = self.F_all[self.design.cells.row_cell[lab]]
-            pos = np.clip(np.searchsorted(cr, lab), 0, max(cr.size - 1, 0))
-            is_cal = cr[pos] == lab
-            f[is_cal] = self.f_cal[pos[is_cal]]
-            self._cache["f_lab"] = f
-        return self._cache["f_lab"]
+        """Calibrated value of every labelled row (``design.lab_rows`` order), without ``f``."""
+        lab, cr = self.design.lab_rows, self.design.cal_rows
+        f = self.F_all[self.design.cells.row_cell[lab]]
+        pos = np.clip(np.searchsorted(cr, lab), 0, max(cr.size - 1, 0))
+        is_cal = cr[pos] == lab
+        f[is_cal] = self.f_cal[pos[is_cal]]
+        return f
 
     @property
     def sources(self) -> np.ndarray:
@@ -136,31 +129,6 @@ def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.
     return delta, se, is_source
 
 
-def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`audit_statistics` of the calibration sources from their labelled rows alone (O(labels)).
-
-    The same numbers as `audit_statistics` for the sources (residual mean, residual-term SE);
-    NaN for every other policy.
-    """
-    d, lab = fit.design.data, fit.design.lab_rows
-    K = fit.design.n_policies
-    is_source = np.isin(np.arange(K), fit.sources)
-    pol = d.policy[lab]
-    lw = d.label_weight[lab]
-    r = d.label[lab] - fit.f_lab
-    den = np.bincount(pol, weights=lw, minlength=K)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        delta = np.bincount(pol, weights=lw * r, minlength=K) / den
-    delta[~is_source] = np.nan
-    se = np.full(K, np.nan)
-    g = d.n_prompts
-    for k in np.flatnonzero(is_source & (den > 0)):
-        sel = pol == k
-        psi = np.bincount(d.prompt[lab[sel]], weights=lw[sel] * (r[sel] - delta[k]) / den[k], minlength=g)
-        se[k] = float(np.sqrt(_column_var(psi[:, None])[0]))
-    return delta, se, is_source
-
-
 def _labelled_residual_terms(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt, weight, residual) of every labelled row, weights summing to 1 within each policy."""
     d, lab = fit.design.data, fit.design.lab_rows
@@ -168,6 +136,29 @@ def _labelled_residual_terms(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarr
     den = np.bincount(d.policy[lab], weights=lw, minlength=fit.design.n_policies)
     w = lw / den[d.policy[lab]]
     return d.prompt[lab], w, d.label[lab] - fit.f_lab
+
+
+def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`audit_statistics` of the calibration sources from their labelled rows alone (O(labels)).
+
+    The same numbers as `audit_statistics` for the sources (residual mean, residual-term SE);
+    NaN for every other policy.
+    """
+    d = fit.design.data
+    K = fit.design.n_policies
+    is_source = np.isin(np.arange(K), fit.sources)
+    prompt, w, r = _labelled_residual_terms(fit)
+    pol = d.policy[fit.design.lab_rows]
+    delta = np.full(K, np.nan)
+    se = np.full(K, np.nan)
+    for k in np.flatnonzero(is_source):
+        sel = pol == k
+        if not sel.any():
+            continue
+        delta[k] = float(np.sum(w[sel] * r[sel]))
+        psi = np.bincount(prompt[sel], weights=w[sel] * (r[sel] - delta[k]), minlength=d.n_prompts)
+        se[k] = float(np.sqrt(_column_var(psi[:, None])[0]))
+    return delta, se, is_source
 
 
 def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...] | None,

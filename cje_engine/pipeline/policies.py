@@ -133,7 +133,7 @@ def calibration_summary(prep: Any) -> dict:
         "points": {"score": d.score[pts].tolist(), "label": d.label[pts].tolist()},
         "reliability": rel,
         "label_range": [float(d.score[cr].min()), float(d.score[cr].max())],
-        "excluded_sources": list(getattr(prep, "excluded", [])),
+        "excluded_sources": list(prep.excluded),
     }
 
 
@@ -282,7 +282,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     n_own = np.bincount(d.policy[lab], minlength=K)
     n_own_prompts = np.array([np.unique(d.prompt[lab & (d.policy == k)]).size for k in range(K)])
     cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
-    excluded = {e["policy"] for e in getattr(prep, "excluded", [])}
+    excluded = {e["policy"] for e in prep.excluded}
     n_cal = design.cal_rows.size
 
     # Audits on residual means (= augmented - plug-in); SEs carry a borrowed calibrator's error.
