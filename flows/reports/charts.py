@@ -9,8 +9,8 @@ from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, SKY, VE
                                   _conf_label, _esc, _fmt, _fmt_ci, _is_refused, _num, _pair, _policy_order,
                                   _raw_on_label_scale, _same_scale, _scale_text, _scales, _short, _verdict,
                                   _z, _not_estimable)
-from flows.reports.svg import (_cross, _diamond, _el, _legend, _line, _Lin, _r, _svg, _text, _ticks, _x_axis,
-                               _y_axis)
+from flows.reports.svg import (_cross, _diamond, _el, _legend, _line, _Lin, _polylines, _r, _svg, _text, _ticks,
+                               _x_axis, _y_axis)
 
 # --------------------------------------------------------------------------------------------
 # figures
@@ -444,16 +444,8 @@ def _drift_svg(d: dict) -> str:
                 if ci is not None:
                     body.append(_line(sx(i), sy(ci[0]), sx(i), sy(ci[1]), stroke=BLUE,
                                       stroke_width="1.5"))
-        segs: list[list[str]] = [[]]
-        for i, v in enumerate(series):
-            if v is None:
-                segs.append([])
-            else:
-                segs[-1].append(f"{_r(sx(i))},{_r(sy(v))}")
-        for seg in segs:
-            if len(seg) > 1:
-                body.append(_el("polyline", points=" ".join(seg), fill="none", stroke=BLUE,
-                                stroke_width="2"))
+        body += _polylines([None if v is None else (sx(i), sy(v)) for i, v in enumerate(series)],
+                           stroke=BLUE, stroke_width="2")
         for i, v in enumerate(series):
             if v is None:
                 continue

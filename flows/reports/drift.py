@@ -18,7 +18,7 @@ from cje_engine.errors import CJEInputError
 from flows.reports.common import (BLUE, GREEN, GREY, GRID, INK, MUTED, PURPLE, SKY, VERMILLION, _esc, _fmt,
                                   _name_cell, _num, _signed)
 from flows.reports.evaluation import CSS  # the evaluation report's page style
-from flows.reports.svg import _diamond, _legend, _Lin, _line, _r, _svg, _text, _ticks
+from flows.reports.svg import _diamond, _legend, _Lin, _line, _polylines, _r, _svg, _text, _ticks
 
 __all__ = ["render_drift_report"]
 
@@ -130,15 +130,8 @@ def _panel(xs: list[int], labels: list[str], series: dict, title: str, ylab: str
     for i in range(n):
         if lo_ci[i] is not None and hi_ci[i] is not None:
             b.append(_line(sx(i), sy(lo_ci[i]), sx(i), sy(hi_ci[i]), stroke=SKY, stroke_width="2"))
-    segs: list[list[str]] = [[]]
-    for i, v in enumerate(est):
-        if v is None:
-            segs.append([])
-        else:
-            segs[-1].append(f"{_r(sx(i))},{_r(sy(v))}")
-    for seg in segs:
-        if len(seg) > 1:
-            b.append(_el("polyline", points=" ".join(seg), fill="none", stroke=BLUE, stroke_width="2"))
+    b += _polylines([None if v is None else (sx(i), sy(v)) for i, v in enumerate(est)], stroke=BLUE,
+                    stroke_width="2")
     for i, v in enumerate(est):
         if v is None:
             continue

@@ -114,6 +114,18 @@ def _y_axis(sy: _Lin, ticks: Sequence[float], decimals: int, x: float, right: fl
     return out
 
 
+def _polylines(points: Sequence[tuple[float, float] | None], **attrs: Any) -> list[str]:
+    """One ``<polyline>`` per run of consecutive points; ``None`` breaks the line (a missing value),
+    and a run of a single point draws nothing (its marker shows it)."""
+    runs: list[list[str]] = [[]]
+    for pt in points:
+        if pt is None:
+            runs.append([])
+        else:
+            runs[-1].append(f"{_r(pt[0])},{_r(pt[1])}")
+    return [_el("polyline", points=" ".join(run), fill="none", **attrs) for run in runs if len(run) > 1]
+
+
 def _diamond(x: float, y: float, r: float, **attrs: Any) -> str:
     pts = f"{_r(x)},{_r(y - r)} {_r(x + r)},{_r(y)} {_r(x)},{_r(y + r)} {_r(x - r)},{_r(y)}"
     return _el("polygon", points=pts, **attrs)

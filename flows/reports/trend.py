@@ -21,7 +21,7 @@ from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, SKY, VERDICT_ST
 from flows.reports.evaluation import CSS
 from flows.reports.history import (evaluations, latest_per_window, linked_drift, open_label_requests,
                                    read_history, window_changes_of)
-from flows.reports.svg import _diamond, _el, _legend, _line, _Lin, _r, _svg, _text, _ticks, _y_axis
+from flows.reports.svg import _diamond, _el, _legend, _line, _Lin, _polylines, _r, _svg, _text, _ticks, _y_axis
 
 __all__ = ["render_index", "render_trend", "write_pages", "INDEX", "TREND"]
 
@@ -198,14 +198,7 @@ def _policy_panel(name: str, rows: Sequence[Mapping[str, Any]], ch: PolicyChange
                                 data_window=r["window"]))
         else:
             pts.append(None)
-    segs: list[list[str]] = [[]]
-    for pt in pts:
-        if pt is None:
-            segs.append([])
-        else:
-            segs[-1].append(f"{_r(pt[0])},{_r(pt[1])}")
-    lines = [_el("polyline", points=" ".join(s), fill="none", stroke=BLUE, stroke_width="1.6",
-                 stroke_opacity="0.6") for s in segs if len(s) > 1]
+    lines = _polylines(pts, stroke=BLUE, stroke_width="1.6", stroke_opacity="0.6")
     body = body[:2] + lines + body[2:]
     body += _x_labels(sx, windows, T + H + 18)
     return _svg(WIDTH, T + H + (48 if len(windows) > 8 else 30), body, f"Value of {name} over windows")
