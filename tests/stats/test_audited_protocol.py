@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 
 from cje_engine import evaluate
@@ -109,6 +108,7 @@ def test_audited_bootstrap_intervals_cover_slow(n, frac):
 def test_audited_levels_are_more_precise_than_own_label_levels():
     """Why the protocol reuses the calibration: on the clones the audited (plug-in) level's SE is
     well below the own-label level's (50 labels), here by a factor > 1.5 on every dataset."""
+    checked = 0
     for r in range(5):
         sim = _protocol(1000, 0.25, 97_000 + r)
         res = evaluate(sim.frame, calibration_policies=["base"], calibration_mode="monotone",
@@ -116,5 +116,6 @@ def test_audited_levels_are_more_precise_than_own_label_levels():
         for c in CLONES:
             p = res["policies"][c]
             if p["basis_code"] == "plug_in":
+                checked += 1
                 assert p["augmented"]["se"] > 1.5 * p["plug_in"]["se"], (c, p["augmented"]["se"], p["plug_in"]["se"])
-    assert np.isfinite(p["plug_in"]["se"])
+    assert checked >= 12  # of 15: a clone's audit fails at most at rate alpha, so nearly all are plug-ins
