@@ -114,16 +114,13 @@ def _seed(n: int, frac: float, rep: int) -> int:
 JUDGE_NOISE = 0.0
 
 
-DESIGN = ["protocol"]  # this process's design (set per task): "protocol" or "pooled"
-
-
-def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_NOISE):
+def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_NOISE, design: str = "protocol"):
     """The paper's protocol (labels on base + 50-label audit slices), or ``pooled``: every policy's
     rows labelled at random at ``frac``, the adversary's labels among them, all training the
     calibrator (then ``frac`` is the share of every policy)."""
     from cje_engine.simulate.direct import simulate
 
-    if DESIGN[0] == "pooled":
+    if design == "pooled":
         return simulate(n, policies(), oracle_fraction=frac, seed=_seed(n, frac, rep) + 500,
                         judge_noise_sd=judge_noise)
     return simulate(n, policies(), oracle_fraction=frac, label_design="calibration_policy",
@@ -131,10 +128,10 @@ def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_N
                     judge_noise_sd=judge_noise)
 
 
-def run_ours(frame, seed: int, B: int, options: dict) -> dict:
+def run_ours(frame, seed: int, B: int, options: dict, design: str = "protocol") -> dict:
     from cje_engine import evaluate
 
-    cal = None if DESIGN[0] == "pooled" else ["base"]
+    cal = None if design == "pooled" else ["base"]
     res = evaluate(frame, covariates=["response_length"], calibration_policies=cal, n_bootstrap=B,
                    seed=seed, **options)
     d = res.to_dict()
@@ -185,10 +182,10 @@ def run_reference(frame, seed: int, B: int, timeout: float) -> dict:
 
 
 def cached_reference(frame, n: int, frac: float, rep: int, seed: int, B: int, timeout: float,
-                     cache: Path | None) -> tuple[dict, float]:
+                     cache: Path | None, judge_noise: float) -> tuple[dict, float]:
     """The reference's result on one dataset, from ``cache`` when it was run before (same n, fraction,
     dataset and B: the datasets are deterministic), else run and stored."""
-    path = None if cache is None else cache / f"ref_n{n}_f{frac:.3f}_r{rep}_B{B}_j{JUDGE_NOISE_RUN[0]:g}.json"
+    path = None if cache is None else cache / f"ref_n{n}_f{frac:.3f}_r{rep}_B{B}_j{judge_noise:g}.json"
     if path is not None and path.exists():
         d = json.loads(path.read_text())
         return d["reference"], d["wall_s"]
@@ -205,9 +202,6 @@ def cached_reference(frame, n: int, frac: float, rep: int, seed: int, B: int, ti
     return ref, wall
 
 
-JUDGE_NOISE_RUN = [JUDGE_NOISE]  # this process's judge noise (set per task)
-
-
 def _nothing(truth: dict, why: str) -> dict:
     """The record of an evaluation that refused the dataset: every policy refused, no estimate."""
     return {"policies": {p: {"estimate": None, "ci": None, "refused": True, "audit": "not_run", "basis": "none"}
@@ -217,10 +211,8 @@ def _nothing(truth: dict, why: str) -> dict:
 def run_task(task: tuple) -> dict:
     n, frac, rep, B, options, with_ref, timeout, ref_B, cache, ours, judge_noise, ref_datasets, design = task
     logging.getLogger("cje_engine").setLevel(logging.WARNING)
-    JUDGE_NOISE_RUN[0] = judge_noise
-    DESIGN[0] = design
     with_ref = with_ref and rep < ref_datasets
-    sim = simulate_dataset(n, frac, rep, judge_noise)
+    sim = simulate_dataset(n, frac, rep, judge_noise, design)
     seed = _seed(n, frac, rep) % (2**31)
     out = {"n": n, "frac": frac, "rep": rep, "truth": sim.true_values}
     if ours:
@@ -228,17 +220,17 @@ def run_task(task: tuple) -> dict:
 
         t0 = time.process_time()
         try:
-            out["ours"] = run_ours(sim.frame, seed, B, options)
+            out["ours"] = run_ours(sim.frame, seed, B, options, design)
         except CJEInputError as exc:  # e.g. 5 calibration labels: nothing can be estimated, all refused
             out["ours"] = _nothing(sim.true_values, str(exc))
         out["ours_cpu_s"] = time.process_time() - t0
     if with_ref:
         out["reference"], out["reference_wall_s"] = cached_reference(sim.frame, n, frac, rep, seed, ref_B, timeout,
-                                                                     cache)
+                                                                     cache, judge_noise)
     return out
 
 
-def score(runs: list[dict], engine: str) -> dict:
+def score(runs: list[dict], engine: str, design: str = "protocol") -> dict:
     """Ranking accuracy, coverage, adversary safety and false audit fails of one engine."""
     right = pairs = cover = n_ci = safe = unbiased = false_fail = audits = 0
     for r in runs:
@@ -257,7 +249,7 @@ def score(runs: list[dict], engine: str) -> dict:
             if ci and ci[0] is not None:
                 n_ci += 1
                 cover += int(ci[0] <= truth[p] <= ci[1])
-            if (p != "base" or DESIGN[0] == "pooled") and pol[p]["audit"] not in (None, "not_run"):
+            if (p != "base" or design == "pooled") and pol[p]["audit"] not in (None, "not_run"):
                 audits += 1
                 false_fail += int(pol[p]["audit"] == "fail")
         adv = pol.get(ADVERSARY)
@@ -310,7 +302,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"reference venv missing: run `bash {HERE / 'reference_env.sh'}` (or --skip-reference)")
     cells = [(int(n), float(f)) for n in args.n.split(",") for f in args.fractions.split(",")]
     ref_B = args.reference_B or args.n_bootstrap
-    DESIGN[0] = args.design
     tasks = [(n, f, rep, args.n_bootstrap, options, with_ref, args.timeout, ref_B, args.reference_cache,
               not args.reference_only, args.judge_noise, args.reference_datasets or args.datasets, args.design)
              for rep in range(args.datasets) for n, f in cells]  # every cell early
@@ -326,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n, f in cells:
         rs = [r for r in runs if r["n"] == n and r["frac"] == f]
-        row = {"n": n, "fraction": f, "ours": score(rs, "ours")}
+        row = {"n": n, "fraction": f, "ours": score(rs, "ours", args.design)}
         if with_ref:
             common = [r for r in rs if "reference" in r]
-            row["reference"] = score(common, "reference")
-            row["ours_common"] = score(common, "ours")
+            row["reference"] = score(common, "reference", args.design)
+            row["ours_common"] = score(common, "ours", args.design)
         rows.append(row)
     keys = ("rank_acc", "coverage", "adversary_unbiased", "adversary_safe", "false_audit_fail")
     print(f"judge noise {args.judge_noise:g}; ours on every dataset of a cell; 'ours=' and 'ref' on the datasets "
