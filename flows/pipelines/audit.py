@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
@@ -16,7 +16,9 @@ from prefect.utilities.annotations import quote
 from flows.integrations.notify import notify_result
 from flows.label_requests.config import RequestConfig
 from flows.label_requests.raising import raise_requests_for_run
+from flows.pipelines.evaluate import check_parameters as check_evaluate
 from flows.pipelines.evaluate import evaluate
+from flows.runtime.guard import checked_flow
 from flows.storage.objects import StorageConfig
 
 
@@ -29,7 +31,13 @@ def raise_label_requests(results_uri: str, cfg: Any, evaluation: str, window: st
                                   drift_look=drift_look, anchor_ids=anchor_ids, columns=columns)
 
 
-@flow(name="evaluate_and_audit", log_prints=False, validate_parameters=True)
+def check_parameters(p: dict[str, Any]) -> None:
+    """Checks before a run is created: the `evaluate` flow's, then the label-request settings."""
+    check_evaluate(p)
+    RequestConfig.from_dict(p["label_requests"])
+
+
+@checked_flow(name="evaluate_and_audit", log_prints=False, validate_parameters=True, check=check_parameters)
 def evaluate_and_audit(
     logs_uri: str,
     window: str = "last 7 days",

@@ -47,18 +47,19 @@ import os
 from datetime import datetime, timezone
 from typing import Any
 
-from prefect import flow
 from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
+from flows.label_requests.config import RequestConfig
 from flows.pipelines.drift_config import (DriftMonitorSpec, DriftSettings, drift_deployments, load_drift_monitors,
                                           settings_from)
 from flows.pipelines.drift_tasks import (calibration_from_result, commit, first_alarms_of, load_anchors,
                                          load_calibration, load_scores, load_state_task, notify_alarms,
                                          raise_label_requests, request_summary, score_anchors, update, write_report)
 from flows.reports.drift import render_drift_report
+from flows.runtime.guard import checked_flow
 from flows.storage.drift_state import (DriftStateConflict, commit_state, latest_look, load_state, look_key,
                                        read_looks, state_prefix)
 from flows.storage.objects import Storage, StorageConfig
@@ -103,8 +104,6 @@ def _dates_to_read(state: dict | None) -> tuple[str | None, list[str]]:
 
 
 def _request_config(s: DriftSettings) -> dict:
-    from flows.label_requests.requests import RequestConfig
-
     cfg = RequestConfig.from_dict(s.label_requests).to_dict()  # bad settings fail before any work
     cfg["labels_uri"] = cfg["labels_uri"] or s.labels_uri or s.evaluation_logs_uri
     cfg["webhook_url"] = cfg["webhook_url"] or s.webhook_url
@@ -125,7 +124,12 @@ def _label_requests(s: DriftSettings, cfg: Any, retry: dict, alarming: list[dict
         return {"requests": [], "skipped": []}, f"{type(exc).__name__}: {exc}"
 
 
-@flow(name="drift", log_prints=False, validate_parameters=True)
+def check_parameters(p: dict[str, Any]) -> None:
+    """Checks before a run is created (the settings are validated already): the label-request settings."""
+    _request_config(p["settings"])
+
+
+@checked_flow(name="drift", log_prints=False, validate_parameters=True, check=check_parameters)
 def drift(settings: DriftSettings) -> dict:
     """Judge drift on an anchor set: new looks against the reference, persisted, alarms notified.
 

@@ -495,11 +495,17 @@ def run_key_of(plan: RunPlan, files: list[dict], label_info: dict) -> str:
     return _run_key(run_config(plan), fingerprint)
 
 
+def check_parameters(p: dict[str, Any]) -> None:
+    """The `evaluate` flow's checks before a run is created: `plan_run` of its (validated) parameters."""
+    plan_run(p["logs_uri"], p["window"], p["evaluation"], p["results_uri"], p["labels_uri"], p["policies"],
+             p["options"], p["as_of"], p["retry_delays"], p["mode"], p["columns"])
+
+
 # --------------------------------------------------------------------------------------
 # the flow
 
 
-@checked_flow(name="evaluate", log_prints=False, validate_parameters=True)
+@checked_flow(name="evaluate", log_prints=False, validate_parameters=True, check=check_parameters)
 def evaluate(
     logs_uri: str,
     window: str = "last 7 days",

@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
-from prefect import flow, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
@@ -44,11 +44,13 @@ from cje_engine.errors import CJEInputError
 
 from flows.label_requests.answers import (ANSWER_FORMATS, detect_format, load_json_or_jsonl, parse_argilla,
                                           parse_label_studio, parse_table, rescale)
+from flows.label_requests.config import RequestConfig
 from flows.label_requests.manifests import list_requests, mark_fulfilled
 from flows.pipelines.audit import evaluate_and_audit
 from flows.storage.anchors import label_anchors
 from flows.storage.objects import NotFoundError, StorageConfig
 from flows.storage.publish import list_runs
+from flows.runtime.guard import checked_flow
 from flows.runtime.retries import retry_unless_bad_input
 from flows.reports.artifacts import labels_artifacts
 
@@ -541,7 +543,15 @@ def reevaluate_windows(specs: Sequence[Any], touched: Sequence[str], cfg: Any, a
     return reevaluations, superseded
 
 
-@flow(name="labels", log_prints=False, validate_parameters=True)
+def check_parameters(p: dict[str, Any]) -> None:
+    """Checks before a run is created: the answers format and the label-request settings."""
+    if p["answers_format"] not in ANSWER_FORMATS:
+        raise CJEInputError(f"unknown answers format {p['answers_format']!r}; expected one of {list(ANSWER_FORMATS)}",
+                            option="answers_format")
+    RequestConfig.from_dict(p["label_requests"])
+
+
+@checked_flow(name="labels", log_prints=False, validate_parameters=True, check=check_parameters)
 def labels(
     path: str,
     labels_uri: str,
