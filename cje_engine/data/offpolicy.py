@@ -495,6 +495,71 @@ def _finish_frame(frame: pd.DataFrame, fresh_lp: dict[str, np.ndarray], fresh_le
     return frame, fresh_lp, fresh_len
 
 
+def _one_row_per_response(raw: pd.DataFrame, name: str, logger_policy: str | None,
+                          logger_column: str | None) -> pd.DataFrame:
+    """The logged table with string column names, flattened, the long format pivoted to one row per
+    response, and each row's original number in ``_ROW``."""
+    if raw.shape[0] == 0:
+        raise CJEInputError("input has no rows (0 rows)", source=name)
+    raw.columns = [str(c) for c in raw.columns]
+    raw = _flatten(raw)
+    has_wide = any(c.startswith(TARGET_PREFIX) for c in raw.columns)
+    has_logger_col = any(c in raw.columns for c in LOGGER_COLUMNS) or (logger_column in raw.columns)
+    if LONG_LOGPROB in raw.columns and not has_wide and not has_logger_col:
+        raw = _pivot_long(raw, name, logger_policy)
+    if _ROW not in raw.columns:
+        raw[_ROW] = np.arange(raw.shape[0])
+    return raw
+
+
+def _logged_logprobs(logged_df: pd.DataFrame, lcol: str, tlist: Sequence[str], name: str,
+                     rows_l: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The logger's and every candidate's checked log-probabilities of the logged responses."""
+    lp0 = check_logprobs(_numbers(logged_df[lcol], name, lcol, rows_l), source=name, column=lcol, rows=rows_l,
+                         logger_side=True)
+    lp_t: dict[str, np.ndarray] = {}
+    for t in tlist:
+        col = target_column(t)
+        v = check_logprobs(_numbers(logged_df[col], name, col, rows_l), source=name, column=col, rows=rows_l,
+                           logger_side=False)
+        if np.all(np.isneginf(v)):
+            raise CJEInputError(
+                f"all importance weights are zero: '{t}' gives probability 0 to every one of the {v.size} logged "
+                "responses, so the logs say nothing about it; collect fresh draws from it (Direct)",
+                source=name, column=col)
+        lp_t[t] = v
+    return lp0, lp_t
+
+
+def _logged_lengths(raw: pd.DataFrame, logged_df: pd.DataFrame, length_column: str | None, name: str,
+                    rows_l: np.ndarray) -> tuple[str | None, np.ndarray | None]:
+    """The token-count column (``length_column``, else ``n_tokens`` when present) and its checked values."""
+    lcol_len = length_column if length_column is not None else (
+        DEFAULT_LENGTH_COLUMN if DEFAULT_LENGTH_COLUMN in raw.columns else None)
+    if lcol_len is None:
+        return None, None
+    if lcol_len not in raw.columns:
+        raise CJEInputError(f"length column '{lcol_len}' is missing", source=name, column=lcol_len)
+    lengths = _numbers(logged_df[lcol_len], name, lcol_len, rows_l)
+    bad = ~np.isfinite(lengths) | (lengths <= 0)
+    if bad.any():
+        raise CJEInputError("token count must be a positive number on every logged row", source=name,
+                            column=lcol_len, row=int(rows_l[np.flatnonzero(bad)[0]]))
+    return lcol_len, lengths
+
+
+def _load_sources(sources: list, names: dict, name: str, rows_l: np.ndarray, *, label_scale: Scale,
+                  score_scale: Scale | None, covariates: Sequence[str]) -> pd.DataFrame:
+    """`load_frame` of the logged rows (first) and the fresh draws; errors name the original file and row."""
+    try:
+        return load_frame(sources if len(sources) > 1 else sources[0], label_scale=label_scale,
+                          score_scale=score_scale, covariates=list(covariates))
+    except CJEInputError as exc:
+        if len(sources) == 1 and exc.source == "<DataFrame>":
+            raise _reraise(exc, {"<DataFrame>": (name, rows_l)}) from None
+        raise _reraise(exc, names) from None
+
+
 def load_offpolicy(
     logged: Any,
     fresh: Any = None,
@@ -535,17 +600,8 @@ def load_offpolicy(
     if mode not in ("logs-only", "hybrid"):
         raise CJEInputError(f"mode must be 'logs-only' or 'hybrid' for off-policy loading; got {mode!r}")
     raw, name, arena = _read_logged(logged)
-    if raw.shape[0] == 0:
-        raise CJEInputError("input has no rows (0 rows)", source=name)
-    raw.columns = [str(c) for c in raw.columns]
-    raw = _flatten(raw)
+    raw = _one_row_per_response(raw, name, logger_policy, logger_column)
     notes: list[str] = []
-    has_wide = any(c.startswith(TARGET_PREFIX) for c in raw.columns)
-    has_logger_col = any(c in raw.columns for c in LOGGER_COLUMNS) or (logger_column in raw.columns)
-    if LONG_LOGPROB in raw.columns and not has_wide and not has_logger_col:
-        raw = _pivot_long(raw, name, logger_policy)
-    if _ROW not in raw.columns:
-        raw[_ROW] = np.arange(raw.shape[0])
 
     lcol = _logger_column(raw, logger_column, name)
     logger_policy, is_logged = _logged_rows(raw, lcol, logger_policy, name)
@@ -554,39 +610,12 @@ def load_offpolicy(
 
     rows_l = raw[_ROW].to_numpy()[is_logged]
     logged_df = raw.loc[is_logged]
-    lp0 = check_logprobs(_numbers(logged_df[lcol], name, lcol, rows_l), source=name, column=lcol, rows=rows_l,
-                         logger_side=True)
-    lp_t: dict[str, np.ndarray] = {}
-    for t in tlist:
-        col = target_column(t)
-        v = check_logprobs(_numbers(logged_df[col], name, col, rows_l), source=name, column=col, rows=rows_l,
-                           logger_side=False)
-        if np.all(np.isneginf(v)):
-            raise CJEInputError(
-                f"all importance weights are zero: '{t}' gives probability 0 to every one of the {v.size} logged "
-                "responses, so the logs say nothing about it; collect fresh draws from it (Direct)",
-                source=name, column=col)
-        lp_t[t] = v
-    lcol_len = length_column if length_column is not None else (
-        DEFAULT_LENGTH_COLUMN if DEFAULT_LENGTH_COLUMN in raw.columns else None)
-    lengths = None
-    if lcol_len is not None:
-        if lcol_len not in raw.columns:
-            raise CJEInputError(f"length column '{lcol_len}' is missing", source=name, column=lcol_len)
-        lengths = _numbers(logged_df[lcol_len], name, lcol_len, rows_l)
-        bad = ~np.isfinite(lengths) | (lengths <= 0)
-        if bad.any():
-            raise CJEInputError("token count must be a positive number on every logged row", source=name,
-                                column=lcol_len, row=int(rows_l[np.flatnonzero(bad)[0]]))
+    lp0, lp_t = _logged_logprobs(logged_df, lcol, tlist, name, rows_l)
+    lcol_len, lengths = _logged_lengths(raw, logged_df, length_column, name, rows_l)
 
     sources, names, fresh_parts, fresh_name = _sources(raw, is_logged, rows_l, name, mode, tlist, fresh, arena, notes)
-    try:
-        frame = load_frame(sources if len(sources) > 1 else sources[0], label_scale=label_scale,
-                           score_scale=score_scale, covariates=list(covariates))
-    except CJEInputError as exc:
-        if len(sources) == 1 and exc.source == "<DataFrame>":
-            raise _reraise(exc, {"<DataFrame>": (name, rows_l)}) from None
-        raise _reraise(exc, names) from None
+    frame = _load_sources(sources, names, name, rows_l, label_scale=label_scale, score_scale=score_scale,
+                          covariates=covariates)
     n_logged = int(rows_l.size)
     pol_all = frame[POLICY].astype(str).to_numpy()
     if not np.all(pol_all[:n_logged] == _PLACEHOLDER) or np.any(pol_all[n_logged:] == _PLACEHOLDER):

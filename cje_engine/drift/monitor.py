@@ -26,24 +26,17 @@ import numpy as np
 import pandas as pd
 
 from cje_engine.drift.inputs import (
-    ANCHOR, LABEL, SCORE, as_clusters, as_scores, call_calibrate, check_alpha, jsonable, scores_from_frame, t_isf,
-    t_lower_p,
+    ANCHOR, LABEL, as_clusters, as_scores, call_calibrate, check_alpha, jsonable, t_isf, t_lower_p,
 )
-from cje_engine.drift.kendall import (
-    TauResult, jackknife_se, kendall_tau_b, tau_b_influence, tau_b_leave_one_out, tau_result,
-)
+from cje_engine.drift.kendall import jackknife_se, kendall_tau_b, tau_b_leave_one_out, tau_result
 from cje_engine.drift.metrics import (
-    DistributionChange, DriftLook, MetricResult, cluster_sums, distribution_change, paired_mean, rank_change,
+    DriftLook, MetricResult, cluster_sums, distribution_change, paired_mean, rank_change,
 )
 from cje_engine.drift.monitor_state import check_state, state_dict
 from cje_engine.drift.signflip import sign_flip_interval, sign_flip_p
 from cje_engine.errors import CJEInputError
 
-__all__ = [
-    "ANCHOR", "LABEL", "SCORE", "METRICS", "DEFAULT_WEIGHTS", "DriftMonitor", "DriftLook", "MetricResult",
-    "DistributionChange", "TauResult", "as_scores", "scores_from_frame", "distribution_change", "kendall_tau_b",
-    "look_spending", "paired_mean", "rank_change", "tau_b_influence", "tau_b_leave_one_out",
-]
+__all__ = ["METRICS", "DEFAULT_WEIGHTS", "WINDOW_SHARE", "DriftMonitor", "look_spending"]
 
 logger = logging.getLogger(__name__)
 

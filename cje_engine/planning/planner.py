@@ -28,13 +28,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from cje_engine.errors import CJEInputError
-from cje_engine.planning.allocation import (allocation_diagnostic, allocation_for_mde, continuous_optimum,
-                                            iso_cost_curve, is_under_labelled, labels_to_request, mde_table,
-                                            optimal_allocation, _as_list)
+from cje_engine.planning.allocation import (allocation_diagnostic, allocation_for_mde, iso_cost_curve,
+                                            labels_to_request, mde_table, optimal_allocation, _as_list)
 from cje_engine.planning.components import (_Pilot, _pilot, components_from_result, difference_components,
-                                            parse_target, policy_components)
-from cje_engine.planning.model import (Allocation, VarianceComponents, _check_alpha_power, _costs, _min_labels,
-                                       mde_multiplier)
+                                            policy_components)
+from cje_engine.planning.model import VarianceComponents, _check_alpha_power, _costs, _min_labels, mde_multiplier
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +272,5 @@ def plan_from_data(data: Any, budget: float | None = None, target_mde: float | N
                             alpha=alpha, power=power, min_labels=min_labels)
 
 
-__all__ = ["PLANNER_VERSION", "DEFAULT_TARGET_MDE", "default_pairs", "VarianceComponents", "Allocation", "mde_multiplier", "continuous_optimum",
-           "optimal_allocation", "allocation_for_mde", "mde_table", "iso_cost_curve", "allocation_diagnostic",
-           "is_under_labelled", "labels_to_request", "policy_components", "difference_components", "parse_target",
-           "components_from_result", "plan", "plan_from_result", "plan_from_data"]
+__all__ = ["PLANNER_VERSION", "DEFAULT_FRACTIONS", "DEFAULT_N_MULTIPLES", "DEFAULT_TARGET_MDE", "default_pairs", "plan",
+           "plan_from_result", "plan_from_data"]

@@ -311,7 +311,8 @@ def _evaluate_direct(ns: argparse.Namespace, kwargs: dict) -> Any:
 
 def cmd_evaluate(ns: argparse.Namespace) -> int:
     """Engine only: write DIR/result.json and DIR/report.html and print the table."""
-    from flows.reports.evaluation import format_table, render_report
+    from flows.reports.evaluation import render_report
+    from flows.reports.table import format_table
 
     kwargs = engine_kwargs(ns)
     if ns.policies:
@@ -423,7 +424,7 @@ def _run_doc(summary: dict) -> dict:
 
 
 def _print_run(summary: dict) -> None:
-    from flows.reports.evaluation import format_table
+    from flows.reports.table import format_table
 
     out(format_table(summary["result"]))
     state = "published" if summary.get("published") else f"not published ({summary.get('reason')})"

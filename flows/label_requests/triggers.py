@@ -11,8 +11,9 @@ import pyarrow as pa
 from scipy.stats import norm
 
 from cje_engine.errors import CJEInputError
-from cje_engine.planning.planner import (VarianceComponents, is_under_labelled, labels_to_request,
-                                         policy_components)
+from cje_engine.planning.allocation import is_under_labelled, labels_to_request
+from cje_engine.planning.components import policy_components
+from cje_engine.planning.model import VarianceComponents
 
 from flows.label_requests.config import DESIGN_OF, RequestConfig
 

@@ -19,6 +19,7 @@ from prefect.logging import get_run_logger
 from cje_engine.drift.monitor import DriftMonitor
 from cje_engine.errors import CJEInputError
 from flows.config import LOOK_KEY_RE
+from flows.label_requests.raising import raise_drift_requests
 from flows.pipelines.drift_config import DEFAULT_RETRY_DELAYS
 from flows.runtime.retries import storage_task_options
 from flows.reports.drift import render_drift_report
@@ -386,12 +387,11 @@ def first_alarms_of(look: dict) -> list[str]:
 def raise_label_requests(results_uri: str, cfg: Any, looks: list[dict], anchor_ids: list[str],
                          evaluation: str | None, evaluation_logs_uri: str | None, config: dict,
                          evaluation_columns: dict[str, str] | None = None) -> dict:
-    """`flows.label_requests.requests.raise_drift_requests` for every look with a first alarm of a metric.
+    """`flows.label_requests.raising.raise_drift_requests` for every look with a first alarm of a metric.
 
     Traffic rows come from the linked evaluation's latest published run (its window and
     logs); without one the request holds anchors only and records why.
     """
-    from flows.label_requests.requests import raise_drift_requests
     from flows.storage.publish import read_latest
 
     logger = get_run_logger()

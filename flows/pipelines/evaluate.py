@@ -502,6 +502,74 @@ def check_parameters(p: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# the flow's stages (each a few tasks)
+
+
+@dataclass
+class WindowRows:
+    """The window's rows with their labels (``table``), the partitions read and the label information."""
+
+    files: list[dict]
+    label_info: dict
+    table: pa.Table | None
+
+    def take_table(self) -> pa.Table:
+        """The table, dropping this object's reference (so the caller's ``del`` frees its memory)."""
+        table, self.table = self.table, None
+        if table is None:
+            raise RuntimeError("the window's table was taken already")  # pragma: no cover - a programming error
+        return table
+
+
+def read_labelled_window(plan: RunPlan, cfg: Any) -> WindowRows:
+    """``discover``, ``load_labels``, ``read`` and ``join_labels``: the window's rows with their labels."""
+    with plan.timed("read"):
+        files = discover.with_options(**plan.retry)(plan.logs_uri, quote(cfg), plan.window)
+        labels, label_info = load_labels.with_options(**plan.retry)(plan.labels_uri, quote(cfg))
+        table = read_needed(plan, cfg, files)
+        table, label_info = join_labels(quote(table), quote(labels), label_info)
+    return WindowRows(files=files, label_info=label_info, table=table)
+
+
+def compute(plan: RunPlan, cfg: Any, rows: WindowRows, n_chunks: int | None) -> tuple[dict, Any]:
+    """``validate``, ``prepare``, ``bootstrap`` and ``finalize``: row counts and the engine's result.
+
+    The table is released after ``prepare`` (the bootstrap needs only the prepared state).
+    """
+    with plan.timed("statistics"):
+        table = rows.take_table()
+        table = preflight.derive_covariates(table, plan.covariates, plan.logs_uri)  # as `cje evaluate` does
+        counts = validate(quote(table), plan.covariates, plan.logs_uri)
+        prep = (prepare if plan.mode == "direct" else prepare_offpolicy)(quote(table), plan.opts, plan.logs_uri,
+                                                                          quote(cfg))
+        del table
+        chunks = bootstrap(quote(prep), n_chunks)
+        return counts, finalize(quote(prep), quote(chunks))
+
+
+def render_and_publish(plan: RunPlan, cfg: Any, files: list[dict], counts: dict, label_info: dict, result: Any,
+                       ray_kind: str) -> tuple[str, dict]:
+    """``check_label_counts``, ``render`` and ``publish``: the run key and the publish outcome.
+
+    A drop of labelled rows against the previous run of the window is recorded in ``label_info``
+    (``labelled_count_drop``), so also in the manifest.
+    """
+    win = plan.window
+    key = run_key_of(plan, files, label_info)
+    drop = check_label_counts.with_options(**plan.retry)(plan.results_uri, quote(cfg), plan.evaluation, win, counts)
+    if drop:
+        label_info["labelled_count_drop"] = drop
+    with plan.timed("render"):
+        artifacts = render(quote(result), f"CJE evaluation {plan.evaluation} - {win.start} to {win.end}")
+    manifest = build_manifest(plan, files, counts, label_info, ray_kind)
+    with plan.timed("publish"):
+        outcome = publish.with_options(**plan.retry)(plan.results_uri, quote(cfg), plan.evaluation, win, key,
+                                                     quote(artifacts), manifest)
+    get_run_logger().info("timings (s): %s", {k: round(v, 2) for k, v in plan.timings.items()})
+    return key, outcome
+
+
+# --------------------------------------------------------------------------------------
 # the flow
 
 
@@ -562,38 +630,16 @@ def evaluate(
     plan = plan_run(logs_uri, window, evaluation, results_uri, labels_uri, policies, options, as_of,
                     retry_delays, mode, columns)
     cfg = StorageConfig.from_env()  # from the driver's environment, never a flow parameter
-    win, retry = plan.window, plan.retry
-    get_run_logger().info("evaluation %r over %s (%s) from %s", evaluation, win.label, window, logs_uri)
-
+    get_run_logger().info("evaluation %r over %s (%s) from %s", evaluation, plan.window.label, window, logs_uri)
     with ray_runtime.ray_session() as ray_kind:
-        with plan.timed("read"):
-            files = discover.with_options(**retry)(plan.logs_uri, quote(cfg), win)
-            labels, label_info = load_labels.with_options(**retry)(plan.labels_uri, quote(cfg))
-            table = read_needed(plan, cfg, files)
-            table, label_info = join_labels(quote(table), quote(labels), label_info)
-            del labels
-        with plan.timed("statistics"):
-            table = preflight.derive_covariates(table, plan.covariates, plan.logs_uri)  # as `cje evaluate` does
-            counts = validate(quote(table), plan.covariates, plan.logs_uri)
-            prep = (prepare if mode == "direct" else prepare_offpolicy)(quote(table), plan.opts, plan.logs_uri,
-                                                                         quote(cfg))
-            del table
-            chunks = bootstrap(quote(prep), n_chunks)
-            result = finalize(quote(prep), quote(chunks))
-
-    key = run_key_of(plan, files, label_info)
-    drop = check_label_counts.with_options(**retry)(plan.results_uri, quote(cfg), evaluation, win, counts)
-    if drop:
-        label_info["labelled_count_drop"] = drop
-    with plan.timed("render"):
-        artifacts = render(quote(result), f"CJE evaluation {evaluation} - {win.start} to {win.end}")
-    manifest = build_manifest(plan, files, counts, label_info, ray_kind)
-    with plan.timed("publish"):
-        outcome = publish.with_options(**retry)(plan.results_uri, quote(cfg), evaluation, win, key,
-                                                quote(artifacts), manifest)
-    get_run_logger().info("timings (s): %s", {k: round(v, 2) for k, v in plan.timings.items()})
-    monitoring = monitor_evaluation(plan.results_uri, cfg, evaluation, win.label, key, outcome, result.to_dict())
-    return {"evaluation": evaluation, "window": win.label, "run_key": key, **outcome,
+        rows = read_labelled_window(plan, cfg)  # discover, load_labels, read, join_labels
+        counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize
+    files, label_info = rows.files, rows.label_info
+    key, outcome = render_and_publish(plan, cfg, files, counts, label_info, result, ray_kind)
+    monitoring = monitor_evaluation(plan.results_uri, cfg, evaluation, plan.window.label, key, outcome,
+                                    result.to_dict())
+    drop = label_info.get("labelled_count_drop")
+    return {"evaluation": evaluation, "window": plan.window.label, "run_key": key, **outcome,
             "report": outcome.get("artifacts", {}).get("report.html"), "timings": plan.timings,
             "labels": label_info, "warnings": [drop["message"]] if drop else [],
             "monitoring": {k: monitoring.get(k) for k in ("alarms", "undecided", "error")},

@@ -261,6 +261,80 @@ def _panels(history: list[dict], xs: list[int], labels: list[str], changes: list
     return panels
 
 
+_SEP = " \u00b7 "
+
+
+def _checked_history(history: Sequence[dict]) -> list[dict]:
+    """The looks (dicts only); `CJEInputError` when there is none or a look lacks its fields."""
+    history = [h for h in history if isinstance(h, dict)]
+    if not history:
+        raise CJEInputError("no looks to report", source="drift history")
+    for i, h in enumerate(history):
+        if not isinstance(h.get("metrics"), dict) or "look" not in h:
+            raise CJEInputError("each look needs 'look' and 'metrics' (DriftLook.to_dict())",
+                                source="drift history", row=i)
+    return history
+
+
+def _judge_changes(history: list[dict], state: dict) -> list[tuple[int, str]]:
+    """``(index, judge_id)`` of the looks whose judge differs from the previous look's (the first look:
+    from the reference's)."""
+    meta0 = history[0].get("meta") or {}
+    judges = [(h.get("meta") or {}).get("judge_id") for h in history]
+    ref_judge = (state.get("reference") or {}).get("judge_id") or meta0.get("reference_look", "/").split("/", 1)[-1]
+    return [(i, j) for i, j in enumerate(judges) if j is not None and j != (judges[i - 1] if i else ref_judge)]
+
+
+def _legend_svg(alpha: float) -> str:
+    return _svg(1040, 26, _legend([
+        (_el("circle", cx=0.0, cy=0.0, r="4", fill=BLUE), "estimate"),
+        (_line(0, -7, 0, 7, stroke=SKY, stroke_width="2"), f"{100 * (1 - alpha):g}% interval (this look)"),
+        (_line(-9, 0, 9, 0, stroke=VERMILLION, stroke_dasharray="5 3"), "alarm threshold (anytime)"),
+        (_el("rect", x=-8.0, y=-6.0, width="16", height="12", fill=GREEN, fill_opacity="0.2"), "no alarm"),
+        (_diamond(0, 0, 6, fill=VERMILLION), "alarm"),
+        (_line(0, -7, 0, 7, stroke=PURPLE, stroke_dasharray="2 3"), "judge changed"),
+    ], 84, 14, gap=22), "Legend")
+
+
+def _status_html(history: list[dict], labels: list[str], alpha: float) -> str:
+    """The status box: the metrics alarmed and since which look, or no alarm."""
+    first_alarm = history[-1].get("first_alarm") or {}
+    alarmed = {m: v for m, v in first_alarm.items() if v is not None}
+    if not alarmed:
+        return (f"<div class='item ok'><p>No drift alarm in {len(history)} look(s). Family-wise false-alarm "
+                f"rate over all looks and metrics \u2264 {_fmt(alpha, 2)}.</p></div>")
+    look_label = {h["look"]: lab for h, lab in zip(history, labels)}
+    first = min(alarmed.values())
+    return (f"<div class='item bad'><p><b>Drift alarm</b> since look "
+            f"{_esc(look_label.get(first, first))}: "
+            + ", ".join(f"{_esc(m)} (first at look {v})" for m, v in sorted(alarmed.items(), key=lambda t: t[1]))
+            + ". Fresh oracle labels on the anchors and on recent traffic are needed before levels "
+            "calibrated with the old judge are trusted.</p></div>")
+
+
+def _facts(history: list[dict], state: dict, cfg: dict, alpha: float) -> list[str]:
+    """The header's facts: reference and replicate, anchors, alpha spending, calibration."""
+    meta0, last = history[0].get("meta") or {}, history[-1]
+    horizon = cfg.get("horizon")
+    spending = ("alpha/(t(t+1)) per look (unbounded)" if horizon is None else f"alpha/{horizon} per look "
+                f"(horizon {horizon} looks)")
+    ref = state.get("reference") or {}
+    repl = state.get("replicate") or {}
+    cal = meta0.get("calibration") or (last.get("meta") or {}).get("calibration")
+    return [
+        f"reference look <b>{_esc(ref.get('look_key') or meta0.get('reference_look'))}</b>",
+        f"replicate <b>{_esc(repl.get('look_key') or meta0.get('replicate_look') or 'none')}</b>",
+        f"{_esc(last.get('n_anchors'))} paired anchors, {_esc(last.get('n_labelled'))} labelled",
+        f"anchor set v{_esc((last.get('meta') or {}).get('anchors_version'))}",
+        f"alpha {_fmt(alpha, 2)}, spent {_esc(spending)}, split equally over "
+        f"{len(METRICS)} metrics" if not cfg.get("weights") or len(set(cfg["weights"].values())) == 1
+        else f"alpha {_fmt(alpha, 2)}, spent {_esc(spending)}, weights {_esc(cfg['weights'])}",
+        ("calibration: " + _esc(f"{cal.get('evaluation')} {cal.get('window')} ({cal.get('mode')})")) if cal
+        else ("calibration supplied by the caller" if (last["metrics"].get("residual_mean") or {}).get("estimate")
+              is not None else "no calibration: residual metrics skipped"),
+    ]
+
+
 def render_drift_report(history: Sequence[dict], *, state: dict | None = None, title: str | None = None) -> str:
     """A self-contained HTML page (inline CSS and SVG) with the drift timeline of a monitor.
 
@@ -278,70 +352,16 @@ def render_drift_report(history: Sequence[dict], *, state: dict | None = None, t
     look's alarm thresholds (dashed: ``null -/+ t quantile(alpha spent) x SE``; they widen over
     looks as the per-look budget shrinks). Alarms are diamonds.
     """
-    history = [h for h in history if isinstance(h, dict)]
-    if not history:
-        raise CJEInputError("no looks to report", source="drift history")
-    for i, h in enumerate(history):
-        if not isinstance(h.get("metrics"), dict) or "look" not in h:
-            raise CJEInputError("each look needs 'look' and 'metrics' (DriftLook.to_dict())",
-                                source="drift history", row=i)
+    history = _checked_history(history)
     state = state or {}
-    meta0 = history[0].get("meta") or {}
+    meta0, last = history[0].get("meta") or {}, history[-1]
     set_name = meta0.get("set_name") or state.get("set_name") or "?"
     monitor = meta0.get("monitor") or state.get("monitor_name") or set_name
     page_title = title or f"Judge drift: anchor set {set_name}"
     labels = [f"#{h['look']} {(h.get('meta') or {}).get('dt', '')}".strip() for h in history]
-    judges = [(h.get("meta") or {}).get("judge_id") for h in history]
-    ref_judge = (state.get("reference") or {}).get("judge_id") or meta0.get("reference_look", "/").split("/", 1)[-1]
-    changes = [(i, j) for i, j in enumerate(judges) if j is not None and j != (judges[i - 1] if i else ref_judge)]
     cfg = (state.get("monitor") or {}).get("config") or {}
-    alpha = history[-1].get("alpha", cfg.get("alpha", 0.05))
-    horizon = cfg.get("horizon")
-    spending = ("alpha/(t(t+1)) per look (unbounded)" if horizon is None else f"alpha/{horizon} per look "
-                f"(horizon {horizon} looks)")
-    last = history[-1]
-    first_alarm = last.get("first_alarm") or {}
-    alarmed = {m: v for m, v in first_alarm.items() if v is not None}
-    xs = list(range(len(history)))
-
-    panels = _panels(history, xs, labels, changes)
-    legend = _svg(1040, 26, _legend([
-        (_el("circle", cx=0.0, cy=0.0, r="4", fill=BLUE), "estimate"),
-        (_line(0, -7, 0, 7, stroke=SKY, stroke_width="2"), f"{100 * (1 - alpha):g}% interval (this look)"),
-        (_line(-9, 0, 9, 0, stroke=VERMILLION, stroke_dasharray="5 3"), "alarm threshold (anytime)"),
-        (_el("rect", x=-8.0, y=-6.0, width="16", height="12", fill=GREEN, fill_opacity="0.2"), "no alarm"),
-        (_diamond(0, 0, 6, fill=VERMILLION), "alarm"),
-        (_line(0, -7, 0, 7, stroke=PURPLE, stroke_dasharray="2 3"), "judge changed"),
-    ], 84, 14, gap=22), "Legend")
-
-    sep = " \u00b7 "
-    look_label = {h["look"]: lab for h, lab in zip(history, labels)}
-    if alarmed:
-        first = min(alarmed.values())
-        status = (f"<div class='item bad'><p><b>Drift alarm</b> since look "
-                  f"{_esc(look_label.get(first, first))}: "
-                  + ", ".join(f"{_esc(m)} (first at look {v})" for m, v in sorted(alarmed.items(), key=lambda t: t[1]))
-                  + ". Fresh oracle labels on the anchors and on recent traffic are needed before levels "
-                  "calibrated with the old judge are trusted.</p></div>")
-    else:
-        status = (f"<div class='item ok'><p>No drift alarm in {len(history)} look(s). Family-wise false-alarm "
-                  f"rate over all looks and metrics \u2264 {_fmt(alpha, 2)}.</p></div>")
-    ref = state.get("reference") or {}
-    repl = state.get("replicate") or {}
-    cal = meta0.get("calibration") or (last.get("meta") or {}).get("calibration")
-    facts = [
-        f"reference look <b>{_esc(ref.get('look_key') or meta0.get('reference_look'))}</b>",
-        f"replicate <b>{_esc(repl.get('look_key') or meta0.get('replicate_look') or 'none')}</b>",
-        f"{_esc(last.get('n_anchors'))} paired anchors, {_esc(last.get('n_labelled'))} labelled",
-        f"anchor set v{_esc((last.get('meta') or {}).get('anchors_version'))}",
-        f"alpha {_fmt(alpha, 2)}, spent {_esc(spending)}, split equally over "
-        f"{len(METRICS)} metrics" if not cfg.get("weights") or len(set(cfg["weights"].values())) == 1
-        else f"alpha {_fmt(alpha, 2)}, spent {_esc(spending)}, weights {_esc(cfg['weights'])}",
-        ("calibration: " + _esc(f"{cal.get('evaluation')} {cal.get('window')} ({cal.get('mode')})")) if cal
-        else ("calibration supplied by the caller" if (last["metrics"].get("residual_mean") or {}).get("estimate")
-              is not None else "no calibration: residual metrics skipped"),
-    ]
-    table = _looks_table(history)
+    alpha = last.get("alpha", cfg.get("alpha", 0.05))
+    panels = _panels(history, list(range(len(history))), labels, _judge_changes(history, state))
     css = CSS + "\n.facts b{font-weight:600}\n.summary .item p{margin:4px 0}\n"
     parts = [
         "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
@@ -351,16 +371,16 @@ def render_drift_report(history: Sequence[dict], *, state: dict | None = None, t
         f"{_esc(monitor)} \u00b7 {len(history)} look(s) \u00b7 latest "
         f"{_esc((last.get('meta') or {}).get('dt', ''))} by judge {_esc((last.get('meta') or {}).get('judge_id', ''))}"
         "</div></header>",
-        f"<section class='summary' id='status'><h2>Status</h2>{status}"
-        f"<p class='facts'>{sep.join(facts)}</p></section>",
+        f"<section class='summary' id='status'><h2>Status</h2>{_status_html(history, labels, alpha)}"
+        f"<p class='facts'>{_SEP.join(_facts(history, state, cfg, alpha))}</p></section>",
         "<section id='timeline'><h2>Timeline</h2><p class='lead'>Each look compares the judge's current scores "
         "of the anchors with the reference scores, anchor by anchor. Alarms keep a family-wise error rate "
         f"\u2264 {_fmt(alpha, 2)} over all looks and metrics: every look spends a fixed share of alpha "
         "(union bound), so its alarm thresholds (dashed) lie further out than a single test's and widen as "
         "looks accumulate. A value outside the green band alarms.</p>"
-        f"<div class='figure'>{legend}</div>" + "".join(f"<div class='figure'>{p}</div>" for p in panels)
+        f"<div class='figure'>{_legend_svg(alpha)}</div>" + "".join(f"<div class='figure'>{p}</div>" for p in panels)
         + "</section>",
-        f"<section id='looks'><h2>Looks</h2>{table}</section>",
+        f"<section id='looks'><h2>Looks</h2>{_looks_table(history)}</section>",
         "<footer><p class='stamp'>Statistics: cje_engine.drift.monitor (docs/drift.md) \u00b7 report generated "
         f"{_esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))} \u00b7 self-contained "
         "(no external resources)</p></footer>",

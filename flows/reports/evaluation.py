@@ -22,25 +22,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from cje_engine.errors import CJEInputError
+from flows.reports.charts import _forest_svg, _win_svg
+from flows.reports.common import FONT, _alpha, _check_drift, _check_result, _conf_label, _esc, _policy_order
+from flows.reports.sections import (_audit_section, _calibration_section, _changed_section, _comparisons_table,
+                                    _context_meta, _drift_section, _estimator_table, _footer, _policy_table,
+                                    _summary_html)
+from flows.reports.table import format_table
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["render_report", "format_table", "main"]
-
-# The pieces live in sibling modules; their names are re-exported here because other renderers
-# (e.g. the drift page) build on them through this module.
-from flows.reports.charts import (_audit_svg, _calibration_svg, _drift_svg, _forest_svg,  # noqa: F401
-                                  _pairwise, _puor, _win_svg)
-from flows.reports.common import (BLUE, FONT, GREEN, GREY, GRID, INK, MUTED, ORANGE, PURPLE,  # noqa: F401
-                                  SKY, VERDICT_STYLE, VERMILLION, _alpha, _audit, _check_drift, _check_result,
-                                  _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused, _name_cell, _num, _pair,
-                                  _policy_order, _short, _signed, _verdict)
-from flows.reports.sections import (_audit_section, _calibration_section, _changed_section,  # noqa: F401
-                                    _comparisons_table, _context_meta, _drift_section, _estimator_table, _footer, _policy_table, _summary_html)
-from flows.reports.svg import (_attrs, _cross, _diamond, _el, _legend, _line, _Lin, _r, _svg,  # noqa: F401
-                               _text, _tick_label, _ticks, _x_axis, _y_axis)
-from flows.reports.table import format_table  # noqa: F401
-
+__all__ = ["render_report", "main"]
 
 CSS = """
 :root{--ink:#1f2328;--muted:#59636e;--line:#d8dee4;--bg:#f4f6f8;--card:#fff;--blue:#0072B2;

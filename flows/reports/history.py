@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from cje_engine.inference.changes import PolicyChanges, changes_by_policy
 
+from flows.label_requests.manifests import list_requests
 from flows.reports.common import _num, _pair
 from flows.storage.objects import NotFoundError, Storage, StorageError
 from flows.storage.publish import RESULTS, list_runs, read_run
@@ -197,13 +198,9 @@ def linked_drift(st: Storage, evaluation: str) -> dict[str, list[dict[str, Any]]
 
 def open_label_requests(st: Storage, evaluation: str) -> list[dict[str, Any]]:
     """Open label requests of ``evaluation`` (id, scope, labels, deadline, reasons)."""
-    # imported here: the label-request package imports the engine's planner (heavy) and this module
-    # is also used by the publisher, which must not pay for it unless requests exist
     try:
         if not st.list("label_requests/"):
             return []
-        from flows.label_requests.requests import list_requests
-
         reqs = list_requests(st, status="open")
     except (StorageError, ValueError) as exc:
         log.warning("could not read label requests: %s", exc)

@@ -43,7 +43,11 @@ def refuse_credentials(parameters: dict[str, Any], path: str = "") -> None:
             value = value.model_dump()
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = dataclasses.asdict(value)
-        if isinstance(value, str):
+        if isinstance(value, str) and key == "webhook_url":
+            # A receiver's URL carries its token in the path or query (Slack, Teams...): no rule can tell
+            # it from the address, so only user-info is refused here; keep such URLs in CJE_WEBHOOK_URL.
+            check_uri(value.split("?", 1)[0], where)
+        elif isinstance(value, str):
             check_uri(value, where)
         elif isinstance(value, dict):
             refuse_credentials(value, f"{where}.")

@@ -494,7 +494,8 @@ def test_drift_alarm_raises_one_label_request_for_anchors_and_recent_traffic(pre
     looks: no alarm at looks 1-2, an alarm at look 3 or 4), now with a linked evaluation whose
     logs cover 2025-03-01..02: the first alarm writes one manifest under label_requests/ with the
     reason, the anchors and recent-traffic rows; later looks and reruns raise nothing new."""
-    from flows.label_requests.requests import list_requests, mark_fulfilled, raise_drift_requests
+    from flows.label_requests.manifests import list_requests, mark_fulfilled
+    from flows.label_requests.raising import raise_drift_requests
     from flows.storage.publish import read_latest
 
     from .conftest import write_simulated_logs

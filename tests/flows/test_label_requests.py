@@ -1,4 +1,4 @@
-"""Trigger rules, sampling, manifests, deduplication and the period budget (flows.label_requests.requests)."""
+"""Trigger rules, sampling, manifests, deduplication and the period budget (flows.label_requests)."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,12 @@ import pytest
 from cje_engine import evaluate
 from cje_engine.errors import CJEInputError
 from cje_engine.simulate.direct import PolicySpec, simulate
-from flows.label_requests.requests import (RequestConfig, find_triggers, iso_period, list_requests, mark_fulfilled,
-                                  plan_requests, raise_requests_for_run, sample, status_of, support_regions,
-                                  _Rows)
+from flows.label_requests.config import RequestConfig, iso_period
+from flows.label_requests.manifests import list_requests, mark_fulfilled, status_of
+from flows.label_requests.planning import plan_requests
+from flows.label_requests.raising import raise_requests_for_run
+from flows.label_requests.sampling import sample
+from flows.label_requests.triggers import find_triggers, support_regions, _Rows
 from flows.storage.objects import Storage
 
 from .test_notify import Receiver
@@ -119,7 +122,8 @@ def test_thin_support_regions_follow_the_engine_rule(case):
 
 
 def test_under_labelled_uses_the_square_root_law(case):
-    from cje_engine.planning.planner import is_under_labelled, policy_components
+    from cje_engine.planning.allocation import is_under_labelled
+    from cje_engine.planning.components import policy_components
 
     _, table, r = case
     trig = find_triggers(r, table, {"triggers": ["under_labelled"], "share_margin": 0.0})
@@ -382,7 +386,7 @@ def _drift_look(look: int = 3, monitor: str = "m", alarms=("mean_shift",)) -> di
 
 
 def test_drift_request_without_traffic_holds_anchors_only_and_says_why(tmp_path):
-    from flows.label_requests.requests import raise_drift_requests
+    from flows.label_requests.raising import raise_drift_requests
 
     anchors = [f"a{i:03d}" for i in range(40)]
     cfg = {"drift_anchor_labels": 8, "notify": False}
@@ -411,7 +415,7 @@ def test_drift_request_without_traffic_holds_anchors_only_and_says_why(tmp_path)
 
 
 def test_drift_request_with_traffic_respects_pending_rows_budget_and_switch(case, tmp_path):
-    from flows.label_requests.requests import raise_drift_requests
+    from flows.label_requests.raising import raise_drift_requests
     from flows.storage.logs import write_logs
 
     sim, table, r = case

@@ -15,7 +15,8 @@ import pytest
 from cje_engine import evaluate
 from cje_engine.errors import CJEInputError
 from cje_engine.simulate.direct import PolicySpec, simulate
-from flows.label_requests.requests import list_requests, raise_requests_for_run
+from flows.label_requests.manifests import list_requests
+from flows.label_requests.raising import raise_requests_for_run
 from flows.storage.labels import LabelStore
 from flows.pipelines.labels import affected_windows, labels, parse_labels, validate_labels
 from flows.storage.logs import write_logs

@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from cje_engine.drift.monitor import DEFAULT_WEIGHTS, METRICS, DriftMonitor, kendall_tau_b
+from cje_engine.drift.kendall import kendall_tau_b
+from cje_engine.drift.monitor import DEFAULT_WEIGHTS, METRICS, DriftMonitor
 from cje_engine.simulate.drift import DEFAULT_EFFECT, detection_study, false_alarm_study, simulate_monitor
 
 from .drift_judge_data import JudgePanel, PanelWorld, first_alarms

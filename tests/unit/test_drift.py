@@ -10,19 +10,10 @@ import pytest
 from scipy import stats
 
 from cje_engine.drift import kendall as drift
-from cje_engine.drift.monitor import (
-    DEFAULT_WEIGHTS,
-    METRICS,
-    DriftMonitor,
-    as_scores,
-    distribution_change,
-    kendall_tau_b,
-    look_spending,
-    paired_mean,
-    scores_from_frame,
-    tau_b_influence,
-    tau_b_leave_one_out,
-)
+from cje_engine.drift.inputs import as_scores, scores_from_frame
+from cje_engine.drift.kendall import kendall_tau_b, tau_b_influence, tau_b_leave_one_out
+from cje_engine.drift.metrics import distribution_change, paired_mean
+from cje_engine.drift.monitor import DEFAULT_WEIGHTS, METRICS, DriftMonitor, look_spending
 from cje_engine.drift.signflip import BD_CONSTANT, sign_flip_bound_p, sign_flip_interval, sign_flip_p
 from cje_engine.errors import CJEInputError
 from cje_engine.simulate.drift import (

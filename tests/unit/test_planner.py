@@ -11,25 +11,13 @@ from scipy.stats import norm
 
 from cje_engine import evaluate
 from cje_engine.errors import CJEInputError
-from cje_engine.planning.planner import (
-    VarianceComponents,
-    allocation_diagnostic,
-    allocation_for_mde,
-    components_from_result,
-    continuous_optimum,
-    difference_components,
-    is_under_labelled,
-    iso_cost_curve,
-    labels_to_request,
-    mde_multiplier,
-    mde_table,
-    optimal_allocation,
-    plan,
-    plan_from_data,
-    plan_from_result,
-    policy_components,
-    parse_target,
-)
+from cje_engine.planning.allocation import (allocation_diagnostic, allocation_for_mde, continuous_optimum,
+                                            is_under_labelled, iso_cost_curve, labels_to_request, mde_table,
+                                            optimal_allocation)
+from cje_engine.planning.components import (components_from_result, difference_components, policy_components,
+                                            parse_target)
+from cje_engine.planning.model import VarianceComponents, mde_multiplier
+from cje_engine.planning.planner import plan, plan_from_data, plan_from_result
 from flows.reports.plan import render_plan_svg, render_plan_text
 
 

@@ -12,7 +12,10 @@ import pytest
 
 from cje_engine.errors import CJEInputError
 from flows.reports import evaluation as report
-from flows.reports.evaluation import format_table, render_report
+from flows.reports.common import BLUE, GREEN, GREY, VERMILLION
+from flows.reports.evaluation import render_report
+from flows.reports.svg import _tick_label, _ticks
+from flows.reports.table import format_table
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
 SVG_NS = "{http://www.w3.org/2000/svg}"
@@ -197,8 +200,8 @@ def test_refused_policy_never_shown_with_a_quotable_number(result):
     texts = ["".join(t.itertext()) for t in forest.iter(SVG_NS + "text")]
     assert "refused" in texts
     circles = list(forest.iter(SVG_NS + "circle"))
-    hollow = [c for c in circles if c.get("fill") == "#fff" and c.get("stroke") == report.GREY]
-    filled = [c for c in circles if c.get("fill") == report.BLUE]
+    hollow = [c for c in circles if c.get("fill") == "#fff" and c.get("stroke") == GREY]
+    filled = [c for c in circles if c.get("fill") == BLUE]
     # legend has one of each; rows have 1 refused and 3 quotable policies
     assert len(hollow) == 1 + 1
     assert len(filled) == 1 + 3
@@ -278,7 +281,7 @@ def test_audit_panels_only_for_audited_policies(result):
         # one point per bin + one diamond for the overall mean
         assert len(list(panel.iter(SVG_NS + "circle"))) == len(deciles)
         assert len(list(panel.iter(SVG_NS + "polygon"))) == 1
-        band = [r for r in panel.iter(SVG_NS + "rect") if r.get("fill") == report.GREEN]
+        band = [r for r in panel.iter(SVG_NS + "rect") if r.get("fill") == GREEN]
         assert len(band) == 1 and float(band[0].get("height")) > 0
     assert "Not audited (no own labels): clone" in visible_text(section(doc, "audit"))
 
@@ -339,14 +342,14 @@ def test_calibration_figure_draws_points_curve_and_bins(result):
 
 
 def test_ticks_cover_range_with_round_steps():
-    lo, hi, ticks, dec = report._ticks(0.093, 0.871)
+    lo, hi, ticks, dec = _ticks(0.093, 0.871)
     assert lo <= 0.093 and hi >= 0.871
     steps = {round(b - a, 10) for a, b in zip(ticks, ticks[1:])}
     assert steps == {0.2} and dec == 1
-    assert [report._tick_label(t, dec) for t in ticks] == ["0.0", "0.2", "0.4", "0.6", "0.8",
+    assert [_tick_label(t, dec) for t in ticks] == ["0.0", "0.2", "0.4", "0.6", "0.8",
                                                            "1.0"]
-    lo, hi, ticks, dec = report._ticks(-0.33, 0.06, 5)
-    assert ticks[0] <= -0.33 and ticks[-1] >= 0.06 and report._tick_label(0.0, dec) == "0.0"
+    lo, hi, ticks, dec = _ticks(-0.33, 0.06, 5)
+    assert ticks[0] <= -0.33 and ticks[-1] >= 0.06 and _tick_label(0.0, dec) == "0.0"
 
 
 def test_minimal_result_renders(result):
@@ -373,7 +376,7 @@ def test_drift_alarms_from_thresholds(result):
     assert "Judge drift alarm in period(s) 2025-04." in summary
     drift_svg = svg_by_label(doc, "Judge drift timeline")[0]
     alarm_markers = [p for p in drift_svg.iter(SVG_NS + "polygon")
-                     if p.get("fill") == report.VERMILLION]
+                     if p.get("fill") == VERMILLION]
     assert len(alarm_markers) == 2 + 1  # tau and shift panels at period 4, plus legend
     text = visible_text(section(doc, "drift"))
     assert "200 anchor pairs" in text
