@@ -57,6 +57,8 @@ MIN_INTERVAL_SECONDS = 60.0
 MAX_INTERVAL_SECONDS = 366 * 86400.0
 #: Longest evaluation window (days): ten years of daily partitions.
 MAX_WINDOW_DAYS = 3660
+#: Most windows in a baseline period or a pooled test (``monitoring:``).
+MAX_BASELINE_WINDOWS = 366
 
 CREDENTIALS_HINT = ("credentials never go in a URI (Prefect stores flow parameters and logs them); set "
                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or an instance role) in the "
@@ -200,6 +202,54 @@ def merge_columns(default: Mapping[str, str] | None, own: Any) -> Any:
     return {k: v for k, v in merged.items() if v is not None}
 
 
+class MonitoringConfig(BaseModel):
+    """``monitoring:`` of an evaluation: its changes across windows and regression alarms.
+
+    The keywords of `cje_engine.inference.changes.changes_by_policy` (docs/monitoring.md explains each),
+    plus ``label_requests``: whether a drop that more labels could decide ("undecided") raises a label
+    request (the ``regression_undecided`` trigger; it must also be among the evaluation's
+    ``label_requests.triggers``, as by default).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    alpha: float = Field(default=0.05, gt=0.0, lt=0.5,
+                         description="family-wise false-alarm rate over all windows, per policy")
+    baseline: str | None = Field(default=None, description="the pinned baseline window (default: the first)")
+    baseline_windows: int = Field(default=1, ge=1, le=MAX_BASELINE_WINDOWS,
+                                  description="the baseline is the mean of this many windows")
+    horizon: int | None = Field(default=None, ge=1, description="windows the budget is spread over evenly")
+    decision_margin: float = Field(default=0.02, ge=0.0, description="a drop this large is at least undecided")
+    pools: tuple[int, ...] = Field(default=(2, 4, 8), description="pooled tests of the mean of the last k windows")
+    label_requests: bool = Field(default=True, description="an undecided drop raises a label request")
+
+    @field_validator("pools", mode="before")
+    @classmethod
+    def _pools(cls, v: Any) -> Any:
+        if not isinstance(v, (list, tuple)) or not all(isinstance(k, int) and not isinstance(k, bool) and 2 <= k
+                                                       <= MAX_BASELINE_WINDOWS for k in v):
+            raise ValueError(f"must be a list of window counts from 2 to {MAX_BASELINE_WINDOWS}, got {v!r}")
+        return tuple(v)
+
+    def change_options(self) -> dict[str, Any]:
+        """Keywords of `cje_engine.inference.changes.changes_by_policy`."""
+        return self.model_dump(exclude={"label_requests"})
+
+
+def check_monitoring(monitoring: Any, where: str = "monitoring") -> MonitoringConfig:
+    """A ``monitoring:`` mapping validated as `MonitoringConfig` (None: the defaults); `CJEInputError`
+    naming the key, with a did-you-mean hint for an unknown one."""
+    if monitoring is None:
+        return MonitoringConfig()
+    if not isinstance(monitoring, Mapping):
+        raise CJEInputError(f"{where}: expected a mapping such as {{alpha: 0.05, baseline_windows: 2}}, got "
+                            f"{monitoring!r}", option="monitoring")
+    try:
+        return MonitoringConfig.model_validate(dict(monitoring))
+    except ValidationError as exc:
+        raise CJEInputError(f"{where}: {_one_line(exc, MonitoringConfig)}", option="monitoring") from None
+
+
 def check_cron(cron: str, tz: str) -> None:
     from prefect.client.schemas.schedules import CronSchedule  # a schema only: starts nothing
 
@@ -299,6 +349,8 @@ class EvaluationConfig(ScheduledEntry):
     mode: Literal["direct", "logs-only", "hybrid"] = "direct"
     columns: dict[str, str] = Field(default_factory=dict, validate_default=True,
                                     description="canonical log column -> your column (top-level columns: merged)")
+    monitoring: dict[str, Any] = Field(default_factory=dict, validate_default=True,
+                                       description="regression alarms across windows (top-level monitoring: merged)")
 
     _uris = _uri_validator("logs_uri", "results_uri", "labels_uri")
 
@@ -307,6 +359,12 @@ class EvaluationConfig(ScheduledEntry):
     def _columns(cls, v: Any, info: ValidationInfo) -> Any:
         """The top-level ``columns:`` (validation context) overridden key by key by the entry's."""
         return merge_columns((info.context or {}).get("columns"), v)
+
+    @field_validator("monitoring", mode="before")
+    @classmethod
+    def _monitoring(cls, v: Any, info: ValidationInfo) -> Any:
+        """The top-level ``monitoring:`` (validation context) overridden key by key by the entry's."""
+        return merge_columns((info.context or {}).get("monitoring"), v)
 
     @field_validator("window", mode="before")
     @classmethod
@@ -344,6 +402,7 @@ class EvaluationConfig(ScheduledEntry):
 
             flow_options(self.options, self.policies, self.mode)
         check_columns(self.columns, "key columns", self.options.get("covariates"))
+        check_monitoring(self.monitoring, "key monitoring")
 
 
 #: A reference look named by its key: ``YYYY-MM-DD/<judge_id>``.
@@ -425,8 +484,8 @@ class Config:
 
 
 #: Top-level keys of ``evaluations.yaml`` (``columns``: the default column mapping of every evaluation and of
-#: `cje evaluate` / `cje plan`).
-TOP_LEVEL_KEYS = ("evaluations", "drift_monitors", "columns")
+#: `cje evaluate` / `cje plan`; ``monitoring``: the default monitoring settings of every evaluation).
+TOP_LEVEL_KEYS = ("evaluations", "drift_monitors", "columns", "monitoring")
 
 
 def read_yaml(path: str | os.PathLike | None = None) -> tuple[Path, dict]:
@@ -453,6 +512,10 @@ def read_yaml(path: str | os.PathLike | None = None) -> tuple[Path, dict]:
         check_columns(doc.get("columns"), "top-level key columns")
     except CJEInputError as exc:
         raise CJEInputError(exc.detail, source=str(p), option="columns") from None
+    try:
+        check_monitoring(doc.get("monitoring"), "top-level key monitoring")
+    except CJEInputError as exc:
+        raise CJEInputError(exc.detail, source=str(p), option="monitoring") from None
     return p, doc
 
 
@@ -473,9 +536,10 @@ def _one_line(exc: ValidationError, model: type[BaseModel]) -> str:
 
 
 def validate_entry(model: type[ScheduledEntry], entry: Any, where: str, src: str | None = None,
-                   base: Path | None = None, columns: Mapping[str, str] | None = None) -> ScheduledEntry:
+                   base: Path | None = None, columns: Mapping[str, str] | None = None,
+                   monitoring: Mapping[str, Any] | None = None) -> ScheduledEntry:
     """Validate one entry (a mapping from the file or a flow parameter) as ``model``
-    (``columns``: the file's top-level ``columns:``, the default of an evaluation's)."""
+    (``columns`` / ``monitoring``: the file's top-level keys, the defaults of an evaluation's)."""
     if not isinstance(entry, dict):
         raise CJEInputError(f"{where} must be a mapping", source=src)
     label = entry.get("name", entry.get("set_name"))
@@ -485,6 +549,8 @@ def validate_entry(model: type[ScheduledEntry], entry: Any, where: str, src: str
         context: dict[str, Any] = {"base": base}
         if columns:
             context["columns"] = dict(columns)
+        if monitoring:
+            context["monitoring"] = dict(monitoring)
         obj = model.model_validate(entry, context=context)
         obj.check()
     except ValidationError as exc:
@@ -521,7 +587,8 @@ def load_config(path: str | os.PathLike | None = None, *, evaluation_cls: type[E
     src, base = str(p), p.resolve().parent
     evaluations: dict[str, EvaluationConfig] = {}
     for i, e in enumerate(_entries(doc, "evaluations", src, require_evaluations)):
-        spec = validate_entry(evaluation_cls, e, f"evaluations[{i}]", src, base, doc.get("columns"))
+        spec = validate_entry(evaluation_cls, e, f"evaluations[{i}]", src, base, doc.get("columns"),
+                              doc.get("monitoring"))
         if spec.name in evaluations:
             raise CJEInputError(f"evaluation {spec.name!r} is declared twice", source=src)
         evaluations[spec.name] = spec
@@ -535,4 +602,5 @@ def load_config(path: str | os.PathLike | None = None, *, evaluation_cls: type[E
 
 
 __all__ = ["Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "as_date", "load_config",
-           "read_yaml", "validate_entry", "check_uri", "check_columns", "merge_columns", "check_publish_name", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]
+           "read_yaml", "validate_entry", "check_uri", "check_columns", "merge_columns", "check_publish_name",
+           "MonitoringConfig", "check_monitoring", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]

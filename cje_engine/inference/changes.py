@@ -342,8 +342,9 @@ def changes_by_policy(
     horizon: int | None = None,
     decision_margin: float = 0.02,
     pools: Sequence[int] = (2, 4, 8),
+    baseline_windows: int = 1,
 ) -> dict[str, PolicyChanges]:
     """`window_changes` for every policy of a sequence of ``(window, result dict)`` in time order."""
     return {name: window_changes(vals, policy=name, alpha=alpha, baseline=baseline, horizon=horizon,
-                                 decision_margin=decision_margin, pools=pools)
+                                 decision_margin=decision_margin, pools=pools, baseline_windows=baseline_windows)
             for name, vals in series_from_results(results).items()}

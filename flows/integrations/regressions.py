@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from flows.config import MonitoringConfig
 from flows.reports.artifacts import evaluate_artifacts
 from flows.reports.history import read_history, window_changes_of
 from flows.storage.objects import Storage
@@ -48,20 +49,26 @@ def undecided_at(changes: Mapping[str, Any], window: str) -> dict[str, int]:
 
 
 def monitor_evaluation(results_uri: str, cfg: Any, evaluation: str, window: str, run_key: str,
-                       outcome: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, Any]:
+                       outcome: Mapping[str, Any], result: Mapping[str, Any],
+                       monitoring: MonitoringConfig | None = None) -> dict[str, Any]:
     """Regression alarms and Prefect artifacts of a published evaluate run (see the module docstring).
+
+    ``monitoring``: the evaluation's ``monitoring:`` settings (alpha, baseline, pooled windows, ...;
+    default `MonitoringConfig()`); with ``label_requests: false`` no undecided drop is reported for a
+    label request.
 
     Returns ``{"alarms": [policy, ...], "undecided": {policy: labels}, "notifications": [...], "artifacts": [id, ...], "error": str | None}``.
     """
     out: dict[str, Any] = {"alarms": [], "undecided": {}, "notifications": [], "artifacts": [], "error": None}
     changes: dict[str, Any] = {}
     trend = None
+    monitoring = monitoring or MonitoringConfig()
     try:
         st = Storage.for_uri(results_uri, cfg)
-        changes = window_changes_of(read_history(st, evaluation))
+        changes = window_changes_of(read_history(st, evaluation), **monitoring.change_options())
         trend = st.url(f"results/{evaluation}/trend.html")
         out["alarms"] = sorted(n for n, pc in changes.items() if window in pc.alarms)
-        out["undecided"] = undecided_at(changes, window)
+        out["undecided"] = undecided_at(changes, window) if monitoring.label_requests else {}
     except Exception as exc:  # noqa: BLE001 - the run is published; monitoring is an addition
         log.warning("changes across windows of %s not computed: %s", evaluation, exc)
         out["error"] = f"{type(exc).__name__}: {exc}"

@@ -54,6 +54,7 @@ def evaluate_and_audit(
     anchor_ids: list[str] | None = None,
     mode: str = "direct",
     columns: dict[str, str] | None = None,
+    monitoring: dict[str, Any] | None = None,
 ) -> dict:
     """The `evaluate` flow, then notifications and automatic label requests.
 
@@ -74,6 +75,8 @@ def evaluate_and_audit(
     extra = {"mode": mode} if (mode != "direct" or "mode" in evaluate.parameters.properties) else {}
     if columns:  # the evaluation's column mapping (``columns:`` in evaluations.yaml)
         extra["columns"] = dict(columns)
+    if monitoring:  # the evaluation's ``monitoring:`` (regression alarms across windows)
+        extra["monitoring"] = dict(monitoring)
     out = evaluate(logs_uri=logs_uri, window=window, evaluation=evaluation, results_uri=results_uri,
                    labels_uri=labels_uri, policies=policies, options=options, as_of=as_of, n_chunks=n_chunks,
                    retry_delays=retry_delays, **extra)

@@ -64,7 +64,8 @@ from cje_engine.pipeline.direct import finalize as engine_finalize
 from cje_engine.pipeline.direct import prepare as engine_prepare
 from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
 
-from flows.config import Window, check_columns, check_publish_name, check_uri, parse_window
+from flows.config import (MonitoringConfig, Window, check_columns, check_monitoring, check_publish_name, check_uri,
+                          parse_window)
 from flows.pipelines import preflight
 from flows.integrations.regressions import monitor_evaluation
 from flows.runtime import ray_fanout as ray_runtime
@@ -400,6 +401,7 @@ class RunPlan:
     read_policies: list[str] | None
     retry: dict
     columns: dict[str, str] | None = None
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -421,8 +423,9 @@ class RunPlan:
 
 def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | None, labels_uri: str | None,
              policies: list[str] | None, options: dict | None, as_of: str | None, retry_delays: list[float] | None,
-             mode: str, columns: dict[str, str] | None = None) -> RunPlan:
-    """Resolve defaults and check every parameter (names, URIs, window, options, column mapping); no I/O."""
+             mode: str, columns: dict[str, str] | None = None, monitoring: dict[str, Any] | None = None) -> RunPlan:
+    """Resolve defaults and check every parameter (names, URIs, window, options, column mapping,
+    monitoring settings); no I/O."""
     check_publish_name(evaluation, "evaluation name")
     for what, uri in (("logs_uri", logs_uri), ("results_uri", results_uri), ("labels_uri", labels_uri)):
         if uri:
@@ -438,7 +441,7 @@ def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | Non
                    logs_uri=logs_uri, results_uri=results_uri or logs_uri, labels_uri=labels_uri or logs_uri,
                    policies=policies, mode=mode, opts=opts, extra_columns=extra_columns,
                    read_policies=read_policies, retry=dict(retries=len(delays), retry_delay_seconds=delays or [0.0]),
-                   columns=columns)
+                   columns=columns, monitoring=check_monitoring(monitoring))
 
 
 def config_hash(config: dict) -> str:
@@ -498,7 +501,7 @@ def run_key_of(plan: RunPlan, files: list[dict], label_info: dict) -> str:
 def check_parameters(p: dict[str, Any]) -> None:
     """The `evaluate` flow's checks before a run is created: `plan_run` of its (validated) parameters."""
     plan_run(p["logs_uri"], p["window"], p["evaluation"], p["results_uri"], p["labels_uri"], p["policies"],
-             p["options"], p["as_of"], p["retry_delays"], p["mode"], p["columns"])
+             p["options"], p["as_of"], p["retry_delays"], p["mode"], p["columns"], p["monitoring"])
 
 
 # --------------------------------------------------------------------------------------
@@ -587,6 +590,7 @@ def evaluate(
     retry_delays: list[float] | None = None,
     mode: str = "direct",
     columns: dict[str, str] | None = None,
+    monitoring: dict[str, Any] | None = None,
 ) -> dict:
     """Evaluate a window of logs and publish the result.
 
@@ -619,6 +623,10 @@ def evaluate(
     columns : dict, optional
         Canonical column -> the column name in the logs (the evaluation's ``columns:``); the
         files' columns are renamed as they are read (`flows.storage.logs.read_window`).
+    monitoring : dict, optional
+        The evaluation's ``monitoring:`` (`flows.config.MonitoringConfig`: alpha, baseline,
+        baseline_windows, horizon, decision_margin, pools, label_requests) for the regression alarms
+        across windows (docs/monitoring.md); default: its defaults.
 
     Returns
     -------
@@ -628,7 +636,7 @@ def evaluate(
         ``result`` (the result dict).
     """
     plan = plan_run(logs_uri, window, evaluation, results_uri, labels_uri, policies, options, as_of,
-                    retry_delays, mode, columns)
+                    retry_delays, mode, columns, monitoring)
     cfg = StorageConfig.from_env()  # from the driver's environment, never a flow parameter
     get_run_logger().info("evaluation %r over %s (%s) from %s", evaluation, plan.window.label, window, logs_uri)
     with ray_runtime.ray_session() as ray_kind:
@@ -636,13 +644,13 @@ def evaluate(
         counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize
     files, label_info = rows.files, rows.label_info
     key, outcome = render_and_publish(plan, cfg, files, counts, label_info, result, ray_kind)
-    monitoring = monitor_evaluation(plan.results_uri, cfg, evaluation, plan.window.label, key, outcome,
-                                    result.to_dict())
+    alarms = monitor_evaluation(plan.results_uri, cfg, evaluation, plan.window.label, key, outcome,
+                                result.to_dict(), plan.monitoring)
     drop = label_info.get("labelled_count_drop")
     return {"evaluation": evaluation, "window": plan.window.label, "run_key": key, **outcome,
             "report": outcome.get("artifacts", {}).get("report.html"), "timings": plan.timings,
             "labels": label_info, "warnings": [drop["message"]] if drop else [],
-            "monitoring": {k: monitoring.get(k) for k in ("alarms", "undecided", "error")},
+            "monitoring": {k: alarms.get(k) for k in ("alarms", "undecided", "error")},
             "result": result.to_dict()}
 
 

@@ -106,12 +106,14 @@ def latest_per_window(history: Sequence[Mapping[str, Any]]) -> list[dict[str, An
     return [dict(by_window[w]) for w in sorted(by_window)]
 
 
-def window_changes_of(history: Sequence[Mapping[str, Any]], *, alpha: float = 0.05,
-                      baseline: str | None = None, horizon: int | None = None,
-                      decision_margin: float = 0.02) -> dict[str, PolicyChanges]:
-    """Per-policy changes across windows (`cje_engine.inference.changes`) of the latest run per window."""
+def window_changes_of(history: Sequence[Mapping[str, Any]], **options: Any) -> dict[str, PolicyChanges]:
+    """Per-policy changes across windows (`cje_engine.inference.changes`) of the latest run per window.
+
+    ``options``: keywords of `changes_by_policy` (an evaluation's ``monitoring:``,
+    `flows.config.MonitoringConfig.change_options`); the defaults without.
+    """
     seq = [(str(r["window"]), {"policies": r.get("policies") or {}}) for r in latest_per_window(history)]
-    return changes_by_policy(seq, alpha=alpha, baseline=baseline, horizon=horizon, decision_margin=decision_margin)
+    return changes_by_policy(seq, **options)
 
 
 def previous_run(history: Sequence[Mapping[str, Any]], window: str, run_key: str) -> dict[str, Any] | None:

@@ -49,6 +49,7 @@ class EvaluationSpec(EvaluationConfig):
             "label_requests": dict(self.label_requests) if self.label_requests else None,
             "mode": self.mode,
             "columns": dict(self.columns) or None,
+            "monitoring": dict(self.monitoring) or None,
         }
 
     def to_deployment(self):

@@ -52,6 +52,7 @@ CALLS = {
 BAD = {
     "evaluate": (lambda: evaluate(logs_uri="/tmp/logs", n_chunks="many"), "n_chunks"),
     "evaluate (window)": (lambda: evaluate(logs_uri="/tmp/logs", window="last 999999 days"), "longer than"),
+    "evaluate (monitoring)": (lambda: evaluate(logs_uri="/tmp/logs", monitoring={"alpah": 0.1}), "alpha"),
     "evaluate_and_audit": (lambda: evaluate_and_audit(logs_uri="/tmp/logs", label_requests={"budgett": 3}),
                            "budgett"),
     "drift": (lambda: drift(settings={"set_name": "guarded"}), "anchors_uri"),
