@@ -481,6 +481,7 @@ def build_manifest(plan: RunPlan, files: list[dict], counts: dict, label_info: d
                    "bytes": sum(f["size"] or 0 for f in files)},
         "rows": counts,
         "labels": label_info,
+        "monitoring": plan.monitoring.model_dump(mode="json"),  # the settings of its regression alarms
         "code_version": _code_version(),
         "engine_version": ENGINE_VERSION,
         "seed": int(plan.opts.get("seed", 0)),

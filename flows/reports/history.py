@@ -12,9 +12,11 @@ import logging
 import re
 from typing import Any, Mapping, Sequence
 
+from cje_engine.errors import CJEInputError
 from cje_engine.inference.changes import PolicyChanges, changes_by_policy
 
 from flows.label_requests.manifests import list_requests
+from flows.config import MonitoringConfig, check_monitoring
 from flows.reports.common import _num, _pair
 from flows.storage.objects import NotFoundError, Storage, StorageError
 from flows.storage.publish import RESULTS, list_runs, read_run
@@ -53,7 +55,7 @@ def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
         "report": arts.get("report.html"), "result": arts.get("result.json"),
         "report_key": _artifact_key(run, "report.html"),
         "best_policy": result.get("best_policy"), "n_labels": data.get("n_labelled"),
-        "policies": policies,
+        "policies": policies, "monitoring": (run.get("manifest") or {}).get("monitoring"),
     }
 
 
@@ -106,14 +108,30 @@ def latest_per_window(history: Sequence[Mapping[str, Any]]) -> list[dict[str, An
     return [dict(by_window[w]) for w in sorted(by_window)]
 
 
+def monitoring_of(history: Sequence[Mapping[str, Any]]) -> MonitoringConfig:
+    """The ``monitoring:`` settings recorded by the newest publication of a history (its manifest's
+    ``monitoring``), else the defaults; settings that no longer validate fall back to the defaults."""
+    recorded = [r for r in history if isinstance(r.get("monitoring"), Mapping)]
+    if not recorded:
+        return MonitoringConfig()
+    newest = max(recorded, key=lambda r: str(r.get("published_at")))
+    try:
+        return check_monitoring(newest["monitoring"])
+    except CJEInputError as exc:
+        log.warning("run %s records monitoring settings that do not validate (%s); using the defaults",
+                    newest.get("run_key"), exc)
+        return MonitoringConfig()
+
+
 def window_changes_of(history: Sequence[Mapping[str, Any]], **options: Any) -> dict[str, PolicyChanges]:
     """Per-policy changes across windows (`cje_engine.inference.changes`) of the latest run per window.
 
-    ``options``: keywords of `changes_by_policy` (an evaluation's ``monitoring:``,
-    `flows.config.MonitoringConfig.change_options`); the defaults without.
+    ``options``: keywords of `changes_by_policy` (`flows.config.MonitoringConfig.change_options`);
+    default: the settings the newest publication recorded (`monitoring_of`), so the trend page,
+    ``cje runs`` / ``cje diff`` and the flow's alarms agree.
     """
     seq = [(str(r["window"]), {"policies": r.get("policies") or {}}) for r in latest_per_window(history)]
-    return changes_by_policy(seq, **options)
+    return changes_by_policy(seq, **(options or monitoring_of(history).change_options()))
 
 
 def previous_run(history: Sequence[Mapping[str, Any]], window: str, run_key: str) -> dict[str, Any] | None:

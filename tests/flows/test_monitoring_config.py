@@ -121,3 +121,16 @@ def test_undecided_drops_raise_no_label_request_when_switched_off(monitored):
 def test_a_longer_baseline_period_moves_the_first_tested_window(monitored):
     out, _ = monitored(MonitoringConfig(alpha=0.2, baseline_windows=2))  # both windows are the baseline
     assert out["alarms"] == [] and out["undecided"] == {}
+
+
+def test_pages_and_commands_use_the_settings_the_newest_run_recorded():
+    from flows.reports.history import monitoring_of, window_changes_of
+
+    history = _history()
+    assert monitoring_of(history) == MonitoringConfig()
+    assert window_changes_of(history)["cand"].alarms == []  # alpha 0.05: undecided
+    history[-1]["monitoring"] = MonitoringConfig(alpha=0.2).model_dump(mode="json")  # as the manifest holds it
+    assert monitoring_of(history).alpha == 0.2
+    assert window_changes_of(history)["cand"].alarms == ["2025-06-02_2025-06-02"]
+    history[-1]["monitoring"] = {"alpha": "bad"}  # a record that no longer validates: the defaults
+    assert monitoring_of(history) == MonitoringConfig()
