@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cje_engine.errors import CJEInputError
-from flows.config import check_drift_comparison
+from flows.config import DriftMonitorConfig, check_drift_comparison, load_config
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS
 from flows.storage.anchors import check_name
 
@@ -103,69 +102,42 @@ def settings_from(params: dict[str, Any], source: str = "drift flow parameters")
                             column=col) from None
 
 
-@dataclass(frozen=True)
-class DriftMonitorSpec:
-    """One drift monitor declared under ``drift_monitors:`` in evaluations.yaml."""
+class DriftMonitorSpec(DriftMonitorConfig):
+    """One drift monitor declared under ``drift_monitors:``: the validated `flows.config.DriftMonitorConfig`
+    (the one place its keys are declared) plus what it takes from its linked evaluation, its flow
+    parameters and its Prefect deployment."""
 
-    name: str
-    set_name: str
-    anchors_uri: str
-    logs_uri: str | None = None
-    drift_uri: str | None = None
-    results_uri: str | None = None
-    evaluation: str | None = None
-    judge_id: str | None = None
-    scorer: dict | None = None
-    reference: str = "first"
-    replicate: str | None = "next"
-    anchors_version: int | None = None
-    monitor: dict = field(default_factory=dict)
-    cron: str | None = None
-    interval: float | None = None
-    timezone: str = "UTC"
-    notify_on: str = "new"
-    description: str = ""
-    #: from the linked evaluation declared in the same file (`flows.runtime.schedules.EvaluationSpec`)
+    #: from the linked evaluation declared in the same file (`flows.runtime.schedules.EvaluationSpec`);
+    #: set by `load_drift_monitors`, not keys of the file (which is validated as `DriftMonitorConfig`)
     evaluation_logs_uri: str | None = None
-    evaluation_columns: dict | None = None
+    evaluation_columns: dict[str, str] | None = None
     labels_uri: str | None = None
-    label_requests: dict | None = None
+    label_requests: dict[str, Any] | None = None
 
     def flow_parameters(self) -> dict[str, Any]:
         """Parameters of the `drift` flow for this monitor: ``{"settings": {...}}``."""
         return {"settings": self.settings_dict()}
 
     def settings_dict(self) -> dict[str, Any]:
-        """`DriftSettings` fields of this monitor."""
-        return {"set_name": self.set_name, "anchors_uri": self.anchors_uri, "logs_uri": self.logs_uri,
-                "drift_uri": self.drift_uri, "results_uri": self.results_uri, "evaluation": self.evaluation,
-                "judge_id": self.judge_id, "scorer": dict(self.scorer) if self.scorer else None,
-                "reference": self.reference, "replicate": self.replicate, "anchors_version": self.anchors_version,
-                "monitor": dict(self.monitor), "monitor_name": self.name, "notify_on": self.notify_on,
-                "evaluation_logs_uri": self.evaluation_logs_uri, "labels_uri": self.labels_uri,
-                "evaluation_columns": dict(self.evaluation_columns) if self.evaluation_columns else None,
-                "label_requests": dict(self.label_requests) if self.label_requests else None}
+        """`DriftSettings` fields of this monitor: every field the two models share, and its monitor name."""
+        shared = set(DriftSettings.model_fields) & set(type(self).model_fields)
+        out = self.model_dump(include=shared)
+        out["monitor_name"] = self.monitor_name
+        if out.get("replicate") == "none":
+            out["replicate"] = None
+        return out
 
     def to_deployment(self):
         """A Prefect ``RunnerDeployment`` of the `drift` flow on this monitor's schedule."""
-        from datetime import timedelta
-
         from prefect.types.entrypoint import EntrypointType
 
-        kwargs: dict[str, Any] = {}
-        if self.cron:
-            from prefect.schedules import Cron
-
-            kwargs["schedule"] = Cron(self.cron, timezone=self.timezone)
-        elif self.interval:
-            kwargs["interval"] = timedelta(seconds=float(self.interval))
         from flows.pipelines.drift import drift  # the flow module imports this one: import at use
 
         return drift.to_deployment(
-            name=f"drift-{self.name}", entrypoint_type=EntrypointType.MODULE_PATH,
+            name=f"drift-{self.monitor_name}", entrypoint_type=EntrypointType.MODULE_PATH,
             parameters=self.flow_parameters(),
             description=self.description or f"Judge drift on anchor set {self.set_name}", tags=["cje", "drift"],
-            **kwargs)
+            **self.schedule_kwargs())
 
 
 def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, DriftMonitorSpec]:
@@ -173,12 +145,10 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
     service's one configuration model (`flows.config.load_config`; errors name file, entry and key).
 
     A file without the key has no monitors (empty dict). A monitor whose ``evaluation`` is declared
-    under ``evaluations:`` of the same file takes that evaluation's ``logs_uri``, ``labels_uri`` and
-    ``label_requests`` (drift alarms request labels on its recent traffic) and, when it gives no
-    ``results_uri``, the evaluation's results root.
+    under ``evaluations:`` of the same file takes that evaluation's ``logs_uri``, ``columns``,
+    ``labels_uri`` and ``label_requests`` (drift alarms request labels on its recent traffic) and, when
+    it gives no ``results_uri``, the evaluation's results root.
     """
-    from flows.config import load_config
-
     cfg = load_config(path, require_evaluations=False)
     out: dict[str, DriftMonitorSpec] = {}
     for name, m in cfg.drift_monitors.items():
@@ -186,19 +156,13 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
         if m.evaluation and linked is None:
             log.warning("drift monitor %r: evaluation %r is not declared in %s; a drift alarm will request anchor "
                         "labels only", name, m.evaluation, cfg.path)
-        results_uri = m.results_uri
-        if results_uri is None and linked is not None:
-            results_uri = linked.results_uri or linked.logs_uri
-        out[name] = DriftMonitorSpec(
-            name=name, set_name=m.set_name, anchors_uri=m.anchors_uri, logs_uri=m.logs_uri, drift_uri=m.drift_uri,
-            results_uri=results_uri, evaluation_logs_uri=linked.logs_uri if linked else None,
-            evaluation_columns=dict(linked.columns) if linked and linked.columns else None,
-            labels_uri=(linked.labels_uri or linked.logs_uri) if linked else None,
-            label_requests=dict(linked.label_requests) if linked and linked.label_requests else None,
-            evaluation=m.evaluation, judge_id=m.judge_id, scorer=dict(m.scorer) if m.scorer else None,
-            reference=m.reference, replicate=None if m.replicate in (None, "none") else m.replicate,
-            anchors_version=m.anchors_version, monitor=dict(m.monitor), cron=m.cron, interval=m.interval,
-            timezone=m.timezone, notify_on=m.notify_on, description=m.description)
+        extra: dict[str, Any] = {}
+        if linked is not None:
+            extra = {"evaluation_logs_uri": linked.logs_uri, "evaluation_columns": dict(linked.columns) or None,
+                     "labels_uri": linked.labels_uri or linked.logs_uri,
+                     "label_requests": dict(linked.label_requests) if linked.label_requests else None,
+                     "results_uri": m.results_uri or linked.results_uri or linked.logs_uri}
+        out[name] = DriftMonitorSpec.model_validate({**m.model_dump(), **extra})
     return out
 
 
