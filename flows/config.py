@@ -601,6 +601,6 @@ def load_config(path: str | os.PathLike | None = None, *, evaluation_cls: type[E
     return Config(path=p, evaluations=evaluations, drift_monitors=monitors)
 
 
-__all__ = ["Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "as_date", "load_config",
+__all__ = ["Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "load_config",
            "read_yaml", "validate_entry", "check_uri", "check_columns", "merge_columns", "check_publish_name",
            "MonitoringConfig", "check_monitoring", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]

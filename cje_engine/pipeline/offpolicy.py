@@ -52,7 +52,6 @@ import numpy as np
 
 from cje_engine.data.frame import EvalData
 from cje_engine.data.offpolicy import (
-    DEFAULT_LENGTH_COLUMN,
     LOGGER_COLUMNS,
     OffPolicyData,
     load_offpolicy,
@@ -69,7 +68,7 @@ from cje_engine.offpolicy.target import TargetReport, _compute_estimates, evalua
 from cje_engine.pipeline import direct as direct_pipeline
 from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.direct import direct_data_summary, inference_summary, stacked_replicates
-from cje_engine.pipeline.offpolicy_options import ESTIMATOR_CHOICES, MODES, OffPolicyOptions
+from cje_engine.pipeline.offpolicy_options import OffPolicyOptions
 from cje_engine.pipeline.policies import summarize_direct, variance_components
 from cje_engine.pipeline.targets import target_entry, uses_direct_level
 from cje_engine.result import EvaluationResult
@@ -470,6 +469,5 @@ def flow_policies(opts: dict) -> list[str] | None:
     return [lg] + (list(opts.get("targets") or []) if opts.get("mode") == "hybrid" else [])
 
 
-__all__ = ["evaluate_offpolicy", "prepare", "bootstrap_chunk", "finalize", "OffPolicyOptions", "OffPolicyPrepared",
-           "OffPolicyResult", "outcome_model", "rewards_and_outcome", "flow_options", "flow_columns", "flow_policies",
-           "MODES", "ESTIMATOR_CHOICES", "DEFAULT_LENGTH_COLUMN"]
+__all__ = ["evaluate_offpolicy", "prepare", "bootstrap_chunk", "finalize", "OffPolicyPrepared",
+           "OffPolicyResult", "outcome_model", "rewards_and_outcome", "flow_options", "flow_columns", "flow_policies"]

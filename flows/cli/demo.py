@@ -148,7 +148,8 @@ def run_demo(data: Path = Path("cje-data"), days: int = 7, prompts_per_day: int 
     import os
 
     from flows.runtime import ray_fanout as ray_runtime
-    from flows.pipelines.drift import DriftSettings, drift
+    from flows.pipelines.drift import drift
+    from flows.pipelines.drift_config import DriftSettings
     from flows.pipelines.audit import evaluate_and_audit
     from flows.runtime.prefect_server import launch_server, prefect_api
 

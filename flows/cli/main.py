@@ -514,7 +514,8 @@ def _print_requests(summary: dict) -> None:
 
 
 def cmd_drift(ns: argparse.Namespace) -> int:
-    from flows.pipelines.drift import format_summary, load_drift_monitors, run_drift
+    from flows.pipelines.drift import format_summary, run_drift
+    from flows.pipelines.drift_config import load_drift_monitors
 
     path = find_config(ns.config)
     monitors = load_drift_monitors(path)  # a bad name fails before Prefect starts
@@ -555,7 +556,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     # An embedded server schedules new deployments within seconds instead of a minute.
     extra = []
     if not ns.no_drift:
-        from flows.pipelines.drift import drift_deployments
+        from flows.pipelines.drift_config import drift_deployments
 
         extra = drift_deployments(config)
     with _services({"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}):

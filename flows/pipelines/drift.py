@@ -53,23 +53,18 @@ from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
 from flows.label_requests.config import RequestConfig
-from flows.pipelines.drift_config import (DriftMonitorSpec, DriftSettings, drift_deployments, load_drift_monitors,
-                                          settings_from)
-from flows.pipelines.drift_tasks import (calibration_from_result, commit, first_alarms_of, load_anchors,
-                                         load_calibration, load_scores, load_state_task, notify_alarms,
-                                         raise_label_requests, request_summary, score_anchors, update, write_report)
-from flows.reports.drift import render_drift_report
+from flows.pipelines.drift_config import DriftSettings, load_drift_monitors, settings_from
+from flows.pipelines.drift_tasks import (commit, first_alarms_of, load_anchors, load_calibration, load_scores,
+                                         load_state_task, notify_alarms, raise_label_requests, request_summary,
+                                         score_anchors, update, write_report)
 from flows.runtime.guard import checked_flow
-from flows.storage.drift_state import (DriftStateConflict, commit_state, latest_look, load_state, look_key,
-                                       read_looks, state_prefix)
+from flows.storage.drift_state import look_key, state_prefix
 from flows.storage.objects import Storage, StorageConfig
 from flows.reports.artifacts import drift_artifacts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["drift", "DriftSettings", "render_drift_report", "load_drift_monitors", "drift_deployments", "run_drift",
-           "DriftMonitorSpec", "load_state", "read_looks", "latest_look", "commit_state",
-           "calibration_from_result", "DriftStateConflict", "format_summary"]
+__all__ = ["drift", "run_drift", "format_summary"]
 
 
 def _flow_run_id() -> str | None:

@@ -664,4 +664,4 @@ def _flow_run_id() -> str | None:
     return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
 
 
-__all__ = ["evaluate", "parse_window", "Window", "engine_options", "DEFAULT_RETRY_DELAYS", "plan_run", "RunPlan"]
+__all__ = ["evaluate", "engine_options", "plan_run", "RunPlan", "check_parameters"]

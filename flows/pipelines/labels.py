@@ -409,7 +409,7 @@ def _anchors_uri_for(set_name: str, anchors_uri: str | None, evaluations_file: s
     if anchors_uri:
         return anchors_uri
     if evaluations_file:
-        from flows.pipelines.drift import load_drift_monitors  # the drift flow module is large: load on demand
+        from flows.pipelines.drift_config import load_drift_monitors
 
         for spec in load_drift_monitors(evaluations_file).values():
             if spec.set_name == set_name:

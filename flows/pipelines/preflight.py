@@ -148,7 +148,8 @@ def check_evaluation(params: dict) -> dict:
     from pathlib import Path
 
     from flows.config import check_columns
-    from flows.pipelines.evaluate import engine_options, parse_window
+    from flows.config import parse_window
+    from flows.pipelines.evaluate import engine_options
     from flows.storage.logs import REQUIRED, discover_partitions
     from flows.storage.objects import Storage, StorageConfig
 

@@ -86,7 +86,7 @@ def runner_deployments(config: str | None = None, only: Sequence[str] | None = N
         specs = {n: specs[n] for n in only}
     deployments = [s.to_deployment() for s in specs.values()]
     if drift:
-        from flows.pipelines.drift import drift_deployments
+        from flows.pipelines.drift_config import drift_deployments
 
         deployments += drift_deployments(config)
     for dep in deployments:

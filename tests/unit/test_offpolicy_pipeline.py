@@ -13,18 +13,9 @@ from cje_engine.errors import CJEInputError
 from cje_engine.direct.estimators import bootstrap_weights
 from cje_engine.offpolicy.inputs import FreshData, LoggedData, Rewards
 from cje_engine.offpolicy.target import evaluate_target
-from cje_engine.pipeline.offpolicy import (
-    OffPolicyOptions,
-    _replicate,
-    bootstrap_chunk,
-    evaluate_offpolicy,
-    finalize,
-    flow_columns,
-    flow_options,
-    flow_policies,
-    prepare,
-    rewards_and_outcome,
-)
+from cje_engine.pipeline.offpolicy import (_replicate, bootstrap_chunk, evaluate_offpolicy, finalize, flow_columns,
+                                           flow_options, flow_policies, prepare, rewards_and_outcome)
+from cje_engine.pipeline.offpolicy_options import OffPolicyOptions
 from cje_engine.simulate.logs import simulate_logs
 
 

@@ -76,7 +76,7 @@ def _store(ns: argparse.Namespace) -> tuple[Any, str | None]:
         raise CJEInputError("give either --store or --monitor, not both")
     if ns.monitor:
         from flows.cli.common import find_config
-        from flows.pipelines.drift import load_drift_monitors
+        from flows.pipelines.drift_config import load_drift_monitors
 
         path = find_config(ns.config)
         monitors = load_drift_monitors(path)

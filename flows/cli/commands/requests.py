@@ -182,7 +182,7 @@ def request_items(w: dict, m: dict, ns: argparse.Namespace) -> list[dict]:
 
 def _monitor_anchors_uri(ns: argparse.Namespace, set_name: str | None) -> str | None:
     try:
-        from flows.pipelines.drift import load_drift_monitors  # large module: only for drift requests
+        from flows.pipelines.drift_config import load_drift_monitors
 
         for spec in load_drift_monitors(config_path(ns)).values():
             if spec.set_name == set_name:
