@@ -85,3 +85,16 @@ def test_bad_parameters_are_refused_before_a_flow_run_exists(name, prefect_serve
         call()
     assert _n_flow_runs() == before
     assert "Traceback" not in caplog.text
+
+
+def test_webhook_urls_keep_their_query_token_but_not_user_info():
+    from flows.runtime.guard import refuse_credentials
+
+    # a receiver's token cannot be told from its address: accepted (CJE_WEBHOOK_URL keeps it out of Prefect)
+    refuse_credentials({"settings": {"webhook_url": "http://127.0.0.1:9/hook?token=abc"}})
+    refuse_credentials({"label_requests": {"webhook_url": "https://hooks.example/T0/B0/xyz"}})
+    with pytest.raises(CJEInputError, match="credentials") as err:
+        refuse_credentials({"settings": {"webhook_url": f"https://{KEY_ID}:{SECRET}@hooks.example/x?token=abc"}})
+    assert SECRET not in str(err.value)
+    with pytest.raises(CJEInputError, match="credentials"):  # any other URL: a token in the query is refused
+        refuse_credentials({"results_uri": "s3://bucket/x?token=abc"})
