@@ -183,10 +183,14 @@ class EvalData:
                     column=col,
                     source="<frame>",
                 )
-        source = frame
-        if consume:  # drop what the build never reads before anything is allocated
-            needed = {PROMPT, POLICY, SCORE, LABEL, LABEL_PROB, *covariates}
-            _drop(frame, [c for c in frame.columns if c not in needed])
+        source, covs = frame, set(covariates)
+
+        def release(columns: list) -> None:  # consume: drop converted columns (covariates stay until copied)
+            if consume:
+                _drop(frame, [c for c in columns if c not in covs])
+
+        needed = {PROMPT, POLICY, SCORE, LABEL, LABEL_PROB, *covariates}
+        release([c for c in frame.columns if c not in needed])  # what the build never reads goes first
         policy_codes, policies = _policy_codes(frame, policies)
         keep = policy_codes >= 0
         if not keep.all():
@@ -195,12 +199,10 @@ class EvalData:
             if consume:
                 _drop(source, list(source.columns))
         n = len(frame)
-        if consume:
-            _drop(frame, [POLICY])
+        release([POLICY])
         prompt_codes, prompt_ids = pd.factorize(_as_text(frame[PROMPT]), sort=True)
         prompt_codes = prompt_codes.astype(np.int64, copy=False)
-        if consume:
-            _drop(frame, [PROMPT])
+        release([PROMPT])
         ids = np.asarray(prompt_ids, dtype=object)
         del prompt_ids
         fold = fold_of(ids, n_folds)[prompt_codes]
@@ -210,10 +212,9 @@ class EvalData:
         del ids
         label = frame[LABEL].to_numpy(dtype=float) if LABEL in frame.columns else np.full(n, np.nan)
         label_weight = _label_weight(frame, label)
-        if consume:
-            _drop(frame, [LABEL, LABEL_PROB])
-        X = _covariate_matrix(frame, covariates, consume)
         score = frame[SCORE].to_numpy(dtype=float)
+        release([LABEL, LABEL_PROB, SCORE])
+        X = _covariate_matrix(frame, covariates, consume)
         if consume:
             _drop(frame, list(frame.columns))
         return cls(

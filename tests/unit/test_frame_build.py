@@ -107,3 +107,12 @@ def test_cluster_cov_is_the_centred_cross_product_and_leaves_its_input_alone():
     expected = (c.T @ c) * 500 / 499
     assert np.array_equal(cluster_cov(psi), expected)
     assert np.array_equal(psi, before, equal_nan=True)
+
+
+def test_consuming_build_with_a_canonical_column_as_covariate():
+    """A covariate may be any column, even the judge score: it is copied before it is dropped."""
+    frame = _frame()
+    plain = EvalData.from_frame(frame, covariates=["judge_score", "len2"])
+    taken = frame.copy()
+    _same(plain, EvalData.from_frame(taken, covariates=["judge_score", "len2"], consume=True))
+    assert list(taken.columns) == []
