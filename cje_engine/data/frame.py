@@ -93,8 +93,7 @@ class EvalData:
 
     Attributes
     ----------
-    prompt_ids : ndarray of str (numpy ``StringDType``), shape (n_prompts,)
-        Sorted distinct prompt ids.
+    prompt_ids : ndarray of str, shape (n_prompts,)
     prompt : ndarray of int, shape (n,)
         Index into ``prompt_ids`` for every row (the cluster).
     policies : tuple of str
@@ -203,13 +202,8 @@ class EvalData:
         prompt_codes, prompt_ids = pd.factorize(_as_text(frame[PROMPT]), sort=True)
         prompt_codes = prompt_codes.astype(np.int64, copy=False)
         release([PROMPT])
-        ids = np.asarray(prompt_ids, dtype=object)
-        del prompt_ids
-        fold = fold_of(ids, n_folds)[prompt_codes]
-        # numpy's variable-width strings: 16 bytes an id up to 15 bytes long, against ~72 for a
-        # Python str in an object array (~110 MB at 2M prompts, held through the whole inference)
-        prompt_ids = ids.astype(np.dtypes.StringDType())
-        del ids
+        prompt_ids = np.asarray(prompt_ids, dtype=object)
+        fold = fold_of(prompt_ids, n_folds)[prompt_codes]
         label = frame[LABEL].to_numpy(dtype=float) if LABEL in frame.columns else np.full(n, np.nan)
         label_weight = _label_weight(frame, label)
         score = frame[SCORE].to_numpy(dtype=float)
