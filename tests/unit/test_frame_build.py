@@ -114,3 +114,16 @@ def test_consuming_build_with_a_canonical_column_as_covariate():
     taken = frame.copy()
     _same(plain, EvalData.from_frame(taken, covariates=["judge_score", "len2"], consume=True))
     assert list(taken.columns) == []
+
+
+def test_column_var_is_the_centred_sum_of_squares_and_leaves_its_input_alone():
+    from cje_engine.pipeline.calibration import _column_var
+
+    rng = np.random.default_rng(2)
+    psi = rng.normal(size=(300, 3))
+    psi[::11, 1] = np.nan
+    before = psi.copy()
+    c = np.nan_to_num(psi)
+    c = c - c.mean(axis=0)
+    assert np.array_equal(_column_var(psi), 300 / 299 * np.sum(c * c, axis=0))
+    assert np.array_equal(psi, before, equal_nan=True)
