@@ -202,7 +202,7 @@ class EvalData:
         prompt_codes, prompt_ids = pd.factorize(_as_text(frame[PROMPT]), sort=True)
         prompt_codes = prompt_codes.astype(np.int64, copy=False)
         release([PROMPT])
-        prompt_ids = np.asarray(prompt_ids, dtype=object)
+        prompt_ids = _compact_ids(prompt_ids)
         fold = fold_of(prompt_ids, n_folds)[prompt_codes]
         label = frame[LABEL].to_numpy(dtype=float) if LABEL in frame.columns else np.full(n, np.nan)
         label_weight = _label_weight(frame, label)
@@ -226,6 +226,26 @@ class EvalData:
             label_scale=label_scale,
             score_scale=score_scale,
         )
+
+
+#: Longest id (characters) kept as fixed-width numpy text: 4 bytes a character, so up to 12
+#: characters take at most 48 bytes an id, against ~72 for a Python ``str`` in an object array.
+_FIXED_WIDTH_IDS = 12
+
+
+def _compact_ids(index: pd.Index) -> np.ndarray:
+    """Distinct ids as fixed-width numpy text (``<U{n}``) when they are short, else an object array.
+
+    The same strings either way (an id ending in NUL stays an object: fixed-width text would drop
+    the NUL); at 2M prompts of 8 characters 64 MB instead of ~145 MB, held through the inference.
+    """
+    ids = np.asarray(index, dtype=object)
+    if ids.size == 0:
+        return ids
+    longest = int(index.str.len().max())
+    if longest > _FIXED_WIDTH_IDS or bool(index.str.endswith("\x00").any()):
+        return ids
+    return ids.astype(f"<U{max(longest, 1)}")
 
 
 def _drop(frame: pd.DataFrame, columns: list[str]) -> None:

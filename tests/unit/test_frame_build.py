@@ -68,8 +68,23 @@ def test_prompt_ids_are_the_sorted_distinct_ids_with_their_folds():
     frame = _frame()
     data = EvalData.from_frame(frame.copy(), consume=True)
     ids = sorted(set(frame["prompt_id"]))
-    assert data.prompt_ids.dtype == object and list(data.prompt_ids) == ids
+    assert data.prompt_ids.dtype.kind == "U"  # short ids: fixed-width text, not Python objects
+    assert list(data.prompt_ids) == ids and data.prompt_ids.astype(str).tolist() == ids
     assert np.array_equal(data.fold, fold_of(np.array(ids, dtype=object), 5)[data.prompt])
+
+
+@pytest.mark.parametrize("ids,kind", [
+    (["p1", "p22", "p333"], "U"),
+    (["short", "an-id-longer-than-twelve"], "O"),  # long ids stay objects (width x 4 bytes each)
+    (["a\x00", "b"], "O"),  # fixed-width text would drop the trailing NUL
+    (["", "x"], "U"),
+])
+def test_compact_ids_keep_every_string(ids, kind):
+    from cje_engine.data.frame import _compact_ids
+
+    out = _compact_ids(pd.Index(ids, dtype="str"))
+    assert out.dtype.kind == kind and [str(v) for v in out] == ids
+    assert np.array_equal(fold_of(out, 5), fold_of(np.array(ids, dtype=object), 5))
 
 
 def test_combine_in_place_equals_the_formula_across_chunks(monkeypatch):
