@@ -177,7 +177,7 @@ def stage_evaluate(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         frame = load_frame(args.parquet, covariates=covs)
         mem.mark("load + validate (load_frame)")
-        ed = EvalData.from_frame(frame, covariates=covs)
+        ed = EvalData.from_frame(frame, covariates=covs, consume=True)  # the build takes the frame over
         del frame
         _release_memory()
         mem.mark("EvalData build")
@@ -278,7 +278,7 @@ def stage_ray(args: argparse.Namespace) -> dict:
 
     covs = [] if args.no_covariates else ["response_length"]
     t0, c0 = time.perf_counter(), time.process_time()
-    ed = EvalData.from_frame(load_frame(args.parquet, covariates=covs), covariates=covs)
+    ed = EvalData.from_frame(load_frame(args.parquet, covariates=covs), covariates=covs, consume=True)
     prep = prepare(ed, covariates=covs, calibration_mode=args.mode, inference="bootstrap",
                    n_bootstrap=max(50, args.ray_B), seed=args.seed)
     prepared = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}

@@ -61,22 +61,30 @@ def _where(frame: pd.DataFrame, i: int, names: list[str]) -> tuple[str, int]:
 
 def _codes(values: Any) -> tuple[np.ndarray, int]:
     codes, uniques = pd.factorize(values)
-    return codes.astype(np.int64), len(uniques)
+    return codes.astype(np.int64, copy=False), len(uniques)
 
 
-def _combine(a: np.ndarray, na: int, b: np.ndarray, nb: int) -> tuple[np.ndarray, int]:
-    """Injective int64 code of the pair (a, b) given their ranges."""
+def _combine(a: np.ndarray, na: int, b: np.ndarray, nb: int, *, into_b: bool = False) -> tuple[np.ndarray, int]:
+    """Injective int64 code of the pair (a, b) given their ranges: ``a * nb + b``.
+
+    ``into_b``: ``b`` (an int64 array the caller owns and drops) receives the code, a chunk of
+    rows at a time, so no row-sized array is allocated (the same integers either way).
+    """
     if na * nb >= 2**62:  # re-code densely (each code is < n rows) so the product fits
         a, na = _codes(a)
         b, nb = _codes(b)
-    return a * nb + b, na * nb
+    if not (into_b and b.dtype == np.int64 and b.flags.writeable):
+        b = b.astype(np.int64)
+    for lo in range(0, b.shape[0], _CHUNK):
+        b[lo:lo + _CHUNK] += a[lo:lo + _CHUNK] * nb
+    return b, na * nb
 
 
 def _repeated(key: np.ndarray, size: int) -> np.ndarray:
     """Mask of rows whose integer key occurs more than once (O(n))."""
     if size <= 4 * len(key) + 1_000_000:
         counts = np.bincount(key, minlength=size)
-        return counts[key] > 1
+        return (counts > 1)[key]  # a bool gather, not an int64 one
     return pd.Series(key).duplicated(keep=False).to_numpy()
 
 
@@ -123,9 +131,10 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
     canonical ``"{policy}:{prompt_id}:{k}"`` form.
     """
     n = len(frame)
-    pol, n_pol = _codes(frame[POLICY])
     pid, n_pid = _codes(frame[PROMPT])
-    pair, n_pair = _combine(pol, n_pol, pid, n_pid)
+    pol, n_pol = _codes(frame[POLICY])
+    pair, n_pair = _combine(pol, n_pol, pid, n_pid, into_b=True)  # pid's buffer: two row-sized codes at most
+    del pol, pid
     draw = frame[DRAW_IDX].to_numpy(dtype=np.float64)
     has_draw = ~np.isnan(draw)
     has_text = frame[RESPONSE].notna().to_numpy() if RESPONSE in frame.columns else np.zeros(n, dtype=bool)
@@ -183,7 +192,8 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
     if canonical_form:
         # The id is an injective function of (policy, prompt, k): check integer codes.
         k_code, n_k = _codes(k)
-        idk, n_idk = _combine(pair, n_pair, k_code, n_k)
+        idk, n_idk = _combine(pair, n_pair, k_code, n_k, into_b=True)
+        del k_code
         has_dup = bool(_repeated(idk, n_idk).any())
     else:
         has_dup = not rid.is_unique

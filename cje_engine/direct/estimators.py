@@ -480,7 +480,8 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     lab_counts = np.bincount(lab_key, weights=lw, minlength=K * G).reshape(K, G)
     with np.errstate(invalid="ignore", divide="ignore"):
         lab_share = np.where(den[:, None] > 0, lab_counts / den[:, None], 0.0)
-    audit = cal[:, K:] - calibration_term(design, full, lab_share, f_cal)
+    audit = calibration_term(design, full, lab_share, f_cal)
+    np.subtract(cal[:, K:], audit, out=audit)  # in place: cal - term, one (n_prompts, K) array fewer
     audit[:, den <= 0] = np.nan
     return {"total": total, "calibration": cal, "audit": audit}
 

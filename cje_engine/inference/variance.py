@@ -41,12 +41,12 @@ def cluster_cov(psi: np.ndarray, *, center: bool = True) -> np.ndarray:
         Subtract the column means first (they are 0 for exact influence functions; centring
         guards against rounding and against contributions that are only centred overall).
     """
-    c = np.nan_to_num(np.asarray(psi, dtype=float))
+    c = np.nan_to_num(np.asarray(psi, dtype=float))  # a copy: centred in place below
     if c.ndim == 1:
         c = c[:, None]
     g = c.shape[0]
     if center:
-        c = c - c.mean(axis=0)
+        c -= c.mean(axis=0)  # in place: no second G x K array (the finalize peak at 10M rows)
     return (c.T @ c) * g / max(g - 1, 1)
 
 

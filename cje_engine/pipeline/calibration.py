@@ -108,10 +108,11 @@ def fit_mode(data: EvalData, mode: str, sources: tuple[str, ...] | None, rows: t
 
 def _column_var(psi: np.ndarray) -> np.ndarray:
     """Clustered variance of each column's statistic from per-prompt influence sums (G/(G-1))."""
-    p = np.nan_to_num(np.asarray(psi, dtype=float))
-    g = p.shape[0]
-    c = p - p.mean(axis=0)
-    return (g / (g - 1) if g > 1 else 1.0) * np.sum(c * c, axis=0)
+    c = np.nan_to_num(np.asarray(psi, dtype=float))  # a copy: centred and squared in place
+    g = c.shape[0]
+    c -= c.mean(axis=0)
+    c *= c
+    return (g / (g - 1) if g > 1 else 1.0) * np.sum(c, axis=0)
 
 
 def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

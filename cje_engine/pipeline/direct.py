@@ -61,6 +61,7 @@ def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
         score_scale=opts.score_scale,
         n_folds=opts.n_folds,
         policies=list(opts.policies) if opts.policies else None,
+        consume=True,  # the frame is ours (load_frame's output) and not used afterwards
     )
 
 
