@@ -20,8 +20,14 @@ a 9-column least squares. `fit_two_stage_many` does every step for all fits toge
 * stage 2 for all fits from one stable sort of the index matrix, one pooling ``reduceat`` and
   one PAVA call per fit.
 
+With the logit first stage (the default) the least squares above is the inner step of a Newton
+loop run for all fits at once (`_solve_logit`, `_newton_stack`): per step the Gram matrices of every
+group of fits sharing a knot vector from their cached designs, one batched solve on each fit's free
+set, step halving only where a step may change an index by more than log 2.
+
 The models equal ``TwoStageCalibrator.fit_cells`` on each row of sums (the same convex problems;
-tests pin them to 1e-9 against a row-level fit with scipy NNLS). `TwoStageFits.models` builds the
+tests pin least squares to 1e-9 against a row-level fit with scipy NNLS, and the logit stage to 1e-6
+against a row-level L-BFGS-B optimum and against ``fit_cells``). `TwoStageFits.models` builds the
 calibrator objects; the bootstrap uses the arrays directly (`index`, `predict_cells`).
 """
 from __future__ import annotations
@@ -462,18 +468,7 @@ def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pe
             big &= ~conv
             s = None
             if big.any():
-                s = np.ones(N)
-                q = _objective(W, WT, eta, theta, pen)
-                q_c = _objective(W, WT, eta_c, new, pen)
-                while True:
-                    bad = big & (q_c > q + 1e-12 * (1.0 + np.abs(q))) & (s >= 1e-6)
-                    if not bad.any():
-                        break
-                    s = np.where(bad, 0.5 * s, s)
-                    cand = theta + s[:, None] * step
-                    eta_c = np.where(bad[:, None], _apply(designs, cand, G), eta_c)
-                    new = np.where(bad[:, None], cand, new)
-                    q_c = np.where(bad, _objective(W, WT, eta_c, new, pen), q_c)
+                s, new, eta_c = _halve(designs, W, WT, pen, theta, eta, step, new, eta_c, big)
             moved = np.abs(step if s is None else s[:, None] * step).max(1)
             if conv.any():
                 keep = conv[:, None]
@@ -497,6 +492,25 @@ def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pe
                 break
         mask[:, :n_ramp] = free
     return theta
+
+
+def _halve(designs: list, W: np.ndarray, WT: np.ndarray, pen: np.ndarray, theta: np.ndarray, eta: np.ndarray,
+           step: np.ndarray, new: np.ndarray, eta_c: np.ndarray, big: np.ndarray):
+    """Step halving for the fits ``big``: halve until the objective does not rise (or 1e-6).
+    Returns the step lengths and the accepted coefficients and indices."""
+    G = W.shape[1]
+    s = np.ones(W.shape[0])
+    q = _objective(W, WT, eta, theta, pen)
+    q_c = _objective(W, WT, eta_c, new, pen)
+    while True:
+        bad = big & (q_c > q + 1e-12 * (1.0 + np.abs(q))) & (s >= 1e-6)
+        if not bad.any():
+            return s, new, eta_c
+        s = np.where(bad, 0.5 * s, s)
+        cand = theta + s[:, None] * step
+        eta_c = np.where(bad[:, None], _apply(designs, cand, G), eta_c)
+        new = np.where(bad[:, None], cand, new)
+        q_c = np.where(bad, _objective(W, WT, eta_c, new, pen), q_c)
 
 
 def _qp_rows(H: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray:
