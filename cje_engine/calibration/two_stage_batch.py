@@ -98,9 +98,10 @@ def _basis(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
 
 
 def _basis_t(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
-             ) -> tuple[np.ndarray, np.ndarray]:
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`_basis` transposed for the logit stage (cached): ``F.T`` and the upper triangle of the
-    outer products, ``(P (P + 1) / 2, G)``, both C-contiguous (einsum's fast inner loop)."""
+    outer products, ``(P (P + 1) / 2, G)``, both C-contiguous (einsum's fast inner loop), and
+    each column's largest ``|F|``."""
     cache = _cells_cache(cells)
     bases = cache.setdefault("bases_t", {})
     key = (log_covariates, knots.tobytes())
@@ -109,7 +110,8 @@ def _basis_t(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bo
         if len(bases) >= _MAX_BASES:
             bases.clear()
         F, O = _basis(cells, Xt, knots, log_covariates)
-        hit = bases[key] = (np.ascontiguousarray(F.T), np.ascontiguousarray(O[:, _triangle(F.shape[1])[2]].T))
+        FT = np.ascontiguousarray(F.T)
+        hit = bases[key] = (FT, np.ascontiguousarray(O[:, _triangle(F.shape[1])[2]].T), np.abs(FT).max(1))
     return hit
 
 
@@ -123,7 +125,12 @@ def _all_knots(cells: Cells, C: np.ndarray, n_knots: int) -> tuple[np.ndarray, n
     virtual = (n - 1) * _knot_levels(n_knots)[None, :]
     prev = np.floor(virtual)
     both = np.concatenate([prev, np.minimum(prev + 1, n - 1)], axis=1)
-    ab = cells.score_values[(cum[:, None, :] <= both[:, :, None]).sum(2).clip(max=D - 1)]
+    # per fit, how many cumulative counts are <= each order statistic: one searchsorted over the
+    # rows laid end to end (shifted apart by more than any count; integer counts, so exact)
+    shift = np.arange(J)[:, None] * (n.max() + 1.0)
+    below = np.searchsorted((cum + shift).ravel(), (both + shift).ravel(), side="right").reshape(both.shape)
+    below -= np.arange(J)[:, None] * D
+    ab = cells.score_values[below.clip(max=D - 1)]
     L = prev.shape[1]
     a, b = ab[:, :L], ab[:, L:]
     t = virtual - prev
@@ -319,6 +326,21 @@ def _triangle(P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _TRI: dict[int, tuple] = {}
 
 
+def _symmetric(P: int) -> np.ndarray:
+    """For each entry of a flattened P x P matrix, its position in the upper triangle (`_triangle`)."""
+    sym = _SYM.get(P)
+    if sym is None:
+        iu0, iu1, _ = _triangle(P)
+        pos = np.empty((P, P), dtype=np.intp)
+        pos[iu0, iu1] = np.arange(iu0.size)
+        pos[iu1, iu0] = np.arange(iu0.size)
+        sym = _SYM[P] = pos.ravel()
+    return sym
+
+
+_SYM: dict[int, np.ndarray] = {}
+
+
 def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, WY: np.ndarray, C: np.ndarray,
                  clip, log_covariates: bool, warm: dict | None, x_scale: np.ndarray) -> np.ndarray:
     """The logit stage-1 coefficients (raw covariates) of fits with the same number of knots
@@ -340,9 +362,9 @@ def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray,
     iu0, iu1, _ = _triangle(P)
     designs = []
     for rows in groups.values():
-        FT, OtT = _basis_t(cells, Xt, knots[js[rows[0]]], log_covariates)
+        FT, OtT, fmax = _basis_t(cells, Xt, knots[js[rows[0]]], log_covariates)
         idx = slice(None) if len(rows) == js.size else np.array(rows)
-        designs.append((idx, FT, OtT))
+        designs.append((idx, FT, OtT, fmax))
     sel = slice(None) if js.size == J else js
     lam = RIDGE * W[sel].sum(1) / C[sel].sum(1)
     pen = np.empty((js.size, P))
@@ -391,7 +413,7 @@ def _apply(designs: list, theta: np.ndarray, G: int) -> np.ndarray:
     if len(designs) == 1:
         return np.einsum("jp,pg->jg", theta, designs[0][1])
     eta = np.empty((theta.shape[0], G))
-    for idx, FT, _ in designs:
+    for idx, FT, *_ in designs:
         eta[idx] = np.einsum("jp,pg->jg", theta[idx], FT)
     return eta
 
@@ -414,14 +436,15 @@ def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pe
     eta = np.log(mu / (1.0 - mu))
     theta = None
     conv = np.zeros(N, dtype=bool)
-    diag = np.arange(P)
-    H = np.empty((N, P, P))
+    sym = _symmetric(P)
+    Hf = np.empty((N, P * P))
+    H = Hf.reshape(N, P, P)
     eye = _eye(P)
     mask = np.ones((N, P), dtype=bool)  # free coefficients of each fit's Newton system
     one = len(designs) == 1
     fmax = np.empty((N, P))  # largest |F| of each column: |F d| <= fmax . |d| bounds an index step
-    for idx, FT, _ in designs:
-        fmax[idx] = np.abs(FT).max(1)
+    for idx, _, _, fm in designs:
+        fmax[idx] = fm
     for _ in range(NEWTON_MAX):
         wmu = W * mu
         v = wmu - wmu * mu  # w mu (1 - mu)
@@ -437,19 +460,21 @@ def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pe
         else:
             h = np.empty((N, designs[0][2].shape[0]))
             b = np.empty((N, P))
-            for idx, FT, OtT in designs:
+            for idx, FT, OtT, _ in designs:
                 h[idx] = np.einsum("jg,qg->jq", v[idx], OtT)
                 b[idx] = np.einsum("jg,pg->jp", r[idx], FT)
-        H[:, tri[0], tri[1]] = h
-        H[:, tri[1], tri[0]] = h
+        np.take(h, sym, axis=1, out=Hf)  # the symmetric matrices from their upper triangles
         if theta is not None:
             b += np.matmul(H, theta[:, :, None])[:, :, 0]
-        H[:, diag, diag] += pen
+        Hf[:, ::P + 1] += pen
         if theta is None:  # the first step: the full active set from the start's free ramps
             new = _qp_rows(H, b, n_ramp, free)
         else:  # Newton on the current free set; the full active set only where a free ramp turns negative
-            new = _lapack.solve1(np.where(mask[:, :, None] & mask[:, None, :], H, eye), np.where(mask, b, 0.0),
-                                 signature="dd->d")
+            if mask.all():
+                new = _lapack.solve1(H, b, signature="dd->d")
+            else:
+                new = _lapack.solve1(np.where(mask[:, :, None] & mask[:, None, :], H, eye), np.where(mask, b, 0.0),
+                                     signature="dd->d")
             neg = (new[:, :n_ramp] < 0).any(1)
             if neg.any():
                 rows = np.flatnonzero(neg)
