@@ -357,15 +357,18 @@ def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray,
     if js.size == 0:
         return theta
     groups: dict[bytes, list[int]] = {}
-    for i, j in enumerate(js.tolist()):
-        groups.setdefault(knots[j].tobytes(), []).append(i)
+    for j in js.tolist():
+        groups.setdefault(knots[j].tobytes(), []).append(j)
     iu0, iu1, _ = _triangle(P)
     designs = []
-    for rows in groups.values():
-        FT, OtT, fmax = _basis_t(cells, Xt, knots[js[rows[0]]], log_covariates)
-        idx = slice(None) if len(rows) == js.size else np.array(rows)
-        designs.append((idx, FT, OtT, fmax))
-    sel = slice(None) if js.size == J else js
+    start = 0
+    for rows in groups.values():  # the fits in group order, so that each group is a slice (views, no copies)
+        FT, OtT, fmax = _basis_t(cells, Xt, knots[rows[0]], log_covariates)
+        designs.append((slice(start, start + len(rows)), FT, OtT, fmax))
+        start += len(rows)
+    if len(designs) == 1:
+        designs[0] = (slice(None),) + designs[0][1:]
+    sel = slice(None) if js.size == J and len(designs) == 1 else np.array([j for rows in groups.values() for j in rows])
     lam = RIDGE * W[sel].sum(1) / C[sel].sum(1)
     pen = np.empty((js.size, P))
     pen[:, :n_ramp] = lam[:, None]
@@ -414,7 +417,7 @@ def _apply(designs: list, theta: np.ndarray, G: int) -> np.ndarray:
         return np.einsum("jp,pg->jg", theta, designs[0][1])
     eta = np.empty((theta.shape[0], G))
     for idx, FT, *_ in designs:
-        eta[idx] = np.einsum("jp,pg->jg", theta[idx], FT)
+        np.einsum("jp,pg->jg", theta[idx], FT, out=eta[idx])
     return eta
 
 
@@ -461,8 +464,8 @@ def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pe
             h = np.empty((N, designs[0][2].shape[0]))
             b = np.empty((N, P))
             for idx, FT, OtT, _ in designs:
-                h[idx] = np.einsum("jg,qg->jq", v[idx], OtT)
-                b[idx] = np.einsum("jg,pg->jp", r[idx], FT)
+                np.einsum("jg,qg->jq", v[idx], OtT, out=h[idx])
+                np.einsum("jg,pg->jp", r[idx], FT, out=b[idx])
         np.take(h, sym, axis=1, out=Hf)  # the symmetric matrices from their upper triangles
         if theta is not None:
             b += np.matmul(H, theta[:, :, None])[:, :, 0]
