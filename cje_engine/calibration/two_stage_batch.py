@@ -439,6 +439,7 @@ def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pe
     eta = np.log(mu / (1.0 - mu))
     theta = None
     conv = np.zeros(N, dtype=bool)
+    some_conv = False  # conv.any(), kept as a flag (most steps have no converged fit)
     sym = _symmetric(P)
     Hf = np.empty((N, P * P))
     H = Hf.reshape(N, P, P)
@@ -490,34 +491,38 @@ def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pe
             step = new - theta
             # a step that moves no index by more than log 2 lowers the objective (the curvature
             # changes by less than a factor 2 along it, docs/statistics.md): no check needed
-            big = (np.abs(step) * fmax).sum(1) > LOG2
+            size = np.abs(step)
+            big = (size * fmax).sum(1) > LOG2
             if big.any():  # the bound is loose: the exact largest index change
                 big &= np.abs(eta_c - eta).max(1) > LOG2
-            big &= ~conv
+                if some_conv:
+                    big &= ~conv
             s = None
             if big.any():
                 s, new, eta_c = _halve(designs, W, WT, pen, theta, eta, step, new, eta_c, big)
-            moved = np.abs(step if s is None else s[:, None] * step).max(1)
-            if conv.any():
+            moved = (size if s is None else np.abs(s[:, None] * step)).max(1)
+            if some_conv:
                 keep = conv[:, None]
                 theta = np.where(keep, theta, new)
                 eta = np.where(keep, eta, eta_c)
             else:
                 theta, eta = new, eta_c
         free = theta[:, :n_ramp] > 0
-        mu = np.tanh(0.5 * eta)  # expit(eta) = (1 + tanh(eta / 2)) / 2, without overflow, faster than expit
-        mu += 1.0
-        mu *= 0.5
         stop = moved <= NEWTON_TOL * (1.0 + np.abs(theta).max(1))
-        stop &= ~conv
+        if some_conv:
+            stop &= ~conv
         if stop.any():  # converged on its free set: a KKT point unless a fixed ramp has a descent direction
             grad = b - np.matmul(H, new[:, :, None])[:, :, 0]
             viol = ~free & (grad[:, :n_ramp] > 1e-9 * (np.abs(b).max(1, keepdims=True) + 1e-300))
             again = stop & viol.any(1)
             free |= viol & again[:, None]
             conv |= stop & ~again
+            some_conv = bool(conv.any())
             if conv.all():
                 break
+        mu = np.tanh(0.5 * eta)  # expit(eta) = (1 + tanh(eta / 2)) / 2, without overflow, faster than expit
+        mu += 1.0
+        mu *= 0.5
         mask[:, :n_ramp] = free
     return theta
 
