@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.linalg import _umath_linalg as _lapack  # the batched LAPACK gufuncs, without the wrappers' checks
+from numpy._core._multiarray_umath import c_einsum as _einsum  # what np.einsum calls (optimize=False), without its wrapper
 
 from cje_engine.calibration.calibrators import (
     NEWTON_MAX,
@@ -274,7 +275,7 @@ def _solve_all(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, W
         Ws, WYs = (W, WY) if len(js) == J else (W[js], WY[js])
         # einsum, not BLAS: a threaded BLAS product's rounding depends on its thread count, and
         # replicates must be the same bits in every process (any node, any chunking)
-        parts.append((js, np.einsum("jg,gq->jq", Ws, O).reshape(len(js), P, P), np.einsum("jg,gp->jp", WYs, F)))
+        parts.append((js, _einsum("jg,gq->jq", Ws, O).reshape(len(js), P, P), _einsum("jg,gp->jp", WYs, F)))
     n_ramp = knots.shape[1] - 1
     if len(parts) == 1:
         G, b = parts[0][1], parts[0][2]
@@ -414,10 +415,10 @@ def _qp_stack_pd(H: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | N
 def _apply(designs: list, theta: np.ndarray, G: int) -> np.ndarray:
     """Index ``F theta`` of every fit at every cell (each fit with its group's design)."""
     if len(designs) == 1:
-        return np.einsum("jp,pg->jg", theta, designs[0][1])
+        return _einsum("jp,pg->jg", theta, designs[0][1])
     eta = np.empty((theta.shape[0], G))
     for idx, FT, *_ in designs:
-        np.einsum("jp,pg->jg", theta[idx], FT, out=eta[idx])
+        _einsum("jp,pg->jg", theta[idx], FT, out=eta[idx])
     return eta
 
 
@@ -459,14 +460,14 @@ def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pe
         else:  # eta = F theta, so F' v eta = (H - pen) theta: only w (t - mu) goes through the cells
             r = WT - wmu
         if one:
-            h = np.einsum("jg,qg->jq", v, designs[0][2])
-            b = np.einsum("jg,pg->jp", r, designs[0][1])
+            h = _einsum("jg,qg->jq", v, designs[0][2])
+            b = _einsum("jg,pg->jp", r, designs[0][1])
         else:
             h = np.empty((N, designs[0][2].shape[0]))
             b = np.empty((N, P))
             for idx, FT, OtT, _ in designs:
-                np.einsum("jg,qg->jq", v[idx], OtT, out=h[idx])
-                np.einsum("jg,pg->jp", r[idx], FT, out=b[idx])
+                _einsum("jg,qg->jq", v[idx], OtT, out=h[idx])
+                _einsum("jg,pg->jp", r[idx], FT, out=b[idx])
         np.take(h, sym, axis=1, out=Hf)  # the symmetric matrices from their upper triangles
         if theta is not None:
             b += np.matmul(H, theta[:, :, None])[:, :, 0]
@@ -597,13 +598,13 @@ def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarra
     if p:
         wsum = W.sum(1)[:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
-            x_mean = np.einsum("jg,gp->jp", W, Xt) / wsum
+            x_mean = _einsum("jg,gp->jp", W, Xt) / wsum
             if p == 1:
                 dev = Xt[:, 0] - x_mean
                 dev *= dev
                 sd = np.sqrt((W * dev).sum(1)[:, None] / wsum)
             else:
-                sd = np.sqrt(np.einsum("jg,jgp->jp", W, (Xt[None] - x_mean[:, None, :]) ** 2) / wsum)
+                sd = np.sqrt(_einsum("jg,jgp->jp", W, (Xt[None] - x_mean[:, None, :]) ** 2) / wsum)
         out.x_mean, out.x_scale = x_mean, np.where(sd > 0, sd, 1.0)
     refit = []
     every = ok.all() and (sizes == sizes[0]).all()
@@ -653,7 +654,7 @@ def _stage2_all(out: TwoStageFits, cells: Cells, Xt: np.ndarray, W: np.ndarray, 
     if Xt.shape[1] == 1:
         Z += ((Xt[:, 0] - out.x_mean) / out.x_scale) * out.beta
     elif Xt.shape[1]:
-        Z += np.einsum("jgp,jp->jg", (Xt[None] - out.x_mean[:, None, :]) / out.x_scale[:, None, :], out.beta)
+        Z += _einsum("jgp,jp->jg", (Xt[None] - out.x_mean[:, None, :]) / out.x_scale[:, None, :], out.beta)
     Z += out.intercept[:, None]
     Z[~out.ok] = np.nan
     out.Z = Z
