@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.linalg import _umath_linalg as _lapack  # the batched LAPACK gufuncs, without the wrappers' checks
-from numpy._core._multiarray_umath import c_einsum as _einsum  # what np.einsum calls (optimize=False), without its wrapper
+from numpy._core._multiarray_umath import c_einsum as _einsum  # what np.einsum runs (optimize=False), no wrapper
 
 from cje_engine.calibration.calibrators import (
     NEWTON_MAX,
