@@ -39,6 +39,7 @@ def _clip(out: np.ndarray, clip: tuple[float, float] | None) -> np.ndarray:
 
 
 MODES = ("monotone", "two_stage")
+LINKS = ("logit", "identity")  # stage 1 of the two-stage index
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,109 @@ def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray |
     return None
 
 
+def _ramp_solve(M: np.ndarray, t: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray:
+    """min ||M theta - t|| with theta[:n_ramp] >= 0: the active set (`_ramp_lsq`), else scipy NNLS."""
+    theta = _ramp_lsq(M, t, n_ramp, free)
+    if theta is None:
+        # NNLS with sign-free intercept and covariates: split them into +/- columns.
+        A = np.hstack([M[:, :n_ramp], M[:, n_ramp:], -M[:, n_ramp:]])
+        coef, _ = nnls(A, t, maxiter=50 * A.shape[1])
+        theta = np.concatenate([coef[:n_ramp], coef[n_ramp:M.shape[1]] - coef[M.shape[1]:]])
+    return theta
+
+
+def qp_ramp(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray:
+    """min 1/2 theta' G theta - b' theta with theta[:n_ramp] >= 0 (G positive definite).
+
+    The active set on the normal equations (`_ramp_lsq_gram`); if it declines (near collinearity,
+    no settling), scipy NNLS on the equivalent least squares ``||R theta - R^-T b||`` (G = R'R).
+    """
+    theta = _ramp_lsq_gram(G, b, n_ramp, free)
+    if theta is None:
+        R = np.linalg.cholesky(G).T
+        theta = _ramp_solve(R, np.linalg.solve(R.T, b), n_ramp, None)
+    return theta
+
+
+#: Ridge of the logit first stage, per unit of mean row weight, on the ramp and covariate
+#: coefficients (not the intercept): it keeps the fit finite when the labels are separated by the
+#: index (likely with 16 labels in a bootstrap replicate) and the problem strictly convex; its
+#: share of the curvature falls as 1 / (labels), about 0.1 / (0.2 m) (see docs/statistics.md).
+RIDGE = 0.1
+#: Newton stops when its last step moved no coefficient by more than this (relative to 1 + max|theta|);
+#: convergence is quadratic, so the coefficients are then within ~1e-13 of the optimum.
+NEWTON_TOL = 1e-4
+NEWTON_MAX = 50
+LOG2 = float(np.log(2.0))
+
+
+def ridge_of(w: np.ndarray, count: np.ndarray) -> float:
+    """The logit stage's ridge: ``RIDGE`` times the mean weight of the rows with positive weight."""
+    return RIDGE * float(w.sum()) / float(count.sum())
+
+
+def label_unit(w: np.ndarray, wy: np.ndarray, clip: tuple[float, float] | None) -> np.ndarray | None:
+    """Each cell's mean label on [0, 1] (``clip`` = the label scale; None: the cells' own range),
+    or None when every cell is at one end (the logit fit has no finite optimum, the index no use)."""
+    ybar = wy / w
+    lo, hi = (float(ybar.min()), float(ybar.max())) if clip is None else clip
+    if not hi > lo:
+        return None
+    t = np.clip((ybar - lo) / (hi - lo), 0.0, 1.0)
+    if t.max() <= 0.0 or t.min() >= 1.0:
+        return None
+    return t
+
+
+def logit_objective(eta: np.ndarray, w: np.ndarray, t: np.ndarray, theta: np.ndarray, pen: np.ndarray) -> float:
+    """Quasi-binomial deviance / 2 of the index ``eta`` plus the ridge: the logit stage's objective."""
+    return float(np.einsum("g,g->", w, np.logaddexp(0.0, eta) - t * eta) + 0.5 * np.einsum("p,p,p->", pen, theta,
+                                                                                         theta))
+
+
+def _logit_newton(F: np.ndarray, w: np.ndarray, t: np.ndarray, lam: float, n_ramp: int,
+                  free: np.ndarray | None, code: np.ndarray) -> np.ndarray:
+    """Ridge-penalised quasi-binomial logistic fit of ``t`` on ``F`` with ``theta[:n_ramp] >= 0``.
+
+    Projected Newton (IRLS): each step minimises the objective's quadratic model under the
+    bounds (`qp_ramp`). A step that changes no cell's index by more than log 2 is taken whole
+    (along it the curvature changes by less than a factor 2, so it lowers the objective); a
+    longer one is halved until the objective does not rise. Starts like R's ``glm``, but from
+    the mean label of each distinct score (``code``: the cells' score index) rather than of each
+    cell: mu = (sum w t + 1/2) / (sum w + 1) over the cells of a score (closer to the optimum,
+    one Newton step fewer); a function of the data only (no starting coefficients).
+    """
+    P = F.shape[1]
+    pen = np.full(P, lam)
+    pen[-1] = 0.0
+    mu = ((np.bincount(code, weights=w * t) + 0.5) / (np.bincount(code, weights=w) + 1.0))[code]
+    eta = np.log(mu / (1.0 - mu))
+    theta = None
+    for _ in range(NEWTON_MAX):
+        v = w * mu * (1.0 - mu)
+        G = np.einsum("gp,g,gq->pq", F, v, F)
+        G[np.diag_indices(P)] += pen
+        new = qp_ramp(G, np.einsum("gp,g->p", F, v * eta + w * (t - mu)), n_ramp, free)
+        eta_c = np.einsum("gp,p->g", F, new)
+        if theta is None:  # the first step (from the data's start) is taken whole
+            moved = np.inf
+        else:
+            step, s = new - theta, 1.0
+            if np.abs(eta_c - eta).max() > LOG2:
+                q = logit_objective(eta, w, t, theta, pen)
+                while logit_objective(eta_c, w, t, new, pen) > q + 1e-12 * (1.0 + abs(q)) and s >= 1e-6:
+                    s *= 0.5
+                    new = theta + s * step
+                    eta_c = np.einsum("gp,p->g", F, new)
+            moved = np.abs(s * step).max()
+        theta, eta = new, eta_c
+        free = theta[:n_ramp] > 0
+        mu = 0.5 * (1.0 + np.tanh(0.5 * eta))  # expit, as the batched loop computes it
+        if moved <= NEWTON_TOL * (1.0 + np.abs(theta).max()):
+            break
+    return theta
+
+
 def _knot_levels(n_knots: int) -> np.ndarray:
     q = _LEVELS.get(n_knots)
     if q is None:
@@ -277,17 +381,27 @@ _LEVELS: dict[int, np.ndarray] = {}
 class TwoStageCalibrator:
     """Two-stage calibration: a smooth monotone index of score and covariates, then isotonic.
 
-    Stage 1 fits ``Z = h(S) + X @ beta`` by non-negative least squares, where ``h`` is a
-    non-decreasing piecewise-linear function of the judge score (ramp basis with knots at
-    score quantiles, non-negative coefficients) and ``beta`` is free. Stage 2 is isotonic
-    regression of the label on ``Z``. Because ``h`` is non-decreasing and stage 2 is
-    isotonic, the calibrated value is non-decreasing in the judge score for any fixed
-    covariates (the property the reference's spline index can violate).
+    Stage 1 fits an index ``Z = h(S) + X @ beta + c``, where ``h`` is a non-decreasing
+    piecewise-linear function of the judge score (ramp basis with knots at score quantiles,
+    non-negative coefficients) and ``beta`` is free. Stage 2 is isotonic regression of the
+    label on ``Z``. Because ``h`` is non-decreasing and stage 2 is isotonic, the calibrated
+    value is non-decreasing in the judge score for any fixed covariates (the property the
+    reference's spline index can violate).
+
+    ``link="logit"`` (default): stage 1 is a quasi-binomial logistic regression of the label,
+    rescaled to [0, 1] by ``clip`` (the label scale), on the basis: it minimises
+    ``sum_i w_i [log(1 + e^Z_i) - t_i Z_i] + (lam / 2) (|a|^2 + |beta|^2)`` over ramps ``a >= 0``,
+    ``beta`` (on standardised covariates) and ``c``, with ``lam = RIDGE * mean row weight``
+    (projected Newton, `_logit_newton`). The index then lives on a link scale, where a judge bias
+    that shifts the judge's latent scale by a function of the covariates is additive; on the
+    label's scale it is not (the sigmoid bends it), and least squares of the label on an additive
+    index mis-weights the covariate against the score (docs/statistics.md). ``link="identity"``:
+    least squares of the label on the basis (the former stage 1, the paper's form).
 
     The knots are quantiles of the scores of the rows with positive weight (each row counted
-    once, whatever its weight). The least squares runs on one row per cell (weight = total
-    weight of its rows, target = their weighted mean label), which has the same minimiser
-    as the row-level problem; see `_ramp_lsq` for the warm-started solver.
+    once, whatever its weight). Stage 1 runs on one row per cell (weight = total weight of its
+    rows, target = their weighted mean label), which has the same minimiser as the row-level
+    problem (both objectives are linear in the label).
 
     Parameters
     ----------
@@ -296,17 +410,21 @@ class TwoStageCalibrator:
     log_covariates : bool
         Apply ``sign(x) * log1p(|x|)`` to covariates (lengths are heavy-tailed).
     clip : tuple of float, optional
-        Bounds for predictions.
+        Bounds for predictions; with the logit link also the label scale mapped to [0, 1]
+        (None: the range of the cells' mean labels).
+    link : {"logit", "identity"}
+        Stage 1's link (above).
     """
 
     mode = "two_stage"
     uses_covariates = True
 
     def __init__(self, n_knots: int = 6, log_covariates: bool = True,
-                 clip: tuple[float, float] | None = None) -> None:
+                 clip: tuple[float, float] | None = None, link: str = "logit") -> None:
         self.n_knots = n_knots
         self.log_covariates = log_covariates
         self.clip = clip
+        self.link = link
 
     def fit(self, score: np.ndarray, y: np.ndarray, X: np.ndarray | None = None,
             sample_weight: np.ndarray | None = None) -> "TwoStageCalibrator":
@@ -320,7 +438,10 @@ class TwoStageCalibrator:
         """Fit from per-cell sums: weight ``w``, weighted label sum ``wy``, rows with weight > 0 ``count``.
 
         ``warm``: a fitted model whose active ramps start the solver (same answer, fewer steps).
+        With the logit link, a fit whose labels all sit at one end of the scale gets a constant index.
         """
+        if self.link not in LINKS:
+            raise ValueError(f"link must be one of {LINKS}, got {self.link!r}")
         keep = count > 0
         if keep.all():
             s, Xt, wk, wyk, code, cnt = cells.score, self._xt(cells), w, wy, cells.score_code, count
@@ -349,15 +470,15 @@ class TwoStageCalibrator:
         F[:, :n_ramp] = _ramp_basis(s, knots)
         F[:, n_ramp:n_ramp + p] = (Xt - self.x_mean_) / self.x_scale_
         F[:, -1] = 1.0
-        M = F * sq[:, None]
-        t = wyk / sq  # = sqrt(w) * (weighted mean label of the cell)
-        free = None if warm is None else warm.ramp_coef_ > 0
-        theta = _ramp_lsq(M, t, n_ramp, free)
-        if theta is None:
-            # NNLS with sign-free intercept and covariates: split them into +/- columns.
-            A = np.hstack([M[:, :n_ramp], M[:, n_ramp:], -M[:, n_ramp:]])
-            coef, _ = nnls(A, t, maxiter=50 * A.shape[1])
-            theta = np.concatenate([coef[:n_ramp], coef[n_ramp:n_ramp + p + 1] - coef[n_ramp + p + 1:]])
+        free = None if warm is None or warm.ramp_coef_.size != n_ramp else warm.ramp_coef_ > 0
+        if self.link == "identity":
+            theta = _ramp_solve(F * sq[:, None], wyk / sq, n_ramp, free)  # t = sqrt(w) * mean label of the cell
+        else:
+            t_unit = label_unit(wk, wyk, self.clip)
+            if t_unit is None:  # every label at one end of the scale: no index to find, a constant one
+                theta = np.zeros(F.shape[1])
+            else:
+                theta = _logit_newton(F, wk, t_unit, ridge_of(wk, cnt), n_ramp, free, code)
         self.ramp_coef_ = theta[:n_ramp]
         self.beta_ = theta[n_ramp:n_ramp + p]
         self.intercept_ = float(theta[-1])

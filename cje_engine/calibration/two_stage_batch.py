@@ -20,16 +20,27 @@ a 9-column least squares. `fit_two_stage_many` does every step for all fits toge
 * stage 2 for all fits from one stable sort of the index matrix, one pooling ``reduceat`` and
   one PAVA call per fit.
 
+With the logit first stage (the default) the least squares above is the inner step of a Newton
+loop run for all fits at once (`_solve_logit`, `_newton_stack`): per step the Gram matrices of every
+group of fits sharing a knot vector from their cached designs, one batched solve on each fit's free
+set, step halving only where a step may change an index by more than log 2.
+
 The models equal ``TwoStageCalibrator.fit_cells`` on each row of sums (the same convex problems;
-tests pin them to 1e-9 against a row-level fit with scipy NNLS). `TwoStageFits.models` builds the
+tests pin least squares to 1e-9 against a row-level fit with scipy NNLS, and the logit stage to 1e-6
+against a row-level L-BFGS-B optimum and against ``fit_cells``). `TwoStageFits.models` builds the
 calibrator objects; the bootstrap uses the arrays directly (`index`, `predict_cells`).
 """
 from __future__ import annotations
 
 import numpy as np
 from numpy.linalg import _umath_linalg as _lapack  # the batched LAPACK gufuncs, without the wrappers' checks
+from numpy._core._multiarray_umath import c_einsum as _einsum  # what np.einsum runs (optimize=False), no wrapper
 
 from cje_engine.calibration.calibrators import (
+    NEWTON_MAX,
+    NEWTON_TOL,
+    LOG2,
+    RIDGE,
     Cells,
     TwoStageCalibrator,
     _clip,
@@ -37,6 +48,7 @@ from cje_engine.calibration.calibrators import (
     _knot_levels,
     _ramp_basis,
     _ramp_lsq_gram,
+    qp_ramp,
 )
 from cje_engine.calibration.isotonic import isotonic_pooled_segments
 
@@ -86,6 +98,24 @@ def _basis(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
     return hit
 
 
+def _basis_t(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_basis` transposed for the logit stage (cached): ``F.T`` and the upper triangle of the
+    outer products, ``(P (P + 1) / 2, G)``, both C-contiguous (einsum's fast inner loop), and
+    each column's largest ``|F|``."""
+    cache = _cells_cache(cells)
+    bases = cache.setdefault("bases_t", {})
+    key = (log_covariates, knots.tobytes())
+    hit = bases.get(key)
+    if hit is None:
+        if len(bases) >= _MAX_BASES:
+            bases.clear()
+        F, O = _basis(cells, Xt, knots, log_covariates)
+        FT = np.ascontiguousarray(F.T)
+        hit = bases[key] = (FT, np.ascontiguousarray(O[:, _triangle(F.shape[1])[2]].T), np.abs(FT).max(1))
+    return hit
+
+
 def _all_knots(cells: Cells, C: np.ndarray, n_knots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Raw knots of every fit (J, n_knots + 1), rows with positive weight per fit, per-score counts."""
     J = C.shape[0]
@@ -96,7 +126,12 @@ def _all_knots(cells: Cells, C: np.ndarray, n_knots: int) -> tuple[np.ndarray, n
     virtual = (n - 1) * _knot_levels(n_knots)[None, :]
     prev = np.floor(virtual)
     both = np.concatenate([prev, np.minimum(prev + 1, n - 1)], axis=1)
-    ab = cells.score_values[(cum[:, None, :] <= both[:, :, None]).sum(2).clip(max=D - 1)]
+    # per fit, how many cumulative counts are <= each order statistic: one searchsorted over the
+    # rows laid end to end (shifted apart by more than any count; integer counts, so exact)
+    shift = np.arange(J)[:, None] * (n.max() + 1.0)
+    below = np.searchsorted((cum + shift).ravel(), (both + shift).ravel(), side="right").reshape(both.shape)
+    below -= np.arange(J)[:, None] * D
+    ab = cells.score_values[below.clip(max=D - 1)]
     L = prev.shape[1]
     a, b = ab[:, :L], ab[:, L:]
     t = virtual - prev
@@ -123,8 +158,8 @@ class TwoStageFits:
         Stage 2: the pooled index values, the isotonic fitted values and their weights.
     """
 
-    def __init__(self, J: int, p: int, clip, n_knots: int, log_covariates: bool) -> None:
-        self.J, self.clip, self.n_knots, self.log_covariates = J, clip, n_knots, log_covariates
+    def __init__(self, J: int, p: int, clip, n_knots: int, log_covariates: bool, link: str = "logit") -> None:
+        self.J, self.clip, self.n_knots, self.log_covariates, self.link = J, clip, n_knots, log_covariates, link
         self.ok = np.zeros(J, dtype=bool)
         self.knots: list = [None] * J
         self.cum: list = [None] * J
@@ -154,7 +189,8 @@ class TwoStageFits:
         """Fit ``j`` as a `TwoStageCalibrator` (None for a fit without data)."""
         if not self.ok[j]:
             return None
-        m = TwoStageCalibrator(n_knots=self.n_knots, log_covariates=self.log_covariates, clip=self.clip)
+        m = TwoStageCalibrator(n_knots=self.n_knots, log_covariates=self.log_covariates, clip=self.clip,
+                               link=self.link)
         m.knots_, m.x_mean_, m.x_scale_ = self.knots[j], self.x_mean[j], self.x_scale[j]
         m.ramp_coef_, m.beta_, m.intercept_ = self.ramp[j], self.beta[j], float(self.intercept[j])
         m._cum = self.cum[j]
@@ -239,7 +275,7 @@ def _solve_all(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, W
         Ws, WYs = (W, WY) if len(js) == J else (W[js], WY[js])
         # einsum, not BLAS: a threaded BLAS product's rounding depends on its thread count, and
         # replicates must be the same bits in every process (any node, any chunking)
-        parts.append((js, np.einsum("jg,gq->jq", Ws, O).reshape(len(js), P, P), np.einsum("jg,gp->jp", WYs, F)))
+        parts.append((js, _einsum("jg,gq->jq", Ws, O).reshape(len(js), P, P), _einsum("jg,gp->jp", WYs, F)))
     n_ramp = knots.shape[1] - 1
     if len(parts) == 1:
         G, b = parts[0][1], parts[0][2]
@@ -257,9 +293,271 @@ def _solve_all(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, W
     return theta, done
 
 
+def _unit_labels(W: np.ndarray, WY: np.ndarray, C: np.ndarray, clip) -> tuple[np.ndarray, np.ndarray]:
+    """Per fit and cell ``W t``, ``t`` the mean label on [0, 1] (as `label_unit`; 0 where a cell has
+    no rows), and which fits have labels off both ends (the others get a constant index, as
+    ``fit_cells``)."""
+    has = C > 0
+    ybar = np.divide(WY, W, out=np.zeros(W.shape), where=has)
+    if clip is None:
+        lo = np.where(has, ybar, np.inf).min(1, keepdims=True)
+        hi = np.where(has, ybar, -np.inf).max(1, keepdims=True)
+    else:
+        lo, hi = np.full((W.shape[0], 1), float(clip[0])), np.full((W.shape[0], 1), float(clip[1]))
+    span = hi - lo
+    ok = span[:, 0] > 0
+    ybar -= lo
+    ybar /= np.where(span > 0, span, 1.0)
+    np.maximum(ybar, 0.0, out=ybar)
+    np.minimum(ybar, 1.0, out=ybar)
+    WT = ybar
+    WT *= W  # 0 where a cell has no rows
+    return WT, ok & (WT > 0).any(1) & (W > WT).any(1)
+
+
+def _triangle(P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Upper-triangle indices of a P x P matrix and their positions in its flattened form."""
+    tri = _TRI.get(P)
+    if tri is None:
+        iu = np.triu_indices(P)
+        tri = _TRI[P] = (iu[0], iu[1], iu[0] * P + iu[1])
+    return tri
+
+
+_TRI: dict[int, tuple] = {}
+
+
+def _symmetric(P: int) -> np.ndarray:
+    """For each entry of a flattened P x P matrix, its position in the upper triangle (`_triangle`)."""
+    sym = _SYM.get(P)
+    if sym is None:
+        iu0, iu1, _ = _triangle(P)
+        pos = np.empty((P, P), dtype=np.intp)
+        pos[iu0, iu1] = np.arange(iu0.size)
+        pos[iu1, iu0] = np.arange(iu0.size)
+        sym = _SYM[P] = pos.ravel()
+    return sym
+
+
+_SYM: dict[int, np.ndarray] = {}
+
+
+def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, WY: np.ndarray, C: np.ndarray,
+                 clip, log_covariates: bool, warm: dict | None, x_scale: np.ndarray) -> np.ndarray:
+    """The logit stage-1 coefficients (raw covariates) of fits with the same number of knots
+    (``knots`` (J, k)): `_logit_newton` for all of them at once. One Newton loop: per step, the
+    Gram matrices and gradients of each group of fits sharing a knot vector (its cached design),
+    then one batched quadratic programme for all fits, each with its own active set and step
+    length; a fit that has converged keeps its coefficients while the others go on."""
+    J = W.shape[0]
+    n_ramp = knots.shape[1] - 1
+    P = n_ramp + Xt.shape[1] + 1
+    WT, live = _unit_labels(W, WY, C, clip)
+    theta = np.zeros((J, P))
+    js = np.flatnonzero(live)
+    if js.size == 0:
+        return theta
+    groups: dict[bytes, list[int]] = {}
+    for j in js.tolist():
+        groups.setdefault(knots[j].tobytes(), []).append(j)
+    iu0, iu1, _ = _triangle(P)
+    designs = []
+    start = 0
+    for rows in groups.values():  # the fits in group order, so that each group is a slice (views, no copies)
+        FT, OtT, fmax = _basis_t(cells, Xt, knots[rows[0]], log_covariates)
+        designs.append((slice(start, start + len(rows)), FT, OtT, fmax))
+        start += len(rows)
+    if len(designs) == 1:
+        designs[0] = (slice(None),) + designs[0][1:]
+    sel = slice(None) if js.size == J and len(designs) == 1 else np.array([j for rows in groups.values() for j in rows])
+    lam = RIDGE * W[sel].sum(1) / C[sel].sum(1)
+    pen = np.empty((js.size, P))
+    pen[:, :n_ramp] = lam[:, None]
+    pen[:, n_ramp:-1] = lam[:, None] * x_scale[sel] ** 2  # the ridge is on standardised coefficients
+    pen[:, -1] = 0.0
+    theta[sel] = _newton_stack(cells, designs, W[sel], WT[sel], pen, n_ramp, None if warm is None else warm.get(n_ramp),
+                               (iu0, iu1))
+    return theta
+
+
+def _qp_stack_pd(H: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None,
+                 rounds: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """`_ramp_lsq_stack` for positive definite systems (the ridge makes the logit stage's so):
+    no rank checks, one batched solve of every masked system per round until every system is
+    a KKT point (free ramps > 0, no fixed ramp with a descent direction); ``done`` False where
+    ``rounds`` did not settle it (the caller then uses `qp_ramp`)."""
+    N, P = b.shape
+    if free is None or free.all():  # every ramp free: a KKT point unless a ramp comes out negative
+        x = _lapack.solve1(H, b, signature="dd->d")
+        neg = (x[:, :n_ramp] < 0).any(1)
+        if not neg.any():
+            return x, ~neg
+    mask = np.ones((N, P), dtype=bool)
+    if free is not None:
+        mask[:, :n_ramp] = free
+    tol = 1e-9 * (np.abs(b).max(1) + 1e-300)
+    eye = _eye(P)
+    for _ in range(rounds):
+        x = _lapack.solve1(np.where(mask[:, :, None] & mask[:, None, :], H, eye), np.where(mask, b, 0.0),
+                           signature="dd->d")
+        x[~mask] = 0.0
+        ramps, fr = x[:, :n_ramp], mask[:, :n_ramp]
+        neg = (ramps < 0).any(1)
+        grad = b - np.matmul(H, x[:, :, None])[:, :, 0]
+        viol = ~fr & (grad[:, :n_ramp] > tol[:, None])
+        settled = ~neg & ~viol.any(1)
+        if settled.all():
+            return x, settled
+        mask[:, :n_ramp] = np.where(neg[:, None], fr & (ramps > 0), fr | viol)
+    return x, settled
+
+
+def _apply(designs: list, theta: np.ndarray, G: int) -> np.ndarray:
+    """Index ``F theta`` of every fit at every cell (each fit with its group's design)."""
+    if len(designs) == 1:
+        return _einsum("jp,pg->jg", theta, designs[0][1])
+    eta = np.empty((theta.shape[0], G))
+    for idx, FT, *_ in designs:
+        _einsum("jp,pg->jg", theta[idx], FT, out=eta[idx])
+    return eta
+
+
+def _objective(W: np.ndarray, WT: np.ndarray, eta: np.ndarray, theta: np.ndarray, pen: np.ndarray) -> np.ndarray:
+    return (W * np.logaddexp(0.0, eta) - WT * eta).sum(1) + 0.5 * (pen * theta * theta).sum(1)
+
+
+def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pen: np.ndarray, n_ramp: int,
+                  free: np.ndarray | None, tri: tuple) -> np.ndarray:
+    """`_logit_newton` on a stack of fits (rows of ``W``, ``WT`` = W t, ``pen``); ``designs``: (rows,
+    F', upper triangle of the outer products') per group of fits sharing a design. Same steps as
+    the scalar loop; a fit that has converged keeps its coefficients while the others go on."""
+    N, P = pen.shape
+    G = W.shape[1]
+    key = _score_key(cells, N)
+    D = cells.score_values.size
+    mu = ((np.bincount(key, weights=WT.ravel(), minlength=N * D) + 0.5)
+          / (np.bincount(key, weights=W.ravel(), minlength=N * D) + 1.0)).reshape(N, D)[:, cells.score_code]
+    eta = np.log(mu / (1.0 - mu))
+    theta = None
+    conv = np.zeros(N, dtype=bool)
+    some_conv = False  # conv.any(), kept as a flag (most steps have no converged fit)
+    sym = _symmetric(P)
+    Hf = np.empty((N, P * P))
+    H = Hf.reshape(N, P, P)
+    eye = _eye(P)
+    mask = np.ones((N, P), dtype=bool)  # free coefficients of each fit's Newton system
+    one = len(designs) == 1
+    fmax = np.empty((N, P))  # largest |F| of each column: |F d| <= fmax . |d| bounds an index step
+    for idx, _, _, fm in designs:
+        fmax[idx] = fm
+    for _ in range(NEWTON_MAX):
+        wmu = W * mu
+        v = wmu - wmu * mu  # w mu (1 - mu)
+        if theta is None:  # working response v eta + w (t - mu)
+            r = v * eta
+            r += WT
+            r -= wmu
+        else:  # eta = F theta, so F' v eta = (H - pen) theta: only w (t - mu) goes through the cells
+            r = WT - wmu
+        if one:
+            h = _einsum("jg,qg->jq", v, designs[0][2])
+            b = _einsum("jg,pg->jp", r, designs[0][1])
+        else:
+            h = np.empty((N, designs[0][2].shape[0]))
+            b = np.empty((N, P))
+            for idx, FT, OtT, _ in designs:
+                _einsum("jg,qg->jq", v[idx], OtT, out=h[idx])
+                _einsum("jg,pg->jp", r[idx], FT, out=b[idx])
+        np.take(h, sym, axis=1, out=Hf)  # the symmetric matrices from their upper triangles
+        if theta is not None:
+            b += np.matmul(H, theta[:, :, None])[:, :, 0]
+        Hf[:, ::P + 1] += pen
+        if theta is None:  # the first step: the full active set from the start's free ramps
+            new = _qp_rows(H, b, n_ramp, free)
+        else:  # Newton on the current free set; the full active set only where a free ramp turns negative
+            if mask.all():
+                new = _lapack.solve1(H, b, signature="dd->d")
+            else:
+                new = _lapack.solve1(np.where(mask[:, :, None] & mask[:, None, :], H, eye), np.where(mask, b, 0.0),
+                                     signature="dd->d")
+            neg = (new[:, :n_ramp] < 0).any(1)
+            if neg.any():
+                rows = np.flatnonzero(neg)
+                new[rows] = _qp_rows(H[rows], b[rows], n_ramp, free[rows])
+        eta_c = _apply(designs, new, G)
+        if theta is None:  # the first step (from the data's start) is taken whole
+            theta, eta = new, eta_c
+            moved = np.inf
+        else:
+            step = new - theta
+            # a step that moves no index by more than log 2 lowers the objective (the curvature
+            # changes by less than a factor 2 along it, docs/statistics.md): no check needed
+            size = np.abs(step)
+            big = (size * fmax).sum(1) > LOG2
+            if big.any():  # the bound is loose: the exact largest index change
+                big &= np.abs(eta_c - eta).max(1) > LOG2
+                if some_conv:
+                    big &= ~conv
+            s = None
+            if big.any():
+                s, new, eta_c = _halve(designs, W, WT, pen, theta, eta, step, new, eta_c, big)
+            moved = (size if s is None else np.abs(s[:, None] * step)).max(1)
+            if some_conv:
+                keep = conv[:, None]
+                theta = np.where(keep, theta, new)
+                eta = np.where(keep, eta, eta_c)
+            else:
+                theta, eta = new, eta_c
+        free = theta[:, :n_ramp] > 0
+        stop = moved <= NEWTON_TOL * (1.0 + np.abs(theta).max(1))
+        if some_conv:
+            stop &= ~conv
+        if stop.any():  # converged on its free set: a KKT point unless a fixed ramp has a descent direction
+            grad = b - np.matmul(H, new[:, :, None])[:, :, 0]
+            viol = ~free & (grad[:, :n_ramp] > 1e-9 * (np.abs(b).max(1, keepdims=True) + 1e-300))
+            again = stop & viol.any(1)
+            free |= viol & again[:, None]
+            conv |= stop & ~again
+            some_conv = bool(conv.any())
+            if conv.all():
+                break
+        mu = np.tanh(0.5 * eta)  # expit(eta) = (1 + tanh(eta / 2)) / 2, without overflow, faster than expit
+        mu += 1.0
+        mu *= 0.5
+        mask[:, :n_ramp] = free
+    return theta
+
+
+def _halve(designs: list, W: np.ndarray, WT: np.ndarray, pen: np.ndarray, theta: np.ndarray, eta: np.ndarray,
+           step: np.ndarray, new: np.ndarray, eta_c: np.ndarray, big: np.ndarray):
+    """Step halving for the fits ``big``: halve until the objective does not rise (or 1e-6).
+    Returns the step lengths and the accepted coefficients and indices."""
+    G = W.shape[1]
+    s = np.ones(W.shape[0])
+    q = _objective(W, WT, eta, theta, pen)
+    q_c = _objective(W, WT, eta_c, new, pen)
+    while True:
+        bad = big & (q_c > q + 1e-12 * (1.0 + np.abs(q))) & (s >= 1e-6)
+        if not bad.any():
+            return s, new, eta_c
+        s = np.where(bad, 0.5 * s, s)
+        cand = theta + s[:, None] * step
+        eta_c = np.where(bad[:, None], _apply(designs, cand, G), eta_c)
+        new = np.where(bad[:, None], cand, new)
+        q_c = np.where(bad, _objective(W, WT, eta_c, new, pen), q_c)
+
+
+def _qp_rows(H: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray:
+    """`_qp_stack_pd`, with `qp_ramp` for the systems it did not settle."""
+    x, done = _qp_stack_pd(H, b, n_ramp, free)
+    for i in np.flatnonzero(~done):
+        x[i] = qp_ramp(H[i], b[i], n_ramp, None)
+    return x
+
+
 def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarray,
                        clip: tuple[float, float] | None = None, n_knots: int = 6,
-                       log_covariates: bool = True, warm: dict | None = None) -> TwoStageFits:
+                       log_covariates: bool = True, warm: dict | None = None, link: str = "logit") -> TwoStageFits:
     """Fit one two-stage model per row of the per-cell sums (shape (J, G) each).
 
     Parameters
@@ -268,7 +566,7 @@ def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarra
         The cells the sums refer to.
     W, WY, C : ndarray, shape (J, G)
         Per fit and cell: total weight, weighted label sum, rows with positive weight.
-    clip, n_knots, log_covariates
+    clip, n_knots, log_covariates, link
         As `TwoStageCalibrator`.
     warm : dict, optional
         Number of ramps -> the ramps the active-set solver starts with (e.g. the active ramps of
@@ -282,7 +580,7 @@ def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarra
     J = W.shape[0]
     Xt = TwoStageCalibrator(log_covariates=log_covariates)._xt(cells)
     p = Xt.shape[1]
-    out = TwoStageFits(J, p, clip, n_knots, log_covariates)
+    out = TwoStageFits(J, p, clip, n_knots, log_covariates, link)
     raw, n, per_score = _all_knots(cells, C, n_knots)
     out.ok = ok = n > 0
     keep = np.empty(raw.shape, dtype=bool)
@@ -300,13 +598,13 @@ def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarra
     if p:
         wsum = W.sum(1)[:, None]
         with np.errstate(invalid="ignore", divide="ignore"):
-            x_mean = np.einsum("jg,gp->jp", W, Xt) / wsum
+            x_mean = _einsum("jg,gp->jp", W, Xt) / wsum
             if p == 1:
                 dev = Xt[:, 0] - x_mean
                 dev *= dev
                 sd = np.sqrt((W * dev).sum(1)[:, None] / wsum)
             else:
-                sd = np.sqrt(np.einsum("jg,jgp->jp", W, (Xt[None] - x_mean[:, None, :]) ** 2) / wsum)
+                sd = np.sqrt(_einsum("jg,jgp->jp", W, (Xt[None] - x_mean[:, None, :]) ** 2) / wsum)
         out.x_mean, out.x_scale = x_mean, np.where(sd > 0, sd, 1.0)
     refit = []
     every = ok.all() and (sizes == sizes[0]).all()
@@ -314,7 +612,12 @@ def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarra
         # fits with the same number of knots solve together
         js = np.arange(J) if every else np.flatnonzero(ok & (sizes == size))
         kn = (raw[keep] if every else raw[js][keep[js]]).reshape(js.size, size)
-        theta, done = _solve_all(cells, Xt, kn, *((W, WY) if every else (W[js], WY[js])), log_covariates, warm)
+        if link == "identity":
+            theta, done = _solve_all(cells, Xt, kn, *((W, WY) if every else (W[js], WY[js])), log_covariates, warm)
+        else:
+            theta = _solve_logit(cells, Xt, kn, *((W, WY, C) if every else (W[js], WY[js], C[js])), clip,
+                                 log_covariates, warm, out.x_scale[js])
+            done = np.ones(js.size, dtype=bool)
         nr = size - 1
         cum = np.zeros((js.size, size))
         np.cumsum(theta[:, :nr], axis=1, out=cum[:, 1:])
@@ -327,7 +630,7 @@ def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarra
         refit += js[~done].tolist()
     fallback = {}
     for j in refit:  # (nearly) collinear or unsettled: the exact per-fit path (NNLS)
-        m = fallback[j] = TwoStageCalibrator(n_knots, log_covariates, clip).fit_cells(cells, W[j], WY[j], C[j])
+        m = fallback[j] = TwoStageCalibrator(n_knots, log_covariates, clip, link).fit_cells(cells, W[j], WY[j], C[j])
         out.knots[j], out.ramp[j], out.cum[j] = m.knots_, m.ramp_coef_, m._cum
         out.x_mean[j], out.x_scale[j], out.beta[j], out.intercept[j] = m.x_mean_, m.x_scale_, m.beta_, m.intercept_
     _stage2_all(out, cells, Xt, W, WY, C)
@@ -351,7 +654,7 @@ def _stage2_all(out: TwoStageFits, cells: Cells, Xt: np.ndarray, W: np.ndarray, 
     if Xt.shape[1] == 1:
         Z += ((Xt[:, 0] - out.x_mean) / out.x_scale) * out.beta
     elif Xt.shape[1]:
-        Z += np.einsum("jgp,jp->jg", (Xt[None] - out.x_mean[:, None, :]) / out.x_scale[:, None, :], out.beta)
+        Z += _einsum("jgp,jp->jg", (Xt[None] - out.x_mean[:, None, :]) / out.x_scale[:, None, :], out.beta)
     Z += out.intercept[:, None]
     Z[~out.ok] = np.nan
     out.Z = Z
