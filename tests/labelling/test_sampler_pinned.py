@@ -178,3 +178,75 @@ if __name__ == "__main__":  # written once by the original implementation; see t
     if "--write" not in sys.argv:
         raise SystemExit("refusing to overwrite the pinned file without --write")
     PINNED.write_text(json.dumps(pinned_cases(), indent=0, sort_keys=True) + "\n")
+
+
+def _reference_region_strata(scores, centres, tol):
+    strata = np.full(scores.size, -1, dtype=int)
+    for j, c in enumerate(centres):
+        free = (strata == -1) & (np.abs(scores - c) <= tol)
+        strata[free] = j
+    return strata
+
+
+@pytest.mark.parametrize("grid", [20, 100, 7])
+def test_region_strata_is_exact_at_float_boundaries(grid):
+    """Scores and region centres on a grid, the bandwidth a grid step: many |s - r| land on the
+    boundary up to rounding, where a binary search alone would misplace rows."""
+    from flows.label_requests.sampling import region_strata
+
+    rng = np.random.default_rng(grid)
+    scores = rng.integers(0, grid + 1, size=4000) / grid
+    for k in (1, 3, 17, 60):
+        centres = rng.integers(0, grid + 1, size=k) / grid
+        for tol in (1 / grid + 1e-12, 2 / grid, 0.0, 1 / grid):
+            np.testing.assert_array_equal(region_strata(scores, centres, tol),
+                                          _reference_region_strata(scores, centres, tol))
+
+
+def test_scale_down_equals_repeated_decrements():
+    from flows.label_requests.sampling import _scale_down
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        alloc = rng.integers(0, 12, size=int(rng.integers(1, 15)))
+        total = int(rng.integers(0, alloc.sum() + 3))
+        ref = alloc.copy()
+        while ref.sum() > total and ref.sum() > 0:
+            ref[int(np.argmax(ref))] -= 1
+        np.testing.assert_array_equal(_scale_down(alloc, total), ref)
+
+
+def _reference_support_regions(values, counts, cs, h, tol, k_min):
+    """The original greedy loop over every distinct score (commit 4352074)."""
+    placed, regions = [], []
+    for s, n_rows in zip(values, counts):
+        have = int(np.searchsorted(cs, s + h + tol, side="right") - np.searchsorted(cs, s - h - tol, side="left"))
+        have += sum(1 for x in placed if abs(x - s) <= h + tol)
+        outside = cs.size == 0 or s < cs[0] - tol or s > cs[-1] + tol
+        need = max(0, k_min - have) if (have < k_min or outside) else 0
+        if outside and need == 0:
+            need = 1
+        if need:
+            placed.extend([float(s)] * need)
+            regions.append({"score": float(s), "n_rows": int(n_rows), "have": have, "labels": int(need)})
+    return regions
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_support_regions_equal_the_original_greedy_loop(seed):
+    from flows.label_requests.triggers import _Rows, support_regions
+
+    rng = np.random.default_rng(seed)
+    n = 3000
+    score = rng.beta(2, 2, size=n) if seed % 2 else np.round(rng.beta(2, 2, size=n) * 40) / 40
+    policy = np.where(rng.uniform(size=n) < 0.5, "base", "other")
+    label = np.where((policy == "base") & (rng.uniform(size=n) < 0.05) & (score < 0.8), 0.5, np.nan)
+    table = pa.table({"response_id": [f"r{i}" for i in range(n)], "policy": policy, "judge_score": score,
+                      "oracle_label": label})
+    result = {"policies": {}, "config": {"calibration_policies": ["base"], "support_min_labels": 6 + seed,
+                                         "support_bandwidth": 0.02, "score_scale": [0, 1]}}
+    regions, rule = support_regions(_Rows.from_table(table), result, "other")
+    cs = np.sort(score[~np.isnan(label)])
+    values, counts = np.unique(score[policy == "other"], return_counts=True)
+    assert regions and regions == _reference_support_regions(values, counts, cs, rule["bandwidth"], 1e-9,
+                                                             6 + seed)
