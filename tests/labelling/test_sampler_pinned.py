@@ -72,7 +72,8 @@ def _direct_draws() -> list[dict]:
 def pinned_cases() -> dict:
     """The manifests and draws pinned in ``sampler_pinned.json``."""
     table, result = _case_table()
-    first = plan_requests(result, table, {"max_labels_per_request": 60}, evaluation="e", window="2025-03-01_2025-03-02", now=NOW)
+    first = plan_requests(result, table, {"max_labels_per_request": 60}, evaluation="e",
+                          window="2025-03-01_2025-03-02", now=NOW)
     pending = [dict(m, status="pending") for m in first["requests"]]
     look = {"look": 4, "alarm": True, "alarms": ["mean_shift"], "first_alarm": {"mean_shift": 4},
             "meta": {"monitor": "m1", "set_name": "s1"}}
