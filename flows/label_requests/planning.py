@@ -31,19 +31,16 @@ def _pool(rows: _Rows, scope: str, result: Mapping, cfg: RequestConfig, exclude:
     """Row indices a request of this scope may draw from: unlabelled, not pending elsewhere."""
     ok = ~rows.labelled
     if exclude:
-        ok &= ~np.isin(rows.rid, list(exclude))
+        ok &= ~rows.rid_in(exclude)
     if scope == "calibration":
         cal = (result.get("calibration") or {}).get("calibration_policies") or \
               (result.get("config") or {}).get("calibration_policies")
         if cal:
-            ok &= np.isin(rows.policy, list(cal))
+            ok &= rows.policy_in(list(cal))
     elif scope == "drift":
-        if rows.dt is not None:
-            days = sorted(set(rows.dt[rows.dt != None].tolist()))  # noqa: E711 - object array
-            recent = days[-cfg.recent_days:]
-            ok &= np.isin(rows.dt, recent)
+        ok &= rows.recent_dt(cfg.recent_days)
     else:
-        ok &= rows.policy == scope
+        ok &= rows.policy_in(scope)
     return np.flatnonzero(ok)
 
 
@@ -142,7 +139,7 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
                                       + (" (and no anchor that is not pending already)" if n_anchor else "")})
             continue
         rule = m["rule"] or {}
-        idx, p, strata = sample(rows.rid[pool], rows.score[pool], n_target, m["design"],
+        idx, p, strata = sample(rows.rid_rank[pool], rows.score[pool], n_target, m["design"],
                                 _seed_for(cfg.seed, request_id), n_strata=cfg.n_strata, regions=m["regions"],
                                 bandwidth=float(rule.get("bandwidth", 0.0)), background_share=cfg.background_share)
         chosen = pool[idx]
@@ -182,15 +179,17 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
 
 def _request_rows(rows: _Rows, chosen: np.ndarray, p: np.ndarray, strata: np.ndarray) -> list[dict]:
     """Manifest rows of the chosen pool rows, with selection and inclusion probabilities."""
-    prior = {pol: _prior_probability(rows, pol) for pol in set(rows.policy[chosen].tolist())}
+    vals = rows.take(chosen)
+    prior = {pol: _prior_probability(rows, pol) for pol in set(vals["policy"])}
     out = []
-    for i, pi, s in zip(chosen, p, strata):
-        pol = str(rows.policy[i])
+    for j, (i, pi, s) in enumerate(zip(chosen, p, strata)):
+        pol = str(vals["policy"][j])
+        dt = None if vals["dt"] is None else vals["dt"][j]
         out.append({
-            "response_id": str(rows.rid[i]), "policy": pol,
-            "prompt_id": None if rows.prompt is None else str(rows.prompt[i]),
+            "response_id": str(vals["response_id"][j]), "policy": pol,
+            "prompt_id": None if vals["prompt_id"] is None else str(vals["prompt_id"][j]),
             "judge_score": float(rows.score[i]),
-            "dt": None if rows.dt is None or rows.dt[i] is None else str(rows.dt[i]),
+            "dt": None if dt is None else str(dt),
             "stratum": int(s), "selection_probability": float(pi),
             "prior_probability": prior[pol], "inclusion_probability": float(pi * prior[pol]),
         })

@@ -4,10 +4,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from scipy.stats import norm
 
 from cje_engine.errors import CJEInputError
@@ -55,28 +57,49 @@ def _as_table(logs: Any) -> pa.Table:
     return table
 
 
+def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(int codes per row, names as an object array) of a string-like column, nulls included
+    (a null is a name of its own, ``None``): one hash pass, no Python object per row."""
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    col = col.cast(pa.string())
+    names = pc.unique(col)
+    codes = pc.index_in(col, value_set=names).to_numpy(zero_copy_only=False).astype(np.int64)
+    return codes, np.asarray(names.to_pylist(), dtype=object)
+
+
 @dataclass
 class _Rows:
-    """Numpy view of the evaluated logs (only what the triggers need)."""
+    """Columnar view of the evaluated logs (only what the triggers need).
 
-    rid: np.ndarray
-    policy: np.ndarray
+    Strings are never turned into one Python object per row: ``response_id`` stays an Arrow
+    array with its rank in the (stable) sort by id; policies and log dates are integer codes
+    into a small table of names; prompt ids are read for the chosen rows only.
+    """
+
+    rid_arrow: pa.ChunkedArray
+    rid_rank: np.ndarray
+    policy_codes: np.ndarray
+    policy_names: np.ndarray
     score: np.ndarray
     labelled: np.ndarray
     prob: np.ndarray
-    prompt: np.ndarray | None
-    dt: np.ndarray | None
+    prompt_arrow: pa.ChunkedArray | None
+    dt_codes: np.ndarray | None
+    dt_names: np.ndarray | None
 
     @classmethod
     def from_table(cls, table: pa.Table) -> "_Rows":
         n = table.num_rows
-
-        def strings(name: str) -> np.ndarray:
-            col = table.column(name)
-            if pa.types.is_dictionary(col.type):
-                col = col.cast(col.type.value_type)
-            return np.asarray(col.cast(pa.string()).to_pylist(), dtype=object)
-
+        rid = table.column("response_id")
+        if pa.types.is_dictionary(rid.type):
+            rid = rid.cast(rid.type.value_type)
+        rid = rid.cast(pa.string())
+        rank = np.empty(n, dtype=np.int64)
+        # Arrow's sort is stable and compares UTF-8 bytes, i.e. code points: the order of
+        # sorting the ids as Python strings, so a pool sorted by rank is sorted by id.
+        rank[pc.sort_indices(rid).to_numpy()] = np.arange(n, dtype=np.int64)
+        pcodes, pnames = _codes(table.column("policy"))
         score = table.column("judge_score").cast(pa.float64()).to_numpy()
         if "oracle_label" in table.column_names:
             lab = table.column("oracle_label").cast(pa.float64()).to_numpy(zero_copy_only=False)
@@ -88,14 +111,61 @@ class _Rows:
             prob = np.where(np.isnan(prob), 1.0, prob)
         else:
             prob = np.ones(n)
-        return cls(rid=strings("response_id"), policy=strings("policy"), score=score, labelled=labelled,
-                   prob=prob, prompt=strings("prompt_id") if "prompt_id" in table.column_names else None,
-                   dt=strings("dt") if "dt" in table.column_names else None)
+        prompt = None
+        if "prompt_id" in table.column_names:
+            prompt = table.column("prompt_id")
+            if pa.types.is_dictionary(prompt.type):
+                prompt = prompt.cast(prompt.type.value_type)
+            prompt = prompt.cast(pa.string())
+        dcodes, dnames = _codes(table.column("dt")) if "dt" in table.column_names else (None, None)
+        return cls(rid_arrow=rid, rid_rank=rank, policy_codes=pcodes, policy_names=pnames, score=score,
+                   labelled=labelled, prob=prob, prompt_arrow=prompt, dt_codes=dcodes, dt_names=dnames)
+
+    @cached_property
+    def policy(self) -> np.ndarray:
+        """Policy per row (object array; built on first use, the triggers use `policy_in`)."""
+        return self.policy_names[self.policy_codes]
+
+    @cached_property
+    def rid(self) -> np.ndarray:
+        """Response id per row (object array; built on first use)."""
+        return np.asarray(self.rid_arrow.to_pylist(), dtype=object)
+
+    def policy_in(self, names: Sequence[str] | str) -> np.ndarray:
+        """Boolean mask of the rows whose policy is one of ``names``."""
+        wanted = {names} if isinstance(names, str) else set(names)
+        hit = np.array([v in wanted for v in self.policy_names.tolist()], dtype=bool)
+        return hit[self.policy_codes] if hit.size else np.zeros(self.policy_codes.size, dtype=bool)
+
+    def rid_in(self, ids: Sequence[str] | set[str]) -> np.ndarray:
+        """Boolean mask of the rows whose response id is in ``ids`` (a hash lookup)."""
+        if not ids:
+            return np.zeros(self.rid_rank.size, dtype=bool)
+        hit = pc.is_in(self.rid_arrow, value_set=pa.array(list(ids), pa.string()))
+        return hit.fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+
+    def recent_dt(self, days: int) -> np.ndarray:
+        """Boolean mask of the rows on the last ``days`` log dates (all rows without a ``dt``)."""
+        if self.dt_codes is None:
+            return np.ones(self.rid_rank.size, dtype=bool)
+        present = np.bincount(self.dt_codes, minlength=self.dt_names.size) > 0
+        names = sorted(v for v, ok in zip(self.dt_names.tolist(), present) if ok and v is not None)
+        keep = set(names[-days:])
+        hit = np.array([v in keep for v in self.dt_names.tolist()], dtype=bool)
+        return hit[self.dt_codes]
+
+    def take(self, chosen: np.ndarray) -> dict[str, list]:
+        """Python values of the chosen rows: ``response_id``, ``policy``, ``prompt_id``, ``dt``."""
+        idx = pa.array(np.asarray(chosen, dtype=np.int64))
+        return {"response_id": self.rid_arrow.take(idx).to_pylist(),
+                "policy": self.policy_names[self.policy_codes[chosen]].tolist(),
+                "prompt_id": None if self.prompt_arrow is None else self.prompt_arrow.take(idx).to_pylist(),
+                "dt": None if self.dt_codes is None else self.dt_names[self.dt_codes[chosen]].tolist()}
 
 
 def _prior_probability(rows: _Rows, policy: str) -> float:
     """Harmonic mean of the stored label probabilities of the policy's labels (1 if none)."""
-    sel = rows.labelled & (rows.policy == policy)
+    sel = rows.labelled & rows.policy_in(policy)
     if not sel.any():
         return 1.0
     return float(sel.sum() / np.sum(1.0 / rows.prob[sel]))
@@ -253,21 +323,32 @@ def support_regions(rows: _Rows, result: Mapping, policy: str) -> tuple[list[dic
         width = float(np.nanmax(rows.score) - np.nanmin(rows.score)) or 1.0
     h = bw * width
     tol = 1e-9 * width
-    cal = rows.labelled & (np.isin(rows.policy, list(cal_pols)) if cal_pols else True)
+    cal = rows.labelled & (rows.policy_in(cal_pols) if cal_pols else True)
     cs = np.sort(rows.score[cal])
-    pol = rows.score[rows.policy == policy]
+    pol = rows.score[rows.policy_in(policy)]
     values, counts = np.unique(pol, return_counts=True)
-    placed: list[float] = []
+    # labels of the store within reach of each distinct score, and whether it is outside their range
+    base = np.searchsorted(cs, values + h + tol, side="right") - np.searchsorted(cs, values - h - tol, side="left")
+    outside = np.ones(values.size, dtype=bool) if cs.size == 0 else (values < cs[0] - tol) | (values > cs[-1] + tol)
+    # labels placed earlier only add to `have`: scores with enough labels inside the range never need any
+    candidates = np.flatnonzero((base < k_min) | outside)
+    placed_at: list[float] = []  # scores given labels so far (ascending), and how many each
+    placed_n: list[int] = []
+    first, in_reach = 0, 0  # placed_at[first:] are the ones within h of the current score
     regions = []
-    for s, n_rows in zip(values, counts):
-        have = int(np.searchsorted(cs, s + h + tol, side="right") - np.searchsorted(cs, s - h - tol, side="left"))
-        have += sum(1 for x in placed if abs(x - s) <= h + tol)
-        outside = cs.size == 0 or s < cs[0] - tol or s > cs[-1] + tol
-        need = max(0, k_min - have) if (have < k_min or outside) else 0
-        if outside and need == 0:
+    for i in candidates.tolist():
+        s, n_rows = values[i], counts[i]
+        while first < len(placed_at) and not abs(placed_at[first] - s) <= h + tol:
+            in_reach -= placed_n[first]
+            first += 1
+        have = int(base[i]) + in_reach
+        need = max(0, k_min - have) if (have < k_min or outside[i]) else 0
+        if outside[i] and need == 0:
             need = 1  # outside the labelled range: at least one label there extends it
         if need:
-            placed.extend([float(s)] * need)
+            placed_at.append(float(s))
+            placed_n.append(int(need))
+            in_reach += int(need)
             regions.append({"score": float(s), "n_rows": int(n_rows), "have": have, "labels": int(need)})
     return regions, {"support_min_labels": k_min, "bandwidth": h}
 
