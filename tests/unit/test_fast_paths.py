@@ -63,7 +63,9 @@ def test_quantile_of_counts_is_numpy_quantile(seed):
 class SlowTwoStageLS:
     """The least-squares (``link="identity"``) two-stage calibrator written row by row."""
 
-    def fit(self, s, y, X, w, n_knots=6):
+    def _design(self, s, y, X, w, n_knots):
+        """Rows with positive weight; knots at score quantiles, the ramps R and the standardised
+        (signed-log) covariates Z of those rows; stores knots and standardisation."""
         keep = w > 0
         s, y, X, w = s[keep], y[keep], X[keep], w[keep]
         knots = np.unique(np.quantile(s, np.linspace(0, 1, n_knots + 1)))
@@ -72,7 +74,10 @@ class SlowTwoStageLS:
         sd = np.sqrt((w[:, None] * (Xt - mean) ** 2).sum(0) / w.sum())
         self.k, self.m, self.sd = knots, mean, np.where(sd > 0, sd, 1)
         R = np.clip((s[:, None] - knots[:-1]) / (knots[1:] - knots[:-1]), 0, 1)
-        Z = (Xt - mean) / self.sd
+        return s, y, X, w, R, (Xt - mean) / self.sd
+
+    def fit(self, s, y, X, w, n_knots=6):
+        s, y, X, w, R, Z = self._design(s, y, X, w, n_knots)
         one = np.ones((s.size, 1))
         A = np.hstack([R, Z, -Z, one, -one]) * np.sqrt(w)[:, None]
         c, _ = nnls(A, y * np.sqrt(w), maxiter=2000)
@@ -101,15 +106,8 @@ class SlowTwoStage(SlowTwoStageLS):
     def fit(self, s, y, X, w, n_knots=6):
         from scipy.optimize import minimize
 
-        keep = w > 0
-        s, y, X, w = s[keep], y[keep], X[keep], w[keep]
-        knots = np.unique(np.quantile(s, np.linspace(0, 1, n_knots + 1)))
-        Xt = np.sign(X) * np.log1p(np.abs(X))
-        mean = (w[:, None] * Xt).sum(0) / w.sum()
-        sd = np.sqrt((w[:, None] * (Xt - mean) ** 2).sum(0) / w.sum())
-        self.k, self.m, self.sd = knots, mean, np.where(sd > 0, sd, 1)
-        R = np.clip((s[:, None] - knots[:-1]) / (knots[1:] - knots[:-1]), 0, 1)
-        A = np.hstack([R, (Xt - mean) / self.sd, np.ones((s.size, 1))])
+        s, y, X, w, R, Z = self._design(s, y, X, w, n_knots)
+        A = np.hstack([R, Z, np.ones((s.size, 1))])
         nr, P = R.shape[1], A.shape[1]
         lam = np.full(P, 0.1 * w.sum() / w.size)
         lam[-1] = 0.0
