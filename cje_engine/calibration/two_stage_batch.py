@@ -66,6 +66,18 @@ def _cells_cache(cells: Cells) -> dict:
     return cache
 
 
+def _cached_basis(cells: Cells, name: str, key: tuple, build):
+    """``build()`` cached under ``key`` in the cells' table ``name``, at most ``_MAX_BASES`` entries
+    (one per distinct knot vector; the table is emptied when full)."""
+    table = _cells_cache(cells).setdefault(name, {})
+    hit = table.get(key)
+    if hit is None:
+        if len(table) >= _MAX_BASES:
+            table.clear()
+        hit = table[key] = build()
+    return hit
+
+
 def _score_key(cells: Cells, J: int) -> np.ndarray:
     """Flat (fit, distinct score) key of every (fit, cell) pair, for the per-score counts."""
     cache = _cells_cache(cells)
@@ -81,21 +93,15 @@ def _basis(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
 
     ``O[g] = F[g] (x) F[g]`` flattened, so the normal equations of weights ``w`` are ``w @ O``.
     """
-    cache = _cells_cache(cells)
-    bases = cache.setdefault("bases", {})
-    key = (log_covariates, knots.tobytes())
-    hit = bases.get(key)
-    if hit is None:
-        if len(bases) >= _MAX_BASES:
-            bases.clear()
+    def build() -> tuple[np.ndarray, np.ndarray]:
         nr, p = knots.size - 1, Xt.shape[1]
         F = np.empty((cells.size, nr + p + 1))
         F[:, :nr] = _ramp_basis(cells.score, knots)
         F[:, nr:nr + p] = Xt
         F[:, -1] = 1.0
-        O = (F[:, :, None] * F[:, None, :]).reshape(cells.size, -1)
-        hit = bases[key] = (F, O)
-    return hit
+        return F, (F[:, :, None] * F[:, None, :]).reshape(cells.size, -1)
+
+    return _cached_basis(cells, "bases", (log_covariates, knots.tobytes()), build)
 
 
 def _basis_t(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
@@ -103,17 +109,12 @@ def _basis_t(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bo
     """`_basis` transposed for the logit stage (cached): ``F.T`` and the upper triangle of the
     outer products, ``(P (P + 1) / 2, G)``, both C-contiguous (einsum's fast inner loop), and
     each column's largest ``|F|``."""
-    cache = _cells_cache(cells)
-    bases = cache.setdefault("bases_t", {})
-    key = (log_covariates, knots.tobytes())
-    hit = bases.get(key)
-    if hit is None:
-        if len(bases) >= _MAX_BASES:
-            bases.clear()
+    def build() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         F, O = _basis(cells, Xt, knots, log_covariates)
         FT = np.ascontiguousarray(F.T)
-        hit = bases[key] = (FT, np.ascontiguousarray(O[:, _triangle(F.shape[1])[2]].T), np.abs(FT).max(1))
-    return hit
+        return FT, np.ascontiguousarray(O[:, _triangle(F.shape[1])[2]].T), np.abs(FT).max(1)
+
+    return _cached_basis(cells, "bases_t", (log_covariates, knots.tobytes()), build)
 
 
 def _all_knots(cells: Cells, C: np.ndarray, n_knots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
