@@ -11,10 +11,10 @@ MOTO_KEYS = {"AWS_ACCESS_KEY_ID": "cjetestaccesskey", "AWS_SECRET_ACCESS_KEY": "
              "AWS_REGION": "us-east-1"}
 
 
-@pytest.fixture(scope="session")
-def audit_case():
-    """400 prompts x (base, clone, unhelpful), 5 audit labels per non-calibration policy: the engine
-    refuses unhelpful (failed audit) and clone's audit is inconclusive."""
+def simulate_audit_case():
+    """400 prompts x (base, clone, unhelpful), 5 audit labels per non-calibration policy, two log
+    dates: ``(sim, table, result)``, where the engine fails unhelpful's audit and clone's is
+    inconclusive (also the pinned sampler cases' input, tests/labelling/test_sampler_pinned.py)."""
     from cje_engine import evaluate
     from cje_engine.simulate.direct import PolicySpec, simulate
 
@@ -26,6 +26,12 @@ def audit_case():
     result = evaluate(frame.drop(columns=["dt"]), covariates=["response_length"], calibration_policies=["base"],
                       inference="analytic", seed=0).to_dict()
     return sim, pa.Table.from_pandas(frame, preserve_index=False), result
+
+
+@pytest.fixture(scope="session")
+def audit_case():
+    """`simulate_audit_case`, once per session."""
+    return simulate_audit_case()
 
 
 @pytest.fixture(scope="session")

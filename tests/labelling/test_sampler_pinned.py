@@ -27,6 +27,7 @@ import pytest
 
 from flows.label_requests.planning import plan_requests
 from flows.label_requests.sampling import _allocate, sample, score_strata
+from tests.labelling.conftest import simulate_audit_case
 
 PINNED = Path(__file__).with_name("sampler_pinned.json")
 NOW = datetime(2025, 3, 5, 12, tzinfo=timezone.utc)
@@ -34,21 +35,12 @@ KEYS = ("request_id", "scope", "design", "n_labels", "pool_size", "seed", "rows"
 
 
 def _case_table():
-    from cje_engine import evaluate
-    from cje_engine.simulate.direct import PolicySpec, simulate
-
-    policies = (PolicySpec("base", quality_shift=0.8), PolicySpec("clone", quality_shift=0.8),
-                PolicySpec("unhelpful", quality_shift=-1.0, adversarial=True))
-    sim = simulate(400, policies, label_design="calibration_policy", oracle_fraction=0.25, audit_labels=5, seed=1)
-    frame = sim.frame.copy()
-    frame["dt"] = np.where(frame["prompt_id"].str[-1].astype(int) % 2 == 0, "2025-03-02", "2025-03-01")
-    result = evaluate(frame.drop(columns=["dt"]), covariates=["response_length"], calibration_policies=["base"],
-                      inference="analytic", seed=0).to_dict()
+    _, table, result = simulate_audit_case()
     # thin support for clone: the engine's flag, so that the targeted design is exercised too
     result["policies"]["clone"]["support"] = dict(result["policies"]["clone"].get("support") or {}, limited=True,
                                                   share_thin=0.3)
     result["config"]["support_min_labels"] = 40
-    return pa.Table.from_pandas(frame, preserve_index=False), result
+    return table, result
 
 
 def _keep(manifests: Sequence[dict]) -> list[dict]:
