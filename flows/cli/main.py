@@ -186,7 +186,12 @@ def _add_builtin_commands(sub: Any) -> None:
                        description="Plan the next evaluation from a pilot: by default the cheapest design whose "
                                    "minimum detectable effect is --target-mde (0.02) for the pairs you care about "
                                    "(--target, or every pair the pilot has not already resolved).")
-    p.add_argument("input", help="a pilot's result.json, or pilot data (anything `cje evaluate` reads)")
+    p.add_argument("input", nargs="?",
+                   help="a pilot's result.json, or pilot data (anything `cje evaluate` reads); or use --evaluation")
+    p.add_argument("--evaluation", metavar="NAME",
+                   help="plan from a published run of this declared evaluation instead of INPUT")
+    p.add_argument("--run", metavar="RUN",
+                   help="with --evaluation: run key, prefix or window label (default: the newest publication)")
     p.add_argument("--out", help="folder for plan.json and plan.svg")
     p.add_argument("--budget", type=float, help="total budget in cost units (plans for the budget instead of an MDE)")
     p.add_argument("--target-mde", type=float,
@@ -375,14 +380,26 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     """Budget planner: from a pilot result.json or pilot data, print the plan; optionally write it."""
     from cje_engine.planning.planner import plan_from_data, plan_from_result
 
-    from flows.reports.plan import render_plan_svg, render_plan_text
-
     targets = [t for arg in (ns.target or []) for t in _csv(arg)] or None
     target_mde = ns.target_mde
     if target_mde is None and ns.budget is None:
         target_mde = 0.02
     common = dict(budget=ns.budget, target_mde=target_mde, c_S=ns.c_s, c_Y=ns.c_y, targets=targets, power=ns.power)
     out_dir = check_out_dir(ns.out, overwrite=True, files=()) if ns.out else None
+    if (ns.input is None) == (ns.evaluation is None):
+        raise CJEInputError("give either INPUT (a result.json or pilot data) or --evaluation NAME, not both",
+                            column="INPUT")
+    if ns.run is not None and ns.evaluation is None:
+        raise CJEInputError("--run needs --evaluation", column="--run")
+    if ns.evaluation is not None:
+        from flows.cli.commands.monitor import published_result
+
+        with progress(f"reading the published result of {ns.evaluation}"):
+            run = published_result(ns.evaluation, ns.config, ns.run)
+        plan = plan_from_result(run["result"], **common)
+        plan["published_run"] = {"evaluation": ns.evaluation, "window": run["window"], "run_key": run["run_key"],
+                          "result_json": run["result_json"]}
+        return _write_plan(ns, plan, out_dir)
     src = Path(ns.input)
     if src.is_file() and src.suffix == ".json":
         try:
@@ -400,6 +417,13 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                                score_scale=opts.get("score_scale"), covariates=opts.get("covariates") or ())
         with progress("planning"):
             plan = plan_from_data(frame, **common, **opts)
+    return _write_plan(ns, plan, out_dir)
+
+
+def _write_plan(ns: argparse.Namespace, plan: dict, out_dir: Path | None) -> int:
+    """Print a plan (text or ``--json``) and write plan.json/plan.svg into ``--out``."""
+    from flows.reports.plan import render_plan_svg, render_plan_text
+
     paths = {}
     if out_dir is not None:
         paths = {"plan_path": str(out_dir / "plan.json"), "plot_path": str(out_dir / "plan.svg")}
@@ -408,6 +432,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if ns.json:
         out_json(json_doc("plan", plan=plan, **paths))
     else:
+        src = plan.get("published_run")
+        if src:
+            out(f"Pilot: {src['evaluation']}, window {src['window']}, run {src['run_key']} ({src['result_json']})")
         out(render_plan_text(plan))
         if paths:
             out(f"plan: {paths['plan_path']}\nplot: {paths['plot_path']}")

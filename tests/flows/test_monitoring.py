@@ -3,7 +3,7 @@
 Five simulated daily windows; on day 4 the candidate policy's quality drops. The evaluate flow runs once
 per day; we check the regression alarm (webhook notifications), the results index and the trend page
 (content and markers, rendered in headless Chromium with the network blocked), the report's run context,
-`cje runs` / `cje diff`, and the Prefect artifacts of every flow run through the Prefect API.
+`cje runs` / `cje diff` / `cje plan --evaluation`, and the Prefect artifacts of every flow run through the Prefect API.
 """
 from __future__ import annotations
 
@@ -226,3 +226,34 @@ def test_runs_and_diff_commands(five_days, tmp_path, capsys):
     assert "->" in capsys.readouterr().out
     assert cje_main(["runs", "nope", "--config", str(cfg)]) == 2
     assert "no evaluation named 'nope'" in capsys.readouterr().err
+
+
+def test_plan_from_a_published_run(five_days, tmp_path, capsys):
+    """`cje plan --evaluation NAME` plans from the newest publication (or the named run) of a declared
+    evaluation: the same plan as `cje plan` on that run's own result.json."""
+    root = five_days["root"]
+    cfg = tmp_path / "evaluations.yaml"
+    cfg.write_text(f"evaluations:\n  - name: daily\n    logs_uri: {root / 'logs'}\n    results_uri: {root}\n"
+                   "    window: last 1 days\n")
+    assert cje_main(["plan", "--evaluation", "daily", "--config", str(cfg), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    src = doc["plan"]["published_run"]
+    assert src["window"] == f"{_day(DAYS - 1)}_{_day(DAYS - 1)}"
+    result_json = Path(src["result_json"])
+    assert result_json.is_file()
+    assert cje_main(["plan", str(result_json), "--json"]) == 0
+    direct = json.loads(capsys.readouterr().out)["plan"]
+    assert {k: v for k, v in doc["plan"].items() if k != "published_run"} == direct
+    # an older run by its window label; the text output names the pilot
+    assert cje_main(["plan", "--evaluation", "daily", "--run", _day(0), "--config", str(cfg)]) == 0
+    assert f"window {_day(0)}_{_day(0)}" in capsys.readouterr().out
+    # bad input: no such evaluation, no such run, both or neither of INPUT/--evaluation, --run alone
+    assert cje_main(["plan", "--evaluation", "nope", "--config", str(cfg)]) == 2
+    assert "no evaluation named 'nope'" in capsys.readouterr().err
+    assert cje_main(["plan", "--evaluation", "daily", "--run", "1999-01-01", "--config", str(cfg)]) == 2
+    assert "matches no published run" in capsys.readouterr().err
+    assert cje_main(["plan", str(result_json), "--evaluation", "daily", "--config", str(cfg)]) == 2
+    assert cje_main(["plan"]) == 2
+    assert "either INPUT" in capsys.readouterr().err
+    assert cje_main(["plan", str(result_json), "--run", _day(0)]) == 2
+    assert "--run needs --evaluation" in capsys.readouterr().err

@@ -20,8 +20,9 @@ from flows.reports.common import _fmt, _fmt_ci, _safe, _signed
 from flows.reports.history import latest_per_window, previous_run, read_history, what_changed, window_changes_of
 from flows.reports.table import _table
 from flows.storage.objects import Storage
+from flows.storage.publish import read_run
 
-__all__ = ["register", "cmd_runs", "cmd_diff"]
+__all__ = ["register", "cmd_runs", "cmd_diff", "published_result"]
 
 
 def register(sub: Any) -> None:
@@ -42,19 +43,51 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=cmd_diff)
 
 
-def _history(ns: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+def _results_storage(name: str, config: str | None) -> tuple[str, Storage]:
     # imported here: the loader pulls in Prefect (deployments), which `cje --help` should not pay for
     from flows.runtime.schedules import load_evaluations
 
-    specs = load_evaluations(ns.config)
-    if ns.name not in specs:
-        close = difflib.get_close_matches(ns.name, list(specs), n=1)
+    specs = load_evaluations(config)
+    if name not in specs:
+        close = difflib.get_close_matches(name, list(specs), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else f"; declared: {', '.join(sorted(specs))}"
-        raise CJEInputError(f"no evaluation named {ns.name!r}{hint}", source=ns.config or "evaluations.yaml",
+        raise CJEInputError(f"no evaluation named {name!r}{hint}", source=config or "evaluations.yaml",
                             column="name")
-    spec = specs[ns.name]
+    spec = specs[name]
     uri = spec.results_uri or spec.logs_uri
-    return uri, read_history(Storage.for_uri(uri), ns.name)
+    return uri, Storage.for_uri(uri)
+
+
+def _history(ns: argparse.Namespace) -> tuple[str, list[dict[str, Any]]]:
+    uri, st = _results_storage(ns.name, ns.config)
+    return uri, read_history(st, ns.name)
+
+
+def published_result(name: str, config: str | None = None, run: str | None = None) -> dict[str, Any]:
+    """The parsed result.json of one published run of a declared evaluation.
+
+    Parameters
+    ----------
+    name : evaluation name in the evaluations file
+    config : the evaluations file (default: the repository's evaluations.yaml)
+    run : run key, unique prefix or window label (as in `cje diff`); default the newest publication
+
+    Returns
+    -------
+    dict with ``window``, ``run_key``, ``path`` (the run), ``result`` (the result dict) and ``result_json``
+    (where that result.json is). Raises `CJEInputError`
+    when the evaluation has no such published run or its result.json is missing.
+    """
+    uri, st = _results_storage(name, config)
+    history = read_history(st, name)
+    if not history:
+        raise CJEInputError(f"no published runs of {name!r}; `cje run {name}` publishes one", source=uri)
+    row = _find(history, run) if run else max(history, key=lambda r: str(r.get("published_at")))
+    got = read_run(st, name, row["window"], row["run_key"])
+    if got is None or not isinstance(got.get("result"), dict):
+        raise CJEInputError(f"run {row['run_key']} of {name!r} has no readable result.json", source=row["path"])
+    return {**{k: got[k] for k in ("window", "run_key", "path", "result")},
+            "result_json": (got.get("artifacts") or {}).get("result.json")}
 
 
 def _when(ts: Any) -> str:
