@@ -20,7 +20,7 @@ from sklearn.isotonic import IsotonicRegression
 from cje_engine.calibration.calibrators import TwoStageCalibrator, quantile_of_counts
 from cje_engine.calibration.isotonic import isotonic_fit, isotonic_predict
 from cje_engine.data.frame import EvalData
-from cje_engine.direct.estimators import bootstrap_weights, make_design, replicate
+from cje_engine.direct.estimators import bootstrap_weights, make_design, replicate, replicate_view
 
 
 def _slow_isotonic(x, y, w):
@@ -379,3 +379,28 @@ def test_isotonic_segments_equal_one_fit_per_segment():
     sw[10:12] = 0
     for (a, b), got in zip(bounds, isotonic_pooled_segments(sw, swy, bounds)):
         np.testing.assert_array_equal(got, isotonic_pooled(sw[a:b], swy[a:b]))
+
+
+@pytest.mark.parametrize("n_prompts", [150, 40])
+def test_batched_two_stage_replicates_are_the_bits_of_one_at_a_time(n_prompts):
+    """`bootstrap_replicates` refits up to REPLICATE_BATCH replicates' cross-fits in one
+    `fit_two_stage_many` call; every fit's arithmetic is row-wise (einsum, batched LAPACK, per-fit
+    masks and step lengths), so each replicate is the same bits as `replicate_view` fitting it
+    alone, whatever the batch holds (here fits of two or three knot counts and up to ~80 distinct
+    knot vectors in one batch). A resample without calibration prompts is all NaN in the batch
+    too, without disturbing its neighbours."""
+    from cje_engine.direct.estimators import REPLICATE_BATCH, _replicates, bootstrap_replicates, bootstrap_view
+
+    data = EvalData.from_frame(_sim_frame(3, n_prompts), covariates=["len"])
+    view = bootstrap_view(make_design(data, "two_stage", ("p0",)), seed=5)
+    B = 2 * REPLICATE_BATCH + 7  # two full batches and a short one
+    batched = bootstrap_replicates(view, 0, B)
+    alone = np.array([replicate_view(view, bootstrap_weights(5, b, data.n_prompts)) for b in range(B)])
+    assert np.isfinite(alone).all()
+    assert np.array_equal(batched, alone)
+    assert np.array_equal(bootstrap_replicates(view, 3, 40), alone[3:40])  # batches cut elsewhere
+    empty = np.ones(data.n_prompts)
+    empty[view.cal_prompt] = 0.0  # no calibration prompt drawn
+    both = _replicates(view, [bootstrap_weights(5, 0, data.n_prompts), empty, bootstrap_weights(5, 1, data.n_prompts)])
+    assert np.isnan(both[1]).all()
+    assert np.array_equal(both[[0, 2]], alone[:2])
