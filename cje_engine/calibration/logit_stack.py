@@ -53,45 +53,74 @@ def _symmetric(P: int) -> np.ndarray:
 
 
 def _parts(designs: list, counts: np.ndarray) -> list:
-    """(rows, F', upper triangle of the outer products') of each design with rows, the fits in design
-    order (each design's fits a slice; one design: all rows)."""
+    """(rows, L, Lb, R') of each design with rows, the fits in design order (each design's fits a
+    slice; one design: all rows)."""
     ends = np.cumsum(counts).tolist()
-    parts = [(slice(e - c, e), d[0], d[1]) for d, c, e in zip(designs, counts.tolist(), ends) if c]
+    parts = [(slice(e - c, e),) + tuple(d[:3]) for d, c, e in zip(designs, counts.tolist(), ends) if c]
     if len(parts) == 1:
         parts[0] = (slice(None),) + parts[0][1:]
     return parts
 
 
-def _gram(parts: list, v: np.ndarray, r: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray]:
-    """Upper triangles of ``F' diag(v) F`` and ``F' r`` of every fit (each with its design)."""
-    if len(parts) == 1:
-        return _einsum("jg,qg->jq", v, parts[0][2]), _einsum("jg,pg->jp", r, parts[0][1])
-    h = np.empty((v.shape[0], parts[0][2].shape[0]))
-    b = np.empty((v.shape[0], P))
+def _level_sums(levels: tuple, v: np.ndarray, products: bool) -> np.ndarray:
+    """Per fit: the sums of ``v`` and of ``v x_k`` over each score level's cells (``[sum v (D), sum v x
+    (D x p)]``), and with ``products`` also ``sum v x_k x_l`` over all cells."""
+    starts, _, X, XX = levels
+    p = X.shape[1]
+    parts = [np.add.reduceat(v, starts, axis=1)]
+    if p == 1:
+        parts.append(np.add.reduceat(v * X[:, 0], starts, axis=1))
+    elif p:
+        parts.append(np.add.reduceat(v[:, :, None] * X, starts, axis=1).reshape(v.shape[0], -1))
+    if products and p:
+        parts.append(_einsum("jg,gt->jt", v, XX))
+    return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def _gram(parts: list, levels: tuple, v: np.ndarray, r: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray]:
+    """Upper triangles of ``F' diag(v) F`` and ``F' r`` of every fit (each with its design), from
+    the per-score-level sums (`_level_sums`; the cells enter once per fit, not once per entry)."""
+    sv, sr = _level_sums(levels, v, True), _level_sums(levels, r, False)
     # einsum, not BLAS: a threaded BLAS product's rounding depends on its thread count, and
     # replicates must be the same bits in every process (any node, any chunking)
-    for idx, FT, OtT in parts:
-        _einsum("jg,qg->jq", v[idx], OtT, out=h[idx])
-        _einsum("jg,pg->jp", r[idx], FT, out=b[idx])
+    if len(parts) == 1:
+        return _einsum("js,sq->jq", sv, parts[0][1]), _einsum("js,sp->jp", sr, parts[0][2])
+    h = np.empty((v.shape[0], parts[0][1].shape[1]))
+    b = np.empty((v.shape[0], P))
+    for idx, L, Lb, _ in parts:
+        _einsum("js,sq->jq", sv[idx], L, out=h[idx])
+        _einsum("js,sp->jp", sr[idx], Lb, out=b[idx])
     return h, b
 
 
-def _apply(parts: list, theta: np.ndarray, G: int) -> np.ndarray:
-    """Index ``F theta`` of every fit at every cell (each fit with its design)."""
+def _apply(parts: list, levels: tuple, theta: np.ndarray, G: int) -> np.ndarray:
+    """Index ``F theta`` of every fit at every cell (each fit with its design): the ramps and the
+    intercept at the score levels, taken to the cells, plus the covariates' part."""
+    _, level, X, _ = levels
+    nr = parts[0][3].shape[0]
+    p = X.shape[1]
     if len(parts) == 1:
-        return _einsum("jp,pg->jg", theta, parts[0][1])
-    eta = np.empty((theta.shape[0], G))
-    for idx, FT, _ in parts:
-        _einsum("jp,pg->jg", theta[idx], FT, out=eta[idx])
+        e = _einsum("jp,pd->jd", theta[:, :nr], parts[0][3])
+    else:
+        e = np.empty((theta.shape[0], parts[0][3].shape[1]))
+        for idx, _, _, RT in parts:
+            _einsum("jp,pd->jd", theta[idx, :nr], RT, out=e[idx])
+    e += theta[:, -1:]
+    eta = e[:, level]
+    if p == 1:
+        eta += theta[:, nr:nr + 1] * X[:, 0]
+    elif p:
+        eta += _einsum("jk,gk->jg", theta[:, nr:nr + p], X)
     return eta
 
 
-def newton_stack(designs: list, counts: np.ndarray, W: np.ndarray, WT: np.ndarray, pen: np.ndarray,
-                 mu: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray:
+def newton_stack(levels: tuple, designs: list, counts: np.ndarray, W: np.ndarray, WT: np.ndarray,
+                 pen: np.ndarray, mu: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray:
     """`_logit_newton` on a stack of fits: rows of ``W``, ``WT`` (= W t), ``pen`` (the ridge per
-    coefficient) and the start ``mu``; ``designs``: (F', upper triangle of the outer products', largest
-    |F| per column) of each group of ``counts`` consecutive fits sharing a design. Same steps as the
-    scalar loop; returns the coefficients (N, P)."""
+    coefficient) and the start ``mu``; ``levels``: the cells' score levels and covariates, ``designs``:
+    (L, Lb, R', largest |F| per column) of each group of ``counts`` consecutive fits sharing a design
+    (`cje_engine.calibration.two_stage_batch._score_design`). Same steps as the scalar loop;
+    returns the coefficients (N, P)."""
     N, P = pen.shape
     G = W.shape[1]
     out = np.empty((N, P))
@@ -101,7 +130,7 @@ def newton_stack(designs: list, counts: np.ndarray, W: np.ndarray, WT: np.ndarra
     group = np.repeat(np.arange(len(designs)), counts)
     act = np.arange(N)  # the fits still iterating (rows of the working arrays)
     parts = _parts(designs, counts)
-    fmax = np.vstack([np.broadcast_to(d[2], (c, P)) for d, c in zip(designs, counts.tolist())])
+    fmax = np.vstack([np.broadcast_to(d[3], (c, P)) for d, c in zip(designs, counts.tolist())])
     mask = np.ones((N, P), dtype=bool)  # free coefficients of each fit's Newton system
     for _ in range(NEWTON_MAX):
         n = W.shape[0]
@@ -113,7 +142,7 @@ def newton_stack(designs: list, counts: np.ndarray, W: np.ndarray, WT: np.ndarra
             r -= wmu
         else:  # eta = F theta, so F' v eta = (H - pen) theta: only w (t - mu) goes through the cells
             r = WT - wmu
-        h, b = _gram(parts, v, r, P)
+        h, b = _gram(parts, levels, v, r, P)
         Hf = np.take(h, sym, axis=1)  # the symmetric matrices from their upper triangles
         H = Hf.reshape(n, P, P)
         if theta is not None:
@@ -131,7 +160,7 @@ def newton_stack(designs: list, counts: np.ndarray, W: np.ndarray, WT: np.ndarra
             if neg.any():
                 rows = np.flatnonzero(neg)
                 new[rows] = _qp_rows(H[rows], b[rows], n_ramp, free[rows])
-        eta_c = _apply(parts, new, G)
+        eta_c = _apply(parts, levels, new, G)
         if theta is None:  # the first step (from the data's start) is taken whole
             moved = np.inf
         else:
@@ -144,7 +173,7 @@ def newton_stack(designs: list, counts: np.ndarray, W: np.ndarray, WT: np.ndarra
                 big &= np.abs(eta_c - eta).max(1) > LOG2
             s = None
             if big.any():
-                s, new, eta_c = _halve(parts, W, WT, pen, theta, eta, step, new, eta_c, big)
+                s, new, eta_c = _halve(parts, levels, W, WT, pen, theta, eta, step, new, eta_c, big)
             moved = (size if s is None else np.abs(s[:, None] * step)).max(1)
         theta, eta = new, eta_c
         free = theta[:, :n_ramp] > 0
@@ -175,7 +204,7 @@ def _objective(W: np.ndarray, WT: np.ndarray, eta: np.ndarray, theta: np.ndarray
     return (W * np.logaddexp(0.0, eta) - WT * eta).sum(1) + 0.5 * (pen * theta * theta).sum(1)
 
 
-def _halve(parts: list, W: np.ndarray, WT: np.ndarray, pen: np.ndarray, theta: np.ndarray, eta: np.ndarray,
+def _halve(parts: list, levels: tuple, W: np.ndarray, WT: np.ndarray, pen: np.ndarray, theta: np.ndarray, eta: np.ndarray,
            step: np.ndarray, new: np.ndarray, eta_c: np.ndarray, big: np.ndarray):
     """Step halving for the fits ``big``: halve until the objective does not rise (or 1e-6).
     Returns the step lengths and the accepted coefficients and indices."""
@@ -189,7 +218,7 @@ def _halve(parts: list, W: np.ndarray, WT: np.ndarray, pen: np.ndarray, theta: n
             return s, new, eta_c
         s = np.where(bad, 0.5 * s, s)
         cand = theta + s[:, None] * step
-        eta_c = np.where(bad[:, None], _apply(parts, cand, G), eta_c)
+        eta_c = np.where(bad[:, None], _apply(parts, levels, cand, G), eta_c)
         new = np.where(bad[:, None], cand, new)
         q_c = np.where(bad, _objective(W, WT, eta_c, new, pen), q_c)
 

@@ -22,9 +22,11 @@ a 9-column least squares. `fit_two_stage_many` does every step for all fits toge
 
 With the logit first stage (the default) the least squares above is the inner step of a Newton
 loop run for all fits at once (`_solve_logit`, `cje_engine.calibration.logit_stack.newton_stack`): per
-step the Gram matrices of every group of fits sharing a knot vector from their cached designs, one
-batched solve on each fit's free set, step halving only where a step may change an index by more
-than log 2; a converged fit leaves the loop.
+step, each fit's sums over the cells of each distinct score (a cell's ramps depend on its score only,
+so the Gram matrix and gradient are linear in those sums, `_score_design`), then the Gram matrices of
+every group of fits sharing a knot vector from a small per-design map, one batched solve on each
+fit's free set, step halving only where a step may change an index by more than log 2; a converged
+fit leaves the loop. The bootstrap refits the cross-fits of a batch of replicates in one call.
 
 The models equal ``TwoStageCalibrator.fit_cells`` on each row of sums (the same convex problems;
 tests pin least squares to 1e-9 against a row-level fit with scipy NNLS, and the logit stage to 1e-6
@@ -102,17 +104,69 @@ def _basis(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
     return _cached_basis(cells, "bases", (log_covariates, knots.tobytes()), build)
 
 
-def _basis_t(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_basis` transposed for the logit stage (cached): ``F.T`` and the upper triangle of the
-    outer products, ``(P (P + 1) / 2, G)``, both C-contiguous (einsum's fast inner loop), and
-    each column's largest ``|F|``."""
-    def build() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        F, O = _basis(cells, Xt, knots, log_covariates)
-        FT = np.ascontiguousarray(F.T)
-        return FT, np.ascontiguousarray(O[:, _triangle(F.shape[1])[2]].T), np.abs(FT).max(1)
+def _levels(cells: Cells, Xt: np.ndarray, log_covariates: bool) -> tuple:
+    """The cells grouped by score for the logit stage (cached): the first cell of each distinct score
+    (cells are score-ordered, so each score's cells are a run), each cell's score level, the
+    covariates and their pairwise products (upper triangle) per cell."""
+    cache = _cells_cache(cells)
+    key = ("levels", log_covariates)
+    lv = cache.get(key)
+    if lv is None:
+        code = cells.score_code
+        if (np.diff(code) < 0).any():  # pragma: no cover - Cells are score-ordered by construction
+            raise ValueError("cells must be ordered by score")
+        first = np.ones(code.size, dtype=bool)
+        np.not_equal(code[1:], code[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        p = Xt.shape[1]
+        k, l = np.triu_indices(p)
+        lv = cache[key] = (starts, np.cumsum(first) - 1, np.ascontiguousarray(Xt), np.ascontiguousarray(Xt[:, k] * Xt[:, l]))
+    return lv
 
-    return _cached_basis(cells, "bases_t", (log_covariates, knots.tobytes()), build)
+
+def _score_design(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool) -> tuple:
+    """The logit stage's design ``F = [ramps(knots), Xt, 1]`` on the score levels (cached per knot vector).
+
+    A cell's ramps depend on its score only, so every Gram entry of a fit is linear in its per-score
+    sums ``s = [sum v, sum v x_k (per score), sum v x_k x_l]`` of the cells' weights ``v``:
+    ``h = s @ L`` (upper triangle, `_triangle` order); likewise the gradient ``b = [sum r, sum r x_k
+    (per score)] @ Lb``, and the index ``F theta`` is the ramp part at the score levels (``R' theta``)
+    taken to the cells plus ``Xt theta_x``. Returns ``(L, Lb, R', largest |F| per column)``.
+    """
+    def build() -> tuple:
+        starts, level, X, _ = _levels(cells, Xt, log_covariates)
+        D, p, nr = starts.size, Xt.shape[1], knots.size - 1
+        P = nr + p + 1
+        R = _ramp_basis(cells.score[starts], knots)  # (D, nr): the ramps at each score level
+        iu0, iu1, _ = _triangle(P)
+        kind = np.array([0] * nr + [1] * p + [2])  # ramp, covariate, intercept
+        S = D + D * p + p * (p + 1) // 2
+        L = np.zeros((S, iu0.size))
+        Lb = np.zeros((D + D * p, P))
+        xx = {kl: i for i, kl in enumerate(zip(*np.triu_indices(p)))}
+        vx = D + np.arange(D)[:, None] * p  # row of sum v x_k at level d: vx[d] + k
+        for t, (a, b) in enumerate(zip(iu0.tolist(), iu1.tolist())):
+            ka, kb = kind[a], kind[b]
+            if ka == 0 and kb == 0:
+                L[:D, t] = R[:, a] * R[:, b]
+            elif ka == 0 and kb == 1:
+                L[vx[:, 0] + b - nr, t] = R[:, a]
+            elif ka == 0:
+                L[:D, t] = R[:, a]
+            elif ka == 1 and kb == 1:
+                L[D + D * p + xx[(a - nr, b - nr)], t] = 1.0
+            elif ka == 1:
+                L[vx[:, 0] + a - nr, t] = 1.0
+            else:
+                L[:D, t] = 1.0
+        Lb[:D, :nr] = R
+        for k in range(p):
+            Lb[vx[:, 0] + k, nr + k] = 1.0
+        Lb[:D, -1] = 1.0
+        fmax = np.concatenate([np.abs(R).max(0), np.abs(X).max(0) if p else np.zeros(0), [1.0]])
+        return L, Lb, np.ascontiguousarray(R.T), fmax
+
+    return _cached_basis(cells, "score_designs", (log_covariates, knots.tobytes()), build)
 
 
 def _all_knots(cells: Cells, C: np.ndarray, n_knots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -322,7 +376,7 @@ def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray,
     groups: dict[bytes, list[int]] = {}
     for j in js.tolist():
         groups.setdefault(knots[j].tobytes(), []).append(j)
-    designs = [_basis_t(cells, Xt, knots[rows[0]], log_covariates) for rows in groups.values()]
+    designs = [_score_design(cells, Xt, knots[rows[0]], log_covariates) for rows in groups.values()]
     counts = np.array([len(rows) for rows in groups.values()])
     # the fits in design order, so that each design's fits are a slice (views, no copies)
     sel = slice(None) if js.size == J and len(designs) == 1 else np.array([j for rows in groups.values() for j in rows])
@@ -337,7 +391,8 @@ def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray,
     key = _score_key(cells, N)
     mu = ((np.bincount(key, weights=WTs.ravel(), minlength=N * D) + 0.5)
           / (np.bincount(key, weights=Ws.ravel(), minlength=N * D) + 1.0)).reshape(N, D)[:, cells.score_code]
-    theta[sel] = newton_stack(designs, counts, Ws, WTs, pen, mu, n_ramp, None if warm is None else warm.get(n_ramp))
+    theta[sel] = newton_stack(_levels(cells, Xt, log_covariates), designs, counts, Ws, WTs, pen, mu, n_ramp,
+                              None if warm is None else warm.get(n_ramp))
     return theta
 
 

@@ -404,3 +404,35 @@ def test_batched_two_stage_replicates_are_the_bits_of_one_at_a_time(n_prompts):
     both = _replicates(view, [bootstrap_weights(5, 0, data.n_prompts), empty, bootstrap_weights(5, 1, data.n_prompts)])
     assert np.isnan(both[1]).all()
     assert np.array_equal(both[[0, 2]], alone[:2])
+
+
+@pytest.mark.parametrize("p", [0, 1, 2])
+def test_score_level_gram_equals_the_cell_level_products(p):
+    """The logit stage's Gram matrices, gradients and indices come from per-score sums (the ramps
+    depend on the score only): they equal ``F' diag(v) F``, ``F' r`` and ``F theta`` computed on the
+    cells' full design matrix. Only the order of the sums differs: rtol 1e-12 (sums of a few hundred
+    positive terms of similar size; float64 rounding ~1e-16 each)."""
+    from cje_engine.calibration.calibrators import _ramp_basis, make_cells
+    from cje_engine.calibration.logit_stack import _apply, _gram, _parts, _triangle
+    from cje_engine.calibration.two_stage_batch import _levels, _score_design
+
+    rng = np.random.default_rng(p)
+    n = 600
+    s = rng.integers(0, 15, n) / 14
+    X = rng.integers(1, 40, (n, p)).astype(float)
+    cells, _ = make_cells(s, X if p else None)
+    Xt = np.log1p(cells.X)
+    knots = np.array([0.0, 0.2, 0.5, 0.8, 1.0])
+    F = np.hstack([_ramp_basis(cells.score, knots), Xt, np.ones((cells.size, 1))])
+    P = F.shape[1]
+    levels = _levels(cells, Xt, True)
+    design = _score_design(cells, Xt, knots, True)
+    parts = _parts([design], np.array([4]))
+    v, r = rng.uniform(0, 1, (4, cells.size)), rng.normal(0, 1, (4, cells.size))
+    theta = rng.normal(0, 1, (4, P))
+    h, b = _gram(parts, levels, v, r, P)
+    iu0, iu1, _ = _triangle(P)
+    np.testing.assert_allclose(h, np.einsum("jg,gp,gq->jpq", v, F, F)[:, iu0, iu1], rtol=1e-12)
+    np.testing.assert_allclose(b, r @ F, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_apply(parts, levels, theta, cells.size), theta @ F.T, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(design[3], np.abs(F).max(0))  # the step bound's largest |F| per column
