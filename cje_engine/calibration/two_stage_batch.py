@@ -21,9 +21,12 @@ a 9-column least squares. `fit_two_stage_many` does every step for all fits toge
   one PAVA call per fit.
 
 With the logit first stage (the default) the least squares above is the inner step of a Newton
-loop run for all fits at once (`_solve_logit`, `_newton_stack`): per step the Gram matrices of every
-group of fits sharing a knot vector from their cached designs, one batched solve on each fit's free
-set, step halving only where a step may change an index by more than log 2.
+loop run for all fits at once (`_solve_logit`, `cje_engine.calibration.logit_stack.newton_stack`): per
+step, each fit's sums over the cells of each distinct score (a cell's ramps depend on its score only,
+so the Gram matrix and gradient are linear in those sums, `_score_design`), then the Gram matrices of
+every group of fits sharing a knot vector from a small per-design map, one batched solve on each
+fit's free set, step halving only where a step may change an index by more than log 2; a converged
+fit leaves the loop. The bootstrap refits the cross-fits of a batch of replicates in one call.
 
 The models equal ``TwoStageCalibrator.fit_cells`` on each row of sums (the same convex problems;
 tests pin least squares to 1e-9 against a row-level fit with scipy NNLS, and the logit stage to 1e-6
@@ -37,9 +40,6 @@ from numpy.linalg import _umath_linalg as _lapack  # the batched LAPACK gufuncs,
 from numpy._core._multiarray_umath import c_einsum as _einsum  # what np.einsum runs (optimize=False), no wrapper
 
 from cje_engine.calibration.calibrators import (
-    NEWTON_MAX,
-    NEWTON_TOL,
-    LOG2,
     RIDGE,
     Cells,
     TwoStageCalibrator,
@@ -48,9 +48,9 @@ from cje_engine.calibration.calibrators import (
     _knot_levels,
     _ramp_basis,
     _ramp_lsq_gram,
-    qp_ramp,
 )
 from cje_engine.calibration.isotonic import isotonic_pooled_segments
+from cje_engine.calibration.logit_stack import _eye, _triangle, newton_stack
 
 __all__ = ["TwoStageFits", "fit_two_stage_many"]
 
@@ -104,17 +104,69 @@ def _basis(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
     return _cached_basis(cells, "bases", (log_covariates, knots.tobytes()), build)
 
 
-def _basis_t(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`_basis` transposed for the logit stage (cached): ``F.T`` and the upper triangle of the
-    outer products, ``(P (P + 1) / 2, G)``, both C-contiguous (einsum's fast inner loop), and
-    each column's largest ``|F|``."""
-    def build() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        F, O = _basis(cells, Xt, knots, log_covariates)
-        FT = np.ascontiguousarray(F.T)
-        return FT, np.ascontiguousarray(O[:, _triangle(F.shape[1])[2]].T), np.abs(FT).max(1)
+def _levels(cells: Cells, Xt: np.ndarray, log_covariates: bool) -> tuple:
+    """The cells grouped by score for the logit stage (cached): the first cell of each distinct score
+    (cells are score-ordered, so each score's cells are a run), each cell's score level, the
+    covariates and their pairwise products (upper triangle) per cell."""
+    cache = _cells_cache(cells)
+    key = ("levels", log_covariates)
+    lv = cache.get(key)
+    if lv is None:
+        code = cells.score_code
+        if (np.diff(code) < 0).any():  # pragma: no cover - Cells are score-ordered by construction
+            raise ValueError("cells must be ordered by score")
+        first = np.ones(code.size, dtype=bool)
+        np.not_equal(code[1:], code[:-1], out=first[1:])
+        starts = np.flatnonzero(first)
+        p = Xt.shape[1]
+        k, l = np.triu_indices(p)
+        lv = cache[key] = (starts, np.cumsum(first) - 1, np.ascontiguousarray(Xt), np.ascontiguousarray(Xt[:, k] * Xt[:, l]))
+    return lv
 
-    return _cached_basis(cells, "bases_t", (log_covariates, knots.tobytes()), build)
+
+def _score_design(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool) -> tuple:
+    """The logit stage's design ``F = [ramps(knots), Xt, 1]`` on the score levels (cached per knot vector).
+
+    A cell's ramps depend on its score only, so every Gram entry of a fit is linear in its per-score
+    sums ``s = [sum v, sum v x_k (per score), sum v x_k x_l]`` of the cells' weights ``v``:
+    ``h = s @ L`` (upper triangle, `_triangle` order); likewise the gradient ``b = [sum r, sum r x_k
+    (per score)] @ Lb``, and the index ``F theta`` is the ramp part at the score levels (``R' theta``)
+    taken to the cells plus ``Xt theta_x``. Returns ``(L, Lb, R', largest |F| per column)``.
+    """
+    def build() -> tuple:
+        starts, level, X, _ = _levels(cells, Xt, log_covariates)
+        D, p, nr = starts.size, Xt.shape[1], knots.size - 1
+        P = nr + p + 1
+        R = _ramp_basis(cells.score[starts], knots)  # (D, nr): the ramps at each score level
+        iu0, iu1, _ = _triangle(P)
+        kind = np.array([0] * nr + [1] * p + [2])  # ramp, covariate, intercept
+        S = D + D * p + p * (p + 1) // 2
+        L = np.zeros((S, iu0.size))
+        Lb = np.zeros((D + D * p, P))
+        xx = {kl: i for i, kl in enumerate(zip(*np.triu_indices(p)))}
+        vx = D + np.arange(D)[:, None] * p  # row of sum v x_k at level d: vx[d] + k
+        for t, (a, b) in enumerate(zip(iu0.tolist(), iu1.tolist())):
+            ka, kb = kind[a], kind[b]
+            if ka == 0 and kb == 0:
+                L[:D, t] = R[:, a] * R[:, b]
+            elif ka == 0 and kb == 1:
+                L[vx[:, 0] + b - nr, t] = R[:, a]
+            elif ka == 0:
+                L[:D, t] = R[:, a]
+            elif ka == 1 and kb == 1:
+                L[D + D * p + xx[(a - nr, b - nr)], t] = 1.0
+            elif ka == 1:
+                L[vx[:, 0] + a - nr, t] = 1.0
+            else:
+                L[:D, t] = 1.0
+        Lb[:D, :nr] = R
+        for k in range(p):
+            Lb[vx[:, 0] + k, nr + k] = 1.0
+        Lb[:D, -1] = 1.0
+        fmax = np.concatenate([np.abs(R).max(0), np.abs(X).max(0) if p else np.zeros(0), [1.0]])
+        return L, Lb, np.ascontiguousarray(R.T), fmax
+
+    return _cached_basis(cells, "score_designs", (log_covariates, knots.tobytes()), build)
 
 
 def _all_knots(cells: Cells, C: np.ndarray, n_knots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -251,16 +303,6 @@ def _ramp_lsq_stack(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray 
     return theta, done
 
 
-_EYE: dict[int, np.ndarray] = {}
-
-
-def _eye(P: int) -> np.ndarray:
-    e = _EYE.get(P)
-    if e is None:
-        e = _EYE[P] = np.eye(P)
-    return e
-
-
 def _solve_all(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, WY: np.ndarray,
                log_covariates: bool, warm: dict | None) -> tuple[np.ndarray, np.ndarray]:
     """Least-squares coefficients (raw covariates) of fits with the same number of knots
@@ -316,40 +358,13 @@ def _unit_labels(W: np.ndarray, WY: np.ndarray, C: np.ndarray, clip) -> tuple[np
     return WT, ok & (WT > 0).any(1) & (W > WT).any(1)
 
 
-def _triangle(P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Upper-triangle indices of a P x P matrix and their positions in its flattened form."""
-    tri = _TRI.get(P)
-    if tri is None:
-        iu = np.triu_indices(P)
-        tri = _TRI[P] = (iu[0], iu[1], iu[0] * P + iu[1])
-    return tri
-
-
-_TRI: dict[int, tuple] = {}
-
-
-def _symmetric(P: int) -> np.ndarray:
-    """For each entry of a flattened P x P matrix, its position in the upper triangle (`_triangle`)."""
-    sym = _SYM.get(P)
-    if sym is None:
-        iu0, iu1, _ = _triangle(P)
-        pos = np.empty((P, P), dtype=np.intp)
-        pos[iu0, iu1] = np.arange(iu0.size)
-        pos[iu1, iu0] = np.arange(iu0.size)
-        sym = _SYM[P] = pos.ravel()
-    return sym
-
-
-_SYM: dict[int, np.ndarray] = {}
-
-
 def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, WY: np.ndarray, C: np.ndarray,
                  clip, log_covariates: bool, warm: dict | None, x_scale: np.ndarray) -> np.ndarray:
     """The logit stage-1 coefficients (raw covariates) of fits with the same number of knots
     (``knots`` (J, k)): `_logit_newton` for all of them at once. One Newton loop: per step, the
     Gram matrices and gradients of each group of fits sharing a knot vector (its cached design),
     then one batched quadratic programme for all fits, each with its own active set and step
-    length; a fit that has converged keeps its coefficients while the others go on."""
+    length (`newton_stack`); a fit that has converged leaves the loop while the others go on."""
     J = W.shape[0]
     n_ramp = knots.shape[1] - 1
     P = n_ramp + Xt.shape[1] + 1
@@ -361,199 +376,24 @@ def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray,
     groups: dict[bytes, list[int]] = {}
     for j in js.tolist():
         groups.setdefault(knots[j].tobytes(), []).append(j)
-    iu0, iu1, _ = _triangle(P)
-    designs = []
-    start = 0
-    for rows in groups.values():  # the fits in group order, so that each group is a slice (views, no copies)
-        FT, OtT, fmax = _basis_t(cells, Xt, knots[rows[0]], log_covariates)
-        designs.append((slice(start, start + len(rows)), FT, OtT, fmax))
-        start += len(rows)
-    if len(designs) == 1:
-        designs[0] = (slice(None),) + designs[0][1:]
+    designs = [_score_design(cells, Xt, knots[rows[0]], log_covariates) for rows in groups.values()]
+    counts = np.array([len(rows) for rows in groups.values()])
+    # the fits in design order, so that each design's fits are a slice (views, no copies)
     sel = slice(None) if js.size == J and len(designs) == 1 else np.array([j for rows in groups.values() for j in rows])
-    lam = RIDGE * W[sel].sum(1) / C[sel].sum(1)
+    Ws, WTs = W[sel], WT[sel]
+    lam = RIDGE * Ws.sum(1) / C[sel].sum(1)
     pen = np.empty((js.size, P))
     pen[:, :n_ramp] = lam[:, None]
     pen[:, n_ramp:-1] = lam[:, None] * x_scale[sel] ** 2  # the ridge is on standardised coefficients
     pen[:, -1] = 0.0
-    theta[sel] = _newton_stack(cells, designs, W[sel], WT[sel], pen, n_ramp, None if warm is None else warm.get(n_ramp),
-                               (iu0, iu1))
-    return theta
-
-
-def _qp_stack_pd(H: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None,
-                 rounds: int = 8) -> tuple[np.ndarray, np.ndarray]:
-    """`_ramp_lsq_stack` for positive definite systems (the ridge makes the logit stage's so):
-    no rank checks, one batched solve of every masked system per round until every system is
-    a KKT point (free ramps > 0, no fixed ramp with a descent direction); ``done`` False where
-    ``rounds`` did not settle it (the caller then uses `qp_ramp`)."""
-    N, P = b.shape
-    if free is None or free.all():  # every ramp free: a KKT point unless a ramp comes out negative
-        x = _lapack.solve1(H, b, signature="dd->d")
-        neg = (x[:, :n_ramp] < 0).any(1)
-        if not neg.any():
-            return x, ~neg
-    mask = np.ones((N, P), dtype=bool)
-    if free is not None:
-        mask[:, :n_ramp] = free
-    tol = 1e-9 * (np.abs(b).max(1) + 1e-300)
-    eye = _eye(P)
-    for _ in range(rounds):
-        x = _lapack.solve1(np.where(mask[:, :, None] & mask[:, None, :], H, eye), np.where(mask, b, 0.0),
-                           signature="dd->d")
-        x[~mask] = 0.0
-        ramps, fr = x[:, :n_ramp], mask[:, :n_ramp]
-        neg = (ramps < 0).any(1)
-        grad = b - np.matmul(H, x[:, :, None])[:, :, 0]
-        viol = ~fr & (grad[:, :n_ramp] > tol[:, None])
-        settled = ~neg & ~viol.any(1)
-        if settled.all():
-            return x, settled
-        mask[:, :n_ramp] = np.where(neg[:, None], fr & (ramps > 0), fr | viol)
-    return x, settled
-
-
-def _apply(designs: list, theta: np.ndarray, G: int) -> np.ndarray:
-    """Index ``F theta`` of every fit at every cell (each fit with its group's design)."""
-    if len(designs) == 1:
-        return _einsum("jp,pg->jg", theta, designs[0][1])
-    eta = np.empty((theta.shape[0], G))
-    for idx, FT, *_ in designs:
-        _einsum("jp,pg->jg", theta[idx], FT, out=eta[idx])
-    return eta
-
-
-def _objective(W: np.ndarray, WT: np.ndarray, eta: np.ndarray, theta: np.ndarray, pen: np.ndarray) -> np.ndarray:
-    return (W * np.logaddexp(0.0, eta) - WT * eta).sum(1) + 0.5 * (pen * theta * theta).sum(1)
-
-
-def _newton_stack(cells: Cells, designs: list, W: np.ndarray, WT: np.ndarray, pen: np.ndarray, n_ramp: int,
-                  free: np.ndarray | None, tri: tuple) -> np.ndarray:
-    """`_logit_newton` on a stack of fits (rows of ``W``, ``WT`` = W t, ``pen``); ``designs``: (rows,
-    F', upper triangle of the outer products') per group of fits sharing a design. Same steps as
-    the scalar loop; a fit that has converged keeps its coefficients while the others go on."""
-    N, P = pen.shape
-    G = W.shape[1]
+    # the start: the mean label of each distinct score, (sum w t + 1/2) / (sum w + 1) (`_logit_newton`)
+    N, D = js.size, cells.score_values.size
     key = _score_key(cells, N)
-    D = cells.score_values.size
-    mu = ((np.bincount(key, weights=WT.ravel(), minlength=N * D) + 0.5)
-          / (np.bincount(key, weights=W.ravel(), minlength=N * D) + 1.0)).reshape(N, D)[:, cells.score_code]
-    eta = np.log(mu / (1.0 - mu))
-    theta = None
-    conv = np.zeros(N, dtype=bool)
-    some_conv = False  # conv.any(), kept as a flag (most steps have no converged fit)
-    sym = _symmetric(P)
-    Hf = np.empty((N, P * P))
-    H = Hf.reshape(N, P, P)
-    eye = _eye(P)
-    mask = np.ones((N, P), dtype=bool)  # free coefficients of each fit's Newton system
-    one = len(designs) == 1
-    fmax = np.empty((N, P))  # largest |F| of each column: |F d| <= fmax . |d| bounds an index step
-    for idx, _, _, fm in designs:
-        fmax[idx] = fm
-    for _ in range(NEWTON_MAX):
-        wmu = W * mu
-        v = wmu - wmu * mu  # w mu (1 - mu)
-        if theta is None:  # working response v eta + w (t - mu)
-            r = v * eta
-            r += WT
-            r -= wmu
-        else:  # eta = F theta, so F' v eta = (H - pen) theta: only w (t - mu) goes through the cells
-            r = WT - wmu
-        if one:
-            h = _einsum("jg,qg->jq", v, designs[0][2])
-            b = _einsum("jg,pg->jp", r, designs[0][1])
-        else:
-            h = np.empty((N, designs[0][2].shape[0]))
-            b = np.empty((N, P))
-            for idx, FT, OtT, _ in designs:
-                _einsum("jg,qg->jq", v[idx], OtT, out=h[idx])
-                _einsum("jg,pg->jp", r[idx], FT, out=b[idx])
-        np.take(h, sym, axis=1, out=Hf)  # the symmetric matrices from their upper triangles
-        if theta is not None:
-            b += np.matmul(H, theta[:, :, None])[:, :, 0]
-        Hf[:, ::P + 1] += pen
-        if theta is None:  # the first step: the full active set from the start's free ramps
-            new = _qp_rows(H, b, n_ramp, free)
-        else:  # Newton on the current free set; the full active set only where a free ramp turns negative
-            if mask.all():
-                new = _lapack.solve1(H, b, signature="dd->d")
-            else:
-                new = _lapack.solve1(np.where(mask[:, :, None] & mask[:, None, :], H, eye), np.where(mask, b, 0.0),
-                                     signature="dd->d")
-            neg = (new[:, :n_ramp] < 0).any(1)
-            if neg.any():
-                rows = np.flatnonzero(neg)
-                new[rows] = _qp_rows(H[rows], b[rows], n_ramp, free[rows])
-        eta_c = _apply(designs, new, G)
-        if theta is None:  # the first step (from the data's start) is taken whole
-            theta, eta = new, eta_c
-            moved = np.inf
-        else:
-            step = new - theta
-            # a step that moves no index by more than log 2 lowers the objective (the curvature
-            # changes by less than a factor 2 along it, docs/statistics.md): no check needed
-            size = np.abs(step)
-            big = (size * fmax).sum(1) > LOG2
-            if big.any():  # the bound is loose: the exact largest index change
-                big &= np.abs(eta_c - eta).max(1) > LOG2
-                if some_conv:
-                    big &= ~conv
-            s = None
-            if big.any():
-                s, new, eta_c = _halve(designs, W, WT, pen, theta, eta, step, new, eta_c, big)
-            moved = (size if s is None else np.abs(s[:, None] * step)).max(1)
-            if some_conv:
-                keep = conv[:, None]
-                theta = np.where(keep, theta, new)
-                eta = np.where(keep, eta, eta_c)
-            else:
-                theta, eta = new, eta_c
-        free = theta[:, :n_ramp] > 0
-        stop = moved <= NEWTON_TOL * (1.0 + np.abs(theta).max(1))
-        if some_conv:
-            stop &= ~conv
-        if stop.any():  # converged on its free set: a KKT point unless a fixed ramp has a descent direction
-            grad = b - np.matmul(H, new[:, :, None])[:, :, 0]
-            viol = ~free & (grad[:, :n_ramp] > 1e-9 * (np.abs(b).max(1, keepdims=True) + 1e-300))
-            again = stop & viol.any(1)
-            free |= viol & again[:, None]
-            conv |= stop & ~again
-            some_conv = bool(conv.any())
-            if conv.all():
-                break
-        mu = np.tanh(0.5 * eta)  # expit(eta) = (1 + tanh(eta / 2)) / 2, without overflow, faster than expit
-        mu += 1.0
-        mu *= 0.5
-        mask[:, :n_ramp] = free
+    mu = ((np.bincount(key, weights=WTs.ravel(), minlength=N * D) + 0.5)
+          / (np.bincount(key, weights=Ws.ravel(), minlength=N * D) + 1.0)).reshape(N, D)[:, cells.score_code]
+    theta[sel] = newton_stack(_levels(cells, Xt, log_covariates), designs, counts, Ws, WTs, pen, mu, n_ramp,
+                              None if warm is None else warm.get(n_ramp))
     return theta
-
-
-def _halve(designs: list, W: np.ndarray, WT: np.ndarray, pen: np.ndarray, theta: np.ndarray, eta: np.ndarray,
-           step: np.ndarray, new: np.ndarray, eta_c: np.ndarray, big: np.ndarray):
-    """Step halving for the fits ``big``: halve until the objective does not rise (or 1e-6).
-    Returns the step lengths and the accepted coefficients and indices."""
-    G = W.shape[1]
-    s = np.ones(W.shape[0])
-    q = _objective(W, WT, eta, theta, pen)
-    q_c = _objective(W, WT, eta_c, new, pen)
-    while True:
-        bad = big & (q_c > q + 1e-12 * (1.0 + np.abs(q))) & (s >= 1e-6)
-        if not bad.any():
-            return s, new, eta_c
-        s = np.where(bad, 0.5 * s, s)
-        cand = theta + s[:, None] * step
-        eta_c = np.where(bad[:, None], _apply(designs, cand, G), eta_c)
-        new = np.where(bad[:, None], cand, new)
-        q_c = np.where(bad, _objective(W, WT, eta_c, new, pen), q_c)
-
-
-def _qp_rows(H: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray:
-    """`_qp_stack_pd`, with `qp_ramp` for the systems it did not settle."""
-    x, done = _qp_stack_pd(H, b, n_ramp, free)
-    for i in np.flatnonzero(~done):
-        x[i] = qp_ramp(H[i], b[i], n_ramp, None)
-    return x
 
 
 def fit_two_stage_many(cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarray,

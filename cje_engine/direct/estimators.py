@@ -366,11 +366,60 @@ def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
     says how many were dropped.
     """
     plan = view.calibration
-    K, G = view.n_policies, plan.cells.size
     wc = prompt_w[view.cal_prompt]
     if not (wc > 0).any():  # the resample drew no calibration prompt: no calibrator, no statistic
-        return np.full(2 * K, np.nan)
-    F_all, f_cal, _, _ = _cell_fits(plan, wc, with_models=False)
+        return np.full(2 * view.n_policies, np.nan)
+    if plan.mode == "two_stage":
+        F_all, f_cal = _two_stage_refits(plan, [wc])[0]
+    else:
+        F_all, f_cal, _, _ = _cell_fits(plan, wc, with_models=False)
+    return _replicate_stats(view, prompt_w, wc, F_all, f_cal)
+
+
+#: Two-stage replicates refitted together: one `fit_two_stage_many` call for the six fits of each of up
+#: to this many replicates (the numpy calls of the fit are shared, not the arithmetic; every fit's
+#: numbers are the same bits as when fitted alone, see tests/unit/test_fast_paths.py).
+REPLICATE_BATCH = 32
+_BATCH_ELEMENTS = 2**20  # at most ~8 MB of per-replicate arrays held for one batch (10M rows: one a batch)
+
+
+def _replicates(view: BootstrapView, weights: list) -> np.ndarray:
+    """Two-stage `replicate_view` for each prompt-weight vector of ``weights``, shape (len(weights), 2K):
+    the refits of all of them in one batched fit (`_two_stage_refits`)."""
+    out = np.full((len(weights), 2 * view.n_policies), np.nan)
+    wcs = [w[view.cal_prompt] for w in weights]
+    live = [i for i, wc in enumerate(wcs) if (wc > 0).any()]  # no calibration prompt: no calibrator, NaN
+    fitted = _two_stage_refits(view.calibration, [wcs[i] for i in live])
+    for i, (F_all, f_cal) in zip(live, fitted):
+        out[i] = _replicate_stats(view, weights[i], wcs[i], F_all, f_cal)
+    return out
+
+
+def _two_stage_refits(plan: CalibrationPlan, wcs: list) -> list:
+    """(full fit at every cell, out-of-fold values) of the two-stage cross-fit under each weight
+    vector of ``wcs``: the (K + 1) fits of every replicate in one `fit_two_stage_many` call."""
+    if not wcs:
+        return []
+    K, J = plan.n_folds, plan.n_folds + 1
+    sums = [_fold_sums(plan, wc) for wc in wcs]
+    M = np.concatenate([m for _, m in sums], axis=1) if len(sums) > 1 else sums[0][1]
+    fits = fit_two_stage_many(plan.cal_cells, M[0], M[1], M[2], clip=plan.label_scale, warm=plan.warm)
+    out = []
+    for r, (S, _) in enumerate(sums):
+        j0 = r * J
+        has_rows = S[2].sum(1) > 0
+        F_all = fits.predict_cells(j0, plan.cells)
+        live = [k for k in range(K) if has_rows[k] and fits.ok[j0 + k + 1]]
+        out.append((F_all, _out_of_fold(plan, F_all, fits.Z[j0:j0 + J], live, fits.x[j0 + 1:j0 + J],
+                                        fits.y[j0 + 1:j0 + J])))
+    return out
+
+
+def _replicate_stats(view: BootstrapView, prompt_w: np.ndarray, wc: np.ndarray, F_all: np.ndarray,
+                     f_cal: np.ndarray) -> np.ndarray:
+    """Plug-in and augmented values of one replicate from its refits (`replicate_view`)."""
+    plan = view.calibration
+    K, G = view.n_policies, plan.cells.size
     # Every row at the full fit's value, then the calibration rows corrected to out of fold.
     T = np.bincount(view.row_key, weights=prompt_w[view.row_prompt], minlength=K * G).reshape(K, G)
     n_k = T.sum(1)
@@ -388,10 +437,22 @@ def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
 
 def bootstrap_replicates(view: BootstrapView, start: int, stop: int) -> np.ndarray:
     """Replicates ``start..stop-1`` on a view, shape (stop - start, 2K); replicate ``b`` depends
-    only on ``(view.seed, b)``, so any split into chunks gives the same rows."""
+    only on ``(view.seed, b)``, so any split into chunks gives the same rows (the same bits:
+    the batches of `_replicates` do not change any replicate's numbers)."""
     out = np.empty((stop - start, 2 * view.n_policies))
-    for i, b in enumerate(range(start, stop)):
-        out[i] = replicate_view(view, bootstrap_weights(view.seed, b, view.n_prompts))
+    plan = view.calibration
+    if plan.mode != "two_stage":
+        for i, b in enumerate(range(start, stop)):
+            out[i] = replicate_view(view, bootstrap_weights(view.seed, b, view.n_prompts))
+        return out
+    # per replicate of a batch: its prompt weights, calibration weights and out-of-fold values, its
+    # fold sums and fits over the calibration cells, its full fit at every cell
+    per = view.n_prompts + 2 * plan.y.size + (6 * plan.n_folds + 10) * plan.cal_cells.size + plan.cells.size
+    batch = max(1, min(REPLICATE_BATCH, _BATCH_ELEMENTS // max(per, 1)))
+    for a in range(start, stop, batch):
+        b = min(a + batch, stop)
+        out[a - start:b - start] = _replicates(view, [bootstrap_weights(view.seed, i, view.n_prompts)
+                                                      for i in range(a, b)])
     return out
 
 

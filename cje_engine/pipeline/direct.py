@@ -15,7 +15,7 @@ import numpy as np
 
 from cje_engine.data.frame import EvalData
 from cje_engine.data.io import load_frame
-from cje_engine.direct.estimators import Design, bootstrap_weights, fold_jackknife, replicate
+from cje_engine.direct.estimators import Design, bootstrap_replicates, bootstrap_view, fold_jackknife
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.comparisons import PolicyColumns, relative_claims
 from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP
@@ -93,11 +93,7 @@ def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
     Each replicate resamples prompts with replacement, refits the calibrator (all folds)
     and recomputes every policy's plug-in and augmented value, so differences are paired.
     """
-    n_p = prep.design.data.n_prompts
-    out = np.empty((stop - start, prep.stats.size))
-    for i, b in enumerate(range(start, stop)):
-        out[i] = replicate(prep.design, bootstrap_weights(prep.options.seed, b, n_p))
-    return out
+    return bootstrap_replicates(bootstrap_view(prep.design, prep.options.seed), start, stop)
 
 
 def evaluate(data: Any, **options: Any) -> EvaluationResult:

@@ -20,7 +20,7 @@ from sklearn.isotonic import IsotonicRegression
 from cje_engine.calibration.calibrators import TwoStageCalibrator, quantile_of_counts
 from cje_engine.calibration.isotonic import isotonic_fit, isotonic_predict
 from cje_engine.data.frame import EvalData
-from cje_engine.direct.estimators import bootstrap_weights, make_design, replicate
+from cje_engine.direct.estimators import bootstrap_weights, make_design, replicate, replicate_view
 
 
 def _slow_isotonic(x, y, w):
@@ -379,3 +379,60 @@ def test_isotonic_segments_equal_one_fit_per_segment():
     sw[10:12] = 0
     for (a, b), got in zip(bounds, isotonic_pooled_segments(sw, swy, bounds)):
         np.testing.assert_array_equal(got, isotonic_pooled(sw[a:b], swy[a:b]))
+
+
+@pytest.mark.parametrize("n_prompts", [150, 40])
+def test_batched_two_stage_replicates_are_the_bits_of_one_at_a_time(n_prompts):
+    """`bootstrap_replicates` refits up to REPLICATE_BATCH replicates' cross-fits in one
+    `fit_two_stage_many` call; every fit's arithmetic is row-wise (einsum, batched LAPACK, per-fit
+    masks and step lengths), so each replicate is the same bits as `replicate_view` fitting it
+    alone, whatever the batch holds (here fits of two or three knot counts and up to ~80 distinct
+    knot vectors in one batch). A resample without calibration prompts is all NaN in the batch
+    too, without disturbing its neighbours."""
+    from cje_engine.direct.estimators import REPLICATE_BATCH, _replicates, bootstrap_replicates, bootstrap_view
+
+    data = EvalData.from_frame(_sim_frame(3, n_prompts), covariates=["len"])
+    view = bootstrap_view(make_design(data, "two_stage", ("p0",)), seed=5)
+    B = 2 * REPLICATE_BATCH + 7  # two full batches and a short one
+    batched = bootstrap_replicates(view, 0, B)
+    alone = np.array([replicate_view(view, bootstrap_weights(5, b, data.n_prompts)) for b in range(B)])
+    assert np.isfinite(alone).all()
+    assert np.array_equal(batched, alone)
+    assert np.array_equal(bootstrap_replicates(view, 3, 40), alone[3:40])  # batches cut elsewhere
+    empty = np.ones(data.n_prompts)
+    empty[view.cal_prompt] = 0.0  # no calibration prompt drawn
+    both = _replicates(view, [bootstrap_weights(5, 0, data.n_prompts), empty, bootstrap_weights(5, 1, data.n_prompts)])
+    assert np.isnan(both[1]).all()
+    assert np.array_equal(both[[0, 2]], alone[:2])
+
+
+@pytest.mark.parametrize("p", [0, 1, 2])
+def test_score_level_gram_equals_the_cell_level_products(p):
+    """The logit stage's Gram matrices, gradients and indices come from per-score sums (the ramps
+    depend on the score only): they equal ``F' diag(v) F``, ``F' r`` and ``F theta`` computed on the
+    cells' full design matrix. Only the order of the sums differs: rtol 1e-12 (sums of a few hundred
+    positive terms of similar size; float64 rounding ~1e-16 each)."""
+    from cje_engine.calibration.calibrators import _ramp_basis, make_cells
+    from cje_engine.calibration.logit_stack import _apply, _gram, _parts, _triangle
+    from cje_engine.calibration.two_stage_batch import _levels, _score_design
+
+    rng = np.random.default_rng(p)
+    n = 600
+    s = rng.integers(0, 15, n) / 14
+    X = rng.integers(1, 40, (n, p)).astype(float)
+    cells, _ = make_cells(s, X if p else None)
+    Xt = np.log1p(cells.X)
+    knots = np.array([0.0, 0.2, 0.5, 0.8, 1.0])
+    F = np.hstack([_ramp_basis(cells.score, knots), Xt, np.ones((cells.size, 1))])
+    P = F.shape[1]
+    levels = _levels(cells, Xt, True)
+    design = _score_design(cells, Xt, knots, True)
+    parts = _parts([design], np.array([4]))
+    v, r = rng.uniform(0, 1, (4, cells.size)), rng.normal(0, 1, (4, cells.size))
+    theta = rng.normal(0, 1, (4, P))
+    h, b = _gram(parts, levels, v, r, P)
+    iu0, iu1, _ = _triangle(P)
+    np.testing.assert_allclose(h, np.einsum("jg,gp,gq->jpq", v, F, F)[:, iu0, iu1], rtol=1e-12)
+    np.testing.assert_allclose(b, r @ F, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(_apply(parts, levels, theta, cells.size), theta @ F.T, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(design[3], np.abs(F).max(0))  # the step bound's largest |F| per column
