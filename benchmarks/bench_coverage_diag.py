@@ -9,12 +9,10 @@ estimate across datasets against the mean reported SE, split by mode and basis, 
 ``--option calibration_mode=monotone`` forces a mode (no selection), which separates the selection's share of the
 spread from a fixed estimator's.
 
-``--replay`` (pooled design): the experiment of repeating robust pooling inside every bootstrap replicate (the
-candidate fix (a)): each replicate starts from the full data's sources less the decisive exclusions (|z| beyond the
-Holm critical value + 6), computes its statistics, tests the sources' residual means (augmented - plug-in) with the
-full-data SEs of that source set (Holm, the most extreme failing one leaves) and refits until none fails. It
-prints how often the replicates' selection differs from the full data's and the coverage of the reported levels'
-percentile intervals from those replicates, beside the engine's (selection fixed).
+``--replay`` (pooled design): robust pooling rerun inside every bootstrap replicate (``pooling_bootstrap="rerun"``,
+`cje_engine.pipeline.pooling_replay`) against the default fixed sources, on the same replicate weights: how often
+the replicates' selection differs from the full data's (replicates that differ from the fixed ones) and the coverage
+and width of the reported levels' percentile intervals from either set of replicates.
 
 Usage::
 
@@ -75,105 +73,35 @@ def run_one(n: int, frac: float, rep: int, B: int, design: str, options: dict) -
             "policies": pols}
 
 
-class PoolingReplay:
-    """Robust pooling rerun on a replicate's resample (the experiment of ``--replay``; not in the engine)."""
-
-    def __init__(self, prep, margin: float = 6.0) -> None:
-        from scipy.stats import norm
-
-        from cje_engine.direct.estimators import row_cells
-
-        d = prep.design.data
-        self.data, self.mode, self.alpha = d, prep.design.mode, prep.options.alpha
-        self.rows = row_cells(d, self.mode)
-        labelled = [int(k) for k in np.unique(d.policy[d.labelled])]
-
-        def certain(e):
-            crit = float(norm.isf(self.alpha / (2 * e["family_size"])))
-            return abs(e["residual_mean"]) / e["se"] >= crit + margin
-
-        gone = {d.policies.index(e["policy"]) for e in prep.excluded if certain(e)}
-        self.start = tuple(k for k in labelled if k not in gone)
-        self.final = tuple(int(k) for k in np.unique(d.policy[prep.design.cal_rows]))
-        self.designs, self.se = {self.final: prep.design}, {}
-
-    def design(self, sources):
-        from cje_engine.direct.estimators import make_design
-        from cje_engine.errors import CJEInputError
-
-        if sources not in self.designs:
-            try:
-                self.designs[sources] = make_design(self.data, self.mode, tuple(self.data.policies[k] for k in sources),
-                                                    self.rows)
-            except CJEInputError:
-                self.designs[sources] = None
-        return self.designs[sources]
-
-    def source_se(self, sources):
-        from cje_engine.direct.estimators import _cell_fits, calibration_plan
-        from cje_engine.pipeline.calibration import Fit, source_audits
-
-        if sources not in self.se:
-            des = self.design(sources)
-            fits = _cell_fits(calibration_plan(des), np.ones(des.cal_rows.size), with_models=False)
-            self.se[sources] = source_audits(Fit(des, *fits))[1]
-        return self.se[sources]
-
-    def replicate(self, w):
-        from scipy.stats import norm
-
-        from cje_engine.direct.estimators import bootstrap_view, replicate_view
-        from cje_engine.inference.multiplicity import holm
-
-        K = len(self.data.policies)
-        src = self.start
-        stats = replicate_view(bootstrap_view(self.design(src)), w)
-        while np.all(np.isfinite(stats[:K])):
-            delta, se = stats[K:] - stats[:K], self.source_se(src)
-            cand = np.array([k for k in src if np.isfinite(se[k]) and se[k] > 0 and np.isfinite(delta[k])])
-            if cand.size < 2:
-                break
-            z = np.abs(delta[cand] / se[cand])
-            p_adj = holm(2 * norm.sf(z))
-            if not (p_adj <= self.alpha).any():
-                break
-            bad = int(cand[int(np.argmax(np.where(p_adj <= self.alpha, z, -np.inf)))])
-            rest = tuple(k for k in src if k != bad)
-            if self.design(rest) is None:
-                break
-            src = rest
-            stats = replicate_view(bootstrap_view(self.design(src)), w)
-        return stats, src
-
-
 def run_replay(n: int, frac: float, rep: int, B: int) -> dict:
-    """One pooled dataset: the engine's intervals and those of replicates that rerun robust pooling."""
+    """One pooled dataset: the engine's intervals with the sources fixed (the default) and with robust pooling
+    rerun in every replicate (``pooling_bootstrap="rerun"``), on the same replicate weights."""
     from cje_engine import bootstrap_chunk, finalize, prepare
-    from cje_engine.direct.estimators import bootstrap_weights
 
     sim = bp.simulate_dataset(n, frac, rep, bp.JUDGE_NOISE, "pooled")
     seed = bp._seed(n, frac, rep) % (2**31)
-    prep = prepare(sim.frame, covariates=["response_length"], n_bootstrap=B, seed=seed)
+    prep = prepare(sim.frame, covariates=["response_length"], n_bootstrap=B, seed=seed, pooling_bootstrap="rerun")
+    replay, prep.replay = prep.replay, None
     t0 = time.process_time()
     fixed = bootstrap_chunk(prep, 0, B)
     cpu_fixed = time.process_time() - t0
     res = finalize(prep, [fixed])
-    replay = PoolingReplay(prep)
+    prep.replay = replay
     t0 = time.process_time()
-    out = [replay.replicate(bootstrap_weights(seed, b, prep.design.data.n_prompts)) for b in range(B)]
+    reps = bootstrap_chunk(prep, 0, B) if replay is not None else fixed
     cpu_replay = time.process_time() - t0
-    reps = np.array([o[0] for o in out])
-    names = list(prep.design.data.policies)
     pols = {}
-    for k, p in enumerate(names):
+    d = res.to_dict()["policies"]
+    for k, p in enumerate(prep.design.data.policies):
         col = int(res.columns[k])
         r = reps[:, col][np.isfinite(reps[:, col])]
-        e = res.to_dict()["policies"][p]
+        e = d[p]
         pols[p] = {"estimate": e["estimate"], "ci": e["ci"], "ci_replay": np.percentile(r, [2.5, 97.5]).tolist(),
                    "se": e["se"], "se_replay": float(np.std(r, ddof=1)), "basis": e["basis_code"]}
+    other = np.mean([not np.array_equal(a, b, equal_nan=True) for a, b in zip(reps, fixed)])
     return {"rep": rep, "truth": sim.true_values, "excluded": [e["policy"] for e in prep.excluded],
-            "share_replicates_other_sources": float(np.mean([o[1] != replay.final for o in out])),
-            "cpu_fixed": cpu_fixed, "cpu_replay": cpu_replay, "policies": pols}
+            "share_replicates_other_sources": float(other), "cpu_fixed": cpu_fixed, "cpu_replay": cpu_replay,
+            "policies": pols}
 
 
 def report_replay(runs: list[dict]) -> None:
