@@ -20,8 +20,11 @@ the same selection on its own resample:
 
 The SE of a source's residual mean is taken from the full-data fit of the same source set (the
 studentisation is held fixed; the SE's own sampling error is second order). The calibration mode
-stays the one chosen on the full data. Cost: one Holm test on <= K numbers per replicate, plus one
-more refit in the replicates whose selection differs from the start set (measured in RESULTS.md).
+stays the one chosen on the full data. Opt-in (``pooling_bootstrap="rerun"``; the default keeps the
+full data's sources): one Holm test on <= K numbers per replicate, plus one more refit in the
+replicates whose selection differs from the start set, 1.3-2.1x the replicate's CPU in a pooled
+design (a bootstrap of a pre-test over-selects: ~20% of replicates against 3.5% of datasets), and a
+prepared state that ships whole to Ray workers (RESULTS.md, "Issue 9: coverage at 25% labels").
 """
 from __future__ import annotations
 
