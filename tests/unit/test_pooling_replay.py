@@ -143,3 +143,17 @@ def test_the_default_keeps_the_sources_fixed_and_a_bad_value_is_refused():
     assert prep.replay is None
     with pytest.raises(CJEInputError, match="pooling_bootstrap must be fixed or rerun"):
         prepare(_pooled(11).frame, n_bootstrap=50, pooling_bootstrap="always")
+
+
+def test_ray_ships_the_prepared_state_when_replicates_rerun_the_pooling():
+    from cje_engine.direct.estimators import BootstrapView
+    from flows.runtime.ray_fanout import bootstrap_state, remote_bootstrap
+
+    frame = _pooled(11).frame
+    fixed = prepare(frame, n_bootstrap=50, seed=5)
+    rerun = prepare(frame, n_bootstrap=50, seed=5, pooling_bootstrap="rerun")
+    assert isinstance(bootstrap_state(fixed), BootstrapView)
+    assert bootstrap_state(rerun) is rerun
+    # what a worker computes from the shipped state is the driver's chunk
+    np.testing.assert_array_equal(remote_bootstrap(bootstrap_state(rerun), 0, 8), bootstrap_chunk(rerun, 0, 8))
+    np.testing.assert_array_equal(remote_bootstrap(bootstrap_state(fixed), 0, 8), bootstrap_chunk(fixed, 0, 8))
