@@ -45,7 +45,7 @@ D, B, N, FRAC, SEED0 = 200, 200, 500, 0.25, 93_000
 
 @pytest.mark.slow
 def test_protocol_25pct_reported_se_matches_spread_and_covers():
-    """~90 s CPU: D = 200 datasets of the audited protocol at 500 prompts, 25% of base labelled."""
+    """~90 s CPU (measured 86 s): D = 200 datasets of the audited protocol at 500 prompts, 25% of base labelled."""
     covered, err, se = [], [], []
     for r in range(D):
         sim = simulate(N, POLICIES, oracle_fraction=FRAC, label_design="calibration_policy",
@@ -63,7 +63,7 @@ def test_protocol_25pct_reported_se_matches_spread_and_covers():
 
 @pytest.mark.slow
 def test_pooled_rerun_adds_the_pooling_selection_to_the_intervals():
-    """~200 s CPU: the pooled design (every policy 5% labelled at random, the adversary among the sources), n = 1000.
+    """~180 s CPU (measured 177 s): the pooled design (every policy 5% labelled at random, the adversary among the sources), n = 1000.
 
     Robust pooling falsely excludes a clean source in ~3.5% of datasets and the six transported intervals then cover
     ~0.62 (RESULTS.md); ``pooling_bootstrap="rerun"`` reruns the pooling in each replicate. Paired on the same
