@@ -227,21 +227,35 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
     return selection, fits
 
 
-def _failing_source(fit: Fit, alpha: float) -> dict | None:
-    """The most significant calibration source whose own audit fails (Holm over the sources)."""
-    delta, se, is_source = source_audits(fit)
-    names = fit.design.data.policies
-    cand = np.flatnonzero(is_source & np.isfinite(se) & (se > 0))
+def failing_source(delta: np.ndarray, se: np.ndarray, is_source: np.ndarray,
+                   alpha: float) -> tuple[int, float, int] | None:
+    """(code, Holm-adjusted p, family size) of the most significant failing calibration source, or None.
+
+    Sources with a finite, positive SE form the family (at least two); the two-sided p-values of
+    ``delta / se`` are Holm-adjusted and, among the failing ones, the largest |z| leaves (by |z|:
+    adjusted p-values underflow to 0 at 100k labels). Shared by the full data's robust pooling and its
+    rerun in every bootstrap replicate (`cje_engine.pipeline.pooling_replay`).
+    """
+    cand = np.flatnonzero(is_source & np.isfinite(se) & (se > 0) & np.isfinite(delta))
     if cand.size < 2:
         return None
     z = np.abs(delta[cand] / se[cand])
     p_adj = holm(2 * norm.sf(z))
     if not (p_adj <= alpha).any():
         return None
-    i = int(np.argmax(np.where(p_adj <= alpha, z, -np.inf)))  # by |z|: adjusted p-values underflow to 0
-    k = int(cand[i])
-    return {"policy": names[k], "residual_mean": float(delta[k]), "se": float(se[k]),
-            "p_adjusted": float(p_adj[i]), "family_size": int(cand.size)}
+    i = int(np.argmax(np.where(p_adj <= alpha, z, -np.inf)))
+    return int(cand[i]), float(p_adj[i]), int(cand.size)
+
+
+def _failing_source(fit: Fit, alpha: float) -> dict | None:
+    """The most significant calibration source whose own audit fails (Holm over the sources)."""
+    delta, se, is_source = source_audits(fit)
+    bad = failing_source(delta, se, is_source, alpha)
+    if bad is None:
+        return None
+    k, p_adj, family = bad
+    return {"policy": fit.design.data.policies[k], "residual_mean": float(delta[k]), "se": float(se[k]),
+            "p_adjusted": p_adj, "family_size": family}
 
 
 def fit_calibration(data: EvalData, opts: EvaluationOptions) -> tuple[Fit, dict, list[dict]]:

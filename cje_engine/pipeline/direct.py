@@ -15,13 +15,15 @@ import numpy as np
 
 from cje_engine.data.frame import EvalData
 from cje_engine.data.io import load_frame
-from cje_engine.direct.estimators import Design, bootstrap_replicates, bootstrap_view, fold_jackknife
+from cje_engine.direct.estimators import (Design, bootstrap_replicates, bootstrap_view, bootstrap_weights,
+                                          fold_jackknife)
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.comparisons import PolicyColumns, relative_claims
 from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.calibration import fit_calibration
+from cje_engine.pipeline.pooling_replay import PoolingReplay, build_replay
 from cje_engine.pipeline.policies import summarize_direct
 from cje_engine.result import EvaluationResult
 
@@ -42,6 +44,7 @@ class Prepared:
     jackknife: np.ndarray
     models: list | None = None  # per-fold calibrators of the cross-fit (None: the fold kept the full fit)
     excluded: list = field(default_factory=list)  # calibration sources removed by robust pooling
+    replay: PoolingReplay | None = None  # robust pooling rerun in each replicate (pooling_bootstrap="rerun")
 
 
 def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
@@ -84,7 +87,10 @@ def prepare(data: Any, **options: Any) -> Prepared:
     log.info("prepared %d rows, %d prompts, %d policies, mode=%s%s", ed.n_rows, ed.n_prompts,
              len(ed.policies), selection["chosen"],
              f", excluded from the calibrator: {', '.join(e['policy'] for e in excluded)}" if excluded else "")
-    return Prepared(opts, fit.design, selection, fit.f, fit.full, fit.stats, fit.infl, jk, fit.models, excluded)
+    rerun = opts.inference == "bootstrap" and opts.pooling_bootstrap == "rerun"
+    replay = build_replay(ed, opts, fit.design, excluded) if rerun else None
+    return Prepared(opts, fit.design, selection, fit.f, fit.full, fit.stats, fit.infl, jk, fit.models, excluded,
+                    replay)
 
 
 def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
@@ -92,8 +98,17 @@ def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
 
     Each replicate resamples prompts with replacement, refits the calibrator (all folds)
     and recomputes every policy's plug-in and augmented value, so differences are paired.
+    With ``pooling_bootstrap="rerun"`` and two or more calibration sources each replicate also
+    reruns robust pooling on its resample (`cje_engine.pipeline.pooling_replay`), so the intervals
+    carry that selection.
     """
-    return bootstrap_replicates(bootstrap_view(prep.design, prep.options.seed), start, stop)
+    if prep.replay is None:
+        return bootstrap_replicates(bootstrap_view(prep.design, prep.options.seed), start, stop)
+    n_p = prep.design.data.n_prompts
+    out = np.empty((stop - start, prep.stats.size))
+    for i, b in enumerate(range(start, stop)):
+        out[i] = prep.replay.replicate(bootstrap_weights(prep.options.seed, b, n_p))
+    return out
 
 
 def evaluate(data: Any, **options: Any) -> EvaluationResult:

@@ -417,11 +417,12 @@ def remote_bootstrap(state, start: int, stop: int):
 
 def bootstrap_state(prep):
     """What the bootstrap tasks receive for ``prep``: its `BootstrapView` when it is a Direct
-    prepared state (replicates bit-identical to ``bootstrap_chunk(prep, ...)``), else ``prep``."""
+    prepared state without robust pooling to rerun (replicates bit-identical to
+    ``bootstrap_chunk(prep, ...)``), else ``prep`` (its replicates rerun the pooling selection)."""
     from cje_engine.direct.estimators import Design, bootstrap_view
     from cje_engine.pipeline.direct import Prepared
 
-    if isinstance(prep, Prepared) and isinstance(prep.design, Design):
+    if isinstance(prep, Prepared) and isinstance(prep.design, Design) and prep.replay is None:
         view = bootstrap_view(prep.design, seed=prep.options.seed)
         if view.n_policies * 2 == prep.stats.size:
             return view

@@ -1,0 +1,220 @@
+"""Why the transported policies' intervals under-cover at 25% labels (issue 9): a precise, cheap experiment.
+
+One cell of `bench_protocol.py` (same simulator, same datasets and seeds), many datasets, small B. For every
+transported policy it records the estimate, the reported SE and CI, both routes' SEs (bootstrap and analytic
+influence function), the level basis (plug-in audited / recalibrated / unaudited), the calibration mode chosen
+and, in the pooled design, the sources robust pooling excluded. It prints, per policy, the empirical SD of the
+estimate across datasets against the mean reported SE, split by mode and basis, and the coverage.
+
+``--option calibration_mode=monotone`` forces a mode (no selection), which separates the selection's share of the
+spread from a fixed estimator's.
+
+``--replay`` (pooled design): robust pooling rerun inside every bootstrap replicate (``pooling_bootstrap="rerun"``,
+`cje_engine.pipeline.pooling_replay`) against the default fixed sources, on the same replicate weights: how often
+the replicates' selection differs from the full data's (replicates that differ from the fixed ones) and the coverage
+and width of the reported levels' percentile intervals from either set of replicates.
+
+Usage::
+
+    nice -n 10 .venv/bin/python benchmarks/bench_coverage_diag.py --n 500 --fraction 0.25 --datasets 200 -B 200 \
+        --json benchmarks/_work/diag_500_25.json
+    nice -n 10 .venv/bin/python benchmarks/bench_coverage_diag.py --design pooled --n 1000 --fraction 0.05 ...
+    .venv/bin/python benchmarks/bench_coverage_diag.py --rescore benchmarks/_work/diag_500_25.json
+"""
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import bench_protocol as bp  # noqa: E402
+
+log = logging.getLogger("bench_coverage_diag")
+
+
+def run_one(n: int, frac: float, rep: int, B: int, design: str, options: dict) -> dict:
+    from cje_engine import evaluate
+
+    sim = bp.simulate_dataset(n, frac, rep, bp.JUDGE_NOISE, design)
+    seed = bp._seed(n, frac, rep) % (2**31)
+    cal = None if design == "pooled" else ["base"]
+    t0 = time.process_time()
+    res = evaluate(sim.frame, covariates=["response_length"], calibration_policies=cal, n_bootstrap=B, seed=seed,
+                   **options)
+    cpu = time.process_time() - t0
+    d = res.to_dict()
+    pols = {}
+    for p, e in d["policies"].items():
+        pi, au = e["plug_in"], e.get("augmented") or {}
+        pols[p] = {"estimate": e["estimate"], "se": e["se"], "ci": e["ci"], "basis": e["basis_code"],
+                   "audit": e["audit"]["verdict"], "se_analytic": e["se_analytic"], "se_bootstrap": e.get("se_bootstrap"),
+                   "plug_in": pi["estimate"], "plug_in_se_boot": pi.get("se_bootstrap"),
+                   "plug_in_se_analytic": pi["se_analytic"], "plug_in_ci": pi["ci"],
+                   "augmented": au.get("estimate"), "augmented_se_boot": au.get("se_bootstrap"),
+                   "var_cal_jackknife": e["var_cal_jackknife_plug_in"], "var_cal_influence": e["var_cal_influence_plug_in"]}
+    cal_d = d["calibration"]
+    return {"rep": rep, "truth": sim.true_values, "mode": cal_d["mode"], "cpu_s": cpu,
+            "excluded": [x["policy"] for x in cal_d.get("excluded_sources", [])],
+            "selection": {k: cal_d["selection"].get(k) for k in ("paired_difference", "paired_se", "chosen")},
+            "policies": pols}
+
+
+def run_replay(n: int, frac: float, rep: int, B: int) -> dict:
+    """One pooled dataset: the engine's intervals with the sources fixed (the default) and with robust pooling
+    rerun in every replicate (``pooling_bootstrap="rerun"``), on the same replicate weights."""
+    from cje_engine import bootstrap_chunk, finalize, prepare
+
+    sim = bp.simulate_dataset(n, frac, rep, bp.JUDGE_NOISE, "pooled")
+    seed = bp._seed(n, frac, rep) % (2**31)
+    prep = prepare(sim.frame, covariates=["response_length"], n_bootstrap=B, seed=seed, pooling_bootstrap="rerun")
+    replay, prep.replay = prep.replay, None
+    t0 = time.process_time()
+    fixed = bootstrap_chunk(prep, 0, B)
+    cpu_fixed = time.process_time() - t0
+    res = finalize(prep, [fixed])
+    prep.replay = replay
+    t0 = time.process_time()
+    reps = bootstrap_chunk(prep, 0, B) if replay is not None else fixed
+    cpu_replay = time.process_time() - t0
+    pols = {}
+    d = res.to_dict()["policies"]
+    for k, p in enumerate(prep.design.data.policies):
+        col = int(res.columns[k])
+        r = reps[:, col][np.isfinite(reps[:, col])]
+        e = d[p]
+        pols[p] = {"estimate": e["estimate"], "ci": e["ci"], "ci_replay": np.percentile(r, [2.5, 97.5]).tolist(),
+                   "se": e["se"], "se_replay": float(np.std(r, ddof=1)), "basis": e["basis_code"]}
+    other = np.mean([not np.array_equal(a, b, equal_nan=True) for a, b in zip(reps, fixed)])
+    return {"rep": rep, "truth": sim.true_values, "excluded": [e["policy"] for e in prep.excluded],
+            "share_replicates_other_sources": float(other), "cpu_fixed": cpu_fixed, "cpu_replay": cpu_replay,
+            "policies": pols}
+
+
+def report_replay(runs: list[dict]) -> None:
+    share = np.array([r["share_replicates_other_sources"] for r in runs])
+    clean = np.array([r["excluded"] == ["unhelpful"] for r in runs])
+    print(f"datasets {len(runs)}; with a clean source excluded: {int((~clean).sum())}")
+    print(f"replicates whose rerun pooling picks other sources than the full data: mean {share.mean():.3f} "
+          f"(datasets with only the adversary excluded {share[clean].mean():.3f})")
+    print(f"CPU of B replicates: fixed {np.sum([r['cpu_fixed'] for r in runs]):.1f} s, "
+          f"rerun pooling {np.sum([r['cpu_replay'] for r in runs]):.1f} s")
+    for key in ("ci", "ci_replay"):
+        for name, sel in (("all", np.ones(len(runs), bool)), ("clean", clean), ("clean source excluded", ~clean)):
+            c = [r["policies"][p][key][0] <= r["truth"][p] <= r["policies"][p][key][1]
+                 for r, s_ in zip(runs, sel) if s_ for p in bp.TRANSPORTED]
+            w = [r["policies"][p][key][1] - r["policies"][p][key][0] for r, s_ in zip(runs, sel) if s_
+                 for p in bp.TRANSPORTED]
+            if c:
+                print(f"  {key:10s} {name:22s} coverage {np.mean(c):.3f} over {len(c)}, mean width {np.mean(w):.4f}")
+
+
+def _stats(rows: list[tuple[float, float, float, bool]]) -> str:
+    if len(rows) < 3:
+        return f"{len(rows):4d} sets"
+    err = np.array([r[0] for r in rows])
+    se = np.array([r[1] for r in rows])
+    cov = np.mean([r[3] for r in rows])
+    sd = err.std(ddof=1)
+    rel = 1 / np.sqrt(2 * (len(rows) - 1))  # relative SE of an SD estimate (normal)
+    return (f"{len(rows):4d} sets  bias {err.mean():+.4f} (se {sd / np.sqrt(len(rows)):.4f})  SD {sd:.4f} "
+            f"(+/-{rel * sd:.4f})  mean SE {se.mean():.4f}  rms SE {np.sqrt(np.mean(se**2)):.4f}  "
+            f"ratio SD/rmsSE {sd / np.sqrt(np.mean(se**2)):.3f}  coverage {cov:.3f}")
+
+
+def report(runs: list[dict], key_est: str = "estimate", key_se: str = "se", key_ci: str = "ci") -> None:
+    modes = sorted({r["mode"] for r in runs})
+    print(f"datasets {len(runs)}; modes chosen: " + ", ".join(f"{m} {sum(r['mode'] == m for r in runs)}" for m in modes))
+    exc = {}
+    for r in runs:
+        for p in r["excluded"]:
+            exc[p] = exc.get(p, 0) + 1
+    if exc:
+        print("excluded by robust pooling: " + ", ".join(f"{p} {c}" for p, c in sorted(exc.items())))
+    allcov = []
+    for p in bp.TRANSPORTED:
+        rows = []
+        for r in runs:
+            e = r["policies"][p]
+            t = r["truth"][p]
+            ci = e[key_ci]
+            rows.append((e[key_est] - t, e[key_se], r["mode"], ci[0] <= t <= ci[1], e["basis"],
+                         e.get("se_analytic"), e.get("se_bootstrap")))
+        allcov += [x[3] for x in rows]
+        print(f"\n{p}: " + _stats([(a, b, c, d) for a, b, c, d, *_ in rows]))
+        for m in modes:
+            sub = [(a, b, c, d) for a, b, c, d, *_ in rows if c == m]
+            print(f"   mode {m:10s} " + _stats(sub))
+        for bc in sorted({x[4] for x in rows}):
+            sub = [(a, b, c, d) for a, b, c, d, e, *_ in rows if e == bc]
+            print(f"   basis {bc:12s} " + _stats(sub))
+        sa = np.array([x[5] for x in rows], float)
+        sb = np.array([x[6] for x in rows if x[6] is not None], float)
+        if sb.size:
+            print(f"   rms SE bootstrap {np.sqrt(np.mean(sb**2)):.4f}  analytic {np.sqrt(np.nanmean(sa**2)):.4f}")
+    print(f"\ncoverage of the six transported policies: {np.mean(allcov):.3f} over {len(allcov)} intervals")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--fraction", type=float, default=0.25)
+    ap.add_argument("--datasets", type=int, default=200)
+    ap.add_argument("--first", type=int, default=0, help="first dataset index")
+    ap.add_argument("-B", type=int, default=200)
+    ap.add_argument("--design", choices=["protocol", "pooled"], default="protocol")
+    ap.add_argument("--option", action="append", default=[], help="engine option key=value (JSON value)")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--rescore", type=Path, action="append", default=None)
+    ap.add_argument("--replay", action="store_true", help="pooled design: the rerun-pooling experiment (above)")
+    ap.add_argument("--plug-in", action="store_true", help="report the plug-in column instead of the reported level")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    logging.getLogger("cje_engine").setLevel(logging.WARNING)
+    if args.rescore:
+        runs = [r for f in args.rescore for r in json.loads(f.read_text())["runs"]]
+    else:
+        options = {}
+        for kv in args.option:
+            k, _, v = kv.partition("=")
+            try:
+                options[k] = json.loads(v)
+            except json.JSONDecodeError:
+                options[k] = v
+        runs = []
+        t0 = time.perf_counter()
+        for rep in range(args.first, args.first + args.datasets):
+            runs.append(run_replay(args.n, args.fraction, rep, args.B) if args.replay else
+                        run_one(args.n, args.fraction, rep, args.B, args.design, options))
+            if (rep + 1) % 25 == 0:
+                log.info("%d datasets, %.0f s", len(runs), time.perf_counter() - t0)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "rescore": None},
+                                             "runs": runs}, default=float))
+        if not args.replay:
+            print(f"mean CPU per dataset {np.mean([r['cpu_s'] for r in runs]):.2f} s")
+    if runs and "share_replicates_other_sources" in runs[0]:
+        report_replay(runs)
+    elif args.plug_in:
+        report(runs, "plug_in", "plug_in_se_boot", "plug_in_ci")
+    else:
+        report(runs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
