@@ -78,7 +78,7 @@ class Fit:
     @cached_property
     def infl(self) -> dict:
         """Influence terms (`estimators.influence`)."""
-        return influence(self.design, self.f, self.full)
+        return influence(self.design, self.f, self.full, self.stats)
 
     @cached_property
     def f_lab(self) -> np.ndarray:
@@ -106,9 +106,12 @@ def fit_mode(data: EvalData, mode: str, sources: tuple[str, ...] | None, rows: t
     return Fit(design, F_all, f_cal, full, models)
 
 
-def _column_var(psi: np.ndarray) -> np.ndarray:
-    """Clustered variance of each column's statistic from per-prompt influence sums (G/(G-1))."""
-    c = np.nan_to_num(np.asarray(psi, dtype=float))  # a copy: centred and squared in place
+def _column_var(psi: np.ndarray, overwrite: bool = False) -> np.ndarray:
+    """Clustered variance of each column's statistic from per-prompt influence sums (G/(G-1)).
+
+    ``overwrite``: ``psi`` is a float64 temporary of the caller's, centred and squared in place (no copy).
+    """
+    c = np.nan_to_num(psi, copy=False) if overwrite else np.nan_to_num(np.asarray(psi, dtype=float))
     g = c.shape[0]
     c -= c.mean(axis=0)
     c *= c
@@ -124,8 +127,8 @@ def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.
     K = design.n_policies
     delta = stats[K:] - stats[:K]
     is_source = np.isin(np.arange(K), np.unique(design.data.policy[design.cal_rows]))
-    psi = np.where(is_source[None, :], infl["calibration"][:, K:], infl["audit"])
-    se = np.sqrt(np.maximum(_column_var(psi), 0.0))
+    psi = np.where(is_source[None, :], infl["calibration"][:, K:], infl["audit"])  # a new array: overwritten
+    se = np.sqrt(np.maximum(_column_var(psi, overwrite=True), 0.0))
     se[~np.isfinite(delta)] = np.nan
     return delta, se, is_source
 
@@ -191,7 +194,7 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
     rmse, labelled_rmse = {}, {}
     for m, fit in fits.items():
         cr = fit.design.cal_rows
-        rmse[m] = float(np.sqrt(np.mean((data.label[cr] - fit.f[cr]) ** 2)))
+        rmse[m] = float(np.sqrt(np.mean((data.label[cr] - fit.f_cal) ** 2)))  # f_cal = f[cr]: no row pass
         _, w, r = _labelled_residual_terms(fit)
         labelled_rmse[m] = float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
     selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "labelled_rmse": labelled_rmse}
