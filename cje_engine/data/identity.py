@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE
+from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE, FrameCodes
 from cje_engine.data.readers import Part
 from cje_engine.errors import CJEInputError
 
@@ -62,6 +62,14 @@ def _where(frame: pd.DataFrame, i: int, names: list[str]) -> tuple[str, int]:
 def _codes(values: Any) -> tuple[np.ndarray, int]:
     codes, uniques = pd.factorize(values)
     return codes.astype(np.int64, copy=False), len(uniques)
+
+
+def _small(codes: np.ndarray, size: int) -> np.ndarray:
+    """A copy of ``codes`` (all < ``size``) in the smallest of int8 / int16 / int32 / int64 that holds them."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if size <= np.iinfo(dtype).max:
+            return codes.astype(dtype)
+    return codes.copy()
 
 
 def _combine(a: np.ndarray, na: int, b: np.ndarray, nb: int, *, into_b: bool = False) -> tuple[np.ndarray, int]:
@@ -123,16 +131,22 @@ def _duplicate_error(frame: pd.DataFrame, earlier: int, later: int, what: str, n
     return CJEInputError(msg, source=src_l, row=row_l)
 
 
-def _identify(frame: pd.DataFrame, names: list[str]) -> None:
+def _identify(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
     """Fill missing response ids and refuse duplicate rows (see the module docstring).
 
     Fast path: integer codes of (policy, prompt, draw) and of (policy, prompt, k); strings are
     hashed only for rows whose integer key repeats, or when given response ids do not follow the
     canonical ``"{policy}:{prompt_id}:{k}"`` form.
+
+    Returns the prompt and policy codes it computed (`FrameCodes`, in the smallest integer type
+    that holds them), for `EvalData.from_frame`: the ids are factorised once per load.
     """
     n = len(frame)
-    pid, n_pid = _codes(frame[PROMPT])
-    pol, n_pol = _codes(frame[POLICY])
+    pid, pid_u = pd.factorize(frame[PROMPT])
+    pol, pol_u = pd.factorize(frame[POLICY])
+    n_pid, n_pol = len(pid_u), len(pol_u)
+    codes = FrameCodes(n, _small(pid, n_pid), pid_u, _small(pol, n_pol), pol_u)
+    pid, pol = pid.astype(np.int64, copy=False), pol.astype(np.int64, copy=False)
     pair, n_pair = _combine(pol, n_pol, pid, n_pid, into_b=True)  # pid's buffer: two row-sized codes at most
     del pol, pid
     draw = frame[DRAW_IDX].to_numpy(dtype=np.float64)
@@ -167,9 +181,11 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
     def canon(lo: int, hi: int) -> pa.Array:
         # built a chunk of rows at a time: the full column of canonical ids would be a
         # second copy of every id (~0.3 GB at 10M rows) just to be compared and dropped
+        kc = k[lo:hi]
+        k_text = (pa.scalar(str(int(kc[0])), pa.large_string()) if kc.size and kc.min() == kc.max()
+                  else pc.cast(pa.array(kc), pa.large_string()))  # one k for the chunk (often all 0): a scalar
         return pc.binary_join_element_wise(
-            _arrow_str(pol_s.iloc[lo:hi]), _arrow_str(pid_s.iloc[lo:hi]),
-            pc.cast(pa.array(k[lo:hi]), pa.large_string()), pa.scalar(":", pa.large_string()))
+            _arrow_str(pol_s.iloc[lo:hi]), _arrow_str(pid_s.iloc[lo:hi]), k_text, pa.scalar(":", pa.large_string()))
 
     bounds = [(lo, min(lo + _CHUNK, n)) for lo in range(0, n, _CHUNK)]
     if given.all():
@@ -182,9 +198,9 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
         frame[RESPONSE_ID] = rid
 
     # 3. Response ids must be unique.
-    canonical_form = not (
-        pd.Series(pd.unique(pol_s)).astype(str).str.contains(":", regex=False).any()
-        or bool(pid_s.str.contains(":", regex=False).any())
+    canonical_form = not (  # on the distinct values: a prompt id holds ':' iff one of its rows does
+        pd.Series(pol_u).astype(str).str.contains(":", regex=False).any()
+        or bool(pd.Series(pid_u).str.contains(":", regex=False).any())
     )
     if canonical_form and given.any():
         canonical_form = all(pc.all(pc.equal(_arrow_str(rid.iloc[lo:hi]), canon(lo, hi))).as_py()
@@ -200,6 +216,7 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
     if has_dup:
         e, l = _first_pair(rid.reset_index(drop=True))
         raise _duplicate_error(frame, e, l, "same response_id", names)
+    return codes
 
 
 def _arrow_str(s: pd.Series) -> pa.Array:
