@@ -84,7 +84,7 @@ def _combine(a: np.ndarray, na: int, b: np.ndarray, nb: int, *, into_b: bool = F
     if not (into_b and b.dtype == np.int64 and b.flags.writeable):
         b = b.astype(np.int64)
     for lo in range(0, b.shape[0], _CHUNK):
-        b[lo:lo + _CHUNK] += a[lo:lo + _CHUNK] * nb
+        b[lo:lo + _CHUNK] += np.multiply(a[lo:lo + _CHUNK], nb, dtype=np.int64)  # int64 whatever a's type
     return b, na * nb
 
 
@@ -142,12 +142,13 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
     that holds them), for `EvalData.from_frame`: the ids are factorised once per load.
     """
     n = len(frame)
-    pid, pid_u = pd.factorize(frame[PROMPT])
     pol, pol_u = pd.factorize(frame[POLICY])
+    pol = _small(pol, len(pol_u))  # a few policies: int8, the int64 codes go at once
+    pid, pid_u = pd.factorize(frame[PROMPT])
     n_pid, n_pol = len(pid_u), len(pol_u)
-    codes = FrameCodes(n, _small(pid, n_pid), pid_u, _small(pol, n_pol), pol_u)
-    pid, pol = pid.astype(np.int64, copy=False), pol.astype(np.int64, copy=False)
-    pair, n_pair = _combine(pol, n_pol, pid, n_pid, into_b=True)  # pid's buffer: two row-sized codes at most
+    codes = FrameCodes(n, _small(pid, n_pid), pid_u, pol, pol_u)
+    pid = pid.astype(np.int64, copy=False)
+    pair, n_pair = _combine(pol, n_pol, pid, n_pid, into_b=True)  # pid's buffer: one row-sized int64 code
     del pol, pid
     draw = frame[DRAW_IDX].to_numpy(dtype=np.float64)
     has_draw = ~np.isnan(draw)
