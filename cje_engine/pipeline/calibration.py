@@ -90,6 +90,11 @@ class Fit:
         f[is_cal] = self.f_cal[pos[is_cal]]
         return f
 
+    @cached_property
+    def residual_terms(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_labelled_residual_terms` of this fit (mode selection and the source audits read them; read-only)."""
+        return _labelled_residual_terms(self)
+
     @property
     def sources(self) -> np.ndarray:
         """Policy codes whose labels train the calibrator."""
@@ -151,7 +156,7 @@ def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = fit.design.data
     K = fit.design.n_policies
     is_source = np.isin(np.arange(K), fit.sources)
-    prompt, w, r = _labelled_residual_terms(fit)
+    prompt, w, r = fit.residual_terms
     pol = d.policy[fit.design.lab_rows]
     delta = np.full(K, np.nan)
     se = np.full(K, np.nan)
@@ -195,7 +200,7 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
     for m, fit in fits.items():
         cr = fit.design.cal_rows
         rmse[m] = float(np.sqrt(np.mean((data.label[cr] - fit.f_cal) ** 2)))  # f_cal = f[cr]: no row pass
-        _, w, r = _labelled_residual_terms(fit)
+        _, w, r = fit.residual_terms
         labelled_rmse[m] = float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
     selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "labelled_rmse": labelled_rmse}
     if opts.calibration_mode != "auto":
@@ -207,8 +212,8 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         reason = (f"only {n_cal} calibration labels for the two-stage index's {n_params} parameters (at least "
                   f"{TWO_STAGE_LABELS_PER_PARAMETER} per parameter needed), so the covariates are not used")
     else:
-        prompt, w, r_mono = _labelled_residual_terms(fits["monotone"])
-        _, _, r_two = _labelled_residual_terms(fits["two_stage"])
+        prompt, w, r_mono = fits["monotone"].residual_terms
+        _, _, r_two = fits["two_stage"].residual_terms
         t = np.bincount(prompt, weights=w * (r_mono**2 - r_two**2), minlength=data.n_prompts)
         n_pol = float(np.sum(w))  # policies with labels (each weighs 1)
         diff = float(t.sum() / n_pol)
