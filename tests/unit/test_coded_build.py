@@ -238,3 +238,17 @@ def test_support_shares_from_cell_counts_equal_the_per_row_search(seed, mode):
         by_cell = support_checks(design, opts)
         by_row = support_checks(design, opts, [d.score[d.policy == k] for k in range(len(d.policies))])
         assert by_cell == by_row  # shares of whole numbers: exactly equal
+
+
+@pytest.mark.parametrize("values", [
+    pd.Series(["b", "a", "b", "é", "a", "c"] * 3, dtype="str"),  # pyarrow-backed: Arrow's dictionary encoding
+    pd.Series(pd.array(["b", "a", "b"] * 400, dtype="str")).iloc[::3],  # a sliced column
+    pd.Series(["b", None, "a", "b"], dtype="str"),  # missing values: pandas.factorize
+    pd.Series(["x", "y", "x"], dtype=object),  # not Arrow: pandas.factorize
+])
+def test_factorize_text_is_pandas_factorize(values):
+    from cje_engine.data.identity import _factorize_text
+
+    codes, uniques = _factorize_text(values)
+    ref_codes, ref_uniques = pd.factorize(values)
+    assert np.array_equal(codes, ref_codes) and uniques.equals(ref_uniques) and uniques.dtype == ref_uniques.dtype
