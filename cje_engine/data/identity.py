@@ -171,6 +171,7 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
     n_pid, n_pol = len(pid_u), len(pol_u)
     codes = FrameCodes(n, _small(pid, n_pid), pid_u, pol, pol_u)
     pid = pid.astype(np.int64)  # a new, writeable buffer for the pair codes below
+    pa.default_memory_pool().release_unused()  # the encodings' hash tables: back to the system now
     pair, n_pair = _combine(pol, n_pol, pid, n_pid, into_b=True)  # pid's buffer: one row-sized int64 code
     del pol, pid
     draw = frame[DRAW_IDX].to_numpy(dtype=np.float64)
@@ -240,6 +241,7 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
     if has_dup:
         e, l = _first_pair(rid.reset_index(drop=True))
         raise _duplicate_error(frame, e, l, "same response_id", names)
+    pa.default_memory_pool().release_unused()  # the chunks of canonical ids
     return codes
 
 
