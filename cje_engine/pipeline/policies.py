@@ -284,6 +284,16 @@ class _Stats:
         return out
 
 
+def _own_labels(design: Design) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Each policy's labelled rows as indices (increasing, as a mask would select them: no row-sized
+    masks), their number and their number of distinct prompts."""
+    d, K = design.data, design.n_policies
+    lab_pol = d.policy[design.lab_rows]
+    own_rows = [design.lab_rows[lab_pol == k] for k in range(K)]
+    n_own_prompts = np.array([np.unique(d.prompt[rows_k]).size for rows_k in own_rows])
+    return own_rows, np.bincount(lab_pol, minlength=K), n_own_prompts
+
+
 def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     """Direct's gated entry for every design policy (see docs/statistics.md for the rules).
 
@@ -300,12 +310,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     cov_cal = cluster_cov(prep.infl["calibration"])
     stats = prep.stats
     warnings: list[str] = []
-    # each policy's labelled rows as indices (increasing, as a mask would select them): no row-sized masks
-    lab_pol = d.policy[design.lab_rows]
-    own_rows = [design.lab_rows[lab_pol == k] for k in range(K)]
-    n_own = np.bincount(lab_pol, minlength=K)
+    own_rows, n_own, n_own_prompts = _own_labels(design)
     n_rows = np.bincount(d.policy, minlength=K)
-    n_own_prompts = np.array([np.unique(d.prompt[rows_k]).size for rows_k in own_rows])
     cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
     excluded = {e["policy"] for e in prep.excluded}
     n_cal = design.cal_rows.size
