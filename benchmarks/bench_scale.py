@@ -12,7 +12,8 @@ per-stage peaks):
 1. ``simulate``: `cje_engine.simulate.direct.simulate` (default policies, MCAR labels) written to a
    Parquet file under ``benchmarks/_work/`` (reused on later runs unless ``--regenerate``);
 2. ``evaluate``: the timed inference from that Parquet file, stage by stage:
-   ``load_frame`` (read + validate) -> ``EvalData.from_frame`` (codes, prompt folds) ->
+   ``load_coded`` (read + validate: `load_frame` plus the prompt and policy codes it computes) ->
+   ``EvalData.from_frame`` (codes, prompt folds; the two steps of ``prepare(path)``) ->
    ``prepare`` (mode selection, cross-fitted calibration, point estimates, influence
    functions, fold jackknife) -> ``finalize`` (analytic SEs / CIs, audits, gates, all pairwise
    comparisons, ranking) with ``inference="analytic"``; afterwards a few bootstrap replicates
@@ -156,7 +157,7 @@ def stage_evaluate(args: argparse.Namespace) -> dict:
 
     from cje_engine import bootstrap_chunk, finalize, prepare
     from cje_engine.data.frame import EvalData
-    from cje_engine.data.io import load_frame
+    from cje_engine.data.io import load_coded
 
     import pyarrow.parquet as pq
 
@@ -175,10 +176,10 @@ def stage_evaluate(args: argparse.Namespace) -> dict:
              comparator["cpu_seconds"])
     with MemorySampler() as mem:
         t0 = time.perf_counter()
-        frame = load_frame(args.parquet, covariates=covs)
+        frame, codes = load_coded(args.parquet, covariates=covs)  # what prepare(path) does
         mem.mark("load + validate (load_frame)")
-        ed = EvalData.from_frame(frame, covariates=covs, consume=True)  # the build takes the frame over
-        del frame
+        ed = EvalData.from_frame(frame, covariates=covs, consume=True, codes=codes)  # takes the frame over
+        del frame, codes
         _release_memory()
         mem.mark("EvalData build")
         prep = prepare(ed, **opts)
@@ -273,12 +274,14 @@ def stage_ray(args: argparse.Namespace) -> dict:
 
     from cje_engine import bootstrap_chunk, prepare
     from cje_engine.data.frame import EvalData
-    from cje_engine.data.io import load_frame
+    from cje_engine.data.io import load_coded
     from flows.runtime.ray_fanout import bootstrap_state
 
     covs = [] if args.no_covariates else ["response_length"]
     t0, c0 = time.perf_counter(), time.process_time()
-    ed = EvalData.from_frame(load_frame(args.parquet, covariates=covs), covariates=covs, consume=True)
+    frame, codes = load_coded(args.parquet, covariates=covs)
+    ed = EvalData.from_frame(frame, covariates=covs, consume=True, codes=codes)
+    del frame, codes
     prep = prepare(ed, covariates=covs, calibration_mode=args.mode, inference="bootstrap",
                    n_bootstrap=max(50, args.ray_B), seed=args.seed)
     prepared = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}

@@ -14,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE
+from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE, FrameCodes
 from cje_engine.data.readers import Part
 from cje_engine.errors import CJEInputError
 
@@ -64,6 +64,37 @@ def _codes(values: Any) -> tuple[np.ndarray, int]:
     return codes.astype(np.int64, copy=False), len(uniques)
 
 
+def _small(codes: np.ndarray, size: int) -> np.ndarray:
+    """``codes`` (all < ``size``) in the smallest of int8 / int16 / int32 / int64 that holds them
+    (not copied when they already have that type)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if size <= np.iinfo(dtype).max:
+            return codes.astype(dtype, copy=False)
+    return codes.astype(np.int64, copy=False)
+
+
+def _factorize_text(values: pd.Series) -> tuple[np.ndarray, pd.Index]:
+    """``pandas.factorize(values)`` of a text column without missing values: the same codes (order of
+    first appearance) and distinct values.
+
+    For a pyarrow-backed column, Arrow's dictionary encoding is used directly and its int32 indices
+    are taken as they are (pandas converts them to a copy and then to int64: at 10M rows that is half
+    the cost); any other column goes through ``pandas.factorize``.
+    """
+    dtype = values.dtype
+    if isinstance(dtype, pd.StringDtype) and dtype.storage == "pyarrow":
+        arr = pa.array(values, from_pandas=True)  # the column's Arrow data (no copy)
+        if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            enc = arr.dictionary_encode()
+            enc = enc.combine_chunks() if isinstance(enc, pa.ChunkedArray) else enc
+            if enc.indices.null_count == 0:
+                uniques = pd.Index(enc.dictionary.to_pandas())
+                if uniques.dtype == dtype:
+                    return enc.indices.to_numpy(zero_copy_only=True), uniques
+    codes, uniques = pd.factorize(values)
+    return codes, uniques
+
+
 def _combine(a: np.ndarray, na: int, b: np.ndarray, nb: int, *, into_b: bool = False) -> tuple[np.ndarray, int]:
     """Injective int64 code of the pair (a, b) given their ranges: ``a * nb + b``.
 
@@ -76,7 +107,7 @@ def _combine(a: np.ndarray, na: int, b: np.ndarray, nb: int, *, into_b: bool = F
     if not (into_b and b.dtype == np.int64 and b.flags.writeable):
         b = b.astype(np.int64)
     for lo in range(0, b.shape[0], _CHUNK):
-        b[lo:lo + _CHUNK] += a[lo:lo + _CHUNK] * nb
+        b[lo:lo + _CHUNK] += np.multiply(a[lo:lo + _CHUNK], nb, dtype=np.int64)  # int64 whatever a's type
     return b, na * nb
 
 
@@ -123,17 +154,25 @@ def _duplicate_error(frame: pd.DataFrame, earlier: int, later: int, what: str, n
     return CJEInputError(msg, source=src_l, row=row_l)
 
 
-def _identify(frame: pd.DataFrame, names: list[str]) -> None:
+def _identify(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
     """Fill missing response ids and refuse duplicate rows (see the module docstring).
 
     Fast path: integer codes of (policy, prompt, draw) and of (policy, prompt, k); strings are
     hashed only for rows whose integer key repeats, or when given response ids do not follow the
     canonical ``"{policy}:{prompt_id}:{k}"`` form.
+
+    Returns the prompt and policy codes it computed (`FrameCodes`, in the smallest integer type
+    that holds them), for `EvalData.from_frame`: the ids are factorised once per load.
     """
     n = len(frame)
-    pid, n_pid = _codes(frame[PROMPT])
-    pol, n_pol = _codes(frame[POLICY])
-    pair, n_pair = _combine(pol, n_pol, pid, n_pid, into_b=True)  # pid's buffer: two row-sized codes at most
+    pol, pol_u = _factorize_text(frame[POLICY])
+    pol = _small(pol, len(pol_u))  # a few policies: int8
+    pid, pid_u = _factorize_text(frame[PROMPT])
+    n_pid, n_pol = len(pid_u), len(pol_u)
+    codes = FrameCodes(n, _small(pid, n_pid), pid_u, pol, pol_u)
+    pid = pid.astype(np.int64)  # a new, writeable buffer for the pair codes below
+    pa.default_memory_pool().release_unused()  # the encodings' hash tables: back to the system now
+    pair, n_pair = _combine(pol, n_pol, pid, n_pid, into_b=True)  # pid's buffer: one row-sized int64 code
     del pol, pid
     draw = frame[DRAW_IDX].to_numpy(dtype=np.float64)
     has_draw = ~np.isnan(draw)
@@ -167,9 +206,11 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
     def canon(lo: int, hi: int) -> pa.Array:
         # built a chunk of rows at a time: the full column of canonical ids would be a
         # second copy of every id (~0.3 GB at 10M rows) just to be compared and dropped
+        kc = k[lo:hi]
+        k_text = (pa.scalar(str(int(kc[0])), pa.large_string()) if kc.size and kc.min() == kc.max()
+                  else pc.cast(pa.array(kc), pa.large_string()))  # one k for the chunk (often all 0): a scalar
         return pc.binary_join_element_wise(
-            _arrow_str(pol_s.iloc[lo:hi]), _arrow_str(pid_s.iloc[lo:hi]),
-            pc.cast(pa.array(k[lo:hi]), pa.large_string()), pa.scalar(":", pa.large_string()))
+            _arrow_str(pol_s.iloc[lo:hi]), _arrow_str(pid_s.iloc[lo:hi]), k_text, pa.scalar(":", pa.large_string()))
 
     bounds = [(lo, min(lo + _CHUNK, n)) for lo in range(0, n, _CHUNK)]
     if given.all():
@@ -182,9 +223,9 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
         frame[RESPONSE_ID] = rid
 
     # 3. Response ids must be unique.
-    canonical_form = not (
-        pd.Series(pd.unique(pol_s)).astype(str).str.contains(":", regex=False).any()
-        or bool(pid_s.str.contains(":", regex=False).any())
+    canonical_form = not (  # on the distinct values: a prompt id holds ':' iff one of its rows does
+        pd.Series(pol_u).astype(str).str.contains(":", regex=False).any()
+        or bool(pd.Series(pid_u).str.contains(":", regex=False).any())
     )
     if canonical_form and given.any():
         canonical_form = all(pc.all(pc.equal(_arrow_str(rid.iloc[lo:hi]), canon(lo, hi))).as_py()
@@ -200,6 +241,8 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> None:
     if has_dup:
         e, l = _first_pair(rid.reset_index(drop=True))
         raise _duplicate_error(frame, e, l, "same response_id", names)
+    pa.default_memory_pool().release_unused()  # the chunks of canonical ids
+    return codes
 
 
 def _arrow_str(s: pd.Series) -> pa.Array:

@@ -71,7 +71,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE, Scale, parse_scale
+from cje_engine.data.frame import (LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE, FrameCodes, Scale,
+                                   parse_scale)
 from cje_engine.data.identity import (  # noqa: F401 (_repeated: re-exported for tests)
     _ROW, _SRC, DRAW_IDX, RESPONSE, _concat, _first, _identify, _join_probe, _null_str, _repeated,
 )
@@ -137,6 +138,26 @@ def load_frame(
     CJEInputError
         On any problem with the data or the options, naming file, column and row.
     """
+    return load_coded(source, label_scale=label_scale, score_scale=score_scale, covariates=covariates,
+                      policies=policies, keep_columns=keep_columns, columns=columns)[0]
+
+
+def load_coded(
+    source: SourceLike | Sequence[SourceLike],
+    *,
+    label_scale: str | Scale = (0.0, 1.0),
+    score_scale: str | Scale | None = (0.0, 1.0),
+    covariates: Sequence[str] = (),
+    policies: Sequence[str] | None = None,
+    keep_columns: Sequence[str] = (),
+    columns: Mapping[str, str] | None = None,
+) -> tuple[pd.DataFrame, FrameCodes]:
+    """`load_frame`, also returning the prompt and policy codes its identity checks computed.
+
+    For ``EvalData.from_frame(frame, codes=codes)``, which then does not factorise the ten million
+    ids again (what `cje_engine.prepare` does with a source that is not yet an `EvalData`).
+    Parameters, errors and the frame: as in `load_frame`.
+    """
     lscale = parse_scale(label_scale, "label")
     if lscale is None:
         raise CJEInputError(
@@ -166,27 +187,29 @@ def load_frame(
 
     frame = _concat([p.frame for p in rows])
     names = [p.name for p in parts]
-    _identify(frame, names)
+    codes = _identify(frame, names)
     for part in probes:
         _join_probe(frame, part, names)
 
     sources = [p.name for p in rows] + [p.name for p in probes]
     n_inputs = len(parts)
     del parts, rows, probes
-    return _finish(frame, policies, covariates, keep_columns, sources, n_inputs)
+    return _finish(frame, codes, policies, covariates, keep_columns, sources, n_inputs)
 
 
-def _finish(frame: pd.DataFrame, policies: Sequence[str] | None, covariates: Sequence[str],
-            keep_columns: Sequence[str], sources: list[str], n_inputs: int) -> pd.DataFrame:
-    """Label probabilities, the policy filter, whole-data checks and the output columns."""
+def _finish(frame: pd.DataFrame, codes: FrameCodes, policies: Sequence[str] | None, covariates: Sequence[str],
+            keep_columns: Sequence[str], sources: list[str], n_inputs: int) -> tuple[pd.DataFrame, FrameCodes]:
+    """Label probabilities, the policy filter, whole-data checks and the output columns (and the
+    codes of the rows kept)."""
     labelled = frame[LABEL].notna().to_numpy()
     prob = frame[LABEL_PROB].to_numpy(dtype=np.float64, copy=True)
     prob[labelled & np.isnan(prob)] = 1.0
     prob[~labelled] = np.nan
-    frame[LABEL_PROB] = prob
+    _put(frame, LABEL_PROB, prob, True)  # a copy made above
 
     if policies is not None:
-        frame = _filter_policies(frame, _as_names(policies, "policies"))
+        frame, keep = _filter_policies(frame, _as_names(policies, "policies"))
+        codes = codes.subset(keep)
 
     _check_whole(frame)
 
@@ -199,8 +222,8 @@ def _finish(frame: pd.DataFrame, policies: Sequence[str] | None, covariates: Seq
     del frame
     pa.default_memory_pool().release_unused()  # hand the readers' Arrow buffers back to the system
     logger.info("loaded %d rows (%d labelled, %d policies) from %d input(s)", len(out),
-                int(out[LABEL].notna().sum()), out[POLICY].nunique(), n_inputs)
-    return out
+                int(out[LABEL].notna().sum()), len(codes.policy_uniques), n_inputs)
+    return out, codes
 
 
 # --------------------------------------------------------------------------------------
@@ -314,6 +337,15 @@ def _strings(s: pd.Series, name: str, col: str, *, required: bool) -> pd.Series:
     return out
 
 
+def _put(out: pd.DataFrame, col: str, values: Any, share: bool) -> None:
+    """``out[col] = values``; a numpy array is taken over instead of copied when ``share`` (an array
+    made here, or one of an input frame that was read here and is dropped after normalisation)."""
+    if share and isinstance(values, np.ndarray):
+        out[col] = pd.Series(values, index=out.index, copy=False)
+    else:
+        out[col] = values
+
+
 def _scale_hint(values: np.ndarray, arg: str) -> str:
     """Common scales that contain the observed values, as ``arg='LO-HI'`` suggestions."""
     lo, hi = float(np.nanmin(values)), float(np.nanmax(values))
@@ -371,7 +403,7 @@ def _normalise(
     labelled = _score_and_label(df, part, out, lscale, sscale)
     _optional_columns(df, part, out, labelled, covariates, keep_columns)
     out[_SRC] = np.int32(index)
-    out[_ROW] = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    _put(out, _ROW, np.arange(n, dtype=np.int32 if n < 2**31 else np.int64), True)
     return out
 
 
@@ -420,7 +452,7 @@ def _score_and_label(df: pd.DataFrame, part: Part, out: pd.DataFrame, lscale: Sc
             )
         if sscale is not None:
             _check_range(score, sscale, name, SCORE, "score_scale")
-        out[SCORE] = score
+        _put(out, SCORE, score, part.owned)
     else:
         out[SCORE] = np.nan
 
@@ -444,7 +476,7 @@ def _score_and_label(df: pd.DataFrame, part: Part, out: pd.DataFrame, lscale: Sc
             )
     else:
         label = np.full(n, np.nan)
-    out[LABEL] = label
+    _put(out, LABEL, label, part.owned or LABEL not in df.columns)
     labelled = ~np.isnan(label)
 
     if LABEL_PROB in df.columns:
@@ -461,7 +493,7 @@ def _score_and_label(df: pd.DataFrame, part: Part, out: pd.DataFrame, lscale: Sc
         prob = np.where(labelled, prob, np.nan)
     else:
         prob = np.full(n, np.nan)
-    out[LABEL_PROB] = prob
+    _put(out, LABEL_PROB, prob, True)  # np.where or np.full: a new array
     return labelled
 
 
@@ -485,7 +517,7 @@ def _optional_columns(df: pd.DataFrame, part: Part, out: pd.DataFrame, labelled:
                 column=DRAW_IDX,
                 row=row,
             )
-        out[DRAW_IDX] = draw
+        _put(out, DRAW_IDX, draw, part.owned)
     else:
         out[DRAW_IDX] = np.nan
 
@@ -505,7 +537,7 @@ def _optional_columns(df: pd.DataFrame, part: Part, out: pd.DataFrame, labelled:
                         column=col,
                         row=row,
                     )
-                out[col] = x
+                _put(out, col, x, part.owned)
             elif col == RESPONSE_LENGTH and RESPONSE in df.columns:
                 out[col] = _token_count(out[RESPONSE], name)
             else:
@@ -627,7 +659,7 @@ def _token_count(text: pd.Series, name: str) -> np.ndarray:
     return counts.to_numpy(zero_copy_only=False).astype(np.float64)
 
 
-def _filter_policies(frame: pd.DataFrame, wanted: tuple[str, ...]) -> pd.DataFrame:
+def _filter_policies(frame: pd.DataFrame, wanted: tuple[str, ...]) -> tuple[pd.DataFrame, np.ndarray]:
     present = set(pd.unique(frame[POLICY]))
     for pol in wanted:
         if pol not in present:
@@ -636,7 +668,7 @@ def _filter_policies(frame: pd.DataFrame, wanted: tuple[str, ...]) -> pd.DataFra
                 column=POLICY,
             )
     keep = frame[POLICY].isin(list(wanted)).to_numpy()
-    return frame.loc[keep].reset_index(drop=True)
+    return frame.loc[keep].reset_index(drop=True), keep
 
 
 def _check_whole(frame: pd.DataFrame) -> None:

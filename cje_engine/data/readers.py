@@ -53,6 +53,7 @@ class Part:
     frame: pd.DataFrame
     policy: str | None = None  # from the file name (arena layout)
     probe: bool = False
+    owned: bool = True  # the frame was made here (read or converted), not handed in by the caller
 
 
 def collect(source: Any, id_columns: Collection[str] = ID_COLUMNS) -> list[Part]:
@@ -70,7 +71,7 @@ def collect(source: Any, id_columns: Collection[str] = ID_COLUMNS) -> list[Part]
 def _collect_one(item: Any, index: int | None, ids: Collection[str]) -> list[Part]:
     tag = "" if index is None else f" #{index}"
     if isinstance(item, pd.DataFrame):
-        return [Part(f"<DataFrame{tag}>", item)]
+        return [Part(f"<DataFrame{tag}>", item, owned=False)]
     if isinstance(item, pa.Table):
         return [Part(f"<pyarrow.Table{tag}>", _arrow_to_pandas(item, ids))]
     if isinstance(item, (str, os.PathLike)):

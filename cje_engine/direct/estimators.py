@@ -24,6 +24,9 @@ from cje_engine.calibration.two_stage_batch import fit_two_stage_many
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
 
+#: Rows per chunk of the row passes that would otherwise allocate several row-sized temporaries.
+_ROW_CHUNK = 1 << 20
+
 
 @dataclass(frozen=True)
 class CellIndex:
@@ -479,7 +482,7 @@ def _level_sets(full) -> tuple[np.ndarray, int]:
     return block, int(block[-1]) + 1
 
 
-def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
+def influence(design: Design, f: np.ndarray, full, stats: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Per-prompt influence contributions of every policy statistic.
 
     Returns a dict with ``total`` (n_prompts, 2K) -- the column order of `policy_stats` --,
@@ -495,49 +498,60 @@ def influence(design: Design, f: np.ndarray, full) -> dict[str, np.ndarray]:
     rows' share (linear interpolation between level sets splits a row between them).
     Augmented: eval term plus ``lw_i (r_i - rbar_k) / sum(lw)`` on the policy's labels;
     the calibrator's own estimation error drops out at first order (orthogonality).
+    ``stats``: `policy_stats` of ``(design, f)`` when the caller has it (computed otherwise).
+
+    Memory: besides the three results, one int64 key and one float64 value per row (the
+    histogram's input); the histograms are laid out as the results, so no copies of them.
     """
     d = design.data
     K = design.n_policies
     n_p = d.n_prompts
-    stats = policy_stats(design, f)
+    if stats is None:
+        stats = policy_stats(design, f)
     plug, aug = stats[:K], stats[K:]
     n_k = np.bincount(d.policy, minlength=K).astype(float)
-    total = np.zeros((n_p, 2 * K))
-    cal = np.zeros((n_p, 2 * K))
 
-    # Evaluation terms (same for plug-in and augmented): one pass over the rows.
-    eval_contrib = (f - plug[d.policy]) / n_k[d.policy]
-    key = d.prompt.astype(np.int64) * K
-    key += d.policy
-    total[:, :K] = np.bincount(key, weights=eval_contrib, minlength=n_p * K).reshape(n_p, K)
-    del key, eval_contrib
+    # Evaluation terms (same for plug-in and augmented): one pass over the rows, a chunk at a time,
+    # into one histogram over (prompt, plug-in column) laid out as ``total``.
+    n = d.n_rows
+    key = np.empty(n, dtype=np.int64)
+    contrib = np.empty(n)
+    for lo in range(0, n, _ROW_CHUNK):
+        sl = slice(lo, lo + _ROW_CHUNK)
+        pol = d.policy[sl]
+        np.subtract(f[sl], plug[pol], out=contrib[sl])
+        np.divide(contrib[sl], n_k[pol], out=contrib[sl])
+        np.multiply(d.prompt[sl], 2 * K, out=key[sl])
+        key[sl] += pol
+    total = np.bincount(key, weights=contrib, minlength=n_p * 2 * K).reshape(n_p, 2 * K)
+    del key, contrib
     total[:, K:] = total[:, :K]
 
-    # Augmented: label residual terms.
+    # Augmented: label residual terms, one histogram over (prompt, augmented column) laid out as ``cal``
+    # (each bin sums its rows in row order, as one histogram per policy would).
     lab = design.lab_rows
     lw = d.label_weight[lab]
     r = d.label[lab] - f[lab]
-    den = np.bincount(d.policy[lab], weights=lw, minlength=K)
-    for k in range(K):
-        if den[k] <= 0:
-            total[:, K + k] = np.nan
-            cal[:, K + k] = np.nan
-            continue
-        sel = d.policy[lab] == k
-        contrib = lw[sel] * (r[sel] - (aug[k] - plug[k])) / den[k]
-        col = np.bincount(d.prompt[lab[sel]], weights=contrib, minlength=n_p)
-        total[:, K + k] += col
-        cal[:, K + k] = col
+    lab_pol = d.policy[lab]
+    den = np.bincount(lab_pol, weights=lw, minlength=K)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lab_contrib = lw * (r - (aug - plug)[lab_pol]) / den[lab_pol]
+    lab_key = d.prompt[lab].astype(np.int64) * (2 * K)
+    lab_key += K
+    lab_key += lab_pol
+    cal = np.bincount(lab_key, weights=lab_contrib, minlength=n_p * 2 * K).reshape(n_p, 2 * K)
+    del lab_key, lab_contrib
+    cal[:, K + np.flatnonzero(den <= 0)] = np.nan
+    total[:, K:] += cal[:, K:]
 
     # Plug-in: the calibration term over level sets of the full fit, weighted by every row of the
     # policy; the audit's calibration term: the same, weighted by the policy's labelled rows.
     cells, counts = design.cells.cells, design.cells.counts
     f_cal = f[design.cal_rows]  # out of fold: the residuals of singleton level sets
-    term = calibration_term(design, full, counts / n_k[:, None], f_cal)
-    total[:, :K] += term
-    cal[:, :K] = term
+    calibration_term(design, full, counts / n_k[:, None], f_cal, out=cal[:, :K])
+    total[:, :K] += cal[:, :K]
     G = cells.size
-    lab_key = d.policy[lab].astype(np.int64) * G + design.cells.row_cell[lab]
+    lab_key = lab_pol.astype(np.int64) * G + design.cells.row_cell[lab]
     lab_counts = np.bincount(lab_key, weights=lw, minlength=K * G).reshape(K, G)
     with np.errstate(invalid="ignore", divide="ignore"):
         lab_share = np.where(den[:, None] > 0, lab_counts / den[:, None], 0.0)
@@ -561,7 +575,8 @@ def corrected_residuals(r_in: np.ndarray, block: np.ndarray, n_blocks: int, r_oo
         return np.where(k > 1, r_in * np.sqrt(k / np.maximum(k - 1, 1)), r_oof)
 
 
-def calibration_term(design: Design, full, share: np.ndarray, f_cal: np.ndarray | None = None) -> np.ndarray:
+def calibration_term(design: Design, full, share: np.ndarray, f_cal: np.ndarray | None = None, *,
+                     out: np.ndarray | None = None) -> np.ndarray:
     """Per-prompt first-order effect of estimating the calibrator on ``sum_c share[k, c] f(c)``.
 
     ``share`` (K', G) weights the cells (rows of a policy per cell over the policy's rows: its
@@ -571,7 +586,8 @@ def calibration_term(design: Design, full, share: np.ndarray, f_cal: np.ndarray 
     share of the cells in a level set over the calibration rows' share of it (linear interpolation
     between level sets splits a cell between them) and ``r_j`` its residual: leverage-corrected
     (`corrected_residuals`) when the cross-fitted values of the calibration rows ``f_cal`` are given,
-    else in sample (the exact derivative for fixed level sets). Returns (n_prompts, K').
+    else in sample (the exact derivative for fixed level sets). Returns (n_prompts, K'), written into
+    ``out`` when given (an (n_prompts, K') array or view).
     """
     d = design.data
     n_p = d.n_prompts
@@ -595,13 +611,15 @@ def calibration_term(design: Design, full, share: np.ndarray, f_cal: np.ndarray 
     with np.errstate(invalid="ignore", divide="ignore"):
         t = np.where(gap > 0, np.clip((z_all - ux[j]) / gap, 0.0, 1.0), 0.0)
     bj, bj1 = block_of_x[j], block_of_x[j1]
-    out = np.zeros((n_p, share.shape[0]))
+    if out is None:
+        out = np.empty((n_p, share.shape[0]))
+    prompt_cr = d.prompt[cr]
     for k in range(share.shape[0]):
         p_k = (np.bincount(bj, weights=share[k] * (1 - t), minlength=n_blocks)
                + np.bincount(bj1, weights=share[k] * t, minlength=n_blocks))
         with np.errstate(invalid="ignore", divide="ignore"):
             rho = np.where(q > 0, p_k / q, 0.0)
-        out[:, k] = np.bincount(d.prompt[cr], weights=rho[b_cal] * resid_cal / m, minlength=n_p)
+        out[:, k] = np.bincount(prompt_cr, weights=rho[b_cal] * resid_cal / m, minlength=n_p)
     return out
 
 

@@ -41,7 +41,9 @@ def cluster_cov(psi: np.ndarray, *, center: bool = True) -> np.ndarray:
         Subtract the column means first (they are 0 for exact influence functions; centring
         guards against rounding and against contributions that are only centred overall).
     """
-    c = np.nan_to_num(np.asarray(psi, dtype=float))  # a copy: centred in place below
+    c = np.array(psi, dtype=float)  # a copy: centred in place below
+    if not np.isfinite(c).all():  # (one scan instead of nan_to_num's three when all are finite)
+        np.nan_to_num(c, copy=False)
     if c.ndim == 1:
         c = c[:, None]
     g = c.shape[0]

@@ -78,7 +78,7 @@ class Fit:
     @cached_property
     def infl(self) -> dict:
         """Influence terms (`estimators.influence`)."""
-        return influence(self.design, self.f, self.full)
+        return influence(self.design, self.f, self.full, self.stats)
 
     @cached_property
     def f_lab(self) -> np.ndarray:
@@ -89,6 +89,11 @@ class Fit:
         is_cal = cr[pos] == lab
         f[is_cal] = self.f_cal[pos[is_cal]]
         return f
+
+    @cached_property
+    def residual_terms(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`_labelled_residual_terms` of this fit (mode selection and the source audits read them; read-only)."""
+        return _labelled_residual_terms(self)
 
     @property
     def sources(self) -> np.ndarray:
@@ -106,9 +111,12 @@ def fit_mode(data: EvalData, mode: str, sources: tuple[str, ...] | None, rows: t
     return Fit(design, F_all, f_cal, full, models)
 
 
-def _column_var(psi: np.ndarray) -> np.ndarray:
-    """Clustered variance of each column's statistic from per-prompt influence sums (G/(G-1))."""
-    c = np.nan_to_num(np.asarray(psi, dtype=float))  # a copy: centred and squared in place
+def _column_var(psi: np.ndarray, overwrite: bool = False) -> np.ndarray:
+    """Clustered variance of each column's statistic from per-prompt influence sums (G/(G-1)).
+
+    ``overwrite``: ``psi`` is a float64 temporary of the caller's, centred and squared in place (no copy).
+    """
+    c = np.nan_to_num(psi, copy=False) if overwrite else np.nan_to_num(np.asarray(psi, dtype=float))
     g = c.shape[0]
     c -= c.mean(axis=0)
     c *= c
@@ -124,8 +132,8 @@ def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.
     K = design.n_policies
     delta = stats[K:] - stats[:K]
     is_source = np.isin(np.arange(K), np.unique(design.data.policy[design.cal_rows]))
-    psi = np.where(is_source[None, :], infl["calibration"][:, K:], infl["audit"])
-    se = np.sqrt(np.maximum(_column_var(psi), 0.0))
+    psi = np.where(is_source[None, :], infl["calibration"][:, K:], infl["audit"])  # a new array: overwritten
+    se = np.sqrt(np.maximum(_column_var(psi, overwrite=True), 0.0))
     se[~np.isfinite(delta)] = np.nan
     return delta, se, is_source
 
@@ -148,7 +156,7 @@ def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = fit.design.data
     K = fit.design.n_policies
     is_source = np.isin(np.arange(K), fit.sources)
-    prompt, w, r = _labelled_residual_terms(fit)
+    prompt, w, r = fit.residual_terms
     pol = d.policy[fit.design.lab_rows]
     delta = np.full(K, np.nan)
     se = np.full(K, np.nan)
@@ -191,8 +199,8 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
     rmse, labelled_rmse = {}, {}
     for m, fit in fits.items():
         cr = fit.design.cal_rows
-        rmse[m] = float(np.sqrt(np.mean((data.label[cr] - fit.f[cr]) ** 2)))
-        _, w, r = _labelled_residual_terms(fit)
+        rmse[m] = float(np.sqrt(np.mean((data.label[cr] - fit.f_cal) ** 2)))  # f_cal = f[cr]: no row pass
+        _, w, r = fit.residual_terms
         labelled_rmse[m] = float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
     selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "labelled_rmse": labelled_rmse}
     if opts.calibration_mode != "auto":
@@ -204,8 +212,8 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         reason = (f"only {n_cal} calibration labels for the two-stage index's {n_params} parameters (at least "
                   f"{TWO_STAGE_LABELS_PER_PARAMETER} per parameter needed), so the covariates are not used")
     else:
-        prompt, w, r_mono = _labelled_residual_terms(fits["monotone"])
-        _, _, r_two = _labelled_residual_terms(fits["two_stage"])
+        prompt, w, r_mono = fits["monotone"].residual_terms
+        _, _, r_two = fits["two_stage"].residual_terms
         t = np.bincount(prompt, weights=w * (r_mono**2 - r_two**2), minlength=data.n_prompts)
         n_pol = float(np.sum(w))  # policies with labels (each weighs 1)
         diff = float(t.sum() / n_pol)

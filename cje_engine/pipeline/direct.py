@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from cje_engine.data.frame import EvalData
-from cje_engine.data.io import load_frame
+from cje_engine.data.io import load_coded
 from cje_engine.direct.estimators import (Design, bootstrap_replicates, bootstrap_view, bootstrap_weights,
                                           fold_jackknife)
 from cje_engine.errors import CJEInputError
@@ -50,7 +50,7 @@ class Prepared:
 def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
     if isinstance(data, EvalData):
         return data
-    frame = load_frame(
+    frame, codes = load_coded(
         data,
         label_scale=opts.label_scale,
         score_scale=opts.score_scale,
@@ -64,7 +64,8 @@ def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
         score_scale=opts.score_scale,
         n_folds=opts.n_folds,
         policies=list(opts.policies) if opts.policies else None,
-        consume=True,  # the frame is ours (load_frame's output) and not used afterwards
+        consume=True,  # the frame is ours (load_coded's output) and not used afterwards
+        codes=codes,  # the ids were factorised by load_coded's identity checks: not again
     )
 
 

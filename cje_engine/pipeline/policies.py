@@ -6,6 +6,7 @@ candidates' fresh draws). Comparisons and ranking are not done here (`cje_engine
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -54,14 +55,23 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
         width = float(d.score.max() - d.score.min()) or 1.0
     h = opts.support_bandwidth * width
     tol = 1e-9 * width
-    if scores is None:
+    by_cell = scores is None and design.cells is not None and bool((design.cells.counts.sum(1) > 0).all())
+    if by_cell:
+        # Each policy's rows as counts per cell (a cell holds one score value): the same shares as per
+        # row, exactly (sums of whole numbers), at the cost of the cells instead of the rows.
+        scores = [design.cells.cells.score] * len(d.policies)
+        weights = list(design.cells.counts)
+    elif scores is None:
         scores = [d.score[d.policy == k] for k in range(len(d.policies))]
     out = []
     for i, s in enumerate(scores):
         cnt = np.searchsorted(cs, s + h + tol, side="right") - np.searchsorted(cs, s - h - tol, side="left")
         outside = (s < cs[0] - tol) | (s > cs[-1] + tol)
         thin = (cnt < opts.support_min_labels) | outside
-        w = None if weights is None or weights[i] is None else np.abs(np.nan_to_num(np.asarray(weights[i], float)))
+        if by_cell:
+            w = weights[i]
+        else:
+            w = None if weights is None or weights[i] is None else np.abs(np.nan_to_num(np.asarray(weights[i], float)))
         if w is None or not w.sum() > 0:
             w = np.ones(s.shape[0])
         share_thin = float(np.sum(w * thin) / np.sum(w))
@@ -88,7 +98,12 @@ def variance_components(var_total: float, var_cal: float, n_prompts: int, m_labe
 
 
 def oracle_only(d: EvalData, sel: np.ndarray, alpha: float) -> dict:
-    """The oracle-only baseline: weighted mean of the policy's own labels, prompt-clustered t interval."""
+    """The oracle-only baseline: weighted mean of the policy's own labels, prompt-clustered t interval.
+
+    ``sel``: the policy's labelled rows, a boolean mask or their (increasing) indices.
+    """
+    if sel.dtype == bool:
+        sel = np.flatnonzero(sel)
     w = d.label_weight[sel]
     y = d.label[sel]
     mean = float(np.sum(w * y) / np.sum(w))
@@ -98,7 +113,7 @@ def oracle_only(d: EvalData, sel: np.ndarray, alpha: float) -> dict:
     se = float(np.sqrt(np.sum(c**2) * n / (n - 1)))
     q = float(student_t.ppf(1 - alpha / 2, n - 1))
     return {"estimate": mean, "se": se, "ci": clip([mean - q * se, mean + q * se], d.label_scale),
-            "n_labels": int(sel.sum())}
+            "n_labels": int(sel.size)}
 
 
 def calibration_summary(prep: Any) -> dict:
@@ -241,6 +256,13 @@ class _Stats:
         return self.infl is not None and self.dfs is not None and col >= self.n_policies
 
     def __call__(self, col: int) -> dict:
+        """The summary of statistic ``col`` (computed once; callers get their own copy of the dict)."""
+        cache = self.__dict__.setdefault("_done", {})
+        if col not in cache:
+            cache[col] = self._summary(col)
+        return copy.deepcopy(cache[col])
+
+    def _summary(self, col: int) -> dict:
         est = float(self.stats[col])
         se_a = float(np.sqrt(max(self.cov[col, col], 0.0)))
         c = self.crit[col]
@@ -262,6 +284,16 @@ class _Stats:
         return out
 
 
+def _own_labels(design: Design) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Each policy's labelled rows as indices (increasing, as a mask would select them: no row-sized
+    masks), their number and their number of distinct prompts."""
+    d, K = design.data, design.n_policies
+    lab_pol = d.policy[design.lab_rows]
+    own_rows = [design.lab_rows[lab_pol == k] for k in range(K)]
+    n_own_prompts = np.array([np.unique(d.prompt[rows_k]).size for rows_k in own_rows])
+    return own_rows, np.bincount(lab_pol, minlength=K), n_own_prompts
+
+
 def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     """Direct's gated entry for every design policy (see docs/statistics.md for the rules).
 
@@ -278,9 +310,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     cov_cal = cluster_cov(prep.infl["calibration"])
     stats = prep.stats
     warnings: list[str] = []
-    lab = d.labelled
-    n_own = np.bincount(d.policy[lab], minlength=K)
-    n_own_prompts = np.array([np.unique(d.prompt[lab & (d.policy == k)]).size for k in range(K)])
+    own_rows, n_own, n_own_prompts = _own_labels(design)
+    n_rows = np.bincount(d.policy, minlength=K)
     cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
     excluded = {e["policy"] for e in prep.excluded}
     n_cal = design.cal_rows.size
@@ -308,11 +339,10 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     cols = np.zeros(K, dtype=int)
     refused = np.zeros(K, dtype=bool)
     for k, name in enumerate(d.policies):
-        rows = d.policy == k
         audit = audits[k]
         audit["calibrator"] = "cross_fitted" if k in cal_set else "excluded" if name in excluded else "borrowed"
         audit["se_route"] = str(se_route[k]) if audit["se"] is not None else None
-        sel_lab = lab & rows
+        sel_lab = own_rows[k]
         w_lab = d.label_weight[sel_lab]
         audit["deciles"] = residual_deciles(d.score[sel_lab], d.label[sel_lab] - prep.f[sel_lab], w_lab)
         has_aug = n_own[k] > 0
@@ -337,10 +367,10 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
             "transport": "audited" if audit["verdict"] != "not_run" else "unaudited",
             "plug_in": summary(k),
             "augmented": summary(K + k) if has_aug else None,
-            "raw_judge_mean": float(d.score[rows].mean()),
+            "raw_judge_mean": float(d.score[d.policy == k].mean()),
             "oracle_mean": float(np.sum(w_lab * d.label[sel_lab]) / np.sum(w_lab)) if has_aug else None,
             "oracle_only": oracle_only(d, sel_lab, alpha) if n_own_prompts[k] >= 2 else None,
-            "n_rows": int(rows.sum()),
+            "n_rows": int(n_rows[k]),
             "n_labelled": int(n_own[k]),
             "variance_share_calibration": share,
             "variance_components": variance_components(
