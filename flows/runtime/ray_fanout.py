@@ -153,6 +153,35 @@ def _local_ray(num_cpus: int | None, runtime_env: dict) -> Iterator[None]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+#: Attempts and pauses (s) for a Ray Client connection whose server side failed to start.
+CLIENT_INIT_ATTEMPTS, CLIENT_INIT_PAUSE = 3, 2.0
+
+
+def _connect(ray: Any, address: str, runtime_env: dict) -> None:
+    """``ray.init`` on a cluster; a Ray Client connection is retried when its server failed to start.
+
+    Through ``ray://`` the head's proxier spawns one server process per client connection, and that
+    spawn can fail transiently (seen once in CI under load: "Initialization failure from server ...
+    Starting Ray client server failed"); the proxier frees the port and the next connection starts a
+    fresh one. Only that error is retried (``CLIENT_INIT_ATTEMPTS`` in all, ``CLIENT_INIT_PAUSE`` s
+    apart, doubling), so a wrong address or a refused connection still fails at once.
+    """
+    pause = CLIENT_INIT_PAUSE
+    for attempt in range(1, CLIENT_INIT_ATTEMPTS + 1):
+        try:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level=logging.WARNING)
+            return
+        except ConnectionAbortedError as exc:
+            if "Initialization failure from server" not in str(exc) or attempt == CLIENT_INIT_ATTEMPTS:
+                raise
+            log.warning("Ray Client at %s: its server failed to start (attempt %d of %d), retrying in %.0f s: %s",
+                        address, attempt, CLIENT_INIT_ATTEMPTS, pause, str(exc).splitlines()[-1][:200])
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            time.sleep(pause)
+            pause *= 2
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[str]:
     """Ray for the duration of the block.
@@ -178,8 +207,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
     runtime_env = {"env_vars": worker_env()}
     if address:
         log.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False,
-                 logging_level=logging.WARNING)
+        _connect(ray, address, runtime_env)
         try:
             yield "cluster"
         finally:

@@ -1,0 +1,55 @@
+"""`ray_session`'s connection to a cluster: a Ray Client server that failed to start is retried, nothing else.
+
+The failure is the proxier's (its per-connection server process died at start-up), so it is simulated here
+with a stand-in for the ``ray`` module; the real connection path runs in tests/stack.
+"""
+from __future__ import annotations
+
+import pytest
+
+from flows.runtime import ray_fanout
+
+SERVER_FAILED = ("Initialization failure from server:\nTraceback (most recent call last):\n"
+                 "RuntimeError: Starting Ray client server failed. See ray_client_server_23000.err for detailed logs.")
+
+
+class FakeRay:
+    def __init__(self, errors: list[BaseException]) -> None:
+        self.errors, self.inits, self.shutdowns = list(errors), 0, 0
+
+    def init(self, **kwargs) -> None:
+        self.inits += 1
+        assert kwargs["address"] == "ray://127.0.0.1:1"
+        if self.errors:
+            raise self.errors.pop(0)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+@pytest.fixture(autouse=True)
+def _no_pause(monkeypatch):
+    monkeypatch.setattr(ray_fanout, "CLIENT_INIT_PAUSE", 0.0)
+
+
+def test_a_client_server_that_failed_to_start_is_retried(caplog):
+    ray = FakeRay([ConnectionAbortedError(SERVER_FAILED), ConnectionAbortedError(SERVER_FAILED)])
+    ray_fanout._connect(ray, "ray://127.0.0.1:1", {})
+    assert ray.inits == 3 and ray.shutdowns == 2
+    assert sum("failed to start (attempt" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_the_last_attempt_raises():
+    ray = FakeRay([ConnectionAbortedError(SERVER_FAILED)] * ray_fanout.CLIENT_INIT_ATTEMPTS)
+    with pytest.raises(ConnectionAbortedError, match="Starting Ray client server failed"):
+        ray_fanout._connect(ray, "ray://127.0.0.1:1", {})
+    assert ray.inits == ray_fanout.CLIENT_INIT_ATTEMPTS
+
+
+@pytest.mark.parametrize("exc", [ConnectionAbortedError("connection refused by peer"),
+                                 ConnectionError("ray client connection timeout"), ValueError("bad address")])
+def test_other_failures_are_not_retried(exc):
+    ray = FakeRay([exc])
+    with pytest.raises(type(exc)):
+        ray_fanout._connect(ray, "ray://127.0.0.1:1", {})
+    assert ray.inits == 1
