@@ -187,13 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rescore:
         runs = [r for f in args.rescore for r in json.loads(f.read_text())["runs"]]
     else:
-        options = {}
-        for kv in args.option:
-            k, _, v = kv.partition("=")
-            try:
-                options[k] = json.loads(v)
-            except json.JSONDecodeError:
-                options[k] = v
+        options = bp.parse_options(args.option)
         runs = []
         t0 = time.perf_counter()
         for rep in range(args.first, args.first + args.datasets):

@@ -54,10 +54,12 @@ import numpy as np  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from cje_engine.simulate.direct import PROTOCOL_TRANSPORTED, protocol_policies  # noqa: E402
+
 REF_PYTHON = HERE / "_work" / "refvenv" / "bin" / "python"
 log = logging.getLogger("bench_protocol")
 
-TRANSPORTED = ("base", "clone", "verbose", "concise", "better", "worse")
+TRANSPORTED = PROTOCOL_TRANSPORTED
 ADVERSARY = "unhelpful"
 
 REF_RUNNER = r'''
@@ -89,17 +91,19 @@ print("REF_JSON " + json.dumps({
 
 
 def policies():
-    from cje_engine.simulate.direct import PolicySpec
+    return protocol_policies()
 
-    return (
-        PolicySpec("base", quality_shift=0.8),
-        PolicySpec("clone", quality_shift=0.8),
-        PolicySpec("verbose", quality_shift=0.7, verbosity=2.0),
-        PolicySpec("concise", quality_shift=1.0, verbosity=0.6),
-        PolicySpec("better", quality_shift=1.1, verbosity=1.2),
-        PolicySpec("worse", quality_shift=0.55, verbosity=1.5),
-        PolicySpec(ADVERSARY, quality_shift=-1.0, adversarial=True),
-    )
+
+def parse_options(pairs: list[str]) -> dict:
+    """``--option key=value`` pairs as engine options (a value is JSON where it parses, else text)."""
+    options = {}
+    for kv in pairs:
+        k, _, v = kv.partition("=")
+        try:
+            options[k] = json.loads(v)
+        except json.JSONDecodeError:
+            options[k] = v
+    return options
 
 
 def _seed(n: int, frac: float, rep: int) -> int:
@@ -290,13 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--judge-noise", type=float, default=JUDGE_NOISE, help="SimSpec.judge_noise_sd (see JUDGE_NOISE)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
-    options = {}
-    for kv in args.option:
-        k, _, v = kv.partition("=")
-        try:
-            options[k] = json.loads(v)
-        except json.JSONDecodeError:
-            options[k] = v
+    options = parse_options(args.option)
     with_ref = not args.skip_reference and args.design == "protocol"
     if with_ref and not REF_PYTHON.exists():
         raise SystemExit(f"reference venv missing: run `bash {HERE / 'reference_env.sh'}` (or --skip-reference)")

@@ -106,6 +106,23 @@ def default_policies() -> tuple[PolicySpec, ...]:
     )
 
 
+#: The policies of `protocol_policies` whose calibration given length transports from ``base``.
+PROTOCOL_TRANSPORTED = ("base", "clone", "verbose", "concise", "better", "worse")
+
+
+def protocol_policies() -> tuple[PolicySpec, ...]:
+    """Seven policies shaped like the paper's study (benchmarks/bench_protocol.py and its tests).
+
+    `default_policies` plus ``better`` (better and a little longer than base) and ``worse`` (worse
+    and longer): six policies whose calibration given the response length transports
+    (`PROTOCOL_TRANSPORTED`) and the adversarial ``unhelpful``.
+    """
+    return (*default_policies()[:4],
+            PolicySpec("better", quality_shift=1.1, verbosity=1.2),
+            PolicySpec("worse", quality_shift=0.55, verbosity=1.5),
+            default_policies()[4])
+
+
 @dataclass(frozen=True)
 class SimSpec:
     """Every setting of one simulation (see the module docstring for the model)."""

@@ -28,18 +28,10 @@ import numpy as np
 import pytest
 
 from cje_engine import evaluate
-from cje_engine.simulate.direct import PolicySpec, simulate
+from cje_engine.simulate.direct import PROTOCOL_TRANSPORTED, protocol_policies, simulate
 
-TRANSPORTED = ("base", "clone", "verbose", "concise", "better", "worse")
-POLICIES = (
-    PolicySpec("base", quality_shift=0.8),
-    PolicySpec("clone", quality_shift=0.8),
-    PolicySpec("verbose", quality_shift=0.7, verbosity=2.0),
-    PolicySpec("concise", quality_shift=1.0, verbosity=0.6),
-    PolicySpec("better", quality_shift=1.1, verbosity=1.2),
-    PolicySpec("worse", quality_shift=0.55, verbosity=1.5),
-    PolicySpec("unhelpful", quality_shift=-1.0, adversarial=True),
-)
+TRANSPORTED = PROTOCOL_TRANSPORTED
+POLICIES = protocol_policies()
 D, B, N, FRAC, SEED0 = 200, 200, 500, 0.25, 93_000
 
 

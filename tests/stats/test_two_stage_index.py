@@ -21,12 +21,10 @@ import numpy as np
 import pytest
 
 from cje_engine import evaluate
-from cje_engine.simulate.direct import PolicySpec, simulate
+from cje_engine.simulate.direct import PROTOCOL_TRANSPORTED, protocol_policies, simulate
 
-POLICIES = (PolicySpec("base", 0.8), PolicySpec("clone", 0.8), PolicySpec("verbose", 0.7, verbosity=2.0),
-            PolicySpec("concise", 1.0, verbosity=0.6), PolicySpec("better", 1.1, verbosity=1.2),
-            PolicySpec("worse", 0.55, verbosity=1.5), PolicySpec("unhelpful", -1.0, adversarial=True))
-TRANSPORTED = ("base", "clone", "verbose", "concise", "better", "worse")
+POLICIES = protocol_policies()
+TRANSPORTED = PROTOCOL_TRANSPORTED
 ROUNDING = 0.0025
 
 

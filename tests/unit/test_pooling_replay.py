@@ -10,10 +10,9 @@ from cje_engine import bootstrap_chunk, prepare
 from cje_engine.direct.estimators import bootstrap_weights, cross_fit, make_design, policy_stats, replicate
 from cje_engine.pipeline.calibration import failing_source, fit_mode, source_audits
 from cje_engine.pipeline.pooling_replay import DECISIVE_Z_MARGIN, decisive
-from cje_engine.simulate.direct import PolicySpec, simulate
+from cje_engine.simulate.direct import default_policies, simulate
 
-POLICIES = (PolicySpec("base", 0.8), PolicySpec("clone", 0.8), PolicySpec("verbose", 0.7, verbosity=2.0),
-            PolicySpec("concise", 1.0, verbosity=0.6), PolicySpec("unhelpful", -1.0, adversarial=True))
+POLICIES = default_policies()
 
 
 def _holm_reference(p: list[float]) -> list[float]:
