@@ -20,7 +20,7 @@ from flows.reports.common import _fmt, _fmt_ci, _safe, _signed
 from flows.reports.history import latest_per_window, previous_run, read_history, what_changed, window_changes_of
 from flows.reports.table import _table
 from flows.storage.objects import Storage
-from flows.storage.publish import read_run
+from flows.storage.publish import list_runs, read_run
 
 __all__ = ["register", "cmd_runs", "cmd_diff", "published_result"]
 
@@ -79,10 +79,10 @@ def published_result(name: str, config: str | None = None, run: str | None = Non
     when the evaluation has no such published run or its result.json is missing.
     """
     uri, st = _results_storage(name, config)
-    history = read_history(st, name)
-    if not history:
+    runs = list_runs(st, name)  # manifests only: the one result.json is read below
+    if not runs:
         raise CJEInputError(f"no published runs of {name!r}; `cje run {name}` publishes one", source=uri)
-    row = _find(history, run) if run else max(history, key=lambda r: str(r.get("published_at")))
+    row = _find(runs, run) if run else runs[-1]  # oldest publication first
     got = read_run(st, name, row["window"], row["run_key"])
     if got is None or not isinstance(got.get("result"), dict):
         raise CJEInputError(f"run {row['run_key']} of {name!r} has no readable result.json", source=row["path"])
