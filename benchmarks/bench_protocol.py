@@ -118,7 +118,15 @@ def _seed(n: int, frac: float, rep: int) -> int:
 JUDGE_NOISE = 0.0
 
 
-def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_NOISE, design: str = "protocol"):
+#: Distinct judge scores - 1 (``SimSpec.judge_levels``). At 20 (21 scores, like a 0-10 judge in half
+#: points) the rounding leaves E[Y | S, length] slightly different between policies of different
+#: quality: the base calibration applied to ``better`` is off by -0.0027 (exact integral, RESULTS.md
+#: "Issue 9: the judge's rounding"), 0.5 SE at n=5000/25%. 100 (a 0-100 judge): -0.0004.
+JUDGE_LEVELS = 20
+
+
+def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_NOISE, design: str = "protocol",
+                     judge_levels: int = JUDGE_LEVELS):
     """The paper's protocol (labels on base + 50-label audit slices), or ``pooled``: every policy's
     rows labelled at random at ``frac``, the adversary's labels among them, all training the
     calibrator (then ``frac`` is the share of every policy)."""
@@ -126,10 +134,10 @@ def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_N
 
     if design == "pooled":
         return simulate(n, policies(), oracle_fraction=frac, seed=_seed(n, frac, rep) + 500,
-                        judge_noise_sd=judge_noise)
+                        judge_noise_sd=judge_noise, judge_levels=judge_levels)
     return simulate(n, policies(), oracle_fraction=frac, label_design="calibration_policy",
                     calibration_policy="base", audit_labels=50, seed=_seed(n, frac, rep),
-                    judge_noise_sd=judge_noise)
+                    judge_noise_sd=judge_noise, judge_levels=judge_levels)
 
 
 def run_ours(frame, seed: int, B: int, options: dict, design: str = "protocol") -> dict:
@@ -186,10 +194,11 @@ def run_reference(frame, seed: int, B: int, timeout: float) -> dict:
 
 
 def cached_reference(frame, n: int, frac: float, rep: int, seed: int, B: int, timeout: float,
-                     cache: Path | None, judge_noise: float) -> tuple[dict, float]:
+                     cache: Path | None, judge_noise: float, judge_levels: int = JUDGE_LEVELS) -> tuple[dict, float]:
     """The reference's result on one dataset, from ``cache`` when it was run before (same n, fraction,
     dataset and B: the datasets are deterministic), else run and stored."""
-    path = None if cache is None else cache / f"ref_n{n}_f{frac:.3f}_r{rep}_B{B}_j{judge_noise:g}.json"
+    levels = "" if judge_levels == JUDGE_LEVELS else f"_L{judge_levels}"
+    path = None if cache is None else cache / f"ref_n{n}_f{frac:.3f}_r{rep}_B{B}_j{judge_noise:g}{levels}.json"
     if path is not None and path.exists():
         d = json.loads(path.read_text())
         return d["reference"], d["wall_s"]
@@ -213,10 +222,10 @@ def _nothing(truth: dict, why: str) -> dict:
 
 
 def run_task(task: tuple) -> dict:
-    n, frac, rep, B, options, with_ref, timeout, ref_B, cache, ours, judge_noise, ref_datasets, design = task
+    n, frac, rep, B, options, with_ref, timeout, ref_B, cache, ours, judge_noise, ref_datasets, design, levels = task
     logging.getLogger("cje_engine").setLevel(logging.WARNING)
     with_ref = with_ref and rep < ref_datasets
-    sim = simulate_dataset(n, frac, rep, judge_noise, design)
+    sim = simulate_dataset(n, frac, rep, judge_noise, design, levels)
     seed = _seed(n, frac, rep) % (2**31)
     out = {"n": n, "frac": frac, "rep": rep, "truth": sim.true_values}
     if ours:
@@ -230,7 +239,7 @@ def run_task(task: tuple) -> dict:
         out["ours_cpu_s"] = time.process_time() - t0
     if with_ref:
         out["reference"], out["reference_wall_s"] = cached_reference(sim.frame, n, frac, rep, seed, ref_B, timeout,
-                                                                     cache, judge_noise)
+                                                                     cache, judge_noise, levels)
     return out
 
 
@@ -292,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                          "all labels calibrate (no reference run: it has no pooled robust mode)")
     ap.add_argument("--rescore", type=Path, default=None, help="print the table of a --json file again (no runs)")
     ap.add_argument("--judge-noise", type=float, default=JUDGE_NOISE, help="SimSpec.judge_noise_sd (see JUDGE_NOISE)")
+    ap.add_argument("--judge-levels", type=int, default=JUDGE_LEVELS, help="SimSpec.judge_levels (see JUDGE_LEVELS)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     options = parse_options(args.option)
@@ -301,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     cells = [(int(n), float(f)) for n in args.n.split(",") for f in args.fractions.split(",")]
     ref_B = args.reference_B or args.n_bootstrap
     tasks = [(n, f, rep, args.n_bootstrap, options, with_ref, args.timeout, ref_B, args.reference_cache,
-              not args.reference_only, args.judge_noise, args.reference_datasets or args.datasets, args.design)
+              not args.reference_only, args.judge_noise, args.reference_datasets or args.datasets, args.design,
+              args.judge_levels)
              for rep in range(args.datasets) for n, f in cells]  # every cell early
     t0 = time.perf_counter()
     if args.rescore is not None:
@@ -322,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             row["ours_common"] = score(common, "ours", args.design)
         rows.append(row)
     keys = ("rank_acc", "coverage", "adversary_unbiased", "adversary_safe", "false_audit_fail")
-    print(f"judge noise {args.judge_noise:g}; ours on every dataset of a cell; 'ours=' and 'ref' on the datasets "
+    print(f"judge noise {args.judge_noise:g}, judge levels {args.judge_levels}; ours on every dataset of a cell; 'ours=' and 'ref' on the datasets "
           "the reference ran on")
     print(f"{'n':>5s} {'frac':>5s} {'sets':>4s} |" + "|".join(f"{k:>26s}" for k in keys))
     print(" " * 16 + "|" + "|".join(f"{'ours':>8s} {'ours=':>8s} {'ref':>8s}" for _ in keys))
