@@ -30,7 +30,7 @@ import numpy as np
 from scipy.stats import norm
 
 from cje_engine.data.frame import EvalData
-from cje_engine.calibration.calibrators import TwoStageCalibrator
+from cje_engine.calibration.calibrators import TWO_STAGE_LABELS_PER_PARAMETER, two_stage_knots
 from cje_engine.direct.estimators import (Design, _cell_fits, calibration_plan, influence, make_design,
                                           policy_stats, row_cells)
 from cje_engine.errors import CJEInputError
@@ -38,11 +38,6 @@ from cje_engine.inference.multiplicity import holm
 from cje_engine.options import EvaluationOptions
 
 log = logging.getLogger(__name__)
-
-#: Fewest calibration labels per stage-1 parameter of the two-stage index for ``auto`` to consider it
-#: (6 ramps + covariates + intercept: 16 labels with one covariate; below that the stage-1 fit is not
-#: identified in most bootstrap replicates).
-TWO_STAGE_LABELS_PER_PARAMETER = 2
 
 #: z of the one-sided test that keeps monotone in ``auto`` mode with covariates: two-stage is used
 #: unless its squared error on the labelled rows is larger by more than this many standard errors.
@@ -181,11 +176,11 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
     interval carries, while an unneeded covariate costs only variance, which the intervals do carry.
     """
     has_cov = data.X.shape[1] > 0
-    n_params = TwoStageCalibrator().n_knots + data.X.shape[1] + 1
     lab_pol = data.policy[data.labelled]
     n_cal = int(lab_pol.size if sources is None else np.isin(lab_pol, [data.policies.index(p) for p in sources
                                                                         if p in data.policies]).sum())
-    too_few = has_cov and n_cal < TWO_STAGE_LABELS_PER_PARAMETER * n_params
+    n_knots = two_stage_knots(n_cal, data.X.shape[1])
+    too_few = has_cov and n_knots < 1
     if opts.calibration_mode != "auto":
         modes = [opts.calibration_mode]
     else:
@@ -203,14 +198,17 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         _, w, r = fit.residual_terms
         labelled_rmse[m] = float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
     selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "labelled_rmse": labelled_rmse}
+    if "two_stage" in fits:
+        selection["two_stage_knots"] = n_knots  # = fits["two_stage"].design.n_knots
     if opts.calibration_mode != "auto":
         chosen, reason = opts.calibration_mode, "requested by the user"
     elif not has_cov:
         chosen, reason = "monotone", "no covariates given, so the two-stage index has nothing to add"
     elif too_few:
         chosen = "monotone"
-        reason = (f"only {n_cal} calibration labels for the two-stage index's {n_params} parameters (at least "
-                  f"{TWO_STAGE_LABELS_PER_PARAMETER} per parameter needed), so the covariates are not used")
+        reason = (f"only {n_cal} calibration labels: too few for a two-stage index with one score segment and "
+                  f"{data.X.shape[1]} covariate(s) (at least {TWO_STAGE_LABELS_PER_PARAMETER} labels per parameter "
+                  "needed), so the covariates are not used")
     else:
         prompt, w, r_mono = fits["monotone"].residual_terms
         _, _, r_two = fits["two_stage"].residual_terms

@@ -272,6 +272,9 @@ class Selection(_Strict):
     paired_difference: Num = Field(None, description="auto with covariates: monotone minus two-stage mean "
                                                      "squared error on the labelled rows (positive: two-stage fits better)")
     paired_se: Num = Field(None, description="its prompt-clustered standard error")
+    two_stage_knots: Optional[int] = Field(
+        None, description="ramp segments of the two-stage index when it was fitted (six, fewer with few "
+                          "calibration labels: two labels per stage-1 parameter)")
     chosen: str
     reason: str
 
