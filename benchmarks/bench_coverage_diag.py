@@ -275,6 +275,27 @@ def report_audit(runs: list[dict]) -> None:
     print("  protocol scores: " + ", ".join(f"{k} {v:.3f}" for k, v in sc.items() if k != "datasets"))
 
 
+def table(files: list[Path]) -> None:
+    """One line per diag JSON: the audit and protocol figures of issue 9's table (same datasets: same cell)."""
+    print("| run | datasets | calibration labels (median) | false audit fails (MC se) | adversary audit fails | "
+          "adversary at a borrowed level | coverage, 6 transported | ranking accuracy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for f in files:
+        runs = json.loads(f.read_text())["runs"]
+        rows = audit_rows(runs)
+        tr = [x["fail"] for x in rows if x["policy"] != bp.ADVERSARY]
+        ff = float(np.mean(tr))
+        adv = float(np.mean([x["fail"] for x in rows if x["policy"] == bp.ADVERSARY]))
+        scored = [{"truth": r["truth"], "ours": {"policies": {p: {"estimate": e["estimate"], "ci": e["ci"],
+                                                                    "refused": e.get("refused", False),
+                                                                    "audit": e["audit"], "basis": e["basis"]}
+                                                                for p, e in r["policies"].items()}}} for r in runs]
+        sc = bp.score(scored, "ours")
+        print(f"| {f.stem} | {len(runs)} | {np.median([r['n_cal'] for r in runs]):.0f} | {ff:.3f} "
+              f"({np.sqrt(ff * (1 - ff) / len(tr)):.3f}) | {adv:.3f} | {1 - sc['adversary_unbiased']:.3f} | "
+              f"{sc['coverage']:.3f} | {sc['rank_acc']:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=500)
@@ -286,11 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--option", action="append", default=[], help="engine option key=value (JSON value)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--rescore", type=Path, action="append", default=None)
+    ap.add_argument("--table", type=Path, nargs="+", help="diag JSON files: one summary line each (issue 9 table)")
     ap.add_argument("--replay", action="store_true", help="pooled design: the rerun-pooling experiment (above)")
     ap.add_argument("--plug-in", action="store_true", help="report the plug-in column instead of the reported level")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("cje_engine").setLevel(logging.WARNING)
+    if args.table:
+        table(args.table)
+        return 0
     if args.rescore:
         runs = [r for f in args.rescore for r in json.loads(f.read_text())["runs"]]
     else:

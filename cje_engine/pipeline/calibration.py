@@ -29,6 +29,7 @@ from functools import cached_property
 import numpy as np
 from scipy.stats import norm
 
+from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
 from cje_engine.calibration.calibrators import TWO_STAGE_LABELS_PER_PARAMETER, two_stage_knots
 from cje_engine.direct.estimators import (Design, _cell_fits, calibration_plan, influence, make_design,
@@ -131,6 +132,33 @@ def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.
     se = np.sqrt(np.maximum(_column_var(psi, overwrite=True), 0.0))
     se[~np.isfinite(delta)] = np.nan
     return delta, se, is_source
+
+
+def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_source: np.ndarray) -> np.ndarray:
+    """Degrees of freedom of each policy's audit statistic ``delta / se`` (inf: the normal reference).
+
+    A borrowed calibrator's audit variance ``se^2`` has two parts: the audit slice's residual term
+    (``infl["calibration"]``'s residual column, from the policy's ``G_k`` labelled prompts: ``G_k - 1``
+    degrees of freedom) and the rest, the calibrator's estimation error on that slice (from the
+    ``G_cal`` calibration prompts: ``G_cal - 1``), taken as ``max(se^2 - v_residual, 0)`` whatever the
+    route (the bootstrap's SD refits both stages of a two-stage calibrator, whose first stage the
+    influence term leaves out). With ~12 calibration labels that part dominates and is itself
+    estimated from ~12 residuals: the Welch-Satterthwaite df of the sum
+    (`cje_engine.audit.satterthwaite_df`) gives the statistic's t reference; with many labels it tends
+    to the normal. A calibration source's SE is its residual term's alone (conservative, module
+    docstring) and keeps the normal reference, as in robust pooling. NaN where a policy has no labels.
+    """
+    d, K = design.data, design.n_policies
+    v_res = _column_var(infl["calibration"][:, K:])
+    v = np.stack([v_res, np.maximum(np.nan_to_num(np.asarray(se, dtype=float)) ** 2 - v_res, 0.0)], axis=-1)
+    lab_pol = d.policy[design.lab_rows]
+    g_own = np.array([np.unique(d.prompt[design.lab_rows[lab_pol == k]]).size for k in range(K)], dtype=float)
+    g_cal = float(np.unique(d.prompt[design.cal_rows]).size)
+    nu = np.stack([np.maximum(g_own - 1, 1), np.full(K, max(g_cal - 1, 1))], axis=-1)
+    df = satterthwaite_df(v, nu)
+    df[is_source] = np.inf
+    df[g_own == 0] = np.nan
+    return df
 
 
 def _labelled_residual_terms(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -20,7 +20,7 @@ from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
 from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP, own_label_interval
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
-from cje_engine.pipeline.calibration import audit_statistics
+from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
 
 
 @dataclass
@@ -329,7 +329,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                 se_delta[k] = float(np.std(dk, ddof=1))
                 se_route[k] = "bootstrap"
     margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
-    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin)
+    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin,
+                            df=audit_degrees_of_freedom(design, prep.infl, se_delta, is_source))
     support = support_checks(design, opts)
     dfs = degrees_of_freedom(K, n_own_prompts)
     summary = _Stats(stats, cov, reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
