@@ -234,7 +234,7 @@ def audit_rows(runs: list[dict], reference: str = "engine") -> list[dict]:
                         "route": e["audit_route"], "df": e.get("audit_df"),
                         "share_cal": e["audit_var_calibrator"] / (e["audit_var_calibrator"] + e["audit_var_residual"])})
         adv = pol.get(bp.ADVERSARY)
-        if adv is not None:
+        if adv is not None and z.get(bp.ADVERSARY) is not None:  # audited (not not_run)
             out.append({"policy": bp.ADVERSARY, "z": z.get(bp.ADVERSARY), "fail": bool(fail.get(bp.ADVERSARY)),
                         "mode": r["mode"], "route": adv["audit_route"], "df": adv.get("audit_df"), "share_cal": None})
     return out
@@ -251,7 +251,9 @@ def report_audit(runs: list[dict]) -> None:
         ff = np.mean([x["fail"] for x in tr])
         mc = np.sqrt(ff * (1 - ff) / len(tr))
         adv = np.mean([x["fail"] for x in rows if x["policy"] == bp.ADVERSARY])
-        print(f"  [{ref:7s}] false fails {ff:.3f} (MC se {mc:.3f}) over {len(tr)} audits; adversary fails {adv:.3f}")
+        n_adv = sum(x["policy"] == bp.ADVERSARY for x in rows)
+        print(f"  [{ref:7s}] false fails {ff:.3f} (MC se {mc:.3f}) over {len(tr)} audits; adversary fails {adv:.3f} "
+              f"of {n_adv} audited")
         if ref != "engine":
             continue
         for p in [q for q in bp.TRANSPORTED if q != "base"]:
@@ -277,9 +279,9 @@ def report_audit(runs: list[dict]) -> None:
 
 def table(files: list[Path]) -> None:
     """One line per diag JSON: the audit and protocol figures of issue 9's table (same datasets: same cell)."""
-    print("| run | datasets | calibration labels (median) | false audit fails (MC se) | adversary audit fails | "
-          "adversary at a borrowed level | coverage, 6 transported | ranking accuracy |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | datasets | calibration labels (median) | audits run | false audit fails (MC se) | adversary "
+          "audit fails (of audited) | adversary at a borrowed level | coverage, 6 transported | ranking accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for f in files:
         runs = json.loads(f.read_text())["runs"]
         rows = audit_rows(runs)
@@ -291,7 +293,7 @@ def table(files: list[Path]) -> None:
                                                                     "audit": e["audit"], "basis": e["basis"]}
                                                                 for p, e in r["policies"].items()}}} for r in runs]
         sc = bp.score(scored, "ours")
-        print(f"| {f.stem} | {len(runs)} | {np.median([r['n_cal'] for r in runs]):.0f} | {ff:.3f} "
+        print(f"| {f.stem} | {len(runs)} | {np.median([r['n_cal'] for r in runs]):.0f} | {len(tr)} | {ff:.3f} "
               f"({np.sqrt(ff * (1 - ff) / len(tr)):.3f}) | {adv:.3f} | {1 - sc['adversary_unbiased']:.3f} | "
               f"{sc['coverage']:.3f} | {sc['rank_acc']:.3f} |")
 

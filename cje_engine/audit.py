@@ -12,7 +12,10 @@ error from a few calibration labels; ``inf``, the normal, where the SE rests on 
 - ``pass``: not failed and the Bonferroni-adjusted CI lies inside [-margin, +margin];
 - ``inconclusive``: neither; ``extra_labels_needed`` says how many more labels would make it
   decisive if the residual mean and spread stayed as observed;
-- ``not_run``: the policy has fewer than two labelled prompts of its own.
+- ``not_run``: the policy has fewer than two labelled prompts of its own, or the calibration rests on
+  fewer than ``min_labels`` labels (``n_calibration``): then its error cannot be estimated (a bootstrap
+  replicate holds ~3 distinct labels of 5), every level is refused already, and a residual mean
+  against it tests the calibrator's size, not its transport.
 """
 from __future__ import annotations
 
@@ -86,6 +89,8 @@ def audit_policies(
     alpha: float,
     margin: float,
     df: np.ndarray | None = None,
+    n_calibration: int | None = None,
+    min_labels: int = 0,
 ) -> list[dict]:
     """Verdicts for every policy from residual means and clustered SEs.
 
@@ -97,10 +102,13 @@ def audit_policies(
         Labelled rows and distinct labelled prompts of each policy.
     df : ndarray, shape (K,), optional
         Degrees of freedom of each ``delta / se`` (t reference, p-values and CIs); None or inf: normal.
+    n_calibration, min_labels : int, optional
+        Labels that train the calibrator and the fewest with which it is audited (below: ``not_run``).
     """
     K = delta.size
     nu = np.full(K, np.inf) if df is None else np.where(np.isnan(df), np.inf, np.asarray(df, dtype=float))
-    audited = np.flatnonzero((n_label_prompts >= 2) & np.isfinite(se) & (se > 0))
+    too_small = n_calibration is not None and n_calibration < min_labels
+    audited = np.flatnonzero((n_label_prompts >= 2) & np.isfinite(se) & (se > 0) & (not too_small))
     m = audited.size
     p = np.full(K, np.nan)
     p[audited] = [_two_sided_p(abs(delta[k] / se[k]), nu[k]) for k in audited]
@@ -114,7 +122,10 @@ def audit_policies(
         if k not in audited:
             base.update(verdict="not_run", reason=(
                 "no oracle labels of its own: the calibration's transport to this policy is untested"
-                if n_labels[k] == 0 else f"only {int(n_label_prompts[k])} labelled prompt(s); at least 2 needed"),
+                if n_labels[k] == 0 else
+                f"only {n_calibration} calibration labels (at least {min_labels} needed): the calibrator's error "
+                "cannot be estimated, so its transport is untested" if too_small else
+                f"only {int(n_label_prompts[k])} labelled prompt(s); at least 2 needed"),
                 residual_mean=None if n_labels[k] == 0 else float(delta[k]), se=None, ci=None,
                 ci_adjusted=None, p_value=None, p_adjusted=None, extra_labels_needed=None)
             out.append(base)

@@ -128,12 +128,13 @@ def test_audits_with_about_12_calibration_labels_hold_their_level_slow():
     calibration labels; the protocol's seven policies, a judge that rewards length, ``auto`` mode with
     the length covariate, bootstrap). Before the two-stage index could be fitted below 16 labels and the
     audit used a t reference, the monotone calibration left the length bias in and 8.4% of the
-    transported policies' audits failed (verbose 19%; 1.8% after). Bound: alpha + 3 SE of a rate over the 5 R audits, the SE inflated by a design effect
+    transported policies' audits failed (verbose 19%; 1.0% after, audits run only from 10 calibration
+    labels, `min_labels`). Bound: alpha + 3 SE of a rate over the 5 R audits, the SE inflated by a design effect
     of 2.5 (audits of one dataset share its calibrator; the measured variance ratio of per-dataset fail
     counts to the binomial's was 2.2-2.3 at this cell, benchmarks/RESULTS.md): 0.05 + 3 x 0.011 = 0.083."""
     R, deff = 200, 2.5
     audited = [p for p in PROTOCOL_TRANSPORTED if p != "base"]
-    fails = n_audits = adversary_fails = adversary_safe = n_sets = 0
+    fails = n_audits = adversary_fails = adversary_safe = n_sets = n_audited_sets = 0
     for r in range(R):
         sim = simulate(250, protocol_policies(), oracle_fraction=0.05, label_design="calibration_policy",
                        calibration_policy="base", audit_labels=50, seed=123_000 + r, judge_noise_sd=0.0)
@@ -147,11 +148,13 @@ def test_audits_with_about_12_calibration_labels_hold_their_level_slow():
         fails += sum(pols[p]["audit"]["verdict"] == "fail" for p in audited)
         n_audits += sum(pols[p]["audit"]["verdict"] != "not_run" for p in audited)
         adv = pols["unhelpful"]
-        adversary_fails += adv["audit"]["verdict"] == "fail"
+        if adv["audit"]["verdict"] != "not_run":  # not run below min_labels calibration labels
+            n_audited_sets += 1
+            adversary_fails += adv["audit"]["verdict"] == "fail"
         adversary_safe += adv["level_claim"] == "refused" or adv["basis_code"] == "recalibrated"
     bound = ALPHA + 3 * math.sqrt(deff * ALPHA * (1 - ALPHA) / n_audits)
     assert fails / n_audits <= bound, (fails, n_audits, bound)
-    # the audit keeps its power: it misses the adversary only with 5-6 calibration labels (t with ~5
-    # df), where every level is refused anyway; never reported at its borrowed level
-    assert adversary_fails / n_sets >= 0.97, (adversary_fails, n_sets)
+    # the audit keeps its power where it runs (t with >= ~9 df at 10 calibration labels), and the
+    # adversary is never reported at its borrowed level
+    assert adversary_fails / n_audited_sets >= 0.97, (adversary_fails, n_audited_sets)
     assert adversary_safe == n_sets, (adversary_safe, n_sets)

@@ -11,7 +11,7 @@ from scipy.integrate import quad
 from scipy.optimize import brentq
 from scipy.special import gammaln
 
-from cje_engine import prepare
+from cje_engine import evaluate, prepare
 from cje_engine.audit import audit_policies, satterthwaite_df
 from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
 from cje_engine.simulate.direct import protocol_policies, simulate
@@ -92,3 +92,25 @@ def test_audit_degrees_of_freedom_match_an_explicit_loop():
         hand = (v_res + v_cal) ** 2 / (v_res**2 / (g_own - 1) + v_cal**2 / (g_cal - 1))
         assert df[k] == pytest.approx(hand, rel=1e-9)
         assert min(g_own, g_cal) - 1 <= df[k] + 1e-9 and df[k] <= g_own + g_cal - 2 + 1e-9
+
+
+def test_no_audit_below_min_labels_calibration_labels():
+    """Fewer than ``min_labels`` calibration labels: every level is refused already and the calibrator's
+    error cannot be estimated, so no policy is audited (not_run, with the reason in the basis too);
+    from ``min_labels`` on the verdicts are the usual ones."""
+    delta, se, n = np.array([-0.3, 0.0]), np.array([0.02, 0.01]), np.array([50, 50])
+    small = audit_policies(delta, se, n, n, 0.05, 0.05, n_calibration=7, min_labels=10)
+    assert [o["verdict"] for o in small] == ["not_run", "not_run"]
+    assert "only 7 calibration labels" in small[0]["reason"] and small[0]["family_size"] == 0
+    enough = audit_policies(delta, se, n, n, 0.05, 0.05, n_calibration=10, min_labels=10)
+    assert enough[0]["verdict"] == "fail" and enough == audit_policies(delta, se, n, n, 0.05, 0.05)
+    sim = simulate(250, protocol_policies(), oracle_fraction=0.03, label_design="calibration_policy",
+                   calibration_policy="base", audit_labels=50, seed=5, judge_noise_sd=0.0)
+    res = evaluate(sim.frame, covariates=["response_length"], calibration_policies=["base"],
+                   inference="analytic").to_dict()
+    assert res["data"]["n_calibration_labels"] < 10
+    for e in res["policies"].values():
+        assert e["audit"]["verdict"] == "not_run" and e["level_claim"] == "refused"
+        assert "calibration labels (at least 10 needed)" in e["audit"]["reason"]
+        if e["basis_code"] == "plug_in":  # (own-label levels where the plug-in's support is limited)
+            assert "unaudited: only" in e["basis"] and "calibration labels (at least 10 needed)" in e["basis"]
