@@ -9,6 +9,15 @@ estimate across datasets against the mean reported SE, split by mode and basis, 
 ``--option calibration_mode=monotone`` forces a mode (no selection), which separates the selection's share of the
 spread from a fixed estimator's.
 
+Audits (issue 9, small calibration sets): every run also records each policy's audit -- residual mean, SE, its
+route, the t reference's df, the clustered variances of its two parts (the audit slice's residual term and the
+borrowed calibrator's term, from the influence terms) -- and the calibration labels; the report gives, per audited
+transported policy, the mean (bias: a real non-transport of the fitted calibrator) and SD (against 1: SE under-
+statement) of z = residual_mean / se, its tails, the false-fail rate by mode, and the false-fail rate recomputed
+with a normal and with an offline Welch-t reference (``welch_t``: parts from the influence terms, labelled rows as
+df; an approximation of the engine's `audit_degrees_of_freedom`). ``--table A.json B.json ...``: one line per run
+(audits run, false fails, adversary fails, adversary at a borrowed level, coverage, ranking accuracy).
+
 ``--replay`` (pooled design): robust pooling rerun inside every bootstrap replicate (``pooling_bootstrap="rerun"``,
 `cje_engine.pipeline.pooling_replay`) against the default fixed sources, on the same replicate weights: how often
 the replicates' selection differs from the full data's (replicates that differ from the fixed ones) and the coverage
@@ -261,7 +270,8 @@ def report_audit(runs: list[dict]) -> None:
             z = np.array([x["z"] for x in sub])
             share = np.mean([x["share_cal"] for x in sub])
             modes = ", ".join(f"{m} {sum(x['mode'] == m for x in sub)}" for m in sorted({x["mode"] for x in sub}))
-            print(f"    {p:8s} z mean {z.mean():+.3f} (se {z.std(ddof=1) / np.sqrt(z.size):.3f})  SD {z.std(ddof=1):.3f}  "
+            sd = z.std(ddof=1)
+            print(f"    {p:8s} z mean {z.mean():+.3f} (se {sd / np.sqrt(z.size):.3f})  SD {sd:.3f}  "
                   f"|z|>1.96 {np.mean(np.abs(z) > 1.96):.3f}  |z|>2.58 {np.mean(np.abs(z) > 2.58):.3f}  "
                   f"fail {np.mean([x['fail'] for x in sub]):.3f}  calibrator share of var {share:.2f}  ({modes})")
             for m in sorted({x["mode"] for x in sub}):

@@ -329,8 +329,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                 se_delta[k] = float(np.std(dk, ddof=1))
                 se_route[k] = "bootstrap"
     margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
-    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin,
-                            df=audit_degrees_of_freedom(design, prep.infl, se_delta, is_source),
+    df_delta = audit_degrees_of_freedom(design, prep.infl, se_delta, is_source)  # t reference (small calibrators)
+    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin, df=df_delta,
                             n_calibration=int(n_cal), min_labels=opts.min_labels)
     support = support_checks(design, opts)
     dfs = degrees_of_freedom(K, n_own_prompts)
