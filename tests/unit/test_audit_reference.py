@@ -13,6 +13,7 @@ from scipy.special import gammaln
 
 from cje_engine import evaluate, prepare
 from cje_engine.audit import audit_policies, satterthwaite_df
+from cje_engine.errors import CJEInputError
 from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
 from cje_engine.simulate.direct import protocol_policies, simulate
 
@@ -114,3 +115,18 @@ def test_no_audit_below_min_labels_calibration_labels():
         assert "calibration labels (at least 10 needed)" in e["audit"]["reason"]
         if e["basis_code"] == "plug_in":  # (own-label levels where the plug-in's support is limited)
             assert "unaudited: only" in e["basis"] and "calibration labels (at least 10 needed)" in e["basis"]
+
+
+def test_forced_two_stage_with_too_few_labels_for_one_segment_is_a_clear_error():
+    """5 calibration labels and one covariate: not even a one-segment index keeps 2 labels per parameter
+    (6 needed); ``calibration_mode='two_stage'`` is refused naming the labels and the option, instead of
+    fitting a six-segment index to 5 labels as before."""
+    sim = simulate(250, protocol_policies(), oracle_fraction=0.05, label_design="calibration_policy",
+                   calibration_policy="base", audit_labels=50, seed=11, judge_noise_sd=0.0)
+    frame = sim.frame.copy()
+    lab = frame.index[(frame["policy"] == "base") & frame["oracle_label"].notna()]
+    frame.loc[lab[5:], "oracle_label"] = np.nan
+    with pytest.raises(CJEInputError, match=r"needs at least 6 calibration labels .*5 given.*monotone") as err:
+        prepare(frame, covariates=["response_length"], calibration_policies=["base"], calibration_mode="two_stage",
+                inference="analytic")
+    assert err.value.option == "calibration_mode" and err.value.column == "oracle_label"
