@@ -9,6 +9,15 @@ estimate across datasets against the mean reported SE, split by mode and basis, 
 ``--option calibration_mode=monotone`` forces a mode (no selection), which separates the selection's share of the
 spread from a fixed estimator's.
 
+Audits (issue 9, small calibration sets): every run also records each policy's audit -- residual mean, SE, its
+route, the t reference's df, the clustered variances of its two parts (the audit slice's residual term and the
+borrowed calibrator's term, from the influence terms) -- and the calibration labels; the report gives, per audited
+transported policy, the mean (bias: a real non-transport of the fitted calibrator) and SD (against 1: SE under-
+statement) of z = residual_mean / se, its tails, the false-fail rate by mode, and the false-fail rate recomputed
+with a normal and with an offline Welch-t reference (``welch_t``: parts from the influence terms, labelled rows as
+df; an approximation of the engine's `audit_degrees_of_freedom`). ``--table A.json B.json ...``: one line per run
+(audits run, false fails, adversary fails, adversary at a borrowed level, coverage, ranking accuracy).
+
 ``--replay`` (pooled design): robust pooling rerun inside every bootstrap replicate (``pooling_bootstrap="rerun"``,
 `cje_engine.pipeline.pooling_replay`) against the default fixed sources, on the same replicate weights: how often
 the replicates' selection differs from the full data's (replicates that differ from the fixed ones) and the coverage
@@ -42,32 +51,50 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import bench_protocol as bp  # noqa: E402
+from cje_engine.errors import CJEInputError  # noqa: E402
 
 log = logging.getLogger("bench_coverage_diag")
 
 
+def _audit_parts(prep) -> tuple[np.ndarray, np.ndarray]:
+    """Clustered variances of each policy's audit-statistic parts: its residual term (the audit slice's
+    noise) and the borrowed calibrator's term (influence ``audit`` minus the residual term)."""
+    from cje_engine.pipeline.calibration import _column_var
+
+    K = prep.design.n_policies
+    res_term = prep.infl["calibration"][:, K:]
+    return _column_var(res_term), _column_var(res_term - prep.infl["audit"])
+
+
 def run_one(n: int, frac: float, rep: int, B: int, design: str, options: dict) -> dict:
-    from cje_engine import evaluate
+    from cje_engine import bootstrap_chunk, finalize, prepare
 
     sim = bp.simulate_dataset(n, frac, rep, bp.JUDGE_NOISE, design)
     seed = bp._seed(n, frac, rep) % (2**31)
     cal = None if design == "pooled" else ["base"]
     t0 = time.process_time()
-    res = evaluate(sim.frame, covariates=["response_length"], calibration_policies=cal, n_bootstrap=B, seed=seed,
+    prep = prepare(sim.frame, covariates=["response_length"], calibration_policies=cal, n_bootstrap=B, seed=seed,
                    **options)
+    res = finalize(prep, [bootstrap_chunk(prep, 0, B)] if prep.options.inference == "bootstrap" else [])
     cpu = time.process_time() - t0
+    var_res, var_calib = _audit_parts(prep)
     d = res.to_dict()
     pols = {}
-    for p, e in d["policies"].items():
+    for k, (p, e) in enumerate(d["policies"].items()):
         pi, au = e["plug_in"], e.get("augmented") or {}
         pols[p] = {"estimate": e["estimate"], "se": e["se"], "ci": e["ci"], "basis": e["basis_code"],
                    "audit": e["audit"]["verdict"], "se_analytic": e["se_analytic"], "se_bootstrap": e.get("se_bootstrap"),
                    "plug_in": pi["estimate"], "plug_in_se_boot": pi.get("se_bootstrap"),
                    "plug_in_se_analytic": pi["se_analytic"], "plug_in_ci": pi["ci"],
                    "augmented": au.get("estimate"), "augmented_se_boot": au.get("se_bootstrap"),
-                   "var_cal_jackknife": e["var_cal_jackknife_plug_in"], "var_cal_influence": e["var_cal_influence_plug_in"]}
+                   "var_cal_jackknife": e["var_cal_jackknife_plug_in"], "var_cal_influence": e["var_cal_influence_plug_in"],
+                   "refused": e["level_claim"] == "refused"}
+        a = e["audit"]
+        pols[p].update(audit_delta=a["residual_mean"], audit_se=a["se"], audit_route=a.get("se_route"),
+                       audit_p_adj=a["p_adjusted"], audit_df=a.get("df"), audit_var_residual=float(var_res[k]),
+                       audit_var_calibrator=float(var_calib[k]), n_labelled=e["n_labelled"])
     cal_d = d["calibration"]
-    return {"rep": rep, "truth": sim.true_values, "mode": cal_d["mode"], "cpu_s": cpu,
+    return {"rep": rep, "truth": sim.true_values, "mode": cal_d["mode"], "cpu_s": cpu, "n_cal": cal_d["n_train"],
             "excluded": [x["policy"] for x in cal_d.get("excluded_sources", [])],
             "selection": {k: cal_d["selection"].get(k) for k in ("paired_difference", "paired_se", "chosen")},
             "policies": pols}
@@ -168,6 +195,119 @@ def report(runs: list[dict], key_est: str = "estimate", key_se: str = "se", key_
     print(f"\ncoverage of the six transported policies: {np.mean(allcov):.3f} over {len(allcov)} intervals")
 
 
+def welch_df(var_res: np.ndarray, var_cal: np.ndarray, df_res: np.ndarray, df_cal: np.ndarray) -> np.ndarray:
+    """Welch-Satterthwaite degrees of freedom of a sum of two independent variance estimates (for the
+    offline rescoring below; the engine's own is `cje_engine.audit.satterthwaite_df`)."""
+    tot = var_res + var_cal
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return tot**2 / (var_res**2 / df_res + var_cal**2 / df_cal)
+
+
+def _holm_fail(p: dict[str, float], alpha: float = 0.05) -> dict[str, bool]:
+    from cje_engine.inference.multiplicity import holm
+
+    names = [k for k, v in p.items() if v is not None and np.isfinite(v)]
+    adj = holm(np.array([p[k] for k in names])) if names else []
+    return {k: bool(a <= alpha) for k, a in zip(names, adj)}
+
+
+def audit_rows(runs: list[dict], reference: str = "engine") -> list[dict]:
+    """One row per audited transported policy (base excluded: it trains the calibrator): z, route, mode, the
+    verdict under ``reference`` (``engine``: as reported; ``normal`` / ``welch_t``: recomputed from the recorded
+    SE and variance parts, Holm over every audited policy of the dataset)."""
+    from scipy.stats import norm, t as student_t
+
+    out = []
+    for r in runs:
+        pol = r["policies"]
+        z = {p: (e["audit_delta"] / e["audit_se"]) if e.get("audit_se") else None for p, e in pol.items()}
+        if reference == "engine":
+            fail = {p: e["audit"] == "fail" for p, e in pol.items()}
+        else:
+            pv = {}
+            for p, e in pol.items():
+                if z[p] is None:
+                    continue
+                if reference == "normal" or p == "base":
+                    pv[p] = 2 * norm.sf(abs(z[p]))
+                else:
+                    df = welch_df(np.array(e["audit_var_residual"]), np.array(e["audit_var_calibrator"]),
+                                  np.array(max(e["n_labelled"] - 1, 1)), np.array(max(r["n_cal"] - 1, 1)))
+                    pv[p] = 2 * student_t.sf(abs(z[p]), float(df))
+            fail = _holm_fail(pv)
+        for p in bp.TRANSPORTED:
+            if p == "base" or z.get(p) is None:
+                continue
+            e = pol[p]
+            out.append({"policy": p, "z": z[p], "fail": bool(fail.get(p, False)), "mode": r["mode"],
+                        "route": e["audit_route"], "df": e.get("audit_df"),
+                        "share_cal": e["audit_var_calibrator"] / (e["audit_var_calibrator"] + e["audit_var_residual"])})
+        adv = pol.get(bp.ADVERSARY)
+        if adv is not None and z.get(bp.ADVERSARY) is not None:  # audited (not not_run)
+            out.append({"policy": bp.ADVERSARY, "z": z.get(bp.ADVERSARY), "fail": bool(fail.get(bp.ADVERSARY)),
+                        "mode": r["mode"], "route": adv["audit_route"], "df": adv.get("audit_df"), "share_cal": None})
+    return out
+
+
+def report_audit(runs: list[dict]) -> None:
+    """Per transported policy: mean and SD of the audit z, its tails and the false-fail rate; then the
+    protocol scores (bench_protocol.score) of the reported levels."""
+    n_cal = np.array([r["n_cal"] for r in runs])
+    print(f"\naudits: calibration labels median {np.median(n_cal):.0f} (range {n_cal.min()}-{n_cal.max()})")
+    for ref in ("engine", "normal", "welch_t"):
+        rows = audit_rows(runs, ref)
+        tr = [x for x in rows if x["policy"] != bp.ADVERSARY]
+        ff = np.mean([x["fail"] for x in tr])
+        mc = np.sqrt(ff * (1 - ff) / len(tr))
+        adv = np.mean([x["fail"] for x in rows if x["policy"] == bp.ADVERSARY])
+        n_adv = sum(x["policy"] == bp.ADVERSARY for x in rows)
+        print(f"  [{ref:7s}] false fails {ff:.3f} (MC se {mc:.3f}) over {len(tr)} audits; adversary fails {adv:.3f} "
+              f"of {n_adv} audited")
+        if ref != "engine":
+            continue
+        for p in [q for q in bp.TRANSPORTED if q != "base"]:
+            sub = [x for x in tr if x["policy"] == p]
+            z = np.array([x["z"] for x in sub])
+            share = np.mean([x["share_cal"] for x in sub])
+            modes = ", ".join(f"{m} {sum(x['mode'] == m for x in sub)}" for m in sorted({x["mode"] for x in sub}))
+            sd = z.std(ddof=1)
+            print(f"    {p:8s} z mean {z.mean():+.3f} (se {sd / np.sqrt(z.size):.3f})  SD {sd:.3f}  "
+                  f"|z|>1.96 {np.mean(np.abs(z) > 1.96):.3f}  |z|>2.58 {np.mean(np.abs(z) > 2.58):.3f}  "
+                  f"fail {np.mean([x['fail'] for x in sub]):.3f}  calibrator share of var {share:.2f}  ({modes})")
+            for m in sorted({x["mode"] for x in sub}):
+                zm = np.array([x["z"] for x in sub if x["mode"] == m])
+                if zm.size > 2:
+                    print(f"        mode {m:9s} n {zm.size:3d}  z mean {zm.mean():+.3f}  SD {zm.std(ddof=1):.3f}  "
+                          f"fail {np.mean([x['fail'] for x in sub if x['mode'] == m]):.3f}")
+    scored = [{"truth": r["truth"], "ours": {"policies": {p: {"estimate": e["estimate"], "ci": e["ci"],
+                                                                "refused": e.get("refused", False),
+                                                                "audit": e["audit"], "basis": e["basis"]}
+                                                            for p, e in r["policies"].items()}}} for r in runs]
+    sc = bp.score(scored, "ours")
+    print("  protocol scores: " + ", ".join(f"{k} {v:.3f}" for k, v in sc.items() if k != "datasets"))
+
+
+def table(files: list[Path]) -> None:
+    """One line per diag JSON: the audit and protocol figures of issue 9's table (same datasets: same cell)."""
+    print("| run | datasets | calibration labels (median) | audits run | false audit fails (MC se) | adversary "
+          "audit fails (of audited) | adversary at a borrowed level | coverage, 6 transported | ranking accuracy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for f in files:
+        runs = json.loads(f.read_text())["runs"]
+        rows = audit_rows(runs)
+        tr = [x["fail"] for x in rows if x["policy"] != bp.ADVERSARY]
+        ff = float(np.mean(tr))
+        adv = float(np.mean([x["fail"] for x in rows if x["policy"] == bp.ADVERSARY]))
+        scored = [{"truth": r["truth"], "ours": {"policies": {p: {"estimate": e["estimate"], "ci": e["ci"],
+                                                                    "refused": e.get("refused", False),
+                                                                    "audit": e["audit"], "basis": e["basis"]}
+                                                                for p, e in r["policies"].items()}}} for r in runs]
+        sc = bp.score(scored, "ours")
+        print(f"| {f.stem} | {len(runs)} | {np.median([r['n_cal'] for r in runs]):.0f} | {len(tr)} | {ff:.3f} "
+              f"({np.sqrt(ff * (1 - ff) / len(tr)):.3f}) | {adv:.3f} | {1 - sc['adversary_unbiased']:.3f} | "
+              f"{sc['coverage']:.3f} | {sc['rank_acc']:.3f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=500)
@@ -179,26 +319,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--option", action="append", default=[], help="engine option key=value (JSON value)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--rescore", type=Path, action="append", default=None)
+    ap.add_argument("--table", type=Path, nargs="+", help="diag JSON files: one summary line each (issue 9 table)")
     ap.add_argument("--replay", action="store_true", help="pooled design: the rerun-pooling experiment (above)")
     ap.add_argument("--plug-in", action="store_true", help="report the plug-in column instead of the reported level")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("cje_engine").setLevel(logging.WARNING)
+    if args.table:
+        table(args.table)
+        return 0
     if args.rescore:
         runs = [r for f in args.rescore for r in json.loads(f.read_text())["runs"]]
     else:
         options = bp.parse_options(args.option)
         runs = []
+        skipped = 0
         t0 = time.perf_counter()
         for rep in range(args.first, args.first + args.datasets):
-            runs.append(run_replay(args.n, args.fraction, rep, args.B) if args.replay else
-                        run_one(args.n, args.fraction, rep, args.B, args.design, options))
+            try:
+                runs.append(run_replay(args.n, args.fraction, rep, args.B) if args.replay else
+                            run_one(args.n, args.fraction, rep, args.B, args.design, options))
+            except CJEInputError as exc:  # e.g. too few calibration labels to cross-fit: nothing estimated
+                log.info("dataset %d refused: %s", rep, exc)
+                skipped += 1
             if (rep + 1) % 25 == 0:
                 log.info("%d datasets, %.0f s", len(runs), time.perf_counter() - t0)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "rescore": None},
                                              "runs": runs}, default=float))
+        print(f"datasets the engine refused outright (too few labels to cross-fit): {skipped}")
         if not args.replay:
             print(f"mean CPU per dataset {np.mean([r['cpu_s'] for r in runs]):.2f} s")
     if runs and "share_replicates_other_sources" in runs[0]:
@@ -207,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         report(runs, "plug_in", "plug_in_se_boot", "plug_in_ci")
     else:
         report(runs)
+        if "n_cal" in runs[0]:
+            report_audit(runs)
     return 0
 
 

@@ -4,11 +4,18 @@ Residuals ``r = Y - f(S, X)`` on the policy's labelled rows, with ``f`` not trai
 those rows (out-of-fold, or trained only on the calibration policies). The mean residual
 ``delta`` gets a prompt-clustered standard error. Verdicts against a declared margin:
 
+The reference distribution of ``delta / se`` is Student's t with ``df`` degrees of freedom
+(`satterthwaite_df`: the audit slice's residual term and, for a borrowed calibrator, its estimation
+error from a few calibration labels; ``inf``, the normal, where the SE rests on many labels).
+
 - ``fail``: H0 delta = 0 rejected at level alpha after Holm adjustment over audited policies;
 - ``pass``: not failed and the Bonferroni-adjusted CI lies inside [-margin, +margin];
 - ``inconclusive``: neither; ``extra_labels_needed`` says how many more labels would make it
   decisive if the residual mean and spread stayed as observed;
-- ``not_run``: the policy has fewer than two labelled prompts of its own.
+- ``not_run``: the policy has fewer than two labelled prompts of its own, or the calibration rests on
+  fewer than ``min_labels`` labels (``n_calibration``): then its error cannot be estimated (a bootstrap
+  replicate holds ~3 distinct labels of 5), every level is refused already, and a residual mean
+  against it tests the calibrator's size, not its transport.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import math
 
 import numpy as np
 from scipy.stats import norm
+from scipy.stats import t as student_t
 
 from cje_engine.inference.multiplicity import holm
 
@@ -41,6 +49,38 @@ def residual_deciles(score: np.ndarray, resid: np.ndarray, weight: np.ndarray, n
     return out
 
 
+def satterthwaite_df(variances: np.ndarray, dfs: np.ndarray) -> np.ndarray:
+    """Welch-Satterthwaite degrees of freedom of a sum of independent variance estimates.
+
+    ``(sum_j v_j)^2 / sum_j (v_j^2 / df_j)`` over the last axis: the df of the chi-square that matches
+    the first two moments of ``sum_j v_j`` when ``v_j`` is ``sigma_j^2 chi2_{df_j} / df_j``
+    (Satterthwaite 1946; Welch 1947). Terms with ``v_j = 0`` or ``df_j = inf`` add nothing to the
+    denominator; ``inf`` when nothing is left (every term exact), NaN where the variances sum to 0.
+
+    Parameters
+    ----------
+    variances, dfs : ndarray, shape (..., J)
+        The variance estimates (>= 0) and their degrees of freedom (> 0, may be inf).
+    """
+    v = np.asarray(variances, dtype=float)
+    nu = np.asarray(dfs, dtype=float)
+    tot = v.sum(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        den = np.where(v > 0, v * v / nu, 0.0).sum(axis=-1)
+        out = np.where(den > 0, tot * tot / den, np.inf)
+    return np.where(tot > 0, out, np.nan)
+
+
+def _two_sided_p(z: float, df: float) -> float:
+    """Two-sided p-value of ``|z|`` under t with ``df`` degrees of freedom (the normal when ``df`` is inf)."""
+    return float(2 * (norm.sf(z) if np.isinf(df) else student_t.sf(z, df)))
+
+
+def _quantile(q: float, df: float) -> float:
+    """Quantile ``q`` of t with ``df`` degrees of freedom (the normal when ``df`` is inf)."""
+    return float(norm.ppf(q) if np.isinf(df) else student_t.ppf(q, df))
+
+
 def audit_policies(
     delta: np.ndarray,
     se: np.ndarray,
@@ -48,6 +88,9 @@ def audit_policies(
     n_label_prompts: np.ndarray,
     alpha: float,
     margin: float,
+    df: np.ndarray | None = None,
+    n_calibration: int | None = None,
+    min_labels: int = 0,
 ) -> list[dict]:
     """Verdicts for every policy from residual means and clustered SEs.
 
@@ -57,29 +100,38 @@ def audit_policies(
         Mean residual and its clustered standard error (NaN where no labels).
     n_labels, n_label_prompts : ndarray, shape (K,)
         Labelled rows and distinct labelled prompts of each policy.
+    df : ndarray, shape (K,), optional
+        Degrees of freedom of each ``delta / se`` (t reference, p-values and CIs); None or inf: normal.
+    n_calibration, min_labels : int, optional
+        Labels that train the calibrator and the fewest with which it is audited (below: ``not_run``).
     """
     K = delta.size
-    audited = np.flatnonzero((n_label_prompts >= 2) & np.isfinite(se) & (se > 0))
+    nu = np.full(K, np.inf) if df is None else np.where(np.isnan(df), np.inf, np.asarray(df, dtype=float))
+    too_small = n_calibration is not None and n_calibration < min_labels
+    audited = np.flatnonzero((n_label_prompts >= 2) & np.isfinite(se) & (se > 0) & (not too_small))
     m = audited.size
     p = np.full(K, np.nan)
-    p[audited] = 2 * norm.sf(np.abs(delta[audited] / se[audited]))
+    p[audited] = [_two_sided_p(abs(delta[k] / se[k]), nu[k]) for k in audited]
     p_adj = np.full(K, np.nan)
     if m:
         p_adj[audited] = holm(p[audited])
-    z = norm.ppf(1 - alpha / 2)
-    z_adj = norm.ppf(1 - alpha / (2 * max(m, 1)))
     out = []
     for k in range(K):
-        base = {"n_labels": int(n_labels[k]), "margin": margin, "family_size": int(m)}
+        base = {"n_labels": int(n_labels[k]), "margin": margin, "family_size": int(m),
+                "df": float(nu[k]) if k in audited and np.isfinite(nu[k]) else None}
         if k not in audited:
             base.update(verdict="not_run", reason=(
                 "no oracle labels of its own: the calibration's transport to this policy is untested"
-                if n_labels[k] == 0 else f"only {int(n_label_prompts[k])} labelled prompt(s); at least 2 needed"),
+                if n_labels[k] == 0 else
+                f"only {n_calibration} calibration labels (at least {min_labels} needed): the calibrator's error "
+                "cannot be estimated, so its transport is untested" if too_small else
+                f"only {int(n_label_prompts[k])} labelled prompt(s); at least 2 needed"),
                 residual_mean=None if n_labels[k] == 0 else float(delta[k]), se=None, ci=None,
                 ci_adjusted=None, p_value=None, p_adjusted=None, extra_labels_needed=None)
             out.append(base)
             continue
         d, s = float(delta[k]), float(se[k])
+        z, z_adj = _quantile(1 - alpha / 2, nu[k]), _quantile(1 - alpha / (2 * m), nu[k])
         ci = [d - z * s, d + z * s]
         ci_adj = [d - z_adj * s, d + z_adj * s]
         n = int(n_labels[k])

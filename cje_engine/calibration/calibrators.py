@@ -531,11 +531,34 @@ class TwoStageCalibrator:
         return _clip(_interp(self._index_t(cells.score, self._xt(cells)), self.x_, self.y_), self.clip)
 
 
-def make_calibrator(mode: str, clip: tuple[float, float] | None = None):
-    """A fresh, unfitted calibrator for ``mode`` ('monotone' or 'two_stage')."""
+#: Ramp segments of the two-stage index with enough labels (`two_stage_knots`).
+TWO_STAGE_MAX_KNOTS = 6
+
+#: Fewest calibration labels per stage-1 parameter of the two-stage index (ramps + covariates + intercept).
+#: Below 2 the stage-1 fit is not identified in most bootstrap replicates (a replicate of m labels holds
+#: about 0.63 m distinct ones).
+TWO_STAGE_LABELS_PER_PARAMETER = 2
+
+
+def two_stage_knots(n_labels: int, n_covariates: int) -> int:
+    """Ramp segments of the two-stage index for ``n_labels`` calibration labels (0: too few for any).
+
+    ``min(TWO_STAGE_MAX_KNOTS, n_labels // TWO_STAGE_LABELS_PER_PARAMETER - n_covariates - 1)``: as many
+    segments as keep ``TWO_STAGE_LABELS_PER_PARAMETER`` labels per stage-1 parameter, at most six. With
+    few labels the index is nearly linear in the score (one segment: ``a S + X beta + c``); its shape
+    is then left to stage 2 (isotonic on the index), while the covariate's effect -- a length bias of
+    the judge, which the monotone calibration cannot represent at all -- is still estimated
+    (docs/statistics.md, "Transport audit"). The default path (16 or more labels with one covariate)
+    keeps six.
+    """
+    return int(max(0, min(TWO_STAGE_MAX_KNOTS, n_labels // TWO_STAGE_LABELS_PER_PARAMETER - n_covariates - 1)))
+
+
+def make_calibrator(mode: str, clip: tuple[float, float] | None = None, n_knots: int = TWO_STAGE_MAX_KNOTS):
+    """A fresh, unfitted calibrator for ``mode`` ('monotone' or 'two_stage'; ``n_knots``: its index's segments)."""
     if mode == "monotone":
         return IsotonicCalibrator(clip=clip)
     if mode == "two_stage":
-        return TwoStageCalibrator(clip=clip)
+        return TwoStageCalibrator(n_knots=n_knots, clip=clip)
     raise CJEInputError(f"calibration_mode must be one of auto, monotone, two_stage; got {mode!r}",
                         option="calibration_mode")

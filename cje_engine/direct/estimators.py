@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cje_engine.calibration.calibrators import Cells, _clip, _interp, make_calibrator, make_cells
+from cje_engine.calibration.calibrators import (TWO_STAGE_MAX_KNOTS, Cells, _clip, _interp, make_calibrator,
+                                               make_cells, two_stage_knots)
 from cje_engine.calibration.two_stage_batch import fit_two_stage_many
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
@@ -51,6 +52,7 @@ class Design:
     cal_rows: np.ndarray  # row indices that train the calibrator
     lab_rows: np.ndarray  # all labelled row indices (any policy)
     cells: CellIndex | None = None
+    n_knots: int = TWO_STAGE_MAX_KNOTS  # two-stage: ramp segments of the index (`two_stage_knots` of the labels)
 
     @property
     def n_policies(self) -> int:
@@ -122,7 +124,14 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
                 f"two distinct labels or scores ({cal.size} calibration labels in all)",
                 column="oracle_label",
             )
-    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal, rows))
+    n_knots = two_stage_knots(cal.size, data.X.shape[1]) if mode == "two_stage" else TWO_STAGE_MAX_KNOTS
+    if n_knots < 1:
+        raise CJEInputError(
+            f"calibration_mode='two_stage' needs at least {2 * (data.X.shape[1] + 2)} calibration labels with "
+            f"{data.X.shape[1]} covariate(s) ({cal.size} given); use calibration_mode='monotone'",
+            column="oracle_label", option="calibration_mode")
+    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal, rows),
+                  n_knots=n_knots)
 
 
 def cross_fit(design: Design, row_w: np.ndarray | None = None):
@@ -162,6 +171,7 @@ class CalibrationPlan:
     global_sorted: np.ndarray  # (m,) in ``order``: each row's cell in ``cells``
     fold_cells: tuple  # (K,) monotone mode: (rows of fold k, the cells they occupy, index into those)
     warm: dict | None  # two-stage: where the solver of every refit starts (`_warm_start`)
+    n_knots: int = TWO_STAGE_MAX_KNOTS  # two-stage: ramp segments of the index (the design's)
 
 
 def calibration_plan(design: Design) -> CalibrationPlan:
@@ -186,7 +196,7 @@ def calibration_plan(design: Design) -> CalibrationPlan:
             key3=np.concatenate([ci.cal_key, ci.cal_key + K * Gc, ci.cal_key + 2 * K * Gc]),
             order=order, fold_bounds=tuple(zip((ends - size).tolist(), ends.tolist())),
             z_index=(folds[order] + 1) * Gc + ci.cal_cell[order], global_sorted=ci.cal_global[ci.cal_cell[order]],
-            fold_cells=tuple(fold_cells), warm=None)
+            fold_cells=tuple(fold_cells), warm=None, n_knots=design.n_knots)
         if design.mode == "two_stage":
             plan = replace(plan, warm=_warm_start(plan))
         object.__setattr__(design, "_calibration_plan", plan)  # frozen dataclass: a private cache
@@ -225,7 +235,8 @@ def _cell_fits(plan: CalibrationPlan, wc: np.ndarray, with_models: bool = True):
     has_rows = S[2].sum(1) > 0
     if plan.mode == "two_stage":
         # all six fits at once (shared design matrices, batched normal equations and solves)
-        fits = fit_two_stage_many(plan.cal_cells, M[0], M[1], M[2], clip=clip, warm=plan.warm)
+        fits = fit_two_stage_many(plan.cal_cells, M[0], M[1], M[2], clip=clip, warm=plan.warm,
+                                   n_knots=plan.n_knots)
         F_all = fits.predict_cells(0, plan.cells)
         live = [k for k in range(K) if has_rows[k] and fits.ok[k + 1]]
         f_cal = _out_of_fold(plan, F_all, fits.Z, live, fits.x[1:], fits.y[1:])
@@ -251,7 +262,8 @@ def _warm_start(plan: CalibrationPlan) -> dict:
     solver of every refit starts: a function of the design only, so every process starts alike
     (the fits do not depend on the start; the number of solver rounds does)."""
     _, M = _fold_sums(plan, np.ones(plan.y.size))
-    fits = fit_two_stage_many(plan.cal_cells, M[0, :1], M[1, :1], M[2, :1], clip=plan.label_scale)
+    fits = fit_two_stage_many(plan.cal_cells, M[0, :1], M[1, :1], M[2, :1], clip=plan.label_scale,
+                              n_knots=plan.n_knots)
     return {} if fits.ramp[0] is None else {fits.ramp[0].size: fits.ramp[0] > 0}
 
 
@@ -406,7 +418,8 @@ def _two_stage_refits(plan: CalibrationPlan, wcs: list) -> list:
     K, J = plan.n_folds, plan.n_folds + 1
     sums = [_fold_sums(plan, wc) for wc in wcs]
     M = np.concatenate([m for _, m in sums], axis=1) if len(sums) > 1 else sums[0][1]
-    fits = fit_two_stage_many(plan.cal_cells, M[0], M[1], M[2], clip=plan.label_scale, warm=plan.warm)
+    fits = fit_two_stage_many(plan.cal_cells, M[0], M[1], M[2], clip=plan.label_scale, warm=plan.warm,
+                              n_knots=plan.n_knots)
     out = []
     for r, (S, _) in enumerate(sums):
         j0 = r * J
@@ -640,7 +653,7 @@ def fold_jackknife(design: Design, models: list | None = None) -> np.ndarray:
         model = models[k] if models is not None and models[k] is not None else None
         if model is None:
             keep = folds != k
-            model = make_calibrator(design.mode, d.label_scale).fit(
+            model = make_calibrator(design.mode, d.label_scale, design.n_knots).fit(
                 d.score[cr[keep]], d.label[cr[keep]], d.X[cr[keep]], None
             )
         thetas.append(counts @ model.predict_cells(design.cells.cells) / n_k)

@@ -29,8 +29,9 @@ from functools import cached_property
 import numpy as np
 from scipy.stats import norm
 
+from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
-from cje_engine.calibration.calibrators import TwoStageCalibrator
+from cje_engine.calibration.calibrators import TWO_STAGE_LABELS_PER_PARAMETER, two_stage_knots
 from cje_engine.direct.estimators import (Design, _cell_fits, calibration_plan, influence, make_design,
                                           policy_stats, row_cells)
 from cje_engine.errors import CJEInputError
@@ -38,11 +39,6 @@ from cje_engine.inference.multiplicity import holm
 from cje_engine.options import EvaluationOptions
 
 log = logging.getLogger(__name__)
-
-#: Fewest calibration labels per stage-1 parameter of the two-stage index for ``auto`` to consider it
-#: (6 ramps + covariates + intercept: 16 labels with one covariate; below that the stage-1 fit is not
-#: identified in most bootstrap replicates).
-TWO_STAGE_LABELS_PER_PARAMETER = 2
 
 #: z of the one-sided test that keeps monotone in ``auto`` mode with covariates: two-stage is used
 #: unless its squared error on the labelled rows is larger by more than this many standard errors.
@@ -138,6 +134,33 @@ def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.
     return delta, se, is_source
 
 
+def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_source: np.ndarray) -> np.ndarray:
+    """Degrees of freedom of each policy's audit statistic ``delta / se`` (inf: the normal reference).
+
+    A borrowed calibrator's audit variance ``se^2`` has two parts: the audit slice's residual term
+    (``infl["calibration"]``'s residual column, from the policy's ``G_k`` labelled prompts: ``G_k - 1``
+    degrees of freedom) and the rest, the calibrator's estimation error on that slice (from the
+    ``G_cal`` calibration prompts: ``G_cal - 1``), taken as ``max(se^2 - v_residual, 0)`` whatever the
+    route (the bootstrap's SD refits both stages of a two-stage calibrator, whose first stage the
+    influence term leaves out). With ~12 calibration labels that part dominates and is itself
+    estimated from ~12 residuals: the Welch-Satterthwaite df of the sum
+    (`cje_engine.audit.satterthwaite_df`) gives the statistic's t reference; with many labels it tends
+    to the normal. A calibration source's SE is its residual term's alone (conservative, module
+    docstring) and keeps the normal reference, as in robust pooling. NaN where a policy has no labels.
+    """
+    d, K = design.data, design.n_policies
+    v_res = _column_var(infl["calibration"][:, K:])
+    v = np.stack([v_res, np.maximum(np.nan_to_num(np.asarray(se, dtype=float)) ** 2 - v_res, 0.0)], axis=-1)
+    lab_pol = d.policy[design.lab_rows]
+    g_own = np.array([np.unique(d.prompt[design.lab_rows[lab_pol == k]]).size for k in range(K)], dtype=float)
+    g_cal = float(np.unique(d.prompt[design.cal_rows]).size)
+    nu = np.stack([np.maximum(g_own - 1, 1), np.full(K, max(g_cal - 1, 1))], axis=-1)
+    df = satterthwaite_df(v, nu)
+    df[is_source] = np.inf
+    df[g_own == 0] = np.nan
+    return df
+
+
 def _labelled_residual_terms(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt, weight, residual) of every labelled row, weights summing to 1 within each policy."""
     d, lab = fit.design.data, fit.design.lab_rows
@@ -181,11 +204,11 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
     interval carries, while an unneeded covariate costs only variance, which the intervals do carry.
     """
     has_cov = data.X.shape[1] > 0
-    n_params = TwoStageCalibrator().n_knots + data.X.shape[1] + 1
     lab_pol = data.policy[data.labelled]
     n_cal = int(lab_pol.size if sources is None else np.isin(lab_pol, [data.policies.index(p) for p in sources
                                                                         if p in data.policies]).sum())
-    too_few = has_cov and n_cal < TWO_STAGE_LABELS_PER_PARAMETER * n_params
+    n_knots = two_stage_knots(n_cal, data.X.shape[1])
+    too_few = has_cov and n_knots < 1
     if opts.calibration_mode != "auto":
         modes = [opts.calibration_mode]
     else:
@@ -203,14 +226,17 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         _, w, r = fit.residual_terms
         labelled_rmse[m] = float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
     selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "labelled_rmse": labelled_rmse}
+    if "two_stage" in fits:
+        selection["two_stage_knots"] = n_knots  # = fits["two_stage"].design.n_knots
     if opts.calibration_mode != "auto":
         chosen, reason = opts.calibration_mode, "requested by the user"
     elif not has_cov:
         chosen, reason = "monotone", "no covariates given, so the two-stage index has nothing to add"
     elif too_few:
         chosen = "monotone"
-        reason = (f"only {n_cal} calibration labels for the two-stage index's {n_params} parameters (at least "
-                  f"{TWO_STAGE_LABELS_PER_PARAMETER} per parameter needed), so the covariates are not used")
+        reason = (f"only {n_cal} calibration labels: too few for a two-stage index with one score segment and "
+                  f"{data.X.shape[1]} covariate(s) (at least {TWO_STAGE_LABELS_PER_PARAMETER} labels per parameter "
+                  "needed), so the covariates are not used")
     else:
         prompt, w, r_mono = fits["monotone"].residual_terms
         _, _, r_two = fits["two_stage"].residual_terms

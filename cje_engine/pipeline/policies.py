@@ -20,7 +20,7 @@ from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
 from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP, own_label_interval
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
-from cje_engine.pipeline.calibration import audit_statistics
+from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
 
 
 @dataclass
@@ -199,7 +199,7 @@ def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_
     verdict = audit["verdict"]
     if n_own == 0 or verdict == "not_run":
         tail = ("; unaudited: rests on the untested assumption that the calibration transports to this policy"
-                if n_own == 0 else f"; unaudited: {n_own} own label(s) are too few to audit it")
+                if n_own == 0 else f"; unaudited: {audit['reason']}")
     elif verdict == "pass":
         tail = f"; the transport audit on {n_own} own labels passed"
     elif verdict == "inconclusive":
@@ -329,7 +329,9 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                 se_delta[k] = float(np.std(dk, ddof=1))
                 se_route[k] = "bootstrap"
     margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
-    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin)
+    df_delta = audit_degrees_of_freedom(design, prep.infl, se_delta, is_source)  # t reference (small calibrators)
+    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin, df=df_delta,
+                            n_calibration=int(n_cal), min_labels=opts.min_labels)
     support = support_checks(design, opts)
     dfs = degrees_of_freedom(K, n_own_prompts)
     summary = _Stats(stats, cov, reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,

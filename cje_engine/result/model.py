@@ -91,6 +91,8 @@ class Audit(_Strict):
     p_adjusted: Num = None
     margin: float = Field(description="practical margin in label units")
     family_size: Optional[int] = Field(None, description="audited policies in the Holm family")
+    df: Num = Field(None, description="degrees of freedom of the t reference of residual_mean / se (Welch-"
+                                      "Satterthwaite: audit slice and borrowed calibrator); null: normal")
     calibrator: Optional[Literal["cross_fitted", "borrowed", "excluded"]] = Field(
         None, description="cross_fitted: its labels train the calibrator (out-of-fold residuals); borrowed: they "
                           "do not; excluded: they were removed from it by robust pooling")
@@ -272,6 +274,9 @@ class Selection(_Strict):
     paired_difference: Num = Field(None, description="auto with covariates: monotone minus two-stage mean "
                                                      "squared error on the labelled rows (positive: two-stage fits better)")
     paired_se: Num = Field(None, description="its prompt-clustered standard error")
+    two_stage_knots: Optional[int] = Field(
+        None, description="ramp segments of the two-stage index when it was fitted (six, fewer with few "
+                          "calibration labels: two labels per stage-1 parameter)")
     chosen: str
     reason: str
 

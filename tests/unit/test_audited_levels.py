@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cje_engine import evaluate, prepare
+from cje_engine.calibration.calibrators import two_stage_knots
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import calibration_term, cross_fit_models, influence, make_design, replicate
 from cje_engine.errors import CJEInputError
@@ -241,3 +242,18 @@ def test_source_audits_from_labelled_rows_equal_the_full_influence_route():
     np.testing.assert_allclose(d_fast, d_full, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(se_fast, se_full, rtol=1e-10)
     np.testing.assert_allclose(fit.f_lab, fit.f[fit.design.lab_rows], rtol=0, atol=0)
+
+
+def test_auto_considers_a_smaller_two_stage_index_with_few_calibration_labels():
+    """About 12 calibration labels (n=250, 5% of base, the grid's smallest cell): ``auto`` compares
+    monotone with a two-stage index of ``two_stage_knots(n_cal, 1)`` segments (fewer than six) and records
+    the count; its paired comparison is the explicit loop's as at any label count."""
+    sim = simulate(250, PROTOCOL, oracle_fraction=0.05, label_design="calibration_policy", audit_labels=50,
+                   seed=12, judge_noise_sd=0.0)
+    data = _data(sim.frame, covariates=("response_length",))
+    n_cal = int((data.labelled & (data.policy == data.policies.index("base"))).sum())
+    assert 6 <= n_cal < 16
+    selection, fits = choose_mode(data, EvaluationOptions.build(covariates=["response_length"]), ("base",))
+    assert set(fits) == {"monotone", "two_stage"}
+    assert selection["two_stage_knots"] == fits["two_stage"].design.n_knots == two_stage_knots(n_cal, 1) < 6
+    assert "paired_difference" in selection and selection["chosen"] in ("monotone", "two_stage")

@@ -6,7 +6,8 @@ import pytest
 from scipy.optimize import lsq_linear
 from sklearn.isotonic import IsotonicRegression
 
-from cje_engine.calibration.calibrators import IsotonicCalibrator, TwoStageCalibrator, _ramp_basis, _signed_log
+from cje_engine.calibration.calibrators import (IsotonicCalibrator, TwoStageCalibrator, _ramp_basis, _signed_log,
+                                               two_stage_knots)
 
 
 def slow_pava(x, y, w):
@@ -185,3 +186,16 @@ def test_logit_index_removes_the_latent_scale_length_bias_that_least_squares_kee
     for p in ("concise", "worse"):
         assert abs(bias["identity", p]) > 0.005, bias
         assert abs(bias["logit", p]) < 0.5 * abs(bias["identity", p]), bias
+
+
+def test_two_stage_knots_match_a_brute_force_search():
+    """The largest segment count <= 6 that keeps 2 labels per stage-1 parameter (segments + covariates +
+    intercept), 0 when even one segment does not fit: searched by hand."""
+    for p in range(4):
+        for n in range(0, 60):
+            best = 0
+            for k in range(1, 7):
+                if n >= 2 * (k + p + 1):
+                    best = k
+            assert two_stage_knots(n, p) == best, (n, p)
+    assert two_stage_knots(12, 1) == 4 and two_stage_knots(16, 1) == 6 and two_stage_knots(5, 1) == 0

@@ -17,10 +17,11 @@ import pytest
 from scipy.optimize import nnls
 from sklearn.isotonic import IsotonicRegression
 
-from cje_engine.calibration.calibrators import TwoStageCalibrator, quantile_of_counts
+from cje_engine.calibration.calibrators import TwoStageCalibrator, quantile_of_counts, two_stage_knots
 from cje_engine.calibration.isotonic import isotonic_fit, isotonic_predict
 from cje_engine.data.frame import EvalData
-from cje_engine.direct.estimators import bootstrap_weights, make_design, replicate, replicate_view
+from cje_engine.direct.estimators import (bootstrap_weights, calibration_plan, cross_fit_models, make_design,
+                                         replicate, replicate_view)
 
 
 def _slow_isotonic(x, y, w):
@@ -436,3 +437,37 @@ def test_score_level_gram_equals_the_cell_level_products(p):
     np.testing.assert_allclose(b, r @ F, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(_apply(parts, levels, theta, cells.size), theta @ F.T, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(design[3], np.abs(F).max(0))  # the step bound's largest |F| per column
+
+
+@pytest.mark.parametrize("b", range(3))
+def test_two_stage_with_few_labels_threads_its_knot_count_through_fits_and_replicates(b):
+    """12 calibration labels with one covariate: `make_design` gives the two-stage index
+    ``two_stage_knots(12, 1) = 4`` segments, and the cross-fit, the fold jackknife's models and every
+    bootstrap replicate use that count: the replicate equals the row-level reference refitted with
+    ``n_knots=4`` (and not the six-segment one)."""
+    frame = _sim_frame(11, n_prompts=60)
+    p0_lab = frame.index[(frame["policy"] == "p0") & frame["oracle_label"].notna()]
+    frame.loc[p0_lab[12:], "oracle_label"] = np.nan  # 12 labels on the calibration policy
+    data = EvalData.from_frame(frame, covariates=["len"])
+    design = make_design(data, "two_stage", ("p0",))
+    cr = design.cal_rows
+    assert cr.size == 12 and design.n_knots == two_stage_knots(12, 1) == 4
+    assert calibration_plan(design).n_knots == 4
+    _, full, _ = cross_fit_models(design)
+    assert full.n_knots == 4 and full.knots_.size <= 5
+    pw = bootstrap_weights(b, b, data.n_prompts)
+    w = pw[data.prompt]
+    s, y, X, wc, fold = data.score[cr], data.label[cr], data.X[cr], w[cr], data.fold[cr]
+
+    def slow(n_knots):
+        f = SlowTwoStage().fit(s, y, X, wc, n_knots=n_knots).predict(data.score, data.X)
+        for k in range(data.n_folds):
+            held = fold == k
+            if (wc[held] > 0).any() and (wc[~held] > 0).any():
+                f[cr[held]] = SlowTwoStage().fit(s, y, X, np.where(held, 0, wc),
+                                                 n_knots=n_knots).predict(s[held], X[held])
+        return _slow_stats(data, cr, f, w)
+
+    fast = replicate(design, pw)
+    np.testing.assert_allclose(fast, slow(4), rtol=0, atol=LOGIT_INDEX_TOL)
+    assert np.nanmax(np.abs(fast - slow(6))) > 10 * LOGIT_INDEX_TOL  # the count matters here
