@@ -332,13 +332,16 @@ def selective_level(summary: _Stats, k: int, audit: dict, p_audit: np.ndarray, r
     return out
 
 
-def _level_interval(summary: _Stats, k: int, col: int, basis_code: str, basis: str, audit: dict,
+def _level_interval(summary: _Stats, k: int, col: int, selected: bool, basis: str, audit: dict,
                     audits: list[dict], reps: np.ndarray | None, infl: dict,
                     is_source: bool) -> tuple[list[float], str, str, dict | None]:
-    """(ci, ci_method, basis, selective block) of policy ``k``'s reported level (statistic ``col``): a
-    recalibrated level's interval is conditional on its failed audit (`selective_level`); others keep theirs."""
+    """(ci, ci_method, basis, selective block) of policy ``k``'s reported level (statistic ``col``).
+
+    ``selected``: the level is own-label *because* the audit failed (``audited`` levels, recalibrated, the
+    plug-in's support not limited); its interval is then conditional on that failure (`selective_level`).
+    Other levels keep theirs (``robust``/``augmented`` report own-label levels whatever the audit says)."""
     ci, method = summary(col)["ci"], summary.reported_raw(col)[1]
-    if basis_code != "recalibrated":
+    if not selected:
         return ci, method, basis, None
     p_audit = np.array([np.nan if a["p_value"] is None else a["p_value"] for a in audits])
     sel = selective_level(summary, k, audit, p_audit, reps, infl, is_source, summary.alpha)
@@ -402,8 +405,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                      infl=prep.infl["total"], dfs=dfs, n_policies=K)
 
     policies: dict[str, dict] = {}
-    cols = np.zeros(K, dtype=int)
-    refused = np.zeros(K, dtype=bool)
+    cols, refused = np.zeros(K, dtype=int), np.zeros(K, dtype=bool)
     for k, name in enumerate(d.policies):
         audit = audits[k]
         audit["calibrator"] = "cross_fitted" if k in cal_set else "excluded" if name in excluded else "borrowed"
@@ -424,7 +426,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                                           n_cal < opts.min_labels, int(n_cal), opts.min_labels)
         summ = summary(cols[k])
         summ["ci"], ci_method, basis, selective = _level_interval(
-            summary, k, int(cols[k]), basis_code, basis, audit, audits, reps, prep.infl, bool(is_source[k]))
+            summary, k, int(cols[k]), basis_code == "recalibrated" and opts.level_estimator == "audited"
+            and not support[k]["limited"], basis, audit, audits, reps, prep.infl, bool(is_source[k]))
         var_tot = cov[cols[k], cols[k]]
         share = float(cov_cal[cols[k], cols[k]] / var_tot) if var_tot > 0 else None
         policies[name] = {
