@@ -83,6 +83,8 @@ def run_one(n: int, frac: float, rep: int, B: int, design: str, options: dict) -
     for k, (p, e) in enumerate(d["policies"].items()):
         pi, au = e["plug_in"], e.get("augmented") or {}
         pols[p] = {"estimate": e["estimate"], "se": e["se"], "ci": e["ci"], "basis": e["basis_code"],
+                   "ci_method": e.get("ci_method"), "refused": e["level_claim"] == "refused",
+                   "ci_unconditional": (e.get("selective") or {}).get("ci_unconditional", e["ci"]),
                    "audit": e["audit"]["verdict"], "se_analytic": e["se_analytic"], "se_bootstrap": e.get("se_bootstrap"),
                    "plug_in": pi["estimate"], "plug_in_se_boot": pi.get("se_bootstrap"),
                    "plug_in_se_analytic": pi["se_analytic"], "plug_in_ci": pi["ci"],
@@ -147,6 +149,34 @@ def report_replay(runs: list[dict]) -> None:
                  for p in bp.TRANSPORTED]
             if c:
                 print(f"  {key:10s} {name:22s} coverage {np.mean(c):.3f} over {len(c)}, mean width {np.mean(w):.4f}")
+
+
+def report_selective(runs: list[dict]) -> None:
+    """Selective intervals (issue 9, cause 1): each reported interval against the unconditional one it replaced
+    (``ci_unconditional``: the same dataset, the same replicates), for the transported policies, for those
+    reported after a (false) failed audit, and for the adversary."""
+    if not runs or "ci_method" not in next(iter(runs[0]["policies"].values())):
+        return
+    adv = bp.ADVERSARY
+
+    def cov_w(rows: list[tuple[dict, float]], key: str) -> str:
+        c = [e[key][0] <= t <= e[key][1] for e, t in rows]
+        w = [e[key][1] - e[key][0] for e, t in rows]
+        return f"coverage {np.mean(c):.3f} ({int(np.sum(c))}/{len(c)}), mean width {np.mean(w):.4f}" if c else "none"
+
+    tr = [(r["policies"][p], r["truth"][p]) for r in runs for p in bp.TRANSPORTED]
+    sel = [(e, t) for e, t in tr if e["ci_method"] == "selective"]
+    print("\nselective intervals (issue 9, cause 1); 'before' = the unconditional interval of the same run")
+    for name, rows in (("transported, all", tr), ("transported, after a false fail", sel)):
+        print(f"  {name:34s} before {cov_w(rows, 'ci_unconditional')}")
+        print(f"  {'':34s} after  {cov_w(rows, 'ci')}")
+    a = [(r["policies"][adv], r["truth"][adv]) for r in runs if adv in r["policies"]]
+    for key, lab in (("ci_unconditional", "before"), ("ci", "after ")):
+        safe = [e["refused"] or (e["audit"] == "fail" and e[key][0] <= t <= e[key][1]) for e, t in a]
+        print(f"  {adv} safe {lab} {np.mean(safe):.3f} ({int(np.sum(safe))}/{len(safe)}); "
+              f"{cov_w([x for x in a if x[0]['ci_method'] == 'selective'], key)} over its selective intervals")
+    n_sel = sum(e["ci_method"] == "selective" for e, _ in a)
+    print(f"  {adv}: selective in {n_sel} of {len(a)} datasets")
 
 
 def _stats(rows: list[tuple[float, float, float, bool]]) -> str:
@@ -359,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         report(runs)
         if "n_cal" in runs[0]:
             report_audit(runs)
+        report_selective(runs)
     return 0
 
 

@@ -18,6 +18,7 @@ from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import Design
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
 from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP, own_label_interval
+from cje_engine.inference.selective import SELECTIVE, audit_critical_z, audit_selective_interval
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
@@ -270,6 +271,8 @@ class _Stats:
         kw = dict(alpha=self.alpha, df=float(self.dfs[col]), infl=self.infl[:, col]) if own else {}
         ci_a = own_label_interval(OWN_LABEL_ANALYTIC, est, se=se_a, **kw) if own else [est - c * se_a, est + c * se_a]
         out = {"estimate": est, "se_analytic": se_a, "ci_analytic": clip(ci_a, self.scale)}
+        raw = self.__dict__.setdefault("_raw", {})
+        raw[col] = (list(ci_a), (OWN_LABEL_ANALYTIC if own else "normal"))
         if self.reps is not None:
             r = self.reps[:, col]
             r = r[np.isfinite(r)]
@@ -279,9 +282,75 @@ class _Stats:
                     else np.percentile(r, [50 * a, 100 - 50 * a]))
             out.update(se_bootstrap=se_b, ci_bootstrap=clip(ci_b, self.scale))
             out.update(se=se_b, ci=out["ci_bootstrap"])
+            raw[col] = (list(ci_b), (OWN_LABEL_BOOTSTRAP if own else "percentile"))
         else:
             out.update(se=se_a, ci=out["ci_analytic"])
         return out
+
+    def reported_raw(self, col: int) -> tuple[list[float], str]:
+        """The reported route's interval of ``col`` before clipping to the label scale, and its method."""
+        self(col)
+        return self.__dict__["_raw"][col]
+
+
+def selective_level(summary: _Stats, k: int, audit: dict, p_audit: np.ndarray, reps: np.ndarray | None,
+                    infl: dict, is_source: bool, alpha: float) -> dict | None:
+    """The interval of policy ``k``'s recalibrated level conditional on its failed audit (docs/statistics.md,
+    "Selective intervals after a failed audit"), or None when the audit's event cannot be rebuilt.
+
+    The selection is ``|R / s| > c`` with ``R``, ``s`` the audit's residual mean and SE and ``c`` the
+    quantile of the policy's Holm threshold (`holm_threshold`, the other policies' p-values held fixed) in the
+    audit's reference distribution: normal, or Student-t with the audit's ``df`` for a borrowed calibrator.
+    ``Var(L)`` and ``Cov(L, R)`` come from the replicates (bootstrap route: ``R = L - plug-in`` in each) or
+    from the influence terms (analytic route: the level's total influence and the audit's, as in
+    `cje_engine.pipeline.calibration.audit_statistics`).
+    """
+    K = summary.n_policies
+    col = K + k
+    resid, se_r = audit["residual_mean"], audit["se"]
+    if resid is None or not se_r or audit["p_value"] is None:
+        return None
+    crit, threshold = audit_critical_z(p_audit, k, alpha, audit.get("df"))  # t reference: borrowed calibrators
+    if not abs(resid / se_r) > crit:  # the audit's p-value is not the one this rebuilds
+        return None
+    if reps is not None:
+        r = reps[:, [col, k]]
+        r = r[np.isfinite(r).all(axis=1)]
+        c = np.cov(r[:, 0], r[:, 0] - r[:, 1])
+        var_l, cov_lr = float(c[0, 0]), float(c[0, 1])
+    else:
+        psi = infl["calibration"][:, col] if is_source else infl["audit"][:, k]
+        c = cluster_cov(np.column_stack([infl["total"][:, col], psi]))
+        var_l, cov_lr = float(c[0, 0]), float(c[0, 1])
+    ci_raw, method = summary.reported_raw(col)
+    out = audit_selective_interval(float(summary.stats[col]), ci_raw, var_l, cov_lr, float(resid), float(se_r),
+                                   crit, alpha)
+    out["ci"] = clip(out["ci"], summary.scale)
+    out["ci_unconditional"] = clip(out["ci_unconditional"], summary.scale)
+    out["unconditional_method"] = method
+    out["p_threshold"] = float(threshold)
+    return out
+
+
+def _level_interval(summary: _Stats, k: int, col: int, selected: bool, basis: str, audit: dict,
+                    audits: list[dict], reps: np.ndarray | None, infl: dict,
+                    is_source: bool) -> tuple[list[float], str, str, dict | None]:
+    """(ci, ci_method, basis, selective block) of policy ``k``'s reported level (statistic ``col``).
+
+    ``selected``: the level is own-label *because* the audit failed (``audited`` levels, recalibrated, the
+    plug-in's support not limited); its interval is then conditional on that failure (`selective_level`).
+    Other levels keep theirs (``robust``/``augmented`` report own-label levels whatever the audit says)."""
+    ci, method = summary(col)["ci"], summary.reported_raw(col)[1]
+    if not selected:
+        return ci, method, basis, None
+    p_audit = np.array([np.nan if a["p_value"] is None else a["p_value"] for a in audits])
+    sel = selective_level(summary, k, audit, p_audit, reps, infl, is_source, summary.alpha)
+    if sel is None:
+        return ci, method, basis, None
+    basis += (f"; its interval is conditional on the audit having failed (selective: |z| = {abs(sel['z']):.2f} "
+              f"against the critical value {sel['critical_z']:.2f}; unconditional {sel['unconditional_method']} "
+              f"interval [{sel['ci_unconditional'][0]:.3f}, {sel['ci_unconditional'][1]:.3f}])")
+    return sel["ci"], SELECTIVE, basis, sel
 
 
 def _own_labels(design: Design) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
@@ -338,8 +407,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                      infl=prep.infl["total"], dfs=dfs, n_policies=K)
 
     policies: dict[str, dict] = {}
-    cols = np.zeros(K, dtype=int)
-    refused = np.zeros(K, dtype=bool)
+    cols, refused = np.zeros(K, dtype=int), np.zeros(K, dtype=bool)
     for k, name in enumerate(d.policies):
         audit = audits[k]
         audit["calibrator"] = "cross_fitted" if k in cal_set else "excluded" if name in excluded else "borrowed"
@@ -359,10 +427,14 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                                           basis_code == "plug_in" and support[k]["limited"],
                                           n_cal < opts.min_labels, int(n_cal), opts.min_labels)
         summ = summary(cols[k])
+        summ["ci"], ci_method, basis, selective = _level_interval(
+            summary, k, int(cols[k]), basis_code == "recalibrated" and opts.level_estimator == "audited"
+            and not support[k]["limited"], basis, audit, audits, reps, prep.infl, bool(is_source[k]))
         var_tot = cov[cols[k], cols[k]]
         share = float(cov_cal[cols[k], cols[k]] / var_tot) if var_tot > 0 else None
         policies[name] = {
-            "estimate": summ["estimate"], "se": summ["se"], "ci": summ["ci"],
+            "estimate": summ["estimate"], "se": summ["se"], "ci": summ["ci"], "ci_method": ci_method,
+            "selective": selective,
             "level_claim": "refused" if refused[k] else "ok",
             "refusal_reasons": reasons,
             "basis": basis, "basis_code": basis_code,

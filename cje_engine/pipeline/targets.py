@@ -184,7 +184,8 @@ def _direct_level(entry: dict, dpol: dict, t: str) -> dict:
     """The entry of a candidate on Direct's level path: Direct's recalibrated level and its claims;
     the off-policy estimates stay in the ``offpolicy`` block for reference only."""
     out = dict(entry)
-    for k in ("estimate", "se", "ci", "level_claim", "refusal_reasons", "basis_code", "augmented",
+    for k in ("estimate", "se", "ci", "ci_method", "selective", "level_claim", "refusal_reasons", "basis_code",
+              "augmented",
               "variance_share_calibration", "variance_components", "se_analytic", "se_bootstrap",
               "relative_claim", "relative_reason"):
         out[k] = dpol.get(k)

@@ -104,6 +104,25 @@ class Audit(_Strict):
                           "for a calibration source")
 
 
+class SelectiveInterval(_Strict):
+    """A recalibrated level's interval conditional on its failed audit (docs/statistics.md, "Selective
+    intervals after a failed audit")."""
+
+    ci: Pair = Field(description="the conditional (selective) interval, clipped to the label scale: the reported ci")
+    ci_unconditional: Pair = Field(description="the ordinary own-label interval (unconditional), clipped")
+    unconditional_method: str = Field(description="the ordinary interval's method (bca_expanded or skew_t)")
+    z: float = Field(description="the audit's residual mean over its SE")
+    critical_z: float = Field(description="the selection threshold on |z|: the normal quantile of the policy's "
+                                          "Holm threshold, the other policies' p-values held fixed")
+    p_threshold: float = Field(description="the largest unadjusted p-value at which this audit still fails")
+    regression_coef: float = Field(description="b = Cov(level, residual mean) / Var(level): the truncation "
+                                               "conditions on residual mean - b level")
+    truncation: list[Pair] = Field(description="the level's values consistent with the failure, given that "
+                                               "statistic (a union of intervals)")
+    log_selection_mass: Num = Field(description="log probability of the failure given that statistic at the "
+                                                "estimate: near 0 when the conditioning changes little")
+
+
 class DirectSummary(_Strict):
     """Direct's estimate of an off-policy candidate from its fresh draws (hybrid)."""
 
@@ -162,6 +181,11 @@ class PolicyResult(_Strict):
     estimate: Num = Field(description="the level by the reported route; kept for ranking only when refused")
     se: Num
     ci: Optional[Pair]
+    ci_method: Optional[str] = Field(
+        None, description="Direct levels: how ci was obtained: percentile or normal (plug-in), bca_expanded or "
+                          "skew_t (own labels), selective (a recalibrated level, conditional on its failed audit)")
+    selective: Optional[SelectiveInterval] = Field(
+        None, description="recalibrated levels: the conditional interval's construction and the unconditional one")
     level_claim: Literal["ok", "refused"]
     refusal_reasons: list[str] = Field(description="plain-language reasons, non-empty exactly when refused")
     claim: Optional[Literal["level", "downgraded", "refused"]] = Field(
