@@ -7,8 +7,9 @@ candidates' fresh draws). Comparisons and ranking are not done here (`cje_engine
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from scipy.stats import t as student_t
@@ -17,8 +18,16 @@ from cje_engine.audit import audit_policies, residual_deciles
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import Design
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
-from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP, own_label_interval
-from cje_engine.inference.selective import SELECTIVE, audit_critical_z, audit_selective_interval
+from cje_engine.inference.intervals import (
+    OWN_LABEL_ANALYTIC,
+    OWN_LABEL_BOOTSTRAP,
+    own_label_interval,
+)
+from cje_engine.inference.selective import (
+    SELECTIVE,
+    audit_critical_z,
+    audit_selective_interval,
+)
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
@@ -363,6 +372,30 @@ def _own_labels(design: Design) -> tuple[list[np.ndarray], np.ndarray, np.ndarra
     return own_rows, np.bincount(lab_pol, minlength=K), n_own_prompts
 
 
+def _audits(prep: Any, reps: np.ndarray | None, n_own: np.ndarray, n_own_prompts: np.ndarray
+            ) -> tuple[list[dict], np.ndarray, np.ndarray]:
+    """(audit of every policy, its SE route, whether it trains the calibrator): residual means (= augmented -
+    plug-in) whose SEs carry a borrowed calibrator's error."""
+    opts, design, stats = prep.options, prep.design, prep.stats
+    d, K, alpha, n_cal = design.data, design.n_policies, opts.alpha, design.cal_rows.size
+    delta, se_delta, is_source = audit_statistics(design, stats, prep.infl)
+    se_route = np.where(is_source, "influence (residual term)", "influence")
+    if reps is not None:
+        # borrowed calibrators: the bootstrap SD of the residual mean, refitting the calibrator (both
+        # stages in two-stage mode, whose first stage the influence term leaves out) in every replicate
+        for k in np.flatnonzero(~is_source & np.isfinite(se_delta)):
+            dk = reps[:, K + k] - reps[:, k]
+            dk = dk[np.isfinite(dk)]
+            if dk.size > 1:
+                se_delta[k] = float(np.std(dk, ddof=1))
+                se_route[k] = "bootstrap"
+    margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
+    df_delta = audit_degrees_of_freedom(design, prep.infl, se_delta, is_source)  # t reference (small calibrators)
+    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin, df=df_delta,
+                            n_calibration=int(n_cal), min_labels=opts.min_labels)
+    return audits, se_route, is_source
+
+
 def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     """Direct's gated entry for every design policy (see docs/statistics.md for the rules).
 
@@ -385,22 +418,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     excluded = {e["policy"] for e in prep.excluded}
     n_cal = design.cal_rows.size
 
-    # Audits on residual means (= augmented - plug-in); SEs carry a borrowed calibrator's error.
-    delta, se_delta, is_source = audit_statistics(design, stats, prep.infl)
-    se_route = np.where(is_source, "influence (residual term)", "influence")
-    if reps is not None:
-        # borrowed calibrators: the bootstrap SD of the residual mean, refitting the calibrator (both
-        # stages in two-stage mode, whose first stage the influence term leaves out) in every replicate
-        for k in np.flatnonzero(~is_source & np.isfinite(se_delta)):
-            dk = reps[:, K + k] - reps[:, k]
-            dk = dk[np.isfinite(dk)]
-            if dk.size > 1:
-                se_delta[k] = float(np.std(dk, ddof=1))
-                se_route[k] = "bootstrap"
-    margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
-    df_delta = audit_degrees_of_freedom(design, prep.infl, se_delta, is_source)  # t reference (small calibrators)
-    audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin, df=df_delta,
-                            n_calibration=int(n_cal), min_labels=opts.min_labels)
+    audits, se_route, is_source = _audits(prep, reps, n_own, n_own_prompts)
     support = support_checks(design, opts)
     dfs = degrees_of_freedom(K, n_own_prompts)
     summary = _Stats(stats, cov, reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
