@@ -648,7 +648,7 @@ def test_integration_tier_fails_or_skips_without_radosgw(tmp_path, required):
     with the reason and the command to start the gateway."""
     env = dict(os.environ, CJE_RGW_ENV=str(tmp_path / "missing.env"), CJE_REQUIRE_RGW=required)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", "-m", "integration",
          "tests/integration/test_radosgw.py::test_put_get_head_delete",
          "tests/integration/test_radosgw.py::test_storage_roundtrip"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -721,7 +721,7 @@ def test_stack_tier_fails_or_skips_without_the_stack(tmp_path, required):
     with the reason and the command that starts the stack."""
     env = dict(os.environ, CJE_STACK_ENV=str(tmp_path / "missing.env"), CJE_REQUIRE_STACK=required)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", "-m", "stack",
          "tests/stack/test_stack.py::test_prefect_server_restarted_mid_run"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
