@@ -89,11 +89,16 @@ def _run_and_interrupt(tmp_path: Path, sig: int, after: str = "raylet") -> dict:
         listeners = _listeners(set(seen) | {proc.pid})
         os.kill(proc.pid, sig)
         proc.wait(timeout=90)
-        deadline = time.monotonic() + 30  # the watchdog polls every second, then allows 5 s of grace
-        while time.monotonic() < deadline and any(_alive(p, s) for p, s in seen.items()):
+        def homes() -> list[str]:
+            return sorted(p.name for p in Path(tmpdir).glob("*") if p.name.startswith(("cje-prefect-", "cjeray")))
+
+        # the watchdog polls every second, allows 5 s of grace, kills, and only then removes the temporary homes
+        # (Ray's takes a moment): wait for both, within the same 30 s
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (any(_alive(p, s) for p, s in seen.items()) or homes()):
             time.sleep(0.5)
         survivors = {p: s for p, s in seen.items() if _alive(p, s)}
-        leftovers = sorted(p.name for p in Path(tmpdir).glob("*") if p.name.startswith(("cje-prefect-", "cjeray")))
+        leftovers = homes()
         return {"listeners": listeners, "seen": seen, "survivors": survivors, "leftovers": leftovers,
                 "returncode": proc.returncode, "log": (tmp_path / "cje.log").read_text()[-3000:],
                 "ports": {a.rsplit(":", 1)[1] for a, _, _ in listeners}}
