@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cje_engine.calibration.calibrators import (TWO_STAGE_MAX_KNOTS, Cells, _clip, _interp, make_calibrator,
-                                               make_cells, two_stage_knots)
+from cje_engine.calibration.calibrators import (TWO_STAGE_LABELS_PER_PARAMETER, TWO_STAGE_MAX_KNOTS, Cells, _clip,
+                                               _interp, make_calibrator, make_cells, two_stage_knots)
 from cje_engine.calibration.two_stage_batch import fit_two_stage_many
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
@@ -127,7 +127,8 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
     n_knots = two_stage_knots(cal.size, data.X.shape[1]) if mode == "two_stage" else TWO_STAGE_MAX_KNOTS
     if n_knots < 1:
         raise CJEInputError(
-            f"calibration_mode='two_stage' needs at least {2 * (data.X.shape[1] + 2)} calibration labels with "
+            f"calibration_mode='two_stage' needs at least {TWO_STAGE_LABELS_PER_PARAMETER * (data.X.shape[1] + 2)} "
+            f"calibration labels with "
             f"{data.X.shape[1]} covariate(s) ({cal.size} given); use calibration_mode='monotone'",
             column="oracle_label", option="calibration_mode")
     return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal, rows),

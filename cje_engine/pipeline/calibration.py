@@ -134,7 +134,8 @@ def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.
     return delta, se, is_source
 
 
-def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_source: np.ndarray) -> np.ndarray:
+def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_source: np.ndarray,
+                             n_own_prompts: np.ndarray) -> np.ndarray:
     """Degrees of freedom of each policy's audit statistic ``delta / se`` (inf: the normal reference).
 
     A borrowed calibrator's audit variance ``se^2`` has two parts: the audit slice's residual term
@@ -147,12 +148,12 @@ def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_sour
     (`cje_engine.audit.satterthwaite_df`) gives the statistic's t reference; with many labels it tends
     to the normal. A calibration source's SE is its residual term's alone (conservative, module
     docstring) and keeps the normal reference, as in robust pooling. NaN where a policy has no labels.
+    ``n_own_prompts``: each policy's distinct labelled prompts (``G_k``).
     """
     d, K = design.data, design.n_policies
     v_res = _column_var(infl["calibration"][:, K:])
     v = np.stack([v_res, np.maximum(np.nan_to_num(np.asarray(se, dtype=float)) ** 2 - v_res, 0.0)], axis=-1)
-    lab_pol = d.policy[design.lab_rows]
-    g_own = np.array([np.unique(d.prompt[design.lab_rows[lab_pol == k]]).size for k in range(K)], dtype=float)
+    g_own = np.asarray(n_own_prompts, dtype=float)
     g_cal = float(np.unique(d.prompt[design.cal_rows]).size)
     nu = np.stack([np.maximum(g_own - 1, 1), np.full(K, max(g_cal - 1, 1))], axis=-1)
     df = satterthwaite_df(v, nu)
@@ -227,7 +228,7 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         labelled_rmse[m] = float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
     selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "labelled_rmse": labelled_rmse}
     if "two_stage" in fits:
-        selection["two_stage_knots"] = n_knots  # = fits["two_stage"].design.n_knots
+        selection["two_stage_knots"] = fits["two_stage"].design.n_knots
     if opts.calibration_mode != "auto":
         chosen, reason = opts.calibration_mode, "requested by the user"
     elif not has_cov:

@@ -78,7 +78,8 @@ def test_audit_degrees_of_freedom_match_an_explicit_loop():
     design, K = prep.design, prep.design.n_policies
     d = design.data
     delta, se, is_source = audit_statistics(design, prep.stats, prep.infl)
-    df = audit_degrees_of_freedom(design, prep.infl, se, is_source)
+    n_own_prompts = np.array([len({int(d.prompt[i]) for i in design.lab_rows if d.policy[i] == k}) for k in range(K)])
+    df = audit_degrees_of_freedom(design, prep.infl, se, is_source, n_own_prompts)
     g_cal = len({int(d.prompt[i]) for i in design.cal_rows})
     for k in range(K):
         if is_source[k]:
