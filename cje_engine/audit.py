@@ -22,9 +22,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy.stats import norm
-from scipy.stats import t as student_t
 
+from cje_engine.inference import reference_t
 from cje_engine.inference.multiplicity import holm
 
 
@@ -71,16 +70,6 @@ def satterthwaite_df(variances: np.ndarray, dfs: np.ndarray) -> np.ndarray:
     return np.where(tot > 0, out, np.nan)
 
 
-def _two_sided_p(z: float, df: float) -> float:
-    """Two-sided p-value of ``|z|`` under t with ``df`` degrees of freedom (the normal when ``df`` is inf)."""
-    return float(2 * (norm.sf(z) if np.isinf(df) else student_t.sf(z, df)))
-
-
-def _quantile(q: float, df: float) -> float:
-    """Quantile ``q`` of t with ``df`` degrees of freedom (the normal when ``df`` is inf)."""
-    return float(norm.ppf(q) if np.isinf(df) else student_t.ppf(q, df))
-
-
 def audit_policies(
     delta: np.ndarray,
     se: np.ndarray,
@@ -111,7 +100,7 @@ def audit_policies(
     audited = np.flatnonzero((n_label_prompts >= 2) & np.isfinite(se) & (se > 0) & (not too_small))
     m = audited.size
     p = np.full(K, np.nan)
-    p[audited] = [_two_sided_p(abs(delta[k] / se[k]), nu[k]) for k in audited]
+    p[audited] = [reference_t.two_sided_p(abs(delta[k] / se[k]), nu[k]) for k in audited]
     p_adj = np.full(K, np.nan)
     if m:
         p_adj[audited] = holm(p[audited])
@@ -131,7 +120,7 @@ def audit_policies(
             out.append(base)
             continue
         d, s = float(delta[k]), float(se[k])
-        z, z_adj = _quantile(1 - alpha / 2, nu[k]), _quantile(1 - alpha / (2 * m), nu[k])
+        z, z_adj = reference_t.quantile(1 - alpha / 2, nu[k]), reference_t.quantile(1 - alpha / (2 * m), nu[k])
         ci = [d - z * s, d + z * s]
         ci_adj = [d - z_adj * s, d + z_adj * s]
         n = int(n_labels[k])

@@ -33,9 +33,8 @@ from collections.abc import Sequence
 import numpy as np
 from scipy.optimize import brentq
 from scipy.special import log_ndtr, ndtri
-from scipy.stats import norm
-from scipy.stats import t as student_t
 
+from cje_engine.inference import reference_t
 from cje_engine.inference.multiplicity import holm
 
 #: ``ci_method`` of a level whose interval is conditional on its failed audit.
@@ -170,7 +169,7 @@ def audit_critical_z(p: np.ndarray, k: int, alpha: float, df: float | None = Non
     Student-t with ``df`` degrees of freedom (a borrowed calibrator's audit, `cje_engine.audit`).
     """
     threshold = holm_threshold(p, k, alpha)
-    crit = norm.isf(threshold / 2) if df is None else student_t.isf(threshold / 2, df)
+    crit = reference_t.upper_quantile(threshold / 2, df)
     return float(crit), float(threshold)
 
 

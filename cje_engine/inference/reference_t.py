@@ -1,0 +1,27 @@
+"""The audit's reference distribution: Student-t with ``df`` degrees of freedom, the normal when ``df``
+is None or inf (`cje_engine.audit` tests with it; `cje_engine.inference.selective` inverts the same test)."""
+from __future__ import annotations
+
+import math
+
+from scipy.stats import norm
+from scipy.stats import t as student_t
+
+
+def _is_normal(df: float | None) -> bool:
+    return df is None or math.isinf(df)
+
+
+def quantile(q: float, df: float | None) -> float:
+    """Quantile ``q`` of t with ``df`` degrees of freedom (the normal when ``df`` is None or inf)."""
+    return float(norm.ppf(q) if _is_normal(df) else student_t.ppf(q, df))
+
+
+def upper_quantile(p: float, df: float | None) -> float:
+    """The point with upper tail ``p`` (``quantile(1 - p)``, computed without the cancellation)."""
+    return float(norm.isf(p) if _is_normal(df) else student_t.isf(p, df))
+
+
+def two_sided_p(z: float, df: float | None) -> float:
+    """Two-sided p-value of ``|z|`` (``z >= 0``) under t with ``df`` degrees of freedom."""
+    return float(2 * (norm.sf(z) if _is_normal(df) else student_t.sf(z, df)))
