@@ -144,8 +144,8 @@ def run_ours(frame, seed: int, B: int, options: dict, design: str = "protocol") 
     from cje_engine import evaluate
 
     cal = None if design == "pooled" else ["base"]
-    res = evaluate(frame, covariates=["response_length"], calibration_policies=cal, n_bootstrap=B,
-                   seed=seed, **options)
+    kwargs = {"covariates": ["response_length"], "calibration_policies": cal, **options}  # an option may override
+    res = evaluate(frame, n_bootstrap=B, seed=seed, **kwargs)
     d = res.to_dict()
     out = {}
     for p, e in d["policies"].items():

@@ -261,16 +261,17 @@ class _Stats:
         self.stats, self.cov, self.reps, self.crit, self.alpha, self.scale = stats, cov, reps, crit, alpha, scale
         self.infl, self.dfs = infl, dfs
         self.n_policies = len(stats) // 2 if n_policies is None else n_policies
+        self._done: dict[int, dict] = {}  # col -> its summary
+        self._raw: dict[int, tuple[list[float], str]] = {}  # col -> (unclipped reported interval, method)
 
     def _own(self, col: int) -> bool:
         return self.infl is not None and self.dfs is not None and col >= self.n_policies
 
     def __call__(self, col: int) -> dict:
         """The summary of statistic ``col`` (computed once; callers get their own copy of the dict)."""
-        cache = self.__dict__.setdefault("_done", {})
-        if col not in cache:
-            cache[col] = self._summary(col)
-        return copy.deepcopy(cache[col])
+        if col not in self._done:
+            self._done[col] = self._summary(col)
+        return copy.deepcopy(self._done[col])
 
     def _summary(self, col: int) -> dict:
         est = float(self.stats[col])
@@ -280,7 +281,7 @@ class _Stats:
         kw = dict(alpha=self.alpha, df=float(self.dfs[col]), infl=self.infl[:, col]) if own else {}
         ci_a = own_label_interval(OWN_LABEL_ANALYTIC, est, se=se_a, **kw) if own else [est - c * se_a, est + c * se_a]
         out = {"estimate": est, "se_analytic": se_a, "ci_analytic": clip(ci_a, self.scale)}
-        raw = self.__dict__.setdefault("_raw", {})
+        raw = self._raw
         raw[col] = (list(ci_a), (OWN_LABEL_ANALYTIC if own else "normal"))
         if self.reps is not None:
             r = self.reps[:, col]
@@ -298,8 +299,9 @@ class _Stats:
 
     def reported_raw(self, col: int) -> tuple[list[float], str]:
         """The reported route's interval of ``col`` before clipping to the label scale, and its method."""
-        self(col)
-        return self.__dict__["_raw"][col]
+        if col not in self._raw:
+            self(col)
+        return self._raw[col]
 
 
 def selective_level(summary: _Stats, k: int, audit: dict, p_audit: np.ndarray, reps: np.ndarray | None,
