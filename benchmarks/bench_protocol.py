@@ -18,8 +18,11 @@ the same data with the length covariate:
   also counts the ~5% an honest 95% interval misses);
 * false audit fails: share of audits of transported non-calibration policies that fail.
 
-Ours: ``cje_engine.evaluate(frame, covariates=["response_length"], calibration_policies=["base"],
-n_bootstrap=B)`` plus any ``--option key=value``. Reference: ``cje-eval`` in its own venv
+Ours: ``cje_engine.evaluate(frame, covariates=["response_length"], n_bootstrap=B)`` at its defaults plus
+any ``--option key=value``: no ``calibration_policies``, so base's labels and the audit slices calibrate
+together and robust pooling removes a slice that fails its own audit (the adversary's);
+``--option 'calibration_policies=["base"]'`` gives the paper's protocol to the letter (only base's labels
+calibrate, the slices only audit). Reference: ``cje-eval`` in its own venv
 (``bash benchmarks/reference_env.sh``), ``analyze_dataset`` in Direct mode with
 ``include_response_length=True``, the base labels in the fresh draws and each other policy's 50
 labels as its transport probe (``TransportAuditConfig``, margin 0.05), bootstrap with B replicates.
@@ -31,7 +34,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_protocol.py --n 250,1000 --fractions 0.1 --datasets 5 -B 500   # smoke
     .venv/bin/python benchmarks/bench_protocol.py                              # the grid, 20 per cell
-    .venv/bin/python benchmarks/bench_protocol.py --skip-reference --option level_estimator=audited
+    .venv/bin/python benchmarks/bench_protocol.py --skip-reference --option 'calibration_policies=["base"]'
 """
 from __future__ import annotations
 
@@ -140,12 +143,11 @@ def simulate_dataset(n: int, frac: float, rep: int, judge_noise: float = JUDGE_N
                     judge_noise_sd=judge_noise, judge_levels=judge_levels)
 
 
-def run_ours(frame, seed: int, B: int, options: dict, design: str = "protocol") -> dict:
+def run_ours(frame, seed: int, B: int, options: dict) -> dict:
+    """This engine at its defaults (every labelled row may calibrate) plus ``options``."""
     from cje_engine import evaluate
 
-    cal = None if design == "pooled" else ["base"]
-    kwargs = {"covariates": ["response_length"], "calibration_policies": cal, **options}  # an option may override
-    res = evaluate(frame, n_bootstrap=B, seed=seed, **kwargs)
+    res = evaluate(frame, n_bootstrap=B, seed=seed, **{"covariates": ["response_length"], **options})
     d = res.to_dict()
     out = {}
     for p, e in d["policies"].items():
@@ -233,7 +235,7 @@ def run_task(task: tuple) -> dict:
 
         t0 = time.process_time()
         try:
-            out["ours"] = run_ours(sim.frame, seed, B, options, design)
+            out["ours"] = run_ours(sim.frame, seed, B, options)
         except CJEInputError as exc:  # e.g. 5 calibration labels: nothing can be estimated, all refused
             out["ours"] = _nothing(sim.true_values, str(exc))
         out["ours_cpu_s"] = time.process_time() - t0
