@@ -35,6 +35,8 @@ calibrator objects; the bootstrap uses the arrays directly (`index`, `predict_ce
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 from numpy.linalg import _umath_linalg as _lapack  # the batched LAPACK gufuncs, without the wrappers' checks
 from numpy._core._multiarray_umath import c_einsum as _einsum  # what np.einsum runs (optimize=False), no wrapper
@@ -51,6 +53,8 @@ from cje_engine.calibration.calibrators import (
 )
 from cje_engine.calibration.isotonic import isotonic_pooled_segments
 from cje_engine.calibration.logit_stack import _eye, _triangle, newton_stack
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TwoStageFits", "fit_two_stage_many"]
 
@@ -391,8 +395,18 @@ def _solve_logit(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray,
     key = _score_key(cells, N)
     mu = ((np.bincount(key, weights=WTs.ravel(), minlength=N * D) + 0.5)
           / (np.bincount(key, weights=Ws.ravel(), minlength=N * D) + 1.0)).reshape(N, D)[:, cells.score_code]
-    theta[sel] = newton_stack(_levels(cells, Xt, log_covariates), designs, counts, Ws, WTs, pen, mu, n_ramp,
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # a diverging fit is handled below
+        fitted = newton_stack(_levels(cells, Xt, log_covariates), designs, counts, Ws, WTs, pen, mu, n_ramp,
                               None if warm is None else warm.get(n_ramp))
+    # A fit whose Newton system is singular (a cross-fit fold of a bootstrap replicate with as many
+    # labelled rows as coefficients, labels all on one side) has no finite index: it gets the constant
+    # index, as a fit without labels does, so the isotonic stage predicts its labels' mean.
+    bad = ~np.isfinite(fitted).all(axis=1)
+    if bad.any():
+        fitted[bad] = 0.0
+        log.debug("two-stage: %d of %d logit fits diverged; constant index (the fold's mean label)",
+                  int(bad.sum()), bad.size)
+    theta[sel] = fitted
     return theta
 
 
