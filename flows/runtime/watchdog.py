@@ -92,17 +92,25 @@ def _raise_exit(signum: int, frame) -> None:  # noqa: ARG001 - signal handler si
 @contextlib.contextmanager
 def graceful_sigterm() -> Iterator[None]:
     """Within the block, SIGTERM raises ``SystemExit(143)`` in the main thread (so ``finally``
-    blocks and context managers run) instead of ending the process on the spot.  Outside the
-    main thread, or when a handler is already installed, nothing changes."""
+    blocks and context managers run) instead of ending the process on the spot, and SIGINT raises
+    ``KeyboardInterrupt`` even when this process was started with SIGINT ignored (a background job
+    of a non-interactive shell inherits that, and Python then installs no handler: Ctrl-C or
+    ``kill -INT`` would do nothing).  Outside the main thread, or when a SIGTERM handler is already
+    installed, nothing changes."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
         yield
         return
+    old_int = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGTERM, _raise_exit)
+    if old_int is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if old_int is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # --------------------------------------------------------------------------------------
