@@ -71,10 +71,12 @@ def run_one(n: int, frac: float, rep: int, B: int, design: str, options: dict) -
 
     sim = bp.simulate_dataset(n, frac, rep, bp.JUDGE_NOISE, design)
     seed = bp._seed(n, frac, rep) % (2**31)
-    cal = None if design == "pooled" else ["base"]
+    # base-only by default (unlike bench_protocol.py): the audit decomposed here is the one against a borrowed
+    # calibrator; --option calibration_policies=null gives the engine's default pooling
+    kwargs = {"covariates": ["response_length"], "calibration_policies": None if design == "pooled" else ["base"],
+              **options}
     t0 = time.process_time()
-    prep = prepare(sim.frame, covariates=["response_length"], calibration_policies=cal, n_bootstrap=B, seed=seed,
-                   **options)
+    prep = prepare(sim.frame, n_bootstrap=B, seed=seed, **kwargs)
     res = finalize(prep, [bootstrap_chunk(prep, 0, B)] if prep.options.inference == "bootstrap" else [])
     cpu = time.process_time() - t0
     var_res, var_calib = _audit_parts(prep)
