@@ -16,7 +16,8 @@ the same data with the length covariate:
   its borrowed plug-in (the issue's "never reported at a biased level");
 * adversary safe: ``unhelpful`` is refused, or its audit fails and its reported interval covers (so it
   also counts the ~5% an honest 95% interval misses);
-* false audit fails: share of audits of transported non-calibration policies that fail.
+* false audit fails: share of the audits of transported policies other than base that fail (at the
+  defaults their slices also calibrate, and each is audited out of fold; in ``pooled``, base's audit counts too).
 
 Ours: ``cje_engine.evaluate(frame, covariates=["response_length"], n_bootstrap=B)`` at its defaults plus
 any ``--option key=value``: no ``calibration_policies``, so base's labels and the audit slices calibrate

@@ -267,10 +267,13 @@ class _Stats:
     def _own(self, col: int) -> bool:
         return self.infl is not None and self.dfs is not None and col >= self.n_policies
 
-    def __call__(self, col: int) -> dict:
-        """The summary of statistic ``col`` (computed once; callers get their own copy of the dict)."""
+    def _ensure(self, col: int) -> None:
         if col not in self._done:
             self._done[col] = self._summary(col)
+
+    def __call__(self, col: int) -> dict:
+        """The summary of statistic ``col`` (computed once; callers get their own copy of the dict)."""
+        self._ensure(col)
         return copy.deepcopy(self._done[col])
 
     def _summary(self, col: int) -> dict:
@@ -281,8 +284,7 @@ class _Stats:
         kw = dict(alpha=self.alpha, df=float(self.dfs[col]), infl=self.infl[:, col]) if own else {}
         ci_a = own_label_interval(OWN_LABEL_ANALYTIC, est, se=se_a, **kw) if own else [est - c * se_a, est + c * se_a]
         out = {"estimate": est, "se_analytic": se_a, "ci_analytic": clip(ci_a, self.scale)}
-        raw = self._raw
-        raw[col] = (list(ci_a), (OWN_LABEL_ANALYTIC if own else "normal"))
+        self._raw[col] = (list(ci_a), (OWN_LABEL_ANALYTIC if own else "normal"))
         if self.reps is not None:
             r = self.reps[:, col]
             r = r[np.isfinite(r)]
@@ -292,15 +294,14 @@ class _Stats:
                     else np.percentile(r, [50 * a, 100 - 50 * a]))
             out.update(se_bootstrap=se_b, ci_bootstrap=clip(ci_b, self.scale))
             out.update(se=se_b, ci=out["ci_bootstrap"])
-            raw[col] = (list(ci_b), (OWN_LABEL_BOOTSTRAP if own else "percentile"))
+            self._raw[col] = (list(ci_b), (OWN_LABEL_BOOTSTRAP if own else "percentile"))
         else:
             out.update(se=se_a, ci=out["ci_analytic"])
         return out
 
     def reported_raw(self, col: int) -> tuple[list[float], str]:
         """The reported route's interval of ``col`` before clipping to the label scale, and its method."""
-        if col not in self._raw:
-            self(col)
+        self._ensure(col)
         return self._raw[col]
 
 
