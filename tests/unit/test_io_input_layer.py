@@ -12,7 +12,6 @@ from cje_engine import evaluate
 from cje_engine.data.io import load_frame
 from cje_engine.errors import CJEInputError
 
-ARENA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "arena_sample"
 
 
 def _frame(ids, n_pol=2, seed=0) -> pd.DataFrame:
@@ -69,8 +68,8 @@ def test_mixed_format_arena_pairs_the_same_ids(tmp_path):
     assert evaluate(fresh, inference="analytic").to_dict()["data"]["n_prompts"] == 200
 
 
-def test_arena_fresh_draws_folder_is_accepted_directly():
-    a = load_frame(ARENA / "fresh_draws")
+def test_arena_fresh_draws_folder_is_accepted_directly(arena_dir):
+    a = load_frame(arena_dir / "fresh_draws")
     assert sorted(a.policy.unique()) == ["base", "clone", "parallel_universe_prompt", "unhelpful"]
     assert len(a) == 4000
 
