@@ -8,8 +8,10 @@ The reference distribution of ``delta / se`` is Student's t with ``df`` degrees 
 (`satterthwaite_df`: the audit slice's residual term and, for a borrowed calibrator, its estimation
 error from a few calibration labels; ``inf``, the normal, where the SE rests on many labels).
 
-- ``fail``: H0 delta = 0 rejected at level alpha after Holm adjustment over audited policies;
-- ``pass``: not failed and the Bonferroni-adjusted CI lies inside [-margin, +margin];
+- ``fail``: H0 delta = 0 rejected at level alpha, per policy: the audit guards the validity of that
+  policy's level, and an adjustment for the number of audited policies would make a biased level *more*
+  likely to pass (multiplicity belongs to the claims made from the levels; ../shared/METHOD.md);
+- ``pass``: not failed and the (1 - alpha) CI lies inside [-margin, +margin];
 - ``inconclusive``: neither; ``extra_labels_needed`` says how many more labels would make it
   decisive if the residual mean and spread stayed as observed;
 - ``not_run``: the policy has fewer than two labelled prompts of its own, or the calibration rests on
@@ -24,7 +26,6 @@ import math
 import numpy as np
 
 from cje_engine.inference import reference_t
-from cje_engine.inference.multiplicity import holm
 
 
 def residual_deciles(score: np.ndarray, resid: np.ndarray, weight: np.ndarray, n_bins: int = 10) -> list[dict]:
@@ -101,9 +102,7 @@ def audit_policies(
     m = audited.size
     p = np.full(K, np.nan)
     p[audited] = [reference_t.two_sided_p(abs(delta[k] / se[k]), nu[k]) for k in audited]
-    p_adj = np.full(K, np.nan)
-    if m:
-        p_adj[audited] = holm(p[audited])
+    p_adj = p.copy()  # no adjustment: each audit guards its own policy's level
     out = []
     for k in range(K):
         base = {"n_labels": int(n_labels[k]), "margin": margin, "family_size": int(m),
@@ -120,28 +119,26 @@ def audit_policies(
             out.append(base)
             continue
         d, s = float(delta[k]), float(se[k])
-        z, z_adj = reference_t.quantile(1 - alpha / 2, nu[k]), reference_t.quantile(1 - alpha / (2 * m), nu[k])
+        z = z_adj = reference_t.quantile(1 - alpha / 2, nu[k])
         ci = [d - z * s, d + z * s]
         ci_adj = [d - z_adj * s, d + z_adj * s]
         n = int(n_labels[k])
         extra = None
         if p_adj[k] <= alpha:
             verdict = "fail"
-            reason = (f"mean residual {d:+.3f} (SE {s:.3f}) differs from 0 at level {alpha} after Holm "
-                      f"adjustment over {m} audited policies: the calibration over-states" if d < 0 else
-                      f"mean residual {d:+.3f} (SE {s:.3f}) differs from 0 at level {alpha} after Holm "
-                      f"adjustment over {m} audited policies: the calibration under-states")
+            reason = (f"mean residual {d:+.3f} (SE {s:.3f}) differs from 0 at level {alpha}: the calibration "
+                      + ("over-states" if d < 0 else "under-states"))
             reason += " this policy's value"
         elif ci_adj[0] >= -margin and ci_adj[1] <= margin:
             verdict = "pass"
-            reason = f"adjusted CI [{ci_adj[0]:+.3f}, {ci_adj[1]:+.3f}] lies inside +/-{margin}"
+            reason = f"CI [{ci_adj[0]:+.3f}, {ci_adj[1]:+.3f}] lies inside +/-{margin:.3g}"
         else:
             verdict = "inconclusive"
             target = (margin - abs(d)) / z_adj if abs(d) < margin else abs(d) / z_adj
             n_needed = n * (s / target) ** 2 if target > 0 else math.inf
             extra = int(math.ceil(n_needed - n)) if math.isfinite(n_needed) else None
-            reason = (f"adjusted CI [{ci_adj[0]:+.3f}, {ci_adj[1]:+.3f}] neither excludes 0 nor fits inside "
-                      f"+/-{margin}" + (f"; about {extra} more labels would decide it" if extra is not None else ""))
+            reason = (f"CI [{ci_adj[0]:+.3f}, {ci_adj[1]:+.3f}] neither excludes 0 nor fits inside "
+                      f"+/-{margin:.3g}" + (f"; about {extra} more labels would decide it" if extra is not None else ""))
         base.update(verdict=verdict, reason=reason, residual_mean=d, se=s, ci=ci, ci_adjusted=ci_adj,
                     p_value=float(p[k]), p_adjusted=float(p_adj[k]), extra_labels_needed=extra)
         out.append(base)

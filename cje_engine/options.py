@@ -21,12 +21,12 @@ MAX_FOLDS = 100
 #: overrides it.
 DEFAULT_BOOTSTRAP_BYTES = 2 * 1024**3
 
-_INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labels")
-_FLOAT_FIELDS = ("alpha", "audit_margin", "support_bandwidth", "support_material_share")
-_STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity", "pooling_bootstrap")
+_INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labels", "min_prompts")
+_FLOAT_FIELDS = ("alpha", "audit_margin", "support_bandwidth", "support_material_share", "noninferiority_margin")
+_STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity", "pooling_bootstrap", "baseline")
 #: The level estimators (docs/statistics.md, "Levels").
-LEVEL_ESTIMATORS = ("audited", "robust", "augmented", "plug_in")
-_NAMES_FIELDS = ("covariates", "calibration_policies", "policies")
+LEVEL_ESTIMATORS = ("verified", "audited", "robust", "augmented", "plug_in")
+_NAMES_FIELDS = ("covariates", "calibration_policies", "policies", "trust_transport")
 
 
 def did_you_mean(word: str, choices) -> str:
@@ -71,8 +71,12 @@ class EvaluationOptions:
     calibration_policies : tuple of str or None
         ``None``: every labelled row trains the calibrator (cross-fitted). Otherwise only
         these policies' labels train it and other policies' labels are their audit slices.
-    level_estimator : {"audited", "robust", "augmented", "plug_in"}
-        ``audited`` (the paper's protocol): the calibrated plug-in wherever the transport audit
+    level_estimator : {"verified", "audited", "robust", "augmented", "plug_in"}
+        ``verified`` (the default): a policy's level is verified by its own labels (at least
+        ``min_labels`` labelled prompts): the power-tuned residual correction (PPI++), valid whether
+        or not the calibration transports; a policy without enough own labels has no verified level
+        (``level_claim = "assumes_transport"``: its plug-in is kept in ``assumed``) unless it is in
+        ``trust_transport``. ``audited`` (the paper's protocol): the calibrated plug-in wherever the transport audit
         did not fail (pass, inconclusive, or no own labels: unaudited); the own-label level
         (recalibrated) where it failed and the policy has at least ``min_labels`` own labels;
         refused otherwise. ``robust``: the own-label (augmented) level whenever the policy has
@@ -92,6 +96,20 @@ class EvaluationOptions:
         data's robust-pooling exclusions (``"fixed"``, the default) or reruns robust pooling on
         its resample (``"rerun"``: intervals that carry the selection; 1.3-2.1x the replicate
         cost in pooled designs, docs/statistics.md, "Coverage at 25% labels and in pooled designs").
+    trust_transport : tuple of str or None
+        Policies whose assumes-transport level (the paper's protocol: calibrated plug-in where the
+        audit does not fail) a team decides to trust: it becomes their reported level and enters the
+        comparisons, the ranking and the best policy, named ``assumes_transport``. ``("*",)``: every
+        policy. ``None`` (default): none.
+    baseline : str or None
+        A policy to compare every other one with (many-to-one, simultaneous intervals,
+        ``baseline_comparisons`` in the result; the question of ``cje gate``).
+    noninferiority_margin : float
+        Non-inferiority margin against the baseline, as a fraction of the label scale's width
+        (a policy is non-inferior when its simultaneous lower bound exceeds minus the margin).
+    min_prompts : int
+        Fewest distinct prompts a policy needs for any level or comparison (below it its variance
+        cannot be estimated: refused, not estimable even relatively).
     min_labels : int
         Fewest own labels for an own-label (augmented or recalibrated) level, and fewest
         calibration labels overall.
@@ -105,7 +123,7 @@ class EvaluationOptions:
     covariates: tuple[str, ...] = ()
     calibration_mode: str = "auto"
     calibration_policies: tuple[str, ...] | None = None
-    level_estimator: str = "audited"
+    level_estimator: str = "verified"
     inference: str = "bootstrap"
     n_bootstrap: int = 2000
     seed: int = 0
@@ -121,6 +139,10 @@ class EvaluationOptions:
     support_bandwidth: float = 0.05
     support_material_share: float = 0.10
     policies: tuple[str, ...] | None = field(default=None)
+    trust_transport: tuple[str, ...] | None = None
+    baseline: str | None = None
+    noninferiority_margin: float = 0.02
+    min_prompts: int = 10
 
     @classmethod
     def build(cls, **kwargs) -> "EvaluationOptions":
@@ -134,7 +156,7 @@ class EvaluationOptions:
                                 + did_you_mean(unknown[0], cls.__dataclass_fields__))
         kw = dict(kwargs)
         _type_errors(kw)
-        for key in ("covariates", "calibration_policies", "policies"):
+        for key in ("covariates", "calibration_policies", "policies", "trust_transport"):
             if kw.get(key) is not None:
                 v = kw[key]
                 kw[key] = (v,) if isinstance(v, str) else tuple(v)
@@ -189,6 +211,16 @@ class EvaluationOptions:
             bad(f"n_folds must be at least 2; got {self.n_folds}")
         if self.min_labels < 2:
             bad(f"min_labels must be at least 2; got {self.min_labels}")
+        if self.min_prompts < 2:
+            bad(f"min_prompts must be at least 2; got {self.min_prompts}")
+        if not (0 <= self.noninferiority_margin < 1):
+            bad(f"noninferiority_margin must be in [0, 1) (a fraction of the label scale); got "
+                f"{self.noninferiority_margin}")
+
+    def trusts(self, policy: str) -> bool:
+        """Has the team declared that it trusts the calibration's transport to ``policy``?"""
+        t = self.trust_transport or ()
+        return "*" in t or policy in t
 
     def bootstrap_bytes(self, n_stats: int) -> int:
         """Estimated bytes of the replicate matrix (``n_bootstrap x n_stats`` float64), counted

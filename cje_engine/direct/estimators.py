@@ -452,15 +452,33 @@ def _replicate_stats(view: BootstrapView, prompt_w: np.ndarray, wc: np.ndarray, 
     return np.concatenate([plug, plug + corr])
 
 
+def own_label_means(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
+    """Each policy's own-label mean (Hajek, weighted by ``label_weight``) under prompt weights, shape (K,).
+
+    The oracle-only level: it needs no calibrator, so a replicate's value is a weighted mean of the
+    labelled rows alone (NaN for a policy without positively weighted labels in the resample).
+    """
+    K = view.n_policies
+    lw = prompt_w[view.lab_prompt] * view.lab_lw
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (np.bincount(view.lab_policy, weights=lw * view.lab_y, minlength=K)
+                / np.bincount(view.lab_policy, weights=lw, minlength=K))
+
+
 def bootstrap_replicates(view: BootstrapView, start: int, stop: int) -> np.ndarray:
-    """Replicates ``start..stop-1`` on a view, shape (stop - start, 2K); replicate ``b`` depends
-    only on ``(view.seed, b)``, so any split into chunks gives the same rows (the same bits:
+    """Replicates ``start..stop-1`` on a view, shape (stop - start, 3K): the 2K statistics of
+    `policy_stats` (calibrator refitted) then every policy's own-label mean (`own_label_means`, the
+    third block: the power-tuned verified level combines it with the augmented one). Replicate ``b``
+    depends only on ``(view.seed, b)``, so any split into chunks gives the same rows (the same bits:
     the batches of `_replicates` do not change any replicate's numbers)."""
-    out = np.empty((stop - start, 2 * view.n_policies))
+    K = view.n_policies
+    out = np.empty((stop - start, 3 * K))
     plan = view.calibration
     if plan.mode != "two_stage":
         for i, b in enumerate(range(start, stop)):
-            out[i] = replicate_view(view, bootstrap_weights(view.seed, b, view.n_prompts))
+            w = bootstrap_weights(view.seed, b, view.n_prompts)
+            out[i, :2 * K] = replicate_view(view, w)
+            out[i, 2 * K:] = own_label_means(view, w)
         return out
     # per replicate of a batch: its prompt weights, calibration weights and out-of-fold values, its
     # fold sums and fits over the calibration cells, its full fit at every cell
@@ -468,8 +486,9 @@ def bootstrap_replicates(view: BootstrapView, start: int, stop: int) -> np.ndarr
     batch = max(1, min(REPLICATE_BATCH, _BATCH_ELEMENTS // max(per, 1)))
     for a in range(start, stop, batch):
         b = min(a + batch, stop)
-        out[a - start:b - start] = _replicates(view, [bootstrap_weights(view.seed, i, view.n_prompts)
-                                                      for i in range(a, b)])
+        ws = [bootstrap_weights(view.seed, i, view.n_prompts) for i in range(a, b)]
+        out[a - start:b - start, :2 * K] = _replicates(view, ws)
+        out[a - start:b - start, 2 * K:] = [own_label_means(view, w) for w in ws]
     return out
 
 

@@ -47,12 +47,22 @@ class PolicyColumns:
     #: per policy: "ok", "rank_only" (limited support: conservative intervals) or "not_estimable"
     relative: list[str] | None = None
     relative_reason: list[str | None] | None = None
+    #: per policy: "verified" (its level needs no transport assumption) or "assumes_transport"
+    kinds: list[str] | None = None
+
+    def kind(self, k: int) -> str:
+        return "verified" if self.kinds is None else self.kinds[k]
 
     def status(self, k: int) -> str:
         return "ok" if self.relative is None else self.relative[k]
 
     def covariance(self) -> np.ndarray | None:
         return None if self.influence is None else cluster_cov(self.influence)
+
+
+def claim_kind(level_claim: str) -> str:
+    """``verified`` for a quotable level ("ok"), else ``assumes_transport`` (refused levels do not enter claims)."""
+    return "assumes_transport" if level_claim == "assumes_transport" else "verified"
 
 
 def _num(x: float) -> float | None:
@@ -93,7 +103,9 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
         for b in range(a + 1, K):
             diff = float(cols.estimate[a] - cols.estimate[b])
             se_a = None if cov is None else float(np.sqrt(max(cov[a, a] + cov[b, b] - 2 * cov[a, b], 0.0)))
-            item = {"a": cols.names[a], "b": cols.names[b], "diff": _num(diff), "se_analytic": se_a}
+            kind = "verified" if cols.kind(a) == cols.kind(b) == "verified" else "assumes_transport"
+            item = {"a": cols.names[a], "b": cols.names[b], "diff": _num(diff), "se_analytic": se_a,
+                    "claim_kind": kind}
             D = None
             if cols.replicates is not None:
                 D = cols.replicates[:, a] - cols.replicates[:, b]
@@ -135,11 +147,12 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
 
 
 def rank_policies(names: Sequence[str], est: np.ndarray, comparisons: list[dict], refused: np.ndarray,
-                  claims: Sequence[str], dropped: dict[str, str] | None = None):
+                  claims: Sequence[str], dropped: dict[str, str] | None = None, alpha_iut: float = 0.05):
     """Ranking with ties, win matrix and best policy from significance-marked comparisons.
 
     Rank = 1 + number of policies significantly better. The best policy is the top unrefused one
-    when it is significantly better than every other policy; a refused policy is never best.
+    when it beats every other policy, each pairwise test at level ``alpha_iut`` (intersection-union);
+    a refused policy is never best, and no policy is best while another has no level to test against.
     Estimates may be NaN (ranked last); ``prob_a_better`` may be None. Policies in ``dropped``
     (name -> reason: not estimable even relatively) are left out of the ranking, the win matrix and
     the best-policy logic.
@@ -170,16 +183,30 @@ def rank_policies(names: Sequence[str], est: np.ndarray, comparisons: list[dict]
     win = {"policies": list(names),
            "significant": (sig - sig.T).tolist(),
            "prob_row_better": [[None if not np.isfinite(v) else float(v) for v in row] for row in prob]}
+    # "best" is a tested claim: the top policy beats every other one, each by its own two-sided test at
+    # level alpha (an intersection-union test: the claim is wrong only if some other policy is at least as
+    # good, and then that policy's test rejects with probability <= alpha/2; no multiplicity adjustment).
+    beats = np.zeros((K, K), dtype=bool)
+    for c in comparisons:
+        if c.get("p_value") is None or c.get("diff") is None or c.get("se") is None:
+            continue
+        a, b = idx[c["a"]], idx[c["b"]]
+        if c["p_value"] <= alpha_iut:
+            beats[a, b], beats[b, a] = c["diff"] > 0, c["diff"] < 0
     ok = [i for i in range(K) if not refused[i] and np.isfinite(est[i])]
     best, reason = None, "no policy has an unrefused level claim"
     if ok:
         top = max(ok, key=lambda i: est[i])
-        if all(sig[top, j] for j in range(K) if j != top):
-            best, reason = names[top], f"{names[top]} is significantly better than every other policy"
+        if dropped:
+            reason = (f"no best policy can be claimed: {names[top]} has the highest estimate, but not every policy "
+                      f"has a level it can be tested against")
+        elif all(beats[top, j] for j in range(K) if j != top):
+            best, reason = names[top], (f"{names[top]} is better than every other policy (each pairwise test at "
+                                        f"level {alpha_iut:g}: an intersection-union test)")
         else:
-            ties = [names[j] for j in range(K) if j != top and not sig[top, j]]
-            reason = (f"no clear winner: {names[top]} has the highest unrefused estimate but is not significantly "
-                      f"better than {', '.join(ties)}")
+            ties = [names[j] for j in range(K) if j != top and not beats[top, j]]
+            reason = (f"no clear winner: {names[top]} has the highest unrefused estimate but is not shown better "
+                      f"than {', '.join(ties)}")
         top_all = int(np.argmax(key))
         if refused[top_all] and top_all != top:
             reason += f"; {names[top_all]} has a higher estimate but its level claim is refused"
@@ -199,13 +226,15 @@ def rank_agreement(names: Sequence[str], raw: np.ndarray, est: np.ndarray) -> di
             "calibrated_order": [names[i] for i in np.argsort(-key, kind="stable")]}
 
 
-def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: float, warnings: list[str]) -> dict:
-    """Comparisons, multiplicity, ranking, win matrix, best policy and rank agreement (result fields)."""
+def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: float, warnings: list[str],
+                    baseline: str | None = None, noninferiority_margin: float = 0.0) -> dict:
+    """Comparisons, multiplicity, ranking, win matrix, best policy and rank agreement (result fields);
+    with ``baseline``, the many-to-one comparisons against it (`baseline_comparisons`)."""
     comparisons = compare_pairs(cols, alpha=alpha, method=method, span=span, warnings=warnings)
     dropped = {n: cols.relative_reason[k] for k, n in enumerate(cols.names) if cols.status(k) == "not_estimable"}
     ranking, win, best, reason = rank_policies(cols.names, cols.estimate, comparisons, cols.refused, cols.claims,
-                                               dropped)
-    return {
+                                               dropped, alpha_iut=alpha)
+    out = {
         "comparisons": comparisons,
         "multiplicity": {"method": method, "alpha": alpha,
                          "n_comparisons": sum(1 for c in comparisons if c["reported"])},
@@ -215,3 +244,71 @@ def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: flo
         "best_policy_reason": reason,
         "rank_agreement": rank_agreement(cols.names, cols.raw, cols.estimate),
     }
+    if baseline is not None:
+        out["baseline_comparisons"] = baseline_comparisons(cols, baseline, alpha=alpha,
+                                                           margin=noninferiority_margin)
+    return out
+
+
+#: Draws of the normal vector whose max |z| quantile gives the analytic simultaneous intervals.
+_MAXT_DRAWS = 200_000
+
+
+def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, margin: float) -> list[dict]:
+    """Many-to-one comparisons ``policy - baseline`` with simultaneous intervals (single-step max-T).
+
+    Every estimable policy against ``baseline``: the difference, its SE, a simultaneous ``1 - alpha``
+    interval over the family (the ``1 - alpha`` quantile ``c`` of ``max_j |D*_j - D_j| / se_j`` over the
+    paired bootstrap replicates, or of ``max_j |Z_j|`` for the influence terms' correlation on the analytic
+    route) and the single-step adjusted p-value ``P(max_j |T_j| >= |t_j|)``. ``better``/``worse``: the
+    interval excludes 0; ``non_inferior``: its lower end is above ``-margin`` (label units). Policies that
+    are not estimable (or the baseline itself) get ``reported: false`` with the reason.
+    """
+    names = list(cols.names)
+    if baseline not in names:
+        raise ValueError(f"baseline {baseline!r} is not one of the policies ({', '.join(names)})")
+    b = names.index(baseline)
+    rows, live = [], []
+    for j, n in enumerate(names):
+        if j == b:
+            continue
+        row = {"policy": n, "baseline": baseline, "claim_kind": "verified" if cols.kind(j) == cols.kind(b) == "verified"
+               else "assumes_transport", "diff": None, "se": None, "ci": None, "p_adjusted": None, "better": None,
+               "worse": None, "non_inferior": None, "margin": float(margin), "critical_value": None, "reported": False,
+               "not_estimable": None}
+        bad = [k for k in (j, b) if cols.status(k) == "not_estimable" or not np.isfinite(cols.estimate[k])]
+        if bad:
+            row["not_estimable"] = "; ".join(f"{names[k]}: {cols.relative_reason[k] or 'no level'}" for k in bad)
+        else:
+            live.append(j)
+        rows.append(row)
+    if not live:
+        return rows
+    diff = cols.estimate[live] - cols.estimate[b]
+    if cols.replicates is not None:
+        D = cols.replicates[:, live] - cols.replicates[:, [b]]
+        D = D[np.all(np.isfinite(D), axis=1)]
+        se = D.std(axis=0, ddof=1)
+        T = np.abs(D - diff) / np.where(se > 0, se, np.inf)
+        tmax = T.max(axis=1)
+    else:
+        C = cluster_cov(cols.influence[:, live] - cols.influence[:, [b]])
+        se = np.sqrt(np.clip(np.diag(C), 0, None))
+        corr = C / np.outer(np.where(se > 0, se, 1), np.where(se > 0, se, 1))
+        rng = np.random.default_rng(20240611)  # a fixed draw: the same quantile in every run
+        Z = rng.multivariate_normal(np.zeros(len(live)), corr + 1e-12 * np.eye(len(live)), _MAXT_DRAWS,
+                                    method="eigh")
+        tmax = np.abs(Z).max(axis=1)
+    c = float(np.quantile(tmax, 1 - alpha))
+    by_policy = {j: i for i, j in enumerate(live)}
+    for row in rows:
+        j = names.index(row["policy"])
+        if j not in by_policy:
+            continue
+        i = by_policy[j]
+        t = abs(diff[i]) / se[i] if se[i] > 0 else np.inf
+        lo, hi = float(diff[i] - c * se[i]), float(diff[i] + c * se[i])
+        row.update(diff=float(diff[i]), se=float(se[i]), ci=[lo, hi], critical_value=c,
+                   p_adjusted=float((1 + np.sum(tmax >= t)) / (tmax.size + 1)), better=lo > 0, worse=hi < 0,
+                   non_inferior=lo > -margin, reported=True)
+    return rows

@@ -163,12 +163,15 @@ def holm_threshold(p: np.ndarray, k: int, alpha: float) -> float:
 
 
 def audit_critical_z(p: np.ndarray, k: int, alpha: float, df: float | None = None) -> tuple[float, float]:
-    """``(c, t)``: the audit of test ``k`` fails exactly when ``|z_k| > c``; ``t`` = `holm_threshold`.
+    """``(c, t)``: the audit of test ``k`` fails exactly when ``|z_k| > c``; ``t = alpha``.
+
+    Audits are not adjusted for the number of policies (`cje_engine.audit`), so the threshold is
+    ``alpha`` whatever the other policies' p-values (``p`` is kept for the call's shape).
 
     ``c`` is the two-sided quantile of ``t`` in the audit's reference distribution: normal, or
     Student-t with ``df`` degrees of freedom (a borrowed calibrator's audit, `cje_engine.audit`).
     """
-    threshold = holm_threshold(p, k, alpha)
+    threshold = float(alpha)
     crit = reference_t.upper_quantile(threshold / 2, df)
     return float(crit), float(threshold)
 

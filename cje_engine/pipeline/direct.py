@@ -16,9 +16,9 @@ import numpy as np
 from cje_engine.data.frame import EvalData
 from cje_engine.data.io import load_coded
 from cje_engine.direct.estimators import (Design, bootstrap_replicates, bootstrap_view, bootstrap_weights,
-                                          fold_jackknife)
+                                          fold_jackknife, own_label_means)
 from cje_engine.errors import CJEInputError
-from cje_engine.inference.comparisons import PolicyColumns, relative_claims
+from cje_engine.inference.comparisons import PolicyColumns, claim_kind, relative_claims
 from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.assemble import assemble
@@ -45,6 +45,11 @@ class Prepared:
     models: list | None = None  # per-fold calibrators of the cross-fit (None: the fold kept the full fit)
     excluded: list = field(default_factory=list)  # calibration sources removed by robust pooling
     replay: PoolingReplay | None = None  # robust pooling rerun in each replicate (pooling_bootstrap="rerun")
+
+    @property
+    def n_replicate_stats(self) -> int:
+        """Columns of a bootstrap replicate: the 2K statistics and the K own-label means."""
+        return int(self.stats.size + self.design.n_policies)
 
 
 def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
@@ -103,12 +108,15 @@ def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
     reruns robust pooling on its resample (`cje_engine.pipeline.pooling_replay`), so the intervals
     carry that selection.
     """
+    view = bootstrap_view(prep.design, prep.options.seed)
     if prep.replay is None:
-        return bootstrap_replicates(bootstrap_view(prep.design, prep.options.seed), start, stop)
-    n_p = prep.design.data.n_prompts
-    out = np.empty((stop - start, prep.stats.size))
+        return bootstrap_replicates(view, start, stop)
+    n_p, n2 = prep.design.data.n_prompts, prep.stats.size
+    out = np.empty((stop - start, prep.n_replicate_stats))
     for i, b in enumerate(range(start, stop)):
-        out[i] = prep.replay.replicate(bootstrap_weights(prep.options.seed, b, n_p))
+        w = bootstrap_weights(prep.options.seed, b, n_p)
+        out[i, :n2] = prep.replay.replicate(w)
+        out[i, n2:] = own_label_means(view, w)
     return out
 
 
@@ -161,24 +169,48 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     opts = prep.options
     d = prep.design.data
     use_boot = opts.inference == "bootstrap"
-    reps = stacked_replicates(chunks, opts.n_bootstrap if use_boot else 0, prep.stats.size)
+    reps = stacked_replicates(chunks, opts.n_bootstrap if use_boot else 0, prep.n_replicate_stats)
     s = summarize_direct(prep, reps if use_boot else None)
+    K = len(prep.design.data.policies)
     if use_boot and reps.size:
-        dropped = int(np.all(np.isnan(reps), axis=1).sum())
+        dropped = int(np.all(np.isnan(reps[:, :2 * K]), axis=1).sum())
         if dropped:
             s.warnings.append(f"{dropped} of {reps.shape[0]} bootstrap replicates drew no calibration label "
                               f"(only {prep.design.cal_rows.size} in all) and were left out of the intervals")
     names = list(d.policies)
     pols = s.policies
-    cols = PolicyColumns(
-        names=names, estimate=np.array([pols[n]["estimate"] for n in names], dtype=float),
-        replicates=reps[:, s.cols] if use_boot else None, influence=prep.infl["total"][:, s.cols],
-        dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n]["level_claim"] for n in names],
-        raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
-        relative=[pols[n]["relative_claim"] for n in names], relative_reason=[pols[n]["relative_reason"] for n in names])
     span = d.label_scale[1] - d.label_scale[0]
-    rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=s.warnings)
+    rel = relative_claims(direct_columns(s, pols, names, use_boot), alpha=opts.alpha, method=opts.multiplicity,
+                          span=span, warnings=s.warnings, baseline=opts.baseline,
+                          noninferiority_margin=opts.noninferiority_margin * span)
+    rel["assumes_transport"] = assumed_claims(s, pols, names, use_boot, opts, span)
     result = assemble(mode="direct", config=opts.to_dict(), data=direct_data_summary(prep),
                       calibration=s.calibration, inference=inference_summary(opts), policies=pols,
                       relative=rel, warnings=s.warnings)
-    return EvaluationResult(result, replicates=reps, influence=prep.infl["total"], columns=s.cols)
+    return EvaluationResult(result, replicates=s.reps, influence=s.influence, columns=s.cols)
+
+
+def direct_columns(s, pols: dict, names: list[str], use_boot: bool) -> PolicyColumns:
+    """The comparison step's view of the reported levels (verified, or trusted assumes-transport ones)."""
+    return PolicyColumns(
+        names=names, estimate=np.array([pols[n]["estimate"] for n in names], dtype=float),
+        replicates=s.reps[:, s.cols] if use_boot else None, influence=s.influence[:, s.cols],
+        dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n]["level_claim"] for n in names],
+        raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
+        relative=[pols[n]["relative_claim"] for n in names], relative_reason=[pols[n]["relative_reason"] for n in names],
+        kinds=[claim_kind(pols[n]["level_claim"]) for n in names])
+
+
+def assumed_claims(s, pols: dict, names: list[str], use_boot: bool, opts: EvaluationOptions, span: float) -> dict:
+    """Comparisons, ranking and best policy on the assumes-transport levels (the paper's protocol),
+    kept beside the verified claims and named as such (never the basis of a gate or of "best")."""
+    c = s.assumed_cols
+    cols = PolicyColumns(
+        names=names, estimate=np.array([pols[n]["assumed"]["estimate"] for n in names], dtype=float),
+        replicates=s.reps[:, c] if use_boot else None, influence=s.influence[:, c], dfs=s.dfs[c],
+        refused=s.assumed_refused, claims=[pols[n]["assumed"]["level_claim"] for n in names],
+        raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
+        relative=[r[0] for r in s.assumed_relative], relative_reason=[r[1] for r in s.assumed_relative],
+        kinds=[claim_kind(pols[n]["assumed"]["level_claim"]) for n in names])
+    rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=[])
+    return {k: rel[k] for k in ("comparisons", "ranking", "best_policy", "best_policy_reason")}

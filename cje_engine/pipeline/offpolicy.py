@@ -96,7 +96,7 @@ class OffPolicyPrepared:
 
     @property
     def n_direct_stats(self) -> int:
-        return int(self.direct.stats.size)
+        return int(self.direct.n_replicate_stats)
 
 
 def outcome_model(design: Design, full, models: Sequence | None) -> np.ndarray:

@@ -17,6 +17,7 @@ from scipy.stats import t as student_t
 from cje_engine.audit import audit_policies, residual_deciles
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import Design
+from cje_engine.direct.verified import own_label_influence, power_tuned, power_tuned_lambda
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
 from cje_engine.inference.intervals import (
     OWN_LABEL_ANALYTIC,
@@ -43,6 +44,11 @@ class DirectSummaries:
     dfs: np.ndarray  # degrees of freedom of the 2K statistics
     calibration: dict
     warnings: list[str] = field(default_factory=list)
+    reps: np.ndarray | None = None  # (B, 4K) extended replicates (`extend_with_verified`); ``cols`` index them
+    influence: np.ndarray | None = None  # (n_prompts, 4K) extended influence terms
+    assumed_cols: np.ndarray | None = None  # the assumes-transport (protocol) level's column of each policy
+    assumed_refused: np.ndarray | None = None
+    assumed_relative: list | None = None  # (relative claim, reason) of each policy's protocol level
 
 
 def clip(ci: Sequence[float], scale: tuple[float, float]) -> list[float]:
@@ -195,7 +201,8 @@ def uses_own_labels(level_estimator: str, verdict: str, n_own: int, min_labels: 
     return (verdict == "fail" or support_limited) and n_own >= min_labels
 
 
-def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_aug: bool) -> tuple[str, str, list]:
+def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_aug: bool,
+           level_estimator: str) -> tuple[str, str, list]:
     """(basis_code, basis, refusal reasons) of one policy's Direct level."""
     reasons: list[str] = []
     if use_aug:
@@ -204,7 +211,7 @@ def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_
                 f"recalibrated: the borrowed calibration failed its audit, so the level is the calibrated "
                 f"plug-in plus the mean residual on {n_own} own labels (augmented)"), reasons
         why = ("; the plug-in's calibration support is limited, so the level rests on the policy's own labels"
-               if support["limited"] and opts.level_estimator == "audited" else "")
+               if support["limited"] and level_estimator == "audited" else "")
         return "augmented", f"augmented: calibrated plug-in plus the mean residual on {n_own} own labels{why}", reasons
     verdict = audit["verdict"]
     if n_own == 0 or verdict == "not_run":
@@ -220,7 +227,7 @@ def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_
     if verdict == "fail":
         reasons.append(
             f"the transport audit failed and {n_own} own labels are too few to recalibrate "
-            f"(at least {opts.min_labels} needed)" if opts.level_estimator != "plug_in" else
+            f"(at least {opts.min_labels} needed)" if level_estimator != "plug_in" else
             "the transport audit failed and the plug-in estimator was forced")
     if support["limited"]:
         reasons.append(
@@ -399,36 +406,119 @@ def _audits(prep: Any, reps: np.ndarray | None, n_own: np.ndarray, n_own_prompts
     return audits, se_route, is_source
 
 
+@dataclass
+class _Extended:
+    """Direct's statistics extended by the verified levels: columns ``[plug-in | augmented | own-label
+    mean | power-tuned]``, K each, for the point estimates, replicates and influence terms."""
+
+    stats: np.ndarray  # (4K,)
+    reps: np.ndarray | None  # (B, 4K)
+    total: np.ndarray  # (n_prompts, 4K)
+    calibration: np.ndarray  # (n_prompts, 4K): the calibration (plug-in) or label (own-label) part
+    lam: np.ndarray  # (K,) power-tuning weight of each policy (NaN without own labels)
+
+
+def extend_with_verified(prep: Any, reps: np.ndarray | None) -> _Extended:
+    """Own-label means and power-tuned (PPI++) levels beside Direct's 2K statistics (`cje_engine.direct.verified`).
+
+    ``reps``: (B, 3K) replicates (the 2K statistics then the own-label means) or None (analytic route).
+    """
+    design = prep.design
+    d, K = design.data, design.n_policies
+    lab = design.lab_rows
+    own, psi_own = own_label_influence(d.prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab],
+                                       d.n_prompts, K)
+    aug = prep.stats[K:]
+    lam = np.full(K, np.nan)
+    for k in range(K):
+        if not np.isfinite(own[k]):
+            continue
+        if reps is not None:
+            lam[k] = power_tuned_lambda(reps[:, 2 * K + k], reps[:, K + k])
+        else:
+            lam[k] = power_tuned_lambda(psi_own[:, k], prep.infl["total"][:, K + k])
+    lam_f = np.nan_to_num(lam, nan=1.0)
+    ppi = power_tuned(own, aug, lam_f)
+    tot, cal = prep.infl["total"], prep.infl["calibration"]
+    total = np.hstack([tot, psi_own, power_tuned(psi_own, tot[:, K:], lam_f)])
+    calib = np.hstack([cal, psi_own, power_tuned(psi_own, cal[:, K:], lam_f)])
+    reps_ext = None
+    if reps is not None:
+        reps_ext = np.hstack([reps[:, :3 * K], power_tuned(reps[:, 2 * K:], reps[:, K:2 * K], lam_f)])
+    return _Extended(np.concatenate([prep.stats, own, ppi]), reps_ext, total, calib, lam)
+
+
+def labels_to_verify(k: int, n_own: int, est: np.ndarray, resid_sd: float, min_labels: int, alpha: float,
+                     power: float = 0.8) -> dict:
+    """How many own labels of policy ``k`` would give it a verified level and decide its closest comparison.
+
+    The verified level's SE with ``n`` own labels is about ``resid_sd / sqrt(n)`` (the label residuals
+    dominate it); the comparison with the policy whose assumes-transport level is closest, at that
+    difference, is decided at ``power`` when the SE is ``|diff| / (z_{1-alpha/2} + z_power)``.
+    """
+    from scipy.stats import norm
+
+    others = [j for j in range(est.size) if j != k and np.isfinite(est[j])]
+    need = max(min_labels - n_own, 0)
+    out = {"n_labels": int(need), "for_level": int(need), "for_closest_comparison": None, "closest": None,
+           "power": power, "residual_sd": float(resid_sd) if np.isfinite(resid_sd) else None}
+    if others and np.isfinite(est[k]) and np.isfinite(resid_sd) and resid_sd > 0:
+        j = min(others, key=lambda j: abs(est[j] - est[k]))
+        diff = abs(float(est[j] - est[k]))
+        if diff > 0:
+            z = float(norm.ppf(1 - alpha / 2) + norm.ppf(power))
+            n_cmp = int(np.ceil((z * resid_sd / diff) ** 2))
+            out.update(for_closest_comparison=max(n_cmp - n_own, 0), closest=None)
+            out["closest"] = {"policy": None, "assumed_difference": diff}
+            out["n_labels"] = int(max(need, n_cmp - n_own))
+    return out
+
+
 def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     """Direct's gated entry for every design policy (see docs/statistics.md for the rules).
 
     Parameters
     ----------
     prep : `cje_engine.pipeline.direct.Prepared`
-    reps : ndarray (B, 2K) of Direct's replicates, or None for the analytic route
+    reps : ndarray (B, 3K) of Direct's replicates (the 2K statistics, then the own-label means), or
+        None for the analytic route
+
+    Each policy gets two levels: the *verified* one (``level_estimator="verified"``: the power-tuned
+    own-label correction, valid without transport) and the *assumed* one (the paper's protocol:
+    the calibrated plug-in where the audit does not fail). ``DirectSummaries.cols`` index the
+    extended columns (`extend_with_verified`); ``assumed_cols`` the protocol's.
     """
     opts, design = prep.options, prep.design
     d = design.data
     K = len(d.policies)
     alpha = opts.alpha
-    cov = cluster_cov(prep.infl["total"])
-    cov_cal = cluster_cov(prep.infl["calibration"])
-    stats = prep.stats
+    verified_mode = opts.level_estimator == "verified"
+    protocol = "audited" if verified_mode else opts.level_estimator
+    reps2 = None if reps is None else reps[:, :2 * K]
+    ext = extend_with_verified(prep, reps)
+    cov = cluster_cov(ext.total)
+    cov_cal = cluster_cov(ext.calibration)
     warnings: list[str] = []
     own_rows, n_own, n_own_prompts = _own_labels(design)
     n_rows = np.bincount(d.policy, minlength=K)
+    n_prompts_k = np.array([np.unique(d.prompt[d.policy == k]).size for k in range(K)])
     cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
     excluded = {e["policy"] for e in prep.excluded}
     n_cal = design.cal_rows.size
 
-    audits, se_route, is_source = _audits(prep, reps, n_own, n_own_prompts)
+    audits, se_route, is_source = _audits(prep, reps2, n_own, n_own_prompts)
     support = support_checks(design, opts)
-    dfs = degrees_of_freedom(K, n_own_prompts)
-    summary = _Stats(stats, cov, reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
-                     infl=prep.infl["total"], dfs=dfs, n_policies=K)
+    dfs2 = degrees_of_freedom(K, n_own_prompts)
+    dfs = np.concatenate([dfs2, dfs2[K:], dfs2[K:]])
+    summary = _Stats(ext.stats, cov, ext.reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
+                     infl=ext.total, dfs=dfs, n_policies=K)
+    resid = d.label[design.lab_rows] - prep.f[design.lab_rows]
+    resid_sd = float(np.std(resid, ddof=1)) if resid.size > 1 else float("nan")
 
     policies: dict[str, dict] = {}
     cols, refused = np.zeros(K, dtype=int), np.zeros(K, dtype=bool)
+    assumed_cols, assumed_refused = np.zeros(K, dtype=int), np.zeros(K, dtype=bool)
+    assumed_rel: list[tuple[str, str | None]] = []
     for k, name in enumerate(d.policies):
         audit = audits[k]
         audit["calibrator"] = "cross_fitted" if k in cal_set else "excluded" if name in excluded else "borrowed"
@@ -437,52 +527,112 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
         w_lab = d.label_weight[sel_lab]
         audit["deciles"] = residual_deciles(d.score[sel_lab], d.label[sel_lab] - prep.f[sel_lab], w_lab)
         has_aug = n_own[k] > 0
-        use_aug = uses_own_labels(opts.level_estimator, audit["verdict"], int(n_own[k]), opts.min_labels,
+        # the paper's protocol (or the estimator the options name): the assumes-transport level
+        use_aug = uses_own_labels(protocol, audit["verdict"], int(n_own[k]), opts.min_labels,
                                   bool(support[k]["limited"]))
-        cols[k] = K + k if use_aug else k
-        basis_code, basis, reasons = _basis(opts, audit, support[k], int(n_own[k]), use_aug)
+        p_col = K + k if use_aug else k
+        p_code, p_basis, p_reasons = _basis(opts, audit, support[k], int(n_own[k]), use_aug, protocol)
+        floor = []
         if n_cal < opts.min_labels:
-            reasons.append(f"only {n_cal} calibration labels (at least {opts.min_labels} needed)")
-        refused[k] = bool(reasons)
-        rel, rel_reason = relative_status(basis_code == "plug_in" and audit["verdict"] == "fail",
-                                          basis_code == "plug_in" and support[k]["limited"],
-                                          n_cal < opts.min_labels, int(n_cal), opts.min_labels)
-        summ = summary(cols[k])
-        summ["ci"], ci_method, basis, selective = _level_interval(
-            summary, k, int(cols[k]), basis_code == "recalibrated" and opts.level_estimator == "audited"
-            and not support[k]["limited"], basis, audit, audits, reps, prep.infl, bool(is_source[k]))
-        var_tot = cov[cols[k], cols[k]]
-        share = float(cov_cal[cols[k], cols[k]] / var_tot) if var_tot > 0 else None
+            floor.append(f"only {n_cal} calibration labels (at least {opts.min_labels} needed)")
+        if n_prompts_k[k] < opts.min_prompts:
+            floor.append(f"only {int(n_prompts_k[k])} prompt(s) of its own (at least {opts.min_prompts} needed to "
+                         "estimate its variance)")
+        p_reasons = p_reasons + floor
+        p_rel = relative_status(p_code == "plug_in" and audit["verdict"] == "fail",
+                                p_code == "plug_in" and support[k]["limited"],
+                                n_cal < opts.min_labels, int(n_cal), opts.min_labels)
+        if n_prompts_k[k] < opts.min_prompts:
+            p_rel = ("not_estimable", floor[-1])
+        p_summ = summary(p_col)
+        p_summ["ci"], p_ci_method, p_basis, selective = _level_interval(
+            summary, k, p_col, p_code == "recalibrated" and protocol == "audited"
+            and not support[k]["limited"], p_basis, audit, audits, reps2, prep.infl, bool(is_source[k]))
+        assumed_cols[k], assumed_refused[k] = p_col, bool(p_reasons)
+        assumed_rel.append(p_rel)
+        p_claim = "refused" if p_reasons else ("ok" if p_col >= K else "assumes_transport")
+
+        # the reported level: verified where the policy's own labels allow it
+        has_verified = (verified_mode and n_own[k] >= opts.min_labels and n_own_prompts[k] >= 2
+                        and np.isfinite(ext.stats[3 * K + k]))
+        if verified_mode and not floor and has_verified:
+            col, code, reasons, rel = 3 * K + k, "power_tuned", [], ("ok", None)
+            basis = (f"verified: power-tuned residual correction (PPI++, lambda {ext.lam[k]:.2f}) on {int(n_own[k])} "
+                     f"own labels; valid whether or not the calibration transports to this policy")
+            claim, summ, ci_method, sel = "ok", summary(col), summary.reported_raw(col)[1], None
+        elif verified_mode and not floor and not p_reasons and not opts.trusts(name):
+            col, code, reasons = p_col, p_code, []
+            rel = ("not_estimable", f"no verified level ({_why_unverified(int(n_own[k]), opts.min_labels)}); "
+                                    "its assumes-transport level is in 'assumed'")
+            basis = f"assumes transport: {p_basis}"
+            claim, summ, ci_method, sel = "assumes_transport", None, None, None
+        else:
+            col, code, basis, reasons, rel = p_col, p_code, p_basis, p_reasons, p_rel
+            claim, summ, ci_method, sel = p_claim, p_summ, p_ci_method, selective
+        cols[k] = col
+        refused[k] = claim == "refused"
+        var_tot = cov[col, col]
+        share = float(cov_cal[col, col] / var_tot) if var_tot > 0 else None
+        quoted = summ is not None
         policies[name] = {
-            "estimate": summ["estimate"], "se": summ["se"], "ci": summ["ci"], "ci_method": ci_method,
-            "selective": selective,
-            "level_claim": "refused" if refused[k] else "ok",
+            "estimate": summ["estimate"] if quoted else None, "se": summ["se"] if quoted else None,
+            "ci": summ["ci"] if quoted else None, "ci_method": ci_method,
+            "selective": sel,
+            "level_claim": claim,
             "refusal_reasons": reasons,
-            "basis": basis, "basis_code": basis_code,
+            "basis": basis, "basis_code": code,
             "transport": "audited" if audit["verdict"] != "not_run" else "unaudited",
+            "verified": ({"method": "power_tuned", "lambda": float(ext.lam[k]), "n_labels": int(n_own[k]),
+                          **{f: summary(3 * K + k)[f] for f in ("estimate", "se", "ci")}}
+                         if has_verified else None),
+            "assumed": {"estimate": p_summ["estimate"], "se": p_summ["se"], "ci": p_summ["ci"],
+                        "ci_method": p_ci_method, "basis_code": p_code, "level_claim": p_claim,
+                        "basis": p_basis, "refusal_reasons": p_reasons},
+            "labels_to_verify": (None if has_verified or not verified_mode else
+                                 labels_to_verify(k, int(n_own[k]), ext.stats[:K], resid_sd, opts.min_labels,
+                                                  alpha)),
             "plug_in": summary(k),
             "augmented": summary(K + k) if has_aug else None,
             "raw_judge_mean": float(d.score[d.policy == k].mean()),
             "oracle_mean": float(np.sum(w_lab * d.label[sel_lab]) / np.sum(w_lab)) if has_aug else None,
             "oracle_only": oracle_only(d, sel_lab, alpha) if n_own_prompts[k] >= 2 else None,
             "n_rows": int(n_rows[k]),
+            "n_prompts": int(n_prompts_k[k]),
             "n_labelled": int(n_own[k]),
             "variance_share_calibration": share,
             "variance_components": variance_components(
-                cov[cols[k], cols[k]], cov_cal[cols[k], cols[k]], d.n_prompts,
-                int(n_own[k]) if use_aug else int(n_cal)),
-            "se_analytic": summ["se_analytic"],
-            "se_bootstrap": summ.get("se_bootstrap"),
+                cov[col, col], cov_cal[col, col], d.n_prompts, int(n_own[k]) if col >= K else int(n_cal)),
+            "se_analytic": summ["se_analytic"] if quoted else None,
+            "se_bootstrap": summ.get("se_bootstrap") if quoted else None,
             "var_cal_jackknife_plug_in": float(prep.jackknife[k]),
             "var_cal_influence_plug_in": float(cov_cal[k, k]),
             "support": support[k],
             "audit": audit,
-            "relative_claim": rel,
-            "relative_reason": rel_reason,
+            "relative_claim": rel[0],
+            "relative_reason": rel[1],
         }
-        if reps is not None and summ["se_analytic"] > 0:
+        if quoted and reps is not None and summ["se_analytic"] > 0:
             ratio = summ["se_bootstrap"] / summ["se_analytic"]
             if not (1 / SE_AGREEMENT_RATIO <= ratio <= SE_AGREEMENT_RATIO):
                 warnings.append(f"{name}: bootstrap SE {summ['se_bootstrap']:.4f} and analytic SE "
                                 f"{summ['se_analytic']:.4f} differ by a factor {ratio:.2f}")
-    return DirectSummaries(policies, cols, refused, dfs, calibration_summary(prep), warnings)
+    _name_closest(policies, list(d.policies), ext.stats[:K])
+    return DirectSummaries(policies, cols, refused, dfs, calibration_summary(prep), warnings,
+                           reps=ext.reps, influence=ext.total, assumed_cols=assumed_cols,
+                           assumed_refused=assumed_refused, assumed_relative=assumed_rel)
+
+
+def _why_unverified(n_own: int, min_labels: int) -> str:
+    if n_own == 0:
+        return f"no oracle labels of its own; at least {min_labels} needed"
+    return f"{n_own} own labels; at least {min_labels} needed"
+
+
+def _name_closest(policies: dict, names: list[str], plug: np.ndarray) -> None:
+    """Fill the closest policy's name into each ``labels_to_verify`` block."""
+    for k, n in enumerate(names):
+        ltv = policies[n].get("labels_to_verify")
+        if ltv and ltv.get("closest"):
+            others = [j for j in range(len(names)) if j != k and np.isfinite(plug[j])]
+            j = min(others, key=lambda j: abs(plug[j] - plug[k]))
+            ltv["closest"]["policy"] = names[j]

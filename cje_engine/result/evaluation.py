@@ -42,7 +42,7 @@ class EvaluationResult:
 
     def to_dict(self) -> dict:
         """The result as plain JSON data (schema: cje_engine/result/result.schema.json)."""
-        return self.model.model_dump(mode="json", exclude_unset=True)
+        return self.model.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
     def to_json(self, **kwargs: Any) -> str:
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)

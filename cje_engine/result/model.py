@@ -129,7 +129,7 @@ class DirectSummary(_Strict):
     estimate: Num
     se: Num
     ci: Optional[Pair]
-    level_claim: Literal["ok", "refused"]
+    level_claim: Literal["ok", "assumes_transport", "refused"]
     refusal_reasons: list[str]
     basis_code: str
 
@@ -175,10 +175,49 @@ class OffPolicyBlock(_Strict):
     stack_candidates: Optional[list[str]] = None
 
 
+class VerifiedLevel(_Strict):
+    """The policy's verified level: valid without assuming that the calibration transports to it."""
+
+    method: Literal["power_tuned"] = Field(description="power_tuned: own-label mean + lambda (augmented - own-label "
+                                                       "mean), lambda chosen to minimise the variance (PPI++)")
+    lam: Num = Field(alias="lambda", description="the power-tuning weight in [0, 1] (1: augmented, 0: oracle-only)")
+    n_labels: int
+    estimate: Num
+    se: Num
+    ci: Optional[Pair]
+
+
+class AssumedLevel(_Strict):
+    """The policy's assumes-transport level (the paper's protocol: the calibrated plug-in where the audit did
+    not fail, the own-label level where it failed), kept beside the verified one."""
+
+    estimate: Num
+    se: Num
+    ci: Optional[Pair]
+    ci_method: Optional[str] = None
+    basis_code: str
+    basis: str
+    level_claim: Literal["ok", "assumes_transport", "refused"]
+    refusal_reasons: list[str]
+
+
+class LabelsToVerify(_Strict):
+    """Own labels that would verify an unverified policy (its level, and its closest comparison at 80% power)."""
+
+    n_labels: int = Field(description="the larger of for_level and for_closest_comparison")
+    for_level: int = Field(description="own labels still missing for a verified level (min_labels)")
+    for_closest_comparison: Optional[int] = None
+    closest: Optional[dict[str, Any]] = Field(None, description="the policy whose assumed level is closest and "
+                                                                "the assumed difference")
+    power: float
+    residual_sd: Num = Field(None, description="SD of the label residuals Y - f used for the projection")
+
+
 class PolicyResult(_Strict):
     """One policy's level, how it was obtained, and whether it may be quoted."""
 
-    estimate: Num = Field(description="the level by the reported route; kept for ranking only when refused")
+    estimate: Num = Field(description="the quotable level (verified, or trusted assumes-transport); null when the "
+                                      "policy has none (level_claim assumes_transport); kept for ranking when refused")
     se: Num
     ci: Optional[Pair]
     ci_method: Optional[str] = Field(
@@ -186,8 +225,15 @@ class PolicyResult(_Strict):
                           "skew_t (own labels), selective (a recalibrated level, conditional on its failed audit)")
     selective: Optional[SelectiveInterval] = Field(
         None, description="recalibrated levels: the conditional interval's construction and the unconditional one")
-    level_claim: Literal["ok", "refused"]
+    level_claim: Literal["ok", "assumes_transport", "refused"] = Field(
+        description="ok: a verified level (own labels correct it; quotable); assumes_transport: the level rests on "
+                    "the calibration transporting to this policy, which its labels did not verify (estimate null "
+                    "unless the team trusts it: trust_transport); refused")
     refusal_reasons: list[str] = Field(description="plain-language reasons, non-empty exactly when refused")
+    verified: Optional[VerifiedLevel] = Field(None, description="Direct: the verified level, when the policy has one")
+    assumed: Optional[AssumedLevel] = Field(None, description="Direct: the assumes-transport level (paper's protocol)")
+    labels_to_verify: Optional[LabelsToVerify] = None
+    n_prompts: Optional[int] = None
     claim: Optional[Literal["level", "downgraded", "refused"]] = Field(
         None, description="off-policy modes: the gate verdict (level, downgraded, refused)")
     recommendation: Optional[str] = Field(None, description="off-policy modes: what to do when not a level")
@@ -244,13 +290,43 @@ class Comparison(_Strict):
         None, description="false when a policy of the pair is not estimable even relatively (then diff, ci, "
                           "p_value, p_adjusted, significant are null)")
     not_estimable: Optional[str] = Field(None, description="why the pair is not reported (policy: reason)")
+    claim_kind: Optional[Literal["verified", "assumes_transport"]] = Field(
+        None, description="verified when both levels are verified, else assumes_transport")
+
+
+class BaselineComparison(_Strict):
+    """``policy - baseline`` with a simultaneous interval over all policies (single-step max-T)."""
+
+    policy: str
+    baseline: str
+    claim_kind: Literal["verified", "assumes_transport"]
+    diff: Num
+    se: Num
+    ci: Optional[Pair] = Field(description="simultaneous 1 - alpha interval over the many-to-one family")
+    critical_value: Num
+    p_adjusted: Num = Field(description="single-step max-T adjusted p-value")
+    better: Optional[bool]
+    worse: Optional[bool]
+    non_inferior: Optional[bool] = Field(description="the interval's lower end is above -margin")
+    margin: float = Field(description="non-inferiority margin in label units")
+    reported: bool
+    not_estimable: Optional[str] = None
+
+
+class AssumedClaims(_Strict):
+    """Comparisons, ranking and best policy on the assumes-transport levels, named as such."""
+
+    comparisons: list["Comparison"]
+    ranking: list["RankEntry"]
+    best_policy: Optional[str]
+    best_policy_reason: str
 
 
 class RankEntry(_Strict):
     policy: str
     rank: int = Field(description="1 + number of policies significantly better")
     estimate: Num
-    level_claim: Literal["ok", "refused"]
+    level_claim: Literal["ok", "assumes_transport", "refused"]
     tied_with: Optional[list[str]] = None
 
 
@@ -395,5 +471,8 @@ class EvaluationModel(_Strict):
     best_policy: Optional[str] = Field(description="never a refused policy")
     best_policy_reason: str
     rank_agreement: RankAgreement
+    baseline_comparisons: Optional[list[BaselineComparison]] = None
+    assumes_transport: Optional[AssumedClaims] = Field(
+        None, description="Direct: claims on the assumes-transport levels (never the basis of best or a gate)")
     offpolicy: Optional[OffPolicyRun] = None
     warnings: list[str]

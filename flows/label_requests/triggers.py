@@ -206,6 +206,17 @@ def _trigger(code: str, scope: str, labels: int, reason: str, **detail: Any) -> 
             "reason": reason, "detail": detail}
 
 
+def _verify_sizing(policy: Mapping, n: int, how: str) -> tuple[int, str]:
+    """The larger of ``n`` and the own labels the result says would verify the policy (``labels_to_verify``:
+    a verified level and its closest comparison decided at 80% power), with the sizing text."""
+    ltv = policy.get("labels_to_verify") or {}
+    need = ltv.get("n_labels")
+    if policy.get("level_claim") == "assumes_transport" and isinstance(need, int) and need > n:
+        return need, (f"the result's labels_to_verify: {need} own labels give a verified level and decide its closest "
+                      f"comparison at {ltv.get('power', 0.8):.0%} power (was: {how})")
+    return n, how
+
+
 def audit_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
     """Triggers 1-3: no own labels, inconclusive audit, failed audit."""
     conf = result.get("config") or {}
@@ -223,13 +234,13 @@ def audit_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
             if cfg.new_policy_labels is not None:
                 n, how = cfg.new_policy_labels, "configured new_policy_labels"
             else:
-                m = int(a.get("family_size") or 0) + 1
-                z_adj = float(norm.ppf(1 - alpha / (2 * m)))
+                z = _z(alpha)  # audits are not adjusted for the number of policies (cje_engine.audit)
                 sd = _pooled_residual_sd(result)
-                n = max(min_labels, math.ceil((z_adj * sd / margin) ** 2))
-                how = (f"n = max(min_labels={min_labels}, ceil((z_adj * sd_r / margin)^2)) with z_adj={z_adj:.3f} "
-                       f"(Bonferroni over {m} audits), pooled residual SD sd_r={sd:.4f}, margin={margin:g}: the "
-                       f"fewest labels whose adjusted CI fits inside the margin if the calibration transports")
+                n = max(min_labels, math.ceil((z * sd / margin) ** 2))
+                how = (f"n = max(min_labels={min_labels}, ceil((z * sd_r / margin)^2)) with z={z:.3f}, pooled "
+                       f"residual SD sd_r={sd:.4f}, margin={margin:g}: the fewest labels whose CI fits inside the "
+                       f"margin if the calibration transports")
+                n, how = _verify_sizing(p, n, how)
             out.append(_trigger("no_own_labels", name, n - n_own,
                                 f"policy {name!r} has {n_own} audit label(s) of its own: the calibration's transport "
                                 f"to it is untested", sizing=how, n_labelled=n_own))
@@ -237,10 +248,11 @@ def audit_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
             extra = a.get("extra_labels_needed")
             if extra is None:
                 extra = max(min_labels - n_own, 1)
+            extra, how = _verify_sizing(p, int(extra), "the audit's extra_labels_needed: n (se / target)^2 - n with "
+                                                       "target = (margin - |delta|) / z (or |delta| / z past the margin)")
             out.append(_trigger("audit_inconclusive", name, int(extra),
                                 f"the transport audit of {name!r} is inconclusive ({a.get('reason')})",
-                                sizing="the audit's extra_labels_needed: n (se / target)^2 - n with target = "
-                                       "(margin - |delta|) / z_adj (or |delta| / z_adj past the margin)",
+                                sizing=how,
                                 residual_mean=a.get("residual_mean"), se=a.get("se"), n_labelled=n_own))
         elif verdict == "fail" and "audit_failed" in cfg.triggers:
             need_min = max(0, min_labels - n_own)

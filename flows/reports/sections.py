@@ -44,7 +44,8 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     pols = result["policies"]
     conf = _conf_label(alpha)
     items: list[tuple[str, str]] = []
-    quotable = [n for n in order if not _is_refused(pols[n])]
+    assumed = [n for n in order if pols[n].get("level_claim") == "assumes_transport"]
+    quotable = [n for n in order if not _is_refused(pols[n]) and n not in assumed]
     refused = [n for n in order if _is_refused(pols[n])]
     if quotable:
         lines = []
@@ -60,9 +61,25 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
                 note = " <span class='note'>audit inconclusive</span>"
             lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(p.get('estimate')))}"
                          f"</span>{_esc(ci_txt)}{note}</li>")
-        items.append(("ok", f"<p>Levels that can be quoted (oracle scale):</p><ul>{''.join(lines)}</ul>"))
+        items.append(("ok", f"<p><b>Verified</b> levels that can be quoted (oracle scale; own labels correct "
+                            f"them, no transport assumed):</p><ul>{''.join(lines)}</ul>"))
     else:
-        items.append(("bad", "<p>No policy has a quotable level.</p>"))
+        items.append(("bad", "<p>No policy has a verified level.</p>"))
+    if assumed:
+        lines = []
+        for n in assumed:
+            p = pols[n]
+            a = p.get("assumed") or {}
+            ci = _pair(a.get("ci"))
+            ci_txt = f" ({conf} CI {_fmt(ci[0])}\u2013{_fmt(ci[1])})" if ci else ""
+            ltv = p.get("labels_to_verify") or {}
+            need = (f"; about {ltv['n_labels']} more own labels would verify it"
+                    if isinstance(ltv.get("n_labels"), int) and ltv["n_labels"] > 0 else "")
+            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(a.get('estimate')))}</span>"
+                         f"{_esc(ci_txt)} <span class='note'>assumes transport{_esc(need)}</span></li>")
+        items.append(("warn", "<p><b>Assumes transport</b> (not verified: the calibrated plug-in rests on the "
+                              "calibration transporting to the policy; not used for the best policy or a gate):"
+                              f"</p><ul>{''.join(lines)}</ul>"))
     if refused:
         lines = []
         for n in refused:
@@ -146,11 +163,19 @@ def _raw_header(result: dict) -> str:
     return f"raw judge ({_esc(_scale_text(_scales(result)[0]))})"
 
 
+def _claim_word(p: dict) -> str:
+    """verified, assumes transport, refused (off-policy levels: ok)."""
+    claim = str(p.get("level_claim"))
+    if claim == "ok":
+        return "verified" if p.get("verified") is not None else "ok"
+    return "assumes transport" if claim == "assumes_transport" else claim
+
+
 def _policy_table(result: dict, order: list[str], alpha: float) -> str:
     pols = result["policies"]
     conf = _conf_label(alpha)
     head = ("<tr><th>policy</th><th class='r'>estimate</th>"
-            f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>basis</th>"
+            f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>claim / basis</th>"
             f"<th>audit</th><th class='r'>{_raw_header(result)}</th><th class='r'>oracle mean</th>"
             "<th class='r'>labels / rows</th>"
             "<th class='r' title='share of the variance due to calibration'>calib. var.</th>"
@@ -165,6 +190,10 @@ def _policy_table(result: dict, order: list[str], alpha: float) -> str:
                    f"{_pct(sup.get('share_thin'))} in thinly labelled regions") if sup else ""
         if refused:
             est = f"<td class='c' colspan='3'>{_claim_badge(p)}</td>"
+        elif p.get("level_claim") == "assumes_transport" and p.get("estimate") is None:
+            a = p.get("assumed") or {}
+            est = (f"<td class='c' colspan='3' title='not verified by the policy&#39;s own labels'>assumes transport: "
+                   f"<span class='num'>{_esc(_fmt(a.get('estimate')))} {_esc(_fmt_ci(a.get('ci')))}</span></td>")
         else:
             est = (f"<td class='r num'><b>{_esc(_fmt(p.get('estimate')))}</b></td>"
                    f"<td class='r num'>{_esc(_fmt_ci(p.get('ci')))}</td>"
@@ -173,7 +202,8 @@ def _policy_table(result: dict, order: list[str], alpha: float) -> str:
         rows.append(
             f"<tr{tr_cls}><td class='name'>{_name_cell(n)}</td>"
             f"{est}"
-            f"<td title='{_esc(p.get('basis') or '')}'>{_esc(p.get('basis_code') or 'n/a')}</td>"
+            f"<td title='{_esc(p.get('basis') or '')}'>{_esc(_claim_word(p))}<br>"
+            f"<small>{_esc(p.get('basis_code') or 'n/a')}</small></td>"
             f"<td title='transport: {_esc(p.get('transport') or 'n/a')}'>{_badge(_verdict(p))}</td>"
             f"<td class='r num'>{_esc(_fmt(p.get('raw_judge_mean')))}</td>"
             f"<td class='r num'>{_esc(_fmt(p.get('oracle_mean')))}</td>"

@@ -44,20 +44,26 @@ def format_table(result: dict) -> str:
     for n in order:
         p = pols[n]
         refused = _is_refused(p)
+        assumed = p.get("assumed") or {}
         rows.append([
             _safe(n),
-            "refused" if refused else _fmt(p.get("estimate")),
-            "refused" if refused else _fmt_ci(p.get("ci")),
-            str(p.get("level_claim")),
+            "refused" if refused else _fmt(p.get("estimate")) if p.get("estimate") is not None else "-",
+            "refused" if refused else _fmt_ci(p.get("ci")) if p.get("ci") else "",
+            claim_text(p),
             _safe(p.get("basis_code") or "n/a"),
             VERDICT_STYLE[_verdict(p)][1],
+            (_fmt(assumed.get("estimate")) if assumed.get("level_claim") != "refused" else "refused")
+            if assumed else "",
             _fmt(p.get("raw_judge_mean")),
             _fmt(p.get("oracle_mean")),
         ])
     lines = ["Policy estimates (oracle scale)"]
     raw_head = "raw judge" if _same_scale(result) else f"raw judge ({_scale_text(_scales(result)[0])})"
-    lines += _table(["policy", "estimate", f"{conf} CI", "level", "basis", "audit", raw_head,
-                     "oracle mean"], rows, right={1, 2, 6, 7})
+    lines += _table(["policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport", raw_head,
+                     "oracle mean"], rows, right={1, 2, 6, 7, 8})
+    if any(pols[n].get("level_claim") == "assumes_transport" for n in order):
+        lines.append("claim 'assumes transport': no verified level; the plug-in shown rests on the calibration "
+                     "transporting to the policy, which its labels did not verify (labels_to_verify in the result)")
     comps = [c for c in result.get("comparisons") or [] if isinstance(c, dict)]
     mult = result.get("multiplicity") or {}
     method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "n/a")
@@ -79,8 +85,11 @@ def format_table(result: dict) -> str:
             crow.append([_safe(a), _safe(b), _signed(c.get("diff")), _fmt_ci(c.get("ci")),
                          _fmt_p(c.get("p_value")), _fmt_p(c.get("p_adjusted")),
                          "yes" if c.get("significant") else "no",
-                         _fmt(c.get("prob_a_better"), 2), "*" if involves else ""])
-        lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", ""],
+                         _fmt(c.get("prob_a_better"), 2),
+                         "assumes transport" if c.get("claim_kind") == "assumes_transport" else
+                         "verified" if c.get("claim_kind") == "verified" else "",
+                         "*" if involves else ""])
+        lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", "claim", ""],
                         crow, right={3, 4, 5, 7})
         if any_refused:
             lines.append("* involves a refused policy: relative comparison only, no level implied")
@@ -94,5 +103,38 @@ def format_table(result: dict) -> str:
     else:
         reason = _safe(_strip_winner_prefix(result.get("best_policy_reason")))
         lines.append("Best policy: none, no clear winner" + (f" ({reason})" if reason else ""))
+    lines += _baseline_lines(result, conf)
+    assumed = result.get("assumes_transport")
+    if isinstance(assumed, dict):
+        best = assumed.get("best_policy")
+        lines.append("Assuming transport (the paper's protocol, not verified): best policy "
+                     + (_safe(best) if best else "none") + f" ({_safe(_strip_winner_prefix(assumed.get('best_policy_reason')))})")
     return "\n".join(lines)
+
+
+def claim_text(p: dict) -> str:
+    """How a policy's level claim reads for people: verified, assumes transport, refused (off-policy: ok)."""
+    claim = str(p.get("level_claim"))
+    if claim == "ok" and p.get("verified") is not None:
+        return "verified"
+    return {"assumes_transport": "assumes transport"}.get(claim, claim)
+
+
+def _baseline_lines(result: dict, conf: str) -> list[str]:
+    rows = [c for c in result.get("baseline_comparisons") or [] if isinstance(c, dict)]
+    if not rows:
+        return []
+    base = _safe(rows[0].get("baseline"))
+    out = ["", f"Against the baseline {base} (simultaneous {conf} intervals, max-T)"]
+    body = []
+    for c in rows:
+        if not c.get("reported"):
+            body.append([_safe(c.get("policy")), f"not estimable: {_safe(c.get('not_estimable'))}", "", "", ""])
+            continue
+        verdict = "better" if c.get("better") else "worse" if c.get("worse") else \
+            "non-inferior" if c.get("non_inferior") else "undecided"
+        body.append([_safe(c.get("policy")), _signed(c.get("diff")), _fmt_ci(c.get("ci")), verdict,
+                     "assumes transport" if c.get("claim_kind") == "assumes_transport" else "verified"])
+    out += _table(["policy", "diff", f"{conf} CI (simultaneous)", "verdict", "claim"], body, right={1, 2})
+    return out
 

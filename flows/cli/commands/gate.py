@@ -18,6 +18,12 @@ established for some candidate; ``--pass-if`` fails unless its claim is establis
 candidate. A comparison the result does not report (``reported: false`` or ``not_estimable``)
 establishes nothing: it fails every ``--pass-if``, and fails ``--fail-if`` too unless
 ``--allow-not-estimable`` (a gate fails closed). The reasons are printed either way.
+
+The comparisons are the result's *verified* ones (levels corrected by each policy's own labels): a
+policy without a verified level is not estimable there, so the gate fails closed on it.
+``--assume-transport`` gates on the result's assumes-transport comparisons instead (the paper's
+protocol: calibrated plug-ins where the audits did not fail), for a team that decided to trust it; every
+check then says so.
 """
 from __future__ import annotations
 
@@ -186,8 +192,24 @@ def _policy_checks(result: Mapping[str, Any], names: Sequence[str], keyword: str
 
 
 def judge(result: Mapping[str, Any], baseline: str, *, fail_if: Sequence[Any] = (), pass_if: Sequence[Any] = (),
-          candidates: Sequence[str] | None = None, allow_not_estimable: bool = False) -> list[Check]:
-    """Every check of the gate (pure; `cmd_gate` prints them and sets the exit code)."""
+          candidates: Sequence[str] | None = None, allow_not_estimable: bool = False,
+          assume_transport: bool = False) -> list[Check]:
+    """Every check of the gate (pure; `cmd_gate` prints them and sets the exit code).
+
+    ``assume_transport``: judge the result's assumes-transport comparisons (``result["assumes_transport"]``)
+    instead of its verified ones; each check's reason then starts with "assumes transport".
+    """
+    if assume_transport:
+        block = result.get("assumes_transport")
+        if not isinstance(block, dict):
+            raise CJEInputError("the result has no assumes-transport claims (a Direct result of this version has "
+                                "them); drop --assume-transport", column="assumes_transport")
+        result = {**result, "comparisons": block.get("comparisons") or []}
+        checks = judge(result, baseline, fail_if=fail_if, pass_if=pass_if, candidates=candidates,
+                       allow_not_estimable=allow_not_estimable)
+        for c in checks:
+            c.reason = "assumes transport: " + c.reason
+        return checks
     pols = list((result.get("policies") or {}))
     if not pols:
         raise CJEInputError("the result has no policies: expected a result.json of `cje evaluate` or `cje run`",
@@ -228,6 +250,8 @@ def register(sub: Any) -> None:
                    help="fail unless this holds for every candidate, e.g. better or 'cand - base > -0.01'")
     p.add_argument("--allow-not-estimable", action="store_true",
                    help="a comparison the result does not report does not fail a --fail-if")
+    p.add_argument("--assume-transport", action="store_true",
+                   help="gate on the assumes-transport comparisons (the paper's protocol) instead of the verified ones")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout (shape in docs/cli.md)")
     p.set_defaults(handler=cmd_gate)
 
@@ -246,7 +270,7 @@ def cmd_gate(ns: argparse.Namespace) -> int:
         raise CJEInputError("not a result.json: expected a JSON object", source=str(src))
     cands = [c.strip() for arg in (ns.candidate or []) for c in arg.split(",") if c.strip()] or None
     checks = judge(result, ns.baseline, fail_if=ns.fail_if, pass_if=ns.pass_if, candidates=cands,
-                   allow_not_estimable=ns.allow_not_estimable)
+                   allow_not_estimable=ns.allow_not_estimable, assume_transport=ns.assume_transport)
     failed = [c for c in checks if c.failed]
     if ns.json:
         from flows.cli.main import json_doc
