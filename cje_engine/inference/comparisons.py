@@ -60,9 +60,16 @@ class PolicyColumns:
         return None if self.influence is None else cluster_cov(self.influence)
 
 
-def claim_kind(level_claim: str) -> str:
-    """``verified`` for a quotable level ("ok"), else ``assumes_transport`` (refused levels do not enter claims)."""
-    return "assumes_transport" if level_claim == "assumes_transport" else "verified"
+#: Direct basis codes of levels corrected by the policy's own labels (valid without transport).
+VERIFIED_BASES = ("power_tuned", "augmented", "recalibrated")
+
+
+def claim_kind(basis_code: str) -> str:
+    """``verified`` for a level corrected by the policy's own labels, else ``assumes_transport`` (a calibrated
+    plug-in). Off-policy levels (``logs-only/...``, ``hybrid/...``) rest on their own gates: ``verified`` here."""
+    if basis_code in VERIFIED_BASES or "/" in str(basis_code):
+        return "verified"
+    return "assumes_transport"
 
 
 def _num(x: float) -> float | None:

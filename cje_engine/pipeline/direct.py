@@ -198,7 +198,7 @@ def direct_columns(s, pols: dict, names: list[str], use_boot: bool) -> PolicyCol
         dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n]["level_claim"] for n in names],
         raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
         relative=[pols[n]["relative_claim"] for n in names], relative_reason=[pols[n]["relative_reason"] for n in names],
-        kinds=[claim_kind(pols[n]["level_claim"]) for n in names])
+        kinds=[claim_kind(pols[n]["basis_code"]) for n in names])
 
 
 def assumed_claims(s, pols: dict, names: list[str], use_boot: bool, opts: EvaluationOptions, span: float) -> dict:
@@ -211,6 +211,6 @@ def assumed_claims(s, pols: dict, names: list[str], use_boot: bool, opts: Evalua
         refused=s.assumed_refused, claims=[pols[n]["assumed"]["level_claim"] for n in names],
         raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
         relative=[r[0] for r in s.assumed_relative], relative_reason=[r[1] for r in s.assumed_relative],
-        kinds=[claim_kind(pols[n]["assumed"]["level_claim"]) for n in names])
+        kinds=[claim_kind(pols[n]["assumed"]["basis_code"]) for n in names])
     rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=[])
     return {k: rel[k] for k in ("comparisons", "ranking", "best_policy", "best_policy_reason")}

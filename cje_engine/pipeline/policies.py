@@ -550,7 +550,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
             and not support[k]["limited"], p_basis, audit, audits, reps2, prep.infl, bool(is_source[k]))
         assumed_cols[k], assumed_refused[k] = p_col, bool(p_reasons)
         assumed_rel.append(p_rel)
-        p_claim = "refused" if p_reasons else ("ok" if p_col >= K else "assumes_transport")
+        p_claim = "refused" if p_reasons else "ok"
 
         # the reported level: verified where the policy's own labels allow it
         has_verified = (verified_mode and n_own[k] >= opts.min_labels and n_own_prompts[k] >= 2
@@ -566,9 +566,12 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                                     "its assumes-transport level is in 'assumed'")
             basis = f"assumes transport: {p_basis}"
             claim, summ, ci_method, sel = "assumes_transport", None, None, None
-        else:
+        else:  # the protocol's level: refused, a trusted plug-in, or every level of a non-default estimator
             col, code, basis, reasons, rel = p_col, p_code, p_basis, p_reasons, p_rel
             claim, summ, ci_method, sel = p_claim, p_summ, p_ci_method, selective
+            if verified_mode and claim == "ok" and p_col < K:
+                claim = "assumes_transport"
+                basis = f"assumes transport (trusted: trust_transport): {p_basis}"
         cols[k] = col
         refused[k] = claim == "refused"
         var_tot = cov[col, col]

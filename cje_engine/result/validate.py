@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from cje_engine.errors import CJEInputError
 from cje_engine.result.model import SCHEMA_VERSION, EvaluationModel
 
-LEVEL_CLAIMS = ("ok", "refused")
+LEVEL_CLAIMS = ("ok", "assumes_transport", "refused")
 
 
 def _bad(msg: str, column: str) -> CJEInputError:

@@ -32,7 +32,7 @@ VERDICT_STYLE = {  # verdict -> (symbol, label, colour)
     "inconclusive": ("?", "inconclusive", "#B07800"),
     "not_run": ("\u2013", "not run", "#6b7280"),
 }
-LEVEL_CLAIMS = ("ok", "refused")
+LEVEL_CLAIMS = ("ok", "assumes_transport", "refused")
 SCHEMA_VERSION = 1
 
 

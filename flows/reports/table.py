@@ -77,7 +77,7 @@ def format_table(result: dict) -> str:
             a, b = str(c.get("a")), str(c.get("b"))
             why = _not_estimable(c)
             if why is not None:  # never a number: the engine threw it out (issue 16)
-                crow.append([_safe(a), _safe(b), f"not estimable: {_safe(why)}", "", "", "", "", "", ""])
+                crow.append([_safe(a), _safe(b), f"not estimable: {_safe(why)}", "", "", "", "", "", "", ""])
                 continue
             involves = bool(c.get("involves_refused")) or any(
                 _is_refused(pols[x]) for x in (a, b) if x in pols)

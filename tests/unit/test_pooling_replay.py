@@ -7,7 +7,8 @@ import pytest
 from scipy.stats import norm
 
 from cje_engine import bootstrap_chunk, prepare
-from cje_engine.direct.estimators import bootstrap_weights, cross_fit, make_design, policy_stats, replicate
+from cje_engine.direct.estimators import (bootstrap_view, bootstrap_weights, cross_fit, make_design, own_label_means,
+                                          policy_stats, replicate)
 from cje_engine.pipeline.calibration import failing_source, fit_mode, source_audits
 from cje_engine.pipeline.pooling_replay import DECISIVE_Z_MARGIN, decisive
 from cje_engine.simulate.direct import default_policies, simulate
@@ -85,6 +86,11 @@ def test_replicates_rerun_the_pooling_like_the_slow_loop():
     assert "unhelpful" not in [prep.design.data.policies[k] for k in prep.replay.start]  # decisive: never back
     reps = bootstrap_chunk(prep, 0, 40)
     n_p = prep.design.data.n_prompts
+    K = len(prep.design.data.policies)
+    view = bootstrap_view(prep.design, 5)
+    for b in range(40):  # the third block: own-label means, which need no calibrator
+        np.testing.assert_array_equal(reps[b, 2 * K:], own_label_means(view, bootstrap_weights(5, b, n_p)))
+    reps = reps[:, :2 * K]
     differ = 0
     for b in range(40):
         w = bootstrap_weights(5, b, n_p)
@@ -116,7 +122,8 @@ def test_one_calibration_source_has_nothing_to_rerun():
     prep = prepare(sim.frame, calibration_policies=["base"], n_bootstrap=50, seed=1, pooling_bootstrap="rerun")
     assert prep.replay is None
     n_p = prep.design.data.n_prompts
-    np.testing.assert_array_equal(bootstrap_chunk(prep, 0, 5),
+    K = len(prep.design.data.policies)
+    np.testing.assert_array_equal(bootstrap_chunk(prep, 0, 5)[:, :2 * K],
                                   np.array([replicate(prep.design, bootstrap_weights(1, b, n_p)) for b in range(5)]))
 
 

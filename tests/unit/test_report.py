@@ -265,7 +265,7 @@ def test_summary_when_nothing_is_quotable(result):
     for pol in res["policies"].values():
         pol["level_claim"] = "refused"
     summary = visible_text(section(render_report(res), "summary"))
-    assert "No policy has a quotable level" in summary
+    assert "No policy has a verified level" in summary
     assert "Levels that can be quoted" not in summary
 
 
@@ -462,7 +462,7 @@ def test_format_table_rows_and_alignment(result):
     table = format_table(result)
     lines = table.splitlines()
     header = lines[1]
-    for col in ("policy", "estimate", "95% CI", "level", "basis", "audit", "raw judge",
+    for col in ("policy", "estimate", "95% CI", "claim", "basis", "audit", "assumes transport", "raw judge",
                 "oracle mean"):
         assert col in header
     rows = {ln.split()[0]: ln for ln in lines[3:7]}
