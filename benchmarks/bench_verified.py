@@ -1,7 +1,9 @@
 """Verified and assumes-transport claims on simulated data with known truth (issue 24).
 
-Scenarios (`cje_engine.simulate.direct`, judge noise 0 so every honest policy's calibration given
-the response length transports from ``base``; ``response_length`` is the covariate):
+Scenarios (`cje_engine.simulate.direct`, judge noise 0 and no length bias, so every honest policy's
+calibration E[Y | S] is base's (up to the judge's 21-level rounding) and the monotone calibration
+transports; ``--length``: the judge's length bias 0.5 and ``response_length`` as the covariate
+(two-stage calibration, ~3x the CPU per evaluation)):
 
 * ``a_inflated_nolabels``: ``inflated`` (true value 0.03 below ``base``) is scored by a judge that
   inflates it (``adversarial`` with a boost that puts its borrowed plug-in ~0.04 *above* base); its
@@ -20,8 +22,8 @@ learned on base maps an inflated judge latent ``q + b`` to about ``E[Y | q + b]`
 plug-in bias of each fooled policy is printed with the tables. Cells: n prompts x label fraction of
 base (``label_design="calibration_policy"``, 50-label audit slices on every other policy).
 
-Per dataset, the engine at its defaults (``evaluate(frame, covariates=["response_length"],
-n_bootstrap=B, seed=s, baseline="base")``) and, on the clean design, once more with
+Per dataset, the engine at its defaults (``evaluate(frame, n_bootstrap=B, seed=s, baseline="base")``,
+with ``covariates=["response_length"]`` under ``--length``) and, on the clean design, once more with
 ``level_estimator="augmented"`` (plain own-label levels, the efficiency comparator). Measured per cell:
 
 * coverage of the verified intervals (``level_claim == "ok"``), all policies together and per
@@ -78,9 +80,11 @@ from cje_engine.simulate.direct import PolicySpec, SimSpec, simulate, true_value
 log = logging.getLogger("bench_verified")
 
 BASE_SHIFT = 0.8
-COVARIATES = ["response_length"]
-#: Simulation settings shared by every scenario: judge noise 0 (see bench_protocol.JUDGE_NOISE).
-SIM = {"judge_noise_sd": 0.0}
+#: Simulation settings shared by every scenario: judge noise 0 (see bench_protocol.JUDGE_NOISE) and
+#: no length bias; ``--length`` adds LENGTH_SIM and the covariate.
+SIM = {"judge_noise_sd": 0.0, "length_bias": 0.0}
+LENGTH_SIM = {"length_bias": 0.5}
+LENGTH_COVARIATES = ["response_length"]
 DEFAULT_CELLS = "250:0.05,5000:0.05,1000:0.10"
 
 
@@ -140,12 +144,12 @@ def _seed(scen_idx: int, n: int, frac: float, rep: int) -> int:
     return 24_000_000 + scen_idx * 1_000_000 + (round(frac * 100) * 10_000 + n) * 10 + rep * 7919
 
 
-def simulate_dataset(scen: Scenario, n: int, frac: float, seed: int):
+def simulate_dataset(scen: Scenario, n: int, frac: float, seed: int, length: bool = False):
     """Simulate one dataset; thin the audit slices named in ``keep_labels`` (a simple random
     subsample of the slice is a simple random sample of the rows: inclusion probability k / n)."""
     sim = simulate(n, scen.policies, oracle_fraction=frac, label_design="calibration_policy",
                    calibration_policy="base", audit_labels=50, seed=seed,
-                   adversarial_boost=scen.boost if scen.boost else 2.5, **SIM)
+                   adversarial_boost=scen.boost if scen.boost else 2.5, **{**SIM, **(LENGTH_SIM if length else {})})
     frame = sim.frame
     rng = np.random.default_rng(seed + 1)
     for pol, k in scen.keep_labels.items():
@@ -188,8 +192,8 @@ def _compact(d: dict) -> dict:
     def comps(cs):
         if cs is None:
             return None
-        return [{"a": c.get("a"), "b": c.get("b"), "diff": c.get("diff"), "significant": c.get("significant")}
-                for c in cs]
+        return [{"a": c.get("a"), "b": c.get("b"), "diff": c.get("diff"), "significant": c.get("significant"),
+                 "claim_kind": c.get("claim_kind")} for c in cs]
 
     at = d.get("assumes_transport")
     base = d.get("baseline_comparisons")
@@ -198,7 +202,8 @@ def _compact(d: dict) -> dict:
         "assumes_transport": None if not isinstance(at, dict) else {
             "comparisons": comps(at.get("comparisons")), "best_policy": at.get("best_policy")},
         "baseline_comparisons": None if base is None else [
-            {k: c.get(k) for k in ("policy", "baseline", "diff", "better", "worse", "non_inferior")} for c in base],
+            {k: c.get(k) for k in ("policy", "baseline", "diff", "better", "worse", "non_inferior", "margin", "claim_kind")}
+            for c in base],
         "level_estimator": _get(d, "config", "level_estimator"),
         "margin": _get(d, "config", "noninferiority_margin"),
     }
@@ -210,13 +215,13 @@ def _supports(option: str) -> bool:
     return option in getattr(EvaluationOptions, "__dataclass_fields__", {})
 
 
-def run_engine(frame, seed: int, B: int, options: dict) -> dict:
+def run_engine(frame, seed: int, B: int, options: dict, covariates: list[str]) -> dict:
     from cje_engine import evaluate
     from cje_engine.errors import CJEInputError
 
     t0 = time.process_time()
     try:
-        d = evaluate(frame, covariates=COVARIATES, n_bootstrap=B, seed=seed, **options).to_dict()
+        d = evaluate(frame, covariates=covariates, n_bootstrap=B, seed=seed, **options).to_dict()
         out = _compact(d)
     except CJEInputError as exc:  # the whole evaluation refused: nothing claimed
         out = {"policies": {}, "error": str(exc)[:300]}
@@ -225,19 +230,20 @@ def run_engine(frame, seed: int, B: int, options: dict) -> dict:
 
 
 def run_task(task: tuple) -> dict:
-    scen_name, n, frac, rep, B, options, augmented = task
+    scen_name, n, frac, rep, B, options, augmented, length = task
     logging.getLogger("cje_engine").setLevel(logging.ERROR)
     scen = scenarios()[scen_name]
     idx = sorted(scenarios()).index(scen_name)
     seed = _seed(idx, n, frac, rep)
-    sim = simulate_dataset(scen, n, frac, seed)
+    sim = simulate_dataset(scen, n, frac, seed, length)
+    cov = LENGTH_COVARIATES if length else []
     opts = dict(options)
     if _supports("baseline"):
         opts.setdefault("baseline", "base")
     out = {"scenario": scen_name, "n": n, "frac": frac, "rep": rep, "truth": sim.true_values,
-           "default": run_engine(sim.frame, seed % 2**31, B, opts)}
+           "default": run_engine(sim.frame, seed % 2**31, B, opts, cov)}
     if augmented:
-        out["augmented"] = run_engine(sim.frame, seed % 2**31, B, {**opts, "level_estimator": "augmented"})
+        out["augmented"] = run_engine(sim.frame, seed % 2**31, B, {**opts, "level_estimator": "augmented"}, cov)
     return out
 
 
@@ -407,10 +413,11 @@ def score_cell(runs: list[dict], scen: Scenario) -> dict:
         gate_wrong = None
         if res.get("baseline_comparisons") is not None:
             margin = res.get("margin") if res.get("margin") is not None else margin
-            m = res.get("margin") or 0.0
             gw = False
             for c in res["baseline_comparisons"]:
                 p, bl = c.get("policy"), c.get("baseline")
+                m = c.get("margin") if c.get("margin") is not None else (res.get("margin") or 0.0)
+                margin = m
                 if p not in truth or bl not in truth:
                     continue
                 dt = truth[p] - truth[bl]
@@ -538,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--B", type=int, default=500, help="bootstrap replicates per evaluation")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--option", action="append", default=[], help="extra engine option key=value (JSON value)")
+    ap.add_argument("--length", action="store_true", help="judge length bias 0.5, response_length covariate")
     ap.add_argument("--no-augmented", action="store_true", help="skip the augmented run on the clean design")
     ap.add_argument("--json", type=Path, help="write every run here (and stream them to <json>.jsonl)")
     ap.add_argument("--rescore", type=Path, help="print the tables of a --json (or its .jsonl) again, no runs")
@@ -563,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
             runs = json.loads(text)["runs"]
         print(report(runs, cells, scen_names))
         return 0
-    tasks = [(s, n, f, rep, args.B, options, s == "d_clean" and not args.no_augmented)
+    tasks = [(s, n, f, rep, args.B, options, s == "d_clean" and not args.no_augmented, args.length)
              for rep in range(args.datasets) for s in scen_names for n, f in cells]
     stream = None
     if args.json:
@@ -583,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     log.info("%d datasets in %.0f s wall (load %s)", len(runs), wall, os.getloadavg())
     header = (f"{len(tasks)} datasets ({args.datasets} per cell), B={args.B}, options {options or 'defaults'}, "
+              f"{'length bias + response_length covariate' if args.length else 'no length bias, no covariate'}, "
               f"baseline option {'on' if _supports('baseline') else 'n/a (engine has none)'}; wall {wall:.0f} s")
     print(header)
     print(report(runs, cells, scen_names))

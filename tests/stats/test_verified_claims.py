@@ -1,7 +1,7 @@
 """Verified claims stay valid where the judge is inflated (issue 24), on simulated data with known truth.
 
 Design (the paper's protocol: labels on ``base`` at 10%, 50-label audit slices on the other
-policies; judge noise 0 and the length covariate, so the honest policies' calibration transports):
+policies; judge noise 0 and no length bias, so the honest policies' calibration E[Y | S] is base's):
 ``better`` (+0.03 above base), ``worse`` (-0.03), and ``mild``, truly 0.013 *below* base, whose judge
 inflation puts its borrowed plug-in 0.015 *above* base (a plug-in bias of 0.028, about one audit SE at
 50 labels: inside the audit's resolution); ``mild_blind`` is the same policy with no labels of its own.
@@ -24,7 +24,7 @@ from cje_engine import evaluate
 from cje_engine.simulate.direct import PolicySpec, SimSpec, simulate, true_value
 
 BASE = 0.8
-SIM = {"judge_noise_sd": 0.0}
+SIM = {"judge_noise_sd": 0.0, "length_bias": 0.0}
 N, FRAC, B = 1000, 0.10, 200
 
 
@@ -49,7 +49,7 @@ def _data(policies, boost: float, seed: int, blind: tuple[str, ...] = ()):
 
 def _mild_design():
     mild = _shift(-0.013)
-    pols = (PolicySpec("base", BASE), PolicySpec("better", _shift(0.03), 1.2), PolicySpec("worse", _shift(-0.03), 0.8),
+    pols = (PolicySpec("base", BASE), PolicySpec("better", _shift(0.03)), PolicySpec("worse", _shift(-0.03)),
             PolicySpec("mild", mild, adversarial=True), PolicySpec("mild_blind", mild, adversarial=True))
     return pols, _shift(0.015) - mild
 
@@ -85,12 +85,14 @@ def test_mild_inflation_is_not_a_verified_win_and_verified_intervals_cover():
     cover = {p.name: [] for p in pols}
     for r in range(R):
         sim = _data(pols, boost, 24_100 + r, blind=("mild_blind",))
-        d = evaluate(sim.frame, covariates=["response_length"], n_bootstrap=B, seed=r, baseline="base").to_dict()
+        d = evaluate(sim.frame, n_bootstrap=B, seed=r, baseline="base").to_dict()
         wins += _claims_mild_better(d, "mild")
         blind = d["policies"]["mild_blind"]
-        assert blind["level_claim"] != "ok" and blind["estimate"] is None, (r, blind["level_claim"])
+        # no verified level: assumes_transport (estimate null) or refused (estimate kept for ranking only)
+        assert blind["level_claim"] != "ok" and blind["verified"] is None, (r, blind["level_claim"])
+        assert blind["level_claim"] == "refused" or blind["estimate"] is None, r
         assert not _claims_mild_better(d, "mild_blind"), r
-        assert all("mild_blind" not in (c["a"], c["b"]) for c in d["comparisons"]), r
+        assert not any(c.get("significant") for c in d["comparisons"] if "mild_blind" in (c["a"], c["b"])), r
         for p, e in d["policies"].items():
             if e["level_claim"] == "ok":
                 cover[p].append(e["ci"][0] <= sim.true_values[p] <= e["ci"][1])
@@ -109,7 +111,7 @@ def test_adversary_is_never_reported_verified_at_its_borrowed_level():
     borrowed value (a verified estimate nearer the plug-in than the truth is a > 5 SE event for a
     valid level at 50 labels, SE ~0.025: 0 of 10 expected); ``adversary`` beats nobody."""
     adv = _shift(-0.10)
-    pols = (PolicySpec("base", BASE), PolicySpec("better", _shift(0.03), 1.2),
+    pols = (PolicySpec("base", BASE), PolicySpec("better", _shift(0.03)),
             PolicySpec("adversary", adv, adversarial=True), PolicySpec("adversary_few", adv, adversarial=True))
     boost = _shift(0.10) - adv
     for r in range(10):
@@ -118,7 +120,7 @@ def test_adversary_is_never_reported_verified_at_its_borrowed_level():
         few = np.random.default_rng(r).permutation(few)  # 8 of a simple random sample: one of the rows
         sim.frame.loc[few[8:], ["oracle_label", "label_probability"]] = np.nan
         sim.frame.loc[few[:8], "label_probability"] = 8 / N
-        d = evaluate(sim.frame, covariates=["response_length"], n_bootstrap=B, seed=r, baseline="base").to_dict()
+        d = evaluate(sim.frame, n_bootstrap=B, seed=r, baseline="base").to_dict()
         for p in ("adversary", "adversary_few"):
             e, truth = d["policies"][p], sim.true_values[p]
             plug = e["plug_in"]["estimate"]
