@@ -265,7 +265,10 @@ def plan_from_data(data: Any, budget: float | None = None, target_mde: float | N
     evaluate_options = {**evaluate_options, "inference": "analytic"}
     prep = prepare(data, **evaluate_options)
     res = finalize(prep, [])
-    total, cal = prep.infl["total"], prep.infl["calibration"]
+    from cje_engine.pipeline.policies import extend_with_verified
+
+    ext = extend_with_verified(prep, None)  # the columns ``res.columns`` index: plug-in, augmented, own, verified
+    total, cal = ext.total, ext.calibration
     pilot = _Pilot(res.to_dict(), cov_total=cluster_cov(total), cov_cal=cluster_cov(cal),
                    cov_eval=cluster_cov(np.nan_to_num(total) - np.nan_to_num(cal)), columns=np.asarray(res.columns))
     return plan_from_result(pilot, budget, target_mde, c_S, c_Y, target=target, targets=targets, scope=scope,

@@ -18,7 +18,8 @@ FLAGS: dict[str, str] = {
     "calibration_mode": "--calibration-mode", "inference": "--inference", "level_estimator": "--level-estimator", "label_scale": "--label-scale",
     "score_scale": "--score-scale", "multiplicity": "--multiplicity", "policies": "--policies",
     "columns": "--columns", "budget": "--budget", "target_mde": "--target-mde", "target": "--target",
-    "c_S": "--c-s", "c_Y": "--c-y", "power": "--power",
+    "c_S": "--c-s", "c_Y": "--c-y", "power": "--power", "trust_transport": "--trust-transport",
+    "baseline": "--baseline", "noninferiority_margin": "--noninferiority-margin", "min_prompts": "--min-prompts",
 }
 
 _VALUE = r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{[^}]*\}|\([^)]*\)|[\w.+\-]+)"""

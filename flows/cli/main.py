@@ -123,8 +123,16 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calibration-mode", choices=["auto", "monotone", "two_stage"])
     g.add_argument("--inference", choices=["bootstrap", "analytic"])
     g.add_argument("--level-estimator", choices=list(LEVEL_ESTIMATORS),
-                   help="audited (default: the plug-in where the transport audit holds), robust (own labels "
-                        "whenever a policy has enough), augmented or plug_in")
+                   help="verified (default: each policy's level corrected by its own labels, power-tuned; "
+                        "policies without enough labels only assume transport), audited (the paper's protocol: "
+                        "the plug-in where the transport audit holds), robust, augmented or plug_in")
+    g.add_argument("--trust-transport", type=_csv, metavar="POLICY,...",
+                   help="policies whose assumes-transport level you trust as their reported level ('*': all)")
+    g.add_argument("--baseline", help="compare every policy with this one (simultaneous intervals, "
+                                      "non-inferiority)")
+    g.add_argument("--noninferiority-margin", type=float,
+                   help="non-inferiority margin against --baseline, a fraction of the label scale (default 0.02)")
+    g.add_argument("--min-prompts", type=int, help="fewest prompts a policy needs for a level (default 10)")
     g.add_argument("--label-scale", help="declared oracle label scale, e.g. 0-1, 1-5, 1-10, 0-100")
     g.add_argument("--score-scale", help="declared judge score scale, e.g. 0-1, 1-10, 0-100")
     g.add_argument("--multiplicity", choices=["bh", "holm"])
@@ -140,7 +148,8 @@ def _add_columns(p: argparse.ArgumentParser) -> None:
 
 
 _ENGINE_KEYS = ("covariates", "n_bootstrap", "alpha", "audit_margin", "seed", "calibration_policies",
-                "calibration_mode", "inference", "level_estimator", "label_scale", "score_scale", "multiplicity")
+                "calibration_mode", "inference", "level_estimator", "label_scale", "score_scale", "multiplicity",
+                "trust_transport", "baseline", "noninferiority_margin", "min_prompts")
 _CONFIG_HELP = "evaluations file (default: $CJE_CONFIG, else ./evaluations.yaml)"
 
 

@@ -23,7 +23,7 @@ def test_unhelpful_audit_fails_and_borrowed_level_is_not_reported(arena_result):
     u = arena_result["policies"]["unhelpful"]
     assert u["audit"]["verdict"] == "fail"
     assert u["audit"]["calibrator"] == "borrowed"
-    assert u["level_claim"] == "refused" or u["basis_code"] == "recalibrated"
+    assert u["level_claim"] == "refused" or u["basis_code"] in ("recalibrated", "power_tuned")  # verified: own labels
     # the reported level is not the borrowed plug-in (which over-states it)
     assert u["estimate"] != u["plug_in"]["estimate"]
     assert u["estimate"] < u["plug_in"]["estimate"]

@@ -38,7 +38,7 @@ def test_which_levels_use_own_labels(estimator, verdict, n_own, limited, expecte
 def test_audited_levels_report_the_plug_in_unless_the_audit_fails():
     sim = simulate(600, PROTOCOL, oracle_fraction=0.2, label_design="calibration_policy", audit_labels=60, seed=3,
                    length_bias=0.0)
-    res = evaluate(sim.frame, calibration_policies=["base"], inference="analytic").to_dict()
+    res = evaluate(sim.frame, calibration_policies=["base"], inference="analytic", level_estimator="audited").to_dict()
     robust = evaluate(sim.frame, calibration_policies=["base"], inference="analytic",
                       level_estimator="robust").to_dict()
     assert res["config"]["level_estimator"] == "audited"
@@ -118,14 +118,15 @@ def test_audit_se_agrees_with_the_bootstrap_of_the_residual_mean():
     the influence route is first order, so 15% covers both at n=800."""
     sim = simulate(800, PROTOCOL[:3], oracle_fraction=0.05, label_design="calibration_policy", audit_labels=60,
                    seed=5, length_bias=0.0)
-    prep = prepare(sim.frame, calibration_policies=["base"], calibration_mode="monotone", n_bootstrap=600)
+    prep = prepare(sim.frame, calibration_policies=["base"], calibration_mode="monotone", n_bootstrap=600,
+                   level_estimator="audited")
     from cje_engine.pipeline.direct import bootstrap_chunk
 
     reps = bootstrap_chunk(prep, 0, 600)
     K = 3
     fit = fit_mode(prep.design.data, "monotone", ("base",))
     _, se, _ = audit_statistics(fit.design, fit.stats, fit.infl)
-    boot = np.std(reps[:, K:] - reps[:, :K], axis=0, ddof=1)
+    boot = np.std(reps[:, K:2 * K] - reps[:, :K], axis=0, ddof=1)
     for k in (1, 2):
         assert se[k] / boot[k] == pytest.approx(1.0, abs=0.15), (k, se[k], boot[k])
 
@@ -136,14 +137,15 @@ def _pooled(seed: int):
 
 def test_robust_pooling_equals_an_evaluation_without_the_failing_source():
     sim = _pooled(1)
-    res = evaluate(sim.frame, inference="analytic").to_dict()
+    res = evaluate(sim.frame, inference="analytic", level_estimator="audited").to_dict()
     excl = res["calibration"]["excluded_sources"]
     assert [e["policy"] for e in excl] == ["unhelpful"]
     assert excl[0]["residual_mean"] < 0 and excl[0]["p_adjusted"] <= 0.05 and excl[0]["round"] == 1
     assert res["calibration"]["calibration_policies"] == ["base", "clone", "verbose"]
     assert res["policies"]["unhelpful"]["audit"]["calibrator"] == "excluded"
     # slow reference: the same evaluation with the other sources named by hand
-    manual = evaluate(sim.frame, inference="analytic", calibration_policies=["base", "clone", "verbose"]).to_dict()
+    manual = evaluate(sim.frame, inference="analytic", calibration_policies=["base", "clone", "verbose"],
+                      level_estimator="audited").to_dict()
     for name in res["policies"]:
         a, b = res["policies"][name], manual["policies"][name]
         for key in ("estimate", "se"):

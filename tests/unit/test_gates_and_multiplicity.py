@@ -55,13 +55,14 @@ def test_audit_verdicts():
 
 
 def test_inconclusive_extra_labels_would_decide():
-    """With the suggested extra labels (same mean and spread), the adjusted CI fits the margin."""
+    """With the suggested extra labels (same mean and spread), the CI fits the margin (audits are not
+    adjusted over policies: the 1 - alpha/2 quantile)."""
     from scipy.stats import norm
 
     d, s, n = 0.01, 0.03, 50
     out = audit_policies(np.array([d, 0.0]), np.array([s, 0.001]), np.array([n, 500]), np.array([n, 500]), 0.05, 0.05)
     extra = out[0]["extra_labels_needed"]
-    z = norm.ppf(1 - 0.05 / 4)
+    z = norm.ppf(1 - 0.05 / 2)
     se_new = s * np.sqrt(n / (n + extra))
     assert abs(d) + z * se_new <= 0.05 + 1e-12
     se_less = s * np.sqrt(n / (n + extra - 1))
@@ -106,14 +107,14 @@ def test_failed_audit_with_too_few_labels_is_refused():
         rows.append({"prompt_id": f"p{p}", "policy": "adv", "judge_score": s,
                      "oracle_label": 0.0 if p < 6 else np.nan})
     frame = pd.DataFrame(rows)
-    d = evaluate(frame, n_bootstrap=100, seed=0, calibration_policies=["base"]).to_dict()
+    d = evaluate(frame, n_bootstrap=100, seed=0, calibration_policies=["base"], level_estimator="audited").to_dict()
     adv = d["policies"]["adv"]
     assert adv["audit"]["verdict"] == "fail"
     assert adv["basis_code"] == "plug_in" and adv["level_claim"] == "refused"
     assert any("audit failed" in r for r in adv["refusal_reasons"])
     # with enough own labels the same failure leads to a stated recalibration instead
     frame.loc[(frame.policy == "adv") & frame.prompt_id.isin([f"p{i}" for i in range(60)]), "oracle_label"] = 0.0
-    d2 = evaluate(frame, n_bootstrap=100, seed=0, calibration_policies=["base"]).to_dict()
+    d2 = evaluate(frame, n_bootstrap=100, seed=0, calibration_policies=["base"], level_estimator="audited").to_dict()
     adv2 = d2["policies"]["adv"]
     assert adv2["audit"]["verdict"] == "fail" and adv2["level_claim"] == "ok"
     assert adv2["basis_code"] == "recalibrated" and "recalibrated" in adv2["basis"]

@@ -285,9 +285,10 @@ def test_exact_data_route_uses_the_evaluation_influence(arena_dir):
     from cje_engine.inference.variance import cluster_cov
     from cje_engine.pipeline.direct import finalize, prepare
 
-    prep = prepare(arena_dir, calibration_policies=["base"], inference="analytic")
+    prep = prepare(arena_dir, calibration_policies=["base"], inference="analytic", level_estimator="audited")
     res = finalize(prep, [])
-    plan_d = plan_from_data(arena_dir, calibration_policies=["base"], target="base - unhelpful", scope="target")
+    plan_d = plan_from_data(arena_dir, calibration_policies=["base"], target="base - unhelpful", scope="target",
+                            level_estimator="audited")
     names = list(res.to_dict()["policies"])
     ca, cb = res.columns[names.index("base")], res.columns[names.index("unhelpful")]
     e = np.nan_to_num(prep.infl["total"]) - np.nan_to_num(prep.infl["calibration"])

@@ -1,0 +1,179 @@
+"""Verified levels (issue 24): the power-tuned correction, its replicates, the claims built on it, each
+against a slow, obvious reference computation."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cje_engine import evaluate, finalize, prepare
+from cje_engine.direct.estimators import bootstrap_weights, replicate
+from cje_engine.direct.verified import power_tuned_lambda
+from cje_engine.pipeline.direct import bootstrap_chunk
+from cje_engine.result import validate_result
+from cje_engine.simulate.direct import PolicySpec, simulate
+
+POLICIES = (PolicySpec("base", 0.8), PolicySpec("clone", 0.8), PolicySpec("verbose", 0.7, verbosity=2.0),
+            PolicySpec("unhelpful", -1.0, adversarial=True))
+
+
+@pytest.fixture(scope="module")
+def sim():
+    return simulate(400, POLICIES, oracle_fraction=0.15, label_design="calibration_policy", audit_labels=40, seed=7)
+
+
+def test_power_tuned_lambda_is_the_variance_minimiser():
+    rng = np.random.default_rng(0)
+    o = rng.normal(size=4000)
+    a = 0.6 * o + rng.normal(scale=0.5, size=4000)
+    lam = power_tuned_lambda(o, a)
+    grid = np.linspace(0, 1, 1001)
+    var = [np.var(o + g * (a - o)) for g in grid]  # slow, obvious: scan the weight
+    assert lam == pytest.approx(grid[int(np.argmin(var))], abs=1e-3)
+    assert power_tuned_lambda(o, o + 1e-300 * 0) == 1.0  # A - O constant: nothing to tune, the augmented level
+    assert 0.0 <= power_tuned_lambda(o, -3 * o) <= 1.0  # clipped
+
+
+def test_verified_level_and_replicates_against_a_row_level_reference(sim):
+    prep = prepare(sim.frame, covariates=["response_length"], n_bootstrap=60, seed=3)
+    reps = bootstrap_chunk(prep, 0, 60)
+    res = finalize(prep, [reps]).to_dict()
+    validate_result(res)
+    d = prep.design.data
+    K = len(d.policies)
+    n_p = d.n_prompts
+    lab = prep.design.lab_rows
+    for k, name in enumerate(d.policies):
+        p = res["policies"][name]
+        rows = lab[d.policy[lab] == k]
+        w, y, f = d.label_weight[rows], d.label[rows], prep.f[rows]
+        own = np.sum(w * y) / np.sum(w)
+        plug = prep.f[d.policy == k].mean()
+        aug = plug + np.sum(w * (y - f)) / np.sum(w)
+        # replicates by hand: refit in each resample, own-label mean from the resample's weights
+        o_b, a_b = [], []
+        for b in range(60):
+            pw = bootstrap_weights(3, b, n_p)
+            a_b.append(replicate(prep.design, pw)[K + k])
+            ww = pw[d.prompt[rows]] * w
+            o_b.append(np.sum(ww * y) / np.sum(ww))
+        o_b, a_b = np.array(o_b), np.array(a_b)
+        np.testing.assert_allclose(reps[:, 2 * K + k], o_b, rtol=1e-12)
+        d_b = a_b - o_b
+        lam = float(np.clip(-np.cov(o_b, d_b, ddof=0)[0, 1] / np.var(d_b), 0, 1))
+        assert p["verified"]["lambda"] == pytest.approx(lam, abs=1e-9)
+        ref = lam * plug + np.sum(w * (y - lam * f)) / np.sum(w)  # PPI++ written out on the rows
+        assert p["estimate"] == pytest.approx(ref, abs=1e-12) and ref == pytest.approx(own + lam * (aug - own))
+        assert p["level_claim"] == "ok" and p["basis_code"] == "power_tuned"
+        assert p["se"] == pytest.approx(np.std(o_b + lam * d_b, ddof=1), rel=1e-9)
+        assert p["assumed"]["estimate"] is not None  # the protocol's level kept beside
+
+
+def test_analytic_lambda_from_the_influence_terms(sim):
+    prep = prepare(sim.frame, covariates=["response_length"], inference="analytic")
+    res = finalize(prep, []).to_dict()
+    d = prep.design.data
+    K = len(d.policies)
+    lab = prep.design.lab_rows
+    for k, name in enumerate(d.policies):
+        rows = lab[d.policy[lab] == k]
+        w, y = d.label_weight[rows], d.label[rows]
+        own = np.sum(w * y) / np.sum(w)
+        psi_o = np.zeros(d.n_prompts)
+        np.add.at(psi_o, d.prompt[rows], w * (y - own) / np.sum(w))
+        psi_a = prep.infl["total"][:, K + k]
+        lam = float(np.clip(-np.mean((psi_o - psi_o.mean()) * ((psi_a - psi_o) - (psi_a - psi_o).mean()))
+                            / np.var(psi_a - psi_o), 0, 1))
+        assert res["policies"][name]["verified"]["lambda"] == pytest.approx(lam, abs=1e-9)
+
+
+def test_a_policy_without_own_labels_has_no_verified_level_and_leaves_the_verified_claims():
+    sim = simulate(300, POLICIES[:3], oracle_fraction=0.3, label_design="calibration_policy", audit_labels=40, seed=2)
+    frame = sim.frame.copy()
+    frame.loc[frame["policy"] == "verbose", "oracle_label"] = np.nan
+    frame.loc[frame["policy"] == "verbose", "label_probability"] = np.nan
+    d = evaluate(frame, n_bootstrap=100, seed=0).to_dict()
+    v = d["policies"]["verbose"]
+    assert v["level_claim"] == "assumes_transport" and v["estimate"] is None and v["ci"] is None
+    assert v["verified"] is None and v["assumed"]["estimate"] is not None
+    assert v["labels_to_verify"]["n_labels"] >= 10 and v["labels_to_verify"]["closest"]["policy"] in ("base", "clone")
+    assert v["relative_claim"] == "not_estimable" and "no verified level" in v["relative_reason"]
+    pair = [c for c in d["comparisons"] if "verbose" in (c["a"], c["b"])]
+    assert pair and all(c["reported"] is False for c in pair)
+    assert d["best_policy"] is None and "not every policy has a level" in d["best_policy_reason"]
+    # the assumes-transport claims keep verbose, named as such
+    at = [c for c in d["assumes_transport"]["comparisons"] if "verbose" in (c["a"], c["b"])]
+    assert at and all(c["reported"] and c["claim_kind"] == "assumes_transport" for c in at)
+    # trusting transport makes the assumed level the reported one, still named assumes_transport
+    t = evaluate(frame, n_bootstrap=100, seed=0, trust_transport=["verbose"]).to_dict()
+    tv = t["policies"]["verbose"]
+    assert tv["level_claim"] == "assumes_transport" and tv["estimate"] == pytest.approx(v["assumed"]["estimate"])
+    tc = [c for c in t["comparisons"] if "verbose" in (c["a"], c["b"])]
+    assert all(c["reported"] and c["claim_kind"] == "assumes_transport" for c in tc)
+    assert all(c["claim_kind"] == "verified" for c in t["comparisons"] if "verbose" not in (c["a"], c["b"]))
+
+
+def test_a_one_row_policy_gets_no_level_and_no_comparison():
+    sim = simulate(200, POLICIES[:2], oracle_fraction=0.3, seed=4)
+    one = pd.DataFrame([{"prompt_id": sim.frame["prompt_id"].iloc[0], "policy": "tiny", "judge_score": 0.9,
+                         "oracle_label": np.nan, "label_probability": np.nan, "response_length": 200}])
+    frame = pd.concat([sim.frame, one], ignore_index=True)
+    d = evaluate(frame, n_bootstrap=100, seed=0).to_dict()
+    t = d["policies"]["tiny"]
+    assert t["level_claim"] == "refused" and any("prompt(s) of its own" in r for r in t["refusal_reasons"])
+    assert t["relative_claim"] == "not_estimable"
+    assert all(c["reported"] is False for c in d["comparisons"] if "tiny" in (c["a"], c["b"]))
+    assert d["best_policy"] != "tiny"
+
+
+def test_baseline_comparisons_are_simultaneous_max_t(sim):
+    res = evaluate(sim.frame, covariates=["response_length"], n_bootstrap=400, seed=1, baseline="base",
+                   noninferiority_margin=0.02)
+    d = res.to_dict()
+    names = list(d["policies"])
+    cols = res.columns
+    R = res.replicates[:, cols]
+    b = names.index("base")
+    others = [j for j in range(len(names)) if j != b]
+    diffs = np.array([d["policies"][names[j]]["estimate"] - d["policies"]["base"]["estimate"] for j in others])
+    D = R[:, others] - R[:, [b]]
+    se = D.std(axis=0, ddof=1)
+    tmax = [max(abs(D[i, m] - diffs[m]) / se[m] for m in range(len(others))) for i in range(D.shape[0])]  # slow
+    c = float(np.quantile(tmax, 0.95))
+    rows = {r["policy"]: r for r in d["baseline_comparisons"]}
+    assert set(rows) == {names[j] for j in others}
+    for m, j in enumerate(others):
+        r = rows[names[j]]
+        assert r["critical_value"] == pytest.approx(c, rel=1e-12)
+        assert r["ci"] == pytest.approx([diffs[m] - c * se[m], diffs[m] + c * se[m]], abs=1e-12)
+        assert r["better"] == (r["ci"][0] > 0) and r["worse"] == (r["ci"][1] < 0)
+        assert r["non_inferior"] == (r["ci"][0] > -0.02)
+        t = abs(diffs[m]) / se[m]
+        assert r["p_adjusted"] == pytest.approx((1 + sum(x >= t for x in tmax)) / (len(tmax) + 1))
+    assert c > 1.96  # simultaneous over three contrasts: wider than one pointwise interval
+    assert rows["unhelpful"]["worse"] is True
+    # analytic route: the same family from the influence terms' correlation
+    a = evaluate(sim.frame, covariates=["response_length"], inference="analytic", baseline="base").to_dict()
+    ca = a["baseline_comparisons"][0]["critical_value"]
+    assert 1.96 < ca < 2.5
+
+
+def test_best_policy_is_an_intersection_union_test():
+    from cje_engine.inference.comparisons import rank_policies
+
+    names = ["a", "b", "c"]
+    est = np.array([0.8, 0.7, 0.6])
+    comps = [{"a": "a", "b": "b", "diff": 0.1, "se": 0.02, "p_value": 0.04, "significant": False},
+             {"a": "a", "b": "c", "diff": 0.2, "se": 0.02, "p_value": 0.001, "significant": True},
+             {"a": "b", "b": "c", "diff": 0.1, "se": 0.02, "p_value": 0.2, "significant": False}]
+    refused = np.zeros(3, dtype=bool)
+    _, _, best, reason = rank_policies(names, est, comps, refused, ["ok"] * 3, alpha_iut=0.05)
+    assert best == "a" and "intersection-union" in reason  # each pairwise p <= alpha, no adjustment needed
+    comps[0]["p_value"] = 0.06
+    _, _, best, _ = rank_policies(names, est, comps, refused, ["ok"] * 3, alpha_iut=0.05)
+    assert best is None
+    comps[0]["p_value"] = 0.01
+    for c in comps[1:]:
+        c["reported"] = False  # as compare_pairs leaves a pair with a dropped policy
+    _, _, best, reason = rank_policies(names, est, comps, refused, ["ok"] * 3, {"c": "no verified level"}, 0.05)
+    assert best is None and "not every policy" in reason  # a policy without a level may be the best
