@@ -364,13 +364,14 @@ def score_cell(runs: list[dict], scen: Scenario) -> dict:
     names = [p.name for p in scen.policies]
     r = {k: Rate() for k in ("cover_all", "cover_assumed", "has_level", "best_wrong", "best_named",
                              "sig_wrong", "gate_wrong", "any_wrong", "best_wrong_at", "sig_wrong_at",
-                             "any_wrong_at", "borrowed", "borrowed_at", "dec_ver", "dec_aug", "dec_at",
+                             "any_wrong_at", "borrowed", "borrowed_at", "at_plugin", "at_plugin_at", "dec_ver", "dec_aug", "dec_at",
                              "rank_ver", "rank_aug", "rank_at", "cmp_wrong_share", "cmp_wrong_share_at")}
     per_pol = {p: {"cover": Rate(), "has": Rate(), "cover_at": Rate()} for p in names}
     plug_bias = {p: [] for p in scen.fooled}
     lambdas = {p: [] for p in names}
     cpu = []
     margin = None
+    gains = {"dec": [], "rank": [], "width": []}
     for run in runs:
         truth, res = run["truth"], run["default"]
         cpu.append(res.get("cpu_s", float("nan")))
@@ -453,21 +454,44 @@ def score_cell(runs: list[dict], scen: Scenario) -> dict:
             borrowed = (e.get("level_claim") == "ok" and est is not None and plug is not None
                         and abs(est - plug) < abs(est - truth[p]))
             r["borrowed"].add(borrowed, 1)
+            r["at_plugin"].add(e.get("level_claim") == "ok" and est is not None and plug is not None
+                               and abs(est - plug) < 1e-9, 1)
             aest = (e.get("assumed") or {}).get("estimate")
             if aest is not None and plug is not None:
                 r["borrowed_at"].add(abs(aest - plug) < abs(aest - truth[p]), 1)
+                r["at_plugin_at"].add(abs(aest - plug) < 1e-9, 1)
         aug = run.get("augmented")
         if aug is not None and aug.get("policies"):
             daug = _decisions(aug.get("comparisons"), truth)
             if daug is not None:
                 r["dec_aug"].add(daug[0], daug[1])
+                if dec is not None and dec[1]:
+                    gains["dec"].append((dec[0] - daug[0]) / dec[1])
             lv = {p: e["estimate"] for p, e in aug["policies"].items()
                   if e.get("estimate") is not None and e.get("level_claim") != "refused"}
-            r["rank_aug"].add(*_ranking(lv, truth))
+            ra, rn = _ranking(lv, truth)
+            r["rank_aug"].add(ra, rn)
+            rv, _ = _ranking(_verified_levels(res), truth)
+            if rn:
+                gains["rank"].append((rv - ra) / rn)
+            for p in names:
+                cv, ca = (pols.get(p) or {}).get("ci"), (aug["policies"].get(p) or {}).get("ci")
+                if (pols.get(p) or {}).get("level_claim") == "ok" and cv and ca and None not in (*cv, *ca) \
+                        and ca[1] > ca[0]:
+                    gains["width"].append((cv[1] - cv[0]) / (ca[1] - ca[0]))
     return {"rates": r, "per_policy": per_pol, "plug_bias": {p: float(np.mean(v)) if v else float("nan")
                                                               for p, v in plug_bias.items()},
             "lambda": {p: float(np.mean(v)) if v else float("nan") for p, v in lambdas.items()},
-            "cpu_s": float(np.nanmean(cpu)) if cpu else float("nan"), "datasets": len(runs), "margin": margin}
+            "cpu_s": float(np.nanmean(cpu)) if cpu else float("nan"), "datasets": len(runs), "margin": margin,
+            "gains": {k: _mean_se(v) for k, v in gains.items()}}
+
+
+def _mean_se(v: list[float]) -> str:
+    if not v:
+        return "n/a"
+    a = np.asarray(v, dtype=float)
+    se = a.std(ddof=1) / math.sqrt(len(a)) if len(a) > 1 else float("nan")
+    return f"{a.mean():+.3f} ({se:.3f})"
 
 
 def report(runs: list[dict], cells: list[tuple[int, float]], scen_names: list[str]) -> str:
@@ -517,15 +541,16 @@ def report(runs: list[dict], cells: list[tuple[int, float]], scen_names: list[st
                      f"{r['best_wrong_at'].fmt()} | {r['sig_wrong_at'].fmt()} | {r['any_wrong_at'].fmt()} | "
                      f"{r['cmp_wrong_share'].fmt()} / {r['cmp_wrong_share_at'].fmt()} |")
     lines.append("\n### Judge-fooled policies: reported at the borrowed (plug-in) value\n")
-    lines.append("| scenario | n / base labels | mean plug-in bias (policy) | verified level at borrowed value "
-                 "| assumed level at borrowed value |")
-    lines.append("|---|---|---|---|---|")
+    lines.append("| scenario | n / base labels | mean plug-in bias (policy) | verified level = plug-in "
+                 "| verified level nearer plug-in than truth | assumed level = plug-in | assumed nearer plug-in |")
+    lines.append("|---|---|---|---|---|---|---|")
     for (s, n, f), c in scored.items():
         if not c["plug_bias"]:
             continue
         r = c["rates"]
         bias = ", ".join(f"{b:+.3f} ({p})" for p, b in c["plug_bias"].items())
-        lines.append(f"| {s} | {n} / {f:.0%} | {bias} | {r['borrowed'].fmt()} | {r['borrowed_at'].fmt()} |")
+        lines.append(f"| {s} | {n} / {f:.0%} | {bias} | {r['at_plugin'].fmt()} | {r['borrowed'].fmt()} | "
+                     f"{r['at_plugin_at'].fmt()} | {r['borrowed_at'].fmt()} |")
     lines.append("\n### Efficiency: decision rate and pairwise ranking accuracy (ratio SE over datasets)\n")
     lines.append("| scenario | n / base labels | decision rate: verified | augmented | assumes transport "
                  "| ranking: verified | augmented | assumes transport |")
@@ -534,6 +559,16 @@ def report(runs: list[dict], cells: list[tuple[int, float]], scen_names: list[st
         r = c["rates"]
         lines.append(f"| {s} | {n} / {f:.0%} | {r['dec_ver'].fmt()} | {r['dec_aug'].fmt()} | {r['dec_at'].fmt()} | "
                      f"{r['rank_ver'].fmt()} | {r['rank_aug'].fmt()} | {r['rank_at'].fmt()} |")
+    lines.append("\n### Verified minus augmented, paired per dataset (mean (SE over datasets)); "
+                 "verified / augmented CI width\n")
+    lines.append("| scenario | n / base labels | decision rate gain | ranking accuracy gain | CI width ratio |")
+    lines.append("|---|---|---|---|---|")
+    for (s, n, f), c in scored.items():
+        g = c["gains"]
+        if g["dec"] == "n/a" and g["width"] == "n/a":
+            continue
+        w = g["width"].replace("+", "")
+        lines.append(f"| {s} | {n} / {f:.0%} | {g['dec']} | {g['rank']} | {w} |")
     return "\n".join(lines)
 
 
