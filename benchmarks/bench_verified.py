@@ -577,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cells", default=DEFAULT_CELLS, help="n:fraction,... (default %(default)s)")
     ap.add_argument("--scenarios", default=",".join(sorted(scenarios())))
     ap.add_argument("--datasets", type=int, default=100)
+    ap.add_argument("--first-rep", type=int, default=0, help="index of the first dataset (fresh seeds for a re-run)")
     ap.add_argument("--B", type=int, default=500, help="bootstrap replicates per evaluation")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--option", action="append", default=[], help="extra engine option key=value (JSON value)")
@@ -607,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report(runs, cells, scen_names))
         return 0
     tasks = [(s, n, f, rep, args.B, options, s == "d_clean" and not args.no_augmented, args.length)
-             for rep in range(args.datasets) for s in scen_names for n, f in cells]
+             for rep in range(args.first_rep, args.first_rep + args.datasets) for s in scen_names for n, f in cells]
     stream = None
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
