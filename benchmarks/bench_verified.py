@@ -365,7 +365,8 @@ def score_cell(runs: list[dict], scen: Scenario) -> dict:
     r = {k: Rate() for k in ("cover_all", "cover_assumed", "has_level", "best_wrong", "best_named",
                              "sig_wrong", "gate_wrong", "any_wrong", "best_wrong_at", "sig_wrong_at",
                              "any_wrong_at", "borrowed", "borrowed_at", "at_plugin", "at_plugin_at", "dec_ver", "dec_aug", "dec_at",
-                             "rank_ver", "rank_aug", "rank_at", "cmp_wrong_share", "cmp_wrong_share_at")}
+                             "rank_ver", "rank_aug", "rank_at", "cmp_wrong_share", "cmp_wrong_share_at",
+                             "sig_wrong_tagged", "gate_wrong_tagged", "leak")}
     per_pol = {p: {"cover": Rate(), "has": Rate(), "cover_at": Rate()} for p in names}
     plug_bias = {p: [] for p in scen.fooled}
     lambdas = {p: [] for p in names}
@@ -406,6 +407,15 @@ def score_cell(runs: list[dict], scen: Scenario) -> dict:
         r["best_wrong"].add(best_wrong, 1)
         dec = _decisions(res.get("comparisons"), truth)
         sig_wrong = bool(dec and dec[2])
+        tagged = [c for c in res.get("comparisons") or [] if c.get("claim_kind") in (None, "verified")]
+        dec_tagged = _decisions(tagged, truth) if res.get("comparisons") is not None else None
+        if dec_tagged is not None:
+            r["sig_wrong_tagged"].add(bool(dec_tagged[2]), 1)
+        leak = any(c.get("significant") and c.get("claim_kind") not in (None, "verified")
+                   for c in res.get("comparisons") or [])
+        leak |= any((c.get("better") or c.get("non_inferior")) and c.get("claim_kind") not in (None, "verified")
+                    for c in res.get("baseline_comparisons") or [])
+        r["leak"].add(leak, 1)
         if dec is not None:
             r["sig_wrong"].add(sig_wrong, 1)
             r["dec_ver"].add(dec[0], dec[1])
@@ -414,7 +424,7 @@ def score_cell(runs: list[dict], scen: Scenario) -> dict:
         gate_wrong = None
         if res.get("baseline_comparisons") is not None:
             margin = res.get("margin") if res.get("margin") is not None else margin
-            gw = False
+            gw = gw_tagged = False
             for c in res["baseline_comparisons"]:
                 p, bl = c.get("policy"), c.get("baseline")
                 m = c.get("margin") if c.get("margin") is not None else (res.get("margin") or 0.0)
@@ -422,10 +432,12 @@ def score_cell(runs: list[dict], scen: Scenario) -> dict:
                 if p not in truth or bl not in truth:
                     continue
                 dt = truth[p] - truth[bl]
-                gw |= bool(c.get("better")) and dt <= 1e-9
-                gw |= bool(c.get("non_inferior")) and dt < -m - 1e-9
+                wrong = (bool(c.get("better")) and dt <= 1e-9) or (bool(c.get("non_inferior")) and dt < -m - 1e-9)
+                gw |= wrong
+                gw_tagged |= wrong and c.get("claim_kind") in (None, "verified")
             gate_wrong = gw
             r["gate_wrong"].add(gw, 1)
+            r["gate_wrong_tagged"].add(gw_tagged, 1)
         r["any_wrong"].add(best_wrong or sig_wrong or bool(gate_wrong), 1)
         r["rank_ver"].add(*_ranking(_verified_levels(res), truth))
         # assumes transport
@@ -530,14 +542,17 @@ def report(runs: list[dict], cells: list[tuple[int, float]], scen_names: list[st
             lines.append(f"| {s} | {n} / {f:.0%} | {p} | {v['has'].fmt()} | {v['cover'].fmt()} | "
                          f"{v['cover_at'].fmt()} | {'n/a' if math.isnan(lam) else f'{lam:.2f}'} |")
     lines.append("\n### Wrong decisions per dataset: verified | assumes transport (binomial SE)\n")
-    lines.append("| scenario | n / base labels | best named (verified) | best wrong | sig. wrong sign | gate passes worse "
-                 "| any wrong | best wrong (assumed) | sig. wrong sign (assumed) | any wrong (assumed) "
+    lines.append("| scenario | n / base labels | best named (verified) | best wrong | sig. wrong (all entries) "
+                 "| sig. wrong (verified-tagged) | gate passes worse (all) | gate passes worse (verified-tagged) "
+                 "| any wrong (all) | assumes-transport entries flagged in the verified lists "
+                 "| best wrong (assumed) | sig. wrong (assumed) | any wrong (assumed) "
                  "| share of sig. comparisons wrong: verified / assumed |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (s, n, f), c in scored.items():
         r = c["rates"]
         lines.append(f"| {s} | {n} / {f:.0%} | {r['best_named'].fmt()} | {r['best_wrong'].fmt()} | "
-                     f"{r['sig_wrong'].fmt()} | {r['gate_wrong'].fmt()} | {r['any_wrong'].fmt()} | "
+                     f"{r['sig_wrong'].fmt()} | {r['sig_wrong_tagged'].fmt()} | {r['gate_wrong'].fmt()} | "
+                     f"{r['gate_wrong_tagged'].fmt()} | {r['any_wrong'].fmt()} | {r['leak'].fmt()} | "
                      f"{r['best_wrong_at'].fmt()} | {r['sig_wrong_at'].fmt()} | {r['any_wrong_at'].fmt()} | "
                      f"{r['cmp_wrong_share'].fmt()} / {r['cmp_wrong_share_at'].fmt()} |")
     lines.append("\n### Judge-fooled policies: reported at the borrowed (plug-in) value\n")
@@ -584,7 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", action="store_true", help="judge length bias 0.5, response_length covariate")
     ap.add_argument("--no-augmented", action="store_true", help="skip the augmented run on the clean design")
     ap.add_argument("--json", type=Path, help="write every run here (and stream them to <json>.jsonl)")
-    ap.add_argument("--rescore", type=Path, help="print the tables of a --json (or its .jsonl) again, no runs")
+    ap.add_argument("--rescore", help="print the tables of --json files (or their .jsonl), comma-separated, together; "
+                    "no runs")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     cells = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in args.cells.split(",")]
@@ -600,11 +616,13 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError:
             options[k] = v
     if args.rescore:
-        text = args.rescore.read_text()
-        if args.rescore.suffix == ".jsonl":
-            runs = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-        else:
-            runs = json.loads(text)["runs"]
+        runs = []
+        for path in map(Path, args.rescore.split(",")):
+            text = path.read_text()
+            if path.suffix == ".jsonl":
+                runs += [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+            else:
+                runs += json.loads(text)["runs"]
         print(report(runs, cells, scen_names))
         return 0
     tasks = [(s, n, f, rep, args.B, options, s == "d_clean" and not args.no_augmented, args.length)
