@@ -30,15 +30,19 @@ with ``covariates=["response_length"]`` under ``--length``) and, on the clean de
   policy, beside the share of policies that have a verified level and the coverage of the
   assumes-transport intervals (``assumed``);
 * wrong verified decisions (per dataset): a named ``best_policy`` that is not the true best; any
-  significant comparison of the wrong sign; a baseline comparison ``better`` (or ``non_inferior``
-  by more than the margin) for a policy truly worse than base; beside the same for the
-  assumes-transport claims (``assumes_transport``);
-* a judge-fooled policy reported as a verified level at its borrowed value (``level_claim ==
-  "ok"`` and the estimate closer to the plug-in than to the truth), beside the same for ``assumed``;
+  significant comparison of the wrong sign or on a true tie; a baseline comparison ``better`` for a
+  policy not truly better, or ``non_inferior`` for one worse by more than the margin; read over all
+  entries of the lists (as a consumer does) and over the entries whose ``claim_kind`` is
+  ``verified``, with the share of datasets where an assumes-transport entry of a verified list is
+  flagged; beside the same for the assumes-transport claims (``assumes_transport``);
+* a judge-fooled policy reported as a verified level at its borrowed value: equal to the plug-in,
+  or nearer the plug-in than the truth (a valid level does that with probability
+  Phi(-bias / (2 SE)): meaningful for the adversary's +0.20), beside the same for ``assumed``;
 * efficiency (clean design): decision rate (share of pairs with different true values decided
   significant with the right sign) and pairwise ranking accuracy (share of those pairs the levels
   order rightly; a policy without a level orders nothing) of verified vs ``augmented`` vs assumes-
-  transport.
+  transport, and the paired per-dataset gains of verified over ``augmented`` with the ratio of
+  their interval widths.
 
 Monte Carlo SEs: a rate over R datasets: sqrt(p (1-p) / R). A pooled rate over intervals or pairs
 of several policies per dataset: the ratio-estimator SE over datasets (the intervals of one dataset
@@ -51,6 +55,7 @@ Usage::
     nohup .venv/bin/python benchmarks/bench_verified.py --datasets 100 --B 500 \\
         --json benchmarks/_work/verified.json > benchmarks/_work/verified.log 2>&1 &  # the grid
     .venv/bin/python benchmarks/bench_verified.py --rescore benchmarks/_work/verified.json
+    .venv/bin/python benchmarks/bench_verified.py --datasets 100 --first-rep 100 ...   # 100 fresh datasets
 """
 from __future__ import annotations
 
