@@ -448,29 +448,35 @@ def extend_with_verified(prep: Any, reps: np.ndarray | None) -> _Extended:
     return _Extended(np.concatenate([prep.stats, own, ppi]), reps_ext, total, calib, lam)
 
 
-def labels_to_verify(k: int, n_own: int, est: np.ndarray, resid_sd: float, min_labels: int, alpha: float,
-                     power: float = 0.8) -> dict:
+def labels_to_verify(k: int, n_own: int, n_rows: int, assumed: np.ndarray, se_verified: np.ndarray,
+                     resid_sd: float, min_labels: int, alpha: float, power: float = 0.8) -> dict:
     """How many own labels of policy ``k`` would give it a verified level and decide its closest comparison.
 
-    The verified level's SE with ``n`` own labels is about ``resid_sd / sqrt(n)`` (the label residuals
-    dominate it); the comparison with the policy whose assumes-transport level is closest, at that
-    difference, is decided at ``power`` when the SE is ``|diff| / (z_{1-alpha/2} + z_power)``.
+    The closest comparison is with the verified policy whose assumes-transport level is nearest
+    (``assumed``); at that difference ``diff`` it is decided at ``power`` when the difference's SE is
+    ``|diff| / (z_{1-alpha/2} + z_power)``. With ``n`` own labels the new verified level's SE is about
+    ``resid_sd / sqrt(n)`` (the label residuals dominate it) and the other level's SE stays
+    ``se_verified[j]``, so ``n = resid_sd^2 / ((diff / z)^2 - se_j^2)``; none when the other level alone is
+    too imprecise. Capped at the policy's unlabelled rows (``capped``).
     """
     from scipy.stats import norm
 
-    others = [j for j in range(est.size) if j != k and np.isfinite(est[j])]
     need = max(min_labels - n_own, 0)
     out = {"n_labels": int(need), "for_level": int(need), "for_closest_comparison": None, "closest": None,
-           "power": power, "residual_sd": float(resid_sd) if np.isfinite(resid_sd) else None}
-    if others and np.isfinite(est[k]) and np.isfinite(resid_sd) and resid_sd > 0:
-        j = min(others, key=lambda j: abs(est[j] - est[k]))
-        diff = abs(float(est[j] - est[k]))
-        if diff > 0:
-            z = float(norm.ppf(1 - alpha / 2) + norm.ppf(power))
-            n_cmp = int(np.ceil((z * resid_sd / diff) ** 2))
-            out.update(for_closest_comparison=max(n_cmp - n_own, 0), closest=None)
-            out["closest"] = {"policy": None, "assumed_difference": diff}
+           "power": power, "residual_sd": float(resid_sd) if np.isfinite(resid_sd) else None, "capped": False}
+    others = [j for j in range(assumed.size) if j != k and np.isfinite(assumed[j]) and np.isfinite(se_verified[j])]
+    if others and np.isfinite(assumed[k]) and np.isfinite(resid_sd) and resid_sd > 0:
+        j = min(others, key=lambda j: abs(assumed[j] - assumed[k]))
+        diff = abs(float(assumed[j] - assumed[k]))
+        z = float(norm.ppf(1 - alpha / 2) + norm.ppf(power))
+        room = (diff / z) ** 2 - float(se_verified[j]) ** 2
+        out["closest"] = {"policy": j, "assumed_difference": diff}
+        if room > 0:
+            n_cmp = int(np.ceil(resid_sd ** 2 / room))
+            out["for_closest_comparison"] = max(n_cmp - n_own, 0)
             out["n_labels"] = int(max(need, n_cmp - n_own))
+    if out["n_labels"] > n_rows - n_own:
+        out["n_labels"], out["capped"] = int(max(n_rows - n_own, 0)), True
     return out
 
 
@@ -512,6 +518,12 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     dfs = np.concatenate([dfs2, dfs2[K:], dfs2[K:]])
     summary = _Stats(ext.stats, cov, ext.reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
                      infl=ext.total, dfs=dfs, n_policies=K)
+    # for labels_to_verify: each policy's assumes-transport (protocol) level and verified SE
+    assumed_est = np.array([summary(K + k if uses_own_labels(protocol, audits[k]["verdict"], int(n_own[k]),
+                                                             opts.min_labels, bool(support[k]["limited"])) else k)
+                            ["estimate"] for k in range(K)])
+    se_verified = np.array([summary(3 * K + k)["se"] if verified_mode and n_own[k] >= opts.min_labels
+                            and n_own_prompts[k] >= 2 else np.nan for k in range(K)], dtype=float)
     resid = d.label[design.lab_rows] - prep.f[design.lab_rows]
     resid_sd = float(np.std(resid, ddof=1)) if resid.size > 1 else float("nan")
 
@@ -592,8 +604,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                         "ci_method": p_ci_method, "basis_code": p_code, "level_claim": p_claim,
                         "basis": p_basis, "refusal_reasons": p_reasons},
             "labels_to_verify": (None if has_verified or not verified_mode else
-                                 labels_to_verify(k, int(n_own[k]), ext.stats[:K], resid_sd, opts.min_labels,
-                                                  alpha)),
+                                 labels_to_verify(k, int(n_own[k]), int(n_rows[k]), assumed_est, se_verified,
+                                                  resid_sd, opts.min_labels, alpha)),
             "plug_in": summary(k),
             "augmented": summary(K + k) if has_aug else None,
             "raw_judge_mean": float(d.score[d.policy == k].mean()),
@@ -619,7 +631,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
             if not (1 / SE_AGREEMENT_RATIO <= ratio <= SE_AGREEMENT_RATIO):
                 warnings.append(f"{name}: bootstrap SE {summ['se_bootstrap']:.4f} and analytic SE "
                                 f"{summ['se_analytic']:.4f} differ by a factor {ratio:.2f}")
-    _name_closest(policies, list(d.policies), ext.stats[:K])
+    _name_closest(policies, list(d.policies))
     return DirectSummaries(policies, cols, refused, dfs, calibration_summary(prep), warnings,
                            reps=ext.reps, influence=ext.total, assumed_cols=assumed_cols,
                            assumed_refused=assumed_refused, assumed_relative=assumed_rel)
@@ -631,11 +643,9 @@ def _why_unverified(n_own: int, min_labels: int) -> str:
     return f"{n_own} own labels; at least {min_labels} needed"
 
 
-def _name_closest(policies: dict, names: list[str], plug: np.ndarray) -> None:
+def _name_closest(policies: dict, names: list[str]) -> None:
     """Fill the closest policy's name into each ``labels_to_verify`` block."""
-    for k, n in enumerate(names):
+    for n in names:
         ltv = policies[n].get("labels_to_verify")
         if ltv and ltv.get("closest"):
-            others = [j for j in range(len(names)) if j != k and np.isfinite(plug[j])]
-            j = min(others, key=lambda j: abs(plug[j] - plug[k]))
-            ltv["closest"]["policy"] = names[j]
+            ltv["closest"]["policy"] = names[int(ltv["closest"]["policy"])]

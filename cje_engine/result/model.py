@@ -207,10 +207,11 @@ class LabelsToVerify(_Strict):
     n_labels: int = Field(description="the larger of for_level and for_closest_comparison")
     for_level: int = Field(description="own labels still missing for a verified level (min_labels)")
     for_closest_comparison: Optional[int] = None
-    closest: Optional[dict[str, Any]] = Field(None, description="the policy whose assumed level is closest and "
-                                                                "the assumed difference")
+    closest: Optional[dict[str, Any]] = Field(None, description="the verified policy whose assumed level is closest, "
+                                                                "and the assumed difference")
     power: float
     residual_sd: Num = Field(None, description="SD of the label residuals Y - f used for the projection")
+    capped: Optional[bool] = Field(None, description="n_labels was capped at the policy's unlabelled rows")
 
 
 class PolicyResult(_Strict):
