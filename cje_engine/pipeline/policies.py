@@ -574,8 +574,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
             claim, summ, ci_method, sel = "ok", summary(col), summary.reported_raw(col)[1], None
         elif verified_mode and not floor and not p_reasons and not opts.trusts(name):
             col, code, reasons = p_col, p_code, []
-            rel = ("not_estimable", f"no verified level ({_why_unverified(int(n_own[k]), opts.min_labels)}); "
-                                    "its assumes-transport level is in 'assumed'")
+            rel = ("not_estimable", f"no verified level ({int(n_own[k])} own labels, {opts.min_labels} needed)")
             basis = f"assumes transport: {p_basis}"
             claim, summ, ci_method, sel = "assumes_transport", None, None, None
         else:  # the protocol's level: refused, a trusted plug-in, or every level of a non-default estimator
@@ -635,12 +634,6 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     return DirectSummaries(policies, cols, refused, dfs, calibration_summary(prep), warnings,
                            reps=ext.reps, influence=ext.total, assumed_cols=assumed_cols,
                            assumed_refused=assumed_refused, assumed_relative=assumed_rel)
-
-
-def _why_unverified(n_own: int, min_labels: int) -> str:
-    if n_own == 0:
-        return f"no oracle labels of its own; at least {min_labels} needed"
-    return f"{n_own} own labels; at least {min_labels} needed"
 
 
 def _name_closest(policies: dict, names: list[str]) -> None:

@@ -95,6 +95,13 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
         items.append(("ok", f"<p>Best policy: <b>{_esc(best)}</b>{reason_txt}</p>"))
     else:
         items.append(("warn", f"<p><b>No clear winner</b>{reason_txt}</p>"))
+    assumed_claims = result.get("assumes_transport")
+    if isinstance(assumed_claims, dict):
+        a_best = assumed_claims.get("best_policy")
+        a_reason = _strip_winner_prefix(assumed_claims.get("best_policy_reason"))
+        items.append(("warn", "<p><b>Assuming transport</b> (the paper's protocol, not verified): best policy "
+                              f"<b>{_esc(a_best or 'none')}</b>" + (f" \u2014 {_esc(a_reason)}" if a_reason else "")
+                              + ". Not the basis of the best policy or a gate.</p>"))
     failed = [n for n in order if _verdict(pols[n]) == "fail"]
     inconclusive = [n for n in order if _verdict(pols[n]) == "inconclusive"]
     not_run = [n for n in order if _verdict(pols[n]) == "not_run"]
