@@ -126,3 +126,29 @@ def test_gate_as_a_ci_step(tmp_path):
                 "--candidate", "clone,parallel_universe_prompt")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("ok   fail-if") == 5 and "gate passed" in r.stdout  # 2 worse + 3 refused (base too)
+
+
+def test_gate_is_verified_by_default_and_assume_transport_is_named(tmp_path, capsys, in_tmp):
+    """A candidate without own labels whose judge is inflated: the verified gate cannot pass it as better
+    (fails closed, naming the missing verification); --assume-transport judges the protocol's comparison and
+    says so in every reason."""
+    from cje_engine import evaluate
+    from cje_engine.simulate.direct import PolicySpec, simulate
+
+    pols = (PolicySpec("base", 0.8), PolicySpec("clone", 0.8), PolicySpec("cand", 0.7, verbosity=3.0))
+    sim = simulate(600, pols, oracle_fraction=0.3, label_design="calibration_policy", audit_labels=40, seed=3)
+    frame = sim.frame.copy()
+    frame.loc[frame["policy"] == "cand", ["oracle_label", "label_probability"]] = np.nan
+    d = evaluate(frame, n_bootstrap=200, seed=0).to_dict()
+    assert d["policies"]["cand"]["level_claim"] == "assumes_transport"
+    verified = judge(d, "base", pass_if=["better"], candidates=["cand"])
+    assert verified[0].failed and "no verified level" in verified[0].reason
+    assumed = judge(d, "base", fail_if=["worse"], candidates=["cand"], assume_transport=True)
+    assert assumed and all(c.reason.startswith("assumes transport: ") for c in assumed)
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(d))
+    assert cli.main(["gate", str(path), "--baseline", "base", "--candidate", "cand", "--pass-if", "better"]) == 1
+    assert "no verified level" in capsys.readouterr().out
+    cli.main(["gate", str(path), "--baseline", "base", "--candidate", "cand", "--fail-if", "worse",
+              "--assume-transport"])
+    assert "assumes transport: cand - base" in capsys.readouterr().out
