@@ -91,14 +91,24 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
         if w is None or not w.sum() > 0:
             w = np.ones(s.shape[0])
         share_thin = float(np.sum(w * thin) / np.sum(w))
-        out.append({
+        entry = {
             "share_outside_range": float(np.sum(w * outside) / np.sum(w)),
             "share_thin": share_thin,
             "limited": share_thin > opts.support_material_share,
             "rule": (f"thin = fewer than {opts.support_min_labels} calibration labels within "
                      f"+/-{h:.4g} of the score, or outside [{cs[0]:.4g}, {cs[-1]:.4g}]; limited when more than "
                      f"{opts.support_material_share:.0%} of rows are thin"),
-        })
+        }
+        if design.mode == "two_stage" and scores is not None and by_cell and d.X.shape[1]:
+            # the index extrapolates where a covariate lies outside the calibration labels' range
+            Xc = d.X[design.cal_rows]
+            lo, hi = Xc.min(axis=0), Xc.max(axis=0)
+            cx = design.cells.cells.X
+            off = np.any((cx < lo - 1e-12) | (cx > hi + 1e-12), axis=1)
+            share = float(np.sum(w * off) / np.sum(w))
+            entry.update(share_covariate_outside=share,
+                         covariate_extrapolation=share > opts.support_material_share)
+        out.append(entry)
     return out
 
 
@@ -223,6 +233,9 @@ def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_
         tail = f"; the transport audit on {n_own} own labels did not fail (inconclusive)"
     else:
         tail = f"; the transport audit on {n_own} own labels failed"
+    if support.get("covariate_extrapolation"):
+        tail += (f"; the two-stage index extrapolates in a covariate for {support['share_covariate_outside']:.0%} of "
+                 f"its rows (outside the calibration labels' range)")
     basis = "calibrated plug-in: mean of calibrated judge scores" + tail
     if verdict == "fail":
         reasons.append(

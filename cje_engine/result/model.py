@@ -67,6 +67,11 @@ class Support(_Strict):
     share_thin: float
     limited: bool = Field(description="more than the material share of rows is thinly supported")
     rule: Optional[str] = None
+    share_covariate_outside: Optional[float] = Field(
+        None, description="two-stage calibration: share of the policy's rows with a covariate outside the range the "
+                          "calibration labels cover (the index extrapolates there); flagged, not refused: verified "
+                          "levels do not depend on it")
+    covariate_extrapolation: Optional[bool] = Field(None, description="share_covariate_outside above the material share")
 
 
 class Decile(_Strict):

@@ -177,3 +177,22 @@ def test_best_policy_is_an_intersection_union_test():
         c["reported"] = False  # as compare_pairs leaves a pair with a dropped policy
     _, _, best, reason = rank_policies(names, est, comps, refused, ["ok"] * 3, {"c": "no verified level"}, 0.05)
     assert best is None and "not every policy" in reason  # a policy without a level may be the best
+
+
+def test_two_stage_extrapolation_in_a_covariate_is_flagged():
+    """Support is checked in the covariates too: a policy whose lengths lie outside the calibration labels'
+    range is flagged (share computed by hand from the rows), and its assumes-transport basis says so."""
+    pols = (PolicySpec("base", 0.8), PolicySpec("long", 0.8, verbosity=4.0))
+    sim = simulate(600, pols, oracle_fraction=0.2, label_design="calibration_policy", audit_labels=30, seed=5)
+    d = evaluate(sim.frame, covariates=["response_length"], calibration_mode="two_stage", n_bootstrap=100,
+                 calibration_policies=["base"], level_estimator="audited").to_dict()
+    f = sim.frame
+    cal = f[(f["policy"] == "base") & f["oracle_label"].notna()]["response_length"]
+    long = f[f["policy"] == "long"]["response_length"]
+    share = float(((long < cal.min()) | (long > cal.max())).mean())
+    s = d["policies"]["long"]["support"]
+    assert s["share_covariate_outside"] == pytest.approx(share) and share > 0.1
+    assert s["covariate_extrapolation"] is True
+    assert d["policies"]["base"]["support"]["covariate_extrapolation"] is False
+    if d["policies"]["long"]["basis_code"] == "plug_in":
+        assert "extrapolates in a covariate" in d["policies"]["long"]["basis"]
