@@ -9,6 +9,12 @@ call):
 * ``drift_monitors:`` - `DriftMonitorConfig` (drift options checked by
   `cje_engine.drift.monitor.DriftMonitor`).
 
+The file is read with `StrictLoader` (a safe loader): a key repeated in a mapping at any level is an
+error naming the key and both lines, and an alias bomb (more than `MAX_YAML_VALUES` values once aliases
+are expanded, more than `MAX_YAML_ALIASES` aliases, a recursive alias) is refused before any value is
+built.  Webhook URLs (``label_requests.webhook_url``) pass `check_webhook_url`: ``http``/``https`` only,
+never a link-local or cloud-metadata address.
+
 Checks: unknown keys are errors with a did-you-mean hint; types are strict (``interval: true``,
 ``n_bootstrap: "abc"`` and ``alpha: "0.05"`` are refused, not coerced); ranges (seed >= 0,
 ``n_bootstrap`` <= `cje_engine.options.MAX_N_BOOTSTRAP`, windows of 1 to `MAX_WINDOW_DAYS`
