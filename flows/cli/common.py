@@ -3,6 +3,7 @@ atomic writes and the audit/refusal status of a result."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -139,6 +140,57 @@ def write_atomic(path: Path, text: str) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise CJEInputError(f"cannot write the file ({exc.strerror or exc})", source=str(path)) from None
+        raise
+
+
+def write_new_file(path: Path, data: bytes, *, force: bool = False, flag: str = "--force") -> None:
+    """Write ``data`` to ``path`` without ever writing through a symbolic link or, unless ``force``,
+    replacing an existing file.
+
+    The bytes go to a temporary file in the same folder, which is then hard-linked to ``path``
+    (fails if ``path`` appeared meanwhile: nothing is replaced) or, with ``force``, renamed over it
+    (a rename replaces the name, never the target of a link).  The temporary file never outlives a
+    failure.
+
+    Raises
+    ------
+    CJEInputError
+        ``path`` is a symbolic link, a folder, exists (without ``force``), or cannot be written.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise CJEInputError("is a symbolic link; refusing to write through it (give a plain file path)",
+                            source=str(path))
+    if path.is_dir():
+        raise CJEInputError("is a folder; give a file path", source=str(path))
+    if path.exists() and not force:
+        raise CJEInputError(f"exists already; give {flag} to replace it or choose another file", source=str(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise CJEInputError(f"cannot write the file ({exc.strerror or exc})", source=str(path)) from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if force:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # create-only: fails if the name appeared meanwhile
+            os.unlink(tmp)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, FileExistsError):
+            raise CJEInputError(f"exists already; give {flag} to replace it or choose another file",
+                                source=str(path)) from None
         if isinstance(exc, OSError):
             raise CJEInputError(f"cannot write the file ({exc.strerror or exc})", source=str(path)) from None
         raise

@@ -8,6 +8,10 @@ row's inclusion probability (what the label store will record as ``label_probabi
 score is left out unless asked for (``include_judge_score``): labellers should not be anchored on
 the score they are checking.
 
+CSV cells that a spreadsheet would run as a formula (starting with ``= + - @``, tab or CR, e.g. a response
+``=IMPORTXML(...)``) are prefixed with ``'`` (OWASP's CSV-injection advice;
+`flows.label_requests.answers.neutralize_csv_cell`); reading the filled CSV back strips exactly that prefix.
+
 The label goes back under ``oracle_label`` (CSV/JSONL column, Label Studio ``Number`` control,
 Argilla question) on the request's label scale; `flows.label_requests.answers` reads it back.
 """
@@ -23,6 +27,7 @@ import pyarrow as pa
 
 from cje_engine.errors import CJEInputError
 
+from flows.label_requests.answers import neutralize_csv_cell
 from flows.storage.anchors import read_anchor_set
 from flows.storage.logs import discover_partitions, read_window
 from flows.storage.objects import Storage
@@ -125,7 +130,8 @@ def request_items(manifest: Mapping, texts: Mapping[str, Mapping], anchor_texts:
 
 
 def to_csv(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> bytes:
-    """One row per item: ``response_id`` (the item id), the texts, an empty ``oracle_label`` to fill, metadata."""
+    """One row per item: ``response_id`` (the item id), the texts, an empty ``oracle_label`` to fill, metadata;
+    text cells that would start a spreadsheet formula are prefixed with ``'`` (see the module docs)."""
     extra = ["judge_score"] if any("judge_score" in i for i in items) else []
     header = ["response_id", *text_columns, ANSWER, *[m for m in META if m != "item_id"], *extra]
     buf = io.StringIO()
@@ -134,8 +140,14 @@ def to_csv(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_
     for i in items:
         row = dict(i, response_id=i["item_id"], oracle_label="",
                    label_scale="-".join(f"{x:g}" for x in i["label_scale"]))
-        w.writerow(["" if row.get(h) is None else row.get(h) for h in header])
+        w.writerow([_csv_cell(row.get(h)) for h in header])
     return buf.getvalue().encode()
+
+
+def _csv_cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    return neutralize_csv_cell(value) if isinstance(value, str) else value
 
 
 def to_jsonl(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> bytes:

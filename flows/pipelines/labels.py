@@ -19,6 +19,10 @@ Steps (Prefect tasks):
                      `flows.pipelines.audit.evaluate_and_audit`.  The label-store version is
                      part of the run key, so the new result is published beside the old one,
                      which stays readable (`list_runs` / `read_run`); ``latest.json`` moves.
+                     Once it completed, the label store records it for that version
+                     (`LabelStore.mark_reevaluated`); a retry of the same labels ("already
+                     stored") whose version has no such record re-evaluates (a ``kill -9``
+                     between the commit and the re-evaluation loses nothing).
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from prefect.utilities.annotations import quote
 from cje_engine.errors import CJEInputError
 
 from flows.label_requests.answers import (ANSWER_FORMATS, detect_format, load_json_or_jsonl, parse_argilla,
-                                          parse_label_studio, parse_table, rescale)
+                                          parse_label_studio, parse_table, rescale,
+                                          restore_csv_table)
 from flows.label_requests.config import RequestConfig
 from flows.label_requests.manifests import list_requests, mark_fulfilled
 from flows.pipelines.audit import evaluate_and_audit
@@ -96,7 +101,7 @@ def parse_labels(data: bytes, name: str, source: str) -> pa.Table:
             return pq.read_table(io.BytesIO(data))
         if fmt == "csv":
             opts = pacsv.ConvertOptions(column_types={"response_id": pa.string()})
-            return pacsv.read_csv(io.BytesIO(data), convert_options=opts)
+            return restore_csv_table(pacsv.read_csv(io.BytesIO(data), convert_options=opts))
         schema = pa.schema([("response_id", pa.string())])
         return pajson.read_json(io.BytesIO(data), parse_options=pajson.ParseOptions(explicit_schema=schema,
                                                                                     unexpected_field_behavior="infer"))
@@ -543,6 +548,25 @@ def reevaluate_windows(specs: Sequence[Any], touched: Sequence[str], cfg: Any, a
     return reevaluations, superseded
 
 
+def reevaluation_done(labels_uri: str, cfg: Any, version: int) -> bool:
+    """Whether the re-evaluation called for by label-store ``version`` completed (see `record_reevaluation`)."""
+    from flows.storage.labels import LabelStore
+
+    done = LabelStore(_storage(labels_uri, cfg)).reevaluated(version) is not None
+    if not done:
+        get_run_logger().warning("labels already stored as version %d, but their re-evaluation never completed "
+                                 "(an earlier run was interrupted): re-evaluating now", version)
+    return done
+
+
+def record_reevaluation(labels_uri: str, cfg: Any, version: int, reevaluations: Sequence[Mapping]) -> None:
+    """Record in the label store that ``version``'s re-evaluation completed (written after every window)."""
+    from flows.storage.labels import LabelStore
+
+    runs = [{k: r.get(k) for k in ("evaluation", "window", "run_key", "published")} for r in reevaluations]
+    LabelStore(_storage(labels_uri, cfg)).mark_reevaluated(version, {"runs": runs})
+
+
 def check_parameters(p: dict[str, Any]) -> None:
     """Checks before a run is created: the answers format and the label-request settings."""
     if p["answers_format"] not in ANSWER_FORMATS:
@@ -647,9 +671,11 @@ def labels(
         "touched_dates": touched, "reevaluations": [], "superseded": [], "label_scale": list(label_scale),
         "anchors": anchors_out["versions"], **{k: read_info.get(k, d) for k, d in (
             ("ignored", {}), ("duplicates", 0), ("unanswered", 0))}}
-    if reevaluate and appended["new"]:
+    if reevaluate and appended["version"] is not None and (
+            appended["new"] or not reevaluation_done(labels_uri, cfg, appended["version"])):
         out["reevaluations"], out["superseded"] = reevaluate_windows(specs, touched, cfg, as_of, max_windows,
                                                                       label_requests)
+        record_reevaluation(labels_uri, cfg, appended["version"], out["reevaluations"])
     return labels_artifacts(out)  # Prefect artifacts: flows/reports/artifacts.py
 
 

@@ -7,6 +7,7 @@ kept apart from the logs and never rewrite them.  Layout under the storage root:
     labels/v000002-<sha16>.parquet
     labels/_commits/v000001.json        commit record of version 1 (created last)
     labels/_commits/v000002.json
+    labels/_reevaluated/v000002.json    written once the re-evaluation that version 2 called for completed
 
 An append (1) hashes its normalised content (sha256 over the rows sorted by
 ``(response_id, oracle_label, label_probability)``, duplicates removed); (2) returns the existing
@@ -233,6 +234,32 @@ class LabelStore:
                 self.st.delete(data_key)
         raise StorageError(f"label append to {self.st.url(self.prefix)} lost {_MAX_RACES} races in a row",
                            key=self.prefix, operation="append")
+
+    def _reevaluated_key(self, version: int) -> str:
+        return f"{self.prefix}/_reevaluated/v{int(version):06d}.json"
+
+    def reevaluated(self, version: int) -> dict | None:
+        """The record `mark_reevaluated` wrote for ``version``, or None if its re-evaluation never completed.
+
+        A ``cje labels`` killed after the commit and before (or during) the re-evaluation leaves no record:
+        its retry (same labels, "already stored") re-evaluates instead of skipping.
+        """
+        try:
+            raw = self.st.read_bytes(self._reevaluated_key(version))
+        except NotFoundError:
+            return None
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            log.warning("re-evaluation record %s is unreadable; treating the re-evaluation as not done",
+                        self.st.url(self._reevaluated_key(version)))
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def mark_reevaluated(self, version: int, summary: Mapping[str, Any]) -> None:
+        """Record that the re-evaluation called for by labels of ``version`` completed (``summary``: what ran)."""
+        record = {"version": int(version), "completed_at": datetime.now(timezone.utc).isoformat(), **dict(summary)}
+        self.st.write_bytes(self._reevaluated_key(version), json.dumps(record, indent=1, default=str).encode())
 
     def _find_committed(self, sha: str, commits: dict[int, str]) -> int | None:
         for version, shas in sorted(self._data_candidates().items()):

@@ -71,13 +71,20 @@ class LocalStorage(Storage):
         return removed
 
     def _tmp_file(self, path: Path, data: bytes) -> Path:
+        """``data`` in a new temporary file beside ``path``; on any failure (a full disk, ...) the
+        partial temporary file is removed before the error propagates."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_stale_tmp(path.parent)
         tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         return tmp
 
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -112,8 +119,15 @@ class LocalStorage(Storage):
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 except FileExistsError:
                     return False
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(bytes(data))
+                try:
+                    with os.fdopen(fd, "wb") as fh:
+                        fh.write(bytes(data))
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        path.unlink()  # ours (O_EXCL): never leave a partial object under the key
+                    raise
                 return True
         except OSError as exc:
             raise self._fail("create", key, exc) from None

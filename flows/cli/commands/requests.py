@@ -193,21 +193,43 @@ def _monitor_anchors_uri(ns: argparse.Namespace, set_name: str | None) -> str | 
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
+    out = Path(ns.out)
+    cfg_path = out.with_suffix(".label_config.xml")
+    _check_outputs([out, cfg_path] if ns.format == "label-studio" else [out], ns.force)  # before any work
     w, m, _ = find(ns, ns.request_id)
     items = request_items(w, m, ns)
     data = exports.export_request(items, ns.format, tuple(ns.text_columns), m.get("label_scale") or (0.0, 1.0))
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(data)
+    files = {out: data}
     extra = ""
     if ns.format == "label-studio":
-        cfg_path = out.with_suffix(".label_config.xml")
-        cfg_path.write_text(exports.label_studio_config(m.get("label_scale") or (0, 1), tuple(ns.text_columns),
-                                                         ns.include_judge_score))
+        files[cfg_path] = exports.label_studio_config(m.get("label_scale") or (0, 1), tuple(ns.text_columns),
+                                                      ns.include_judge_score).encode("utf-8")
         extra = f" (labeling config: {cfg_path})"
+    _write_exports(files, ns.force)
     sys.stdout.write(f"request {m['request_id']}: {len(items)} item(s) as {ns.format} in {out}{extra}; judge scores "
                      f"{'included' if ns.include_judge_score else 'left out'}\n")
     return EXIT_OK
+
+
+def _check_outputs(paths: list[Path], force: bool) -> None:
+    """Refuse an export file that is a symbolic link, or exists without ``--force`` (`CJEInputError`)."""
+    for path in paths:
+        if path.is_symlink():
+            raise CJEInputError("is a symbolic link; refusing to write through it (give a plain file path)",
+                                source=str(path))
+        if path.exists() and not force:
+            raise CJEInputError("exists already; give --force to replace it or choose another file",
+                                source=str(path))
+
+
+def _write_exports(files: dict[Path, bytes], force: bool) -> None:
+    """Write each export file create-only (``--force``: replace), never through a symbolic link; every
+    file is checked again before the first is written, so a refusal writes nothing."""
+    from flows.cli.common import write_new_file
+
+    _check_outputs(list(files), force)
+    for path, blob in files.items():
+        write_new_file(path, blob, force=force)
 
 
 def cmd_push(ns: argparse.Namespace) -> int:
@@ -275,7 +297,8 @@ def register(sub: Any) -> None:
     q = rs.add_parser("export", help="a request as CSV, JSONL, Label Studio tasks or Argilla records")
     q.add_argument("request_id")
     q.add_argument("--format", choices=exports.FORMATS, default="csv")
-    q.add_argument("--out", required=True, help="output file")
+    q.add_argument("--out", required=True, help="output file (never replaced unless --force; never a symbolic link)")
+    q.add_argument("--force", action="store_true", help="replace an existing --out file")
     _common(q)
     _text(q)
     q.set_defaults(handler=cmd_export)
