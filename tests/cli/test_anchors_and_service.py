@@ -146,6 +146,22 @@ def test_cje_run_checks_inputs_before_starting_prefect_and_ray(tmp_path):
     assert "Traceback" not in r.stderr and "Prefect API server" not in r.stderr and "Ray" not in r.stderr
 
 
+def test_cje_run_refuses_a_day_whose_only_file_is_a_dangling_symlink(tmp_path, capsys, in_tmp):
+    """Not dropped as "deleted while listing" (720 of 1,080 rows evaluated): exit 2 naming it, nothing published."""
+    import os
+
+    _logs(tmp_path / "logs")
+    day = sorted((tmp_path / "logs").glob("dt=*"))[1]
+    [only] = list(day.glob("*.parquet"))
+    only.unlink()
+    os.symlink(tmp_path / "moved-away.parquet", only)
+    cfg = _config(tmp_path, tmp_path / "logs")
+    assert cli.main(["run", "ev", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert str(only) in err and "symbolic link whose target does not exist" in err and "Traceback" not in err
+    assert not (tmp_path / "results").exists() and not list(tmp_path.rglob("manifest.json"))
+
+
 def test_cje_run_names_an_underivable_covariate(tmp_path, capsys, in_tmp):
     _logs(tmp_path / "logs")
     cfg = _config(tmp_path, tmp_path / "logs", "[difficulty]")
