@@ -381,19 +381,27 @@ def canonical_identifiers(s: pd.Series, name: str, col: str) -> pd.Series:
         Naming the input, the column and the first bad row.
     """
     arr = pa.array(s, type=pa.large_string(), from_pandas=True)
+    nfc = canonical_id_array(arr, name, col)
+    if nfc is arr:
+        return s
+    return pd.Series(nfc.to_pandas(), index=s.index, name=s.name)
+
+
+def canonical_id_array(arr: pa.Array | pa.ChunkedArray, name: str, col: str) -> pa.Array | pa.ChunkedArray:
+    """`canonical_identifiers` on an Arrow string array: ``arr`` itself when nothing changes (the
+    common all-ASCII case costs 0.15 s per 2M ids), else its NFC form; `CJEInputError` naming
+    ``name``, ``col`` and the row for a control or invisible format character."""
     ascii_only = pc.all(pc.string_is_ascii(arr)).as_py() is not False
     if ascii_only and pc.all(pc.ascii_is_printable(arr)).as_py() is not False:
-        return s  # the common case, 5x faster than the regular expression (0.15 s per 2M ids)
+        return arr  # 5x faster than the regular expression
     bad = pc.match_substring_regex(arr, _INVISIBLE_RE)
     if pc.any(bad).as_py():
         row = pc.index(bad, True).as_py()
         raise _invisible_error(arr[row].as_py(), name, col, row)
     if ascii_only:
-        return s
+        return arr
     nfc = pc.utf8_normalize(arr, form="NFC")
-    if not pc.any(pc.not_equal(nfc, arr)).as_py():
-        return s
-    return pd.Series(nfc.to_pandas(), index=s.index, name=s.name)
+    return arr if not pc.any(pc.not_equal(nfc, arr)).as_py() else nfc
 
 
 def canonical_identifier(value: str, name: str, col: str) -> str:

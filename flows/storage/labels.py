@@ -55,6 +55,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cje_engine.data.io import canonical_id_array
 from cje_engine.errors import CJEInputError
 
 from flows.storage.logs import column_kind, log_renames
@@ -106,7 +107,7 @@ def normalize_labels(table: pa.Table, source: str) -> pa.Table:
             arr = arr.cast(arr.type.value_type)
         return arr.cast(typ)
 
-    rid = col("response_id", pa.string())
+    rid = canonical_id_array(col("response_id", pa.string()), source, "response_id")  # NFC, as the engine reads ids
     label = col("oracle_label", pa.float64())
     prob = (col("label_probability", pa.float64()) if "label_probability" in names
             else pa.chunked_array([pa.nulls(table.num_rows, pa.float64())]))
@@ -403,6 +404,10 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
     rid = logs_table.column("response_id")
     if not pa.types.is_string(rid.type):
         rid = rid.cast(pa.string())
+    # Matched in NFC (the engine's spelling of ids): an NFD id in the logs still finds its label.
+    # Invisible characters are left to the engine, which names the object and row.
+    if pc.all(pc.string_is_ascii(rid)).as_py() is False:
+        rid = pc.utf8_normalize(rid, form="NFC")
     labels = label_table
     if "flagged" not in labels.column_names:
         labels = labels.append_column("flagged", pc.is_in(labels.column("response_id"),
@@ -413,7 +418,10 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
             ("oracle_label", "first", pc.ScalarAggregateOptions(skip_nulls=False)),
             ("label_probability", "first", pc.ScalarAggregateOptions(skip_nulls=False)),
             ("flagged", "max")])
-    idx = pc.index_in(rid, value_set=first.column("response_id").cast(pa.string()))
+    stored_ids = first.column("response_id").cast(pa.string())
+    if pc.all(pc.string_is_ascii(stored_ids)).as_py() is False:  # labels stored before ids were normalised
+        stored_ids = pc.utf8_normalize(stored_ids, form="NFC")
+    idx = pc.index_in(rid, value_set=stored_ids)
     store_label = pc.take(first.column("oracle_label_first"), idx)
     store_prob = pc.take(first.column("label_probability_first"), idx)
     conflict = pc.fill_null(pc.take(first.column("flagged_max"), idx), False)

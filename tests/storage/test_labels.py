@@ -271,3 +271,19 @@ def test_a_damaged_commit_record_is_refused_naming_it(storage: Storage, damage: 
     source = storage.url(record["object"]) if damage == "wrong_rows" else storage.url(key)
     assert err.value.source == source, str(err.value)
     assert ("checksum mismatch" if damage == "wrong_rows" else "commit record") in str(err.value)
+
+
+def test_labels_find_their_rows_whatever_the_unicode_spelling_of_the_id(storage: Storage):
+    """Logs write ``café-1`` in NFD, the labelling tool returns it in NFC (or the reverse): the label is joined."""
+    import unicodedata
+
+    nfc, nfd = "caf\u00e9-1", unicodedata.normalize("NFD", "caf\u00e9-2")
+    ls = LabelStore(storage)
+    ls.append(labels([unicodedata.normalize("NFD", nfc), unicodedata.normalize("NFC", nfd)], [1.0, 0.0]), "tool")
+    assert ls.read().column("response_id").to_pylist() == ["caf\u00e9-1", "caf\u00e9-2"]  # stored in NFC
+    logs = pa.table({"response_id": [nfc, nfd, "other"], "judge_score": [0.5, 0.5, 0.5]})
+    joined = join_labels(logs, ls.read())
+    assert joined.column("oracle_label").to_pylist() == [1.0, 0.0, None]  # was: [None, None, None], both labels silently lost
+    with pytest.raises(CJEInputError, match="invisible or control character U\\+200B") as err:
+        ls.append(labels(["a", "clo\u200bne"], [1.0, 0.0]), "tool2")
+    assert (err.value.source, err.value.column, err.value.row) == ("tool2", "response_id", 1)
