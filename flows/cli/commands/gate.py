@@ -22,7 +22,6 @@ establishes nothing: it fails every ``--pass-if``, and fails ``--fail-if`` too u
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
