@@ -172,10 +172,10 @@ def test_cje_run_does_not_read_spark_work_folders_inside_a_day(tmp_path, capsys,
     table = _logs(tmp_path / "logs")  # 3 days x 60 prompts x 2 policies = 360 rows
     day = sorted((tmp_path / "logs").glob("dt=*"))[1]
     [only] = list(day.glob("*.parquet"))
-    attempt = pq.read_table(only)
-    attempt = attempt.set_column(attempt.schema.get_field_index("response_id"), "response_id",
-                                 pc.binary_join_element_wise("tmp-", attempt.column("response_id"), ""))
-    for work in ("_temporary/0/task_0001", ".staging"):
+    committed = pq.read_table(only)
+    for i, work in enumerate(("_temporary/0/task_0001", ".staging")):
+        attempt = committed.set_column(committed.schema.get_field_index("response_id"), "response_id",
+                                       pc.binary_join_element_wise(f"tmp{i}-", committed.column("response_id"), ""))
         (day / work).mkdir(parents=True)
         pq.write_table(attempt, day / work / "part-0.parquet")  # an uncommitted task attempt's output
     cfg = _config(tmp_path, tmp_path / "logs")
