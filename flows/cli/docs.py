@@ -65,7 +65,7 @@ ever added within a version) and `command`, plus:
 |---|---|
 | `evaluate` | `result_path`, `report_path`, `problems` (list of str: failed audits and refused levels, the reasons for exit code 1), `result` (the result, docs/result-schema.md) |
 | `plan` | `plan` (the plan, docs/planner.md), and with `--out` `plan_path`, `plot_path` |
-| `gate` | `result_path`, `baseline`, `passed` (bool), `checks`: list of {`rule` (fail-if, pass-if), `expression`, `candidate`, `failed`, `reason`, `diff`, `se`, `p_value`, `p_adjusted`} |
+| `gate` | `result_path`, `result_verified` (bool: checked against the manifest of its published run; false for a bare result), `baseline`, `passed` (bool), `checks`: list of {`rule` (fail-if, pass-if), `expression`, `candidate`, `failed`, `reason`, `diff`, `se`, `p_value`, `p_adjusted`} |
 | `run` | `evaluation`, `window`, `run_key`, `published`, `reason`, `path`, `report`, `label_requests`, `timings`, `result`, `problems` |
 | `demo` | the fields of `run`, plus `drift` (the drift monitor's summary) |
 | `drift` | `summary` (the drift flow's summary: `monitor`, `set_name`, `new_looks`, `n_looks`, `first_alarm`, `report`, ...) |

@@ -246,13 +246,13 @@ def _scan_logs(logs_uri: str, cfg: Any, ids: set[str], lookback: tuple[date, dat
                mapping: dict[str, str] | None = None) -> dict[str, dict]:
     """Look ids up in the logs: ``response_id`` and ``dt`` only, the id filter pushed into the scan
     (``mapping``: the evaluation's ``columns:``, the logs' own names)."""
-    from flows.storage.logs import PARTITION, discover_partitions, partition_of, read_window
+    from flows.storage.logs import PARTITION, discover_partitions, is_log_object, read_window
 
     st = _storage(logs_uri, cfg)
     if lookback is not None:
         files = discover_partitions(st, *lookback)
     else:
-        files = [f for f in st.list(f"{PARTITION}=") if f.key.endswith(".parquet") and partition_of(f.key)]
+        files = [f for f in st.list(f"{PARTITION}=") if is_log_object(f.key)]
     if not files or not ids:
         return {}
     wanted = pa.array(sorted(ids), pa.string())

@@ -66,6 +66,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from cje_engine.data.io import column_renames
+from cje_engine.data.readers import is_work_path
 from cje_engine.errors import CJEInputError
 
 from flows.storage.objects import ObjectInfo, Storage, StorageError, _short
@@ -125,18 +126,26 @@ def partition_of(key: str) -> str | None:
     return m.group(1) if m else None
 
 
+def is_log_object(key: str) -> bool:
+    """True for a log data object: a ``.parquet`` key under ``dt=YYYY-MM-DD/`` with no part
+    starting with ``_`` or ``.`` (`cje_engine.data.readers.is_work_path`, the rule the engine's
+    folder reader follows too)."""
+    return key.endswith(".parquet") and partition_of(key) is not None and not is_work_path(key)
+
+
 def discover_partitions(st: Storage, start_date: date | str, end_date: date | str) -> list[ObjectInfo]:
     """Parquet objects under ``dt=YYYY-MM-DD/`` for every date of the window (inclusive).
 
     Only the window's partitions are listed (partition pruning); objects not ending in
-    ``.parquet`` (markers, temporary files) are skipped.  Sorted by key.
+    ``.parquet`` (markers) and work paths (`is_log_object`: any part of the key starting with
+    ``_`` or ``.``, e.g. Spark's ``dt=.../_temporary/0/.../part-0.parquet``) are skipped.
+    Sorted by key.
     """
     files: list[ObjectInfo] = []
     for day in partition_dates(start_date, end_date):
         for info in st.list(f"{PARTITION}={day.isoformat()}/"):
-            name = info.key.rsplit("/", 1)[-1]
-            if not name.endswith(".parquet") or name.startswith("."):
-                log.debug("skipping non-Parquet object %s", st.url(info.key))
+            if not is_log_object(info.key):
+                log.debug("skipping %s: not a log object (not .parquet, or under a work folder)", st.url(info.key))
                 continue
             files.append(info)
     files.sort(key=lambda o: o.key)

@@ -44,6 +44,11 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
 * After a commit the publisher rebuilds ``results/index.html`` and ``results/<evaluation>/trend.html``
   (`flows.reports.trend.write_pages`); a failure there is logged and never fails the publish.
 
+Reading back: `read_run` (and so `read_latest`, `cje diff`, `cje plan --evaluation`, the run history)
+checks ``result.json`` against the sha256 its manifest records, and `read_result_file` does the same for
+a local ``result.json`` given to `cje gate`; a mismatch is `ChecksumMismatch` (a `CJEInputError`, exit 2)
+naming the file, and the result is never used.
+
 Gate: before anything is written, ``result.json`` is checked (`check_result_gate`): every
 policy whose ``level_claim`` is ``"refused"`` must carry non-empty ``refusal_reasons``, level
 claims must be ``ok`` or ``refused``, ``best_policy`` must not be refused, and when
@@ -668,14 +673,102 @@ def read_run(st: Storage, evaluation: str, window: str, key: str) -> dict[str, A
     arts = manifest.get("artifacts") or {}
     result = None
     if "result.json" in arts:
-        raw = st.read_bytes(f"{run}/{arts['result.json']['key']}")
-        if hashlib.sha256(raw).hexdigest() != arts["result.json"].get("sha256"):
-            raise StorageError(f"{st.url(run)}: result.json does not match the manifest checksum",
-                               key=f"{run}/{arts['result.json']['key']}", operation="read")
+        key_json = f"{run}/{arts['result.json']['key']}"
+        raw = st.read_bytes(key_json)
+        _check_artifact(raw, arts["result.json"], st.url(key_json), st.url(f"{run}/{MANIFEST}"))
         result = json.loads(raw)
     return {"evaluation": evaluation, "window": window, "run_key": key, "path": st.url(run),
             "published_at": manifest.get("published_at"), "manifest": manifest, "result": result,
             "artifacts": _artifact_urls(st, run, manifest)}
+
+
+class ChecksumMismatch(CJEInputError):
+    """A published artifact whose bytes do not match the sha256 its manifest records (exit 2)."""
+
+
+def _check_artifact(raw: bytes, entry: Mapping[str, Any], source: str, manifest_url: str) -> None:
+    """Raise `ChecksumMismatch` (naming ``source``) unless ``raw`` has the manifest entry's sha256."""
+    got, want = hashlib.sha256(raw).hexdigest(), str(entry.get("sha256"))
+    if got != want:
+        raise ChecksumMismatch(
+            f"checksum mismatch: sha256 of the {len(raw)} bytes is {got[:16]}..., the manifest {manifest_url} "
+            f"records {want[:16]}... ({entry.get('size')} bytes); the published file was changed after "
+            "publishing and is not used", source=source)
+
+
+@dataclass(frozen=True)
+class ResultFile:
+    """A ``result.json`` read from a local path by `read_result_file`.
+
+    Attributes
+    ----------
+    result : dict
+        The parsed result.
+    manifest : str or None
+        The manifest it was verified against; None for a bare result (no manifest beside it).
+    """
+
+    result: dict
+    manifest: str | None
+
+    @property
+    def verified(self) -> bool:
+        return self.manifest is not None
+
+
+def read_result_file(path: str | os.PathLike) -> ResultFile:
+    """Read a local ``result.json``, verified against the manifest of its published run if it has one.
+
+    A published result lies at ``<run>/<attempt>/result.json`` with the run's ``manifest.json`` in
+    ``<run>/`` (a copied run folder may also hold both side by side).  When such a manifest exists,
+    the file must be the artifact it commits (same attempt) with the recorded sha256; a bare
+    result with no manifest beside it (``cje evaluate --out``) is returned unverified.
+
+    Raises
+    ------
+    CJEInputError
+        Missing or unreadable file, not a JSON object, a manifest that cannot be read, a result
+        from an uncommitted attempt folder, or `ChecksumMismatch` (naming the file).
+    """
+    src = Path(path)
+    try:
+        raw = src.read_bytes()
+    except FileNotFoundError:
+        raise CJEInputError("result file not found", source=str(src)) from None
+    except OSError as exc:
+        raise CJEInputError(f"not a result.json: {exc}", source=str(src)) from None
+    manifest_path = _manifest_beside(src)
+    if manifest_path is not None:
+        _verify_against_manifest(raw, src, manifest_path)
+    try:
+        result = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CJEInputError(f"not a result.json: {exc}", source=str(src)) from None
+    if not isinstance(result, dict):
+        raise CJEInputError("not a result.json: expected a JSON object", source=str(src))
+    return ResultFile(result, None if manifest_path is None else str(manifest_path))
+
+
+def _manifest_beside(src: Path) -> Path | None:
+    for folder in (src.parent, src.parent.parent):
+        candidate = folder / MANIFEST
+        if candidate.is_file() or candidate.is_symlink():
+            return candidate
+    return None
+
+
+def _verify_against_manifest(raw: bytes, src: Path, manifest_path: Path) -> None:
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+        entry = manifest["artifacts"][src.name]
+        key = str(entry["key"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CJEInputError(f"the manifest beside it ({manifest_path}) cannot be read or lists no {src.name}; "
+                            "the result cannot be verified", source=str(src)) from None
+    if src.parent != manifest_path.parent and key != f"{src.parent.name}/{src.name}":
+        raise CJEInputError(f"not the result its run published: the manifest {manifest_path} commits {key} "
+                            "(this is another attempt's folder)", source=str(src))
+    _check_artifact(raw, entry, str(src), str(manifest_path))
 
 
 def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
@@ -689,6 +782,8 @@ def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
     if pointer is not None:
         try:
             found = read_run(st, evaluation, str(pointer.get("window")), str(pointer.get("run_key")))
+        except ChecksumMismatch:
+            raise  # a changed result is an error, never replaced silently by another run
         except CJEInputError:
             found = None
         if found is not None:

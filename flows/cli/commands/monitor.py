@@ -183,6 +183,9 @@ def cmd_diff(ns: argparse.Namespace) -> int:
         a = previous_run(history, b["window"], b["run_key"])
         if a is None:
             raise CJEInputError(f"{ns.name!r} has one published run; nothing to compare", source=uri)
+    for run in (a, b):  # a run whose result failed verification (checksum mismatch) is never compared
+        if run.get("error"):
+            raise CJEInputError(f"run {run['run_key']} cannot be compared: {run['error']}", source=run.get("path"))
     changed = what_changed(a, b)
     stats = _pair_diff(a, b)
     if ns.json:
