@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from flows.reports.common import (VERDICT_STYLE, _alpha, _check_result, _conf_label, _fmt, _fmt_ci, _fmt_p,
-                                  _is_refused, _not_estimable, _policy_order, _safe, _same_scale, _scale_text,
+                                  _is_refused, _not_estimable, _policy_order, _rank_text, _safe, _same_scale, _scale_text,
                                   _scales, _signed, _verdict)
 from flows.reports.sections import _strip_winner_prefix
 
@@ -25,7 +25,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int
 def format_table(result: dict) -> str:
     """Fixed-width text summary of a result dict for the terminal.
 
-    One row per policy (estimate, CI, level claim, basis, audit verdict, raw judge mean on the judge's
+    One row per policy, highest estimate first (rank as the comparisons support it, `_rank_text`; estimate, CI, level claim, basis, audit verdict, raw judge mean on the judge's
     own scale, oracle mean; refused levels read "refused"), then the pairwise comparisons with adjusted
     p-values ("not estimable: <reason>" where the engine reported none) and the best-policy line. User
     strings are escaped for the terminal (control characters, ANSI escapes, bidirectional overrides).
@@ -45,6 +45,7 @@ def format_table(result: dict) -> str:
         p = pols[n]
         refused = _is_refused(p)
         rows.append([
+            _rank_text(result, n),
             _safe(n),
             "refused" if refused else _fmt(p.get("estimate")),
             "refused" if refused else _fmt_ci(p.get("ci")),
@@ -56,8 +57,10 @@ def format_table(result: dict) -> str:
         ])
     lines = ["Policy estimates (oracle scale)"]
     raw_head = "raw judge" if _same_scale(result) else f"raw judge ({_scale_text(_scales(result)[0])})"
-    lines += _table(["policy", "estimate", f"{conf} CI", "level", "basis", "audit", raw_head,
-                     "oracle mean"], rows, right={1, 2, 6, 7})
+    lines += _table(["rank", "policy", "estimate", f"{conf} CI", "level", "basis", "audit", raw_head,
+                     "oracle mean"], rows, right={2, 3, 7, 8})
+    if any("-" in r[0] and r[0] != "-" for r in rows):
+        lines.append("rank: 1 + policies significantly better; a range (1-3) when the comparisons leave it open")
     comps = [c for c in result.get("comparisons") or [] if isinstance(c, dict)]
     mult = result.get("multiplicity") or {}
     method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "n/a")

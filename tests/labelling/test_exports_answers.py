@@ -113,6 +113,29 @@ def test_list_and_status_count_partly_fulfilled_and_expired(raised, audit_case, 
     assert len(list_requests(st)) == 2
 
 
+
+def test_status_counts_a_merged_request_once(raised, tmp_path, capsys):
+    """A request merged from three reasons (two of them the same trigger) holds its labels once: the
+    status used to count it once per reason (3 x 12 = 36 labels for a request of 12)."""
+    from flows.label_requests.manifests import write_request
+
+    m = dict(raised["request"], request_id="lr-20990101-00000000abcd")
+    reason = m["reasons"][0]
+    m["reasons"] = [dict(reason), dict(reason, reason="a second audit"),
+                    dict(reason, trigger="thin_support", reason="thin support")]
+    root = tmp_path / "merged"
+    assert write_request(Storage.for_uri(str(root)), m)
+    assert main(["requests", "status", "--requests-uri", str(root), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["requests"] == 1 and s["requested"] == 12
+    assert s["by_reasons"] == {"audit_failed+thin_support": {"requests": 1, "requested": 12, "received": 0}}
+    assert s["by_reason"]["audit_failed"] == {"requests": 1, "requested": 12, "received": 0}
+    assert main(["requests", "status", "--requests-uri", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "1 request(s), 0 of 12 label(s) received" in out
+    assert "audit_failed+thin_support" in out and "1 request(s), 0/12 label(s)" in out
+    assert "/24" not in out and "/36" not in out
+
 LS_EXPORT = [
     {"id": 1, "data": {"response_id": "r1"}, "annotations": [
         {"id": 10, "was_cancelled": False, "result": [{"from_name": "oracle_label", "value": {"number": 4}}]}]},
