@@ -187,7 +187,8 @@ def _add_builtin_commands(sub: Any) -> None:
 
     p = sub.add_parser("plan", help="label/log allocation for a target MDE or a budget, from a pilot",
                        description="Plan the next evaluation from a pilot: by default the cheapest design whose "
-                                   "minimum detectable effect is --target-mde (0.02) for the pairs you care about "
+                                   "minimum detectable effect is --target-mde (default 0.02 of the label scale's "
+                                   "width, e.g. 0.08 label units on 1-5) for the pairs you care about "
                                    "(--target, or every pair the pilot has not already resolved).")
     p.add_argument("input", nargs="?",
                    help="a pilot's result.json, or pilot data (anything `cje evaluate` reads); or use --evaluation")
@@ -198,7 +199,8 @@ def _add_builtin_commands(sub: Any) -> None:
     p.add_argument("--out", help="folder for plan.json and plan.svg")
     p.add_argument("--budget", type=float, help="total budget in cost units (plans for the budget instead of an MDE)")
     p.add_argument("--target-mde", type=float,
-                   help="minimum detectable effect to reach, in label units (default 0.02 unless --budget)")
+                   help="minimum detectable effect to reach, in label units (default unless --budget: 0.02 of "
+                        "the label scale's width, i.e. 0.02 on 0-1, 0.08 on 1-5, 2 on 0-100)")
     p.add_argument("--c-s", type=float, default=1.0, help="cost of one judged response (default 1)")
     p.add_argument("--c-y", type=float, default=16.0, help="cost of one oracle label (default 16)")
     p.add_argument("--target", action="append", metavar="TARGET",
@@ -405,10 +407,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from cje_engine.planning.planner import plan_from_data, plan_from_result
 
     targets = [t for arg in (ns.target or []) for t in _csv(arg)] or None
-    target_mde = ns.target_mde
-    if target_mde is None and ns.budget is None:
-        target_mde = 0.02
-    common = dict(budget=ns.budget, target_mde=target_mde, c_S=ns.c_s, c_Y=ns.c_y, targets=targets, power=ns.power)
+    # no --target-mde nor --budget: the planner's default, 0.02 of the label scale's width (in label units)
+    common = dict(budget=ns.budget, target_mde=ns.target_mde, c_S=ns.c_s, c_Y=ns.c_y, targets=targets, power=ns.power)
     out_dir = check_out_dir(ns.out, overwrite=True, files=()) if ns.out else None
     if (ns.input is None) == (ns.evaluation is None):
         raise CJEInputError("give either INPUT (a result.json or pilot data) or --evaluation NAME, not both",
