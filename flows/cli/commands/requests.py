@@ -6,6 +6,7 @@ Requests live under ``label_requests/`` of the evaluation's results (or ``label_
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from flows.cli.terminal import out_json
 from flows.label_requests import exports
 from flows.label_requests.manifests import list_requests, progress, summarize
 from flows.storage.objects import Storage, StorageConfig
+
+log = logging.getLogger(__name__)
 
 STATUSES = ("pending", "partly_fulfilled", "fulfilled", "expired")
 
@@ -186,7 +189,25 @@ def request_items(w: dict, m: dict, ns: argparse.Namespace) -> list[dict]:
         if anchors_uri:
             anchor_texts = exports.read_anchor_texts(anchors_uri, cfg, drift.get("set_name"),
                                                      drift.get("anchors_version"), cols)
+    _warn_ids_naming_policies(m)
     return exports.request_items(m, texts, anchor_texts, text_columns=cols, include_judge_score=ns.include_judge_score)
+
+
+def _blind_description(m: dict) -> str:
+    """What labellers read about a request: its id and trigger codes, never the reasons (they name the
+    policy) nor the policy."""
+    triggers = ", ".join(dict.fromkeys(str(r.get("trigger")) for r in m.get("reasons") or []))
+    return f"cje label request {m['request_id']}" + (f" ({triggers})" if triggers else "")
+
+
+def _warn_ids_naming_policies(m: dict) -> None:
+    """Exports hide the policy, but a response id that contains its policy's name (the ids `cje evaluate`
+    synthesises, ``policy:prompt_id:k``) shows it to labellers: say so."""
+    named = [r for r in m.get("rows") or [] if r.get("policy") and str(r["policy"]) in str(r.get("response_id"))]
+    if named:
+        log.warning("request %s: %d of %d response id(s) contain their policy's name (e.g. %r); labellers will "
+                    "see it in the id column. Give the logs opaque response ids (e.g. a hash of the conversation)",
+                    m.get("request_id"), len(named), len(m.get("rows") or []), named[0]["response_id"])
 
 
 def _monitor_anchors_uri(ns: argparse.Namespace, set_name: str | None) -> str | None:
@@ -232,7 +253,7 @@ def cmd_push(ns: argparse.Namespace) -> int:
                 title = ns.new_project or f"cje {m['request_id']}"
                 project = client.create_project(title, exports.label_studio_config(
                     m.get("label_scale") or (0, 1), tuple(ns.text_columns), ns.include_judge_score),
-                    description=exports._reason_text(m)[:1000])
+                    description=_blind_description(m))
             out = push_request(client, project, m, tasks, st=Storage.for_uri(w["requests_uri"],
                                                                              StorageConfig.from_env()))
     except LabelStudioUnavailable as exc:
