@@ -59,8 +59,9 @@ parser disagree. Every command also answers `cje COMMAND --help`.
   (0644 under the usual umask 022), not a temporary file's 0600.
 * **Service mode** (`cje run`, `cje serve`) checks its inputs before starting Prefect and Ray: the logs
   layout (docs/logs-layout.md), the first partition's columns (every partition's, when the evaluation
-  maps its columns) and the covariates (`response_length` is derived from the `response` text, as in
-  `cje evaluate`).
+  maps its columns), the covariates (`response_length` is derived from the `response` text, as in
+  `cje evaluate`) and every partition's `judge_score` and inline `oracle_label` values against the
+  declared `score_scale` and `label_scale` (the one-line error of `cje evaluate`, exit 2).
 """
 
 JSON_SHAPES = """\
