@@ -31,7 +31,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cje_engine.errors import CJEInputError
 from cje_engine.options import LEVEL_ESTIMATORS
@@ -279,24 +279,37 @@ class StderrHandler(logging.StreamHandler):
 PREFECT_LOGGERS = ("prefect", "prefect.extra", "prefect.client", "prefect.infrastructure")
 
 
-def _setup_logging(verbose: bool, quiet: bool) -> None:
+def _setup_logging(verbose: bool, quiet: bool) -> Callable[[], None]:
+    """Log to stderr at DEBUG (``-v``), WARNING (``-q``, Prefect included) or INFO; returns the undo of
+    the Prefect settings (`_quiet_prefect`)."""
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, handlers=[StderrHandler()], force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "botocore", "urllib3", "asyncio", "numba"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    if quiet:
-        _quiet_prefect()
+    return _quiet_prefect() if quiet else (lambda: None)
 
 
-def _quiet_prefect() -> None:
+def _quiet_prefect() -> Callable[[], None]:
     """``-q``: Prefect logs warnings and errors only, in this process (``PREFECT_LOGGING_LEVEL``, read
     when Prefect is first imported; the loggers themselves when it already is) and in the flow-run
     and server processes started from it (they inherit the environment). Prefect's INFO lines then
-    reach neither the terminal nor the Prefect API's flow-run logs."""
+    reach neither the terminal nor the Prefect API's flow-run logs. Returns the undo."""
+    env = os.environ.get("PREFECT_LOGGING_LEVEL")
+    levels = {name: logging.getLogger(name).level for name in PREFECT_LOGGERS}
     os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
     for name in PREFECT_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+    def restore() -> None:
+        if env is None:
+            os.environ.pop("PREFECT_LOGGING_LEVEL", None)
+        else:
+            os.environ["PREFECT_LOGGING_LEVEL"] = env
+        for name, lvl in levels.items():
+            logging.getLogger(name).setLevel(lvl)
+
+    return restore
 
 
 # ------------------------------------------------------------------------------ evaluate
@@ -674,8 +687,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             json_error(command_name(None, args), code, ["the command line is wrong; see the usage on stderr"])
         return code
     verbose, quiet = getattr(ns, "verbose", False), getattr(ns, "quiet", False)
-    _setup_logging(verbose, quiet)
+    restore = _setup_logging(verbose, quiet)
     terminal.enable_progress(not quiet and not getattr(ns, "json", False))
+    try:
+        return _dispatch(ns, verbose)
+    finally:
+        restore()  # a caller in the same process (tests, notebooks) gets Prefect's logging back
+
+
+def _dispatch(ns: argparse.Namespace, verbose: bool) -> int:
+    """Run the command's handler; every failure becomes one line (and a JSON document) and an exit code."""
     command = getattr(ns, "command", "?")
     as_json = bool(getattr(ns, "json", False))
     try:

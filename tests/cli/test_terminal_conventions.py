@@ -182,3 +182,13 @@ def test_evaluate_writes_files_with_the_mode_of_published_ones(canonical_parquet
     assert published == 0o644
     for name in ("result.json", "report.html"):
         assert stat.S_IMODE((tmp_path / "o" / name).stat().st_mode) == published, name
+
+
+def test_quiet_is_undone_when_main_returns(monkeypatch, capsys, in_tmp):
+    """`main` called in-process (tests, notebooks) gives Prefect's logging settings back afterwards."""
+    import logging
+
+    monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "INFO")
+    before = logging.getLogger("prefect").level
+    assert cli.main(["-q", "runs", "ev"]) == 2  # no evaluations file here
+    assert os.environ["PREFECT_LOGGING_LEVEL"] == "INFO" and logging.getLogger("prefect").level == before
