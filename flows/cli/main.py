@@ -37,9 +37,9 @@ from cje_engine.errors import CJEInputError
 from cje_engine.options import LEVEL_ESTIMATORS
 
 from flows.cli import terminal
-from flows.cli.common import (CONFIG_HELP, check_columns, check_out_dir, config_columns, declared_evaluations, find_config,
-                              find_drift_monitor, find_evaluation, load_input, parse_columns, result_problems,
-                              write_atomic)
+from flows.cli.common import (CONFIG_HELP, check_columns, check_out_dir, config_columns, declared_evaluations,
+                              find_config, find_drift_monitor, find_evaluation, load_input, parse_columns,
+                              result_problems, write_atomic)
 from flows.cli.exits import (EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,
                              EXIT_UNAVAILABLE, EXIT_USAGE, ServiceUnavailable)
 from flows.cli.hints import message_of

@@ -296,7 +296,8 @@ def _comparisons_table(result: dict, alpha: float) -> str:
     method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "")
     n_ne = sum(1 for c in result.get("comparisons") or [] if isinstance(c, dict) and _not_estimable(c))
     caption = (f"{len(rows) - n_ne} comparisons reported"
-               + (f", {n_ne} not estimable" if n_ne else "") + f"; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
+               + (f", {n_ne} not estimable" if n_ne else "")
+               + f"; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
                f"\u03b1 = {_esc(_fmt(mult.get('alpha', alpha), 2))}.")
     return (f"<p class='lead'>{caption} Differences are a \u2212 b on the oracle scale; comparisons "
             f"involving a refused policy are relative claims only.</p><div class='scroll'>"

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from flows.reports.common import (VERDICT_STYLE, _alpha, _check_result, _conf_label, _fmt, _fmt_ci, _fmt_p,
-                                  _is_refused, _not_estimable, _policy_order, _rank_text, _safe, _same_scale, _scale_text,
-                                  _scales, _signed, _verdict)
+                                  _is_refused, _not_estimable, _policy_order, _rank_text, _safe, _same_scale,
+                                  _scale_text, _scales, _signed, _verdict)
 from flows.reports.sections import _strip_winner_prefix
 
 __all__ = ["format_table"]
@@ -25,7 +25,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int
 def format_table(result: dict) -> str:
     """Fixed-width text summary of a result dict for the terminal.
 
-    One row per policy, highest estimate first (rank as the comparisons support it, `_rank_text`; estimate, CI, level claim, basis, audit verdict, raw judge mean on the judge's
+    One row per policy, highest estimate first (rank as the comparisons support it, `_rank_text`;
+    estimate, CI, level claim, basis, audit verdict, raw judge mean on the judge's
     own scale, oracle mean; refused levels read "refused"), then the pairwise comparisons with adjusted
     p-values ("not estimable: <reason>" where the engine reported none) and the best-policy line. User
     strings are escaped for the terminal (control characters, ANSI escapes, bidirectional overrides).
