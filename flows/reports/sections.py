@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
 from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
-                                  _name_cell, _not_estimable, _num, _pair, _pct, _same_scale, _scale_text, _scales,
-                                  _signed, _verdict)
+                                  _name_cell, _not_estimable, _num, _pair, _pct, _rank_text, _same_scale,
+                                  _scale_text, _scales, _signed, _verdict)
 
 # --------------------------------------------------------------------------------------------
 # HTML pieces
@@ -149,7 +149,8 @@ def _raw_header(result: dict) -> str:
 def _policy_table(result: dict, order: list[str], alpha: float) -> str:
     pols = result["policies"]
     conf = _conf_label(alpha)
-    head = ("<tr><th>policy</th><th class='r'>estimate</th>"
+    head = ("<tr><th class='r' title='1 + the policies significantly better; a range (1-3) when the comparisons "
+            "leave it open'>rank</th><th>policy</th><th class='r'>estimate</th>"
             f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>basis</th>"
             f"<th>audit</th><th class='r'>{_raw_header(result)}</th><th class='r'>oracle mean</th>"
             "<th class='r'>labels / rows</th>"
@@ -171,7 +172,8 @@ def _policy_table(result: dict, order: list[str], alpha: float) -> str:
                    f"<td class='r num'>{_esc(_fmt(p.get('se')))}</td>")
         tr_cls = " class='is-refused'" if refused else ""
         rows.append(
-            f"<tr{tr_cls}><td class='name'>{_name_cell(n)}</td>"
+            f"<tr{tr_cls}><td class='r num rank'>{_esc(_rank_text(result, n))}</td>"
+            f"<td class='name'>{_name_cell(n)}</td>"
             f"{est}"
             f"<td title='{_esc(p.get('basis') or '')}'>{_esc(p.get('basis_code') or 'n/a')}</td>"
             f"<td title='transport: {_esc(p.get('transport') or 'n/a')}'>{_badge(_verdict(p))}</td>"

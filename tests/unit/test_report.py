@@ -501,6 +501,9 @@ def test_format_table_orders_by_estimate_and_shows_the_rank_the_comparisons_supp
     # d could rank anywhere; a, b, c are ordered among themselves, but each could swap places with d
     assert rows == [["1-2", "a", "0.800"], ["2-3", "b", "0.700"], ["3-4", "c", "0.600"], ["1-4", "d", "0.300"]]
     assert "a range (1-3) when the comparisons leave it open" in lines[7]
+    # the report's policy table agrees with the terminal: same order (a, b, c, d), same ranks
+    doc = render_report(res)
+    assert re.findall(r"class='r num rank'>([^<]*)</td>", doc) == ["1-2", "2-3", "3-4", "1-4"]
 
 
 def test_format_table_comparisons_and_best(result):
