@@ -758,6 +758,32 @@ def load_config(path: str | os.PathLike | None = None, *, evaluation_cls: type[E
     return Config(path=p, evaluations=evaluations, drift_monitors=monitors)
 
 
+
+def pick_declared(name: str, declared: Mapping[str, Any], *, what: str = "evaluation",
+                  source: str | os.PathLike | None = None) -> Any:
+    """``declared[name]``, or the one `CJEInputError` of every lookup by name: it names the
+    evaluations file, the closest declared name (did you mean) and the declared ones.
+
+    Parameters
+    ----------
+    name : str
+        The name asked for (command line, flow parameter).
+    declared : mapping
+        Name -> entry of the evaluations file (evaluations or drift monitors).
+    what : str
+        ``"evaluation"`` or ``"drift monitor"`` (for the message).
+    source : path, optional
+        The evaluations file the entries were read from (default: the repository's).
+
+    Returns
+    -------
+    The entry of ``name``.
+    """
+    if name in declared:
+        return declared[name]
+    raise CJEInputError(f"no {what} named {name!r}{did_you_mean(name, declared)}; declared: "
+                        f"{', '.join(sorted(declared)) or 'none'}", source=str(source or DEFAULT_FILE))
+
 __all__ = ["Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "load_config",
            "read_yaml", "validate_entry", "check_uri", "check_webhook_url", "check_columns", "merge_columns", "check_publish_name",
            "MonitoringConfig", "check_monitoring", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]

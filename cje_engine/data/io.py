@@ -445,6 +445,13 @@ def _check_range(values: np.ndarray, scale: Scale, name: str, col: str, arg: str
         )
 
 
+def check_scale_range(values: np.ndarray, scale: Scale, source: str, column: str, option: str) -> None:
+    """Raise the loader's one-line `CJEInputError` when a present value of ``column`` is outside the
+    declared ``scale`` (``option``: ``"label_scale"`` or ``"score_scale"``); for checks of the same
+    rule outside `load_frame` (the service's pre-flight of its logs)."""
+    _check_range(np.asarray(values, dtype=float), scale, source, column, option)
+
+
 def _normalise(
     part: Part,
     index: int,

@@ -7,6 +7,7 @@ candidates' fresh draws). Comparisons and ranking are not done here (`cje_engine
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ from cje_engine.inference.selective import (
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -493,6 +496,30 @@ def labels_to_verify(k: int, n_own: int, n_rows: int, assumed: np.ndarray, se_ve
     return out
 
 
+#: A declared label scale whose labels span less than this share of its width gets a warning.
+NARROW_LABEL_SHARE = 0.5
+
+
+def label_scale_warning(labels: np.ndarray, scale: tuple[float, float], audit_margin: float) -> str | None:
+    """A warning when the labels span under `NARROW_LABEL_SHARE` of the declared label scale (e.g. 1-5
+    labels declared on 0-10): the audit margin, the interval clipping and the default planner effect are
+    fractions of the declared scale, so a scale far wider than the data loosens them without a word.
+    ``None`` when the scale fits (or fewer than two labels differ)."""
+    y = np.asarray(labels, dtype=float)
+    y = y[np.isfinite(y)]
+    lo, hi = float(scale[0]), float(scale[1])
+    if y.size < 2 or hi <= lo:
+        return None
+    span = float(y.max() - y.min())
+    if span <= 0 or span >= NARROW_LABEL_SHARE * (hi - lo):
+        return None
+    margin = audit_margin * (hi - lo)
+    return (f"the oracle labels span {y.min():g}-{y.max():g}, under half of the declared label scale {lo:g}-{hi:g}: "
+            f"the transport audit margin ({audit_margin:g} of the declared scale = {margin:.3g} label units) is "
+            f"{(hi - lo) / span:.2g}x wider than on the labels' own range; declare the scale the labels were "
+            f"given on (e.g. {y.min():g}-{y.max():g}) unless they could use all of {lo:g}-{hi:g}")
+
+
 def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     """Direct's gated entry for every design policy (see docs/statistics.md for the rules).
 
@@ -518,6 +545,10 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     cov = cluster_cov(ext.total)
     cov_cal = cluster_cov(ext.calibration)
     warnings: list[str] = []
+    scale_note = label_scale_warning(d.label, d.label_scale, opts.audit_margin)
+    if scale_note:
+        log.warning("%s", scale_note)
+        warnings.append(scale_note)
     own_rows, n_own, n_own_prompts = _own_labels(design)
     n_rows = np.bincount(d.policy, minlength=K)
     n_prompts_k = np.array([np.unique(d.prompt[d.policy == k]).size for k in range(K)])

@@ -52,6 +52,7 @@ from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
+from flows.config import pick_declared
 from flows.label_requests.config import RequestConfig
 from flows.pipelines.drift_config import DriftSettings, load_drift_monitors, settings_from
 from flows.pipelines.drift_tasks import (commit, first_alarms_of, load_anchors, load_calibration, load_scores,
@@ -215,11 +216,8 @@ def run_drift(name: str, config_path: str | os.PathLike | None = None, **overrid
 
     Needs a Prefect API (wrap in `flows.runtime.prefect_server.prefect_api`).
     """
-    specs = load_drift_monitors(config_path)
-    if name not in specs:
-        raise CJEInputError(f"no drift monitor named {name!r}; declared: {', '.join(sorted(specs)) or 'none'}",
-                            source=str(config_path or "evaluations.yaml"))
-    params = specs[name].settings_dict()
+    spec = pick_declared(name, load_drift_monitors(config_path), what="drift monitor", source=config_path)
+    params = spec.settings_dict()
     params.update({k: v for k, v in overrides.items() if v is not None})
     return drift(settings_from(params, f"drift monitor {name!r}"))
 

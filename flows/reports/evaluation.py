@@ -224,7 +224,8 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: render ``result.json`` to HTML and print the terminal table."""
-    parser = argparse.ArgumentParser(prog="python -m flows.reports.evaluation", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m flows.reports.evaluation", description=main.__doc__,
+                                     allow_abbrev=False)
     parser.add_argument("result", type=Path, help="result.json written by cje evaluate")
     parser.add_argument("-o", "--output", type=Path, help="HTML file to write")
     parser.add_argument("--title", help="report title")

@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
 from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
-                                  _name_cell, _not_estimable, _num, _pair, _pct, _same_scale, _scale_text, _scales,
-                                  _signed, _verdict)
+                                  _name_cell, _not_estimable, _num, _pair, _pct, _rank_text, _same_scale,
+                                  _scale_text, _scales, _signed, _verdict)
 
 # --------------------------------------------------------------------------------------------
 # HTML pieces
@@ -181,7 +181,8 @@ def _claim_word(p: dict) -> str:
 def _policy_table(result: dict, order: list[str], alpha: float) -> str:
     pols = result["policies"]
     conf = _conf_label(alpha)
-    head = ("<tr><th>policy</th><th class='r'>estimate</th>"
+    head = ("<tr><th class='r' title='1 + the policies significantly better; a range (1-3) when the comparisons "
+            "leave it open'>rank</th><th>policy</th><th class='r'>estimate</th>"
             f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>claim / basis</th>"
             f"<th>audit</th><th class='r'>{_raw_header(result)}</th><th class='r'>oracle mean</th>"
             "<th class='r'>labels / rows</th>"
@@ -207,7 +208,8 @@ def _policy_table(result: dict, order: list[str], alpha: float) -> str:
                    f"<td class='r num'>{_esc(_fmt(p.get('se')))}</td>")
         tr_cls = " class='is-refused'" if refused else ""
         rows.append(
-            f"<tr{tr_cls}><td class='name'>{_name_cell(n)}</td>"
+            f"<tr{tr_cls}><td class='r num rank'>{_esc(_rank_text(result, n))}</td>"
+            f"<td class='name'>{_name_cell(n)}</td>"
             f"{est}"
             f"<td title='{_esc(p.get('basis') or '')}'>{_esc(_claim_word(p))}<br>"
             f"<small>{_esc(p.get('basis_code') or 'n/a')}</small></td>"
@@ -333,7 +335,8 @@ def _comparisons_table(result: dict, alpha: float) -> str:
     method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "")
     n_ne = sum(1 for c in result.get("comparisons") or [] if isinstance(c, dict) and _not_estimable(c))
     caption = (f"{len(rows) - n_ne} comparisons reported"
-               + (f", {n_ne} not estimable" if n_ne else "") + "; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
+               + (f", {n_ne} not estimable" if n_ne else "")
+               + f"; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
                f"\u03b1 = {_esc(_fmt(mult.get('alpha', alpha), 2))}.")
     return (f"<p class='lead'>{caption} Differences are a \u2212 b on the oracle scale; comparisons "
             f"involving a refused policy are relative claims only.</p><div class='scroll'>"

@@ -210,7 +210,9 @@ def test_runs_and_diff_commands(five_days, tmp_path, capsys):
     cfg.write_text(f"evaluations:\n  - name: daily\n    logs_uri: {root / 'logs'}\n    results_uri: {root}\n"
                    "    window: last 1 days\n")
     assert cje_main(["runs", "daily", "--config", str(cfg), "--json"]) == 0
-    runs = json.loads(capsys.readouterr().out)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cje_json"] == 1 and doc["command"] == "runs" and doc["evaluation"] == "daily"
+    runs = doc["runs"]
     assert [r["window"] for r in runs] == [f"{_day(d)}_{_day(d)}" for d in range(DAYS)]
     assert all(set(r["policies"]) == {"base", "cand"} for r in runs)
     assert any(r["regression_alarms"] == ["cand"] for r in runs[CHANGE_DAY:])
@@ -220,6 +222,7 @@ def test_runs_and_diff_commands(five_days, tmp_path, capsys):
     assert "REGRESSION" in text and _day(0) in text and "best:" in text
     assert cje_main(["diff", "daily", _day(2), _day(3), "--config", str(cfg), "--json"]) == 0
     diff = json.loads(capsys.readouterr().out)
+    assert diff["cje_json"] == 1 and diff["command"] == "diff"
     cand = next(c for c in diff["changes"] if c["policy"] == "cand")
     assert cand["diff"] < -0.05 and diff["intervals"]["cand"]["ci"][1] < 0
     assert cje_main(["diff", "daily", "--config", str(cfg)]) == 0  # latest vs the one before

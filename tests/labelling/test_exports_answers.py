@@ -53,9 +53,10 @@ def test_csv_export_has_text_and_metadata_and_no_judge_score(raised, tmp_path, c
         got = by[r["response_id"]]
         assert got["response"] == f"answer {r['response_id']}" and got["prompt"] == f"prompt of {r['prompt_id']}"
         assert float(got["inclusion_probability"]) == pytest.approx(r["inclusion_probability"])
-        assert got["request_id"] == m["request_id"] and "audit of 'unhelpful' failed" in got["reason"]
+        assert got["request_id"] == m["request_id"] and got["triggers"] == "audit_failed"
         assert got["oracle_label"] == ""
     assert "judge_score" not in rows[0]  # labellers stay blind to the score
+    assert "policy" not in rows[0] and "reason" not in rows[0]  # ... and to the policy
     assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--format", "jsonl",
                  "--out", str(tmp_path / "j.jsonl"), "--include-judge-score"]) == 0
     lines = [json.loads(x) for x in (tmp_path / "j.jsonl").read_text().splitlines()]
@@ -185,6 +186,80 @@ def test_list_and_status_count_partly_fulfilled_and_expired(raised, audit_case, 
     assert "reason [audit_failed]" in capsys.readouterr().out
     assert len(list_requests(st)) == 2
 
+
+
+def test_status_counts_a_merged_request_once(raised, tmp_path, capsys):
+    """A request merged from three reasons (two of them the same trigger) holds its labels once: the
+    status used to count it once per reason (3 x 12 = 36 labels for a request of 12)."""
+    from flows.label_requests.manifests import write_request
+
+    m = dict(raised["request"], request_id="lr-20990101-00000000abcd")
+    reason = m["reasons"][0]
+    m["reasons"] = [dict(reason), dict(reason, reason="a second audit"),
+                    dict(reason, trigger="thin_support", reason="thin support")]
+    root = tmp_path / "merged"
+    assert write_request(Storage.for_uri(str(root)), m)
+    assert main(["requests", "status", "--requests-uri", str(root), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["requests"] == 1 and s["requested"] == 12
+    assert s["by_reasons"] == {"audit_failed+thin_support": {"requests": 1, "requested": 12, "received": 0}}
+    assert s["by_reason"]["audit_failed"] == {"requests": 1, "requested": 12, "received": 0}
+    assert main(["requests", "status", "--requests-uri", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "1 request(s), 0 of 12 label(s) received" in out
+    assert "audit_failed+thin_support" in out and "1 request(s), 0/12 label(s)" in out
+    assert "/24" not in out and "/36" not in out
+
+
+@pytest.fixture
+def blind_raised(audit_case, tmp_path):
+    """`raised` with opaque response ids (as a team's logs carry them): nothing in them names the policy."""
+    import hashlib
+
+    sim, table, result = audit_case
+    frame = table.to_pandas()
+    frame["response_id"] = [hashlib.sha256(r.encode()).hexdigest()[:16] for r in frame["response_id"]]
+    frame["prompt"] = "prompt of " + frame["prompt_id"]
+    frame["response"] = "answer number " + frame.index.astype(str)
+    frame["ts"] = [datetime.fromisoformat(d).replace(tzinfo=timezone.utc) + timedelta(hours=1) for d in frame["dt"]]
+    root = str(tmp_path / "blind")
+    st = Storage.for_uri(root)
+    write_logs(st, pa.Table.from_pandas(frame.drop(columns=["dt", "oracle_label", "label_probability"]),
+                                        preserve_index=False), basename="sim")
+    labelled = frame[frame["oracle_label"].notna()]
+    LabelStore(st).append(pa.Table.from_pandas(labelled[["response_id", "oracle_label", "label_probability"]],
+                                               preserve_index=False), "initial")
+    (m,) = raise_requests_for_run(None, root, "ev", "2025-03-01_2025-03-02", result, root, CFG)
+    return {"root": root, "request": m, "policies": sorted(set(frame["policy"]))}
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl", "label-studio", "argilla"])
+def test_exports_are_blind_to_the_policy_and_answers_map_back_by_row_id(fmt, blind_raised, tmp_path, capsys):
+    """Labellers saw the policy (a `policy` column, `cje_policy`, Argilla metadata, and reasons such as
+    "audit of 'unhelpful' failed"): no policy name is in any export; the answers come back by row id."""
+    m, root = blind_raised["request"], blind_raised["root"]
+    assert {r["policy"] for r in m["rows"]} == {"unhelpful"}
+    out = tmp_path / f"export.{fmt}"
+    assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--format", fmt,
+                 "--out", str(out)]) == 0
+    text = out.read_text()
+    for name in blind_raised["policies"]:
+        assert name not in text, f"{fmt} export shows policy {name!r}"
+    assert "policy" not in text
+    ids = {r["response_id"] for r in m["rows"]}
+    if fmt == "csv":
+        rows = list(csv.DictReader(io.StringIO(text)))
+        table = pa.table({"response_id": [r["response_id"] for r in rows], "oracle_label": [0.5] * len(rows)})
+        assert set(parse_table(table, str(out)).ids) == ids
+    elif fmt == "label-studio":
+        tasks = [dict(t, id=i, annotations=[{"id": i, "result": [{"from_name": "oracle_label",
+                                                                   "value": {"number": 3}}]}])
+                 for i, t in enumerate(json.loads(text))]
+        assert set(parse_label_studio(tasks, str(out)).ids) == ids
+    elif fmt == "argilla":
+        assert {r["id"] for r in json.loads(text)["records"]} == ids
+    else:
+        assert {json.loads(x)["response_id"] for x in text.splitlines()} == ids
 
 LS_EXPORT = [
     {"id": 1, "data": {"response_id": "r1"}, "annotations": [

@@ -125,3 +125,32 @@ def test_linked_drift_reads_looks_of_monitors_calibrated_by_the_evaluation(tmp_p
     assert list(got) == ["mon"] and got["mon"][0]["tau"] == 0.71 and got["mon"][0]["alarm"]
     d = drift_for_report("mon", got["mon"])
     assert d["periods"] == ["#1 2025-01-02"] and d["alarms"] == [True] and d["residual_shift_ci"] == [[0.02, 0.1]]
+
+
+#: Template code that reached a page: a Python expression of an f-string that lost its ``f`` prefix.
+TEMPLATE_LEFTOVER = re.compile(r"\{_?esc\(|\{_[a-z]|\{[a-z_]+\(|\{[a-z_]+\[|\{[a-z_]+\.[a-z_]+")
+
+
+def test_rendered_pages_hold_no_template_code(tmp_path):
+    """Every report showed "p-values adjusted by {_esc(method.upper() or 'n/a')}" (a missing f-prefix):
+    the report, trend and index pages as published, and the drift page, hold no template leftover."""
+    from flows.reports.evaluation import render_report
+
+    result = json.loads(FIXTURE.read_text())
+    report = render_report(result, drift={"periods": ["2025-01", "2025-02"], "kendall_tau": [1.0, 0.9]})
+    assert "p-values adjusted by BH at" in report
+    st = Storage.for_uri(tmp_path)
+    for d in (1, 2):
+        publish_run(st, "ev", f"2025-01-0{d}_2025-01-0{d}", f"k{d}", {"result.json": json.dumps(result).encode(),
+                                                                       "report.html": report.encode()}, {})
+    hist = _history()
+    trend = render_trend("ev", latest_per_window(hist), hist, window_changes_of(hist),
+                         {"mon": [{"look": 1, "dt": "2025-01-02", "alarm": True, "alarms": ["residual_mean"]}]},
+                         [{"request_id": "r1", "scope": "a", "n_labels": 4, "deadline": "2025-01-10", "reasons": ["x"]}])
+    pages = {"report.html": report, "trend.html (rendered)": trend,
+             **{str(p.relative_to(tmp_path)): p.read_text() for p in (tmp_path / "results").rglob("*.html")}}
+    assert {"results/index.html", "results/ev/trend.html"} <= set(pages)
+    for name, page in pages.items():
+        text = re.sub(r"<style.*?</style>|<script.*?</script>", "", page, flags=re.S)  # CSS braces are not template
+        found = TEMPLATE_LEFTOVER.findall(text)
+        assert not found, f"{name} shows template code: {found[:3]}"

@@ -12,6 +12,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Any
 
+from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
 from flows.cli.commands.requests import config_path, spec_of
 from flows.label_requests.answers import ANSWER_FORMATS, parse_scale
@@ -95,7 +96,7 @@ def register(sub: Any) -> None:
     p.add_argument("file", nargs="?", help="labels: CSV/JSONL/Parquet (response_id, oracle_label[, label_probability]), "
                                            "a Label Studio JSON export or Argilla records")
     p.add_argument("--evaluation", required=True, help="the declared evaluation whose label store receives them")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--no-reevaluate", action="store_true", help="only ingest; do not re-run the evaluations")
     p.add_argument("--from", dest="source", choices=["label-studio"], help="pull the answers from a labelling tool")
     p.add_argument("--url", help="Label Studio URL (with --from label-studio)")
