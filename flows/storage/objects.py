@@ -35,8 +35,11 @@ key) whose message names the operation and the object (``s3://bucket/key`` or th
 path) and never contains credentials: messages are built here, secrets are scrubbed from any
 text taken from the underlying exception, and the original exception is not chained.
 Transient failures are retried with exponential backoff: botocore's "standard" retry mode for
-boto3 calls, pyarrow's ``AwsStandardS3RetryStrategy`` inside pyarrow, and `with_retries` (a
-bounded retry of our own) around whole pyarrow reads.
+boto3 calls (``total_max_attempts`` requests in all, `flows.storage.s3.client_config`), pyarrow's
+``AwsStandardS3RetryStrategy`` inside pyarrow, and `with_retries` (a bounded retry of our own)
+around whole pyarrow reads.  What is transient is decided by `is_transient` from the exception's
+type, S3 error code and HTTP status (pyarrow: the AWS SDK error type it carries), never from
+free text; a non-transient service answer (access denied, no such bucket) fails at once.
 """
 from __future__ import annotations
 
@@ -393,6 +396,9 @@ def is_storage_service_error(exc: BaseException) -> bool:
 
 def _short(exc: BaseException, config: StorageConfig | None, limit: int = 300) -> str:
     msg = " ".join(str(exc).split())
+    m = _AWS_ERROR_TYPE.search(msg)
+    if m:  # pyarrow's S3 errors repeat the path before what the service said: keep what it said
+        msg = msg[m.start():]
     if len(msg) > limit:
         msg = msg[:limit] + "..."
     return _scrub(f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__, config)
