@@ -29,6 +29,12 @@ Actions
     Hold the request ``seconds`` without answering (never forwarded), then close.
 ``reset``
     Close the client's connection at once, nothing forwarded.
+``corrupt``
+    Forward, then answer with the body's middle byte flipped (length and headers unchanged): a
+    store handing back other bytes than were written, for checksum checks.
+
+A lost acknowledgement of a create-only write (the object stored, the client retries and gets
+412) is ``add("PUT", r"/manifest\.json$", "drop")``.
 
 A rule matches a request by method (``None``: any) and a regular expression searched in the
 URL-decoded path (``/bucket/key``, query string excluded); it fires from its ``nth`` matching
@@ -51,7 +57,7 @@ from urllib.parse import unquote, urlsplit
 
 log = logging.getLogger(__name__)
 
-ACTIONS = ("error", "truncate", "drop", "hang", "reset")
+ACTIONS = ("error", "truncate", "drop", "hang", "reset", "corrupt")
 #: Headers that belong to one connection, never forwarded (RFC 9110 7.6.1) - plus ``Expect``:
 #: the proxy itself answers ``100 Continue``.
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -144,6 +150,9 @@ class _Handler(BaseHTTPRequestHandler):
         status, reason, headers, data = self._forward(body)
         if action == "drop":
             return self._abort()
+        if action == "corrupt" and data:
+            middle = len(data) // 2
+            data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1:]
         self.send_response(status, reason)
         for k, v in headers:
             self.send_header(k, v)

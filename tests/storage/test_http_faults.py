@@ -289,3 +289,65 @@ def test_a_hung_get_ends_in_a_clear_error_within_the_read_timeout(s3_endpoint, s
     took = time.monotonic() - t0
     assert _logs(faulty).url(keys[0]) in str(err.value)
     assert took < 15, took  # 2 reads x 2 requests x 1 s + backoff
+
+
+# --------------------------------------------------------------------------- the proxy itself
+
+
+def test_the_fault_proxy_answers_each_rule_as_documented(s3_endpoint, s3_faults):
+    """Raw HTTP through the proxy: forwarding, nth/times counting, and every action."""
+    import http.client
+
+    direct = Storage.for_uri(f"s3://{new_bucket(s3_endpoint)}", make_s3_config(s3_endpoint))
+    direct.write_bytes("k/obj.bin", bytes(range(256)) * 40)
+    path = f"/{direct.bucket}/k/obj.bin"
+
+    def signed(method: str, key: str) -> str:  # moto refuses anonymous requests: presigned URLs
+        op = {"GET": "get_object", "HEAD": "head_object", "PUT": "put_object"}[method]
+        url = direct.client.generate_presigned_url(op, Params={"Bucket": direct.bucket, "Key": key})
+        return url[len(s3_endpoint):]
+
+    def get(method="GET"):
+        conn = http.client.HTTPConnection("127.0.0.1", s3_faults.port, timeout=5)
+        try:
+            conn.request(method, signed(method, "k/obj.bin"))
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("Content-Length"), resp.read()
+        finally:
+            conn.close()
+
+    assert get() == (200, "10240", bytes(range(256)) * 40)
+    assert get("HEAD")[:2] == (200, "10240")
+    s3_faults.add("GET", r"/obj\.bin$", "error", status=503, code="SlowDown", nth=2, times=1)
+    assert get()[0] == 200 and get()[0] == 503 and get()[0] == 200  # fires on the 2nd match only
+    s3_faults.clear()
+    s3_faults.add("GET", r"/obj\.bin$", "error", status=503)
+    status, _, body = get()
+    assert status == 503 and b"<Code>SlowDown</Code>" in body and path.encode() in body
+    s3_faults.add("GET", r"/obj\.bin$", "truncate", fraction=0.25)
+    with pytest.raises(http.client.IncompleteRead) as cut:
+        get()
+    assert len(cut.value.partial) == 2560  # Content-Length 10240 announced, a quarter sent
+    s3_faults.add("GET", r"/obj\.bin$", "corrupt")
+    status, length, body = get()
+    assert status == 200 and length == "10240" and body != bytes(range(256)) * 40 and len(body) == 10240
+    for action in ("drop", "reset"):
+        s3_faults.add("GET", r"/obj\.bin$", action)
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+            get()
+    s3_faults.add("PUT", r"/new\.bin$", "drop")
+    conn = http.client.HTTPConnection("127.0.0.1", s3_faults.port, timeout=5)
+    with pytest.raises((http.client.RemoteDisconnected, ConnectionError)):
+        conn.request("PUT", signed("PUT", "k/new.bin"), body=b"written")
+        conn.getresponse()
+    conn.close()
+    assert direct.read_bytes("k/new.bin") == b"written"  # the write happened, its answer was lost
+    s3_faults.add("GET", r"/obj\.bin$", "hang", seconds=30)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        conn = http.client.HTTPConnection("127.0.0.1", s3_faults.port, timeout=1)
+        conn.request("GET", signed("GET", "k/obj.bin"))
+        conn.getresponse()
+    assert time.monotonic() - t0 < 3
+    assert get()[0] == 200  # every rule above fired once (times=1): forwarded again
+    assert s3_faults.fired("GET", r"obj\.bin$") == 7 and s3_faults.fired("PUT") == 1
