@@ -321,7 +321,7 @@ TRANSIENT_AWS_TYPES = frozenset({"NETWORK_CONNECTION", "SLOW_DOWN", "SERVICE_UNA
 #: errno values of a network failure (a reset, refused or timed-out connection): retried.
 TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
                               errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN})
-_AWS_ERROR_TYPE = re.compile(r"\bAWS Error ([A-Z][A-Z0-9_]*) during ")
+_AWS_ERROR_TYPE = re.compile(r"\bAWS Error ([A-Z][A-Z0-9_]*) (?:\(HTTP status (\d{3})\) )?during ")
 
 
 def error_code(exc: BaseException) -> tuple[str, int]:
@@ -342,10 +342,21 @@ def error_code(exc: BaseException) -> tuple[str, int]:
 
 def aws_error_type(exc: BaseException) -> str | None:
     """The AWS C++ SDK error type of a pyarrow S3 ``OSError`` (``"SLOW_DOWN"``, ...), or None."""
+    return aws_error(exc)[0]
+
+
+def aws_error(exc: BaseException) -> tuple[str | None, int]:
+    """``(AWS SDK error type, HTTP status or 0)`` of a pyarrow S3 ``OSError``; ``(None, 0)`` otherwise.
+
+    pyarrow writes ``AWS Error SLOW_DOWN during GetObject operation: ...`` and, for answers
+    without an S3 error body (HEAD), ``AWS Error UNKNOWN (HTTP status 503) during HeadObject ...``.
+    """
     if not isinstance(exc, OSError):
-        return None
+        return None, 0
     m = _AWS_ERROR_TYPE.search(str(exc))
-    return m.group(1) if m else None
+    if not m:
+        return None, 0
+    return m.group(1), int(m.group(2) or 0)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -356,7 +367,7 @@ def is_transient(exc: BaseException) -> bool:
     connection, timeout and streaming exceptions (a body cut off mid-transfer included);
     Python's ``ConnectionError`` and ``TimeoutError`` and an ``OSError`` whose errno is a network
     failure (`TRANSIENT_ERRNOS`); a pyarrow S3 ``OSError`` by the AWS SDK error type it carries
-    (`TRANSIENT_AWS_TYPES`).  Anything else (access denied, a missing bucket or key, bad
+    (`TRANSIENT_AWS_TYPES`) or its HTTP status.  Anything else (access denied, a missing bucket or key, bad
     Parquet, a programming error) is not transient.
     """
     try:
@@ -375,9 +386,9 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
     if isinstance(exc, OSError):
-        aws = aws_error_type(exc)
+        aws, status = aws_error(exc)
         if aws is not None:
-            return aws in TRANSIENT_AWS_TYPES
+            return aws in TRANSIENT_AWS_TYPES or status in TRANSIENT_STATUSES
         return exc.errno in TRANSIENT_ERRNOS
     return False
 

@@ -111,6 +111,11 @@ def test_transient_errors_are_classified_by_exception_type_and_aws_error_type():
         exc = OSError(aws.format(kind, "curlCode: 28, Timeout was reached, 503 slow down"))
         assert aws_error_type(exc) == kind
         assert is_transient(exc) is transient, kind
+    # answers without an S3 error body (HEAD): pyarrow gives the HTTP status
+    head = "When getting information for key 'k' in bucket 'b': AWS Error UNKNOWN (HTTP status {}) during " \
+           "HeadObject operation: No response body."
+    assert is_transient(OSError(head.format(503))) and is_transient(OSError(head.format(500)))
+    assert not is_transient(OSError(head.format(403))) and aws_error_type(OSError(head.format(403))) == "UNKNOWN"
     # a corrupt file's message that merely mentions a connection is not a storage failure
     assert not is_transient(OSError("Couldn't deserialize thrift: connection 500 timed out"))
 
@@ -177,6 +182,19 @@ def test_access_denied_on_a_log_object_fails_at_once_as_a_storage_error(stores, 
     assert not isinstance(err.value, CJEInputError)
     assert _logs(faulty).url(keys[0]) in str(err.value) and "ACCESS_DENIED" in str(err.value)
     assert s3_faults.count("GET", LOG) == 1  # not retried
+
+
+def test_the_preflight_footer_check_reports_a_503_as_storage_not_bad_input(stores, s3_faults):
+    from flows.pipelines.preflight import logs_columns
+
+    direct, faulty = stores
+    keys = _write_logs(direct)
+    assert "judge_score" in logs_columns(direct.url("logs"), direct.config, [{"key": keys[0]}], strict=True)
+    s3_faults.add(None, LOG, "error", status=503, code="SlowDown", times=None)
+    with pytest.raises(StorageError) as err:  # was: CJEInputError "is not a readable Parquet log file" (exit 2)
+        logs_columns(faulty.url("logs"), faulty.config, [{"key": keys[0]}], strict=True)
+    assert not isinstance(err.value, CJEInputError)
+    assert _logs(faulty).url(keys[0]) in str(err.value) and "503" in str(err.value)
 
 
 def test_cje_exits_69_service_unavailable_when_storage_answers_503(stores, s3_faults, tmp_path):
