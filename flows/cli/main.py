@@ -657,8 +657,8 @@ def exit_code_of(exc: BaseException) -> int:
         return EXIT_UNAVAILABLE
     names = {c.__module__ + "." + c.__name__ for c in type(exc).__mro__}
     if names & {"flows.storage.objects.StorageError", "httpx.ConnectError", "httpx.ConnectTimeout",
-                "prefect.exceptions.PrefectHTTPStatusError"} or isinstance(exc, ConnectionError):
-        return EXIT_UNAVAILABLE
+                "prefect.exceptions.PrefectHTTPStatusError"} or isinstance(exc, (ConnectionError, TimeoutError)):
+        return EXIT_UNAVAILABLE  # a timeout: a remote call (storage, Ray) or a run past its limit
     return EXIT_INTERNAL
 
 

@@ -19,10 +19,11 @@ from flows.label_requests.raising import raise_requests_for_run
 from flows.pipelines.evaluate import check_parameters as check_evaluate
 from flows.pipelines.evaluate import evaluate
 from flows.runtime.guard import checked_flow
+from flows.runtime.retries import TASK_TIMEOUT
 from flows.storage.objects import StorageConfig
 
 
-@task(name="raise_label_requests", retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE)
+@task(name="raise_label_requests", retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE, **TASK_TIMEOUT)
 def raise_label_requests(results_uri: str, cfg: Any, evaluation: str, window: str, outcome: dict,
                          logs_uri: str, config: dict, drift_look: dict | None,
                          anchor_ids: list[str] | None, columns: dict[str, str] | None = None) -> list[dict]:

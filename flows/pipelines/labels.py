@@ -56,14 +56,14 @@ from flows.storage.anchors import label_anchors
 from flows.storage.objects import NotFoundError, StorageConfig
 from flows.storage.publish import list_runs
 from flows.runtime.guard import checked_flow
-from flows.runtime.retries import retry_unless_bad_input
+from flows.runtime.retries import TASK_TIMEOUT, retry_unless_bad_input
 from flows.reports.artifacts import labels_artifacts
 
 log = logging.getLogger(__name__)
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl",
            ".json": "jsonl"}
-_RETRY = dict(retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE)
+_RETRY = dict(retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE, **TASK_TIMEOUT)
 
 
 _STORAGE_TASK = dict(_RETRY, retry_condition_fn=retry_unless_bad_input)
@@ -303,7 +303,7 @@ def locate_task(table: pa.Table, source: str, requests_uri: str, logs_uris: list
     return known, requests
 
 
-@task(name="validate_labels", cache_policy=NO_CACHE)
+@task(name="validate_labels", cache_policy=NO_CACHE, **TASK_TIMEOUT)
 def validate_task(table: pa.Table, source: str, known: dict, label_scale: list[float]) -> pa.Table:
     return validate_labels(table, source, known, label_scale)
 

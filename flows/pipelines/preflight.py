@@ -74,13 +74,15 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool
     """Column names of the first partition file of the window (its Parquet footer only), renamed
     by ``mapping`` (`flows.storage.logs.log_renames`: a mapped column the file lacks is `CJEInputError`).
 
-    ``strict`` (the pre-flight check): an unreadable footer is `CJEInputError` naming the object.
+    ``strict`` (the pre-flight check): an unreadable footer is `CJEInputError` naming the object, a
+    failure of the storage service or the network (`flows.storage.objects.is_storage_service_error`)
+    `StorageError` (exit 69, never "bad input").
     Otherwise (inside the flow) it gives ``[]``: the read that follows retries storage errors and
     names a malformed object itself, so an outage is never reported as bad input here.
     """
     import pyarrow.dataset as ds
 
-    from flows.storage.objects import Storage
+    from flows.storage.objects import Storage, StorageError, _short, is_storage_service_error
 
     if not files:
         return []
@@ -90,6 +92,8 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool
     try:
         names = list(ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema.names)
     except (pa.ArrowInvalid, OSError) as exc:
+        if strict and is_storage_service_error(exc):  # 503, a timeout, access denied: not the file's fault
+            raise StorageError(f"read {st.url(key)} failed: {_short(exc, cfg)}", key=key, operation="read") from None
         if strict:
             raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
                                 source=st.url(key)) from None

@@ -69,7 +69,7 @@ from cje_engine.data.io import column_renames
 from cje_engine.data.readers import is_work_path
 from cje_engine.errors import CJEInputError
 
-from flows.storage.objects import ObjectInfo, Storage, StorageError, _short
+from flows.storage.objects import ObjectInfo, Storage, StorageError, _short, is_storage_service_error, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -252,14 +252,6 @@ def _check_ids(table: pa.Table, source: str, row_offset: int = 0) -> None:
 
 # --------------------------------------------------------------------------- reading
 
-_TRANSIENT_HINTS = ("aws error", "curl", "connection", "timed out", "timeout", "temporarily", "throttl",
-                    "503", "500 ", "slow down", "reset by peer", "broken pipe")
-
-
-def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and any(h in str(exc).lower() for h in _TRANSIENT_HINTS)
-
-
 def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Sequence[str] | None,
               batch_size: int, row_filter: RowFilter | None = None,
               mapping: Mapping[str, str] | None = None) -> pa.Table:
@@ -302,7 +294,10 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, pa.ArrowKeyError) as exc:
             raise CJEInputError(f"is not a readable Parquet log file: {_brief(exc)}", source=source) from None
         except OSError as exc:
-            if not _is_transient(exc):
+            if not is_transient(exc):
+                if is_storage_service_error(exc):  # access denied, no such bucket: the service said no
+                    raise StorageError(f"read {source} failed: {_short(exc, st.config)}", key=key,
+                                       operation="read") from None
                 raise CJEInputError(f"is not a readable Parquet log file: {_brief(exc)}", source=source) from None
             last = exc
             if attempt < attempts:
