@@ -298,6 +298,8 @@ class Comparison(_Strict):
     not_estimable: Optional[str] = Field(None, description="why the pair is not reported (policy: reason)")
     claim_kind: Optional[Literal["verified", "assumes_transport"]] = Field(
         None, description="verified when both levels are verified, else assumes_transport")
+    bias_bound: Num = Field(None, description="rank-only pairs (limited calibration support): the bound on the levels' "
+                                              "bias that ci carries and p_value tests against")
 
 
 class BaselineComparison(_Strict):
