@@ -47,6 +47,12 @@ td.links{white-space:nowrap}
 """
 
 
+
+def _rect_marker(x: float, top: float, height: float) -> str:
+    """The dashed box of a window without a quotable level (refused or unverified)."""
+    return _el("rect", x=x - 14, y=float(top), width="28", height=float(height), fill="#f6f7f9", stroke="#8d949c",
+               stroke_dasharray="2 4")
+
 def _page(title: str, subtitle: str, body: Sequence[str], crumbs: str = "") -> str:
     return "\n".join([
         "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
@@ -179,6 +185,15 @@ def _policy_panel(name: str, rows: Sequence[Mapping[str, Any]], ch: PolicyChange
                             + _text(x, T + H / 2, "refused", text_anchor="middle", fill=MUTED, font_size="10",
                                     font_style="italic"),
                             class_="refused-marker", data_policy=name, data_window=r["window"]))
+            pts.append(None)
+            continue
+        if p.get("level_claim") == "assumes_transport" and p.get("estimate") is None:
+            body.append(_el("g", _el("title", _esc(f"{_window_label(r['window'])}: no verified level (assumes "
+                                                   "transport; its own labels are too few)"))
+                            + _rect_marker(x, T, H)
+                            + _text(x, T + H / 2, "unverified", text_anchor="middle", fill=MUTED, font_size="10",
+                                    font_style="italic"),
+                            class_="unverified-marker", data_policy=name, data_window=r["window"]))
             pts.append(None)
             continue
         est, ci = p.get("estimate"), p.get("ci")

@@ -154,3 +154,17 @@ def test_rendered_pages_hold_no_template_code(tmp_path):
         text = re.sub(r"<style.*?</style>|<script.*?</script>", "", page, flags=re.S)  # CSS braces are not template
         found = TEMPLATE_LEFTOVER.findall(text)
         assert not found, f"{name} shows template code: {found[:3]}"
+
+
+def test_trend_page_names_a_window_without_a_verified_level():
+    """A window whose policy only assumes transport (no verified level: estimate null) is drawn as such, never
+    as a value."""
+    hist = _history()
+    p = hist[3]["policies"]["a"]
+    p.update(estimate=None, se=None, ci=None, level_claim="assumes_transport")
+    windows = latest_per_window(hist)
+    page = render_trend("ev", windows, hist, window_changes_of(hist), {}, [])
+    marks = re.findall(r'class="unverified-marker" data-policy="(\w+)" data-window="([\d_-]+)"', page)
+    assert marks == [("a", "2025-01-04_2025-01-04")]
+    assert 'class="value-marker" data-policy="a" data-window="2025-01-04_2025-01-04"' not in page
+    assert "no verified level" in page
