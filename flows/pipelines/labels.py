@@ -17,7 +17,9 @@ Steps (Prefect tasks):
                      every *published* window containing a touched log date is evaluated
                      again with `flows.pipelines.audit.evaluate_and_audit` (never a window
                      nobody published; a window with days that have no logs is skipped and
-                     named, unless ``partial_windows``).  The label-store version is
+                     named, unless ``partial_windows``);
+7. ``refresh_pages`` the results index and trend pages of the evaluations whose requests
+                     received labels (`flows.pipelines.pages`).  The label-store version is
                      part of the run key, so the new result is published beside the old one,
                      which stays readable (`list_runs` / `read_run`); ``latest.json`` moves.
                      Once it completed, the label store records it for that version
@@ -53,6 +55,7 @@ from flows.label_requests.answers import (ANSWER_FORMATS, detect_format, load_js
 from flows.label_requests.config import RequestConfig
 from flows.label_requests.manifests import list_requests, mark_fulfilled
 from flows.pipelines.audit import evaluate_and_audit
+from flows.pipelines.pages import refresh_pages
 from flows.storage.anchors import label_anchors
 from flows.storage.objects import NotFoundError, StorageConfig
 from flows.storage.publish import list_runs
@@ -586,6 +589,18 @@ def record_reevaluation(labels_uri: str, cfg: Any, version: int, reevaluations: 
     LabelStore(_storage(labels_uri, cfg)).mark_reevaluated(version, {"runs": runs, "skipped": list(skipped)})
 
 
+def refresh_request_pages(specs: Sequence[Any], requests: Sequence[Mapping], statuses: Sequence[Mapping],
+                          results_uri: str, requests_uri: str, labels_uri: str, cfg: Any) -> None:
+    """Rebuild the pages of every evaluation whose requests received labels (and of the evaluations using
+    this label store): their open requests changed (`flows.pipelines.pages.refresh_pages`)."""
+    received = {s["request_id"] for s in statuses if s.get("received")}
+    names = {str(m["evaluation"]) for m in requests if m.get("request_id") in received and m.get("evaluation")}
+    roots = {s.name: s.results_uri or s.logs_uri for s in specs}
+    for name in sorted(names | set(roots)):
+        refresh_pages(roots.get(name, results_uri), cfg, name, requests_uri=requests_uri, labels_uri=labels_uri,
+                      why="labels received for its requests")
+
+
 def check_parameters(p: dict[str, Any]) -> None:
     """Checks before a run is created: the answers format and the label-request settings."""
     if p["answers_format"] not in ANSWER_FORMATS:
@@ -703,6 +718,7 @@ def labels(
         out["reevaluations"], out["superseded"], out["skipped_windows"] = reevaluate_windows(
             specs, touched, cfg, max_windows, label_requests, partial_windows)
         record_reevaluation(labels_uri, cfg, appended["version"], out["reevaluations"], out["skipped_windows"])
+    refresh_request_pages(specs, requests, statuses, results_uri, requests_uri, labels_uri, cfg)
     return labels_artifacts(out)  # Prefect artifacts: flows/reports/artifacts.py
 
 

@@ -113,7 +113,9 @@ def render_index(entries: Sequence[Mapping[str, Any]]) -> str:
         if rk:
             links.append(f"<a href='{_esc(rk.rsplit('/', 1)[0])}/result.json'>result.json</a>")
         rows.append(
-            f"<tr data-evaluation='{_esc(name)}'><td class='name'><a href='{_esc(name)}/trend.html'>{_esc(name)}</a>"
+            f"<tr data-evaluation='{_esc(name)}' data-open-requests='{_esc(e.get('open_requests', 0))}' "
+            f"data-drift-alarms='{_esc(e.get('drift_alarms', 0))}' data-runs='{_esc(e.get('n_runs', 0))}' "
+            f"data-windows='{_esc(e.get('n_windows', 0))}'><td class='name'><a href='{_esc(name)}/trend.html'>{_esc(name)}</a>"
             f"</td><td class='num'>{_esc(_window_label(latest['window']))}</td>"
             f"<td class='num'>{_esc(str(latest.get('published_at') or '')[:19].replace('T', ' '))}</td>"
             f"<td>{_esc(latest.get('best_policy') or 'none')}</td><td>{chips}</td>"
@@ -291,7 +293,8 @@ def _runs_table(history: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for r in reversed(history):
         link = f"<a href='../{_esc(r['report_key'])}'>report</a>" if r.get("report_key") else ""
-        rows.append(f"<tr><td class='num'>{_esc(_window_label(r['window']))}</td><td class='num'>"
+        rows.append(f"<tr data-window='{_esc(r['window'])}' data-run-key='{_esc(r['run_key'])}'>"
+                    f"<td class='num'>{_esc(_window_label(r['window']))}</td><td class='num'>"
                     f"{_esc(r['run_key'])}</td><td class='num'>{_esc(str(r.get('published_at'))[:19])}</td>"
                     f"<td>{_esc(r.get('best_policy') or 'none')}</td><td>{link}</td></tr>")
     return ("<div class='scroll'><table class='data compact'><thead><tr><th>window</th><th>run</th>"
@@ -302,7 +305,8 @@ def _runs_table(history: Sequence[Mapping[str, Any]]) -> str:
 def _requests_table(requests: Sequence[Mapping[str, Any]]) -> str:
     if not requests:
         return "<p class='muted'>No open label requests.</p>"
-    rows = "".join(f"<tr><td class='num'>{_esc(r.get('request_id'))}</td><td>{_esc(r.get('scope'))}</td>"
+    rows = "".join(f"<tr data-request-id='{_esc(r.get('request_id'))}' data-status='{_esc(r.get('status'))}'>"
+                   f"<td class='num'>{_esc(r.get('request_id'))}</td><td>{_esc(r.get('scope'))}</td>"
                    f"<td class='r num'>{_esc(r.get('n_labels'))}</td><td class='num'>{_esc(r.get('deadline'))}</td>"
                    f"<td class='reason'>{_esc('; '.join(str(x) for x in r.get('reasons') or []))}</td></tr>"
                    for r in requests)
@@ -337,8 +341,8 @@ def render_trend(evaluation: str, windows: Sequence[Mapping[str, Any]], history:
             ("regression alarms now", ", ".join(alarm_now) or "none", bool(alarm_now)),
             ("drift alarms (all looks)", str(drift_alarms), bool(drift_alarms)),
             ("open label requests", str(len(requests)), bool(requests))]
-    kpi_html = "".join(f"<div class='kpi{' bad' if bad else ''}'><span>{_esc(k)}</span><b>{_esc(v)}</b></div>"
-                       for k, v, bad in kpis)
+    kpi_html = "".join(f"<div class='kpi{' bad' if bad else ''}' data-kpi='{_esc(k)}'><span>{_esc(k)}</span>"
+                       f"<b>{_esc(v)}</b></div>" for k, v, bad in kpis)
     legend = _svg(WIDTH, 26, _legend([
         (_el("circle", cx=0.0, cy=0.0, r="5", fill=BLUE), "estimate"),
         (_line(0, -7, 0, 7, stroke=SKY, stroke_width="3"), "95% CI"),
@@ -370,15 +374,21 @@ def render_trend(evaluation: str, windows: Sequence[Mapping[str, Any]], history:
 
 
 # --------------------------------------------------------------------------------------------- writing
-def evaluation_pages(st: Storage, evaluation: str) -> tuple[str | None, dict[str, Any] | None]:
-    """The trend page of ``evaluation`` and its index entry, from what is published (None if nothing is)."""
+def evaluation_pages(st: Storage, evaluation: str, *, requests_st: Storage | None = None,
+                     labels_st: Storage | None = None,
+                     drift_st: Storage | None = None) -> tuple[str | None, dict[str, Any] | None]:
+    """The trend page of ``evaluation`` and its index entry, from what is published (None if nothing is).
+
+    Label requests are read from ``requests_st`` (their status with the label store ``labels_st``, as
+    ``cje requests status``) and drift looks from ``drift_st``; each defaults to ``st``.
+    """
     history = read_history(st, evaluation)
     if not history:
         return None, None
     windows = latest_per_window(history)
     changes = window_changes_of(history)
-    drift = linked_drift(st, evaluation)
-    requests = open_label_requests(st, evaluation)
+    drift = linked_drift(drift_st or st, evaluation)
+    requests = open_label_requests(requests_st or st, evaluation, labels_st or _label_store_at(st))
     page = render_trend(evaluation, windows, history, changes, drift, requests)
     entry = {"evaluation": evaluation, "latest": windows[-1] if windows else history[-1], "n_runs": len(history),
              "n_windows": len(windows), "alarms": {n: pc.alarms for n, pc in changes.items()},
@@ -387,15 +397,25 @@ def evaluation_pages(st: Storage, evaluation: str) -> tuple[str | None, dict[str
     return page, entry
 
 
-def write_pages(st: Storage, evaluation: str | None = None) -> dict[str, str]:
+def _label_store_at(st: Storage) -> Storage | None:
+    """``st`` when it holds a label store (``labels/``), else None."""
+    return st if st.list("labels/") else None
+
+
+def write_pages(st: Storage, evaluation: str | None = None, *, requests_st: Storage | None = None,
+                labels_st: Storage | None = None, drift_st: Storage | None = None) -> dict[str, str]:
     """Rebuild ``results/<evaluation>/trend.html`` (one evaluation, or all) and ``results/index.html``.
 
     Each page is one atomic object write (readers see the old or the new page). Returns page -> location.
+    ``requests_st``, ``labels_st``, ``drift_st``: where ``evaluation``'s label requests, label store and
+    drift looks live when not under ``st`` (`evaluation_pages`); the other evaluations read ``st``.
     """
     written = {}
     entries = []
     for name in evaluations(st):
-        page, entry = evaluation_pages(st, name)
+        sources = (dict(requests_st=requests_st, labels_st=labels_st, drift_st=drift_st) if name == evaluation
+                   else {})
+        page, entry = evaluation_pages(st, name, **sources)
         if page is None:
             continue
         if evaluation is None or name == evaluation:
