@@ -17,7 +17,7 @@ from cje_engine.inference.changes import PolicyChanges, changes_by_policy
 
 from flows.label_requests.manifests import list_requests, progress
 from flows.config import MonitoringConfig, check_monitoring
-from flows.reports.common import _num, _pair
+from flows.reports.common import _alpha, _conf_label, _num, _pair
 from flows.storage.objects import NotFoundError, Storage, StorageError
 from flows.storage.publish import RESULTS, list_runs, read_run
 
@@ -46,6 +46,7 @@ def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
             "refusal_reasons": list(p.get("refusal_reasons") or []),
             "audit": _verdict(p),
             "n_labelled": p.get("n_labelled"),
+            "assumed": _assumed(p),
         }
     data = result.get("data") if isinstance(result.get("data"), Mapping) else {}
     arts = run.get("artifacts") or {}
@@ -55,8 +56,18 @@ def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
         "report": arts.get("report.html"), "result": arts.get("result.json"),
         "report_key": _artifact_key(run, "report.html"),
         "best_policy": result.get("best_policy"), "n_labels": data.get("n_labelled"),
+        "confidence": _conf_label(_alpha(result)),
         "policies": policies, "monitoring": (run.get("manifest") or {}).get("monitoring"),
     }
+
+
+def _assumed(pol: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The assumes-transport level of a policy without a quotable one (``estimate``, ``ci``), or None."""
+    a = pol.get("assumed")
+    if pol.get("level_claim") != "assumes_transport" or not isinstance(a, Mapping) or a.get("level_claim") == "refused":
+        return None
+    ci = _pair(a.get("ci"))
+    return {"estimate": _num(a.get("estimate")), "ci": list(ci) if ci else None}
 
 
 def _artifact_key(run: Mapping[str, Any], name: str) -> str | None:
