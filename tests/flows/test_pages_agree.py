@@ -43,7 +43,7 @@ class _Page(HTMLParser):
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
-        if tag == "tr" and "data-evaluation" in a:
+        if "data-evaluation" in a:
             self.index[a["data-evaluation"]] = a
         if "data-kpi" in a:
             self._kpi = a["data-kpi"]
