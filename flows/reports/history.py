@@ -244,8 +244,8 @@ def _labelled_ids(labels_st: Storage | None) -> set[str]:
 def open_label_requests(st: Storage, evaluation: str, labels_st: Storage | None = None) -> list[dict[str, Any]]:
     """Open label requests of ``evaluation`` (id, scope, status, labels, deadline, reasons), as
     ``cje requests status`` counts them: `flows.label_requests.manifests.progress` with the label store at
-    ``labels_st`` (default: none; a request fulfilled through `cje labels` has its marker anyway), open when
-    ``pending`` or ``partly_fulfilled``."""
+    ``labels_st`` (default: none; a request fulfilled through `cje labels` has its marker anyway; an empty
+    store counts nothing), open when ``pending`` or ``partly_fulfilled``."""
     try:
         if not st.list("label_requests/"):
             return []

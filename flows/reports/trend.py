@@ -509,7 +509,8 @@ def evaluation_pages(st: Storage, evaluation: str, *, requests_st: Storage | Non
     """The trend page of ``evaluation`` and its index entry, from what is published (None if nothing is).
 
     Label requests are read from ``requests_st`` (their status with the label store ``labels_st``, as
-    ``cje requests status``) and drift looks from ``drift_st``; each defaults to ``st``.
+    ``cje requests status``; read only when there are requests) and drift looks from ``drift_st``; each
+    defaults to ``st``.
     """
     history = read_history(st, evaluation)
     if not history:
@@ -517,18 +518,13 @@ def evaluation_pages(st: Storage, evaluation: str, *, requests_st: Storage | Non
     windows = latest_per_window(history)
     changes = window_changes_of(history)
     drift = linked_drift(drift_st or st, evaluation)
-    requests = open_label_requests(requests_st or st, evaluation, labels_st or _label_store_at(st))
+    requests = open_label_requests(requests_st or st, evaluation, labels_st or st)
     page = render_trend(evaluation, windows, history, changes, drift, requests)
     entry = {"evaluation": evaluation, "latest": windows[-1] if windows else history[-1], "n_runs": len(history),
              "n_windows": len(windows), "alarms": {n: pc.alarms for n, pc in changes.items()},
              "drift_alarms": sum(1 for looks in drift.values() for lk in looks if lk.get("alarm")),
              "open_requests": len(requests)}
     return page, entry
-
-
-def _label_store_at(st: Storage) -> Storage | None:
-    """``st`` when it holds a label store (``labels/``), else None."""
-    return st if st.list("labels/") else None
 
 
 def write_pages(st: Storage, evaluation: str | None = None, *, requests_st: Storage | None = None,
