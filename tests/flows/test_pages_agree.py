@@ -16,7 +16,6 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
 from flows.cli.main import main as cje_main
 from flows.pipelines.audit import evaluate_and_audit
