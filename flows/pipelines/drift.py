@@ -11,7 +11,8 @@ One flow run:
 6. ``update``         `cje_engine.drift.monitor.DriftMonitor.update` once per new look, in time order;
 7. ``commit``         new state object, the looks, then the ``state.json`` pointer;
 8. ``notify_alarms``  `flows.integrations.notify.notify("drift_alarm", ...)` for looks with new alarms;
-9. ``write_report``   ``drift/<monitor>/report.html`` (timeline of every look).
+9. ``write_report``   ``drift/<monitor>/report.html`` (timeline of every look);
+10. ``refresh_pages`` the linked evaluation's trend page and the results index (`flows.pipelines.pages`).
 
 Reference and replicate
 -----------------------
@@ -58,6 +59,7 @@ from flows.pipelines.drift_config import DriftSettings, load_drift_monitors, set
 from flows.pipelines.drift_tasks import (commit, first_alarms_of, load_anchors, load_calibration, load_scores,
                                          load_state_task, notify_alarms, raise_label_requests, request_summary,
                                          score_anchors, update, write_report)
+from flows.pipelines.pages import refresh_pages
 from flows.runtime.guard import checked_flow
 from flows.storage.drift_state import look_key, state_prefix
 from flows.storage.objects import Storage, StorageConfig
@@ -192,6 +194,11 @@ def drift(settings: DriftSettings) -> dict:
     report = None
     if outcome.state["monitor"]["n_looks"] > 0:
         report = write_report.with_options(**retry)(s.uri("drift"), quote(cfg), s.name, quote(outcome.state))
+
+    if s.evaluation and (outcome.changed or raised["requests"]):  # the linked evaluation's pages show the looks
+        refresh_pages(s.uri("results"), cfg, s.evaluation, requests_uri=req_config.get("requests_uri"),
+                      labels_uri=req_config.get("labels_uri"), drift_uri=s.uri("drift"),
+                      why=f"drift monitor {s.name}'s look(s)")
 
     mon = outcome.state["monitor"]
     new_alarms = [lk for lk in outcome.new_looks if lk["alarm"]]

@@ -154,6 +154,17 @@ def discover_partitions(st: Storage, start_date: date | str, end_date: date | st
     return files
 
 
+def window_days(keys: Sequence[str], start_date: date | str, end_date: date | str) -> dict[str, list[str]]:
+    """Which days of a window the partition ``keys`` hold: ``{"days": [...], "missing_days": [...]}``.
+
+    ``days`` are the window's dates (``YYYY-MM-DD``) with at least one partition file among ``keys``;
+    ``missing_days`` the window's dates without one.  Both sorted.
+    """
+    held = {partition_of(k) for k in keys}
+    every = [d.isoformat() for d in partition_dates(start_date, end_date)]
+    return {"days": [d for d in every if d in held], "missing_days": [d for d in every if d not in held]}
+
+
 # --------------------------------------------------------------------------- schema checks
 
 

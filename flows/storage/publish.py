@@ -316,7 +316,7 @@ def publish_run(
     attempt = _new_attempt()
     if "report.html" in artifacts:
         artifacts["report.html"] = _contextual_report(st, evaluation, window, key, result, attempt,
-                                                      bytes(artifacts["report.html"]))
+                                                      bytes(artifacts["report.html"]), manifest)
     written: list[str] = []
     committed = False
     try:
@@ -587,10 +587,11 @@ def clean_temp_files(st: Storage, evaluation: str, older_than_seconds: float = 6
 
 
 def _contextual_report(st: Storage, evaluation: str, window: str, key: str, result: Mapping[str, Any],
-                       attempt: str, report: bytes) -> bytes:
+                       attempt: str, report: bytes, manifest: Mapping[str, Any] | None = None) -> bytes:
     """The run's report rendered again with its place in the evaluation: generated-at time, links to
     result.json, the previous run, the trend page and the index, what changed since the previous run,
-    and the drift of linked monitors (`flows.reports.history.report_context`).
+    and the drift of linked monitors (`flows.reports.history.report_context`); the days of the window the run
+    holds come from the manifest's ``window_spec`` (``days``, ``missing_days``).
 
     The caller's report is kept (and a warning logged) when the result cannot be rendered with context.
     """
@@ -603,7 +604,9 @@ def _contextual_report(st: Storage, evaluation: str, window: str, key: str, resu
     try:
         ctx = report_context(st, evaluation, window, key, result, attempt,
                              datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
-        return render_report(dict(result), title=title, context=ctx).encode("utf-8")
+        spec = (manifest or {}).get("window_spec")
+        days = spec if isinstance(spec, Mapping) and "days" in spec else None
+        return render_report(dict(result), title=title, context=ctx, days=days).encode("utf-8")
     except Exception as exc:  # noqa: BLE001 - context is an addition; the caller's report stays valid
         log.warning("report of %s/%s/%s published without run context: %s", evaluation, window, key, exc)
         return report
