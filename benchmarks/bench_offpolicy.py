@@ -132,7 +132,8 @@ def one_dataset(seed: int, tally: Tally, truth: dict[str, float], *, n_prompts: 
     t0 = time.process_time()
     off = evaluate_offpolicy(logged, fresh if mode == "hybrid" else None, mode=mode, logger=LOGGER, **kw).to_dict()
     t1 = time.process_time()
-    dr = evaluate(direct_frame(logged, fresh), calibration_policies=[LOGGER], **kw).to_dict()
+    dr = evaluate(direct_frame(logged, fresh), calibration_policies=[LOGGER], level_estimator="audited",
+                  **kw).to_dict()
     t2 = time.process_time()
     tally.seconds_offpolicy += t1 - t0
     tally.seconds_direct += t2 - t1

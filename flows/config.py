@@ -9,6 +9,12 @@ call):
 * ``drift_monitors:`` - `DriftMonitorConfig` (drift options checked by
   `cje_engine.drift.monitor.DriftMonitor`).
 
+The file is read with `StrictLoader` (a safe loader): a key repeated in a mapping at any level is an
+error naming the key and both lines, and an alias bomb (more than `MAX_YAML_VALUES` values once aliases
+are expanded, more than `MAX_YAML_ALIASES` aliases, a recursive alias) is refused before any value is
+built.  Webhook URLs (``label_requests.webhook_url``) pass `check_webhook_url`: ``http``/``https`` only,
+never a link-local or cloud-metadata address.
+
 Checks: unknown keys are errors with a did-you-mean hint; types are strict (``interval: true``,
 ``n_bootstrap: "abc"`` and ``alpha: "0.05"`` are refused, not coerced); ranges (seed >= 0,
 ``n_bootstrap`` <= `cje_engine.options.MAX_N_BOOTSTRAP`, windows of 1 to `MAX_WINDOW_DAYS`
@@ -32,9 +38,11 @@ flows, the label ingestion and the checks above share them.
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
+import socket
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
@@ -152,6 +160,73 @@ def check_uri(uri: str, what: str = "URI") -> str:
         raise CJEInputError(f"{what} {parts.scheme}://{parts.netloc}{parts.path}?*** has credentials in its "
                             "query; " + CREDENTIALS_HINT)
     return uri
+
+
+#: Schemes a webhook may use.
+WEBHOOK_SCHEMES = ("http", "https")
+#: Cloud metadata endpoints (beside every link-local address, which is refused as a whole).
+_METADATA_IPS = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254"),
+                           ipaddress.ip_address("100.100.100.200")})
+_METADATA_HOSTS = frozenset({"metadata.google.internal", "metadata.goog", "instance-data",
+                             "instance-data.ec2.internal"})
+
+
+def literal_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a host written as an IP literal stands for (also the legacy IPv4 forms a resolver
+    accepts: ``2852039166``, ``0xa9fea9fe``, ``169.254.43518``); None for a name."""
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9a-fA-FxX.]+", host):
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    return None
+
+
+def forbidden_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why a webhook may not target ``ip`` (link-local or a cloud metadata address), or None."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip in _METADATA_IPS:
+        return "a cloud metadata address"
+    if ip.is_link_local:
+        return "a link-local address (169.254.0.0/16, fe80::/10)"
+    return None
+
+
+def check_webhook_url(url: Any, what: str = "webhook_url") -> str:
+    """A webhook URL the service may POST to; `CJEInputError` naming ``what`` otherwise.
+
+    Only ``http``/``https`` with a host; never a link-local address (169.254.0.0/16, fe80::/10) or a
+    cloud metadata endpoint (169.254.169.254, fd00:ec2::254, ``metadata.google.internal``), written
+    in any form an address resolver accepts; no credentials in user-info.  Loopback is allowed (a
+    receiver beside the service).  Host names are checked again against their resolved addresses
+    when a message is sent (`flows.integrations.notify`).
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise CJEInputError(f"{what} must be a non-empty http:// or https:// URL, got {url!r}")
+    try:
+        parts = urlsplit(url.strip())
+        host = parts.hostname or ""
+    except ValueError:
+        raise CJEInputError(f"{what} is not a valid URL") from None
+    shown = f"{parts.scheme}://{host or ''}" if parts.scheme else repr(url.split("?", 1)[0][:60])
+    if parts.scheme.lower() not in WEBHOOK_SCHEMES:
+        raise CJEInputError(f"{what} {shown} must be an http:// or https:// URL (scheme {parts.scheme or 'none'!r} "
+                            "is refused)")
+    if not host:
+        raise CJEInputError(f"{what} {shown} has no host")
+    check_uri(url.strip().split("?", 1)[0], what)
+    if host.lower().rstrip(".") in _METADATA_HOSTS:
+        raise CJEInputError(f"{what} {shown} targets a cloud metadata service; refused")
+    ip = literal_ip(host)
+    why = forbidden_address(ip) if ip is not None else None
+    if why:
+        raise CJEInputError(f"{what} {shown} targets {why}; refused")
+    return url
 
 
 def check_publish_name(name: str, what: str) -> str:
@@ -403,6 +478,8 @@ class EvaluationConfig(ScheduledEntry):
             flow_options(self.options, self.policies, self.mode)
         check_columns(self.columns, "key columns", self.options.get("covariates"))
         check_monitoring(self.monitoring, "key monitoring")
+        if isinstance(self.label_requests, Mapping) and self.label_requests.get("webhook_url") is not None:
+            check_webhook_url(self.label_requests["webhook_url"], "key label_requests.webhook_url")
 
 
 #: A reference look named by its key: ``YYYY-MM-DD/<judge_id>``.
@@ -488,17 +565,97 @@ class Config:
 TOP_LEVEL_KEYS = ("evaluations", "drift_monitors", "columns", "monitoring")
 
 
+#: Most values a YAML document may hold once its aliases are expanded (an alias bomb, "billion laughs",
+#: holds 10^9 from a few hundred bytes); a real evaluations file holds a few hundred.
+MAX_YAML_VALUES = 100_000
+#: Most alias uses (``*name``) in one document.
+MAX_YAML_ALIASES = 1_000
+
+
+class YAMLLimitError(yaml.YAMLError):
+    """A YAML document refused by `StrictLoader` (a duplicate key, too many or recursive aliases).
+
+    Its message is ours, one line, and never renders a value of the document."""
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate keys at any level (naming the key and both lines) and
+    alias bombs: at most `MAX_YAML_ALIASES` alias uses, at most `MAX_YAML_VALUES` values once every alias
+    is expanded, no recursive alias.  The check runs on the composed node graph, before any value is built."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases = getattr(self, "_aliases", 0) + 1
+            if self._aliases > MAX_YAML_ALIASES:
+                mark = self.peek_event().start_mark
+                raise YAMLLimitError(f"more than {MAX_YAML_ALIASES} aliases (line {mark.line + 1}); an alias bomb? "
+                                     "refused")
+        return super().compose_node(parent, index)
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # merge keys (<<) may be overridden: that is what they are for
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    first = seen.get(key)
+                    seen.setdefault(key, line)
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    continue
+                if first is not None:
+                    shown = key if isinstance(key, (str, int, float, bool)) or key is None else type(key).__name__
+                    raise YAMLLimitError(f"duplicate key {shown!r} at lines {first} and {line} (the second would "
+                                         "silently replace the first)")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], active: set[int]) -> int:
+    """Values under ``node`` with every alias expanded (memoised per node, so it costs the document's size);
+    `YAMLLimitError` past `MAX_YAML_VALUES` or on a recursive alias."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in active:
+        raise YAMLLimitError(f"recursive alias (line {node.start_mark.line + 1}); refused")
+    active.add(key)
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        total += sum(_expanded_size(child, sizes, active) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total += sum(_expanded_size(k, sizes, active) + _expanded_size(v, sizes, active) for k, v in node.value)
+    active.discard(key)
+    if total > MAX_YAML_VALUES:
+        raise YAMLLimitError(f"aliases expand to more than {MAX_YAML_VALUES} values (line {node.start_mark.line + 1});"
+                             " an alias bomb? refused")
+    sizes[key] = total
+    return total
+
+
 def read_yaml(path: str | os.PathLike | None = None) -> tuple[Path, dict]:
-    """The one YAML loader of the service: ``(path, top-level mapping)`` or `CJEInputError`."""
+    """The one YAML loader of the service: ``(path, top-level mapping)`` or `CJEInputError`.
+
+    Loaded with `StrictLoader`: a duplicate key (at any level) and an alias bomb are errors naming the
+    file, the key and its lines; the message never renders a value of the document."""
     p = Path(path) if path is not None else DEFAULT_FILE
     try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+        doc = yaml.load(p.read_text(encoding="utf-8"), Loader=StrictLoader)  # noqa: S506 - a safe loader
     except FileNotFoundError:
         raise CJEInputError("evaluations file not found", source=str(p)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CJEInputError(f"cannot read the evaluations file ({type(exc).__name__})", source=str(p)) from None
+    except YAMLLimitError as exc:
+        raise CJEInputError(f"not accepted YAML: {exc}", source=str(p)) from None
+    except RecursionError:
+        raise CJEInputError("not accepted YAML: nested too deeply", source=str(p)) from None
     except yaml.YAMLError as exc:
-        raise CJEInputError(f"not valid YAML: {' '.join(str(exc).split())}", source=str(p)) from None
+        raise CJEInputError(f"not valid YAML: {' '.join(str(exc).split())[:300]}", source=str(p)) from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -601,6 +758,32 @@ def load_config(path: str | os.PathLike | None = None, *, evaluation_cls: type[E
     return Config(path=p, evaluations=evaluations, drift_monitors=monitors)
 
 
+
+def pick_declared(name: str, declared: Mapping[str, Any], *, what: str = "evaluation",
+                  source: str | os.PathLike | None = None) -> Any:
+    """``declared[name]``, or the one `CJEInputError` of every lookup by name: it names the
+    evaluations file, the closest declared name (did you mean) and the declared ones.
+
+    Parameters
+    ----------
+    name : str
+        The name asked for (command line, flow parameter).
+    declared : mapping
+        Name -> entry of the evaluations file (evaluations or drift monitors).
+    what : str
+        ``"evaluation"`` or ``"drift monitor"`` (for the message).
+    source : path, optional
+        The evaluations file the entries were read from (default: the repository's).
+
+    Returns
+    -------
+    The entry of ``name``.
+    """
+    if name in declared:
+        return declared[name]
+    raise CJEInputError(f"no {what} named {name!r}{did_you_mean(name, declared)}; declared: "
+                        f"{', '.join(sorted(declared)) or 'none'}", source=str(source or DEFAULT_FILE))
+
 __all__ = ["Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "load_config",
-           "read_yaml", "validate_entry", "check_uri", "check_columns", "merge_columns", "check_publish_name",
+           "read_yaml", "validate_entry", "check_uri", "check_webhook_url", "check_columns", "merge_columns", "check_publish_name",
            "MonitoringConfig", "check_monitoring", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import urllib.parse
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,14 +286,65 @@ def _read_csv(path: Path, ids: Collection[str]) -> pd.DataFrame:
 # --------------------------------------------------------------------------------------
 # Folders
 # --------------------------------------------------------------------------------------
+#: Path parts starting with these are work folders or hidden files, never data (Hive, Spark, Arrow).
+SKIPPED_PREFIXES = ("_", ".")
+
+
+def is_work_path(relative: str | os.PathLike | Sequence[str]) -> bool:
+    """True when a path below a dataset root is a work folder or hidden file, not data.
+
+    The rule of Hive, Spark and Arrow datasets: any part of the path *below the root* that
+    starts with ``_`` or ``.`` (``dt=2025-01-01/_temporary/0/part-0.parquet``,
+    ``.staging/part-0.parquet``, ``_SUCCESS``, ``.part-0.parquet.crc``) is skipped.  Used by
+    the folder reader here and by the object-storage log listing
+    (`flows.storage.logs.discover_partitions`), so both read the same files.
+
+    Parameters
+    ----------
+    relative : str, path or sequence of str
+        The path relative to the dataset root: a ``/``-separated key, a `Path`, or its parts.
+
+    Returns
+    -------
+    bool
+    """
+    if isinstance(relative, (str, os.PathLike)):
+        parts: Sequence[str] = str(os.fspath(relative)).replace(os.sep, "/").split("/")
+    else:
+        parts = relative
+    return any(part.startswith(SKIPPED_PREFIXES) for part in parts if part not in ("", "."))
+
+
+def _walk_files(folder: Path) -> list[Path]:
+    """Every file below ``folder`` (work paths excluded); a folder that cannot be listed or an
+    entry that cannot be opened (a dangling or looping symlink) is an error naming it, never
+    silently dropped."""
+
+    def fail(exc: OSError) -> None:
+        raise CJEInputError(f"cannot list this folder ({exc.strerror or exc})",
+                            source=str(exc.filename or folder)) from None
+
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=fail):
+        rel = Path(dirpath).relative_to(folder)
+        dirnames[:] = sorted(d for d in dirnames if not is_work_path(rel / d))
+        for name in filenames:
+            path = Path(dirpath) / name
+            if is_work_path(rel / name):
+                continue
+            try:
+                path.stat()
+            except OSError as exc:
+                what = "a symbolic link whose target does not exist" if path.is_symlink() else \
+                    f"not readable ({exc.strerror or exc})"
+                raise CJEInputError(f"is {what}; the data file cannot be read (remove it or fix the link)",
+                                    source=str(path)) from None
+            out.append(path)
+    return out
+
+
 def _data_files(folder: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    return sorted(
-        p
-        for p in folder.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in suffixes
-        and not any(part.startswith((".", "_")) for part in p.relative_to(folder).parts)
-    )
+    return sorted(p for p in _walk_files(folder) if p.suffix.lower() in suffixes and p.is_file())
 
 
 def _read_parquet_folder(folder: Path, ids: Collection[str]) -> list[Part]:

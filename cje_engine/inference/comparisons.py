@@ -49,6 +49,12 @@ class PolicyColumns:
     relative_reason: list[str | None] | None = None
     #: per policy: "verified" (its level needs no transport assumption) or "assumes_transport"
     kinds: list[str] | None = None
+    #: per policy: a bound on the bias of a rank-only level (limited support: the share of its rows the
+    #: calibration extrapolates to, times the label span); comparisons widen their interval by it
+    bias_bound: np.ndarray | None = None
+
+    def bias(self, k: int) -> float:
+        return 0.0 if self.bias_bound is None else float(self.bias_bound[k])
 
     def kind(self, k: int) -> str:
         return "verified" if self.kinds is None else self.kinds[k]
@@ -140,6 +146,14 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
                 ci_a, p_an, _ = _analytic_pair(diff, se_a, min(cols.dfs[a], cols.dfs[b]), alpha)
                 ci = [min(ci[0], ci_a[0]), max(ci[1], ci_a[1])]
                 p = max(p, p_an)
+            bound = cols.bias(a) + cols.bias(b)
+            if ci is not None and bound > 0 and se is not None and se > 0:
+                # a rank-only level's bias is at most its bound: the interval carries it, and the test is the
+                # least favourable one within it (the difference shrunk toward 0 by the bound)
+                ci = [ci[0] - bound, ci[1] + bound]
+                shrunk = max(abs(diff) - bound, 0.0)
+                p = max(p, float(2 * student_t.sf(shrunk / se, min(cols.dfs[a], cols.dfs[b]))))
+                item["bias_bound"] = bound
             item.update(se=se, ci=None if ci is None else [float(max(ci[0], -span)), float(min(ci[1], span))],
                         p_value=float(p), prob_a_better=prob,
                         involves_refused=bool(cols.refused[a] or cols.refused[b]), reported=True, not_estimable=None)

@@ -180,7 +180,7 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     names = list(d.policies)
     pols = s.policies
     span = d.label_scale[1] - d.label_scale[0]
-    rel = relative_claims(direct_columns(s, pols, names, use_boot), alpha=opts.alpha, method=opts.multiplicity,
+    rel = relative_claims(direct_columns(s, pols, names, use_boot, span), alpha=opts.alpha, method=opts.multiplicity,
                           span=span, warnings=s.warnings, baseline=opts.baseline,
                           noninferiority_margin=opts.noninferiority_margin * span)
     rel["assumes_transport"] = assumed_claims(s, pols, names, use_boot, opts, span)
@@ -190,7 +190,7 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     return EvaluationResult(result, replicates=s.reps, influence=s.influence, columns=s.cols)
 
 
-def direct_columns(s, pols: dict, names: list[str], use_boot: bool) -> PolicyColumns:
+def direct_columns(s, pols: dict, names: list[str], use_boot: bool, span: float) -> PolicyColumns:
     """The comparison step's view of the reported levels (verified, or trusted assumes-transport ones)."""
     return PolicyColumns(
         names=names, estimate=np.array([pols[n]["estimate"] for n in names], dtype=float),
@@ -198,7 +198,14 @@ def direct_columns(s, pols: dict, names: list[str], use_boot: bool) -> PolicyCol
         dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n]["level_claim"] for n in names],
         raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
         relative=[pols[n]["relative_claim"] for n in names], relative_reason=[pols[n]["relative_reason"] for n in names],
-        kinds=[claim_kind(pols[n]["basis_code"]) for n in names])
+        kinds=[claim_kind(pols[n]["basis_code"]) for n in names], bias_bound=rank_only_bias(pols, names, span, [pols[n]["relative_claim"] for n in names]))
+
+
+def rank_only_bias(pols: dict, names: list[str], span: float, relative: list[str]) -> np.ndarray:
+    """Bias bound of each rank-only level: the share of its rows where calibration support is thin or absent
+    (the calibrator extrapolates there, and can be off by up to the label span) times the span; 0 elsewhere."""
+    return np.array([float(pols[n]["support"]["share_thin"]) * span if r == "rank_only" else 0.0
+                     for n, r in zip(names, relative)])
 
 
 def assumed_claims(s, pols: dict, names: list[str], use_boot: bool, opts: EvaluationOptions, span: float) -> dict:
@@ -211,6 +218,7 @@ def assumed_claims(s, pols: dict, names: list[str], use_boot: bool, opts: Evalua
         refused=s.assumed_refused, claims=[pols[n]["assumed"]["level_claim"] for n in names],
         raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
         relative=[r[0] for r in s.assumed_relative], relative_reason=[r[1] for r in s.assumed_relative],
-        kinds=[claim_kind(pols[n]["assumed"]["basis_code"]) for n in names])
+        kinds=[claim_kind(pols[n]["assumed"]["basis_code"]) for n in names],
+        bias_bound=rank_only_bias(pols, names, span, [r[0] for r in s.assumed_relative]))
     rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=[])
     return {k: rel[k] for k in ("comparisons", "ranking", "best_policy", "best_policy_reason")}

@@ -7,6 +7,7 @@ candidates' fresh draws). Comparisons and ranking are not done here (`cje_engine
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ from cje_engine.inference.selective import (
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,14 +94,24 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
         if w is None or not w.sum() > 0:
             w = np.ones(s.shape[0])
         share_thin = float(np.sum(w * thin) / np.sum(w))
-        out.append({
+        entry = {
             "share_outside_range": float(np.sum(w * outside) / np.sum(w)),
             "share_thin": share_thin,
             "limited": share_thin > opts.support_material_share,
             "rule": (f"thin = fewer than {opts.support_min_labels} calibration labels within "
                      f"+/-{h:.4g} of the score, or outside [{cs[0]:.4g}, {cs[-1]:.4g}]; limited when more than "
                      f"{opts.support_material_share:.0%} of rows are thin"),
-        })
+        }
+        if design.mode == "two_stage" and scores is not None and by_cell and d.X.shape[1]:
+            # the index extrapolates where a covariate lies outside the calibration labels' range
+            Xc = d.X[design.cal_rows]
+            lo, hi = Xc.min(axis=0), Xc.max(axis=0)
+            cx = design.cells.cells.X
+            off = np.any((cx < lo - 1e-12) | (cx > hi + 1e-12), axis=1)
+            share = float(np.sum(w * off) / np.sum(w))
+            entry.update(share_covariate_outside=share,
+                         covariate_extrapolation=share > opts.support_material_share)
+        out.append(entry)
     return out
 
 
@@ -223,6 +236,9 @@ def _basis(opts: EvaluationOptions, audit: dict, support: dict, n_own: int, use_
         tail = f"; the transport audit on {n_own} own labels did not fail (inconclusive)"
     else:
         tail = f"; the transport audit on {n_own} own labels failed"
+    if support.get("covariate_extrapolation"):
+        tail += (f"; the two-stage index extrapolates in a covariate for {support['share_covariate_outside']:.0%} of "
+                 f"its rows (outside the calibration labels' range)")
     basis = "calibrated plug-in: mean of calibrated judge scores" + tail
     if verdict == "fail":
         reasons.append(
@@ -448,30 +464,60 @@ def extend_with_verified(prep: Any, reps: np.ndarray | None) -> _Extended:
     return _Extended(np.concatenate([prep.stats, own, ppi]), reps_ext, total, calib, lam)
 
 
-def labels_to_verify(k: int, n_own: int, est: np.ndarray, resid_sd: float, min_labels: int, alpha: float,
-                     power: float = 0.8) -> dict:
+def labels_to_verify(k: int, n_own: int, n_rows: int, assumed: np.ndarray, se_verified: np.ndarray,
+                     resid_sd: float, min_labels: int, alpha: float, power: float = 0.8) -> dict:
     """How many own labels of policy ``k`` would give it a verified level and decide its closest comparison.
 
-    The verified level's SE with ``n`` own labels is about ``resid_sd / sqrt(n)`` (the label residuals
-    dominate it); the comparison with the policy whose assumes-transport level is closest, at that
-    difference, is decided at ``power`` when the SE is ``|diff| / (z_{1-alpha/2} + z_power)``.
+    The closest comparison is with the verified policy whose assumes-transport level is nearest
+    (``assumed``); at that difference ``diff`` it is decided at ``power`` when the difference's SE is
+    ``|diff| / (z_{1-alpha/2} + z_power)``. With ``n`` own labels the new verified level's SE is about
+    ``resid_sd / sqrt(n)`` (the label residuals dominate it) and the other level's SE stays
+    ``se_verified[j]``, so ``n = resid_sd^2 / ((diff / z)^2 - se_j^2)``; none when the other level alone is
+    too imprecise. Capped at the policy's unlabelled rows (``capped``).
     """
     from scipy.stats import norm
 
-    others = [j for j in range(est.size) if j != k and np.isfinite(est[j])]
     need = max(min_labels - n_own, 0)
     out = {"n_labels": int(need), "for_level": int(need), "for_closest_comparison": None, "closest": None,
-           "power": power, "residual_sd": float(resid_sd) if np.isfinite(resid_sd) else None}
-    if others and np.isfinite(est[k]) and np.isfinite(resid_sd) and resid_sd > 0:
-        j = min(others, key=lambda j: abs(est[j] - est[k]))
-        diff = abs(float(est[j] - est[k]))
-        if diff > 0:
-            z = float(norm.ppf(1 - alpha / 2) + norm.ppf(power))
-            n_cmp = int(np.ceil((z * resid_sd / diff) ** 2))
-            out.update(for_closest_comparison=max(n_cmp - n_own, 0), closest=None)
-            out["closest"] = {"policy": None, "assumed_difference": diff}
+           "power": power, "residual_sd": float(resid_sd) if np.isfinite(resid_sd) else None, "capped": False}
+    others = [j for j in range(assumed.size) if j != k and np.isfinite(assumed[j]) and np.isfinite(se_verified[j])]
+    if others and np.isfinite(assumed[k]) and np.isfinite(resid_sd) and resid_sd > 0:
+        j = min(others, key=lambda j: abs(assumed[j] - assumed[k]))
+        diff = abs(float(assumed[j] - assumed[k]))
+        z = float(norm.ppf(1 - alpha / 2) + norm.ppf(power))
+        room = (diff / z) ** 2 - float(se_verified[j]) ** 2
+        out["closest"] = {"policy": j, "assumed_difference": diff}
+        if room > 0:
+            n_cmp = int(np.ceil(resid_sd ** 2 / room))
+            out["for_closest_comparison"] = max(n_cmp - n_own, 0)
             out["n_labels"] = int(max(need, n_cmp - n_own))
+    if out["n_labels"] > n_rows - n_own:
+        out["n_labels"], out["capped"] = int(max(n_rows - n_own, 0)), True
     return out
+
+
+#: A declared label scale whose labels span less than this share of its width gets a warning.
+NARROW_LABEL_SHARE = 0.5
+
+
+def label_scale_warning(labels: np.ndarray, scale: tuple[float, float], audit_margin: float) -> str | None:
+    """A warning when the labels span under `NARROW_LABEL_SHARE` of the declared label scale (e.g. 1-5
+    labels declared on 0-10): the audit margin, the interval clipping and the default planner effect are
+    fractions of the declared scale, so a scale far wider than the data loosens them without a word.
+    ``None`` when the scale fits (or fewer than two labels differ)."""
+    y = np.asarray(labels, dtype=float)
+    y = y[np.isfinite(y)]
+    lo, hi = float(scale[0]), float(scale[1])
+    if y.size < 2 or hi <= lo:
+        return None
+    span = float(y.max() - y.min())
+    if span <= 0 or span >= NARROW_LABEL_SHARE * (hi - lo):
+        return None
+    margin = audit_margin * (hi - lo)
+    return (f"the oracle labels span {y.min():g}-{y.max():g}, under half of the declared label scale {lo:g}-{hi:g}: "
+            f"the transport audit margin ({audit_margin:g} of the declared scale = {margin:.3g} label units) is "
+            f"{(hi - lo) / span:.2g}x wider than on the labels' own range; declare the scale the labels were "
+            f"given on (e.g. {y.min():g}-{y.max():g}) unless they could use all of {lo:g}-{hi:g}")
 
 
 def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
@@ -499,6 +545,10 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     cov = cluster_cov(ext.total)
     cov_cal = cluster_cov(ext.calibration)
     warnings: list[str] = []
+    scale_note = label_scale_warning(d.label, d.label_scale, opts.audit_margin)
+    if scale_note:
+        log.warning("%s", scale_note)
+        warnings.append(scale_note)
     own_rows, n_own, n_own_prompts = _own_labels(design)
     n_rows = np.bincount(d.policy, minlength=K)
     n_prompts_k = np.array([np.unique(d.prompt[d.policy == k]).size for k in range(K)])
@@ -512,6 +562,12 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     dfs = np.concatenate([dfs2, dfs2[K:], dfs2[K:]])
     summary = _Stats(ext.stats, cov, ext.reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
                      infl=ext.total, dfs=dfs, n_policies=K)
+    # for labels_to_verify: each policy's assumes-transport (protocol) level and verified SE
+    assumed_est = np.array([summary(K + k if uses_own_labels(protocol, audits[k]["verdict"], int(n_own[k]),
+                                                             opts.min_labels, bool(support[k]["limited"])) else k)
+                            ["estimate"] for k in range(K)])
+    se_verified = np.array([summary(3 * K + k)["se"] if verified_mode and n_own[k] >= opts.min_labels
+                            and n_own_prompts[k] >= 2 else np.nan for k in range(K)], dtype=float)
     resid = d.label[design.lab_rows] - prep.f[design.lab_rows]
     resid_sd = float(np.std(resid, ddof=1)) if resid.size > 1 else float("nan")
 
@@ -562,8 +618,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
             claim, summ, ci_method, sel = "ok", summary(col), summary.reported_raw(col)[1], None
         elif verified_mode and not floor and not p_reasons and not opts.trusts(name):
             col, code, reasons = p_col, p_code, []
-            rel = ("not_estimable", f"no verified level ({_why_unverified(int(n_own[k]), opts.min_labels)}); "
-                                    "its assumes-transport level is in 'assumed'")
+            rel = ("not_estimable", f"no verified level ({int(n_own[k])} own labels, {opts.min_labels} needed)")
             basis = f"assumes transport: {p_basis}"
             claim, summ, ci_method, sel = "assumes_transport", None, None, None
         else:  # the protocol's level: refused, a trusted plug-in, or every level of a non-default estimator
@@ -592,8 +647,8 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                         "ci_method": p_ci_method, "basis_code": p_code, "level_claim": p_claim,
                         "basis": p_basis, "refusal_reasons": p_reasons},
             "labels_to_verify": (None if has_verified or not verified_mode else
-                                 labels_to_verify(k, int(n_own[k]), ext.stats[:K], resid_sd, opts.min_labels,
-                                                  alpha)),
+                                 labels_to_verify(k, int(n_own[k]), int(n_rows[k]), assumed_est, se_verified,
+                                                  resid_sd, opts.min_labels, alpha)),
             "plug_in": summary(k),
             "augmented": summary(K + k) if has_aug else None,
             "raw_judge_mean": float(d.score[d.policy == k].mean()),
@@ -619,23 +674,15 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
             if not (1 / SE_AGREEMENT_RATIO <= ratio <= SE_AGREEMENT_RATIO):
                 warnings.append(f"{name}: bootstrap SE {summ['se_bootstrap']:.4f} and analytic SE "
                                 f"{summ['se_analytic']:.4f} differ by a factor {ratio:.2f}")
-    _name_closest(policies, list(d.policies), ext.stats[:K])
+    _name_closest(policies, list(d.policies))
     return DirectSummaries(policies, cols, refused, dfs, calibration_summary(prep), warnings,
                            reps=ext.reps, influence=ext.total, assumed_cols=assumed_cols,
                            assumed_refused=assumed_refused, assumed_relative=assumed_rel)
 
 
-def _why_unverified(n_own: int, min_labels: int) -> str:
-    if n_own == 0:
-        return f"no oracle labels of its own; at least {min_labels} needed"
-    return f"{n_own} own labels; at least {min_labels} needed"
-
-
-def _name_closest(policies: dict, names: list[str], plug: np.ndarray) -> None:
+def _name_closest(policies: dict, names: list[str]) -> None:
     """Fill the closest policy's name into each ``labels_to_verify`` block."""
-    for k, n in enumerate(names):
+    for n in names:
         ltv = policies[n].get("labels_to_verify")
         if ltv and ltv.get("closest"):
-            others = [j for j in range(len(names)) if j != k and np.isfinite(plug[j])]
-            j = min(others, key=lambda j: abs(plug[j] - plug[k]))
-            ltv["closest"]["policy"] = names[j]
+            ltv["closest"]["policy"] = names[int(ltv["closest"]["policy"])]

@@ -41,8 +41,28 @@ PLANNER_VERSION = 1
 DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 #: Multiples of the chosen n in the default MDE table.
 DEFAULT_N_MULTIPLES = (0.25, 0.5, 1.0, 2.0, 4.0)
-#: Minimum detectable effect planned for when neither a budget nor an MDE is given (label units).
+#: Minimum detectable effect planned for when neither a budget nor an MDE is given, as a fraction of the
+#: width of the label scale (0.02 on 0-1, 0.08 label units on 1-5, 2 on 0-100).
 DEFAULT_TARGET_MDE = 0.02
+
+
+def label_scale_of(result: Mapping[str, Any]) -> tuple[float, float]:
+    """The declared label scale of a result (``config.label_scale``; 0-1 when the result has none)."""
+    scale = (result.get("config") or {}).get("label_scale")
+    try:
+        lo, hi = (float(v) for v in scale)
+    except (TypeError, ValueError):
+        return 0.0, 1.0
+    return (lo, hi) if hi > lo else (0.0, 1.0)
+
+
+def default_target_mde(result: Mapping[str, Any]) -> tuple[float, str]:
+    """(the default target MDE in label units, the note that says so): `DEFAULT_TARGET_MDE` of the
+    width of the result's label scale."""
+    lo, hi = label_scale_of(result)
+    mde = DEFAULT_TARGET_MDE * (hi - lo)
+    return mde, (f"target MDE {mde:g} label units: the default, {DEFAULT_TARGET_MDE:g} of the label scale "
+                 f"{lo:g}-{hi:g} (a target MDE given is in label units)")
 
 
 def default_pairs(result: Mapping[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -172,7 +192,8 @@ def plan_from_result(result: Any, budget: float | None = None, target_mde: float
         ``evaluate(...).to_dict()`` (or the object: its influence terms give exact paired variances).
     budget, target_mde : float, optional
         Plan for a budget (cost units of c_S/c_Y), for a minimum detectable effect on the label
-        scale, or both. Neither: the target MDE is `DEFAULT_TARGET_MDE` (0.02).
+        scale (label units), or both. Neither: the target MDE is `DEFAULT_TARGET_MDE` (0.02) of the width
+        of the result's label scale (``config.label_scale``: 0.02 on 0-1, 0.08 on 1-5), with a note.
     c_S, c_Y : float
         Cost of one judged response and of one oracle label.
     target, targets : str or pair, or a list of them, optional
@@ -206,14 +227,16 @@ def plan_from_result(result: Any, budget: float | None = None, target_mde: float
         min_labels = int(cfg.get("min_labels", 1) or 1)
     names = pilot.names
     wanted = list(targets or []) + ([target] if target is not None else [])
-    if budget is None and target_mde is None:
-        target_mde = DEFAULT_TARGET_MDE
     extra_notes: list[str] = []
+    if budget is None and target_mde is None:
+        target_mde, note = default_target_mde(pilot.result)
+        extra_notes.append(note)
     if wanted:
         comps = [components_from_result(pilot, t, scope=scope) for t in wanted]
         how = "requested"
     elif len(names) > 1:
-        pairs, extra_notes = default_pairs(pilot.result)
+        pairs, pair_notes = default_pairs(pilot.result)
+        extra_notes += pair_notes
         comps = [difference_components(pilot, a, b, scope=scope) for a, b in pairs]
         how = "every pair not yet resolved by the pilot (sized for the worst)"
     else:
@@ -244,6 +267,7 @@ def plan_from_result(result: Any, budget: float | None = None, target_mde: float
     out["differences"] = [dict(a=a, b=b, **summary(difference_components(pilot, a, b, scope=scope)))
                           for i, a in enumerate(names) for b in names[i + 1:]]
     out["notes"] = extra_notes + out["notes"]
+    out["label_scale"] = list(label_scale_of(pilot.result))
     out["scope"] = scope
     out["target_choice"] = how
     out["source"] = {"engine_version": pilot.result.get("engine_version"), "n_prompts": data.get("n_prompts"),
@@ -276,4 +300,5 @@ def plan_from_data(data: Any, budget: float | None = None, target_mde: float | N
 
 
 __all__ = ["PLANNER_VERSION", "DEFAULT_FRACTIONS", "DEFAULT_N_MULTIPLES", "DEFAULT_TARGET_MDE", "default_pairs", "plan",
+           "default_target_mde", "label_scale_of",
            "plan_from_result", "plan_from_data"]

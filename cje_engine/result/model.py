@@ -67,6 +67,11 @@ class Support(_Strict):
     share_thin: float
     limited: bool = Field(description="more than the material share of rows is thinly supported")
     rule: Optional[str] = None
+    share_covariate_outside: Optional[float] = Field(
+        None, description="two-stage calibration: share of the policy's rows with a covariate outside the range the "
+                          "calibration labels cover (the index extrapolates there); flagged, not refused: verified "
+                          "levels do not depend on it")
+    covariate_extrapolation: Optional[bool] = Field(None, description="share_covariate_outside above the material share")
 
 
 class Decile(_Strict):
@@ -207,10 +212,11 @@ class LabelsToVerify(_Strict):
     n_labels: int = Field(description="the larger of for_level and for_closest_comparison")
     for_level: int = Field(description="own labels still missing for a verified level (min_labels)")
     for_closest_comparison: Optional[int] = None
-    closest: Optional[dict[str, Any]] = Field(None, description="the policy whose assumed level is closest and "
-                                                                "the assumed difference")
+    closest: Optional[dict[str, Any]] = Field(None, description="the verified policy whose assumed level is closest, "
+                                                                "and the assumed difference")
     power: float
     residual_sd: Num = Field(None, description="SD of the label residuals Y - f used for the projection")
+    capped: Optional[bool] = Field(None, description="n_labels was capped at the policy's unlabelled rows")
 
 
 class PolicyResult(_Strict):
@@ -292,6 +298,8 @@ class Comparison(_Strict):
     not_estimable: Optional[str] = Field(None, description="why the pair is not reported (policy: reason)")
     claim_kind: Optional[Literal["verified", "assumes_transport"]] = Field(
         None, description="verified when both levels are verified, else assumes_transport")
+    bias_bound: Num = Field(None, description="rank-only pairs (limited calibration support): the bound on the levels' "
+                                              "bias that ci carries and p_value tests against")
 
 
 class BaselineComparison(_Strict):

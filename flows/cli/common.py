@@ -3,20 +3,24 @@ atomic writes and the audit/refusal status of a result."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from cje_engine.data.io import check_mapping
 from cje_engine.errors import CJEInputError
 
 from flows.cli.terminal import err
-from flows.config import read_yaml
+from flows.config import pick_declared, read_yaml
 from flows.storage.logs import SERVICE_COLUMNS
 
 CONFIG_ENV = "CJE_CONFIG"
 CONFIG_NAME = "evaluations.yaml"
+#: ``--config`` help of every command that reads the evaluations file.
+CONFIG_HELP = "evaluations file (default: $CJE_CONFIG, else ./evaluations.yaml of the current folder)"
 
 
 # ------------------------------------------------------------------------------ column mapping
@@ -72,7 +76,9 @@ def load_input(source: Any, columns: Mapping[str, str] | None, **options: Any):
 def find_config(given: str | os.PathLike | None, *, required: bool = True, quiet: bool = False) -> Path | None:
     """The evaluations file in use: ``--config``, else ``$CJE_CONFIG``, else ``./evaluations.yaml``.
 
-    The path (and where it came from) is printed on stderr. Without ``required`` a missing
+    The one rule of every command (never the repository's own file). The path (and where it came
+    from) is printed on stderr as one line ``config: PATH (from ...)``, unless ``quiet`` or ``-q``
+    (the ``cje`` logger is not enabled for INFO). Without ``required`` a missing
     ``./evaluations.yaml`` gives ``None``.
     """
     if given:
@@ -87,9 +93,38 @@ def find_config(given: str | os.PathLike | None, *, required: bool = True, quiet
         raise CJEInputError(f"evaluations file not found (from {how}); give --config FILE, set {CONFIG_ENV}, or "
                             f"create ./{CONFIG_NAME} in the current folder", source=str(path))
     path = path.resolve()
-    if not quiet:
+    if not quiet and logging.getLogger("cje").isEnabledFor(logging.INFO):
         err(f"config: {path} (from {how})")
     return path
+
+
+def declared_evaluations(config: str | os.PathLike | None, only: Sequence[str] | None = None,
+                         ) -> tuple[Path, dict[str, Any]]:
+    """The evaluations file in use (`find_config`) and its checked evaluations (all, or ``only``
+    these: an unknown name is a `CJEInputError` naming the file)."""
+    from flows.runtime.schedules import load_evaluations  # imports Prefect: `cje --help` should not pay for it
+
+    path = find_config(config)
+    specs = load_evaluations(path)
+    if only:
+        specs = {n: pick_declared(n, specs, what="evaluation", source=path) for n in only}
+    return path, specs
+
+
+def find_evaluation(name: str, config: str | os.PathLike | None) -> tuple[Path, Any]:
+    """(the evaluations file in use, the `EvaluationSpec` named ``name``); an unknown name is a
+    `CJEInputError` naming the file, the closest declared name and the declared ones."""
+    path, specs = declared_evaluations(config)
+    return path, pick_declared(name, specs, what="evaluation", source=path)
+
+
+def find_drift_monitor(name: str, config: str | os.PathLike | None) -> tuple[Path, Any]:
+    """(the evaluations file in use, the declared drift monitor named ``name``); errors as
+    `find_evaluation`."""
+    from flows.pipelines.drift_config import load_drift_monitors
+
+    path = find_config(config)
+    return path, pick_declared(name, load_drift_monitors(path), what="drift monitor", source=path)
 
 
 def config_columns(path: Path | None) -> dict[str, str]:
@@ -126,12 +161,22 @@ def check_out_dir(path: str | os.PathLike, *, overwrite: bool, files: tuple[str,
     return out
 
 
+def _file_mode() -> int:
+    """The mode of a file created with ``open()`` (0o666 less the umask; 0o644 under the usual 022),
+    as the published files of local storage have it."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file in the same folder, then rename;
-    the temporary file never outlives a failure."""
+    the temporary file never outlives a failure. The file gets the mode of a published file
+    (`_file_mode`: 0644), not the 0600 of a temporary file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            os.fchmod(fh.fileno(), _file_mode())
             fh.write(text)
         os.replace(tmp, path)
     except BaseException as exc:
@@ -139,6 +184,57 @@ def write_atomic(path: Path, text: str) -> None:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            raise CJEInputError(f"cannot write the file ({exc.strerror or exc})", source=str(path)) from None
+        raise
+
+
+def write_new_file(path: Path, data: bytes, *, force: bool = False, flag: str = "--force") -> None:
+    """Write ``data`` to ``path`` without ever writing through a symbolic link or, unless ``force``,
+    replacing an existing file.
+
+    The bytes go to a temporary file in the same folder, which is then hard-linked to ``path``
+    (fails if ``path`` appeared meanwhile: nothing is replaced) or, with ``force``, renamed over it
+    (a rename replaces the name, never the target of a link).  The temporary file never outlives a
+    failure.
+
+    Raises
+    ------
+    CJEInputError
+        ``path`` is a symbolic link, a folder, exists (without ``force``), or cannot be written.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise CJEInputError("is a symbolic link; refusing to write through it (give a plain file path)",
+                            source=str(path))
+    if path.is_dir():
+        raise CJEInputError("is a folder; give a file path", source=str(path))
+    if path.exists() and not force:
+        raise CJEInputError(f"exists already; give {flag} to replace it or choose another file", source=str(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise CJEInputError(f"cannot write the file ({exc.strerror or exc})", source=str(path)) from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if force:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)  # create-only: fails if the name appeared meanwhile
+            os.unlink(tmp)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, FileExistsError):
+            raise CJEInputError(f"exists already; give {flag} to replace it or choose another file",
+                                source=str(path)) from None
         if isinstance(exc, OSError):
             raise CJEInputError(f"cannot write the file ({exc.strerror or exc})", source=str(path)) from None
         raise

@@ -5,7 +5,8 @@ code   name                        when
 =====  ==========================  ==================================================================
 0      EXIT_OK                     success
 1      EXIT_GATE_FAILED            a gate failed: an audit failed, a level was refused (`cje evaluate`,
-                                   `cje run`; ``--exit-zero`` turns this off), or `cje gate` said no
+                                   `cje run`), a drift monitor is in alarm (`cje drift`; ``--exit-zero``
+                                   turns these off), or `cje gate` said no
 2      EXIT_BAD_INPUT              bad input: a file, column, row or setting (the message names it)
 64     EXIT_USAGE                  usage error: the command line itself (sysexits EX_USAGE)
 69     EXIT_UNAVAILABLE            a service unavailable: object storage, Prefect, Ray, a labelling
@@ -27,8 +28,9 @@ EXIT_INTERRUPTED = 130
 #: (code, name, meaning) for the generated docs/cli.md.
 EXIT_CODES: tuple[tuple[int, str, str], ...] = (
     (EXIT_OK, "ok", "success"),
-    (EXIT_GATE_FAILED, "gate failed", "an audit failed or a level was refused (`cje evaluate`, `cje run`; "
-                                      "`--exit-zero` turns this off), or `cje gate` said no"),
+    (EXIT_GATE_FAILED, "gate failed", "an audit failed or a level was refused (`cje evaluate`, `cje run`), a drift "
+                                      "monitor is in alarm (`cje drift`; `--exit-zero` turns these off), or "
+                                      "`cje gate` said no"),
     (EXIT_BAD_INPUT, "bad input", "a file, column, row or setting is wrong; the one-line message names it"),
     (EXIT_USAGE, "usage error", "the command line itself (unknown flag, missing argument; sysexits EX_USAGE)"),
     (EXIT_UNAVAILABLE, "service unavailable", "object storage, Prefect, Ray or a labelling tool could not be "

@@ -31,13 +31,14 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from cje_engine.errors import CJEInputError
 from cje_engine.options import LEVEL_ESTIMATORS
 
 from flows.cli import terminal
-from flows.cli.common import (check_columns, check_out_dir, config_columns, find_config, load_input, parse_columns,
+from flows.cli.common import (CONFIG_HELP, check_columns, check_out_dir, config_columns, declared_evaluations,
+                              find_config, find_drift_monitor, find_evaluation, load_input, parse_columns,
                               result_problems, write_atomic)
 from flows.cli.exits import (EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,
                              EXIT_UNAVAILABLE, EXIT_USAGE, ServiceUnavailable)
@@ -75,13 +76,15 @@ def version_string() -> str:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse with the global ``-v``/``-q`` on every (sub-)parser and exit code 64 on usage errors.
+    """argparse with the global ``-v``/``-q`` on every (sub-)parser, no abbreviated options
+    (``allow_abbrev=False``) and exit code 64 on usage errors.
 
     Sub-parsers created through ``subparsers.add_parser`` (also by the modules of
     `COMMAND_MODULES`) are of this class, so ``-v``/``-q`` work before or after any sub-command.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False  # `--n-boot` is a usage error, not --n-bootstrap
         super().__init__(*args, **kwargs)
         g = self.add_argument_group("global options")
         # SUPPRESS: a sub-parser leaves the value of the main parser alone unless given.
@@ -150,7 +153,7 @@ def _add_columns(p: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("covariates", "n_bootstrap", "alpha", "audit_margin", "seed", "calibration_policies",
                 "calibration_mode", "inference", "level_estimator", "label_scale", "score_scale", "multiplicity",
                 "trust_transport", "baseline", "noninferiority_margin", "min_prompts")
-_CONFIG_HELP = "evaluations file (default: $CJE_CONFIG, else ./evaluations.yaml)"
+_CONFIG_HELP = CONFIG_HELP
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -193,7 +196,8 @@ def _add_builtin_commands(sub: Any) -> None:
 
     p = sub.add_parser("plan", help="label/log allocation for a target MDE or a budget, from a pilot",
                        description="Plan the next evaluation from a pilot: by default the cheapest design whose "
-                                   "minimum detectable effect is --target-mde (0.02) for the pairs you care about "
+                                   "minimum detectable effect is --target-mde (default 0.02 of the label scale's "
+                                   "width, e.g. 0.08 label units on 1-5) for the pairs you care about "
                                    "(--target, or every pair the pilot has not already resolved).")
     p.add_argument("input", nargs="?",
                    help="a pilot's result.json, or pilot data (anything `cje evaluate` reads); or use --evaluation")
@@ -204,7 +208,8 @@ def _add_builtin_commands(sub: Any) -> None:
     p.add_argument("--out", help="folder for plan.json and plan.svg")
     p.add_argument("--budget", type=float, help="total budget in cost units (plans for the budget instead of an MDE)")
     p.add_argument("--target-mde", type=float,
-                   help="minimum detectable effect to reach, in label units (default 0.02 unless --budget)")
+                   help="minimum detectable effect to reach, in label units (default unless --budget: 0.02 of "
+                        "the label scale's width, i.e. 0.02 on 0-1, 0.08 on 1-5, 2 on 0-100)")
     p.add_argument("--c-s", type=float, default=1.0, help="cost of one judged response (default 1)")
     p.add_argument("--c-y", type=float, default=16.0, help="cost of one oracle label (default 16)")
     p.add_argument("--target", action="append", metavar="TARGET",
@@ -228,10 +233,14 @@ def _add_builtin_commands(sub: Any) -> None:
     add_json(p)
     p.set_defaults(handler=cmd_run)
 
-    p = sub.add_parser("drift", help="run one judge-drift monitor declared in the evaluations file now")
+    p = sub.add_parser("drift", help="run one judge-drift monitor declared in the evaluations file now",
+                       description="Run one declared judge-drift monitor now: score and test the new looks, "
+                                   "publish its report. Exit 1 when the monitor is in alarm (a look of this run or "
+                                   "an earlier one alarmed; unless --exit-zero).")
     p.add_argument("name")
     p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--through", help="last score date considered, YYYY-MM-DD (default today, UTC)")
+    p.add_argument("--exit-zero", action="store_true", help="exit 0 even when the monitor is in alarm")
     add_json(p)
     p.set_defaults(handler=cmd_drift)
 
@@ -274,12 +283,42 @@ class StderrHandler(logging.StreamHandler):
         pass
 
 
-def _setup_logging(verbose: bool, quiet: bool) -> None:
+#: Prefect's loggers with a level of their own (`prefect/logging/logging.yml`); the flow- and task-run
+#: loggers inherit the level of ``prefect``.
+PREFECT_LOGGERS = ("prefect", "prefect.extra", "prefect.client", "prefect.infrastructure")
+
+
+def _setup_logging(verbose: bool, quiet: bool) -> Callable[[], None]:
+    """Log to stderr at DEBUG (``-v``), WARNING (``-q``, Prefect included) or INFO; returns the undo of
+    the Prefect settings (`_quiet_prefect`)."""
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, handlers=[StderrHandler()], force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "botocore", "urllib3", "asyncio", "numba"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    return _quiet_prefect() if quiet else (lambda: None)
+
+
+def _quiet_prefect() -> Callable[[], None]:
+    """``-q``: Prefect logs warnings and errors only, in this process (``PREFECT_LOGGING_LEVEL``, read
+    when Prefect is first imported; the loggers themselves when it already is) and in the flow-run
+    and server processes started from it (they inherit the environment). Prefect's INFO lines then
+    reach neither the terminal nor the Prefect API's flow-run logs. Returns the undo."""
+    env = os.environ.get("PREFECT_LOGGING_LEVEL")
+    levels = {name: logging.getLogger(name).level for name in PREFECT_LOGGERS}
+    os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+    for name in PREFECT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+    def restore() -> None:
+        if env is None:
+            os.environ.pop("PREFECT_LOGGING_LEVEL", None)
+        else:
+            os.environ["PREFECT_LOGGING_LEVEL"] = env
+        for name, lvl in levels.items():
+            logging.getLogger(name).setLevel(lvl)
+
+    return restore
 
 
 # ------------------------------------------------------------------------------ evaluate
@@ -373,11 +412,11 @@ def _check_options(mode: str, kwargs: dict[str, Any]) -> None:
         OffPolicyOptions.build(mode=mode, **opts)
 
 
-def _problems_exit(problems: list[str], exit_zero: bool) -> int:
+def _problems_exit(problems: list[str], exit_zero: bool, what: str = "an audit failed or a level was refused") -> int:
     for p in problems:
         err(f"cje: {p}")
     if problems and not exit_zero:
-        err("cje: exit code 1 (an audit failed or a level was refused; --exit-zero to exit 0)")
+        err(f"cje: exit code 1 ({what}; --exit-zero to exit 0)")
         return EXIT_GATE_FAILED
     return EXIT_OK
 
@@ -390,10 +429,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from cje_engine.planning.planner import plan_from_data, plan_from_result
 
     targets = [t for arg in (ns.target or []) for t in _csv(arg)] or None
-    target_mde = ns.target_mde
-    if target_mde is None and ns.budget is None:
-        target_mde = 0.02
-    common = dict(budget=ns.budget, target_mde=target_mde, c_S=ns.c_s, c_Y=ns.c_y, targets=targets, power=ns.power)
+    # no --target-mde nor --budget: the planner's default, 0.02 of the label scale's width (in label units)
+    common = dict(budget=ns.budget, target_mde=ns.target_mde, c_S=ns.c_s, c_Y=ns.c_y, targets=targets, power=ns.power)
     out_dir = check_out_dir(ns.out, overwrite=True, files=()) if ns.out else None
     if (ns.input is None) == (ns.evaluation is None):
         raise CJEInputError("give either INPUT (a result.json or pilot data) or --evaluation NAME, not both",
@@ -470,18 +507,7 @@ def _print_run(summary: dict) -> None:
 
 
 def _spec(config: str | None, name: str):
-    from flows.runtime.schedules import load_evaluations
-
-    path = find_config(config)
-    specs = load_evaluations(path)
-    if name not in specs:
-        from difflib import get_close_matches
-
-        close = get_close_matches(name, list(specs), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise CJEInputError(f"no evaluation named {name!r}{hint} (declared: {', '.join(sorted(specs))})",
-                            source=str(path))
-    return specs[name]
+    return find_evaluation(name, config)[1]
 
 
 def check_prefect_api(url: str, timeout: float = 5.0) -> None:
@@ -551,37 +577,32 @@ def _print_requests(summary: dict) -> None:
 
 def cmd_drift(ns: argparse.Namespace) -> int:
     from flows.pipelines.drift import format_summary, run_drift
-    from flows.pipelines.drift_config import load_drift_monitors
 
-    path = find_config(ns.config)
-    monitors = load_drift_monitors(path)  # a bad name fails before Prefect starts
-    if ns.name not in monitors:
-        from difflib import get_close_matches
-
-        close = get_close_matches(ns.name, list(monitors), n=1)
-        raise CJEInputError(f"no drift monitor named {ns.name!r}{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
-                            f" (declared: {', '.join(sorted(monitors)) or 'none'})", source=str(path))
+    path, _ = find_drift_monitor(ns.name, ns.config)  # a bad name fails before Prefect starts
     with _services(), progress(f"drift monitor {ns.name}"):
         summary = run_drift(ns.name, path, through=ns.through)
     if ns.json:
         out_json(json_doc("drift", summary=summary))
     else:
         out(format_summary(summary))
-    return EXIT_OK
+    return _problems_exit(drift_problems(summary), ns.exit_zero, "the drift monitor is in alarm")
+
+
+def drift_problems(summary: dict) -> list[str]:
+    """The reasons for exit code 1 of `cje drift`: the monitor is in alarm, by a look of this run or an
+    earlier one (an alarm stays until the reference is reset, docs/drift.md)."""
+    first = {m: v for m, v in (summary.get("first_alarm") or {}).items() if v is not None}
+    if not summary.get("alarm") and not first:
+        return []
+    since = ", ".join(f"{m} since look {v}" for m, v in first.items()) or ", ".join(summary.get("alarms") or [])
+    return [f"drift monitor {summary.get('monitor')!r} is in alarm ({since})"]
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     from flows.runtime import ray_fanout as ray_runtime
-    from flows.runtime.schedules import load_evaluations, serve
+    from flows.runtime.schedules import serve
 
-    config = find_config(ns.config)
-    specs = load_evaluations(config)
-    if ns.only:
-        unknown = [n for n in ns.only if n not in specs]
-        if unknown:
-            raise CJEInputError(f"no evaluation named {unknown[0]!r}; declared: {', '.join(sorted(specs))}",
-                                source=str(config))
-        specs = {n: specs[n] for n in ns.only}
+    config, specs = declared_evaluations(ns.config, ns.only)
     from flows.pipelines.preflight import check_evaluation
 
     for spec in specs.values():
@@ -636,26 +657,63 @@ def exit_code_of(exc: BaseException) -> int:
         return EXIT_UNAVAILABLE
     names = {c.__module__ + "." + c.__name__ for c in type(exc).__mro__}
     if names & {"flows.storage.objects.StorageError", "httpx.ConnectError", "httpx.ConnectTimeout",
-                "prefect.exceptions.PrefectHTTPStatusError"} or isinstance(exc, ConnectionError):
-        return EXIT_UNAVAILABLE
+                "prefect.exceptions.PrefectHTTPStatusError"} or isinstance(exc, (ConnectionError, TimeoutError)):
+        return EXIT_UNAVAILABLE  # a timeout: a remote call (storage, Ray) or a run past its limit
     return EXIT_INTERNAL
+
+
+#: The ``error.kind`` of the ``--json`` error document, per exit code.
+ERROR_KINDS = {EXIT_BAD_INPUT: "bad input", EXIT_USAGE: "usage error", EXIT_UNAVAILABLE: "service unavailable",
+               EXIT_INTERNAL: "internal error", EXIT_INTERRUPTED: "interrupted"}
+
+
+def command_name(ns: argparse.Namespace | None, argv: Sequence[str] = ()) -> str:
+    """``run``, ``requests status``, ``anchors create``: the command as the ``--json`` documents name it."""
+    if ns is None:  # a usage error: the first word that names a command, if any
+        words = [a for a in argv if not a.startswith("-")]
+        return words[0] if words else "cje"
+    sub = getattr(ns, "requests_command", None) or getattr(ns, "anchors_command", None)
+    return f"{ns.command} {sub}" if sub else str(getattr(ns, "command", "cje"))
+
+
+def json_error(command: str, code: int, lines: Sequence[str]) -> None:
+    """``--json``: the error as one JSON document on stdout (the envelope of every document, with
+    ``error``: ``exit_code``, ``kind``, ``message`` (the first line) and ``problems`` (every line))."""
+    lines = [str(x) for x in lines] or ["error"]
+    out_json(json_doc(command, error={"exit_code": code, "kind": ERROR_KINDS.get(code, "error"),
+                                      "message": lines[0], "problems": lines}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cje` console script; returns the exit code."""
     parser = build_parser()
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        ns = parser.parse_args(argv)
+        ns = parser.parse_args(args)
     except SystemExit as exc:  # --help / --version (0) or a usage error (64)
-        return int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+        code = int(exc.code or 0) if isinstance(exc.code, int) else EXIT_USAGE
+        if code and "--json" in args:
+            json_error(command_name(None, args), code, ["the command line is wrong; see the usage on stderr"])
+        return code
     verbose, quiet = getattr(ns, "verbose", False), getattr(ns, "quiet", False)
-    _setup_logging(verbose, quiet)
+    restore = _setup_logging(verbose, quiet)
     terminal.enable_progress(not quiet and not getattr(ns, "json", False))
+    try:
+        return _dispatch(ns, verbose)
+    finally:
+        restore()  # a caller in the same process (tests, notebooks) gets Prefect's logging back
+
+
+def _dispatch(ns: argparse.Namespace, verbose: bool) -> int:
+    """Run the command's handler; every failure becomes one line (and a JSON document) and an exit code."""
     command = getattr(ns, "command", "?")
+    as_json = bool(getattr(ns, "json", False))
     try:
         return int(ns.handler(ns))
     except KeyboardInterrupt:
         err("interrupted")
+        if as_json:
+            json_error(command_name(ns), EXIT_INTERRUPTED, ["interrupted"])
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line and an exit code
         code = exit_code_of(exc)
@@ -678,6 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         err(f"cje {command}: error: {kind}{lines[0]}{more}")
         for line in lines[1:]:
             err(f"  {line}")
+        if as_json:
+            json_error(command_name(ns), code, [kind + lines[0], *lines[1:]])
         return code
 
 

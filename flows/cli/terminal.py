@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import sys
 from typing import Any, Iterator
@@ -70,9 +71,20 @@ def err(text: str) -> None:
     sys.stderr.flush()
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (in dicts, lists, tuples) replaced by ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
 def out_json(doc: Any) -> None:
-    """Write one JSON document to stdout (ASCII-only, no NaN)."""
-    sys.stdout.write(json.dumps(doc, indent=2, allow_nan=False, ensure_ascii=True, default=str) + "\n")
+    """Write one JSON document to stdout (ASCII-only; NaN and infinities as ``null``)."""
+    sys.stdout.write(json.dumps(finite(doc), indent=2, allow_nan=False, ensure_ascii=True, default=str) + "\n")
     sys.stdout.flush()
 
 

@@ -6,7 +6,10 @@ Two channels, both best effort (a notification must never break the run that sen
   to ``webhook_url`` or the environment variable ``CJE_WEBHOOK_URL``.  Connection errors,
   timeouts, HTTP 429 and 5xx are retried with exponential backoff (bounded); other 4xx
   answers are not retried (the receiver rejected the message).  Failures are logged and
-  returned, never raised.
+  returned, never raised.  Only ``http``/``https`` URLs are used, never one whose host is or
+  resolves to a link-local or cloud metadata address (`flows.config.check_webhook_url`; the
+  configuration refuses them at load, this is checked again before each send, also for
+  ``CJE_WEBHOOK_URL``); redirects are not followed (a 3xx answer is a failed delivery).
 * **Prefect event** ``cje.<kind>`` (``prefect.events.emit_event``) when a Prefect API is
   configured (``PREFECT_API_URL`` or an active temporary setting), so that Prefect
   automations can route it (e-mail, Slack, ...).  The event's resource is
@@ -18,16 +21,21 @@ Kinds: ``label_request``, ``drift_alarm``, ``level_refused``, ``audit_failed``.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
+
+from cje_engine.errors import CJEInputError
+from flows.config import literal_ip, check_webhook_url, forbidden_address
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +89,48 @@ def _api_configured() -> bool:
         return False
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Redirects are not followed: a receiver could send the POST (and its body) anywhere, e.g. to a
+    metadata endpoint the URL check refused; the 3xx answer is returned as an `HTTPError`."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 - urllib's signature
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def refuse_webhook(url: str) -> str | None:
+    """Why ``url`` may not be posted to (`check_webhook_url`, then every address its host resolves to),
+    or None.  A name that does not resolve is left to the delivery (a retried connection error)."""
+    try:
+        check_webhook_url(url, "webhook URL")
+    except CJEInputError as exc:
+        return exc.detail
+    host = urlsplit(url).hostname or ""
+    if literal_ip(host) is not None:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return None
+    for info in infos:
+        try:
+            why = forbidden_address(ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]))
+        except ValueError:
+            continue
+        if why:
+            return f"webhook URL host {host!r} resolves to {why}; refused"
+    return None
+
+
 def _post(url: str, body: bytes, attempts: int, timeout: float, backoff: float) -> dict:
     out: dict[str, Any] = {"url": redact_url(url), "delivered": False, "status": None, "attempts": 0, "error": None}
+    refused = refuse_webhook(url)
+    if refused:
+        out["error"] = refused
+        log.warning("webhook %s not used: %s", out["url"], refused)
+        return out
     delay = backoff
     for attempt in range(1, max(1, attempts) + 1):
         out["attempts"] = attempt
@@ -90,14 +138,14 @@ def _post(url: str, body: bytes, attempts: int, timeout: float, backoff: float) 
         try:
             req = urllib.request.Request(url, data=body, method="POST",
                                          headers={"Content-Type": "application/json", "User-Agent": "cje-notify"})
-            with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - configured URL
+            with _OPENER.open(req, timeout=timeout) as resp:  # noqa: S310 - checked URL, no redirects
                 out["status"] = int(resp.status)
                 out["delivered"] = 200 <= resp.status < 300
                 out["error"] = None
                 return out
         except urllib.error.HTTPError as exc:
             out["status"] = int(exc.code)
-            out["error"] = f"HTTP {exc.code}"
+            out["error"] = f"HTTP {exc.code}" + (" (a redirect; not followed)" if 300 <= exc.code < 400 else "")
             retry = exc.code == 429 or exc.code >= 500
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)

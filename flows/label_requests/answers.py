@@ -14,6 +14,10 @@ Per item: cancelled (skipped) annotations and answers that are not submitted are
 counted); two submitted answers with the same value count once; two with different values are an
 error naming the item and the values (resolve it in the tool: nothing is ingested, nothing lost).
 
+CSV cells: `flows.label_requests.exports.to_csv` prefixes a text cell that a spreadsheet would run as
+a formula with ``'`` (`neutralize_csv_cell`); `restore_csv_table` strips exactly that prefix again
+when a filled CSV is read back, so ids and texts round-trip unchanged.
+
 Scales: ``answer_scale`` is the scale the answers were given on (``--label-scale 1-5``); they must
 lie in it, and are mapped linearly onto ``target_scale`` (the evaluation's label scale recorded in
 the requests) when the two differ.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -34,6 +39,33 @@ from cje_engine.errors import CJEInputError
 log = logging.getLogger(__name__)
 
 ANSWER_FORMATS = ("auto", "table", "label-studio", "argilla")
+#: Leading characters a spreadsheet reads as the start of a formula (OWASP, CSV injection).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+#: A cell `neutralize_csv_cell` changed: one or more quotes, then a formula start (the first quote is ours).
+_NEUTRALIZED = re.compile(r"^'+[=+\-@\t\r]")
+
+
+def neutralize_csv_cell(value: str) -> str:
+    """``value`` safe to open in a spreadsheet: prefixed with ``'`` when it starts with a formula character
+    (``= + - @``, tab, CR), or with quotes followed by one (so that `restore_csv_cell` is its exact inverse)."""
+    if value.startswith(FORMULA_START) or _NEUTRALIZED.match(value):
+        return "'" + value
+    return value
+
+
+def restore_csv_cell(value: str) -> str:
+    """The inverse of `neutralize_csv_cell`: drop the one ``'`` it added; any other cell is unchanged."""
+    return value[1:] if _NEUTRALIZED.match(value) else value
+
+
+def restore_csv_table(table: pa.Table) -> pa.Table:
+    """`restore_csv_cell` on every text column of a CSV read back (ids, texts, metadata)."""
+    for i, name in enumerate(table.column_names):
+        col = table.column(name)
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            values = [None if v is None else restore_csv_cell(v) for v in col.to_pylist()]
+            table = table.set_column(i, name, pa.array(values, col.type))
+    return table
 _VALUE_KEYS = ("number", "rating", "choices", "text", "textarea")
 
 

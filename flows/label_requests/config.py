@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from cje_engine.errors import CJEInputError
+from flows.config import check_webhook_url
 
 PREFIX = "label_requests"
 MANIFEST_VERSION = 1
@@ -124,6 +125,8 @@ class RequestConfig:
         if not (isinstance(self.background_share, (int, float)) and 0 <= self.background_share < 1):
             raise CJEInputError(f"label request setting background_share must be in [0, 1), got "
                                 f"{self.background_share!r}")
+        if self.webhook_url is not None:
+            check_webhook_url(self.webhook_url, "label request setting webhook_url")
         trig = (self.triggers,) if isinstance(self.triggers, str) else tuple(self.triggers)
         bad = [t for t in trig if t not in TRIGGERS]
         if bad:

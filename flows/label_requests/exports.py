@@ -3,10 +3,15 @@
 Each item is one thing to label: a logged response (``kind: response``, id = ``response_id``) or, for a
 drift request, an anchor of the anchor set (``kind: anchor``, id = ``anchor_id``).  Items carry the
 prompt and response text (joined from the logs by ``response_id``, or from the anchor set; the
-text columns are configurable) and, as metadata, the request id, the request's reasons and the
-row's inclusion probability (what the label store will record as ``label_probability``).  The judge
-score is left out unless asked for (``include_judge_score``): labellers should not be anchored on
-the score they are checking.
+text columns are configurable) and, as metadata, the request id, its trigger codes and the row's
+inclusion probability (what the label store will record as ``label_probability``).  Labellers are
+blind to the policy: its name and the request's reasons (which name it) are not exported, and
+answers map back by the item's id.  The judge score is left out unless asked for
+(``include_judge_score``): labellers should not be anchored on the score they are checking.
+
+CSV cells that a spreadsheet would run as a formula (starting with ``= + - @``, tab or CR, e.g. a response
+``=IMPORTXML(...)``) are prefixed with ``'`` (OWASP's CSV-injection advice;
+`flows.label_requests.answers.neutralize_csv_cell`); reading the filled CSV back strips exactly that prefix.
 
 The label goes back under ``oracle_label`` (CSV/JSONL column, Label Studio ``Number`` control,
 Argilla question) on the request's label scale; `flows.label_requests.answers` reads it back.
@@ -23,6 +28,7 @@ import pyarrow as pa
 
 from cje_engine.errors import CJEInputError
 
+from flows.label_requests.answers import neutralize_csv_cell
 from flows.storage.anchors import read_anchor_set
 from flows.storage.logs import discover_partitions, read_window
 from flows.storage.objects import Storage
@@ -32,8 +38,10 @@ log = logging.getLogger(__name__)
 FORMATS = ("csv", "jsonl", "label-studio", "argilla")
 DEFAULT_TEXT_COLUMNS = ("prompt", "response")
 ANSWER = "oracle_label"
-#: Metadata of every item, in this order (``judge_score`` only when asked for).
-META = ("item_id", "kind", "request_id", "reason", "triggers", "policy", "dt", "stratum", "selection_probability",
+#: Metadata of every item, in this order (``judge_score`` only when asked for). Labellers are blind to the
+#: policy: neither its name nor the request's reasons (which name it) are exported; answers map back by the
+#: item's id (``response_id``).
+META = ("item_id", "kind", "request_id", "triggers", "dt", "stratum", "selection_probability",
         "inclusion_probability", "label_scale")
 
 
@@ -88,7 +96,6 @@ def request_items(manifest: Mapping, texts: Mapping[str, Mapping], anchor_texts:
                   *, text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS,
                   include_judge_score: bool = False) -> list[dict]:
     """The request's items (responses, then anchors) with text and metadata (see module docs)."""
-    reason = _reason_text(manifest)
     triggers = ",".join(str(r.get("trigger")) for r in manifest.get("reasons") or [])
     scale = list(manifest.get("label_scale") or [0.0, 1.0])
     items = []
@@ -97,8 +104,8 @@ def request_items(manifest: Mapping, texts: Mapping[str, Mapping], anchor_texts:
         if rid not in texts:
             raise CJEInputError(f"no text for response {rid!r} of request {manifest.get('request_id')}",
                                 column="response_id")
-        item = {"item_id": rid, "kind": "response", "request_id": manifest["request_id"], "reason": reason,
-                "triggers": triggers, "policy": r.get("policy"), "dt": r.get("dt"), "stratum": r.get("stratum"),
+        item = {"item_id": rid, "kind": "response", "request_id": manifest["request_id"],
+                "triggers": triggers, "dt": r.get("dt"), "stratum": r.get("stratum"),
                 "selection_probability": r.get("selection_probability"),
                 "inclusion_probability": r.get("inclusion_probability"), "label_scale": scale}
         if include_judge_score:
@@ -111,8 +118,8 @@ def request_items(manifest: Mapping, texts: Mapping[str, Mapping], anchor_texts:
             raise CJEInputError(f"no text for anchor {aid!r} of request {manifest.get('request_id')} (give the "
                                 "anchor set's storage, --anchors-uri)", column="anchor_id")
         drift = manifest.get("drift") or {}
-        item = {"item_id": aid, "kind": "anchor", "request_id": manifest["request_id"], "reason": reason,
-                "triggers": triggers, "policy": None, "dt": None, "stratum": None,
+        item = {"item_id": aid, "kind": "anchor", "request_id": manifest["request_id"],
+                "triggers": triggers, "dt": None, "stratum": None,
                 "selection_probability": a.get("selection_probability"), "inclusion_probability": None,
                 "label_scale": scale, "anchor_set": drift.get("set_name")}
         item.update({c: anchor_texts[aid].get(c) for c in text_columns})
@@ -125,7 +132,8 @@ def request_items(manifest: Mapping, texts: Mapping[str, Mapping], anchor_texts:
 
 
 def to_csv(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> bytes:
-    """One row per item: ``response_id`` (the item id), the texts, an empty ``oracle_label`` to fill, metadata."""
+    """One row per item: ``response_id`` (the item id), the texts, an empty ``oracle_label`` to fill, metadata;
+    text cells that would start a spreadsheet formula are prefixed with ``'`` (see the module docs)."""
     extra = ["judge_score"] if any("judge_score" in i for i in items) else []
     header = ["response_id", *text_columns, ANSWER, *[m for m in META if m != "item_id"], *extra]
     buf = io.StringIO()
@@ -134,8 +142,14 @@ def to_csv(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_
     for i in items:
         row = dict(i, response_id=i["item_id"], oracle_label="",
                    label_scale="-".join(f"{x:g}" for x in i["label_scale"]))
-        w.writerow(["" if row.get(h) is None else row.get(h) for h in header])
+        w.writerow([_csv_cell(row.get(h)) for h in header])
     return buf.getvalue().encode()
+
+
+def _csv_cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    return neutralize_csv_cell(value) if isinstance(value, str) else value
 
 
 def to_jsonl(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> bytes:
@@ -192,7 +206,7 @@ def argilla_settings(label_scale: Sequence[float], text_columns: Sequence[str] =
         question = {"name": ANSWER, "type": "text", "required": True,
                     "title": f"Oracle label: a number from {lo:g} to {hi:g}"}
     meta = [{"name": "request_id", "type": "terms"}, {"name": "kind", "type": "terms"},
-            {"name": "policy", "type": "terms"}, {"name": "triggers", "type": "terms"},
+            {"name": "triggers", "type": "terms"},
             {"name": "inclusion_probability", "type": "float"}, {"name": "selection_probability", "type": "float"}]
     if include_judge_score:
         meta.append({"name": "judge_score", "type": "float"})
@@ -204,8 +218,8 @@ def to_argilla(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_T
     """Argilla records: ``{"id", "fields": {texts}, "metadata": {...}}`` (``rg.Record`` keyword arguments)."""
     out = []
     for i in items:
-        meta = {k: i.get(k) for k in ("request_id", "kind", "policy", "triggers", "inclusion_probability",
-                                      "selection_probability", "judge_score", "reason", "dt") if k in i}
+        meta = {k: i.get(k) for k in ("request_id", "kind", "triggers", "inclusion_probability",
+                                      "selection_probability", "judge_score", "dt") if k in i}
         out.append({"id": i["item_id"], "fields": {c: i.get(c) or "" for c in text_columns},
                     "metadata": {k: v for k, v in meta.items() if v is not None}})
     return out

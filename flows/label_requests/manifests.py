@@ -108,15 +108,28 @@ def progress(manifest: Mapping, labelled: set[str], anchors_done: set[tuple[str,
 
 
 def summarize(items: list[dict]) -> dict:
-    """Counts per status and per reason (trigger) over `progress` items."""
+    """Counts per status and per reason (trigger) over `progress` items.
+
+    A request merged from several reasons holds its labels once: ``by_reasons`` groups requests by
+    their set of triggers (``"audit_failed+thin_support"``), each request once, so its counts add up
+    to the totals; ``by_reason`` lists each trigger with the requests that carry it (a request counts
+    once under each of its distinct triggers, never once per reason entry).
+    """
     by_status: dict[str, int] = {}
     by_reason: dict[str, dict] = {}
+    by_reasons: dict[str, dict] = {}
+
+    def count(into: dict, key: str, p: dict) -> None:
+        r = into.setdefault(key, {"requests": 0, "requested": 0, "received": 0})
+        r["requests"] += 1
+        r["requested"] += p["requested"]
+        r["received"] += p["received"]
+
     for p in items:
         by_status[p["status"]] = by_status.get(p["status"], 0) + 1
-        for t in p["triggers"]:
-            r = by_reason.setdefault(t, {"requests": 0, "requested": 0, "received": 0})
-            r["requests"] += 1
-            r["requested"] += p["requested"]
-            r["received"] += p["received"]
-    return {"requests": len(items), "by_status": by_status, "by_reason": by_reason,
+        triggers = sorted({str(t) for t in p["triggers"]})
+        for t in triggers:
+            count(by_reason, t, p)
+        count(by_reasons, "+".join(triggers) or "none", p)
+    return {"requests": len(items), "by_status": by_status, "by_reason": by_reason, "by_reasons": by_reasons,
             "requested": sum(p["requested"] for p in items), "received": sum(p["received"] for p in items)}

@@ -1,4 +1,5 @@
-"""The ``evaluate_and_audit`` flow: the `evaluate` flow, then notifications and automatic label requests.
+"""The ``evaluate_and_audit`` flow: the `evaluate` flow, then notifications, automatic label requests and the
+results pages rebuilt with them (`flows.pipelines.pages`).
 
 It is the flow that ``cje run``, ``cje serve`` (scheduled deployments), the demo and the re-evaluations of
 the ``labels`` flow call (docs/label-requests.md).  A failure after publishing (notification or request
@@ -18,11 +19,13 @@ from flows.label_requests.config import RequestConfig
 from flows.label_requests.raising import raise_requests_for_run
 from flows.pipelines.evaluate import check_parameters as check_evaluate
 from flows.pipelines.evaluate import evaluate
+from flows.pipelines.pages import refresh_pages
 from flows.runtime.guard import checked_flow
+from flows.runtime.retries import TASK_TIMEOUT
 from flows.storage.objects import StorageConfig
 
 
-@task(name="raise_label_requests", retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE)
+@task(name="raise_label_requests", retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE, **TASK_TIMEOUT)
 def raise_label_requests(results_uri: str, cfg: Any, evaluation: str, window: str, outcome: dict,
                          logs_uri: str, config: dict, drift_look: dict | None,
                          anchor_ids: list[str] | None, columns: dict[str, str] | None = None) -> list[dict]:
@@ -94,6 +97,9 @@ def evaluate_and_audit(
         logger.error("label requests for %s/%s failed: %s", evaluation, out["window"], exc)
         out["label_requests_error"] = f"{type(exc).__name__}: {exc}"
     logger.info("%d label request(s) raised", len(out["label_requests"]))
+    # the pages show the open requests (and where they and the label store live): rebuild them now
+    refresh_pages(results_uri or logs_uri, cfg, evaluation, requests_uri=req_dict.get("requests_uri"),
+                  labels_uri=req_dict["labels_uri"], why="the run's label requests")
     return out
 
 

@@ -11,7 +11,8 @@ One flow run:
 6. ``update``         `cje_engine.drift.monitor.DriftMonitor.update` once per new look, in time order;
 7. ``commit``         new state object, the looks, then the ``state.json`` pointer;
 8. ``notify_alarms``  `flows.integrations.notify.notify("drift_alarm", ...)` for looks with new alarms;
-9. ``write_report``   ``drift/<monitor>/report.html`` (timeline of every look).
+9. ``write_report``   ``drift/<monitor>/report.html`` (timeline of every look);
+10. ``refresh_pages`` the linked evaluation's trend page and the results index (`flows.pipelines.pages`).
 
 Reference and replicate
 -----------------------
@@ -52,11 +53,13 @@ from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
+from flows.config import pick_declared
 from flows.label_requests.config import RequestConfig
 from flows.pipelines.drift_config import DriftSettings, load_drift_monitors, settings_from
 from flows.pipelines.drift_tasks import (commit, first_alarms_of, load_anchors, load_calibration, load_scores,
                                          load_state_task, notify_alarms, raise_label_requests, request_summary,
                                          score_anchors, update, write_report)
+from flows.pipelines.pages import refresh_pages
 from flows.runtime.guard import checked_flow
 from flows.storage.drift_state import look_key, state_prefix
 from flows.storage.objects import Storage, StorageConfig
@@ -192,6 +195,11 @@ def drift(settings: DriftSettings) -> dict:
     if outcome.state["monitor"]["n_looks"] > 0:
         report = write_report.with_options(**retry)(s.uri("drift"), quote(cfg), s.name, quote(outcome.state))
 
+    if s.evaluation and (outcome.changed or raised["requests"]):  # the linked evaluation's pages show the looks
+        refresh_pages(s.uri("results"), cfg, s.evaluation, requests_uri=req_config.get("requests_uri"),
+                      labels_uri=req_config.get("labels_uri"), drift_uri=s.uri("drift"),
+                      why=f"drift monitor {s.name}'s look(s)")
+
     mon = outcome.state["monitor"]
     new_alarms = [lk for lk in outcome.new_looks if lk["alarm"]]
     summary = {
@@ -215,11 +223,8 @@ def run_drift(name: str, config_path: str | os.PathLike | None = None, **overrid
 
     Needs a Prefect API (wrap in `flows.runtime.prefect_server.prefect_api`).
     """
-    specs = load_drift_monitors(config_path)
-    if name not in specs:
-        raise CJEInputError(f"no drift monitor named {name!r}; declared: {', '.join(sorted(specs)) or 'none'}",
-                            source=str(config_path or "evaluations.yaml"))
-    params = specs[name].settings_dict()
+    spec = pick_declared(name, load_drift_monitors(config_path), what="drift monitor", source=config_path)
+    params = spec.settings_dict()
     params.update({k: v for k, v in overrides.items() if v is not None})
     return drift(settings_from(params, f"drift monitor {name!r}"))
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cje_engine.errors import CJEInputError
-from flows.config import DriftMonitorConfig, check_drift_comparison, load_config
+from flows.config import DriftMonitorConfig, check_drift_comparison, check_webhook_url, load_config, pick_declared
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS
 from flows.storage.anchors import check_name
 
@@ -69,6 +69,8 @@ class DriftSettings(BaseModel):
             raise ValueError("judge_id is required with a scorer: it labels the scores the flow writes")
         try:
             check_drift_comparison(self.reference, self.monitor)
+            if self.webhook_url is not None:
+                check_webhook_url(self.webhook_url, "webhook_url")
         except CJEInputError as exc:
             raise ValueError(exc.detail) from None
         return self
@@ -170,8 +172,5 @@ def drift_deployments(path: str | os.PathLike | None = None, only: Sequence[str]
     """Prefect deployments of the drift monitors declared in an evaluations file (for ``cje serve``)."""
     specs = load_drift_monitors(path)
     if only:
-        unknown = [n for n in only if n not in specs]
-        if unknown:
-            raise CJEInputError(f"no drift monitor named {unknown[0]!r}; declared: {', '.join(sorted(specs))}")
-        specs = {n: specs[n] for n in only}
+        specs = {n: pick_declared(n, specs, what="drift monitor", source=path) for n in only}
     return [s.to_deployment() for s in specs.values()]

@@ -21,7 +21,7 @@ from cje_engine.errors import CJEInputError
 from flows.config import LOOK_KEY_RE
 from flows.label_requests.raising import raise_drift_requests
 from flows.pipelines.drift_config import DEFAULT_RETRY_DELAYS
-from flows.runtime.retries import storage_task_options
+from flows.runtime.retries import PURE_TASK, storage_task_options
 from flows.reports.drift import render_drift_report
 from flows.storage.anchors import (AnchorSet, Look, read_anchor_scores, read_anchor_set, score_files, split_looks,
                                    write_anchor_scores)
@@ -67,7 +67,7 @@ def calibration_from_result(result: dict, source: str = "result.json") -> Callab
 
 
 _STORAGE_TASK = storage_task_options(DEFAULT_RETRY_DELAYS)
-_PURE_TASK = dict(cache_policy=NO_CACHE)
+_PURE_TASK = dict(PURE_TASK)
 
 
 @task(name="load_anchors", **_STORAGE_TASK)
@@ -275,7 +275,7 @@ def _clusters(anchors: AnchorSet) -> tuple[Any, str | None]:
     return None, None
 
 
-@task(name="update", cache_policy=NO_CACHE)
+@task(name="update", **_PURE_TASK)
 def update(state: dict | None, looks: list[Look], anchors: AnchorSet, *, set_name: str, monitor_name: str,
            monitor_options: dict, reference: str, replicate: str | None, calibration: dict | None,
            scored: dict | None, flow_run_id: str | None) -> UpdateOutcome:

@@ -72,7 +72,8 @@ from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
 from flows.storage.labels import LabelStore
-from flows.storage.logs import concat_with_sources, discover_partitions, first_duplicate, locate_row, row_sources
+from flows.storage.logs import (concat_with_sources, discover_partitions, first_duplicate, locate_row, row_sources,
+                                window_days)
 from flows.storage.objects import Storage, StorageConfig
 from flows.storage.publish import run_key
 
@@ -343,8 +344,9 @@ def _chunk_fn(prep: Any) -> Any:
 
 
 @task(name="render", **_PURE_TASK)
-def render(result: Any, title: str) -> dict[str, bytes]:
-    """The run's artifacts: result.json, policies.parquet, report.html."""
+def render(result: Any, title: str, days: dict | None = None) -> dict[str, bytes]:
+    """The run's artifacts: result.json, policies.parquet, report.html (``days``: the window's days held and
+    missing, shown under the report's title)."""
     from flows.reports.evaluation import render_report
 
     d = result.to_dict()
@@ -353,7 +355,7 @@ def render(result: Any, title: str) -> dict[str, bytes]:
     return {
         "result.json": json.dumps(d, indent=2, allow_nan=False).encode("utf-8"),
         "policies.parquet": buf.getvalue(),
-        "report.html": render_report(d, title=title).encode("utf-8"),
+        "report.html": render_report(d, title=title, days=days).encode("utf-8"),
     }
 
 
@@ -474,7 +476,7 @@ def build_manifest(plan: RunPlan, files: list[dict], counts: dict, label_info: d
     config = run_config(plan)
     return {
         "window_spec": {"start": plan.window.start.isoformat(), "end": plan.window.end.isoformat(),
-                        "spec": plan.window_spec},
+                        "spec": plan.window_spec, **plan_days(plan, files)},
         "config": config,
         "config_hash": config_hash(config),
         "inputs": {"logs_uri": plan.logs_uri, "files": files, "n_files": len(files),
@@ -490,6 +492,12 @@ def build_manifest(plan: RunPlan, files: list[dict], counts: dict, label_info: d
         "created_at": datetime.now(timezone.utc).isoformat(),
         "timings_s": {k: round(v, 3) for k, v in plan.timings.items()},
     }
+
+
+def plan_days(plan: RunPlan, files: Sequence[dict]) -> dict[str, list[str]]:
+    """The window's days the run holds (``days``, a log partition each) and those without logs
+    (``missing_days``): `flows.storage.logs.window_days` of the partitions read."""
+    return window_days([f["key"] for f in files], plan.window.start, plan.window.end)
 
 
 def run_key_of(plan: RunPlan, files: list[dict], label_info: dict) -> str:
@@ -564,7 +572,8 @@ def render_and_publish(plan: RunPlan, cfg: Any, files: list[dict], counts: dict,
     if drop:
         label_info["labelled_count_drop"] = drop
     with plan.timed("render"):
-        artifacts = render(quote(result), f"CJE evaluation {plan.evaluation} - {win.start} to {win.end}")
+        artifacts = render(quote(result), f"CJE evaluation {plan.evaluation} - {win.start} to {win.end}",
+                           plan_days(plan, files))
     manifest = build_manifest(plan, files, counts, label_info, ray_kind)
     with plan.timed("publish"):
         outcome = publish.with_options(**plan.retry)(plan.results_uri, quote(cfg), plan.evaluation, win, key,

@@ -14,11 +14,18 @@ Steps (Prefect tasks):
                      -> same version), a conflicting second label is kept and flagged;
 5. ``fulfil``        requests whose every row now has a label get a fulfilment marker;
 6. re-evaluation     for every declared (or passed-in) evaluation that uses this label store,
-                     every published window containing a touched log date (and the
-                     evaluation's current window, if it does) is evaluated again with
-                     `flows.pipelines.audit.evaluate_and_audit`.  The label-store version is
+                     every *published* window containing a touched log date is evaluated
+                     again with `flows.pipelines.audit.evaluate_and_audit` (never a window
+                     nobody published; a window with days that have no logs is skipped and
+                     named, unless ``partial_windows``);
+7. ``refresh_pages`` the results index and trend pages of the evaluations whose requests
+                     received labels (`flows.pipelines.pages`).  The label-store version is
                      part of the run key, so the new result is published beside the old one,
                      which stays readable (`list_runs` / `read_run`); ``latest.json`` moves.
+                     Once it completed, the label store records it for that version
+                     (`LabelStore.mark_reevaluated`); a retry of the same labels ("already
+                     stored") whose version has no such record re-evaluates (a ``kill -9``
+                     between the commit and the re-evaluation loses nothing).
 """
 from __future__ import annotations
 
@@ -43,22 +50,24 @@ from prefect.utilities.annotations import quote
 from cje_engine.errors import CJEInputError
 
 from flows.label_requests.answers import (ANSWER_FORMATS, detect_format, load_json_or_jsonl, parse_argilla,
-                                          parse_label_studio, parse_table, rescale)
+                                          parse_label_studio, parse_table, rescale,
+                                          restore_csv_table)
 from flows.label_requests.config import RequestConfig
 from flows.label_requests.manifests import list_requests, mark_fulfilled
 from flows.pipelines.audit import evaluate_and_audit
+from flows.pipelines.pages import refresh_pages
 from flows.storage.anchors import label_anchors
 from flows.storage.objects import NotFoundError, StorageConfig
 from flows.storage.publish import list_runs
 from flows.runtime.guard import checked_flow
-from flows.runtime.retries import retry_unless_bad_input
+from flows.runtime.retries import TASK_TIMEOUT, retry_unless_bad_input
 from flows.reports.artifacts import labels_artifacts
 
 log = logging.getLogger(__name__)
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl",
            ".json": "jsonl"}
-_RETRY = dict(retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE)
+_RETRY = dict(retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE, **TASK_TIMEOUT)
 
 
 _STORAGE_TASK = dict(_RETRY, retry_condition_fn=retry_unless_bad_input)
@@ -96,7 +105,7 @@ def parse_labels(data: bytes, name: str, source: str) -> pa.Table:
             return pq.read_table(io.BytesIO(data))
         if fmt == "csv":
             opts = pacsv.ConvertOptions(column_types={"response_id": pa.string()})
-            return pacsv.read_csv(io.BytesIO(data), convert_options=opts)
+            return restore_csv_table(pacsv.read_csv(io.BytesIO(data), convert_options=opts))
         schema = pa.schema([("response_id", pa.string())])
         return pajson.read_json(io.BytesIO(data), parse_options=pajson.ParseOptions(explicit_schema=schema,
                                                                                     unexpected_field_behavior="infer"))
@@ -241,13 +250,13 @@ def _scan_logs(logs_uri: str, cfg: Any, ids: set[str], lookback: tuple[date, dat
                mapping: dict[str, str] | None = None) -> dict[str, dict]:
     """Look ids up in the logs: ``response_id`` and ``dt`` only, the id filter pushed into the scan
     (``mapping``: the evaluation's ``columns:``, the logs' own names)."""
-    from flows.storage.logs import PARTITION, discover_partitions, partition_of, read_window
+    from flows.storage.logs import PARTITION, discover_partitions, is_log_object, read_window
 
     st = _storage(logs_uri, cfg)
     if lookback is not None:
         files = discover_partitions(st, *lookback)
     else:
-        files = [f for f in st.list(f"{PARTITION}=") if f.key.endswith(".parquet") and partition_of(f.key)]
+        files = [f for f in st.list(f"{PARTITION}=") if is_log_object(f.key)]
     if not files or not ids:
         return {}
     wanted = pa.array(sorted(ids), pa.string())
@@ -298,7 +307,7 @@ def locate_task(table: pa.Table, source: str, requests_uri: str, logs_uris: list
     return known, requests
 
 
-@task(name="validate_labels", cache_policy=NO_CACHE)
+@task(name="validate_labels", cache_policy=NO_CACHE, **TASK_TIMEOUT)
 def validate_task(table: pa.Table, source: str, known: dict, label_scale: list[float]) -> pa.Table:
     return validate_labels(table, source, known, label_scale)
 
@@ -452,29 +461,31 @@ def _specs(evaluations_file: str | None, evaluations: Sequence[Mapping] | None) 
     return specs
 
 
-def affected_windows(spec: Any, dates: set[str], published: Sequence[str], as_of: str | None,
-                     max_windows: int) -> list[str]:
-    """Windows (``YYYY-MM-DD_YYYY-MM-DD``) of an evaluation that contain a touched log date.
+def affected_windows(dates: set[str], published: Sequence[str], max_windows: int) -> list[str]:
+    """Published windows (``YYYY-MM-DD_YYYY-MM-DD``) of an evaluation that hold a touched log date.
 
-    Candidates: every published window of the evaluation plus its declared window as of
-    ``as_of``; the newest ``max_windows`` (by end date) are returned.
+    Only windows that exist as published runs are candidates: labels never create a window (the
+    evaluation's declared window as of today may overlap a published one, or lack days); the newest
+    ``max_windows`` (by end date) are returned, oldest first.
     """
-    from flows.config import parse_window
-
-    cands = set(published)
-    try:
-        cands.add(parse_window(spec.window, as_of).label)
-    except CJEInputError:
-        pass
     days = {date.fromisoformat(d) for d in dates if d}
     hit = []
-    for w in cands:
+    for w in set(published):
         a, b = w.split("_", 1)
         start, end = date.fromisoformat(a), date.fromisoformat(b)
         if any(start <= d <= end for d in days):
             hit.append(w)
     hit.sort(key=lambda w: (w.split("_", 1)[1], w), reverse=True)
     return sorted(hit[:max_windows])
+
+
+def missing_days(logs_uri: str, cfg: Any, window: str) -> list[str]:
+    """Days of ``window`` (``YYYY-MM-DD_YYYY-MM-DD``) without a log partition under ``logs_uri``."""
+    from flows.storage.logs import discover_partitions, window_days
+
+    a, b = window.split("_", 1)
+    files = discover_partitions(_storage(logs_uri, cfg), a, b)
+    return window_days([f.key for f in files], a, b)["missing_days"]
 
 
 # --------------------------------------------------------------------------------------
@@ -513,18 +524,31 @@ def _ingest(table: pa.Table, source: str, known: dict, label_scale: Sequence[flo
     return clean, appended
 
 
-def reevaluate_windows(specs: Sequence[Any], touched: Sequence[str], cfg: Any, as_of: str | None, max_windows: int,
-                       label_requests: Mapping | None) -> tuple[list[dict], list[dict]]:
-    """Run `evaluate_and_audit` on every affected window of every evaluation; (summaries, superseded runs)."""
+def reevaluate_windows(specs: Sequence[Any], touched: Sequence[str], cfg: Any, max_windows: int,
+                       label_requests: Mapping | None,
+                       partial_windows: bool = False) -> tuple[list[dict], list[dict], list[dict]]:
+    """Run `evaluate_and_audit` on every published window of every evaluation holding a touched date.
+
+    A window with days that have no logs is skipped (named in the third list, with its
+    ``missing_days``) unless ``partial_windows``.  Returns (summaries, superseded runs, skipped windows).
+    """
     reevaluations: list[dict] = []
     superseded: list[dict] = []
+    skipped: list[dict] = []
     res_st = {}
+    logger = get_run_logger()
     for spec in specs:
         spec_results = spec.results_uri or spec.logs_uri
         st = res_st.setdefault(spec_results, _storage(spec_results, cfg))
         published = sorted({r["window"] for r in list_runs(st, spec.name)})
-        windows = affected_windows(spec, set(touched), published, as_of, max_windows)
-        for w in windows:
+        for w in affected_windows(set(touched), published, max_windows):
+            gaps = missing_days(spec.logs_uri, cfg, w)
+            if gaps and not partial_windows:
+                reason = (f"{len(gaps)} day(s) of the window have no logs ({', '.join(gaps)}); not re-evaluated "
+                          "(pass --partial-windows to publish it without them)")
+                logger.warning("evaluation %s window %s: %s", spec.name, w, reason)
+                skipped.append({"evaluation": spec.name, "window": w, "missing_days": gaps, "reason": reason})
+                continue
             earlier = list_runs(st, spec.name, w)
             before = earlier[-1] if earlier else None
             params = spec.flow_parameters()
@@ -534,13 +558,47 @@ def reevaluate_windows(specs: Sequence[Any], touched: Sequence[str], cfg: Any, a
             run = evaluate_and_audit(**params)
             summary = {k: run.get(k) for k in ("evaluation", "window", "run_key", "published", "path", "reason",
                                                "report")}
+            summary["missing_days"] = gaps
             summary["label_requests"] = [m["request_id"] for m in run.get("label_requests", [])]
             summary["level_claims"] = {p: v["level_claim"] for p, v in run["result"]["policies"].items()}
             reevaluations.append(summary)
             if before is not None and run.get("published") and before["run_key"] != run["run_key"]:
                 superseded.append({"evaluation": spec.name, "window": before["window"],
                                    "run_key": before["run_key"], "path": before["path"]})
-    return reevaluations, superseded
+    return reevaluations, superseded, skipped
+
+
+def reevaluation_done(labels_uri: str, cfg: Any, version: int) -> bool:
+    """Whether the re-evaluation called for by label-store ``version`` completed (see `record_reevaluation`)."""
+    from flows.storage.labels import LabelStore
+
+    done = LabelStore(_storage(labels_uri, cfg)).reevaluated(version) is not None
+    if not done:
+        get_run_logger().warning("labels already stored as version %d, but their re-evaluation never completed "
+                                 "(an earlier run was interrupted): re-evaluating now", version)
+    return done
+
+
+def record_reevaluation(labels_uri: str, cfg: Any, version: int, reevaluations: Sequence[Mapping],
+                        skipped: Sequence[Mapping] = ()) -> None:
+    """Record in the label store that ``version``'s re-evaluation completed (written after every window;
+    ``skipped``: windows left out for days without logs)."""
+    from flows.storage.labels import LabelStore
+
+    runs = [{k: r.get(k) for k in ("evaluation", "window", "run_key", "published")} for r in reevaluations]
+    LabelStore(_storage(labels_uri, cfg)).mark_reevaluated(version, {"runs": runs, "skipped": list(skipped)})
+
+
+def refresh_request_pages(specs: Sequence[Any], requests: Sequence[Mapping], statuses: Sequence[Mapping],
+                          results_uri: str, requests_uri: str, labels_uri: str, cfg: Any) -> None:
+    """Rebuild the pages of every evaluation whose requests received labels (and of the evaluations using
+    this label store): their open requests changed (`flows.pipelines.pages.refresh_pages`)."""
+    received = {s["request_id"] for s in statuses if s.get("received")}
+    names = {str(m["evaluation"]) for m in requests if m.get("request_id") in received and m.get("evaluation")}
+    roots = {s.name: s.results_uri or s.logs_uri for s in specs}
+    for name in sorted(names | set(roots)):
+        refresh_pages(roots.get(name, results_uri), cfg, name, requests_uri=requests_uri, labels_uri=labels_uri,
+                      why="labels received for its requests")
 
 
 def check_parameters(p: dict[str, Any]) -> None:
@@ -566,6 +624,7 @@ def labels(
     reevaluate: bool = True,
     as_of: str | None = None,
     max_windows: int = 10,
+    partial_windows: bool = False,
     source_name: str | None = None,
     label_requests: dict[str, Any] | None = None,
     answers_format: str = "auto",
@@ -599,9 +658,13 @@ def labels(
     reevaluate : bool
         Re-run the affected evaluations (only when the labels are new to the store).
     as_of : str, optional
-        Reference date for the evaluations' relative windows.
+        Unused (kept for callers): only published windows are re-evaluated, never a window computed
+        from the evaluation's declared window.
     max_windows : int
         At most this many windows per evaluation (newest first).
+    partial_windows : bool
+        Re-evaluate (and publish) a window even when some of its days have no logs (default: such a
+        window is skipped and listed in ``skipped_windows``; ``cje labels --partial-windows``).
     source_name : str, optional
         Name recorded in the label store (default: the file's URL).
     label_requests : dict, optional
@@ -622,7 +685,9 @@ def labels(
         ``source``, ``format``, ``rows``, ``version``, ``new``, ``conflicts``, ``anchors`` (anchor-set
         versions written), ``ignored`` / ``duplicates`` / ``unanswered`` (tool answers), ``requests`` (status per
         request), ``touched_dates``, ``reevaluations`` (the `evaluate_and_audit` outputs, without
-        the full result) and ``superseded`` (run keys replaced as latest).
+        the full result), ``superseded`` (run keys replaced as latest) and ``skipped_windows`` (published
+        windows holding the labels that were not re-evaluated: ``evaluation``, ``window``,
+        ``missing_days``, ``reason``).
     """
     cfg = StorageConfig.from_env()
     results_uri = results_uri or labels_uri
@@ -644,12 +709,16 @@ def labels(
     out: dict[str, Any] = {
         "source": source, "format": read_info.get("format"), "rows": clean.num_rows, "version": appended["version"],
         "new": appended["new"], "conflicts": appended["conflicts"], "requests": [s for s in statuses if s["received"]],
-        "touched_dates": touched, "reevaluations": [], "superseded": [], "label_scale": list(label_scale),
+        "touched_dates": touched, "reevaluations": [], "superseded": [], "skipped_windows": [],
+        "label_scale": list(label_scale),
         "anchors": anchors_out["versions"], **{k: read_info.get(k, d) for k, d in (
             ("ignored", {}), ("duplicates", 0), ("unanswered", 0))}}
-    if reevaluate and appended["new"]:
-        out["reevaluations"], out["superseded"] = reevaluate_windows(specs, touched, cfg, as_of, max_windows,
-                                                                      label_requests)
+    if reevaluate and appended["version"] is not None and (
+            appended["new"] or not reevaluation_done(labels_uri, cfg, appended["version"])):
+        out["reevaluations"], out["superseded"], out["skipped_windows"] = reevaluate_windows(
+            specs, touched, cfg, max_windows, label_requests, partial_windows)
+        record_reevaluation(labels_uri, cfg, appended["version"], out["reevaluations"], out["skipped_windows"])
+    refresh_request_pages(specs, requests, statuses, results_uri, requests_uri, labels_uri, cfg)
     return labels_artifacts(out)  # Prefect artifacts: flows/reports/artifacts.py
 
 

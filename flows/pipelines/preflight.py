@@ -1,7 +1,8 @@
 """Checks of a declared evaluation's inputs before Prefect and Ray start, and the covariates
 the service derives from the logs (as `cje evaluate` does).
 
-`check_evaluation` looks at the logs (layout, the first partition's columns, the covariates) with
+`check_evaluation` looks at the logs (layout, the first partition's columns, the covariates, the declared
+label and score scales against every partition's values) with
 the driver's own storage settings and raises `CJEInputError` with one line naming what is wrong
 (exit code 2), or lets `flows.storage.objects.StorageError` through (exit code 69), so that
 `cje run` / `cje serve` fail in a second instead of after starting the services.
@@ -73,13 +74,15 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool
     """Column names of the first partition file of the window (its Parquet footer only), renamed
     by ``mapping`` (`flows.storage.logs.log_renames`: a mapped column the file lacks is `CJEInputError`).
 
-    ``strict`` (the pre-flight check): an unreadable footer is `CJEInputError` naming the object.
+    ``strict`` (the pre-flight check): an unreadable footer is `CJEInputError` naming the object, a
+    failure of the storage service or the network (`flows.storage.objects.is_storage_service_error`)
+    `StorageError` (exit 69, never "bad input").
     Otherwise (inside the flow) it gives ``[]``: the read that follows retries storage errors and
     names a malformed object itself, so an outage is never reported as bad input here.
     """
     import pyarrow.dataset as ds
 
-    from flows.storage.objects import Storage
+    from flows.storage.objects import Storage, StorageError, _short, is_storage_service_error
 
     if not files:
         return []
@@ -89,6 +92,8 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool
     try:
         names = list(ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema.names)
     except (pa.ArrowInvalid, OSError) as exc:
+        if strict and is_storage_service_error(exc):  # 503, a timeout, access denied: not the file's fault
+            raise StorageError(f"read {st.url(key)} failed: {_short(exc, cfg)}", key=key, operation="read") from None
         if strict:
             raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
                                 source=st.url(key)) from None
@@ -139,6 +144,53 @@ def _layout_error(st: Any, win: Any) -> CJEInputError:
                          source=st.url())
 
 
+def _declared_scales(options: Mapping[str, Any] | None) -> list[tuple[str, str, tuple[float, float]]]:
+    """(canonical column, option, (lo, hi)) of the declared label and score scales of a run's options
+    (the engine's defaults, 0-1, when not declared; an unbounded score scale is not checked)."""
+    from cje_engine.data.frame import parse_scale
+
+    opts = dict(options or {})
+    out = [("oracle_label", "label_scale", parse_scale(opts.get("label_scale", (0.0, 1.0)), "label"))]
+    score = parse_scale(opts.get("score_scale", (0.0, 1.0)), "score")
+    if score is not None:
+        out.append(("judge_score", "score_scale", score))
+    return [(c, o, sc) for c, o, sc in out if sc is not None]
+
+
+def check_scales(st: Any, files: Sequence[dict], options: Mapping[str, Any] | None,
+                 mapping: Mapping[str, str] | None = None) -> None:
+    """Every log file's ``judge_score`` and inline ``oracle_label`` values lie in the declared scales:
+    the rule and the one-line message of `cje evaluate` (`cje_engine.data.io.check_scale_range`), naming
+    the object and its row, before Prefect and Ray start (it used to fail inside the flow: tracebacks,
+    the same error eight times, 21 s). Only those two columns are read; a non-numeric column is left to
+    the flow's reader, which names it."""
+    import pyarrow.dataset as ds
+
+    from cje_engine.data.io import check_scale_range
+
+    scales = _declared_scales(options)
+    fs, _ = st.arrow_fs
+    for f in files:
+        url = st.url(f["key"])
+        try:
+            data = ds.dataset(st.arrow_path(f["key"]), filesystem=fs, format="parquet")
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
+                                source=url) from None
+        source_of = {canon: name for name, canon in log_renames(data.schema.names, mapping, url).items()}
+        source_of.update({n: n for n in data.schema.names if n not in source_of.values() and n not in source_of})
+        wanted = [(source_of[c], c, o, sc) for c, o, sc in scales if c in source_of]
+        if not wanted:
+            continue
+        table = data.to_table(columns=list(dict.fromkeys(w[0] for w in wanted)))
+        for name, canon, option, scale in wanted:
+            try:
+                values = pc.cast(table[name], pa.float64()).to_numpy(zero_copy_only=False)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                continue
+            check_scale_range(values, scale, url, canon, option)
+
+
 def check_evaluation(params: dict) -> dict:
     """Check the inputs of an evaluate-flow run (``EvaluationSpec.flow_parameters()`` plus overrides).
 
@@ -177,6 +229,7 @@ def check_evaluation(params: dict) -> dict:
                             f"see docs/logs-layout.md)", source=source, column=missing[0])
     if mapping:
         check_mapped_files(st, files, mapping, names)
+    check_scales(st, files, params.get("options"), mapping)
     derived = []
     for cov in covariates:
         if cov in names:

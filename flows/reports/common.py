@@ -144,7 +144,9 @@ def _check_result(result: Any) -> None:
 
 
 def _policy_order(result: dict) -> list[str]:
-    """Policies in ranking order when a ranking is given, else in the order of the dict."""
+    """Policies by estimate, highest first (policies without a finite estimate last, in the order of
+    the ranking, then of the dict). Never by rank group: rank = 1 + the number of policies
+    significantly better, so an imprecise low estimate can hold rank 1 (see `_rank_text`)."""
     policies = result["policies"]
     order: list[str] = []
     for entry in result.get("ranking") or []:
@@ -152,7 +154,29 @@ def _policy_order(result: dict) -> list[str]:
         if name in policies and name not in order:
             order.append(name)
     order.extend(name for name in policies if name not in order)
-    return order
+
+    def key(name: str) -> float:
+        est = _num((policies[name] or {}).get("estimate")) if isinstance(policies[name], dict) else None
+        return -est if est is not None else math.inf
+
+    return sorted(order, key=key)  # stable: ties keep the ranking's order
+
+
+def _rank_text(result: dict, name: str) -> str:
+    """The rank of ``name`` as the comparisons support it: ``"1"`` when fixed, ``"1-3"`` when the
+    policies it is not significantly different from leave it anywhere from 1 to 3 (best possible rank =
+    1 + policies significantly better, worst = K - policies significantly worse, `win_matrix`);
+    ``"-"`` for a policy left out of the ranking (not estimable)."""
+    wm = result.get("win_matrix") if isinstance(result.get("win_matrix"), dict) else {}
+    names, sig = list(wm.get("policies") or []), wm.get("significant") or []
+    if name not in names or len(sig) != len(names):
+        entry = next((e for e in result.get("ranking") or [] if isinstance(e, dict) and e.get("policy") == name), None)
+        return str(entry["rank"]) if entry and entry.get("rank") is not None else "-"
+    i, k = names.index(name), len(names)
+    better = sum(1 for j in range(k) if j != i and (sig[j][i] == 1 or sig[i][j] == -1))
+    worse = sum(1 for j in range(k) if j != i and (sig[i][j] == 1 or sig[j][i] == -1))
+    best, worst = 1 + better, k - worse
+    return str(best) if best == worst else f"{best}-{worst}"
 
 
 def _check_drift(drift: Any) -> dict:

@@ -43,6 +43,7 @@ main{max-width:1180px;margin:0 auto;padding:28px 24px 40px}
 header.top{margin-bottom:18px}
 header.top h1{font-size:26px;margin:0 0 4px;letter-spacing:-.01em}
 header.top .meta{color:var(--muted);font-size:14px}
+header.top .meta.partial{color:#9a3d00}
 section,footer{background:var(--card);border:1px solid var(--line);border-radius:10px;
 padding:20px 24px;margin:0 0 18px}
 h2{font-size:18px;margin:0 0 12px;letter-spacing:-.005em}
@@ -127,8 +128,33 @@ def _meta_items(result: dict, order: list[str]) -> list[str]:
     return meta
 
 
+def _short_day(d: str, first: str) -> str:
+    """``2025-03-04`` -> ``03-04`` when the year is that of ``first``."""
+    return d[5:] if d[:4] == first[:4] else d
+
+
+def _days_meta(days: dict | None) -> str:
+    """The window's days the run holds (and those without logs), under the title."""
+    if not isinstance(days, dict) or not isinstance(days.get("days"), list):
+        return ""
+    held = [str(d) for d in days["days"]]
+    missing = [str(d) for d in days.get("missing_days") or []]
+    total = len(held) + len(missing)
+    if not held:
+        return ""
+    first = held[0]
+    if not missing:
+        text = (f"days: {held[0]} to {held[-1]}, all {total} with logs" if total > 1 else f"day: {held[0]}")
+    else:
+        text = (f"days: {len(held)} of {total} with logs: {', '.join(_short_day(d, first) for d in held)}"
+                f" (no logs: {', '.join(_short_day(d, first) for d in missing)})")
+    cls = "meta days partial" if missing else "meta days"
+    return (f"<div class='{cls}' data-days='{_esc(' '.join(held))}' data-missing-days='{_esc(' '.join(missing))}'>"
+            f"{_esc(text)}</div>")
+
+
 def render_report(result: dict, *, title: str | None = None, drift: dict | None = None,
-                  context: dict | None = None) -> str:
+                  context: dict | None = None, days: dict | None = None) -> str:
     """Render a result dict as one self-contained HTML page.
 
     Parameters
@@ -160,6 +186,9 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
         ``drift`` (monitor -> drift dict as above, for the monitors linked to the evaluation). Adds the
         generated-at time and links under the title, a "What changed since the previous run" section and
         one judge-drift section per linked monitor.
+    days : dict, optional
+        The days of the window the run holds: ``{"days": [YYYY-MM-DD, ...], "missing_days": [...]}`` (the
+        manifest's ``window_spec``); listed under the title (``data-days`` / ``data-missing-days``).
 
     Returns
     -------
@@ -189,7 +218,8 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
         f"<title>{_esc(page_title)}</title><style>{CSS}</style></head><body><main>",
         f"<header class='top'><h1>{_esc(page_title)}</h1>"
-        f"<div class='meta'>{_esc(sep.join(meta))}</div>{_context_meta(ctx) if ctx else ''}</header>",
+        f"<div class='meta'>{_esc(sep.join(meta))}</div>{_days_meta(days)}"
+        f"{_context_meta(ctx) if ctx else ''}</header>",
         _summary_html(result, order, alpha, drift_data),
         _changed_section(ctx) if ctx else "",
         "<section id='estimates'><h2>Policy estimates</h2>"
@@ -224,7 +254,8 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: render ``result.json`` to HTML and print the terminal table."""
-    parser = argparse.ArgumentParser(prog="python -m flows.reports.evaluation", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m flows.reports.evaluation", description=main.__doc__,
+                                     allow_abbrev=False)
     parser.add_argument("result", type=Path, help="result.json written by cje evaluate")
     parser.add_argument("-o", "--output", type=Path, help="HTML file to write")
     parser.add_argument("--title", help="report title")

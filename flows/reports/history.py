@@ -15,9 +15,9 @@ from typing import Any, Mapping, Sequence
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.changes import PolicyChanges, changes_by_policy
 
-from flows.label_requests.manifests import list_requests
+from flows.label_requests.manifests import list_requests, progress
 from flows.config import MonitoringConfig, check_monitoring
-from flows.reports.common import _num, _pair
+from flows.reports.common import _alpha, _conf_label, _num, _pair
 from flows.storage.objects import NotFoundError, Storage, StorageError
 from flows.storage.publish import RESULTS, list_runs, read_run
 
@@ -46,6 +46,7 @@ def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
             "refusal_reasons": list(p.get("refusal_reasons") or []),
             "audit": _verdict(p),
             "n_labelled": p.get("n_labelled"),
+            "assumed": _assumed(p),
         }
     data = result.get("data") if isinstance(result.get("data"), Mapping) else {}
     arts = run.get("artifacts") or {}
@@ -55,8 +56,18 @@ def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
         "report": arts.get("report.html"), "result": arts.get("result.json"),
         "report_key": _artifact_key(run, "report.html"),
         "best_policy": result.get("best_policy"), "n_labels": data.get("n_labelled"),
+        "confidence": _conf_label(_alpha(result)),
         "policies": policies, "monitoring": (run.get("manifest") or {}).get("monitoring"),
     }
+
+
+def _assumed(pol: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The assumes-transport level of a policy without a quotable one (``estimate``, ``ci``), or None."""
+    a = pol.get("assumed")
+    if pol.get("level_claim") != "assumes_transport" or not isinstance(a, Mapping) or a.get("level_claim") == "refused":
+        return None
+    ci = _pair(a.get("ci"))
+    return {"estimate": _num(a.get("estimate")), "ci": list(ci) if ci else None}
 
 
 def _artifact_key(run: Mapping[str, Any], name: str) -> str | None:
@@ -216,19 +227,42 @@ def linked_drift(st: Storage, evaluation: str) -> dict[str, list[dict[str, Any]]
     return out
 
 
-def open_label_requests(st: Storage, evaluation: str) -> list[dict[str, Any]]:
-    """Open label requests of ``evaluation`` (id, scope, labels, deadline, reasons)."""
+#: Request statuses that still wait for labels (`flows.label_requests.manifests.progress`).
+OPEN_STATUSES = ("pending", "partly_fulfilled")
+
+
+def _labelled_ids(labels_st: Storage | None) -> set[str]:
+    """Response ids the label store at ``labels_st`` holds (empty without one)."""
+    from flows.storage.labels import LabelStore
+
+    if labels_st is None:
+        return set()
+    store = LabelStore(labels_st)
+    return set(store.read().column("response_id").to_pylist()) if store.version() else set()
+
+
+def open_label_requests(st: Storage, evaluation: str, labels_st: Storage | None = None) -> list[dict[str, Any]]:
+    """Open label requests of ``evaluation`` (id, scope, status, labels, deadline, reasons), as
+    ``cje requests status`` counts them: `flows.label_requests.manifests.progress` with the label store at
+    ``labels_st`` (default: none; a request fulfilled through `cje labels` has its marker anyway; an empty
+    store counts nothing), open when ``pending`` or ``partly_fulfilled``."""
     try:
         if not st.list("label_requests/"):
             return []
-        reqs = list_requests(st, status="open")
+        reqs = [r for r in list_requests(st) if r.get("evaluation") == evaluation]
+        labelled = _labelled_ids(labels_st) if reqs else set()
     except (StorageError, ValueError) as exc:
         log.warning("could not read label requests: %s", exc)
         return []
-    return [{"request_id": r.get("request_id"), "scope": r.get("scope"), "n_labels": r.get("n_labels"),
-             "window": r.get("window"), "deadline": r.get("deadline"),
-             "reasons": [x.get("reason") for x in r.get("reasons") or [] if isinstance(x, Mapping)]}
-            for r in reqs if r.get("evaluation") == evaluation]
+    out = []
+    for r in reqs:
+        p = progress(r, labelled)
+        if p["status"] not in OPEN_STATUSES:
+            continue
+        out.append({"request_id": r.get("request_id"), "scope": r.get("scope"), "status": p["status"],
+                    "n_labels": r.get("n_labels"), "window": r.get("window"), "deadline": r.get("deadline"),
+                    "reasons": [x.get("reason") for x in r.get("reasons") or [] if isinstance(x, Mapping)]})
+    return out
 
 
 def drift_for_report(monitor: str, looks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:

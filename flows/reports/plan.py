@@ -46,6 +46,15 @@ def _alloc_lines(title: str, a: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _units(plan: Mapping[str, Any]) -> str:
+    """`` label units (2% of the label scale 1-5)`` for a plan that carries its label scale."""
+    scale, mde = plan.get("label_scale"), plan.get("target_mde")
+    if not scale or mde is None or float(scale[1]) <= float(scale[0]):
+        return ""
+    share = float(mde) / (float(scale[1]) - float(scale[0]))
+    return f" label units ({share:.3g} of the label scale {float(scale[0]):g}-{float(scale[1]):g})"
+
+
 def render_plan_text(plan: Mapping[str, Any]) -> str:
     """A plain-text report of a plan (terminal width ~100)."""
     p = plan
@@ -73,7 +82,7 @@ def render_plan_text(plan: Mapping[str, Any]) -> str:
                           if p.get("budget") is None else f"best design for budget {_fmt(p['budget'], 6)}",
                           p["allocation_for_budget"]) + [""]
     if p.get("allocation_for_mde"):
-        L += _alloc_lines(f"cheapest design for MDE {_fmt(p['target_mde'])}", p["allocation_for_mde"]) + [""]
+        L += _alloc_lines(f"cheapest design for MDE {_fmt(p['target_mde'])}{_units(p)}", p["allocation_for_mde"]) + [""]
     t = p["mde_table"]
     L.append("MDE by prompts per policy (rows) and oracle fraction (columns)")
     head = "n".rjust(10) + "".join(f"{f:>9.0%}" if f >= 0.1 or f == 0 else f"{f:>9.1%}" for f in t["oracle_fraction"])

@@ -6,8 +6,8 @@ from typing import Any, Sequence
 
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
 from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
-                                  _name_cell, _not_estimable, _num, _pair, _pct, _same_scale, _scale_text, _scales,
-                                  _signed, _verdict)
+                                  _name_cell, _not_estimable, _num, _pair, _pct, _rank_text, _same_scale,
+                                  _scale_text, _scales, _signed, _verdict)
 
 # --------------------------------------------------------------------------------------------
 # HTML pieces
@@ -95,6 +95,13 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
         items.append(("ok", f"<p>Best policy: <b>{_esc(best)}</b>{reason_txt}</p>"))
     else:
         items.append(("warn", f"<p><b>No clear winner</b>{reason_txt}</p>"))
+    assumed_claims = result.get("assumes_transport")
+    if isinstance(assumed_claims, dict):
+        a_best = assumed_claims.get("best_policy")
+        a_reason = _strip_winner_prefix(assumed_claims.get("best_policy_reason"))
+        items.append(("warn", "<p><b>Assuming transport</b> (the paper's protocol, not verified): best policy "
+                              f"<b>{_esc(a_best or 'none')}</b>" + (f" \u2014 {_esc(a_reason)}" if a_reason else "")
+                              + ". Not the basis of the best policy or a gate.</p>"))
     failed = [n for n in order if _verdict(pols[n]) == "fail"]
     inconclusive = [n for n in order if _verdict(pols[n]) == "inconclusive"]
     not_run = [n for n in order if _verdict(pols[n]) == "not_run"]
@@ -174,7 +181,8 @@ def _claim_word(p: dict) -> str:
 def _policy_table(result: dict, order: list[str], alpha: float) -> str:
     pols = result["policies"]
     conf = _conf_label(alpha)
-    head = ("<tr><th>policy</th><th class='r'>estimate</th>"
+    head = ("<tr><th class='r' title='1 + the policies significantly better; a range (1-3) when the comparisons "
+            "leave it open'>rank</th><th>policy</th><th class='r'>estimate</th>"
             f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>claim / basis</th>"
             f"<th>audit</th><th class='r'>{_raw_header(result)}</th><th class='r'>oracle mean</th>"
             "<th class='r'>labels / rows</th>"
@@ -200,7 +208,8 @@ def _policy_table(result: dict, order: list[str], alpha: float) -> str:
                    f"<td class='r num'>{_esc(_fmt(p.get('se')))}</td>")
         tr_cls = " class='is-refused'" if refused else ""
         rows.append(
-            f"<tr{tr_cls}><td class='name'>{_name_cell(n)}</td>"
+            f"<tr{tr_cls}><td class='r num rank'>{_esc(_rank_text(result, n))}</td>"
+            f"<td class='name'>{_name_cell(n)}</td>"
             f"{est}"
             f"<td title='{_esc(p.get('basis') or '')}'>{_esc(_claim_word(p))}<br>"
             f"<small>{_esc(p.get('basis_code') or 'n/a')}</small></td>"
@@ -326,7 +335,8 @@ def _comparisons_table(result: dict, alpha: float) -> str:
     method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "")
     n_ne = sum(1 for c in result.get("comparisons") or [] if isinstance(c, dict) and _not_estimable(c))
     caption = (f"{len(rows) - n_ne} comparisons reported"
-               + (f", {n_ne} not estimable" if n_ne else "") + "; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
+               + (f", {n_ne} not estimable" if n_ne else "")
+               + f"; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
                f"\u03b1 = {_esc(_fmt(mult.get('alpha', alpha), 2))}.")
     return (f"<p class='lead'>{caption} Differences are a \u2212 b on the oracle scale; comparisons "
             f"involving a refused policy are relative claims only.</p><div class='scroll'>"

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from flows.reports.common import (VERDICT_STYLE, _alpha, _check_result, _conf_label, _fmt, _fmt_ci, _fmt_p,
-                                  _is_refused, _not_estimable, _policy_order, _safe, _same_scale, _scale_text,
-                                  _scales, _signed, _verdict)
+                                  _is_refused, _not_estimable, _policy_order, _rank_text, _safe, _same_scale,
+                                  _scale_text, _scales, _signed, _verdict)
 from flows.reports.sections import _strip_winner_prefix
 
 __all__ = ["format_table"]
@@ -25,7 +25,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int
 def format_table(result: dict) -> str:
     """Fixed-width text summary of a result dict for the terminal.
 
-    One row per policy (estimate, CI, level claim, basis, audit verdict, raw judge mean on the judge's
+    One row per policy, highest estimate first (rank as the comparisons support it, `_rank_text`;
+    estimate, CI, level claim, basis, audit verdict, raw judge mean on the judge's
     own scale, oracle mean; refused levels read "refused"), then the pairwise comparisons with adjusted
     p-values ("not estimable: <reason>" where the engine reported none) and the best-policy line. User
     strings are escaped for the terminal (control characters, ANSI escapes, bidirectional overrides).
@@ -46,6 +47,7 @@ def format_table(result: dict) -> str:
         refused = _is_refused(p)
         assumed = p.get("assumed") or {}
         rows.append([
+            _rank_text(result, n),
             _safe(n),
             "refused" if refused else _fmt(p.get("estimate")) if p.get("estimate") is not None else "-",
             "refused" if refused else _fmt_ci(p.get("ci")) if p.get("ci") else "",
@@ -59,11 +61,13 @@ def format_table(result: dict) -> str:
         ])
     lines = ["Policy estimates (oracle scale)"]
     raw_head = "raw judge" if _same_scale(result) else f"raw judge ({_scale_text(_scales(result)[0])})"
-    lines += _table(["policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport", raw_head,
-                     "oracle mean"], rows, right={1, 2, 6, 7, 8})
+    lines += _table(["rank", "policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport",
+                     raw_head, "oracle mean"], rows, right={2, 3, 7, 8, 9})
     if any(pols[n].get("level_claim") == "assumes_transport" for n in order):
         lines.append("claim 'assumes transport': no verified level; the plug-in shown rests on the calibration "
                      "transporting to the policy, which its labels did not verify (labels_to_verify in the result)")
+    if any("-" in r[0] and r[0] != "-" for r in rows):
+        lines.append("rank: 1 + policies significantly better; a range (1-3) when the comparisons leave it open")
     comps = [c for c in result.get("comparisons") or [] if isinstance(c, dict)]
     mult = result.get("multiplicity") or {}
     method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "n/a")

@@ -8,6 +8,7 @@ axis, the changes of the latest window and the open label requests. Markers carr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
@@ -43,9 +44,34 @@ font-size:12.5px;white-space:nowrap}
 .kpi.bad{border-color:#f0c3a8;background:#fdf3ed}
 td.cell{text-align:center;white-space:nowrap}
 nav.crumbs{font-size:14px;margin-bottom:6px}
-td.links{white-space:nowrap}
+section.card h2{margin:0 0 4px;overflow-wrap:anywhere}
+section.card p.facts{color:var(--muted);font-size:14px;margin:0 0 6px}
+section.card p.status{margin:4px 0 8px}
+table.data.values{width:auto;min-width:0;max-width:100%}
+table.data.values td.name{overflow-wrap:anywhere;min-width:4em}
+table.data.values .badge{white-space:normal}
+p.links{margin:8px 0 0;font-size:14px;line-height:2}
+p.links a{white-space:nowrap;padding:2px 0}
+.figure.chartn{display:none}
+@media (max-width:640px){
+main{padding:14px 10px 24px}
+section,footer{padding:14px 12px}
+header.top h1{font-size:21px}
+table.data th,table.data td{padding:5px 5px}
+table.data.compact{min-width:0}
+td.reason{min-width:0}
+.kpi{flex:1 1 140px}
+.figure.chartw{display:none}
+.figure.chartn{display:block}
+}
 """
 
+
+
+def _rect_marker(x: float, top: float, height: float) -> str:
+    """The dashed box of a window without a quotable level (refused or unverified)."""
+    return _el("rect", x=x - 14, y=float(top), width="28", height=float(height), fill="#f6f7f9", stroke="#8d949c",
+               stroke_dasharray="2 4")
 
 def _page(title: str, subtitle: str, body: Sequence[str], crumbs: str = "") -> str:
     return "\n".join([
@@ -55,8 +81,8 @@ def _page(title: str, subtitle: str, body: Sequence[str], crumbs: str = "") -> s
         crumbs,
         f"<header class='top'><h1>{_esc(title)}</h1><div class='meta'>{_esc(subtitle)}</div></header>",
         *body,
-        "<footer><p class='stamp'>Self-contained page (no scripts, no external resources), rebuilt on every "
-        f"publish \u00b7 generated {_esc(_now())}</p></footer>",
+        "<footer><p class='stamp'>Self-contained page (no scripts, no external resources), rebuilt whenever what "
+        f"it shows changes \u00b7 generated {_esc(_now())}</p></footer>",
         "</main></body></html>"])
 
 
@@ -74,17 +100,76 @@ def _window_label(w: str) -> str:
     return a if not b or a == b else f"{a}..{b}"
 
 
-def _chip(name: str, row: Mapping[str, Any], alarm: bool) -> str:
-    p = row["policies"][name]
-    if p.get("level_claim") == "refused":
-        return f"<span class='chip refused' title='level refused'>{_esc(name)}: refused</span>"
-    cls = "chip alarm" if alarm else "chip"
-    return f"<span class='{cls}'>{_esc(name)} <b>{_esc(_fmt(p.get('estimate')))}</b></span>"
-
-
 # --------------------------------------------------------------------------------------------- index
+CLAIM_BADGE = {"ok": ("ok", "verified", "a verified level: the policy's own labels correct it"),
+               "assumes_transport": ("v-inconclusive", "assumes transport",
+                                     "not verified by the policy's own labels: the level rests on the calibration "
+                                     "transporting to it (its assumes-transport value, in italics)"),
+               "refused": ("refused", "refused", "level refused: no value is quotable")}
+
+
+def _value_row(name: str, p: Mapping[str, Any], alarm: bool) -> str:
+    """One policy of an index card: value, interval and claim (verified, assumes transport, refused)."""
+    claim = str(p.get("level_claim") or "")
+    cls, word, tip = CLAIM_BADGE.get(claim, ("", claim or "n/a", ""))
+    est, ci, kind = p.get("estimate"), p.get("ci"), "level"
+    if claim == "refused":
+        est, ci, kind = None, None, "none"
+    elif est is None and p.get("assumed"):
+        est, ci, kind = p["assumed"].get("estimate"), p["assumed"].get("ci"), "assumed"
+    value = _esc(_fmt(est)) if est is not None else DASH
+    interval = _esc(_fmt_ci(ci)) if ci else DASH
+    if kind == "assumed":
+        value, interval = f"<i>{value}</i>", f"<i>{interval}</i>"
+    badge = f"<span class='badge {cls}' title='{_esc(tip)}'>{_esc(word)}</span>"
+    if alarm:
+        badge += " <span class='badge v-fail'>regression</span>"
+    pair = _fmt_ci(ci) if ci else ""
+    return (f"<tr data-policy='{_esc(name)}' data-claim='{_esc(claim)}' data-value='{_esc(_fmt(est)) if est is not None else ''}'"
+            f" data-ci='{_esc(pair)}' data-value-kind='{kind}'><td class='name'>{_esc(name)}</td>"
+            f"<td class='r num'><b>{value}</b></td><td class='r num'>{interval}</td><td>{badge}</td></tr>")
+
+
+def _card(e: Mapping[str, Any]) -> str:
+    """One evaluation of the index: its latest run's values with intervals and claims, status, links."""
+    latest = e["latest"]
+    name = str(e["evaluation"])
+    alarmed = {p for p, ws in (e.get("alarms") or {}).items() if latest["window"] in ws}
+    status = []
+    if alarmed:
+        status.append(f"<span class='badge v-fail'>regression: {_esc(', '.join(sorted(alarmed)))}</span>")
+    if e.get("drift_alarms"):
+        status.append(f"<span class='badge v-fail'>drift alarm \u00d7{_esc(e['drift_alarms'])}</span>")
+    if e.get("open_requests"):
+        status.append(f"<span class='badge v-inconclusive'>{_esc(e['open_requests'])} label request(s)</span>")
+    links = [f"<a href='{_esc(name)}/trend.html'>trend</a>"]
+    rk = latest.get("report_key")
+    if rk:
+        links.append(f"<a href='{_esc(rk)}'>latest report</a>")
+        links.append(f"<a href='{_esc(rk.rsplit('/', 1)[0])}/result.json'>result.json</a>")
+    published = str(latest.get("published_at") or "")[:19].replace("T", " ")
+    facts = [f"latest window <b>{_esc(_window_label(latest['window']))}</b>",
+             f"published {_esc(published or DASH)} UTC", f"best policy <b>{_esc(latest.get('best_policy') or 'none')}</b>",
+             f"{_esc(e.get('n_windows', 0))} window(s) / {_esc(e.get('n_runs', 0))} run(s)"]
+    rows = "".join(_value_row(n, p, n in alarmed) for n, p in latest["policies"].items())
+    conf = latest.get("confidence") or "95%"
+    return (f"<section class='card' data-evaluation='{_esc(name)}' data-open-requests='{_esc(e.get('open_requests', 0))}' "
+            f"data-drift-alarms='{_esc(e.get('drift_alarms', 0))}' data-runs='{_esc(e.get('n_runs', 0))}' "
+            f"data-windows='{_esc(e.get('n_windows', 0))}'>"
+            f"<h2><a href='{_esc(name)}/trend.html'>{_esc(name)}</a></h2>"
+            f"<p class='facts'>{DOT.join(facts)}</p>"
+            f"<p class='status'>{''.join(status) or OK_BADGE}</p>"
+            "<table class='data values'><thead><tr><th>policy</th><th class='r'>value</th>"
+            f"<th class='r'>{_esc(conf)} CI</th><th>claim</th></tr></thead><tbody>{rows}</tbody></table>"
+            f"<p class='links'>{DOT.join(links)}</p></section>")
+
+
 def render_index(entries: Sequence[Mapping[str, Any]]) -> str:
-    """The service index: every evaluation, its latest run and its open alarms.
+    """The service index: every evaluation, its latest run's values with intervals and claims, its alarms.
+
+    One card per evaluation (no wide table: it reads at 420 px as at 1280 px). A policy's value is its
+    verified level, or, for an assumes-transport policy without one, its assumes-transport value (in
+    italics, claim "assumes transport"); a refused policy has no value.
 
     Parameters
     ----------
@@ -93,95 +178,133 @@ def render_index(entries: Sequence[Mapping[str, Any]]) -> str:
         ``n_windows``, ``alarms`` (policy -> list of windows with a regression alarm), ``drift_alarms`` (count),
         ``open_requests`` (count).
     """
-    rows = []
-    for e in entries:
-        latest = e["latest"]
-        name = str(e["evaluation"])
-        alarmed = {p for p, ws in (e.get("alarms") or {}).items() if latest["window"] in ws}
-        chips = "".join(_chip(n, latest, n in alarmed) for n in latest["policies"])
-        status = []
-        if alarmed:
-            status.append(f"<span class='badge v-fail'>regression: {_esc(', '.join(sorted(alarmed)))}</span>")
-        if e.get("drift_alarms"):
-            status.append(f"<span class='badge v-fail'>drift alarm \u00d7{_esc(e['drift_alarms'])}</span>")
-        if e.get("open_requests"):
-            status.append(f"<span class='badge v-inconclusive'>{_esc(e['open_requests'])} label request(s)</span>")
-        links = [f"<a href='{_esc(name)}/trend.html'>trend</a>"]
-        if latest.get("report_key"):
-            links.append(f"<a href='{_esc(latest['report_key'])}'>latest report</a>")
-        rk = latest.get("report_key")
-        if rk:
-            links.append(f"<a href='{_esc(rk.rsplit('/', 1)[0])}/result.json'>result.json</a>")
-        rows.append(
-            f"<tr data-evaluation='{_esc(name)}'><td class='name'><a href='{_esc(name)}/trend.html'>{_esc(name)}</a>"
-            f"</td><td class='num'>{_esc(_window_label(latest['window']))}</td>"
-            f"<td class='num'>{_esc(str(latest.get('published_at') or '')[:19].replace('T', ' '))}</td>"
-            f"<td>{_esc(latest.get('best_policy') or 'none')}</td><td>{chips}</td>"
-            f"<td>{''.join(status) or OK_BADGE}</td>"
-            f"<td class='r num'>{_esc(e.get('n_windows', 0))} / {_esc(e.get('n_runs', 0))}</td>"
-            f"<td class='links'>{DOT.join(links)}</td></tr>")
-    table = ("<section><h2>Evaluations</h2><div class='scroll'><table class='data'><thead><tr>"
-             "<th>evaluation</th><th>latest window</th><th>published (UTC)</th><th>best policy</th>"
-             "<th>policy values (oracle scale)</th><th>status</th><th class='r'>windows / runs</th><th></th>"
-             f"</tr></thead><tbody>{''.join(rows)}</tbody></table></div></section>") if rows else \
-        "<section><p class='muted'>Nothing published yet.</p></section>"
-    return _page("CJE results", f"{len(entries)} evaluation(s)", [table])
+    cards = "".join(_card(e) for e in entries)
+    body = [cards or "<section><p class='muted'>Nothing published yet.</p></section>"]
+    if entries:
+        body.insert(0, "<p class='lead'>The latest run of each evaluation: values on the oracle scale with their "
+                       "intervals. <b>verified</b>: the policy's own labels correct its level; <b>assumes "
+                       "transport</b>: its value (in italics) rests on the calibration transporting to it; "
+                       "<b>refused</b>: no value.</p>")
+    return _page("CJE results", f"{len(entries)} evaluation(s)", body)
 
 
 # --------------------------------------------------------------------------------------------- trend
-def _x_scale(n: int) -> _Lin:
-    return _Lin(-0.5, n - 0.5, LEFT, WIDTH - RIGHT)
+@dataclass(frozen=True)
+class _Geom:
+    """A chart's geometry: the wide one (desktop) or the narrow one shown below 640 px (phones), whose
+    viewBox is about the width it is drawn at, so its labels stay >= 10 CSS px at 420 px."""
+
+    width: int
+    left: int
+    right: int
+    narrow: bool
+    marker_class: str = ""  # appended to marker classes (the narrow copy's markers are not counted twice)
+
+    def fs(self, size: float) -> str:
+        """A font size: as given on the wide chart, at least 11.5 on the narrow one."""
+        return f"{max(size, 11.5) if self.narrow else size:g}"
+
+    def cls(self, name: str) -> str:
+        return f"{name} {self.marker_class}" if self.marker_class else name
+
+    def rotate(self, n: int) -> bool:
+        return n > (3 if self.narrow else 8)
 
 
-def _x_labels(sx: _Lin, windows: Sequence[str], y: float) -> list[str]:
+WIDE = _Geom(WIDTH, LEFT, RIGHT, False)
+NARROW = _Geom(400, 62, 12, True, "m")
+
+
+def _both(draw: Any, *args: Any) -> str:
+    """A chart drawn wide and narrow; CSS shows one (``.chartw`` / ``.chartn``)."""
+    return (f"<div class='figure chartw'>{draw(*args, WIDE)}</div>"
+            f"<div class='figure chartn'>{draw(*args, NARROW)}</div>")
+
+
+def _x_scale(n: int, g: _Geom = WIDE) -> _Lin:
+    return _Lin(-0.5, n - 0.5, g.left, g.width - g.right)
+
+
+def _x_labels(sx: _Lin, windows: Sequence[str], y: float, g: _Geom = WIDE) -> list[str]:
     out = []
-    rotate = len(windows) > 8
+    rotate = g.rotate(len(windows))
     for i, w in enumerate(windows):
         lab = _window_label(w)
         if rotate:
             out.append(_el("text", _esc(lab), x=sx(i), y=float(y), text_anchor="end", fill=MUTED,
-                           font_size="10.5", transform=f"rotate(-35 {_r(sx(i))} {_r(y)})"))
+                           font_size=g.fs(10.5), transform=f"rotate(-35 {_r(sx(i))} {_r(y)})"))
         else:
-            out.append(_text(sx(i), y, lab, text_anchor="middle", fill=MUTED, font_size="11"))
+            out.append(_text(sx(i), y, lab, text_anchor="middle", fill=MUTED, font_size=g.fs(11)))
     return out
 
 
-def _policy_panel(name: str, rows: Sequence[Mapping[str, Any]], ch: PolicyChanges | None) -> str:
-    windows = [r["window"] for r in rows]
-    sx = _x_scale(len(windows))
-    T, H = 30, 150
-    vals = []
+def _panel_values(name: str, rows: Sequence[Mapping[str, Any]]) -> list[float]:
+    vals: list[float] = []
     for r in rows:
         p = r["policies"].get(name) or {}
-        if p.get("ci"):
-            vals += list(p["ci"])
-        elif p.get("estimate") is not None:
-            vals.append(p["estimate"])
+        shown = p if p.get("estimate") is not None or p.get("ci") else (p.get("assumed") or {})
+        if shown.get("ci"):
+            vals += list(shown["ci"])
+        elif shown.get("estimate") is not None:
+            vals.append(shown["estimate"])
+    return vals
+
+
+def _policy_panel(name: str, rows: Sequence[Mapping[str, Any]], ch: PolicyChanges | None, g: _Geom = WIDE) -> str:
+    windows = [r["window"] for r in rows]
+    sx = _x_scale(len(windows), g)
+    T, H = (48, 150) if g.narrow else (30, 150)  # narrow: the baseline on a line of its own
+    vals = _panel_values(name, rows)
     lo, hi, ticks, dec = _ticks(min(vals, default=0.0), max(vals, default=1.0), 5)
     sy = _Lin(lo, hi, T + H, T)
     alarms = set(ch.alarms) if ch else set()
-    body = [_text(LEFT, 18, name, fill=INK, font_size="14", font_weight="600"),
-            _text(WIDTH - RIGHT, 18, f"baseline {_window_label(ch.baseline) if ch and ch.baseline else 'none'}",
-                  text_anchor="end", fill=MUTED, font_size="11.5")]
-    body += _y_axis(sy, ticks, dec, LEFT - 10, WIDTH - RIGHT, "value")
+    base = f"baseline {_window_label(ch.baseline) if ch and ch.baseline else 'none'}"
+    body = [_text(g.left if not g.narrow else 4, 18, name, fill=INK, font_size=g.fs(14), font_weight="600"),
+            _text(4, 36, base, fill=MUTED, font_size=g.fs(11.5)) if g.narrow else
+            _text(g.width - g.right, 18, base, text_anchor="end", fill=MUTED, font_size=g.fs(11.5))]
+    axis = _y_axis(sy, ticks, dec, g.left - 10, g.width - g.right, "" if g.narrow else "value")
+    body += [a.replace('font-size="11"', f'font-size="{g.fs(11)}"') for a in axis]
     pts = []
     for i, r in enumerate(rows):
         p = r["policies"].get(name)
         x = sx(i)
         if p is None:
-            body.append(_text(x, T + H / 2, "not evaluated", text_anchor="middle", fill=GREY, font_size="10"))
+            body.append(_text(x, T + H / 2, "n/a" if g.narrow else "not evaluated", text_anchor="middle", fill=GREY,
+                              font_size=g.fs(10)))
             continue
         if p.get("level_claim") == "refused":
             body.append(_el("g", _el("title", _esc(f"{_window_label(r['window'])}: refused - "
                                                    + "; ".join(p.get("refusal_reasons") or [])))
                             + _el("rect", x=x - 14, y=float(T), width="28", height=float(H), fill="#eceef1",
                                   stroke="#8d949c", stroke_dasharray="3 3")
-                            + _text(x, T + H / 2, "refused", text_anchor="middle", fill=MUTED, font_size="10",
-                                    font_style="italic"),
-                            class_="refused-marker", data_policy=name, data_window=r["window"]))
+                            + _text(x, T + H / 2, "refused", text_anchor="middle", fill=MUTED, font_size=g.fs(10),
+                                    font_style="italic",
+                                    **({"transform": f"rotate(-90 {_r(x)} {_r(T + H / 2)})"} if g.narrow else {})),
+                            class_=g.cls("refused-marker"), data_policy=name, data_window=r["window"]))
             pts.append(None)
             continue
         est, ci = p.get("estimate"), p.get("ci")
+        assumed = p.get("assumed") if est is None and not ci else None
+        if assumed:  # assumes transport, no quotable level: its assumed value drawn hollow, dashed interval
+            a_est, a_ci = assumed.get("estimate"), assumed.get("ci")
+            tip = f"{_window_label(r['window'])}: assumes transport {_fmt(a_est)} {_fmt_ci(a_ci)}"
+            inner = _el("title", _esc(tip))
+            if a_ci:
+                inner += _line(x, sy(a_ci[0]), x, sy(a_ci[1]), stroke=SKY, stroke_width="2", stroke_dasharray="4 3")
+            if a_est is not None:
+                inner += _el("circle", cx=x, cy=sy(a_est), r="5", fill="#fff", stroke=BLUE, stroke_width="1.5")
+            body.append(_el("g", inner, class_=g.cls("assumed-marker"), data_policy=name, data_window=r["window"]))
+            pts.append(None)
+            continue
+        if p.get("level_claim") == "assumes_transport" and p.get("estimate") is None:
+            body.append(_el("g", _el("title", _esc(f"{_window_label(r['window'])}: no verified level (assumes "
+                                                   "transport; its own labels are too few)"))
+                            + _rect_marker(x, T, H)
+                            + _text(x, T + H / 2, "unverified", text_anchor="middle", fill=MUTED, font_size=g.fs(10),
+                                    font_style="italic"),
+                            class_=g.cls("unverified-marker"), data_policy=name, data_window=r["window"]))
+            pts.append(None)
+            continue
         if ci:
             body.append(_line(x, sy(ci[0]), x, sy(ci[1]), stroke=SKY, stroke_width="3", stroke_linecap="round"))
         if est is not None:
@@ -191,28 +314,37 @@ def _policy_panel(name: str, rows: Sequence[Mapping[str, Any]], ch: PolicyChange
             if alarm:
                 body.append(_el("g", _el("title", _esc(tip + " - regression alarm"))
                                 + _diamond(x, sy(est), 8, fill=VERMILLION, stroke="#fff", stroke_width="1.5"),
-                                class_="alarm-marker", data_policy=name, data_window=r["window"]))
+                                class_=g.cls("alarm-marker"), data_policy=name, data_window=r["window"]))
             else:
                 body.append(_el("circle", _el("title", _esc(tip)), cx=x, cy=sy(est), r="5", fill=BLUE,
-                                stroke="#fff", stroke_width="1.5", class_="value-marker", data_policy=name,
+                                stroke="#fff", stroke_width="1.5", class_=g.cls("value-marker"), data_policy=name,
                                 data_window=r["window"]))
         else:
             pts.append(None)
     lines = _polylines(pts, stroke=BLUE, stroke_width="1.6", stroke_opacity="0.6")
     body = body[:2] + lines + body[2:]
-    body += _x_labels(sx, windows, T + H + 18)
-    return _svg(WIDTH, T + H + (48 if len(windows) > 8 else 30), body, f"Value of {name} over windows")
+    body += _x_labels(sx, windows, T + H + 18, g)
+    return _svg(g.width, T + H + ((86 if g.narrow else 48) if g.rotate(len(windows)) else 30), body,
+                f"Value of {name} over windows")
 
 
-def _drift_strip(windows: Sequence[str], drift: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
-    sx = _x_scale(len(windows))
-    rows_h = 30
-    H = rows_h * max(len(drift), 1) + 34
-    body = [_text(LEFT - 10, 16, "drift monitor", text_anchor="end", fill=MUTED, font_size="11", font_weight="600")]
+def _drift_strip(windows: Sequence[str], drift: Mapping[str, Sequence[Mapping[str, Any]]], g: _Geom = WIDE) -> str:
+    sx = _x_scale(len(windows), g)
+    rows_h = 44 if g.narrow else 30
+    top = 48 if g.narrow else 34
+    H = rows_h * max(len(drift), 1) + top
+    if g.narrow:  # names above their rows (the left margin is too narrow for them)
+        body = [_text(4, 16, "drift monitor", fill=MUTED, font_size=g.fs(11), font_weight="600")]
+    else:
+        body = [_text(g.left - 10, 16, "drift monitor", text_anchor="end", fill=MUTED, font_size="11",
+                      font_weight="600")]
     for k, (mon, looks) in enumerate(sorted(drift.items())):
-        y = 34 + k * rows_h
-        body.append(_text(LEFT - 10, y + 4, mon, text_anchor="end", fill=INK, font_size="12"))
-        body.append(_line(LEFT, y, WIDTH - RIGHT, y, stroke="#eaeef2", stroke_width="8", stroke_linecap="round"))
+        y = top + k * rows_h
+        if g.narrow:
+            body.append(_text(4, y - 12, mon, fill=INK, font_size=g.fs(12)))
+        else:
+            body.append(_text(g.left - 10, y + 4, mon, text_anchor="end", fill=INK, font_size="12"))
+        body.append(_line(g.left, y, g.width - g.right, y, stroke="#eaeef2", stroke_width="8", stroke_linecap="round"))
         for lk in looks:
             i = _window_index(windows, lk.get("dt"))
             if i is None:
@@ -221,11 +353,29 @@ def _drift_strip(windows: Sequence[str], drift: Mapping[str, Sequence[Mapping[st
                 "alarm on " + ", ".join(lk.get("alarms") or []) if lk.get("alarm") else "no alarm")
             if lk.get("alarm"):
                 body.append(_el("g", _el("title", _esc(tip)) + _diamond(sx(i), y, 8, fill=VERMILLION, stroke="#fff"),
-                                class_="drift-alarm", data_monitor=mon, data_window=windows[i]))
+                                class_=g.cls("drift-alarm"), data_monitor=mon, data_window=windows[i]))
             else:
                 body.append(_el("circle", _el("title", _esc(tip)), cx=sx(i), cy=float(y), r="5", fill=GREEN,
-                                stroke="#fff", class_="drift-look", data_monitor=mon, data_window=windows[i]))
-    return _svg(WIDTH, H, body, "Drift looks of linked monitors on the windows' time axis")
+                                stroke="#fff", class_=g.cls("drift-look"), data_monitor=mon, data_window=windows[i]))
+    return _svg(g.width, H, body, "Drift looks of linked monitors on the windows' time axis")
+
+
+def _legend_svg(g: _Geom = WIDE) -> str:
+    items = [
+        (_el("circle", cx=0.0, cy=0.0, r="5", fill=BLUE), "estimate"),
+        (_line(0, -7, 0, 7, stroke=SKY, stroke_width="3"), "95% CI"),
+        (_diamond(0, 0, 7, fill=VERMILLION), "regression alarm"),
+        (_el("rect", x=-8.0, y=-7.0, width="16", height="14", fill="#eceef1", stroke="#8d949c",
+             stroke_dasharray="3 3"), "level refused (no value)"),
+        (_el("circle", cx=0.0, cy=0.0, r="5", fill="#fff", stroke=BLUE, stroke_width="1.5"),
+         "assumes transport (not verified)"),
+    ]
+    if not g.narrow:
+        return _svg(g.width, 26, _legend(items, g.left, 14, gap=26), "Legend")
+    body = []
+    for k, item in enumerate(items):  # one item a row
+        body += [x.replace('font-size="12"', f'font-size="{g.fs(12)}"') for x in _legend([item], 12, 14 + 22 * k)]
+    return _svg(g.width, 22 * len(items) + 6, body, "Legend")
 
 
 def _window_index(windows: Sequence[str], dt: Any) -> int | None:
@@ -288,21 +438,25 @@ def _changes_table(changes: Mapping[str, PolicyChanges], window: str) -> str:
 
 
 def _runs_table(history: Sequence[Mapping[str, Any]]) -> str:
+    """Every run, newest first; the window links to the run's report (first column: never scrolled away)."""
     rows = []
     for r in reversed(history):
-        link = f"<a href='../{_esc(r['report_key'])}'>report</a>" if r.get("report_key") else ""
-        rows.append(f"<tr><td class='num'>{_esc(_window_label(r['window']))}</td><td class='num'>"
-                    f"{_esc(r['run_key'])}</td><td class='num'>{_esc(str(r.get('published_at'))[:19])}</td>"
-                    f"<td>{_esc(r.get('best_policy') or 'none')}</td><td>{link}</td></tr>")
-    return ("<div class='scroll'><table class='data compact'><thead><tr><th>window</th><th>run</th>"
-            "<th>published</th><th>best policy</th><th></th></tr></thead>"
+        label = _esc(_window_label(r["window"]))
+        cell = f"<a href='../{_esc(r['report_key'])}'>{label}</a>" if r.get("report_key") else label
+        rows.append(f"<tr data-window='{_esc(r['window'])}' data-run-key='{_esc(r['run_key'])}'>"
+                    f"<td class='num'>{cell}</td><td class='num'>{_esc(r['run_key'])}</td>"
+                    f"<td class='num'>{_esc(str(r.get('published_at'))[:19])}</td>"
+                    f"<td>{_esc(r.get('best_policy') or 'none')}</td></tr>")
+    return ("<p class='note'>The window links to the run's report.</p><div class='scroll'><table class='data compact'>"
+            "<thead><tr><th>window (report)</th><th>run</th><th>published</th><th>best policy</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
 def _requests_table(requests: Sequence[Mapping[str, Any]]) -> str:
     if not requests:
         return "<p class='muted'>No open label requests.</p>"
-    rows = "".join(f"<tr><td class='num'>{_esc(r.get('request_id'))}</td><td>{_esc(r.get('scope'))}</td>"
+    rows = "".join(f"<tr data-request-id='{_esc(r.get('request_id'))}' data-status='{_esc(r.get('status'))}'>"
+                   f"<td class='num'>{_esc(r.get('request_id'))}</td><td>{_esc(r.get('scope'))}</td>"
                    f"<td class='r num'>{_esc(r.get('n_labels'))}</td><td class='num'>{_esc(r.get('deadline'))}</td>"
                    f"<td class='reason'>{_esc('; '.join(str(x) for x in r.get('reasons') or []))}</td></tr>"
                    for r in requests)
@@ -337,17 +491,11 @@ def render_trend(evaluation: str, windows: Sequence[Mapping[str, Any]], history:
             ("regression alarms now", ", ".join(alarm_now) or "none", bool(alarm_now)),
             ("drift alarms (all looks)", str(drift_alarms), bool(drift_alarms)),
             ("open label requests", str(len(requests)), bool(requests))]
-    kpi_html = "".join(f"<div class='kpi{' bad' if bad else ''}'><span>{_esc(k)}</span><b>{_esc(v)}</b></div>"
-                       for k, v, bad in kpis)
-    legend = _svg(WIDTH, 26, _legend([
-        (_el("circle", cx=0.0, cy=0.0, r="5", fill=BLUE), "estimate"),
-        (_line(0, -7, 0, 7, stroke=SKY, stroke_width="3"), "95% CI"),
-        (_diamond(0, 0, 7, fill=VERMILLION), "regression alarm"),
-        (_el("rect", x=-8.0, y=-7.0, width="16", height="14", fill="#eceef1", stroke="#8d949c",
-             stroke_dasharray="3 3"), "level refused (no value)"),
-    ], LEFT, 14, gap=26), "Legend")
-    panels = "".join(f"<div class='figure'>{_policy_panel(n, windows, changes.get(n))}</div>" for n in names)
-    drift_html = (f"<div class='figure'>{_drift_strip([r['window'] for r in windows], drift)}</div>" if drift else
+    kpi_html = "".join(f"<div class='kpi{' bad' if bad else ''}' data-kpi='{_esc(k)}'><span>{_esc(k)}</span>"
+                       f"<b>{_esc(v)}</b></div>" for k, v, bad in kpis)
+    legend = _both(_legend_svg)
+    panels = "".join(_both(_policy_panel, n, windows, changes.get(n)) for n in names)
+    drift_html = (_both(_drift_strip, [r["window"] for r in windows], drift) if drift else
                   "<p class='muted'>No drift monitor is linked to this evaluation (a monitor is linked when its "
                   "calibration comes from this evaluation's results).</p>")
     body = [
@@ -370,15 +518,22 @@ def render_trend(evaluation: str, windows: Sequence[Mapping[str, Any]], history:
 
 
 # --------------------------------------------------------------------------------------------- writing
-def evaluation_pages(st: Storage, evaluation: str) -> tuple[str | None, dict[str, Any] | None]:
-    """The trend page of ``evaluation`` and its index entry, from what is published (None if nothing is)."""
+def evaluation_pages(st: Storage, evaluation: str, *, requests_st: Storage | None = None,
+                     labels_st: Storage | None = None,
+                     drift_st: Storage | None = None) -> tuple[str | None, dict[str, Any] | None]:
+    """The trend page of ``evaluation`` and its index entry, from what is published (None if nothing is).
+
+    Label requests are read from ``requests_st`` (their status with the label store ``labels_st``, as
+    ``cje requests status``; read only when there are requests) and drift looks from ``drift_st``; each
+    defaults to ``st``.
+    """
     history = read_history(st, evaluation)
     if not history:
         return None, None
     windows = latest_per_window(history)
     changes = window_changes_of(history)
-    drift = linked_drift(st, evaluation)
-    requests = open_label_requests(st, evaluation)
+    drift = linked_drift(drift_st or st, evaluation)
+    requests = open_label_requests(requests_st or st, evaluation, labels_st or st)
     page = render_trend(evaluation, windows, history, changes, drift, requests)
     entry = {"evaluation": evaluation, "latest": windows[-1] if windows else history[-1], "n_runs": len(history),
              "n_windows": len(windows), "alarms": {n: pc.alarms for n, pc in changes.items()},
@@ -387,15 +542,20 @@ def evaluation_pages(st: Storage, evaluation: str) -> tuple[str | None, dict[str
     return page, entry
 
 
-def write_pages(st: Storage, evaluation: str | None = None) -> dict[str, str]:
+def write_pages(st: Storage, evaluation: str | None = None, *, requests_st: Storage | None = None,
+                labels_st: Storage | None = None, drift_st: Storage | None = None) -> dict[str, str]:
     """Rebuild ``results/<evaluation>/trend.html`` (one evaluation, or all) and ``results/index.html``.
 
     Each page is one atomic object write (readers see the old or the new page). Returns page -> location.
+    ``requests_st``, ``labels_st``, ``drift_st``: where ``evaluation``'s label requests, label store and
+    drift looks live when not under ``st`` (`evaluation_pages`); the other evaluations read ``st``.
     """
     written = {}
     entries = []
     for name in evaluations(st):
-        page, entry = evaluation_pages(st, name)
+        sources = (dict(requests_st=requests_st, labels_st=labels_st, drift_st=drift_st) if name == evaluation
+                   else {})
+        page, entry = evaluation_pages(st, name, **sources)
         if page is None:
             continue
         if evaluation is None or name == evaluation:

@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from cje_engine.errors import CJEInputError
+from flows.config import pick_declared
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,7 @@ def runner_deployments(config: str | None = None, only: Sequence[str] | None = N
 
     specs = load_evaluations(config)
     if only:
-        unknown = [n for n in only if n not in specs]
-        if unknown:
-            raise CJEInputError(f"no evaluation named {unknown[0]!r}; declared: {', '.join(sorted(specs))}",
-                                source=str(config or "evaluations.yaml"))
-        specs = {n: specs[n] for n in only}
+        specs = {n: pick_declared(n, specs, what="evaluation", source=config) for n in only}
     deployments = [s.to_deployment() for s in specs.values()]
     if drift:
         from flows.pipelines.drift_config import drift_deployments

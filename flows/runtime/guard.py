@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from cje_engine.errors import CJEInputError
 from flows.config import check_uri
+from flows.runtime.timeouts import flow_timeout
 
 #: A flow's own parameter check: validated parameters -> None, raising `CJEInputError`.
 ParameterCheck = Callable[[dict[str, Any]], None]
@@ -92,10 +93,11 @@ class CheckedFlow(Flow):
 
 
 def checked_flow(*, check: ParameterCheck | None = None, **options: Any) -> Callable[[Callable], CheckedFlow]:
-    """``@flow(**options)`` making a `CheckedFlow` with the flow's own ``check``."""
+    """``@flow(**options)`` making a `CheckedFlow` with the flow's own ``check``; its
+    ``timeout_seconds`` defaults to `flows.runtime.timeouts.flow_timeout` (``CJE_FLOW_TIMEOUT``)."""
 
     def decorate(fn: Callable) -> CheckedFlow:
-        return CheckedFlow(fn=fn, check=check, **options)
+        return CheckedFlow(fn=fn, check=check, **{"timeout_seconds": flow_timeout(), **options})
 
     return decorate
 

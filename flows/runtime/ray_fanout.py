@@ -50,6 +50,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from flows.runtime.timeouts import RAY_GET_TIMEOUT_ENV, RayTimeoutError, ray_get_timeout
+
 log = logging.getLogger(__name__)
 
 #: Root of the source tree holding `flows` and `cje_engine` (added to workers' path).
@@ -232,10 +234,13 @@ def map_ordered(
     (not re-serialised per task); a function with a ``ship`` attribute gets ``fn.ship(shared)``
     instead (`remote_bootstrap`: the compact bootstrap view, not the whole prepared state).
     Worker deaths are retried by Ray ``max_retries`` times; a Python exception raised by ``fn``
-    is re-raised as itself (not wrapped).
+    is re-raised as itself (not wrapped).  The wait for the results is bounded by
+    `flows.runtime.timeouts.ray_get_timeout` (``CJE_RAY_GET_TIMEOUT``): past it `RayTimeoutError`
+    names the tasks, how many finished and the setting (the unfinished tasks are left to end by
+    their own storage timeouts).
     """
     import ray
-    from ray.exceptions import RayTaskError
+    from ray.exceptions import GetTimeoutError, RayTaskError
 
     remote = ray.remote(fn).options(max_retries=max_retries, retry_exceptions=False,
                                     num_cpus=num_cpus, name=name or fn.__name__)
@@ -246,8 +251,13 @@ def map_ordered(
         refs = [remote.remote(ref, *a) for a in args]
     else:
         refs = [remote.remote(*a) for a in args]
+    limit = ray_get_timeout()
     try:
-        return ray.get(refs)
+        return ray.get(refs, timeout=limit)
+    except GetTimeoutError:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        raise RayTimeoutError(f"Ray tasks {name or fn.__name__!r}: {len(refs) - len(done)} of {len(refs)} did not "
+                              f"finish within {limit:g} s ({RAY_GET_TIMEOUT_ENV})") from None
     except RayTaskError as exc:
         # The other tasks are left to finish (their results are dropped): ray.cancel of
         # tasks racing their completion crashed the driver in Ray 2.60 (a failed

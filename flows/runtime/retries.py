@@ -13,6 +13,8 @@ from prefect.cache_policies import NO_CACHE
 
 from cje_engine.errors import CJEInputError
 
+from flows.runtime.timeouts import flow_timeout, task_timeout
+
 #: Default backoff (seconds) between retries of storage steps.
 DEFAULT_RETRY_DELAYS: tuple[float, ...] = (2.0, 10.0, 30.0)
 
@@ -36,10 +38,16 @@ def retry_unless_bad_input(task_: Any, task_run: Any, state: Any) -> bool:
 def storage_task_options(delays: tuple[float, ...] | list[float] = DEFAULT_RETRY_DELAYS) -> dict[str, Any]:
     """``@task`` keywords of a step that touches storage: retries with ``delays`` backoff."""
     return dict(retries=len(delays), retry_delay_seconds=list(delays) or [0.0],
-                retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE)
+                retry_condition_fn=retry_unless_bad_input, cache_policy=NO_CACHE, timeout_seconds=task_timeout())
 
 
 #: ``@task`` keywords of a pure computation (no retries: it would compute the same again).
-PURE_TASK: dict[str, Any] = dict(cache_policy=NO_CACHE)
+PURE_TASK: dict[str, Any] = dict(cache_policy=NO_CACHE, timeout_seconds=task_timeout())
 
-__all__ = ["DEFAULT_RETRY_DELAYS", "is_retryable", "retry_unless_bad_input", "storage_task_options", "PURE_TASK"]
+#: ``timeout_seconds`` of every task (``CJE_TASK_TIMEOUT``) and flow (``CJE_FLOW_TIMEOUT``), see
+#: `flows.runtime.timeouts`.
+TASK_TIMEOUT: dict[str, Any] = dict(timeout_seconds=task_timeout())
+FLOW_TIMEOUT: dict[str, Any] = dict(timeout_seconds=flow_timeout())
+
+__all__ = ["DEFAULT_RETRY_DELAYS", "is_retryable", "retry_unless_bad_input", "storage_task_options", "PURE_TASK",
+           "TASK_TIMEOUT", "FLOW_TIMEOUT"]

@@ -49,7 +49,7 @@ import pyarrow.parquet as pq
 
 from cje_engine.errors import CJEInputError
 
-from flows.storage.logs import PARTITION, as_date, column_kind, partition_of
+from flows.storage.logs import PARTITION, as_date, column_kind, is_work_path, partition_of
 from flows.storage.objects import NotFoundError, Storage
 
 log = logging.getLogger(__name__)
@@ -411,7 +411,7 @@ def score_files(st: Storage, set_name: str, start: date | str | None = None,
     for info in st.list(scores_prefix(set_name)):
         name = info.key.rsplit("/", 1)[-1]
         dt = partition_of(info.key)
-        if dt is None or not name.endswith(".parquet") or name.startswith("."):
+        if dt is None or not name.endswith(".parquet") or is_work_path(info.key[len(scores_prefix(set_name)):]):
             continue
         d = date.fromisoformat(dt)
         if (lo is None or d >= lo) and (hi is None or d <= hi):

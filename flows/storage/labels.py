@@ -7,6 +7,7 @@ kept apart from the logs and never rewrite them.  Layout under the storage root:
     labels/v000002-<sha16>.parquet
     labels/_commits/v000001.json        commit record of version 1 (created last)
     labels/_commits/v000002.json
+    labels/_reevaluated/v000002.json    written once the re-evaluation that version 2 called for completed
 
 An append (1) hashes its normalised content (sha256 over the rows sorted by
 ``(response_id, oracle_label, label_probability)``, duplicates removed); (2) returns the existing
@@ -18,6 +19,13 @@ appends exactly one gets version ``N``; the other removes its data object and re
 ``N + 1`` (or, if its content turns out to be the winner's, returns the winner's version).
 Data objects without a commit record (a writer that died between steps 3 and 4) are ignored.
 The version is the number of committed objects; versions are contiguous.
+
+Integrity: the commit record holds ``sha256`` (of the content, its first 16 digits in the object's
+name), ``rows``, and ``object_sha256`` / ``object_bytes`` (of the object's bytes).  `LabelStore.read`
+(every read that feeds an evaluation) verifies each object against its record before using a row;
+a swapped object (another valid label table), a changed byte, or a truncated or inconsistent
+commit record is a `CJEInputError` naming the object or record (exit 2), never used.  Records
+written before ``object_sha256`` existed are verified by their content hash and row count.
 
 Reading: `LabelStore.read` returns every committed row with its ``version`` and a ``flagged``
 column.  Identical rows repeated across versions are kept once (earliest version).  A
@@ -48,6 +56,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cje_engine.data.io import canonical_id_array
 from cje_engine.errors import CJEInputError
 
 from flows.storage.logs import column_kind, log_renames
@@ -99,7 +108,7 @@ def normalize_labels(table: pa.Table, source: str) -> pa.Table:
             arr = arr.cast(arr.type.value_type)
         return arr.cast(typ)
 
-    rid = col("response_id", pa.string())
+    rid = canonical_id_array(col("response_id", pa.string()), source, "response_id")  # NFC, as the engine reads ids
     label = col("oracle_label", pa.float64())
     prob = (col("label_probability", pa.float64()) if "label_probability" in names
             else pa.chunked_array([pa.nulls(table.num_rows, pa.float64())]))
@@ -133,10 +142,14 @@ def _drop_exact_duplicates(table: pa.Table) -> pa.Table:
 
 
 def content_hash(normalized: pa.Table) -> str:
-    """sha256 (hex) of a normalised label table (order and duplicates already canonical)."""
+    """sha256 (hex) of a normalised label table (order and duplicates already canonical).
+
+    The same for the table written and the table read back from its object, however Parquet
+    split it into row groups (the columns are hashed as one chunk each).
+    """
     sink = io.BytesIO()
     with pa.ipc.new_stream(sink, LABEL_SCHEMA) as writer:
-        writer.write_table(normalized.cast(LABEL_SCHEMA))
+        writer.write_table(normalized.cast(LABEL_SCHEMA).combine_chunks())
     return hashlib.sha256(sink.getvalue()).hexdigest()
 
 
@@ -173,11 +186,18 @@ class LabelStore:
         return out
 
     def _commit_record(self, version: int) -> dict:
+        """The commit record of ``version``, checked (`CJEInputError` naming it if it is damaged)."""
         key = self._commit_key(version)
         try:
-            return json.loads(self.st.read_bytes(key))
+            record = json.loads(self.st.read_bytes(key))
         except (ValueError, UnicodeDecodeError):
-            raise CJEInputError("label-store commit record is not valid JSON", source=self.st.url(key)) from None
+            raise CJEInputError("label-store commit record is not valid JSON (truncated or corrupted); the "
+                                "version it commits cannot be trusted", source=self.st.url(key)) from None
+        problem = _record_problem(record, version, self.prefix)
+        if problem:
+            raise CJEInputError(f"label-store commit record is damaged: {problem}; the version it commits "
+                                "cannot be trusted", source=self.st.url(key))
+        return record
 
     def _data_candidates(self) -> dict[int, list[str]]:
         out: dict[int, list[str]] = {}
@@ -219,10 +239,16 @@ class LabelStore:
                 raise StorageError(f"label store {self.st.url(self.prefix)} has non-contiguous commits "
                                    f"{sorted(commits)[:5]}...", key=self.prefix, operation="append")
             data_key = self._data_key(version, sha)
-            self.st.put_if_absent(data_key, data)  # False only if an identical leftover exists
+            stored = data
+            if not self.st.put_if_absent(data_key, data):  # a leftover of a crashed writer under this key
+                stored = self.st.read_bytes(data_key)
+                if _content_sha(stored) != sha:  # not our content (damaged or replaced): ours replaces it
+                    self.st.write_bytes(data_key, data)
+                    stored = data
             record = {
                 "version": version, "sha256": sha, "object": data_key, "source_name": str(source_name),
-                "rows": norm.num_rows, "created_at": datetime.now(timezone.utc).isoformat(),
+                "rows": norm.num_rows, "object_sha256": hashlib.sha256(stored).hexdigest(),
+                "object_bytes": len(stored), "created_at": datetime.now(timezone.utc).isoformat(),
             }
             if self.st.put_if_absent(self._commit_key(version), json.dumps(record, indent=1).encode()):
                 log.info("appended %d labels from %s as version %d", norm.num_rows, source_name, version)
@@ -234,6 +260,32 @@ class LabelStore:
         raise StorageError(f"label append to {self.st.url(self.prefix)} lost {_MAX_RACES} races in a row",
                            key=self.prefix, operation="append")
 
+    def _reevaluated_key(self, version: int) -> str:
+        return f"{self.prefix}/_reevaluated/v{int(version):06d}.json"
+
+    def reevaluated(self, version: int) -> dict | None:
+        """The record `mark_reevaluated` wrote for ``version``, or None if its re-evaluation never completed.
+
+        A ``cje labels`` killed after the commit and before (or during) the re-evaluation leaves no record:
+        its retry (same labels, "already stored") re-evaluates instead of skipping.
+        """
+        try:
+            raw = self.st.read_bytes(self._reevaluated_key(version))
+        except NotFoundError:
+            return None
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            log.warning("re-evaluation record %s is unreadable; treating the re-evaluation as not done",
+                        self.st.url(self._reevaluated_key(version)))
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def mark_reevaluated(self, version: int, summary: Mapping[str, Any]) -> None:
+        """Record that the re-evaluation called for by labels of ``version`` completed (``summary``: what ran)."""
+        record = {"version": int(version), "completed_at": datetime.now(timezone.utc).isoformat(), **dict(summary)}
+        self.st.write_bytes(self._reevaluated_key(version), json.dumps(record, indent=1, default=str).encode())
+
     def _find_committed(self, sha: str, commits: dict[int, str]) -> int | None:
         for version, shas in sorted(self._data_candidates().items()):
             if sha[:16] in shas and version in commits:
@@ -242,7 +294,14 @@ class LabelStore:
         return None
 
     def read(self, version: int | None = None) -> pa.Table:
-        """All labels committed up to ``version`` (default: latest).
+        """All labels committed up to ``version`` (default: latest), each object verified.
+
+        Every version's commit record is read and checked, and the object it names is verified
+        against it before any row is used (`_read_verified`): the sha256 of the object's bytes
+        (``object_sha256``, commits written since issue 25), the sha256 of its content (the
+        ``sha256`` of the record, whose first 16 digits are in the object's name) and its row
+        count.  A mismatch, a damaged commit record or a missing object is an error naming the
+        object; nothing of it is used.
 
         Columns: response_id, oracle_label, label_probability, version, flagged.  Rows are in
         version order, then in each version's (sorted) order.
@@ -254,24 +313,12 @@ class LabelStore:
         if not isinstance(version, (int, np.integer)) or version < 0 or version > latest:
             raise CJEInputError(f"label-store version {version!r} does not exist (latest is {latest})",
                                 source=self.st.url(self.prefix))
-        candidates = self._data_candidates()
+        if sorted(commits) != list(range(1, latest + 1)):
+            raise StorageError(f"label store {self.st.url(self.prefix)} has non-contiguous commits "
+                               f"{sorted(commits)[:5]}...", key=self.prefix, operation="read")
         parts = []
         for v in range(1, int(version) + 1):
-            shas = candidates.get(v, [])
-            if len(shas) == 1:
-                key = self._data_key(v, shas[0])
-            else:  # leftovers of a crashed writer beside the committed object: ask the commit record
-                key = self._commit_record(v)["object"]
-            try:
-                raw = self.st.read_bytes(key)
-            except NotFoundError:
-                raise StorageError(f"label-store version {v} is committed but its object {self.st.url(key)} "
-                                   "is missing", key=key, operation="read") from None
-            try:
-                t = pq.read_table(io.BytesIO(raw)).cast(LABEL_SCHEMA)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as exc:
-                raise CJEInputError(f"label object is not readable Parquet with columns {LABEL_SCHEMA.names}: "
-                                    f"{' '.join(str(exc).split())[:200]}", source=self.st.url(key)) from None
+            t = self._read_verified(v)
             parts.append(t.append_column("version", pa.array(np.full(t.num_rows, v, dtype=np.int64))))
         if not parts:
             return READ_SCHEMA.empty_table()
@@ -279,6 +326,69 @@ class LabelStore:
         table = _drop_exact_duplicates(table)
         flagged = pc.is_in(table.column("response_id"), value_set=_conflicting_ids(table))
         return table.append_column("flagged", flagged).cast(READ_SCHEMA)
+
+
+    def _read_verified(self, v: int) -> pa.Table:
+        """The rows of version ``v``, after checking its object against its commit record."""
+        record = self._commit_record(v)
+        key = record["object"]
+        source = self.st.url(key)
+        try:
+            raw = self.st.read_bytes(key)
+        except NotFoundError:
+            raise StorageError(f"label-store version {v} is committed but its object {source} "
+                               "is missing", key=key, operation="read") from None
+        want = record.get("object_sha256")
+        if want is not None:
+            got = hashlib.sha256(raw).hexdigest()
+            if got != want:
+                raise CJEInputError(
+                    f"label-store object checksum mismatch: sha256 of its {len(raw)} bytes is {got[:16]}..., its "
+                    f"commit record {self._commit_key(v)} says {str(want)[:16]}... ({record.get('object_bytes')} "
+                    "bytes); the object was replaced or corrupted and is not used (restore it)", source=source)
+        try:
+            t = pq.read_table(io.BytesIO(raw)).cast(LABEL_SCHEMA)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as exc:
+            raise CJEInputError(f"label object is not readable Parquet with columns {LABEL_SCHEMA.names}: "
+                                f"{' '.join(str(exc).split())[:200]}", source=source) from None
+        got = content_hash(t)
+        if got != record["sha256"] or t.num_rows != record["rows"]:
+            raise CJEInputError(
+                f"label-store object checksum mismatch: its content ({t.num_rows} rows) hashes to sha256 "
+                f"{got[:16]}..., its name and commit record {self._commit_key(v)} say {record['sha256'][:16]}... "
+                f"({record['rows']} rows); the object was replaced or corrupted and is not used (restore it)",
+                source=source)
+        return t
+
+
+def _content_sha(data: bytes) -> str | None:
+    """`content_hash` of a stored label object's bytes (None if they are not a label table)."""
+    try:
+        return content_hash(pq.read_table(io.BytesIO(data)).cast(LABEL_SCHEMA))
+    except (pa.ArrowException, OSError, ValueError):
+        return None
+
+
+def _record_problem(record: Any, version: int, prefix: str) -> str | None:
+    """What is wrong with a commit record (None if it is well formed and names its own object)."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    missing = [k for k in ("version", "sha256", "object", "rows") if k not in record]
+    if missing:
+        return f"missing {missing}"
+    sha = record["sha256"]
+    if record["version"] != version:
+        return f"version {record['version']!r} where {version} was expected"
+    if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+        return f"sha256 {sha!r} is not 64 hex digits"
+    if record["object"] != f"{prefix}/v{version:06d}-{sha[:16]}.parquet":
+        return f"object {record['object']!r} is not {prefix}/v{version:06d}-{sha[:16]}.parquet (its sha256)"
+    if not isinstance(record["rows"], int) or isinstance(record["rows"], bool) or record["rows"] < 1:
+        return f"rows {record['rows']!r} is not a positive count"
+    obj = record.get("object_sha256")
+    if obj is not None and not (isinstance(obj, str) and re.fullmatch(r"[0-9a-f]{64}", obj)):
+        return f"object_sha256 {obj!r} is not 64 hex digits"
+    return None
 
 
 def _first_rows(labels: pa.Table) -> np.ndarray:
@@ -321,6 +431,10 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
     rid = logs_table.column("response_id")
     if not pa.types.is_string(rid.type):
         rid = rid.cast(pa.string())
+    # Matched in NFC (the engine's spelling of ids): an NFD id in the logs still finds its label.
+    # Invisible characters are left to the engine, which names the object and row.
+    if pc.all(pc.string_is_ascii(rid)).as_py() is False:
+        rid = pc.utf8_normalize(rid, form="NFC")
     labels = label_table
     if "flagged" not in labels.column_names:
         labels = labels.append_column("flagged", pc.is_in(labels.column("response_id"),
@@ -331,7 +445,10 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
             ("oracle_label", "first", pc.ScalarAggregateOptions(skip_nulls=False)),
             ("label_probability", "first", pc.ScalarAggregateOptions(skip_nulls=False)),
             ("flagged", "max")])
-    idx = pc.index_in(rid, value_set=first.column("response_id").cast(pa.string()))
+    stored_ids = first.column("response_id").cast(pa.string())
+    if pc.all(pc.string_is_ascii(stored_ids)).as_py() is False:  # labels stored before ids were normalised
+        stored_ids = pc.utf8_normalize(stored_ids, form="NFC")
+    idx = pc.index_in(rid, value_set=stored_ids)
     store_label = pc.take(first.column("oracle_label_first"), idx)
     store_prob = pc.take(first.column("label_probability_first"), idx)
     conflict = pc.fill_null(pc.take(first.column("flagged_max"), idx), False)

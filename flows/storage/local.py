@@ -14,6 +14,8 @@ from typing import Any, Iterator
 import pyarrow.fs as pafs
 
 
+from cje_engine.errors import CJEInputError
+
 from flows.storage.objects import (NotFoundError, ObjectInfo, STALE_TMP_SECONDS, Storage, StorageConfig, StorageError, _TMP_PREFIX, _check_key, _short)
 
 log = logging.getLogger(__name__)
@@ -71,13 +73,20 @@ class LocalStorage(Storage):
         return removed
 
     def _tmp_file(self, path: Path, data: bytes) -> Path:
+        """``data`` in a new temporary file beside ``path``; on any failure (a full disk, ...) the
+        partial temporary file is removed before the error propagates."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_stale_tmp(path.parent)
         tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         return tmp
 
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -112,8 +121,15 @@ class LocalStorage(Storage):
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 except FileExistsError:
                     return False
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(bytes(data))
+                try:
+                    with os.fdopen(fd, "wb") as fh:
+                        fh.write(bytes(data))
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        path.unlink()  # ours (O_EXCL): never leave a partial object under the key
+                    raise
                 return True
         except OSError as exc:
             raise self._fail("create", key, exc) from None
@@ -139,8 +155,13 @@ class LocalStorage(Storage):
         out: list[ObjectInfo] = []
         if not start.is_dir():
             return out
+        def unlistable(exc: OSError) -> None:  # os.walk would silently skip a folder it cannot read
+            if not isinstance(exc, FileNotFoundError):  # (a folder deleted while listing is gone)
+                raise CJEInputError(f"folder cannot be listed ({exc.strerror or exc}); its objects would be "
+                                    "missed", source=str(exc.filename or start)) from None
+
         try:
-            for dirpath, dirnames, filenames in os.walk(start):
+            for dirpath, dirnames, filenames in os.walk(start, onerror=unlistable):
                 dirnames.sort()
                 rel_dir = os.path.relpath(dirpath, self.root)
                 for name in filenames:
@@ -149,15 +170,34 @@ class LocalStorage(Storage):
                     key = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
                     if not key.startswith(prefix):
                         continue
-                    try:
-                        st = os.stat(os.path.join(dirpath, name))
-                    except FileNotFoundError:
-                        continue  # deleted while listing
-                    out.append(ObjectInfo(key, st.st_size, _iso_mtime(st.st_mtime_ns), st.st_mtime_ns / 1e9))
+                    st = self._stat_listed(os.path.join(dirpath, name))
+                    if st is not None:
+                        out.append(ObjectInfo(key, st.st_size, _iso_mtime(st.st_mtime_ns), st.st_mtime_ns / 1e9))
+        except CJEInputError:
+            raise
         except OSError as exc:
             raise self._fail("list", prefix or ".", exc) from None
         out.sort(key=lambda o: o.key)
         return out
+
+    @staticmethod
+    def _stat_listed(path: str) -> os.stat_result | None:
+        """``os.stat`` of a listed file; None only if it was really deleted while listing.
+
+        A symbolic link whose target is missing (or loops) is still there: it raises
+        `CJEInputError` naming it, so a day's only file is never silently dropped.
+        """
+        try:
+            return os.stat(path)
+        except OSError as exc:
+            if os.path.islink(path):
+                what = ("a symbolic link whose target does not exist" if isinstance(exc, FileNotFoundError)
+                        else f"a symbolic link that cannot be followed ({exc.strerror or exc})")
+                raise CJEInputError(f"is {what}; the object cannot be read (remove it or fix the link)",
+                                    source=path) from None
+            if isinstance(exc, FileNotFoundError):
+                return None  # deleted while listing
+            raise CJEInputError(f"cannot be read ({exc.strerror or exc})", source=path) from None
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -66,9 +66,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from cje_engine.data.io import column_renames
+from cje_engine.data.readers import is_work_path
 from cje_engine.errors import CJEInputError
 
-from flows.storage.objects import ObjectInfo, Storage, StorageError, _short
+from flows.storage.objects import ObjectInfo, Storage, StorageError, _short, is_storage_service_error, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -125,24 +126,43 @@ def partition_of(key: str) -> str | None:
     return m.group(1) if m else None
 
 
+def is_log_object(key: str) -> bool:
+    """True for a log data object: a ``.parquet`` key under ``dt=YYYY-MM-DD/`` with no part
+    starting with ``_`` or ``.`` (`cje_engine.data.readers.is_work_path`, the rule the engine's
+    folder reader follows too)."""
+    return key.endswith(".parquet") and partition_of(key) is not None and not is_work_path(key)
+
+
 def discover_partitions(st: Storage, start_date: date | str, end_date: date | str) -> list[ObjectInfo]:
     """Parquet objects under ``dt=YYYY-MM-DD/`` for every date of the window (inclusive).
 
     Only the window's partitions are listed (partition pruning); objects not ending in
-    ``.parquet`` (markers, temporary files) are skipped.  Sorted by key.
+    ``.parquet`` (markers) and work paths (`is_log_object`: any part of the key starting with
+    ``_`` or ``.``, e.g. Spark's ``dt=.../_temporary/0/.../part-0.parquet``) are skipped.
+    Sorted by key.
     """
     files: list[ObjectInfo] = []
     for day in partition_dates(start_date, end_date):
         for info in st.list(f"{PARTITION}={day.isoformat()}/"):
-            name = info.key.rsplit("/", 1)[-1]
-            if not name.endswith(".parquet") or name.startswith("."):
-                log.debug("skipping non-Parquet object %s", st.url(info.key))
+            if not is_log_object(info.key):
+                log.debug("skipping %s: not a log object (not .parquet, or under a work folder)", st.url(info.key))
                 continue
             files.append(info)
     files.sort(key=lambda o: o.key)
     log.info("discovered %d log file(s), %d bytes, for %s..%s under %s", len(files),
              sum(f.size for f in files), start_date, end_date, st.url())
     return files
+
+
+def window_days(keys: Sequence[str], start_date: date | str, end_date: date | str) -> dict[str, list[str]]:
+    """Which days of a window the partition ``keys`` hold: ``{"days": [...], "missing_days": [...]}``.
+
+    ``days`` are the window's dates (``YYYY-MM-DD``) with at least one partition file among ``keys``;
+    ``missing_days`` the window's dates without one.  Both sorted.
+    """
+    held = {partition_of(k) for k in keys}
+    every = [d.isoformat() for d in partition_dates(start_date, end_date)]
+    return {"days": [d for d in every if d in held], "missing_days": [d for d in every if d not in held]}
 
 
 # --------------------------------------------------------------------------- schema checks
@@ -243,14 +263,6 @@ def _check_ids(table: pa.Table, source: str, row_offset: int = 0) -> None:
 
 # --------------------------------------------------------------------------- reading
 
-_TRANSIENT_HINTS = ("aws error", "curl", "connection", "timed out", "timeout", "temporarily", "throttl",
-                    "503", "500 ", "slow down", "reset by peer", "broken pipe")
-
-
-def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and any(h in str(exc).lower() for h in _TRANSIENT_HINTS)
-
-
 def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Sequence[str] | None,
               batch_size: int, row_filter: RowFilter | None = None,
               mapping: Mapping[str, str] | None = None) -> pa.Table:
@@ -293,7 +305,10 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, pa.ArrowKeyError) as exc:
             raise CJEInputError(f"is not a readable Parquet log file: {_brief(exc)}", source=source) from None
         except OSError as exc:
-            if not _is_transient(exc):
+            if not is_transient(exc):
+                if is_storage_service_error(exc):  # access denied, no such bucket: the service said no
+                    raise StorageError(f"read {source} failed: {_short(exc, st.config)}", key=key,
+                                       operation="read") from None
                 raise CJEInputError(f"is not a readable Parquet log file: {_brief(exc)}", source=source) from None
             last = exc
             if attempt < attempts:

@@ -35,16 +35,21 @@ key) whose message names the operation and the object (``s3://bucket/key`` or th
 path) and never contains credentials: messages are built here, secrets are scrubbed from any
 text taken from the underlying exception, and the original exception is not chained.
 Transient failures are retried with exponential backoff: botocore's "standard" retry mode for
-boto3 calls, pyarrow's ``AwsStandardS3RetryStrategy`` inside pyarrow, and `with_retries` (a
-bounded retry of our own) around whole pyarrow reads.
+boto3 calls (``total_max_attempts`` requests in all, `flows.storage.s3.client_config`), pyarrow's
+``AwsStandardS3RetryStrategy`` inside pyarrow, and `with_retries` (a bounded retry of our own)
+around whole pyarrow reads.  What is transient is decided by `is_transient` from the exception's
+type, S3 error code and HTTP status (pyarrow: the AWS SDK error type it carries), never from
+free text; a non-transient service answer (access denied, no such bucket) fails at once.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import random
+import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -298,8 +303,113 @@ def _register_secrets(config: StorageConfig) -> None:
             logger.addFilter(_SCRUB)
 
 
+# --------------------------------------------------------------------------- error classification
+
+#: S3 / botocore error codes of a throttled or briefly failing service: retried.
+TRANSIENT_CODES = frozenset({
+    "InternalError", "InternalFailure", "ServiceUnavailable", "SlowDown", "Throttling", "ThrottlingException",
+    "ThrottledException", "RequestThrottled", "RequestThrottledException", "TooManyRequests",
+    "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded", "RequestTimeout",
+    "RequestTimeoutException", "PriorRequestNotComplete", "OperationAborted",
+})
+#: HTTP statuses of a throttled or briefly failing service (408, 429, 5xx gateways): retried.
+TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+#: Error types the AWS C++ SDK under pyarrow reports (``AWS Error <TYPE> during ...``) that are retried:
+#: the network (connection, timeout, partial transfer) and the service's throttling and 5xx answers.
+TRANSIENT_AWS_TYPES = frozenset({"NETWORK_CONNECTION", "SLOW_DOWN", "SERVICE_UNAVAILABLE", "THROTTLING",
+                                 "INTERNAL_FAILURE", "REQUEST_TIMEOUT"})
+#: errno values of a network failure (a reset, refused or timed-out connection): retried.
+TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
+                              errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN})
+_AWS_ERROR_TYPE = re.compile(r"\bAWS Error ([A-Z][A-Z0-9_]*) (?:\(HTTP status (\d{3})\) )?during ")
+
+
+def error_code(exc: BaseException) -> tuple[str, int]:
+    """``(S3 error code, HTTP status)`` of a botocore ``ClientError`` (``("", 0)`` for anything else)."""
+    resp = getattr(exc, "response", None)
+    if not isinstance(resp, Mapping):
+        return "", 0
+    code = str((resp.get("Error") or {}).get("Code", "") or "")
+    meta = resp.get("ResponseMetadata") or {}
+    try:
+        status = int(meta.get("HTTPStatusCode") or 0)
+    except (TypeError, ValueError):
+        status = 0
+    if not status and code.isdigit():  # HEAD answers carry no body: botocore reports the status as the code
+        status = int(code)
+    return code, status
+
+
+def aws_error_type(exc: BaseException) -> str | None:
+    """The AWS C++ SDK error type of a pyarrow S3 ``OSError`` (``"SLOW_DOWN"``, ...), or None."""
+    return aws_error(exc)[0]
+
+
+def aws_error(exc: BaseException) -> tuple[str | None, int]:
+    """``(AWS SDK error type, HTTP status or 0)`` of a pyarrow S3 ``OSError``; ``(None, 0)`` otherwise.
+
+    pyarrow writes ``AWS Error SLOW_DOWN during GetObject operation: ...`` and, for answers
+    without an S3 error body (HEAD), ``AWS Error UNKNOWN (HTTP status 503) during HeadObject ...``.
+    """
+    if not isinstance(exc, OSError):
+        return None, 0
+    m = _AWS_ERROR_TYPE.search(str(exc))
+    if not m:
+        return None, 0
+    return m.group(1), int(m.group(2) or 0)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` is a failure of the storage service or the network that a retry may cure.
+
+    Classified by what the exception *is*, never by free text: a botocore ``ClientError`` by its
+    S3 error code (`TRANSIENT_CODES`) or HTTP status (`TRANSIENT_STATUSES`); botocore's
+    connection, timeout and streaming exceptions (a body cut off mid-transfer included);
+    Python's ``ConnectionError`` and ``TimeoutError`` and an ``OSError`` whose errno is a network
+    failure (`TRANSIENT_ERRNOS`); a pyarrow S3 ``OSError`` by the AWS SDK error type it carries
+    (`TRANSIENT_AWS_TYPES`) or its HTTP status.  Anything else (access denied, a missing bucket or key, bad
+    Parquet, a programming error) is not transient.
+    """
+    try:
+        from botocore import exceptions as bce
+    except ImportError:  # pragma: no cover - boto3 is a dependency
+        bce = None
+    if bce is not None:
+        if isinstance(exc, bce.ClientError):
+            code, status = error_code(exc)
+            return code in TRANSIENT_CODES or status in TRANSIENT_STATUSES
+        if isinstance(exc, (bce.ConnectionError, bce.HTTPClientError, bce.IncompleteReadError,
+                            bce.ResponseStreamingError)):
+            return True
+        if isinstance(exc, bce.BotoCoreError):
+            return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError):
+        aws, status = aws_error(exc)
+        if aws is not None:
+            return aws in TRANSIENT_AWS_TYPES or status in TRANSIENT_STATUSES
+        return exc.errno in TRANSIENT_ERRNOS
+    return False
+
+
+def is_storage_service_error(exc: BaseException) -> bool:
+    """True when ``exc`` came from the storage service or the network rather than from the data
+    (a pyarrow ``OSError`` carrying an AWS SDK error type, a botocore error, or `is_transient`)."""
+    if is_transient(exc) or aws_error_type(exc) is not None:
+        return True
+    try:
+        from botocore import exceptions as bce
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, (bce.ClientError, bce.BotoCoreError))
+
+
 def _short(exc: BaseException, config: StorageConfig | None, limit: int = 300) -> str:
     msg = " ".join(str(exc).split())
+    m = _AWS_ERROR_TYPE.search(msg)
+    if m:  # pyarrow's S3 errors repeat the path before what the service said: keep what it said
+        msg = msg[m.start():]
     if len(msg) > limit:
         msg = msg[:limit] + "..."
     return _scrub(f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__, config)

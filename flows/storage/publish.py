@@ -20,6 +20,14 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
 * Exactly one result per run key: of concurrent publishers (threads, processes or hosts) only
   one creates the manifest; the others get ``PublishOutcome(published=False, reason="already
   published")`` and delete their attempt folder.  The same holds for reruns.
+* A lost acknowledgement of the commit (the manifest was stored, the response was lost, the
+  client's retry answered ``412`` or the call failed) is recognised by reading the manifest back:
+  if it is ours byte for byte the publish completes normally.  Artifacts that a stored manifest
+  names are never deleted (when the manifest cannot be read back nothing is deleted: uncommitted
+  attempts are invisible and removed later by `cleanup_orphans`).  A manifest whose artifacts are
+  missing (left by an older publisher) is a broken commit: the next publish of the run writes the
+  artifacts again under a new attempt and replaces the manifest by compare-and-swap on its attempt
+  id, keeping its ``published_at`` and adding ``repaired_at`` (reason ``"republished"``).
 * ``latest.json`` is (re)written only after the manifest exists; a publisher that died between
   the two is repaired by the next publish call for that run.  What a reader of ``latest.json``
   sees: a complete pointer (one atomic object write) to a committed run, and over time only
@@ -35,6 +43,11 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
   than 60 s (`clean_temp_files`).
 * After a commit the publisher rebuilds ``results/index.html`` and ``results/<evaluation>/trend.html``
   (`flows.reports.trend.write_pages`); a failure there is logged and never fails the publish.
+
+Reading back: `read_run` (and so `read_latest`, `cje diff`, `cje plan --evaluation`, the run history)
+checks ``result.json`` against the sha256 its manifest records, and `read_result_file` does the same for
+a local ``result.json`` given to `cje gate`; a mismatch is `ChecksumMismatch` (a `CJEInputError`, exit 2)
+naming the file, and the result is never used.
 
 Gate: before anything is written, ``result.json`` is checked (`check_result_gate`): every
 policy whose ``level_claim`` is ``"refused"`` must carry non-empty ``refusal_reasons``, level
@@ -77,7 +90,8 @@ MANIFEST = "manifest.json"
 LATEST = "latest.json"
 MANIFEST_VERSION = 1
 #: Keys the publisher adds to the caller's manifest dict.
-RESERVED = ("manifest_version", "evaluation", "window", "run_key", "attempt", "published_at", "artifacts")
+RESERVED = ("manifest_version", "evaluation", "window", "run_key", "attempt", "published_at", "repaired_at",
+            "artifacts")
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 _ATTEMPT = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}$")
 
@@ -97,7 +111,8 @@ class PublishOutcome:
     path : str
         Location of the run folder (``.../results/<evaluation>/<window>/<run_key>``).
     reason : str
-        ``"published"`` or ``"already published"``.
+        ``"published"``, ``"already published"`` or ``"republished"`` (a manifest whose artifacts were
+        missing was replaced; ``published`` is True).
     artifacts : dict
         Artifact name -> location of the committed artifact (also when already published).
     """
@@ -290,14 +305,18 @@ def publish_run(
     manifest_key = f"{run}/{MANIFEST}"
     existing = _read_json(st, manifest_key)
     if existing is not None:
-        _advance_latest(st, evaluation, existing, manifest_key)
-        log.info("run %s already published; nothing written", st.url(run))
-        return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, existing))
+        missing = _missing_artifacts(st, run, existing)
+        if not missing:
+            _advance_latest(st, evaluation, existing, manifest_key)
+            log.info("run %s already published; nothing written", st.url(run))
+            return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, existing))
+        log.warning("run %s has a manifest whose artifacts are missing (%s): publishing it again",
+                    st.url(run), ", ".join(st.url(k) for k in missing))
 
     attempt = _new_attempt()
     if "report.html" in artifacts:
         artifacts["report.html"] = _contextual_report(st, evaluation, window, key, result, attempt,
-                                                      bytes(artifacts["report.html"]))
+                                                      bytes(artifacts["report.html"]), manifest)
     written: list[str] = []
     committed = False
     try:
@@ -311,43 +330,123 @@ def publish_run(
         full = {**manifest, "manifest_version": MANIFEST_VERSION, "evaluation": evaluation, "window": window,
                 "run_key": key, "attempt": attempt, "published_at": datetime.now(timezone.utc).isoformat(),
                 "artifacts": entries}
+        if existing is not None:  # a repair keeps the run's place in the history
+            full.update(published_at=existing.get("published_at") or full["published_at"],
+                        repaired_at=datetime.now(timezone.utc).isoformat())
         try:
             body = json.dumps(full, indent=1, sort_keys=True, allow_nan=False, default=_json_default).encode()
         except (TypeError, ValueError) as exc:
             raise CJEInputError(f"manifest must be JSON data: {exc}") from None
-        committed = st.put_if_absent(manifest_key, body)
+        committed = _commit(st, manifest_key, body, existing)
     finally:
         if not committed:
-            for k in written:  # nothing of ours may stay behind (best effort; orphans are invisible anyway)
-                try:
-                    st.delete(k)
-                except StorageError as exc:
-                    log.warning("could not remove %s after a failed publish: %s", st.url(k), exc)
-
-    if not committed:
-        winner = _read_json(st, manifest_key) or {}
-        _advance_latest(st, evaluation, winner, manifest_key)
-        log.info("run %s was published concurrently by attempt %s", st.url(run), winner.get("attempt"))
-        return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, winner))
+            _remove_unreferenced(st, run, manifest_key, written)
 
     # Read the commit back: with emulated conditional writes (servers without If-None-Match)
     # a racing writer could have replaced it; the stored manifest decides who owns the run.
-    stored = _read_json(st, manifest_key) or {}
-    if stored.get("attempt") != attempt:
-        log.warning("manifest of %s was replaced by attempt %s (storage without atomic create-only writes)",
-                    st.url(run), stored.get("attempt"))
-        for k in written:
-            try:
-                st.delete(k)
-            except StorageError:
-                pass
+    stored = _read_json(st, manifest_key) if committed else None
+    if stored is None or stored.get("attempt") != attempt:
+        stored = stored or _read_json(st, manifest_key) or {}
+        if committed:
+            log.warning("manifest of %s was replaced by attempt %s (storage without atomic create-only writes)",
+                        st.url(run), stored.get("attempt"))
+            _remove_unreferenced(st, run, manifest_key, written)
+        else:
+            log.info("run %s was published concurrently by attempt %s", st.url(run), stored.get("attempt"))
+        _advance_latest(st, evaluation, stored, manifest_key)
         return PublishOutcome(False, st.url(run), "already published", _artifact_urls(st, run, stored))
     _advance_latest(st, evaluation, full, manifest_key)
     _remove_other_attempts(st, run, attempt)
     clean_temp_files(st, evaluation)
     _rebuild_pages(st, evaluation)
-    log.info("published %s (attempt %s)", st.url(run), attempt)
-    return PublishOutcome(True, st.url(run), "published", _artifact_urls(st, run, full))
+    log.info("%s %s (attempt %s)", "republished" if existing is not None else "published", st.url(run), attempt)
+    return PublishOutcome(True, st.url(run), "republished" if existing is not None else "published",
+                          _artifact_urls(st, run, full))
+
+
+def _missing_artifacts(st: Storage, run: str, manifest: Mapping[str, Any]) -> list[str]:
+    """Keys of the artifacts a stored manifest names that do not exist (a broken commit)."""
+    arts = manifest.get("artifacts")
+    if not isinstance(arts, dict) or not arts:
+        return [f"{run}/{MANIFEST}"]
+    missing = []
+    for entry in arts.values():
+        rel = entry.get("key") if isinstance(entry, dict) else None
+        if not isinstance(rel, str) or not st.exists(f"{run}/{rel}"):
+            missing.append(f"{run}/{rel}")
+    return missing
+
+
+def _stored_manifest_is(st: Storage, manifest_key: str, body: bytes) -> bool | None:
+    """Whether the stored manifest is ``body`` byte for byte (or by sha256 of its parsed content);
+    None when it cannot be read (then nobody can tell whose it is)."""
+    try:
+        raw = st.read_bytes(manifest_key)
+    except NotFoundError:
+        return False
+    except StorageError as exc:
+        log.warning("could not read back %s: %s", st.url(manifest_key), exc)
+        return None
+    if raw == body:
+        return True
+    parsed = _parse(raw)
+    return parsed is not None and canonical_json(parsed) == canonical_json(json.loads(body))
+
+
+def _commit(st: Storage, manifest_key: str, body: bytes, broken: Mapping[str, Any] | None) -> bool:
+    """Create the manifest (create-only), or replace a broken one (compare-and-swap on its attempt).
+
+    A lost acknowledgement (the object was stored, the response was lost, the retried conditional
+    write answered 412, or the call raised) is recognised by reading the manifest back: if it is
+    ours byte for byte the commit happened.
+    """
+    try:
+        if broken is None:
+            done = st.put_if_absent(manifest_key, body)
+        else:
+            same = broken.get("attempt")
+            done = _compare_and_swap(st, manifest_key,
+                                     lambda cur: cur is not None and cur.get("attempt") == same, body)
+    except StorageError:
+        if _stored_manifest_is(st, manifest_key, body):
+            log.warning("the write of %s reported a failure but the stored manifest is ours: committed",
+                        st.url(manifest_key))
+            return True
+        raise
+    if done:
+        return True
+    if _stored_manifest_is(st, manifest_key, body):
+        log.warning("the create-only write of %s was refused but the stored manifest is ours (a lost "
+                    "acknowledgement and a retried request): committed", st.url(manifest_key))
+        return True
+    return False
+
+
+def _remove_unreferenced(st: Storage, run: str, manifest_key: str, written: list[str]) -> None:
+    """Delete what this attempt wrote, except objects the stored manifest names (best effort).
+
+    When the stored manifest cannot be read nothing is deleted: it may be ours, and uncommitted
+    attempts are invisible to readers and removed later by `cleanup_orphans`.
+    """
+    if not written:
+        return
+    try:
+        raw = st.read_bytes(manifest_key)
+    except NotFoundError:
+        raw = None
+    except StorageError as exc:
+        log.warning("kept %d object(s) of an uncommitted attempt of %s: the manifest could not be read (%s)",
+                    len(written), st.url(run), exc)
+        return
+    stored = _parse(raw) or {}
+    referenced = {f"{run}/{a.get('key')}" for a in (stored.get("artifacts") or {}).values() if isinstance(a, dict)}
+    for k in written:
+        if k in referenced:
+            continue
+        try:
+            st.delete(k)
+        except StorageError as exc:
+            log.warning("could not remove %s after a failed publish: %s", st.url(k), exc)
 
 
 def _refuse_credentials(st: Storage, artifacts: Mapping[str, bytes], manifest: Mapping[str, Any]) -> None:
@@ -388,7 +487,7 @@ def _advance_latest(st: Storage, evaluation: str, manifest: Mapping[str, Any], m
     def wanted(current: dict | None) -> bool:
         if current is None:
             return True
-        if current.get("manifest") == manifest_key:
+        if current.get("manifest") == manifest_key and current.get("published_at") == manifest["published_at"]:
             return False
         return str(current.get("published_at", "")) <= str(manifest["published_at"])
 
@@ -488,10 +587,11 @@ def clean_temp_files(st: Storage, evaluation: str, older_than_seconds: float = 6
 
 
 def _contextual_report(st: Storage, evaluation: str, window: str, key: str, result: Mapping[str, Any],
-                       attempt: str, report: bytes) -> bytes:
+                       attempt: str, report: bytes, manifest: Mapping[str, Any] | None = None) -> bytes:
     """The run's report rendered again with its place in the evaluation: generated-at time, links to
     result.json, the previous run, the trend page and the index, what changed since the previous run,
-    and the drift of linked monitors (`flows.reports.history.report_context`).
+    and the drift of linked monitors (`flows.reports.history.report_context`); the days of the window the run
+    holds come from the manifest's ``window_spec`` (``days``, ``missing_days``).
 
     The caller's report is kept (and a warning logged) when the result cannot be rendered with context.
     """
@@ -504,7 +604,9 @@ def _contextual_report(st: Storage, evaluation: str, window: str, key: str, resu
     try:
         ctx = report_context(st, evaluation, window, key, result, attempt,
                              datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
-        return render_report(dict(result), title=title, context=ctx).encode("utf-8")
+        spec = (manifest or {}).get("window_spec")
+        days = spec if isinstance(spec, Mapping) and "days" in spec else None
+        return render_report(dict(result), title=title, context=ctx, days=days).encode("utf-8")
     except Exception as exc:  # noqa: BLE001 - context is an addition; the caller's report stays valid
         log.warning("report of %s/%s/%s published without run context: %s", evaluation, window, key, exc)
         return report
@@ -574,14 +676,102 @@ def read_run(st: Storage, evaluation: str, window: str, key: str) -> dict[str, A
     arts = manifest.get("artifacts") or {}
     result = None
     if "result.json" in arts:
-        raw = st.read_bytes(f"{run}/{arts['result.json']['key']}")
-        if hashlib.sha256(raw).hexdigest() != arts["result.json"].get("sha256"):
-            raise StorageError(f"{st.url(run)}: result.json does not match the manifest checksum",
-                               key=f"{run}/{arts['result.json']['key']}", operation="read")
+        key_json = f"{run}/{arts['result.json']['key']}"
+        raw = st.read_bytes(key_json)
+        _check_artifact(raw, arts["result.json"], st.url(key_json), st.url(f"{run}/{MANIFEST}"))
         result = json.loads(raw)
     return {"evaluation": evaluation, "window": window, "run_key": key, "path": st.url(run),
             "published_at": manifest.get("published_at"), "manifest": manifest, "result": result,
             "artifacts": _artifact_urls(st, run, manifest)}
+
+
+class ChecksumMismatch(CJEInputError):
+    """A published artifact whose bytes do not match the sha256 its manifest records (exit 2)."""
+
+
+def _check_artifact(raw: bytes, entry: Mapping[str, Any], source: str, manifest_url: str) -> None:
+    """Raise `ChecksumMismatch` (naming ``source``) unless ``raw`` has the manifest entry's sha256."""
+    got, want = hashlib.sha256(raw).hexdigest(), str(entry.get("sha256"))
+    if got != want:
+        raise ChecksumMismatch(
+            f"checksum mismatch: sha256 of the {len(raw)} bytes is {got[:16]}..., the manifest {manifest_url} "
+            f"records {want[:16]}... ({entry.get('size')} bytes); the published file was changed after "
+            "publishing and is not used", source=source)
+
+
+@dataclass(frozen=True)
+class ResultFile:
+    """A ``result.json`` read from a local path by `read_result_file`.
+
+    Attributes
+    ----------
+    result : dict
+        The parsed result.
+    manifest : str or None
+        The manifest it was verified against; None for a bare result (no manifest beside it).
+    """
+
+    result: dict
+    manifest: str | None
+
+    @property
+    def verified(self) -> bool:
+        return self.manifest is not None
+
+
+def read_result_file(path: str | os.PathLike) -> ResultFile:
+    """Read a local ``result.json``, verified against the manifest of its published run if it has one.
+
+    A published result lies at ``<run>/<attempt>/result.json`` with the run's ``manifest.json`` in
+    ``<run>/`` (a copied run folder may also hold both side by side).  When such a manifest exists,
+    the file must be the artifact it commits (same attempt) with the recorded sha256; a bare
+    result with no manifest beside it (``cje evaluate --out``) is returned unverified.
+
+    Raises
+    ------
+    CJEInputError
+        Missing or unreadable file, not a JSON object, a manifest that cannot be read, a result
+        from an uncommitted attempt folder, or `ChecksumMismatch` (naming the file).
+    """
+    src = Path(path)
+    try:
+        raw = src.read_bytes()
+    except FileNotFoundError:
+        raise CJEInputError("result file not found", source=str(src)) from None
+    except OSError as exc:
+        raise CJEInputError(f"not a result.json: {exc}", source=str(src)) from None
+    manifest_path = _manifest_beside(src)
+    if manifest_path is not None:
+        _verify_against_manifest(raw, src, manifest_path)
+    try:
+        result = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CJEInputError(f"not a result.json: {exc}", source=str(src)) from None
+    if not isinstance(result, dict):
+        raise CJEInputError("not a result.json: expected a JSON object", source=str(src))
+    return ResultFile(result, None if manifest_path is None else str(manifest_path))
+
+
+def _manifest_beside(src: Path) -> Path | None:
+    for folder in (src.parent, src.parent.parent):
+        candidate = folder / MANIFEST
+        if candidate.is_file() or candidate.is_symlink():
+            return candidate
+    return None
+
+
+def _verify_against_manifest(raw: bytes, src: Path, manifest_path: Path) -> None:
+    try:
+        manifest = json.loads(manifest_path.read_bytes())
+        entry = manifest["artifacts"][src.name]
+        key = str(entry["key"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CJEInputError(f"the manifest beside it ({manifest_path}) cannot be read or lists no {src.name}; "
+                            "the result cannot be verified", source=str(src)) from None
+    if src.parent != manifest_path.parent and key != f"{src.parent.name}/{src.name}":
+        raise CJEInputError(f"not the result its run published: the manifest {manifest_path} commits {key} "
+                            "(this is another attempt's folder)", source=str(src))
+    _check_artifact(raw, entry, str(src), str(manifest_path))
 
 
 def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
@@ -595,6 +785,8 @@ def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
     if pointer is not None:
         try:
             found = read_run(st, evaluation, str(pointer.get("window")), str(pointer.get("run_key")))
+        except ChecksumMismatch:
+            raise  # a changed result is an error, never replaced silently by another run
         except CJEInputError:
             found = None
         if found is not None:

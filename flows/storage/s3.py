@@ -13,7 +13,8 @@ from urllib.parse import urlparse
 import pyarrow.fs as pafs
 
 
-from flows.storage.objects import (NotFoundError, ObjectInfo, Storage, StorageConfig, StorageError, T, with_retries, _check_key, _register_secrets, _short)
+from flows.storage.objects import (NotFoundError, ObjectInfo, Storage, StorageConfig, StorageError, T, error_code,
+                                   with_retries, _check_key, _register_secrets, _short)
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +26,35 @@ _PROBE_LOCK = threading.Lock()
 
 
 def _client_error_code(exc: BaseException) -> tuple[str, int]:
-    resp = getattr(exc, "response", None) or {}
-    code = str((resp.get("Error") or {}).get("Code", ""))
-    status = int((resp.get("ResponseMetadata") or {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
+    return error_code(exc)
+
+
+def client_config(cfg: StorageConfig) -> Any:
+    """The botocore ``Config`` of every S3 client, every remote-call setting explicit.
+
+    * ``retries``: botocore's ``standard`` mode (exponential backoff with jitter, at most 20 s a
+      pause; retries connection errors, timeouts, HTTP 500/502/503/504, throttling codes such as
+      ``SlowDown`` and 429) with ``total_max_attempts = cfg.max_attempts``: that many requests in
+      all, the first included (botocore's ``max_attempts`` key would count retries only and make
+      one request more).
+    * ``connect_timeout`` / ``read_timeout``: seconds to open a connection and to wait for each
+      read of the socket (``CJE_S3_CONNECT_TIMEOUT``, default 5; ``CJE_S3_READ_TIMEOUT``, default 60).
+
+    One call therefore ends within about ``max_attempts * (connect_timeout + read_timeout) +``
+    the backoff pauses.
+    """
+    from botocore.config import Config
+
+    return Config(
+        region_name=cfg.region_or_default,
+        retries={"total_max_attempts": int(cfg.max_attempts), "mode": "standard"},
+        connect_timeout=cfg.connect_timeout,
+        read_timeout=cfg.read_timeout,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"} if cfg.endpoint_url else {},
+        max_pool_connections=32,
+    )
 
 
 class S3Storage(Storage):
@@ -59,19 +85,9 @@ class S3Storage(Storage):
         with self._lock:
             if self._client is None:
                 import boto3
-                from botocore.config import Config
 
                 cfg = self.config
-                conf = Config(
-                    region_name=cfg.region_or_default,
-                    retries={"max_attempts": int(cfg.max_attempts), "mode": "standard"},
-                    connect_timeout=cfg.connect_timeout,
-                    read_timeout=cfg.read_timeout,
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required",
-                    s3={"addressing_style": "path"} if cfg.endpoint_url else {},
-                    max_pool_connections=32,
-                )
+                conf = client_config(cfg)
                 _register_secrets(cfg)
                 cache_key = (os.getpid(), cfg)
                 with _CLIENTS_LOCK:

@@ -174,6 +174,18 @@ def test_service_unavailable_exit_69(monkeypatch, capsys, in_tmp):
     assert cli.exit_code_of(ConnectionError("refused")) == 69 and cli.exit_code_of(KeyError("x")) == 70
 
 
+def test_a_remote_call_or_run_past_its_time_limit_exits_69():
+    from prefect.flow_engine import FlowRunTimeoutError
+    from prefect.task_engine import TaskRunTimeoutError
+
+    from flows.runtime.timeouts import RayTimeoutError
+
+    for exc in (RayTimeoutError("Ray tasks 'cje_read': 2 of 2 did not finish within 2 s (CJE_RAY_GET_TIMEOUT)"),
+                TaskRunTimeoutError("Task run exceeded timeout of 3600 second(s)"),
+                FlowRunTimeoutError("Flow run exceeded timeout of 14400 second(s)")):
+        assert cli.exit_code_of(exc) == 69, exc  # was 70, "internal error"
+
+
 def test_json_documents_are_ascii(capsys):
     from flows.cli.terminal import out_json
 

@@ -162,10 +162,13 @@ def test_terminal_output_escapes_control_characters_in_policy_names(tmp_path, ca
     f.to_parquet(src)
     code = cli.main(["evaluate", str(src), "--out", str(tmp_path / "o"), *FAST])
     cap = capsys.readouterr()
-    assert code == 0, cap.err
+    # Control and format characters in an id are refused (issue 25), and the message shows them escaped.
+    assert code == 2, cap.err
     for stream in (cap.out, cap.err):
         assert "\x1b" not in stream and "\u202e" not in stream
-    assert "clo\\x1b[31mne\\u202e" in cap.out
+    assert "invisible or control character" in cap.err and str(src) in cap.err
+    assert "clo\\x1b[31mne\\u202e" in cap.err or "ver\\nbose" in cap.err
+    assert not (tmp_path / "o" / "result.json").exists()
 
 
 def test_plan_defaults_to_an_mde_for_unresolved_pairs_and_parses_targets(tmp_path, capsys, in_tmp):

@@ -126,3 +126,95 @@ def test_gate_as_a_ci_step(tmp_path):
                 "--candidate", "clone,parallel_universe_prompt")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("ok   fail-if") == 5 and "gate passed" in r.stdout  # 2 worse + 3 refused (base too)
+
+
+def test_gate_is_verified_by_default_and_assume_transport_is_named(tmp_path, capsys, in_tmp):
+    """A candidate without own labels whose judge is inflated: the verified gate cannot pass it as better
+    (fails closed, naming the missing verification); --assume-transport judges the protocol's comparison and
+    says so in every reason."""
+    from cje_engine import evaluate
+    from cje_engine.simulate.direct import PolicySpec, simulate
+
+    pols = (PolicySpec("base", 0.8), PolicySpec("clone", 0.8), PolicySpec("cand", 0.7, verbosity=3.0))
+    sim = simulate(600, pols, oracle_fraction=0.3, label_design="calibration_policy", audit_labels=40, seed=3)
+    frame = sim.frame.copy()
+    frame.loc[frame["policy"] == "cand", ["oracle_label", "label_probability"]] = np.nan
+    d = evaluate(frame, n_bootstrap=200, seed=0).to_dict()
+    assert d["policies"]["cand"]["level_claim"] == "assumes_transport"
+    verified = judge(d, "base", pass_if=["better"], candidates=["cand"])
+    assert verified[0].failed and "no verified level" in verified[0].reason
+    assumed = judge(d, "base", fail_if=["worse"], candidates=["cand"], assume_transport=True)
+    assert assumed and all(c.reason.startswith("assumes transport: ") for c in assumed)
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(d))
+    assert cli.main(["gate", str(path), "--baseline", "base", "--candidate", "cand", "--pass-if", "better"]) == 1
+    assert "no verified level" in capsys.readouterr().out
+    cli.main(["gate", str(path), "--baseline", "base", "--candidate", "cand", "--fail-if", "worse",
+              "--assume-transport"])
+    assert "assumes transport: cand - base" in capsys.readouterr().out
+# ----------------------------------------------------------------------------- published results are verified
+
+
+def _publish(root, evaluation="ev", window="2025-03-01_2025-03-01", key="k1", result=None):
+    from flows.storage.objects import Storage
+    from flows.storage.publish import publish_run
+
+    raw = json.dumps(result if result is not None else json.loads(FIXTURE.read_text()), indent=1).encode()
+    outcome = publish_run(Storage.for_uri(str(root)), evaluation, window, key, artifacts={"result.json": raw},
+                          manifest={"seed": 0})
+    assert outcome.published
+    [path] = list((root / "results" / evaluation / window / key).glob("*/result.json"))
+    return path
+
+
+def test_gate_refuses_a_hand_edited_published_result(tmp_path, capsys, in_tmp):
+    """A significant regression turned into `significant: false` by hand: exit 2 "checksum mismatch", not a pass."""
+    path = _publish(tmp_path / "svc")
+    gate = ["gate", str(path), "--baseline", "base", "--candidate", "unhelpful", "--fail-if", "worse"]
+    assert cli.main(gate) == 1  # the published result: unhelpful is significantly worse
+    cap = capsys.readouterr()
+    assert "unverified" not in cap.err
+    d = json.loads(path.read_text())
+    for c in d["comparisons"]:
+        if {c["a"], c["b"]} == {"base", "unhelpful"}:
+            c["significant"] = False
+    path.write_text(json.dumps(d, indent=1))
+    assert cli.main(gate) == 2  # was: 0, the gate passed
+    err = capsys.readouterr().err
+    assert "checksum mismatch" in err and str(path) in err and "Traceback" not in err
+    assert cli.main([*gate, "--json"]) == 2
+
+
+def test_gate_on_a_bare_result_says_it_is_unverified(tmp_path, capsys, in_tmp):
+    path = tmp_path / "out" / "result.json"
+    path.parent.mkdir()
+    path.write_text(FIXTURE.read_text())
+    assert cli.main(["gate", str(path), "--baseline", "base", "--candidate", "unhelpful", "--fail-if", "worse",
+                     "--json"]) == 1
+    cap = capsys.readouterr()
+    assert "has no manifest.json beside it: an unverified result" in cap.err
+    assert json.loads(cap.out)["result_verified"] is False
+    # another attempt's folder of a published run (not the one its manifest commits) is refused
+    published = _publish(tmp_path / "svc")
+    other = published.parent.parent / "20250101T000000Z-deadbeef" / "result.json"
+    other.parent.mkdir()
+    other.write_bytes(published.read_bytes())
+    assert cli.main(["gate", str(other), "--baseline", "base", "--fail-if", "worse"]) == 2
+    assert "not the result its run published" in capsys.readouterr().err
+
+
+def test_diff_refuses_a_run_whose_published_result_was_edited(tmp_path, capsys, in_tmp):
+    root = tmp_path / "svc"
+    d = json.loads(FIXTURE.read_text())
+    _publish(root, window="2025-03-01_2025-03-01", key="k1", result=d)
+    second = _publish(root, window="2025-03-02_2025-03-02", key="k2", result=d)
+    cfg = tmp_path / "evaluations.yaml"
+    cfg.write_text(f"evaluations:\n  - name: ev\n    logs_uri: {tmp_path / 'logs'}\n    results_uri: {root}\n")
+    assert cli.main(["diff", "ev", "--config", str(cfg)]) == 0
+    capsys.readouterr()
+    second.write_text(second.read_text().replace('"significant": true', '"significant": false'))
+    assert cli.main(["diff", "ev", "--config", str(cfg)]) == 2  # was: 0, a run with no policies compared
+    err = capsys.readouterr().err
+    assert "checksum mismatch" in err and "result.json" in err and "k2" in err
+    assert cli.main(["plan", "--evaluation", "ev", "--config", str(cfg)]) == 2  # re-reads of a published result
+    assert "checksum mismatch" in capsys.readouterr().err

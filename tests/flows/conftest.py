@@ -327,6 +327,25 @@ def fault_proxy(s3_server):
 
 
 @pytest.fixture
+def s3_faults(s3_server):
+    """A fault-injecting HTTP proxy (`tests.s3proxy.S3FaultProxy`) in front of the S3 server."""
+    from tests.s3proxy import start_fault_proxy
+
+    proxy = start_fault_proxy(s3_server.endpoint)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+def s3_faults_env(s3_faults, monkeypatch):
+    """Storage settings of this process (the flow driver) pointing at the HTTP fault proxy."""
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CJE_S3_ENDPOINT", s3_faults.endpoint)
+    return {**S3_ENV, "CJE_S3_ENDPOINT": s3_faults.endpoint}
+
+
+@pytest.fixture
 def s3_env(fault_proxy, monkeypatch):
     """Storage settings of this process (the flow driver) pointing at the proxy."""
     for k, v in S3_ENV.items():

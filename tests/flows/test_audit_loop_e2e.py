@@ -130,7 +130,7 @@ def test_refused_level_to_label_request_to_corrected_result(prefect_server, ray_
     prob = dict(zip(store.column("response_id").to_pylist(), store.column("label_probability").to_pylist()))
     assert all(prob[r["response_id"]] == pytest.approx(r["inclusion_probability"]) for r in req["rows"])
 
-    # 4. the re-evaluation published a corrected result: refused -> ok, basis recalibrated
+    # 4. the re-evaluation published a corrected result: refused -> ok (verified: power-tuned on its own labels)
     assert len(out["reevaluations"]) == 1
     re = out["reevaluations"][0]
     assert re["published"] is True and re["run_key"] != first["run_key"]
@@ -138,7 +138,7 @@ def test_refused_level_to_label_request_to_corrected_result(prefect_server, ray_
     latest = read_latest(st, "audited")
     assert latest["run_key"] == re["run_key"]
     new = latest["result"]["policies"]["unhelpful"]
-    assert new["basis_code"] == "recalibrated" and new["level_claim"] == "ok"
+    assert new["basis_code"] == "power_tuned" and new["level_claim"] == "ok"  # verified by its own labels
     assert new["n_labelled"] == 5 + len(req["rows"]) and latest["manifest"]["labels"]["label_store_version"] == 2
     # Bias check, derived: the borrowed calibration over-states unhelpful by the audit's residual
     # mean (|delta| > 0.3 here, SE < 0.1); the recalibrated level removes it, so its error to the

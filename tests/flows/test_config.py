@@ -222,3 +222,77 @@ def test_cje_evaluate_out_of_range_options_exit_2_without_a_traceback(tmp_path, 
                         str(tmp_path / "out"), *flags], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "out").exists()  # refused before anything was computed or written
+
+
+# ------------------------------------------------------------------------------ hostile YAML
+
+BILLION_LAUGHS = """\
+a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+i: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]
+evaluations: *i
+"""
+
+
+def test_a_billion_laughs_file_is_a_quick_clear_error(tmp_path):
+    """Issue 25: an alias bomb ended in MemoryError and the message rendered the expanded value.  Now: exit 2
+    in well under a second, a one-line message naming the file, no value of the document in it."""
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import REPO
+
+    f = tmp_path / "ev.yaml"
+    f.write_text(BILLION_LAUGHS)
+    t0 = time.perf_counter()
+    with pytest.raises(CJEInputError, match="aliases expand to more than 100000 values") as err:
+        load_config(f)
+    assert time.perf_counter() - t0 < 1.0
+    msg = str(err.value)
+    assert str(f) in msg and "lol" not in msg and len(msg) < 300
+    f2 = tmp_path / "loop.yaml"
+    f2.write_text("evaluations: &x [*x]\n")
+    with pytest.raises(CJEInputError, match="recursive alias"):
+        load_config(f2)
+    f3 = tmp_path / "many.yaml"
+    f3.write_text("x: &x 1\nevaluations: [" + ", ".join(["*x"] * 1001) + "]\n")
+    with pytest.raises(CJEInputError, match="more than 1000 aliases"):
+        load_config(f3)
+    r = subprocess.run([str(Path(sys.executable).with_name("cje")), "run", "a", "--config", str(f)], cwd=str(REPO),
+                       capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("config: ")]
+    assert r.returncode == 2 and len(lines) == 1 and "alias bomb" in lines[0] and "lol" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("evaluations:\n  - {name: a, logs_uri: x}\ncolumns: {}\nevaluations:\n  - {name: b, logs_uri: y}\n",
+     "evaluations", (1, 4)),
+    ("evaluations:\n  - name: a\n    logs_uri: x\n    options:\n      seed: 1\n      n_bootstrap: 10\n      seed: 2\n",
+     "seed", (5, 7)),
+    ("evaluations:\n  - {name: a, logs_uri: x, name: b}\n", "name", (2, 2)),
+])
+def test_duplicate_yaml_keys_are_errors_naming_file_key_and_both_lines(tmp_path, text, key, lines):
+    """Issue 25: a second `evaluations:` silently dropped the first list (the last value won)."""
+    f = tmp_path / "ev.yaml"
+    f.write_text(text)
+    with pytest.raises(CJEInputError) as err:
+        load_config(f)
+    msg = str(err.value)
+    assert str(f) in msg and f"duplicate key {key!r} at lines {lines[0]} and {lines[1]}" in msg and "\n" not in msg
+
+
+def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
+    """Aliases within the limits and merge keys (``<<``, which may be overridden) load as before."""
+    f = tmp_path / "ev.yaml"
+    f.write_text("evaluations:\n  - &base {name: a, logs_uri: x, window: last 7 days, options: &o {seed: 3}}\n"
+                 "  - <<: *base\n    name: b\n    window: last 3 days\n    options: *o\n")
+    cfg = load_config(f)
+    assert cfg.evaluations["b"].window == "last 3 days" and cfg.evaluations["b"].options == {"seed": 3}
+    assert cfg.evaluations["a"].window == "last 7 days"

@@ -94,13 +94,15 @@ def test_no_own_labels_trigger(case):
     assert r2["policies"]["clone"]["audit"]["verdict"] == "not_run"
     trig = [t for t in find_triggers(r2, t2, {}) if t["trigger"] == "no_own_labels"]
     assert [t["scope"] for t in trig] == ["clone"]
-    # size: ceil((z_adj sd / margin)^2) with z_adj for family size + 1, at least min_labels
-    fam = r2["policies"]["clone"]["audit"]["family_size"] + 1
+    # size: ceil((z sd / margin)^2) (audits are not adjusted over policies), at least min_labels, and at least
+    # what the result's labels_to_verify asks for (clone has no verified level)
     from scipy.stats import norm
 
     sds = [a["se"] ** 2 * a["n_labels"] for a in (p["audit"] for p in r2["policies"].values()) if a.get("se")]
-    z = norm.ppf(1 - 0.05 / (2 * fam))
-    assert trig[0]["labels"] == max(r2["config"]["min_labels"], math.ceil((z * math.sqrt(np.median(sds)) / 0.05) ** 2))
+    z = norm.ppf(1 - 0.05 / 2)
+    ltv = r2["policies"]["clone"]["labels_to_verify"]["n_labels"]
+    assert trig[0]["labels"] == max(r2["config"]["min_labels"], math.ceil((z * math.sqrt(np.median(sds)) / 0.05) ** 2),
+                                    ltv)
     assert find_triggers(r2, t2, {"new_policy_labels": 33, "triggers": ["no_own_labels"]})[0]["labels"] == 33
 
 

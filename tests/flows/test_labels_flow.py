@@ -95,14 +95,12 @@ def test_custom_label_scale():
 
 
 def test_affected_windows():
-    spec = EvaluationSpec(name="e", logs_uri="/x", window="last 3 days")
     published = ["2025-03-01_2025-03-03", "2025-03-04_2025-03-06", "2025-02-01_2025-02-07"]
-    got = affected_windows(spec, {"2025-03-02", "2025-03-05"}, published, "2025-03-08", 10)
-    # the two published windows holding a touched date, plus the current window (03-05..03-07)
-    assert got == ["2025-03-01_2025-03-03", "2025-03-04_2025-03-06", "2025-03-05_2025-03-07"]
-    assert affected_windows(spec, {"2025-03-02", "2025-03-05"}, published, "2025-03-08", 1) == \
-        ["2025-03-05_2025-03-07"]
-    assert affected_windows(spec, {"2024-01-01"}, published, "2025-03-08", 10) == []
+    got = affected_windows({"2025-03-02", "2025-03-05"}, published, 10)
+    # the two published windows holding a touched date; never a window nobody published
+    assert got == ["2025-03-01_2025-03-03", "2025-03-04_2025-03-06"]
+    assert affected_windows({"2025-03-02", "2025-03-05"}, published, 1) == ["2025-03-04_2025-03-06"]
+    assert affected_windows({"2024-01-01"}, published, 10) == []
 
 
 # ----------------------------------------------------------------------------- the flow
@@ -240,6 +238,47 @@ def test_inline_labels_and_label_store_are_combined(prefect_server, ray_cluster,
     assert "labelled_count_drop" not in info
 
 
+def test_a_labels_run_killed_before_its_reevaluation_is_completed_by_the_retry(prefect_server, ray_cluster, tmp_path,
+                                                                             monkeypatch):
+    """Issue 25: ``kill -9`` of ``cje labels`` after the label store committed and before the re-evaluation:
+    the retry said "already stored" and never re-evaluated.  Now the commit's re-evaluation is recorded
+    when it completes, and a retry of the same file whose version has no record re-evaluates."""
+    import flows.pipelines.labels as labels_module
+    from flows.pipelines.audit import evaluate_and_audit
+    from flows.storage.publish import list_runs
+
+    uri, frame, oracle = _inline_logs(tmp_path, 356)
+    evaluation = {"name": "crash", "logs_uri": uri, "window": "2025-03-01..2025-03-02",
+                  "options": {"calibration_policies": ["base"], "inference": "analytic"}}
+    others = frame.loc[frame["oracle_label"].isna(), "response_id"].tolist()[:60]
+    path = tmp_path / "new.csv"
+    pd.DataFrame({"response_id": others, "oracle_label": [oracle[i] for i in others]}).to_csv(path, index=False)
+    run = dict(path=str(path), labels_uri=uri, evaluations=[evaluation], label_requests={"notify": False})
+    real = labels_module.reevaluate_windows
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed between the label commit and the re-evaluation")
+
+    first = evaluate_and_audit(**{k: v for k, v in evaluation.items() if k != "name"}, evaluation="crash",
+                               label_requests={"notify": False})
+    monkeypatch.setattr(labels_module, "reevaluate_windows", killed)
+    with pytest.raises(RuntimeError, match="killed between"):
+        labels(**run)
+    store = LabelStore(Storage.for_uri(uri))
+    assert store.version() == 1 and store.reevaluated(1) is None
+    assert [r["run_key"] for r in list_runs(Storage.for_uri(uri), "crash")] == [first["run_key"]]
+    monkeypatch.setattr(labels_module, "reevaluate_windows", real)
+    retry = labels(**run)
+    assert retry["new"] is False and retry["version"] == 1
+    (re,) = retry["reevaluations"]
+    assert re["published"] is True and re["window"] == "2025-03-01_2025-03-02"
+    _, published = list_runs(Storage.for_uri(uri), "crash")
+    assert published["run_key"] == re["run_key"] and published["manifest"]["labels"]["n_store_labels"] == 60
+    assert store.reevaluated(1)["runs"][0]["run_key"] == re["run_key"]
+    # done once: the next retry of the same file has nothing left to do
+    assert labels(**run)["reevaluations"] == []
+
+
 def test_store_wins_over_a_differing_inline_label_and_it_is_counted(tmp_path):
     from flows.storage.labels import join_counts, join_labels
 
@@ -347,3 +386,82 @@ def test_answers_on_a_one_to_five_scale_are_mapped_onto_the_requests_scale(prefe
     bad = _write_returned(s, "bad.csv", {"response_id": ids[:2], "oracle_label": [3, 6]})
     with pytest.raises(CJEInputError, match=r"row 1: answer 6 for .* is outside the label scale \[1, 5\]"):
         labels(path=bad, labels_uri=s["uri"], logs_uri=s["uri"], reevaluate=False, label_scale=[1, 5])
+
+
+# ----------------------------------------------------------------------------- which windows labels re-evaluate
+
+
+def _four_days(tmp_path, seed: int = 11):
+    """Logs on 2025-03-01..04 (row i on day i % 4): base rows 0-299 and unhelpful rows 400-455 carry labels."""
+    sim = simulate(400, POLICIES, label_design="calibration_policy", oracle_fraction=1.0, audit_labels=400,
+                   seed=seed)
+    frame = sim.frame.copy().reset_index(drop=True)
+    i = np.arange(len(frame))
+    inline = (i < 300) | ((i >= 400) & (i < 456))
+    frame["oracle_label"] = np.where(inline, sim.oracle_all, np.nan)
+    frame["label_probability"] = np.where(inline, 1.0, np.nan)
+    start = datetime(2025, 3, 1, tzinfo=timezone.utc)
+    frame["ts"] = [start + timedelta(days=int(k % 4), hours=1) for k in i]
+    frame["day"] = [f"2025-03-0{1 + k % 4}" for k in i]
+    uri = str(tmp_path / "logs")
+    write_logs(Storage.for_uri(uri), pa.Table.from_pandas(frame.drop(columns=["day"]), preserve_index=False),
+               basename="sim")
+    return uri, frame, dict(zip(frame["response_id"], sim.oracle_all))
+
+
+def _label_file(tmp_path, name, frame, oracle, days, n):
+    pick = frame.loc[frame["oracle_label"].isna() & frame["day"].isin(days), "response_id"].tolist()[:n]
+    path = tmp_path / name
+    pd.DataFrame({"response_id": pick, "oracle_label": [oracle[i] for i in pick]}).to_csv(path, index=False)
+    return str(path)
+
+
+def test_labels_reevaluate_only_published_windows_and_never_one_with_days_missing(prefect_server, ray_cluster,
+                                                                                  tmp_path):
+    """Issue 26: `cje labels` re-evaluated and published a window nobody asked for (the declared "last 7 days"
+    as of today: 4 of its 7 days had logs, overlapping a published window); it became latest.  Now only
+    published windows holding the labels are re-evaluated, one with days that have no logs only when asked
+    (``partial_windows``), and the report and manifest name the days the run holds."""
+    from flows.pipelines.audit import evaluate_and_audit
+    from flows.storage.publish import list_runs, read_latest
+
+    uri, frame, oracle = _four_days(tmp_path)
+    st = Storage.for_uri(uri)
+    opts = {"calibration_policies": ["base"], "inference": "analytic"}
+    spec = {"name": "wk", "logs_uri": uri, "window": "last 7 days", "options": opts}
+    full = evaluate_and_audit(logs_uri=uri, window="2025-03-01..2025-03-02", evaluation="wk", options=opts,
+                              label_requests={"notify": False})
+    gap = evaluate_and_audit(logs_uri=uri, window="2025-03-03..2025-03-05", evaluation="wk", options=opts,
+                             label_requests={"notify": False})
+    assert full["published"] and gap["published"]
+    # the report and the manifest say which days a run holds
+    gap_run = list_runs(st, "wk", "2025-03-03_2025-03-05")[-1]
+    spec_days = gap_run["manifest"]["window_spec"]
+    assert spec_days["days"] == ["2025-03-03", "2025-03-04"] and spec_days["missing_days"] == ["2025-03-05"]
+    report = open(gap["report"]).read()
+    assert "data-days='2025-03-03 2025-03-04' data-missing-days='2025-03-05'" in report
+    assert "2 of 3 with logs" in report
+    assert "data-days='2025-03-01 2025-03-02' data-missing-days=''" in open(full["report"]).read()
+
+    # labels for rows of 03-02 and 03-03; the declared window as of 03-08 would be 03-01..03-07
+    path = _label_file(tmp_path, "new.csv", frame, oracle, ["2025-03-02", "2025-03-03"], 40)
+    out = labels(path=path, labels_uri=uri, evaluations=[spec], as_of="2025-03-08", label_requests={"notify": False})
+    assert out["new"] and out["touched_dates"] == ["2025-03-02", "2025-03-03"]
+    assert [(r["window"], r["published"]) for r in out["reevaluations"]] == [("2025-03-01_2025-03-02", True)]
+    (skipped,) = out["skipped_windows"]
+    assert skipped["window"] == "2025-03-03_2025-03-05" and skipped["missing_days"] == ["2025-03-05"]
+    assert "--partial-windows" in skipped["reason"]
+    windows = {r["window"] for r in list_runs(st, "wk")}
+    assert windows == {"2025-03-01_2025-03-02", "2025-03-03_2025-03-05"}  # no window nobody published
+    assert read_latest(st, "wk")["window"] == "2025-03-01_2025-03-02"
+    assert LabelStore(st).reevaluated(out["version"])["skipped"][0]["window"] == "2025-03-03_2025-03-05"
+
+    # asked for: the window with a day missing is re-evaluated and says so
+    path2 = _label_file(tmp_path, "more.csv", frame.loc[~frame["response_id"].isin(pd.read_csv(path)["response_id"])],
+                        oracle, ["2025-03-04"], 20)
+    out2 = labels(path=path2, labels_uri=uri, evaluations=[spec], partial_windows=True,
+                  label_requests={"notify": False})
+    (re2,) = out2["reevaluations"]
+    assert re2["window"] == "2025-03-03_2025-03-05" and re2["published"] and re2["missing_days"] == ["2025-03-05"]
+    assert out2["skipped_windows"] == []
+    assert "data-missing-days='2025-03-05'" in open(re2["report"]).read()

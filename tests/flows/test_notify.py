@@ -121,7 +121,8 @@ def test_bad_inputs_are_reported_not_raised(receiver):
     out = notify("not_a_kind", {}, webhook_url=receiver.url)
     assert out["ok"] is False and "unknown notification kind" in out["error"] and receiver.hits == 0
     out = notify("label_request", {"x": 1}, webhook_url="not a url")
-    assert out["ok"] is False and out["webhook"]["attempts"] == 1  # malformed URL: not retried
+    assert out["ok"] is False and out["webhook"]["attempts"] == 0  # malformed URL: refused, never tried
+    assert "http:// or https://" in out["webhook"]["error"]
 
 
 def test_no_channel_configured(monkeypatch):
@@ -184,3 +185,112 @@ def test_prefect_event_reaches_the_server(prefect_server, monkeypatch):
 
 def test_kinds_are_the_contract():
     assert set(KINDS) == {"label_request", "drift_alarm", "level_refused", "audit_failed", "regression_alarm"}
+
+
+# ------------------------------------------------------------------------------ webhook URLs that are refused
+
+REFUSED_WEBHOOKS = ["file:///etc/passwd", "gopher://127.0.0.1:70/_x", "ftp://127.0.0.1/hook",
+                    "http://169.254.169.254/latest/meta-data/", "http://169.254.10.1/hook", "http://[fe80::1]/hook",
+                    "http://[fd00:ec2::254]/latest/meta-data/", "http://[::ffff:169.254.169.254]/",
+                    "http://2852039166/latest", "http://0xa9.0xfe.0xa9.0xfe/", "http://metadata.google.internal/x",
+                    "javascript:alert(1)", "http:///no-host"]
+
+
+@pytest.mark.parametrize("url", REFUSED_WEBHOOKS)
+def test_webhook_urls_are_refused_at_config_load(tmp_path, url):
+    """Issue 25: webhook URLs accepted file://, gopher://, ftp://, link-local and cloud-metadata addresses.
+    Now the configuration refuses them at load, naming the file and the key; loopback stays allowed."""
+    import yaml
+
+    from cje_engine.errors import CJEInputError
+    from flows.runtime.schedules import load_evaluations
+
+    f = tmp_path / "ev.yaml"
+    entry = {"name": "a", "logs_uri": "logs", "label_requests": {"webhook_url": url}}
+    f.write_text(yaml.safe_dump({"evaluations": [entry]}))
+    with pytest.raises(CJEInputError, match="label_requests.webhook_url") as err:
+        load_evaluations(f)
+    msg = str(err.value)
+    assert str(f) in msg and ("refused" in msg or "no host" in msg) and "\n" not in msg
+    entry["label_requests"]["webhook_url"] = "http://127.0.0.1:9/hook?token=x"
+    f.write_text(yaml.safe_dump({"evaluations": [entry]}))
+    assert load_evaluations(f)["a"].label_requests["webhook_url"].startswith("http://127.0.0.1")
+
+
+def test_a_metadata_webhook_is_exit_2_naming_file_and_key(tmp_path):
+    """The same through `cje run`: exit 2, one line naming the file and the key, before anything starts."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    f = tmp_path / "ev.yaml"
+    f.write_text("evaluations:\n  - name: a\n    logs_uri: logs\n    label_requests:\n"
+                 "      webhook_url: http://169.254.169.254/latest/meta-data/iam\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+    r = subprocess.run([str(Path(sys.executable).with_name("cje")), "run", "a", "--config", str(f)],
+                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("config: ")]
+    assert len(lines) == 1 and str(f) in lines[0] and "label_requests.webhook_url" in lines[0], r.stderr
+    assert "cloud metadata" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_request_and_drift_settings_refuse_such_webhooks():
+    from cje_engine.errors import CJEInputError
+    from flows.label_requests.config import RequestConfig
+    from flows.pipelines.drift_config import settings_from
+
+    with pytest.raises(CJEInputError, match="webhook_url .*link-local"):
+        RequestConfig.from_dict({"webhook_url": "http://[fe80::1%25eth0]/x"})
+    with pytest.raises(CJEInputError, match="webhook_url"):
+        settings_from({"set_name": "s", "anchors_uri": "/tmp/a", "webhook_url": "gopher://127.0.0.1/"})
+    assert RequestConfig.from_dict({"webhook_url": "https://hooks.example.com/T/1"}).webhook_url
+
+
+def test_notify_refuses_such_a_url_and_a_name_resolving_to_one(monkeypatch):
+    """Also at send time (CJE_WEBHOOK_URL never passes the configuration): nothing is contacted."""
+    import flows.integrations.notify as notify_module
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("CJE_WEBHOOK_URL", "file:///etc/passwd")
+    out = notify("label_request", {"n": 1})
+    assert out["ok"] is False and out["webhook"]["attempts"] == 0 and "http:// or https://" in out["webhook"]["error"]
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):
+        if host == "hooks.example.test":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("169.254.169.254", 0))]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(notify_module.socket, "getaddrinfo", resolve)
+    out = notify("label_request", {"n": 1}, webhook_url="http://hooks.example.test/hook")
+    assert out["webhook"]["attempts"] == 0 and "resolves to a cloud metadata address" in out["webhook"]["error"]
+
+
+def test_redirects_are_not_followed(monkeypatch, receiver):
+    """A receiver answering 302 (to another local server) is a failed delivery; the POST is not re-sent."""
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    target = receiver.url
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server API
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(302)
+            self.send_header("Location", target)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out = notify("label_request", {"n": 1}, webhook_url=f"http://127.0.0.1:{server.server_address[1]}/hook",
+                     backoff=0.01)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out["webhook"]["delivered"] is False and out["webhook"]["status"] == 302
+    assert out["webhook"]["attempts"] == 1 and "not followed" in out["webhook"]["error"]
+    assert receiver.hits == 0 and receiver.messages == []

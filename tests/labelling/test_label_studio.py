@@ -119,7 +119,7 @@ def test_push_annotate_pull_reevaluate_refused_to_ok(refused, ls_env, ls_token, 
     latest = read_latest(w["st"], "audited")
     assert latest["run_key"] != w["first"]["run_key"]
     new = latest["result"]["policies"]["unhelpful"]
-    assert new["level_claim"] == "ok" and new["basis_code"] == "recalibrated"
+    assert new["level_claim"] == "ok" and new["basis_code"] == "power_tuned"  # verified by its own labels
     assert new["n_labelled"] == 5 + w["request"]["n_labels"]
     assert [r["run_key"] for r in list_runs(w["st"], "audited")][0] == w["first"]["run_key"]  # old run kept
     pulled = [i.key for i in w["st"].list("label_requests/_pulled/")]

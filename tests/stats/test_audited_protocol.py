@@ -40,7 +40,7 @@ def _run_protocol(R: int, n: int, frac: float, seed0: int, **opts) -> dict:
     cover = fails = safe = 0
     for r in range(R):
         sim = _protocol(n, frac, seed0 + r)
-        res = evaluate(sim.frame, calibration_policies=["base"], calibration_mode="monotone", alpha=ALPHA,
+        res = evaluate(sim.frame, level_estimator="audited", calibration_policies=["base"], calibration_mode="monotone", alpha=ALPHA,
                        seed=r, **opts).to_dict()
         pols = res["policies"]
         cover += sum(pols[p]["ci"][0] <= sim.true_values[p] <= pols[p]["ci"][1] for p in ("base", *CLONES))
@@ -70,7 +70,7 @@ def test_audits_with_25_calibration_labels_hold_their_level():
     fails = 0
     for r in range(R):
         sim = _protocol(250, 0.10, 91_000 + r)
-        res = evaluate(sim.frame, calibration_policies=["base"], calibration_mode="monotone",
+        res = evaluate(sim.frame, level_estimator="audited", calibration_policies=["base"], calibration_mode="monotone",
                        inference="analytic").to_dict()
         fails += sum(res["policies"][c]["audit"]["verdict"] == "fail" for c in CLONES)
     assert fails / (3 * R) <= ALPHA + _band(R, ALPHA), fails
@@ -85,7 +85,7 @@ def test_pooled_design_excludes_the_adversary_and_keeps_the_others():
     first = extra = fails = 0
     for r in range(R):
         sim = simulate(300, POLICIES, oracle_fraction=0.3, seed=95_000 + r, **EXACT)
-        res = evaluate(sim.frame, calibration_mode="monotone", inference="analytic").to_dict()
+        res = evaluate(sim.frame, level_estimator="audited", calibration_mode="monotone", inference="analytic").to_dict()
         out = [e["policy"] for e in res["calibration"]["excluded_sources"]]
         first += out[:1] == ["unhelpful"]
         extra += len(out) > 1
@@ -112,7 +112,7 @@ def test_audited_levels_are_more_precise_than_own_label_levels():
     checked = 0
     for r in range(5):
         sim = _protocol(1000, 0.25, 97_000 + r)
-        res = evaluate(sim.frame, calibration_policies=["base"], calibration_mode="monotone",
+        res = evaluate(sim.frame, level_estimator="audited", calibration_policies=["base"], calibration_mode="monotone",
                        inference="analytic").to_dict()
         for c in CLONES:
             p = res["policies"][c]
@@ -139,7 +139,7 @@ def test_audits_with_about_12_calibration_labels_hold_their_level_slow():
         sim = simulate(250, protocol_policies(), oracle_fraction=0.05, label_design="calibration_policy",
                        calibration_policy="base", audit_labels=50, seed=123_000 + r, judge_noise_sd=0.0)
         try:
-            res = evaluate(sim.frame, covariates=["response_length"], calibration_policies=["base"],
+            res = evaluate(sim.frame, level_estimator="audited", covariates=["response_length"], calibration_policies=["base"],
                            n_bootstrap=200, seed=r).to_dict()
         except CJEInputError:  # 5-6 calibration labels cannot be cross-fitted: nothing is audited
             continue
@@ -174,8 +174,8 @@ def test_protocol_data_without_named_calibration_policies_pools_the_audit_slices
     first = fails = cover = 0
     for r in range(R):
         sim = _protocol(400, 0.10, 131_000 + r)
-        pooled = evaluate(sim.frame, calibration_mode="monotone", alpha=ALPHA, inference="analytic").to_dict()
-        named = evaluate(sim.frame, calibration_policies=["base"], calibration_mode="monotone", alpha=ALPHA,
+        pooled = evaluate(sim.frame, level_estimator="audited", calibration_mode="monotone", alpha=ALPHA, inference="analytic").to_dict()
+        named = evaluate(sim.frame, level_estimator="audited", calibration_policies=["base"], calibration_mode="monotone", alpha=ALPHA,
                          inference="analytic").to_dict()
         excluded = [e["policy"] for e in pooled["calibration"]["excluded_sources"]]
         first += excluded[:1] == ["unhelpful"]

@@ -112,7 +112,7 @@ AUDIT_POLICIES = (
 def test_audit_power_on_adversarial_and_false_alarms_on_transporting_policies():
     """Base calibrates; clones transport exactly, the adversarial policy does not.
 
-    False alarms: each clone fails with probability <= alpha (Holm-adjusted), so over R
+    False alarms: each clone fails with probability <= alpha (per policy, no adjustment), so over R
     datasets the fail rate must stay below alpha + 3 sqrt(alpha(1-alpha)/R).
     Power: the adversarial residual is about -0.56 with SE ~0.03 (z ~ 18), so power is ~1;
     the bound 0.97 allows 3 misses in 100.
@@ -123,7 +123,8 @@ def test_audit_power_on_adversarial_and_false_alarms_on_transporting_policies():
     for r in range(R):
         sim = simulate(1000, AUDIT_POLICIES, oracle_fraction=0.2, label_design="calibration_policy",
                        audit_labels=50, seed=60_000 + r)
-        res = evaluate(sim.frame, inference="analytic", calibration_policies=["base"], alpha=alpha).to_dict()
+        res = evaluate(sim.frame, inference="analytic", calibration_policies=["base"], alpha=alpha,
+                       level_estimator="audited").to_dict()
         for name, p in res["policies"].items():
             fails[name] += p["audit"]["verdict"] == "fail"
             if name == "unhelpful" and p["audit"]["verdict"] == "fail":

@@ -210,3 +210,20 @@ def closed_port_endpoint() -> str:
     from tests.s3server import free_port
 
     return f"http://127.0.0.1:{free_port()}"
+
+
+# --------------------------------------------------------------------------- HTTP-level faults
+
+
+@pytest.fixture
+def s3_faults(s3_endpoint: str):
+    """A fault-injecting HTTP proxy (`tests.s3proxy.S3FaultProxy`) in front of the moto server.
+
+    Program it with ``s3_faults.add(method, key_pattern, action, ...)``; a storage reaching it
+    is ``make_s3_config(s3_faults.endpoint)``.  Stopped (by its own threads) at the end.
+    """
+    from tests.s3proxy import start_fault_proxy
+
+    proxy = start_fault_proxy(s3_endpoint)
+    yield proxy
+    proxy.stop()

@@ -202,3 +202,88 @@ def test_damaged_store_errors_name_the_object(storage: Storage):
     storage.delete("labels/_commits/v000001.json")  # a hole in the commit sequence
     with pytest.raises(StorageError, match="non-contiguous"):
         ls.append(labels(["c"], [1.0]), "three")
+
+
+# --------------------------------------------------------------------------- integrity (issue 25)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def test_a_swapped_label_object_is_refused_naming_it(storage: Storage):
+    """Another valid label table put in place of a committed object is never used."""
+    ls = LabelStore(storage)
+    ls.append(labels(["a", "b"], [1.0, 0.0]), "one")
+    ls.append(labels(["c", "d"], [0.0, 1.0]), "two")
+    (v2,) = [k for k in _data_objects(storage) if "/v000002-" in k]
+    record = ls.history()[1]
+    assert record["object"] == v2 and len(record["object_sha256"]) == 64 and record["sha256"][:16] in v2
+    storage.write_bytes(v2, _parquet_bytes(labels(["c", "d"], [1.0, 1.0], [None, None])))  # valid Parquet, other labels
+    with pytest.raises(CJEInputError, match="checksum mismatch") as err:
+        ls.read()
+    assert err.value.source == storage.url(v2)
+    assert ls.read(version=1).column("response_id").to_pylist() == ["a", "b"]  # older versions still verified
+
+
+def test_a_swapped_object_under_an_old_commit_record_is_refused_by_its_content_hash(storage: Storage):
+    """Records written before object_sha256 existed: the content hash (in the name) still catches a swap."""
+    import json
+
+    ls = LabelStore(storage)
+    ls.append(labels(["a", "b"], [1.0, 0.0]), "one")
+    record = ls.history()[0]
+    legacy = {k: v for k, v in record.items() if k not in ("object_sha256", "object_bytes")}
+    storage.write_bytes("labels/_commits/v000001.json", json.dumps(legacy).encode())
+    assert ls.read().num_rows == 2  # an intact object verifies
+    storage.write_bytes(record["object"], _parquet_bytes(labels(["a", "b"], [0.0, 0.0], [None, None])))
+    with pytest.raises(CJEInputError, match="checksum mismatch") as err:
+        ls.read()
+    assert err.value.source == storage.url(record["object"])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "other_object", "wrong_rows", "wrong_version"])
+def test_a_damaged_commit_record_is_refused_naming_it(storage: Storage, damage: str):
+    import json
+
+    ls = LabelStore(storage)
+    ls.append(labels(["a"], [1.0]), "one")
+    ls.append(labels(["b", "c"], [0.0, 1.0]), "two")
+    key = "labels/_commits/v000002.json"
+    raw = storage.read_bytes(key)
+    record = json.loads(raw)
+    damaged = {
+        "truncated": raw[: len(raw) // 2],
+        "empty": b"",
+        "other_object": json.dumps({**record, "object": ls.history()[0]["object"]}).encode(),
+        "wrong_rows": json.dumps({**record, "rows": 1}).encode(),
+        "wrong_version": json.dumps({**record, "version": 1}).encode(),
+    }[damage]
+    storage.write_bytes(key, damaged)
+    with pytest.raises(CJEInputError) as err:
+        ls.read()
+    source = storage.url(record["object"]) if damage == "wrong_rows" else storage.url(key)
+    assert err.value.source == source, str(err.value)
+    assert ("checksum mismatch" if damage == "wrong_rows" else "commit record") in str(err.value)
+
+
+def test_labels_find_their_rows_whatever_the_unicode_spelling_of_the_id(storage: Storage):
+    """Logs write ``café-1`` in NFD, the labelling tool returns it in NFC (or the reverse): the label is joined."""
+    import unicodedata
+
+    nfc, nfd = "caf\u00e9-1", unicodedata.normalize("NFD", "caf\u00e9-2")
+    ls = LabelStore(storage)
+    ls.append(labels([unicodedata.normalize("NFD", nfc), unicodedata.normalize("NFC", nfd)], [1.0, 0.0]), "tool")
+    assert ls.read().column("response_id").to_pylist() == ["caf\u00e9-1", "caf\u00e9-2"]  # stored in NFC
+    logs = pa.table({"response_id": [nfc, nfd, "other"], "judge_score": [0.5, 0.5, 0.5]})
+    joined = join_labels(logs, ls.read())
+    assert joined.column("oracle_label").to_pylist() == [1.0, 0.0, None]  # was: [None, None, None], both labels silently lost
+    with pytest.raises(CJEInputError, match="invisible or control character U\\+200B") as err:
+        ls.append(labels(["a", "clo\u200bne"], [1.0, 0.0]), "tool2")
+    assert (err.value.source, err.value.column, err.value.row) == ("tool2", "response_id", 1)

@@ -319,3 +319,48 @@ def test_rows_of_an_assembled_window_are_traced_to_their_object_and_row(storage:
         whole = pq.read_table(storage.arrow_path(key), filesystem=storage.arrow_fs[0])  # unfiltered object
         assert whole["response_id"][obj_row].as_py() == rid  # the object's own row, not the filtered one
     assert locate_row(storage, row_sources(assembled), assembled, assembled.num_rows) is None
+
+
+# --------------------------------------------------------------------------- work folders, dangling links
+
+
+def test_spark_and_hive_work_folders_inside_a_day_are_not_read(storage: Storage):
+    """``dt=.../_temporary/0/.../part-0.parquet`` and ``.staging/`` copies are not data (Hive/Spark/Arrow rule)."""
+    logs = make_logs(n=1080, days=1)
+    [key] = write_logs(storage, logs, basename="final")
+    copy = make_logs(n=360, days=1, id_prefix="tmp")  # a task attempt's output, not committed
+    for work in ("dt=2025-03-01/_temporary/0/task_0001/part-0.parquet", "dt=2025-03-01/.staging/part-1.parquet",
+                 "dt=2025-03-01/sub/_attempt/part-2.parquet", "dt=2025-03-01/.part-3.parquet"):
+        _write_raw_parquet(storage, work, copy)
+    files = discover_partitions(storage, "2025-03-01", "2025-03-01")
+    assert [f.key for f in files] == [key]
+    assert read_window(storage, files).num_rows == 1080  # the old listing read 1080 + 4 * 360 rows
+
+
+def test_a_dangling_symlink_as_a_days_file_is_an_error_naming_it(local_storage: Storage):
+    import os
+
+    write_logs(local_storage, make_logs(n=300, days=3), basename="b")
+    target = local_storage.root / "dt=2025-03-02" / "part-b.parquet"
+    target.unlink()
+    os.symlink(local_storage.root / "gone" / "part-b.parquet", target)  # the day's only file
+    with pytest.raises(CJEInputError, match="symbolic link whose target does not exist") as err:
+        discover_partitions(local_storage, "2025-03-01", "2025-03-03")
+    assert err.value.source == str(target)
+    loop = local_storage.root / "dt=2025-03-03" / "part-b.parquet"
+    loop.unlink()
+    os.symlink(loop, loop)  # a link to itself
+    with pytest.raises(CJEInputError, match="cannot be followed") as err:
+        discover_partitions(local_storage, "2025-03-03", "2025-03-03")
+    assert err.value.source == str(loop)
+
+
+def test_engine_folder_reader_and_log_listing_share_the_work_path_rule():
+    from cje_engine.data.readers import is_work_path
+    from flows.storage.logs import is_log_object
+
+    for key in ("dt=2025-03-01/_temporary/0/part-0.parquet", "dt=2025-03-01/.staging/p.parquet",
+                "dt=2025-03-01/_SUCCESS", "_temporary/dt=2025-03-01/p.parquet"):
+        assert is_work_path(key) and not is_log_object(key)
+    assert not is_work_path("dt=2025-03-01/part-0.parquet") and is_log_object("dt=2025-03-01/part-0.parquet")
+    assert not is_log_object("dt=2025-03-01/part-0.csv") and not is_log_object("x/part-0.parquet")

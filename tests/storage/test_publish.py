@@ -494,3 +494,132 @@ def _write_then_die(uri: str) -> None:
         st.write_bytes("results/ev/w/k9/result.json", b"{}")
     finally:
         os.replace = real
+
+
+# --------------------------------------------------------------------------- lost acknowledgement of the commit
+
+
+class LostAckStorage(FaultyStorage):
+    """The first create-only write of a manifest is stored, then its acknowledgement is lost: the
+    client's retried conditional PUT answers 412 (``put_if_absent`` returns False, mode "412") or the
+    call fails (mode "raise").  ``unreadable_manifest_reads`` makes that many manifest reads after it
+    fail (a storage outage right after the lost response)."""
+
+    def __init__(self, inner: Storage, mode: str, unreadable_manifest_reads: int = 0) -> None:
+        super().__init__(inner)
+        self.mode, self.lost, self.unreadable = mode, 0, unreadable_manifest_reads
+
+    def put_if_absent(self, key, data):
+        if key.endswith("manifest.json") and not self.lost:
+            self.lost += 1
+            assert self.inner.put_if_absent(key, data)  # stored ...
+            if self.mode == "412":
+                return False  # ... and the retried request found it there
+            raise StorageError(f"create {self.url(key)} failed: connection reset (response lost)", key=key,
+                               operation="create")
+        return self.inner.put_if_absent(key, data)
+
+    def read_bytes(self, key):
+        if key.endswith("manifest.json") and self.lost and self.unreadable > 0:
+            self.unreadable -= 1
+            raise StorageError(f"read {self.url(key)} failed: injected outage", key=key, operation="read")
+        return self.inner.read_bytes(key)
+
+
+def _assert_one_intact_run(st: Storage, evaluation: str = "ev") -> dict:
+    got = read_latest(st, evaluation)
+    assert got is not None and got["result"] == example_result()
+    run = "results/ev/w/k"
+    for entry in got["manifest"]["artifacts"].values():
+        assert st.exists(f"{run}/{entry['key']}")
+    assert json.loads(st.read_bytes("results/ev/latest.json"))["run_key"] == "k"
+    return got
+
+
+@pytest.mark.parametrize("mode", ["412", "raise"])
+def test_a_lost_acknowledgement_of_the_manifest_write_still_publishes(storage: Storage, mode: str):
+    """Issue 25: the manifest was stored but the publisher was told 412 (or an error): it deleted the
+    run's artifacts, kept the manifest and moved latest.json to it; read_latest failed and every rerun
+    said "already published".  Now the manifest read back is ours byte for byte: the publish completes."""
+    lossy = LostAckStorage(storage, mode)
+    out = publish_run(lossy, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert lossy.lost == 1
+    assert (out.published, out.reason) == (True, "published")
+    got = _assert_one_intact_run(storage)
+    assert out.artifacts == got["artifacts"]
+    again = publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert again.reason == "already published" and _assert_one_intact_run(storage)["manifest"] == got["manifest"]
+
+
+def test_s3_lost_response_then_412_on_the_retried_conditional_put(s3_storage):
+    """The same on the moto S3 server, at the HTTP client: the first conditional PUT of the manifest
+    reaches the server, then the client sees 412 PreconditionFailed (what its retry gets)."""
+    from botocore.exceptions import ClientError
+
+    real = s3_storage.client
+    calls = {"lost": 0}
+
+    class Client:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def put_object(self, **kw):
+            out = real.put_object(**kw)
+            if kw.get("IfNoneMatch") == "*" and kw["Key"].endswith("manifest.json") and not calls["lost"]:
+                calls["lost"] += 1
+                raise ClientError({"Error": {"Code": "PreconditionFailed", "Message": "At least one of the "
+                                             "pre-conditions you specified did not hold"},
+                                   "ResponseMetadata": {"HTTPStatusCode": 412}}, "PutObject")
+            return out
+
+    s3_storage._client = Client()
+    out = publish_run(s3_storage, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert calls["lost"] == 1 and out.published
+    _assert_one_intact_run(s3_storage)
+
+
+def test_a_lost_acknowledgement_with_an_unreadable_manifest_keeps_the_artifacts(storage: Storage):
+    """Whose manifest it is cannot be told (the read-back fails too): the error is raised, but nothing a
+    stored manifest may name is deleted; the rerun finds the run complete."""
+    lossy = LostAckStorage(storage, "raise", unreadable_manifest_reads=5)
+    with pytest.raises(StorageError, match="response lost"):
+        publish_run(lossy, "ev", "w", "k", artifacts_for(), LINEAGE)
+    again = publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert again.reason == "already published"
+    _assert_one_intact_run(storage)
+
+
+def test_a_real_conflict_keeps_the_stored_runs_artifacts(storage: Storage):
+    """412 because another attempt committed first: ours are removed, the winner's are kept and pointed at."""
+    other: list = []
+
+    class Racing(FaultyStorage):
+        def put_if_absent(self, key, data):
+            if key.endswith("manifest.json") and not other:  # the other publisher commits first
+                other.append(publish_run(self.inner, "ev", "w", "k", artifacts_for(), LINEAGE))
+            return self.inner.put_if_absent(key, data)
+
+    out = publish_run(Racing(storage), "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert other[0].published and out.reason == "already published" and out.artifacts == other[0].artifacts
+    manifest = json.loads(storage.read_bytes("results/ev/w/k/manifest.json"))
+    assert sorted(o.key for o in storage.list("results/ev/w/k/")) == sorted(
+        ["results/ev/w/k/manifest.json"] + [f"results/ev/w/k/{a['key']}" for a in manifest["artifacts"].values()])
+    _assert_one_intact_run(storage)
+
+
+def test_a_manifest_left_without_its_artifacts_is_repaired_by_the_rerun(storage: Storage):
+    """The state the old publisher left behind (manifest and latest.json, artifacts deleted): the rerun
+    publishes the run again under a new attempt (compare-and-swap on the broken manifest), keeping its
+    publication time; it no longer says "already published" forever."""
+    first = publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE)
+    broken = json.loads(storage.read_bytes("results/ev/w/k/manifest.json"))
+    for entry in broken["artifacts"].values():
+        storage.delete(f"results/ev/w/k/{entry['key']}")
+    with pytest.raises(StorageError):
+        read_latest(storage, "ev")
+    again = publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE)
+    assert (again.published, again.reason) == (True, "republished") and again.artifacts != first.artifacts
+    got = _assert_one_intact_run(storage)
+    assert got["manifest"]["published_at"] == broken["published_at"] and got["manifest"]["repaired_at"]
+    assert got["manifest"]["attempt"] != broken["attempt"]
+    assert publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE).reason == "already published"

@@ -1,7 +1,9 @@
 """The storage layer against a local folder and a real S3-protocol server (moto in server mode)."""
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import pickle
 import threading
 import time
@@ -349,3 +351,56 @@ def test_a_killed_writers_temporary_files_are_swept_by_the_next_write(tmp_path):
         out.write(b"x")
     assert not fresh.exists()
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["other.json", "table.parquet"]
+
+
+class _FullDisk:
+    """A file object whose writes store half the bytes, then fail with ENOSPC (a disk filling up)."""
+
+    def __init__(self, fh):
+        self.fh = fh
+
+    def write(self, data):
+        self.fh.write(bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.fh.close()
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.fh, name)
+
+
+def test_a_full_disk_leaves_no_temporary_file_per_retry(tmp_path, monkeypatch):
+    """Issue 25: ENOSPC inside an atomic local write left one partial ``.cje-tmp-*`` file per retry.  Now
+    every failed write removes its temporary file (and a partial object of the no-hard-link path), and
+    the error names the object."""
+    import builtins
+
+    import flows.storage.local as local_module
+    from flows.storage.local import LocalStorage
+    from flows.storage.publish import publish_run
+    from tests.storage.test_publish import LINEAGE, artifacts_for
+
+    st = LocalStorage(tmp_path / "store")
+    real_open, real_fdopen = builtins.open, os.fdopen
+    monkeypatch.setattr(local_module, "open", lambda *a, **k: _FullDisk(real_open(*a, **k)), raising=False)
+    for attempt in range(3):
+        for call in (st.write_bytes, st.put_if_absent):
+            with pytest.raises(StorageError, match=r"results/x\.json failed: OSError: .*No space left on device"):
+                call("results/x.json", b"0123456789" * 100)
+        with pytest.raises(StorageError, match="No space left on device"):
+            publish_run(st, "ev", "w", "k", artifacts_for(), LINEAGE)
+    # no hard links on this filesystem: the exclusive-create path removes its partial object too
+    monkeypatch.setattr(local_module, "open", real_open)
+    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EPERM, "no links")))
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: _FullDisk(real_fdopen(*a, **k)))
+    with pytest.raises(StorageError, match="No space left on device"):
+        st.put_if_absent("results/y.json", b"0123456789" * 100)
+    monkeypatch.undo()
+    left = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "store").rglob("*") if p.is_file())
+    assert left == []
+    assert st.put_if_absent("results/y.json", b"ok") and st.read_bytes("results/y.json") == b"ok"

@@ -155,6 +155,21 @@ def test_parquet_folder_with_hive_partitions(tmp_path: Path):
     assert got["oracle_label"].notna().sum() == df["oracle_label"].notna().sum()
 
 
+def test_parquet_folder_skips_work_folders_and_names_a_dangling_symlink(tmp_path: Path):
+    """Spark's ``_temporary/`` and ``.staging/`` inside a partition are not data; a dangling link is an error."""
+    import os
+
+    df = good_frame()
+    folder = tmp_path / "data" / "dt=2025-03-01"
+    for sub in (folder, folder / "_temporary" / "0" / "task_1", folder / ".staging"):
+        sub.mkdir(parents=True)
+        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), sub / "part-0.parquet")
+    assert len(load_frame(tmp_path / "data")) == len(df)
+    os.symlink(tmp_path / "gone.parquet", folder / "part-1.parquet")
+    with raises("symbolic link whose target does not exist", source=str(folder / "part-1.parquet")):
+        load_frame(tmp_path / "data")
+
+
 def test_hive_partition_disagreeing_with_column(tmp_path: Path):
     folder = tmp_path / "data" / "policy=a"
     folder.mkdir(parents=True)

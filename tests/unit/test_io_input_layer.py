@@ -158,3 +158,38 @@ def test_response_ids_built_in_chunks_equal_one_pass(monkeypatch):
     dup.loc[dup.index[50], "response_id"] = dup.loc[dup.index[0], "response_id"] = "same"
     with pytest.raises(CJEInputError, match="same response_id"):
         load_frame(dup)
+
+
+# ----------------------------------------------------------------------------- identifier hygiene (issue 25)
+def test_nfc_and_nfd_spellings_of_the_same_id_pair(tmp_path):
+    """Policy p0 writes ``café-i`` in NFC, p1 in NFD: one set of 150 prompts, not 300 (comparisons paired)."""
+    import unicodedata
+
+    ids = [f"caf\u00e9-{i}" for i in range(150)]
+    frame = _frame(ids)
+    nfd = frame["policy"] == "p1"
+    frame.loc[nfd, "prompt_id"] = frame.loc[nfd, "prompt_id"].map(lambda t: unicodedata.normalize("NFD", t))
+    frame["response_id"] = frame["policy"] + "/" + frame["prompt_id"]
+    frame.loc[nfd, "policy"] = "clo\u0302ne"  # a policy name in NFD: read as its NFC spelling "clône"
+    assert frame["prompt_id"].nunique() == 300  # the bytes differ
+    got = load_frame(frame)
+    assert got["prompt_id"].nunique() == 150 and set(got["policy"]) == {"p0", "cl\u00f4ne"}
+    assert all(unicodedata.is_normalized("NFC", r) for r in got["response_id"])
+    assert load_frame(frame, policies=["clo\u0302ne"])["prompt_id"].nunique() == 150
+    _write_jsonl(tmp_path / "mixed.jsonl", frame)
+    res = evaluate(tmp_path / "mixed.jsonl", inference="analytic").to_dict()
+    assert res["data"]["n_prompts"] == 150
+    assert res["data"]["n_rows"] == 300 and [(c["a"], c["b"]) for c in res["comparisons"]] in ([("p0", "cl\u00f4ne")], [("cl\u00f4ne", "p0")])
+
+
+@pytest.mark.parametrize("column,bad", [("policy", "clo\u200bne"), ("prompt_id", "q\u200d7"),
+                                        ("response_id", "\ufeffr7"), ("policy", "clo\x1b[31mne")])
+def test_an_id_with_an_invisible_or_control_character_is_refused_naming_the_row(tmp_path, column, bad):
+    frame = _frame([f"q{i}" for i in range(20)])
+    frame["response_id"] = [f"r{i}" for i in range(len(frame))]
+    frame.loc[7, column] = bad
+    src = frame.to_parquet(tmp_path / "in.parquet") or tmp_path / "in.parquet"
+    with pytest.raises(CJEInputError, match="invisible or control character U\\+") as err:
+        load_frame(src)
+    assert (err.value.source, err.value.column, err.value.row) == (str(src), column, 7)
+    assert repr(bad) in str(err.value)  # shown escaped: `clo\u200bne` never prints like `clone`

@@ -465,12 +465,12 @@ def test_format_table_rows_and_alignment(result):
     for col in ("policy", "estimate", "95% CI", "claim", "basis", "audit", "assumes transport", "raw judge",
                 "oracle mean"):
         assert col in header
-    rows = {ln.split()[0]: ln for ln in lines[3:7]}
+    rows = {ln.split()[1]: ln for ln in lines[3:7]}
     assert set(rows) == set(result["policies"])
-    assert rows["base"].split() == ["base", "0.754", "[0.732,", "0.776]", "ok", "augmented",
+    assert rows["base"].split() == ["1-3", "base", "0.754", "[0.732,", "0.776]", "ok", "augmented",
                                     "pass", "0.841", "0.754"]
     assert rows["clone"].split()[-3:] == ["run", "0.849", "n/a"]
-    assert rows["unhelpful"].split()[:4] == ["unhelpful", "refused", "refused", "refused"]
+    assert rows["unhelpful"].split()[:5] == ["4", "unhelpful", "refused", "refused", "refused"]
     assert "0.140" not in table and "0.096" not in table
     # right-aligned numeric columns end at the same character position on every row
     est_end = header.index("estimate") + len("estimate")
@@ -478,8 +478,32 @@ def test_format_table_rows_and_alignment(result):
         cell = ln[:est_end].rstrip()
         assert cell.endswith(("0.754", "0.763", "0.780", "refused"))
         assert len(cell) == est_end
-    # ranking order
-    assert [ln.split()[0] for ln in lines[3:7]] == [r["policy"] for r in result["ranking"]]
+    # highest estimate first
+    assert [ln.split()[1] for ln in lines[3:7]] == ["parallel_universe_prompt", "clone", "base", "unhelpful"]
+
+
+def test_format_table_orders_by_estimate_and_shows_the_rank_the_comparisons_support(result):
+    """An imprecise low estimate that nothing beats significantly has rank 1 in the engine's ranking
+    (1 + policies significantly better): the table used to print it second, as "rank 1". It is listed
+    last (by estimate) with the ranks the comparisons leave open, 1-4."""
+    res = copy.deepcopy(result)
+    names = ["a", "b", "c", "d"]
+    est = {"a": 0.80, "b": 0.70, "c": 0.60, "d": 0.30}
+    res["policies"] = {n: dict(copy.deepcopy(result["policies"]["base"]), estimate=est[n]) for n in names}
+    # a > b > c significantly; d (few labels, wide interval) is not significantly different from any
+    res["win_matrix"] = {"policies": names, "significant": [[0, 1, 1, 0], [-1, 0, 1, 0], [-1, -1, 0, 0], [0, 0, 0, 0]],
+                         "prob_row_better": [[None] * 4 for _ in names]}
+    res["ranking"] = [{"policy": n, "rank": r, "estimate": est[n], "level_claim": "ok", "tied_with": []}
+                      for n, r in (("a", 1), ("d", 1), ("b", 2), ("c", 3))]
+    res["comparisons"] = []
+    lines = format_table(res).splitlines()
+    rows = [ln.split()[:3] for ln in lines[3:7]]
+    # d could rank anywhere; a, b, c are ordered among themselves, but each could swap places with d
+    assert rows == [["1-2", "a", "0.800"], ["2-3", "b", "0.700"], ["3-4", "c", "0.600"], ["1-4", "d", "0.300"]]
+    assert "a range (1-3) when the comparisons leave it open" in lines[7]
+    # the report's policy table agrees with the terminal: same order (a, b, c, d), same ranks
+    doc = render_report(res)
+    assert re.findall(r"class='r num rank'>([^<]*)</td>", doc) == ["1-2", "2-3", "3-4", "1-4"]
 
 
 def test_format_table_comparisons_and_best(result):

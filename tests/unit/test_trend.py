@@ -69,7 +69,8 @@ def test_trend_page_draws_values_refusals_alarms_and_drift_on_one_axis():
     reqs = [{"request_id": "r1", "scope": "a", "n_labels": 40, "deadline": "2025-01-10", "reasons": ["audit fail"]}]
     page = render_trend("ev", windows, hist, changes, drift, reqs)
     svgs = [ET.fromstring(b) for b in re.findall(r"<svg\b.*?</svg>", page, re.S)]  # well-formed
-    assert len(svgs) == 4  # legend, a, b, drift strip
+    assert len(svgs) == 8  # legend, a, b, drift strip: each drawn wide and narrow (phones; CSS shows one)
+    assert page.count("class='figure chartw'") == page.count("class='figure chartn'") == 4
     marks = re.findall(r'<g class="alarm-marker" data-policy="(\w+)" data-window="([\d_-]+)"', page)
     assert marks == [("a", "2025-01-04_2025-01-04"), ("a", "2025-01-05_2025-01-05")]
     refused = re.findall(r'class="refused-marker" data-policy="(\w+)" data-window="([\d_-]+)"', page)
@@ -96,7 +97,9 @@ def test_index_lists_evaluations_with_latest_run_and_alarms():
              "alarms": {n: pc.alarms for n, pc in changes.items()}, "drift_alarms": 1, "open_requests": 2}
     page = render_index([entry])
     assert "data-evaluation='ev'" in page and "regression: a" in page and "drift alarm \u00d71" in page
-    assert "2 label request(s)" in page and "href='ev/trend.html'" in page and "5 / 6" in page
+    assert "2 label request(s)" in page and "href='ev/trend.html'" in page and "5 window(s) / 6 run(s)" in page
+    # the latest values with their intervals and claims
+    assert "data-policy='a' data-claim='ok' data-value='0.600' data-ci='[0.580, 0.620]'" in page
     assert "Nothing published yet" in render_index([])
 
 
@@ -125,3 +128,64 @@ def test_linked_drift_reads_looks_of_monitors_calibrated_by_the_evaluation(tmp_p
     assert list(got) == ["mon"] and got["mon"][0]["tau"] == 0.71 and got["mon"][0]["alarm"]
     d = drift_for_report("mon", got["mon"])
     assert d["periods"] == ["#1 2025-01-02"] and d["alarms"] == [True] and d["residual_shift_ci"] == [[0.02, 0.1]]
+
+
+#: Template code that reached a page: a Python expression of an f-string that lost its ``f`` prefix.
+TEMPLATE_LEFTOVER = re.compile(r"\{_?esc\(|\{_[a-z]|\{[a-z_]+\(|\{[a-z_]+\[|\{[a-z_]+\.[a-z_]+")
+
+
+def test_rendered_pages_hold_no_template_code(tmp_path):
+    """Every report showed "p-values adjusted by {_esc(method.upper() or 'n/a')}" (a missing f-prefix):
+    the report, trend and index pages as published, and the drift page, hold no template leftover."""
+    from flows.reports.evaluation import render_report
+
+    result = json.loads(FIXTURE.read_text())
+    report = render_report(result, drift={"periods": ["2025-01", "2025-02"], "kendall_tau": [1.0, 0.9]})
+    assert "p-values adjusted by BH at" in report
+    st = Storage.for_uri(tmp_path)
+    for d in (1, 2):
+        publish_run(st, "ev", f"2025-01-0{d}_2025-01-0{d}", f"k{d}", {"result.json": json.dumps(result).encode(),
+                                                                       "report.html": report.encode()}, {})
+    hist = _history()
+    trend = render_trend("ev", latest_per_window(hist), hist, window_changes_of(hist),
+                         {"mon": [{"look": 1, "dt": "2025-01-02", "alarm": True, "alarms": ["residual_mean"]}]},
+                         [{"request_id": "r1", "scope": "a", "n_labels": 4, "deadline": "2025-01-10", "reasons": ["x"]}])
+    pages = {"report.html": report, "trend.html (rendered)": trend,
+             **{str(p.relative_to(tmp_path)): p.read_text() for p in (tmp_path / "results").rglob("*.html")}}
+    assert {"results/index.html", "results/ev/trend.html"} <= set(pages)
+    for name, page in pages.items():
+        text = re.sub(r"<style.*?</style>|<script.*?</script>", "", page, flags=re.S)  # CSS braces are not template
+        found = TEMPLATE_LEFTOVER.findall(text)
+        assert not found, f"{name} shows template code: {found[:3]}"
+
+
+def test_trend_page_names_a_window_without_a_verified_level():
+    """A window whose policy only assumes transport (no verified level: estimate null) and whose history row
+    carries no assumed value is drawn as "unverified", never as a value."""
+    hist = _history()
+    p = hist[3]["policies"]["a"]
+    p.update(estimate=None, se=None, ci=None, level_claim="assumes_transport")
+    windows = latest_per_window(hist)
+    page = render_trend("ev", windows, hist, window_changes_of(hist), {}, [])
+    marks = re.findall(r'class="unverified-marker" data-policy="(\w+)" data-window="([\d_-]+)"', page)
+    assert marks == [("a", "2025-01-04_2025-01-04")]
+    assert 'class="value-marker" data-policy="a" data-window="2025-01-04_2025-01-04"' not in page
+    assert "no verified level" in page
+
+
+def test_index_shows_the_assumed_value_of_an_assumes_transport_policy_and_nothing_for_a_refused_one():
+    hist = _history()
+    latest = dict(latest_per_window(hist)[-1])
+    latest["policies"] = dict(latest["policies"])
+    latest["policies"]["c"] = {"estimate": None, "se": None, "ci": None, "level_claim": "assumes_transport",
+                               "refusal_reasons": [], "audit": "not_run", "n_labelled": 3,
+                               "assumed": {"estimate": 0.655, "ci": [0.61, 0.70]}}
+    latest["policies"]["d"] = {"estimate": None, "se": None, "ci": None, "level_claim": "refused",
+                               "refusal_reasons": ["x"], "audit": "fail", "n_labelled": 3, "assumed": None}
+    page = render_index([{"evaluation": "ev", "latest": latest, "n_runs": 1, "n_windows": 1}])
+    assert ("data-policy='c' data-claim='assumes_transport' data-value='0.655' data-ci='[0.610, 0.700]' "
+            "data-value-kind='assumed'") in page and ">assumes transport</span>" in page
+    assert "data-policy='d' data-claim='refused' data-value='' data-ci='' data-value-kind='none'" in page
+    assert ">verified</span>" in page
+    trend = render_trend("ev", [latest], [latest], {}, {}, [])
+    assert 'class="assumed-marker" data-policy="c"' in trend

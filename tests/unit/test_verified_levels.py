@@ -177,3 +177,43 @@ def test_best_policy_is_an_intersection_union_test():
         c["reported"] = False  # as compare_pairs leaves a pair with a dropped policy
     _, _, best, reason = rank_policies(names, est, comps, refused, ["ok"] * 3, {"c": "no verified level"}, 0.05)
     assert best is None and "not every policy" in reason  # a policy without a level may be the best
+
+
+def test_two_stage_extrapolation_in_a_covariate_is_flagged():
+    """Support is checked in the covariates too: a policy whose lengths lie outside the calibration labels'
+    range is flagged (share computed by hand from the rows), and its assumes-transport basis says so."""
+    pols = (PolicySpec("base", 0.8), PolicySpec("long", 0.8, verbosity=4.0))
+    sim = simulate(600, pols, oracle_fraction=0.2, label_design="calibration_policy", audit_labels=30, seed=5)
+    d = evaluate(sim.frame, covariates=["response_length"], calibration_mode="two_stage", n_bootstrap=100,
+                 calibration_policies=["base"], level_estimator="audited").to_dict()
+    f = sim.frame
+    cal = f[(f["policy"] == "base") & f["oracle_label"].notna()]["response_length"]
+    long = f[f["policy"] == "long"]["response_length"]
+    share = float(((long < cal.min()) | (long > cal.max())).mean())
+    s = d["policies"]["long"]["support"]
+    assert s["share_covariate_outside"] == pytest.approx(share) and share > 0.1
+    assert s["covariate_extrapolation"] is True
+    assert d["policies"]["base"]["support"]["covariate_extrapolation"] is False
+    if d["policies"]["long"]["basis_code"] == "plug_in":
+        assert "extrapolates in a covariate" in d["policies"]["long"]["basis"]
+
+
+def test_rank_only_comparisons_carry_the_bias_bound():
+    """A rank-only level (limited support, plug-in trusted): its comparisons' interval is widened by share_thin x
+    span on top of the conservative interval, and the p-value tests the difference shrunk by that bound."""
+    from cje_engine.inference.comparisons import PolicyColumns, compare_pairs
+
+    rng = np.random.default_rng(1)
+    reps = rng.normal([0.7, 0.6], 0.01, size=(2000, 2))
+    infl = rng.normal(0, 0.01 / np.sqrt(500), size=(500, 2))
+    base = dict(names=["a", "b"], estimate=np.array([0.7, 0.6]), replicates=reps, influence=infl,
+                dfs=np.array([np.inf, np.inf]), refused=np.zeros(2, bool), claims=["ok", "ok"], raw=np.zeros(2),
+                relative=["ok", "rank_only"], relative_reason=[None, "limited"])
+    plain = compare_pairs(PolicyColumns(**base), alpha=0.05, method="holm", span=1.0, warnings=[])[0]
+    wide = compare_pairs(PolicyColumns(**base, bias_bound=np.array([0.0, 0.09])), alpha=0.05, method="holm",
+                         span=1.0, warnings=[])[0]
+    assert wide["bias_bound"] == pytest.approx(0.09)
+    assert wide["ci"] == pytest.approx([plain["ci"][0] - 0.09, plain["ci"][1] + 0.09])
+    from scipy.stats import t as student_t
+    assert wide["p_value"] >= 2 * student_t.sf((0.1 - 0.09) / wide["se"], np.inf) - 1e-12
+    assert plain["significant"] and not wide["significant"] or wide["p_value"] > plain["p_value"]

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from cje_engine.errors import CJEInputError
 
+from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK
 from flows.cli.terminal import out, out_json
 
@@ -75,15 +76,9 @@ def _store(ns: argparse.Namespace) -> tuple[Any, str | None]:
     if ns.store and ns.monitor:
         raise CJEInputError("give either --store or --monitor, not both")
     if ns.monitor:
-        from flows.cli.common import find_config
-        from flows.pipelines.drift_config import load_drift_monitors
+        from flows.cli.common import find_drift_monitor
 
-        path = find_config(ns.config)
-        monitors = load_drift_monitors(path)
-        if ns.monitor not in monitors:
-            raise CJEInputError(f"no drift monitor named {ns.monitor!r}; declared: "
-                                f"{', '.join(sorted(monitors)) or 'none'}", source=str(path))
-        spec = monitors[ns.monitor]
+        _, spec = find_drift_monitor(ns.monitor, ns.config)
         return Storage.for_uri(spec.anchors_uri), spec.set_name
     if not ns.store:
         raise CJEInputError("give --store ROOT (a folder or s3://bucket/prefix) or --monitor NAME")
@@ -205,7 +200,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", help="storage root: a folder or s3://bucket/prefix")
     p.add_argument("--monitor", help="use the storage root and set of this declared drift monitor")
-    p.add_argument("--config", help="evaluations file for --monitor (default: $CJE_CONFIG, else ./evaluations.yaml)")
+    p.add_argument("--config", help=CONFIG_HELP + " (for --monitor)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout (shape in docs/cli.md)")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cje_engine.errors import CJEInputError
 
+from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
 
 
@@ -23,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add ``cje deploy`` to the ``cje`` sub-commands."""
     p = sub.add_parser("deploy", help="create the declared evaluations and drift monitors as deployments on a "
                                       "Prefect work pool (run them with `prefect worker start --pool ...`)")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--pool", default="cje-process", help="work pool (default cje-process; created if missing)")
     p.add_argument("--pool-type", default="process", choices=["process", "kubernetes"],
                    help="type of a pool that does not exist yet (default process)")
@@ -38,7 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_deploy(ns: argparse.Namespace) -> int:
-    """Apply the deployments to ``PREFECT_API_URL``; exit 69 when no API is configured."""
+    """Apply the deployments of the evaluations file in use (``--config``, ``$CJE_CONFIG``,
+    ``./evaluations.yaml``) to ``PREFECT_API_URL``; exit 69 when no API is configured."""
+    from flows.cli.common import declared_evaluations
+
+    config, _ = declared_evaluations(ns.config, ns.only)  # never the repository's file; unknown --only names
     if not os.environ.get("PREFECT_API_URL"):
         sys.stderr.write("cje deploy: error: PREFECT_API_URL is not set; deployments need a running Prefect "
                          "server (e.g. http://prefect-server:4200/api). `cje serve` runs them in one process "
@@ -52,7 +57,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
             template = json.loads(Path(ns.base_job_template).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise CJEInputError(f"not a JSON base job template: {exc}", source=ns.base_job_template) from None
-    out = deploy(ns.config, pool=ns.pool, pool_type=ns.pool_type, only=ns.only, drift=not ns.no_drift,
+    out = deploy(str(config), pool=ns.pool, pool_type=ns.pool_type, only=ns.only, drift=not ns.no_drift,
                  image=ns.image, heartbeat_timeout=ns.heartbeat_timeout, base_job_template=template)
     for d in out:
         sys.stdout.write(f"deployed {d.name} on pool {d.pool}: {d.schedule}\n")

@@ -28,7 +28,6 @@ check then says so.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -42,7 +41,7 @@ from scipy.stats import norm
 from cje_engine.errors import CJEInputError
 
 from flows.cli.exits import EXIT_GATE_FAILED, EXIT_OK
-from flows.cli.terminal import escape, out, out_json
+from flows.cli.terminal import err, escape, out, out_json
 
 _SIDE = r"(cand|candidate|base|baseline)"
 _EXPR = re.compile(rf"^\s*{_SIDE}\s*-\s*{_SIDE}\s*(<=|>=|<|>)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
@@ -259,15 +258,14 @@ def register(sub: Any) -> None:
 def cmd_gate(ns: argparse.Namespace) -> int:
     if not ns.fail_if and not ns.pass_if:
         raise CJEInputError("give at least one --fail-if or --pass-if expression (e.g. --fail-if worse)")
+    from flows.storage.publish import read_result_file
+
     src = Path(ns.result)
-    try:
-        result = json.loads(src.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CJEInputError("result file not found", source=str(src)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CJEInputError(f"not a result.json: {exc}", source=str(src)) from None
-    if not isinstance(result, dict):
-        raise CJEInputError("not a result.json: expected a JSON object", source=str(src))
+    read = read_result_file(src)  # a published result is verified against its manifest (docs/ci.md)
+    result = read.result
+    if not read.verified:
+        err(f"warning: {escape(src)} has no manifest.json beside it: an unverified result (fine for the output "
+            "of `cje evaluate --out`; a published result is checked against its manifest's sha256)")
     cands = [c.strip() for arg in (ns.candidate or []) for c in arg.split(",") if c.strip()] or None
     checks = judge(result, ns.baseline, fail_if=ns.fail_if, pass_if=ns.pass_if, candidates=cands,
                    allow_not_estimable=ns.allow_not_estimable, assume_transport=ns.assume_transport)
@@ -275,7 +273,8 @@ def cmd_gate(ns: argparse.Namespace) -> int:
     if ns.json:
         from flows.cli.main import json_doc
 
-        out_json(json_doc("gate", result_path=str(src), baseline=ns.baseline, passed=not failed,
+        out_json(json_doc("gate", result_path=str(src), result_verified=read.verified, baseline=ns.baseline,
+                          passed=not failed,
                           checks=[asdict(c) for c in checks]))
     else:
         for c in checks:

@@ -12,6 +12,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Any
 
+from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
 from flows.cli.commands.requests import config_path, spec_of
 from flows.label_requests.answers import ANSWER_FORMATS, parse_scale
@@ -61,7 +62,7 @@ def cmd_labels(ns: argparse.Namespace) -> int:
                      results_uri=spec.results_uri, requests_uri=requests_uri, evaluations_file=config,
                      reevaluate=not ns.no_reevaluate, label_scale=list(ns.label_scale) if ns.label_scale else None,
                      answers_format=fmt, answer_field=ns.answer_field, id_field=ns.id_field,
-                     anchors_uri=ns.anchors_uri)
+                     anchors_uri=ns.anchors_uri, partial_windows=ns.partial_windows)
     _print(out, deleted)
     return EXIT_OK
 
@@ -86,7 +87,10 @@ def _print(out: dict[str, Any], deleted: list[str]) -> None:
         w(f"request {r['request_id']}: {r['received']}/{r['requested']} received ({r['status']})\n")
     for ev in out["reevaluations"]:
         w(f"re-evaluated {ev.get('evaluation')} {ev.get('window')}: "
-          f"{'published ' + str(ev.get('run_key')) if ev.get('published') else ev.get('reason')}\n")
+          f"{'published ' + str(ev.get('run_key')) if ev.get('published') else ev.get('reason')}"
+          + (f" (days without logs: {', '.join(ev['missing_days'])})" if ev.get("missing_days") else "") + "\n")
+    for sk in out.get("skipped_windows") or []:
+        w(f"not re-evaluated {sk['evaluation']} {sk['window']}: {sk['reason']}\n")
 
 
 def register(sub: Any) -> None:
@@ -95,8 +99,10 @@ def register(sub: Any) -> None:
     p.add_argument("file", nargs="?", help="labels: CSV/JSONL/Parquet (response_id, oracle_label[, label_probability]), "
                                            "a Label Studio JSON export or Argilla records")
     p.add_argument("--evaluation", required=True, help="the declared evaluation whose label store receives them")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--no-reevaluate", action="store_true", help="only ingest; do not re-run the evaluations")
+    p.add_argument("--partial-windows", action="store_true",
+                   help="re-evaluate a published window even when some of its days have no logs (default: skip it)")
     p.add_argument("--from", dest="source", choices=["label-studio"], help="pull the answers from a labelling tool")
     p.add_argument("--url", help="Label Studio URL (with --from label-studio)")
     p.add_argument("--project", type=int, help="Label Studio project id (with --from label-studio)")

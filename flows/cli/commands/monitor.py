@@ -6,8 +6,6 @@ in the evaluations file, default its ``logs_uri``): committed runs, never partia
 from __future__ import annotations
 
 import argparse
-import difflib
-import json
 import math
 import sys
 from statistics import NormalDist
@@ -15,7 +13,9 @@ from typing import Any, Mapping, Sequence
 
 from cje_engine.errors import CJEInputError
 
+from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK
+from flows.cli.terminal import out_json
 from flows.reports.common import _fmt, _fmt_ci, _safe, _signed
 from flows.reports.history import latest_per_window, previous_run, read_history, what_changed, window_changes_of
 from flows.reports.table import _table
@@ -30,30 +30,23 @@ def register(sub: Any) -> None:
     p = sub.add_parser("runs", help="history of a declared evaluation: every published run, per policy value, "
                                     "claim, audit and labels")
     p.add_argument("name", help="evaluation name in the evaluations file")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
-    p.add_argument("--json", action="store_true", help="print a JSON list of runs (oldest first) on stdout")
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout (shape in docs/cli.md)")
     p.set_defaults(handler=cmd_runs)
 
     p = sub.add_parser("diff", help="what changed between two published runs (default: the latest and the one "
                                     "before it)")
     p.add_argument("name", help="evaluation name in the evaluations file")
     p.add_argument("runs", nargs="*", metavar="RUN", help="two run keys (or unique prefixes, or window labels)")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
-    p.add_argument("--json", action="store_true", help="print the difference as JSON on stdout")
+    p.add_argument("--config", help=CONFIG_HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout (shape in docs/cli.md)")
     p.set_defaults(handler=cmd_diff)
 
 
 def _results_storage(name: str, config: str | None) -> tuple[str, Storage]:
-    # imported here: the loader pulls in Prefect (deployments), which `cje --help` should not pay for
-    from flows.runtime.schedules import load_evaluations
+    from flows.cli.common import find_evaluation
 
-    specs = load_evaluations(config)
-    if name not in specs:
-        close = difflib.get_close_matches(name, list(specs), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; declared: {', '.join(sorted(specs))}"
-        raise CJEInputError(f"no evaluation named {name!r}{hint}", source=config or "evaluations.yaml",
-                            column="name")
-    spec = specs[name]
+    _, spec = find_evaluation(name, config)  # --config, $CJE_CONFIG, ./evaluations.yaml
     uri = spec.results_uri or spec.logs_uri
     return uri, Storage.for_uri(uri)
 
@@ -69,7 +62,7 @@ def published_result(name: str, config: str | None = None, run: str | None = Non
     Parameters
     ----------
     name : evaluation name in the evaluations file
-    config : the evaluations file (default: the repository's evaluations.yaml)
+    config : the evaluations file (default: ``$CJE_CONFIG``, else ``./evaluations.yaml``)
     run : run key, unique prefix or window label (as in `cje diff`); default the newest publication
 
     Returns
@@ -99,6 +92,12 @@ def _window(w: Any) -> str:
     return a if not b or a == b else f"{a}..{b}"
 
 
+def json_doc(command: str, **fields: Any) -> dict:
+    from flows.cli.main import json_doc as doc  # the envelope of every --json document
+
+    return doc(command, **fields)
+
+
 def cmd_runs(ns: argparse.Namespace) -> int:
     """Print the run history (or ``--json``)."""
     uri, history = _history(ns)
@@ -113,7 +112,7 @@ def cmd_runs(ns: argparse.Namespace) -> int:
             row["regression_alarms"] = sorted(n for n in r["policies"] if (n, r["window"]) in alarms
                                               and not row["superseded"])
             out.append(row)
-        sys.stdout.write(json.dumps(out, indent=1, default=str) + "\n")
+        out_json(json_doc("runs", evaluation=ns.name, results_uri=uri, runs=out))
         return EXIT_OK
     if not history:
         sys.stdout.write(f"No published runs of {_safe(ns.name)} under {_safe(uri)}\n")
@@ -183,12 +182,15 @@ def cmd_diff(ns: argparse.Namespace) -> int:
         a = previous_run(history, b["window"], b["run_key"])
         if a is None:
             raise CJEInputError(f"{ns.name!r} has one published run; nothing to compare", source=uri)
+    for run in (a, b):  # a run whose result failed verification (checksum mismatch) is never compared
+        if run.get("error"):
+            raise CJEInputError(f"run {run['run_key']} cannot be compared: {run['error']}", source=run.get("path"))
     changed = what_changed(a, b)
     stats = _pair_diff(a, b)
     if ns.json:
-        sys.stdout.write(json.dumps({"a": {k: a[k] for k in ("window", "run_key", "published_at")},
-                                     "b": {k: b[k] for k in ("window", "run_key", "published_at")},
-                                     "changes": changed, "intervals": stats}, indent=1, default=str) + "\n")
+        out_json(json_doc("diff", evaluation=ns.name, a={k: a[k] for k in ("window", "run_key", "published_at")},
+                          b={k: b[k] for k in ("window", "run_key", "published_at")}, changes=changed,
+                          intervals=stats))
         return EXIT_OK
     rows = []
     for ch in changed:

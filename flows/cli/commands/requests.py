@@ -6,19 +6,29 @@ Requests live under ``label_requests/`` of the evaluation's results (or ``label_
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from cje_engine.errors import CJEInputError
 
+from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
+from flows.cli.terminal import out_json
 from flows.label_requests import exports
 from flows.label_requests.manifests import list_requests, progress, summarize
 from flows.storage.objects import Storage, StorageConfig
 
+log = logging.getLogger(__name__)
+
 STATUSES = ("pending", "partly_fulfilled", "fulfilled", "expired")
+
+
+def json_doc(command: str, **fields: Any) -> dict:
+    from flows.cli.main import json_doc as doc  # the envelope of every --json document
+
+    return doc(command, **fields)
 
 
 def _csv(value: str) -> list[str]:
@@ -29,16 +39,17 @@ def config_path(ns: argparse.Namespace) -> str:
     """The evaluations file in use (`flows.cli.common.find_config`: --config, $CJE_CONFIG, ./evaluations.yaml)."""
     from flows.cli.common import find_config
 
-    return str(find_config(ns.config))
+    if getattr(ns, "config_in_use", None) is None:  # found (and named on stderr) once per command
+        ns.config_in_use = str(find_config(ns.config))
+    return ns.config_in_use
 
 
 def spec_of(config: str, name: str):
+    """The declared evaluation ``name`` of the evaluations file ``config`` (`flows.cli.common.pick_declared`)."""
+    from flows.cli.common import pick_declared
     from flows.runtime.schedules import load_evaluations
 
-    specs = load_evaluations(config)
-    if name not in specs:
-        raise CJEInputError(f"no evaluation named {name!r}; declared: {', '.join(sorted(specs))}", source=config)
-    return specs[name]
+    return pick_declared(name, load_evaluations(config), what="evaluation", source=config)
 
 
 def _where(spec: Any) -> dict[str, Any]:
@@ -119,7 +130,7 @@ def _line(p: dict) -> str:
 def cmd_list(ns: argparse.Namespace) -> int:
     items = [p for _, _, p in collect(ns) if ns.status is None or p["status"] == ns.status]
     if ns.json:
-        sys.stdout.write(json.dumps(items, indent=1) + "\n")
+        out_json(json_doc("requests list", requests=items))
         return EXIT_OK
     if not items:
         sys.stdout.write("no label requests" + (f" with status {ns.status}" if ns.status else "") + "\n")
@@ -131,7 +142,8 @@ def cmd_list(ns: argparse.Namespace) -> int:
 def cmd_show(ns: argparse.Namespace) -> int:
     w, m, p = find(ns, ns.request_id)
     if ns.json:
-        sys.stdout.write(json.dumps(dict(m, progress=p), indent=1, default=str) + "\n")
+        out_json(json_doc("requests show", **{k: v for k, v in m.items() if k not in ("cje_json", "command")},
+                          progress=p))
         return EXIT_OK
     out = [_line(p), f"  requests: {w['requests_uri']}", f"  window {m.get('window')}  design {m.get('design')}",
            f"  budget {m.get('budget', {}).get('period')}: {m.get('n_labels')} label(s)"]
@@ -149,13 +161,13 @@ def cmd_status(ns: argparse.Namespace) -> int:
     items = [p for _, _, p in collect(ns)]
     s = summarize(items)
     if ns.json:
-        sys.stdout.write(json.dumps(dict(s, items=items), indent=1) + "\n")
+        out_json(json_doc("requests status", **s, items=items))
         return EXIT_OK
     lines = [f"{s['requests']} request(s), {s['received']} of {s['requested']} label(s) received"]
     lines += [f"  {st:<16} {s['by_status'].get(st, 0)}" for st in STATUSES]
-    lines.append("by reason:")
+    lines.append("by reasons (a request merged from several reasons counts once):")
     lines += [f"  {t:<18} {r['requests']} request(s), {r['received']}/{r['requested']} label(s)"
-              for t, r in sorted(s["by_reason"].items())]
+              for t, r in sorted(s["by_reasons"].items())]
     lines += ["", *[_line(p) for p in items]]
     sys.stdout.write("\n".join(lines) + "\n")
     return EXIT_OK
@@ -177,7 +189,25 @@ def request_items(w: dict, m: dict, ns: argparse.Namespace) -> list[dict]:
         if anchors_uri:
             anchor_texts = exports.read_anchor_texts(anchors_uri, cfg, drift.get("set_name"),
                                                      drift.get("anchors_version"), cols)
+    _warn_ids_naming_policies(m)
     return exports.request_items(m, texts, anchor_texts, text_columns=cols, include_judge_score=ns.include_judge_score)
+
+
+def _blind_description(m: dict) -> str:
+    """What labellers read about a request: its id and trigger codes, never the reasons (they name the
+    policy) nor the policy."""
+    triggers = ", ".join(dict.fromkeys(str(r.get("trigger")) for r in m.get("reasons") or []))
+    return f"cje label request {m['request_id']}" + (f" ({triggers})" if triggers else "")
+
+
+def _warn_ids_naming_policies(m: dict) -> None:
+    """Exports hide the policy, but a response id that contains its policy's name (the ids `cje evaluate`
+    synthesises, ``policy:prompt_id:k``) shows it to labellers: say so."""
+    named = [r for r in m.get("rows") or [] if r.get("policy") and str(r["policy"]) in str(r.get("response_id"))]
+    if named:
+        log.warning("request %s: %d of %d response id(s) contain their policy's name (e.g. %r); labellers will "
+                    "see it in the id column. Give the logs opaque response ids (e.g. a hash of the conversation)",
+                    m.get("request_id"), len(named), len(m.get("rows") or []), named[0]["response_id"])
 
 
 def _monitor_anchors_uri(ns: argparse.Namespace, set_name: str | None) -> str | None:
@@ -193,21 +223,43 @@ def _monitor_anchors_uri(ns: argparse.Namespace, set_name: str | None) -> str | 
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
+    out = Path(ns.out)
+    cfg_path = out.with_suffix(".label_config.xml")
+    _check_outputs([out, cfg_path] if ns.format == "label-studio" else [out], ns.force)  # before any work
     w, m, _ = find(ns, ns.request_id)
     items = request_items(w, m, ns)
     data = exports.export_request(items, ns.format, tuple(ns.text_columns), m.get("label_scale") or (0.0, 1.0))
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(data)
+    files = {out: data}
     extra = ""
     if ns.format == "label-studio":
-        cfg_path = out.with_suffix(".label_config.xml")
-        cfg_path.write_text(exports.label_studio_config(m.get("label_scale") or (0, 1), tuple(ns.text_columns),
-                                                         ns.include_judge_score))
+        files[cfg_path] = exports.label_studio_config(m.get("label_scale") or (0, 1), tuple(ns.text_columns),
+                                                      ns.include_judge_score).encode("utf-8")
         extra = f" (labeling config: {cfg_path})"
+    _write_exports(files, ns.force)
     sys.stdout.write(f"request {m['request_id']}: {len(items)} item(s) as {ns.format} in {out}{extra}; judge scores "
                      f"{'included' if ns.include_judge_score else 'left out'}\n")
     return EXIT_OK
+
+
+def _check_outputs(paths: list[Path], force: bool) -> None:
+    """Refuse an export file that is a symbolic link, or exists without ``--force`` (`CJEInputError`)."""
+    for path in paths:
+        if path.is_symlink():
+            raise CJEInputError("is a symbolic link; refusing to write through it (give a plain file path)",
+                                source=str(path))
+        if path.exists() and not force:
+            raise CJEInputError("exists already; give --force to replace it or choose another file",
+                                source=str(path))
+
+
+def _write_exports(files: dict[Path, bytes], force: bool) -> None:
+    """Write each export file create-only (``--force``: replace), never through a symbolic link; every
+    file is checked again before the first is written, so a refusal writes nothing."""
+    from flows.cli.common import write_new_file
+
+    _check_outputs(list(files), force)
+    for path, blob in files.items():
+        write_new_file(path, blob, force=force)
 
 
 def cmd_push(ns: argparse.Namespace) -> int:
@@ -223,7 +275,7 @@ def cmd_push(ns: argparse.Namespace) -> int:
                 title = ns.new_project or f"cje {m['request_id']}"
                 project = client.create_project(title, exports.label_studio_config(
                     m.get("label_scale") or (0, 1), tuple(ns.text_columns), ns.include_judge_score),
-                    description=exports._reason_text(m)[:1000])
+                    description=_blind_description(m))
             out = push_request(client, project, m, tasks, st=Storage.for_uri(w["requests_uri"],
                                                                              StorageConfig.from_env()))
     except LabelStudioUnavailable as exc:
@@ -240,7 +292,7 @@ def cmd_push(ns: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evaluation", help="a declared evaluation (default: every declared one)")
-    p.add_argument("--config", help="evaluations file (default: evaluations.yaml of the repository)")
+    p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--requests-uri", help="where label_requests/ lives (instead of --evaluation)")
     p.add_argument("--labels-uri", help="the label store (with --requests-uri; default the same root)")
     p.add_argument("--logs-uri", help="logs to join the text from (default: the request's)")
@@ -275,7 +327,8 @@ def register(sub: Any) -> None:
     q = rs.add_parser("export", help="a request as CSV, JSONL, Label Studio tasks or Argilla records")
     q.add_argument("request_id")
     q.add_argument("--format", choices=exports.FORMATS, default="csv")
-    q.add_argument("--out", required=True, help="output file")
+    q.add_argument("--out", required=True, help="output file (never replaced unless --force; never a symbolic link)")
+    q.add_argument("--force", action="store_true", help="replace an existing --out file")
     _common(q)
     _text(q)
     q.set_defaults(handler=cmd_export)
