@@ -74,6 +74,7 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
         width = float(d.score.max() - d.score.min()) or 1.0
     h = opts.support_bandwidth * width
     tol = 1e-9 * width
+    per_policy = scores is None  # one entry per design policy (not given score arrays)
     by_cell = scores is None and design.cells is not None and bool((design.cells.counts.sum(1) > 0).all())
     if by_cell:
         # Each policy's rows as counts per cell (a cell holds one score value): the same shares as per
@@ -102,11 +103,11 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
                      f"+/-{h:.4g} of the score, or outside [{cs[0]:.4g}, {cs[-1]:.4g}]; limited when more than "
                      f"{opts.support_material_share:.0%} of rows are thin"),
         }
-        if design.mode == "two_stage" and scores is not None and by_cell and d.X.shape[1]:
+        if design.mode == "two_stage" and per_policy and d.X.shape[1]:
             # the index extrapolates where a covariate lies outside the calibration labels' range
             Xc = d.X[design.cal_rows]
             lo, hi = Xc.min(axis=0), Xc.max(axis=0)
-            cx = design.cells.cells.X
+            cx = design.cells.cells.X if by_cell else d.X[d.policy == i]
             off = np.any((cx < lo - 1e-12) | (cx > hi + 1e-12), axis=1)
             share = float(np.sum(w * off) / np.sum(w))
             entry.update(share_covariate_outside=share,
@@ -627,6 +628,10 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
             if verified_mode and claim == "ok" and p_col < K:
                 claim = "assumes_transport"
                 basis = f"assumes transport (trusted: trust_transport): {p_basis}"
+            elif verified_mode and not opts.trusts(name) and rel[0] != "not_estimable":
+                # refused and without a verified level: nothing to compare in the verified claims
+                rel = ("not_estimable", f"no verified level ({int(n_own[k])} own labels, {opts.min_labels} needed) "
+                                        f"and its plug-in is refused")
         cols[k] = col
         refused[k] = claim == "refused"
         var_tot = cov[col, col]

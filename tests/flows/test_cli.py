@@ -41,7 +41,7 @@ def test_cje_evaluate_writes_result_and_prints_table(tmp_path):
     assert d["config"]["n_bootstrap"] == 60 and d["config"]["seed"] == 4
     assert d["config"]["multiplicity"] == "holm" and d["calibration"]["mode"] == "monotone"
     for name in d["policies"]:
-        assert re.search(rf"^{name}\s", r.stdout, re.M), r.stdout  # one table row per policy
+        assert re.search(rf"^\S+\s+{name}\s", r.stdout, re.M), r.stdout  # one table row per policy (after its rank)
     assert "Traceback" not in r.stderr
 
 

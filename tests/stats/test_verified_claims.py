@@ -131,9 +131,6 @@ def test_adversary_is_never_reported_verified_at_its_borrowed_level():
         assert not _claims_mild_better(d, "adversary"), r
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 leak: a refused policy without a verified level keeps its plug-in's "
-                   "relative status, so its assumes-transport entries in the verified lists carry significant / "
-                   "non_inferior flags (benchmarks/RESULTS.md, 'Leak'); remove this marker with the fix")
 def test_a_refused_policy_without_a_verified_level_flags_nothing_in_the_verified_lists():
     """n=250, 5% base labels (~12 calibration labels): ``blind`` (truly 0.03 below base, plug-in 0.04 above,
     no own labels) is often refused for limited calibration support. Whether refused or assuming transport,

@@ -210,7 +210,7 @@ def test_cje_exits_69_service_unavailable_when_storage_answers_503(stores, s3_fa
     proc = subprocess.run([sys.executable, "-m", "flows.cli.main", "runs", "ev", "--config", str(config)],
                           env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 69, proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith("config: ")]  # the file read
     assert len(lines) == 1 and "service unavailable" in lines[0] and f"s3://{bucket}" in lines[0], proc.stderr
     assert "SlowDown" in lines[0] and "Traceback" not in proc.stderr and SECRET_KEY not in proc.stderr
     assert s3_faults.count() == 2
