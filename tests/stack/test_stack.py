@@ -69,7 +69,7 @@ def _name(prefix: str) -> str:
 
 def _numbers(result: dict) -> dict:
     """Every policy's estimate, standard error and interval (what must not change)."""
-    return {p: (v["estimate"], v["se"], tuple(v["ci"])) for p, v in result["policies"].items()}
+    return {p: (v["estimate"], v["se"], tuple(v["ci"] or ())) for p, v in result["policies"].items()}
 
 
 def test_schedule_fires_and_the_worker_runs_it_on_ray_and_s3(stack, bucket, tmp_path):
