@@ -43,7 +43,7 @@ from flows.cli.common import (CONFIG_HELP, check_columns, check_out_dir, config_
 from flows.cli.exits import (EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,
                              EXIT_UNAVAILABLE, EXIT_USAGE, ServiceUnavailable)
 from flows.cli.hints import message_of
-from flows.cli.terminal import err, out, out_json, progress
+from flows.cli.terminal import err, json_doc, out, out_json, progress
 
 log = logging.getLogger("cje")
 
@@ -60,7 +60,6 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 #: Version of the ``--json`` documents (docs/cli.md); fields are only ever added within a version.
-JSON_SCHEMA_VERSION = 1
 
 
 def version_string() -> str:
@@ -103,10 +102,6 @@ def add_json(p: argparse.ArgumentParser) -> None:
     """``--json``: one JSON document on stdout instead of the table (docs/cli.md has the shapes)."""
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of the table "
                    "(shape in docs/cli.md); logs stay on stderr")
-
-
-def json_doc(command: str, **fields: Any) -> dict:
-    return {"cje_json": JSON_SCHEMA_VERSION, "command": command, **fields}
 
 
 def _csv(value: str) -> list[str]:

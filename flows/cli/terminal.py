@@ -82,6 +82,15 @@ def finite(value: Any) -> Any:
     return value
 
 
+#: Version of the ``--json`` envelope (``cje_json``) of every command.
+JSON_SCHEMA_VERSION = 1
+
+
+def json_doc(command: str, **fields: Any) -> dict:
+    """The envelope of every ``--json`` document: ``{"cje_json": version, "command": ..., **fields}``."""
+    return {"cje_json": JSON_SCHEMA_VERSION, "command": command, **fields}
+
+
 def out_json(doc: Any) -> None:
     """Write one JSON document to stdout (ASCII-only; NaN and infinities as ``null``)."""
     sys.stdout.write(json.dumps(finite(doc), indent=2, allow_nan=False, ensure_ascii=True, default=str) + "\n")

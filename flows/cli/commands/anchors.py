@@ -110,7 +110,7 @@ def cmd_create(ns: argparse.Namespace) -> int:
            "n_labelled": aset.manifest.get("n_labelled"), "content_sha256": aset.content_sha256,
            "uri": st.url(aset.manifest.get("key", ""))}
     if ns.json:
-        from flows.cli.main import json_doc
+        from flows.cli.terminal import json_doc
 
         out_json(json_doc("anchors create", **doc))
     else:
@@ -145,7 +145,7 @@ def cmd_add_scores(ns: argparse.Namespace) -> int:
     keys = write_anchor_scores(st, name, table)
     read_anchor_scores(st, keys, known_ids=known)  # read back: what the drift flow will see
     if ns.json:
-        from flows.cli.main import json_doc
+        from flows.cli.terminal import json_doc
 
         out_json(json_doc("anchors add-scores", set=name, rows=n, keys=[st.url(k) for k in keys]))
     else:
@@ -183,7 +183,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
                      "created_at": latest.get("created_at"), "score_days": len(days),
                      "first_score_day": days[0] if days else None, "last_score_day": days[-1] if days else None})
     if ns.json:
-        from flows.cli.main import json_doc
+        from flows.cli.terminal import json_doc
 
         out_json(json_doc("anchors list", store=st.url(), sets=rows))
         return EXIT_OK

@@ -271,7 +271,7 @@ def cmd_gate(ns: argparse.Namespace) -> int:
                    allow_not_estimable=ns.allow_not_estimable, assume_transport=ns.assume_transport)
     failed = [c for c in checks if c.failed]
     if ns.json:
-        from flows.cli.main import json_doc
+        from flows.cli.terminal import json_doc
 
         out_json(json_doc("gate", result_path=str(src), result_verified=read.verified, baseline=ns.baseline,
                           passed=not failed,

@@ -15,7 +15,7 @@ from cje_engine.errors import CJEInputError
 
 from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK
-from flows.cli.terminal import out_json
+from flows.cli.terminal import json_doc, out_json
 from flows.reports.common import _fmt, _fmt_ci, _safe, _signed
 from flows.reports.history import latest_per_window, previous_run, read_history, what_changed, window_changes_of
 from flows.reports.table import _table
@@ -90,12 +90,6 @@ def _when(ts: Any) -> str:
 def _window(w: Any) -> str:
     a, _, b = str(w).partition("_")
     return a if not b or a == b else f"{a}..{b}"
-
-
-def json_doc(command: str, **fields: Any) -> dict:
-    from flows.cli.main import json_doc as doc  # the envelope of every --json document
-
-    return doc(command, **fields)
 
 
 def cmd_runs(ns: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from cje_engine.errors import CJEInputError
 
 from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
-from flows.cli.terminal import out_json
+from flows.cli.terminal import json_doc, out_json
 from flows.label_requests import exports
 from flows.label_requests.manifests import list_requests, progress, summarize
 from flows.storage.objects import Storage, StorageConfig
@@ -23,12 +23,6 @@ from flows.storage.objects import Storage, StorageConfig
 log = logging.getLogger(__name__)
 
 STATUSES = ("pending", "partly_fulfilled", "fulfilled", "expired")
-
-
-def json_doc(command: str, **fields: Any) -> dict:
-    from flows.cli.main import json_doc as doc  # the envelope of every --json document
-
-    return doc(command, **fields)
 
 
 def _csv(value: str) -> list[str]:
