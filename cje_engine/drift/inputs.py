@@ -25,11 +25,6 @@ def t_isf(tail: float, df: int) -> float:
     return float(-special.stdtrit(df, tail))
 
 
-def t_two_sided_p(z: float, df: int) -> float:
-    """Two-sided Student-t p-value of a t statistic."""
-    return float(2.0 * special.stdtr(df, -abs(z)))
-
-
 def t_lower_p(z: float, df: int) -> float:
     """One-sided (lower tail) Student-t p-value ``P(T <= z)``."""
     return float(special.stdtr(df, z))

@@ -45,10 +45,6 @@ META = ("item_id", "kind", "request_id", "triggers", "dt", "stratum", "selection
         "inclusion_probability", "label_scale")
 
 
-def _reason_text(manifest: Mapping) -> str:
-    return " | ".join(str(r.get("reason")) for r in manifest.get("reasons") or [])
-
-
 def read_texts(logs_uri: str, storage_cfg: Any, rows: Sequence[Mapping],
                text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS,
                mapping: Mapping[str, str] | None = None) -> dict[str, dict]:

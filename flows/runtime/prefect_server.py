@@ -210,16 +210,6 @@ def wait_healthy(server: PrefectServer, timeout: float = 120.0) -> PrefectServer
     raise RuntimeError(f"Prefect server at {server.url} not healthy after {timeout:.0f} s:\n{tail}")
 
 
-def start_server(
-    home: Path | None = None,
-    port: int | None = None,
-    extra_env: Mapping[str, str] | None = None,
-    timeout: float = 120.0,
-) -> PrefectServer:
-    """`launch_server` then `wait_healthy`: a ready local Prefect API server."""
-    return wait_healthy(launch_server(home, port, extra_env), timeout)
-
-
 def _tail(path: Path, n: int = 2000) -> str:
     try:
         return path.read_text(errors="replace")[-n:]

@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from cje_engine.errors import CJEInputError
 
-from flows.runtime.timeouts import flow_timeout, task_timeout
+from flows.runtime.timeouts import task_timeout
 
 #: Default backoff (seconds) between retries of storage steps.
 DEFAULT_RETRY_DELAYS: tuple[float, ...] = (2.0, 10.0, 30.0)
@@ -44,10 +44,9 @@ def storage_task_options(delays: tuple[float, ...] | list[float] = DEFAULT_RETRY
 #: ``@task`` keywords of a pure computation (no retries: it would compute the same again).
 PURE_TASK: dict[str, Any] = dict(cache_policy=NO_CACHE, timeout_seconds=task_timeout())
 
-#: ``timeout_seconds`` of every task (``CJE_TASK_TIMEOUT``) and flow (``CJE_FLOW_TIMEOUT``), see
-#: `flows.runtime.timeouts`.
+#: ``timeout_seconds`` of every task (``CJE_TASK_TIMEOUT``), see `flows.runtime.timeouts`; flows get
+#: theirs (``CJE_FLOW_TIMEOUT``) from `flows.runtime.guard`.
 TASK_TIMEOUT: dict[str, Any] = dict(timeout_seconds=task_timeout())
-FLOW_TIMEOUT: dict[str, Any] = dict(timeout_seconds=flow_timeout())
 
 __all__ = ["DEFAULT_RETRY_DELAYS", "is_retryable", "retry_unless_bad_input", "storage_task_options", "PURE_TASK",
-           "TASK_TIMEOUT", "FLOW_TIMEOUT"]
+           "TASK_TIMEOUT"]

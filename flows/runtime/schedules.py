@@ -25,9 +25,7 @@ import logging
 import os
 from typing import Any
 
-from cje_engine.errors import CJEInputError
-
-from flows.config import DEFAULT_FILE, EvaluationConfig, ScheduledEntry, load_config
+from flows.config import EvaluationConfig, load_config
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +69,6 @@ class EvaluationSpec(EvaluationConfig):
             tags=["cje"],
             **self.schedule_kwargs(),
         )
-
-
-def check_schedule(e: dict, where: str, src: str) -> None:
-    """Validate an entry's ``cron``/``timezone``/``interval``/``anchor`` keys by the rules of
-    `flows.config` (one of cron or interval; interval a number of seconds >= 60)."""
-    keys = {k: e[k] for k in ("cron", "interval", "timezone", "anchor") if k in e}
-    try:
-        ScheduledEntry.model_validate(keys)._check_schedule()
-    except CJEInputError as exc:
-        raise CJEInputError(f"{where}: {exc}", source=src) from None
-    except ValueError as exc:  # pydantic's ValidationError
-        err = exc.errors(include_url=False)[0]
-        raise CJEInputError(f"{where}: key {err['loc'][0]}: {err['msg'].removeprefix('Value error, ')}",
-                            source=src) from None
 
 
 def load_evaluations(path: str | os.PathLike | None = None) -> dict[str, EvaluationSpec]:

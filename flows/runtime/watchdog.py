@@ -80,11 +80,6 @@ def register_cleanup(path: str | os.PathLike) -> None:
         os.replace(tmp, reg)
 
 
-def watchdog_pid() -> int | None:
-    """PID of this process's watchdog (None when not started)."""
-    return _proc.pid if _proc is not None and _proc.poll() is None else None
-
-
 def _raise_exit(signum: int, frame) -> None:  # noqa: ARG001 - signal handler signature
     raise SystemExit(128 + signum)
 
