@@ -184,14 +184,17 @@ class EvalData:
 
     @property
     def n_rows(self) -> int:
+        """Number of rows (responses)."""
         return int(self.score.shape[0])
 
     @property
     def n_prompts(self) -> int:
+        """Number of distinct prompts (the bootstrap's clusters)."""
         return int(self.prompt_ids.shape[0])
 
     @property
     def labelled(self) -> np.ndarray:
+        """Boolean mask of the rows that carry an oracle label."""
         return ~np.isnan(self.label)
 
     @classmethod

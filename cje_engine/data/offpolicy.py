@@ -109,14 +109,17 @@ class OffPolicyData:
     notes: tuple[str, ...] = ()
 
     def logged_rows(self) -> np.ndarray:
+        """Row indices of the logged rows (the first ``n_logged`` rows of the frame)."""
         return np.arange(self.n_logged)
 
     def fresh_rows(self, target: str) -> np.ndarray:
+        """Row indices of ``target``'s fresh draws (rows after the logged ones)."""
         pol = self.frame[POLICY].to_numpy()
         idx = np.flatnonzero(pol == target)
         return idx[idx >= self.n_logged]
 
     def has_fresh(self, target: str) -> bool:
+        """Whether ``target`` has fresh draws of its own."""
         return self.fresh_rows(target).size > 0
 
     def logged_data(self, target: str) -> LoggedData:

@@ -31,6 +31,7 @@ def t_lower_p(z: float, df: int) -> float:
 
 
 def check_alpha(alpha: float) -> None:
+    """Raise `CJEInputError` unless ``alpha`` is a number in (0, 1)."""
     if not (isinstance(alpha, (int, float)) and 0 < alpha < 1):
         raise CJEInputError(f"alpha must be a number in (0, 1), got {alpha!r}")
 
@@ -164,6 +165,21 @@ def as_clusters(clusters: pd.Series | Mapping[Any, Any], common: pd.Index) -> np
 
 
 def call_calibrate(calibrate: Any, scores: np.ndarray) -> np.ndarray:
+    """Calibrated values of ``scores`` by a callable or an object with ``.predict``.
+
+    Parameters
+    ----------
+    calibrate : callable or object with ``predict``
+        The calibration map ``f(scores) -> values``.
+    scores : numpy.ndarray
+        Judge scores, one per anchor.
+
+    Returns
+    -------
+    numpy.ndarray
+        One finite float per score; a wrong shape, a non-finite value or a missing map raises
+        `CJEInputError` naming ``calibrate``.
+    """
     fn = calibrate if callable(calibrate) else getattr(calibrate, "predict", None)
     if fn is None:
         raise CJEInputError(

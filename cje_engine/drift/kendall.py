@@ -35,14 +35,17 @@ class PairCounts:
 
     @property
     def S(self) -> int:
+        """Concordant minus discordant pairs."""
         return int(self.s.sum()) // 2
 
     @property
     def Tx(self) -> int:
+        """Pairs not tied in x."""
         return int(self.tx.sum()) // 2
 
     @property
     def Ty(self) -> int:
+        """Pairs not tied in y."""
         return int(self.ty.sum()) // 2
 
 
@@ -218,6 +221,18 @@ def tau_b_leave_one_out(
 
 
 def jackknife_se(loo: np.ndarray) -> float:
+    """Jackknife standard error from leave-one-out (or leave-one-cluster-out) estimates.
+
+    Parameters
+    ----------
+    loo : numpy.ndarray
+        The G leave-one-out estimates.
+
+    Returns
+    -------
+    float
+        ``sqrt((G - 1) / G * sum((loo - mean)^2))``; NaN when any estimate is NaN.
+    """
     if np.any(np.isnan(loo)):
         return float("nan")
     G = loo.shape[0]
@@ -275,6 +290,7 @@ class TauResult:
     alpha: float
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON form (non-finite numbers as null)."""
         return jsonable(
             {
                 "tau": self.tau,
@@ -337,6 +353,23 @@ def kendall_tau_b(
 
 
 def tau_result(tau: float, se: float, n: int, G: int, se_method: str, alpha: float) -> TauResult:
+    """A `TauResult` with its t interval (``G - 1`` degrees of freedom), clipped to [-1, 1].
+
+    Parameters
+    ----------
+    tau, se : float
+        The estimate and its standard error (a non-finite SE gives a NaN interval).
+    n, G : int
+        Observations and clusters.
+    se_method : str
+        How ``se`` was computed.
+    alpha : float
+        One minus the interval's level.
+
+    Returns
+    -------
+    TauResult
+    """
     crit = t_isf(alpha / 2, max(G - 1, 1))
     if np.isfinite(se):
         lo, hi = max(-1.0, tau - crit * se), min(1.0, tau + crit * se)

@@ -297,6 +297,7 @@ class MetricResult:
     method: str = ""
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON form (non-finite numbers as null)."""
         return jsonable(
             {
                 "name": self.name,
@@ -364,6 +365,7 @@ class DriftLook:
         return bool(self.alarms)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON form of the look, its metrics included."""
         return jsonable(
             {
                 "look": self.look,

@@ -178,6 +178,7 @@ class DriftMonitor:
     # -- state ---------------------------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
+        """The monitor's settings as a plain dict (what the state stores and a new monitor accepts)."""
         return {
             "alpha": self.alpha,
             "horizon": self.horizon,

@@ -74,6 +74,7 @@ class WindowValue:
 
     @property
     def usable(self) -> bool:
+        """Whether the window has a finite estimate and SE that a change test can use."""
         return (self.estimable and self.estimate is not None and self.se is not None
                 and math.isfinite(self.estimate) and math.isfinite(self.se) and self.se >= 0)
 
@@ -105,6 +106,7 @@ class Change:
     labels_needed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain dict form (intervals as lists)."""
         d = asdict(self)
         for k in ("ci", "ci_anytime"):
             d[k] = list(d[k]) if d[k] is not None else None
@@ -133,10 +135,12 @@ class PolicyChanges:
 
     @property
     def first_alarm(self) -> str | None:
+        """The first alarm of the policy, or None."""
         alarms = self.alarms
         return alarms[0] if alarms else None
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain dict form of every test of the policy and its alarms."""
         return {"policy": self.policy, "baseline": self.baseline, "windows": list(self.windows),
                 "consecutive": [c.to_dict() if c else None for c in self.consecutive],
                 "baseline_changes": [c.to_dict() if c else None for c in self.against_baseline],

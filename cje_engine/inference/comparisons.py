@@ -54,15 +54,19 @@ class PolicyColumns:
     bias_bound: np.ndarray | None = None
 
     def bias(self, k: int) -> float:
+        """Bias bound of policy ``k`` (0 when none is given)."""
         return 0.0 if self.bias_bound is None else float(self.bias_bound[k])
 
     def kind(self, k: int) -> str:
+        """Claim kind of policy ``k`` (``verified`` when none is given)."""
         return "verified" if self.kinds is None else self.kinds[k]
 
     def status(self, k: int) -> str:
+        """Relative status of policy ``k`` (``ok`` when none is given)."""
         return "ok" if self.relative is None else self.relative[k]
 
     def covariance(self) -> np.ndarray | None:
+        """Clustered covariance of the policies' influence columns (None without them)."""
         return None if self.influence is None else cluster_cov(self.influence)
 
 

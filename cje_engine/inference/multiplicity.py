@@ -18,6 +18,7 @@ def holm(p: np.ndarray) -> np.ndarray:
 
 
 def bonferroni(p: np.ndarray) -> np.ndarray:
+    """Bonferroni-adjusted p-values (family-wise error control), capped at 1."""
     p = np.asarray(p, dtype=float)
     return np.minimum(p * p.size, 1.0)
 

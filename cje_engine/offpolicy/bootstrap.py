@@ -35,6 +35,7 @@ class BootstrapResult:
     stack_candidates: tuple[str, ...] = ()
 
     def se(self, name: str) -> float:
+        """Standard deviation of the finite replicates of estimator ``name`` (NaN with fewer than two)."""
         r = self.replicates[name]
         r = r[np.isfinite(r)]
         return float(np.std(r, ddof=1)) if r.shape[0] > 1 else float("nan")

@@ -155,5 +155,23 @@ class Orthogonality:
 
 def dr_orthogonality(W: np.ndarray, W_if: np.ndarray, rewards: np.ndarray, q_logged: np.ndarray,
                      clusters: np.ndarray, level: float = 0.95) -> Orthogonality:
+    """Orthogonality check of the DR estimator: the weighted mean of the outcome model's residuals.
+
+    Parameters
+    ----------
+    W, W_if : numpy.ndarray
+        The mean-one weights used and those standing in for them in the influence function.
+    rewards, q_logged : numpy.ndarray
+        Calibrated rewards and the outcome model on the logged rows.
+    clusters : numpy.ndarray
+        Prompt clusters of the rows.
+    level : float
+        Level of the interval.
+
+    Returns
+    -------
+    Orthogonality
+        The residual mean, its SE and interval (near 0 when the outcome model is orthogonal to the weights).
+    """
     est = estimate_weighted("orthogonality", W, W_if, rewards - q_logged, clusters)
     return Orthogonality(est.value, est.se, est.ci(level))

@@ -45,6 +45,7 @@ class Estimate:
     psi: np.ndarray = field(repr=False)
 
     def ci(self, level: float = 0.95) -> tuple[float, float]:
+        """Normal interval ``value +/- z * se`` at ``level``."""
         z = float(norm.ppf(0.5 + level / 2))
         return (self.value - z * self.se, self.value + z * self.se)
 

@@ -77,6 +77,7 @@ class LoggedData:
 
     @property
     def n(self) -> int:
+        """Number of logged rows."""
         return int(self.scores.shape[0])
 
 
@@ -109,6 +110,7 @@ class FreshData:
 
     @property
     def n(self) -> int:
+        """Number of fresh draws."""
         return int(self.scores.shape[0])
 
 
@@ -127,6 +129,21 @@ class Rewards:
     q_fresh: np.ndarray | None = None
 
     def checked(self, n_logged: int, n_fresh: int | None) -> "Rewards":
+        """These rewards checked against the data's sizes: finite, of the right length, fresh and DR
+        parts given together.
+
+        Parameters
+        ----------
+        n_logged : int
+            Number of logged rows.
+        n_fresh : int or None
+            Number of fresh draws (None: no fresh draws, so no fresh rewards may be given).
+
+        Returns
+        -------
+        Rewards
+            The checked rewards; a mismatch raises `CJEInputError` naming the column.
+        """
         logged = _finite(self.logged, n_logged, "calibrated_reward", "<rewards>")
         if (self.q_logged is None) != (self.q_fresh is None):
             raise CJEInputError("give both q_logged and q_fresh (the DR outcome model on logged rows and on "

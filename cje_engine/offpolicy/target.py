@@ -96,6 +96,7 @@ class Diagnostics:
 
     @property
     def ess_uplift(self) -> float:
+        """Stabilised over raw effective sample size (inf when the raw ESS is 0)."""
         return self.ess_stabilised / self.ess_raw if self.ess_raw > 0 else float("inf")
 
 
@@ -119,6 +120,7 @@ class TargetReport:
         return self.verdicts["calibrated_ips"]
 
     def to_dict(self) -> dict:
+        """Plain JSON form of the target's estimates, diagnostics and verdicts."""
         def num(x: float) -> float | None:
             return float(x) if np.isfinite(x) else None
 

@@ -150,6 +150,7 @@ def stacked_replicates(chunks: Sequence[np.ndarray], n_expected: int, n_stats: i
 
 
 def direct_data_summary(prep: Prepared) -> dict:
+    """The result's ``data`` block of a Direct evaluation (rows, prompts, labels, policies, covariates)."""
     d = prep.design.data
     return {"n_rows": d.n_rows, "n_prompts": d.n_prompts, "n_labelled": int(d.labelled.sum()),
             "n_calibration_labels": int(prep.design.cal_rows.size), "policies": list(d.policies),
@@ -157,6 +158,7 @@ def direct_data_summary(prep: Prepared) -> dict:
 
 
 def inference_summary(opts: EvaluationOptions) -> dict:
+    """The result's ``inference`` block: route, replicates, interval methods, seed, alpha, cluster."""
     boot = opts.inference == "bootstrap"
     return {"method": opts.inference, "n_bootstrap": opts.n_bootstrap if boot else 0,
             "ci_method": "percentile" if boot else "normal (influence function)",

@@ -96,6 +96,7 @@ class OffPolicyPrepared:
 
     @property
     def n_direct_stats(self) -> int:
+        """Number of statistics a replicate computes for the Direct part."""
         return int(self.direct.n_replicate_stats)
 
 

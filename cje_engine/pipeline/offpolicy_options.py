@@ -110,22 +110,27 @@ class OffPolicyOptions:
     # the attributes the evaluate flow's bootstrap task reads
     @property
     def inference(self) -> str:
+        """Inference route of the engine options."""
         return self.engine.inference
 
     @property
     def n_bootstrap(self) -> int:
+        """Bootstrap replicates of the engine options."""
         return self.engine.n_bootstrap
 
     @property
     def seed(self) -> int:
+        """Seed of the engine options."""
         return self.engine.seed
 
     def config(self) -> OffPolicyConfig:
+        """The `OffPolicyConfig` of the off-policy estimators (folds and level from the engine options)."""
         return OffPolicyConfig(rho=self.rho, n_folds=self.engine.n_folds, projection=self.projection,
                                simcal_stack_by=self.simcal_stack_by, ttc_mass=self.ttc_mass, stack=self.stack,
                                level=1 - self.engine.alpha, gates=self.gates)
 
     def offpolicy_dict(self) -> dict:
+        """The off-policy options alone as a plain dict (gates as a dict, sequences as lists)."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
         d["gates"] = asdict(self.gates)
         for k in ("targets", "stack"):
@@ -134,4 +139,5 @@ class OffPolicyOptions:
         return d
 
     def to_dict(self) -> dict:
+        """Engine and off-policy options in one plain dict."""
         return {**self.engine.to_dict(), **self.offpolicy_dict()}

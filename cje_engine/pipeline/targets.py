@@ -270,6 +270,20 @@ def target_entry(prep: Any, t: str, off: np.ndarray | None, direct_policies: dic
 
 
 def gate_checks(rep: TargetReport, gates: OffPolicyGates) -> list[dict]:
+    """The result's gate checks of one target: each gate's value, threshold, pass flag and what it applies to.
+
+    Parameters
+    ----------
+    rep : TargetReport
+        The target's report (its diagnostics are read).
+    gates : OffPolicyGates
+        The thresholds.
+
+    Returns
+    -------
+    list of dict
+        One entry per gate (``ttc``, ``ess_raw``, ``ess_stabilised``, ...).
+    """
     d = rep.diagnostics
     return [
         {"gate": "ttc", "value": _num(d.ttc), "threshold": gates.min_ttc, "passed": bool(d.ttc >= gates.min_ttc),

@@ -148,11 +148,13 @@ class VarianceComponents:
         return float(min(1.0, math.sqrt(self.sigma2_cal * cs / (self.sigma2_eval * cy))))
 
     def pilot_variance(self) -> float | None:
+        """Variance at the pilot's own size (None when the pilot size is unknown)."""
         if self.n_pilot is None or self.m_pilot is None:
             return None
         return self.variance(self.n_pilot, self.m_pilot)
 
     def to_dict(self) -> dict:
+        """Plain dict form (read back by `from_dict`)."""
         return asdict(self)
 
     @classmethod
@@ -204,9 +206,11 @@ class Allocation:
 
     @property
     def oracle_fraction(self) -> float:
+        """Labels per prompt, ``m / n``."""
         return self.m / self.n
 
     def to_dict(self) -> dict:
+        """Plain dict form, the oracle fraction included."""
         d = asdict(self)
         d["oracle_fraction"] = self.oracle_fraction
         return d

@@ -45,10 +45,12 @@ class EvaluationResult:
         return self.model.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
     def to_json(self, **kwargs: Any) -> str:
+        """The result as JSON text (NaN refused); ``kwargs`` go to `json.dumps`."""
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
 
     @property
     def policies(self) -> dict:
+        """The ``policies`` block of `to_dict`: one entry per policy."""
         return self.to_dict()["policies"]
 
     def to_policy_table(self) -> pa.Table:

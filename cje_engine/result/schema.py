@@ -28,6 +28,7 @@ def result_schema() -> dict:
 
 
 def schema_text() -> str:
+    """The result's JSON schema as the text stored in ``result.schema.json``."""
     return json.dumps(result_schema(), indent=1, sort_keys=True) + "\n"
 
 
@@ -75,6 +76,7 @@ def doc_text(current: str) -> str:
 
 
 def main() -> int:
+    """Write ``result.schema.json`` and the field tables of docs/result-schema.md; returns the exit code 0."""
     SCHEMA_PATH.write_text(schema_text())
     DOC_PATH.write_text(doc_text(DOC_PATH.read_text()))
     return 0

@@ -69,6 +69,7 @@ class AnchorSet:
 
     @property
     def n(self) -> int:
+        """Number of anchors."""
         return int(self.quality.shape[0])
 
     def clusters(self) -> pd.Series | None:
@@ -129,6 +130,7 @@ class Judge:
 
     @property
     def sd(self) -> float:
+        """Standard deviation of the judge's latent score (quality, nuisance and noise parts)."""
         return math.sqrt(self.quality_weight**2 + self.nuisance_weight**2 + self.noise_sd**2)
 
     def score_traits(self, q: np.ndarray, v: np.ndarray, rng: np.random.Generator,
@@ -202,6 +204,7 @@ class StepCalibration:
     fitted: np.ndarray
 
     def predict(self, s: np.ndarray) -> np.ndarray:
+        """Calibrated values of scores ``s`` (linear interpolation between the fitted steps)."""
         return np.interp(np.asarray(s, dtype=float), self.scores, self.fitted)
 
     __call__ = predict
@@ -247,11 +250,13 @@ class SimRun:
 
     @property
     def first_alarm_look(self) -> int | None:
+        """First look at which any metric alarmed (None without an alarm)."""
         looks = [v for v in self.first_alarm.values() if v is not None]
         return min(looks) if looks else None
 
     @property
     def n_looks_run(self) -> int:
+        """Number of looks the monitor ran."""
         return int(self.p_values.shape[0])
 
 

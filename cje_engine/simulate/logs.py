@@ -105,15 +105,18 @@ class SimulatedLogs:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Response length of every logged row (the simulation's constant length)."""
         return np.full(self.prompt_ids.shape[0], float(self.length))
 
     def logged_data(self, target: str) -> LoggedData:
+        """The `LoggedData` of target ``target`` (unknown targets raise `CJEInputError`)."""
         if target not in self.target_logprob:
             raise CJEInputError(f"unknown target {target!r}; simulated targets: {', '.join(self.target_logprob)}")
         return LoggedData(self.prompt_ids, self.scores, self.logger_logprob, self.target_logprob[target],
                           lengths=self.lengths, source="<simulation>", target_column=f"target_policy_logprobs[{target}]")
 
     def fresh_data(self, target: str) -> FreshData:
+        """The `FreshData` (fresh draws) of target ``target``."""
         f = self.fresh[target]
         return FreshData(f.prompt_ids, f.scores, f.target_logprob, f.lengths, source="<simulation fresh>")
 

@@ -93,6 +93,7 @@ The JSON is ASCII-only (non-ASCII characters are `\\u` escapes) and never holds 
 
 
 def exit_codes_md() -> str:
+    """The markdown table of the CLI's exit codes (docs/cli.md)."""
     rows = "\n".join(f"| {code} | {name} | {meaning} |" for code, name, meaning in EXIT_CODES)
     return f"## Exit codes\n\n| code | meaning | when |\n|---|---|---|\n{rows}\n"
 
@@ -137,6 +138,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.cli.docs [--write | --check]``: print, write or check docs/cli.md; returns the exit code."""
     args = argv if argv is not None else sys.argv[1:]
     text = render()
     if "--write" in args:

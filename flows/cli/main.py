@@ -63,6 +63,7 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 def version_string() -> str:
+    """``cje <service version> (engine <engine version>)`` for ``cje --version``."""
     from cje_engine import __version__ as engine
 
     try:
@@ -93,6 +94,7 @@ class CommandParser(argparse.ArgumentParser):
                        help="warnings and errors only, no progress display")
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        """Print the usage and the escaped message on stderr and exit with the usage code (64)."""
         self.print_usage(sys.stderr)
         sys.stderr.write(f"{self.prog}: error: {terminal.escape(message)}\n")
         raise SystemExit(EXIT_USAGE)
@@ -248,6 +250,7 @@ def _add_builtin_commands(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``cje`` argument parser with the built-in commands and those of `COMMAND_MODULES`."""
     parser = CommandParser(prog="cje", description="Causal Judge Evaluation service.",
                            epilog="Exit codes: 0 ok, 1 a gate failed, 2 bad input, 64 usage error, "
                                   "69 service unavailable, 70 internal error (docs/cli.md).")
@@ -271,6 +274,7 @@ class StderrHandler(logging.StreamHandler):
 
     @property
     def stream(self):  # type: ignore[override]
+        """The current ``sys.stderr`` (looked up at each write, so a replaced stderr is followed)."""
         return sys.stderr
 
     @stream.setter
@@ -571,6 +575,7 @@ def _print_requests(summary: dict) -> None:
 
 
 def cmd_drift(ns: argparse.Namespace) -> int:
+    """``cje drift NAME``: run one look of a declared drift monitor; returns the exit code."""
     from flows.pipelines.drift import format_summary, run_drift
 
     path, _ = find_drift_monitor(ns.name, ns.config)  # a bad name fails before Prefect starts
@@ -594,6 +599,7 @@ def drift_problems(summary: dict) -> list[str]:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    """``cje serve``: check and deploy the declared evaluations (and drift monitors) and run their schedules; returns the exit code."""
     from flows.runtime import ray_fanout as ray_runtime
     from flows.runtime.schedules import serve
 
@@ -617,6 +623,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_demo(ns: argparse.Namespace) -> int:
+    """``cje demo``: simulate logs, evaluate and publish them in a local folder; returns the exit code."""
     from flows.cli.demo import run_demo
 
     with progress("demo: simulating, evaluating and publishing"):

@@ -104,6 +104,7 @@ class Answers:
     unanswered: list[str] = field(default_factory=list)
 
     def table(self) -> pa.Table:
+        """The answers as an Arrow table of ``response_id`` and ``oracle_label``."""
         return pa.table({"response_id": pa.array(self.ids, pa.string()),
                          "oracle_label": pa.array(self.values, pa.float64())})
 
@@ -273,6 +274,20 @@ def detect_format(data: bytes, name: str) -> str:
 
 
 def load_json_or_jsonl(data: bytes, source: str) -> Any:
+    """Parse ``data`` as one JSON document, else as JSON lines.
+
+    Parameters
+    ----------
+    data : bytes
+        The file's content.
+    source : str
+        The file's name, for the error.
+
+    Returns
+    -------
+    Any
+        The document, or the list of the lines' documents; neither form raises `CJEInputError` naming ``source``.
+    """
     try:
         return json.loads(data)
     except ValueError:

@@ -52,6 +52,7 @@ class BudgetSnapshot:
     inflight: tuple[dict, ...] = ()
 
     def left(self, limit: int) -> int:
+        """Labels left under ``limit`` in this period (never negative)."""
         return max(0, int(limit) - self.used)
 
 

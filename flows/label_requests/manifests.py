@@ -23,10 +23,12 @@ def _storage(uri: str, cfg: Any):
 
 
 def request_key(request_id: str, prefix: str = PREFIX) -> str:
+    """Storage key of the manifest of request ``request_id``."""
     return f"{prefix}/{request_id}.json"
 
 
 def status_key(request_id: str, prefix: str = PREFIX) -> str:
+    """Storage key of the status marker of request ``request_id``."""
     return f"{prefix}/_status/{request_id}.json"
 
 

@@ -72,6 +72,7 @@ _PURE_TASK = dict(PURE_TASK)
 
 @task(name="load_anchors", **_STORAGE_TASK)
 def load_anchors(anchors_uri: str, cfg: Any, set_name: str, version: int | None) -> AnchorSet:
+    """Task: read the anchor set ``set_name`` (latest version when ``version`` is None) and log its size."""
     anchors = read_anchor_set(Storage.for_uri(anchors_uri, cfg), set_name, version)
     get_run_logger().info("anchor set %s v%d: %d anchors, %d labelled", set_name, anchors.version,
                           anchors.manifest["n_anchors"], anchors.manifest["n_labelled"])
@@ -105,6 +106,7 @@ def score_anchors(logs_uri: str, cfg: Any, anchors: AnchorSet, scorer_config: di
 
 @task(name="load_state", **_STORAGE_TASK)
 def load_state_task(drift_uri: str, cfg: Any, monitor: str) -> dict | None:
+    """Task: the monitor's stored state (None for a new monitor), with leftovers of an interrupted commit repaired."""
     st = Storage.for_uri(drift_uri, cfg)
     state = load_state(st, monitor)
     if state is not None:
@@ -129,6 +131,7 @@ def load_scores(logs_uri: str, cfg: Any, set_name: str, anchor_ids: list[str], s
 
 @task(name="load_calibration", **_STORAGE_TASK)
 def load_calibration(results_uri: str, cfg: Any, evaluation: str) -> dict | None:
+    """Task: the calibration curve and its provenance from the latest published result of ``evaluation`` (None when there is none)."""
     from flows.storage.publish import read_latest
 
     latest = read_latest(Storage.for_uri(results_uri, cfg), evaluation)
@@ -163,6 +166,7 @@ def _select(selector: str, looks: list[Look], what: str) -> Look | None:
 
 @dataclass
 class UpdateOutcome:
+    """What `update` did: the new state, its new looks, whether it changed, why it waits, and looks that arrived late."""
     state: dict
     new_looks: list[dict] = field(default_factory=list)
     changed: bool = False
@@ -321,6 +325,7 @@ def update(state: dict | None, looks: list[Look], anchors: AnchorSet, *, set_nam
 
 @task(name="commit", **_STORAGE_TASK)
 def commit(drift_uri: str, cfg: Any, monitor: str, state: dict, new_looks: list[dict]) -> dict:
+    """Task: store the state with its new looks (sequence number and time stamp advanced); returns the keys written."""
     st = Storage.for_uri(drift_uri, cfg)
     state = dict(state)
     state["seq"] = int(state["seq"]) + 1
@@ -432,6 +437,7 @@ def request_summary(m: dict) -> dict:
 
 @task(name="write_report", **_STORAGE_TASK)
 def write_report(drift_uri: str, cfg: Any, monitor: str, state: dict) -> str:
+    """Task: render the monitor's HTML report from its stored looks; returns its URL."""
     st = Storage.for_uri(drift_uri, cfg)
     history = read_looks(st, monitor)
     key = state_prefix(monitor) + "report.html"

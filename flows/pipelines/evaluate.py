@@ -408,14 +408,17 @@ class RunPlan:
 
     @property
     def covariates(self) -> list[str]:
+        """The covariate columns the engine options name."""
         return list(self.opts.get("covariates") or [])
 
     @property
     def needed_columns(self) -> list[str]:
+        """Log columns the run reads: the base columns, the covariates and any extra columns, once each."""
         return list(dict.fromkeys(list(BASE_COLUMNS) + self.covariates + self.extra_columns))
 
     @contextlib.contextmanager
     def timed(self, stage: str) -> Iterator[None]:
+        """Context manager adding the block's wall time to ``timings[stage]``."""
         t0 = time.perf_counter()
         try:
             yield

@@ -273,6 +273,7 @@ def _scan_logs(logs_uri: str, cfg: Any, ids: set[str], lookback: tuple[date, dat
 @task(name="read_labels", **_STORAGE_TASK)
 def read_labels_task(path: str, cfg: Any, answers_format: str, answer_field: str,
                      id_field: str) -> tuple[pa.Table, str, dict]:
+    """Task: read a label file into a table (`read_label_file`); returns the table, its source name and details."""
     return read_label_file(path, cfg, answers_format, answer_field, id_field)
 
 
@@ -309,6 +310,7 @@ def locate_task(table: pa.Table, source: str, requests_uri: str, logs_uris: list
 
 @task(name="validate_labels", cache_policy=NO_CACHE, **TASK_TIMEOUT)
 def validate_task(table: pa.Table, source: str, known: dict, label_scale: list[float]) -> pa.Table:
+    """Task: check the labels against the known ids and the label scale (`validate_labels`)."""
     return validate_labels(table, source, known, label_scale)
 
 

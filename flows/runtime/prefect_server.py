@@ -83,6 +83,7 @@ class PrefectServer:
 
     @property
     def pid(self) -> int:
+        """PID of the server process."""
         return self.process.pid
 
 

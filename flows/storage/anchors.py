@@ -75,14 +75,17 @@ def check_name(name: Any, what: str = "anchor set name") -> str:
 
 
 def anchor_key(set_name: str, version: int) -> str:
+    """Storage key of version ``version`` of anchor set ``set_name`` (Parquet)."""
     return f"{ANCHORS}/{check_name(set_name)}/v{int(version):06d}.parquet"
 
 
 def manifest_key(set_name: str, version: int) -> str:
+    """Storage key of the manifest of version ``version`` of anchor set ``set_name``."""
     return f"{ANCHORS}/{check_name(set_name)}/v{int(version):06d}.manifest.json"
 
 
 def scores_prefix(set_name: str) -> str:
+    """Storage prefix of the judge score files of anchor set ``set_name``."""
     return f"{SCORES}/{check_name(set_name)}/"
 
 
@@ -111,10 +114,12 @@ class AnchorSet:
 
     @property
     def anchor_ids(self) -> list[str]:
+        """The anchors' ids, in table order."""
         return self.table.column("anchor_id").to_pylist()
 
     @property
     def content_sha256(self) -> str:
+        """sha256 of the version's content, as its manifest records it."""
         return str(self.manifest["content_sha256"])
 
     def labels(self) -> pd.Series:

@@ -40,6 +40,7 @@ class LocalStorage(Storage):
         return self.root.joinpath(*_check_key(key).split("/"))
 
     def url(self, key: str = "") -> str:
+        """Local path of ``key`` (the root for an empty key); see `Storage.url`."""
         if not key:
             return str(self.root)
         return str(self.root.joinpath(*_check_key(key, allow_empty=True).rstrip("/").split("/")))
@@ -50,6 +51,7 @@ class LocalStorage(Storage):
         return cls(f"{op} {self.url(key)} failed: {what}", key=key, operation=op)
 
     def read_bytes(self, key: str) -> bytes:
+        """The bytes of ``key``; see `Storage.read_bytes`."""
         try:
             return self._path(key).read_bytes()
         except OSError as exc:
@@ -90,6 +92,7 @@ class LocalStorage(Storage):
         return tmp
 
     def write_bytes(self, key: str, data: bytes) -> None:
+        """Create or replace ``key`` through a temporary file and an atomic rename; see `Storage.write_bytes`."""
         path = self._path(key)
         tmp = None
         try:
@@ -104,6 +107,7 @@ class LocalStorage(Storage):
                     tmp.unlink()
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if absent (a hard link of a complete temporary file); see `Storage.put_if_absent`."""
         path = self._path(key)
         tmp = None
         try:
@@ -139,6 +143,7 @@ class LocalStorage(Storage):
                     tmp.unlink()
 
     def info(self, key: str) -> ObjectInfo:
+        """Size and modification time of the file ``key``; see `Storage.info`."""
         try:
             st = self._path(key).stat()
         except OSError as exc:
@@ -148,6 +153,7 @@ class LocalStorage(Storage):
         return ObjectInfo(key, st.st_size, _iso_mtime(st.st_mtime_ns), st.st_mtime_ns / 1e9)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Files under ``prefix``, sorted by key (an unreadable folder raises); see `Storage.list`."""
         _check_key(prefix, allow_empty=True) if prefix else None
         # Walk the deepest existing folder that covers the prefix.
         folder_part = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
@@ -200,6 +206,7 @@ class LocalStorage(Storage):
             raise CJEInputError(f"cannot be read ({exc.strerror or exc})", source=path) from None
 
     def delete(self, key: str) -> None:
+        """Delete ``key`` and the folders it leaves empty (never the root); see `Storage.delete`."""
         path = self._path(key)
         try:
             path.unlink()
@@ -218,10 +225,12 @@ class LocalStorage(Storage):
 
     @property
     def arrow_fs(self) -> tuple[pafs.FileSystem, str]:
+        """pyarrow's local filesystem and the root folder; see `Storage.arrow_fs`."""
         return pafs.LocalFileSystem(), str(self.root)
 
     @contextlib.contextmanager
     def open_output(self, key: str) -> Iterator[Any]:
+        """Write ``key`` through a temporary file renamed into place on success; see `Storage.open_output`."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_stale_tmp(path.parent)

@@ -194,6 +194,7 @@ class StorageConfig:
 
     @property
     def region_or_default(self) -> str:
+        """The configured region, else ``us-east-1``."""
         return self.region or "us-east-1"
 
     @classmethod
@@ -232,6 +233,7 @@ class StorageConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "StorageConfig":
+        """A configuration from a plain mapping of its fields (unknown keys raise ValueError)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -508,7 +510,8 @@ class Storage(ABC):
 
     # -- interface
     @abstractmethod
-    def read_bytes(self, key: str) -> bytes: ...
+    def read_bytes(self, key: str) -> bytes:
+        """The bytes of ``key``; a missing key raises `NotFoundError`."""
 
     @abstractmethod
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -519,7 +522,8 @@ class Storage(ABC):
         """Create ``key`` only if it does not exist; True if this call created it."""
 
     @abstractmethod
-    def info(self, key: str) -> ObjectInfo: ...
+    def info(self, key: str) -> ObjectInfo:
+        """Size, ETag (or mtime) and modification time of ``key``; a missing key raises `NotFoundError`."""
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[ObjectInfo]:
@@ -544,6 +548,7 @@ class Storage(ABC):
 
     # -- shared helpers
     def exists(self, key: str) -> bool:
+        """Whether ``key`` exists."""
         try:
             self.info(key)
             return True
@@ -558,6 +563,7 @@ class Storage(ABC):
         return len(items)
 
     def arrow_path(self, key: str) -> str:
+        """Path of ``key`` in the filesystem of `arrow_fs`."""
         fs, base = self.arrow_fs
         return f"{base}/{_check_key(key)}" if base else _check_key(key)
 

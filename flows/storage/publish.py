@@ -177,6 +177,7 @@ def _segment(value: str, what: str) -> str:
 
 
 def run_prefix(evaluation: str, window: str, key: str) -> str:
+    """Storage prefix of one run: ``results/<evaluation>/<window>/<run key>`` (each segment checked)."""
     return (f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/{_segment(window, 'window')}/"
             f"{_segment(key, 'run key')}")
 
@@ -716,6 +717,7 @@ class ResultFile:
 
     @property
     def verified(self) -> bool:
+        """Whether the file was checked against its run's manifest."""
         return self.manifest is not None
 
 

@@ -77,6 +77,7 @@ class S3Storage(Storage):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def url(self, key: str = "") -> str:
+        """``s3://bucket/prefix/key``; see `Storage.url`."""
         return f"{self.uri}/{key}" if key else self.uri
 
     @property
@@ -108,6 +109,7 @@ class S3Storage(Storage):
 
     @property
     def arrow_fs(self) -> tuple[pafs.FileSystem, str]:
+        """pyarrow's S3 filesystem (created once, with this configuration) and ``bucket/prefix``; see `Storage.arrow_fs`."""
         with self._lock:
             if self._fs is None:
                 # pyarrow's AWS SDK reads these at client creation; a user's own value wins.
@@ -152,6 +154,7 @@ class S3Storage(Storage):
 
     # -- interface
     def read_bytes(self, key: str) -> bytes:
+        """The bytes of ``key`` (a body cut off mid-stream is retried); see `Storage.read_bytes`."""
         from botocore.exceptions import IncompleteReadError, ResponseStreamingError
 
         full = self._full(_check_key(key))
@@ -166,6 +169,7 @@ class S3Storage(Storage):
             describe=self.url, retry_on=(IncompleteReadError, ResponseStreamingError)))
 
     def write_bytes(self, key: str, data: bytes) -> None:
+        """Create or replace ``key`` with one PUT; see `Storage.write_bytes`."""
         full = self._full(_check_key(key))
         self._call("write", key, lambda: self.client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data)))
 
@@ -201,6 +205,7 @@ class S3Storage(Storage):
         return mode
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` only if absent (a conditional PUT, or emulated where the server lacks it); see `Storage.put_if_absent`."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         full = self._full(_check_key(key))
@@ -231,6 +236,7 @@ class S3Storage(Storage):
                            operation="create")
 
     def info(self, key: str) -> ObjectInfo:
+        """Size, ETag and modification time of ``key``; see `Storage.info`."""
         full = self._full(_check_key(key))
         resp = self._call("stat", key, lambda: self.client.head_object(Bucket=self.bucket, Key=full))
         modified = resp.get("LastModified")
@@ -238,6 +244,7 @@ class S3Storage(Storage):
                           modified.timestamp() if modified else None)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Objects under ``prefix``, all pages, sorted by key; see `Storage.list`."""
         if prefix:
             _check_key(prefix, allow_empty=True)
         full_prefix = self._full(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
@@ -258,10 +265,12 @@ class S3Storage(Storage):
         return out
 
     def delete(self, key: str) -> None:
+        """Delete ``key``; see `Storage.delete`."""
         full = self._full(_check_key(key))
         self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
 
     def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix`` in batches of 1000; returns how many were deleted."""
         items = self.list(prefix)
         for start in range(0, len(items), 1000):
             chunk = items[start:start + 1000]
@@ -272,6 +281,7 @@ class S3Storage(Storage):
 
     @contextlib.contextmanager
     def open_output(self, key: str) -> Iterator[Any]:
+        """Write ``key`` through pyarrow's S3 output stream (a failed write is deleted); see `Storage.open_output`."""
         fs, _ = self.arrow_fs
         path = self.arrow_path(key)
         ok = False

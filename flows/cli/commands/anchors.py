@@ -95,6 +95,7 @@ def _set_name(ns: argparse.Namespace, from_monitor: str | None) -> str:
 
 
 def cmd_create(ns: argparse.Namespace) -> int:
+    """``cje anchors create``: store a new version of an anchor set from a file; returns the exit code."""
     from flows.storage.anchors import list_versions, write_anchor_set
 
     st, mon = _store(ns)
@@ -120,6 +121,7 @@ def cmd_create(ns: argparse.Namespace) -> int:
 
 
 def cmd_add_scores(ns: argparse.Namespace) -> int:
+    """``cje anchors add-scores``: store a judge's scores of an anchor set version; returns the exit code."""
     from flows.storage.anchors import read_anchor_scores, read_anchor_set, write_anchor_scores
 
     st, mon = _store(ns)
@@ -167,6 +169,7 @@ def _set_names(st: Any) -> list[str]:
 
 
 def cmd_list(ns: argparse.Namespace) -> int:
+    """``cje anchors list``: the anchor sets, their versions and score files; returns the exit code."""
     from flows.storage.anchors import _read_manifest, list_versions, score_files  # noqa: PLC2701
 
     st, mon = _store(ns)
@@ -205,6 +208,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: Any) -> None:
+    """Add the ``anchors`` command and its actions to the CLI's subparsers ``sub``."""
     p = sub.add_parser("anchors", help="create anchor sets, add judge scores, list them",
                        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     asub = p.add_subparsers(dest="anchors_command", required=True, metavar="ACTION", parser_class=type(p))

@@ -35,6 +35,7 @@ def pull_label_studio(ns: argparse.Namespace, requests_uri: str) -> tuple[str, l
 
 
 def cmd_labels(ns: argparse.Namespace) -> int:
+    """``cje labels``: ingest returned labels (a file or a pulled Label Studio project) and re-evaluate; returns the exit code."""
     from flows.integrations.label_studio import LabelStudioUnavailable
     from flows.pipelines.labels import labels
     from flows.runtime.prefect_server import prefect_api

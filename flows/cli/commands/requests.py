@@ -103,6 +103,7 @@ def collect(ns: argparse.Namespace) -> list[tuple[dict, dict, dict]]:
 
 
 def find(ns: argparse.Namespace, request_id: str) -> tuple[dict, dict, dict]:
+    """``(where, manifest, progress)`` of the label request ``request_id``; an unknown id raises `CJEInputError`."""
     for item in collect(ns):
         if item[1]["request_id"] == request_id:
             return item
@@ -122,6 +123,7 @@ def _line(p: dict) -> str:
 
 
 def cmd_list(ns: argparse.Namespace) -> int:
+    """``cje requests list``: one line (or JSON entry) per label request, optionally of one status; returns the exit code."""
     items = [p for _, _, p in collect(ns) if ns.status is None or p["status"] == ns.status]
     if ns.json:
         out_json(json_doc("requests list", requests=items))
@@ -134,6 +136,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_show(ns: argparse.Namespace) -> int:
+    """``cje requests show``: one request's manifest and progress; returns the exit code."""
     w, m, p = find(ns, ns.request_id)
     if ns.json:
         out_json(json_doc("requests show", **{k: v for k, v in m.items() if k not in ("cje_json", "command")},
@@ -152,6 +155,7 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
+    """``cje requests status``: requests and labels received, by status and by reason; returns the exit code."""
     items = [p for _, _, p in collect(ns)]
     s = summarize(items)
     if ns.json:
@@ -217,6 +221,7 @@ def _monitor_anchors_uri(ns: argparse.Namespace, set_name: str | None) -> str | 
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
+    """``cje requests export``: write a request's items for a labelling tool (refuses to overwrite without ``--force``); returns the exit code."""
     out = Path(ns.out)
     cfg_path = out.with_suffix(".label_config.xml")
     _check_outputs([out, cfg_path] if ns.format == "label-studio" else [out], ns.force)  # before any work
@@ -257,6 +262,7 @@ def _write_exports(files: dict[Path, bytes], force: bool) -> None:
 
 
 def cmd_push(ns: argparse.Namespace) -> int:
+    """``cje requests push``: send a request's items to a Label Studio project; returns the exit code."""
     from flows.integrations.label_studio import LabelStudio, LabelStudioUnavailable, push_request
 
     w, m, _ = find(ns, ns.request_id)
