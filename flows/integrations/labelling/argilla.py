@@ -94,6 +94,7 @@ class ArgillaTool:
     """Argilla as a file-based `flows.integrations.labelling.base.LabellingTool` (no server round trip)."""
 
     name = "argilla"
+    suffix = ".json"
     title = "Argilla"
     help = "Argilla dataset settings and records (files; no push yet)"
     answers_format = "argilla"

@@ -204,12 +204,15 @@ class LabellingTool(Protocol):
     answers_format : str
         The ``cje labels --format`` that reads its answered files back: ``"table"`` (rows with
         ``response_id, oracle_label``) or the tool's own ``name`` (then it is an `AnswerReader`).
+    suffix : str
+        The suffix of its main file (``.csv``, ``.json``, ...): answered files are read by it.
     """
 
     name: str
     title: str
     help: str
     answers_format: str
+    suffix: str
 
     def outputs(self, dest: Path) -> list[Path]:
         """The files `export` writes for ``dest`` (``dest`` first); checked before any work."""
@@ -267,7 +270,7 @@ def _check_tool(tool: Any) -> None:
     if not isinstance(name, str) or not _NAME.match(name) or name in RESERVED:
         raise ValueError(f"labelling tool name {name!r}: lower case letters, digits and '-', not one of {RESERVED}")
     if not isinstance(tool, LabellingTool):
-        missing = [a for a in ("title", "help", "answers_format", "outputs", "export", "answered")
+        missing = [a for a in ("title", "help", "answers_format", "suffix", "outputs", "export", "answered")
                    if not hasattr(tool, a)]
         raise TypeError(f"labelling tool {name!r} lacks {missing} (flows.integrations.labelling.LabellingTool)")
     if tool.answers_format not in ("table", name):

@@ -69,6 +69,7 @@ class CsvTool:
     """A spreadsheet: one row per item, the labeller fills ``oracle_label`` (formula-safe cells)."""
 
     name = "csv"
+    suffix = ".csv"
     title = "CSV sheet"
     help = "a CSV sheet to fill in (formula-safe cells)"
     answers_format = "table"
@@ -100,6 +101,7 @@ class JsonlTool:
     """JSON lines: one object per item with ``oracle_label: null`` to fill."""
 
     name = "jsonl"
+    suffix = ".jsonl"
     title = "JSON lines"
     help = "JSON lines with oracle_label to fill"
     answers_format = "table"

@@ -343,6 +343,7 @@ class LabelStudioTool:
     """Label Studio as a `flows.integrations.labelling.base.LabellingTool` with a server (push and pull)."""
 
     name = "label-studio"
+    suffix = ".json"
     title = "Label Studio"
     help = "Label Studio tasks and labeling config; push/pull over its REST API"
     answers_format = "label-studio"
