@@ -96,7 +96,7 @@ class ArgillaTool:
     name = "argilla"
     suffix = ".json"
     title = "Argilla"
-    help = "Argilla dataset settings and records (files; no push yet)"
+    help = "Argilla dataset settings and records (files only, no push yet)"
     answers_format = "argilla"
 
     def outputs(self, dest: Path) -> list[Path]:

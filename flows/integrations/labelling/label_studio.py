@@ -345,7 +345,7 @@ class LabelStudioTool:
     name = "label-studio"
     suffix = ".json"
     title = "Label Studio"
-    help = "Label Studio tasks and labeling config; push/pull over its REST API"
+    help = "Label Studio tasks and labeling config, push and pull over its REST API"
     answers_format = "label-studio"
     token_env = TOKEN_ENV
 
