@@ -12,9 +12,9 @@ Per item: cancelled (skipped) annotations and answers that are not submitted are
 counted); two submitted answers with the same value count once; two with different values are an
 error naming the item and the values (resolve it in the tool: nothing is ingested, nothing lost).
 
-CSV cells: `flows.integrations.labelling.files.to_csv` prefixes a text cell that a spreadsheet would run as
-a formula with ``'`` (`neutralize_csv_cell`); `restore_csv_table` strips exactly that prefix again
-when a filled CSV is read back, so ids and texts round-trip unchanged.
+CSV cells: `flows.integrations.labelling.files.to_csv` prefixes a text cell that a spreadsheet would run
+as a formula with ``'`` (`flows.integrations.labelling.files.neutralize_csv_cell`); `restore_csv_table`
+strips exactly that prefix again when a filled CSV is read back, so ids and texts round-trip unchanged.
 
 Scales: ``answer_scale`` is the scale the answers were given on (``--label-scale 1-5``); they must
 lie in it, and are mapped linearly onto ``target_scale`` (the evaluation's label scale recorded in
@@ -34,10 +34,8 @@ from cje_engine.errors import CJEInputError
 
 from flows.integrations import labelling
 from flows.integrations.labelling import Answers
-from flows.integrations.labelling.argilla import parse_argilla
 from flows.integrations.labelling.base import answer_number
-from flows.integrations.labelling.files import FORMULA_START, neutralize_csv_cell, restore_csv_cell
-from flows.integrations.labelling.label_studio import parse_label_studio
+from flows.integrations.labelling.files import restore_csv_cell
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +168,5 @@ def rescale(values: Iterable[float], ids: Sequence[str], rows: Sequence[str], so
     return out
 
 
-__all__ = ["Answers", "parse_answers", "parse_label_studio", "parse_argilla", "parse_table", "detect_format",
-           "parse_scale", "rescale", "load_json_or_jsonl", "answer_formats", "neutralize_csv_cell", "restore_csv_cell",
-           "restore_csv_table", "FORMULA_START"]
+__all__ = ["Answers", "parse_answers", "parse_table", "detect_format", "parse_scale", "rescale", "load_json_or_jsonl",
+           "answer_formats", "restore_csv_table"]

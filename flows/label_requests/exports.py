@@ -27,10 +27,7 @@ import pyarrow as pa
 from cje_engine.errors import CJEInputError
 
 from flows.integrations import labelling
-from flows.integrations.labelling import ANSWER, DEFAULT_TEXT_COLUMNS, META, ExportOptions  # noqa: F401
-from flows.integrations.labelling.argilla import argilla_settings, to_argilla  # noqa: F401
-from flows.integrations.labelling.files import to_csv, to_jsonl  # noqa: F401
-from flows.integrations.labelling.label_studio import label_studio_config, to_label_studio  # noqa: F401
+from flows.integrations.labelling import DEFAULT_TEXT_COLUMNS, ExportOptions
 from flows.storage.anchors import read_anchor_set
 from flows.storage.logs import discover_partitions, read_window
 from flows.storage.objects import Storage
@@ -150,5 +147,4 @@ def export_request(items: Sequence[Mapping], fmt: str, text_columns: Sequence[st
     return export_files(items, fmt, dest, options)[dest]
 
 
-__all__ = ["formats", "request_items", "read_texts", "read_anchor_texts", "export_request", "export_files",
-           "to_csv", "to_jsonl", "to_label_studio", "to_argilla", "label_studio_config", "argilla_settings"]
+__all__ = ["formats", "request_items", "read_texts", "read_anchor_texts", "export_request", "export_files"]

@@ -215,7 +215,8 @@ def test_a_toy_server_tool_is_pushed_to_and_its_pull_ingested_by_cje_labels(pref
     push = ["requests", "push", m["request_id"], "--to", "toy-server", "--url", "http://127.0.0.1:8", "--project",
             "p1", "--requests-uri", world["root"]]
     assert main(push) == 0
-    assert f"{n} task(s) imported into Toy project p1 at http://127.0.0.1:8 (0 there already)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"{n} task(s) imported into Toy project p1 at http://127.0.0.1:8 (0 there already)" in said
     assert main(push) == 0 and "0 task(s) imported" in capsys.readouterr().out  # idempotent
     assert main([*push[:6], "http://127.0.0.1:9", *push[7:]]) == 69  # the tool's server down: unavailable
     assert "not reachable" in capsys.readouterr().err

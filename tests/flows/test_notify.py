@@ -363,7 +363,8 @@ def test_channels_choose_notifiers_and_unknown_ones_are_named(toy, receiver):
     out = notify("label_request", {"n": 1}, webhook_url=receiver.url, channels=["toy"])
     assert out["ok"] is True and len(toy.got) == 1 and receiver.hits == 0 and "webhook" not in out
     out = notify("label_request", {"n": 1}, webhook_url=receiver.url, channels=["webhok"])
-    assert out["ok"] is False and "unknown notifier 'webhok'" in out["error"] and "did you mean 'webhook'" in out["error"]
+    assert out["ok"] is False and "unknown notifier 'webhok'" in out["error"]
+    assert "did you mean 'webhook'" in out["error"]
     assert receiver.hits == 0 and len(toy.got) == 1
 
 
