@@ -377,3 +377,23 @@ def test_registering_a_notifier_checks_its_name_and_protocol(toy):
         register(ToyNotifier("ok"))
     with pytest.raises(TypeError, match="lacks configured/send"):
         register(type("NoSend", (), {"name": "nosend"})())
+
+
+def test_every_registered_notifier_follows_the_protocol(monkeypatch):
+    """Conformance: each notifier says whether it is configured and returns None (nothing tried) or a record
+    with its delivery flag and error; unconfigured, no notifier claims a delivery."""
+    from datetime import datetime, timezone
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.integrations.notify import Message, Notifier, NotifySettings, get, names
+
+    monkeypatch.delenv("CJE_WEBHOOK_URL", raising=False)
+    message = Message("label_request", {"n": 1}, datetime.now(timezone.utc))
+    with temporary_settings(updates={PREFECT_API_URL: None}):
+        for name in names():
+            n = get(name)
+            assert isinstance(n, Notifier) and n.name == name
+            assert n.configured(NotifySettings()) is False
+            record = n.send(message, NotifySettings())
+            assert record is None or (not record.get("delivered", record.get("emitted")) and "error" in record)

@@ -41,6 +41,7 @@ def _safe(project: str) -> str:
 
 
 def cmd_labels(ns: argparse.Namespace) -> int:
+    """``cje labels``: a label file, or the pull of a server tool (``--from``), through the labels flow."""
     from flows.pipelines.labels import labels
     from flows.runtime.prefect_server import prefect_api
 

@@ -224,6 +224,8 @@ def _options(m: dict, ns: argparse.Namespace) -> labelling.ExportOptions:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
+    """``cje requests export``: the request's items as the files of the labelling tool ``--format``
+    (every path checked before any work, written create-only)."""
     tool = labelling.get(ns.format)
     out = Path(ns.out)
     paths = tool.outputs(out)
@@ -262,6 +264,8 @@ def _write_exports(files: dict[Path, bytes], force: bool) -> None:
 
 
 def cmd_push(ns: argparse.Namespace) -> int:
+    """``cje requests push``: the request's items into a project of the server tool ``--to`` (exit 69 when
+    its server does not answer)."""
     tool = labelling.get(ns.to, server=True)
     w, m, _ = find(ns, ns.request_id)
     items = request_items(w, m, ns)
