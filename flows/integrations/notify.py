@@ -1,6 +1,8 @@
 """Notifications: alarms, refused levels, failed audits and new label requests reach people.
 
-Two channels, both best effort (a notification must never break the run that sends it):
+Channels are notifiers behind one protocol (`Notifier`: a ``name`` and ``send``), kept in a registry
+(`register`, `get`, `names`); `notify` hands each message to every registered notifier (or the ``channels``
+it is given).  Two are built in, both best effort (a notification must never break the run that sends it):
 
 * **webhook**: ``POST`` of ``{"kind": kind, "payload": payload, "ts": "<ISO-8601 UTC>"}`` as JSON
   to ``webhook_url`` or the environment variable ``CJE_WEBHOOK_URL``.  Connection errors,
@@ -15,12 +17,16 @@ Two channels, both best effort (a notification must never break the run that sen
   automations can route it (e-mail, Slack, ...).  The event's resource is
   ``cje.evaluation.<evaluation>`` when the payload names an evaluation, else ``cje.service``.
 
-Kinds: ``label_request``, ``drift_alarm``, ``level_refused``, ``audit_failed``.
+Kinds: ``label_request``, ``drift_alarm``, ``level_refused``, ``audit_failed``, ``regression_alarm``.
+
+A new channel (Slack, e-mail, a queue) is a class with ``name``, ``configured`` and ``send`` in its own
+module and one `register` call; docs/label-requests.md, "Adding a notifier".
 
 `notify_result` sends ``level_refused`` / ``audit_failed`` for a published result.
 """
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
 import logging
@@ -30,8 +36,9 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 from cje_engine.errors import CJEInputError
@@ -181,9 +188,144 @@ def _emit(kind: str, payload: dict, ts: datetime) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------------------
+# notifiers: the protocol, the built-in channels and the registry
+
+
+@dataclass(frozen=True)
+class Message:
+    """One notification: its kind (one of `KINDS`), JSON-ready payload and time (UTC)."""
+
+    kind: str
+    payload: Mapping[str, Any]
+    ts: datetime
+
+    def body(self) -> bytes:
+        """``{"kind", "payload", "ts"}`` as JSON (what the webhook posts)."""
+        return json.dumps({"kind": self.kind, "payload": self.payload, "ts": self.ts.isoformat()},
+                          allow_nan=False).encode("utf-8")
+
+
+@dataclass(frozen=True)
+class NotifySettings:
+    """What the channels need to send: the webhook receiver and delivery bounds, plus ``extra`` settings
+    of other notifiers (by their own keys)."""
+
+    webhook_url: str | None = None
+    attempts: int = DEFAULT_ATTEMPTS
+    timeout: float = DEFAULT_TIMEOUT
+    backoff: float = DEFAULT_BACKOFF
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Notifier(Protocol):
+    """A notification channel.
+
+    Attributes
+    ----------
+    name : str
+        Its key in `notify`'s outcome and in ``channels`` (``webhook``, ``event``, ...).
+    """
+
+    name: str
+
+    def configured(self, settings: NotifySettings) -> bool:
+        """Whether this channel is set up (its outcome counts towards ``ok``)."""
+
+    def send(self, message: Message, settings: NotifySettings) -> dict | None:
+        """Deliver ``message``; a record with ``delivered`` (or ``emitted``) and ``error``, or None when
+        nothing was tried.  Never raises (`notify` also guards it)."""
+
+
+class WebhookNotifier:
+    """POST to ``settings.webhook_url`` or ``$CJE_WEBHOOK_URL`` (checked, retried, no redirects)."""
+
+    name = "webhook"
+
+    def _url(self, settings: NotifySettings) -> str | None:
+        return settings.webhook_url or os.environ.get(ENV_WEBHOOK) or None
+
+    def configured(self, settings: NotifySettings) -> bool:
+        """A receiver URL is given or in the environment."""
+        return self._url(settings) is not None
+
+    def send(self, message: Message, settings: NotifySettings) -> dict | None:
+        """`_post` of the message body; None without a URL."""
+        url = self._url(settings)
+        if not url:
+            return None
+        return _post(url, message.body(), int(settings.attempts), float(settings.timeout), float(settings.backoff))
+
+
+class PrefectEventNotifier:
+    """A Prefect event ``cje.<kind>`` when a Prefect API is configured (automations route it)."""
+
+    name = "event"
+
+    def configured(self, settings: NotifySettings) -> bool:
+        """A Prefect API is configured."""
+        return _api_configured()
+
+    def send(self, message: Message, settings: NotifySettings) -> dict | None:
+        """`_emit` of the message (a record saying "no Prefect API configured" when there is none)."""
+        return _emit(message.kind, dict(message.payload), message.ts)
+
+
+_NOTIFIERS: dict[str, Notifier] = {}
+
+
+def register(notifier: Notifier, *, replace: bool = False) -> Notifier:
+    """Add a notification channel; every later `notify` hands it each message.
+
+    Raises
+    ------
+    ValueError, TypeError
+        A name taken (unless ``replace``) or an object that is not a `Notifier`.
+    """
+    name = getattr(notifier, "name", None)
+    if not isinstance(name, str) or not name or name in ("kind", "ts", "ok", "error"):
+        raise ValueError(f"notifier name {name!r}: a non-empty string, not a key of notify's outcome")
+    if not isinstance(notifier, Notifier) or not callable(getattr(notifier, "configured", None)):
+        raise TypeError(f"notifier {name!r} lacks configured/send (flows.integrations.notify.Notifier)")
+    if name in _NOTIFIERS and not replace:
+        raise ValueError(f"notifier {name!r} is registered already ({type(_NOTIFIERS[name]).__name__})")
+    _NOTIFIERS[name] = notifier
+    return notifier
+
+
+def unregister(name: str) -> None:
+    """Remove a notifier (tests register toys and remove them again)."""
+    _NOTIFIERS.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """The registered notifiers, in registration order."""
+    return tuple(_NOTIFIERS)
+
+
+def get(name: str) -> Notifier:
+    """The registered notifier ``name``; `CJEInputError` naming the choices (and the closest) otherwise."""
+    if name in _NOTIFIERS:
+        return _NOTIFIERS[name]
+    close = difflib.get_close_matches(str(name), names(), n=1)
+    raise CJEInputError(f"unknown notifier {name!r}; expected one of {list(names())}"
+                        + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+for _notifier in (WebhookNotifier(), PrefectEventNotifier()):
+    register(_notifier, replace=True)
+
+
+def _delivered(record: Mapping[str, Any]) -> bool:
+    return bool(record.get("delivered", record.get("emitted")))
+
+
 def notify(kind: str, payload: dict, *, webhook_url: str | None = None, attempts: int = DEFAULT_ATTEMPTS,
-           timeout: float = DEFAULT_TIMEOUT, backoff: float = DEFAULT_BACKOFF) -> dict:
-    """Send one notification by webhook (if configured) and as a Prefect event (if an API is set).
+           timeout: float = DEFAULT_TIMEOUT, backoff: float = DEFAULT_BACKOFF,
+           channels: Sequence[str] | None = None, extra: Mapping[str, Any] | None = None) -> dict:
+    """Send one notification through every registered notifier (by default: webhook if configured,
+    Prefect event if an API is set).
 
     Parameters
     ----------
@@ -195,31 +337,41 @@ def notify(kind: str, payload: dict, *, webhook_url: str | None = None, attempts
         Receiver; default ``$CJE_WEBHOOK_URL``; none: no webhook.
     attempts, timeout, backoff
         Webhook delivery: tries, seconds per try, first pause between tries (doubling).
+    channels : sequence of str, optional
+        Only these notifiers (`names`); default all.
+    extra : mapping, optional
+        Settings of other notifiers (`NotifySettings.extra`).
 
     Returns
     -------
     dict
-        ``{"kind", "ts", "ok", "webhook": {...} | None, "event": {...}, "error"}``; ``ok`` is
-        true when every configured channel succeeded.  Never raises.
+        ``{"kind", "ts", "ok", "error"}`` and one record (or None) per notifier under its name
+        (``"webhook"``, ``"event"``, ...); ``ok`` is true when every configured channel succeeded.
+        Never raises.
     """
     ts = datetime.now(timezone.utc)
-    out: dict[str, Any] = {"kind": kind, "ts": ts.isoformat(), "ok": False, "webhook": None, "event": None,
+    chosen = names() if channels is None else tuple(channels)
+    out: dict[str, Any] = {"kind": kind, "ts": ts.isoformat(), "ok": False, **{n: None for n in chosen},
                            "error": None}
     try:
         if kind not in KINDS:
             out["error"] = f"unknown notification kind {kind!r}; expected one of {', '.join(KINDS)}"
             log.error("%s", out["error"])
             return out
-        data = _jsonable(dict(payload or {}))
-        url = webhook_url or os.environ.get(ENV_WEBHOOK) or None
-        if url:
-            body = json.dumps({"kind": kind, "payload": data, "ts": out["ts"]}, allow_nan=False).encode("utf-8")
-            out["webhook"] = _post(url, body, int(attempts), float(timeout), float(backoff))
-        out["event"] = _emit(kind, data, ts)
-        channels = [c for c in (out["webhook"], out["event"] if out["event"]["error"] != "no Prefect API configured"
-                                else None) if c is not None]
-        out["ok"] = bool(channels) and all(c.get("delivered", c.get("emitted")) for c in channels)
-        if not channels:
+        notifiers = [get(n) for n in chosen]
+        message = Message(kind, _jsonable(dict(payload or {})), ts)
+        settings = NotifySettings(webhook_url, attempts, timeout, backoff, dict(extra or {}))
+        used = []
+        for n in notifiers:
+            try:
+                out[n.name] = n.send(message, settings)
+            except Exception as exc:  # noqa: BLE001 - one channel's fault never stops the others
+                out[n.name] = {"delivered": False, "error": f"{type(exc).__name__}: {exc}"}
+                log.warning("notifier %s failed on %s: %s", n.name, kind, out[n.name]["error"])
+            if out[n.name] is not None and n.configured(settings):
+                used.append(out[n.name])
+        out["ok"] = bool(used) and all(_delivered(r) for r in used)
+        if not used:
             out["error"] = "no channel configured (no webhook URL, no Prefect API)"
             log.info("notification %s not sent: %s", kind, out["error"])
     except Exception as exc:  # noqa: BLE001 - a notification never breaks the caller
@@ -250,4 +402,5 @@ def notify_result(result: Mapping[str, Any], *, evaluation: str, window: str, pa
     return sent
 
 
-__all__ = ["notify", "notify_result", "KINDS", "redact_url"]
+__all__ = ["notify", "notify_result", "KINDS", "redact_url", "Notifier", "Message", "NotifySettings",
+           "WebhookNotifier", "PrefectEventNotifier", "register", "unregister", "get", "names"]

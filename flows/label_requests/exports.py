@@ -1,4 +1,4 @@
-"""A label request as work for people: CSV, JSONL, Label Studio tasks, Argilla records.
+"""A label request as work for people: its items, exported by a registered labelling tool.
 
 Each item is one thing to label: a logged response (``kind: response``, id = ``response_id``) or, for a
 drift request, an anchor of the anchor set (``kind: anchor``, id = ``anchor_id``).  Items carry the
@@ -9,40 +9,30 @@ blind to the policy: its name and the request's reasons (which name it) are not 
 answers map back by the item's id.  The judge score is left out unless asked for
 (``include_judge_score``): labellers should not be anchored on the score they are checking.
 
-CSV cells that a spreadsheet would run as a formula (starting with ``= + - @``, tab or CR, e.g. a response
-``=IMPORTXML(...)``) are prefixed with ``'`` (OWASP's CSV-injection advice;
-`flows.label_requests.answers.neutralize_csv_cell`); reading the filled CSV back strips exactly that prefix.
+The formats are the labelling tools of `flows.integrations.labelling` (CSV, JSONL, Label Studio tasks,
+Argilla records, and any tool registered there); each tool's module says what it writes (CSV cells that a
+spreadsheet would run as a formula are neutralised: `flows.integrations.labelling.files`).
 
 The label goes back under ``oracle_label`` (CSV/JSONL column, Label Studio ``Number`` control,
 Argilla question) on the request's label scale; `flows.label_requests.answers` reads it back.
 """
 from __future__ import annotations
 
-import csv
-import io
-import json
 import logging
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import pyarrow as pa
 
 from cje_engine.errors import CJEInputError
 
-from flows.label_requests.answers import neutralize_csv_cell
+from flows.integrations import labelling
+from flows.integrations.labelling import DEFAULT_TEXT_COLUMNS, ExportOptions
 from flows.storage.anchors import read_anchor_set
 from flows.storage.logs import discover_partitions, read_window
 from flows.storage.objects import Storage
 
 log = logging.getLogger(__name__)
-
-FORMATS = ("csv", "jsonl", "label-studio", "argilla")
-DEFAULT_TEXT_COLUMNS = ("prompt", "response")
-ANSWER = "oracle_label"
-#: Metadata of every item, in this order (``judge_score`` only when asked for). Labellers are blind to the
-#: policy: neither its name nor the request's reasons (which name it) are exported; answers map back by the
-#: item's id (``response_id``).
-META = ("item_id", "kind", "request_id", "triggers", "dt", "stratum", "selection_probability",
-        "inclusion_probability", "label_scale")
 
 
 def read_texts(logs_uri: str, storage_cfg: Any, rows: Sequence[Mapping],
@@ -124,119 +114,33 @@ def request_items(manifest: Mapping, texts: Mapping[str, Mapping], anchor_texts:
 
 
 # --------------------------------------------------------------------------------------
-# formats
+# formats: the registered labelling tools (`flows.integrations.labelling`)
 
 
-def to_csv(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> bytes:
-    """One row per item: ``response_id`` (the item id), the texts, an empty ``oracle_label`` to fill, metadata;
-    text cells that would start a spreadsheet formula are prefixed with ``'`` (see the module docs)."""
-    extra = ["judge_score"] if any("judge_score" in i for i in items) else []
-    header = ["response_id", *text_columns, ANSWER, *[m for m in META if m != "item_id"], *extra]
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(header)
-    for i in items:
-        row = dict(i, response_id=i["item_id"], oracle_label="",
-                   label_scale="-".join(f"{x:g}" for x in i["label_scale"]))
-        w.writerow([_csv_cell(row.get(h)) for h in header])
-    return buf.getvalue().encode()
+def formats() -> tuple[str, ...]:
+    """The export formats: every registered labelling tool (``cje requests export --format``)."""
+    return labelling.names()
 
 
-def _csv_cell(value: Any) -> Any:
-    if value is None:
-        return ""
-    return neutralize_csv_cell(value) if isinstance(value, str) else value
+def export_files(items: Sequence[Mapping], fmt: str, dest: Path, options: ExportOptions) -> dict[Path, bytes]:
+    """The files tool ``fmt`` exports the items to (``{path: content}``, ``dest`` first; nothing written).
 
-
-def to_jsonl(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> bytes:
-    """One JSON object per line: ``response_id``, the texts, ``oracle_label: null`` and ``meta``."""
-    lines = []
-    for i in items:
-        meta = {k: v for k, v in i.items() if k not in text_columns and k != "item_id"}
-        lines.append(json.dumps({"response_id": i["item_id"], **{c: i.get(c) for c in text_columns},
-                                 ANSWER: None, "meta": meta}, sort_keys=False))
-    return ("\n".join(lines) + "\n").encode()
-
-
-def label_studio_config(label_scale: Sequence[float], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS,
-                        show_judge_score: bool = False) -> str:
-    """A Label Studio labeling config: the texts, and a required ``Number`` control ``oracle_label``."""
-    lo, hi = float(label_scale[0]), float(label_scale[1])
-    step = "1" if lo.is_integer() and hi.is_integer() and hi - lo >= 2 else "0.01"
-    parts = ["<View>"]
-    for c in text_columns:
-        parts += [f'  <Header value="{c}"/>', f'  <Text name="{c}" value="${c}"/>']
-    if show_judge_score:
-        parts += ['  <Header value="judge score"/>', '  <Text name="judge_score" value="$judge_score"/>']
-    parts += [f'  <Header value="oracle label ({lo:g} to {hi:g})"/>',
-              f'  <Number name="{ANSWER}" toName="{text_columns[-1]}" min="{lo:g}" max="{hi:g}" step="{step}" '
-              'required="true"/>', "</View>"]
-    return "\n".join(parts)
-
-
-def to_label_studio(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> list[dict]:
-    """Label Studio tasks (``[{"data": {...}, "meta": {...}}]``): ``data`` holds the id, texts and metadata."""
-    tasks = []
-    for i in items:
-        data = {"response_id": i["item_id"], **{c: i.get(c) for c in text_columns}}
-        meta = {k: v for k, v in i.items() if k not in text_columns and k != "item_id"}
-        data.update({f"cje_{k}": v for k, v in meta.items() if k != "label_scale"})
-        if "judge_score" in i:
-            data["judge_score"] = i["judge_score"]
-        tasks.append({"data": data, "meta": meta})
-    return tasks
-
-
-def argilla_settings(label_scale: Sequence[float], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS,
-                     include_judge_score: bool = False) -> dict:
-    """Argilla dataset settings as plain JSON: text fields, the ``oracle_label`` question, metadata properties.
-
-    A rating question when the scale is whole numbers with at most 11 values (Argilla's rating
-    range), else a text question asking for a number in the scale.
+    Raises
+    ------
+    CJEInputError
+        ``fmt`` is no registered tool (the choices and the closest are named).
     """
-    lo, hi = float(label_scale[0]), float(label_scale[1])
-    if lo.is_integer() and hi.is_integer() and 0 <= lo < hi <= 10:
-        question = {"name": ANSWER, "type": "rating", "values": list(range(int(lo), int(hi) + 1)), "required": True,
-                    "title": f"Oracle label ({lo:g} to {hi:g})"}
-    else:
-        question = {"name": ANSWER, "type": "text", "required": True,
-                    "title": f"Oracle label: a number from {lo:g} to {hi:g}"}
-    meta = [{"name": "request_id", "type": "terms"}, {"name": "kind", "type": "terms"},
-            {"name": "triggers", "type": "terms"},
-            {"name": "inclusion_probability", "type": "float"}, {"name": "selection_probability", "type": "float"}]
-    if include_judge_score:
-        meta.append({"name": "judge_score", "type": "float"})
-    return {"fields": [{"name": c, "type": "text", "required": True} for c in text_columns],
-            "questions": [question], "metadata": meta}
-
-
-def to_argilla(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS) -> list[dict]:
-    """Argilla records: ``{"id", "fields": {texts}, "metadata": {...}}`` (``rg.Record`` keyword arguments)."""
-    out = []
-    for i in items:
-        meta = {k: i.get(k) for k in ("request_id", "kind", "triggers", "inclusion_probability",
-                                      "selection_probability", "judge_score", "dt") if k in i}
-        out.append({"id": i["item_id"], "fields": {c: i.get(c) or "" for c in text_columns},
-                    "metadata": {k: v for k, v in meta.items() if v is not None}})
-    return out
+    return labelling.get(fmt).export(items, Path(dest), options)
 
 
 def export_request(items: Sequence[Mapping], fmt: str, text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS,
                    label_scale: Sequence[float] = (0.0, 1.0)) -> bytes:
-    """Serialise items in one of `FORMATS` (Label Studio: a JSON list of tasks; Argilla: a JSON document
-    with ``settings`` and ``records``)."""
-    if fmt == "csv":
-        return to_csv(items, text_columns)
-    if fmt == "jsonl":
-        return to_jsonl(items, text_columns)
-    if fmt == "label-studio":
-        return json.dumps(to_label_studio(items, text_columns), indent=1).encode()
-    if fmt == "argilla":
-        doc = {"settings": argilla_settings(label_scale, text_columns, any("judge_score" in i for i in items)),
-               "records": to_argilla(items, text_columns)}
-        return json.dumps(doc, indent=1).encode()
-    raise CJEInputError(f"unknown export format {fmt!r}; expected one of {list(FORMATS)}")
+    """Serialise items with one registered tool (`formats`); its main file only (Label Studio: a JSON list
+    of tasks; Argilla: a JSON document with ``settings`` and ``records``)."""
+    options = ExportOptions(tuple(text_columns), (float(label_scale[0]), float(label_scale[1])),
+                            any("judge_score" in i for i in items))
+    dest = Path("export")
+    return export_files(items, fmt, dest, options)[dest]
 
 
-__all__ = ["FORMATS", "request_items", "read_texts", "read_anchor_texts", "export_request", "to_csv", "to_jsonl",
-           "to_label_studio", "to_argilla", "label_studio_config", "argilla_settings"]
+__all__ = ["formats", "request_items", "read_texts", "read_anchor_texts", "export_request", "export_files"]

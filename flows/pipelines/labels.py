@@ -49,9 +49,8 @@ from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
 
-from flows.label_requests.answers import (ANSWER_FORMATS, detect_format, load_json_or_jsonl, parse_argilla,
-                                          parse_label_studio, parse_table, rescale,
-                                          restore_csv_table)
+from flows.label_requests.answers import (answer_formats, detect_format, load_json_or_jsonl, parse_answers,
+                                          parse_table, rescale, restore_csv_table)
 from flows.label_requests.config import RequestConfig
 from flows.label_requests.manifests import list_requests, mark_fulfilled
 from flows.pipelines.audit import evaluate_and_audit
@@ -130,18 +129,16 @@ def read_label_file(path: str, cfg: Any = None, answers_format: str = "auto", an
     except NotFoundError:
         raise CJEInputError("label file not found", source=st.url(name)) from None
     source = st.url(name)
-    if answers_format not in ANSWER_FORMATS:
-        raise CJEInputError(f"unknown answers format {answers_format!r}; expected one of {list(ANSWER_FORMATS)}")
+    if answers_format not in answer_formats():
+        raise CJEInputError(f"unknown answers format {answers_format!r}; expected one of {list(answer_formats())}")
     fmt = detect_format(data, name) if answers_format == "auto" else answers_format
     if fmt == "table":
         table = parse_labels(data, name if Path(name).suffix.lower() in FORMATS else name + ".jsonl", source)
         if (id_field, answer_field) == ("response_id", "oracle_label"):
             return table, source, {"format": "table"}
         parsed = parse_table(table, source, answer_field=answer_field, id_field=id_field)
-    elif fmt == "label-studio":
-        parsed = parse_label_studio(load_json_or_jsonl(data, source), source, answer_field, id_field)
-    else:
-        parsed = parse_argilla(load_json_or_jsonl(data, source), source, answer_field)
+    else:  # a registered labelling tool's own answers (label-studio, argilla, ...)
+        parsed = parse_answers(fmt, load_json_or_jsonl(data, source), source, answer_field, id_field)
     info = {"format": fmt, "ignored": parsed.ignored, "duplicates": parsed.duplicates,
             "unanswered": len(parsed.unanswered), "task_ids": parsed.task_ids}
     if not parsed.ids:
@@ -605,8 +602,8 @@ def refresh_request_pages(specs: Sequence[Any], requests: Sequence[Mapping], sta
 
 def check_parameters(p: dict[str, Any]) -> None:
     """Checks before a run is created: the answers format and the label-request settings."""
-    if p["answers_format"] not in ANSWER_FORMATS:
-        raise CJEInputError(f"unknown answers format {p['answers_format']!r}; expected one of {list(ANSWER_FORMATS)}",
+    if p["answers_format"] not in answer_formats():
+        raise CJEInputError(f"unknown answers format {p['answers_format']!r}; expected one of {list(answer_formats())}",
                             option="answers_format")
     RequestConfig.from_dict(p["label_requests"])
 
@@ -671,8 +668,9 @@ def labels(
         Name recorded in the label store (default: the file's URL).
     label_requests : dict, optional
         `RequestConfig` settings for the re-evaluations' automatic requests.
-    answers_format : {"auto", "table", "label-studio", "argilla"}
-        Format of the file (`flows.label_requests.answers`); ``auto`` detects it.
+    answers_format : str
+        Format of the file, one of `flows.label_requests.answers.answer_formats` (``auto``, ``table``,
+        ``label-studio``, ``argilla`` and any registered labelling tool's); ``auto`` detects it.
     answer_field, id_field : str
         The tool's answer field (a column, a Label Studio control name or an Argilla question)
         and the id column of a table.

@@ -294,3 +294,106 @@ def test_redirects_are_not_followed(monkeypatch, receiver):
     assert out["webhook"]["delivered"] is False and out["webhook"]["status"] == 302
     assert out["webhook"]["attempts"] == 1 and "not followed" in out["webhook"]["error"]
     assert receiver.hits == 0 and receiver.messages == []
+
+
+# ------------------------------------------------------------------------------ notifiers as a registry
+
+
+class ToyNotifier:
+    """A channel registered by a test: keeps what it receives (``fail``: raises instead)."""
+
+    def __init__(self, name: str = "toy", fail: bool = False) -> None:
+        self.name = name
+        self.fail = fail
+        self.got: list = []
+
+    def configured(self, settings) -> bool:
+        return True
+
+    def send(self, message, settings) -> dict:
+        if self.fail:
+            raise RuntimeError("toy channel broke")
+        self.got.append((message.kind, dict(message.payload), settings.extra.get("toy_room")))
+        return {"delivered": True, "error": None}
+
+
+@pytest.fixture
+def toy():
+    from flows.integrations import notify as notify_module
+
+    tool = notify_module.register(ToyNotifier())
+    yield tool
+    notify_module.unregister(tool.name)
+
+
+def test_the_builtin_notifiers_are_registered():
+    from flows.integrations.notify import names
+
+    assert names()[:2] == ("webhook", "event")
+
+
+def test_a_notifier_registered_in_a_test_receives_every_event_beside_the_webhook(toy, receiver, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    out = notify("label_request", {"request_id": "lr-1", "x": float("nan")}, webhook_url=receiver.url,
+                 extra={"toy_room": "#labels"})
+    assert out["ok"] is True and out["toy"] == {"delivered": True, "error": None} and out["webhook"]["delivered"]
+    assert toy.got == [("label_request", {"request_id": "lr-1", "x": None}, "#labels")]  # JSON-ready payload
+    assert receiver.kinds() == ["label_request"]
+    # the audit path (`notify_result`) reaches it too, without any other file naming it
+    notify_result({"policies": {"b": {"level_claim": "refused", "audit": {"verdict": "fail"}}}}, evaluation="ev",
+                  window="w", webhook_url=receiver.url)
+    assert [k for k, _, _ in toy.got] == ["label_request", "level_refused", "audit_failed"]
+    assert toy.got[1][1]["policy"] == "b" and toy.got[1][1]["evaluation"] == "ev"
+
+
+def test_a_broken_notifier_neither_raises_nor_stops_the_others(receiver, monkeypatch):
+    from flows.integrations import notify as notify_module
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    notify_module.register(ToyNotifier("broken", fail=True))
+    try:
+        out = notify("drift_alarm", {"n": 1}, webhook_url=receiver.url)
+    finally:
+        notify_module.unregister("broken")
+    assert out["ok"] is False and "toy channel broke" in out["broken"]["error"]
+    assert out["webhook"]["delivered"] and receiver.kinds() == ["drift_alarm"]
+
+
+def test_channels_choose_notifiers_and_unknown_ones_are_named(toy, receiver):
+    out = notify("label_request", {"n": 1}, webhook_url=receiver.url, channels=["toy"])
+    assert out["ok"] is True and len(toy.got) == 1 and receiver.hits == 0 and "webhook" not in out
+    out = notify("label_request", {"n": 1}, webhook_url=receiver.url, channels=["webhok"])
+    assert out["ok"] is False and "unknown notifier 'webhok'" in out["error"]
+    assert "did you mean 'webhook'" in out["error"]
+    assert receiver.hits == 0 and len(toy.got) == 1
+
+
+def test_registering_a_notifier_checks_its_name_and_protocol(toy):
+    from flows.integrations.notify import register
+
+    with pytest.raises(ValueError, match="registered already"):
+        register(ToyNotifier())
+    with pytest.raises(ValueError, match="not a key"):
+        register(ToyNotifier("ok"))
+    with pytest.raises(TypeError, match="lacks configured/send"):
+        register(type("NoSend", (), {"name": "nosend"})())
+
+
+def test_every_registered_notifier_follows_the_protocol(monkeypatch):
+    """Conformance: each notifier says whether it is configured and returns None (nothing tried) or a record
+    with its delivery flag and error; unconfigured, no notifier claims a delivery."""
+    from datetime import datetime, timezone
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.integrations.notify import Message, Notifier, NotifySettings, get, names
+
+    monkeypatch.delenv("CJE_WEBHOOK_URL", raising=False)
+    message = Message("label_request", {"n": 1}, datetime.now(timezone.utc))
+    with temporary_settings(updates={PREFECT_API_URL: None}):
+        for name in names():
+            n = get(name)
+            assert isinstance(n, Notifier) and n.name == name
+            assert n.configured(NotifySettings()) is False
+            record = n.send(message, NotifySettings())
+            assert record is None or (not record.get("delivered", record.get("emitted")) and "error" in record)

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from flows.label_requests.answers import parse_argilla
+from flows.integrations.labelling.argilla import parse_argilla
 from flows.label_requests.exports import export_request, request_items
 
 rg = pytest.importorskip("argilla", reason="the argilla SDK (test extra: argilla==2.8.0) validates the records")

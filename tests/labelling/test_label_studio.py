@@ -18,8 +18,7 @@ import yaml
 
 from cje_engine.simulate.direct import PolicySpec, simulate
 from flows.cli.main import main
-from flows.integrations.label_studio import LabelStudio, number_result
-from flows.label_requests.exports import label_studio_config
+from flows.integrations.labelling.label_studio import LabelStudio, label_studio_config, number_result
 from flows.label_requests.manifests import list_requests
 from flows.storage.labels import LabelStore
 from flows.storage.logs import write_logs

@@ -16,6 +16,7 @@ from cje_engine.errors import CJEInputError
 from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK, EXIT_UNAVAILABLE
 from flows.cli.terminal import json_doc, out_json
+from flows.integrations import labelling
 from flows.label_requests import exports
 from flows.label_requests.manifests import list_requests, progress, summarize
 from flows.storage.objects import Storage, StorageConfig
@@ -103,7 +104,6 @@ def collect(ns: argparse.Namespace) -> list[tuple[dict, dict, dict]]:
 
 
 def find(ns: argparse.Namespace, request_id: str) -> tuple[dict, dict, dict]:
-    """``(where, manifest, progress)`` of the label request ``request_id``; an unknown id raises `CJEInputError`."""
     for item in collect(ns):
         if item[1]["request_id"] == request_id:
             return item
@@ -123,7 +123,6 @@ def _line(p: dict) -> str:
 
 
 def cmd_list(ns: argparse.Namespace) -> int:
-    """``cje requests list``: one line (or JSON entry) per label request, optionally of one status; returns the exit code."""
     items = [p for _, _, p in collect(ns) if ns.status is None or p["status"] == ns.status]
     if ns.json:
         out_json(json_doc("requests list", requests=items))
@@ -136,7 +135,6 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_show(ns: argparse.Namespace) -> int:
-    """``cje requests show``: one request's manifest and progress; returns the exit code."""
     w, m, p = find(ns, ns.request_id)
     if ns.json:
         out_json(json_doc("requests show", **{k: v for k, v in m.items() if k not in ("cje_json", "command")},
@@ -155,7 +153,6 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    """``cje requests status``: requests and labels received, by status and by reason; returns the exit code."""
     items = [p for _, _, p in collect(ns)]
     s = summarize(items)
     if ns.json:
@@ -220,21 +217,26 @@ def _monitor_anchors_uri(ns: argparse.Namespace, set_name: str | None) -> str | 
     return None
 
 
+def _options(m: dict, ns: argparse.Namespace) -> labelling.ExportOptions:
+    """How the request's items are shown (`flows.integrations.labelling.ExportOptions`)."""
+    lo, hi = m.get("label_scale") or (0.0, 1.0)
+    return labelling.ExportOptions(tuple(ns.text_columns), (float(lo), float(hi)), bool(ns.include_judge_score))
+
+
 def cmd_export(ns: argparse.Namespace) -> int:
-    """``cje requests export``: write a request's items for a labelling tool (refuses to overwrite without ``--force``); returns the exit code."""
+    """``cje requests export``: the request's items as the files of the labelling tool ``--format``
+    (every path checked before any work, written create-only)."""
+    tool = labelling.get(ns.format)
     out = Path(ns.out)
-    cfg_path = out.with_suffix(".label_config.xml")
-    _check_outputs([out, cfg_path] if ns.format == "label-studio" else [out], ns.force)  # before any work
+    paths = tool.outputs(out)
+    _check_outputs(paths, ns.force)  # before any work
     w, m, _ = find(ns, ns.request_id)
     items = request_items(w, m, ns)
-    data = exports.export_request(items, ns.format, tuple(ns.text_columns), m.get("label_scale") or (0.0, 1.0))
-    files = {out: data}
-    extra = ""
-    if ns.format == "label-studio":
-        files[cfg_path] = exports.label_studio_config(m.get("label_scale") or (0, 1), tuple(ns.text_columns),
-                                                      ns.include_judge_score).encode("utf-8")
-        extra = f" (labeling config: {cfg_path})"
+    files = tool.export(items, out, _options(m, ns))
+    if list(files) != paths:
+        raise RuntimeError(f"labelling tool {tool.name!r} exported {list(files)}, not the files it declares {paths}")
     _write_exports(files, ns.force)
+    extra = f" (also: {', '.join(str(p) for p in paths[1:])})" if len(paths) > 1 else ""
     sys.stdout.write(f"request {m['request_id']}: {len(items)} item(s) as {ns.format} in {out}{extra}; judge scores "
                      f"{'included' if ns.include_judge_score else 'left out'}\n")
     return EXIT_OK
@@ -262,32 +264,31 @@ def _write_exports(files: dict[Path, bytes], force: bool) -> None:
 
 
 def cmd_push(ns: argparse.Namespace) -> int:
-    """``cje requests push``: send a request's items to a Label Studio project; returns the exit code."""
-    from flows.integrations.label_studio import LabelStudio, LabelStudioUnavailable, push_request
-
+    """``cje requests push``: the request's items into a project of the server tool ``--to`` (exit 69 when
+    its server does not answer)."""
+    tool = labelling.get(ns.to, server=True)
     w, m, _ = find(ns, ns.request_id)
     items = request_items(w, m, ns)
-    tasks = exports.to_label_studio(items, tuple(ns.text_columns))
+    dest = labelling.Destination(url=ns.url, project=ns.project, new_project=ns.new_project, token_env=ns.token_env,
+                                 description=_blind_description(m))
     try:
-        with LabelStudio(ns.url, token_env=ns.token_env) as client:
-            project = ns.project
-            if project is None:
-                title = ns.new_project or f"cje {m['request_id']}"
-                project = client.create_project(title, exports.label_studio_config(
-                    m.get("label_scale") or (0, 1), tuple(ns.text_columns), ns.include_judge_score),
-                    description=_blind_description(m))
-            out = push_request(client, project, m, tasks, st=Storage.for_uri(w["requests_uri"],
-                                                                             StorageConfig.from_env()))
-    except LabelStudioUnavailable as exc:
+        out = tool.push(items, m, dest, _options(m, ns),
+                        storage=Storage.for_uri(w["requests_uri"], StorageConfig.from_env()))
+    except labelling.ToolUnavailable as exc:
         sys.stderr.write(f"cje requests push: error: {exc}\n")
         return EXIT_UNAVAILABLE
-    sys.stdout.write(f"request {m['request_id']}: {out['imported']} task(s) imported into Label Studio project "
-                     f"{out['project']} at {ns.url} ({out['already']} there already)\n")
+    sys.stdout.write(f"request {m['request_id']}: {out.imported} task(s) imported into {tool.title} project "
+                     f"{out.project} at {ns.url} ({out.already} there already)\n")
     return EXIT_OK
 
 
 # --------------------------------------------------------------------------------------
 # parser
+
+
+def token_envs() -> str:
+    """``VARIABLE for tool`` of each server tool, for the help texts."""
+    return ", ".join(f"{labelling.get(n).token_env} for {n}" for n in labelling.server_names())
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -324,23 +325,26 @@ def register(sub: Any) -> None:
     _common(q)
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=cmd_status)
-    q = rs.add_parser("export", help="a request as CSV, JSONL, Label Studio tasks or Argilla records")
+    q = rs.add_parser("export", help="a request as files for a labelling tool: "
+                                     + ", ".join(labelling.names()))
     q.add_argument("request_id")
-    q.add_argument("--format", choices=exports.FORMATS, default="csv")
+    q.add_argument("--format", choices=labelling.names(), default="csv",
+                   help="the labelling tool (" + labelling.help_lines() + ")")
     q.add_argument("--out", required=True, help="output file (never replaced unless --force; never a symbolic link)")
     q.add_argument("--force", action="store_true", help="replace an existing --out file")
     _common(q)
     _text(q)
     q.set_defaults(handler=cmd_export)
-    q = rs.add_parser("push", help="push a request into a labelling tool")
+    q = rs.add_parser("push", help="push a request into a labelling tool with a server")
     q.add_argument("request_id")
-    q.add_argument("--to", choices=["label-studio"], required=True)
-    q.add_argument("--url", required=True, help="Label Studio URL")
+    q.add_argument("--to", choices=labelling.server_names(), required=True,
+                   help="the tool (" + labelling.help_lines(server=True) + ")")
+    q.add_argument("--url", required=True, help="the tool's server URL")
     g = q.add_mutually_exclusive_group(required=True)
-    g.add_argument("--project", type=int, help="an existing project id")
+    g.add_argument("--project", help="an existing project id")
     g.add_argument("--new-project", help="create a project with this title (labeling config from the request)")
-    q.add_argument("--token-env", default="LABEL_STUDIO_API_KEY",
-                   help="environment variable holding the token (default LABEL_STUDIO_API_KEY)")
+    q.add_argument("--token-env", help="environment variable holding the token (default: the tool's, "
+                                       + token_envs() + ")")
     _common(q)
     _text(q)
     q.set_defaults(handler=cmd_push)
