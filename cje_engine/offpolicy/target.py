@@ -16,6 +16,7 @@ import numpy as np
 from cje_engine.data.frame import fold_of
 from cje_engine.errors import CJEInputError
 from cje_engine.offpolicy.diagnostics import (
+    Diagnostics,
     Orthogonality,
     cle_floor,
     dr_orthogonality,
@@ -66,37 +67,6 @@ class OffPolicyConfig:
     stack: tuple[str, ...] = DEFAULT_STACK
     level: float = 0.95
     gates: OffPolicyGates = field(default_factory=OffPolicyGates)
-
-
-@dataclass(frozen=True)
-class Diagnostics:
-    """Per-target weight and overlap diagnostics (see docs/offpolicy.md for each)."""
-
-    n: int
-    ess_raw: float
-    ess_stabilised: float
-    max_share_raw: float
-    max_share_stabilised: float
-    q995_raw: float
-    q995_stabilised: float
-    hill_index: float
-    log_mean_weight: float
-    log10_weight_span: float
-    ttc: float
-    ttc_alpha: float
-    ttc_reference: str
-    cle_factor: float
-    cle_floor_se: float
-    affinity: float
-    affinity_reference: str
-    simcal_alpha: float
-    simcal_coef: Mapping[str, float]
-    simcal_projection: str
-    orthogonality: Orthogonality | None = None
-
-    @property
-    def ess_uplift(self) -> float:
-        return self.ess_stabilised / self.ess_raw if self.ess_raw > 0 else float("inf")
 
 
 @dataclass(frozen=True)
