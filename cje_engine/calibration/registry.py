@@ -20,7 +20,7 @@ standard errors without further code.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from cje_engine.calibration.two_stage_batch import fit_two_stage_many
 from cje_engine.errors import CJEInputError
 
 __all__ = ["AUTO", "Calibrator", "CalibrationMode", "ModeEntry", "MonotoneMode", "TwoStageMode",
-           "entries", "get", "names", "option_values", "register", "unregister"]
+           "entries", "get", "names", "option_values", "register", "result_mode_type", "unregister"]
 
 #: The option value that lets the pipeline choose among the eligible registered modes.
 AUTO = "auto"
@@ -295,6 +295,24 @@ def get(name: str) -> CalibrationMode:
     except (KeyError, TypeError):
         raise CJEInputError(f"calibration_mode must be one of {', '.join(option_values())}; got {name!r}",
                             option="calibration_mode") from None
+
+
+def _registered(name: str) -> str:
+    if name not in _REGISTRY:
+        raise ValueError(f"calibration mode must be a registered one ({', '.join(_REGISTRY)}); got {name!r}")
+    return name
+
+
+def result_mode_type() -> Any:
+    """The type of the result's ``calibration.mode`` (`cje_engine.result.model.Calibration`).
+
+    A string checked against the registry when a result is validated (so a mode registered after
+    the result model was imported validates too); its JSON Schema is the enum of the modes
+    registered when the model is built (the built-in ones: the committed result.schema.json).
+    """
+    from pydantic import AfterValidator, WithJsonSchema  # only the result model needs pydantic
+
+    return Annotated[str, AfterValidator(_registered), WithJsonSchema({"enum": list(names()), "type": "string"})]
 
 
 # The built-in modes. A new calibrator adds one line here.

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cje_engine.calibration.registry import names as calibration_modes
+from cje_engine.calibration.registry import result_mode_type
 
 SCHEMA_VERSION = 1
 
@@ -423,7 +423,7 @@ class ReliabilityBin(_Strict):
 
 
 class Calibration(_Strict):
-    mode: Literal[calibration_modes()]  # the registered modes (cje_engine.calibration.registry)
+    mode: result_mode_type()  # a registered calibration mode (cje_engine.calibration.registry)
     selection: Optional[Selection] = None
     n_train: int
     calibration_policies: Optional[list[str]] = None

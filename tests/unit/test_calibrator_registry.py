@@ -5,7 +5,7 @@ simulated data (rows and per-cell sums give the same model), predictions inside 
 non-decreasing in the judge score where it claims so, a batched fit equal to the one-at-a-time fit,
 finite cross-fit residual and influence terms, the same numbers twice under a seed, and `evaluate`
 end to end with ``calibration_mode=<name>``. A toy mode registered inside a test becomes a valid
-option value and a CLI choice without any other file changing.
+option value, a CLI choice and a valid result's mode without any other file changing.
 """
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def _choices(parser: argparse.ArgumentParser, flag: str) -> list:
     return []
 
 
-def test_a_registered_toy_mode_is_an_option_and_a_cli_choice_without_other_changes(toy, frame):
+def test_a_registered_toy_mode_is_an_option_a_cli_choice_and_a_result_mode(toy, frame):
     from flows.cli.main import build_parser
 
     with pytest.raises(CJEInputError, match="calibration_mode must be"):
@@ -179,11 +179,22 @@ def test_a_registered_toy_mode_is_an_option_and_a_cli_choice_without_other_chang
     assert "toy_isotonic" not in auto["oof_rmse"]  # in_auto=False: auto leaves it out
     picked, fits = choose_mode(data, EvaluationOptions.build(calibration_mode="toy_isotonic"), None)
     assert picked["chosen"] == "toy_isotonic"
-    # the toy is isotonic on the score: the same numbers as monotone
+    # the toy is isotonic on the score: the same numbers as monotone, and a result that validates
     np.testing.assert_array_equal(fits["toy_isotonic"].f, fit_mode(data, "monotone", None).f)
+    toy_res = evaluate(frame, calibration_mode="toy_isotonic", inference="analytic").to_dict()
+    mono_res = evaluate(frame, calibration_mode="monotone", inference="analytic").to_dict()
+    assert toy_res["calibration"]["mode"] == "toy_isotonic"
+    assert {p: v["estimate"] for p, v in toy_res["policies"].items()} == {
+        p: v["estimate"] for p, v in mono_res["policies"].items()}
 
 
 def test_after_unregistering_the_toy_is_refused_again():
+    from pydantic import ValidationError
+
+    from cje_engine.result.model import Calibration
+
     assert "toy_isotonic" not in registry.names()
     with pytest.raises(CJEInputError, match="calibration_mode must be auto, monotone or two_stage"):
         EvaluationOptions.build(calibration_mode="toy_isotonic")
+    with pytest.raises(ValidationError, match="calibration mode must be a registered one"):
+        Calibration(mode="toy_isotonic", n_train=10)
