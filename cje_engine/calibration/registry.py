@@ -20,20 +20,18 @@ standard errors without further code.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from cje_engine.calibration.calibrators import (
-    TWO_STAGE_LABELS_PER_PARAMETER,
-    TWO_STAGE_MAX_KNOTS,
-    Cells,
-    IsotonicCalibrator,
-    TwoStageCalibrator,
-    two_stage_knots,
-)
-from cje_engine.calibration.two_stage_batch import fit_two_stage_many
 from cje_engine.errors import CJEInputError
+
+if TYPE_CHECKING:  # the calibrators import scipy: loaded when a mode is fitted, not when options are checked
+    from cje_engine.calibration.calibrators import Cells
+
+#: `cje_engine.calibration.calibrators.TWO_STAGE_MAX_KNOTS` (a test pins them equal): the index size a
+#: design gets when its mode has no index.
+DEFAULT_KNOTS = 6
 
 __all__ = ["AUTO", "Calibrator", "CalibrationMode", "ModeEntry", "MonotoneMode", "TwoStageMode",
            "entries", "get", "names", "option_values", "register", "result_mode_type", "unregister"]
@@ -112,7 +110,7 @@ class CalibrationMode(Protocol):
     def auto_exclusion(self, n_labels: int, n_covariates: int) -> str | None:
         """Why ``auto`` leaves this mode out on these data (None: it is a candidate)."""
 
-    def make(self, clip: tuple[float, float] | None = None, n_knots: int = TWO_STAGE_MAX_KNOTS) -> Calibrator:
+    def make(self, clip: tuple[float, float] | None = None, n_knots: int = DEFAULT_KNOTS) -> Calibrator:
         """A fresh, unfitted calibrator."""
 
     def selection_record(self, n_knots: int) -> dict:
@@ -143,7 +141,7 @@ class ModeEntry:
 
     def n_knots(self, n_labels: int, n_covariates: int) -> int:
         """Index segments of the design (no index: the two-stage default, unused)."""
-        return TWO_STAGE_MAX_KNOTS
+        return DEFAULT_KNOTS
 
     def shortfall(self, n_labels: int, n_covariates: int) -> str | None:
         """None: the cross-fit's own checks (two distinct labels and scores per fold) suffice."""
@@ -155,7 +153,7 @@ class ModeEntry:
             return f"no covariates given, so the {self.label} index has nothing to add"
         return None
 
-    def make(self, clip: tuple[float, float] | None = None, n_knots: int = TWO_STAGE_MAX_KNOTS) -> Calibrator:
+    def make(self, clip: tuple[float, float] | None = None, n_knots: int = DEFAULT_KNOTS) -> Calibrator:
         """A fresh, unfitted calibrator (subclasses define it)."""
         raise NotImplementedError
 
@@ -183,8 +181,10 @@ class MonotoneMode(ModeEntry):
     name = "monotone"
     label = "monotone"
 
-    def make(self, clip: tuple[float, float] | None = None, n_knots: int = TWO_STAGE_MAX_KNOTS) -> Calibrator:
+    def make(self, clip: tuple[float, float] | None = None, n_knots: int = DEFAULT_KNOTS) -> Calibrator:
         """An unfitted `IsotonicCalibrator` (``n_knots`` unused)."""
+        from cje_engine.calibration.calibrators import IsotonicCalibrator
+
         return IsotonicCalibrator(clip=clip)
 
 
@@ -203,10 +203,14 @@ class TwoStageMode(ModeEntry):
 
     def n_knots(self, n_labels: int, n_covariates: int) -> int:
         """`two_stage_knots`: as many ramp segments as keep two labels per stage-1 parameter, at most six."""
+        from cje_engine.calibration.calibrators import two_stage_knots
+
         return two_stage_knots(n_labels, n_covariates)
 
     def shortfall(self, n_labels: int, n_covariates: int) -> str | None:
         """The fewest labels of a one-segment index with these covariates, when fewer are given."""
+        from cje_engine.calibration.calibrators import TWO_STAGE_LABELS_PER_PARAMETER
+
         if self.n_knots(n_labels, n_covariates) >= 1:
             return None
         return (f"calibration_mode='two_stage' needs at least "
@@ -215,6 +219,8 @@ class TwoStageMode(ModeEntry):
 
     def auto_exclusion(self, n_labels: int, n_covariates: int) -> str | None:
         """No covariates, or too few labels for a one-segment index."""
+        from cje_engine.calibration.calibrators import TWO_STAGE_LABELS_PER_PARAMETER
+
         reason = super().auto_exclusion(n_labels, n_covariates)
         if reason is None and self.n_knots(n_labels, n_covariates) < 1:
             reason = (f"only {n_labels} calibration labels: too few for a two-stage index with one score segment "
@@ -222,8 +228,10 @@ class TwoStageMode(ModeEntry):
                       "parameter needed), so the covariates are not used")
         return reason
 
-    def make(self, clip: tuple[float, float] | None = None, n_knots: int = TWO_STAGE_MAX_KNOTS) -> Calibrator:
+    def make(self, clip: tuple[float, float] | None = None, n_knots: int = DEFAULT_KNOTS) -> Calibrator:
         """An unfitted `TwoStageCalibrator` with ``n_knots`` ramp segments."""
+        from cje_engine.calibration.calibrators import TwoStageCalibrator
+
         return TwoStageCalibrator(n_knots=n_knots, clip=clip)
 
     def selection_record(self, n_knots: int) -> dict:
@@ -233,6 +241,8 @@ class TwoStageMode(ModeEntry):
     def fit_many(self, cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarray, *,
                  clip: tuple[float, float] | None, n_knots: int, warm: dict | None = None) -> Any:
         """`fit_two_stage_many` (a `TwoStageFits`: ``ok``, ``Z``, ``x``, ``y``, ``predict_cells``, ``model``)."""
+        from cje_engine.calibration.two_stage_batch import fit_two_stage_many
+
         return fit_two_stage_many(cells, W, WY, C, clip=clip, warm=warm, n_knots=n_knots)
 
     def warm_start(self, cells: Cells, W: np.ndarray, WY: np.ndarray, C: np.ndarray, *,

@@ -198,3 +198,20 @@ def test_after_unregistering_the_toy_is_refused_again():
         EvaluationOptions.build(calibration_mode="toy_isotonic")
     with pytest.raises(ValidationError, match="calibration mode must be a registered one"):
         Calibration(mode="toy_isotonic", n_train=10)
+
+
+def test_the_registry_is_light_to_import():
+    """Options and the CLI read the registry: it must not load the calibrators (scipy.optimize and
+    scipy.linalg, ~1.5 s of a CLI start) until a mode is fitted."""
+    import subprocess
+    import sys
+
+    from cje_engine.calibration.calibrators import TWO_STAGE_MAX_KNOTS
+
+    assert registry.DEFAULT_KNOTS == TWO_STAGE_MAX_KNOTS
+    code = ("import sys, cje_engine.options, cje_engine.calibration.registry as r; r.option_values(); "
+            "print(sorted(m for m in ('scipy.optimize', 'scipy.linalg', 'cje_engine.calibration.calibrators') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
