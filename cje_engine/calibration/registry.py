@@ -10,7 +10,9 @@ allowed ``calibration.mode`` values, and ``auto``'s candidates (`cje_engine.pipe
 
 Adding a calibrator (e.g. a spline index): its module with the calibrator class, one `register`
 call at the bottom of this file (an entry: a subclass of `ModeEntry`), and the conformance test
-(tests/unit/test_calibrator_registry.py) runs it like every other entry.
+(tests/unit/test_calibrator_registry.py) runs it like every other entry. Register at import time, in a
+module every process imports (this one for the built-in modes): Ray workers import the registry afresh,
+so a mode registered only in the driver at run time is unknown to them.
 
 Contract of a calibrator. It ends with an isotonic stage on a one-dimensional index: ``index(score,
 X)`` and the fitted, non-decreasing curve ``x_``, ``y_`` (interpolated, flat outside). The cross-fit
