@@ -7,6 +7,7 @@ import numbers
 import os
 from dataclasses import asdict, dataclass, field
 
+from cje_engine.calibration import registry as calibration_modes
 from cje_engine.data.frame import Scale, parse_scale
 from cje_engine.errors import CJEInputError
 
@@ -66,8 +67,9 @@ class EvaluationOptions:
     ----------
     covariates : tuple of str
         Covariate columns for two-stage calibration (e.g. ``("response_length",)``).
-    calibration_mode : {"auto", "monotone", "two_stage"}
-        ``auto`` picks by out-of-fold error among the modes the data allows.
+    calibration_mode : {"auto", "monotone", "two_stage"} or another registered mode
+        ``auto`` picks by out-of-fold error among the modes the data allows; the accepted values are
+        ``auto`` and the names in `cje_engine.calibration.registry`.
     calibration_policies : tuple of str or None
         ``None``: every labelled row trains the calibrator (cross-fitted). Otherwise only
         these policies' labels train it and other policies' labels are their audit slices.
@@ -176,10 +178,14 @@ class EvaluationOptions:
         def bad(msg: str) -> None:
             raise CJEInputError(msg)
 
-        if self.calibration_mode not in ("auto", "monotone", "two_stage"):
-            bad(f"calibration_mode must be auto, monotone or two_stage; got {self.calibration_mode!r}")
-        if self.calibration_mode == "two_stage" and not self.covariates:
-            bad("calibration_mode='two_stage' needs at least one covariate (e.g. covariates=['response_length'])")
+        modes = calibration_modes.option_values()
+        if self.calibration_mode not in modes:
+            bad(f"calibration_mode must be {', '.join(modes[:-1])} or {modes[-1]}; got {self.calibration_mode!r}"
+                + did_you_mean(str(self.calibration_mode), modes))
+        if (self.calibration_mode != calibration_modes.AUTO and not self.covariates
+                and calibration_modes.get(self.calibration_mode).uses_covariates):
+            bad(f"calibration_mode={self.calibration_mode!r} needs at least one covariate "
+                "(e.g. covariates=['response_length'])")
         if self.level_estimator not in LEVEL_ESTIMATORS:
             bad(f"level_estimator must be one of {', '.join(LEVEL_ESTIMATORS)}; got {self.level_estimator!r}"
                 + did_you_mean(self.level_estimator, LEVEL_ESTIMATORS))

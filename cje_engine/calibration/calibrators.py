@@ -22,7 +22,6 @@ from scipy.linalg.lapack import dposv as _dposv
 from scipy.optimize import nnls
 
 from cje_engine.calibration.isotonic import isotonic_pooled
-from cje_engine.errors import CJEInputError
 
 try:  # numpy's compiled interpolation without the Python wrapper's checks (float inputs only here)
     from numpy._core.multiarray import interp as _interp
@@ -38,7 +37,6 @@ def _clip(out: np.ndarray, clip: tuple[float, float] | None) -> np.ndarray:
     return np.minimum(out, clip[1], out=out)
 
 
-MODES = ("monotone", "two_stage")
 LINKS = ("logit", "identity")  # stage 1 of the two-stage index
 
 
@@ -555,10 +553,10 @@ def two_stage_knots(n_labels: int, n_covariates: int) -> int:
 
 
 def make_calibrator(mode: str, clip: tuple[float, float] | None = None, n_knots: int = TWO_STAGE_MAX_KNOTS):
-    """A fresh, unfitted calibrator for ``mode`` ('monotone' or 'two_stage'; ``n_knots``: its index's segments)."""
-    if mode == "monotone":
-        return IsotonicCalibrator(clip=clip)
-    if mode == "two_stage":
-        return TwoStageCalibrator(n_knots=n_knots, clip=clip)
-    raise CJEInputError(f"calibration_mode must be one of auto, monotone, two_stage; got {mode!r}",
-                        option="calibration_mode")
+    """A fresh, unfitted calibrator of the registered ``mode`` (`cje_engine.calibration.registry`).
+
+    ``n_knots``: its index's segments (a mode without an index ignores it). Unknown mode: `CJEInputError`.
+    """
+    from cje_engine.calibration.registry import get  # the registry imports this module
+
+    return get(mode).make(clip, n_knots)

@@ -19,9 +19,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cje_engine.calibration.calibrators import (TWO_STAGE_LABELS_PER_PARAMETER, TWO_STAGE_MAX_KNOTS, Cells, _clip,
-                                               _interp, make_calibrator, make_cells, two_stage_knots)
-from cje_engine.calibration.two_stage_batch import fit_two_stage_many
+from cje_engine.calibration import registry
+from cje_engine.calibration.calibrators import TWO_STAGE_MAX_KNOTS, Cells, _clip, _interp, make_cells
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
 
@@ -52,7 +51,12 @@ class Design:
     cal_rows: np.ndarray  # row indices that train the calibrator
     lab_rows: np.ndarray  # all labelled row indices (any policy)
     cells: CellIndex | None = None
-    n_knots: int = TWO_STAGE_MAX_KNOTS  # two-stage: ramp segments of the index (`two_stage_knots` of the labels)
+    n_knots: int = TWO_STAGE_MAX_KNOTS  # an index's segments (the mode's `n_knots` of the labels)
+
+    @property
+    def entry(self) -> registry.CalibrationMode:
+        """The registered calibration mode of this design."""
+        return registry.get(self.mode)
 
     @property
     def n_policies(self) -> int:
@@ -70,7 +74,7 @@ class Design:
 def row_cells(data: EvalData, mode: str) -> tuple:
     """The row-level part of a `CellIndex` (cells, row_cell, row_key, counts): it depends on the mode
     only, so designs of one mode with other calibration rows can share it (`make_design`)."""
-    X = data.X if mode == "two_stage" else None
+    X = data.X if registry.get(mode).uses_covariates else None
     cells, row_cell = make_cells(data.score, X)
     G = cells.size
     K = len(data.policies)
@@ -124,13 +128,11 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
                 f"two distinct labels or scores ({cal.size} calibration labels in all)",
                 column="oracle_label",
             )
-    n_knots = two_stage_knots(cal.size, data.X.shape[1]) if mode == "two_stage" else TWO_STAGE_MAX_KNOTS
-    if n_knots < 1:
-        raise CJEInputError(
-            f"calibration_mode='two_stage' needs at least {TWO_STAGE_LABELS_PER_PARAMETER * (data.X.shape[1] + 2)} "
-            f"calibration labels with "
-            f"{data.X.shape[1]} covariate(s) ({cal.size} given); use calibration_mode='monotone'",
-            column="oracle_label", option="calibration_mode")
+    entry = registry.get(mode)
+    short = entry.shortfall(cal.size, data.X.shape[1])
+    if short is not None:
+        raise CJEInputError(short, column="oracle_label", option="calibration_mode")
+    n_knots = entry.n_knots(cal.size, data.X.shape[1])
     return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal, rows),
                   n_knots=n_knots)
 
@@ -170,9 +172,14 @@ class CalibrationPlan:
     fold_bounds: tuple  # (K,) (start, stop) of each fold in ``order``
     z_index: np.ndarray  # (m,) in ``order``: flat (fit = fold + 1, cell) index into a fits' index matrix
     global_sorted: np.ndarray  # (m,) in ``order``: each row's cell in ``cells``
-    fold_cells: tuple  # (K,) monotone mode: (rows of fold k, the cells they occupy, index into those)
-    warm: dict | None  # two-stage: where the solver of every refit starts (`_warm_start`)
-    n_knots: int = TWO_STAGE_MAX_KNOTS  # two-stage: ramp segments of the index (the design's)
+    fold_cells: tuple  # (K,) fitted one at a time: (rows of fold k, the cells they occupy, index into those)
+    warm: dict | None  # batched: where the solver of every refit starts (`_warm_start`)
+    n_knots: int = TWO_STAGE_MAX_KNOTS  # an index's segments (the design's)
+
+    @property
+    def entry(self) -> registry.CalibrationMode:
+        """The registered calibration mode of this plan."""
+        return registry.get(self.mode)
 
 
 def calibration_plan(design: Design) -> CalibrationPlan:
@@ -198,7 +205,7 @@ def calibration_plan(design: Design) -> CalibrationPlan:
             order=order, fold_bounds=tuple(zip((ends - size).tolist(), ends.tolist())),
             z_index=(folds[order] + 1) * Gc + ci.cal_cell[order], global_sorted=ci.cal_global[ci.cal_cell[order]],
             fold_cells=tuple(fold_cells), warm=None, n_knots=design.n_knots)
-        if design.mode == "two_stage":
+        if plan.entry.batched:
             plan = replace(plan, warm=_warm_start(plan))
         object.__setattr__(design, "_calibration_plan", plan)  # frozen dataclass: a private cache
     return plan
@@ -234,20 +241,20 @@ def _cell_fits(plan: CalibrationPlan, wc: np.ndarray, with_models: bool = True):
     K, clip = plan.n_folds, plan.label_scale
     S, M = _fold_sums(plan, wc)
     has_rows = S[2].sum(1) > 0
-    if plan.mode == "two_stage":
-        # all six fits at once (shared design matrices, batched normal equations and solves)
-        fits = fit_two_stage_many(plan.cal_cells, M[0], M[1], M[2], clip=clip, warm=plan.warm,
-                                   n_knots=plan.n_knots)
+    entry = plan.entry
+    if entry.batched:
+        # all K + 1 fits at once (e.g. two-stage: shared design matrices, batched normal equations and solves)
+        fits = entry.fit_many(plan.cal_cells, M[0], M[1], M[2], clip=clip, warm=plan.warm, n_knots=plan.n_knots)
         F_all = fits.predict_cells(0, plan.cells)
         live = [k for k in range(K) if has_rows[k] and fits.ok[k + 1]]
         f_cal = _out_of_fold(plan, F_all, fits.Z, live, fits.x[1:], fits.y[1:])
         if not with_models:
             return F_all, f_cal, None, None
         return F_all, f_cal, fits.model(0), [fits.model(k + 1) if k in live else None for k in range(K)]
-    full = make_calibrator(plan.mode, clip).fit_cells(plan.cal_cells, M[0, 0], M[1, 0], M[2, 0])
+    full = entry.make(clip, plan.n_knots).fit_cells(plan.cal_cells, M[0, 0], M[1, 0], M[2, 0])
     fold_models = [None if not has_rows[k] or not M[2, k + 1].any() else
-                   make_calibrator(plan.mode, clip).fit_cells(plan.cal_cells, M[0, k + 1], M[1, k + 1],
-                                                              M[2, k + 1], full)
+                   entry.make(clip, plan.n_knots).fit_cells(plan.cal_cells, M[0, k + 1], M[1, k + 1],
+                                                            M[2, k + 1], full)
                    for k in range(K)]
     F_all = full.predict_cells(plan.cells)
     f_cal = F_all[plan.cal_global][plan.cal_cell]
@@ -258,14 +265,13 @@ def _cell_fits(plan: CalibrationPlan, wc: np.ndarray, with_models: bool = True):
     return F_all, f_cal, full, fold_models
 
 
-def _warm_start(plan: CalibrationPlan) -> dict:
-    """The active ramps of the unweighted full two-stage fit (number of ramps -> mask), where the
-    solver of every refit starts: a function of the design only, so every process starts alike
-    (the fits do not depend on the start; the number of solver rounds does)."""
+def _warm_start(plan: CalibrationPlan) -> dict | None:
+    """Where the batched solver of every refit starts (two-stage: the active ramps of the unweighted
+    full fit): a function of the design only, so every process starts alike (the fits do not depend
+    on the start; the number of solver rounds does)."""
     _, M = _fold_sums(plan, np.ones(plan.y.size))
-    fits = fit_two_stage_many(plan.cal_cells, M[0, :1], M[1, :1], M[2, :1], clip=plan.label_scale,
-                              n_knots=plan.n_knots)
-    return {} if fits.ramp[0] is None else {fits.ramp[0].size: fits.ramp[0] > 0}
+    return plan.entry.warm_start(plan.cal_cells, M[0, :1], M[1, :1], M[2, :1], clip=plan.label_scale,
+                                 n_knots=plan.n_knots)
 
 
 def _out_of_fold(plan: CalibrationPlan, F_all: np.ndarray, Z: np.ndarray, live: list[int], xs: list,
@@ -351,6 +357,10 @@ class BootstrapView:
         arrays += [c.cells.score, c.cells.X, c.cal_cells.score, c.cal_cells.X]
         return int(sum(a.nbytes for a in arrays))
 
+    def replicates(self, start: int, stop: int) -> np.ndarray:
+        """Replicates ``start..stop-1`` (`bootstrap_replicates`): a bootstrap worker's replicate source."""
+        return bootstrap_replicates(self, start, stop)
+
 
 def bootstrap_view(design: Design, seed: int = 0) -> BootstrapView:
     """The design's `BootstrapView` for bootstrap seed ``seed`` (the arrays are cached on the design)."""
@@ -385,14 +395,15 @@ def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
     wc = prompt_w[view.cal_prompt]
     if not (wc > 0).any():  # the resample drew no calibration prompt: no calibrator, no statistic
         return np.full(2 * view.n_policies, np.nan)
-    if plan.mode == "two_stage":
-        F_all, f_cal = _two_stage_refits(plan, [wc])[0]
+    if plan.entry.batched:
+        F_all, f_cal = _batched_refits(plan, [wc])[0]
     else:
         F_all, f_cal, _, _ = _cell_fits(plan, wc, with_models=False)
     return _replicate_stats(view, prompt_w, wc, F_all, f_cal)
 
 
-#: Two-stage replicates refitted together: one `fit_two_stage_many` call for the six fits of each of up
+#: Replicates of a batched mode refitted together: one `fit_many` call (two-stage: `fit_two_stage_many`) for the
+#: K + 1 fits of each of up
 #: to this many replicates (the numpy calls of the fit are shared, not the arithmetic; every fit's
 #: numbers are the same bits as when fitted alone, see tests/unit/test_fast_paths.py).
 REPLICATE_BATCH = 32
@@ -400,27 +411,27 @@ _BATCH_ELEMENTS = 2**20  # at most ~8 MB of per-replicate arrays held for one ba
 
 
 def _replicates(view: BootstrapView, weights: list) -> np.ndarray:
-    """Two-stage `replicate_view` for each prompt-weight vector of ``weights``, shape (len(weights), 2K):
-    the refits of all of them in one batched fit (`_two_stage_refits`)."""
+    """Batched `replicate_view` for each prompt-weight vector of ``weights``, shape (len(weights), 2K):
+    the refits of all of them in one batched fit (`_batched_refits`)."""
     out = np.full((len(weights), 2 * view.n_policies), np.nan)
     wcs = [w[view.cal_prompt] for w in weights]
     live = [i for i, wc in enumerate(wcs) if (wc > 0).any()]  # no calibration prompt: no calibrator, NaN
-    fitted = _two_stage_refits(view.calibration, [wcs[i] for i in live])
+    fitted = _batched_refits(view.calibration, [wcs[i] for i in live])
     for i, (F_all, f_cal) in zip(live, fitted):
         out[i] = _replicate_stats(view, weights[i], wcs[i], F_all, f_cal)
     return out
 
 
-def _two_stage_refits(plan: CalibrationPlan, wcs: list) -> list:
-    """(full fit at every cell, out-of-fold values) of the two-stage cross-fit under each weight
-    vector of ``wcs``: the (K + 1) fits of every replicate in one `fit_two_stage_many` call."""
+def _batched_refits(plan: CalibrationPlan, wcs: list) -> list:
+    """(full fit at every cell, out-of-fold values) of a batched mode's cross-fit under each weight
+    vector of ``wcs``: the (K + 1) fits of every replicate in one ``entry.fit_many`` call."""
     if not wcs:
         return []
     K, J = plan.n_folds, plan.n_folds + 1
     sums = [_fold_sums(plan, wc) for wc in wcs]
     M = np.concatenate([m for _, m in sums], axis=1) if len(sums) > 1 else sums[0][1]
-    fits = fit_two_stage_many(plan.cal_cells, M[0], M[1], M[2], clip=plan.label_scale, warm=plan.warm,
-                              n_knots=plan.n_knots)
+    fits = plan.entry.fit_many(plan.cal_cells, M[0], M[1], M[2], clip=plan.label_scale, warm=plan.warm,
+                               n_knots=plan.n_knots)
     out = []
     for r, (S, _) in enumerate(sums):
         j0 = r * J
@@ -474,7 +485,7 @@ def bootstrap_replicates(view: BootstrapView, start: int, stop: int) -> np.ndarr
     K = view.n_policies
     out = np.empty((stop - start, 3 * K))
     plan = view.calibration
-    if plan.mode != "two_stage":
+    if not plan.entry.batched:
         for i, b in enumerate(range(start, stop)):
             w = bootstrap_weights(view.seed, b, view.n_prompts)
             out[i, :2 * K] = replicate_view(view, w)
@@ -673,7 +684,7 @@ def fold_jackknife(design: Design, models: list | None = None) -> np.ndarray:
         model = models[k] if models is not None and models[k] is not None else None
         if model is None:
             keep = folds != k
-            model = make_calibrator(design.mode, d.label_scale, design.n_knots).fit(
+            model = design.entry.make(d.label_scale, design.n_knots).fit(
                 d.score[cr[keep]], d.label[cr[keep]], d.X[cr[keep]], None
             )
         thetas.append(counts @ model.predict_cells(design.cells.cells) / n_k)

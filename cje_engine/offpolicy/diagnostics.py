@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 
@@ -175,3 +176,34 @@ def dr_orthogonality(W: np.ndarray, W_if: np.ndarray, rewards: np.ndarray, q_log
     """
     est = estimate_weighted("orthogonality", W, W_if, rewards - q_logged, clusters)
     return Orthogonality(est.value, est.se, est.ci(level))
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """Per-target weight and overlap diagnostics (see docs/offpolicy.md for each)."""
+
+    n: int
+    ess_raw: float
+    ess_stabilised: float
+    max_share_raw: float
+    max_share_stabilised: float
+    q995_raw: float
+    q995_stabilised: float
+    hill_index: float
+    log_mean_weight: float
+    log10_weight_span: float
+    ttc: float
+    ttc_alpha: float
+    ttc_reference: str
+    cle_factor: float
+    cle_floor_se: float
+    affinity: float
+    affinity_reference: str
+    simcal_alpha: float
+    simcal_coef: Mapping[str, float]
+    simcal_projection: str
+    orthogonality: Orthogonality | None = None
+
+    @property
+    def ess_uplift(self) -> float:
+        return self.ess_stabilised / self.ess_raw if self.ess_raw > 0 else float("inf")

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import numpy as np
 
+from cje_engine.offpolicy.diagnostics import Diagnostics
 from cje_engine.offpolicy.estimators import LOGS_ONLY, Estimate, StackedEstimate
-
-if TYPE_CHECKING:  # annotation only (target.py imports this module)
-    from cje_engine.offpolicy.target import Diagnostics
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,7 @@ def _recommendation(target: str, direct: Estimate | None) -> str:
             "which needs no overlap with the logger")
 
 
-def gate_verdicts(estimates: Mapping[str, Estimate], diag: "Diagnostics", gates: OffPolicyGates,
+def gate_verdicts(estimates: Mapping[str, Estimate], diag: Diagnostics, gates: OffPolicyGates,
                   target: str) -> dict[str, Verdict]:
     """Apply the gates to every estimator (see `OffPolicyGates` and docs/offpolicy.md)."""
     direct = estimates.get("direct")

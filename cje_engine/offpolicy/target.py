@@ -16,6 +16,7 @@ import numpy as np
 from cje_engine.data.frame import fold_of
 from cje_engine.errors import CJEInputError
 from cje_engine.offpolicy.diagnostics import (
+    Diagnostics,
     Orthogonality,
     cle_floor,
     dr_orthogonality,
@@ -69,38 +70,6 @@ class OffPolicyConfig:
 
 
 @dataclass(frozen=True)
-class Diagnostics:
-    """Per-target weight and overlap diagnostics (see docs/offpolicy.md for each)."""
-
-    n: int
-    ess_raw: float
-    ess_stabilised: float
-    max_share_raw: float
-    max_share_stabilised: float
-    q995_raw: float
-    q995_stabilised: float
-    hill_index: float
-    log_mean_weight: float
-    log10_weight_span: float
-    ttc: float
-    ttc_alpha: float
-    ttc_reference: str
-    cle_factor: float
-    cle_floor_se: float
-    affinity: float
-    affinity_reference: str
-    simcal_alpha: float
-    simcal_coef: Mapping[str, float]
-    simcal_projection: str
-    orthogonality: Orthogonality | None = None
-
-    @property
-    def ess_uplift(self) -> float:
-        """Stabilised over raw effective sample size (inf when the raw ESS is 0)."""
-        return self.ess_stabilised / self.ess_raw if self.ess_raw > 0 else float("inf")
-
-
-@dataclass(frozen=True)
 class TargetReport:
     """Estimates, diagnostics and verdicts for one target."""
 
@@ -120,7 +89,6 @@ class TargetReport:
         return self.verdicts["calibrated_ips"]
 
     def to_dict(self) -> dict:
-        """Plain JSON form of the target's estimates, diagnostics and verdicts."""
         def num(x: float) -> float | None:
             return float(x) if np.isfinite(x) else None
 

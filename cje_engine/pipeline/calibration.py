@@ -2,11 +2,12 @@
 
 `fit_calibration` is the first step of every evaluation:
 
-1. **Mode.** ``auto`` without covariates is monotone. With covariates it compares the two modes on
-   every labelled row: out of fold for the calibration rows, under the borrowed fit for the audit
-   slices of the other policies, each policy's labelled rows weighted equally, so that a judge bias
-   that depends on a covariate and matters only where the evaluated policies differ from the
-   calibration source is seen (`choose_mode`).
+1. **Mode.** ``auto`` fits every eligible registered mode (`cje_engine.calibration.registry`: without
+   covariates only monotone is) and keeps the one of highest preference (two-stage) unless another
+   fits every labelled row significantly better: out of fold for the calibration rows, under the
+   borrowed fit for the audit slices of the other policies, each policy's labelled rows weighted
+   equally, so that a judge bias that depends on a covariate and matters only where the evaluated
+   policies differ from the calibration source is seen (`choose_mode`).
 2. **Robust pooling.** With two or more calibration sources, a source whose own (out-of-fold) audit
    fails after Holm adjustment over the sources leaves the calibrator; the calibrator is refitted
    (mode chosen anew) and the remaining sources re-audited, to a fixed point. One source leaves per
@@ -31,7 +32,7 @@ from scipy.stats import norm
 
 from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
-from cje_engine.calibration.calibrators import TWO_STAGE_LABELS_PER_PARAMETER, two_stage_knots
+from cje_engine.calibration import registry
 from cje_engine.direct.estimators import (Design, _cell_fits, calibration_plan, influence, make_design,
                                           policy_stats, row_cells)
 from cje_engine.errors import CJEInputError
@@ -40,8 +41,8 @@ from cje_engine.options import EvaluationOptions
 
 log = logging.getLogger(__name__)
 
-#: z of the one-sided test that keeps monotone in ``auto`` mode with covariates: two-stage is used
-#: unless its squared error on the labelled rows is larger by more than this many standard errors.
+#: z of the one-sided test of ``auto``: the preferred mode (two-stage) is used unless its squared error on the
+#: labelled rows is larger than another eligible mode's (monotone) by more than this many standard errors.
 MODE_Z = 2.0
 
 
@@ -194,29 +195,83 @@ def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return delta, se, is_source
 
 
+def _candidates(data: EvalData, opts: EvaluationOptions, n_cal: int) -> tuple[list, list[str]]:
+    """The registered modes ``auto`` fits (registration order) and why the others are left out.
+
+    An explicit ``calibration_mode`` is the only candidate.
+    """
+    if opts.calibration_mode != registry.AUTO:
+        return [registry.get(opts.calibration_mode)], []
+    p = data.X.shape[1]
+    chosen, left_out = [], []
+    for entry in registry.entries():
+        if not entry.in_auto:
+            continue
+        why = entry.auto_exclusion(n_cal, p)
+        if why is None:
+            chosen.append(entry)
+        else:
+            left_out.append(why)
+    if not chosen:
+        raise CJEInputError("calibration_mode='auto' has no eligible calibration mode: " + "; ".join(left_out),
+                            option="calibration_mode")
+    return chosen, left_out
+
+
+def _paired(fits: dict, entry, other, n_prompts: int) -> tuple[float, float]:
+    """Mean difference of squared labelled residuals, ``other`` minus ``entry`` (each policy weighing 1),
+    and its prompt-clustered SE."""
+    prompt, w, r_other = fits[other.name].residual_terms
+    _, _, r_entry = fits[entry.name].residual_terms
+    t = np.bincount(prompt, weights=w * (r_other**2 - r_entry**2), minlength=n_prompts)
+    n_pol = float(np.sum(w))  # policies with labels (each weighs 1)
+    return float(t.sum() / n_pol), float(np.sqrt(_column_var(t[:, None] / n_pol)[0]))
+
+
+def _compare(fits: dict, candidates: list, labelled_rmse: dict, n_prompts: int) -> tuple[str, str, dict]:
+    """``auto`` among several fitted candidates: the preferred one unless another is significantly better.
+
+    Returns (chosen, reason, the paired record of the closest challenger).
+    """
+    pref = max(candidates, key=lambda e: e.preference)  # the first registered on ties
+    tests = [(c, *_paired(fits, pref, c, n_prompts)) for c in candidates if c is not pref]
+    best, diff, se = min(tests, key=lambda t: t[1] + MODE_Z * t[2])  # the furthest past its threshold
+    record = {"paired_difference": diff, "paired_se": se}
+    drops_cov = pref.uses_covariates and not best.uses_covariates
+    if diff < -MODE_Z * se:
+        reason = (f"{best.label} fits the labelled rows of the evaluated policies better: its mean squared "
+                  f"error is smaller by {-diff:.5f} (SE {se:.5f}, more than {MODE_Z:g} SE), "
+                  + ("so the covariates are not used" if drops_cov else f"so it is used instead of {pref.label}"))
+        return best.name, reason, record
+    reason = (("covariates declared and " if pref.uses_covariates else "")
+              + f"{best.label} is not significantly better on the labelled rows "
+              f"of the evaluated policies (squared-error difference {diff:+.5f}, SE {se:.5f}; "
+              f"labelled RMSE {labelled_rmse[pref.name]:.4f} {pref.label} vs "
+              f"{labelled_rmse[best.name]:.4f} {best.label})"
+              + ("; a covariate-dependent judge bias left out would bias every plug-in level" if drops_cov else ""))
+    return pref.name, reason, record
+
+
 def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...] | None,
                 rows: dict | None = None) -> tuple[dict, dict]:
     """The calibration mode and the fits of every mode tried (so the chosen one is not refitted).
 
-    ``auto`` with covariates: two-stage unless monotone has a significantly smaller squared error on
-    the labelled rows of the evaluated policies (paired, prompt-clustered, each policy weighted
-    equally; one-sided at ``MODE_Z``). The declared covariates are kept by default because a
-    covariate-dependent judge bias left in the calibration biases every plug-in level, which no
-    interval carries, while an unneeded covariate costs only variance, which the intervals do carry.
+    ``auto``: every eligible registered mode is fitted (`_candidates`); with one, it is chosen; with
+    several (covariates declared: monotone and two-stage), the one of highest preference (two-stage)
+    unless another has a significantly smaller squared error on the labelled rows of the evaluated
+    policies (paired, prompt-clustered, each policy weighted equally; one-sided at ``MODE_Z``). The
+    declared covariates are kept by default because a covariate-dependent judge bias left in the
+    calibration biases every plug-in level, which no interval carries, while an unneeded covariate
+    costs only variance, which the intervals do carry.
     """
-    has_cov = data.X.shape[1] > 0
     lab_pol = data.policy[data.labelled]
     n_cal = int(lab_pol.size if sources is None else np.isin(lab_pol, [data.policies.index(p) for p in sources
                                                                         if p in data.policies]).sum())
-    n_knots = two_stage_knots(n_cal, data.X.shape[1])
-    too_few = has_cov and n_knots < 1
-    if opts.calibration_mode != "auto":
-        modes = [opts.calibration_mode]
-    else:
-        modes = ["monotone", "two_stage"] if has_cov and not too_few else ["monotone"]
+    candidates, left_out = _candidates(data, opts, n_cal)
     rows = {} if rows is None else rows
     fits = {}
-    for m in modes:
+    for entry in candidates:
+        m = entry.name
         if m not in rows:
             rows[m] = row_cells(data, m)
         fits[m] = fit_mode(data, m, sources, rows[m])
@@ -227,37 +282,15 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         _, w, r = fit.residual_terms
         labelled_rmse[m] = float(np.sqrt(np.sum(w * r * r) / np.sum(w)))
     selection = {"requested": opts.calibration_mode, "oof_rmse": rmse, "labelled_rmse": labelled_rmse}
-    if "two_stage" in fits:
-        selection["two_stage_knots"] = fits["two_stage"].design.n_knots
-    if opts.calibration_mode != "auto":
+    for entry in candidates:
+        selection.update(entry.selection_record(fits[entry.name].design.n_knots))
+    if opts.calibration_mode != registry.AUTO:
         chosen, reason = opts.calibration_mode, "requested by the user"
-    elif not has_cov:
-        chosen, reason = "monotone", "no covariates given, so the two-stage index has nothing to add"
-    elif too_few:
-        chosen = "monotone"
-        reason = (f"only {n_cal} calibration labels: too few for a two-stage index with one score segment and "
-                  f"{data.X.shape[1]} covariate(s) (at least {TWO_STAGE_LABELS_PER_PARAMETER} labels per parameter "
-                  "needed), so the covariates are not used")
+    elif len(candidates) == 1:
+        chosen, reason = candidates[0].name, "; ".join(left_out)
     else:
-        prompt, w, r_mono = fits["monotone"].residual_terms
-        _, _, r_two = fits["two_stage"].residual_terms
-        t = np.bincount(prompt, weights=w * (r_mono**2 - r_two**2), minlength=data.n_prompts)
-        n_pol = float(np.sum(w))  # policies with labels (each weighs 1)
-        diff = float(t.sum() / n_pol)
-        se = float(np.sqrt(_column_var(t[:, None] / n_pol)[0]))
-        selection.update(paired_difference=diff, paired_se=se)
-        if diff < -MODE_Z * se:
-            chosen = "monotone"
-            reason = (f"monotone fits the labelled rows of the evaluated policies better: its mean squared "
-                      f"error is smaller by {-diff:.5f} (SE {se:.5f}, more than {MODE_Z:g} SE), so the "
-                      "covariates are not used")
-        else:
-            chosen = "two_stage"
-            reason = (f"covariates declared and monotone is not significantly better on the labelled rows "
-                      f"of the evaluated policies (squared-error difference {diff:+.5f}, SE {se:.5f}; "
-                      f"labelled RMSE {labelled_rmse['two_stage']:.4f} two-stage vs "
-                      f"{labelled_rmse['monotone']:.4f} monotone); a covariate-dependent judge bias left "
-                      "out would bias every plug-in level")
+        chosen, reason, paired = _compare(fits, candidates, labelled_rmse, data.n_prompts)
+        selection.update(paired)
     selection.update(chosen=chosen, reason=reason)
     return selection, fits
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Prepared:
-    """Everything computed before the bootstrap (picklable, shipped to workers)."""
+    """Everything computed before the bootstrap (picklable): Direct's `cje_engine.pipeline.prepared.Prepared`."""
 
     options: EvaluationOptions
     design: Design
@@ -50,6 +50,27 @@ class Prepared:
     def n_replicate_stats(self) -> int:
         """Columns of a bootstrap replicate: the 2K statistics and the K own-label means."""
         return int(self.stats.size + self.design.n_policies)
+
+    def replicates(self, start: int, stop: int) -> np.ndarray:
+        """Bootstrap replicates ``start..stop-1`` (`bootstrap_chunk`)."""
+        return bootstrap_chunk(self, start, stop)
+
+    def check_bootstrap_memory(self) -> None:
+        """The options' memory check for the 2K statistics of a replicate."""
+        self.options.check_bootstrap_memory(self.stats.size or 1)
+
+    def bootstrap_source(self) -> Any:
+        """The design's `BootstrapView` (8 bytes a row plus the labelled rows; replicates bit-identical
+        to `bootstrap_chunk`) unless robust pooling is rerun in each replicate, else this state."""
+        if self.replay is None:
+            view = bootstrap_view(self.design, seed=self.options.seed)
+            if view.n_policies * 2 == self.stats.size:
+                return view
+        return self
+
+    def finalize(self, chunks: Sequence[np.ndarray]) -> EvaluationResult:
+        """The result from the bootstrap chunks (`finalize`)."""
+        return finalize(self, chunks)
 
 
 def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:

@@ -78,7 +78,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class OffPolicyPrepared:
-    """Everything computed before the bootstrap (picklable; shipped to workers)."""
+    """Everything computed before the bootstrap (picklable; shipped to workers whole): the off-policy
+    modes' `cje_engine.pipeline.prepared.Prepared`."""
 
     options: OffPolicyOptions
     data: OffPolicyData
@@ -96,8 +97,24 @@ class OffPolicyPrepared:
 
     @property
     def n_direct_stats(self) -> int:
-        """Number of statistics a replicate computes for the Direct part."""
+        """Columns of a replicate that are Direct's (the logger's and the fresh draws' statistics)."""
         return int(self.direct.n_replicate_stats)
+
+    def replicates(self, start: int, stop: int) -> np.ndarray:
+        """Bootstrap replicates ``start..stop-1`` (`bootstrap_chunk`)."""
+        return bootstrap_chunk(self, start, stop)
+
+    def check_bootstrap_memory(self) -> None:
+        """The engine options' memory check (as the flow ran it: one statistic)."""
+        self.options.engine.check_bootstrap_memory(1)
+
+    def bootstrap_source(self) -> "OffPolicyPrepared":
+        """This state: its replicates read the whole design."""
+        return self
+
+    def finalize(self, chunks: Sequence[np.ndarray]) -> "OffPolicyResult":
+        """The result from the bootstrap chunks (`finalize`)."""
+        return finalize(self, chunks)
 
 
 def outcome_model(design: Design, full, models: Sequence | None) -> np.ndarray:

@@ -103,7 +103,7 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
                      f"+/-{h:.4g} of the score, or outside [{cs[0]:.4g}, {cs[-1]:.4g}]; limited when more than "
                      f"{opts.support_material_share:.0%} of rows are thin"),
         }
-        if design.mode == "two_stage" and per_policy and d.X.shape[1]:
+        if design.entry.uses_covariates and per_policy and d.X.shape[1]:
             # the index extrapolates where a covariate lies outside the calibration labels' range
             Xc = d.X[design.cal_rows]
             lo, hi = Xc.min(axis=0), Xc.max(axis=0)

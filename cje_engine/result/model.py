@@ -12,6 +12,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from cje_engine.calibration.registry import result_mode_type
+
 SCHEMA_VERSION = 1
 
 Num = Optional[float]
@@ -421,7 +423,7 @@ class ReliabilityBin(_Strict):
 
 
 class Calibration(_Strict):
-    mode: Literal["monotone", "two_stage"]
+    mode: result_mode_type()  # a registered calibration mode (cje_engine.calibration.registry)
     selection: Optional[Selection] = None
     n_train: int
     calibration_policies: Optional[list[str]] = None

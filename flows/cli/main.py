@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from cje_engine.calibration import registry as calibration_modes
 from cje_engine.errors import CJEInputError
 from cje_engine.options import LEVEL_ESTIMATORS
 
@@ -120,7 +121,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help="random seed (default 0)")
     g.add_argument("--calibration-policies", type=_csv,
                    help="comma-separated policies whose labels train the calibrator")
-    g.add_argument("--calibration-mode", choices=["auto", "monotone", "two_stage"])
+    g.add_argument("--calibration-mode", choices=calibration_modes.option_values())
     g.add_argument("--inference", choices=["bootstrap", "analytic"])
     g.add_argument("--level-estimator", choices=list(LEVEL_ESTIMATORS),
                    help="verified (default: each policy's level corrected by its own labels, power-tuned; "

@@ -60,7 +60,6 @@ from cje_engine import __version__ as ENGINE_VERSION
 from cje_engine.errors import CJEInputError
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline import offpolicy as offpolicy_pipeline
-from cje_engine.pipeline.direct import finalize as engine_finalize
 from cje_engine.pipeline.direct import prepare as engine_prepare
 from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
 
@@ -306,27 +305,23 @@ def bootstrap(prep: Any, n_chunks: int | None) -> list:
     opts = prep.options
     if opts.inference != "bootstrap":  # as cje_engine.evaluate: the analytic route has no replicates
         return []
-    stats = getattr(prep, "stats", None)
-    engine_opts = getattr(opts, "engine", opts)
-    if hasattr(engine_opts, "check_bootstrap_memory"):  # before any replicate is allocated
-        engine_opts.check_bootstrap_memory(getattr(stats, "size", None) or len(getattr(prep, "policies", ())) or 1)
+    prep.check_bootstrap_memory()  # before any replicate is allocated
     B = int(opts.n_bootstrap)
     if n_chunks is None:
         n_chunks = 2 * ray_runtime.cluster_cpus()
     n_chunks = max(1, min(int(n_chunks), max(1, B // MIN_CHUNK)))
     ranges = ray_runtime.chunk_ranges(B, n_chunks)
     t0 = time.perf_counter()
-    chunks = ray_runtime.map_ordered(_chunk_fn(prep), ranges, shared=prep, name="cje_bootstrap")
+    chunks = ray_runtime.map_ordered(ray_runtime.remote_bootstrap, ranges, shared=prep, name="cje_bootstrap")
     get_run_logger().info("%d replicates in %d Ray chunk(s) in %.2f s", B, len(ranges), time.perf_counter() - t0)
     return chunks
 
 
 @task(name="finalize", **_PURE_TASK)
 def finalize(prep: Any, chunks: list) -> Any:
-    """Engine `finalize`: intervals, audits, gates, comparisons, ranking."""
-    if isinstance(prep, offpolicy_pipeline.OffPolicyPrepared):
-        return offpolicy_pipeline.finalize(prep, chunks)
-    return engine_finalize(prep, chunks)
+    """Engine `finalize` of any mode (`cje_engine.pipeline.prepared.Prepared`): intervals, audits, gates,
+    comparisons, ranking."""
+    return prep.finalize(chunks)
 
 
 @task(name="prepare_offpolicy", **_PURE_TASK)
@@ -334,13 +329,6 @@ def prepare_offpolicy(table: pa.Table, options: dict, logs_uri: str | None = Non
     """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates."""
     with _rows_named_by_object(table, logs_uri, cfg):
         return offpolicy_pipeline.prepare(table, **options)
-
-
-def _chunk_fn(prep: Any) -> Any:
-    """The Ray function computing bootstrap chunks for this prepared state."""
-    if isinstance(prep, offpolicy_pipeline.OffPolicyPrepared):
-        return offpolicy_pipeline.bootstrap_chunk
-    return ray_runtime.remote_bootstrap
 
 
 @task(name="render", **_PURE_TASK)

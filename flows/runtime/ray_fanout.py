@@ -438,33 +438,19 @@ def remote_read(uri: str, cfg_dict: dict, keys: list[str], columns: list[str] | 
 
 
 def remote_bootstrap(state, start: int, stop: int):
-    """Bootstrap replicates ``start..stop-1`` (deterministic in ``(seed, b)``).
+    """Bootstrap replicates ``start..stop-1`` (deterministic in ``(seed, b)``) of any evaluation mode.
 
-    ``state`` is what `bootstrap_state` ships: a `BootstrapView` for Direct evaluations (8 bytes
-    a row plus the labelled rows, instead of the ~100 bytes a row of the prepared state), or the
-    prepared state itself for anything else.
+    ``state`` is what `bootstrap_state` ships (a `cje_engine.pipeline.prepared.ReplicateSource`): a
+    Direct evaluation's `BootstrapView` (8 bytes a row plus the labelled rows, instead of the ~100
+    bytes a row of the prepared state), or the prepared state itself.
     """
-    from cje_engine.direct.estimators import BootstrapView, bootstrap_replicates
-
-    if isinstance(state, BootstrapView):
-        return bootstrap_replicates(state, start, stop)
-    from cje_engine.pipeline.direct import bootstrap_chunk
-
-    return bootstrap_chunk(state, start, stop)
+    return state.replicates(start, stop)
 
 
 def bootstrap_state(prep):
-    """What the bootstrap tasks receive for ``prep``: its `BootstrapView` when it is a Direct
-    prepared state without robust pooling to rerun (replicates bit-identical to
-    ``bootstrap_chunk(prep, ...)``), else ``prep`` (its replicates rerun the pooling selection)."""
-    from cje_engine.direct.estimators import Design, bootstrap_view
-    from cje_engine.pipeline.direct import Prepared
-
-    if isinstance(prep, Prepared) and isinstance(prep.design, Design) and prep.replay is None:
-        view = bootstrap_view(prep.design, seed=prep.options.seed)
-        if view.n_policies * 2 == prep.stats.size:
-            return view
-    return prep
+    """What the bootstrap tasks receive for a prepared evaluation ``prep``: ``prep.bootstrap_source()``
+    (`cje_engine.pipeline.prepared.Prepared`), replicates bit-identical to ``prep``'s own."""
+    return prep.bootstrap_source()
 
 
 remote_bootstrap.ship = bootstrap_state  # type: ignore[attr-defined]  # see map_ordered
