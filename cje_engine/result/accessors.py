@@ -238,8 +238,10 @@ def p_adjust(model: EvaluationModel, terms: Terms, method: str = "holm", level: 
     rows = [compare(model, terms, a, b, level) for a, b in pairs]
     p = np.array([c.p_value for c in rows], float)
     if method == "max-t":
-        padj = _maxt_pvalues(model, terms, [(names.index(a), names.index(b)) for a, b in pairs],
-                             np.array([c.diff for c in rows], float), np.array([c.se for c in rows], float))
+        # never below the pair's own p-value (a percentile p on the bootstrap route: another statistic)
+        padj = np.maximum(p, _maxt_pvalues(model, terms, [(names.index(a), names.index(b)) for a, b in pairs],
+                                           np.array([c.diff for c in rows], float),
+                                           np.array([c.se for c in rows], float)))
     else:
         padj = adjust(p, method) if p.size else p
     out = pd.DataFrame({"a": [c.a for c in rows], "b": [c.b for c in rows], "diff": [c.diff for c in rows],

@@ -127,7 +127,7 @@ class EvaluationResult:
         ----------
         method : {"holm", "bonferroni", "max-t"}
             ``max-t``: single-step max-T over the pairwise differences (bootstrap replicates, or normal draws
-            with the influence terms' correlation).
+            with the influence terms' correlation), never below the pair's own p-value.
         level : float, optional
             ``significant`` is ``p_adjusted <= 1 - level`` (default: the result's own level).
 

@@ -127,8 +127,13 @@ def alpha_of(m: EvaluationModel) -> float:
     return 0.05
 
 
+def _loose(result: Any) -> EvaluationModel:
+    """A result typed as far as it goes, without the rendering checks (for helpers that read a field or two)."""
+    return typed_view(result, partial=True, rules=False)
+
+
 def _alpha(result: Any) -> float:
-    return alpha_of(result_model(result))
+    return alpha_of(_loose(result))
 
 
 def _conf_label(alpha: float) -> str:
@@ -168,7 +173,7 @@ def policy_order(m: EvaluationModel) -> list[str]:
     """Policies by estimate, highest first (policies without a finite estimate last, in the order of
     the ranking, then of the dict). Never by rank group: rank = 1 + the number of policies
     significantly better, so an imprecise low estimate can hold rank 1 (see `rank_text`)."""
-    policies = m.policies
+    policies = m.policies if isinstance(m.policies, dict) else {}
     order: list[str] = []
     for entry in m.ranking or []:
         name = entry.policy if isinstance(entry, RankEntry) else None
@@ -185,7 +190,7 @@ def policy_order(m: EvaluationModel) -> list[str]:
 
 
 def _policy_order(result: Any) -> list[str]:
-    return policy_order(result_model(result))
+    return policy_order(_loose(result))
 
 
 def rank_text(m: EvaluationModel, name: str) -> str:
@@ -206,7 +211,7 @@ def rank_text(m: EvaluationModel, name: str) -> str:
 
 
 def _rank_text(result: Any, name: str) -> str:
-    return rank_text(result_model(result), name)
+    return rank_text(_loose(result), name)
 
 
 def _check_drift(drift: Any) -> dict:
@@ -280,7 +285,7 @@ def _check_drift(drift: Any) -> dict:
 # --------------------------------------------------------------------------------------------
 def _scales(result: Any) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
     """(score scale, label scale) as declared in the result's config (None when not declared)."""
-    config = result_model(result).config
+    config = _loose(result).config
     config = config if isinstance(config, dict) else {}
     return _pair(config.get("score_scale")), _pair(config.get("label_scale"))
 
