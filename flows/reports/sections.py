@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
+from cje_engine.result.model import (AssumedLevel, Comparison, EvaluationModel, Multiplicity, PolicyResult,
+                                     StatSummary, Support)
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
 from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
-                                  _name_cell, _not_estimable, _num, _pair, _pct, _rank_text, _same_scale,
-                                  _scale_text, _scales, _signed, _verdict)
+                                  _name_cell, _not_estimable, _num, _pair, _pct, _same_scale,
+                                  _scale_text, _scales, _signed, _verdict, rank_text)
 
 # --------------------------------------------------------------------------------------------
 # HTML pieces
@@ -17,7 +19,7 @@ def _badge(verdict: str) -> str:
     return f'<span class="badge v-{_esc(verdict)}">{_esc(sym)} {_esc(label)}</span>'
 
 
-def _claim_badge(pol: dict) -> str:
+def _claim_badge(pol: dict | PolicyResult) -> str:
     if _is_refused(pol):
         return ('<span class="badge refused" title="level claim refused: ranked only, no level '
                 'may be quoted">refused</span>')
@@ -163,28 +165,33 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     return f'<section id="summary" class="summary"><h2>Summary</h2>{body}</section>'
 
 
-def _raw_header(result: dict) -> str:
+def _raw_header(result: Any) -> str:
     """The raw judge column is on the judge's scale; say so when that is not the label scale."""
     if _same_scale(result):
         return "raw judge"
     return f"raw judge ({_esc(_scale_text(_scales(result)[0]))})"
 
 
-def _claim_word(p: dict) -> str:
+def _claim_word(p: PolicyResult) -> str:
     """verified, assumes transport, refused (off-policy levels: ok)."""
-    claim = str(p.get("level_claim"))
+    claim = str(p.level_claim)
     if claim == "ok":
-        return "verified" if p.get("verified") is not None else "ok"
+        return "verified" if p.verified is not None else "ok"
     return "assumes transport" if claim == "assumes_transport" else claim
 
 
-def _policy_table(result: dict, order: list[str], alpha: float) -> str:
-    pols = result["policies"]
+def _or_na(value: Any) -> Any:
+    return "n/a" if value is None else value
+
+
+def _policy_table(m: EvaluationModel, order: list[str], alpha: float) -> str:
+    """The policy estimates table of the report (typed result, `flows.reports.common.result_model`)."""
+    pols = m.policies
     conf = _conf_label(alpha)
     head = ("<tr><th class='r' title='1 + the policies significantly better; a range (1-3) when the comparisons "
             "leave it open'>rank</th><th>policy</th><th class='r'>estimate</th>"
             f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>claim / basis</th>"
-            f"<th>audit</th><th class='r'>{_raw_header(result)}</th><th class='r'>oracle mean</th>"
+            f"<th>audit</th><th class='r'>{_raw_header(m)}</th><th class='r'>oracle mean</th>"
             "<th class='r'>labels / rows</th>"
             "<th class='r' title='share of the variance due to calibration'>calib. var.</th>"
             "<th>support</th></tr>")
@@ -192,47 +199,48 @@ def _policy_table(result: dict, order: list[str], alpha: float) -> str:
     for n in order:
         p = pols[n]
         refused = _is_refused(p)
-        sup = p.get("support") if isinstance(p.get("support"), dict) else {}
-        sup_txt = ("limited" if sup.get("limited") else "ok") if sup else "n/a"
-        sup_tip = (f"{_pct(sup.get('share_outside_range'))} of scores outside the labelled range, "
-                   f"{_pct(sup.get('share_thin'))} in thinly labelled regions") if sup else ""
+        sup = p.support if isinstance(p.support, Support) else None
+        sup_txt = ("limited" if sup.limited else "ok") if sup else "n/a"
+        sup_tip = (f"{_pct(sup.share_outside_range)} of scores outside the labelled range, "
+                   f"{_pct(sup.share_thin)} in thinly labelled regions") if sup else ""
         if refused:
             est = f"<td class='c' colspan='3'>{_claim_badge(p)}</td>"
-        elif p.get("level_claim") == "assumes_transport" and p.get("estimate") is None:
-            a = p.get("assumed") or {}
+        elif p.level_claim == "assumes_transport" and p.estimate is None:
+            a = p.assumed if isinstance(p.assumed, AssumedLevel) else None
             est = (f"<td class='c' colspan='3' title='not verified by the policy&#39;s own labels'>assumes transport: "
-                   f"<span class='num'>{_esc(_fmt(a.get('estimate')))} {_esc(_fmt_ci(a.get('ci')))}</span></td>")
+                   f"<span class='num'>{_esc(_fmt(a.estimate if a else None))} {_esc(_fmt_ci(a.ci if a else None))}"
+                   "</span></td>")
         else:
-            est = (f"<td class='r num'><b>{_esc(_fmt(p.get('estimate')))}</b></td>"
-                   f"<td class='r num'>{_esc(_fmt_ci(p.get('ci')))}</td>"
-                   f"<td class='r num'>{_esc(_fmt(p.get('se')))}</td>")
+            est = (f"<td class='r num'><b>{_esc(_fmt(p.estimate))}</b></td>"
+                   f"<td class='r num'>{_esc(_fmt_ci(p.ci))}</td>"
+                   f"<td class='r num'>{_esc(_fmt(p.se))}</td>")
         tr_cls = " class='is-refused'" if refused else ""
         rows.append(
-            f"<tr{tr_cls}><td class='r num rank'>{_esc(_rank_text(result, n))}</td>"
+            f"<tr{tr_cls}><td class='r num rank'>{_esc(rank_text(m, n))}</td>"
             f"<td class='name'>{_name_cell(n)}</td>"
             f"{est}"
-            f"<td title='{_esc(p.get('basis') or '')}'>{_esc(_claim_word(p))}<br>"
-            f"<small>{_esc(p.get('basis_code') or 'n/a')}</small></td>"
-            f"<td title='transport: {_esc(p.get('transport') or 'n/a')}'>{_badge(_verdict(p))}</td>"
-            f"<td class='r num'>{_esc(_fmt(p.get('raw_judge_mean')))}</td>"
-            f"<td class='r num'>{_esc(_fmt(p.get('oracle_mean')))}</td>"
-            f"<td class='r num'>{_esc(p.get('n_labelled', 'n/a'))} / "
-            f"{_esc(p.get('n_rows', 'n/a'))}</td>"
-            f"<td class='r num'>{_esc(_pct(p.get('variance_share_calibration')))}</td>"
+            f"<td title='{_esc(p.basis or '')}'>{_esc(_claim_word(p))}<br>"
+            f"<small>{_esc(p.basis_code or 'n/a')}</small></td>"
+            f"<td title='transport: {_esc(p.transport or 'n/a')}'>{_badge(_verdict(p))}</td>"
+            f"<td class='r num'>{_esc(_fmt(p.raw_judge_mean))}</td>"
+            f"<td class='r num'>{_esc(_fmt(p.oracle_mean))}</td>"
+            f"<td class='r num'>{_esc(_or_na(p.n_labelled))} / "
+            f"{_esc(_or_na(p.n_rows))}</td>"
+            f"<td class='r num'>{_esc(_pct(p.variance_share_calibration))}</td>"
             f"<td title='{_esc(sup_tip)}'>{_esc(sup_txt)}</td></tr>")
     bases = []
     for n in order:
         p = pols[n]
-        if p.get("basis"):
-            bases.append(f"<li><b>{_esc(n)}</b>: {_esc(p['basis'])}</li>")
+        if p.basis:
+            bases.append(f"<li><b>{_esc(n)}</b>: {_esc(p.basis)}</li>")
     basis_list = f"<ul class='bases'>{''.join(bases)}</ul>" if bases else ""
     return (f"<div class='scroll'><table class='data'><thead>{head}</thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>{basis_list}")
 
 
-def _estimator_table(result: dict, order: list[str], alpha: float) -> str:
+def _estimator_table(m: EvaluationModel, order: list[str], alpha: float) -> str:
     """Plug-in vs augmented numbers for quotable policies (refused ones stay hidden)."""
-    pols = result["policies"]
+    pols = m.policies
     conf = _conf_label(alpha)
     rows = []
     for n in order:
@@ -242,18 +250,16 @@ def _estimator_table(result: dict, order: list[str], alpha: float) -> str:
                         "<td class='r refused-cell' colspan='4'>refused</td></tr>")
             continue
         cells = []
-        for key in ("plug_in", "augmented"):
-            part = p.get(key) if isinstance(p.get(key), dict) else None
-            if part is None:
+        for part in (p.plug_in, p.augmented):
+            if not isinstance(part, StatSummary):
                 cells.append("<td class='r muted' colspan='2'>not available</td>")
             else:
-                cells.append(f"<td class='r num'>{_esc(_fmt(part.get('estimate')))}</td>"
-                             f"<td class='r num'>{_esc(_fmt_ci(part.get('ci')))}</td>")
+                cells.append(f"<td class='r num'>{_esc(_fmt(part.estimate))}</td>"
+                             f"<td class='r num'>{_esc(_fmt_ci(part.ci))}</td>")
         rows.append(f"<tr><td class='name'>{_name_cell(n)}</td>{''.join(cells)}</tr>")
     return ("<div class='scroll'><table class='data'><thead><tr><th>policy</th>"
             f"<th class='r'>plug-in</th><th class='r'>{conf} CI</th><th class='r'>augmented</th>"
             f"<th class='r'>{conf} CI</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
-
 
 def _audit_section(result: dict, order: list[str], alpha: float) -> str:
     pols = result["policies"]
@@ -302,49 +308,48 @@ def _audit_section(result: dict, order: list[str], alpha: float) -> str:
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
-def _comparisons_table(result: dict, alpha: float) -> str:
+def _comparisons_table(m: EvaluationModel, alpha: float) -> str:
+    """The pairwise comparisons table of the report (typed result)."""
     rows = []
-    pols = result["policies"]
+    pols = m.policies
     conf = _conf_label(alpha)
-    for c in result.get("comparisons") or []:
-        if not isinstance(c, dict):
-            continue
-        a, b = str(c.get("a")), str(c.get("b"))
-        involves = bool(c.get("involves_refused")) or any(
-            _is_refused(pols[x]) for x in (a, b) if x in pols)
+    comps = [c for c in m.comparisons or [] if isinstance(c, Comparison)]
+    for c in comps:
+        a, b = str(c.a), str(c.b)
+        involves = bool(c.involves_refused) or any(_is_refused(pols[x]) for x in (a, b) if x in pols)
         why = _not_estimable(c)
         if why is not None:
             rows.append(f"<tr class='is-refused not-estimable'><td class='name'>{_name_cell(a)}</td>"
                         f"<td class='name'>{_name_cell(b)}</td><td class='refused-cell' colspan='6'>not estimable: "
                         f"{_esc(why)}</td><td></td></tr>")
             continue
-        sig = bool(c.get("significant"))
+        sig = bool(c.significant)
         sig_txt = "<span class='sig'>\u2713 yes</span>" if sig else "no"
         rows.append(
             f"<tr><td class='name'>{_name_cell(a)}</td><td class='name'>{_name_cell(b)}</td>"
-            f"<td class='r num'>{_esc(_signed(c.get('diff')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_ci(c.get('ci')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_p(c.get('p_value')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_p(c.get('p_adjusted')))}</td>"
+            f"<td class='r num'>{_esc(_signed(c.diff))}</td>"
+            f"<td class='r num'>{_esc(_fmt_ci(c.ci))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(c.p_value))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(c.p_adjusted))}</td>"
             f"<td class='c'>{sig_txt}</td>"
-            f"<td class='r num'>{_esc(_fmt(c.get('prob_a_better'), 2))}</td>"
+            f"<td class='r num'>{_esc(_fmt(c.prob_a_better, 2))}</td>"
             f"<td class='note'>{'relative only (refused policy)' if involves else ''}</td></tr>")
     if not rows:
         return "<p class='muted'>No pairwise comparisons in this result.</p>"
-    mult = result.get("multiplicity") or {}
-    method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "")
-    n_ne = sum(1 for c in result.get("comparisons") or [] if isinstance(c, dict) and _not_estimable(c))
+    mult = m.multiplicity if isinstance(m.multiplicity, Multiplicity) else None
+    config = m.config if isinstance(m.config, dict) else {}
+    method = str((mult.method if mult else None) or config.get("multiplicity") or "")
+    n_ne = sum(1 for c in comps if _not_estimable(c))
     caption = (f"{len(rows) - n_ne} comparisons reported"
                + (f", {n_ne} not estimable" if n_ne else "")
                + f"; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
-               f"\u03b1 = {_esc(_fmt(mult.get('alpha', alpha), 2))}.")
+               f"\u03b1 = {_esc(_fmt(mult.alpha if mult is not None and mult.alpha is not None else alpha, 2))}.")
     return (f"<p class='lead'>{caption} Differences are a \u2212 b on the oracle scale; comparisons "
             f"involving a refused policy are relative claims only.</p><div class='scroll'>"
             "<table class='data'><thead><tr><th>a</th><th>b</th><th class='r'>diff (a\u2212b)</th>"
             f"<th class='r'>{conf} CI</th><th class='r'>p</th><th class='r'>adj. p</th>"
             "<th class='c'>significant</th><th class='r'>P(a better)</th><th></th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>")
-
 
 def _calibration_section(result: dict) -> str:
     cal = result.get("calibration") if isinstance(result.get("calibration"), dict) else {}
