@@ -222,7 +222,7 @@ def render_report(result: Any, *, title: str | None = None, drift: dict | None =
         f"<header class='top'><h1>{_esc(page_title)}</h1>"
         f"<div class='meta'>{_esc(sep.join(meta))}</div>{_days_meta(days)}"
         f"{_context_meta(ctx) if ctx else ''}</header>",
-        _summary_html(result, order, alpha, drift_data),
+        _summary_html(m, order, alpha, drift_data),
         _changed_section(ctx) if ctx else "",
         "<section id='estimates'><h2>Policy estimates</h2>"
         f"<p class='lead'>Calibrated values on the oracle scale with {conf} intervals that include "

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from cje_engine.result.model import (AssumedLevel, Comparison, EvaluationModel, Multiplicity, PolicyResult,
-                                     StatSummary, Support)
+from cje_engine.result.model import (AssumedClaims, AssumedLevel, Audit, Comparison, EvaluationModel, LabelsToVerify,
+                                     Multiplicity, PolicyResult, RankAgreement, StatSummary, Support)
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
 from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
                                   _name_cell, _not_estimable, _num, _pair, _pct, _same_scale,
@@ -42,26 +42,27 @@ def _strip_winner_prefix(reason: Any) -> str:
     return text
 
 
-def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | None) -> str:
-    pols = result["policies"]
+def _summary_html(m: EvaluationModel, order: list[str], alpha: float, drift: dict | None) -> str:
+    """The summary section: quotable, assumed and refused levels, best policy, audits, rank agreement, drift."""
+    pols = m.policies
     conf = _conf_label(alpha)
     items: list[tuple[str, str]] = []
-    assumed = [n for n in order if pols[n].get("level_claim") == "assumes_transport"]
+    assumed = [n for n in order if pols[n].level_claim == "assumes_transport"]
     quotable = [n for n in order if not _is_refused(pols[n]) and n not in assumed]
     refused = [n for n in order if _is_refused(pols[n])]
     if quotable:
         lines = []
         for n in quotable:
             p = pols[n]
-            ci = _pair(p.get("ci"))
+            ci = _pair(p.ci)
             ci_txt = f" ({conf} CI {_fmt(ci[0])}\u2013{_fmt(ci[1])})" if ci else ""
             note = ""
-            if p.get("transport") == "unaudited" or _verdict(p) == "not_run":
+            if p.transport == "unaudited" or _verdict(p) == "not_run":
                 note = " <span class='note'>unaudited: rests on the assumption that the " \
                        "calibration transports</span>"
             elif _verdict(p) == "inconclusive":
                 note = " <span class='note'>audit inconclusive</span>"
-            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(p.get('estimate')))}"
+            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(p.estimate))}"
                          f"</span>{_esc(ci_txt)}{note}</li>")
         items.append(("ok", f"<p><b>Verified</b> levels that can be quoted (oracle scale; own labels correct "
                             f"them, no transport assumed):</p><ul>{''.join(lines)}</ul>"))
@@ -71,13 +72,13 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
         lines = []
         for n in assumed:
             p = pols[n]
-            a = p.get("assumed") or {}
-            ci = _pair(a.get("ci"))
+            a = p.assumed if isinstance(p.assumed, AssumedLevel) else None
+            ci = _pair(a.ci if a else None)
             ci_txt = f" ({conf} CI {_fmt(ci[0])}\u2013{_fmt(ci[1])})" if ci else ""
-            ltv = p.get("labels_to_verify") or {}
-            need = (f"; about {ltv['n_labels']} more own labels would verify it"
-                    if isinstance(ltv.get("n_labels"), int) and ltv["n_labels"] > 0 else "")
-            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(a.get('estimate')))}</span>"
+            ltv = p.labels_to_verify if isinstance(p.labels_to_verify, LabelsToVerify) else None
+            need = (f"; about {ltv.n_labels} more own labels would verify it"
+                    if ltv is not None and isinstance(ltv.n_labels, int) and ltv.n_labels > 0 else "")
+            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(a.estimate if a else None))}</span>"
                          f"{_esc(ci_txt)} <span class='note'>assumes transport{_esc(need)}</span></li>")
         items.append(("warn", "<p><b>Assumes transport</b> (not verified: the calibrated plug-in rests on the "
                               "calibration transporting to the policy; not used for the best policy or a gate):"
@@ -85,22 +86,22 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     if refused:
         lines = []
         for n in refused:
-            reasons = [str(r) for r in pols[n].get("refusal_reasons") or []] or [
+            reasons = [str(r) for r in pols[n].refusal_reasons or []] or [
                 "no reason given by the engine"]
             lines.append(f"<li><b>{_esc(n)}</b>: {'; '.join(_esc(r) for r in reasons)}</li>")
         items.append(("bad", "<p>Level claims <b>refused</b> (ranked only; do not quote a level):"
                              f"</p><ul>{''.join(lines)}</ul>"))
-    best = result.get("best_policy")
-    reason = _strip_winner_prefix(result.get("best_policy_reason"))
+    best = m.best_policy
+    reason = _strip_winner_prefix(m.best_policy_reason)
     reason_txt = f" \u2014 {_esc(reason)}" if reason else ""
     if best is not None:
         items.append(("ok", f"<p>Best policy: <b>{_esc(best)}</b>{reason_txt}</p>"))
     else:
         items.append(("warn", f"<p><b>No clear winner</b>{reason_txt}</p>"))
-    assumed_claims = result.get("assumes_transport")
-    if isinstance(assumed_claims, dict):
-        a_best = assumed_claims.get("best_policy")
-        a_reason = _strip_winner_prefix(assumed_claims.get("best_policy_reason"))
+    assumed_claims = m.assumes_transport
+    if isinstance(assumed_claims, AssumedClaims):
+        a_best = assumed_claims.best_policy
+        a_reason = _strip_winner_prefix(assumed_claims.best_policy_reason)
         items.append(("warn", "<p><b>Assuming transport</b> (the paper's protocol, not verified): best policy "
                               f"<b>{_esc(a_best or 'none')}</b>" + (f" \u2014 {_esc(a_reason)}" if a_reason else "")
                               + ". Not the basis of the best policy or a gate.</p>"))
@@ -112,16 +113,17 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     if failed:
         details = []
         for n in failed:
-            a = _audit(pols[n])
-            details.append(f"<b>{_esc(n)}</b> (mean residual {_esc(_signed(a.get('residual_mean')))}"
-                           f" on {_esc(a.get('n_labels', '?'))} labels)")
+            a = pols[n].audit if isinstance(pols[n].audit, Audit) else None
+            details.append(f"<b>{_esc(n)}</b> (mean residual {_esc(_signed(a.residual_mean if a else None))}"
+                           f" on {_esc('?' if a is None or a.n_labels is None else a.n_labels)} labels)")
         audit_parts.append("Transport audit <b>failed</b> for " + ", ".join(details) +
                            ": the calibration learned elsewhere does not hold for "
                            + ("this policy." if len(failed) == 1 else "these policies."))
     if inconclusive:
         details = []
         for n in inconclusive:
-            extra = _audit(pols[n]).get("extra_labels_needed")
+            a = pols[n].audit if isinstance(pols[n].audit, Audit) else None
+            extra = a.extra_labels_needed if a else None
             details.append(f"<b>{_esc(n)}</b>" + (f" (about {_esc(extra)} more labels needed)"
                                                   if extra is not None else ""))
         audit_parts.append("Audit inconclusive for " + ", ".join(details) + ".")
@@ -133,10 +135,10 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     if audit_parts:
         kind = "bad" if failed else ("warn" if inconclusive or not_run else "ok")
         items.append((kind, "<p>" + " ".join(audit_parts) + "</p>"))
-    ra = result.get("rank_agreement") if isinstance(result.get("rank_agreement"), dict) else {}
-    tau = _num(ra.get("kendall_tau_b_raw_vs_calibrated"))
-    raw_order = [str(x) for x in ra.get("raw_order") or []]
-    cal_order = [str(x) for x in ra.get("calibrated_order") or []]
+    ra = m.rank_agreement if isinstance(m.rank_agreement, RankAgreement) else None
+    tau = _num(ra.kendall_tau_b_raw_vs_calibrated) if ra else None
+    raw_order = [str(x) for x in (ra.raw_order if ra else None) or []]
+    cal_order = [str(x) for x in (ra.calibrated_order if ra else None) or []]
     if tau is not None or raw_order:
         tau_txt = f"Kendall \u03c4-b = {_fmt(tau, 2)}" if tau is not None else "\u03c4 not given"
         if raw_order and raw_order == cal_order or (tau is not None and tau >= 0.999):
@@ -157,7 +159,7 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
         else:
             items.append(("ok", f"<p>No judge drift alarm over {len(drift['periods'])} "
                                 "period(s).</p>"))
-    warnings = [str(w) for w in result.get("warnings") or []]
+    warnings = [str(w) for w in m.warnings or []]
     if warnings:
         items.append(("warn", f"<p>{len(warnings)} engine warning(s); see "
                               "<a href='#warnings'>Warnings</a>.</p>"))
