@@ -5,18 +5,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cje_engine.result.model import Comparison, EvaluationModel, Multiplicity, WinMatrix
 from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, SKY, VERDICT_STYLE, VERMILLION,
-                                  _conf_label, _esc, _fmt, _fmt_ci, _is_refused, _num, _pair, _policy_order,
+                                  _conf_label, _esc, _fmt, _fmt_ci, _is_refused, _loose, _num, _pair,
                                   _raw_on_label_scale, _same_scale, _scale_text, _scales, _short, _verdict,
-                                  _z, _not_estimable)
+                                  _z, _not_estimable, policy_order)
 from flows.reports.svg import (_cross, _diamond, _el, _legend, _line, _Lin, _polylines, _r, _svg, _text, _ticks,
                                _x_axis, _y_axis)
 
 # --------------------------------------------------------------------------------------------
 # figures
 # --------------------------------------------------------------------------------------------
-def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
-    pols = result["policies"]
+def _forest_svg(m: EvaluationModel, order: list[str], alpha: float) -> str:
+    """Forest plot of the policies' estimates, intervals, raw judge and oracle means (typed result)."""
+    pols = m.policies
     width, left, right_cols = 1040, 250, 300
     x0, x1 = left, width - right_cols
     top, row_h = 78, 44
@@ -24,9 +26,9 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
     values: list[float] = []
     for name in order:
         p = pols[name]
-        values += [v for v in (_num(p.get("estimate")), _raw_on_label_scale(result, p.get("raw_judge_mean")),
-                               _num(p.get("oracle_mean"))) if v is not None]
-        if (ci := _pair(p.get("ci"))) is not None:
+        values += [v for v in (_num(p.estimate), _raw_on_label_scale(m, p.raw_judge_mean),
+                               _num(p.oracle_mean)) if v is not None]
+        if (ci := _pair(p.ci)) is not None:
             values += list(ci)
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     pad = 0.04 * (hi - lo or 1.0)
@@ -39,7 +41,7 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
         (_line(-9, 0, 9, 0, stroke=GREY, stroke_width="2", stroke_dasharray="3 3")
          + _el("circle", cx=0.0, cy=0.0, r="5", fill="#fff", stroke=GREY, stroke_width="2"),
          "refused: ranking only, not a level"),
-        (_diamond(0, 0, 5.5, fill=ORANGE, stroke="#8a5d00", stroke_width="0.8"), _raw_legend(result)),
+        (_diamond(0, 0, 5.5, fill=ORANGE, stroke="#8a5d00", stroke_width="0.8"), _raw_legend(m)),
         (_cross(0, 0, 4, INK), "oracle mean of own labels"),
     ], x0 - 230, 20)
     header_y = top - 12
@@ -59,15 +61,15 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
         p = pols[name]
         cy = top + i * row_h + row_h / 2
         refused = _is_refused(p)
-        sub = p.get("basis_code") or ""
-        n_lab = p.get("n_labelled")
+        sub = p.basis_code or ""
+        n_lab = p.n_labelled
         sub = " \u00b7 ".join(s for s in (str(sub).replace("_", "-"),
                                           f"{n_lab} own labels" if n_lab is not None else "") if s)
         body.append(_el("text", _el("title", _esc(name)) + _esc(_short(name, 26)), x=float(x0 - 14),
                         y=float(cy - 2), text_anchor="end", fill=INK, font_size="13",
                         font_weight="600"))
         body.append(_text(x0 - 14, cy + 13, sub, text_anchor="end", fill=MUTED, font_size="10.5"))
-        est, ci = _num(p.get("estimate")), _pair(p.get("ci"))
+        est, ci = _num(p.estimate), _pair(p.ci)
         colour = GREY if refused else BLUE
         if ci is not None:
             dash = "4 3" if refused else None
@@ -76,11 +78,11 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
                               stroke_dasharray=dash))
             for v in ci:
                 body.append(_line(sx(v), cy - 5, sx(v), cy + 5, stroke=colour, stroke_width=sw))
-        raw = _raw_on_label_scale(result, p.get("raw_judge_mean"))
+        raw = _raw_on_label_scale(m, p.raw_judge_mean)
         if raw is not None:
             body.append(_diamond(sx(raw), cy, 5.5, fill=ORANGE, stroke="#8a5d00",
                                  stroke_width="0.8"))
-        orc = _num(p.get("oracle_mean"))
+        orc = _num(p.oracle_mean)
         if orc is not None:
             body.append(_cross(sx(orc), cy, 4, INK))
         if est is not None:
@@ -104,7 +106,7 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
     return _svg(width, height, body, "Forest plot of policy estimates with confidence intervals")
 
 
-def _raw_legend(result: dict) -> str:
+def _raw_legend(result: Any) -> str:
     if _same_scale(result):
         return "raw judge mean"
     score, label = _scales(result)
@@ -261,25 +263,26 @@ def _audit_svg(name: str, audit: dict, alpha: float) -> str:
     return _svg(width, height, body, f"Audit residuals by score bin for {name}")
 
 
-def _pairwise(result: dict) -> tuple[list[str], list[list[float | None]], list[list[int]]]:
-    """Win matrix as (policies, P(row better), sig) with sig in {1 row better, -1 worse, 0}."""
-    policies = result["policies"]
+def _pairwise(m: EvaluationModel) -> tuple[list[str], list[list[float | None]], list[list[int]]]:
+    """Win matrix as (policies, P(row better), sig) with sig in {1 row better, -1 worse, 0} (typed result)."""
+    policies = m.policies
     diffs: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {}
     blank: set[tuple[str, str]] = set()
-    for c in result.get("comparisons") or []:
-        if not isinstance(c, dict) or c.get("a") not in policies or c.get("b") not in policies:
+    for c in m.comparisons or []:
+        if not isinstance(c, Comparison) or c.a not in policies or c.b not in policies:
             continue
         if _not_estimable(c) is not None:
-            blank |= {(c["a"], c["b"]), (c["b"], c["a"])}
+            blank |= {(c.a, c.b), (c.b, c.a)}
             continue  # no number: the cell stays empty, whatever the win matrix says
-        d, pa, sig = _num(c.get("diff")), _num(c.get("prob_a_better")), bool(c.get("significant"))
-        diffs[(c["a"], c["b"])] = (d, pa, sig)
-        diffs[(c["b"], c["a"])] = (-d if d is not None else None,
+        d, pa, sig = _num(c.diff), _num(c.prob_a_better), bool(c.significant)
+        diffs[(c.a, c.b)] = (d, pa, sig)
+        diffs[(c.b, c.a)] = (-d if d is not None else None,
                                    1 - pa if pa is not None else None, sig)
-    wm = result.get("win_matrix") if isinstance(result.get("win_matrix"), dict) else {}
-    names = [n for n in wm.get("policies") or [] if n in policies] or _policy_order(result)
-    idx = {n: i for i, n in enumerate(wm.get("policies") or [])}
-    prob_m, sig_m = wm.get("prob_row_better"), wm.get("significant")
+    wm = m.win_matrix if isinstance(m.win_matrix, WinMatrix) else None
+    wm_names = (wm.policies if wm else None) or []
+    names = [n for n in wm_names if n in policies] or policy_order(m)
+    idx = {n: i for i, n in enumerate(wm_names)}
+    prob_m, sig_m = (wm.prob_row_better, wm.significant) if wm else (None, None)
     k = len(names)
 
     def cell(matrix: Any, r: str, c: str) -> Any:
@@ -326,9 +329,11 @@ def _puor(p: float) -> str:
     return "#542788"
 
 
-def _win_svg(result: dict) -> str:
-    names, prob, sig = _pairwise(result)
-    pols = result["policies"]
+def _win_svg(result: Any) -> str:
+    """The pairwise win matrix (a result dict, `EvaluationResult` or `EvaluationModel`)."""
+    m = _loose(result)
+    names, prob, sig = _pairwise(m)
+    pols = m.policies
     k = len(names)
     cell = 64 if k <= 6 else max(30, int(420 / k))
     left, top = 240, 150
@@ -377,8 +382,9 @@ def _win_svg(result: dict) -> str:
     for s, lab in ((0, "0"), (5, "0.5"), (10, "1")):
         body.append(_text(left + s * 22 + 11, ly + 26, lab, text_anchor="middle", fill=MUTED,
                           font_size="10.5"))
-    method = str((result.get("multiplicity") or {}).get("method") or
-                 (result.get("config") or {}).get("multiplicity") or "adjusted").upper()
+    mult = m.multiplicity if isinstance(m.multiplicity, Multiplicity) else None
+    config = m.config if isinstance(m.config, dict) else {}
+    method = str((mult.method if mult else None) or config.get("multiplicity") or "adjusted").upper()
     body.append(_text(left, ly + 50, f"\u25b2 row significantly better ({method}-adjusted)",
                       fill=INK, font_size="11.5"))
     body.append(_text(left, ly + 68, "\u25bc row significantly worse \u00b7 no symbol: not significant",

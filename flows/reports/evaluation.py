@@ -229,7 +229,7 @@ def render_report(result: Any, *, title: str | None = None, drift: dict | None =
         "the calibration's uncertainty. Refused policies are drawn hollow and dashed: their "
         "interval is computed for ranking only and is not a level. Raw judge means (orange) show "
         "how far the uncalibrated judge is off.</p>"
-        f"<div class='figure'>{_forest_svg(result, order, alpha)}</div>"
+        f"<div class='figure'>{_forest_svg(m, order, alpha)}</div>"
         f"{_policy_table(m, order, alpha)}"
         "<h3>Plug-in vs augmented</h3>"
         f"{_estimator_table(m, order, alpha)}</section>",
@@ -237,7 +237,7 @@ def render_report(result: Any, *, title: str | None = None, drift: dict | None =
         f"<section id='audit'><h2>Transport audit</h2>{_audit_section(result, order, alpha)}"
         "</section>",
         "<section id='comparisons'><h2>Pairwise comparisons</h2>"
-        f"<div class='figure'>{_win_svg(result)}</div>{_comparisons_table(m, alpha)}"
+        f"<div class='figure'>{_win_svg(m)}</div>{_comparisons_table(m, alpha)}"
         "</section>",
     ]
     if drift_data is not None:
