@@ -319,3 +319,22 @@ def test_round_trip_of_cje_evaluate_on_the_arena_sample(tmp_path, arena_dir):
             assert (got.diff, got.ci, got.p_value) == (pytest.approx(c.diff), pytest.approx(c.ci), pytest.approx(c.p_value))
     assert res.summary().shape[0] == len(res.model.policies)
     assert res.confint(joint=True)["method"].isin(["max-t (bootstrap)", "none: no quotable level"]).all()
+
+
+# ------------------------------------------------------------------------------ typed readers
+
+
+def test_reports_and_gate_read_the_typed_result_as_they_read_its_json(verified):
+    """The table, the report and the gate take the `EvaluationResult` (or its model) and read it through the
+    typed model: the same text as from the result's JSON."""
+    from flows.cli.commands.gate import judge
+    from flows.reports.evaluation import render_report
+    from flows.reports.table import format_table
+
+    d = verified.to_dict()
+    assert format_table(verified) == format_table(verified.model) == format_table(d)
+    assert render_report(verified, title="t") == render_report(d, title="t")
+    a = judge(verified, "base", fail_if=["worse", "refused"], candidates=["cand", "worse"])
+    b = judge(d, "base", fail_if=["worse", "refused"], candidates=["cand", "worse"])
+    assert [(c.candidate, c.failed, c.reason) for c in a] == [(c.candidate, c.failed, c.reason) for c in b]
+    assert any("not estimable" in c.reason for c in a if c.candidate == "cand")
