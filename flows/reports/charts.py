@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cje_engine.result.model import Comparison, EvaluationModel, Multiplicity, WinMatrix
+from cje_engine.result.model import Audit, Comparison, Decile, EvaluationModel, Multiplicity, WinMatrix
 from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, SKY, VERDICT_STYLE, VERMILLION,
                                   _conf_label, _esc, _fmt, _fmt_ci, _is_refused, _loose, _num, _pair,
                                   _raw_on_label_scale, _same_scale, _scale_text, _scales, _short, _verdict,
@@ -193,24 +193,23 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     return _svg(width, height, body, "Calibration curve and reliability diagram")
 
 
-def _audit_svg(name: str, audit: dict, alpha: float) -> str:
+def _audit_svg(name: str, audit: Audit, alpha: float) -> str:
     width, height = 500, 250
     L, T, W, H = 64, 14, 420, 170
     z = _z(alpha)
-    deciles = [d for d in audit.get("deciles") or [] if isinstance(d, dict)
-               and _num(d.get("mean_residual")) is not None]
-    margin = _num(audit.get("margin"))
-    overall = _num(audit.get("residual_mean"))
-    overall_ci = _pair(audit.get("ci_adjusted")) or _pair(audit.get("ci"))
+    deciles = [d for d in audit.deciles or [] if isinstance(d, Decile) and _num(d.mean_residual) is not None]
+    margin = _num(audit.margin)
+    overall = _num(audit.residual_mean)
+    overall_ci = _pair(audit.ci_adjusted) or _pair(audit.ci)
     cats: list[tuple[str, str, float, float | None, float | None, bool]] = []
     for d in deciles:
-        m, se = float(d["mean_residual"]), _num(d.get("se"))
+        m, se = float(d.mean_residual), _num(d.se)
         lo_hi = (m - z * se, m + z * se) if se is not None else None
-        cats.append((f"{_fmt(d.get('lo'), 2)}\u2013{_fmt(d.get('hi'), 2)}",
-                     f"n={d.get('n', '?')}", m, lo_hi[0] if lo_hi else None,
+        cats.append((f"{_fmt(d.lo, 2)}\u2013{_fmt(d.hi, 2)}",
+                     f"n={'?' if d.n is None else d.n}", m, lo_hi[0] if lo_hi else None,
                      lo_hi[1] if lo_hi else None, False))
     if overall is not None:
-        cats.append(("all", f"n={audit.get('n_labels', '?')}", overall,
+        cats.append(("all", f"n={'?' if audit.n_labels is None else audit.n_labels}", overall,
                      overall_ci[0] if overall_ci else None, overall_ci[1] if overall_ci else None,
                      True))
     vals = [0.0] + [v for c in cats for v in (c[2], c[3], c[4]) if v is not None]
@@ -234,7 +233,7 @@ def _audit_svg(name: str, audit: dict, alpha: float) -> str:
     n = max(len(cats), 1)
     band = W / n
     rotate = n > 7
-    verdict_colour = VERDICT_STYLE.get(audit.get("verdict"), VERDICT_STYLE["not_run"])[2]
+    verdict_colour = VERDICT_STYLE.get(audit.verdict, VERDICT_STYLE["not_run"])[2]
     for i, (label, count, m, lo, hi, is_all) in enumerate(cats):
         cx = L + band * (i + 0.5)
         colour = verdict_colour if is_all else BLUE

@@ -4,10 +4,10 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from cje_engine.result.model import (AssumedClaims, AssumedLevel, Audit, Comparison, EvaluationModel, LabelsToVerify,
-                                     Multiplicity, PolicyResult, RankAgreement, StatSummary, Support)
+from cje_engine.result.model import (AssumedClaims, AssumedLevel, Audit, Comparison, Decile, EvaluationModel,
+                                     LabelsToVerify, Multiplicity, PolicyResult, RankAgreement, StatSummary, Support)
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
-from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
+from flows.reports.common import (VERDICT_STYLE, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
                                   _name_cell, _not_estimable, _num, _pair, _pct, _same_scale,
                                   _scale_text, _scales, _signed, _verdict, rank_text)
 
@@ -263,31 +263,33 @@ def _estimator_table(m: EvaluationModel, order: list[str], alpha: float) -> str:
             f"<th class='r'>plug-in</th><th class='r'>{conf} CI</th><th class='r'>augmented</th>"
             f"<th class='r'>{conf} CI</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
 
-def _audit_section(result: dict, order: list[str], alpha: float) -> str:
-    pols = result["policies"]
+def _audit_section(m: EvaluationModel, order: list[str], alpha: float) -> str:
+    """The transport audit section: one panel per audited policy and the audit table (typed result)."""
+    pols = m.policies
     panels = []
     rows = []
-    adj = (result.get("config") or {}).get("audit_adjustment")
+    adj = (m.config if isinstance(m.config, dict) else {}).get("audit_adjustment")
     for n in order:
-        a = _audit(pols[n])
+        a = pols[n].audit if isinstance(pols[n].audit, Audit) else Audit.model_construct(
+            **{f: None for f in Audit.model_fields})
         verdict = _verdict(pols[n])
-        extra = a.get("extra_labels_needed")
+        extra = a.extra_labels_needed
         extra_txt = "\u2013" if extra is None else str(extra)
         rows.append(
             f"<tr><td class='name'>{_name_cell(n)}</td><td>{_badge(verdict)}</td>"
-            f"<td class='r num'>{_esc(a.get('n_labels', 'n/a'))}</td>"
-            f"<td class='r num'>{_esc(_signed(a.get('residual_mean')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_ci(a.get('ci_adjusted') or a.get('ci')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_p(a.get('p_adjusted')))}</td>"
-            f"<td>{_esc(a.get('calibrator') or 'n/a')}</td>"
+            f"<td class='r num'>{_esc(_or_na(a.n_labels))}</td>"
+            f"<td class='r num'>{_esc(_signed(a.residual_mean))}</td>"
+            f"<td class='r num'>{_esc(_fmt_ci(a.ci_adjusted or a.ci))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(a.p_adjusted))}</td>"
+            f"<td>{_esc(a.calibrator or 'n/a')}</td>"
             f"<td class='r num'>{_esc(extra_txt)}</td>"
-            f"<td class='reason'>{_esc(a.get('reason') or '')}</td></tr>")
-        has_data = any(isinstance(d, dict) and _num(d.get("mean_residual")) is not None
-                       for d in a.get("deciles") or []) or _num(a.get("residual_mean")) is not None
+            f"<td class='reason'>{_esc(a.reason or '')}</td></tr>")
+        has_data = any(isinstance(d, Decile) and _num(d.mean_residual) is not None
+                       for d in a.deciles or []) or _num(a.residual_mean) is not None
         if verdict != "not_run" and has_data:
-            caption = (f"mean residual {_signed(a.get('residual_mean'))}, adjusted CI "
-                       f"{_fmt_ci(a.get('ci_adjusted') or a.get('ci'))} on {a.get('n_labels', '?')} "
-                       f"labels; margin \u00b1{_fmt(a.get('margin'), 2)}")
+            caption = (f"mean residual {_signed(a.residual_mean)}, adjusted CI "
+                       f"{_fmt_ci(a.ci_adjusted or a.ci)} on {'?' if a.n_labels is None else a.n_labels} "
+                       f"labels; margin \u00b1{_fmt(a.margin, 2)}")
             panels.append(f"<figure class='panel'><figcaption><b>{_esc(n)}</b> {_badge(verdict)}"
                           f"<span class='cap'>{_esc(caption)}</span></figcaption>"
                           f"{_audit_svg(n, a, alpha)}</figure>")
