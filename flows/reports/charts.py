@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from cje_engine.result.model import Audit, Comparison, Decile, EvaluationModel, Multiplicity, WinMatrix
+from cje_engine.result.model import (Audit, Calibration, Comparison, Curve, Decile, EvaluationModel, Multiplicity,
+                                     Points, ReliabilityBin, WinMatrix)
 from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, SKY, VERDICT_STYLE, VERMILLION,
                                   _conf_label, _esc, _fmt, _fmt_ci, _is_refused, _loose, _num, _pair,
                                   _raw_on_label_scale, _same_scale, _scale_text, _scales, _short, _verdict,
@@ -113,14 +114,15 @@ def _raw_legend(result: Any) -> str:
     return f"raw judge mean, {_scale_text(score)} read on {_scale_text(label)}"
 
 
-def _calibration_svg(cal: dict, config: dict) -> str:
+def _calibration_svg(cal: Calibration, config: dict) -> str:
+    """Calibration curve over the labelled points, and the reliability diagram (typed calibration block)."""
     width, height = 1040, 420
-    curve = cal.get("curve") or {}
-    points = cal.get("points") or {}
-    cs = [_num(v) for v in curve.get("score") or []]
-    cf = [_num(v) for v in curve.get("fitted") or []]
-    ps = [_num(v) for v in points.get("score") or []]
-    pl = [_num(v) for v in points.get("label") or []]
+    curve = cal.curve if isinstance(cal.curve, Curve) else None
+    points = cal.points if isinstance(cal.points, Points) else None
+    cs = [_num(v) for v in (curve.score if curve else None) or []]
+    cf = [_num(v) for v in (curve.fitted if curve else None) or []]
+    ps = [_num(v) for v in (points.score if points else None) or []]
+    pl = [_num(v) for v in (points.label if points else None) or []]
     curve_xy = [(s, f) for s, f in zip(cs, cf) if s is not None and f is not None]
     pts = [(s, y) for s, y in zip(ps, pl) if s is not None and y is not None]
     score_scale = _pair(config.get("score_scale"))
@@ -134,7 +136,7 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     sx, sy = _Lin(xlo, xhi, L, L + W), _Lin(ylo, yhi, T + H, T)
     body = [_text(L, 24, "Calibration curve f(judge score) over the labelled points", fill=INK,
                   font_size="13", font_weight="600")]
-    lr = _pair(cal.get("label_range"))
+    lr = _pair(cal.label_range)
     if lr is not None:
         for a, b in ((xlo, lr[0]), (lr[1], xhi)):
             if b - a > 1e-12:
@@ -167,8 +169,8 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     # right panel: reliability diagram
     L2 = 600
     W2 = 380
-    rel = [b for b in cal.get("reliability") or [] if isinstance(b, dict)
-           and _num(b.get("mean_predicted")) is not None and _num(b.get("mean_label")) is not None]
+    rel = [b for b in cal.reliability or [] if isinstance(b, ReliabilityBin)
+           and _num(b.mean_predicted) is not None and _num(b.mean_label) is not None]
     sx2, sy2 = _Lin(ylo, yhi, L2, L2 + W2), _Lin(ylo, yhi, T + H, T)
     body.append(_text(L2, 24, "Reliability diagram (binned by calibrated prediction)", fill=INK,
                       font_size="13", font_weight="600"))
@@ -176,14 +178,14 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     body += _y_axis(sy2, yt, yd, L2, L2 + W2, "mean oracle label")
     body.append(_line(sx2(ylo), sy2(ylo), sx2(yhi), sy2(yhi), stroke=GREY, stroke_width="1.2",
                       stroke_dasharray="5 4"))
-    n_max = max((_num(b.get("n")) or 0 for b in rel), default=1) or 1
+    n_max = max((_num(b.n) or 0 for b in rel), default=1) or 1
     for b in rel:
-        mp, ml = float(b["mean_predicted"]), float(b["mean_label"])
-        n = _num(b.get("n")) or 0
+        mp, ml = float(b.mean_predicted), float(b.mean_label)
+        n = _num(b.n) or 0
         radius = 3 + 11 * math.sqrt(n / n_max)
         body.append(_line(sx2(mp), sy2(mp), sx2(mp), sy2(ml), stroke=VERMILLION, stroke_width="1.5"))
         body.append(_el("circle", _el("title", _esc(
-            f"bin [{_fmt(b.get('lo'), 2)}, {_fmt(b.get('hi'), 2)}): n={b.get('n')}, "
+            f"bin [{_fmt(b.lo, 2)}, {_fmt(b.hi, 2)}): n={b.n}, "
             f"predicted {_fmt(mp)}, observed {_fmt(ml)}")), cx=sx2(mp), cy=sy2(ml), r=radius,
             fill=BLUE, fill_opacity="0.55", stroke=BLUE, stroke_width="1"))
     body += _legend([

@@ -233,7 +233,7 @@ def render_report(result: Any, *, title: str | None = None, drift: dict | None =
         f"{_policy_table(m, order, alpha)}"
         "<h3>Plug-in vs augmented</h3>"
         f"{_estimator_table(m, order, alpha)}</section>",
-        f"<section id='calibration'><h2>Calibration</h2>{_calibration_section(result)}</section>",
+        f"<section id='calibration'><h2>Calibration</h2>{_calibration_section(m)}</section>",
         f"<section id='audit'><h2>Transport audit</h2>{_audit_section(m, order, alpha)}"
         "</section>",
         "<section id='comparisons'><h2>Pairwise comparisons</h2>"

@@ -4,8 +4,9 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from cje_engine.result.model import (AssumedClaims, AssumedLevel, Audit, Comparison, Decile, EvaluationModel,
-                                     LabelsToVerify, Multiplicity, PolicyResult, RankAgreement, StatSummary, Support)
+from cje_engine.result.model import (AssumedClaims, AssumedLevel, Audit, Calibration, Comparison, Decile,
+                                     EvaluationModel, LabelsToVerify, Multiplicity, PolicyResult, RankAgreement,
+                                     ReliabilityBin, Selection, StatSummary, Support)
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
 from flows.reports.common import (VERDICT_STYLE, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
                                   _name_cell, _not_estimable, _num, _pair, _pct, _same_scale,
@@ -355,35 +356,37 @@ def _comparisons_table(m: EvaluationModel, alpha: float) -> str:
             "<th class='c'>significant</th><th class='r'>P(a better)</th><th></th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
-def _calibration_section(result: dict) -> str:
-    cal = result.get("calibration") if isinstance(result.get("calibration"), dict) else {}
-    config = result.get("config") if isinstance(result.get("config"), dict) else {}
-    if not cal:
+def _calibration_section(m: EvaluationModel) -> str:
+    """The calibration section: mode, selection, training labels, curve and reliability (typed result)."""
+    cal = m.calibration if isinstance(m.calibration, Calibration) else None
+    config = m.config if isinstance(m.config, dict) else {}
+    if cal is None or all(v is None for v in cal.__dict__.values()):  # absent, or given as {}
         return "<p class='muted'>No calibration information in this result.</p>"
-    sel = cal.get("selection") if isinstance(cal.get("selection"), dict) else {}
-    facts = [f"mode used: <b>{_esc(cal.get('mode') or 'n/a')}</b>"]
+    sel = cal.selection if isinstance(cal.selection, Selection) else None
+    sel = None if sel is None or all(v is None for v in sel.__dict__.values()) else sel
+    facts = [f"mode used: <b>{_esc(cal.mode or 'n/a')}</b>"]
     if sel:
-        facts.append(f"requested: {_esc(sel.get('requested') or 'n/a')}")
-        rmse = sel.get("oof_rmse") if isinstance(sel.get("oof_rmse"), dict) else {}
+        facts.append(f"requested: {_esc(sel.requested or 'n/a')}")
+        rmse = sel.oof_rmse if isinstance(sel.oof_rmse, dict) else {}
         if rmse:
             facts.append("out-of-fold RMSE: " + ", ".join(
                 f"{_esc(k)} {_esc(_fmt(v))}" for k, v in rmse.items()))
-    facts.append(f"trained on {_esc(cal.get('n_train', 'n/a'))} labels")
-    lr = _pair(cal.get("label_range"))
+    facts.append(f"trained on {_esc(_or_na(cal.n_train))} labels")
+    lr = _pair(cal.label_range)
     if lr:
         facts.append(f"labelled judge-score range [{_fmt(lr[0], 2)}, {_fmt(lr[1], 2)}]")
-    reason = f"<p class='note'>Selection: {_esc(sel.get('reason'))}</p>" if sel.get("reason") else ""
+    reason = f"<p class='note'>Selection: {_esc(sel.reason)}</p>" if sel and sel.reason else ""
     two_stage = ("<p class='note'>Two-stage calibration: the curve is drawn at the median of the "
-                 "covariates.</p>" if cal.get("mode") == "two_stage" else "")
+                 "covariates.</p>" if cal.mode == "two_stage" else "")
     row_list = []
-    for b in cal.get("reliability") or []:
-        if not isinstance(b, dict):
+    for b in cal.reliability or []:
+        if not isinstance(b, ReliabilityBin):
             continue
-        mp, ml = _num(b.get("mean_predicted")), _num(b.get("mean_label"))
+        mp, ml = _num(b.mean_predicted), _num(b.mean_label)
         gap = _signed(ml - mp) if mp is not None and ml is not None else "n/a"
         row_list.append(
-            f"<tr><td class='num'>[{_esc(_fmt(b.get('lo'), 2))}, {_esc(_fmt(b.get('hi'), 2))})</td>"
-            f"<td class='r num'>{_esc(b.get('n', 'n/a'))}</td>"
+            f"<tr><td class='num'>[{_esc(_fmt(b.lo, 2))}, {_esc(_fmt(b.hi, 2))})</td>"
+            f"<td class='r num'>{_esc(_or_na(b.n))}</td>"
             f"<td class='r num'>{_esc(_fmt(mp))}</td><td class='r num'>{_esc(_fmt(ml))}</td>"
             f"<td class='r num'>{_esc(gap)}</td></tr>")
     rel_rows = "".join(row_list)
