@@ -26,6 +26,7 @@ from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.pooling_replay import PoolingReplay, build_replay
 from cje_engine.pipeline.policies import summarize_direct
 from cje_engine.result import EvaluationResult
+from cje_engine.result.model import PolicyResult
 
 log = logging.getLogger(__name__)
 
@@ -208,40 +209,42 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
                           noninferiority_margin=opts.noninferiority_margin * span)
     rel["assumes_transport"] = assumed_claims(s, pols, names, use_boot, opts, span)
     result = assemble(mode="direct", config=opts.to_dict(), data=direct_data_summary(prep),
-                      calibration=s.calibration, inference=inference_summary(opts), policies=pols,
+                      calibration=s.calibration, inference=inference_summary(opts),
+                      policies={n: p.model_dump(exclude_unset=True, by_alias=True) for n, p in pols.items()},
                       relative=rel, warnings=s.warnings)
-    return EvaluationResult(result, replicates=s.reps, influence=s.influence, columns=s.cols)
+    return EvaluationResult(result, replicates=s.reps, influence=s.influence, columns=s.cols, dfs=s.dfs)
 
 
-def direct_columns(s, pols: dict, names: list[str], use_boot: bool, span: float) -> PolicyColumns:
+def direct_columns(s, pols: dict[str, PolicyResult], names: list[str], use_boot: bool, span: float) -> PolicyColumns:
     """The comparison step's view of the reported levels (verified, or trusted assumes-transport ones)."""
+    relative = [pols[n].relative_claim for n in names]
     return PolicyColumns(
-        names=names, estimate=np.array([pols[n]["estimate"] for n in names], dtype=float),
+        names=names, estimate=np.array([pols[n].estimate for n in names], dtype=float),
         replicates=s.reps[:, s.cols] if use_boot else None, influence=s.influence[:, s.cols],
-        dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n]["level_claim"] for n in names],
-        raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
-        relative=[pols[n]["relative_claim"] for n in names], relative_reason=[pols[n]["relative_reason"] for n in names],
-        kinds=[claim_kind(pols[n]["basis_code"]) for n in names], bias_bound=rank_only_bias(pols, names, span, [pols[n]["relative_claim"] for n in names]))
+        dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n].level_claim for n in names],
+        raw=np.array([pols[n].raw_judge_mean for n in names], dtype=float),
+        relative=relative, relative_reason=[pols[n].relative_reason for n in names],
+        kinds=[claim_kind(pols[n].basis_code) for n in names], bias_bound=rank_only_bias(pols, names, span, relative))
 
 
-def rank_only_bias(pols: dict, names: list[str], span: float, relative: list[str]) -> np.ndarray:
+def rank_only_bias(pols: dict[str, PolicyResult], names: list[str], span: float, relative: list[str]) -> np.ndarray:
     """Bias bound of each rank-only level: the share of its rows where calibration support is thin or absent
     (the calibrator extrapolates there, and can be off by up to the label span) times the span; 0 elsewhere."""
-    return np.array([float(pols[n]["support"]["share_thin"]) * span if r == "rank_only" else 0.0
+    return np.array([float(pols[n].support.share_thin) * span if r == "rank_only" else 0.0
                      for n, r in zip(names, relative)])
 
 
-def assumed_claims(s, pols: dict, names: list[str], use_boot: bool, opts: EvaluationOptions, span: float) -> dict:
+def assumed_claims(s, pols: dict[str, PolicyResult], names: list[str], use_boot: bool, opts: EvaluationOptions, span: float) -> dict:
     """Comparisons, ranking and best policy on the assumes-transport levels (the paper's protocol),
     kept beside the verified claims and named as such (never the basis of a gate or of "best")."""
     c = s.assumed_cols
     cols = PolicyColumns(
-        names=names, estimate=np.array([pols[n]["assumed"]["estimate"] for n in names], dtype=float),
+        names=names, estimate=np.array([pols[n].assumed.estimate for n in names], dtype=float),
         replicates=s.reps[:, c] if use_boot else None, influence=s.influence[:, c], dfs=s.dfs[c],
-        refused=s.assumed_refused, claims=[pols[n]["assumed"]["level_claim"] for n in names],
-        raw=np.array([pols[n]["raw_judge_mean"] for n in names], dtype=float),
+        refused=s.assumed_refused, claims=[pols[n].assumed.level_claim for n in names],
+        raw=np.array([pols[n].raw_judge_mean for n in names], dtype=float),
         relative=[r[0] for r in s.assumed_relative], relative_reason=[r[1] for r in s.assumed_relative],
-        kinds=[claim_kind(pols[n]["assumed"]["basis_code"]) for n in names],
+        kinds=[claim_kind(pols[n].assumed.basis_code) for n in names],
         bias_bound=rank_only_bias(pols, names, span, [r[0] for r in s.assumed_relative]))
     rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=[])
     return {k: rel[k] for k in ("comparisons", "ranking", "best_policy", "best_policy_reason")}

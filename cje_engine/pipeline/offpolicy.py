@@ -346,21 +346,23 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
     boot = eng.inference == "bootstrap"
     reps = stacked_replicates(chunks, eng.n_bootstrap if boot else 0, nd + len(prep.layout))
     direct = summarize_direct(prep.direct, reps[:, :nd] if boot else None)
+    # the candidates' entries are built as dicts (`target_entry`): Direct's typed entries in their JSON form
+    direct_policies = {n: p.model_dump(exclude_unset=True, by_alias=True) for n, p in direct.policies.items()}
     off = reps[:, nd:] if boot else None
     warnings = direct.warnings + list(prep.notes)
     d = prep.direct.design.data
     logger_name = prep.data.logger
     k_log = list(d.policies).index(logger_name)
-    policies = {logger_name: _logger_entry(direct.policies[logger_name])}
+    policies = {logger_name: _logger_entry(direct_policies[logger_name])}
     infl = [np.nan_to_num(prep.direct.infl["total"][:, direct.cols[k_log]])]
     col = {key: j for j, key in enumerate(prep.layout)}
     rep_cols = [reps[:, int(direct.cols[k_log])]]
     n_cal = int(prep.direct.design.cal_rows.size)
     for t in prep.data.targets:
         total, cal = _target_influence(prep, t)
-        policies[t] = target_entry(prep, t, off, direct.policies, warnings, _variance(total, cal, d.n_prompts, n_cal),
+        policies[t] = target_entry(prep, t, off, direct_policies, warnings, _variance(total, cal, d.n_prompts, n_cal),
                                    _influence_ses(prep, t))
-        if uses_direct_level(prep, t, direct.policies):  # Direct's recalibrated level: its column, paired draws
+        if uses_direct_level(prep, t, direct_policies):  # Direct's recalibrated level: its column, paired draws
             k_t = int(direct.cols[list(d.policies).index(t)])
             infl.append(np.nan_to_num(prep.direct.infl["total"][:, k_t]))
             rep_cols.append(reps[:, k_t])
@@ -386,7 +388,7 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
         "first-order calibration term (cje_engine.offpolicy.influence); normal intervals")}
     result = assemble(mode=prep.options.mode, config=prep.options.to_dict(), data=_data_summary(prep, names),
                       calibration=direct.calibration, inference=inference, policies=policies, relative=rel,
-                      warnings=warnings, offpolicy=_run_block(prep, direct.policies))
+                      warnings=warnings, offpolicy=_run_block(prep, direct_policies))
     return OffPolicyResult(result, cols.replicates if boot else np.empty((0, len(names))), np.column_stack(infl),
                            np.arange(len(names)), dict(prep.reports))
 

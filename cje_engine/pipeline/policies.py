@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel
 from scipy.stats import t as student_t
 
 from cje_engine.audit import audit_policies, residual_deciles
@@ -33,6 +34,19 @@ from cje_engine.inference.selective import (
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
+from cje_engine.result.jsonable import jsonable
+from cje_engine.result.model import (
+    AssumedLevel,
+    Audit,
+    LabelsToVerify,
+    OracleOnly,
+    PolicyResult,
+    SelectiveInterval,
+    StatSummary,
+    Support,
+    VarianceComponents,
+    VerifiedLevel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +55,7 @@ log = logging.getLogger(__name__)
 class DirectSummaries:
     """Direct's per-policy results (design policy order) and what the comparison step needs."""
 
-    policies: dict[str, dict]
+    policies: dict[str, PolicyResult]  # the typed entries (`cje_engine.result.model.PolicyResult`)
     cols: np.ndarray  # reported statistic of each policy (index into the 2K statistics)
     refused: np.ndarray
     dfs: np.ndarray  # degrees of freedom of the 2K statistics
@@ -572,7 +586,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     resid = d.label[design.lab_rows] - prep.f[design.lab_rows]
     resid_sd = float(np.std(resid, ddof=1)) if resid.size > 1 else float("nan")
 
-    policies: dict[str, dict] = {}
+    policies: dict[str, PolicyResult] = {}
     cols, refused = np.zeros(K, dtype=int), np.zeros(K, dtype=bool)
     assumed_cols, assumed_refused = np.zeros(K, dtype=int), np.zeros(K, dtype=bool)
     assumed_rel: list[tuple[str, str | None]] = []
@@ -637,43 +651,43 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
         var_tot = cov[col, col]
         share = float(cov_cal[col, col] / var_tot) if var_tot > 0 else None
         quoted = summ is not None
-        policies[name] = {
-            "estimate": summ["estimate"] if quoted else None, "se": summ["se"] if quoted else None,
-            "ci": summ["ci"] if quoted else None, "ci_method": ci_method,
-            "selective": sel,
-            "level_claim": claim,
-            "refusal_reasons": reasons,
-            "basis": basis, "basis_code": code,
-            "transport": "audited" if audit["verdict"] != "not_run" else "unaudited",
-            "verified": ({"method": "power_tuned", "lambda": float(ext.lam[k]), "n_labels": int(n_own[k]),
-                          **{f: summary(3 * K + k)[f] for f in ("estimate", "se", "ci")}}
-                         if has_verified else None),
-            "assumed": {"estimate": p_summ["estimate"], "se": p_summ["se"], "ci": p_summ["ci"],
-                        "ci_method": p_ci_method, "basis_code": p_code, "level_claim": p_claim,
-                        "basis": p_basis, "refusal_reasons": p_reasons},
-            "labels_to_verify": (None if has_verified or not verified_mode else
-                                 labels_to_verify(k, int(n_own[k]), int(n_rows[k]), assumed_est, se_verified,
-                                                  resid_sd, opts.min_labels, alpha)),
-            "plug_in": summary(k),
-            "augmented": summary(K + k) if has_aug else None,
-            "raw_judge_mean": float(d.score[d.policy == k].mean()),
-            "oracle_mean": float(np.sum(w_lab * d.label[sel_lab]) / np.sum(w_lab)) if has_aug else None,
-            "oracle_only": oracle_only(d, sel_lab, alpha) if n_own_prompts[k] >= 2 else None,
-            "n_rows": int(n_rows[k]),
-            "n_prompts": int(n_prompts_k[k]),
-            "n_labelled": int(n_own[k]),
-            "variance_share_calibration": share,
-            "variance_components": variance_components(
-                cov[col, col], cov_cal[col, col], d.n_prompts, int(n_own[k]) if col >= K else int(n_cal)),
-            "se_analytic": summ["se_analytic"] if quoted else None,
-            "se_bootstrap": summ.get("se_bootstrap") if quoted else None,
-            "var_cal_jackknife_plug_in": float(prep.jackknife[k]),
-            "var_cal_influence_plug_in": float(cov_cal[k, k]),
-            "support": support[k],
-            "audit": audit,
-            "relative_claim": rel[0],
-            "relative_reason": rel[1],
-        }
+        policies[name] = PolicyResult(
+            estimate=summ["estimate"] if quoted else None, se=summ["se"] if quoted else None,
+            ci=summ["ci"] if quoted else None, ci_method=ci_method,
+            selective=_typed(SelectiveInterval, sel),
+            level_claim=claim,
+            refusal_reasons=reasons,
+            basis=basis, basis_code=code,
+            transport="audited" if audit["verdict"] != "not_run" else "unaudited",
+            verified=(_typed(VerifiedLevel, {"method": "power_tuned", "lambda": float(ext.lam[k]),
+                                             "n_labels": int(n_own[k]),
+                                             **{f: summary(3 * K + k)[f] for f in ("estimate", "se", "ci")}})
+                      if has_verified else None),
+            assumed=_typed(AssumedLevel, {"estimate": p_summ["estimate"], "se": p_summ["se"], "ci": p_summ["ci"],
+                                          "ci_method": p_ci_method, "basis_code": p_code, "level_claim": p_claim,
+                                          "basis": p_basis, "refusal_reasons": p_reasons}),
+            labels_to_verify=(None if has_verified or not verified_mode else _typed(LabelsToVerify, labels_to_verify(
+                k, int(n_own[k]), int(n_rows[k]), assumed_est, se_verified, resid_sd, opts.min_labels, alpha))),
+            plug_in=_typed(StatSummary, summary(k)),
+            augmented=_typed(StatSummary, summary(K + k)) if has_aug else None,
+            raw_judge_mean=float(d.score[d.policy == k].mean()),
+            oracle_mean=float(np.sum(w_lab * d.label[sel_lab]) / np.sum(w_lab)) if has_aug else None,
+            oracle_only=_typed(OracleOnly, oracle_only(d, sel_lab, alpha)) if n_own_prompts[k] >= 2 else None,
+            n_rows=int(n_rows[k]),
+            n_prompts=int(n_prompts_k[k]),
+            n_labelled=int(n_own[k]),
+            variance_share_calibration=share,
+            variance_components=_typed(VarianceComponents, variance_components(
+                cov[col, col], cov_cal[col, col], d.n_prompts, int(n_own[k]) if col >= K else int(n_cal))),
+            se_analytic=summ["se_analytic"] if quoted else None,
+            se_bootstrap=summ.get("se_bootstrap") if quoted else None,
+            var_cal_jackknife_plug_in=float(prep.jackknife[k]),
+            var_cal_influence_plug_in=float(cov_cal[k, k]),
+            support=_typed(Support, support[k]),
+            audit=_typed(Audit, audit),
+            relative_claim=rel[0],
+            relative_reason=rel[1],
+        )
         if quoted and reps is not None and summ["se_analytic"] > 0:
             ratio = summ["se_bootstrap"] / summ["se_analytic"]
             if not (1 / SE_AGREEMENT_RATIO <= ratio <= SE_AGREEMENT_RATIO):
@@ -685,9 +699,15 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                            assumed_refused=assumed_refused, assumed_relative=assumed_rel)
 
 
-def _name_closest(policies: dict, names: list[str]) -> None:
+def _name_closest(policies: dict[str, PolicyResult], names: list[str]) -> None:
     """Fill the closest policy's name into each ``labels_to_verify`` block."""
     for n in names:
-        ltv = policies[n].get("labels_to_verify")
-        if ltv and ltv.get("closest"):
-            ltv["closest"]["policy"] = names[int(ltv["closest"]["policy"])]
+        ltv = policies[n].labels_to_verify
+        if ltv is not None and ltv.closest:
+            ltv.closest["policy"] = names[int(ltv.closest["policy"])]
+
+
+def _typed(model: type[BaseModel], block: dict | None) -> BaseModel | None:
+    """A result block (a helper's dict of numpy-laden numbers) as its typed model: numbers made plain
+    (NaN/inf to None, as `jsonable` does for every result), None stays None."""
+    return None if block is None else model(**jsonable(block))

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from types import UnionType
+from typing import Any, Mapping, Union, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from cje_engine.errors import CJEInputError
 from cje_engine.result.model import SCHEMA_VERSION, EvaluationModel
@@ -87,3 +88,66 @@ def validate_result(d: Any, *, partial: bool = False) -> EvaluationModel | None:
         loc = ".".join(str(x) for x in err["loc"])
         raise _bad(f"{loc}: {err['msg']} (got {err.get('input')!r:.80}); "
                    f"{exc.error_count()} problem(s) in all", loc) from None
+
+
+def _lenient(annotation: Any, value: Any) -> Any:
+    """``value`` typed by ``annotation`` as far as it goes: mappings of models become models whose missing
+    fields are None (`typed_view`); anything else is kept as it is."""
+    if value is None:
+        return None
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (Union, UnionType):
+        for arg in args:
+            if arg is type(None):
+                continue
+            out = _lenient(arg, value)
+            if out is not value or isinstance(arg, type) and isinstance(value, arg):
+                return out
+        return value
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return _construct(annotation, value) if isinstance(value, Mapping) else value
+    if origin is list and args and isinstance(value, list):
+        return [_lenient(args[0], v) for v in value]
+    if origin is dict and len(args) == 2 and isinstance(value, Mapping):
+        return {k: _lenient(args[1], v) for k, v in value.items()}
+    return value
+
+
+def _construct(cls: type[BaseModel], data: Mapping) -> BaseModel:
+    values = {}
+    for name, field in cls.model_fields.items():
+        key = field.alias or name
+        values[name] = _lenient(field.annotation, data.get(key, data.get(name)))
+    return cls.model_construct(**values)
+
+
+def typed_view(d: Any, *, partial: bool = False, rules: bool = True) -> EvaluationModel:
+    """The typed model of a result dict, for code that reads results (reports, the gate).
+
+    Parameters
+    ----------
+    d : dict, `EvaluationModel` or an object with a ``model`` (`EvaluationResult`)
+    partial : bool
+        Accept hand-made partial results (as `validate_result` with ``partial``): a dict that passes the
+        safety rules but not the full schema is typed without validation, its missing fields None
+        (nested blocks typed too), so readers use attributes throughout.
+
+    Raises
+    ------
+    CJEInputError
+        As `validate_result`.
+    """
+    if isinstance(d, EvaluationModel):
+        return d
+    if isinstance(getattr(d, "model", None), EvaluationModel):
+        return d.model
+    if not partial:
+        return validate_result(d)
+    if rules:
+        _check_rules(d, partial=True)
+    elif not isinstance(d, Mapping):
+        d = {}
+    try:
+        return EvaluationModel.model_validate(d)
+    except ValidationError:
+        return _construct(EvaluationModel, d)

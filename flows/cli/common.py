@@ -139,7 +139,7 @@ def config_columns(path: Path | None) -> dict[str, str]:
 # ------------------------------------------------------------------------------ output folders
 
 
-RESULT_FILES = ("result.json", "report.html")
+RESULT_FILES = ("result.json", "report.html", "terms.npz")
 
 
 def check_out_dir(path: str | os.PathLike, *, overwrite: bool, files: tuple[str, ...] = RESULT_FILES) -> Path:

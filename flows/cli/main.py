@@ -171,7 +171,8 @@ def _add_builtin_commands(sub: Any) -> None:
                                    "DIR/report.html and print the table. Exit 1 when an audit failed or a level "
                                    "was refused (unless --exit-zero).")
     p.add_argument("input", help="Parquet file/folder, JSONL, CSV, an arena folder or its fresh_draws/ folder")
-    p.add_argument("--out", required=True, help="output folder (result.json and report.html are written there)")
+    p.add_argument("--out", required=True, help="output folder (result.json, report.html and terms.npz, the "
+                                                 "replicates and influence terms, are written there)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier result in --out")
     p.add_argument("--policies", type=_csv, help="only these policies")
     p.add_argument("--mode", choices=["direct", "logs-only", "hybrid"], default="direct",
@@ -363,7 +364,8 @@ def _evaluate_direct(ns: argparse.Namespace, kwargs: dict) -> Any:
 
 
 def cmd_evaluate(ns: argparse.Namespace) -> int:
-    """Engine only: write DIR/result.json and DIR/report.html and print the table."""
+    """Engine only: write DIR/result.json, DIR/report.html and DIR/terms.npz (the replicates and influence
+    terms behind the result's accessors) and print the table."""
     from flows.reports.evaluation import render_report
     from flows.reports.table import format_table
 
@@ -388,6 +390,7 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     result_path, report_path = out_dir / "result.json", out_dir / "report.html"
     write_atomic(result_path, json.dumps(d, indent=2, allow_nan=False))
     write_atomic(report_path, render_report(d, title=f"CJE evaluation of {Path(ns.input).name}"))
+    res.save_terms(out_dir / "terms.npz")  # replicates and influence terms: EvaluationResult.load(result.json)
     problems = result_problems(d)
     if ns.json:
         out_json(json_doc("evaluate", result_path=str(result_path), report_path=str(report_path),

@@ -5,18 +5,21 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cje_engine.result.model import (Audit, Calibration, Comparison, Curve, Decile, EvaluationModel, Multiplicity,
+                                     Points, ReliabilityBin, WinMatrix)
 from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, SKY, VERDICT_STYLE, VERMILLION,
-                                  _conf_label, _esc, _fmt, _fmt_ci, _is_refused, _num, _pair, _policy_order,
+                                  _conf_label, _esc, _fmt, _fmt_ci, _is_refused, _loose, _num, _pair,
                                   _raw_on_label_scale, _same_scale, _scale_text, _scales, _short, _verdict,
-                                  _z, _not_estimable)
+                                  _z, _not_estimable, policy_order)
 from flows.reports.svg import (_cross, _diamond, _el, _legend, _line, _Lin, _polylines, _r, _svg, _text, _ticks,
                                _x_axis, _y_axis)
 
 # --------------------------------------------------------------------------------------------
 # figures
 # --------------------------------------------------------------------------------------------
-def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
-    pols = result["policies"]
+def _forest_svg(m: EvaluationModel, order: list[str], alpha: float) -> str:
+    """Forest plot of the policies' estimates, intervals, raw judge and oracle means (typed result)."""
+    pols = m.policies
     width, left, right_cols = 1040, 250, 300
     x0, x1 = left, width - right_cols
     top, row_h = 78, 44
@@ -24,9 +27,9 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
     values: list[float] = []
     for name in order:
         p = pols[name]
-        values += [v for v in (_num(p.get("estimate")), _raw_on_label_scale(result, p.get("raw_judge_mean")),
-                               _num(p.get("oracle_mean"))) if v is not None]
-        if (ci := _pair(p.get("ci"))) is not None:
+        values += [v for v in (_num(p.estimate), _raw_on_label_scale(m, p.raw_judge_mean),
+                               _num(p.oracle_mean)) if v is not None]
+        if (ci := _pair(p.ci)) is not None:
             values += list(ci)
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     pad = 0.04 * (hi - lo or 1.0)
@@ -39,7 +42,7 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
         (_line(-9, 0, 9, 0, stroke=GREY, stroke_width="2", stroke_dasharray="3 3")
          + _el("circle", cx=0.0, cy=0.0, r="5", fill="#fff", stroke=GREY, stroke_width="2"),
          "refused: ranking only, not a level"),
-        (_diamond(0, 0, 5.5, fill=ORANGE, stroke="#8a5d00", stroke_width="0.8"), _raw_legend(result)),
+        (_diamond(0, 0, 5.5, fill=ORANGE, stroke="#8a5d00", stroke_width="0.8"), _raw_legend(m)),
         (_cross(0, 0, 4, INK), "oracle mean of own labels"),
     ], x0 - 230, 20)
     header_y = top - 12
@@ -59,15 +62,15 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
         p = pols[name]
         cy = top + i * row_h + row_h / 2
         refused = _is_refused(p)
-        sub = p.get("basis_code") or ""
-        n_lab = p.get("n_labelled")
+        sub = p.basis_code or ""
+        n_lab = p.n_labelled
         sub = " \u00b7 ".join(s for s in (str(sub).replace("_", "-"),
                                           f"{n_lab} own labels" if n_lab is not None else "") if s)
         body.append(_el("text", _el("title", _esc(name)) + _esc(_short(name, 26)), x=float(x0 - 14),
                         y=float(cy - 2), text_anchor="end", fill=INK, font_size="13",
                         font_weight="600"))
         body.append(_text(x0 - 14, cy + 13, sub, text_anchor="end", fill=MUTED, font_size="10.5"))
-        est, ci = _num(p.get("estimate")), _pair(p.get("ci"))
+        est, ci = _num(p.estimate), _pair(p.ci)
         colour = GREY if refused else BLUE
         if ci is not None:
             dash = "4 3" if refused else None
@@ -76,11 +79,11 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
                               stroke_dasharray=dash))
             for v in ci:
                 body.append(_line(sx(v), cy - 5, sx(v), cy + 5, stroke=colour, stroke_width=sw))
-        raw = _raw_on_label_scale(result, p.get("raw_judge_mean"))
+        raw = _raw_on_label_scale(m, p.raw_judge_mean)
         if raw is not None:
             body.append(_diamond(sx(raw), cy, 5.5, fill=ORANGE, stroke="#8a5d00",
                                  stroke_width="0.8"))
-        orc = _num(p.get("oracle_mean"))
+        orc = _num(p.oracle_mean)
         if orc is not None:
             body.append(_cross(sx(orc), cy, 4, INK))
         if est is not None:
@@ -104,21 +107,22 @@ def _forest_svg(result: dict, order: list[str], alpha: float) -> str:
     return _svg(width, height, body, "Forest plot of policy estimates with confidence intervals")
 
 
-def _raw_legend(result: dict) -> str:
+def _raw_legend(result: Any) -> str:
     if _same_scale(result):
         return "raw judge mean"
     score, label = _scales(result)
     return f"raw judge mean, {_scale_text(score)} read on {_scale_text(label)}"
 
 
-def _calibration_svg(cal: dict, config: dict) -> str:
+def _calibration_svg(cal: Calibration, config: dict) -> str:
+    """Calibration curve over the labelled points, and the reliability diagram (typed calibration block)."""
     width, height = 1040, 420
-    curve = cal.get("curve") or {}
-    points = cal.get("points") or {}
-    cs = [_num(v) for v in curve.get("score") or []]
-    cf = [_num(v) for v in curve.get("fitted") or []]
-    ps = [_num(v) for v in points.get("score") or []]
-    pl = [_num(v) for v in points.get("label") or []]
+    curve = cal.curve if isinstance(cal.curve, Curve) else None
+    points = cal.points if isinstance(cal.points, Points) else None
+    cs = [_num(v) for v in (curve.score if curve else None) or []]
+    cf = [_num(v) for v in (curve.fitted if curve else None) or []]
+    ps = [_num(v) for v in (points.score if points else None) or []]
+    pl = [_num(v) for v in (points.label if points else None) or []]
     curve_xy = [(s, f) for s, f in zip(cs, cf) if s is not None and f is not None]
     pts = [(s, y) for s, y in zip(ps, pl) if s is not None and y is not None]
     score_scale = _pair(config.get("score_scale"))
@@ -132,7 +136,7 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     sx, sy = _Lin(xlo, xhi, L, L + W), _Lin(ylo, yhi, T + H, T)
     body = [_text(L, 24, "Calibration curve f(judge score) over the labelled points", fill=INK,
                   font_size="13", font_weight="600")]
-    lr = _pair(cal.get("label_range"))
+    lr = _pair(cal.label_range)
     if lr is not None:
         for a, b in ((xlo, lr[0]), (lr[1], xhi)):
             if b - a > 1e-12:
@@ -165,8 +169,8 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     # right panel: reliability diagram
     L2 = 600
     W2 = 380
-    rel = [b for b in cal.get("reliability") or [] if isinstance(b, dict)
-           and _num(b.get("mean_predicted")) is not None and _num(b.get("mean_label")) is not None]
+    rel = [b for b in cal.reliability or [] if isinstance(b, ReliabilityBin)
+           and _num(b.mean_predicted) is not None and _num(b.mean_label) is not None]
     sx2, sy2 = _Lin(ylo, yhi, L2, L2 + W2), _Lin(ylo, yhi, T + H, T)
     body.append(_text(L2, 24, "Reliability diagram (binned by calibrated prediction)", fill=INK,
                       font_size="13", font_weight="600"))
@@ -174,14 +178,14 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     body += _y_axis(sy2, yt, yd, L2, L2 + W2, "mean oracle label")
     body.append(_line(sx2(ylo), sy2(ylo), sx2(yhi), sy2(yhi), stroke=GREY, stroke_width="1.2",
                       stroke_dasharray="5 4"))
-    n_max = max((_num(b.get("n")) or 0 for b in rel), default=1) or 1
+    n_max = max((_num(b.n) or 0 for b in rel), default=1) or 1
     for b in rel:
-        mp, ml = float(b["mean_predicted"]), float(b["mean_label"])
-        n = _num(b.get("n")) or 0
+        mp, ml = float(b.mean_predicted), float(b.mean_label)
+        n = _num(b.n) or 0
         radius = 3 + 11 * math.sqrt(n / n_max)
         body.append(_line(sx2(mp), sy2(mp), sx2(mp), sy2(ml), stroke=VERMILLION, stroke_width="1.5"))
         body.append(_el("circle", _el("title", _esc(
-            f"bin [{_fmt(b.get('lo'), 2)}, {_fmt(b.get('hi'), 2)}): n={b.get('n')}, "
+            f"bin [{_fmt(b.lo, 2)}, {_fmt(b.hi, 2)}): n={b.n}, "
             f"predicted {_fmt(mp)}, observed {_fmt(ml)}")), cx=sx2(mp), cy=sy2(ml), r=radius,
             fill=BLUE, fill_opacity="0.55", stroke=BLUE, stroke_width="1"))
     body += _legend([
@@ -191,24 +195,23 @@ def _calibration_svg(cal: dict, config: dict) -> str:
     return _svg(width, height, body, "Calibration curve and reliability diagram")
 
 
-def _audit_svg(name: str, audit: dict, alpha: float) -> str:
+def _audit_svg(name: str, audit: Audit, alpha: float) -> str:
     width, height = 500, 250
     L, T, W, H = 64, 14, 420, 170
     z = _z(alpha)
-    deciles = [d for d in audit.get("deciles") or [] if isinstance(d, dict)
-               and _num(d.get("mean_residual")) is not None]
-    margin = _num(audit.get("margin"))
-    overall = _num(audit.get("residual_mean"))
-    overall_ci = _pair(audit.get("ci_adjusted")) or _pair(audit.get("ci"))
+    deciles = [d for d in audit.deciles or [] if isinstance(d, Decile) and _num(d.mean_residual) is not None]
+    margin = _num(audit.margin)
+    overall = _num(audit.residual_mean)
+    overall_ci = _pair(audit.ci_adjusted) or _pair(audit.ci)
     cats: list[tuple[str, str, float, float | None, float | None, bool]] = []
     for d in deciles:
-        m, se = float(d["mean_residual"]), _num(d.get("se"))
+        m, se = float(d.mean_residual), _num(d.se)
         lo_hi = (m - z * se, m + z * se) if se is not None else None
-        cats.append((f"{_fmt(d.get('lo'), 2)}\u2013{_fmt(d.get('hi'), 2)}",
-                     f"n={d.get('n', '?')}", m, lo_hi[0] if lo_hi else None,
+        cats.append((f"{_fmt(d.lo, 2)}\u2013{_fmt(d.hi, 2)}",
+                     f"n={'?' if d.n is None else d.n}", m, lo_hi[0] if lo_hi else None,
                      lo_hi[1] if lo_hi else None, False))
     if overall is not None:
-        cats.append(("all", f"n={audit.get('n_labels', '?')}", overall,
+        cats.append(("all", f"n={'?' if audit.n_labels is None else audit.n_labels}", overall,
                      overall_ci[0] if overall_ci else None, overall_ci[1] if overall_ci else None,
                      True))
     vals = [0.0] + [v for c in cats for v in (c[2], c[3], c[4]) if v is not None]
@@ -232,7 +235,7 @@ def _audit_svg(name: str, audit: dict, alpha: float) -> str:
     n = max(len(cats), 1)
     band = W / n
     rotate = n > 7
-    verdict_colour = VERDICT_STYLE.get(audit.get("verdict"), VERDICT_STYLE["not_run"])[2]
+    verdict_colour = VERDICT_STYLE.get(audit.verdict, VERDICT_STYLE["not_run"])[2]
     for i, (label, count, m, lo, hi, is_all) in enumerate(cats):
         cx = L + band * (i + 0.5)
         colour = verdict_colour if is_all else BLUE
@@ -261,25 +264,26 @@ def _audit_svg(name: str, audit: dict, alpha: float) -> str:
     return _svg(width, height, body, f"Audit residuals by score bin for {name}")
 
 
-def _pairwise(result: dict) -> tuple[list[str], list[list[float | None]], list[list[int]]]:
-    """Win matrix as (policies, P(row better), sig) with sig in {1 row better, -1 worse, 0}."""
-    policies = result["policies"]
+def _pairwise(m: EvaluationModel) -> tuple[list[str], list[list[float | None]], list[list[int]]]:
+    """Win matrix as (policies, P(row better), sig) with sig in {1 row better, -1 worse, 0} (typed result)."""
+    policies = m.policies
     diffs: dict[tuple[str, str], tuple[float | None, float | None, bool]] = {}
     blank: set[tuple[str, str]] = set()
-    for c in result.get("comparisons") or []:
-        if not isinstance(c, dict) or c.get("a") not in policies or c.get("b") not in policies:
+    for c in m.comparisons or []:
+        if not isinstance(c, Comparison) or c.a not in policies or c.b not in policies:
             continue
         if _not_estimable(c) is not None:
-            blank |= {(c["a"], c["b"]), (c["b"], c["a"])}
+            blank |= {(c.a, c.b), (c.b, c.a)}
             continue  # no number: the cell stays empty, whatever the win matrix says
-        d, pa, sig = _num(c.get("diff")), _num(c.get("prob_a_better")), bool(c.get("significant"))
-        diffs[(c["a"], c["b"])] = (d, pa, sig)
-        diffs[(c["b"], c["a"])] = (-d if d is not None else None,
+        d, pa, sig = _num(c.diff), _num(c.prob_a_better), bool(c.significant)
+        diffs[(c.a, c.b)] = (d, pa, sig)
+        diffs[(c.b, c.a)] = (-d if d is not None else None,
                                    1 - pa if pa is not None else None, sig)
-    wm = result.get("win_matrix") if isinstance(result.get("win_matrix"), dict) else {}
-    names = [n for n in wm.get("policies") or [] if n in policies] or _policy_order(result)
-    idx = {n: i for i, n in enumerate(wm.get("policies") or [])}
-    prob_m, sig_m = wm.get("prob_row_better"), wm.get("significant")
+    wm = m.win_matrix if isinstance(m.win_matrix, WinMatrix) else None
+    wm_names = (wm.policies if wm else None) or []
+    names = [n for n in wm_names if n in policies] or policy_order(m)
+    idx = {n: i for i, n in enumerate(wm_names)}
+    prob_m, sig_m = (wm.prob_row_better, wm.significant) if wm else (None, None)
     k = len(names)
 
     def cell(matrix: Any, r: str, c: str) -> Any:
@@ -326,9 +330,11 @@ def _puor(p: float) -> str:
     return "#542788"
 
 
-def _win_svg(result: dict) -> str:
-    names, prob, sig = _pairwise(result)
-    pols = result["policies"]
+def _win_svg(result: Any) -> str:
+    """The pairwise win matrix (a result dict, `EvaluationResult` or `EvaluationModel`)."""
+    m = _loose(result)
+    names, prob, sig = _pairwise(m)
+    pols = m.policies
     k = len(names)
     cell = 64 if k <= 6 else max(30, int(420 / k))
     left, top = 240, 150
@@ -377,8 +383,9 @@ def _win_svg(result: dict) -> str:
     for s, lab in ((0, "0"), (5, "0.5"), (10, "1")):
         body.append(_text(left + s * 22 + 11, ly + 26, lab, text_anchor="middle", fill=MUTED,
                           font_size="10.5"))
-    method = str((result.get("multiplicity") or {}).get("method") or
-                 (result.get("config") or {}).get("multiplicity") or "adjusted").upper()
+    mult = m.multiplicity if isinstance(m.multiplicity, Multiplicity) else None
+    config = m.config if isinstance(m.config, dict) else {}
+    method = str((mult.method if mult else None) or config.get("multiplicity") or "adjusted").upper()
     body.append(_text(left, ly + 50, f"\u25b2 row significantly better ({method}-adjusted)",
                       fill=INK, font_size="11.5"))
     body.append(_text(left, ly + 68, "\u25bc row significantly worse \u00b7 no symbol: not significant",

@@ -11,6 +11,8 @@ from typing import Any
 
 from cje_engine.errors import CJEInputError
 from cje_engine.result import validate_result
+from cje_engine.result.model import Comparison, EvaluationModel, PolicyResult, RankEntry, WinMatrix
+from cje_engine.result.validate import typed_view
 
 # Okabe-Ito palette (colour-blind safe) plus neutral greys.
 BLUE = "#0072B2"
@@ -104,12 +106,34 @@ def _short(name: str, limit: int = 28) -> str:
     return name if len(name) <= limit else name[: limit - 1] + "\u2026"
 
 
-def _alpha(result: dict) -> float:
-    for section in ("inference", "config"):
-        a = _num((result.get(section) or {}).get("alpha"))
+def result_model(result: Any) -> EvaluationModel:
+    """The typed result the renderers read: a result dict (hand-made partial ones too: missing fields None,
+    `cje_engine.result.validate.typed_view`), an `EvaluationResult` or an `EvaluationModel`.
+
+    Raises
+    ------
+    CJEInputError
+        When the result cannot be rendered honestly (the engine's rules).
+    """
+    return typed_view(result, partial=True)
+
+
+def alpha_of(m: EvaluationModel) -> float:
+    """The result's alpha (inference, else config; 0.05 when neither holds a valid one)."""
+    for a in (getattr(m.inference, "alpha", None), (m.config or {}).get("alpha") if isinstance(m.config, dict) else None):
+        a = _num(a)
         if a is not None and 0 < a < 1:
             return a
     return 0.05
+
+
+def _loose(result: Any) -> EvaluationModel:
+    """A result typed as far as it goes, without the rendering checks (for helpers that read a field or two)."""
+    return typed_view(result, partial=True, rules=False)
+
+
+def _alpha(result: Any) -> float:
+    return alpha_of(_loose(result))
 
 
 def _conf_label(alpha: float) -> str:
@@ -120,7 +144,9 @@ def _z(alpha: float) -> float:
     return NormalDist().inv_cdf(1 - alpha / 2)
 
 
-def _is_refused(pol: dict) -> bool:
+def _is_refused(pol: dict | PolicyResult) -> bool:
+    if isinstance(pol, PolicyResult):
+        return pol.level_claim == "refused"
     return pol.get("level_claim") == "refused"
 
 
@@ -129,8 +155,8 @@ def _audit(pol: dict) -> dict:
     return audit if isinstance(audit, dict) else {}
 
 
-def _verdict(pol: dict) -> str:
-    verdict = _audit(pol).get("verdict")
+def _verdict(pol: dict | PolicyResult) -> str:
+    verdict = getattr(pol.audit, "verdict", None) if isinstance(pol, PolicyResult) else _audit(pol).get("verdict")
     return verdict if verdict in VERDICT_STYLE else "not_run"
 
 
@@ -143,40 +169,49 @@ def _check_result(result: Any) -> None:
     validate_result(result, partial=True)
 
 
-def _policy_order(result: dict) -> list[str]:
+def policy_order(m: EvaluationModel) -> list[str]:
     """Policies by estimate, highest first (policies without a finite estimate last, in the order of
     the ranking, then of the dict). Never by rank group: rank = 1 + the number of policies
-    significantly better, so an imprecise low estimate can hold rank 1 (see `_rank_text`)."""
-    policies = result["policies"]
+    significantly better, so an imprecise low estimate can hold rank 1 (see `rank_text`)."""
+    policies = m.policies if isinstance(m.policies, dict) else {}
     order: list[str] = []
-    for entry in result.get("ranking") or []:
-        name = entry.get("policy") if isinstance(entry, dict) else None
+    for entry in m.ranking or []:
+        name = entry.policy if isinstance(entry, RankEntry) else None
         if name in policies and name not in order:
             order.append(name)
     order.extend(name for name in policies if name not in order)
 
     def key(name: str) -> float:
-        est = _num((policies[name] or {}).get("estimate")) if isinstance(policies[name], dict) else None
+        p = policies[name]
+        est = _num(p.estimate) if isinstance(p, PolicyResult) else None
         return -est if est is not None else math.inf
 
     return sorted(order, key=key)  # stable: ties keep the ranking's order
 
 
-def _rank_text(result: dict, name: str) -> str:
+def _policy_order(result: Any) -> list[str]:
+    return policy_order(_loose(result))
+
+
+def rank_text(m: EvaluationModel, name: str) -> str:
     """The rank of ``name`` as the comparisons support it: ``"1"`` when fixed, ``"1-3"`` when the
     policies it is not significantly different from leave it anywhere from 1 to 3 (best possible rank =
     1 + policies significantly better, worst = K - policies significantly worse, `win_matrix`);
     ``"-"`` for a policy left out of the ranking (not estimable)."""
-    wm = result.get("win_matrix") if isinstance(result.get("win_matrix"), dict) else {}
-    names, sig = list(wm.get("policies") or []), wm.get("significant") or []
+    wm = m.win_matrix if isinstance(m.win_matrix, WinMatrix) else None
+    names, sig = list((wm.policies if wm else None) or []), (wm.significant if wm else None) or []
     if name not in names or len(sig) != len(names):
-        entry = next((e for e in result.get("ranking") or [] if isinstance(e, dict) and e.get("policy") == name), None)
-        return str(entry["rank"]) if entry and entry.get("rank") is not None else "-"
+        entry = next((e for e in m.ranking or [] if isinstance(e, RankEntry) and e.policy == name), None)
+        return str(entry.rank) if entry and entry.rank is not None else "-"
     i, k = names.index(name), len(names)
     better = sum(1 for j in range(k) if j != i and (sig[j][i] == 1 or sig[i][j] == -1))
     worse = sum(1 for j in range(k) if j != i and (sig[i][j] == 1 or sig[j][i] == -1))
     best, worst = 1 + better, k - worse
     return str(best) if best == worst else f"{best}-{worst}"
+
+
+def _rank_text(result: Any, name: str) -> str:
+    return rank_text(_loose(result), name)
 
 
 def _check_drift(drift: Any) -> dict:
@@ -248,13 +283,14 @@ def _check_drift(drift: Any) -> dict:
 # --------------------------------------------------------------------------------------------
 # scales and non-estimable comparisons
 # --------------------------------------------------------------------------------------------
-def _scales(result: dict) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+def _scales(result: Any) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
     """(score scale, label scale) as declared in the result's config (None when not declared)."""
-    config = result.get("config") if isinstance(result.get("config"), dict) else {}
+    config = _loose(result).config
+    config = config if isinstance(config, dict) else {}
     return _pair(config.get("score_scale")), _pair(config.get("label_scale"))
 
 
-def _same_scale(result: dict) -> bool:
+def _same_scale(result: Any) -> bool:
     """True when judge scores and oracle labels share one scale (undeclared scales default to 0-1)."""
     score, label = _scales(result)
     return (score or (0.0, 1.0)) == (label or (0.0, 1.0))
@@ -281,14 +317,16 @@ def _scale_text(pair: tuple[float, float] | None) -> str:
     return "n/a" if pair is None else f"{pair[0]:g}\u2013{pair[1]:g}"
 
 
-def _not_estimable(comparison: dict) -> str | None:
+def _not_estimable(comparison: dict | Comparison) -> str | None:
     """The reason a comparison carries no number (``reported`` false or ``not_estimable`` set), else None.
 
-    Coded to the engine contract of issue 16 with ``.get`` so that results before it (no such keys)
-    render as before.
+    Results before issue 16 (no such fields) render as before.
     """
-    reason = comparison.get("not_estimable")
-    if comparison.get("reported", True) is False or reason:
+    if isinstance(comparison, Comparison):
+        reason, reported = comparison.not_estimable, comparison.reported
+    else:
+        reason, reported = comparison.get("not_estimable"), comparison.get("reported", True)
+    if reported is False or reason:
         return str(reason or "not reported by the engine")
     return None
 

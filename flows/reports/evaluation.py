@@ -23,7 +23,8 @@ from typing import Any, Sequence
 
 from cje_engine.errors import CJEInputError
 from flows.reports.charts import _forest_svg, _win_svg
-from flows.reports.common import FONT, _alpha, _check_drift, _check_result, _conf_label, _esc, _policy_order
+from cje_engine.result.model import Calibration, DataSummary, EvaluationModel, Inference
+from flows.reports.common import FONT, _check_drift, _conf_label, _esc, alpha_of, policy_order, result_model
 from flows.reports.sections import (_audit_section, _calibration_section, _changed_section, _comparisons_table,
                                     _context_meta, _drift_section, _estimator_table, _footer, _policy_table,
                                     _summary_html)
@@ -105,26 +106,25 @@ a{color:var(--blue)}
 """.replace("FONT", FONT)
 
 
-def _meta_items(result: dict, order: list[str]) -> list[str]:
+def _meta_items(m: EvaluationModel, order: list[str]) -> list[str]:
     """The facts under the title: policies, rows, prompts, labels, calibration, inference."""
-    data = result.get("data") if isinstance(result.get("data"), dict) else {}
-    cal = result.get("calibration") if isinstance(result.get("calibration"), dict) else {}
-    inference = result.get("inference") if isinstance(result.get("inference"), dict) else {}
+    data = m.data if isinstance(m.data, DataSummary) else None
+    cal = m.calibration if isinstance(m.calibration, Calibration) else None
+    inference = m.inference if isinstance(m.inference, Inference) else None
     meta = [f"{len(order)} policies"]
-    if data.get("n_rows") is not None:
-        meta.append(f"{data['n_rows']} rows")
-    if data.get("n_prompts") is not None:
-        meta.append(f"{data['n_prompts']} prompts")
-    if data.get("n_labelled") is not None:
-        meta.append(f"{data['n_labelled']} oracle labels"
-                    + (f" ({data['n_calibration_labels']} calibrate)"
-                       if data.get("n_calibration_labels") is not None else ""))
-    if cal.get("mode"):
-        meta.append(f"{cal['mode']} calibration")
-    if inference.get("method"):
-        nb = inference.get("n_bootstrap")
-        meta.append(f"{inference['method']} inference"
-                    + (f" ({nb} replicates)" if inference["method"] == "bootstrap" and nb else ""))
+    if data is not None and data.n_rows is not None:
+        meta.append(f"{data.n_rows} rows")
+    if data is not None and data.n_prompts is not None:
+        meta.append(f"{data.n_prompts} prompts")
+    if data is not None and data.n_labelled is not None:
+        meta.append(f"{data.n_labelled} oracle labels"
+                    + (f" ({data.n_calibration_labels} calibrate)" if data.n_calibration_labels is not None else ""))
+    if cal is not None and cal.mode:
+        meta.append(f"{cal.mode} calibration")
+    if inference is not None and inference.method:
+        nb = inference.n_bootstrap
+        meta.append(f"{inference.method} inference"
+                    + (f" ({nb} replicates)" if inference.method == "bootstrap" and nb else ""))
     return meta
 
 
@@ -153,14 +153,14 @@ def _days_meta(days: dict | None) -> str:
             f"{_esc(text)}</div>")
 
 
-def render_report(result: dict, *, title: str | None = None, drift: dict | None = None,
+def render_report(result: Any, *, title: str | None = None, drift: dict | None = None,
                   context: dict | None = None, days: dict | None = None) -> str:
     """Render a result dict as one self-contained HTML page.
 
     Parameters
     ----------
-    result : dict
-        The result dict of ``docs/result-schema.md`` (schema version 1).
+    result : dict, EvaluationResult or EvaluationModel
+        The result dict of ``docs/result-schema.md`` (schema version 1), or the typed result.
     title : str, optional
         Page title; defaults to "CJE evaluation report". Escaped like every user string.
     drift : dict, optional
@@ -200,14 +200,16 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
     CJEInputError
         When ``result`` or ``drift`` does not follow the format (the error names the field).
     """
-    _check_result(result)
+    m = result_model(result)
+    if not isinstance(result, dict):  # an EvaluationResult / EvaluationModel: the sections read its JSON form
+        result = m.model_dump(mode="json", exclude_unset=True, by_alias=True)
     drift_data = _check_drift(drift) if drift is not None else None
     ctx = context if isinstance(context, dict) else {}
-    alpha = _alpha(result)
-    order = _policy_order(result)
+    alpha = alpha_of(m)
+    order = policy_order(m)
     page_title = title if title is not None else "CJE evaluation report"
-    meta = _meta_items(result, order)
-    warnings = [str(w) for w in result.get("warnings") or []]
+    meta = _meta_items(m, order)
+    warnings = [str(w) for w in m.warnings or []]
     warn_html = ("<ul>" + "".join(f"<li>{_esc(w)}</li>" for w in warnings) + "</ul>"
                  if warnings else "<p class='muted'>No warnings.</p>")
     conf = _conf_label(alpha)
@@ -220,22 +222,22 @@ def render_report(result: dict, *, title: str | None = None, drift: dict | None 
         f"<header class='top'><h1>{_esc(page_title)}</h1>"
         f"<div class='meta'>{_esc(sep.join(meta))}</div>{_days_meta(days)}"
         f"{_context_meta(ctx) if ctx else ''}</header>",
-        _summary_html(result, order, alpha, drift_data),
+        _summary_html(m, order, alpha, drift_data),
         _changed_section(ctx) if ctx else "",
         "<section id='estimates'><h2>Policy estimates</h2>"
         f"<p class='lead'>Calibrated values on the oracle scale with {conf} intervals that include "
         "the calibration's uncertainty. Refused policies are drawn hollow and dashed: their "
         "interval is computed for ranking only and is not a level. Raw judge means (orange) show "
         "how far the uncalibrated judge is off.</p>"
-        f"<div class='figure'>{_forest_svg(result, order, alpha)}</div>"
-        f"{_policy_table(result, order, alpha)}"
+        f"<div class='figure'>{_forest_svg(m, order, alpha)}</div>"
+        f"{_policy_table(m, order, alpha)}"
         "<h3>Plug-in vs augmented</h3>"
-        f"{_estimator_table(result, order, alpha)}</section>",
-        f"<section id='calibration'><h2>Calibration</h2>{_calibration_section(result)}</section>",
-        f"<section id='audit'><h2>Transport audit</h2>{_audit_section(result, order, alpha)}"
+        f"{_estimator_table(m, order, alpha)}</section>",
+        f"<section id='calibration'><h2>Calibration</h2>{_calibration_section(m)}</section>",
+        f"<section id='audit'><h2>Transport audit</h2>{_audit_section(m, order, alpha)}"
         "</section>",
         "<section id='comparisons'><h2>Pairwise comparisons</h2>"
-        f"<div class='figure'>{_win_svg(result)}</div>{_comparisons_table(result, alpha)}"
+        f"<div class='figure'>{_win_svg(m)}</div>{_comparisons_table(m, alpha)}"
         "</section>",
     ]
     if drift_data is not None:

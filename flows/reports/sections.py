@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
+from cje_engine.result.model import (AssumedClaims, AssumedLevel, Audit, Calibration, Comparison, Decile,
+                                     EvaluationModel, LabelsToVerify, Multiplicity, PolicyResult, RankAgreement,
+                                     ReliabilityBin, Selection, StatSummary, Support)
 from flows.reports.charts import _audit_svg, _calibration_svg, _drift_svg
-from flows.reports.common import (VERDICT_STYLE, _audit, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
-                                  _name_cell, _not_estimable, _num, _pair, _pct, _rank_text, _same_scale,
-                                  _scale_text, _scales, _signed, _verdict)
+from flows.reports.common import (VERDICT_STYLE, _conf_label, _esc, _fmt, _fmt_ci, _fmt_p, _is_refused,
+                                  _name_cell, _not_estimable, _num, _pair, _pct, _same_scale,
+                                  _scale_text, _scales, _signed, _verdict, rank_text)
 
 # --------------------------------------------------------------------------------------------
 # HTML pieces
@@ -17,7 +20,7 @@ def _badge(verdict: str) -> str:
     return f'<span class="badge v-{_esc(verdict)}">{_esc(sym)} {_esc(label)}</span>'
 
 
-def _claim_badge(pol: dict) -> str:
+def _claim_badge(pol: dict | PolicyResult) -> str:
     if _is_refused(pol):
         return ('<span class="badge refused" title="level claim refused: ranked only, no level '
                 'may be quoted">refused</span>')
@@ -40,26 +43,27 @@ def _strip_winner_prefix(reason: Any) -> str:
     return text
 
 
-def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | None) -> str:
-    pols = result["policies"]
+def _summary_html(m: EvaluationModel, order: list[str], alpha: float, drift: dict | None) -> str:
+    """The summary section: quotable, assumed and refused levels, best policy, audits, rank agreement, drift."""
+    pols = m.policies
     conf = _conf_label(alpha)
     items: list[tuple[str, str]] = []
-    assumed = [n for n in order if pols[n].get("level_claim") == "assumes_transport"]
+    assumed = [n for n in order if pols[n].level_claim == "assumes_transport"]
     quotable = [n for n in order if not _is_refused(pols[n]) and n not in assumed]
     refused = [n for n in order if _is_refused(pols[n])]
     if quotable:
         lines = []
         for n in quotable:
             p = pols[n]
-            ci = _pair(p.get("ci"))
+            ci = _pair(p.ci)
             ci_txt = f" ({conf} CI {_fmt(ci[0])}\u2013{_fmt(ci[1])})" if ci else ""
             note = ""
-            if p.get("transport") == "unaudited" or _verdict(p) == "not_run":
+            if p.transport == "unaudited" or _verdict(p) == "not_run":
                 note = " <span class='note'>unaudited: rests on the assumption that the " \
                        "calibration transports</span>"
             elif _verdict(p) == "inconclusive":
                 note = " <span class='note'>audit inconclusive</span>"
-            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(p.get('estimate')))}"
+            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(p.estimate))}"
                          f"</span>{_esc(ci_txt)}{note}</li>")
         items.append(("ok", f"<p><b>Verified</b> levels that can be quoted (oracle scale; own labels correct "
                             f"them, no transport assumed):</p><ul>{''.join(lines)}</ul>"))
@@ -69,13 +73,13 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
         lines = []
         for n in assumed:
             p = pols[n]
-            a = p.get("assumed") or {}
-            ci = _pair(a.get("ci"))
+            a = p.assumed if isinstance(p.assumed, AssumedLevel) else None
+            ci = _pair(a.ci if a else None)
             ci_txt = f" ({conf} CI {_fmt(ci[0])}\u2013{_fmt(ci[1])})" if ci else ""
-            ltv = p.get("labels_to_verify") or {}
-            need = (f"; about {ltv['n_labels']} more own labels would verify it"
-                    if isinstance(ltv.get("n_labels"), int) and ltv["n_labels"] > 0 else "")
-            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(a.get('estimate')))}</span>"
+            ltv = p.labels_to_verify if isinstance(p.labels_to_verify, LabelsToVerify) else None
+            need = (f"; about {ltv.n_labels} more own labels would verify it"
+                    if ltv is not None and isinstance(ltv.n_labels, int) and ltv.n_labels > 0 else "")
+            lines.append(f"<li><b>{_esc(n)}</b>: <span class='num'>{_esc(_fmt(a.estimate if a else None))}</span>"
                          f"{_esc(ci_txt)} <span class='note'>assumes transport{_esc(need)}</span></li>")
         items.append(("warn", "<p><b>Assumes transport</b> (not verified: the calibrated plug-in rests on the "
                               "calibration transporting to the policy; not used for the best policy or a gate):"
@@ -83,22 +87,22 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     if refused:
         lines = []
         for n in refused:
-            reasons = [str(r) for r in pols[n].get("refusal_reasons") or []] or [
+            reasons = [str(r) for r in pols[n].refusal_reasons or []] or [
                 "no reason given by the engine"]
             lines.append(f"<li><b>{_esc(n)}</b>: {'; '.join(_esc(r) for r in reasons)}</li>")
         items.append(("bad", "<p>Level claims <b>refused</b> (ranked only; do not quote a level):"
                              f"</p><ul>{''.join(lines)}</ul>"))
-    best = result.get("best_policy")
-    reason = _strip_winner_prefix(result.get("best_policy_reason"))
+    best = m.best_policy
+    reason = _strip_winner_prefix(m.best_policy_reason)
     reason_txt = f" \u2014 {_esc(reason)}" if reason else ""
     if best is not None:
         items.append(("ok", f"<p>Best policy: <b>{_esc(best)}</b>{reason_txt}</p>"))
     else:
         items.append(("warn", f"<p><b>No clear winner</b>{reason_txt}</p>"))
-    assumed_claims = result.get("assumes_transport")
-    if isinstance(assumed_claims, dict):
-        a_best = assumed_claims.get("best_policy")
-        a_reason = _strip_winner_prefix(assumed_claims.get("best_policy_reason"))
+    assumed_claims = m.assumes_transport
+    if isinstance(assumed_claims, AssumedClaims):
+        a_best = assumed_claims.best_policy
+        a_reason = _strip_winner_prefix(assumed_claims.best_policy_reason)
         items.append(("warn", "<p><b>Assuming transport</b> (the paper's protocol, not verified): best policy "
                               f"<b>{_esc(a_best or 'none')}</b>" + (f" \u2014 {_esc(a_reason)}" if a_reason else "")
                               + ". Not the basis of the best policy or a gate.</p>"))
@@ -110,16 +114,17 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     if failed:
         details = []
         for n in failed:
-            a = _audit(pols[n])
-            details.append(f"<b>{_esc(n)}</b> (mean residual {_esc(_signed(a.get('residual_mean')))}"
-                           f" on {_esc(a.get('n_labels', '?'))} labels)")
+            a = pols[n].audit if isinstance(pols[n].audit, Audit) else None
+            details.append(f"<b>{_esc(n)}</b> (mean residual {_esc(_signed(a.residual_mean if a else None))}"
+                           f" on {_esc('?' if a is None or a.n_labels is None else a.n_labels)} labels)")
         audit_parts.append("Transport audit <b>failed</b> for " + ", ".join(details) +
                            ": the calibration learned elsewhere does not hold for "
                            + ("this policy." if len(failed) == 1 else "these policies."))
     if inconclusive:
         details = []
         for n in inconclusive:
-            extra = _audit(pols[n]).get("extra_labels_needed")
+            a = pols[n].audit if isinstance(pols[n].audit, Audit) else None
+            extra = a.extra_labels_needed if a else None
             details.append(f"<b>{_esc(n)}</b>" + (f" (about {_esc(extra)} more labels needed)"
                                                   if extra is not None else ""))
         audit_parts.append("Audit inconclusive for " + ", ".join(details) + ".")
@@ -131,10 +136,10 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     if audit_parts:
         kind = "bad" if failed else ("warn" if inconclusive or not_run else "ok")
         items.append((kind, "<p>" + " ".join(audit_parts) + "</p>"))
-    ra = result.get("rank_agreement") if isinstance(result.get("rank_agreement"), dict) else {}
-    tau = _num(ra.get("kendall_tau_b_raw_vs_calibrated"))
-    raw_order = [str(x) for x in ra.get("raw_order") or []]
-    cal_order = [str(x) for x in ra.get("calibrated_order") or []]
+    ra = m.rank_agreement if isinstance(m.rank_agreement, RankAgreement) else None
+    tau = _num(ra.kendall_tau_b_raw_vs_calibrated) if ra else None
+    raw_order = [str(x) for x in (ra.raw_order if ra else None) or []]
+    cal_order = [str(x) for x in (ra.calibrated_order if ra else None) or []]
     if tau is not None or raw_order:
         tau_txt = f"Kendall \u03c4-b = {_fmt(tau, 2)}" if tau is not None else "\u03c4 not given"
         if raw_order and raw_order == cal_order or (tau is not None and tau >= 0.999):
@@ -155,7 +160,7 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
         else:
             items.append(("ok", f"<p>No judge drift alarm over {len(drift['periods'])} "
                                 "period(s).</p>"))
-    warnings = [str(w) for w in result.get("warnings") or []]
+    warnings = [str(w) for w in m.warnings or []]
     if warnings:
         items.append(("warn", f"<p>{len(warnings)} engine warning(s); see "
                               "<a href='#warnings'>Warnings</a>.</p>"))
@@ -163,28 +168,33 @@ def _summary_html(result: dict, order: list[str], alpha: float, drift: dict | No
     return f'<section id="summary" class="summary"><h2>Summary</h2>{body}</section>'
 
 
-def _raw_header(result: dict) -> str:
+def _raw_header(result: Any) -> str:
     """The raw judge column is on the judge's scale; say so when that is not the label scale."""
     if _same_scale(result):
         return "raw judge"
     return f"raw judge ({_esc(_scale_text(_scales(result)[0]))})"
 
 
-def _claim_word(p: dict) -> str:
+def _claim_word(p: PolicyResult) -> str:
     """verified, assumes transport, refused (off-policy levels: ok)."""
-    claim = str(p.get("level_claim"))
+    claim = str(p.level_claim)
     if claim == "ok":
-        return "verified" if p.get("verified") is not None else "ok"
+        return "verified" if p.verified is not None else "ok"
     return "assumes transport" if claim == "assumes_transport" else claim
 
 
-def _policy_table(result: dict, order: list[str], alpha: float) -> str:
-    pols = result["policies"]
+def _or_na(value: Any) -> Any:
+    return "n/a" if value is None else value
+
+
+def _policy_table(m: EvaluationModel, order: list[str], alpha: float) -> str:
+    """The policy estimates table of the report (typed result, `flows.reports.common.result_model`)."""
+    pols = m.policies
     conf = _conf_label(alpha)
     head = ("<tr><th class='r' title='1 + the policies significantly better; a range (1-3) when the comparisons "
             "leave it open'>rank</th><th>policy</th><th class='r'>estimate</th>"
             f"<th class='r'>{conf} CI</th><th class='r'>SE</th><th>claim / basis</th>"
-            f"<th>audit</th><th class='r'>{_raw_header(result)}</th><th class='r'>oracle mean</th>"
+            f"<th>audit</th><th class='r'>{_raw_header(m)}</th><th class='r'>oracle mean</th>"
             "<th class='r'>labels / rows</th>"
             "<th class='r' title='share of the variance due to calibration'>calib. var.</th>"
             "<th>support</th></tr>")
@@ -192,47 +202,48 @@ def _policy_table(result: dict, order: list[str], alpha: float) -> str:
     for n in order:
         p = pols[n]
         refused = _is_refused(p)
-        sup = p.get("support") if isinstance(p.get("support"), dict) else {}
-        sup_txt = ("limited" if sup.get("limited") else "ok") if sup else "n/a"
-        sup_tip = (f"{_pct(sup.get('share_outside_range'))} of scores outside the labelled range, "
-                   f"{_pct(sup.get('share_thin'))} in thinly labelled regions") if sup else ""
+        sup = p.support if isinstance(p.support, Support) else None
+        sup_txt = ("limited" if sup.limited else "ok") if sup else "n/a"
+        sup_tip = (f"{_pct(sup.share_outside_range)} of scores outside the labelled range, "
+                   f"{_pct(sup.share_thin)} in thinly labelled regions") if sup else ""
         if refused:
             est = f"<td class='c' colspan='3'>{_claim_badge(p)}</td>"
-        elif p.get("level_claim") == "assumes_transport" and p.get("estimate") is None:
-            a = p.get("assumed") or {}
+        elif p.level_claim == "assumes_transport" and p.estimate is None:
+            a = p.assumed if isinstance(p.assumed, AssumedLevel) else None
             est = (f"<td class='c' colspan='3' title='not verified by the policy&#39;s own labels'>assumes transport: "
-                   f"<span class='num'>{_esc(_fmt(a.get('estimate')))} {_esc(_fmt_ci(a.get('ci')))}</span></td>")
+                   f"<span class='num'>{_esc(_fmt(a.estimate if a else None))} {_esc(_fmt_ci(a.ci if a else None))}"
+                   "</span></td>")
         else:
-            est = (f"<td class='r num'><b>{_esc(_fmt(p.get('estimate')))}</b></td>"
-                   f"<td class='r num'>{_esc(_fmt_ci(p.get('ci')))}</td>"
-                   f"<td class='r num'>{_esc(_fmt(p.get('se')))}</td>")
+            est = (f"<td class='r num'><b>{_esc(_fmt(p.estimate))}</b></td>"
+                   f"<td class='r num'>{_esc(_fmt_ci(p.ci))}</td>"
+                   f"<td class='r num'>{_esc(_fmt(p.se))}</td>")
         tr_cls = " class='is-refused'" if refused else ""
         rows.append(
-            f"<tr{tr_cls}><td class='r num rank'>{_esc(_rank_text(result, n))}</td>"
+            f"<tr{tr_cls}><td class='r num rank'>{_esc(rank_text(m, n))}</td>"
             f"<td class='name'>{_name_cell(n)}</td>"
             f"{est}"
-            f"<td title='{_esc(p.get('basis') or '')}'>{_esc(_claim_word(p))}<br>"
-            f"<small>{_esc(p.get('basis_code') or 'n/a')}</small></td>"
-            f"<td title='transport: {_esc(p.get('transport') or 'n/a')}'>{_badge(_verdict(p))}</td>"
-            f"<td class='r num'>{_esc(_fmt(p.get('raw_judge_mean')))}</td>"
-            f"<td class='r num'>{_esc(_fmt(p.get('oracle_mean')))}</td>"
-            f"<td class='r num'>{_esc(p.get('n_labelled', 'n/a'))} / "
-            f"{_esc(p.get('n_rows', 'n/a'))}</td>"
-            f"<td class='r num'>{_esc(_pct(p.get('variance_share_calibration')))}</td>"
+            f"<td title='{_esc(p.basis or '')}'>{_esc(_claim_word(p))}<br>"
+            f"<small>{_esc(p.basis_code or 'n/a')}</small></td>"
+            f"<td title='transport: {_esc(p.transport or 'n/a')}'>{_badge(_verdict(p))}</td>"
+            f"<td class='r num'>{_esc(_fmt(p.raw_judge_mean))}</td>"
+            f"<td class='r num'>{_esc(_fmt(p.oracle_mean))}</td>"
+            f"<td class='r num'>{_esc(_or_na(p.n_labelled))} / "
+            f"{_esc(_or_na(p.n_rows))}</td>"
+            f"<td class='r num'>{_esc(_pct(p.variance_share_calibration))}</td>"
             f"<td title='{_esc(sup_tip)}'>{_esc(sup_txt)}</td></tr>")
     bases = []
     for n in order:
         p = pols[n]
-        if p.get("basis"):
-            bases.append(f"<li><b>{_esc(n)}</b>: {_esc(p['basis'])}</li>")
+        if p.basis:
+            bases.append(f"<li><b>{_esc(n)}</b>: {_esc(p.basis)}</li>")
     basis_list = f"<ul class='bases'>{''.join(bases)}</ul>" if bases else ""
     return (f"<div class='scroll'><table class='data'><thead>{head}</thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>{basis_list}")
 
 
-def _estimator_table(result: dict, order: list[str], alpha: float) -> str:
+def _estimator_table(m: EvaluationModel, order: list[str], alpha: float) -> str:
     """Plug-in vs augmented numbers for quotable policies (refused ones stay hidden)."""
-    pols = result["policies"]
+    pols = m.policies
     conf = _conf_label(alpha)
     rows = []
     for n in order:
@@ -242,44 +253,44 @@ def _estimator_table(result: dict, order: list[str], alpha: float) -> str:
                         "<td class='r refused-cell' colspan='4'>refused</td></tr>")
             continue
         cells = []
-        for key in ("plug_in", "augmented"):
-            part = p.get(key) if isinstance(p.get(key), dict) else None
-            if part is None:
+        for part in (p.plug_in, p.augmented):
+            if not isinstance(part, StatSummary):
                 cells.append("<td class='r muted' colspan='2'>not available</td>")
             else:
-                cells.append(f"<td class='r num'>{_esc(_fmt(part.get('estimate')))}</td>"
-                             f"<td class='r num'>{_esc(_fmt_ci(part.get('ci')))}</td>")
+                cells.append(f"<td class='r num'>{_esc(_fmt(part.estimate))}</td>"
+                             f"<td class='r num'>{_esc(_fmt_ci(part.ci))}</td>")
         rows.append(f"<tr><td class='name'>{_name_cell(n)}</td>{''.join(cells)}</tr>")
     return ("<div class='scroll'><table class='data'><thead><tr><th>policy</th>"
             f"<th class='r'>plug-in</th><th class='r'>{conf} CI</th><th class='r'>augmented</th>"
             f"<th class='r'>{conf} CI</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
 
-
-def _audit_section(result: dict, order: list[str], alpha: float) -> str:
-    pols = result["policies"]
+def _audit_section(m: EvaluationModel, order: list[str], alpha: float) -> str:
+    """The transport audit section: one panel per audited policy and the audit table (typed result)."""
+    pols = m.policies
     panels = []
     rows = []
-    adj = (result.get("config") or {}).get("audit_adjustment")
+    adj = (m.config if isinstance(m.config, dict) else {}).get("audit_adjustment")
     for n in order:
-        a = _audit(pols[n])
+        a = pols[n].audit if isinstance(pols[n].audit, Audit) else Audit.model_construct(
+            **{f: None for f in Audit.model_fields})
         verdict = _verdict(pols[n])
-        extra = a.get("extra_labels_needed")
+        extra = a.extra_labels_needed
         extra_txt = "\u2013" if extra is None else str(extra)
         rows.append(
             f"<tr><td class='name'>{_name_cell(n)}</td><td>{_badge(verdict)}</td>"
-            f"<td class='r num'>{_esc(a.get('n_labels', 'n/a'))}</td>"
-            f"<td class='r num'>{_esc(_signed(a.get('residual_mean')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_ci(a.get('ci_adjusted') or a.get('ci')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_p(a.get('p_adjusted')))}</td>"
-            f"<td>{_esc(a.get('calibrator') or 'n/a')}</td>"
+            f"<td class='r num'>{_esc(_or_na(a.n_labels))}</td>"
+            f"<td class='r num'>{_esc(_signed(a.residual_mean))}</td>"
+            f"<td class='r num'>{_esc(_fmt_ci(a.ci_adjusted or a.ci))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(a.p_adjusted))}</td>"
+            f"<td>{_esc(a.calibrator or 'n/a')}</td>"
             f"<td class='r num'>{_esc(extra_txt)}</td>"
-            f"<td class='reason'>{_esc(a.get('reason') or '')}</td></tr>")
-        has_data = any(isinstance(d, dict) and _num(d.get("mean_residual")) is not None
-                       for d in a.get("deciles") or []) or _num(a.get("residual_mean")) is not None
+            f"<td class='reason'>{_esc(a.reason or '')}</td></tr>")
+        has_data = any(isinstance(d, Decile) and _num(d.mean_residual) is not None
+                       for d in a.deciles or []) or _num(a.residual_mean) is not None
         if verdict != "not_run" and has_data:
-            caption = (f"mean residual {_signed(a.get('residual_mean'))}, adjusted CI "
-                       f"{_fmt_ci(a.get('ci_adjusted') or a.get('ci'))} on {a.get('n_labels', '?')} "
-                       f"labels; margin \u00b1{_fmt(a.get('margin'), 2)}")
+            caption = (f"mean residual {_signed(a.residual_mean)}, adjusted CI "
+                       f"{_fmt_ci(a.ci_adjusted or a.ci)} on {'?' if a.n_labels is None else a.n_labels} "
+                       f"labels; margin \u00b1{_fmt(a.margin, 2)}")
             panels.append(f"<figure class='panel'><figcaption><b>{_esc(n)}</b> {_badge(verdict)}"
                           f"<span class='cap'>{_esc(caption)}</span></figcaption>"
                           f"{_audit_svg(n, a, alpha)}</figure>")
@@ -302,42 +313,42 @@ def _audit_section(result: dict, order: list[str], alpha: float) -> str:
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
 
-def _comparisons_table(result: dict, alpha: float) -> str:
+def _comparisons_table(m: EvaluationModel, alpha: float) -> str:
+    """The pairwise comparisons table of the report (typed result)."""
     rows = []
-    pols = result["policies"]
+    pols = m.policies
     conf = _conf_label(alpha)
-    for c in result.get("comparisons") or []:
-        if not isinstance(c, dict):
-            continue
-        a, b = str(c.get("a")), str(c.get("b"))
-        involves = bool(c.get("involves_refused")) or any(
-            _is_refused(pols[x]) for x in (a, b) if x in pols)
+    comps = [c for c in m.comparisons or [] if isinstance(c, Comparison)]
+    for c in comps:
+        a, b = str(c.a), str(c.b)
+        involves = bool(c.involves_refused) or any(_is_refused(pols[x]) for x in (a, b) if x in pols)
         why = _not_estimable(c)
         if why is not None:
             rows.append(f"<tr class='is-refused not-estimable'><td class='name'>{_name_cell(a)}</td>"
                         f"<td class='name'>{_name_cell(b)}</td><td class='refused-cell' colspan='6'>not estimable: "
                         f"{_esc(why)}</td><td></td></tr>")
             continue
-        sig = bool(c.get("significant"))
+        sig = bool(c.significant)
         sig_txt = "<span class='sig'>\u2713 yes</span>" if sig else "no"
         rows.append(
             f"<tr><td class='name'>{_name_cell(a)}</td><td class='name'>{_name_cell(b)}</td>"
-            f"<td class='r num'>{_esc(_signed(c.get('diff')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_ci(c.get('ci')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_p(c.get('p_value')))}</td>"
-            f"<td class='r num'>{_esc(_fmt_p(c.get('p_adjusted')))}</td>"
+            f"<td class='r num'>{_esc(_signed(c.diff))}</td>"
+            f"<td class='r num'>{_esc(_fmt_ci(c.ci))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(c.p_value))}</td>"
+            f"<td class='r num'>{_esc(_fmt_p(c.p_adjusted))}</td>"
             f"<td class='c'>{sig_txt}</td>"
-            f"<td class='r num'>{_esc(_fmt(c.get('prob_a_better'), 2))}</td>"
+            f"<td class='r num'>{_esc(_fmt(c.prob_a_better, 2))}</td>"
             f"<td class='note'>{'relative only (refused policy)' if involves else ''}</td></tr>")
     if not rows:
         return "<p class='muted'>No pairwise comparisons in this result.</p>"
-    mult = result.get("multiplicity") or {}
-    method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "")
-    n_ne = sum(1 for c in result.get("comparisons") or [] if isinstance(c, dict) and _not_estimable(c))
+    mult = m.multiplicity if isinstance(m.multiplicity, Multiplicity) else None
+    config = m.config if isinstance(m.config, dict) else {}
+    method = str((mult.method if mult else None) or config.get("multiplicity") or "")
+    n_ne = sum(1 for c in comps if _not_estimable(c))
     caption = (f"{len(rows) - n_ne} comparisons reported"
                + (f", {n_ne} not estimable" if n_ne else "")
                + f"; p-values adjusted by {_esc(method.upper() or 'n/a')} at "
-               f"\u03b1 = {_esc(_fmt(mult.get('alpha', alpha), 2))}.")
+               f"\u03b1 = {_esc(_fmt(mult.alpha if mult is not None and mult.alpha is not None else alpha, 2))}.")
     return (f"<p class='lead'>{caption} Differences are a \u2212 b on the oracle scale; comparisons "
             f"involving a refused policy are relative claims only.</p><div class='scroll'>"
             "<table class='data'><thead><tr><th>a</th><th>b</th><th class='r'>diff (a\u2212b)</th>"
@@ -345,36 +356,37 @@ def _comparisons_table(result: dict, alpha: float) -> str:
             "<th class='c'>significant</th><th class='r'>P(a better)</th><th></th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
-
-def _calibration_section(result: dict) -> str:
-    cal = result.get("calibration") if isinstance(result.get("calibration"), dict) else {}
-    config = result.get("config") if isinstance(result.get("config"), dict) else {}
-    if not cal:
+def _calibration_section(m: EvaluationModel) -> str:
+    """The calibration section: mode, selection, training labels, curve and reliability (typed result)."""
+    cal = m.calibration if isinstance(m.calibration, Calibration) else None
+    config = m.config if isinstance(m.config, dict) else {}
+    if cal is None or all(v is None for v in cal.__dict__.values()):  # absent, or given as {}
         return "<p class='muted'>No calibration information in this result.</p>"
-    sel = cal.get("selection") if isinstance(cal.get("selection"), dict) else {}
-    facts = [f"mode used: <b>{_esc(cal.get('mode') or 'n/a')}</b>"]
+    sel = cal.selection if isinstance(cal.selection, Selection) else None
+    sel = None if sel is None or all(v is None for v in sel.__dict__.values()) else sel
+    facts = [f"mode used: <b>{_esc(cal.mode or 'n/a')}</b>"]
     if sel:
-        facts.append(f"requested: {_esc(sel.get('requested') or 'n/a')}")
-        rmse = sel.get("oof_rmse") if isinstance(sel.get("oof_rmse"), dict) else {}
+        facts.append(f"requested: {_esc(sel.requested or 'n/a')}")
+        rmse = sel.oof_rmse if isinstance(sel.oof_rmse, dict) else {}
         if rmse:
             facts.append("out-of-fold RMSE: " + ", ".join(
                 f"{_esc(k)} {_esc(_fmt(v))}" for k, v in rmse.items()))
-    facts.append(f"trained on {_esc(cal.get('n_train', 'n/a'))} labels")
-    lr = _pair(cal.get("label_range"))
+    facts.append(f"trained on {_esc(_or_na(cal.n_train))} labels")
+    lr = _pair(cal.label_range)
     if lr:
         facts.append(f"labelled judge-score range [{_fmt(lr[0], 2)}, {_fmt(lr[1], 2)}]")
-    reason = f"<p class='note'>Selection: {_esc(sel.get('reason'))}</p>" if sel.get("reason") else ""
+    reason = f"<p class='note'>Selection: {_esc(sel.reason)}</p>" if sel and sel.reason else ""
     two_stage = ("<p class='note'>Two-stage calibration: the curve is drawn at the median of the "
-                 "covariates.</p>" if cal.get("mode") == "two_stage" else "")
+                 "covariates.</p>" if cal.mode == "two_stage" else "")
     row_list = []
-    for b in cal.get("reliability") or []:
-        if not isinstance(b, dict):
+    for b in cal.reliability or []:
+        if not isinstance(b, ReliabilityBin):
             continue
-        mp, ml = _num(b.get("mean_predicted")), _num(b.get("mean_label"))
+        mp, ml = _num(b.mean_predicted), _num(b.mean_label)
         gap = _signed(ml - mp) if mp is not None and ml is not None else "n/a"
         row_list.append(
-            f"<tr><td class='num'>[{_esc(_fmt(b.get('lo'), 2))}, {_esc(_fmt(b.get('hi'), 2))})</td>"
-            f"<td class='r num'>{_esc(b.get('n', 'n/a'))}</td>"
+            f"<tr><td class='num'>[{_esc(_fmt(b.lo, 2))}, {_esc(_fmt(b.hi, 2))})</td>"
+            f"<td class='r num'>{_esc(_or_na(b.n))}</td>"
             f"<td class='r num'>{_esc(_fmt(mp))}</td><td class='r num'>{_esc(_fmt(ml))}</td>"
             f"<td class='r num'>{_esc(gap)}</td></tr>")
     rel_rows = "".join(row_list)

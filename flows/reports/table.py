@@ -1,11 +1,13 @@
 """Fixed-width terminal tables for a CJE result."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
-from flows.reports.common import (VERDICT_STYLE, _alpha, _check_result, _conf_label, _fmt, _fmt_ci, _fmt_p,
-                                  _is_refused, _not_estimable, _policy_order, _rank_text, _safe, _same_scale,
-                                  _scale_text, _scales, _signed, _verdict)
+from cje_engine.result.model import (AssumedClaims, AssumedLevel, BaselineComparison, Comparison, EvaluationModel,
+                                     Multiplicity, PolicyResult)
+from flows.reports.common import (VERDICT_STYLE, _conf_label, _fmt, _fmt_ci, _fmt_p, _is_refused, _not_estimable,
+                                  _safe, _same_scale, _scale_text, _scales, _signed, _verdict, alpha_of,
+                                  policy_order, rank_text, result_model)
 from flows.reports.sections import _strip_winner_prefix
 
 __all__ = ["format_table"]
@@ -22,10 +24,12 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int
     return [line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)]
 
 
-def format_table(result: dict) -> str:
-    """Fixed-width text summary of a result dict for the terminal.
+def format_table(result: Any) -> str:
+    """Fixed-width text summary of a result for the terminal.
 
-    One row per policy, highest estimate first (rank as the comparisons support it, `_rank_text`;
+    ``result``: the result dict (``result.json``; hand-made partial ones too), an `EvaluationResult` or its
+    `EvaluationModel`; read through the typed model (`flows.reports.common.result_model`).
+    One row per policy, highest estimate first (rank as the comparisons support it, `rank_text`;
     estimate, CI, level claim, basis, audit verdict, raw judge mean on the judge's
     own scale, oracle mean; refused levels read "refused"), then the pairwise comparisons with adjusted
     p-values ("not estimable: <reason>" where the engine reported none) and the best-policy line. User
@@ -36,109 +40,111 @@ def format_table(result: dict) -> str:
     CJEInputError
         When ``result`` does not follow ``docs/result-schema.md``.
     """
-    _check_result(result)
-    alpha = _alpha(result)
+    m = result_model(result)
+    alpha = alpha_of(m)
     conf = _conf_label(alpha)
-    pols = result["policies"]
-    order = _policy_order(result)
+    pols = m.policies
+    order = policy_order(m)
     rows = []
     for n in order:
         p = pols[n]
         refused = _is_refused(p)
-        assumed = p.get("assumed") or {}
+        assumed = p.assumed if isinstance(p.assumed, AssumedLevel) else None
         rows.append([
-            _rank_text(result, n),
+            rank_text(m, n),
             _safe(n),
-            "refused" if refused else _fmt(p.get("estimate")) if p.get("estimate") is not None else "-",
-            "refused" if refused else _fmt_ci(p.get("ci")) if p.get("ci") else "",
+            "refused" if refused else _fmt(p.estimate) if p.estimate is not None else "-",
+            "refused" if refused else _fmt_ci(p.ci) if p.ci else "",
             claim_text(p),
-            _safe(p.get("basis_code") or "n/a"),
+            _safe(p.basis_code or "n/a"),
             VERDICT_STYLE[_verdict(p)][1],
-            (_fmt(assumed.get("estimate")) if assumed.get("level_claim") != "refused" else "refused")
-            if assumed else "",
-            _fmt(p.get("raw_judge_mean")),
-            _fmt(p.get("oracle_mean")),
+            (_fmt(assumed.estimate) if assumed.level_claim != "refused" else "refused") if assumed else "",
+            _fmt(p.raw_judge_mean),
+            _fmt(p.oracle_mean),
         ])
     lines = ["Policy estimates (oracle scale)"]
-    raw_head = "raw judge" if _same_scale(result) else f"raw judge ({_scale_text(_scales(result)[0])})"
+    raw_head = "raw judge" if _same_scale(m) else f"raw judge ({_scale_text(_scales(m)[0])})"
     lines += _table(["rank", "policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport",
                      raw_head, "oracle mean"], rows, right={2, 3, 7, 8, 9})
-    if any(pols[n].get("level_claim") == "assumes_transport" for n in order):
+    if any(pols[n].level_claim == "assumes_transport" for n in order):
         lines.append("claim 'assumes transport': no verified level; the plug-in shown rests on the calibration "
                      "transporting to the policy, which its labels did not verify (labels_to_verify in the result)")
     if any("-" in r[0] and r[0] != "-" for r in rows):
         lines.append("rank: 1 + policies significantly better; a range (1-3) when the comparisons leave it open")
-    comps = [c for c in result.get("comparisons") or [] if isinstance(c, dict)]
-    mult = result.get("multiplicity") or {}
-    method = str(mult.get("method") or (result.get("config") or {}).get("multiplicity") or "n/a")
     lines.append("")
-    if comps:
-        lines.append(f"Pairwise comparisons (a - b; p adjusted by {method.upper()}, "
-                     f"alpha {_fmt(mult.get('alpha', alpha), 2)})")
-        crow = []
-        any_refused = False
-        for c in comps:
-            a, b = str(c.get("a")), str(c.get("b"))
-            why = _not_estimable(c)
-            if why is not None:  # never a number: the engine threw it out (issue 16)
-                crow.append([_safe(a), _safe(b), f"not estimable: {_safe(why)}", "", "", "", "", "", "", ""])
-                continue
-            involves = bool(c.get("involves_refused")) or any(
-                _is_refused(pols[x]) for x in (a, b) if x in pols)
-            any_refused |= involves
-            crow.append([_safe(a), _safe(b), _signed(c.get("diff")), _fmt_ci(c.get("ci")),
-                         _fmt_p(c.get("p_value")), _fmt_p(c.get("p_adjusted")),
-                         "yes" if c.get("significant") else "no",
-                         _fmt(c.get("prob_a_better"), 2),
-                         "assumes transport" if c.get("claim_kind") == "assumes_transport" else
-                         "verified" if c.get("claim_kind") == "verified" else "",
-                         "*" if involves else ""])
-        lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", "claim", ""],
-                        crow, right={3, 4, 5, 7})
-        if any_refused:
-            lines.append("* involves a refused policy: relative comparison only, no level implied")
-    else:
-        lines.append("Pairwise comparisons: none")
+    lines += _comparison_lines(m, conf, alpha)
     lines.append("")
-    best = result.get("best_policy")
+    best = m.best_policy
     if best is not None:
-        reason = _safe(result.get("best_policy_reason") or "")
+        reason = _safe(m.best_policy_reason or "")
         lines.append(f"Best policy: {_safe(best)}" + (f" ({reason})" if reason else ""))
     else:
-        reason = _safe(_strip_winner_prefix(result.get("best_policy_reason")))
+        reason = _safe(_strip_winner_prefix(m.best_policy_reason))
         lines.append("Best policy: none, no clear winner" + (f" ({reason})" if reason else ""))
-    lines += _baseline_lines(result, conf)
-    assumed = result.get("assumes_transport")
-    if isinstance(assumed, dict):
-        best = assumed.get("best_policy")
+    lines += _baseline_lines(m, conf)
+    assumed_claims = m.assumes_transport
+    if isinstance(assumed_claims, AssumedClaims):
+        best = assumed_claims.best_policy
         lines.append("Assuming transport (the paper's protocol, not verified): best policy "
-                     + (_safe(best) if best else "none") + f" ({_safe(_strip_winner_prefix(assumed.get('best_policy_reason')))})")
+                     + (_safe(best) if best else "none")
+                     + f" ({_safe(_strip_winner_prefix(assumed_claims.best_policy_reason))})")
     return "\n".join(lines)
 
 
-def claim_text(p: dict) -> str:
+def _comparison_lines(m: EvaluationModel, conf: str, alpha: float) -> list[str]:
+    """The pairwise comparisons block of the table (a - b, CI, p, adjusted p, significance, claim)."""
+    pols = m.policies
+    comps = [c for c in m.comparisons or [] if isinstance(c, Comparison)]
+    mult = m.multiplicity if isinstance(m.multiplicity, Multiplicity) else None
+    config = m.config if isinstance(m.config, dict) else {}
+    method = str((mult.method if mult else None) or config.get("multiplicity") or "n/a")
+    if not comps:
+        return ["Pairwise comparisons: none"]
+    mult_alpha = mult.alpha if mult is not None and mult.alpha is not None else alpha
+    lines = [f"Pairwise comparisons (a - b; p adjusted by {method.upper()}, alpha {_fmt(mult_alpha, 2)})"]
+    crow = []
+    any_refused = False
+    for c in comps:
+        a, b = str(c.a), str(c.b)
+        why = _not_estimable(c)
+        if why is not None:  # never a number: the engine threw it out (issue 16)
+            crow.append([_safe(a), _safe(b), f"not estimable: {_safe(why)}", "", "", "", "", "", "", ""])
+            continue
+        involves = bool(c.involves_refused) or any(_is_refused(pols[x]) for x in (a, b) if x in pols)
+        any_refused |= involves
+        crow.append([_safe(a), _safe(b), _signed(c.diff), _fmt_ci(c.ci), _fmt_p(c.p_value), _fmt_p(c.p_adjusted),
+                     "yes" if c.significant else "no", _fmt(c.prob_a_better, 2),
+                     "assumes transport" if c.claim_kind == "assumes_transport" else
+                     "verified" if c.claim_kind == "verified" else "",
+                     "*" if involves else ""])
+    lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", "claim", ""],
+                    crow, right={3, 4, 5, 7})
+    if any_refused:
+        lines.append("* involves a refused policy: relative comparison only, no level implied")
+    return lines
+
+
+def claim_text(p: PolicyResult) -> str:
     """How a policy's level claim reads for people: verified, assumes transport, refused (off-policy: ok)."""
-    claim = str(p.get("level_claim"))
-    if claim == "ok" and p.get("verified") is not None:
+    claim = str(p.level_claim)
+    if claim == "ok" and p.verified is not None:
         return "verified"
     return {"assumes_transport": "assumes transport"}.get(claim, claim)
 
 
-def _baseline_lines(result: dict, conf: str) -> list[str]:
-    rows = [c for c in result.get("baseline_comparisons") or [] if isinstance(c, dict)]
+def _baseline_lines(m: EvaluationModel, conf: str) -> list[str]:
+    rows = [c for c in m.baseline_comparisons or [] if isinstance(c, BaselineComparison)]
     if not rows:
         return []
-    base = _safe(rows[0].get("baseline"))
+    base = _safe(rows[0].baseline)
     out = ["", f"Against the baseline {base} (simultaneous {conf} intervals, max-T)"]
     body = []
     for c in rows:
-        if not c.get("reported"):
-            body.append([_safe(c.get("policy")), f"not estimable: {_safe(c.get('not_estimable'))}", "", "", ""])
+        if not c.reported:
+            body.append([_safe(c.policy), f"not estimable: {_safe(c.not_estimable)}", "", "", ""])
             continue
-        verdict = "better" if c.get("better") else "worse" if c.get("worse") else \
-            "non-inferior" if c.get("non_inferior") else "undecided"
-        body.append([_safe(c.get("policy")), _signed(c.get("diff")), _fmt_ci(c.get("ci")), verdict,
-                     "assumes transport" if c.get("claim_kind") == "assumes_transport" else "verified"])
+        verdict = "better" if c.better else "worse" if c.worse else "non-inferior" if c.non_inferior else "undecided"
+        body.append([_safe(c.policy), _signed(c.diff), _fmt_ci(c.ci), verdict,
+                     "assumes transport" if c.claim_kind == "assumes_transport" else "verified"])
     out += _table(["policy", "diff", f"{conf} CI (simultaneous)", "verdict", "claim"], body, right={1, 2})
     return out
-

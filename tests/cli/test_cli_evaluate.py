@@ -107,7 +107,7 @@ def test_out_refuses_an_earlier_result_unless_overwrite(canonical_parquet, tmp_p
     assert (out / "result.json").read_bytes() == first  # nothing overwritten
     assert cli.main(args + ["--seed", "5", "--overwrite"]) == 0
     assert json.loads((out / "result.json").read_text())["config"]["seed"] == 5
-    assert sorted(p.name for p in out.iterdir()) == ["report.html", "result.json"]  # no temp file
+    assert sorted(p.name for p in out.iterdir()) == ["report.html", "result.json", "terms.npz"]  # no temp file
 
 
 def test_out_that_is_a_file_or_unwritable_fails_before_computing(canonical_parquet, tmp_path, monkeypatch, capsys,

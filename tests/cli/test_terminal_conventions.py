@@ -180,7 +180,7 @@ def test_evaluate_writes_files_with_the_mode_of_published_ones(canonical_parquet
         os.umask(old)
     published = stat.S_IMODE((tmp_path / "published" / "results" / "ev" / "report.html").stat().st_mode)
     assert published == 0o644
-    for name in ("result.json", "report.html"):
+    for name in ("result.json", "report.html", "terms.npz"):
         assert stat.S_IMODE((tmp_path / "o" / name).stat().st_mode) == published, name
 
 

@@ -39,6 +39,8 @@ import numpy as np
 from scipy.stats import norm
 
 from cje_engine.errors import CJEInputError
+from cje_engine.result.model import AssumedClaims, Audit, Comparison, EvaluationModel, Multiplicity
+from cje_engine.result.validate import typed_view
 
 from flows.cli.exits import EXIT_GATE_FAILED, EXIT_OK
 from flows.cli.terminal import err, escape, out, out_json
@@ -102,41 +104,46 @@ class Check:
     p_adjusted: float | None = None
 
 
-def _comparison(result: Mapping[str, Any], cand: str, base: str) -> dict | None:
+def _comparison(m: EvaluationModel, cand: str, base: str) -> Comparison | None:
     """The result's comparison of ``cand`` and ``base`` oriented as ``cand - base``."""
-    for c in result.get("comparisons") or []:
-        if {c.get("a"), c.get("b")} != {cand, base}:
+    for c in m.comparisons or []:
+        if not isinstance(c, Comparison) or {c.a, c.b} != {cand, base}:
             continue
-        c = dict(c)
-        if c.get("a") == base:
-            c["diff"] = -c["diff"] if c.get("diff") is not None else None
-            if c.get("ci"):
-                c["ci"] = [-c["ci"][1], -c["ci"][0]]
+        if c.a == base:
+            return c.model_copy(update={"diff": -c.diff if c.diff is not None else None,
+                                        "ci": [-c.ci[1], -c.ci[0]] if c.ci else c.ci})
         return c
     return None
 
 
-def _not_estimable(c: Mapping[str, Any]) -> str | None:
-    reason = c.get("not_estimable")
-    if c.get("reported") is False or reason:
+def _not_estimable(c: Comparison) -> str | None:
+    reason = c.not_estimable
+    if c.reported is False or reason:
         return f"not estimable: {reason}" if isinstance(reason, str) and reason else "not reported by the result"
-    if c.get("diff") is None:
+    if c.diff is None:
         return "not estimable: the result has no difference for this pair"
     return None
 
 
-def _claim_checks(result: Mapping[str, Any], base: str, cands: Sequence[str], claim: Claim, rule: str,
+def _alpha_method(m: EvaluationModel) -> tuple[float, str]:
+    """The result's alpha and multiplicity method (multiplicity block, else config alpha; 0.05 / bh)."""
+    mult = m.multiplicity if isinstance(m.multiplicity, Multiplicity) else None
+    config = m.config if isinstance(m.config, dict) else {}
+    alpha = float((mult.alpha if mult else None) or config.get("alpha", 0.05))
+    return alpha, (mult.method if mult and mult.method else "bh")
+
+
+def _claim_checks(m: EvaluationModel, base: str, cands: Sequence[str], claim: Claim, rule: str,
                   expression: str, allow_not_estimable: bool) -> list[Check]:
-    alpha = float((result.get("multiplicity") or {}).get("alpha") or (result.get("config") or {}).get("alpha", 0.05))
-    method = (result.get("multiplicity") or {}).get("method", "bh")
-    comps = {c: _comparison(result, c, base) for c in cands}
+    alpha, method = _alpha_method(m)
+    comps = {c: _comparison(m, c, base) for c in cands}
     usable = [c for c in cands if comps[c] is not None and _not_estimable(comps[c]) is None]
     p_one = {}
     if claim.threshold != 0.0:
         from cje_engine.inference.multiplicity import adjust
 
         for c in usable:
-            d, se = float(comps[c]["diff"]), comps[c].get("se")
+            d, se = float(comps[c].diff), comps[c].se
             if se is None or not se > 0:
                 p_one[c] = 0.0 if (d < claim.threshold if claim.below else d > claim.threshold) else 1.0
             else:
@@ -154,17 +161,17 @@ def _claim_checks(result: Mapping[str, Any], base: str, cands: Sequence[str], cl
             checks.append(Check(rule, expression, cand, fails, f"{cand} vs {base}: {why}; the gate cannot tell"
                                 + ("" if fails else " (allowed by --allow-not-estimable)")))
             continue
-        d, se = float(c["diff"]), c.get("se")
+        d, se = float(c.diff), c.se
         if claim.threshold == 0.0:
-            p, p_adj = c.get("p_value"), c.get("p_adjusted")
-            established = bool(c.get("significant")) and (d < 0 if claim.below else d > 0)
+            p, p_adj = c.p_value, c.p_adjusted
+            established = bool(c.significant) and (d < 0 if claim.below else d > 0)
             test = f"adjusted p {p_adj:.3g} ({method})" if isinstance(p_adj, (int, float)) else "adjusted p n/a"
         else:
             p, p_adj = p_one[cand], adj[cand]
             established = p_adj <= alpha
             test = f"one-sided p {p:.3g}, adjusted {p_adj:.3g} ({method}, {len(usable)} comparison(s))"
         shown = "shown" if established else "not shown"
-        ci = c.get("ci")
+        ci = c.ci
         ci_txt = f", CI [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci and None not in ci else ""
         reason = (f"{cand} - {base} = {d:+.4f}{ci_txt}; {claim.text} {shown} at alpha {alpha:g} ({test})")
         failed = established if rule == "fail-if" else not established
@@ -172,47 +179,48 @@ def _claim_checks(result: Mapping[str, Any], base: str, cands: Sequence[str], cl
     return checks
 
 
-def _policy_checks(result: Mapping[str, Any], names: Sequence[str], keyword: str, rule: str) -> list[Check]:
-    pols = result.get("policies") or {}
+def _policy_checks(m: EvaluationModel, names: Sequence[str], keyword: str, rule: str) -> list[Check]:
     checks = []
     for name in names:
-        p = pols[name]
+        p = m.policies[name]
         if keyword == "refused":
-            bad = p.get("level_claim") == "refused"
-            why = ("level refused: " + "; ".join(p.get("refusal_reasons") or [])) if bad else "level claimed"
+            bad = p.level_claim == "refused"
+            why = ("level refused: " + "; ".join(p.refusal_reasons or [])) if bad else "level claimed"
         else:
-            verdict = (p.get("audit") or {}).get("verdict", "not_run")
+            audit = p.audit if isinstance(p.audit, Audit) else None
+            verdict = (audit.verdict if audit else None) or "not_run"
             bad = verdict == "fail"
-            why = f"audit {verdict}" + (f": {(p.get('audit') or {}).get('reason')}" if bad and
-                                         (p.get("audit") or {}).get("reason") else "")
+            why = f"audit {verdict}" + (f": {audit.reason}" if bad and audit.reason else "")
         failed = bad if rule == "fail-if" else not bad
         checks.append(Check(rule, keyword, name, failed, f"{name}: {why}"))
     return checks
 
 
-def judge(result: Mapping[str, Any], baseline: str, *, fail_if: Sequence[Any] = (), pass_if: Sequence[Any] = (),
-          candidates: Sequence[str] | None = None, allow_not_estimable: bool = False,
+def judge(result: Mapping[str, Any] | EvaluationModel, baseline: str, *, fail_if: Sequence[Any] = (),
+          pass_if: Sequence[Any] = (), candidates: Sequence[str] | None = None, allow_not_estimable: bool = False,
           assume_transport: bool = False) -> list[Check]:
     """Every check of the gate (pure; `cmd_gate` prints them and sets the exit code).
 
-    ``assume_transport``: judge the result's assumes-transport comparisons (``result["assumes_transport"]``)
-    instead of its verified ones; each check's reason then starts with "assumes transport".
+    ``result``: a result dict (``result.json``), an `EvaluationResult` or its `EvaluationModel`; read through
+    the typed model (`cje_engine.result.validate.typed_view`). ``assume_transport``: judge the result's
+    assumes-transport comparisons (``assumes_transport.comparisons``) instead of its verified ones; each
+    check's reason then starts with "assumes transport".
     """
+    if isinstance(result, Mapping) and not result.get("policies"):
+        raise CJEInputError("the result has no policies: expected a result.json of `cje evaluate` or `cje run`",
+                            column="policies")
+    m = typed_view(result, partial=True)
     if assume_transport:
-        block = result.get("assumes_transport")
-        if not isinstance(block, dict):
+        block = m.assumes_transport
+        if not isinstance(block, AssumedClaims):
             raise CJEInputError("the result has no assumes-transport claims (a Direct result of this version has "
                                 "them); drop --assume-transport", column="assumes_transport")
-        result = {**result, "comparisons": block.get("comparisons") or []}
-        checks = judge(result, baseline, fail_if=fail_if, pass_if=pass_if, candidates=candidates,
-                       allow_not_estimable=allow_not_estimable)
+        checks = judge(m.model_copy(update={"comparisons": block.comparisons or []}), baseline, fail_if=fail_if,
+                       pass_if=pass_if, candidates=candidates, allow_not_estimable=allow_not_estimable)
         for c in checks:
             c.reason = "assumes transport: " + c.reason
         return checks
-    pols = list((result.get("policies") or {}))
-    if not pols:
-        raise CJEInputError("the result has no policies: expected a result.json of `cje evaluate` or `cje run`",
-                            column="policies")
+    pols = list(m.policies)
     for name in [baseline, *(candidates or [])]:
         if name not in pols:
             close = get_close_matches(name, pols, n=1)
@@ -228,10 +236,10 @@ def judge(result: Mapping[str, Any], baseline: str, *, fail_if: Sequence[Any] = 
         for e in exprs:
             e = parse_expression(e) if isinstance(e, str) else e
             if isinstance(e, str) and e in ("refused", "audit-fail"):
-                checks += _policy_checks(result, [baseline, *cands], e, rule)
+                checks += _policy_checks(m, [baseline, *cands], e, rule)
             else:
                 claim = _keyword_claim(e) if isinstance(e, str) else e
-                checks += _claim_checks(result, baseline, cands, claim, rule, e if isinstance(e, str) else e.text,
+                checks += _claim_checks(m, baseline, cands, claim, rule, e if isinstance(e, str) else e.text,
                                         allow_not_estimable)
     return checks
 
