@@ -356,6 +356,17 @@ def _comparisons_table(m: EvaluationModel, alpha: float) -> str:
             "<th class='c'>significant</th><th class='r'>P(a better)</th><th></th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>")
 
+
+def _uses_covariates(mode: str | None) -> bool:
+    """Does the calibration mode ``mode`` read covariates (the registry's entry says; unknown: no)?"""
+    from cje_engine.calibration import registry
+    from cje_engine.errors import CJEInputError
+
+    try:
+        return bool(mode) and registry.get(mode).uses_covariates
+    except CJEInputError:  # a result written by a mode this build does not know
+        return False
+
 def _calibration_section(m: EvaluationModel) -> str:
     """The calibration section: mode, selection, training labels, curve and reliability (typed result)."""
     cal = m.calibration if isinstance(m.calibration, Calibration) else None
@@ -376,8 +387,8 @@ def _calibration_section(m: EvaluationModel) -> str:
     if lr:
         facts.append(f"labelled judge-score range [{_fmt(lr[0], 2)}, {_fmt(lr[1], 2)}]")
     reason = f"<p class='note'>Selection: {_esc(sel.reason)}</p>" if sel and sel.reason else ""
-    two_stage = ("<p class='note'>Two-stage calibration: the curve is drawn at the median of the "
-                 "covariates.</p>" if cal.mode == "two_stage" else "")
+    two_stage = ("<p class='note'>Calibration with covariates: the curve is drawn at the median of the "
+                 "covariates.</p>" if _uses_covariates(cal.mode) else "")
     row_list = []
     for b in cal.reliability or []:
         if not isinstance(b, ReliabilityBin):
