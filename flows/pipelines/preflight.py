@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cje_engine.errors import CJEInputError
-from cje_engine.options import did_you_mean
+from cje_engine.options import EvaluationOptions, did_you_mean
 
 from flows.storage.logs import log_renames
 
@@ -191,6 +191,28 @@ def check_scales(st: Any, files: Sequence[dict], options: Mapping[str, Any] | No
             check_scale_range(values, scale, url, canon, option)
 
 
+def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict:
+    """Engine keyword options of a run, checked early (`EvaluationOptions.build`) and JSON-ready.
+
+    Parameters
+    ----------
+    options : dict or None
+        The evaluation's ``options:``.
+    policies : sequence of str or None
+        The evaluation's ``policies:`` (added as the ``policies`` option).
+
+    Returns
+    -------
+    dict
+        The options as given plus ``policies``; a `CJEInputError` names an unknown or bad option.
+    """
+    opts = dict(options or {})
+    if policies:
+        opts["policies"] = list(policies)
+    EvaluationOptions.build(**opts)  # early, clear error on an unknown or bad option
+    return opts
+
+
 def check_evaluation(params: dict) -> dict:
     """Check the inputs of an evaluate-flow run (``EvaluationSpec.flow_parameters()`` plus overrides).
 
@@ -201,7 +223,6 @@ def check_evaluation(params: dict) -> dict:
 
     from flows.config import check_columns
     from flows.config import parse_window
-    from flows.pipelines.evaluate import engine_options
     from flows.storage.logs import REQUIRED, discover_partitions
     from flows.storage.objects import Storage, StorageConfig
 
