@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from cje_engine.errors import CJEInputError
-from flows.config import check_webhook_url
+from flows.uris import check_webhook_url
 
 PREFIX = "label_requests"
 MANIFEST_VERSION = 1

@@ -26,7 +26,7 @@ def _unwrap_result(published: Mapping[str, Any]) -> tuple[dict, dict]:
     """(result dict, run info) from a result dict or the evaluate flow's return value.
 
     The run info carries ``undecided`` (policy -> labels that would decide a drop across windows)
-    when the flow's monitoring found one (`flows.integrations.regressions.monitor_evaluation`).
+    when the flow's monitoring found one (`flows.pipelines.regressions.monitor_evaluation`).
     """
     if not isinstance(published, Mapping):
         raise CJEInputError(f"expected a published result dict, got {type(published).__name__}")

@@ -15,9 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cje_engine.errors import CJEInputError
-from flows.config import DriftMonitorConfig, check_drift_comparison, check_webhook_url, load_config
+from flows.config import DriftMonitorConfig, check_drift_comparison, load_config
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS
 from flows.storage.anchors import check_name
+from flows.uris import check_webhook_url
 
 log = logging.getLogger(__name__)
 

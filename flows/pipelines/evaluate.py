@@ -64,16 +64,16 @@ from cje_engine.pipeline.direct import finalize as engine_finalize
 from cje_engine.pipeline.direct import prepare as engine_prepare
 from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
 
-from flows.config import (MonitoringConfig, Window, check_columns, check_monitoring, check_publish_name, check_uri,
-                          parse_window)
+from flows.config import MonitoringConfig, Window, check_columns, check_monitoring, check_publish_name, parse_window
 from flows.pipelines import preflight
 from flows.pipelines.preflight import engine_options
 from flows.pipelines.pages import contextual_report, refresh_pages
-from flows.integrations.regressions import monitor_evaluation
+from flows.pipelines.regressions import monitor_evaluation
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
 from flows.storage.labels import LabelStore
+from flows.uris import check_uri
 from flows.storage.logs import (concat_with_sources, discover_partitions, first_duplicate, locate_row, row_sources,
                                 window_days)
 from flows.storage.objects import Storage, StorageConfig

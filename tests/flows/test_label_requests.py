@@ -162,7 +162,7 @@ def test_an_undecided_drop_across_windows_requests_the_labels_that_would_decide_
     """Monitoring (cje_engine.inference.changes) finds a drop of clone that is not yet significant;
     the evaluate flow's return value carries it and the request asks for labels_needed of clone."""
     from cje_engine.inference.changes import WindowValue, window_changes
-    from flows.integrations.regressions import undecided_at
+    from flows.pipelines.regressions import undecided_at
 
     _, table, r = case
     pc = window_changes([WindowValue("w0", 0.70, 0.005, n_labelled=100), WindowValue("w1", 0.675, 0.02, n_labelled=100)],
