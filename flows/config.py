@@ -141,9 +141,9 @@ def parse_window(window: Any = "last 7 days", as_of: Any = None) -> Window:
 
 def check_publish_name(name: str, what: str) -> str:
     """A name the publisher accepts as one result-path segment (`flows.storage.publish`'s rule)."""
-    from flows.storage.publish import _segment  # the publisher's own rule, not a copy of it
+    from flows.storage.publish import check_segment  # the publisher's own rule, not a copy of it
 
-    return _segment(name, what)
+    return check_segment(name, what)
 
 
 def resolve_uri(uri: str, base: Path | None) -> str:

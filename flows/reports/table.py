@@ -11,7 +11,16 @@ from flows.reports.sections import _strip_winner_prefix
 __all__ = ["format_table"]
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    """Lines of a plain-text table: a header, a rule and the rows, columns padded to their widest cell.
+
+    Parameters
+    ----------
+    headers : sequence of str
+    rows : sequence of sequences of str
+    right : set of int
+        Indices of the right-aligned (numeric) columns.
+    """
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(headers)]
 
@@ -61,7 +70,7 @@ def format_table(result: dict) -> str:
         ])
     lines = ["Policy estimates (oracle scale)"]
     raw_head = "raw judge" if _same_scale(result) else f"raw judge ({_scale_text(_scales(result)[0])})"
-    lines += _table(["rank", "policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport",
+    lines += text_table(["rank", "policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport",
                      raw_head, "oracle mean"], rows, right={2, 3, 7, 8, 9})
     if any(pols[n].get("level_claim") == "assumes_transport" for n in order):
         lines.append("claim 'assumes transport': no verified level; the plug-in shown rests on the calibration "
@@ -93,7 +102,7 @@ def format_table(result: dict) -> str:
                          "assumes transport" if c.get("claim_kind") == "assumes_transport" else
                          "verified" if c.get("claim_kind") == "verified" else "",
                          "*" if involves else ""])
-        lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", "claim", ""],
+        lines += text_table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", "claim", ""],
                         crow, right={3, 4, 5, 7})
         if any_refused:
             lines.append("* involves a refused policy: relative comparison only, no level implied")
@@ -139,6 +148,6 @@ def _baseline_lines(result: dict, conf: str) -> list[str]:
             "non-inferior" if c.get("non_inferior") else "undecided"
         body.append([_safe(c.get("policy")), _signed(c.get("diff")), _fmt_ci(c.get("ci")), verdict,
                      "assumes transport" if c.get("claim_kind") == "assumes_transport" else "verified"])
-    out += _table(["policy", "diff", f"{conf} CI (simultaneous)", "verdict", "claim"], body, right={1, 2})
+    out += text_table(["policy", "diff", f"{conf} CI (simultaneous)", "verdict", "claim"], body, right={1, 2})
     return out
 

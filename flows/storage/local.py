@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 
 from cje_engine.errors import CJEInputError
 
-from flows.storage.objects import (NotFoundError, ObjectInfo, STALE_TMP_SECONDS, Storage, StorageConfig, StorageError, _TMP_PREFIX, _check_key, _short)
+from flows.storage.objects import (NotFoundError, ObjectInfo, STALE_TMP_SECONDS, Storage, StorageConfig, StorageError, TMP_PREFIX, check_key, short_error)
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +37,16 @@ class LocalStorage(Storage):
         return (LocalStorage, (self.root, self.config))
 
     def _path(self, key: str) -> Path:
-        return self.root.joinpath(*_check_key(key).split("/"))
+        return self.root.joinpath(*check_key(key).split("/"))
 
     def url(self, key: str = "") -> str:
         if not key:
             return str(self.root)
-        return str(self.root.joinpath(*_check_key(key, allow_empty=True).rstrip("/").split("/")))
+        return str(self.root.joinpath(*check_key(key, allow_empty=True).rstrip("/").split("/")))
 
     def _fail(self, op: str, key: str, exc: BaseException) -> StorageError:
         cls = NotFoundError if isinstance(exc, FileNotFoundError) else StorageError
-        what = "does not exist" if cls is NotFoundError else _short(exc, self.config)
+        what = "does not exist" if cls is NotFoundError else short_error(exc, self.config)
         return cls(f"{op} {self.url(key)} failed: {what}", key=key, operation=op)
 
     def read_bytes(self, key: str) -> bytes:
@@ -63,7 +63,7 @@ class LocalStorage(Storage):
         cutoff = time.time() - older_than
         with contextlib.suppress(OSError):
             for entry in os.scandir(folder):
-                if entry.name.startswith(_TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                if entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False):
                     with contextlib.suppress(OSError):
                         if entry.stat(follow_symlinks=False).st_mtime < cutoff:
                             os.unlink(entry.path)
@@ -77,7 +77,7 @@ class LocalStorage(Storage):
         partial temporary file is removed before the error propagates."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_stale_tmp(path.parent)
-        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+        tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
         try:
             with open(tmp, "wb") as fh:
                 fh.write(data)
@@ -148,7 +148,7 @@ class LocalStorage(Storage):
         return ObjectInfo(key, st.st_size, _iso_mtime(st.st_mtime_ns), st.st_mtime_ns / 1e9)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        _check_key(prefix, allow_empty=True) if prefix else None
+        check_key(prefix, allow_empty=True) if prefix else None
         # Walk the deepest existing folder that covers the prefix.
         folder_part = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root.joinpath(*folder_part.split("/")) if folder_part else self.root
@@ -165,7 +165,7 @@ class LocalStorage(Storage):
                 dirnames.sort()
                 rel_dir = os.path.relpath(dirpath, self.root)
                 for name in filenames:
-                    if name.startswith(_TMP_PREFIX):
+                    if name.startswith(TMP_PREFIX):
                         continue
                     key = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
                     if not key.startswith(prefix):
@@ -225,7 +225,7 @@ class LocalStorage(Storage):
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_stale_tmp(path.parent)
-        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+        tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
         fs = pafs.LocalFileSystem()
         try:
             stream = fs.open_output_stream(str(tmp))

@@ -79,7 +79,8 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
 }
 
 _SECRET_FIELDS = ("access_key", "secret_key", "session_token")
-_TMP_PREFIX = ".cje-tmp-"
+#: Name prefix of a local temporary file (a write in progress: listings skip it).
+TMP_PREFIX = ".cje-tmp-"
 #: A local temporary file untouched this long belongs to a killed writer and is removed by the
 #: next write into its folder (a live writer touches its file continuously).
 STALE_TMP_SECONDS = 3600.0
@@ -292,7 +293,14 @@ _SCRUBBED_LOGGERS = ("botocore.endpoint", "botocore.auth", "botocore.httpsession
                      "botocore.hooks", "urllib3.connectionpool")
 
 
-def _register_secrets(config: StorageConfig) -> None:
+def register_secrets(config: StorageConfig) -> None:
+    """Scrub the credentials of ``config`` from the messages of the storage loggers (boto, pyarrow).
+
+    Parameters
+    ----------
+    config : StorageConfig
+        Its `StorageConfig.secrets` of four characters or more are replaced in every log record.
+    """
     secrets = [s for s in config.secrets() if len(s) >= 4]
     if not secrets:
         return
@@ -405,7 +413,22 @@ def is_storage_service_error(exc: BaseException) -> bool:
     return isinstance(exc, (bce.ClientError, bce.BotoCoreError))
 
 
-def _short(exc: BaseException, config: StorageConfig | None, limit: int = 300) -> str:
+def short_error(exc: BaseException, config: StorageConfig | None, limit: int = 300) -> str:
+    """A storage exception as one short line for an error message, its credentials scrubbed.
+
+    Parameters
+    ----------
+    exc : BaseException
+    config : StorageConfig or None
+        Whose secrets are scrubbed.
+    limit : int
+        Characters kept of the message (what the service said, for S3 errors).
+
+    Returns
+    -------
+    str
+        ``"<ExceptionType>: <message>"``.
+    """
     msg = " ".join(str(exc).split())
     m = _AWS_ERROR_TYPE.search(msg)
     if m:  # pyarrow's S3 errors repeat the path before what the service said: keep what it said
@@ -446,18 +469,31 @@ def with_retries(
         except retry_on as exc:
             if attempt >= attempts:
                 err = StorageError(
-                    f"{what} {describe(key)} failed after {attempt} attempt(s): {_short(exc, config)}",
+                    f"{what} {describe(key)} failed after {attempt} attempt(s): {short_error(exc, config)}",
                     key=key,
                     operation=what,
                 )
                 raise err from None
             delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * (0.5 + random.random())
             log.warning("%s %s failed (attempt %d/%d), retrying in %.2fs: %s",
-                        what, describe(key), attempt, attempts, delay, _short(exc, config))
+                        what, describe(key), attempt, attempts, delay, short_error(exc, config))
             time.sleep(delay)
 
 
-def _check_key(key: str, *, allow_empty: bool = False) -> str:
+def check_key(key: str, *, allow_empty: bool = False) -> str:
+    """A valid relative storage key (``a/b.parquet``: no leading ``/``, no empty, ``.`` or ``..`` segment).
+
+    Parameters
+    ----------
+    key : str
+    allow_empty : bool
+        Also accept ``""`` and a trailing ``/`` (a listing prefix).
+
+    Returns
+    -------
+    str
+        ``key`` unchanged; a `ValueError` names a bad one.
+    """
     if not isinstance(key, str):
         raise ValueError(f"storage key must be a string, got {type(key).__name__}")
     if key == "" and allow_empty:
@@ -559,7 +595,7 @@ class Storage(ABC):
 
     def arrow_path(self, key: str) -> str:
         fs, base = self.arrow_fs
-        return f"{base}/{_check_key(key)}" if base else _check_key(key)
+        return f"{base}/{check_key(key)}" if base else check_key(key)
 
     def read_with_retries(self, key: str, fn: Callable[[], T], what: str = "read") -> T:
         """Run a pyarrow read of ``key`` with our bounded retry (see `with_retries`)."""

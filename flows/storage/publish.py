@@ -80,7 +80,7 @@ from cje_engine.result import validate_result
 
 from flows.storage.local import LocalStorage
 from flows.storage.s3 import S3Storage
-from flows.storage.objects import (_TMP_PREFIX, NotFoundError, ObjectInfo, Storage,
+from flows.storage.objects import (TMP_PREFIX, NotFoundError, ObjectInfo, Storage,
                                   StorageError)
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,9 @@ def fingerprint_inputs(files: Iterable[ObjectInfo], label_version: int | None = 
     }
 
 
-def _segment(value: str, what: str) -> str:
+def check_segment(value: str, what: str) -> str:
+    """``value`` if it is a valid result-path segment (an evaluation, window or run key), else a
+    `CJEInputError` naming ``what``: 1-200 letters, digits and ``. _ = + -``, starting with a letter or digit."""
     if not isinstance(value, str) or not _SEGMENT.match(value) or value in (".", ".."):
         raise CJEInputError(f"{what} {value!r} must be 1-200 characters of letters, digits and . _ = + - "
                             "(starting with a letter or digit)")
@@ -196,8 +198,8 @@ def _segment(value: str, what: str) -> str:
 
 
 def run_prefix(evaluation: str, window: str, key: str) -> str:
-    return (f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/{_segment(window, 'window')}/"
-            f"{_segment(key, 'run key')}")
+    return (f"{RESULTS}/{check_segment(evaluation, 'evaluation name')}/{check_segment(window, 'window')}/"
+            f"{check_segment(key, 'run key')}")
 
 
 def _new_attempt() -> str:
@@ -593,8 +595,8 @@ def clean_temp_files(st: Storage, evaluation: str, older_than_seconds: float = 6
         return 0
     now = time.time()
     top = Path(st.url(RESULTS))
-    candidates = [p for p in top.glob(f"{_TMP_PREFIX}*")]  # the index's
-    candidates += (top / _segment(evaluation, "evaluation name")).rglob(f"{_TMP_PREFIX}*")
+    candidates = [p for p in top.glob(f"{TMP_PREFIX}*")]  # the index's
+    candidates += (top / check_segment(evaluation, "evaluation name")).rglob(f"{TMP_PREFIX}*")
     removed = 0
     for path in candidates:
         try:
@@ -646,9 +648,9 @@ def list_runs(st: Storage, evaluation: str, window: str | None = None) -> list[d
 
     Each item: evaluation, window, run_key, path, published_at, manifest (the dict).
     """
-    base = f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/"
+    base = f"{RESULTS}/{check_segment(evaluation, 'evaluation name')}/"
     if window is not None:
-        base += f"{_segment(window, 'window')}/"
+        base += f"{check_segment(window, 'window')}/"
     runs = []
     for info in st.list(base):
         parts = info.key.split("/")
@@ -777,7 +779,7 @@ def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
     Follows ``latest.json``; if it is missing or points nowhere (a publisher died between
     manifest and pointer), falls back to the newest run found by listing.
     """
-    _segment(evaluation, "evaluation name")
+    check_segment(evaluation, "evaluation name")
     pointer = _read_json(st, f"{RESULTS}/{evaluation}/{LATEST}")
     if pointer is not None:
         try:
@@ -802,7 +804,7 @@ def cleanup_orphans(st: Storage, evaluation: str, older_than_seconds: float = 36
     Returns the number of objects deleted.  Young orphans are kept because their publisher
     may still be writing.
     """
-    base = f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/"
+    base = f"{RESULTS}/{check_segment(evaluation, 'evaluation name')}/"
     runs: dict[str, set[str]] = {}
     for info in st.list(base):
         parts = info.key.split("/")

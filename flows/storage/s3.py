@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 
 
 from flows.storage.objects import (NotFoundError, ObjectInfo, Storage, StorageConfig, StorageError, T, error_code,
-                                   with_retries, _check_key, _register_secrets, _short)
+                                   with_retries, check_key, register_secrets, short_error)
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class S3Storage(Storage):
 
                 cfg = self.config
                 conf = client_config(cfg)
-                _register_secrets(cfg)
+                register_secrets(cfg)
                 cache_key = (os.getpid(), cfg)
                 with _CLIENTS_LOCK:
                     client = _CLIENTS.get(cache_key)
@@ -139,7 +139,7 @@ class S3Storage(Storage):
         if code == "NoSuchBucket":
             return StorageError(f"{op} {self.url(key)} failed: bucket {self.bucket!r} does not exist",
                                 key=key, operation=op)
-        return StorageError(f"{op} {self.url(key)} failed: {_short(exc, self.config)}", key=key, operation=op)
+        return StorageError(f"{op} {self.url(key)} failed: {short_error(exc, self.config)}", key=key, operation=op)
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -154,7 +154,7 @@ class S3Storage(Storage):
     def read_bytes(self, key: str) -> bytes:
         from botocore.exceptions import IncompleteReadError, ResponseStreamingError
 
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
 
         def go() -> bytes:
             resp = self.client.get_object(Bucket=self.bucket, Key=full)
@@ -166,7 +166,7 @@ class S3Storage(Storage):
             describe=self.url, retry_on=(IncompleteReadError, ResponseStreamingError)))
 
     def write_bytes(self, key: str, data: bytes) -> None:
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
         self._call("write", key, lambda: self.client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data)))
 
     def _conditional_mode(self) -> str:
@@ -203,7 +203,7 @@ class S3Storage(Storage):
     def put_if_absent(self, key: str, data: bytes) -> bool:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
         body = bytes(data)
         if self._conditional_mode() == "emulated":
             if self.exists(key):
@@ -231,7 +231,7 @@ class S3Storage(Storage):
                            operation="create")
 
     def info(self, key: str) -> ObjectInfo:
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
         resp = self._call("stat", key, lambda: self.client.head_object(Bucket=self.bucket, Key=full))
         modified = resp.get("LastModified")
         return ObjectInfo(key, int(resp["ContentLength"]), str(resp.get("ETag", "")).strip('"'),
@@ -239,7 +239,7 @@ class S3Storage(Storage):
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         if prefix:
-            _check_key(prefix, allow_empty=True)
+            check_key(prefix, allow_empty=True)
         full_prefix = self._full(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
         cut = len(self.prefix) + 1 if self.prefix else 0
 
@@ -258,7 +258,7 @@ class S3Storage(Storage):
         return out
 
     def delete(self, key: str) -> None:
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
         self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
 
     def delete_prefix(self, prefix: str) -> int:
@@ -284,7 +284,7 @@ class S3Storage(Storage):
                 # Closing completes the (multipart) upload; on failure the object is removed again.
                 stream.close()
         except OSError as exc:
-            raise StorageError(f"write {self.url(key)} failed: {_short(exc, self.config)}", key=key,
+            raise StorageError(f"write {self.url(key)} failed: {short_error(exc, self.config)}", key=key,
                                operation="write") from None
         finally:
             if not ok:

@@ -18,7 +18,7 @@ from flows.cli.exits import EXIT_OK
 from flows.cli.terminal import json_doc, out_json
 from flows.reports.common import _fmt, _fmt_ci, _safe, _signed
 from flows.reports.history import latest_per_window, previous_run, read_history, what_changed, window_changes_of
-from flows.reports.table import _table
+from flows.reports.table import text_table
 from flows.storage.objects import Storage
 from flows.storage.publish import list_runs, read_run
 
@@ -125,7 +125,7 @@ def cmd_runs(ns: argparse.Namespace) -> int:
             first = False
         rows.append(["", "", "", f"best: {_safe(r.get('best_policy') or 'none')}", "", "", "", "", "", ""])
     lines = [f"Runs of {_safe(ns.name)} ({len(history)} published, {len(latest)} window(s); {_safe(uri)})"]
-    lines += _table(["window", "run", "published (UTC)", "policy", "estimate", "95% CI", "claim", "audit",
+    lines += text_table(["window", "run", "published (UTC)", "policy", "estimate", "95% CI", "claim", "audit",
                      "labels", "alarm"], rows, right={4, 5, 8})
     if len(latest) < len(history):
         lines.append("* superseded by a later run of the same window (new labels)")
@@ -198,7 +198,7 @@ def cmd_diff(ns: argparse.Namespace) -> int:
                      _fmt_ci(st["ci"]) if st else "", _safe("; ".join(ch["notes"]))])
     lines = [f"{_safe(ns.name)}: {_window(a['window'])} run {a['run_key']} -> {_window(b['window'])} run "
              f"{b['run_key']}"]
-    lines += _table(["policy", "before", "after", "change", "95% CI of change", "what moved"], rows,
+    lines += text_table(["policy", "before", "after", "change", "95% CI of change", "what moved"], rows,
                     right={1, 2, 3, 4})
     lines += [_safe(note) for ch in changed if ch.get("policy") is None for note in ch["notes"]]
     lines.append("One comparison at its own 95% level (independent windows); the regression alarms of `cje runs` "
