@@ -17,7 +17,7 @@ from flows.label_requests.manifests import list_requests, mark_fulfilled, status
 from flows.label_requests.planning import plan_requests
 from flows.label_requests.raising import raise_requests_for_run
 from flows.label_requests.sampling import sample
-from flows.label_requests.triggers import find_triggers, support_regions, _Rows
+from flows.label_requests.triggers import find_triggers, support_regions, TriggerRows
 from flows.storage.objects import Storage
 
 from .test_notify import Receiver
@@ -108,7 +108,7 @@ def test_no_own_labels_trigger(case):
 
 def test_thin_support_regions_follow_the_engine_rule(case):
     _, table, r = case
-    rows = _Rows.from_table(table)
+    rows = TriggerRows.from_table(table)
     regions, rule = support_regions(rows, r, "clone")
     assert regions and rule["support_min_labels"] == r["config"]["support_min_labels"]
     cal = np.sort(rows.score[rows.labelled & (rows.policy == "base")])
