@@ -8,7 +8,9 @@ every import statement becomes an edge of a module graph, wherever it stands: an
     `FLOWS_LAYERS` (the order of the diagram in docs/architecture.md, which a test here compares);
 (b) no module of ``cje_engine`` imports ``flows``, ``prefect`` or ``ray``;
 (c) no import cycle between modules (strongly connected components of more than one module), except
-    the one listed in `ALLOWED_CYCLES` (the storage factory).  Imports under ``if TYPE_CHECKING:`` are left out of
+    the one listed in `ALLOWED_CYCLES` (the storage factory);
+(d) no module of ``flows`` imports a ``_private`` name of another module (a helper another module needs gets
+    a public name); the engine's are capped at `ENGINE_PRIVATE_IMPORTS_MAX` (only ever lowered).  Imports under ``if TYPE_CHECKING:`` are left out of
     the cycle check only: they never run, so they cannot make an import cycle (they still count for (a)
     and (b)).
 
@@ -40,6 +42,9 @@ FLOWS_LAYERS = (
 )
 ENGINE = "cje_engine"
 ENGINE_FORBIDDEN = ("flows", "prefect", "ray")
+
+#: Imports of another module's ``_private`` names in ``cje_engine`` (438187c: 33); lower it as they go.
+ENGINE_PRIVATE_IMPORTS_MAX = 33
 
 #: Import cycles tolerated, each a frozenset of module names (target: none).  The storage factory
 #: (`Storage.for_uri` in objects.py) opens the backends that subclass `Storage` (local.py, s3.py); it
@@ -132,6 +137,23 @@ def import_edges(repo: Path = REPO) -> list[Edge]:
                     if target != module:
                         edges.append(Edge(module, target, rel, node.lineno, node.lineno in type_only))
     return edges
+
+
+def private_imports(repo: Path = REPO) -> list[str]:
+    """Messages for every ``from module import _name`` of another repository module's private name."""
+    mods = module_files(repo)
+    bad = []
+    for module, (path, is_pkg) in mods.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            for alias, name in zip(node.names, _imported_names(module, is_pkg, node)):
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                target = _known(name.rpartition(".")[0], mods)
+                if private and target in mods and target != module and name not in mods:
+                    bad.append(f"{path.relative_to(repo)}:{node.lineno}: {module} imports {alias.name} from {target}")
+    return sorted(bad)
 
 
 def layer_of(module: str, layers: tuple[str, ...] = FLOWS_LAYERS) -> int | None:
@@ -261,6 +283,14 @@ def test_no_import_cycle_in_flows_or_the_engine():
     assert not new, f"{len(new)} import cycle(s):\n" + "\n".join(describe_cycle(c, edges) for c in new)
     gone = [sorted(c) for c in ALLOWED_CYCLES if c not in found]
     assert not gone, f"allowed cycle(s) no longer exist, remove them from ALLOWED_CYCLES: {gone}"
+
+
+def test_flows_imports_no_private_name_of_another_module():
+    found = private_imports()
+    flows = [m for m in found if m.startswith("flows/")]
+    assert not flows, f"{len(flows)} import(s) of private names in flows (give the helper a public name):\n" + "\n".join(flows)
+    engine = [m for m in found if m.startswith("cje_engine/")]
+    assert len(engine) <= ENGINE_PRIVATE_IMPORTS_MAX, "\n".join(engine)
 
 
 def test_the_graph_sees_lazy_imports_and_relative_imports():
