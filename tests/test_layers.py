@@ -2,17 +2,17 @@
 
 Every ``.py`` under ``flows/`` and ``cje_engine/`` is parsed with `ast` (nothing is imported or run) and
 every import statement becomes an edge of a module graph, wherever it stands: an import inside a function
-(a lazy import) is a dependency all the same.  Three checks read that graph:
+(a lazy import) is a dependency all the same.  The checks:
 
 (a) a module of a ``flows`` package imports only from its own package or a package *below* it in
     `FLOWS_LAYERS` (the order of the diagram in docs/architecture.md, which a test here compares);
 (b) no module of ``cje_engine`` imports ``flows``, ``prefect`` or ``ray``;
 (c) no import cycle between modules (strongly connected components of more than one module), except
-    the one listed in `ALLOWED_CYCLES` (the storage factory);
-(d) no module of ``flows`` imports a ``_private`` name of another module (a helper another module needs gets
-    a public name); the engine's are capped at `ENGINE_PRIVATE_IMPORTS_MAX` (only ever lowered).  Imports under ``if TYPE_CHECKING:`` are left out of
-    the cycle check only: they never run, so they cannot make an import cycle (they still count for (a)
-    and (b)).
+    the ones listed in `ALLOWED_CYCLES` (none).  Imports under ``if TYPE_CHECKING:`` are
+    left out of the cycle check only: they never run, so they cannot make an import cycle (they still
+    count for (a) and (b));
+(d) no module of ``flows`` imports a ``_private`` name of another module (a helper another module needs
+    gets a public name); the engine's are capped at `ENGINE_PRIVATE_IMPORTS_MAX` (only ever lowered).
 
 The graph checks are also run on small synthetic graphs, so that each check is seen to fail.
 """
@@ -46,12 +46,9 @@ ENGINE_FORBIDDEN = ("flows", "prefect", "ray")
 #: Imports of another module's ``_private`` names in ``cje_engine`` (438187c: 33); lower it as they go.
 ENGINE_PRIVATE_IMPORTS_MAX = 33
 
-#: Import cycles tolerated, each a frozenset of module names (target: none).  The storage factory
-#: (`Storage.for_uri` in objects.py) opens the backends that subclass `Storage` (local.py, s3.py); it
-#: imports them inside the function, so the cycle never runs at import time.
-ALLOWED_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset({"flows.storage.objects", "flows.storage.local", "flows.storage.s3"}),
-)
+#: Import cycles tolerated, each a frozenset of module names: none (the storage factory `Storage.for_uri`
+#: opens its backends through `flows.storage.objects.register_backend`, not by importing them).
+ALLOWED_CYCLES: tuple[frozenset[str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -288,7 +285,8 @@ def test_no_import_cycle_in_flows_or_the_engine():
 def test_flows_imports_no_private_name_of_another_module():
     found = private_imports()
     flows = [m for m in found if m.startswith("flows/")]
-    assert not flows, f"{len(flows)} import(s) of private names in flows (give the helper a public name):\n" + "\n".join(flows)
+    assert not flows, (f"{len(flows)} import(s) of private names in flows (give the helper a public name):\n"
+                       + "\n".join(flows))
     engine = [m for m in found if m.startswith("cje_engine/")]
     assert len(engine) <= ENGINE_PRIVATE_IMPORTS_MAX, "\n".join(engine)
 
@@ -314,7 +312,8 @@ def test_an_upward_import_is_reported_with_file_line_and_layers():
                                 ("flows.storage.publish", "cje_engine.result")))
     assert bad == ["x.py:1: flows.storage.publish (flows.storage) imports flows.reports.history "
                    "(flows.reports), a layer above it"]
-    assert upward_imports(_edges(("flows.newpkg.x", "flows.config")))[0].endswith("in no declared layer of flows (FLOWS_LAYERS)")
+    undeclared = upward_imports(_edges(("flows.newpkg.x", "flows.config")))
+    assert undeclared[0].endswith("in no declared layer of flows (FLOWS_LAYERS)")
 
 
 def test_an_engine_import_of_prefect_is_reported():

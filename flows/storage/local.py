@@ -10,13 +10,15 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
 
 from cje_engine.errors import CJEInputError
 
-from flows.storage.objects import (NotFoundError, ObjectInfo, STALE_TMP_SECONDS, Storage, StorageConfig, StorageError, TMP_PREFIX, check_key, short_error)
+from flows.storage.objects import (STALE_TMP_SECONDS, TMP_PREFIX, NotFoundError, ObjectInfo, Storage, StorageConfig,
+                                   StorageError, check_key, register_backend, short_error)
 
 log = logging.getLogger(__name__)
 
@@ -239,3 +241,19 @@ class LocalStorage(Storage):
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+@register_backend("", "file")
+def open_local(uri: str, config: StorageConfig) -> LocalStorage:
+    """`LocalStorage` of a local path or ``file://`` URI (the `Storage.for_uri` backend of both).
+
+    Parameters
+    ----------
+    uri : str
+    config : StorageConfig
+
+    Returns
+    -------
+    LocalStorage
+    """
+    return LocalStorage(Path(urlparse(uri).path if uri.startswith("file://") else uri), config)

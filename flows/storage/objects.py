@@ -53,13 +53,11 @@ import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from cje_engine.errors import CJEInputError
 
 log = logging.getLogger(__name__)
 
@@ -510,6 +508,31 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
 # --------------------------------------------------------------------------- base class
 
 
+#: URI scheme (``""`` for a plain path) -> the function that opens a storage of that scheme.
+_BACKENDS: dict[str, Callable[[str, "StorageConfig"], "Storage"]] = {}
+
+
+def register_backend(*schemes: str) -> Callable[[Callable[[str, StorageConfig], "Storage"]], Callable]:
+    """Register the decorated ``opener(uri, config) -> Storage`` for the URI ``schemes`` of `Storage.for_uri`.
+
+    Parameters
+    ----------
+    *schemes : str
+        URI schemes as written before ``://`` (``"s3"``, ``"file"``); ``""`` stands for a plain local path.
+
+    Returns
+    -------
+    callable
+        The decorator (it returns the opener unchanged).
+    """
+    def register(opener: Callable[[str, StorageConfig], "Storage"]) -> Callable:
+        for scheme in schemes:
+            _BACKENDS[scheme] = opener
+        return opener
+
+    return register
+
+
 class Storage(ABC):
     """A root (local folder or S3 bucket/prefix) holding objects addressed by relative keys."""
 
@@ -518,29 +541,19 @@ class Storage(ABC):
 
     @staticmethod
     def for_uri(uri: str | os.PathLike, config: StorageConfig | None = None) -> "Storage":
-        """`S3Storage` for ``s3://bucket[/prefix]``, `LocalStorage` for paths and ``file://``."""
-        # The backends subclass Storage, so they are imported here (a module-level import would be a cycle).
-        from flows.storage.local import LocalStorage
-        from flows.storage.s3 import S3Storage
+        """`S3Storage` for ``s3://bucket[/prefix]``, `LocalStorage` for paths and ``file://``.
 
+        The backends subclass `Storage` and register their URI schemes (`register_backend`) when
+        ``flows.storage`` is imported, so this module imports none of them (no import cycle).
+        """
         text = os.fspath(uri)
         if config is None:
             config = StorageConfig.from_env()
-        if text.startswith("s3://") or text.startswith("s3a://"):
-            p = urlparse(text)
-            if p.username or p.password or "@" in p.netloc:
-                raise CJEInputError(f"S3 URI s3://***@{p.netloc.rsplit('@', 1)[-1]}{p.path} has credentials in it; "
-                                    "put them in the AWS environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
-                                    "a profile or a role) or StorageConfig, never in a URI")
-            if not p.netloc:
-                raise ValueError(f"S3 URI {text!r} has no bucket; expected s3://bucket/prefix")
-            return S3Storage(p.netloc, p.path.strip("/"), config)
-        if text.startswith("file://"):
-            p = urlparse(text)
-            return LocalStorage(Path(p.path), config)
-        if "://" in text:
+        scheme = text.split("://", 1)[0] if "://" in text else ""
+        opener = _BACKENDS.get(scheme)
+        if opener is None:
             raise ValueError(f"unsupported storage URI {text!r}; expected s3://bucket/prefix or a local path")
-        return LocalStorage(Path(text), config)
+        return opener(text, config)
 
     # -- interface
     @abstractmethod

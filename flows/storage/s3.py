@@ -12,9 +12,11 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
+from cje_engine.errors import CJEInputError
 
-from flows.storage.objects import (NotFoundError, ObjectInfo, Storage, StorageConfig, StorageError, T, error_code,
-                                   with_retries, check_key, register_secrets, short_error)
+
+from flows.storage.objects import (NotFoundError, ObjectInfo, Storage, StorageConfig, StorageError, T, check_key,
+                                   error_code, register_backend, register_secrets, short_error, with_retries)
 
 log = logging.getLogger(__name__)
 
@@ -290,3 +292,28 @@ class S3Storage(Storage):
             if not ok:
                 with contextlib.suppress(Exception):
                     self.delete(key)
+
+
+@register_backend("s3", "s3a")
+def open_s3(uri: str, config: StorageConfig) -> S3Storage:
+    """`S3Storage` of ``s3://bucket[/prefix]`` (the `Storage.for_uri` backend of ``s3://`` and ``s3a://``).
+
+    Parameters
+    ----------
+    uri : str
+    config : StorageConfig
+
+    Returns
+    -------
+    S3Storage
+        A URI with credentials in it is a `CJEInputError` (they belong in the environment); one without a
+        bucket a `ValueError`.
+    """
+    p = urlparse(uri)
+    if p.username or p.password or "@" in p.netloc:
+        raise CJEInputError(f"S3 URI s3://***@{p.netloc.rsplit('@', 1)[-1]}{p.path} has credentials in it; "
+                            "put them in the AWS environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                            "a profile or a role) or StorageConfig, never in a URI")
+    if not p.netloc:
+        raise ValueError(f"S3 URI {uri!r} has no bucket; expected s3://bucket/prefix")
+    return S3Storage(p.netloc, p.path.strip("/"), config)
