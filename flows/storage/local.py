@@ -245,15 +245,5 @@ class LocalStorage(Storage):
 
 @register_backend("", "file")
 def open_local(uri: str, config: StorageConfig) -> LocalStorage:
-    """`LocalStorage` of a local path or ``file://`` URI (the `Storage.for_uri` backend of both).
-
-    Parameters
-    ----------
-    uri : str
-    config : StorageConfig
-
-    Returns
-    -------
-    LocalStorage
-    """
+    """The `Storage.for_uri` backend of plain paths and ``file://`` URIs: a `LocalStorage` of the folder."""
     return LocalStorage(Path(urlparse(uri).path if uri.startswith("file://") else uri), config)
