@@ -607,10 +607,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     from flows.pipelines.deployments import drift_deployments, evaluation_deployments
 
-    deployments = evaluation_deployments(specs.values()) + ([] if ns.no_drift else drift_deployments(config))
+    drifts = [] if ns.no_drift else drift_deployments(config)
     # An embedded server schedules new deployments within seconds instead of a minute.
     with _services({"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}):
-        serve(deployments, limit=ns.limit)
+        serve(evaluation_deployments(specs.values()) + drifts, limit=ns.limit)
     return EXIT_OK
 
 
