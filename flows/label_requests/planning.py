@@ -147,7 +147,8 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
         req_rows = _request_rows(rows, chosen, p, strata)
         # anchors take what the traffic rows leave of the request cap and of the period budget
         anchors = _sample_anchors(anchor_pool, min(n_anchor, max(0, cfg.max_labels_per_request - len(req_rows)),
-                                                   max(0, left - len(req_rows))), request_seed(cfg.seed + 1, request_id))
+                                                   max(0, left - len(req_rows))),
+                                  request_seed(cfg.seed + 1, request_id))
         taken |= {r["response_id"] for r in req_rows}
         n_labels = len(req_rows) + len(anchors)
         note = _cap_note(cfg, m["labels"], want, left, n_target, len(req_rows), pool.size, len(anchors), n_anchor,

@@ -93,7 +93,8 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool
         names = list(ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema.names)
     except (pa.ArrowInvalid, OSError) as exc:
         if strict and is_storage_service_error(exc):  # 503, a timeout, access denied: not the file's fault
-            raise StorageError(f"read {st.url(key)} failed: {short_error(exc, cfg)}", key=key, operation="read") from None
+            raise StorageError(f"read {st.url(key)} failed: {short_error(exc, cfg)}", key=key,
+                               operation="read") from None
         if strict:
             raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
                                 source=st.url(key)) from None
