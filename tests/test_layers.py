@@ -297,6 +297,9 @@ def test_the_graph_sees_lazy_imports_and_relative_imports():
     assert ("flows.pipelines.evaluate", "flows.storage.publish") in edges
     assert ("flows.cli.main", "flows.runtime.schedules") in edges
     assert len(edges) > 500
+    relative = ast.parse("from ..storage import objects\nfrom . import pages").body
+    assert _imported_names("flows.pipelines.evaluate", False, relative[0]) == ["flows.storage.objects"]
+    assert _imported_names("flows.pipelines", True, relative[1]) == ["flows.pipelines.pages"]
 
 
 # -- the checks on synthetic graphs (each must be able to fail) -------------------------------
