@@ -615,14 +615,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     # Flow runs execute in subprocesses: they must find this code.
     paths = [str(ray_runtime.CODE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    # An embedded server schedules new deployments within seconds instead of a minute.
-    extra = []
-    if not ns.no_drift:
-        from flows.pipelines.drift_config import drift_deployments
+    from flows.pipelines.deployments import drift_deployments, evaluation_deployments
 
-        extra = drift_deployments(config)
+    drifts = [] if ns.no_drift else drift_deployments(config)
+    # An embedded server schedules new deployments within seconds instead of a minute.
     with _services({"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}):
-        serve(specs, limit=ns.limit, extra_deployments=extra)
+        serve(evaluation_deployments(specs.values()) + drifts, limit=ns.limit)
     return EXIT_OK
 
 

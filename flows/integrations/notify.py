@@ -9,7 +9,7 @@ it is given).  Two are built in, both best effort (a notification must never bre
   timeouts, HTTP 429 and 5xx are retried with exponential backoff (bounded); other 4xx
   answers are not retried (the receiver rejected the message).  Failures are logged and
   returned, never raised.  Only ``http``/``https`` URLs are used, never one whose host is or
-  resolves to a link-local or cloud metadata address (`flows.config.check_webhook_url`; the
+  resolves to a link-local or cloud metadata address (`flows.uris.check_webhook_url`; the
   configuration refuses them at load, this is checked again before each send, also for
   ``CJE_WEBHOOK_URL``); redirects are not followed (a 3xx answer is a failed delivery).
 * **Prefect event** ``cje.<kind>`` (``prefect.events.emit_event``) when a Prefect API is
@@ -42,7 +42,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 from cje_engine.errors import CJEInputError
-from flows.config import literal_ip, check_webhook_url, forbidden_address
+from flows.uris import check_webhook_url, forbidden_address, literal_ip
 
 log = logging.getLogger(__name__)
 

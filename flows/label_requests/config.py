@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from cje_engine.errors import CJEInputError
-from flows.config import check_webhook_url
+from flows.uris import check_webhook_url
 
 PREFIX = "label_requests"
 MANIFEST_VERSION = 1
@@ -23,8 +23,10 @@ DESIGN_OF = {"audit_failed": "stratified", "no_own_labels": "stratified", "audit
              "drift_alarm": "stratified", "thin_support": "targeted", "under_labelled": "stratified",
              "regression_undecided": "stratified"}
 DESIGNS = ("random", "stratified", "targeted")
-_DESIGN_RANK = {"random": 0, "stratified": 1, "targeted": 2}
-_ID_RE = re.compile(r"^lr-\d{8}-[0-9a-f]{12}$")
+#: Sampling designs from the simplest up: merged requests keep the highest.
+DESIGN_RANK = {"random": 0, "stratified": 1, "targeted": 2}
+#: A label request id: ``lr-<YYYYMMDD>-<12 hex digits>``.
+REQUEST_ID_RE = re.compile(r"^lr-\d{8}-[0-9a-f]{12}$")
 
 
 # --------------------------------------------------------------------------------------
@@ -164,7 +166,8 @@ def iso_period(when: datetime) -> str:
     return f"{y}-W{w:02d}"
 
 
-def _now(now: datetime | str | None) -> datetime:
+def current_time(now: datetime | str | None) -> datetime:
+    """``now`` as an aware UTC datetime (an ISO string parsed, a naive time read as UTC); the clock when None."""
     if now is None:
         return datetime.now(timezone.utc)
     if isinstance(now, str):
@@ -172,12 +175,14 @@ def _now(now: datetime | str | None) -> datetime:
     return now if now.tzinfo else now.replace(tzinfo=timezone.utc)
 
 
-def _hash(*parts: Any) -> str:
+def stable_hash(*parts: Any) -> str:
+    """sha256 hex digest of ``parts`` as canonical JSON (sorted keys): the same on every host and run."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _seed_for(seed: int, request_id: str) -> int:
-    return int(_hash(seed, request_id)[:16], 16)
+def request_seed(seed: int, request_id: str) -> int:
+    """The sampling seed of one request: a 64-bit integer derived from the configured seed and its id."""
+    return int(stable_hash(seed, request_id)[:16], 16)
 
 
 PRIORITY = {t: i for i, t in enumerate(TRIGGERS)}

@@ -8,13 +8,14 @@ from typing import Any, Mapping
 
 from cje_engine.errors import CJEInputError
 
-from flows.label_requests.config import _ID_RE, PREFIX, _now
+from flows.label_requests.config import PREFIX, REQUEST_ID_RE, current_time
 from flows.storage.objects import Storage, StorageConfig
 
 log = logging.getLogger(__name__)
 
 
-def _storage(uri: str, cfg: Any):
+def storage_for(uri: str, cfg: Any):
+    """`Storage.for_uri` with ``cfg`` a `StorageConfig`, its dict form (a flow parameter) or None (the environment)."""
     if isinstance(cfg, Mapping):
         cfg = StorageConfig.from_dict(cfg)
     elif cfg is None:
@@ -36,7 +37,7 @@ def status_of(manifest: Mapping, marker: Mapping | None, now: datetime | str | N
     """``fulfilled`` (a marker exists), ``expired`` (deadline passed) or ``pending``."""
     if marker is not None:
         return str(marker.get("status", "fulfilled"))
-    if _now(now) > datetime.fromisoformat(str(manifest["deadline"])):
+    if current_time(now) > datetime.fromisoformat(str(manifest["deadline"])):
         return "expired"
     return "pending"
 
@@ -70,7 +71,7 @@ def list_requests(st: Any, *, status: str | None = None, now: datetime | str | N
 
 def write_request(st: Any, manifest: Mapping, prefix: str = PREFIX) -> bool:
     """Create the manifest (create-only); False when a request with this id exists already."""
-    if not _ID_RE.match(str(manifest.get("request_id", ""))):
+    if not REQUEST_ID_RE.match(str(manifest.get("request_id", ""))):
         raise CJEInputError(f"bad request id {manifest.get('request_id')!r}")
     body = json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False).encode()
     return bool(st.put_if_absent(request_key(manifest["request_id"], prefix), body))

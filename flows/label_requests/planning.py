@@ -6,10 +6,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from flows.label_requests.config import (_DESIGN_RANK, MANIFEST_VERSION, PRIORITY, RequestConfig, _hash, _now,
-                                         _seed_for, iso_period)
+from flows.label_requests.config import (DESIGN_RANK, MANIFEST_VERSION, PRIORITY, RequestConfig, current_time,
+                                         iso_period, request_seed, stable_hash)
 from flows.label_requests.sampling import sample
-from flows.label_requests.triggers import _as_table, _find_triggers, _prior_probability, _Rows, _unwrap_result
+from flows.label_requests.triggers import (TriggerRows, as_arrow_table, label_prior_probability, triggers_of_rows,
+                                           unwrap_result)
 
 
 def _merge(triggers: Sequence[dict]) -> dict[str, dict]:
@@ -19,7 +20,7 @@ def _merge(triggers: Sequence[dict]) -> dict[str, dict]:
         m = merged.setdefault(t["scope"], {"scope": t["scope"], "labels": 0, "design": "random", "reasons": [],
                                            "regions": None, "rule": None})
         m["labels"] = max(m["labels"], t["labels"])
-        if _DESIGN_RANK[t["design"]] > _DESIGN_RANK[m["design"]]:
+        if DESIGN_RANK[t["design"]] > DESIGN_RANK[m["design"]]:
             m["design"] = t["design"]
         if t["trigger"] == "thin_support":
             m["regions"], m["rule"] = t["detail"]["regions"], t["detail"]["rule"]
@@ -27,7 +28,7 @@ def _merge(triggers: Sequence[dict]) -> dict[str, dict]:
     return merged
 
 
-def _pool(rows: _Rows, scope: str, result: Mapping, cfg: RequestConfig, exclude: set[str]) -> np.ndarray:
+def _pool(rows: TriggerRows, scope: str, result: Mapping, cfg: RequestConfig, exclude: set[str]) -> np.ndarray:
     """Row indices a request of this scope may draw from: unlabelled, not pending elsewhere."""
     ok = ~rows.labelled
     if exclude:
@@ -94,13 +95,13 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
     Returns ``{"requests": [manifest, ...], "skipped": [{"scope", "reason", ...}], "triggers": [...]}``.
     """
     cfg = RequestConfig.from_dict(config)
-    result, info = _unwrap_result(result)
+    result, info = unwrap_result(result)
     anchor_ids = None if anchor_ids is None else [str(a) for a in anchor_ids]
     run_key = run_key or info.get("run_key")
-    now_ = _now(now)
+    now_ = current_time(now)
     period = iso_period(now_)
-    rows = _Rows.from_table(_as_table(logs))
-    triggers = _find_triggers(result, rows, cfg, drift_look, anchor_ids, info.get("undecided"))
+    rows = TriggerRows.from_table(as_arrow_table(logs))
+    triggers = triggers_of_rows(result, rows, cfg, drift_look, anchor_ids, info.get("undecided"))
 
     fresh, skipped, pending_ids, pending_anchors = _deduplicate(triggers, existing, evaluation)
     used = budget_used if budget_used is not None else sum(
@@ -124,7 +125,7 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
             anchor_pool = sorted({str(a) for a in anchor_ids or []} - {a for s, a in pending_anchors if s == set_key})
             if drift_detail.get("monitor"):
                 id_parts += [drift_detail["monitor"], drift_detail.get("look")]  # one request per drift look
-        request_id = f"lr-{now_:%Y%m%d}-{_hash(*id_parts)[:12]}"
+        request_id = f"lr-{now_:%Y%m%d}-{stable_hash(*id_parts)[:12]}"
         want = min(m["labels"], cfg.max_labels_per_request)
         n_target = min(want, left)
         if n_target <= 0 and not (n_anchor and anchor_pool and left > 0):
@@ -140,13 +141,14 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
             continue
         rule = m["rule"] or {}
         idx, p, strata = sample(rows.rid_rank[pool], rows.score[pool], n_target, m["design"],
-                                _seed_for(cfg.seed, request_id), n_strata=cfg.n_strata, regions=m["regions"],
+                                request_seed(cfg.seed, request_id), n_strata=cfg.n_strata, regions=m["regions"],
                                 bandwidth=float(rule.get("bandwidth", 0.0)), background_share=cfg.background_share)
         chosen = pool[idx]
         req_rows = _request_rows(rows, chosen, p, strata)
         # anchors take what the traffic rows leave of the request cap and of the period budget
         anchors = _sample_anchors(anchor_pool, min(n_anchor, max(0, cfg.max_labels_per_request - len(req_rows)),
-                                                   max(0, left - len(req_rows))), _seed_for(cfg.seed + 1, request_id))
+                                                   max(0, left - len(req_rows))),
+                                  request_seed(cfg.seed + 1, request_id))
         taken |= {r["response_id"] for r in req_rows}
         n_labels = len(req_rows) + len(anchors)
         note = _cap_note(cfg, m["labels"], want, left, n_target, len(req_rows), pool.size, len(anchors), n_anchor,
@@ -164,7 +166,7 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
                        "max_labels_per_request": cfg.max_labels_per_request,
                        "cost": n_labels * cfg.c_Y, "c_Y": cfg.c_Y},
             "label_scale": list(conf.get("label_scale") or [0.0, 1.0]),
-            "seed": _seed_for(cfg.seed, request_id), "pool_size": int(pool.size), "created_at": now_.isoformat(),
+            "seed": request_seed(cfg.seed, request_id), "pool_size": int(pool.size), "created_at": now_.isoformat(),
             "deadline": (now_ + timedelta(days=cfg.deadline_days)).isoformat(), "period": period,
             "rows": req_rows, "anchors": anchors,
         }
@@ -177,10 +179,10 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
     return {"requests": requests, "skipped": skipped, "triggers": triggers}
 
 
-def _request_rows(rows: _Rows, chosen: np.ndarray, p: np.ndarray, strata: np.ndarray) -> list[dict]:
+def _request_rows(rows: TriggerRows, chosen: np.ndarray, p: np.ndarray, strata: np.ndarray) -> list[dict]:
     """Manifest rows of the chosen pool rows, with selection and inclusion probabilities."""
     vals = rows.take(chosen)
-    prior = {pol: _prior_probability(rows, pol) for pol in set(vals["policy"])}
+    prior = {pol: label_prior_probability(rows, pol) for pol in set(vals["policy"])}
     out = []
     for j, (i, pi, s) in enumerate(zip(chosen, p, strata)):
         pol = str(vals["policy"][j])

@@ -12,10 +12,10 @@ from cje_engine.errors import CJEInputError
 
 from flows.integrations.notify import notify
 from flows.label_requests.budget import LabelBudget
-from flows.label_requests.config import RequestConfig, _now, iso_period
-from flows.label_requests.manifests import _storage, list_requests, request_key, write_request
+from flows.label_requests.config import RequestConfig, current_time, iso_period
+from flows.label_requests.manifests import list_requests, request_key, storage_for, write_request
 from flows.label_requests.planning import plan_requests
-from flows.label_requests.triggers import _as_table
+from flows.label_requests.triggers import as_arrow_table
 from flows.storage.labels import LABEL_COLUMNS, LabelStore, inline_label_columns, join_labels
 from flows.storage.logs import discover_partitions, read_window
 from flows.storage.objects import StorageError
@@ -43,7 +43,7 @@ def read_evaluated_logs(logs_uri: str, window: str, labels_uri: str | None, stor
     """The window's rows (ids, policy, prompt, score, dt) with their labels: inline ones of the logs
     combined with the label store's (the store wins), as the evaluate flow joins them (``columns``:
     the evaluation's column mapping, applied as the evaluate flow reads)."""
-    st = _storage(logs_uri, storage_cfg)
+    st = storage_for(logs_uri, storage_cfg)
     start, end = _window_dates(window)
     files = discover_partitions(st, start, end)
     base = ["response_id", "policy", "prompt_id", "judge_score", "dt"]
@@ -51,7 +51,7 @@ def read_evaluated_logs(logs_uri: str, window: str, labels_uri: str | None, stor
     table = read_window(st, files, columns=None if inline["mixed"] else base + inline["columns"], check_unique=False,
                         mapping=columns)
     table = table.select([c for c in base + list(LABEL_COLUMNS) if c in table.column_names])
-    store = LabelStore(_storage(labels_uri or logs_uri, storage_cfg))
+    store = LabelStore(storage_for(labels_uri or logs_uri, storage_cfg))
     if store.version() > 0:
         table = join_labels(table, store.read())
         if "label_conflict" in table.column_names:
@@ -93,8 +93,8 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
     if logs_uri is not None:
         table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg, columns)
     else:
-        table = _as_table(logs_table_or_uri)
-    st = _storage(cfg.requests_uri or results_uri, storage_cfg)
+        table = as_arrow_table(logs_table_or_uri)
+    st = storage_for(cfg.requests_uri or results_uri, storage_cfg)
 
     def plan(existing: list[dict], used: int) -> dict:
         return plan_requests(published_result, table, cfg, evaluation=evaluation, window=window, logs_uri=logs_uri,
@@ -117,7 +117,7 @@ def plan_within_budget(st: Any, cfg: RequestConfig, plan: Callable[[list[dict], 
     (`flows.label_requests.budget`).  Returns the plan whose requests are reserved (or were
     reserved by an earlier attempt of the same run whose manifest was never written).
     """
-    period = iso_period(_now(now))
+    period = iso_period(current_time(now))
     ledger = LabelBudget(st, period)
     for _ in range(_MAX_RACES):
         existing = list_requests(st, now=now)
@@ -230,7 +230,7 @@ def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mappin
             "the drift monitor has no linked evaluation" if not evaluation else
             f"evaluation {evaluation!r} has no published result yet" if not has_result else
             f"the logs of evaluation {evaluation!r} are unknown to the drift flow"))
-    st = _storage(cfg.requests_uri or requests_uri, storage_cfg)
+    st = storage_for(cfg.requests_uri or requests_uri, storage_cfg)
 
     def planner(existing: list[dict], used: int) -> dict:
         return plan_requests(published, table, cfg_drift, evaluation=evaluation, window=window, logs_uri=logs_uri,

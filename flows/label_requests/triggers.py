@@ -22,11 +22,11 @@ from flows.label_requests.config import DESIGN_OF, RequestConfig
 log = logging.getLogger(__name__)
 
 
-def _unwrap_result(published: Mapping[str, Any]) -> tuple[dict, dict]:
+def unwrap_result(published: Mapping[str, Any]) -> tuple[dict, dict]:
     """(result dict, run info) from a result dict or the evaluate flow's return value.
 
     The run info carries ``undecided`` (policy -> labels that would decide a drop across windows)
-    when the flow's monitoring found one (`flows.integrations.regressions.monitor_evaluation`).
+    when the flow's monitoring found one (`flows.pipelines.regressions.monitor_evaluation`).
     """
     if not isinstance(published, Mapping):
         raise CJEInputError(f"expected a published result dict, got {type(published).__name__}")
@@ -41,7 +41,9 @@ def _unwrap_result(published: Mapping[str, Any]) -> tuple[dict, dict]:
                         "evaluate flow's return value)", column="policies")
 
 
-def _as_table(logs: Any) -> pa.Table:
+def as_arrow_table(logs: Any) -> pa.Table:
+    """The evaluated logs (an Arrow table or a pandas DataFrame) as an Arrow table with the columns the triggers
+    read (``response_id``, ``policy``, ``judge_score``); anything else is a `CJEInputError` naming what is missing."""
     if isinstance(logs, pa.Table):
         table = logs
     else:
@@ -69,7 +71,7 @@ def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclass
-class _Rows:
+class TriggerRows:
     """Columnar view of the evaluated logs (only what the triggers need).
 
     Strings are never turned into one Python object per row: ``response_id`` stays an Arrow
@@ -89,7 +91,7 @@ class _Rows:
     dt_names: np.ndarray | None
 
     @classmethod
-    def from_table(cls, table: pa.Table) -> "_Rows":
+    def from_table(cls, table: pa.Table) -> "TriggerRows":
         n = table.num_rows
         rid = table.column("response_id")
         if pa.types.is_dictionary(rid.type):
@@ -163,7 +165,7 @@ class _Rows:
                 "dt": None if self.dt_codes is None else self.dt_names[self.dt_codes[chosen]].tolist()}
 
 
-def _prior_probability(rows: _Rows, policy: str) -> float:
+def label_prior_probability(rows: TriggerRows, policy: str) -> float:
     """Harmonic mean of the stored label probabilities of the policy's labels (1 if none)."""
     sel = rows.labelled & rows.policy_in(policy)
     if not sel.any():
@@ -315,7 +317,7 @@ def under_labelled_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
     return out
 
 
-def support_regions(rows: _Rows, result: Mapping, policy: str) -> tuple[list[dict], dict]:
+def support_regions(rows: TriggerRows, result: Mapping, policy: str) -> tuple[list[dict], dict]:
     """Thinly supported judge-score values of a policy and the labels each needs.
 
     The engine's rule (result ``support.rule``): a score is thin when fewer than
@@ -365,7 +367,7 @@ def support_regions(rows: _Rows, result: Mapping, policy: str) -> tuple[list[dic
     return regions, {"support_min_labels": k_min, "bandwidth": h}
 
 
-def support_triggers(rows: _Rows, result: Mapping, cfg: RequestConfig) -> list[dict]:
+def support_triggers(rows: TriggerRows, result: Mapping, cfg: RequestConfig) -> list[dict]:
     """Trigger 5: limited calibration support where a policy's scores lie."""
     if "thin_support" not in cfg.triggers:
         return []
@@ -438,13 +440,15 @@ def find_triggers(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
                   drift_look: Mapping | None = None, anchor_ids: Sequence[str] | None = None) -> list[dict]:
     """Every trigger that fires for a published result (pure; no storage)."""
     cfg = RequestConfig.from_dict(config)
-    result, info = _unwrap_result(result)
-    return _find_triggers(result, _Rows.from_table(_as_table(logs)), cfg, drift_look, anchor_ids,
+    result, info = unwrap_result(result)
+    return triggers_of_rows(result, TriggerRows.from_table(as_arrow_table(logs)), cfg, drift_look, anchor_ids,
                           info.get("undecided"))
 
 
-def _find_triggers(result: Mapping, rows: _Rows, cfg: RequestConfig, drift_look: Mapping | None,
-                   anchor_ids: Sequence[str] | None, undecided: Mapping[str, Any] | None = None) -> list[dict]:
+def triggers_of_rows(result: Mapping, rows: TriggerRows, cfg: RequestConfig, drift_look: Mapping | None,
+                     anchor_ids: Sequence[str] | None, undecided: Mapping[str, Any] | None = None) -> list[dict]:
+    """`find_triggers` on logs already read into `TriggerRows`: the audit, support, under-labelled, drift and
+    regression triggers that ask for at least one label."""
     anchor_ids = None if anchor_ids is None else [str(a) for a in anchor_ids]
     trig = audit_triggers(result, cfg) + support_triggers(rows, result, cfg) + under_labelled_triggers(result, cfg)
     trig += drift_triggers(drift_look, cfg, anchor_ids) + regression_triggers(undecided, cfg)

@@ -2,23 +2,23 @@
 
 `DriftSettings` groups the parameters of the `flows.pipelines.drift.drift` flow (one validated
 pydantic object instead of loose parameters). `load_drift_monitors` reads ``drift_monitors:`` of
-an evaluations file into `DriftMonitorSpec` objects; `drift_deployments` makes one Prefect
-deployment per monitor. The declarations are validated by the project's one config model
+an evaluations file into `DriftMonitorSpec` objects; `flows.pipelines.deployments.drift_deployments`
+makes one Prefect deployment per monitor. The declarations are validated by the project's one config model
 (`flows.config`).
 """
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cje_engine.errors import CJEInputError
-from flows.config import DriftMonitorConfig, check_drift_comparison, check_webhook_url, load_config, pick_declared
+from flows.config import DriftMonitorConfig, check_drift_comparison, load_config
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS
 from flows.storage.anchors import check_name
+from flows.uris import check_webhook_url
 
 log = logging.getLogger(__name__)
 
@@ -129,13 +129,12 @@ class DriftMonitorSpec(DriftMonitorConfig):
             out["replicate"] = None
         return out
 
-    def to_deployment(self):
-        """A Prefect ``RunnerDeployment`` of the `drift` flow on this monitor's schedule."""
+    def to_deployment(self, flow: Any):
+        """A Prefect ``RunnerDeployment`` of ``flow`` (the `drift` flow: `flows.pipelines.deployments`) on this
+        monitor's schedule."""
         from prefect.types.entrypoint import EntrypointType
 
-        from flows.pipelines.drift import drift  # the flow module imports this one: import at use
-
-        return drift.to_deployment(
+        return flow.to_deployment(
             name=f"drift-{self.monitor_name}", entrypoint_type=EntrypointType.MODULE_PATH,
             parameters=self.flow_parameters(),
             description=self.description or f"Judge drift on anchor set {self.set_name}", tags=["cje", "drift"],
@@ -166,11 +165,3 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
                      "results_uri": m.results_uri or linked.results_uri or linked.logs_uri}
         out[name] = DriftMonitorSpec.model_validate({**m.model_dump(), **extra})
     return out
-
-
-def drift_deployments(path: str | os.PathLike | None = None, only: Sequence[str] | None = None) -> list:
-    """Prefect deployments of the drift monitors declared in an evaluations file (for ``cje serve``)."""
-    specs = load_drift_monitors(path)
-    if only:
-        specs = {n: pick_declared(n, specs, what="drift monitor", source=path) for n in only}
-    return [s.to_deployment() for s in specs.values()]

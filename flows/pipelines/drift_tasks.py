@@ -20,8 +20,7 @@ from cje_engine.drift.monitor import DriftMonitor
 from cje_engine.errors import CJEInputError
 from flows.config import LOOK_KEY_RE
 from flows.label_requests.raising import raise_drift_requests
-from flows.pipelines.drift_config import DEFAULT_RETRY_DELAYS
-from flows.runtime.retries import PURE_TASK, storage_task_options
+from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
 from flows.reports.drift import render_drift_report
 from flows.storage.anchors import (AnchorSet, Look, read_anchor_scores, read_anchor_set, score_files, split_looks,
                                    write_anchor_scores)

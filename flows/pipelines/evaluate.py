@@ -13,7 +13,8 @@ Steps (each a Prefect task, so each has its own state, logs, timing and retries)
 7. ``finalize``   gather the chunks in order; the engine gates level claims, audits and
                   compares every pair of policies (bit-identical to `cje_engine.evaluate`);
 8. ``render``     result.json, the per-policy Parquet summary and report.html;
-9. ``publish``    `flows.storage.publish.publish_run`: artifacts, manifest last, then latest.json.
+9. ``publish``    `flows.storage.publish.publish_run`: artifacts, manifest last, then latest.json; then the
+                   index and trend page (`flows.pipelines.pages.refresh_pages`).
 
 Ray directly, not ``prefect-ray``'s ``RayTaskRunner``
 ---------------------------------------------------
@@ -58,19 +59,20 @@ from prefect.utilities.annotations import quote
 
 from cje_engine import __version__ as ENGINE_VERSION
 from cje_engine.errors import CJEInputError
-from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline import offpolicy as offpolicy_pipeline
 from cje_engine.pipeline.direct import prepare as engine_prepare
 from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
 
-from flows.config import (MonitoringConfig, Window, check_columns, check_monitoring, check_publish_name, check_uri,
-                          parse_window)
+from flows.config import MonitoringConfig, Window, check_columns, check_monitoring, check_publish_name, parse_window
 from flows.pipelines import preflight
-from flows.integrations.regressions import monitor_evaluation
+from flows.pipelines.preflight import engine_options
+from flows.pipelines.pages import contextual_report, refresh_pages
+from flows.pipelines.regressions import monitor_evaluation
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
 from flows.storage.labels import LabelStore
+from flows.uris import check_uri
 from flows.storage.logs import (concat_with_sources, discover_partitions, first_duplicate, locate_row, row_sources,
                                 window_days)
 from flows.storage.objects import Storage, StorageConfig
@@ -350,11 +352,12 @@ def render(result: Any, title: str, days: dict | None = None) -> dict[str, bytes
 @task(name="publish", **_STORAGE_TASK)
 def publish(results_uri: str, cfg: Any, evaluation: str, window: Window, key: str,
             artifacts: dict[str, bytes], manifest: dict) -> dict:
-    """Gated atomic publish (manifest last, then latest.json)."""
+    """Gated atomic publish (manifest last, then latest.json); the report rendered again with the run's context."""
     from flows.storage.publish import publish_run
 
     st = _storage(results_uri, cfg)
-    outcome = publish_run(st, evaluation, window.label, key, artifacts=artifacts, manifest=manifest)
+    outcome = publish_run(st, evaluation, window.label, key, artifacts=artifacts, manifest=manifest,
+                          render_report=contextual_report)
     out = {"published": bool(outcome.published), "path": outcome.path, "reason": outcome.reason,
            "artifacts": dict(outcome.artifacts)}
     get_run_logger().info("publish: %s", out)
@@ -363,15 +366,6 @@ def publish(results_uri: str, cfg: Any, evaluation: str, window: Window, key: st
 
 # --------------------------------------------------------------------------------------
 # the run's plan (parameters resolved and checked before anything starts)
-
-
-def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict:
-    """Engine keyword options of a run (validated by the engine), JSON-ready."""
-    opts = dict(options or {})
-    if policies:
-        opts["policies"] = list(policies)
-    EvaluationOptions.build(**opts)  # early, clear error on an unknown or bad option
-    return opts
 
 
 @dataclass
@@ -569,6 +563,8 @@ def render_and_publish(plan: RunPlan, cfg: Any, files: list[dict], counts: dict,
     with plan.timed("publish"):
         outcome = publish.with_options(**plan.retry)(plan.results_uri, quote(cfg), plan.evaluation, win, key,
                                                      quote(artifacts), manifest)
+    if outcome["published"]:
+        refresh_pages(plan.results_uri, cfg, plan.evaluation, why=f"publishing {key}")
     get_run_logger().info("timings (s): %s", {k: round(v, 2) for k, v in plan.timings.items()})
     return key, outcome
 
@@ -664,4 +660,4 @@ def _flow_run_id() -> str | None:
     return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
 
 
-__all__ = ["evaluate", "engine_options", "plan_run", "RunPlan", "check_parameters"]
+__all__ = ["evaluate", "plan_run", "RunPlan", "check_parameters"]

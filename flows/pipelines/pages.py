@@ -1,23 +1,62 @@
 """The ``refresh_pages`` step: rebuild the results index and an evaluation's trend page after a step that
-changes what they show without publishing a run (label requests raised or answered, a drift look).
+changes what they show (a run published, label requests raised or answered, a drift look), and
+`contextual_report`, the renderer the evaluate flow gives `flows.storage.publish.publish_run` (storage
+renders nothing itself).
 
-Publishing a run rebuilds them too (`flows.storage.publish`); this step covers the rest, so the pages agree
-with ``cje requests status``, ``cje runs`` and the drift state at once, not at the next publish. A failure
-here is logged and returned, never fails the flow (the pages are rebuilt by the next step or publish).
+The pages agree with ``cje requests status``, ``cje runs`` and the drift state at once, not at the next
+publish. A failure here is logged and returned, never fails the flow (the pages are rebuilt by the next step).
 """
 from __future__ import annotations
 
-from typing import Any
+import html
+import re
+from datetime import datetime, timezone
+from typing import Any, Mapping
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from flows.reports.history import evaluations
+from flows.reports.evaluation import render_report
+from flows.reports.history import evaluations, report_context
 from flows.reports.trend import write_pages
 from flows.storage.objects import Storage
+from flows.storage.publish import RunPlace
 
-__all__ = ["refresh_pages", "rebuild_pages"]
+__all__ = ["refresh_pages", "rebuild_pages", "contextual_report"]
+
+
+def contextual_report(st: Storage, run: RunPlace, result: Mapping[str, Any], report: bytes,
+                      manifest: Mapping[str, Any]) -> bytes:
+    """The run's report rendered again with its place in the evaluation (a `ReportRenderer`).
+
+    Parameters
+    ----------
+    st : Storage
+        The results storage the run is published on.
+    run : RunPlace
+        Evaluation, window, run key and the attempt folder the report goes to.
+    result : mapping
+        The run's ``result.json``.
+    report : bytes
+        The caller's ``report.html`` (its ``<title>`` is kept).
+    manifest : mapping
+        The caller's manifest; its ``window_spec`` gives the days of the window the run holds.
+
+    Returns
+    -------
+    bytes
+        ``report.html`` with generated-at time, links to result.json, the previous run, the trend page and
+        the index, what changed since the previous run and the drift of linked monitors
+        (`flows.reports.history.report_context`).
+    """
+    m = re.search(rb"<title>(.*?)</title>", report, re.S)
+    title = html.unescape(m.group(1).decode("utf-8", "replace")) if m else None
+    ctx = report_context(st, run.evaluation, run.window, run.key, result, run.attempt,
+                         datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
+    spec = (manifest or {}).get("window_spec")
+    days = spec if isinstance(spec, Mapping) and "days" in spec else None
+    return render_report(dict(result), title=title, context=ctx, days=days).encode("utf-8")
 
 
 def rebuild_pages(results_uri: str, cfg: Any, evaluation: str | None, *, requests_uri: str | None = None,

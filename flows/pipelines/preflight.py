@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cje_engine.errors import CJEInputError
-from cje_engine.options import did_you_mean
+from cje_engine.options import EvaluationOptions, did_you_mean
 
 from flows.storage.logs import log_renames
 
@@ -82,7 +82,7 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool
     """
     import pyarrow.dataset as ds
 
-    from flows.storage.objects import Storage, StorageError, _short, is_storage_service_error
+    from flows.storage.objects import Storage, StorageError, short_error, is_storage_service_error
 
     if not files:
         return []
@@ -93,7 +93,8 @@ def logs_columns(logs_uri: str, cfg: Any, files: Sequence[dict], *, strict: bool
         names = list(ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema.names)
     except (pa.ArrowInvalid, OSError) as exc:
         if strict and is_storage_service_error(exc):  # 503, a timeout, access denied: not the file's fault
-            raise StorageError(f"read {st.url(key)} failed: {_short(exc, cfg)}", key=key, operation="read") from None
+            raise StorageError(f"read {st.url(key)} failed: {short_error(exc, cfg)}", key=key,
+                               operation="read") from None
         if strict:
             raise CJEInputError(f"is not a readable Parquet log file: {' '.join(str(exc).split())[:200]}",
                                 source=st.url(key)) from None
@@ -191,6 +192,28 @@ def check_scales(st: Any, files: Sequence[dict], options: Mapping[str, Any] | No
             check_scale_range(values, scale, url, canon, option)
 
 
+def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict:
+    """Engine keyword options of a run, checked early (`EvaluationOptions.build`) and JSON-ready.
+
+    Parameters
+    ----------
+    options : dict or None
+        The evaluation's ``options:``.
+    policies : sequence of str or None
+        The evaluation's ``policies:`` (added as the ``policies`` option).
+
+    Returns
+    -------
+    dict
+        The options as given plus ``policies``; a `CJEInputError` names an unknown or bad option.
+    """
+    opts = dict(options or {})
+    if policies:
+        opts["policies"] = list(policies)
+    EvaluationOptions.build(**opts)  # early, clear error on an unknown or bad option
+    return opts
+
+
 def check_evaluation(params: dict) -> dict:
     """Check the inputs of an evaluate-flow run (``EvaluationSpec.flow_parameters()`` plus overrides).
 
@@ -201,7 +224,6 @@ def check_evaluation(params: dict) -> dict:
 
     from flows.config import check_columns
     from flows.config import parse_window
-    from flows.pipelines.evaluate import engine_options
     from flows.storage.logs import REQUIRED, discover_partitions
     from flows.storage.objects import Storage, StorageConfig
 

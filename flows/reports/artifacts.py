@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flows.reports.common import _fmt, _fmt_ci
+from flows.reports.common import fmt, fmt_ci
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ def policy_rows(result: Mapping[str, Any], changes: Mapping[str, Any] | None = N
     for name, p in (result.get("policies") or {}).items():
         refused = p.get("level_claim") == "refused"
         audit = (p.get("audit") or {}).get("verdict") or "not_run"
-        row = {"policy": str(name), "estimate": "refused" if refused else _fmt(p.get("estimate")),
-               "ci": "" if refused else _fmt_ci(p.get("ci")), "level_claim": p.get("level_claim"),
+        row = {"policy": str(name), "estimate": "refused" if refused else fmt(p.get("estimate")),
+               "ci": "" if refused else fmt_ci(p.get("ci")), "level_claim": p.get("level_claim"),
                "audit": audit, "labels": p.get("n_labelled")}
         pc = (changes or {}).get(name)
         if pc is not None and window in pc.windows:

@@ -41,12 +41,12 @@ SCHEMA_VERSION = 1
 # --------------------------------------------------------------------------------------------
 # small helpers
 # --------------------------------------------------------------------------------------------
-def _esc(value: Any) -> str:
+def esc(value: Any) -> str:
     """HTML/XML-escape any value (quotes included)."""
     return html.escape(str(value), quote=True)
 
 
-def _num(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     """A finite float, or None for null, NaN, infinities, booleans and non-numbers."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -54,36 +54,36 @@ def _num(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    v = _num(value)
+def fmt(value: Any, digits: int = 3) -> str:
+    v = as_number(value)
     if v is None:
         return "n/a"
     text = f"{v:.{digits}f}"
     return "0." + "0" * digits if text == "-0." + "0" * digits else text
 
 
-def _signed(value: Any, digits: int = 3) -> str:
-    v = _num(value)
+def signed(value: Any, digits: int = 3) -> str:
+    v = as_number(value)
     if v is None:
         return "n/a"
-    text = _fmt(v, digits)
-    return text if text.startswith("-") or text == _fmt(0.0, digits) else "+" + text
+    text = fmt(v, digits)
+    return text if text.startswith("-") or text == fmt(0.0, digits) else "+" + text
 
 
-def _pair(ci: Any) -> tuple[float, float] | None:
+def as_pair(ci: Any) -> tuple[float, float] | None:
     if not isinstance(ci, (list, tuple)) or len(ci) != 2:
         return None
-    lo, hi = _num(ci[0]), _num(ci[1])
+    lo, hi = as_number(ci[0]), as_number(ci[1])
     return None if lo is None or hi is None else (lo, hi)
 
 
-def _fmt_ci(ci: Any, digits: int = 3) -> str:
-    pair = _pair(ci)
-    return "n/a" if pair is None else f"[{_fmt(pair[0], digits)}, {_fmt(pair[1], digits)}]"
+def fmt_ci(ci: Any, digits: int = 3) -> str:
+    pair = as_pair(ci)
+    return "n/a" if pair is None else f"[{fmt(pair[0], digits)}, {fmt(pair[1], digits)}]"
 
 
-def _fmt_p(p: Any) -> str:
-    v = _num(p)
+def fmt_p(p: Any) -> str:
+    v = as_number(p)
     if v is None:
         return "n/a"
     if v < 0.001:
@@ -91,17 +91,17 @@ def _fmt_p(p: Any) -> str:
     return f"{v:.3f}"
 
 
-def _pct(value: Any) -> str:
-    v = _num(value)
+def pct(value: Any) -> str:
+    v = as_number(value)
     return "n/a" if v is None else f"{100 * v:.0f}%"
 
 
-def _name_cell(name: Any) -> str:
+def name_cell(name: Any) -> str:
     """Escaped name with line-break opportunities after underscores (for table cells)."""
-    return _esc(name).replace("_", "_<wbr>")
+    return esc(name).replace("_", "_<wbr>")
 
 
-def _short(name: str, limit: int = 28) -> str:
+def short_label(name: str, limit: int = 28) -> str:
     """Shorten a long label for a chart (the full name goes into a tooltip)."""
     return name if len(name) <= limit else name[: limit - 1] + "\u2026"
 
@@ -118,10 +118,12 @@ def result_model(result: Any) -> EvaluationModel:
     return typed_view(result, partial=True)
 
 
-def alpha_of(m: EvaluationModel) -> float:
-    """The result's alpha (inference, else config; 0.05 when neither holds a valid one)."""
+def alpha_of(result: Any) -> float:
+    """The result's alpha (inference, else config; 0.05 when neither holds a valid one); ``result`` is a
+    typed model or anything `typed_view` reads."""
+    m = result if isinstance(result, EvaluationModel) else _loose(result)
     for a in (getattr(m.inference, "alpha", None), (m.config or {}).get("alpha") if isinstance(m.config, dict) else None):
-        a = _num(a)
+        a = as_number(a)
         if a is not None and 0 < a < 1:
             return a
     return 0.05
@@ -132,47 +134,44 @@ def _loose(result: Any) -> EvaluationModel:
     return typed_view(result, partial=True, rules=False)
 
 
-def _alpha(result: Any) -> float:
-    return alpha_of(_loose(result))
-
-
-def _conf_label(alpha: float) -> str:
+def conf_label(alpha: float) -> str:
     return f"{100 * (1 - alpha):g}%"
 
 
-def _z(alpha: float) -> float:
+def z_of(alpha: float) -> float:
     return NormalDist().inv_cdf(1 - alpha / 2)
 
 
-def _is_refused(pol: dict | PolicyResult) -> bool:
+def is_refused(pol: dict | PolicyResult) -> bool:
     if isinstance(pol, PolicyResult):
         return pol.level_claim == "refused"
     return pol.get("level_claim") == "refused"
 
 
-def _audit(pol: dict) -> dict:
+def audit_of(pol: dict) -> dict:
     audit = pol.get("audit")
     return audit if isinstance(audit, dict) else {}
 
 
-def _verdict(pol: dict | PolicyResult) -> str:
-    verdict = getattr(pol.audit, "verdict", None) if isinstance(pol, PolicyResult) else _audit(pol).get("verdict")
+def verdict_of(pol: dict | PolicyResult) -> str:
+    verdict = getattr(pol.audit, "verdict", None) if isinstance(pol, PolicyResult) else audit_of(pol).get("verdict")
     return verdict if verdict in VERDICT_STYLE else "not_run"
 
 
 # --------------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------------
-def _check_result(result: Any) -> None:
+def check_result(result: Any) -> None:
     """Raise CJEInputError when the result dict cannot be rendered honestly (the engine's rules,
     `cje_engine.result.validate_result`; partial hand-made results render too)."""
     validate_result(result, partial=True)
 
 
-def policy_order(m: EvaluationModel) -> list[str]:
+def policy_order(result: Any) -> list[str]:
     """Policies by estimate, highest first (policies without a finite estimate last, in the order of
     the ranking, then of the dict). Never by rank group: rank = 1 + the number of policies
     significantly better, so an imprecise low estimate can hold rank 1 (see `rank_text`)."""
+    m = result if isinstance(result, EvaluationModel) else _loose(result)
     policies = m.policies if isinstance(m.policies, dict) else {}
     order: list[str] = []
     for entry in m.ranking or []:
@@ -183,21 +182,18 @@ def policy_order(m: EvaluationModel) -> list[str]:
 
     def key(name: str) -> float:
         p = policies[name]
-        est = _num(p.estimate) if isinstance(p, PolicyResult) else None
+        est = as_number(p.estimate) if isinstance(p, PolicyResult) else None
         return -est if est is not None else math.inf
 
     return sorted(order, key=key)  # stable: ties keep the ranking's order
 
 
-def _policy_order(result: Any) -> list[str]:
-    return policy_order(_loose(result))
-
-
-def rank_text(m: EvaluationModel, name: str) -> str:
+def rank_text(result: Any, name: str) -> str:
     """The rank of ``name`` as the comparisons support it: ``"1"`` when fixed, ``"1-3"`` when the
     policies it is not significantly different from leave it anywhere from 1 to 3 (best possible rank =
     1 + policies significantly better, worst = K - policies significantly worse, `win_matrix`);
     ``"-"`` for a policy left out of the ranking (not estimable)."""
+    m = result if isinstance(result, EvaluationModel) else _loose(result)
     wm = m.win_matrix if isinstance(m.win_matrix, WinMatrix) else None
     names, sig = list((wm.policies if wm else None) or []), (wm.significant if wm else None) or []
     if name not in names or len(sig) != len(names):
@@ -210,11 +206,7 @@ def rank_text(m: EvaluationModel, name: str) -> str:
     return str(best) if best == worst else f"{best}-{worst}"
 
 
-def _rank_text(result: Any, name: str) -> str:
-    return rank_text(_loose(result), name)
-
-
-def _check_drift(drift: Any) -> dict:
+def check_drift(drift: Any) -> dict:
     """Validate the drift dict (see :func:`render_report`) and fill in defaults."""
     if not isinstance(drift, dict):
         raise CJEInputError(f"expected a dict, got {type(drift).__name__}", source="drift")
@@ -232,10 +224,10 @@ def _check_drift(drift: Any) -> dict:
             raise CJEInputError(f"expected a list of {n} numbers (one per period) or nulls",
                                 source="drift", column=key)
         for i, v in enumerate(values):
-            if v is not None and _num(v) is None:
+            if v is not None and as_number(v) is None:
                 raise CJEInputError(f"expected a finite number or null, got {v!r}",
                                     source="drift", column=key, row=i)
-        return [_num(v) for v in values]
+        return [as_number(v) for v in values]
 
     out = {
         "periods": [str(p) for p in periods],
@@ -248,7 +240,7 @@ def _check_drift(drift: Any) -> dict:
     }
     for key, default in (("tau_threshold", 0.8), ("shift_threshold", 0.05)):
         value = drift.get(key, default)
-        if _num(value) is None:
+        if as_number(value) is None:
             raise CJEInputError(f"expected a finite number, got {value!r}", source="drift",
                                 column=key)
         out[key] = float(value)
@@ -258,10 +250,10 @@ def _check_drift(drift: Any) -> dict:
             raise CJEInputError(f"expected a list of {n} [low, high] pairs or nulls",
                                 source="drift", column="residual_shift_ci")
         for i, ci in enumerate(cis):
-            if ci is not None and _pair(ci) is None:
+            if ci is not None and as_pair(ci) is None:
                 raise CJEInputError(f"expected [low, high] or null, got {ci!r}", source="drift",
                                     column="residual_shift_ci", row=i)
-        out["residual_shift_ci"] = [_pair(ci) for ci in cis]
+        out["residual_shift_ci"] = [as_pair(ci) for ci in cis]
     alarms = drift.get("alarms")
     if alarms is not None:
         if not isinstance(alarms, list) or len(alarms) != n or \
@@ -283,41 +275,41 @@ def _check_drift(drift: Any) -> dict:
 # --------------------------------------------------------------------------------------------
 # scales and non-estimable comparisons
 # --------------------------------------------------------------------------------------------
-def _scales(result: Any) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
+def scales_of(result: Any) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
     """(score scale, label scale) as declared in the result's config (None when not declared)."""
     config = _loose(result).config
     config = config if isinstance(config, dict) else {}
-    return _pair(config.get("score_scale")), _pair(config.get("label_scale"))
+    return as_pair(config.get("score_scale")), as_pair(config.get("label_scale"))
 
 
-def _same_scale(result: Any) -> bool:
+def same_scale(result: Any) -> bool:
     """True when judge scores and oracle labels share one scale (undeclared scales default to 0-1)."""
-    score, label = _scales(result)
+    score, label = scales_of(result)
     return (score or (0.0, 1.0)) == (label or (0.0, 1.0))
 
 
-def _raw_on_label_scale(result: dict, raw: Any) -> float | None:
+def raw_on_label_scale(result: dict, raw: Any) -> float | None:
     """A raw judge mean mapped linearly from the declared score scale onto the declared label scale.
 
     This is the naive reading of the judge (its score taken at face value on the label scale), the
     comparator the calibration corrects; None when either scale is unknown or degenerate.
     """
-    v = _num(raw)
-    score, label = _scales(result)
+    v = as_number(raw)
+    score, label = scales_of(result)
     if v is None:
         return None
-    if _same_scale(result):
+    if same_scale(result):
         return v
     if score is None or label is None or score[1] == score[0]:
         return None
     return label[0] + (v - score[0]) / (score[1] - score[0]) * (label[1] - label[0])
 
 
-def _scale_text(pair: tuple[float, float] | None) -> str:
+def scale_text(pair: tuple[float, float] | None) -> str:
     return "n/a" if pair is None else f"{pair[0]:g}\u2013{pair[1]:g}"
 
 
-def _not_estimable(comparison: dict | Comparison) -> str | None:
+def not_estimable_reason(comparison: dict | Comparison) -> str | None:
     """The reason a comparison carries no number (``reported`` false or ``not_estimable`` set), else None.
 
     Results before issue 16 (no such fields) render as before.
@@ -335,7 +327,7 @@ _UNSAFE = {0x7F, *range(0x00, 0x20), *range(0x80, 0xA0), 0x061C, 0x200E, 0x200F,
            *range(0x2066, 0x206A)}
 
 
-def _safe(value: Any) -> str:
+def safe_str(value: Any) -> str:
     """A user string made safe for a terminal: control characters, ANSI escapes and bidirectional
     overrides (e.g. U+202E) are shown as escapes (``\\x1b``, ``\\u202e``), never sent raw."""
     text = str(value)

@@ -15,10 +15,11 @@ from typing import Any
 from cje_engine.drift.monitor import METRICS
 from cje_engine.errors import CJEInputError
 
-from flows.reports.common import (BLUE, GREEN, GREY, GRID, INK, MUTED, PURPLE, SKY, VERMILLION, _esc, _fmt,
-                                  _name_cell, _num, _signed)
+from flows.reports.common import (BLUE, GREEN, GREY, GRID, INK, MUTED, PURPLE, SKY, VERMILLION, as_number, esc, fmt,
+                                  name_cell, signed)
 from flows.reports.evaluation import CSS  # the evaluation report's page style
-from flows.reports.svg import _diamond, _legend, _Lin, _line, _polylines, _r, _svg, _text, _ticks
+from flows.reports.svg import (LinearScale, coord, nice_ticks, svg_diamond, svg_doc, svg_legend, svg_line,
+                               svg_polylines, svg_text)
 
 __all__ = ["render_drift_report"]
 
@@ -29,35 +30,35 @@ __all__ = ["render_drift_report"]
 
 
 def _fmt_p(p: Any) -> str:
-    v = _num(p)
+    v = as_number(p)
     if v is None:
         return "n/a"
     return "<0.001" if v < 0.001 else f"{v:.3f}"
 
 
 def _el(tag: str, content: str | None = None, **attrs: Any) -> str:
-    a = "".join(f' {k.rstrip("_").replace("_", "-")}="{_esc(_r(v) if isinstance(v, float) else v)}"'
+    a = "".join(f' {k.rstrip("_").replace("_", "-")}="{esc(coord(v) if isinstance(v, float) else v)}"'
                 for k, v in attrs.items() if v is not None)
     return f"<{tag}{a}/>" if content is None else f"<{tag}{a}>{content}</{tag}>"
 
 
 
 
-def _y_axis(sy: _Lin, ticks: Sequence[float], decimals: int, x: float, right: float,
+def _y_axis(sy: LinearScale, ticks: Sequence[float], decimals: int, x: float, right: float,
             label: str | None = None) -> list[str]:
     out = []
     for t in ticks:
         y = sy(t)
         text = f"{t:.{decimals}f}"
         text = text[1:] if text.startswith("-") and float(text) == 0 else text
-        out.append(_line(x, y, right, y, stroke=GRID, stroke_width="1"))
-        out.append(_line(x - 5, y, x, y, stroke=MUTED, stroke_width="1"))
-        out.append(_text(x - 8, y + 4, text, text_anchor="end", fill=MUTED, font_size="11"))
-    out.append(_line(x, sy(ticks[0]), x, sy(ticks[-1]), stroke=MUTED, stroke_width="1"))
+        out.append(svg_line(x, y, right, y, stroke=GRID, stroke_width="1"))
+        out.append(svg_line(x - 5, y, x, y, stroke=MUTED, stroke_width="1"))
+        out.append(svg_text(x - 8, y + 4, text, text_anchor="end", fill=MUTED, font_size="11"))
+    out.append(svg_line(x, sy(ticks[0]), x, sy(ticks[-1]), stroke=MUTED, stroke_width="1"))
     if label:
         cy = (sy(ticks[0]) + sy(ticks[-1])) / 2
-        out.append(_el("text", _esc(label), x=float(x - 46), y=float(cy), text_anchor="middle",
-                       fill=INK, font_size="12", transform=f"rotate(-90 {_r(x - 46)} {_r(cy)})"))
+        out.append(_el("text", esc(label), x=float(x - 46), y=float(cy), text_anchor="middle",
+                       fill=INK, font_size="12", transform=f"rotate(-90 {coord(x - 46)} {coord(cy)})"))
     return out
 
 
@@ -99,12 +100,12 @@ def _panel(xs: list[int], labels: list[str], series: dict, title: str, ylab: str
         return ""
     vlo, vhi = min(vals), max(vals)
     pad = 0.06 * (vhi - vlo or 1.0)
-    ylo, yhi, yt, yd = _ticks(vlo - pad, vhi + pad, 5)
-    sx = _Lin(-0.5, n - 0.5, L, L + W)
-    sy = _Lin(ylo, yhi, T + H, T)
-    b: list[str] = [_text(L, T - 14, title, fill=INK, font_size="13", font_weight="600")]
+    ylo, yhi, yt, yd = nice_ticks(vlo - pad, vhi + pad, 5)
+    sx = LinearScale(-0.5, n - 0.5, L, L + W)
+    sy = LinearScale(ylo, yhi, T + H, T)
+    b: list[str] = [svg_text(L, T - 14, title, fill=INK, font_size="13", font_weight="600")]
     if note:
-        b.append(_text(L + W, T - 14, note, fill=MUTED, font_size="11", text_anchor="end"))
+        b.append(svg_text(L + W, T - 14, note, fill=MUTED, font_size="11", text_anchor="end"))
     # no-alarm band between the thresholds of each look
     for i in range(n):
         if thr_lo[i] is not None and thr_hi[i] is not None:
@@ -115,43 +116,43 @@ def _panel(xs: list[int], labels: list[str], series: dict, title: str, ylab: str
     b += _y_axis(sy, yt, yd, L, L + W, ylab)
     for i, j in judge_changes:
         x = sx(i - 0.5)
-        b.append(_line(x, T, x, T + H, stroke=PURPLE, stroke_width="1.2", stroke_dasharray="2 3"))
-        b.append(_text(x + 4, T + 11, f"judge {j}", fill=PURPLE, font_size="10.5"))
+        b.append(svg_line(x, T, x, T + H, stroke=PURPLE, stroke_width="1.2", stroke_dasharray="2 3"))
+        b.append(svg_text(x + 4, T + 11, f"judge {j}", fill=PURPLE, font_size="10.5"))
     if base is not None:
         pts = [(i, v) for i, v in enumerate(base) if v is not None]
         if pts:
-            b.append(_el("polyline", points=" ".join(f"{_r(sx(i))},{_r(sy(v))}" for i, v in pts),
-                             fill="none", stroke=GREY, stroke_width="1.5", stroke_dasharray="4 3"))
+            b.append(_el("polyline", points=" ".join(f"{coord(sx(i))},{coord(sy(v))}" for i, v in pts),
+                         fill="none", stroke=GREY, stroke_width="1.5", stroke_dasharray="4 3"))
     for arr in (thr_lo, thr_hi):  # stepped threshold lines (they widen as the budget per look shrinks)
         for i, v in enumerate(arr):
             if v is not None and ylo <= v <= yhi:
-                b.append(_line(sx(i - 0.45), sy(v), sx(i + 0.45), sy(v), stroke=VERMILLION,
-                                   stroke_width="1.6", stroke_dasharray="5 3"))
+                b.append(svg_line(sx(i - 0.45), sy(v), sx(i + 0.45), sy(v), stroke=VERMILLION,
+                                  stroke_width="1.6", stroke_dasharray="5 3"))
     for i in range(n):
         if lo_ci[i] is not None and hi_ci[i] is not None:
-            b.append(_line(sx(i), sy(lo_ci[i]), sx(i), sy(hi_ci[i]), stroke=SKY, stroke_width="2"))
-    b += _polylines([None if v is None else (sx(i), sy(v)) for i, v in enumerate(est)], stroke=BLUE,
-                    stroke_width="2")
+            b.append(svg_line(sx(i), sy(lo_ci[i]), sx(i), sy(hi_ci[i]), stroke=SKY, stroke_width="2"))
+    b += svg_polylines([None if v is None else (sx(i), sy(v)) for i, v in enumerate(est)], stroke=BLUE,
+                       stroke_width="2")
     for i, v in enumerate(est):
         if v is None:
             continue
         if alarm[i]:
-            b.append(_diamond(sx(i), sy(v), 7, fill=VERMILLION, stroke="#fff"))
+            b.append(svg_diamond(sx(i), sy(v), 7, fill=VERMILLION, stroke="#fff"))
         else:
             b.append(_el("circle", cx=sx(i), cy=sy(v), r="4", fill=BLUE, stroke="#fff"))
-    b.append(_line(L, T + H, L + W, T + H, stroke=MUTED, stroke_width="1"))
+    b.append(svg_line(L, T + H, L + W, T + H, stroke=MUTED, stroke_width="1"))
     step = max(1, math.ceil(n / 40))
     for i, lab in enumerate(labels):
         if i % step and i != n - 1:
             continue
         x, ty = sx(i), T + H + 16
-        b.append(_line(x, T + H, x, T + H + 4, stroke=MUTED))
+        b.append(svg_line(x, T + H, x, T + H + 4, stroke=MUTED))
         if rotate:
-            b.append(_el("text", _esc(lab), x=float(x), y=float(ty), text_anchor="end", fill=MUTED,
-                             font_size="10.5", transform=f"rotate(-40 {_r(x)} {_r(ty)})"))
+            b.append(_el("text", esc(lab), x=float(x), y=float(ty), text_anchor="end", fill=MUTED,
+                         font_size="10.5", transform=f"rotate(-40 {coord(x)} {coord(ty)})"))
         else:
-            b.append(_text(x, ty, lab, text_anchor="middle", fill=MUTED, font_size="10.5"))
-    return _svg(width, height, b, title)
+            b.append(svg_text(x, ty, lab, text_anchor="middle", fill=MUTED, font_size="10.5"))
+    return svg_doc(width, height, b, title)
 
 
 def _series(history: list[dict], metric: str) -> dict:
@@ -217,17 +218,17 @@ def _looks_table(history: list[dict]) -> str:
                 return "<td class='num r muted'>\u2013</td>"
             cls = " sig" if d.get("alarm") else ""
             return (f"<td class='num r{cls}' title='p={_fmt_p(d.get('p_value'))}, alpha spent="
-                    f"{d.get('alpha_spent', 0):.2g}'>{_signed(v, digits)}</td>")
+                    f"{d.get('alpha_spent', 0):.2g}'>{signed(v, digits)}</td>")
 
         tdet = (ms.get("tau_b") or {}).get("detail") or {}
         rows.append(
-            f"<tr class='{'alarm' if h.get('alarm') else ''}'><td class='num'>{_esc(h['look'])}</td>"
-            f"<td>{_esc(meta.get('dt', ''))}</td><td>{_name_cell(meta.get('judge_id', ''))}</td>"
-            f"<td class='num r'>{_esc(h.get('n_anchors'))}</td>"
-            f"<td class='num r'>{_fmt(tdet.get('tau'))}</td>{cell('tau_b')}{cell('residual_mean')}"
+            f"<tr class='{'alarm' if h.get('alarm') else ''}'><td class='num'>{esc(h['look'])}</td>"
+            f"<td>{esc(meta.get('dt', ''))}</td><td>{name_cell(meta.get('judge_id', ''))}</td>"
+            f"<td class='num r'>{esc(h.get('n_anchors'))}</td>"
+            f"<td class='num r'>{fmt(tdet.get('tau'))}</td>{cell('tau_b')}{cell('residual_mean')}"
             f"{cell('calibration_loss', 4)}{cell('mean_shift')}"
-            f"<td class='num r'>{_fmt((ms.get('distribution') or {}).get('estimate'))}</td>"
-            f"<td>{_esc(', '.join(h.get('alarms') or []) or 'none')}</td></tr>")
+            f"<td class='num r'>{fmt((ms.get('distribution') or {}).get('estimate'))}</td>"
+            f"<td>{esc(', '.join(h.get('alarms') or []) or 'none')}</td></tr>")
     table = ("<div class='scroll'><table class='data'><thead><tr><th>look</th><th>date</th><th>judge</th>"
              "<th class='r'>anchors</th><th class='r'>\u03c4-b</th><th class='r'>rank change</th>"
              "<th class='r'>residual shift</th><th class='r'>\u0394 loss</th><th class='r'>mean shift</th>"
@@ -257,7 +258,7 @@ def _panels(history: list[dict], xs: list[int], labels: list[str], changes: list
             panels.append(_panel(xs, labels, s, title_, ylab, note, changes))
         else:
             why = ((history[-1]["metrics"].get(metric) or {}).get("note") or "not computed")
-            panels.append(f"<p class='note'><b>{_esc(title_)}</b>: not computed ({_esc(why)}).</p>")
+            panels.append(f"<p class='note'><b>{esc(title_)}</b>: not computed ({esc(why)}).</p>")
     return panels
 
 
@@ -286,13 +287,13 @@ def _judge_changes(history: list[dict], state: dict) -> list[tuple[int, str]]:
 
 
 def _legend_svg(alpha: float) -> str:
-    return _svg(1040, 26, _legend([
+    return svg_doc(1040, 26, svg_legend([
         (_el("circle", cx=0.0, cy=0.0, r="4", fill=BLUE), "estimate"),
-        (_line(0, -7, 0, 7, stroke=SKY, stroke_width="2"), f"{100 * (1 - alpha):g}% interval (this look)"),
-        (_line(-9, 0, 9, 0, stroke=VERMILLION, stroke_dasharray="5 3"), "alarm threshold (anytime)"),
+        (svg_line(0, -7, 0, 7, stroke=SKY, stroke_width="2"), f"{100 * (1 - alpha):g}% interval (this look)"),
+        (svg_line(-9, 0, 9, 0, stroke=VERMILLION, stroke_dasharray="5 3"), "alarm threshold (anytime)"),
         (_el("rect", x=-8.0, y=-6.0, width="16", height="12", fill=GREEN, fill_opacity="0.2"), "no alarm"),
-        (_diamond(0, 0, 6, fill=VERMILLION), "alarm"),
-        (_line(0, -7, 0, 7, stroke=PURPLE, stroke_dasharray="2 3"), "judge changed"),
+        (svg_diamond(0, 0, 6, fill=VERMILLION), "alarm"),
+        (svg_line(0, -7, 0, 7, stroke=PURPLE, stroke_dasharray="2 3"), "judge changed"),
     ], 84, 14, gap=22), "Legend")
 
 
@@ -302,12 +303,12 @@ def _status_html(history: list[dict], labels: list[str], alpha: float) -> str:
     alarmed = {m: v for m, v in first_alarm.items() if v is not None}
     if not alarmed:
         return (f"<div class='item ok'><p>No drift alarm in {len(history)} look(s). Family-wise false-alarm "
-                f"rate over all looks and metrics \u2264 {_fmt(alpha, 2)}.</p></div>")
+                f"rate over all looks and metrics \u2264 {fmt(alpha, 2)}.</p></div>")
     look_label = {h["look"]: lab for h, lab in zip(history, labels)}
     first = min(alarmed.values())
     return (f"<div class='item bad'><p><b>Drift alarm</b> since look "
-            f"{_esc(look_label.get(first, first))}: "
-            + ", ".join(f"{_esc(m)} (first at look {v})" for m, v in sorted(alarmed.items(), key=lambda t: t[1]))
+            f"{esc(look_label.get(first, first))}: "
+            + ", ".join(f"{esc(m)} (first at look {v})" for m, v in sorted(alarmed.items(), key=lambda t: t[1]))
             + ". Fresh oracle labels on the anchors and on recent traffic are needed before levels "
             "calibrated with the old judge are trusted.</p></div>")
 
@@ -322,14 +323,14 @@ def _facts(history: list[dict], state: dict, cfg: dict, alpha: float) -> list[st
     repl = state.get("replicate") or {}
     cal = meta0.get("calibration") or (last.get("meta") or {}).get("calibration")
     return [
-        f"reference look <b>{_esc(ref.get('look_key') or meta0.get('reference_look'))}</b>",
-        f"replicate <b>{_esc(repl.get('look_key') or meta0.get('replicate_look') or 'none')}</b>",
-        f"{_esc(last.get('n_anchors'))} paired anchors, {_esc(last.get('n_labelled'))} labelled",
-        f"anchor set v{_esc((last.get('meta') or {}).get('anchors_version'))}",
-        f"alpha {_fmt(alpha, 2)}, spent {_esc(spending)}, split equally over "
+        f"reference look <b>{esc(ref.get('look_key') or meta0.get('reference_look'))}</b>",
+        f"replicate <b>{esc(repl.get('look_key') or meta0.get('replicate_look') or 'none')}</b>",
+        f"{esc(last.get('n_anchors'))} paired anchors, {esc(last.get('n_labelled'))} labelled",
+        f"anchor set v{esc((last.get('meta') or {}).get('anchors_version'))}",
+        f"alpha {fmt(alpha, 2)}, spent {esc(spending)}, split equally over "
         f"{len(METRICS)} metrics" if not cfg.get("weights") or len(set(cfg["weights"].values())) == 1
-        else f"alpha {_fmt(alpha, 2)}, spent {_esc(spending)}, weights {_esc(cfg['weights'])}",
-        ("calibration: " + _esc(f"{cal.get('evaluation')} {cal.get('window')} ({cal.get('mode')})")) if cal
+        else f"alpha {fmt(alpha, 2)}, spent {esc(spending)}, weights {esc(cfg['weights'])}",
+        ("calibration: " + esc(f"{cal.get('evaluation')} {cal.get('window')} ({cal.get('mode')})")) if cal
         else ("calibration supplied by the caller" if (last["metrics"].get("residual_mean") or {}).get("estimate")
               is not None else "no calibration: residual metrics skipped"),
     ]
@@ -366,23 +367,23 @@ def render_drift_report(history: Sequence[dict], *, state: dict | None = None, t
     parts = [
         "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        f"<title>{_esc(page_title)}</title><style>{css}</style></head><body><main>",
-        f"<header class='top'><h1>{_esc(page_title)}</h1><div class='meta'>monitor "
-        f"{_esc(monitor)} \u00b7 {len(history)} look(s) \u00b7 latest "
-        f"{_esc((last.get('meta') or {}).get('dt', ''))} by judge {_esc((last.get('meta') or {}).get('judge_id', ''))}"
+        f"<title>{esc(page_title)}</title><style>{css}</style></head><body><main>",
+        f"<header class='top'><h1>{esc(page_title)}</h1><div class='meta'>monitor "
+        f"{esc(monitor)} \u00b7 {len(history)} look(s) \u00b7 latest "
+        f"{esc((last.get('meta') or {}).get('dt', ''))} by judge {esc((last.get('meta') or {}).get('judge_id', ''))}"
         "</div></header>",
         f"<section class='summary' id='status'><h2>Status</h2>{_status_html(history, labels, alpha)}"
         f"<p class='facts'>{_SEP.join(_facts(history, state, cfg, alpha))}</p></section>",
         "<section id='timeline'><h2>Timeline</h2><p class='lead'>Each look compares the judge's current scores "
         "of the anchors with the reference scores, anchor by anchor. Alarms keep a family-wise error rate "
-        f"\u2264 {_fmt(alpha, 2)} over all looks and metrics: every look spends a fixed share of alpha "
+        f"\u2264 {fmt(alpha, 2)} over all looks and metrics: every look spends a fixed share of alpha "
         "(union bound), so its alarm thresholds (dashed) lie further out than a single test's and widen as "
         "looks accumulate. A value outside the green band alarms.</p>"
         f"<div class='figure'>{_legend_svg(alpha)}</div>" + "".join(f"<div class='figure'>{p}</div>" for p in panels)
         + "</section>",
         f"<section id='looks'><h2>Looks</h2>{_looks_table(history)}</section>",
         "<footer><p class='stamp'>Statistics: cje_engine.drift.monitor (docs/drift.md) \u00b7 report generated "
-        f"{_esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))} \u00b7 self-contained "
+        f"{esc(datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))} \u00b7 self-contained "
         "(no external resources)</p></footer>",
         "</main></body></html>",
     ]

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from cje_engine.errors import CJEInputError
-from flows.reports.charts import _forest_svg, _win_svg
+from flows.reports.charts import forest_svg, win_svg
 from cje_engine.result.model import Calibration, DataSummary, EvaluationModel, Inference
-from flows.reports.common import FONT, _check_drift, _conf_label, _esc, alpha_of, policy_order, result_model
-from flows.reports.sections import (_audit_section, _calibration_section, _changed_section, _comparisons_table,
-                                    _context_meta, _drift_section, _estimator_table, _footer, _policy_table,
-                                    _summary_html)
+from flows.reports.common import FONT, check_drift, conf_label, esc, alpha_of, policy_order, result_model
+from flows.reports.sections import (audit_section, calibration_section, changed_section, comparisons_table,
+                                    context_meta, drift_section, estimator_table, policy_table, report_footer,
+                                    summary_html)
 from flows.reports.table import format_table
 
 logger = logging.getLogger(__name__)
@@ -149,8 +149,8 @@ def _days_meta(days: dict | None) -> str:
         text = (f"days: {len(held)} of {total} with logs: {', '.join(_short_day(d, first) for d in held)}"
                 f" (no logs: {', '.join(_short_day(d, first) for d in missing)})")
     cls = "meta days partial" if missing else "meta days"
-    return (f"<div class='{cls}' data-days='{_esc(' '.join(held))}' data-missing-days='{_esc(' '.join(missing))}'>"
-            f"{_esc(text)}</div>")
+    return (f"<div class='{cls}' data-days='{esc(' '.join(held))}' data-missing-days='{esc(' '.join(missing))}'>"
+            f"{esc(text)}</div>")
 
 
 def render_report(result: Any, *, title: str | None = None, drift: dict | None = None,
@@ -203,51 +203,51 @@ def render_report(result: Any, *, title: str | None = None, drift: dict | None =
     m = result_model(result)
     if not isinstance(result, dict):  # an EvaluationResult / EvaluationModel: the sections read its JSON form
         result = m.model_dump(mode="json", exclude_unset=True, by_alias=True)
-    drift_data = _check_drift(drift) if drift is not None else None
+    drift_data = check_drift(drift) if drift is not None else None
     ctx = context if isinstance(context, dict) else {}
     alpha = alpha_of(m)
     order = policy_order(m)
     page_title = title if title is not None else "CJE evaluation report"
     meta = _meta_items(m, order)
     warnings = [str(w) for w in m.warnings or []]
-    warn_html = ("<ul>" + "".join(f"<li>{_esc(w)}</li>" for w in warnings) + "</ul>"
+    warn_html = ("<ul>" + "".join(f"<li>{esc(w)}</li>" for w in warnings) + "</ul>"
                  if warnings else "<p class='muted'>No warnings.</p>")
-    conf = _conf_label(alpha)
+    conf = conf_label(alpha)
     sep = " \u00b7 "
     parts = [
         "<!DOCTYPE html>",
         "<html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        f"<title>{_esc(page_title)}</title><style>{CSS}</style></head><body><main>",
-        f"<header class='top'><h1>{_esc(page_title)}</h1>"
-        f"<div class='meta'>{_esc(sep.join(meta))}</div>{_days_meta(days)}"
-        f"{_context_meta(ctx) if ctx else ''}</header>",
-        _summary_html(m, order, alpha, drift_data),
-        _changed_section(ctx) if ctx else "",
+        f"<title>{esc(page_title)}</title><style>{CSS}</style></head><body><main>",
+        f"<header class='top'><h1>{esc(page_title)}</h1>"
+        f"<div class='meta'>{esc(sep.join(meta))}</div>{_days_meta(days)}"
+        f"{context_meta(ctx) if ctx else ''}</header>",
+        summary_html(m, order, alpha, drift_data),
+        changed_section(ctx) if ctx else "",
         "<section id='estimates'><h2>Policy estimates</h2>"
         f"<p class='lead'>Calibrated values on the oracle scale with {conf} intervals that include "
         "the calibration's uncertainty. Refused policies are drawn hollow and dashed: their "
         "interval is computed for ranking only and is not a level. Raw judge means (orange) show "
         "how far the uncalibrated judge is off.</p>"
-        f"<div class='figure'>{_forest_svg(m, order, alpha)}</div>"
-        f"{_policy_table(m, order, alpha)}"
+        f"<div class='figure'>{forest_svg(m, order, alpha)}</div>"
+        f"{policy_table(m, order, alpha)}"
         "<h3>Plug-in vs augmented</h3>"
-        f"{_estimator_table(m, order, alpha)}</section>",
-        f"<section id='calibration'><h2>Calibration</h2>{_calibration_section(m)}</section>",
-        f"<section id='audit'><h2>Transport audit</h2>{_audit_section(m, order, alpha)}"
+        f"{estimator_table(m, order, alpha)}</section>",
+        f"<section id='calibration'><h2>Calibration</h2>{calibration_section(m)}</section>",
+        f"<section id='audit'><h2>Transport audit</h2>{audit_section(m, order, alpha)}"
         "</section>",
         "<section id='comparisons'><h2>Pairwise comparisons</h2>"
-        f"<div class='figure'>{_win_svg(m)}</div>{_comparisons_table(m, alpha)}"
+        f"<div class='figure'>{win_svg(m)}</div>{comparisons_table(m, alpha)}"
         "</section>",
     ]
     if drift_data is not None:
-        parts.append(_drift_section(drift_data))
+        parts.append(drift_section(drift_data))
     for monitor, d in sorted((ctx.get("drift") or {}).items()):
-        parts.append(_drift_section(_check_drift(d)).replace("<h2>Judge drift</h2>",
-                                                              f"<h2>Judge drift: monitor {_esc(monitor)}</h2>", 1)
-                     .replace("id='drift'", f"id='drift-{_esc(monitor)}'", 1))
+        parts.append(drift_section(check_drift(d)).replace("<h2>Judge drift</h2>",
+                                                           f"<h2>Judge drift: monitor {esc(monitor)}</h2>", 1)
+                     .replace("id='drift'", f"id='drift-{esc(monitor)}'", 1))
     parts.append(f"<section id='warnings'><h2>Warnings</h2>{warn_html}</section>")
-    parts.append(_footer(result))
+    parts.append(report_footer(result))
     parts.append("</main></body></html>")
     logger.debug("rendered report for %d policies", len(order))
     return "\n".join(parts)

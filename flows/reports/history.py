@@ -17,7 +17,7 @@ from cje_engine.inference.changes import PolicyChanges, changes_by_policy
 
 from flows.label_requests.manifests import list_requests, progress
 from flows.config import MonitoringConfig, check_monitoring
-from flows.reports.common import _alpha, _conf_label, _num, _pair
+from flows.reports.common import alpha_of, conf_label, as_number, as_pair
 from flows.storage.objects import NotFoundError, Storage, StorageError
 from flows.storage.publish import RESULTS, list_runs, read_run
 
@@ -39,9 +39,9 @@ def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
     for name, p in pols.items():
         refused = p.get("level_claim") == "refused"
         policies[name] = {
-            "estimate": None if refused else _num(p.get("estimate")),
-            "se": None if refused else _num(p.get("se")),
-            "ci": None if refused else (list(_pair(p.get("ci"))) if _pair(p.get("ci")) else None),
+            "estimate": None if refused else as_number(p.get("estimate")),
+            "se": None if refused else as_number(p.get("se")),
+            "ci": None if refused else (list(as_pair(p.get("ci"))) if as_pair(p.get("ci")) else None),
             "level_claim": p.get("level_claim"),
             "refusal_reasons": list(p.get("refusal_reasons") or []),
             "audit": _verdict(p),
@@ -56,7 +56,7 @@ def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
         "report": arts.get("report.html"), "result": arts.get("result.json"),
         "report_key": _artifact_key(run, "report.html"),
         "best_policy": result.get("best_policy"), "n_labels": data.get("n_labelled"),
-        "confidence": _conf_label(_alpha(result)),
+        "confidence": conf_label(alpha_of(result)),
         "policies": policies, "monitoring": (run.get("manifest") or {}).get("monitoring"),
     }
 
@@ -66,8 +66,8 @@ def _assumed(pol: Mapping[str, Any]) -> dict[str, Any] | None:
     a = pol.get("assumed")
     if pol.get("level_claim") != "assumes_transport" or not isinstance(a, Mapping) or a.get("level_claim") == "refused":
         return None
-    ci = _pair(a.get("ci"))
-    return {"estimate": _num(a.get("estimate")), "ci": list(ci) if ci else None}
+    ci = as_pair(a.get("ci"))
+    return {"estimate": as_number(a.get("estimate")), "ci": list(ci) if ci else None}
 
 
 def _artifact_key(run: Mapping[str, Any], name: str) -> str | None:
@@ -220,8 +220,8 @@ def linked_drift(st: Storage, evaluation: str) -> dict[str, list[dict[str, Any]]
         out.setdefault(m.group(1), []).append({
             "look": doc.get("look"), "dt": meta.get("dt"), "alarm": bool(doc.get("alarm")),
             "alarms": list(doc.get("alarms") or []), "judge_id": meta.get("judge_id"),
-            "tau": _num((tau.get("detail") or {}).get("tau", tau.get("estimate"))),
-            "residual_shift": _num(res.get("estimate")), "residual_shift_ci": _pair(res.get("ci"))})
+            "tau": as_number((tau.get("detail") or {}).get("tau", tau.get("estimate"))),
+            "residual_shift": as_number(res.get("estimate")), "residual_shift_ci": as_pair(res.get("ci"))})
     for looks in out.values():
         looks.sort(key=lambda lk: int(lk.get("look") or 0))
     return out

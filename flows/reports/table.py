@@ -5,10 +5,10 @@ from typing import Any, Sequence
 
 from cje_engine.result.model import (AssumedClaims, AssumedLevel, BaselineComparison, Comparison, EvaluationModel,
                                      Multiplicity, PolicyResult)
-from flows.reports.common import (VERDICT_STYLE, _conf_label, _fmt, _fmt_ci, _fmt_p, _is_refused, _not_estimable,
-                                  _safe, _same_scale, _scale_text, _scales, _signed, _verdict, alpha_of,
-                                  policy_order, rank_text, result_model)
-from flows.reports.sections import _strip_winner_prefix
+from flows.reports.common import (VERDICT_STYLE, alpha_of, conf_label, fmt, fmt_ci, fmt_p, is_refused,
+                                  not_estimable_reason, policy_order, rank_text, result_model, safe_str, same_scale,
+                                  scale_text, scales_of, signed, verdict_of)
+from flows.reports.sections import strip_winner_prefix
 
 __all__ = ["format_table"]
 
@@ -42,28 +42,28 @@ def format_table(result: Any) -> str:
     """
     m = result_model(result)
     alpha = alpha_of(m)
-    conf = _conf_label(alpha)
+    conf = conf_label(alpha)
     pols = m.policies
     order = policy_order(m)
     rows = []
     for n in order:
         p = pols[n]
-        refused = _is_refused(p)
+        refused = is_refused(p)
         assumed = p.assumed if isinstance(p.assumed, AssumedLevel) else None
         rows.append([
             rank_text(m, n),
-            _safe(n),
-            "refused" if refused else _fmt(p.estimate) if p.estimate is not None else "-",
-            "refused" if refused else _fmt_ci(p.ci) if p.ci else "",
+            safe_str(n),
+            "refused" if refused else fmt(p.estimate) if p.estimate is not None else "-",
+            "refused" if refused else fmt_ci(p.ci) if p.ci else "",
             claim_text(p),
-            _safe(p.basis_code or "n/a"),
-            VERDICT_STYLE[_verdict(p)][1],
-            (_fmt(assumed.estimate) if assumed.level_claim != "refused" else "refused") if assumed else "",
-            _fmt(p.raw_judge_mean),
-            _fmt(p.oracle_mean),
+            safe_str(p.basis_code or "n/a"),
+            VERDICT_STYLE[verdict_of(p)][1],
+            (fmt(assumed.estimate) if assumed.level_claim != "refused" else "refused") if assumed else "",
+            fmt(p.raw_judge_mean),
+            fmt(p.oracle_mean),
         ])
     lines = ["Policy estimates (oracle scale)"]
-    raw_head = "raw judge" if _same_scale(m) else f"raw judge ({_scale_text(_scales(m)[0])})"
+    raw_head = "raw judge" if same_scale(m) else f"raw judge ({scale_text(scales_of(m)[0])})"
     lines += _table(["rank", "policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport",
                      raw_head, "oracle mean"], rows, right={2, 3, 7, 8, 9})
     if any(pols[n].level_claim == "assumes_transport" for n in order):
@@ -76,18 +76,18 @@ def format_table(result: Any) -> str:
     lines.append("")
     best = m.best_policy
     if best is not None:
-        reason = _safe(m.best_policy_reason or "")
-        lines.append(f"Best policy: {_safe(best)}" + (f" ({reason})" if reason else ""))
+        reason = safe_str(m.best_policy_reason or "")
+        lines.append(f"Best policy: {safe_str(best)}" + (f" ({reason})" if reason else ""))
     else:
-        reason = _safe(_strip_winner_prefix(m.best_policy_reason))
+        reason = safe_str(strip_winner_prefix(m.best_policy_reason))
         lines.append("Best policy: none, no clear winner" + (f" ({reason})" if reason else ""))
     lines += _baseline_lines(m, conf)
     assumed_claims = m.assumes_transport
     if isinstance(assumed_claims, AssumedClaims):
         best = assumed_claims.best_policy
         lines.append("Assuming transport (the paper's protocol, not verified): best policy "
-                     + (_safe(best) if best else "none")
-                     + f" ({_safe(_strip_winner_prefix(assumed_claims.best_policy_reason))})")
+                     + (safe_str(best) if best else "none")
+                     + f" ({safe_str(strip_winner_prefix(assumed_claims.best_policy_reason))})")
     return "\n".join(lines)
 
 
@@ -101,19 +101,19 @@ def _comparison_lines(m: EvaluationModel, conf: str, alpha: float) -> list[str]:
     if not comps:
         return ["Pairwise comparisons: none"]
     mult_alpha = mult.alpha if mult is not None and mult.alpha is not None else alpha
-    lines = [f"Pairwise comparisons (a - b; p adjusted by {method.upper()}, alpha {_fmt(mult_alpha, 2)})"]
+    lines = [f"Pairwise comparisons (a - b; p adjusted by {method.upper()}, alpha {fmt(mult_alpha, 2)})"]
     crow = []
     any_refused = False
     for c in comps:
         a, b = str(c.a), str(c.b)
-        why = _not_estimable(c)
+        why = not_estimable_reason(c)
         if why is not None:  # never a number: the engine threw it out (issue 16)
-            crow.append([_safe(a), _safe(b), f"not estimable: {_safe(why)}", "", "", "", "", "", "", ""])
+            crow.append([safe_str(a), safe_str(b), f"not estimable: {safe_str(why)}", "", "", "", "", "", "", ""])
             continue
-        involves = bool(c.involves_refused) or any(_is_refused(pols[x]) for x in (a, b) if x in pols)
+        involves = bool(c.involves_refused) or any(is_refused(pols[x]) for x in (a, b) if x in pols)
         any_refused |= involves
-        crow.append([_safe(a), _safe(b), _signed(c.diff), _fmt_ci(c.ci), _fmt_p(c.p_value), _fmt_p(c.p_adjusted),
-                     "yes" if c.significant else "no", _fmt(c.prob_a_better, 2),
+        crow.append([safe_str(a), safe_str(b), signed(c.diff), fmt_ci(c.ci), fmt_p(c.p_value), fmt_p(c.p_adjusted),
+                     "yes" if c.significant else "no", fmt(c.prob_a_better, 2),
                      "assumes transport" if c.claim_kind == "assumes_transport" else
                      "verified" if c.claim_kind == "verified" else "",
                      "*" if involves else ""])
@@ -136,15 +136,15 @@ def _baseline_lines(m: EvaluationModel, conf: str) -> list[str]:
     rows = [c for c in m.baseline_comparisons or [] if isinstance(c, BaselineComparison)]
     if not rows:
         return []
-    base = _safe(rows[0].baseline)
+    base = safe_str(rows[0].baseline)
     out = ["", f"Against the baseline {base} (simultaneous {conf} intervals, max-T)"]
     body = []
     for c in rows:
         if not c.reported:
-            body.append([_safe(c.policy), f"not estimable: {_safe(c.not_estimable)}", "", "", ""])
+            body.append([safe_str(c.policy), f"not estimable: {safe_str(c.not_estimable)}", "", "", ""])
             continue
         verdict = "better" if c.better else "worse" if c.worse else "non-inferior" if c.non_inferior else "undecided"
-        body.append([_safe(c.policy), _signed(c.diff), _fmt_ci(c.ci), verdict,
+        body.append([safe_str(c.policy), signed(c.diff), fmt_ci(c.ci), verdict,
                      "assumes transport" if c.claim_kind == "assumes_transport" else "verified"])
     out += _table(["policy", "diff", f"{conf} CI (simultaneous)", "verdict", "claim"], body, right={1, 2})
     return out

@@ -17,12 +17,12 @@ from cje_engine.inference.changes import PolicyChanges
 from flows.storage.objects import Storage
 from flows.storage.publish import RESULTS
 
-from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, SKY, VERDICT_STYLE, VERMILLION, _esc, _fmt,
-                                  _fmt_ci, _signed)
+from flows.reports.common import BLUE, GREEN, GREY, INK, MUTED, SKY, VERDICT_STYLE, VERMILLION, esc, fmt, fmt_ci, signed
 from flows.reports.evaluation import CSS
-from flows.reports.history import (evaluations, latest_per_window, linked_drift, open_label_requests,
-                                   read_history, window_changes_of)
-from flows.reports.svg import _diamond, _el, _legend, _line, _Lin, _polylines, _r, _svg, _text, _ticks, _y_axis
+from flows.reports.history import (evaluations, latest_per_window, linked_drift, open_label_requests, read_history,
+                                   window_changes_of)
+from flows.reports.svg import (LinearScale, coord, el, nice_ticks, svg_diamond, svg_doc, svg_legend, svg_line,
+                               svg_polylines, svg_text, y_axis)
 
 __all__ = ["render_index", "render_trend", "write_pages", "INDEX", "TREND"]
 
@@ -70,19 +70,19 @@ td.reason{min-width:0}
 
 def _rect_marker(x: float, top: float, height: float) -> str:
     """The dashed box of a window without a quotable level (refused or unverified)."""
-    return _el("rect", x=x - 14, y=float(top), width="28", height=float(height), fill="#f6f7f9", stroke="#8d949c",
-               stroke_dasharray="2 4")
+    return el("rect", x=x - 14, y=float(top), width="28", height=float(height), fill="#f6f7f9", stroke="#8d949c",
+              stroke_dasharray="2 4")
 
 def _page(title: str, subtitle: str, body: Sequence[str], crumbs: str = "") -> str:
     return "\n".join([
         "<!DOCTYPE html>", "<html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
-        f"<title>{_esc(title)}</title><style>{CSS}{EXTRA_CSS}</style></head><body><main>",
+        f"<title>{esc(title)}</title><style>{CSS}{EXTRA_CSS}</style></head><body><main>",
         crumbs,
-        f"<header class='top'><h1>{_esc(title)}</h1><div class='meta'>{_esc(subtitle)}</div></header>",
+        f"<header class='top'><h1>{esc(title)}</h1><div class='meta'>{esc(subtitle)}</div></header>",
         *body,
         "<footer><p class='stamp'>Self-contained page (no scripts, no external resources), rebuilt whenever what "
-        f"it shows changes \u00b7 generated {_esc(_now())}</p></footer>",
+        f"it shows changes \u00b7 generated {esc(_now())}</p></footer>",
         "</main></body></html>"])
 
 
@@ -117,16 +117,16 @@ def _value_row(name: str, p: Mapping[str, Any], alarm: bool) -> str:
         est, ci, kind = None, None, "none"
     elif est is None and p.get("assumed"):
         est, ci, kind = p["assumed"].get("estimate"), p["assumed"].get("ci"), "assumed"
-    value = _esc(_fmt(est)) if est is not None else DASH
-    interval = _esc(_fmt_ci(ci)) if ci else DASH
+    value = esc(fmt(est)) if est is not None else DASH
+    interval = esc(fmt_ci(ci)) if ci else DASH
     if kind == "assumed":
         value, interval = f"<i>{value}</i>", f"<i>{interval}</i>"
-    badge = f"<span class='badge {cls}' title='{_esc(tip)}'>{_esc(word)}</span>"
+    badge = f"<span class='badge {cls}' title='{esc(tip)}'>{esc(word)}</span>"
     if alarm:
         badge += " <span class='badge v-fail'>regression</span>"
-    pair = _fmt_ci(ci) if ci else ""
-    return (f"<tr data-policy='{_esc(name)}' data-claim='{_esc(claim)}' data-value='{_esc(_fmt(est)) if est is not None else ''}'"
-            f" data-ci='{_esc(pair)}' data-value-kind='{kind}'><td class='name'>{_esc(name)}</td>"
+    pair = fmt_ci(ci) if ci else ""
+    return (f"<tr data-policy='{esc(name)}' data-claim='{esc(claim)}' data-value='{esc(fmt(est)) if est is not None else ''}'"
+            f" data-ci='{esc(pair)}' data-value-kind='{kind}'><td class='name'>{esc(name)}</td>"
             f"<td class='r num'><b>{value}</b></td><td class='r num'>{interval}</td><td>{badge}</td></tr>")
 
 
@@ -137,30 +137,30 @@ def _card(e: Mapping[str, Any]) -> str:
     alarmed = {p for p, ws in (e.get("alarms") or {}).items() if latest["window"] in ws}
     status = []
     if alarmed:
-        status.append(f"<span class='badge v-fail'>regression: {_esc(', '.join(sorted(alarmed)))}</span>")
+        status.append(f"<span class='badge v-fail'>regression: {esc(', '.join(sorted(alarmed)))}</span>")
     if e.get("drift_alarms"):
-        status.append(f"<span class='badge v-fail'>drift alarm \u00d7{_esc(e['drift_alarms'])}</span>")
+        status.append(f"<span class='badge v-fail'>drift alarm \u00d7{esc(e['drift_alarms'])}</span>")
     if e.get("open_requests"):
-        status.append(f"<span class='badge v-inconclusive'>{_esc(e['open_requests'])} label request(s)</span>")
-    links = [f"<a href='{_esc(name)}/trend.html'>trend</a>"]
+        status.append(f"<span class='badge v-inconclusive'>{esc(e['open_requests'])} label request(s)</span>")
+    links = [f"<a href='{esc(name)}/trend.html'>trend</a>"]
     rk = latest.get("report_key")
     if rk:
-        links.append(f"<a href='{_esc(rk)}'>latest report</a>")
-        links.append(f"<a href='{_esc(rk.rsplit('/', 1)[0])}/result.json'>result.json</a>")
+        links.append(f"<a href='{esc(rk)}'>latest report</a>")
+        links.append(f"<a href='{esc(rk.rsplit('/', 1)[0])}/result.json'>result.json</a>")
     published = str(latest.get("published_at") or "")[:19].replace("T", " ")
-    facts = [f"latest window <b>{_esc(_window_label(latest['window']))}</b>",
-             f"published {_esc(published or DASH)} UTC", f"best policy <b>{_esc(latest.get('best_policy') or 'none')}</b>",
-             f"{_esc(e.get('n_windows', 0))} window(s) / {_esc(e.get('n_runs', 0))} run(s)"]
+    facts = [f"latest window <b>{esc(_window_label(latest['window']))}</b>",
+             f"published {esc(published or DASH)} UTC", f"best policy <b>{esc(latest.get('best_policy') or 'none')}</b>",
+             f"{esc(e.get('n_windows', 0))} window(s) / {esc(e.get('n_runs', 0))} run(s)"]
     rows = "".join(_value_row(n, p, n in alarmed) for n, p in latest["policies"].items())
     conf = latest.get("confidence") or "95%"
-    return (f"<section class='card' data-evaluation='{_esc(name)}' data-open-requests='{_esc(e.get('open_requests', 0))}' "
-            f"data-drift-alarms='{_esc(e.get('drift_alarms', 0))}' data-runs='{_esc(e.get('n_runs', 0))}' "
-            f"data-windows='{_esc(e.get('n_windows', 0))}'>"
-            f"<h2><a href='{_esc(name)}/trend.html'>{_esc(name)}</a></h2>"
+    return (f"<section class='card' data-evaluation='{esc(name)}' data-open-requests='{esc(e.get('open_requests', 0))}' "
+            f"data-drift-alarms='{esc(e.get('drift_alarms', 0))}' data-runs='{esc(e.get('n_runs', 0))}' "
+            f"data-windows='{esc(e.get('n_windows', 0))}'>"
+            f"<h2><a href='{esc(name)}/trend.html'>{esc(name)}</a></h2>"
             f"<p class='facts'>{DOT.join(facts)}</p>"
             f"<p class='status'>{''.join(status) or OK_BADGE}</p>"
             "<table class='data values'><thead><tr><th>policy</th><th class='r'>value</th>"
-            f"<th class='r'>{_esc(conf)} CI</th><th>claim</th></tr></thead><tbody>{rows}</tbody></table>"
+            f"<th class='r'>{esc(conf)} CI</th><th>claim</th></tr></thead><tbody>{rows}</tbody></table>"
             f"<p class='links'>{DOT.join(links)}</p></section>")
 
 
@@ -221,20 +221,20 @@ def _both(draw: Any, *args: Any) -> str:
             f"<div class='figure chartn'>{draw(*args, NARROW)}</div>")
 
 
-def _x_scale(n: int, g: _Geom = WIDE) -> _Lin:
-    return _Lin(-0.5, n - 0.5, g.left, g.width - g.right)
+def _x_scale(n: int, g: _Geom = WIDE) -> LinearScale:
+    return LinearScale(-0.5, n - 0.5, g.left, g.width - g.right)
 
 
-def _x_labels(sx: _Lin, windows: Sequence[str], y: float, g: _Geom = WIDE) -> list[str]:
+def _x_labels(sx: LinearScale, windows: Sequence[str], y: float, g: _Geom = WIDE) -> list[str]:
     out = []
     rotate = g.rotate(len(windows))
     for i, w in enumerate(windows):
         lab = _window_label(w)
         if rotate:
-            out.append(_el("text", _esc(lab), x=sx(i), y=float(y), text_anchor="end", fill=MUTED,
-                           font_size=g.fs(10.5), transform=f"rotate(-35 {_r(sx(i))} {_r(y)})"))
+            out.append(el("text", esc(lab), x=sx(i), y=float(y), text_anchor="end", fill=MUTED,
+                          font_size=g.fs(10.5), transform=f"rotate(-35 {coord(sx(i))} {coord(y)})"))
         else:
-            out.append(_text(sx(i), y, lab, text_anchor="middle", fill=MUTED, font_size=g.fs(11)))
+            out.append(svg_text(sx(i), y, lab, text_anchor="middle", fill=MUTED, font_size=g.fs(11)))
     return out
 
 
@@ -255,77 +255,78 @@ def _policy_panel(name: str, rows: Sequence[Mapping[str, Any]], ch: PolicyChange
     sx = _x_scale(len(windows), g)
     T, H = (48, 150) if g.narrow else (30, 150)  # narrow: the baseline on a line of its own
     vals = _panel_values(name, rows)
-    lo, hi, ticks, dec = _ticks(min(vals, default=0.0), max(vals, default=1.0), 5)
-    sy = _Lin(lo, hi, T + H, T)
+    lo, hi, ticks, dec = nice_ticks(min(vals, default=0.0), max(vals, default=1.0), 5)
+    sy = LinearScale(lo, hi, T + H, T)
     alarms = set(ch.alarms) if ch else set()
     base = f"baseline {_window_label(ch.baseline) if ch and ch.baseline else 'none'}"
-    body = [_text(g.left if not g.narrow else 4, 18, name, fill=INK, font_size=g.fs(14), font_weight="600"),
-            _text(4, 36, base, fill=MUTED, font_size=g.fs(11.5)) if g.narrow else
-            _text(g.width - g.right, 18, base, text_anchor="end", fill=MUTED, font_size=g.fs(11.5))]
-    axis = _y_axis(sy, ticks, dec, g.left - 10, g.width - g.right, "" if g.narrow else "value")
+    body = [svg_text(g.left if not g.narrow else 4, 18, name, fill=INK, font_size=g.fs(14), font_weight="600"),
+            svg_text(4, 36, base, fill=MUTED, font_size=g.fs(11.5)) if g.narrow else
+            svg_text(g.width - g.right, 18, base, text_anchor="end", fill=MUTED, font_size=g.fs(11.5))]
+    axis = y_axis(sy, ticks, dec, g.left - 10, g.width - g.right, "" if g.narrow else "value")
     body += [a.replace('font-size="11"', f'font-size="{g.fs(11)}"') for a in axis]
     pts = []
     for i, r in enumerate(rows):
         p = r["policies"].get(name)
         x = sx(i)
         if p is None:
-            body.append(_text(x, T + H / 2, "n/a" if g.narrow else "not evaluated", text_anchor="middle", fill=GREY,
-                              font_size=g.fs(10)))
+            body.append(svg_text(x, T + H / 2, "n/a" if g.narrow else "not evaluated", text_anchor="middle", fill=GREY,
+                                 font_size=g.fs(10)))
             continue
         if p.get("level_claim") == "refused":
-            body.append(_el("g", _el("title", _esc(f"{_window_label(r['window'])}: refused - "
-                                                   + "; ".join(p.get("refusal_reasons") or [])))
-                            + _el("rect", x=x - 14, y=float(T), width="28", height=float(H), fill="#eceef1",
-                                  stroke="#8d949c", stroke_dasharray="3 3")
-                            + _text(x, T + H / 2, "refused", text_anchor="middle", fill=MUTED, font_size=g.fs(10),
-                                    font_style="italic",
-                                    **({"transform": f"rotate(-90 {_r(x)} {_r(T + H / 2)})"} if g.narrow else {})),
-                            class_=g.cls("refused-marker"), data_policy=name, data_window=r["window"]))
+            body.append(el("g", el("title", esc(f"{_window_label(r['window'])}: refused - "
+                                                + "; ".join(p.get("refusal_reasons") or [])))
+                           + el("rect", x=x - 14, y=float(T), width="28", height=float(H), fill="#eceef1",
+                                stroke="#8d949c", stroke_dasharray="3 3")
+                           + svg_text(x, T + H / 2, "refused", text_anchor="middle", fill=MUTED, font_size=g.fs(10),
+                                      font_style="italic",
+                                      **({"transform": f"rotate(-90 {coord(x)} {coord(T + H / 2)})"}
+                                         if g.narrow else {})),
+                           class_=g.cls("refused-marker"), data_policy=name, data_window=r["window"]))
             pts.append(None)
             continue
         est, ci = p.get("estimate"), p.get("ci")
         assumed = p.get("assumed") if est is None and not ci else None
         if assumed:  # assumes transport, no quotable level: its assumed value drawn hollow, dashed interval
             a_est, a_ci = assumed.get("estimate"), assumed.get("ci")
-            tip = f"{_window_label(r['window'])}: assumes transport {_fmt(a_est)} {_fmt_ci(a_ci)}"
-            inner = _el("title", _esc(tip))
+            tip = f"{_window_label(r['window'])}: assumes transport {fmt(a_est)} {fmt_ci(a_ci)}"
+            inner = el("title", esc(tip))
             if a_ci:
-                inner += _line(x, sy(a_ci[0]), x, sy(a_ci[1]), stroke=SKY, stroke_width="2", stroke_dasharray="4 3")
+                inner += svg_line(x, sy(a_ci[0]), x, sy(a_ci[1]), stroke=SKY, stroke_width="2", stroke_dasharray="4 3")
             if a_est is not None:
-                inner += _el("circle", cx=x, cy=sy(a_est), r="5", fill="#fff", stroke=BLUE, stroke_width="1.5")
-            body.append(_el("g", inner, class_=g.cls("assumed-marker"), data_policy=name, data_window=r["window"]))
+                inner += el("circle", cx=x, cy=sy(a_est), r="5", fill="#fff", stroke=BLUE, stroke_width="1.5")
+            body.append(el("g", inner, class_=g.cls("assumed-marker"), data_policy=name, data_window=r["window"]))
             pts.append(None)
             continue
         if p.get("level_claim") == "assumes_transport" and p.get("estimate") is None:
-            body.append(_el("g", _el("title", _esc(f"{_window_label(r['window'])}: no verified level (assumes "
-                                                   "transport; its own labels are too few)"))
-                            + _rect_marker(x, T, H)
-                            + _text(x, T + H / 2, "unverified", text_anchor="middle", fill=MUTED, font_size=g.fs(10),
-                                    font_style="italic"),
-                            class_=g.cls("unverified-marker"), data_policy=name, data_window=r["window"]))
+            body.append(el("g", el("title", esc(f"{_window_label(r['window'])}: no verified level (assumes "
+                                                "transport; its own labels are too few)"))
+                           + _rect_marker(x, T, H)
+                           + svg_text(x, T + H / 2, "unverified", text_anchor="middle", fill=MUTED, font_size=g.fs(10),
+                                      font_style="italic"),
+                           class_=g.cls("unverified-marker"), data_policy=name, data_window=r["window"]))
             pts.append(None)
             continue
         if ci:
-            body.append(_line(x, sy(ci[0]), x, sy(ci[1]), stroke=SKY, stroke_width="3", stroke_linecap="round"))
+            body.append(svg_line(x, sy(ci[0]), x, sy(ci[1]), stroke=SKY, stroke_width="3", stroke_linecap="round"))
         if est is not None:
             pts.append((x, sy(est)))
             alarm = r["window"] in alarms
-            tip = f"{_window_label(r['window'])}: {_fmt(est)} {_fmt_ci(ci)}"
+            tip = f"{_window_label(r['window'])}: {fmt(est)} {fmt_ci(ci)}"
             if alarm:
-                body.append(_el("g", _el("title", _esc(tip + " - regression alarm"))
-                                + _diamond(x, sy(est), 8, fill=VERMILLION, stroke="#fff", stroke_width="1.5"),
-                                class_=g.cls("alarm-marker"), data_policy=name, data_window=r["window"]))
+                body.append(el("g", el("title", esc(tip + " - regression alarm"))
+                               + svg_diamond(x, sy(est), 8, fill=VERMILLION, stroke="#fff", stroke_width="1.5"),
+                               class_=g.cls("alarm-marker"), data_policy=name, data_window=r["window"]))
             else:
-                body.append(_el("circle", _el("title", _esc(tip)), cx=x, cy=sy(est), r="5", fill=BLUE,
-                                stroke="#fff", stroke_width="1.5", class_=g.cls("value-marker"), data_policy=name,
-                                data_window=r["window"]))
+                body.append(el("circle", el("title", esc(tip)), cx=x, cy=sy(est), r="5", fill=BLUE,
+                               stroke="#fff", stroke_width="1.5", class_=g.cls("value-marker"), data_policy=name,
+                               data_window=r["window"]))
         else:
             pts.append(None)
-    lines = _polylines(pts, stroke=BLUE, stroke_width="1.6", stroke_opacity="0.6")
+    lines = svg_polylines(pts, stroke=BLUE, stroke_width="1.6", stroke_opacity="0.6")
     body = body[:2] + lines + body[2:]
     body += _x_labels(sx, windows, T + H + 18, g)
-    return _svg(g.width, T + H + ((86 if g.narrow else 48) if g.rotate(len(windows)) else 30), body,
-                f"Value of {name} over windows")
+    return svg_doc(g.width, T + H + ((86 if g.narrow else 48) if g.rotate(len(windows)) else 30), body,
+                   f"Value of {name} over windows")
 
 
 def _drift_strip(windows: Sequence[str], drift: Mapping[str, Sequence[Mapping[str, Any]]], g: _Geom = WIDE) -> str:
@@ -334,17 +335,18 @@ def _drift_strip(windows: Sequence[str], drift: Mapping[str, Sequence[Mapping[st
     top = 48 if g.narrow else 34
     H = rows_h * max(len(drift), 1) + top
     if g.narrow:  # names above their rows (the left margin is too narrow for them)
-        body = [_text(4, 16, "drift monitor", fill=MUTED, font_size=g.fs(11), font_weight="600")]
+        body = [svg_text(4, 16, "drift monitor", fill=MUTED, font_size=g.fs(11), font_weight="600")]
     else:
-        body = [_text(g.left - 10, 16, "drift monitor", text_anchor="end", fill=MUTED, font_size="11",
-                      font_weight="600")]
+        body = [svg_text(g.left - 10, 16, "drift monitor", text_anchor="end", fill=MUTED, font_size="11",
+                         font_weight="600")]
     for k, (mon, looks) in enumerate(sorted(drift.items())):
         y = top + k * rows_h
         if g.narrow:
-            body.append(_text(4, y - 12, mon, fill=INK, font_size=g.fs(12)))
+            body.append(svg_text(4, y - 12, mon, fill=INK, font_size=g.fs(12)))
         else:
-            body.append(_text(g.left - 10, y + 4, mon, text_anchor="end", fill=INK, font_size="12"))
-        body.append(_line(g.left, y, g.width - g.right, y, stroke="#eaeef2", stroke_width="8", stroke_linecap="round"))
+            body.append(svg_text(g.left - 10, y + 4, mon, text_anchor="end", fill=INK, font_size="12"))
+        body.append(svg_line(g.left, y, g.width - g.right, y, stroke="#eaeef2", stroke_width="8",
+                             stroke_linecap="round"))
         for lk in looks:
             i = _window_index(windows, lk.get("dt"))
             if i is None:
@@ -352,30 +354,30 @@ def _drift_strip(windows: Sequence[str], drift: Mapping[str, Sequence[Mapping[st
             tip = f"look {lk.get('look')} ({lk.get('dt')}): " + (
                 "alarm on " + ", ".join(lk.get("alarms") or []) if lk.get("alarm") else "no alarm")
             if lk.get("alarm"):
-                body.append(_el("g", _el("title", _esc(tip)) + _diamond(sx(i), y, 8, fill=VERMILLION, stroke="#fff"),
-                                class_=g.cls("drift-alarm"), data_monitor=mon, data_window=windows[i]))
+                body.append(el("g", el("title", esc(tip)) + svg_diamond(sx(i), y, 8, fill=VERMILLION, stroke="#fff"),
+                               class_=g.cls("drift-alarm"), data_monitor=mon, data_window=windows[i]))
             else:
-                body.append(_el("circle", _el("title", _esc(tip)), cx=sx(i), cy=float(y), r="5", fill=GREEN,
-                                stroke="#fff", class_=g.cls("drift-look"), data_monitor=mon, data_window=windows[i]))
-    return _svg(g.width, H, body, "Drift looks of linked monitors on the windows' time axis")
+                body.append(el("circle", el("title", esc(tip)), cx=sx(i), cy=float(y), r="5", fill=GREEN,
+                               stroke="#fff", class_=g.cls("drift-look"), data_monitor=mon, data_window=windows[i]))
+    return svg_doc(g.width, H, body, "Drift looks of linked monitors on the windows' time axis")
 
 
 def _legend_svg(g: _Geom = WIDE) -> str:
     items = [
-        (_el("circle", cx=0.0, cy=0.0, r="5", fill=BLUE), "estimate"),
-        (_line(0, -7, 0, 7, stroke=SKY, stroke_width="3"), "95% CI"),
-        (_diamond(0, 0, 7, fill=VERMILLION), "regression alarm"),
-        (_el("rect", x=-8.0, y=-7.0, width="16", height="14", fill="#eceef1", stroke="#8d949c",
-             stroke_dasharray="3 3"), "level refused (no value)"),
-        (_el("circle", cx=0.0, cy=0.0, r="5", fill="#fff", stroke=BLUE, stroke_width="1.5"),
+        (el("circle", cx=0.0, cy=0.0, r="5", fill=BLUE), "estimate"),
+        (svg_line(0, -7, 0, 7, stroke=SKY, stroke_width="3"), "95% CI"),
+        (svg_diamond(0, 0, 7, fill=VERMILLION), "regression alarm"),
+        (el("rect", x=-8.0, y=-7.0, width="16", height="14", fill="#eceef1", stroke="#8d949c",
+            stroke_dasharray="3 3"), "level refused (no value)"),
+        (el("circle", cx=0.0, cy=0.0, r="5", fill="#fff", stroke=BLUE, stroke_width="1.5"),
          "assumes transport (not verified)"),
     ]
     if not g.narrow:
-        return _svg(g.width, 26, _legend(items, g.left, 14, gap=26), "Legend")
+        return svg_doc(g.width, 26, svg_legend(items, g.left, 14, gap=26), "Legend")
     body = []
     for k, item in enumerate(items):  # one item a row
-        body += [x.replace('font-size="12"', f'font-size="{g.fs(12)}"') for x in _legend([item], 12, 14 + 22 * k)]
-    return _svg(g.width, 22 * len(items) + 6, body, "Legend")
+        body += [x.replace('font-size="12"', f'font-size="{g.fs(12)}"') for x in svg_legend([item], 12, 14 + 22 * k)]
+    return svg_doc(g.width, 22 * len(items) + 6, body, "Legend")
 
 
 def _window_index(windows: Sequence[str], dt: Any) -> int | None:
@@ -390,7 +392,7 @@ def _window_index(windows: Sequence[str], dt: Any) -> int | None:
 
 
 def _grid(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
-    head = "".join(f"<th class='c'>{_esc(_window_label(r['window']))}</th>" for r in rows)
+    head = "".join(f"<th class='c'>{esc(_window_label(r['window']))}</th>" for r in rows)
     out = []
     for n in names:
         cells = []
@@ -401,11 +403,11 @@ def _grid(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
                 continue
             v = p.get("audit") if p.get("audit") in VERDICT_STYLE else "not_run"
             sym, label, _ = VERDICT_STYLE[v]
-            cells.append(f"<td class='cell' data-policy='{_esc(n)}' data-window='{_esc(r['window'])}'>"
-                         f"<span class='badge v-{_esc(v)}' title='{_esc(label)}'>{_esc(sym)}</span> "
-                         f"<span class='num'>{_esc(_dash(p.get('n_labelled')))}</span></td>")
-        out.append(f"<tr><td class='name'>{_esc(n)}</td>{''.join(cells)}</tr>")
-    total = "".join(f"<td class='cell num'>{_esc(_dash(r.get('n_labels')))}</td>" for r in rows)
+            cells.append(f"<td class='cell' data-policy='{esc(n)}' data-window='{esc(r['window'])}'>"
+                         f"<span class='badge v-{esc(v)}' title='{esc(label)}'>{esc(sym)}</span> "
+                         f"<span class='num'>{esc(_dash(p.get('n_labelled')))}</span></td>")
+        out.append(f"<tr><td class='name'>{esc(n)}</td>{''.join(cells)}</tr>")
+    total = "".join(f"<td class='cell num'>{esc(_dash(r.get('n_labels')))}</td>" for r in rows)
     out.append(f"<tr><td class='muted'>all labels</td>{total}</tr>")
     return (f"<div class='scroll'><table class='data'><thead><tr><th>policy</th>{head}</tr></thead>"
             f"<tbody>{''.join(out)}</tbody></table></div>")
@@ -419,17 +421,17 @@ def _changes_table(changes: Mapping[str, PolicyChanges], window: str) -> str:
         i = pc.windows.index(window)
         for c in pc.tests_at(i):
             if c.status == "not_estimable":
-                num = f"<td class='muted' colspan='2'>not estimable: {_esc(c.reason)}</td>"
+                num = f"<td class='muted' colspan='2'>not estimable: {esc(c.reason)}</td>"
             else:
-                num = (f"<td class='r num'>{_esc(_signed(c.diff))}</td>"
-                       f"<td class='r num'>{_esc(_fmt_ci(c.ci_anytime))}</td>")
+                num = (f"<td class='r num'>{esc(signed(c.diff))}</td>"
+                       f"<td class='r num'>{esc(fmt_ci(c.ci_anytime))}</td>")
             cls = {"regression": "v-fail", "improvement": "v-pass", "undecided": "v-inconclusive"}.get(c.status,
                                                                                                     "v-not_run")
             extra = f" ({c.labels_needed} more labels would decide)" if c.labels_needed else ""
             what = f"mean of last {c.n_windows} windows" if c.kind == "pooled" else c.kind
-            rows.append(f"<tr><td class='name'>{_esc(n)}</td><td>{_esc(what)} vs "
-                        f"{_esc(_window_label(c.ref))}</td>{num}<td><span class='badge {cls}'>{_esc(c.status)}"
-                        f"</span>{_esc(extra)}</td><td class='r num'>{_esc(f'{c.alpha_spent:.1e}')}</td></tr>")
+            rows.append(f"<tr><td class='name'>{esc(n)}</td><td>{esc(what)} vs "
+                        f"{esc(_window_label(c.ref))}</td>{num}<td><span class='badge {cls}'>{esc(c.status)}"
+                        f"</span>{esc(extra)}</td><td class='r num'>{esc(f'{c.alpha_spent:.1e}')}</td></tr>")
     if not rows:
         return "<p class='muted'>No change can be computed yet (one window, or no estimable value).</p>"
     return ("<div class='scroll'><table class='data'><thead><tr><th>policy</th><th>change</th>"
@@ -441,12 +443,12 @@ def _runs_table(history: Sequence[Mapping[str, Any]]) -> str:
     """Every run, newest first; the window links to the run's report (first column: never scrolled away)."""
     rows = []
     for r in reversed(history):
-        label = _esc(_window_label(r["window"]))
-        cell = f"<a href='../{_esc(r['report_key'])}'>{label}</a>" if r.get("report_key") else label
-        rows.append(f"<tr data-window='{_esc(r['window'])}' data-run-key='{_esc(r['run_key'])}'>"
-                    f"<td class='num'>{cell}</td><td class='num'>{_esc(r['run_key'])}</td>"
-                    f"<td class='num'>{_esc(str(r.get('published_at'))[:19])}</td>"
-                    f"<td>{_esc(r.get('best_policy') or 'none')}</td></tr>")
+        label = esc(_window_label(r["window"]))
+        cell = f"<a href='../{esc(r['report_key'])}'>{label}</a>" if r.get("report_key") else label
+        rows.append(f"<tr data-window='{esc(r['window'])}' data-run-key='{esc(r['run_key'])}'>"
+                    f"<td class='num'>{cell}</td><td class='num'>{esc(r['run_key'])}</td>"
+                    f"<td class='num'>{esc(str(r.get('published_at'))[:19])}</td>"
+                    f"<td>{esc(r.get('best_policy') or 'none')}</td></tr>")
     return ("<p class='note'>The window links to the run's report.</p><div class='scroll'><table class='data compact'>"
             "<thead><tr><th>window (report)</th><th>run</th><th>published</th><th>best policy</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table></div>")
@@ -455,10 +457,10 @@ def _runs_table(history: Sequence[Mapping[str, Any]]) -> str:
 def _requests_table(requests: Sequence[Mapping[str, Any]]) -> str:
     if not requests:
         return "<p class='muted'>No open label requests.</p>"
-    rows = "".join(f"<tr data-request-id='{_esc(r.get('request_id'))}' data-status='{_esc(r.get('status'))}'>"
-                   f"<td class='num'>{_esc(r.get('request_id'))}</td><td>{_esc(r.get('scope'))}</td>"
-                   f"<td class='r num'>{_esc(r.get('n_labels'))}</td><td class='num'>{_esc(r.get('deadline'))}</td>"
-                   f"<td class='reason'>{_esc('; '.join(str(x) for x in r.get('reasons') or []))}</td></tr>"
+    rows = "".join(f"<tr data-request-id='{esc(r.get('request_id'))}' data-status='{esc(r.get('status'))}'>"
+                   f"<td class='num'>{esc(r.get('request_id'))}</td><td>{esc(r.get('scope'))}</td>"
+                   f"<td class='r num'>{esc(r.get('n_labels'))}</td><td class='num'>{esc(r.get('deadline'))}</td>"
+                   f"<td class='reason'>{esc('; '.join(str(x) for x in r.get('reasons') or []))}</td></tr>"
                    for r in requests)
     return ("<div class='scroll'><table class='data'><thead><tr><th>request</th><th>scope</th><th class='r'>labels"
             f"</th><th>deadline</th><th>why</th></tr></thead><tbody>{rows}</tbody></table></div>")
@@ -491,8 +493,8 @@ def render_trend(evaluation: str, windows: Sequence[Mapping[str, Any]], history:
             ("regression alarms now", ", ".join(alarm_now) or "none", bool(alarm_now)),
             ("drift alarms (all looks)", str(drift_alarms), bool(drift_alarms)),
             ("open label requests", str(len(requests)), bool(requests))]
-    kpi_html = "".join(f"<div class='kpi{' bad' if bad else ''}' data-kpi='{_esc(k)}'><span>{_esc(k)}</span>"
-                       f"<b>{_esc(v)}</b></div>" for k, v, bad in kpis)
+    kpi_html = "".join(f"<div class='kpi{' bad' if bad else ''}' data-kpi='{esc(k)}'><span>{esc(k)}</span>"
+                       f"<b>{esc(v)}</b></div>" for k, v, bad in kpis)
     legend = _both(_legend_svg)
     panels = "".join(_both(_policy_panel, n, windows, changes.get(n)) for n in names)
     drift_html = (_both(_drift_strip, [r["window"] for r in windows], drift) if drift else

@@ -31,7 +31,6 @@ from datetime import timedelta
 from typing import Any, Sequence
 
 from cje_engine.errors import CJEInputError
-from flows.config import pick_declared
 
 log = logging.getLogger(__name__)
 
@@ -66,30 +65,6 @@ def _schedule_text(dep: Any) -> str:
         elif getattr(sch, "interval", None):
             parts.append(f"every {sch.interval.total_seconds():g} s")
     return ", ".join(parts) or "no schedule (run on demand)"
-
-
-def runner_deployments(config: str | None = None, only: Sequence[str] | None = None,
-                       drift: bool = True) -> list:
-    """The ``RunnerDeployment`` objects of the declared evaluations (and drift monitors).
-
-    Each gets the concurrency limit of one run at a time (module docstring).
-    """
-    from prefect.client.schemas.objects import ConcurrencyLimitStrategy, ConcurrencyOptions
-
-    from flows.runtime.schedules import load_evaluations
-
-    specs = load_evaluations(config)
-    if only:
-        specs = {n: pick_declared(n, specs, what="evaluation", source=config) for n in only}
-    deployments = [s.to_deployment() for s in specs.values()]
-    if drift:
-        from flows.pipelines.drift_config import drift_deployments
-
-        deployments += drift_deployments(config)
-    for dep in deployments:
-        dep.concurrency_limit = 1
-        dep.concurrency_options = ConcurrencyOptions(collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
-    return deployments
 
 
 def ensure_pool(client: Any, pool: str, pool_type: str, base_job_template: dict | None = None) -> bool:
@@ -141,29 +116,24 @@ def ensure_zombie_automation(client: Any, within_seconds: float) -> str:
 
 
 def deploy(
-    config: str | None = None,
+    deployments: Sequence[Any],
     pool: str = DEFAULT_POOL,
     pool_type: str = "process",
-    only: Sequence[str] | None = None,
-    drift: bool = True,
     image: str | None = None,
     heartbeat_timeout: float = 90.0,
     base_job_template: dict | None = None,
 ) -> list[Deployed]:
-    """Create or update the deployments of an evaluations file on a work pool.
+    """Create or update deployments on a work pool.
 
     Parameters
     ----------
-    config : str, optional
-        Evaluations file (default: the repository's ``evaluations.yaml``).
+    deployments : sequence of RunnerDeployment
+        What to deploy: `flows.pipelines.deployments.runner_deployments` of an evaluations file (the
+        declared evaluations and drift monitors, each with a concurrency limit of one).
     pool : str
         Work pool; created with ``pool_type`` when missing.
     pool_type : str
         ``process`` (default) or ``kubernetes`` (needs ``prefect-kubernetes`` on the worker).
-    only : sequence of str, optional
-        Only these evaluations.
-    drift : bool
-        Also deploy the declared drift monitors.
     image : str, optional
         Container image of the flow runs (Kubernetes pools).
     heartbeat_timeout : float
@@ -178,7 +148,6 @@ def deploy(
     """
     from prefect.client.orchestration import get_client
 
-    deployments = runner_deployments(config, only=only, drift=drift)
     with get_client(sync_client=True) as client:
         ensure_pool(client, pool, pool_type, base_job_template)
         ensure_zombie_automation(client, heartbeat_timeout)
@@ -191,5 +160,5 @@ def deploy(
     return out
 
 
-__all__ = ["deploy", "runner_deployments", "ensure_pool", "ensure_zombie_automation", "Deployed",
+__all__ = ["deploy", "ensure_pool", "ensure_zombie_automation", "Deployed",
            "DEFAULT_POOL", "ZOMBIE_AUTOMATION"]

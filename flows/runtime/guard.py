@@ -5,7 +5,7 @@ is created, before the flow's body runs, and validates them only then; a check i
 comes too late.  A flow made with `checked_flow` checks its call's parameters first:
 
 1. every string parameter (and strings inside lists, mappings and pydantic models) with
-   `flows.config.check_uri`, so ``evaluate(logs_uri="s3://KEY:SECRET@bucket/logs")`` raises
+   `flows.uris.check_uri`, so ``evaluate(logs_uri="s3://KEY:SECRET@bucket/logs")`` raises
    `CJEInputError` without the secret reaching Prefect;
 2. the types, with Prefect's own validation of the flow's signature (``validate_parameters=True``);
 3. the flow's own ``check`` (a function of the validated parameters, no I/O), e.g. the window,
@@ -29,7 +29,7 @@ from prefect.utilities.callables import get_call_parameters
 from pydantic import BaseModel
 
 from cje_engine.errors import CJEInputError
-from flows.config import check_uri
+from flows.uris import check_uri
 from flows.runtime.timeouts import flow_timeout
 
 #: A flow's own parameter check: validated parameters -> None, raising `CJEInputError`.

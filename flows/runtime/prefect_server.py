@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from flows.runtime.watchdog import _start_time, ensure_watchdog, graceful_sigterm, register_cleanup
+from flows.runtime.watchdog import process_start_time, ensure_watchdog, graceful_sigterm, register_cleanup
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
 def _owner_alive(home: Path) -> bool:
     try:
         owner = json.loads((home / OWNER_FILE).read_text())
-        return _start_time(int(owner["pid"])) == int(owner["start"])
+        return process_start_time(int(owner["pid"])) == int(owner["start"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -151,7 +151,7 @@ def launch_server(
     home = Path(tempfile.mkdtemp(prefix=HOME_PREFIX)) if home is None else Path(home)
     home.mkdir(parents=True, exist_ok=True)
     if owns:
-        (home / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}))
+        (home / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start": process_start_time(os.getpid())}))
         register_cleanup(home)
     port = port or free_port()
     env = dict(os.environ)
@@ -338,7 +338,7 @@ def write_ui_state(server: PrefectServer, ui_url: str, data: Path) -> Path:
     """Record a running `cje ui` server (URL, PID, start time, home) for later commands."""
     path = ui_state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"api_url": server.url, "ui_url": ui_url, "pid": server.pid, "start": _start_time(server.pid),
+    state = {"api_url": server.url, "ui_url": ui_url, "pid": server.pid, "start": process_start_time(server.pid),
              "owner_pid": os.getpid(), "home": str(server.home), "data": str(data)}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state, indent=2))
@@ -362,7 +362,7 @@ def running_ui() -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     try:
-        alive = _start_time(int(state["pid"])) == int(state["start"])
+        alive = process_start_time(int(state["pid"])) == int(state["start"])
     except (KeyError, TypeError, ValueError):
         alive = False
     if alive and healthy(str(state.get("api_url", "")), timeout=2.0):

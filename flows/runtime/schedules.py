@@ -16,14 +16,14 @@ File format (all keys but ``name`` and ``logs_uri`` optional)::
         options: {covariates: [response_length], n_bootstrap: 2000, seed: 0}
         columns: {prompt_id: id, policy: model}  # your log column names (default: the top-level columns:)
 
-`cje serve` deploys every declared evaluation with ``flow.to_deployment`` and runs them
-with Prefect's ``serve``; `cje run NAME` runs one now.
+`cje serve` deploys every declared evaluation with ``flow.to_deployment`` (the flow chosen by
+`flows.pipelines.deployments`) and runs them with Prefect's ``serve``; `cje run NAME` runs one now.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from flows.config import EvaluationConfig, load_config
 
@@ -50,16 +50,14 @@ class EvaluationSpec(EvaluationConfig):
             "monitoring": dict(self.monitoring) or None,
         }
 
-    def to_deployment(self):
-        """A Prefect ``RunnerDeployment`` on this schedule of `evaluate_and_audit`: the evaluate
-        flow, then notifications and automatic oracle label requests."""
-        # Deferred: importing the flows (and Prefect's deployment machinery) costs seconds and
-        # is only needed by `cje serve`, not by loading or checking the file.
+    def to_deployment(self, flow: Any):
+        """A Prefect ``RunnerDeployment`` of ``flow`` (`flows.pipelines.deployments` gives `evaluate_and_audit`:
+        the evaluate flow, then notifications and automatic oracle label requests) on this schedule."""
+        # Deferred: Prefect's deployment machinery costs seconds and is only needed by `cje serve`/`cje deploy`,
+        # not by loading or checking the file.
         from prefect.types.entrypoint import EntrypointType
 
-        from flows.pipelines.audit import evaluate_and_audit
-
-        return evaluate_and_audit.to_deployment(
+        return flow.to_deployment(
             name=self.name,
             # Flow runs import `flows.pipelines.evaluate` as a module (not the file as a script),
             # so Ray workers can unpickle its functions by module name.
@@ -77,12 +75,9 @@ def load_evaluations(path: str | os.PathLike | None = None) -> dict[str, Evaluat
     return load_config(path, evaluation_cls=EvaluationSpec).evaluations  # type: ignore[return-value]
 
 
-def serve(specs: dict[str, EvaluationSpec] | list[EvaluationSpec], limit: int | None = None,
-          extra_deployments: list | tuple = ()) -> None:
-    """Deploy the evaluations (and e.g. drift monitors) and run their schedules until interrupted."""
+def serve(deployments: Sequence[Any], limit: int | None = None) -> None:
+    """Run the given deployments (`flows.pipelines.deployments`) on their schedules until interrupted."""
     from prefect import serve as prefect_serve
 
-    items = list(specs.values()) if isinstance(specs, dict) else list(specs)
-    deployments = [s.to_deployment() for s in items] + list(extra_deployments)
     log.info("serving %d deployment(s): %s", len(deployments), ", ".join(d.name for d in deployments))
     prefect_serve(*deployments, limit=limit, print_starting_message=False)

@@ -60,7 +60,7 @@ def ensure_watchdog() -> Path:
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])]
                                             + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         _proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.runtime.watchdog", str(os.getpid()), str(_start_time(os.getpid())),
+            [sys.executable, "-m", "flows.runtime.watchdog", str(os.getpid()), str(process_start_time(os.getpid())),
              str(_registry)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
             start_new_session=True,  # a terminal's Ctrl-C must not stop the watchdog before cje
@@ -124,7 +124,9 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
-def _start_time(pid: int) -> int:
+def process_start_time(pid: int) -> int:
+    """Start time of process ``pid`` in clock ticks since boot (0 when it is gone): with the pid it names
+    one process, so a recycled pid is not taken for the one recorded."""
     st = _stat(pid)
     return st[1] if st else 0
 

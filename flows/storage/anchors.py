@@ -231,7 +231,21 @@ def _claimed_versions(st: Storage, set_name: str) -> list[int]:
     return sorted(int(m.group(1)) for info in st.list(prefix) if (m := _VERSION_RE.match(info.key[len(prefix):])))
 
 
-def _read_manifest(st: Storage, set_name: str, version: int) -> dict:
+def read_manifest(st: Storage, set_name: str, version: int) -> dict:
+    """The manifest of one anchor-set version.
+
+    Parameters
+    ----------
+    st : Storage
+    set_name : str
+    version : int
+
+    Returns
+    -------
+    dict
+        The manifest (with ``content_sha256`` and ``file_sha256``); a missing, unreadable or incomplete
+        manifest is a `CJEInputError` naming its location.
+    """
     key = manifest_key(set_name, version)
     try:
         raw = st.read_bytes(key)
@@ -269,7 +283,7 @@ def write_anchor_set(st: Storage, set_name: str, anchors: Any, *, metadata: dict
     chash = content_hash(table)
     versions = list_versions(st, set_name)
     if versions:
-        latest = _read_manifest(st, set_name, versions[-1])
+        latest = read_manifest(st, set_name, versions[-1])
         if latest.get("content_sha256") == chash:
             log.info("anchor set %s: content identical to version %d; nothing written", set_name, versions[-1])
             return read_anchor_set(st, set_name, versions[-1])
@@ -296,7 +310,7 @@ def write_anchor_set(st: Storage, set_name: str, anchors: Any, *, metadata: dict
                 log.info("anchor set %s: wrote version %d (%d anchors, %d labelled) to %s", set_name, version,
                          table.num_rows, labelled, st.url(key))
                 return AnchorSet(set_name, version, table, manifest)
-            if _read_manifest(st, set_name, version).get("content_sha256") == chash:
+            if read_manifest(st, set_name, version).get("content_sha256") == chash:
                 return read_anchor_set(st, set_name, version)  # a concurrent writer of the same content won
         version += 1
     raise CJEInputError(f"could not claim a version number for anchor set {set_name!r} after {_MAX_RACES} tries",
@@ -312,7 +326,7 @@ def read_anchor_set(st: Storage, set_name: str, version: int | None = None) -> A
             raise CJEInputError(f"no anchor set {set_name!r}: no versions under {ANCHORS}/{set_name}/",
                                 source=st.url(f"{ANCHORS}/{set_name}/"))
         version = versions[-1]
-    manifest = _read_manifest(st, set_name, int(version))
+    manifest = read_manifest(st, set_name, int(version))
     key = anchor_key(set_name, int(version))
     try:
         data = st.read_bytes(key)
@@ -547,7 +561,7 @@ def labelled_since(st: Storage, set_name: str, since: str | None = None) -> set[
     """Anchor ids labelled by `label_anchors` versions created at or after ``since`` (ISO time)."""
     out: set[str] = set()
     for v in list_versions(st, set_name):
-        m = _read_manifest(st, set_name, v)
+        m = read_manifest(st, set_name, v)
         if since is None or str(m.get("created_at", "")) >= since:
             out.update((m.get("metadata") or {}).get("labelled") or [])
     return out

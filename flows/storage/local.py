@@ -10,13 +10,15 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
 
 from cje_engine.errors import CJEInputError
 
-from flows.storage.objects import (NotFoundError, ObjectInfo, STALE_TMP_SECONDS, Storage, StorageConfig, StorageError, _TMP_PREFIX, _check_key, _short)
+from flows.storage.objects import (STALE_TMP_SECONDS, TMP_PREFIX, NotFoundError, ObjectInfo, Storage, StorageConfig,
+                                   StorageError, check_key, register_backend, short_error)
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +39,17 @@ class LocalStorage(Storage):
         return (LocalStorage, (self.root, self.config))
 
     def _path(self, key: str) -> Path:
-        return self.root.joinpath(*_check_key(key).split("/"))
+        return self.root.joinpath(*check_key(key).split("/"))
 
     def url(self, key: str = "") -> str:
         """Local path of ``key`` (the root for an empty key); see `Storage.url`."""
         if not key:
             return str(self.root)
-        return str(self.root.joinpath(*_check_key(key, allow_empty=True).rstrip("/").split("/")))
+        return str(self.root.joinpath(*check_key(key, allow_empty=True).rstrip("/").split("/")))
 
     def _fail(self, op: str, key: str, exc: BaseException) -> StorageError:
         cls = NotFoundError if isinstance(exc, FileNotFoundError) else StorageError
-        what = "does not exist" if cls is NotFoundError else _short(exc, self.config)
+        what = "does not exist" if cls is NotFoundError else short_error(exc, self.config)
         return cls(f"{op} {self.url(key)} failed: {what}", key=key, operation=op)
 
     def read_bytes(self, key: str) -> bytes:
@@ -65,7 +67,7 @@ class LocalStorage(Storage):
         cutoff = time.time() - older_than
         with contextlib.suppress(OSError):
             for entry in os.scandir(folder):
-                if entry.name.startswith(_TMP_PREFIX) and entry.is_file(follow_symlinks=False):
+                if entry.name.startswith(TMP_PREFIX) and entry.is_file(follow_symlinks=False):
                     with contextlib.suppress(OSError):
                         if entry.stat(follow_symlinks=False).st_mtime < cutoff:
                             os.unlink(entry.path)
@@ -79,7 +81,7 @@ class LocalStorage(Storage):
         partial temporary file is removed before the error propagates."""
         path.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_stale_tmp(path.parent)
-        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+        tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
         try:
             with open(tmp, "wb") as fh:
                 fh.write(data)
@@ -154,7 +156,7 @@ class LocalStorage(Storage):
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Files under ``prefix``, sorted by key (an unreadable folder raises); see `Storage.list`."""
-        _check_key(prefix, allow_empty=True) if prefix else None
+        check_key(prefix, allow_empty=True) if prefix else None
         # Walk the deepest existing folder that covers the prefix.
         folder_part = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root.joinpath(*folder_part.split("/")) if folder_part else self.root
@@ -171,7 +173,7 @@ class LocalStorage(Storage):
                 dirnames.sort()
                 rel_dir = os.path.relpath(dirpath, self.root)
                 for name in filenames:
-                    if name.startswith(_TMP_PREFIX):
+                    if name.startswith(TMP_PREFIX):
                         continue
                     key = name if rel_dir == "." else f"{rel_dir.replace(os.sep, '/')}/{name}"
                     if not key.startswith(prefix):
@@ -234,7 +236,7 @@ class LocalStorage(Storage):
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.sweep_stale_tmp(path.parent)
-        tmp = path.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+        tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
         fs = pafs.LocalFileSystem()
         try:
             stream = fs.open_output_stream(str(tmp))
@@ -248,3 +250,9 @@ class LocalStorage(Storage):
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
+
+
+@register_backend("", "file")
+def open_local(uri: str, config: StorageConfig) -> LocalStorage:
+    """The `Storage.for_uri` backend of plain paths and ``file://`` URIs: a `LocalStorage` of the folder."""
+    return LocalStorage(Path(urlparse(uri).path if uri.startswith("file://") else uri), config)

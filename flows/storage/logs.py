@@ -69,7 +69,7 @@ from cje_engine.data.io import column_renames
 from cje_engine.data.readers import is_work_path
 from cje_engine.errors import CJEInputError
 
-from flows.storage.objects import ObjectInfo, Storage, StorageError, _short, is_storage_service_error, is_transient
+from flows.storage.objects import ObjectInfo, Storage, StorageError, short_error, is_storage_service_error, is_transient
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
         except OSError as exc:
             if not is_transient(exc):
                 if is_storage_service_error(exc):  # access denied, no such bucket: the service said no
-                    raise StorageError(f"read {source} failed: {_short(exc, st.config)}", key=key,
+                    raise StorageError(f"read {source} failed: {short_error(exc, st.config)}", key=key,
                                        operation="read") from None
                 raise CJEInputError(f"is not a readable Parquet log file: {_brief(exc)}", source=source) from None
             last = exc
@@ -315,7 +315,7 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
                 delay = min(5.0, 0.2 * 2 ** (attempt - 1)) * (0.5 + random.random())
                 log.warning("reading %s failed (attempt %d/%d), retrying in %.2fs", source, attempt, attempts, delay)
                 time.sleep(delay)
-    raise StorageError(f"read {source} failed after {attempts} attempt(s): {_short(last, st.config)}",
+    raise StorageError(f"read {source} failed after {attempts} attempt(s): {short_error(last, st.config)}",
                        key=key, operation="read") from None
 
 

@@ -53,13 +53,11 @@ import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
-from cje_engine.errors import CJEInputError
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +77,8 @@ ENV_VARS: dict[str, tuple[str, ...]] = {
 }
 
 _SECRET_FIELDS = ("access_key", "secret_key", "session_token")
-_TMP_PREFIX = ".cje-tmp-"
+#: Name prefix of a local temporary file (a write in progress: listings skip it).
+TMP_PREFIX = ".cje-tmp-"
 #: A local temporary file untouched this long belongs to a killed writer and is removed by the
 #: next write into its folder (a live writer touches its file continuously).
 STALE_TMP_SECONDS = 3600.0
@@ -294,7 +293,14 @@ _SCRUBBED_LOGGERS = ("botocore.endpoint", "botocore.auth", "botocore.httpsession
                      "botocore.hooks", "urllib3.connectionpool")
 
 
-def _register_secrets(config: StorageConfig) -> None:
+def register_secrets(config: StorageConfig) -> None:
+    """Scrub the credentials of ``config`` from the messages of the storage loggers (boto, pyarrow).
+
+    Parameters
+    ----------
+    config : StorageConfig
+        Its `StorageConfig.secrets` of four characters or more are replaced in every log record.
+    """
     secrets = [s for s in config.secrets() if len(s) >= 4]
     if not secrets:
         return
@@ -407,7 +413,22 @@ def is_storage_service_error(exc: BaseException) -> bool:
     return isinstance(exc, (bce.ClientError, bce.BotoCoreError))
 
 
-def _short(exc: BaseException, config: StorageConfig | None, limit: int = 300) -> str:
+def short_error(exc: BaseException, config: StorageConfig | None, limit: int = 300) -> str:
+    """A storage exception as one short line for an error message, its credentials scrubbed.
+
+    Parameters
+    ----------
+    exc : BaseException
+    config : StorageConfig or None
+        Whose secrets are scrubbed.
+    limit : int
+        Characters kept of the message (what the service said, for S3 errors).
+
+    Returns
+    -------
+    str
+        ``"<ExceptionType>: <message>"``.
+    """
     msg = " ".join(str(exc).split())
     m = _AWS_ERROR_TYPE.search(msg)
     if m:  # pyarrow's S3 errors repeat the path before what the service said: keep what it said
@@ -448,18 +469,31 @@ def with_retries(
         except retry_on as exc:
             if attempt >= attempts:
                 err = StorageError(
-                    f"{what} {describe(key)} failed after {attempt} attempt(s): {_short(exc, config)}",
+                    f"{what} {describe(key)} failed after {attempt} attempt(s): {short_error(exc, config)}",
                     key=key,
                     operation=what,
                 )
                 raise err from None
             delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * (0.5 + random.random())
             log.warning("%s %s failed (attempt %d/%d), retrying in %.2fs: %s",
-                        what, describe(key), attempt, attempts, delay, _short(exc, config))
+                        what, describe(key), attempt, attempts, delay, short_error(exc, config))
             time.sleep(delay)
 
 
-def _check_key(key: str, *, allow_empty: bool = False) -> str:
+def check_key(key: str, *, allow_empty: bool = False) -> str:
+    """A valid relative storage key (``a/b.parquet``: no leading ``/``, no empty, ``.`` or ``..`` segment).
+
+    Parameters
+    ----------
+    key : str
+    allow_empty : bool
+        Also accept ``""`` and a trailing ``/`` (a listing prefix).
+
+    Returns
+    -------
+    str
+        ``key`` unchanged; a `ValueError` names a bad one.
+    """
     if not isinstance(key, str):
         raise ValueError(f"storage key must be a string, got {type(key).__name__}")
     if key == "" and allow_empty:
@@ -476,6 +510,31 @@ def _check_key(key: str, *, allow_empty: bool = False) -> str:
 # --------------------------------------------------------------------------- base class
 
 
+#: URI scheme (``""`` for a plain path) -> the function that opens a storage of that scheme.
+_BACKENDS: dict[str, Callable[[str, "StorageConfig"], "Storage"]] = {}
+
+
+def register_backend(*schemes: str) -> Callable[[Callable[[str, StorageConfig], "Storage"]], Callable]:
+    """Register the decorated ``opener(uri, config) -> Storage`` for the URI ``schemes`` of `Storage.for_uri`.
+
+    Parameters
+    ----------
+    *schemes : str
+        URI schemes as written before ``://`` (``"s3"``, ``"file"``); ``""`` stands for a plain local path.
+
+    Returns
+    -------
+    callable
+        The decorator (it returns the opener unchanged).
+    """
+    def register(opener: Callable[[str, StorageConfig], "Storage"]) -> Callable:
+        for scheme in schemes:
+            _BACKENDS[scheme] = opener
+        return opener
+
+    return register
+
+
 class Storage(ABC):
     """A root (local folder or S3 bucket/prefix) holding objects addressed by relative keys."""
 
@@ -484,29 +543,19 @@ class Storage(ABC):
 
     @staticmethod
     def for_uri(uri: str | os.PathLike, config: StorageConfig | None = None) -> "Storage":
-        """`S3Storage` for ``s3://bucket[/prefix]``, `LocalStorage` for paths and ``file://``."""
-        # The backends subclass Storage, so they are imported here (a module-level import would be a cycle).
-        from flows.storage.local import LocalStorage
-        from flows.storage.s3 import S3Storage
+        """`S3Storage` for ``s3://bucket[/prefix]``, `LocalStorage` for paths and ``file://``.
 
+        The backends subclass `Storage` and register their URI schemes (`register_backend`) when
+        ``flows.storage`` is imported, so this module imports none of them (no import cycle).
+        """
         text = os.fspath(uri)
         if config is None:
             config = StorageConfig.from_env()
-        if text.startswith("s3://") or text.startswith("s3a://"):
-            p = urlparse(text)
-            if p.username or p.password or "@" in p.netloc:
-                raise CJEInputError(f"S3 URI s3://***@{p.netloc.rsplit('@', 1)[-1]}{p.path} has credentials in it; "
-                                    "put them in the AWS environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
-                                    "a profile or a role) or StorageConfig, never in a URI")
-            if not p.netloc:
-                raise ValueError(f"S3 URI {text!r} has no bucket; expected s3://bucket/prefix")
-            return S3Storage(p.netloc, p.path.strip("/"), config)
-        if text.startswith("file://"):
-            p = urlparse(text)
-            return LocalStorage(Path(p.path), config)
-        if "://" in text:
+        scheme = text.split("://", 1)[0] if "://" in text else ""
+        opener = _BACKENDS.get(scheme)
+        if opener is None:
             raise ValueError(f"unsupported storage URI {text!r}; expected s3://bucket/prefix or a local path")
-        return LocalStorage(Path(text), config)
+        return opener(text, config)
 
     # -- interface
     @abstractmethod
@@ -565,7 +614,7 @@ class Storage(ABC):
     def arrow_path(self, key: str) -> str:
         """Path of ``key`` in the filesystem of `arrow_fs`."""
         fs, base = self.arrow_fs
-        return f"{base}/{_check_key(key)}" if base else _check_key(key)
+        return f"{base}/{check_key(key)}" if base else check_key(key)
 
     def read_with_retries(self, key: str, fn: Callable[[], T], what: str = "read") -> T:
         """Run a pyarrow read of ``key`` with our bounded retry (see `with_retries`)."""

@@ -41,8 +41,8 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
 * Temporary files (``.cje-tmp-*``, local storage) of a writer killed mid-write are invisible to
   readers (listings skip them) and are removed by the next publish of the evaluation once older
   than 60 s (`clean_temp_files`).
-* After a commit the publisher rebuilds ``results/index.html`` and ``results/<evaluation>/trend.html``
-  (`flows.reports.trend.write_pages`); a failure there is logged and never fails the publish.
+* Storage renders nothing: after a commit the caller rebuilds ``results/index.html`` and
+  ``results/<evaluation>/trend.html`` (the evaluate flow's `flows.pipelines.pages` step).
 
 Reading back: `read_run` (and so `read_latest`, `cje diff`, `cje plan --evaluation`, the run history)
 checks ``result.json`` against the sha256 its manifest records, and `read_result_file` does the same for
@@ -53,16 +53,16 @@ Gate: before anything is written, ``result.json`` is checked (`check_result_gate
 policy whose ``level_claim`` is ``"refused"`` must carry non-empty ``refusal_reasons``, level
 claims must be ``ok`` or ``refused``, ``best_policy`` must not be refused, and when
 ``policies.parquet`` has ``policy``/``level_claim`` columns they must agree with ``result.json``.
-Artifacts are stored byte for byte; nothing is stripped.  One exception: ``report.html`` is rendered
-again from ``result.json`` with the run's context (generated-at time, links to result.json, the
-previous run, the trend page and the index, what changed since the previous run, the drift of linked
-monitors), which only the publisher knows; if that fails the caller's report is stored unchanged.
+Artifacts are stored byte for byte; nothing is stripped.  One exception: given a `ReportRenderer`
+(the evaluate flow gives `flows.pipelines.pages.contextual_report`), ``report.html`` is rendered again
+from ``result.json`` with the run's context (generated-at time, links to result.json, the previous run,
+the trend page and the index, what changed since the previous run, the drift of linked monitors), which
+needs the attempt id only the publisher knows; if that fails the caller's report is stored unchanged.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import html
 import io
 import json
 import logging
@@ -73,14 +73,14 @@ import time
 from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from pathlib import Path, PurePath
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 from cje_engine.errors import CJEInputError
 from cje_engine.result import validate_result
 
 from flows.storage.local import LocalStorage
 from flows.storage.s3 import S3Storage
-from flows.storage.objects import (_TMP_PREFIX, NotFoundError, ObjectInfo, Storage,
+from flows.storage.objects import (TMP_PREFIX, NotFoundError, ObjectInfo, Storage,
                                   StorageError)
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,25 @@ _ATTEMPT = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}$")
 
 class PublishGateError(CJEInputError):
     """The result would publish a refused level claim without reasons (or is otherwise unsafe)."""
+
+
+@dataclass(frozen=True)
+class RunPlace:
+    """Where a run is being published: its path segments and the attempt folder its artifacts go to."""
+
+    evaluation: str
+    window: str
+    key: str
+    attempt: str
+
+
+class ReportRenderer(Protocol):
+    """Renders a run's ``report.html`` again at publish time (given to `publish_run` by the caller, so
+    storage renders nothing itself: `flows.pipelines.pages.contextual_report`)."""
+
+    def __call__(self, st: Storage, run: RunPlace, result: Mapping[str, Any], report: bytes,
+                 manifest: Mapping[str, Any]) -> bytes:
+        """The new ``report.html`` bytes (raising keeps the caller's report)."""
 
 
 @dataclass(frozen=True)
@@ -169,7 +188,9 @@ def fingerprint_inputs(files: Iterable[ObjectInfo], label_version: int | None = 
     }
 
 
-def _segment(value: str, what: str) -> str:
+def check_segment(value: str, what: str) -> str:
+    """``value`` if it is a valid result-path segment (an evaluation, window or run key), else a
+    `CJEInputError` naming ``what``: 1-200 letters, digits and ``. _ = + -``, starting with a letter or digit."""
     if not isinstance(value, str) or not _SEGMENT.match(value) or value in (".", ".."):
         raise CJEInputError(f"{what} {value!r} must be 1-200 characters of letters, digits and . _ = + - "
                             "(starting with a letter or digit)")
@@ -178,8 +199,8 @@ def _segment(value: str, what: str) -> str:
 
 def run_prefix(evaluation: str, window: str, key: str) -> str:
     """Storage prefix of one run: ``results/<evaluation>/<window>/<run key>`` (each segment checked)."""
-    return (f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/{_segment(window, 'window')}/"
-            f"{_segment(key, 'run key')}")
+    return (f"{RESULTS}/{check_segment(evaluation, 'evaluation name')}/{check_segment(window, 'window')}/"
+            f"{check_segment(key, 'run key')}")
 
 
 def _new_attempt() -> str:
@@ -275,6 +296,7 @@ def publish_run(
     key: str,
     artifacts: Mapping[str, bytes],
     manifest: Mapping[str, Any],
+    render_report: ReportRenderer | None = None,
 ) -> PublishOutcome:
     """Publish one run (see module docstring); idempotent and safe under concurrent publishers.
 
@@ -289,6 +311,9 @@ def publish_run(
         Caller's lineage (input files, row counts, label-store version, configuration hash,
         code version, seed, ...).  The publisher adds `RESERVED` keys: timestamps, the attempt
         id and, per artifact, key, size and sha256.
+    render_report : ReportRenderer, optional
+        Renders ``report.html`` again once the attempt id is known (the run's context: links, the
+        previous run); a failure keeps the caller's report.  None: artifacts are stored as given.
 
     Raises
     ------
@@ -315,9 +340,9 @@ def publish_run(
                     st.url(run), ", ".join(st.url(k) for k in missing))
 
     attempt = _new_attempt()
-    if "report.html" in artifacts:
-        artifacts["report.html"] = _contextual_report(st, evaluation, window, key, result, attempt,
-                                                      bytes(artifacts["report.html"]), manifest)
+    if render_report is not None and "report.html" in artifacts:
+        artifacts["report.html"] = _rendered_report(render_report, st, RunPlace(evaluation, window, key, attempt),
+                                                    result, bytes(artifacts["report.html"]), manifest)
     written: list[str] = []
     committed = False
     try:
@@ -359,7 +384,6 @@ def publish_run(
     _advance_latest(st, evaluation, full, manifest_key)
     _remove_other_attempts(st, run, attempt)
     clean_temp_files(st, evaluation)
-    _rebuild_pages(st, evaluation)
     log.info("%s %s (attempt %s)", "republished" if existing is not None else "published", st.url(run), attempt)
     return PublishOutcome(True, st.url(run), "republished" if existing is not None else "published",
                           _artifact_urls(st, run, full))
@@ -572,8 +596,8 @@ def clean_temp_files(st: Storage, evaluation: str, older_than_seconds: float = 6
         return 0
     now = time.time()
     top = Path(st.url(RESULTS))
-    candidates = [p for p in top.glob(f"{_TMP_PREFIX}*")]  # the index's
-    candidates += (top / _segment(evaluation, "evaluation name")).rglob(f"{_TMP_PREFIX}*")
+    candidates = [p for p in top.glob(f"{TMP_PREFIX}*")]  # the index's
+    candidates += (top / check_segment(evaluation, "evaluation name")).rglob(f"{TMP_PREFIX}*")
     removed = 0
     for path in candidates:
         try:
@@ -587,41 +611,16 @@ def clean_temp_files(st: Storage, evaluation: str, older_than_seconds: float = 6
     return removed
 
 
-def _contextual_report(st: Storage, evaluation: str, window: str, key: str, result: Mapping[str, Any],
-                       attempt: str, report: bytes, manifest: Mapping[str, Any] | None = None) -> bytes:
-    """The run's report rendered again with its place in the evaluation: generated-at time, links to
-    result.json, the previous run, the trend page and the index, what changed since the previous run,
-    and the drift of linked monitors (`flows.reports.history.report_context`); the days of the window the run
-    holds come from the manifest's ``window_spec`` (``days``, ``missing_days``).
-
-    The caller's report is kept (and a warning logged) when the result cannot be rendered with context.
-    """
-    # imported here: the report context reads runs through this module (a cycle otherwise)
-    from flows.reports.evaluation import render_report
-    from flows.reports.history import report_context
-
-    m = re.search(rb"<title>(.*?)</title>", report, re.S)
-    title = html.unescape(m.group(1).decode("utf-8", "replace")) if m else None
+def _rendered_report(render: ReportRenderer, st: Storage, run: RunPlace, result: Mapping[str, Any],
+                     report: bytes, manifest: Mapping[str, Any]) -> bytes:
+    """``report.html`` rendered again by the caller's `ReportRenderer`; the caller's report is kept (and a
+    warning logged) when that fails."""
     try:
-        ctx = report_context(st, evaluation, window, key, result, attempt,
-                             datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"))
-        spec = (manifest or {}).get("window_spec")
-        days = spec if isinstance(spec, Mapping) and "days" in spec else None
-        return render_report(dict(result), title=title, context=ctx, days=days).encode("utf-8")
+        return render(st, run, result, report, manifest)
     except Exception as exc:  # noqa: BLE001 - context is an addition; the caller's report stays valid
-        log.warning("report of %s/%s/%s published without run context: %s", evaluation, window, key, exc)
+        log.warning("report of %s/%s/%s published without run context: %s", run.evaluation, run.window, run.key,
+                    exc)
         return report
-
-
-def _rebuild_pages(st: Storage, evaluation: str) -> None:
-    """The service index and this evaluation's trend page; a failure here never fails a publish."""
-    # imported here: the pages read runs through this module (a cycle otherwise)
-    from flows.reports.trend import write_pages
-
-    try:
-        write_pages(st, evaluation)
-    except Exception as exc:  # noqa: BLE001 - the run is committed; the pages are rebuilt next time
-        log.warning("could not rebuild the results index and trend page of %s: %s", evaluation, exc)
 
 
 def _remove_other_attempts(st: Storage, run: str, committed_attempt: str) -> int:
@@ -650,9 +649,9 @@ def list_runs(st: Storage, evaluation: str, window: str | None = None) -> list[d
 
     Each item: evaluation, window, run_key, path, published_at, manifest (the dict).
     """
-    base = f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/"
+    base = f"{RESULTS}/{check_segment(evaluation, 'evaluation name')}/"
     if window is not None:
-        base += f"{_segment(window, 'window')}/"
+        base += f"{check_segment(window, 'window')}/"
     runs = []
     for info in st.list(base):
         parts = info.key.split("/")
@@ -782,7 +781,7 @@ def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
     Follows ``latest.json``; if it is missing or points nowhere (a publisher died between
     manifest and pointer), falls back to the newest run found by listing.
     """
-    _segment(evaluation, "evaluation name")
+    check_segment(evaluation, "evaluation name")
     pointer = _read_json(st, f"{RESULTS}/{evaluation}/{LATEST}")
     if pointer is not None:
         try:
@@ -807,7 +806,7 @@ def cleanup_orphans(st: Storage, evaluation: str, older_than_seconds: float = 36
     Returns the number of objects deleted.  Young orphans are kept because their publisher
     may still be writing.
     """
-    base = f"{RESULTS}/{_segment(evaluation, 'evaluation name')}/"
+    base = f"{RESULTS}/{check_segment(evaluation, 'evaluation name')}/"
     runs: dict[str, set[str]] = {}
     for info in st.list(base):
         parts = info.key.split("/")

@@ -12,9 +12,11 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 
+from cje_engine.errors import CJEInputError
 
-from flows.storage.objects import (NotFoundError, ObjectInfo, Storage, StorageConfig, StorageError, T, error_code,
-                                   with_retries, _check_key, _register_secrets, _short)
+
+from flows.storage.objects import (NotFoundError, ObjectInfo, Storage, StorageConfig, StorageError, T, check_key,
+                                   error_code, register_backend, register_secrets, short_error, with_retries)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ class S3Storage(Storage):
 
                 cfg = self.config
                 conf = client_config(cfg)
-                _register_secrets(cfg)
+                register_secrets(cfg)
                 cache_key = (os.getpid(), cfg)
                 with _CLIENTS_LOCK:
                     client = _CLIENTS.get(cache_key)
@@ -141,7 +143,7 @@ class S3Storage(Storage):
         if code == "NoSuchBucket":
             return StorageError(f"{op} {self.url(key)} failed: bucket {self.bucket!r} does not exist",
                                 key=key, operation=op)
-        return StorageError(f"{op} {self.url(key)} failed: {_short(exc, self.config)}", key=key, operation=op)
+        return StorageError(f"{op} {self.url(key)} failed: {short_error(exc, self.config)}", key=key, operation=op)
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -157,7 +159,7 @@ class S3Storage(Storage):
         """The bytes of ``key`` (a body cut off mid-stream is retried); see `Storage.read_bytes`."""
         from botocore.exceptions import IncompleteReadError, ResponseStreamingError
 
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
 
         def go() -> bytes:
             resp = self.client.get_object(Bucket=self.bucket, Key=full)
@@ -170,7 +172,7 @@ class S3Storage(Storage):
 
     def write_bytes(self, key: str, data: bytes) -> None:
         """Create or replace ``key`` with one PUT; see `Storage.write_bytes`."""
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
         self._call("write", key, lambda: self.client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data)))
 
     def _conditional_mode(self) -> str:
@@ -208,7 +210,7 @@ class S3Storage(Storage):
         """Create ``key`` only if absent (a conditional PUT, or emulated where the server lacks it); see `Storage.put_if_absent`."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
         body = bytes(data)
         if self._conditional_mode() == "emulated":
             if self.exists(key):
@@ -237,7 +239,7 @@ class S3Storage(Storage):
 
     def info(self, key: str) -> ObjectInfo:
         """Size, ETag and modification time of ``key``; see `Storage.info`."""
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
         resp = self._call("stat", key, lambda: self.client.head_object(Bucket=self.bucket, Key=full))
         modified = resp.get("LastModified")
         return ObjectInfo(key, int(resp["ContentLength"]), str(resp.get("ETag", "")).strip('"'),
@@ -246,7 +248,7 @@ class S3Storage(Storage):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Objects under ``prefix``, all pages, sorted by key; see `Storage.list`."""
         if prefix:
-            _check_key(prefix, allow_empty=True)
+            check_key(prefix, allow_empty=True)
         full_prefix = self._full(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
         cut = len(self.prefix) + 1 if self.prefix else 0
 
@@ -266,7 +268,7 @@ class S3Storage(Storage):
 
     def delete(self, key: str) -> None:
         """Delete ``key``; see `Storage.delete`."""
-        full = self._full(_check_key(key))
+        full = self._full(check_key(key))
         self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))
 
     def delete_prefix(self, prefix: str) -> int:
@@ -294,9 +296,34 @@ class S3Storage(Storage):
                 # Closing completes the (multipart) upload; on failure the object is removed again.
                 stream.close()
         except OSError as exc:
-            raise StorageError(f"write {self.url(key)} failed: {_short(exc, self.config)}", key=key,
+            raise StorageError(f"write {self.url(key)} failed: {short_error(exc, self.config)}", key=key,
                                operation="write") from None
         finally:
             if not ok:
                 with contextlib.suppress(Exception):
                     self.delete(key)
+
+
+@register_backend("s3", "s3a")
+def open_s3(uri: str, config: StorageConfig) -> S3Storage:
+    """`S3Storage` of ``s3://bucket[/prefix]`` (the `Storage.for_uri` backend of ``s3://`` and ``s3a://``).
+
+    Parameters
+    ----------
+    uri : str
+    config : StorageConfig
+
+    Returns
+    -------
+    S3Storage
+        A URI with credentials in it is a `CJEInputError` (they belong in the environment); one without a
+        bucket a `ValueError`.
+    """
+    p = urlparse(uri)
+    if p.username or p.password or "@" in p.netloc:
+        raise CJEInputError(f"S3 URI s3://***@{p.netloc.rsplit('@', 1)[-1]}{p.path} has credentials in it; "
+                            "put them in the AWS environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                            "a profile or a role) or StorageConfig, never in a URI")
+    if not p.netloc:
+        raise ValueError(f"S3 URI {uri!r} has no bucket; expected s3://bucket/prefix")
+    return S3Storage(p.netloc, p.path.strip("/"), config)

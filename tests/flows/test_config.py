@@ -12,6 +12,7 @@ from cje_engine.errors import CJEInputError
 from flows.config import DEFAULT_FILE, MAX_WINDOW_DAYS, Window, load_config, parse_window
 from flows.pipelines.evaluate import _group_files
 from flows.runtime.ray_fanout import chunk_ranges
+from flows.pipelines.deployments import evaluation_deployments
 from flows.runtime.schedules import load_evaluations
 
 
@@ -60,7 +61,7 @@ def test_repository_evaluations_file_deploys_with_its_cron():
     specs = load_evaluations(DEFAULT_FILE)
     assert specs, "evaluations.yaml declares no evaluation"
     for spec in specs.values():
-        dep = spec.to_deployment()
+        dep = evaluation_deployments([spec])[0]
         assert dep.name == spec.name and dep.entrypoint == "flows.pipelines.audit.evaluate_and_audit"
         assert dep.parameters["evaluation"] == spec.name and dep.parameters["logs_uri"] == spec.logs_uri
         if spec.cron:
@@ -163,7 +164,7 @@ def test_the_repository_file_loads_with_its_monitors():
 def test_interval_schedule_has_its_anchor(tmp_path):
     f = tmp_path / "ev.yaml"
     f.write_text("evaluations:\n  - {name: a, logs_uri: x, interval: 120, anchor: '2025-01-01T00:00:10Z'}\n")
-    dep = load_evaluations(f)["a"].to_deployment()
+    (dep,) = evaluation_deployments([load_evaluations(f)["a"]])
     sched = dep.schedules[0].schedule
     assert sched.interval.total_seconds() == 120 and sched.anchor_date.isoformat().startswith("2025-01-01T00:00:10")
 

@@ -10,6 +10,7 @@ import pytest
 
 from cje_engine.errors import CJEInputError
 from flows.config import DriftMonitorConfig
+from flows.pipelines.deployments import drift_deployments
 from flows.pipelines.drift_config import DriftMonitorSpec, DriftSettings, load_drift_monitors, settings_from
 
 
@@ -47,7 +48,7 @@ def test_linked_evaluation_fields_are_not_keys_of_the_file(tmp_path):
 def test_the_deployment_uses_the_declared_schedule_with_its_anchor(tmp_path):
     path = _write(tmp_path, [{"set_name": "s", "anchors_uri": "a", "interval": 3600,
                               "anchor": "2025-01-01T06:30:00Z"}])
-    (dep,) = [s.to_deployment() for s in load_drift_monitors(path).values()]
+    (dep,) = drift_deployments(path)
     schedule = dep.schedules[0].schedule
     assert dep.name == "drift-s" and schedule.interval.total_seconds() == 3600
     assert schedule.anchor_date == datetime(2025, 1, 1, 6, 30, tzinfo=timezone.utc)

@@ -27,7 +27,8 @@ from cje_engine.errors import CJEInputError
 from cje_engine.simulate.drift import Judge, drifted_judge, fit_calibration, make_anchor_set
 from flows.storage.anchors import score_files, write_anchor_scores, write_anchor_set
 from flows.pipelines.drift import drift, run_drift, format_summary
-from flows.pipelines.drift_config import DriftSettings, drift_deployments, load_drift_monitors
+from flows.pipelines.deployments import drift_deployments
+from flows.pipelines.drift_config import DriftSettings, load_drift_monitors
 from flows.pipelines.drift_tasks import calibration_from_result
 from flows.reports.drift import render_drift_report
 from flows.storage.drift_state import DriftStateConflict, commit_state, latest_look, load_state, read_looks

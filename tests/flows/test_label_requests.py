@@ -17,7 +17,7 @@ from flows.label_requests.manifests import list_requests, mark_fulfilled, status
 from flows.label_requests.planning import plan_requests
 from flows.label_requests.raising import raise_requests_for_run
 from flows.label_requests.sampling import sample
-from flows.label_requests.triggers import find_triggers, support_regions, _Rows
+from flows.label_requests.triggers import find_triggers, support_regions, TriggerRows
 from flows.storage.objects import Storage
 
 from .test_notify import Receiver
@@ -108,7 +108,7 @@ def test_no_own_labels_trigger(case):
 
 def test_thin_support_regions_follow_the_engine_rule(case):
     _, table, r = case
-    rows = _Rows.from_table(table)
+    rows = TriggerRows.from_table(table)
     regions, rule = support_regions(rows, r, "clone")
     assert regions and rule["support_min_labels"] == r["config"]["support_min_labels"]
     cal = np.sort(rows.score[rows.labelled & (rows.policy == "base")])
@@ -162,7 +162,7 @@ def test_an_undecided_drop_across_windows_requests_the_labels_that_would_decide_
     """Monitoring (cje_engine.inference.changes) finds a drop of clone that is not yet significant;
     the evaluate flow's return value carries it and the request asks for labels_needed of clone."""
     from cje_engine.inference.changes import WindowValue, window_changes
-    from flows.integrations.regressions import undecided_at
+    from flows.pipelines.regressions import undecided_at
 
     _, table, r = case
     pc = window_changes([WindowValue("w0", 0.70, 0.005, n_labelled=100), WindowValue("w1", 0.675, 0.02, n_labelled=100)],

@@ -163,9 +163,9 @@ def test_a_stale_temporary_home_is_removed_by_the_next_start(tmp_path):
     (stale / "prefect.db").write_bytes(b"x")
     mine = tmp_path / f"{HOME_PREFIX}live"
     mine.mkdir()
-    from flows.runtime.watchdog import _start_time
+    from flows.runtime.watchdog import process_start_time
 
-    (mine / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid())}))
+    (mine / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "start": process_start_time(os.getpid())}))
     foreign = tmp_path / f"{HOME_PREFIX}foreign"  # no owner file: not ours to judge
     foreign.mkdir()
     assert clean_stale_homes(tmp_path) == [stale]

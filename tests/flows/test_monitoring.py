@@ -329,7 +329,7 @@ def test_index_and_trend_read_at_1280_and_420_px(five_days, tmp_path):
     value, interval and claim; in headless Chromium no element is wider than the viewport at 420 px (outside a
     scroll box), no link is clipped at 1280 or 420 px, every chart label is >= 10 CSS px, no template text
     shows, and every link resolves to a file."""
-    from flows.reports.common import _fmt, _fmt_ci
+    from flows.reports.common import fmt, fmt_ci
     from flows.storage.publish import read_latest
 
     root = five_days["root"]
@@ -345,9 +345,9 @@ def test_index_and_trend_read_at_1280_and_420_px(five_days, tmp_path):
         claim = p["level_claim"]
         assert rows[name]["data-claim"] == claim
         if claim == "ok":
-            assert rows[name]["data-value"] == _fmt(p["estimate"]) and rows[name]["data-ci"] == _fmt_ci(p["ci"])
+            assert rows[name]["data-value"] == fmt(p["estimate"]) and rows[name]["data-ci"] == fmt_ci(p["ci"])
         elif claim == "assumes_transport" and p["estimate"] is None:
-            assert rows[name]["data-value"] == _fmt(p["assumed"]["estimate"])
+            assert rows[name]["data-value"] == fmt(p["assumed"]["estimate"])
             assert rows[name]["data-value-kind"] == "assumed"
     for page in pages:
         text = page.read_text()
@@ -374,4 +374,4 @@ def test_index_and_trend_read_at_1280_and_420_px(five_days, tmp_path):
             if page == trend_path:
                 assert m["fonts"], "the trend page has chart labels"
             if page == index_path:
-                assert "base" in m["text"] and _fmt_ci(latest["result"]["policies"]["base"]["ci"]) in m["text"]
+                assert "base" in m["text"] and fmt_ci(latest["result"]["policies"]["base"]["ci"]) in m["text"]

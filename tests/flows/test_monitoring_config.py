@@ -11,7 +11,7 @@ import yaml
 
 from cje_engine.errors import CJEInputError
 from flows.config import MonitoringConfig, check_monitoring
-from flows.integrations import regressions
+from flows.pipelines import regressions
 from flows.pipelines.evaluate import plan_run
 from flows.runtime.schedules import load_evaluations
 

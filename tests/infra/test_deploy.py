@@ -33,7 +33,7 @@ def _config(tmp_path: Path) -> Path:
 
 
 def test_runner_deployments_carry_schedules_parameters_and_a_limit_of_one(tmp_path):
-    from flows.runtime.deploy import runner_deployments
+    from flows.pipelines.deployments import runner_deployments
 
     deps = {d.name: d for d in runner_deployments(str(_config(tmp_path)))}
     assert set(deps) == {"daily", "hourly", "drift-anchors"}
@@ -55,7 +55,7 @@ def test_runner_deployments_carry_schedules_parameters_and_a_limit_of_one(tmp_pa
 
 def test_unknown_evaluation_is_bad_input(tmp_path):
     from cje_engine.errors import CJEInputError
-    from flows.runtime.deploy import runner_deployments
+    from flows.pipelines.deployments import runner_deployments
 
     with pytest.raises(CJEInputError, match="no evaluation named 'nope'"):
         runner_deployments(str(_config(tmp_path)), only=["nope"])

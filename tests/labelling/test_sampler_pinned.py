@@ -230,7 +230,7 @@ def _reference_support_regions(values, counts, cs, h, tol, k_min):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_support_regions_equal_the_original_greedy_loop(seed):
-    from flows.label_requests.triggers import _Rows, support_regions
+    from flows.label_requests.triggers import TriggerRows, support_regions
 
     rng = np.random.default_rng(seed)
     n = 3000
@@ -241,7 +241,7 @@ def test_support_regions_equal_the_original_greedy_loop(seed):
                       "oracle_label": label})
     result = {"policies": {}, "config": {"calibration_policies": ["base"], "support_min_labels": 6 + seed,
                                          "support_bandwidth": 0.02, "score_scale": [0, 1]}}
-    regions, rule = support_regions(_Rows.from_table(table), result, "other")
+    regions, rule = support_regions(TriggerRows.from_table(table), result, "other")
     cs = np.sort(score[~np.isnan(label)])
     values, counts = np.unique(score[policy == "other"], return_counts=True)
     assert regions and regions == _reference_support_regions(values, counts, cs, rule["bandwidth"], 1e-9,

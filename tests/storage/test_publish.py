@@ -26,6 +26,7 @@ from flows.storage.publish import (
     read_run,
     run_key,
 )
+from flows.pipelines.pages import contextual_report
 from flows.storage.objects import ObjectInfo, Storage, StorageConfig, StorageError
 from tests.storage.conftest import SECRET_KEY
 
@@ -56,7 +57,7 @@ LINEAGE = {"inputs": {"files": [{"key": "dt=2025-03-01/part-0.parquet", "size": 
 
 
 def _is_page(key: str) -> bool:
-    """The service index and trend pages, rebuilt on every publish (tested in tests/flows/test_monitoring.py)."""
+    """The service index and trend pages (rebuilt by the evaluate flow after a publish, not by `publish_run`)."""
     return key == "results/index.html" or (key.count("/") == 2 and key.endswith("/trend.html"))
 
 
@@ -69,7 +70,7 @@ def _run_objects(st: Storage) -> list[str]:
 
 def test_publish_layout_manifest_and_latest(storage: Storage):
     arts = artifacts_for()
-    out = publish_run(storage, "arena", "2025-03-01_2025-03-07", "k1", arts, LINEAGE)
+    out = publish_run(storage, "arena", "2025-03-01_2025-03-07", "k1", arts, LINEAGE, render_report=contextual_report)
     assert out.published and out.reason == "published"
     run = "results/arena/2025-03-01_2025-03-07/k1"
     assert out.path == storage.url(run)
@@ -94,6 +95,19 @@ def test_publish_layout_manifest_and_latest(storage: Storage):
     refused = got["result"]["policies"]["unhelpful"]
     assert refused["level_claim"] == "refused" and refused["refusal_reasons"]
     assert [r["run_key"] for r in list_runs(storage, "arena")] == ["k1"]
+
+
+def test_storage_renders_nothing_without_a_renderer_and_keeps_the_report_when_it_fails(local_storage: Storage):
+    out = publish_run(local_storage, "ev", "w1", "k1", artifacts_for(report="<html>mine</html>"), LINEAGE)
+    assert read_run(local_storage, "ev", "w1", "k1")["manifest"]["artifacts"]["report.html"]["size"] == 17
+    assert not [o.key for o in local_storage.list("results/") if _is_page(o.key)]  # pages: the flow's step
+
+    def broken(*args: Any) -> bytes:
+        raise RuntimeError("no context")
+
+    out = publish_run(local_storage, "ev", "w2", "k1", artifacts_for(report="<html>mine</html>"), LINEAGE,
+                      render_report=broken)
+    assert out.published and Path(out.artifacts["report.html"]).read_bytes() == b"<html>mine</html>"
 
 
 def test_rerun_is_idempotent(storage: Storage):

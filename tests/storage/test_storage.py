@@ -334,12 +334,12 @@ def test_a_killed_writers_temporary_files_are_swept_by_the_next_write(tmp_path):
     import os
 
     from flows.storage.local import LocalStorage
-    from flows.storage.objects import _TMP_PREFIX, STALE_TMP_SECONDS
+    from flows.storage.objects import TMP_PREFIX, STALE_TMP_SECONDS
 
     st = LocalStorage(tmp_path)
     (tmp_path / "results").mkdir()
-    stale = tmp_path / "results" / f"{_TMP_PREFIX}dead-result.json"
-    fresh = tmp_path / "results" / f"{_TMP_PREFIX}live-result.json"
+    stale = tmp_path / "results" / f"{TMP_PREFIX}dead-result.json"
+    fresh = tmp_path / "results" / f"{TMP_PREFIX}live-result.json"
     for p in (stale, fresh):
         p.write_bytes(b"partial")
     old = time.time() - STALE_TMP_SECONDS - 60

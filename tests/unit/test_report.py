@@ -14,7 +14,7 @@ from cje_engine.errors import CJEInputError
 from flows.reports import evaluation as report
 from flows.reports.common import BLUE, GREEN, GREY, VERMILLION
 from flows.reports.evaluation import render_report
-from flows.reports.svg import _tick_label, _ticks
+from flows.reports.svg import _tick_label, nice_ticks
 from flows.reports.table import format_table
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
@@ -342,13 +342,13 @@ def test_calibration_figure_draws_points_curve_and_bins(result):
 
 
 def test_ticks_cover_range_with_round_steps():
-    lo, hi, ticks, dec = _ticks(0.093, 0.871)
+    lo, hi, ticks, dec = nice_ticks(0.093, 0.871)
     assert lo <= 0.093 and hi >= 0.871
     steps = {round(b - a, 10) for a, b in zip(ticks, ticks[1:])}
     assert steps == {0.2} and dec == 1
     assert [_tick_label(t, dec) for t in ticks] == ["0.0", "0.2", "0.4", "0.6", "0.8",
                                                            "1.0"]
-    lo, hi, ticks, dec = _ticks(-0.33, 0.06, 5)
+    lo, hi, ticks, dec = nice_ticks(-0.33, 0.06, 5)
     assert ticks[0] <= -0.33 and ticks[-1] >= 0.06 and _tick_label(0.0, dec) == "0.0"
 
 

@@ -12,6 +12,7 @@ from flows.reports.history import (drift_for_report, latest_per_window, linked_d
                                    what_changed, window_changes_of)
 from flows.reports.trend import render_index, render_trend, write_pages
 from flows.storage.objects import Storage
+from flows.pipelines.pages import contextual_report, rebuild_pages
 from flows.storage.publish import publish_run
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
@@ -108,6 +109,8 @@ def test_pages_written_on_publish_and_read_back(tmp_path):
     result = json.loads(FIXTURE.read_text())
     for d in (1, 2):
         publish_run(st, "ev", f"2025-01-0{d}_2025-01-0{d}", f"k{d}", {"result.json": json.dumps(result).encode()}, {})
+    assert not (tmp_path / "results" / "index.html").exists()  # storage renders nothing: the flow's pages step does
+    assert rebuild_pages(str(tmp_path), None, "ev") == write_pages(st, "ev")
     hist = read_history(st, "ev")
     assert [r["run_key"] for r in hist] == ["k1", "k2"] and hist[0]["policies"]["unhelpful"]["estimate"] is None
     index, trend = (tmp_path / "results" / "index.html").read_text(), (tmp_path / "results/ev/trend.html").read_text()
@@ -145,7 +148,9 @@ def test_rendered_pages_hold_no_template_code(tmp_path):
     st = Storage.for_uri(tmp_path)
     for d in (1, 2):
         publish_run(st, "ev", f"2025-01-0{d}_2025-01-0{d}", f"k{d}", {"result.json": json.dumps(result).encode(),
-                                                                       "report.html": report.encode()}, {})
+                                                                       "report.html": report.encode()}, {},
+                    render_report=contextual_report)
+    rebuild_pages(str(tmp_path), None, "ev")
     hist = _history()
     trend = render_trend("ev", latest_per_window(hist), hist, window_changes_of(hist),
                          {"mon": [{"look": 1, "dt": "2025-01-02", "alarm": True, "alarms": ["residual_mean"]}]},

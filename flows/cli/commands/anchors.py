@@ -170,7 +170,7 @@ def _set_names(st: Any) -> list[str]:
 
 def cmd_list(ns: argparse.Namespace) -> int:
     """``cje anchors list``: the anchor sets, their versions and score files; returns the exit code."""
-    from flows.storage.anchors import _read_manifest, list_versions, score_files  # noqa: PLC2701
+    from flows.storage.anchors import read_manifest, list_versions, score_files  # noqa: PLC2701
 
     st, mon = _store(ns)
     names = [ns.set or mon] if (ns.set or mon) else _set_names(st)
@@ -179,7 +179,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
         versions = list_versions(st, name)
         if not versions and (ns.set or mon):
             raise CJEInputError(f"no anchor set {name!r} under {st.url('anchors/')}")
-        latest = _read_manifest(st, name, versions[-1]) if versions else {}
+        latest = read_manifest(st, name, versions[-1]) if versions else {}
         days = sorted({f.key.split("dt=", 1)[1].split("/", 1)[0] for f in score_files(st, name)})
         rows.append({"set": name, "versions": versions, "latest": versions[-1] if versions else None,
                      "n_anchors": latest.get("n_anchors"), "n_labelled": latest.get("n_labelled"),

@@ -49,6 +49,7 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
                          "server (e.g. http://prefect-server:4200/api). `cje serve` runs them in one process "
                          "without one.\n")
         return EXIT_UNAVAILABLE
+    from flows.pipelines.deployments import runner_deployments
     from flows.runtime.deploy import deploy
 
     template = None
@@ -57,8 +58,9 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
             template = json.loads(Path(ns.base_job_template).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise CJEInputError(f"not a JSON base job template: {exc}", source=ns.base_job_template) from None
-    out = deploy(str(config), pool=ns.pool, pool_type=ns.pool_type, only=ns.only, drift=not ns.no_drift,
-                 image=ns.image, heartbeat_timeout=ns.heartbeat_timeout, base_job_template=template)
+    deployments = runner_deployments(str(config), only=ns.only, drift=not ns.no_drift)
+    out = deploy(deployments, pool=ns.pool, pool_type=ns.pool_type, image=ns.image,
+                 heartbeat_timeout=ns.heartbeat_timeout, base_job_template=template)
     for d in out:
         sys.stdout.write(f"deployed {d.name} on pool {d.pool}: {d.schedule}\n")
     sys.stdout.write(f"{len(out)} deployment(s); start a worker with: prefect worker start --pool {ns.pool}\n")

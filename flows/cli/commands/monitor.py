@@ -16,9 +16,9 @@ from cje_engine.errors import CJEInputError
 from flows.cli.common import CONFIG_HELP
 from flows.cli.exits import EXIT_OK
 from flows.cli.terminal import json_doc, out_json
-from flows.reports.common import _fmt, _fmt_ci, _safe, _signed
+from flows.reports.common import fmt, fmt_ci, safe_str, signed
 from flows.reports.history import latest_per_window, previous_run, read_history, what_changed, window_changes_of
-from flows.reports.table import _table
+from flows.reports.table import text_table
 from flows.storage.objects import Storage
 from flows.storage.publish import list_runs, read_run
 
@@ -109,24 +109,24 @@ def cmd_runs(ns: argparse.Namespace) -> int:
         out_json(json_doc("runs", evaluation=ns.name, results_uri=uri, runs=out))
         return EXIT_OK
     if not history:
-        sys.stdout.write(f"No published runs of {_safe(ns.name)} under {_safe(uri)}\n")
+        sys.stdout.write(f"No published runs of {safe_str(ns.name)} under {safe_str(uri)}\n")
         return EXIT_OK
     rows = []
     for r in history:
         first = True
         superseded = (r["window"], r["run_key"]) not in latest
         for name, p in r["policies"].items():
-            est = "refused" if p["level_claim"] == "refused" else _fmt(p["estimate"])
-            ci = "" if p["level_claim"] == "refused" else _fmt_ci(p["ci"])
+            est = "refused" if p["level_claim"] == "refused" else fmt(p["estimate"])
+            ci = "" if p["level_claim"] == "refused" else fmt_ci(p["ci"])
             flag = "REGRESSION" if (name, r["window"]) in alarms and not superseded else ""
             rows.append([_window(r["window"]) if first else "", (r["run_key"] + ("*" if superseded else ""))
-                         if first else "", _when(r["published_at"]) if first else "", _safe(name), est, ci,
+                         if first else "", _when(r["published_at"]) if first else "", safe_str(name), est, ci,
                          str(p["level_claim"]), str(p["audit"]), str(p.get("n_labelled") or "-"), flag])
             first = False
-        rows.append(["", "", "", f"best: {_safe(r.get('best_policy') or 'none')}", "", "", "", "", "", ""])
-    lines = [f"Runs of {_safe(ns.name)} ({len(history)} published, {len(latest)} window(s); {_safe(uri)})"]
-    lines += _table(["window", "run", "published (UTC)", "policy", "estimate", "95% CI", "claim", "audit",
-                     "labels", "alarm"], rows, right={4, 5, 8})
+        rows.append(["", "", "", f"best: {safe_str(r.get('best_policy') or 'none')}", "", "", "", "", "", ""])
+    lines = [f"Runs of {safe_str(ns.name)} ({len(history)} published, {len(latest)} window(s); {safe_str(uri)})"]
+    lines += text_table(["window", "run", "published (UTC)", "policy", "estimate", "95% CI", "claim", "audit",
+                         "labels", "alarm"], rows, right={4, 5, 8})
     if len(latest) < len(history):
         lines.append("* superseded by a later run of the same window (new labels)")
     lines.append("Alarms: a significant drop against the previous window or the baseline, with the false-alarm "
@@ -191,16 +191,16 @@ def cmd_diff(ns: argparse.Namespace) -> int:
         if ch.get("policy") is None:
             continue
         n = ch["policy"]
-        before = "refused" if ch["claim_before"] == "refused" else _fmt(ch["before"])
-        after = "refused" if ch["claim_after"] == "refused" else _fmt(ch["after"])
+        before = "refused" if ch["claim_before"] == "refused" else fmt(ch["before"])
+        after = "refused" if ch["claim_after"] == "refused" else fmt(ch["after"])
         st = stats.get(n)
-        rows.append([_safe(n), before, after, _signed(ch["diff"]) if ch["diff"] is not None else "-",
-                     _fmt_ci(st["ci"]) if st else "", _safe("; ".join(ch["notes"]))])
-    lines = [f"{_safe(ns.name)}: {_window(a['window'])} run {a['run_key']} -> {_window(b['window'])} run "
+        rows.append([safe_str(n), before, after, signed(ch["diff"]) if ch["diff"] is not None else "-",
+                     fmt_ci(st["ci"]) if st else "", safe_str("; ".join(ch["notes"]))])
+    lines = [f"{safe_str(ns.name)}: {_window(a['window'])} run {a['run_key']} -> {_window(b['window'])} run "
              f"{b['run_key']}"]
-    lines += _table(["policy", "before", "after", "change", "95% CI of change", "what moved"], rows,
-                    right={1, 2, 3, 4})
-    lines += [_safe(note) for ch in changed if ch.get("policy") is None for note in ch["notes"]]
+    lines += text_table(["policy", "before", "after", "change", "95% CI of change", "what moved"], rows,
+                        right={1, 2, 3, 4})
+    lines += [safe_str(note) for ch in changed if ch.get("policy") is None for note in ch["notes"]]
     lines.append("One comparison at its own 95% level (independent windows); the regression alarms of `cje runs` "
                  "and the trend page hold their error rate over all windows.")
     sys.stdout.write("\n".join(lines) + "\n")
