@@ -550,13 +550,3 @@ def two_stage_knots(n_labels: int, n_covariates: int) -> int:
     keeps six.
     """
     return int(max(0, min(TWO_STAGE_MAX_KNOTS, n_labels // TWO_STAGE_LABELS_PER_PARAMETER - n_covariates - 1)))
-
-
-def make_calibrator(mode: str, clip: tuple[float, float] | None = None, n_knots: int = TWO_STAGE_MAX_KNOTS):
-    """A fresh, unfitted calibrator of the registered ``mode`` (`cje_engine.calibration.registry`).
-
-    ``n_knots``: its index's segments (a mode without an index ignores it). Unknown mode: `CJEInputError`.
-    """
-    from cje_engine.calibration.registry import get  # the registry imports this module
-
-    return get(mode).make(clip, n_knots)

@@ -14,7 +14,7 @@ What is shared with Direct (not re-implemented):
   DR outcome model come from that one cross-fit (`outcome_model`);
 - the bootstrap: prompt multiplicities `cje_engine.direct.estimators.bootstrap_weights(seed, b, G)`; in
   each replicate Direct's statistics come from `cje_engine.pipeline.direct.bootstrap_chunk` and the
-  off-policy ones from the same prompt draw, with the calibrator (`make_calibrator`, full fit
+  off-policy ones from the same prompt draw, with the calibrator (`registry.get(mode).make`, full fit
   plus one fit per held-out fold) and SIMCal refitted, so every difference is paired;
 - the Direct entries (logger, and each candidate's fresh draws in hybrid mode) are
   `cje_engine.pipeline.policies.summarize_direct`, whose calibration summary, audits and support

@@ -7,7 +7,7 @@ from typing import Any
 
 from cje_engine.result.model import (Audit, Calibration, Comparison, Curve, Decile, EvaluationModel, Multiplicity,
                                      Points, ReliabilityBin, WinMatrix)
-from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, SKY, VERDICT_STYLE, VERMILLION, _loose,
+from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, SKY, VERDICT_STYLE, VERMILLION, loose_model,
                                   as_number, as_pair, conf_label, esc, fmt, fmt_ci, is_refused, not_estimable_reason,
                                   policy_order, raw_on_label_scale, same_scale, scale_text, scales_of, short_label,
                                   verdict_of, z_of)
@@ -332,7 +332,7 @@ def _puor(p: float) -> str:
 
 def win_svg(result: Any) -> str:
     """The pairwise win matrix (a result dict, `EvaluationResult` or `EvaluationModel`)."""
-    m = _loose(result)
+    m = loose_model(result)
     names, prob, sig = _pairwise(m)
     pols = m.policies
     k = len(names)

@@ -121,7 +121,7 @@ def result_model(result: Any) -> EvaluationModel:
 def alpha_of(result: Any) -> float:
     """The result's alpha (inference, else config; 0.05 when neither holds a valid one); ``result`` is a
     typed model or anything `typed_view` reads."""
-    m = result if isinstance(result, EvaluationModel) else _loose(result)
+    m = result if isinstance(result, EvaluationModel) else loose_model(result)
     for a in (getattr(m.inference, "alpha", None), (m.config or {}).get("alpha") if isinstance(m.config, dict) else None):
         a = as_number(a)
         if a is not None and 0 < a < 1:
@@ -129,7 +129,7 @@ def alpha_of(result: Any) -> float:
     return 0.05
 
 
-def _loose(result: Any) -> EvaluationModel:
+def loose_model(result: Any) -> EvaluationModel:
     """A result typed as far as it goes, without the rendering checks (for helpers that read a field or two)."""
     return typed_view(result, partial=True, rules=False)
 
@@ -171,7 +171,7 @@ def policy_order(result: Any) -> list[str]:
     """Policies by estimate, highest first (policies without a finite estimate last, in the order of
     the ranking, then of the dict). Never by rank group: rank = 1 + the number of policies
     significantly better, so an imprecise low estimate can hold rank 1 (see `rank_text`)."""
-    m = result if isinstance(result, EvaluationModel) else _loose(result)
+    m = result if isinstance(result, EvaluationModel) else loose_model(result)
     policies = m.policies if isinstance(m.policies, dict) else {}
     order: list[str] = []
     for entry in m.ranking or []:
@@ -193,7 +193,7 @@ def rank_text(result: Any, name: str) -> str:
     policies it is not significantly different from leave it anywhere from 1 to 3 (best possible rank =
     1 + policies significantly better, worst = K - policies significantly worse, `win_matrix`);
     ``"-"`` for a policy left out of the ranking (not estimable)."""
-    m = result if isinstance(result, EvaluationModel) else _loose(result)
+    m = result if isinstance(result, EvaluationModel) else loose_model(result)
     wm = m.win_matrix if isinstance(m.win_matrix, WinMatrix) else None
     names, sig = list((wm.policies if wm else None) or []), (wm.significant if wm else None) or []
     if name not in names or len(sig) != len(names):
@@ -277,7 +277,7 @@ def check_drift(drift: Any) -> dict:
 # --------------------------------------------------------------------------------------------
 def scales_of(result: Any) -> tuple[tuple[float, float] | None, tuple[float, float] | None]:
     """(score scale, label scale) as declared in the result's config (None when not declared)."""
-    config = _loose(result).config
+    config = loose_model(result).config
     config = config if isinstance(config, dict) else {}
     return as_pair(config.get("score_scale")), as_pair(config.get("label_scale"))
 
