@@ -206,4 +206,5 @@ class Diagnostics:
 
     @property
     def ess_uplift(self) -> float:
+        """Stabilised over raw effective sample size (inf when the raw ESS is 0)."""
         return self.ess_stabilised / self.ess_raw if self.ess_raw > 0 else float("inf")

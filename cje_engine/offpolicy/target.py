@@ -89,6 +89,7 @@ class TargetReport:
         return self.verdicts["calibrated_ips"]
 
     def to_dict(self) -> dict:
+        """The report as JSON data (non-finite numbers become None)."""
         def num(x: float) -> float | None:
             return float(x) if np.isfinite(x) else None
 

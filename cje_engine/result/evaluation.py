@@ -61,6 +61,7 @@ class EvaluationResult:
         return self.model.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
     def to_json(self, **kwargs: Any) -> str:
+        """The result as a JSON string (`to_dict`; NaN refused)."""
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
 
     @property

@@ -143,6 +143,7 @@ def detect_format(data: bytes, name: str) -> str:
 
 
 def load_json_or_jsonl(data: bytes, source: str) -> Any:
+    """Parse ``data`` as one JSON document, else as JSON lines (errors name ``source`` and the line)."""
     try:
         return json.loads(data)
     except ValueError:

@@ -196,6 +196,7 @@ def calibration_svg(cal: Calibration, config: dict) -> str:
 
 
 def audit_svg(name: str, audit: Audit, alpha: float) -> str:
+    """SVG of a policy's transport audit: mean residual by score decile with intervals at ``alpha``."""
     width, height = 500, 250
     L, T, W, H = 64, 14, 420, 170
     z = z_of(alpha)
@@ -394,6 +395,7 @@ def win_svg(result: Any) -> str:
 
 
 def drift_svg(d: dict) -> str:
+    """SVG panels of a drift series (Kendall's tau and the other metrics per period)."""
     periods = d["periods"]
     n = len(periods)
     width = 1040

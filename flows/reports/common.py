@@ -55,6 +55,7 @@ def as_number(value: Any) -> float | None:
 
 
 def fmt(value: Any, digits: int = 3) -> str:
+    """``value`` with ``digits`` decimals (``n/a`` when not a finite number)."""
     v = as_number(value)
     if v is None:
         return "n/a"
@@ -63,6 +64,7 @@ def fmt(value: Any, digits: int = 3) -> str:
 
 
 def signed(value: Any, digits: int = 3) -> str:
+    """``value`` with an explicit sign (``n/a`` when not a finite number)."""
     v = as_number(value)
     if v is None:
         return "n/a"
@@ -71,6 +73,7 @@ def signed(value: Any, digits: int = 3) -> str:
 
 
 def as_pair(ci: Any) -> tuple[float, float] | None:
+    """``(lo, hi)`` of an interval given as a two-element list, else None."""
     if not isinstance(ci, (list, tuple)) or len(ci) != 2:
         return None
     lo, hi = as_number(ci[0]), as_number(ci[1])
@@ -78,11 +81,13 @@ def as_pair(ci: Any) -> tuple[float, float] | None:
 
 
 def fmt_ci(ci: Any, digits: int = 3) -> str:
+    """An interval as ``[lo, hi]`` (``n/a`` when it is not one)."""
     pair = as_pair(ci)
     return "n/a" if pair is None else f"[{fmt(pair[0], digits)}, {fmt(pair[1], digits)}]"
 
 
 def fmt_p(p: Any) -> str:
+    """A p-value for people (``<0.001`` below it, ``n/a`` when missing)."""
     v = as_number(p)
     if v is None:
         return "n/a"
@@ -92,6 +97,7 @@ def fmt_p(p: Any) -> str:
 
 
 def pct(value: Any) -> str:
+    """A share as a whole percentage (``n/a`` when missing)."""
     v = as_number(value)
     return "n/a" if v is None else f"{100 * v:.0f}%"
 
@@ -135,25 +141,30 @@ def loose_model(result: Any) -> EvaluationModel:
 
 
 def conf_label(alpha: float) -> str:
+    """The confidence level of ``alpha`` as text, e.g. ``95%``."""
     return f"{100 * (1 - alpha):g}%"
 
 
 def z_of(alpha: float) -> float:
+    """The two-sided normal quantile of ``alpha``."""
     return NormalDist().inv_cdf(1 - alpha / 2)
 
 
 def is_refused(pol: dict | PolicyResult) -> bool:
+    """Is the policy's level refused (typed entry or dict)?"""
     if isinstance(pol, PolicyResult):
         return pol.level_claim == "refused"
     return pol.get("level_claim") == "refused"
 
 
 def audit_of(pol: dict) -> dict:
+    """The policy dict's audit block (empty when missing)."""
     audit = pol.get("audit")
     return audit if isinstance(audit, dict) else {}
 
 
 def verdict_of(pol: dict | PolicyResult) -> str:
+    """The policy's audit verdict (``not_run`` when missing or unknown)."""
     verdict = getattr(pol.audit, "verdict", None) if isinstance(pol, PolicyResult) else audit_of(pol).get("verdict")
     return verdict if verdict in VERDICT_STYLE else "not_run"
 
@@ -306,6 +317,7 @@ def raw_on_label_scale(result: dict, raw: Any) -> float | None:
 
 
 def scale_text(pair: tuple[float, float] | None) -> str:
+    """A scale as ``lo-hi`` (``n/a`` when unknown)."""
     return "n/a" if pair is None else f"{pair[0]:g}\u2013{pair[1]:g}"
 
 

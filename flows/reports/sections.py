@@ -411,6 +411,7 @@ def calibration_section(m: EvaluationModel) -> str:
 
 
 def drift_section(d: dict) -> str:
+    """The report's judge-drift section (series chart and its facts)."""
     extra = []
     if d.get("n_anchors") is not None:
         extra.append(f"{esc(d['n_anchors'])} anchor pairs")
@@ -437,6 +438,7 @@ def drift_section(d: dict) -> str:
 
 
 def report_footer(result: dict) -> str:
+    """The report's footer: engine and code versions, seed and options."""
     config = result.get("config") if isinstance(result.get("config"), dict) else {}
     inference = result.get("inference") if isinstance(result.get("inference"), dict) else {}
     seed = config.get("seed", inference.get("seed"))

@@ -104,6 +104,7 @@ def collect(ns: argparse.Namespace) -> list[tuple[dict, dict, dict]]:
 
 
 def find(ns: argparse.Namespace, request_id: str) -> tuple[dict, dict, dict]:
+    """The (evaluation, manifest, progress) of ``request_id``; `CJEInputError` when no request has it."""
     for item in collect(ns):
         if item[1]["request_id"] == request_id:
             return item
@@ -123,6 +124,7 @@ def _line(p: dict) -> str:
 
 
 def cmd_list(ns: argparse.Namespace) -> int:
+    """``cje requests list``: the requests (optionally of one status); returns the exit code."""
     items = [p for _, _, p in collect(ns) if ns.status is None or p["status"] == ns.status]
     if ns.json:
         out_json(json_doc("requests list", requests=items))
@@ -135,6 +137,7 @@ def cmd_list(ns: argparse.Namespace) -> int:
 
 
 def cmd_show(ns: argparse.Namespace) -> int:
+    """``cje requests show``: one request's manifest and progress; returns the exit code."""
     w, m, p = find(ns, ns.request_id)
     if ns.json:
         out_json(json_doc("requests show", **{k: v for k, v in m.items() if k not in ("cje_json", "command")},
@@ -153,6 +156,7 @@ def cmd_show(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
+    """``cje requests status``: counts by status and each request's progress; returns the exit code."""
     items = [p for _, _, p in collect(ns)]
     s = summarize(items)
     if ns.json:
