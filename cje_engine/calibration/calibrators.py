@@ -63,6 +63,7 @@ class Cells:
 
     @property
     def size(self) -> int:
+        """Number of cells."""
         return int(self.score.shape[0])
 
     def subset(self, idx: np.ndarray) -> "Cells":
@@ -166,6 +167,7 @@ class IsotonicCalibrator:
 
     def fit(self, score: np.ndarray, y: np.ndarray, X: np.ndarray | None = None,
             sample_weight: np.ndarray | None = None) -> "IsotonicCalibrator":
+        """Fit the isotonic curve of ``y`` on ``score`` (``X`` ignored); returns self."""
         score = np.asarray(score, dtype=float)
         w = np.ones_like(score) if sample_weight is None else np.asarray(sample_weight, dtype=float)
         cells, row_cell = make_cells(score)
@@ -190,6 +192,7 @@ class IsotonicCalibrator:
         return np.asarray(score, dtype=float)
 
     def predict(self, score: np.ndarray, X: np.ndarray | None = None) -> np.ndarray:
+        """Calibrated values of ``score`` (interpolated, flat outside, clipped to ``clip``)."""
         out = np.interp(self.index(score, X), self.x_, self.y_)
         return out if self.clip is None else np.clip(out, *self.clip)
 
@@ -426,6 +429,7 @@ class TwoStageCalibrator:
 
     def fit(self, score: np.ndarray, y: np.ndarray, X: np.ndarray | None = None,
             sample_weight: np.ndarray | None = None) -> "TwoStageCalibrator":
+        """Fit the monotone index of score and covariates, then isotonic on it; returns self."""
         score = np.asarray(score, dtype=float)
         w = np.ones_like(score) if sample_weight is None else np.asarray(sample_weight, dtype=float)
         cells, row_cell = make_cells(score, X)
@@ -521,6 +525,7 @@ class TwoStageCalibrator:
         return self._index_t(score, _signed_log(X) if self.log_covariates else X)
 
     def predict(self, score: np.ndarray, X: np.ndarray | None = None) -> np.ndarray:
+        """Calibrated values of ``score`` with covariates ``X`` (clipped to ``clip``)."""
         out = np.interp(self.index(score, X), self.x_, self.y_)
         return out if self.clip is None else np.clip(out, *self.clip)
 

@@ -255,6 +255,7 @@ class TwoStageFits:
         return m
 
     def models(self) -> list:
+        """Every fit as a `TwoStageCalibrator` (``model(j)`` for each j)."""
         return [self.model(j) for j in range(self.J)]
 
 

@@ -60,6 +60,7 @@ class Design:
 
     @property
     def n_policies(self) -> int:
+        """Number of policies in the design."""
         return len(self.data.policies)
 
     def __getstate__(self) -> dict:
@@ -68,6 +69,7 @@ class Design:
 
     @property
     def cal_fold(self) -> np.ndarray:
+        """Cross-fitting fold of each calibration row."""
         return self.data.fold[self.cal_rows]
 
 

@@ -69,6 +69,7 @@ class DirectSummaries:
 
 
 def clip(ci: Sequence[float], scale: tuple[float, float]) -> list[float]:
+    """The interval ``ci`` clipped to ``scale``."""
     return [float(np.clip(ci[0], *scale)), float(np.clip(ci[1], *scale))]
 
 

@@ -77,6 +77,7 @@ class Support(_Strict):
 
 
 class Decile(_Strict):
+    """One score decile of a transport audit: its range, rows and mean residual."""
     lo: float
     hi: float
     n: int
@@ -155,6 +156,7 @@ class OffPolicyEstimate(_Strict):
 
 
 class GateCheck(_Strict):
+    """One gate's value against its threshold."""
     gate: str
     value: Num
     threshold: float
@@ -163,6 +165,7 @@ class GateCheck(_Strict):
 
 
 class Verdict(_Strict):
+    """A gate verdict: the claim allowed, why, and what to do."""
     claim: Literal["level", "downgraded", "refused"]
     reasons: list[str]
     recommendation: Optional[str]
@@ -333,6 +336,7 @@ class AssumedClaims(_Strict):
 
 
 class RankEntry(_Strict):
+    """A policy's place in the ranking."""
     policy: str
     rank: int = Field(description="1 + number of policies significantly better")
     estimate: Num
@@ -341,18 +345,21 @@ class RankEntry(_Strict):
 
 
 class WinMatrix(_Strict):
+    """Pairwise significance and probability that the row policy is better."""
     policies: list[str]
     significant: list[list[int]] = Field(description="+1 row significantly better than column, -1 worse, 0 not")
     prob_row_better: list[list[Optional[float]]]
 
 
 class Multiplicity(_Strict):
+    """The adjustment of the pairwise comparisons' p-values."""
     method: Literal["bh", "holm"]
     alpha: float
     n_comparisons: int = Field(description="reported comparisons (the adjustment's family)")
 
 
 class RankAgreement(_Strict):
+    """How far the raw judge's order agrees with the calibrated order."""
     kendall_tau_b_raw_vs_calibrated: Num
     raw_order: list[str]
     calibrated_order: list[str]
@@ -362,6 +369,7 @@ class RankAgreement(_Strict):
 
 
 class DataSummary(_Strict):
+    """Counts of the evaluated data."""
     n_rows: int
     n_prompts: int
     n_labelled: int
@@ -376,6 +384,7 @@ class DataSummary(_Strict):
 
 
 class Selection(_Strict):
+    """How the calibration mode was chosen."""
     requested: str
     oof_rmse: dict[str, float] = Field(description="out-of-fold RMSE on the calibration rows, per mode tried")
     labelled_rmse: Optional[dict[str, float]] = Field(
@@ -404,17 +413,20 @@ class ExcludedSource(_Strict):
 
 
 class Curve(_Strict):
+    """The fitted calibration curve on a grid of scores."""
     score: list[float]
     fitted: list[float]
     covariates_at: Optional[dict[str, float]] = None
 
 
 class Points(_Strict):
+    """The labelled points the calibration was fitted on."""
     score: list[float]
     label: list[float]
 
 
 class ReliabilityBin(_Strict):
+    """One bin of the calibration's reliability table."""
     lo: float
     hi: float
     n: int
@@ -423,6 +435,7 @@ class ReliabilityBin(_Strict):
 
 
 class Calibration(_Strict):
+    """The judge-to-oracle calibration: mode, selection, fit and diagnostics."""
     mode: result_mode_type()  # a registered calibration mode (cje_engine.calibration.registry)
     selection: Optional[Selection] = None
     n_train: int
@@ -436,6 +449,7 @@ class Calibration(_Strict):
 
 
 class Inference(_Strict):
+    """The inference route: bootstrap or analytic, and its settings."""
     method: Literal["bootstrap", "analytic"]
     n_bootstrap: int
     ci_method: str

@@ -102,6 +102,7 @@ _progress_enabled = True
 
 
 def enable_progress(enabled: bool) -> None:
+    """Turn the terminal progress lines on or off (``-q``)."""
     global _progress_enabled
     _progress_enabled = bool(enabled)
 

@@ -63,7 +63,8 @@ class JudgeScorer(Protocol):
     ``score`` returns one float per item in the same order (NaN = could not be scored).
     """
 
-    def score(self, items: list[dict]) -> list[float]: ...
+    def score(self, items: list[dict]) -> list[float]:
+        """One judge score per item."""
 
 
 class ScorerError(RuntimeError):

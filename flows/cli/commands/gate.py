@@ -60,6 +60,7 @@ class Claim:
 
     @property
     def below(self) -> bool:
+        """Does the claim pass when the value is below its threshold?"""
         return self.op in ("<", "<=")
 
 
@@ -245,6 +246,7 @@ def judge(result: Mapping[str, Any] | EvaluationModel, baseline: str, *, fail_if
 
 
 def register(sub: Any) -> None:
+    """Add ``cje gate`` to the command-line parser."""
     p = sub.add_parser("gate", help="a CI gate on a result.json: exit 1 when a --fail-if holds (docs/ci.md)",
                        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("result", help="result.json of `cje evaluate` (or a published result)")
@@ -264,6 +266,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_gate(ns: argparse.Namespace) -> int:
+    """``cje gate``: check a published result's claims; returns the exit code (1 when a claim fails)."""
     if not ns.fail_if and not ns.pass_if:
         raise CJEInputError("give at least one --fail-if or --pass-if expression (e.g. --fail-if worse)")
     from flows.storage.publish import read_result_file
