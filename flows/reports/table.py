@@ -10,10 +10,19 @@ from flows.reports.common import (VERDICT_STYLE, alpha_of, conf_label, fmt, fmt_
                                   scale_text, scales_of, signed, verdict_of)
 from flows.reports.sections import strip_winner_prefix
 
-__all__ = ["format_table"]
+__all__ = ["format_table", "text_table"]
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    """Lines of a plain-text table: a header, a rule and the rows, columns padded to their widest cell.
+
+    Parameters
+    ----------
+    headers : sequence of str
+    rows : sequence of sequences of str
+    right : set of int
+        Indices of the right-aligned (numeric) columns.
+    """
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(headers)]
 
@@ -64,7 +73,7 @@ def format_table(result: Any) -> str:
         ])
     lines = ["Policy estimates (oracle scale)"]
     raw_head = "raw judge" if same_scale(m) else f"raw judge ({scale_text(scales_of(m)[0])})"
-    lines += _table(["rank", "policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport",
+    lines += text_table(["rank", "policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport",
                      raw_head, "oracle mean"], rows, right={2, 3, 7, 8, 9})
     if any(pols[n].level_claim == "assumes_transport" for n in order):
         lines.append("claim 'assumes transport': no verified level; the plug-in shown rests on the calibration "
@@ -117,7 +126,7 @@ def _comparison_lines(m: EvaluationModel, conf: str, alpha: float) -> list[str]:
                      "assumes transport" if c.claim_kind == "assumes_transport" else
                      "verified" if c.claim_kind == "verified" else "",
                      "*" if involves else ""])
-    lines += _table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", "claim", ""],
+    lines += text_table(["a", "b", "diff", f"{conf} CI", "p", "p adj", "sig", "P(a better)", "claim", ""],
                     crow, right={3, 4, 5, 7})
     if any_refused:
         lines.append("* involves a refused policy: relative comparison only, no level implied")
@@ -146,5 +155,5 @@ def _baseline_lines(m: EvaluationModel, conf: str) -> list[str]:
         verdict = "better" if c.better else "worse" if c.worse else "non-inferior" if c.non_inferior else "undecided"
         body.append([safe_str(c.policy), signed(c.diff), fmt_ci(c.ci), verdict,
                      "assumes transport" if c.claim_kind == "assumes_transport" else "verified"])
-    out += _table(["policy", "diff", f"{conf} CI (simultaneous)", "verdict", "claim"], body, right={1, 2})
+    out += text_table(["policy", "diff", f"{conf} CI (simultaneous)", "verdict", "claim"], body, right={1, 2})
     return out
