@@ -416,7 +416,7 @@ def _audits(prep: Any, reps: np.ndarray | None, n_own: np.ndarray, n_own_prompts
             if dk.size > 1:
                 se_delta[k] = float(np.std(dk, ddof=1))
                 se_route[k] = "bootstrap"
-    margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
+    margin = opts.audit_margin_in(d.label_scale)
     df_delta = audit_degrees_of_freedom(design, prep.infl, se_delta, is_source, n_own_prompts)  # t reference (small calibrators)
     audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin, df=df_delta,
                             n_calibration=int(n_cal), min_labels=opts.min_labels)

@@ -62,9 +62,10 @@ from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline import offpolicy as offpolicy_pipeline
 from cje_engine.pipeline.direct import finalize as engine_finalize
 from cje_engine.pipeline.direct import prepare as engine_prepare
-from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
+from cje_engine.pipeline.offpolicy import flow_columns, flow_policies
 
-from flows.config import (MonitoringConfig, Window, check_columns, check_monitoring, check_publish_name, check_uri,
+from flows.config import (EngineOptions, EngineOptionsParameter, MonitoringConfig, Window, check_columns,
+                          check_monitoring, check_publish_name, check_uri, engine_options, option_covariates,
                           parse_window)
 from flows.pipelines import preflight
 from flows.integrations.regressions import monitor_evaluation
@@ -294,10 +295,11 @@ def _rows_named_by_object(table: pa.Table, logs_uri: str | None, cfg: Any) -> It
 
 
 @task(name="prepare", **_PURE_TASK)
-def prepare(table: pa.Table, options: dict, logs_uri: str | None = None, cfg: Any = None) -> Any:
-    """Engine `prepare`: validate, select the mode, fit the calibration once."""
+def prepare(table: pa.Table, options: EvaluationOptions, logs_uri: str | None = None, cfg: Any = None) -> Any:
+    """Engine `prepare`: validate, select the mode, fit the calibration once (``options``: the run's typed
+    options, passed as they are)."""
     with _rows_named_by_object(table, logs_uri, cfg):
-        return engine_prepare(table, **options)
+        return engine_prepare(table, options)
 
 
 @task(name="bootstrap", **storage_task_options((1.0,)))
@@ -330,10 +332,11 @@ def finalize(prep: Any, chunks: list) -> Any:
 
 
 @task(name="prepare_offpolicy", **_PURE_TASK)
-def prepare_offpolicy(table: pa.Table, options: dict, logs_uri: str | None = None, cfg: Any = None) -> Any:
-    """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates."""
+def prepare_offpolicy(table: pa.Table, options: Any, logs_uri: str | None = None, cfg: Any = None) -> Any:
+    """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates (``options``:
+    the run's typed `OffPolicyOptions`)."""
     with _rows_named_by_object(table, logs_uri, cfg):
-        return offpolicy_pipeline.prepare(table, **options)
+        return offpolicy_pipeline.prepare(table, options=options)
 
 
 def _chunk_fn(prep: Any) -> Any:
@@ -377,15 +380,6 @@ def publish(results_uri: str, cfg: Any, evaluation: str, window: Window, key: st
 # the run's plan (parameters resolved and checked before anything starts)
 
 
-def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict:
-    """Engine keyword options of a run (validated by the engine), JSON-ready."""
-    opts = dict(options or {})
-    if policies:
-        opts["policies"] = list(policies)
-    EvaluationOptions.build(**opts)  # early, clear error on an unknown or bad option
-    return opts
-
-
 @dataclass
 class RunPlan:
     """One flow run's resolved parameters: where to read and publish, the window, the options."""
@@ -398,7 +392,7 @@ class RunPlan:
     labels_uri: str
     policies: list[str] | None
     mode: str
-    opts: dict
+    opts: EngineOptions  # the typed options (`flows.config.engine_options`), passed as they are to the engine
     extra_columns: list[str]
     read_policies: list[str] | None
     retry: dict
@@ -408,7 +402,7 @@ class RunPlan:
 
     @property
     def covariates(self) -> list[str]:
-        return list(self.opts.get("covariates") or [])
+        return list(self.opts.covariates)
 
     @property
     def needed_columns(self) -> list[str]:
@@ -432,12 +426,12 @@ def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | Non
     for what, uri in (("logs_uri", logs_uri), ("results_uri", results_uri), ("labels_uri", labels_uri)):
         if uri:
             check_uri(uri, what)
+    opts = engine_options(options, policies, mode)  # the object itself when it was parsed already
     if mode == "direct":
-        opts, extra_columns, read_policies = engine_options(options, policies), [], policies
+        extra_columns, read_policies = [], policies
     else:
-        opts = flow_options(options, policies, mode)
         extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
-    columns = check_columns(columns, "columns", (options or {}).get("covariates")) or None
+    columns = check_columns(columns, "columns", option_covariates(options)) or None
     delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
     return RunPlan(evaluation=evaluation, window_spec=str(window), window=parse_window(window, as_of),
                    logs_uri=logs_uri, results_uri=results_uri or logs_uri, labels_uri=labels_uri or logs_uri,
@@ -462,7 +456,7 @@ def _code_version() -> str:
 def run_config(plan: RunPlan) -> dict:
     """The configuration that, with the inputs' fingerprint, names the run (its run key)."""
     config = {"evaluation": plan.evaluation, "window": plan.window.label,
-              "policies": sorted(plan.policies) if plan.policies else None, "options": plan.opts,
+              "policies": sorted(plan.policies) if plan.policies else None, "options": plan.opts.declared,
               "logs_uri": plan.logs_uri, "labels_uri": plan.labels_uri}
     if plan.mode != "direct":
         config["mode"] = plan.mode
@@ -486,7 +480,7 @@ def build_manifest(plan: RunPlan, files: list[dict], counts: dict, label_info: d
         "monitoring": plan.monitoring.model_dump(mode="json"),  # the settings of its regression alarms
         "code_version": _code_version(),
         "engine_version": ENGINE_VERSION,
-        "seed": int(plan.opts.get("seed", 0)),
+        "seed": int(plan.opts.seed),
         "ray": ray_kind,
         "flow_run_id": _flow_run_id(),
         "created_at": datetime.now(timezone.utc).isoformat(),
@@ -594,7 +588,7 @@ def evaluate(
     results_uri: str | None = None,
     labels_uri: str | None = None,
     policies: list[str] | None = None,
-    options: dict[str, Any] | None = None,
+    options: EngineOptionsParameter = None,
     as_of: str | None = None,
     n_chunks: int | None = None,
     retry_delays: list[float] | None = None,
@@ -617,8 +611,10 @@ def evaluate(
         Where results are published and where the label store lives (default: ``logs_uri``).
     policies : list of str, optional
         Only these policies (pushed down into the read).
-    options : dict, optional
-        Engine keyword options (``covariates``, ``n_bootstrap``, ``seed``, ...).
+    options : EvaluationOptions, OffPolicyOptions or dict, optional
+        Engine options: the typed object of a declared evaluation (``EvaluationSpec.flow_parameters()``),
+        used as it is, or a mapping (``covariates``, ``n_bootstrap``, ``seed``, ...; a deployment's JSON),
+        parsed once by `flows.config.engine_options`.
     as_of : str, optional
         Reference date of a relative window (default: today, UTC).
     n_chunks : int, optional
@@ -673,4 +669,4 @@ def _flow_run_id() -> str | None:
     return str(ctx.flow_run.id) if ctx and ctx.flow_run else None
 
 
-__all__ = ["evaluate", "engine_options", "plan_run", "RunPlan", "check_parameters"]
+__all__ = ["evaluate", "engine_options", "plan_run", "RunPlan", "check_parameters"]  # engine_options: flows.config
