@@ -31,7 +31,6 @@ import argparse
 import math
 import re
 from dataclasses import asdict, dataclass
-from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -39,6 +38,7 @@ import numpy as np
 from scipy.stats import norm
 
 from cje_engine.errors import CJEInputError
+from flows.config import did_you_mean
 
 from flows.cli.exits import EXIT_GATE_FAILED, EXIT_OK
 from flows.cli.terminal import err, escape, out, out_json
@@ -215,8 +215,7 @@ def judge(result: Mapping[str, Any], baseline: str, *, fail_if: Sequence[Any] = 
                             column="policies")
     for name in [baseline, *(candidates or [])]:
         if name not in pols:
-            close = get_close_matches(name, pols, n=1)
-            raise CJEInputError(f"policy {name!r} is not in the result{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+            raise CJEInputError(f"policy {name!r} is not in the result{did_you_mean(name, pols)}"
                                 f" (policies: {', '.join(pols)})", column="policies")
     cands = list(candidates) if candidates else [p for p in pols if p != baseline]
     if baseline in cands:
