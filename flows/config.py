@@ -547,8 +547,26 @@ class EvaluationConfig(ScheduledEntry):
 LOOK_KEY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}/.+$")
 
 
+class DriftMonitorOptions(BaseModel):
+    """The ``monitor:`` keywords of a drift monitor (`cje_engine.drift.monitor.DriftMonitor`'s), typed
+    strictly; an unset key keeps the engine's default (none is repeated here: `model_dump` leaves them out)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    alpha: float = Field(default=None, description="family-wise error budget over metrics and looks")
+    horizon: int | None = Field(default=None, description="scheduled looks (None: any number)")
+    weights: dict[str, float] | None = Field(default=None, description="share of alpha per metric")
+    min_anchors: int = Field(default=None, description="fewest paired anchors in a look")
+    min_labels: int = Field(default=None, description="fewest labelled paired anchors (residual metrics)")
+    tau_floor: float | None = Field(default=None, description="floor of tau-b without a rank baseline")
+    se_method: str = Field(default=None, description="jackknife or influence")
+    max_thresholds: int = Field(default=None, description="most thresholds of the distribution test")
+    rank_window: int = Field(default=None, description="looks compared by the rank metric")
+
+
 def check_drift_comparison(reference: str, monitor: Mapping[str, Any]) -> None:
-    """A drift monitor's ``reference`` and ``monitor`` options (`DriftMonitor` keywords); `CJEInputError`.
+    """A drift monitor's ``reference`` and ``monitor`` options (`DriftMonitorOptions`: strict types, unknown
+    keys with a did-you-mean hint; then `DriftMonitor`'s own range checks); `CJEInputError`.
 
     Shared by the declarations here and the drift flow's own settings
     (`flows.pipelines.drift_config.DriftSettings`).
@@ -557,18 +575,24 @@ def check_drift_comparison(reference: str, monitor: Mapping[str, Any]) -> None:
 
     if reference != "first" and not reference.startswith("judge:") and not LOOK_KEY_RE.match(reference):
         raise CJEInputError(f"reference {reference!r} must be 'first', 'judge:<judge_id>' or 'YYYY-MM-DD/<judge_id>'")
+    if not isinstance(monitor, Mapping):
+        raise CJEInputError(f"monitor: expected a mapping of DriftMonitor options, got {monitor!r}")
     try:
-        DriftMonitor(**dict(monitor))
-    except TypeError as exc:
-        raise CJEInputError(f"monitor: bad monitor option ({exc})") from None
+        opts = DriftMonitorOptions.model_validate(dict(monitor))
+    except ValidationError as exc:
+        raise CJEInputError(f"monitor: bad monitor option ({_one_line(exc, DriftMonitorOptions)})") from None
+    DriftMonitor(**opts.model_dump(exclude_unset=True))
 
 
-class DriftMonitorConfig(ScheduledEntry):
-    """One entry of ``drift_monitors:`` (see docs/drift-flow.md for the keys)."""
+class DriftComparisonKeys(BaseModel):
+    """The keys a declared drift monitor (`DriftMonitorConfig`) and the drift flow's settings
+    (`flows.pipelines.drift_config.DriftSettings`) share, declared once: what to compare, where, and how."""
 
-    name: str | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
     set_name: str
     anchors_uri: str
+    anchors_version: int | None = Field(default=None, ge=1)
     logs_uri: str | None = None
     drift_uri: str | None = None
     results_uri: str | None = None
@@ -577,9 +601,14 @@ class DriftMonitorConfig(ScheduledEntry):
     scorer: dict[str, Any] | None = None
     reference: str = "first"
     replicate: str | None = "next"
-    anchors_version: int | None = Field(default=None, ge=1)
     monitor: dict[str, Any] = Field(default_factory=dict)
     notify_on: Literal["new", "every"] = "new"
+
+
+class DriftMonitorConfig(ScheduledEntry, DriftComparisonKeys):
+    """One entry of ``drift_monitors:`` (see docs/drift-flow.md for the keys)."""
+
+    name: str | None = None
 
     _uris = _uri_validator("anchors_uri", "logs_uri", "drift_uri", "results_uri")
 

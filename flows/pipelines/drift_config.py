@@ -16,15 +16,27 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cje_engine.errors import CJEInputError
-from flows.config import DriftMonitorConfig, check_drift_comparison, check_webhook_url, load_config, pick_declared
+from flows.config import (DriftComparisonKeys, DriftMonitorConfig, check_drift_comparison, check_webhook_url,
+                          load_config, pick_declared)
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS
 from flows.storage.anchors import check_name
 
 log = logging.getLogger(__name__)
 
 
+class LinkedEvaluationKeys(BaseModel):
+    """What a drift monitor takes from its linked evaluation (`load_drift_monitors`): keys of the drift
+    flow's settings, declared once for `DriftSettings` and `DriftMonitorSpec`."""
 
-class DriftSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    evaluation_logs_uri: str | None = None
+    evaluation_columns: dict[str, str] | None = None
+    labels_uri: str | None = None
+    label_requests: dict[str, Any] | None = None
+
+
+class DriftSettings(DriftComparisonKeys, LinkedEvaluationKeys):
     """Everything one run of the `drift` flow needs, validated before any work.
 
     Groups: *what* (``set_name``, ``anchors_version``, ``monitor_name``); *where*
@@ -36,28 +48,11 @@ class DriftSettings(BaseModel):
     docs/drift-flow.md explains each.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    set_name: str
-    anchors_uri: str
-    anchors_version: int | None = Field(default=None, ge=1)
     monitor_name: str | None = None
-    logs_uri: str | None = None
-    drift_uri: str | None = None
-    results_uri: str | None = None
-    judge_id: str | None = None
-    scorer: dict[str, Any] | None = None
     scored_at: str | None = None
-    reference: str = "first"
-    replicate: str | None = "next"
-    monitor: dict[str, Any] = Field(default_factory=dict)
     through: str | None = None
-    evaluation: str | None = None
-    evaluation_logs_uri: str | None = None
-    evaluation_columns: dict[str, str] | None = None
-    labels_uri: str | None = None
-    label_requests: dict[str, Any] | None = None
-    notify_on: Literal["new", "every"] = "new"
     webhook_url: str | None = None
     retry_delays: list[float] | None = None
 
@@ -104,17 +99,11 @@ def settings_from(params: dict[str, Any], source: str = "drift flow parameters")
                             column=col) from None
 
 
-class DriftMonitorSpec(DriftMonitorConfig):
+class DriftMonitorSpec(DriftMonitorConfig, LinkedEvaluationKeys):
     """One drift monitor declared under ``drift_monitors:``: the validated `flows.config.DriftMonitorConfig`
-    (the one place its keys are declared) plus what it takes from its linked evaluation, its flow
-    parameters and its Prefect deployment."""
-
-    #: from the linked evaluation declared in the same file (`flows.runtime.schedules.EvaluationSpec`);
-    #: set by `load_drift_monitors`, not keys of the file (which is validated as `DriftMonitorConfig`)
-    evaluation_logs_uri: str | None = None
-    evaluation_columns: dict[str, str] | None = None
-    labels_uri: str | None = None
-    label_requests: dict[str, Any] | None = None
+    (the one place its keys are declared) plus what it takes from its linked evaluation
+    (`LinkedEvaluationKeys`, set by `load_drift_monitors`, not keys of the file), its flow parameters and
+    its Prefect deployment."""
 
     def flow_parameters(self) -> dict[str, Any]:
         """Parameters of the `drift` flow for this monitor: ``{"settings": {...}}``."""
