@@ -142,6 +142,11 @@ class OffPolicyOptions:
     def seed(self) -> int:
         return self.engine.seed
 
+    @property
+    def covariates(self) -> tuple[str, ...]:
+        """The engine's covariates (columns the flow reads)."""
+        return self.engine.covariates
+
     def config(self) -> OffPolicyConfig:
         return OffPolicyConfig(rho=self.rho, n_folds=self.engine.n_folds, projection=self.projection,
                                simcal_stack_by=self.simcal_stack_by, ttc_mass=self.ttc_mass, stack=self.stack,
