@@ -14,11 +14,11 @@ from cje_engine.data.io import check_mapping
 from cje_engine.errors import CJEInputError
 
 from flows.cli.terminal import err
-from flows.config import pick_declared, read_yaml
+from flows.config import DEFAULT_FILE, pick_declared, read_yaml
 from flows.storage.logs import SERVICE_COLUMNS
 
 CONFIG_ENV = "CJE_CONFIG"
-CONFIG_NAME = "evaluations.yaml"
+CONFIG_NAME = DEFAULT_FILE.name  # "evaluations.yaml": the one name of the evaluations file
 #: ``--config`` help of every command that reads the evaluations file.
 CONFIG_HELP = "evaluations file (default: $CJE_CONFIG, else ./evaluations.yaml of the current folder)"
 
@@ -124,10 +124,10 @@ def find_evaluation(name: str, config: str | os.PathLike | None, *, quiet: bool 
 def find_drift_monitor(name: str, config: str | os.PathLike | None) -> tuple[Path, Any]:
     """(the evaluations file in use, the declared drift monitor named ``name``); errors as
     `find_evaluation`."""
-    from flows.pipelines.drift_config import load_drift_monitors
+    from flows.pipelines.drift_config import find_drift_monitor as declared_monitor
 
     path = find_config(config)
-    return path, pick_declared(name, load_drift_monitors(path), what="drift monitor", source=path)
+    return path, declared_monitor(name, path)
 
 
 def config_columns(path: Path | None) -> dict[str, str]:

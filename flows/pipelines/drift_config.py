@@ -157,6 +157,13 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
     return out
 
 
+def find_drift_monitor(name: str, path: str | os.PathLike | None = None) -> DriftMonitorSpec:
+    """The drift monitor ``name`` declared in an evaluations file (default: the repository's); an unknown
+    name is the one `CJEInputError` of every lookup (`flows.config.pick_declared`: file, did you mean,
+    the declared names)."""
+    return pick_declared(name, load_drift_monitors(path), what="drift monitor", source=path)
+
+
 def drift_deployments(path: str | os.PathLike | None = None, only: Sequence[str] | None = None) -> list:
     """Prefect deployments of the drift monitors declared in an evaluations file (for ``cje serve``)."""
     specs = load_drift_monitors(path)
