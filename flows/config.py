@@ -4,10 +4,14 @@
 every entry with pydantic before anything starts (no Prefect server, no Ray, no storage
 call):
 
-* ``evaluations:`` - `EvaluationConfig` (engine options checked by
-  `cje_engine.options.EvaluationOptions` or the off-policy options);
-* ``drift_monitors:`` - `DriftMonitorConfig` (drift options checked by
-  `cje_engine.drift.monitor.DriftMonitor`).
+* ``evaluations:`` - `EvaluationConfig` (engine options parsed ONCE, by `engine_options`, into
+  `cje_engine.options.EvaluationOptions` or the off-policy options: the object the engine receives,
+  docs/architecture.md "One option, YAML to engine");
+* ``drift_monitors:`` - `DriftMonitorConfig` (``monitor:`` typed by `DriftMonitorOptions`, then checked
+  by `cje_engine.drift.monitor.DriftMonitor`).
+
+Every model is pydantic v2, strict, ``extra="forbid"`` (also `flows.label_requests.config.RequestConfig`
+and `flows.pipelines.drift_config.DriftSettings`, which share their keys with these models).
 
 The file is read with `StrictLoader` (a safe loader): a key repeated in a mapping at any level is an
 error naming the key and both lines, and an alias bomb (more than `MAX_YAML_VALUES` values once aliases
