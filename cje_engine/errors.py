@@ -5,6 +5,9 @@ so that a user can fix the data without reading the code.
 """
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class CJEInputError(ValueError):
     """Bad input data or options.
@@ -51,3 +54,29 @@ class CJEInputError(ValueError):
             where.append(f"row {row}")
         prefix = (", ".join(where) + ": ") if where else ""
         super().__init__(prefix + message)
+
+
+def did_you_mean(word: object, choices: Iterable[object], n: int = 1) -> str:
+    """The one did-you-mean hint of the project: ``" (did you mean 'x'?)"`` or ``""``.
+
+    Parameters
+    ----------
+    word : object
+        The name given (an unknown key, option, policy, evaluation...).
+    choices : iterable
+        The names it could have meant.
+    n : int
+        Most suggestions (joined by ``or``).
+
+    Returns
+    -------
+    str
+        The closest ``n`` of ``choices`` (difflib, cutoff 0.6; else a case-insensitive match) as
+        ``" (did you mean 'a' or 'b'?)"``, or ``""`` when none is close.
+    """
+    names = [str(c) for c in choices]
+    close = difflib.get_close_matches(str(word), names, n=n, cutoff=0.6)
+    if not close:
+        lower = {c.lower(): c for c in names}
+        close = [lower[str(word).lower()]] if str(word).lower() in lower else []
+    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""

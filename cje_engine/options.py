@@ -1,15 +1,16 @@
 """Evaluation options: every knob that shapes the numbers, validated in one place."""
 from __future__ import annotations
 
-import difflib
 import math
 import numbers
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from cje_engine.calibration import registry as calibration_modes
 from cje_engine.data.frame import Scale, parse_scale
-from cje_engine.errors import CJEInputError
+from cje_engine.errors import CJEInputError, did_you_mean
 
 #: Most bootstrap replicates (percentile intervals are stable to ~0.1% of their width
 #: long before this; more only costs time and memory).
@@ -28,12 +29,6 @@ _STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity
 #: The level estimators (docs/statistics.md, "Levels").
 LEVEL_ESTIMATORS = ("verified", "audited", "robust", "augmented", "plug_in")
 _NAMES_FIELDS = ("covariates", "calibration_policies", "policies", "trust_transport")
-
-
-def did_you_mean(word: str, choices) -> str:
-    """``" (did you mean 'x'?)"`` for the closest of ``choices``, or ``""``."""
-    close = difflib.get_close_matches(str(word), sorted(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _type_errors(kw: dict) -> None:
@@ -172,7 +167,57 @@ class EvaluationOptions:
             kw["score_scale"] = parse_scale(kw["score_scale"], "judge score")
         opts = cls(**kw)
         opts._check()
+        object.__setattr__(opts, "_declared", dict(kwargs))  # the options as given (not a field)
         return opts
+
+    @classmethod
+    def of(cls, options: "EvaluationOptions | Mapping[str, Any] | None" = None, **kwargs: Any) -> "EvaluationOptions":
+        """The typed options: ``options`` itself when it is already an `EvaluationOptions` (never rebuilt),
+        else `build` of the mapping and/or keywords.
+
+        Parameters
+        ----------
+        options : EvaluationOptions or mapping, optional
+            Options parsed once at the edge (the evaluations file, the command line), or keywords.
+        **kwargs
+            Keyword options (not with an `EvaluationOptions`).
+
+        Returns
+        -------
+        EvaluationOptions
+        """
+        if isinstance(options, cls):
+            if kwargs:
+                raise CJEInputError(f"give the options as an EvaluationOptions or as keywords, not both "
+                                    f"(got {', '.join(sorted(kwargs))} besides)")
+            return options
+        if options is not None and not isinstance(options, Mapping):
+            raise CJEInputError(f"options must be a mapping of option -> value, got {type(options).__name__}")
+        return cls.build(**{**dict(options or {}), **kwargs})
+
+    @property
+    def declared(self) -> dict:
+        """The options as they were given to `build` (a copy; what names a service run), or every field
+        when the object was made otherwise."""
+        given = self.__dict__.get("_declared")
+        return dict(given) if given is not None else self.to_dict()
+
+    def audit_margin_in(self, label_scale: Scale | None = None) -> float:
+        """The transport audit's practical margin in label units: ``audit_margin`` x the width of
+        ``label_scale`` (default: the options' own). The one place it is computed; the result's
+        ``audit.margin`` of every policy holds it, and label requests read it there.
+
+        Parameters
+        ----------
+        label_scale : (lo, hi), optional
+            The data's label scale (default ``self.label_scale``).
+
+        Returns
+        -------
+        float
+        """
+        lo, hi = label_scale if label_scale is not None else self.label_scale
+        return self.audit_margin * (hi - lo)
 
     def _check(self) -> None:
         def bad(msg: str) -> None:
@@ -251,6 +296,7 @@ class EvaluationOptions:
                 "(or raise CJE_MAX_BOOTSTRAP_BYTES)")
 
     def to_dict(self) -> dict:
+        """Every option, JSON-ready (tuples as lists): the result's ``config``."""
         d = asdict(self)
         for k, v in d.items():
             if isinstance(v, tuple):

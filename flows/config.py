@@ -4,10 +4,14 @@
 every entry with pydantic before anything starts (no Prefect server, no Ray, no storage
 call):
 
-* ``evaluations:`` - `EvaluationConfig` (engine options checked by
-  `cje_engine.options.EvaluationOptions` or the off-policy options);
-* ``drift_monitors:`` - `DriftMonitorConfig` (drift options checked by
-  `cje_engine.drift.monitor.DriftMonitor`).
+* ``evaluations:`` - `EvaluationConfig` (engine options parsed ONCE, by `engine_options`, into
+  `cje_engine.options.EvaluationOptions` or the off-policy options: the object the engine receives,
+  docs/architecture.md "One option, YAML to engine");
+* ``drift_monitors:`` - `DriftMonitorConfig` (``monitor:`` typed by `DriftMonitorOptions`, then checked
+  by `cje_engine.drift.monitor.DriftMonitor`).
+
+Every model is pydantic v2, strict, ``extra="forbid"`` (also `flows.label_requests.config.RequestConfig`
+and `flows.pipelines.drift_config.DriftSettings`, which share their keys with these models).
 
 The file is read with `StrictLoader` (a safe loader): a key repeated in a mapping at any level is an
 error naming the key and both lines, and an alias bomb (more than `MAX_YAML_VALUES` values once aliases
@@ -44,15 +48,16 @@ import re
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping, Sequence
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 
 from cje_engine.data.io import check_mapping
-from cje_engine.errors import CJEInputError
+from cje_engine.errors import CJEInputError, did_you_mean
+from cje_engine.options import EvaluationOptions
 from flows.storage.logs import SERVICE_COLUMNS, as_date
-from cje_engine.options import did_you_mean
 from flows.uris import check_uri, check_webhook_url
 
 #: Default location of the declarations: the repository root.
@@ -245,6 +250,65 @@ def check_cron(cron: str, tz: str) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# engine options: parsed once, at the edge
+
+
+#: The typed engine options of an evaluation: `EvaluationOptions` (direct) or
+#: `cje_engine.pipeline.offpolicy_options.OffPolicyOptions` (logs-only, hybrid).
+EngineOptions = Any
+#: The ``options`` parameter of a flow: the typed object (passed as it is) or a mapping (a deployment's
+#: JSON), parsed by the flow's check with `engine_options` (Prefect does not coerce it).
+EngineOptionsParameter = Annotated[Any, WithJsonSchema({"type": "object", "title": "Options",
+                                                        "description": "engine options (EvaluationOptions)"})]
+
+
+def engine_options(options: Any, policies: Sequence[str] | None = None, mode: str = "direct") -> EngineOptions:
+    """The evaluation's engine options as ONE typed object, parsed once where they enter (the evaluations
+    file, a flow parameter, the command line) and passed as it is to the engine.
+
+    Parameters
+    ----------
+    options : mapping, EvaluationOptions, OffPolicyOptions or None
+        The declared options; a typed object is returned as it is (never rebuilt) unless ``policies``
+        differs from its own.
+    policies : list of str, optional
+        The evaluation's ``policies:`` (its read filter), merged into the options.
+    mode : {"direct", "logs-only", "hybrid"}
+
+    Returns
+    -------
+    EvaluationOptions or OffPolicyOptions
+        ``.declared`` holds the options as given (with ``policies``): what names a run.
+
+    Raises
+    ------
+    CJEInputError
+        An unknown option (did-you-mean) or a bad value, one line.
+    """
+    if mode != "direct":
+        from cje_engine.pipeline.offpolicy import flow_options
+
+        return flow_options(options, policies, mode)
+    if isinstance(options, EvaluationOptions):
+        if not policies or tuple(policies) == options.policies:
+            return options
+        options = options.declared
+    opts = dict(options or {}) if isinstance(options, Mapping) or options is None else options
+    if not isinstance(opts, dict):
+        raise CJEInputError(f"options must be a mapping of engine option -> value, got {type(options).__name__}")
+    if policies:
+        opts["policies"] = list(policies)
+    return EvaluationOptions.build(**opts)
+
+
+def option_covariates(options: Any) -> Any:
+    """The covariates of typed options (a tuple), or of a mapping (as given, for `check_columns`)."""
+    if isinstance(options, Mapping):
+        return options.get("covariates")
+    return getattr(options, "covariates", ())
+
+
+# --------------------------------------------------------------------------------------
 # models
 
 
@@ -328,15 +392,26 @@ class EvaluationConfig(ScheduledEntry):
     labels_uri: str | None = None
     window: str = "last 7 days"
     policies: tuple[str, ...] | None = None
-    options: dict[str, Any] = Field(default_factory=dict)
-    label_requests: dict[str, Any] | None = None
     mode: Literal["direct", "logs-only", "hybrid"] = "direct"
+    options: Any = Field(default_factory=dict, validate_default=True,
+                         description="engine options, parsed once into `EvaluationOptions` / `OffPolicyOptions`")
+    label_requests: dict[str, Any] | None = None
     columns: dict[str, str] = Field(default_factory=dict, validate_default=True,
                                     description="canonical log column -> your column (top-level columns: merged)")
     monitoring: dict[str, Any] = Field(default_factory=dict, validate_default=True,
                                        description="regression alarms across windows (top-level monitoring: merged)")
 
     _uris = _uri_validator("logs_uri", "results_uri", "labels_uri")
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _options(cls, v: Any, info: ValidationInfo) -> Any:
+        """The mapping of engine options -> the one typed object (`engine_options`, with ``policies``)."""
+        if "mode" not in info.data or "policies" not in info.data:
+            return v  # the entry is refused for its mode or policies already
+        if not isinstance(v, Mapping) and not hasattr(v, "declared"):  # a mapping or typed options
+            raise PydanticCustomError("dict_type", "Input should be a valid dictionary")
+        return engine_options(v, info.data["policies"], info.data["mode"])
 
     @field_validator("columns", mode="before")
     @classmethod
@@ -370,22 +445,12 @@ class EvaluationConfig(ScheduledEntry):
         return tuple(v) or None
 
     def check(self) -> None:
-        """Semantic checks (names, window, schedule, engine options); raise `CJEInputError`."""
+        """Semantic checks (names, window, schedule, columns, monitoring; the engine options were parsed by
+        the ``options`` validator); raise `CJEInputError`."""
         check_publish_name(self.name, "name")
         parse_window(self.window)
         self._check_schedule()
-        if self.mode == "direct":
-            from cje_engine.options import EvaluationOptions
-
-            opts = dict(self.options)
-            if self.policies:
-                opts["policies"] = list(self.policies)
-            EvaluationOptions.build(**opts)
-        else:
-            from cje_engine.pipeline.offpolicy import flow_options
-
-            flow_options(self.options, self.policies, self.mode)
-        check_columns(self.columns, "key columns", self.options.get("covariates"))
+        check_columns(self.columns, "key columns", option_covariates(self.options))
         check_monitoring(self.monitoring, "key monitoring")
         if isinstance(self.label_requests, Mapping) and self.label_requests.get("webhook_url") is not None:
             check_webhook_url(self.label_requests["webhook_url"], "key label_requests.webhook_url")
@@ -395,8 +460,26 @@ class EvaluationConfig(ScheduledEntry):
 LOOK_KEY_RE = re.compile(r"^\d{4}-\d{2}-\d{2}/.+$")
 
 
+class DriftMonitorOptions(BaseModel):
+    """The ``monitor:`` keywords of a drift monitor (`cje_engine.drift.monitor.DriftMonitor`'s), typed
+    strictly; an unset key keeps the engine's default (none is repeated here: `model_dump` leaves them out)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    alpha: float = Field(default=None, description="family-wise error budget over metrics and looks")
+    horizon: int | None = Field(default=None, description="scheduled looks (None: any number)")
+    weights: dict[str, float] | None = Field(default=None, description="share of alpha per metric")
+    min_anchors: int = Field(default=None, description="fewest paired anchors in a look")
+    min_labels: int = Field(default=None, description="fewest labelled paired anchors (residual metrics)")
+    tau_floor: float | None = Field(default=None, description="floor of tau-b without a rank baseline")
+    se_method: str = Field(default=None, description="jackknife or influence")
+    max_thresholds: int = Field(default=None, description="most thresholds of the distribution test")
+    rank_window: int = Field(default=None, description="looks compared by the rank metric")
+
+
 def check_drift_comparison(reference: str, monitor: Mapping[str, Any]) -> None:
-    """A drift monitor's ``reference`` and ``monitor`` options (`DriftMonitor` keywords); `CJEInputError`.
+    """A drift monitor's ``reference`` and ``monitor`` options (`DriftMonitorOptions`: strict types, unknown
+    keys with a did-you-mean hint; then `DriftMonitor`'s own range checks); `CJEInputError`.
 
     Shared by the declarations here and the drift flow's own settings
     (`flows.pipelines.drift_config.DriftSettings`).
@@ -405,18 +488,24 @@ def check_drift_comparison(reference: str, monitor: Mapping[str, Any]) -> None:
 
     if reference != "first" and not reference.startswith("judge:") and not LOOK_KEY_RE.match(reference):
         raise CJEInputError(f"reference {reference!r} must be 'first', 'judge:<judge_id>' or 'YYYY-MM-DD/<judge_id>'")
+    if not isinstance(monitor, Mapping):
+        raise CJEInputError(f"monitor: expected a mapping of DriftMonitor options, got {monitor!r}")
     try:
-        DriftMonitor(**dict(monitor))
-    except TypeError as exc:
-        raise CJEInputError(f"monitor: bad monitor option ({exc})") from None
+        opts = DriftMonitorOptions.model_validate(dict(monitor))
+    except ValidationError as exc:
+        raise CJEInputError(f"monitor: bad monitor option ({_one_line(exc, DriftMonitorOptions)})") from None
+    DriftMonitor(**opts.model_dump(exclude_unset=True))
 
 
-class DriftMonitorConfig(ScheduledEntry):
-    """One entry of ``drift_monitors:`` (see docs/drift-flow.md for the keys)."""
+class DriftComparisonKeys(BaseModel):
+    """The keys a declared drift monitor (`DriftMonitorConfig`) and the drift flow's settings
+    (`flows.pipelines.drift_config.DriftSettings`) share, declared once: what to compare, where, and how."""
 
-    name: str | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
     set_name: str
     anchors_uri: str
+    anchors_version: int | None = Field(default=None, ge=1)
     logs_uri: str | None = None
     drift_uri: str | None = None
     results_uri: str | None = None
@@ -425,9 +514,14 @@ class DriftMonitorConfig(ScheduledEntry):
     scorer: dict[str, Any] | None = None
     reference: str = "first"
     replicate: str | None = "next"
-    anchors_version: int | None = Field(default=None, ge=1)
     monitor: dict[str, Any] = Field(default_factory=dict)
     notify_on: Literal["new", "every"] = "new"
+
+
+class DriftMonitorConfig(ScheduledEntry, DriftComparisonKeys):
+    """One entry of ``drift_monitors:`` (see docs/drift-flow.md for the keys)."""
+
+    name: str | None = None
 
     _uris = _uri_validator("anchors_uri", "logs_uri", "drift_uri", "results_uri")
 
@@ -585,6 +679,18 @@ def read_yaml(path: str | os.PathLike | None = None) -> tuple[Path, dict]:
     return p, doc
 
 
+def raised_input_error(exc: ValidationError, keys: Sequence[str] = ("options",)) -> CJEInputError | None:
+    """The `CJEInputError` the validator of one of ``keys`` raised (the first error's), or None.
+
+    The engine options' errors are one line naming the option already (with a did-you-mean hint and
+    the ``option`` the command line translates to its flag): they are kept as they are."""
+    errors = exc.errors(include_url=False)
+    if not errors or not errors[0]["loc"] or str(errors[0]["loc"][0]) not in keys:
+        return None
+    inner = (errors[0].get("ctx") or {}).get("error")
+    return inner if isinstance(inner, CJEInputError) else None
+
+
 def _one_line(exc: ValidationError, model: type[BaseModel]) -> str:
     """The first pydantic error as ``key K: message``."""
     err = exc.errors(include_url=False)[0]
@@ -601,6 +707,15 @@ def _one_line(exc: ValidationError, model: type[BaseModel]) -> str:
     return f"key {loc}: {msg}"
 
 
+def _entry_error(exc: CJEInputError, where: str, src: str | None, columns: Mapping[str, str] | None) -> CJEInputError:
+    """``exc`` about one entry, prefixed with the entry (``where``) and the file."""
+    hint = ""
+    if columns and str(exc).startswith("key columns"):
+        hint = ("; the top-level columns: is merged into every evaluation's: override its keys here, or drop "
+                "one with KEY: null")
+    return CJEInputError(f"{where}: {exc}{hint}", source=src, option=exc.option)
+
+
 def validate_entry(model: type[ScheduledEntry], entry: Any, where: str, src: str | None = None,
                    base: Path | None = None, columns: Mapping[str, str] | None = None,
                    monitoring: Mapping[str, Any] | None = None) -> ScheduledEntry:
@@ -611,22 +726,22 @@ def validate_entry(model: type[ScheduledEntry], entry: Any, where: str, src: str
     label = entry.get("name", entry.get("set_name"))
     if isinstance(label, str):
         where = f"{where} ({label!r})"
+    context: dict[str, Any] = {"base": base}
+    if columns:
+        context["columns"] = dict(columns)
+    if monitoring:
+        context["monitoring"] = dict(monitoring)
     try:
-        context: dict[str, Any] = {"base": base}
-        if columns:
-            context["columns"] = dict(columns)
-        if monitoring:
-            context["monitoring"] = dict(monitoring)
         obj = model.model_validate(entry, context=context)
-        obj.check()
     except ValidationError as exc:
-        raise CJEInputError(f"{where}: {_one_line(exc, model)}", source=src) from None
+        inner = raised_input_error(exc)
+        if inner is None:
+            raise CJEInputError(f"{where}: {_one_line(exc, model)}", source=src) from None
+        raise _entry_error(inner, where, src, columns) from None
+    try:
+        obj.check()
     except CJEInputError as exc:
-        hint = ""
-        if columns and str(exc).startswith("key columns"):
-            hint = ("; the top-level columns: is merged into every evaluation's: override its keys here, or drop "
-                    "one with KEY: null")
-        raise CJEInputError(f"{where}: {exc}{hint}", source=src, option=exc.option) from None
+        raise _entry_error(exc, where, src, columns) from None
     return obj
 
 
@@ -693,6 +808,7 @@ def pick_declared(name: str, declared: Mapping[str, Any], *, what: str = "evalua
     raise CJEInputError(f"no {what} named {name!r}{did_you_mean(name, declared)}; declared: "
                         f"{', '.join(sorted(declared)) or 'none'}", source=str(source or DEFAULT_FILE))
 
-__all__ = ["Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "load_config",
+__all__ = ["did_you_mean", "engine_options", "option_covariates", "EngineOptions", "EngineOptionsParameter",
+           "pick_declared", "raised_input_error", "Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "load_config",
            "read_yaml", "validate_entry", "check_uri", "check_webhook_url", "check_columns", "merge_columns", "check_publish_name",
            "MonitoringConfig", "check_monitoring", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]

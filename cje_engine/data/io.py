@@ -63,7 +63,6 @@ seconds.
 """
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import unicodedata
@@ -81,7 +80,7 @@ from cje_engine.data.identity import (  # noqa: F401 (_repeated: re-exported for
     _ROW, _SRC, DRAW_IDX, RESPONSE, _concat, _first, _identify, _join_probe, _null_str, _repeated,
 )
 from cje_engine.data.readers import ID_COLUMNS, Part, collect, read_jsonl_records  # noqa: F401 (re-exported)
-from cje_engine.errors import CJEInputError
+from cje_engine.errors import CJEInputError, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +250,7 @@ def check_mapping(columns: Mapping[str, str] | None, covariates: Sequence[str] =
     for canon, src in columns.items():
         if canon not in known:
             problems.append(CJEInputError(
-                f"columns maps {canon!r}, which is not a canonical column{_did_you_mean(canon, known)} "
+                f"columns maps {canon!r}, which is not a canonical column{did_you_mean(canon, known, n=2)} "
                 f"(canonical columns: {', '.join(list(CANONICAL) + list(keep_columns))})", option="columns"))
         elif not isinstance(src, str) or not src:
             problems.append(CJEInputError(f"columns[{canon!r}] must be a column name, got {src!r}", option="columns"))
@@ -263,14 +262,6 @@ def check_mapping(columns: Mapping[str, str] | None, covariates: Sequence[str] =
                                       f"{dup[0]!r}", option="columns"))
     _raise_all(problems)
     return dict(columns)
-
-
-def _did_you_mean(name: str, candidates: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, [str(c) for c in candidates], n=2, cutoff=0.6)
-    if not close:
-        lower = {str(c).lower(): str(c) for c in candidates}
-        close = [lower[name.lower()]] if name.lower() in lower else []
-    return f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
 
 
 def _raise_all(problems: list[CJEInputError]) -> None:
@@ -688,7 +679,7 @@ def column_renames(names: Sequence[str], mapping: Mapping[str, str] | None, sour
                 rename[src] = canon
         elif canon not in have and canon not in optional:  # already canonical: nothing to rename
             problems.append(CJEInputError(
-                f"columns maps {canon!r} to {src!r}, which is not a column{_did_you_mean(src, present)} "
+                f"columns maps {canon!r} to {src!r}, which is not a column{did_you_mean(src, present, n=2)} "
                 f"(columns present: {', '.join(present)})", source=source, column=src, option="columns"))
     _raise_all(problems)
     return rename
@@ -707,7 +698,7 @@ def _check_columns(df: pd.DataFrame, part: Part, covariates: Sequence[str], keep
     for col in required:
         if col not in df.columns:
             problems.append(CJEInputError(
-                f"required column is missing{_did_you_mean(col, df.columns)} (columns present: {present}); "
+                f"required column is missing{did_you_mean(col, df.columns, n=2)} (columns present: {present}); "
                 "if the input names it differently, map it with columns={" + repr(col) + ": '<name>'}",
                 source=name, column=col, option="columns"))
     if not part.probe:
@@ -715,12 +706,12 @@ def _check_columns(df: pd.DataFrame, part: Part, covariates: Sequence[str], keep
             if col not in df.columns and not (col == RESPONSE_LENGTH and RESPONSE in df.columns):
                 hint = " (it can be derived only from a 'response' text column)" if col == RESPONSE_LENGTH else ""
                 problems.append(CJEInputError(
-                    f"covariate '{col}' was requested but is not a column{hint}{_did_you_mean(col, df.columns)} "
+                    f"covariate '{col}' was requested but is not a column{hint}{did_you_mean(col, df.columns, n=2)} "
                     f"(columns present: {present})", source=name, column=col, option="covariates"))
         for col in keep_columns:
             if col not in df.columns:
                 problems.append(CJEInputError(
-                    f"keep_columns asks for '{col}', which is not a column{_did_you_mean(col, df.columns)} "
+                    f"keep_columns asks for '{col}', which is not a column{did_you_mean(col, df.columns, n=2)} "
                     f"(columns present: {present})", source=name, column=col, option="keep_columns"))
     _raise_all(problems)
 

@@ -96,15 +96,17 @@ def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
     )
 
 
-def prepare(data: Any, **options: Any) -> Prepared:
+def prepare(data: Any, options: EvaluationOptions | None = None, **kwargs: Any) -> Prepared:
     """Validate the data, choose and fit the calibration, compute point estimates.
 
     Parameters
     ----------
     data : path, list of paths, pandas.DataFrame, pyarrow.Table or EvalData
-    **options : see `EvaluationOptions`
+    options : EvaluationOptions, optional
+        The options parsed once at the edge (used as they are, never rebuilt); or
+    **kwargs : keyword options, see `EvaluationOptions`
     """
-    opts = EvaluationOptions.build(**options)
+    opts = EvaluationOptions.of(options, **kwargs)
     ed = _to_evaldata(data, opts)
     if opts.calibration_policies is not None:
         missing = [p for p in opts.calibration_policies if p not in ed.policies]
@@ -142,15 +144,17 @@ def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
     return out
 
 
-def evaluate(data: Any, **options: Any) -> EvaluationResult:
+def evaluate(data: Any, options: EvaluationOptions | None = None, **kwargs: Any) -> EvaluationResult:
     """Calibrated Direct evaluation of every policy (see the README and docs/statistics.md).
+
+    ``options``: an `EvaluationOptions` (used as it is), or keyword options (``**kwargs``).
 
     Example
     -------
     >>> res = evaluate(frame, covariates=["response_length"], n_bootstrap=2000, seed=0)
     >>> res.to_dict()["policies"]["base"]["ci"]
     """
-    prep = prepare(data, **options)
+    prep = prepare(data, options, **kwargs)
     chunks = []
     if prep.options.inference == "bootstrap":
         chunks.append(bootstrap_chunk(prep, 0, prep.options.n_bootstrap))

@@ -152,22 +152,25 @@ def _headline(opts: OffPolicyOptions, report: TargetReport, has_fresh: bool, not
     return "calibrated_ips"
 
 
-def prepare(logged: Any, fresh: Any = None, **options: Any) -> OffPolicyPrepared:
+def prepare(logged: Any, fresh: Any = None, options: OffPolicyOptions | None = None,
+            **kwargs: Any) -> OffPolicyPrepared:
     """Load and validate, calibrate (Direct's `prepare`), point estimates, diagnostics, gates.
 
     Parameters
     ----------
     logged, fresh : see `cje_engine.data.offpolicy.load_offpolicy`
-    **options : see `OffPolicyOptions` (mode, targets, gates, ... and the engine's options)
+    options : OffPolicyOptions, optional
+        The options parsed once at the edge (used as they are); or
+    **kwargs : keyword options, see `OffPolicyOptions` (mode, targets, gates, ... and the engine's options)
     """
-    opts = OffPolicyOptions.build(**options)
+    opts = OffPolicyOptions.of(options, **kwargs)
     eng = opts.engine
     data = load_offpolicy(logged, fresh, mode=opts.mode, targets=opts.targets, logger_policy=opts.logger,
                           covariates=eng.covariates, label_scale=eng.label_scale, score_scale=eng.score_scale,
                           logger_column=opts.logger_column, length_column=opts.length_column)
     ed = EvalData.from_frame(data.frame, covariates=eng.covariates, label_scale=eng.label_scale,
                              score_scale=eng.score_scale, n_folds=eng.n_folds)
-    direct = direct_pipeline.prepare(ed, **eng.to_dict())
+    direct = direct_pipeline.prepare(ed, eng)
     R, q = direct.f, outcome_model(direct.design, direct.full, direct.models)
     pol = np.asarray(ed.policies)[ed.policy]
     logged_rows = np.arange(data.n_logged)
@@ -410,7 +413,8 @@ def evaluate_offpolicy(
     seed: int = 0,
     calibration_mode: str = "auto",
     gates: OffPolicyGates | dict | None = None,
-    **options: Any,
+    options: OffPolicyOptions | None = None,
+    **kwargs: Any,
 ) -> OffPolicyResult:
     """Logs-only or hybrid evaluation of candidate policies from a logger's logged responses.
 
@@ -429,7 +433,10 @@ def evaluate_offpolicy(
         ``inference="analytic"`` (in ``options``) skips the bootstrap: influence-function intervals
         with the first-order calibration term (within 25% of the bootstrap SE, see docs/offpolicy.md)
     gates : `OffPolicyGates` or a dict of thresholds (default: TTC >= 0.70, ESS/n >= 0.30, Hill >= 2)
-    **options : see `OffPolicyOptions` (logger, estimator, rho, downgraded, calibration_policies,
+    options : OffPolicyOptions, optional
+        Options parsed once at the edge (e.g. the command line): used as they are, and the keywords
+        above are not read.
+    **kwargs : see `OffPolicyOptions` (logger, estimator, rho, downgraded, calibration_policies,
         multiplicity, label_scale, score_scale, ...)
 
     Returns
@@ -444,8 +451,14 @@ def evaluate_offpolicy(
     >>> res.to_dict()["policies"]["unhelpful"]["level_claim"]
     'refused'
     """
-    prep = prepare(logged, fresh, mode=mode, targets=targets, covariates=covariates, n_bootstrap=n_bootstrap,
-                   alpha=alpha, seed=seed, calibration_mode=calibration_mode, gates=gates, **options)
+    if options is None:
+        options = OffPolicyOptions.build(mode=mode, targets=targets, covariates=covariates, n_bootstrap=n_bootstrap,
+                                         alpha=alpha, seed=seed, calibration_mode=calibration_mode, gates=gates,
+                                         **kwargs)
+    elif kwargs:
+        raise CJEInputError(f"give the options as an OffPolicyOptions or as keywords, not both (got "
+                            f"{', '.join(sorted(kwargs))} besides)")
+    prep = prepare(logged, fresh, options)
     if prep.options.inference != "bootstrap":
         return finalize(prep, [])
     return finalize(prep, [bootstrap_chunk(prep, 0, prep.options.n_bootstrap)])
@@ -456,37 +469,37 @@ def evaluate_offpolicy(
 # --------------------------------------------------------------------------------------------
 
 
-def flow_options(options: dict | None, policies: Sequence[str] | None, mode: str) -> dict:
-    """JSON-ready, validated options of an off-policy flow run.
+def flow_options(options: "dict | OffPolicyOptions | None", policies: Sequence[str] | None,
+                 mode: str) -> OffPolicyOptions:
+    """The typed options of an off-policy flow run (parsed once; an `OffPolicyOptions` is returned as it is).
 
     ``policies`` (the flow's parameter) name the candidates when ``options`` has no ``targets``.
     """
+    if isinstance(options, OffPolicyOptions):
+        return options
     opts = dict(options or {})
     opts["mode"] = mode
     if not opts.get("targets") and policies:
         opts["targets"] = [p for p in policies if p != opts.get("logger")]
-    OffPolicyOptions.build(**opts)
-    return opts
+    return OffPolicyOptions.build(**opts)
 
 
-def flow_columns(opts: dict) -> list[str]:
+def flow_columns(opts: OffPolicyOptions) -> list[str]:
     """Log columns to read besides Direct's: the logger's and the candidates' log-probabilities
     (and the token counts if ``length_column`` is set): the read's projection."""
-    targets = opts.get("targets")
-    if not targets:
+    if not opts.targets:
         raise CJEInputError("an off-policy flow run needs its candidates: give options={'targets': [...]} or "
                             "policies=[...] (the logs' logprob__<policy> columns to read)", column="targets")
-    return projection_columns(targets, logger_column=opts.get("logger_column") or LOGGER_COLUMNS[0],
-                              length_column=opts.get("length_column"))
+    return projection_columns(list(opts.targets), logger_column=opts.logger_column or LOGGER_COLUMNS[0],
+                              length_column=opts.length_column)
 
 
-def flow_policies(opts: dict) -> list[str] | None:
+def flow_policies(opts: OffPolicyOptions) -> list[str] | None:
     """Policy filter pushed into the read: the logger plus the candidates (hybrid), the logger alone
     (logs-only), or None when the logger's name is not given."""
-    lg = opts.get("logger")
-    if not lg:
+    if not opts.logger:
         return None
-    return [lg] + (list(opts.get("targets") or []) if opts.get("mode") == "hybrid" else [])
+    return [opts.logger] + (list(opts.targets or []) if opts.mode == "hybrid" else [])
 
 
 __all__ = ["evaluate_offpolicy", "prepare", "bootstrap_chunk", "finalize", "OffPolicyPrepared",

@@ -1,6 +1,7 @@
 """Options of a logs-only or hybrid evaluation (`evaluate_offpolicy`), validated in one place."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -85,7 +86,28 @@ class OffPolicyOptions:
             raise CJEInputError(f"gates must be a dict or OffPolicyGates, got {type(g).__name__}")
         opts = cls(engine=engine, **mine)
         opts._check()
+        object.__setattr__(opts, "_declared", dict(kwargs))  # the options as given (not a field)
         return opts
+
+    @classmethod
+    def of(cls, options: "OffPolicyOptions | Mapping[str, Any] | None" = None, **kwargs: Any) -> "OffPolicyOptions":
+        """``options`` itself when it is already an `OffPolicyOptions` (never rebuilt), else `build` of the
+        mapping and/or keywords (as `EvaluationOptions.of`)."""
+        if isinstance(options, cls):
+            if kwargs:
+                raise CJEInputError(f"give the options as an OffPolicyOptions or as keywords, not both "
+                                    f"(got {', '.join(sorted(kwargs))} besides)")
+            return options
+        if options is not None and not isinstance(options, Mapping):
+            raise CJEInputError(f"options must be a mapping of option -> value, got {type(options).__name__}")
+        return cls.build(**{**dict(options or {}), **kwargs})
+
+    @property
+    def declared(self) -> dict:
+        """The options as they were given to `build` (a copy; what names a service run), or every
+        option when the object was made otherwise."""
+        given = self.__dict__.get("_declared")
+        return dict(given) if given is not None else self.to_dict()
 
     def _check(self) -> None:
         if self.estimator not in ESTIMATOR_CHOICES:
@@ -122,6 +144,11 @@ class OffPolicyOptions:
     def seed(self) -> int:
         """Seed of the engine options."""
         return self.engine.seed
+
+    @property
+    def covariates(self) -> tuple[str, ...]:
+        """The engine's covariates (columns the flow reads)."""
+        return self.engine.covariates
 
     def config(self) -> OffPolicyConfig:
         """The `OffPolicyConfig` of the off-policy estimators (folds and level from the engine options)."""

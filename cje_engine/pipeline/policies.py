@@ -431,7 +431,7 @@ def _audits(prep: Any, reps: np.ndarray | None, n_own: np.ndarray, n_own_prompts
             if dk.size > 1:
                 se_delta[k] = float(np.std(dk, ddof=1))
                 se_route[k] = "bootstrap"
-    margin = opts.audit_margin * (d.label_scale[1] - d.label_scale[0])
+    margin = opts.audit_margin_in(d.label_scale)
     df_delta = audit_degrees_of_freedom(design, prep.infl, se_delta, is_source, n_own_prompts)  # t reference (small calibrators)
     audits = audit_policies(delta, se_delta, n_own, n_own_prompts, alpha, margin, df=df_delta,
                             n_calibration=int(n_cal), min_labels=opts.min_labels)
@@ -516,11 +516,12 @@ def labels_to_verify(k: int, n_own: int, n_rows: int, assumed: np.ndarray, se_ve
 NARROW_LABEL_SHARE = 0.5
 
 
-def label_scale_warning(labels: np.ndarray, scale: tuple[float, float], audit_margin: float) -> str | None:
+def label_scale_warning(labels: np.ndarray, scale: tuple[float, float], opts: Any) -> str | None:
     """A warning when the labels span under `NARROW_LABEL_SHARE` of the declared label scale (e.g. 1-5
     labels declared on 0-10): the audit margin, the interval clipping and the default planner effect are
     fractions of the declared scale, so a scale far wider than the data loosens them without a word.
-    ``None`` when the scale fits (or fewer than two labels differ)."""
+    ``None`` when the scale fits (or fewer than two labels differ). ``opts``: the `EvaluationOptions` (its
+    audit margin, in label units by `EvaluationOptions.audit_margin_in`)."""
     y = np.asarray(labels, dtype=float)
     y = y[np.isfinite(y)]
     lo, hi = float(scale[0]), float(scale[1])
@@ -529,9 +530,9 @@ def label_scale_warning(labels: np.ndarray, scale: tuple[float, float], audit_ma
     span = float(y.max() - y.min())
     if span <= 0 or span >= NARROW_LABEL_SHARE * (hi - lo):
         return None
-    margin = audit_margin * (hi - lo)
+    margin = opts.audit_margin_in(scale)
     return (f"the oracle labels span {y.min():g}-{y.max():g}, under half of the declared label scale {lo:g}-{hi:g}: "
-            f"the transport audit margin ({audit_margin:g} of the declared scale = {margin:.3g} label units) is "
+            f"the transport audit margin ({opts.audit_margin:g} of the declared scale = {margin:.3g} label units) is "
             f"{(hi - lo) / span:.2g}x wider than on the labels' own range; declare the scale the labels were "
             f"given on (e.g. {y.min():g}-{y.max():g}) unless they could use all of {lo:g}-{hi:g}")
 
@@ -561,7 +562,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     cov = cluster_cov(ext.total)
     cov_cal = cluster_cov(ext.calibration)
     warnings: list[str] = []
-    scale_note = label_scale_warning(d.label, d.label_scale, opts.audit_margin)
+    scale_note = label_scale_warning(d.label, d.label_scale, opts)
     if scale_note:
         log.warning("%s", scale_note)
         warnings.append(scale_note)

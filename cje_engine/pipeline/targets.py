@@ -216,7 +216,7 @@ def target_entry(prep: Any, t: str, off: np.ndarray | None, direct_policies: dic
     head = ests[name]
     dpol = direct_policies.get(t) if prep.fresh[t] is not None else None
     audit = dpol["audit"] if dpol is not None else _not_run_audit(
-        t, eng.audit_margin * (eng.label_scale[1] - eng.label_scale[0]))
+        t, eng.audit_margin_in())
     support = target_support(prep, t, direct_policies)
     direct_path = uses_direct_level(prep, t, direct_policies)
     claim, reasons, recommendation, relative = _claim(prep, t, head, audit, dpol, support,

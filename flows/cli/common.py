@@ -14,11 +14,11 @@ from cje_engine.data.io import check_mapping
 from cje_engine.errors import CJEInputError
 
 from flows.cli.terminal import err
-from flows.config import pick_declared, read_yaml
+from flows.config import DEFAULT_FILE, pick_declared, read_yaml
 from flows.storage.logs import SERVICE_COLUMNS
 
 CONFIG_ENV = "CJE_CONFIG"
-CONFIG_NAME = "evaluations.yaml"
+CONFIG_NAME = DEFAULT_FILE.name  # "evaluations.yaml": the one name of the evaluations file
 #: ``--config`` help of every command that reads the evaluations file.
 CONFIG_HELP = "evaluations file (default: $CJE_CONFIG, else ./evaluations.yaml of the current folder)"
 
@@ -98,33 +98,36 @@ def find_config(given: str | os.PathLike | None, *, required: bool = True, quiet
     return path
 
 
-def declared_evaluations(config: str | os.PathLike | None, only: Sequence[str] | None = None,
-                         ) -> tuple[Path, dict[str, Any]]:
+def declared_evaluations(config: str | os.PathLike | None, only: Sequence[str] | None = None, *,
+                         quiet: bool = False) -> tuple[Path, dict[str, Any]]:
     """The evaluations file in use (`find_config`) and its checked evaluations (all, or ``only``
     these: an unknown name is a `CJEInputError` naming the file)."""
     from flows.runtime.schedules import load_evaluations  # imports Prefect: `cje --help` should not pay for it
 
-    path = find_config(config)
+    path = find_config(config, quiet=quiet)
     specs = load_evaluations(path)
     if only:
         specs = {n: pick_declared(n, specs, what="evaluation", source=path) for n in only}
     return path, specs
 
 
-def find_evaluation(name: str, config: str | os.PathLike | None) -> tuple[Path, Any]:
+def find_evaluation(name: str, config: str | os.PathLike | None, *, quiet: bool = False) -> tuple[Path, Any]:
     """(the evaluations file in use, the `EvaluationSpec` named ``name``); an unknown name is a
-    `CJEInputError` naming the file, the closest declared name and the declared ones."""
-    path, specs = declared_evaluations(config)
+    `CJEInputError` naming the file, the closest declared name and the declared ones (`pick_declared`).
+
+    The one lookup of a declared evaluation by name for every command (``quiet``: the file was named on
+    stderr already)."""
+    path, specs = declared_evaluations(config, quiet=quiet)
     return path, pick_declared(name, specs, what="evaluation", source=path)
 
 
 def find_drift_monitor(name: str, config: str | os.PathLike | None) -> tuple[Path, Any]:
     """(the evaluations file in use, the declared drift monitor named ``name``); errors as
     `find_evaluation`."""
-    from flows.pipelines.drift_config import load_drift_monitors
+    from flows.pipelines.drift_config import find_drift_monitor as declared_monitor
 
     path = find_config(config)
-    return path, pick_declared(name, load_drift_monitors(path), what="drift monitor", source=path)
+    return path, declared_monitor(name, path)
 
 
 def config_columns(path: Path | None) -> dict[str, str]:

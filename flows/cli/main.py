@@ -350,16 +350,18 @@ def _bootstrap(prep: Any) -> list:
     return chunks
 
 
-def _evaluate_direct(ns: argparse.Namespace, kwargs: dict) -> Any:
+def _evaluate_direct(ns: argparse.Namespace, opts: Any) -> Any:
+    """Read the input with the options' scales and covariates, then prepare/bootstrap/finalize with ``opts``
+    (the `EvaluationOptions` parsed from the flags, passed as they are)."""
     from cje_engine.pipeline.direct import finalize, prepare
 
     columns = _columns(ns)
     with progress(f"reading {ns.input}"):
-        frame = load_input(ns.input, columns, label_scale=kwargs.get("label_scale"),
-                           score_scale=kwargs.get("score_scale"), covariates=kwargs.get("covariates") or (),
-                           policies=kwargs.get("policies"))
+        frame = load_input(ns.input, columns, label_scale=opts.label_scale,
+                           score_scale=opts.score_scale if opts.score_scale is not None else "none",
+                           covariates=opts.covariates, policies=list(opts.policies) if opts.policies else None)
     with progress("calibrating"):
-        prep = prepare(frame, **kwargs)
+        prep = prepare(frame, opts)
     return finalize(prep, _bootstrap(prep))
 
 
@@ -372,20 +374,18 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     kwargs = engine_kwargs(ns)
     if ns.policies:
         kwargs["policies"] = ns.policies
-    _check_options(ns.mode, kwargs)  # bad options: exit 2 before the output folder or the data is touched
+    opts = _check_options(ns.mode, kwargs)  # parsed once; bad options: exit 2 before any output or data
     out_dir = check_out_dir(ns.out, overwrite=ns.overwrite)
     if ns.mode == "direct":
-        res = _evaluate_direct(ns, kwargs)
+        res = _evaluate_direct(ns, opts)
     else:
         from cje_engine.pipeline.offpolicy import evaluate_offpolicy
 
         if ns.columns:
             raise CJEInputError("--columns applies to --mode direct; logged data must use the canonical names "
                                 "(docs/offpolicy.md)")
-        if "policies" in kwargs:
-            kwargs["targets"] = kwargs.pop("policies")
         with progress(f"evaluating {ns.input} ({ns.mode})"):
-            res = evaluate_offpolicy(ns.input, mode=ns.mode, **kwargs)
+            res = evaluate_offpolicy(ns.input, options=opts)
     d = res.to_dict()
     result_path, report_path = out_dir / "result.json", out_dir / "report.html"
     write_atomic(result_path, json.dumps(d, indent=2, allow_nan=False))
@@ -401,18 +401,18 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     return _problems_exit(problems, ns.exit_zero)
 
 
-def _check_options(mode: str, kwargs: dict[str, Any]) -> None:
-    """Validate the engine options alone (`EvaluationOptions` / `OffPolicyOptions`), raising `CJEInputError`."""
+def _check_options(mode: str, kwargs: dict[str, Any]) -> Any:
+    """The engine options of the flags parsed once (`EvaluationOptions` / `OffPolicyOptions`, ``--policies``
+    naming the candidates off-policy); `CJEInputError` on a bad one."""
     from cje_engine.options import EvaluationOptions
     from cje_engine.pipeline.offpolicy_options import OffPolicyOptions
 
     if mode == "direct":
-        EvaluationOptions.build(**kwargs)
-    else:
-        opts = dict(kwargs)
-        if "policies" in opts:
-            opts["targets"] = opts.pop("policies")
-        OffPolicyOptions.build(mode=mode, **opts)
+        return EvaluationOptions.build(**kwargs)
+    opts = dict(kwargs)
+    if "policies" in opts:
+        opts["targets"] = opts.pop("policies")
+    return OffPolicyOptions.build(mode=mode, **opts)
 
 
 def _problems_exit(problems: list[str], exit_zero: bool, what: str = "an audit failed or a level was refused") -> int:

@@ -5,13 +5,15 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
 import numpy as np
 
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+
 from cje_engine.errors import CJEInputError
+from flows.config import did_you_mean, raised_input_error
 from flows.uris import check_webhook_url
 
 PREFIX = "label_requests"
@@ -33,8 +35,21 @@ REQUEST_ID_RE = re.compile(r"^lr-\d{8}-[0-9a-f]{12}$")
 # configuration
 
 
-@dataclass(frozen=True)
-class RequestConfig:
+def _whole(name: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise CJEInputError(f"label request setting {name} must be a whole number >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _positive(name: str, v: Any, allow_zero: bool = False) -> float:
+    ok = isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and math.isfinite(float(v))
+    if not ok or float(v) < 0 or (float(v) == 0 and not allow_zero):
+        raise CJEInputError(f"label request setting {name} must be a number {'>=' if allow_zero else '>'} 0, "
+                            f"got {v!r}")
+    return float(v)
+
+
+class RequestConfig(BaseModel):
     """Settings of automatic label requests (all optional; JSON-ready via `to_dict`).
 
     Parameters
@@ -77,6 +92,8 @@ class RequestConfig:
         Send ``label_request`` notifications.
     """
 
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
     max_labels_per_period: int = 2000
     max_labels_per_request: int = 500
     deadline_days: float = 7.0
@@ -97,61 +114,92 @@ class RequestConfig:
     webhook_url: str | None = None
     notify: bool = True
 
-    def __post_init__(self) -> None:
-        def whole(name: str, lo: int) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise CJEInputError(f"label request setting {name} must be a whole number >= {lo}, got {v!r}")
-            object.__setattr__(self, name, int(v))
+    @field_validator("max_labels_per_period", "max_labels_per_request", "drift_traffic_labels",
+                     "drift_anchor_labels", "seed", mode="before")
+    @classmethod
+    def _whole_from_0(cls, v: Any, info: ValidationInfo) -> int:
+        return _whole(info.field_name, v, 0)
 
-        def positive(name: str, allow_zero: bool = False) -> None:
-            v = getattr(self, name)
-            ok = isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and math.isfinite(float(v))
-            if not ok or float(v) < 0 or (float(v) == 0 and not allow_zero):
-                raise CJEInputError(f"label request setting {name} must be a number {'>=' if allow_zero else '>'} 0, "
-                                    f"got {v!r}")
-            object.__setattr__(self, name, float(v))
+    @field_validator("recent_days", "n_strata", mode="before")
+    @classmethod
+    def _whole_from_1(cls, v: Any, info: ValidationInfo) -> int:
+        return _whole(info.field_name, v, 1)
 
-        for name in ("max_labels_per_period", "max_labels_per_request", "drift_traffic_labels",
-                     "drift_anchor_labels", "seed"):
-            whole(name, 0)
-        whole("recent_days", 1)
-        whole("n_strata", 1)
-        for name in ("deadline_days", "c_S", "c_Y"):
-            positive(name)
-        positive("share_margin", allow_zero=True)
-        if self.target_se is not None:
-            positive("target_se")
-        if self.new_policy_labels is not None:
-            whole("new_policy_labels", 1)
-        if not (isinstance(self.background_share, (int, float)) and 0 <= self.background_share < 1):
-            raise CJEInputError(f"label request setting background_share must be in [0, 1), got "
-                                f"{self.background_share!r}")
-        if self.webhook_url is not None:
-            check_webhook_url(self.webhook_url, "label request setting webhook_url")
-        trig = (self.triggers,) if isinstance(self.triggers, str) else tuple(self.triggers)
+    @field_validator("new_policy_labels", mode="before")
+    @classmethod
+    def _new_policy_labels(cls, v: Any, info: ValidationInfo) -> int | None:
+        return None if v is None else _whole(info.field_name, v, 1)
+
+    @field_validator("deadline_days", "c_S", "c_Y", mode="before")
+    @classmethod
+    def _positive(cls, v: Any, info: ValidationInfo) -> float:
+        return _positive(info.field_name, v)
+
+    @field_validator("target_se", mode="before")
+    @classmethod
+    def _target_se(cls, v: Any, info: ValidationInfo) -> float | None:
+        return None if v is None else _positive(info.field_name, v)
+
+    @field_validator("share_margin", mode="before")
+    @classmethod
+    def _share_margin(cls, v: Any, info: ValidationInfo) -> float:
+        return _positive(info.field_name, v, allow_zero=True)
+
+    @field_validator("background_share", mode="before")
+    @classmethod
+    def _background_share(cls, v: Any) -> float:
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 <= v < 1):
+            raise CJEInputError(f"label request setting background_share must be in [0, 1), got {v!r}")
+        return float(v)
+
+    @field_validator("webhook_url", mode="before")
+    @classmethod
+    def _webhook_url(cls, v: Any) -> Any:
+        return None if v is None else check_webhook_url(v, "label request setting webhook_url")
+
+    @field_validator("triggers", mode="before")
+    @classmethod
+    def _triggers(cls, v: Any) -> tuple[str, ...]:
+        trig = (v,) if isinstance(v, str) else tuple(v) if isinstance(v, (list, tuple)) else v
+        if not isinstance(trig, tuple):
+            raise CJEInputError(f"label request setting triggers must be a list of trigger names, got {v!r}")
         bad = [t for t in trig if t not in TRIGGERS]
         if bad:
             raise CJEInputError(f"unknown label request trigger(s) {bad}; expected some of {list(TRIGGERS)}")
-        object.__setattr__(self, "triggers", trig)
+        return trig
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | "RequestConfig" | None) -> "RequestConfig":
-        """From a mapping (e.g. the ``label_requests`` entry of an evaluation); errors name the key."""
+        """From a mapping (e.g. the ``label_requests`` entry of an evaluation); errors name the key.
+
+        Raises
+        ------
+        CJEInputError
+            One line naming the setting (an unknown one with a did-you-mean hint) and what was expected.
+        """
         if d is None:
             return cls()
         if isinstance(d, RequestConfig):
             return d
         if not isinstance(d, Mapping):
             raise CJEInputError(f"label request settings must be a mapping, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(set(map(str, d)) - set(cls.model_fields))
         if unknown:
-            raise CJEInputError(f"unknown label request setting(s) {unknown}; expected some of {sorted(known)}")
-        return cls(**dict(d))
+            raise CJEInputError(f"unknown label request setting(s) {unknown}{did_you_mean(unknown[0], cls.model_fields)}; "
+                                f"expected some of {sorted(cls.model_fields)}")
+        try:
+            return cls.model_validate(dict(d))
+        except ValidationError as exc:
+            inner = raised_input_error(exc, tuple(cls.model_fields))
+            if inner is not None:
+                raise inner from None
+            err = exc.errors(include_url=False)[0]
+            raise CJEInputError(f"label request setting {'.'.join(map(str, err['loc']))}: {err['msg']}, got "
+                                f"{err.get('input')!r}") from None
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        """The settings, JSON-ready."""
+        out = self.model_dump()
         out["triggers"] = list(self.triggers)
         return out
 

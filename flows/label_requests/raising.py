@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from datetime import date, datetime
 from typing import Any, Callable, Mapping, Sequence
 
@@ -208,7 +207,7 @@ def raise_drift_requests(storage_cfg: Any, requests_uri: str, drift_look: Mappin
             "scope": "drift", "trigger": "drift_alarm",
             "reason": f"the drift_alarm trigger is disabled in the label_requests settings of evaluation "
                       f"{evaluation!r}"}]}
-    cfg_drift = replace(cfg, triggers=("drift_alarm",))
+    cfg_drift = cfg.model_copy(update={"triggers": ("drift_alarm",)})
     has_result = isinstance(latest, Mapping) and isinstance(latest.get("result"), Mapping)
     table = None
     if has_result and logs_uri:

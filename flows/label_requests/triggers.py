@@ -181,13 +181,28 @@ def _z(alpha: float) -> float:
     return float(norm.ppf(1 - alpha / 2))
 
 
+def audit_margin(result: Mapping) -> float:
+    """The transport audit's practical margin in label units, as the engine computed it
+    (`cje_engine.options.EvaluationOptions.audit_margin_in`) and stored it in every policy's ``audit.margin``.
+
+    Raises
+    ------
+    CJEInputError
+        The result holds no policy with an audit margin (not a result of the engine).
+    """
+    for p in (result.get("policies") or {}).values():
+        margin = (p.get("audit") or {}).get("margin") if isinstance(p, Mapping) else None
+        if margin is not None:
+            return float(margin)
+    raise CJEInputError("the result has no audit margin (policies.<name>.audit.margin): expected a result.json "
+                        "of the engine", column="policies")
+
+
 def _target_se(result: Mapping, cfg: RequestConfig) -> float:
     if cfg.target_se is not None:
         return cfg.target_se
     conf = result.get("config") or {}
-    lo, hi = (conf.get("label_scale") or [0.0, 1.0])[:2]
-    margin = float(conf.get("audit_margin", 0.05)) * (float(hi) - float(lo))
-    return margin / _z(float(conf.get("alpha", 0.05)))
+    return audit_margin(result) / _z(float(conf.get("alpha", 0.05)))
 
 
 def _pooled_residual_sd(result: Mapping) -> float:
@@ -224,9 +239,6 @@ def audit_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
     conf = result.get("config") or {}
     alpha = float(conf.get("alpha", 0.05))
     min_labels = int(conf.get("min_labels", 10))
-    lo, hi = (conf.get("label_scale") or [0.0, 1.0])[:2]
-    margin = float(conf.get("audit_margin", 0.05)) * (float(hi) - float(lo))
-    target = _target_se(result, cfg)
     out = []
     for name, p in result["policies"].items():
         a = p.get("audit") or {}
@@ -237,6 +249,7 @@ def audit_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
                 n, how = cfg.new_policy_labels, "configured new_policy_labels"
             else:
                 z = _z(alpha)  # audits are not adjusted for the number of policies (cje_engine.audit)
+                margin = audit_margin(result)  # the engine's, from the result: never recomputed here
                 sd = _pooled_residual_sd(result)
                 n = max(min_labels, math.ceil((z * sd / margin) ** 2))
                 how = (f"n = max(min_labels={min_labels}, ceil((z * sd_r / margin)^2)) with z={z:.3f}, pooled "
@@ -258,6 +271,7 @@ def audit_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
                                 residual_mean=a.get("residual_mean"), se=a.get("se"), n_labelled=n_own))
         elif verdict == "fail" and "audit_failed" in cfg.triggers:
             need_min = max(0, min_labels - n_own)
+            target = _target_se(result, cfg)
             vc = p.get("variance_components") or {}
             n_prompts = float(vc.get("n_prompts") or p.get("n_rows") or 0)
             s2_res = float(a.get("se") or 0.0) ** 2 * max(n_own, 1)

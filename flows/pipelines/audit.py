@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
+from flows.config import EngineOptionsParameter
 from flows.integrations.notify import notify_result
 from flows.label_requests.config import RequestConfig
 from flows.label_requests.raising import raise_requests_for_run
@@ -48,7 +49,7 @@ def evaluate_and_audit(
     results_uri: str | None = None,
     labels_uri: str | None = None,
     policies: list[str] | None = None,
-    options: dict[str, Any] | None = None,
+    options: EngineOptionsParameter = None,
     as_of: str | None = None,
     n_chunks: int | None = None,
     retry_delays: list[float] | None = None,

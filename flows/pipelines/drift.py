@@ -53,9 +53,8 @@ from prefect.logging import get_run_logger
 from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
-from flows.config import pick_declared
 from flows.label_requests.config import RequestConfig
-from flows.pipelines.drift_config import DriftSettings, load_drift_monitors, settings_from
+from flows.pipelines.drift_config import DriftSettings, find_drift_monitor, settings_from
 from flows.pipelines.drift_tasks import (commit, first_alarms_of, load_anchors, load_calibration, load_scores,
                                          load_state_task, notify_alarms, raise_label_requests, request_summary,
                                          score_anchors, update, write_report)
@@ -223,7 +222,7 @@ def run_drift(name: str, config_path: str | os.PathLike | None = None, **overrid
 
     Needs a Prefect API (wrap in `flows.runtime.prefect_server.prefect_api`).
     """
-    spec = pick_declared(name, load_drift_monitors(config_path), what="drift monitor", source=config_path)
+    spec = find_drift_monitor(name, config_path)
     params = spec.settings_dict()
     params.update({k: v for k, v in overrides.items() if v is not None})
     return drift(settings_from(params, f"drift monitor {name!r}"))

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cje_engine.errors import CJEInputError
-from flows.config import DriftMonitorConfig, check_drift_comparison, load_config
+from flows.config import DriftComparisonKeys, DriftMonitorConfig, check_drift_comparison, load_config, pick_declared
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS
 from flows.storage.anchors import check_name
 from flows.uris import check_webhook_url
@@ -23,8 +23,19 @@ from flows.uris import check_webhook_url
 log = logging.getLogger(__name__)
 
 
+class LinkedEvaluationKeys(BaseModel):
+    """What a drift monitor takes from its linked evaluation (`load_drift_monitors`): keys of the drift
+    flow's settings, declared once for `DriftSettings` and `DriftMonitorSpec`."""
 
-class DriftSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    evaluation_logs_uri: str | None = None
+    evaluation_columns: dict[str, str] | None = None
+    labels_uri: str | None = None
+    label_requests: dict[str, Any] | None = None
+
+
+class DriftSettings(DriftComparisonKeys, LinkedEvaluationKeys):
     """Everything one run of the `drift` flow needs, validated before any work.
 
     Groups: *what* (``set_name``, ``anchors_version``, ``monitor_name``); *where*
@@ -36,28 +47,11 @@ class DriftSettings(BaseModel):
     docs/drift-flow.md explains each.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    set_name: str
-    anchors_uri: str
-    anchors_version: int | None = Field(default=None, ge=1)
     monitor_name: str | None = None
-    logs_uri: str | None = None
-    drift_uri: str | None = None
-    results_uri: str | None = None
-    judge_id: str | None = None
-    scorer: dict[str, Any] | None = None
     scored_at: str | None = None
-    reference: str = "first"
-    replicate: str | None = "next"
-    monitor: dict[str, Any] = Field(default_factory=dict)
     through: str | None = None
-    evaluation: str | None = None
-    evaluation_logs_uri: str | None = None
-    evaluation_columns: dict[str, str] | None = None
-    labels_uri: str | None = None
-    label_requests: dict[str, Any] | None = None
-    notify_on: Literal["new", "every"] = "new"
     webhook_url: str | None = None
     retry_delays: list[float] | None = None
 
@@ -104,17 +98,11 @@ def settings_from(params: dict[str, Any], source: str = "drift flow parameters")
                             column=col) from None
 
 
-class DriftMonitorSpec(DriftMonitorConfig):
+class DriftMonitorSpec(DriftMonitorConfig, LinkedEvaluationKeys):
     """One drift monitor declared under ``drift_monitors:``: the validated `flows.config.DriftMonitorConfig`
-    (the one place its keys are declared) plus what it takes from its linked evaluation, its flow
-    parameters and its Prefect deployment."""
-
-    #: from the linked evaluation declared in the same file (`flows.runtime.schedules.EvaluationSpec`);
-    #: set by `load_drift_monitors`, not keys of the file (which is validated as `DriftMonitorConfig`)
-    evaluation_logs_uri: str | None = None
-    evaluation_columns: dict[str, str] | None = None
-    labels_uri: str | None = None
-    label_requests: dict[str, Any] | None = None
+    (the one place its keys are declared) plus what it takes from its linked evaluation
+    (`LinkedEvaluationKeys`, set by `load_drift_monitors`, not keys of the file), its flow parameters and
+    its Prefect deployment."""
 
     def flow_parameters(self) -> dict[str, Any]:
         """Parameters of the `drift` flow for this monitor: ``{"settings": {...}}``."""
@@ -165,3 +153,10 @@ def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, Drif
                      "results_uri": m.results_uri or linked.results_uri or linked.logs_uri}
         out[name] = DriftMonitorSpec.model_validate({**m.model_dump(), **extra})
     return out
+
+
+def find_drift_monitor(name: str, path: str | os.PathLike | None = None) -> DriftMonitorSpec:
+    """The drift monitor ``name`` declared in an evaluations file (default: the repository's); an unknown
+    name is the one `CJEInputError` of every lookup (`flows.config.pick_declared`: file, did you mean,
+    the declared names)."""
+    return pick_declared(name, load_drift_monitors(path), what="drift monitor", source=path)

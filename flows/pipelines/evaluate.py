@@ -59,20 +59,21 @@ from prefect.utilities.annotations import quote
 
 from cje_engine import __version__ as ENGINE_VERSION
 from cje_engine.errors import CJEInputError
+from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline import offpolicy as offpolicy_pipeline
 from cje_engine.pipeline.direct import prepare as engine_prepare
-from cje_engine.pipeline.offpolicy import flow_columns, flow_options, flow_policies
+from cje_engine.pipeline.offpolicy import flow_columns, flow_policies
 
-from flows.config import MonitoringConfig, Window, check_columns, check_monitoring, check_publish_name, parse_window
+from flows.config import (EngineOptions, EngineOptionsParameter, MonitoringConfig, Window, check_columns,
+                          check_monitoring, check_publish_name, check_uri, engine_options, option_covariates,
+                          parse_window)
 from flows.pipelines import preflight
-from flows.pipelines.preflight import engine_options
 from flows.pipelines.pages import contextual_report, refresh_pages
 from flows.pipelines.regressions import monitor_evaluation
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
 from flows.storage.labels import LabelStore
-from flows.uris import check_uri
 from flows.storage.logs import (concat_with_sources, discover_partitions, first_duplicate, locate_row, row_sources,
                                 window_days)
 from flows.storage.objects import Storage, StorageConfig
@@ -295,10 +296,11 @@ def _rows_named_by_object(table: pa.Table, logs_uri: str | None, cfg: Any) -> It
 
 
 @task(name="prepare", **_PURE_TASK)
-def prepare(table: pa.Table, options: dict, logs_uri: str | None = None, cfg: Any = None) -> Any:
-    """Engine `prepare`: validate, select the mode, fit the calibration once."""
+def prepare(table: pa.Table, options: EvaluationOptions, logs_uri: str | None = None, cfg: Any = None) -> Any:
+    """Engine `prepare`: validate, select the mode, fit the calibration once (``options``: the run's typed
+    options, passed as they are)."""
     with _rows_named_by_object(table, logs_uri, cfg):
-        return engine_prepare(table, **options)
+        return engine_prepare(table, options)
 
 
 @task(name="bootstrap", **storage_task_options((1.0,)))
@@ -327,10 +329,11 @@ def finalize(prep: Any, chunks: list) -> Any:
 
 
 @task(name="prepare_offpolicy", **_PURE_TASK)
-def prepare_offpolicy(table: pa.Table, options: dict, logs_uri: str | None = None, cfg: Any = None) -> Any:
-    """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates."""
+def prepare_offpolicy(table: pa.Table, options: Any, logs_uri: str | None = None, cfg: Any = None) -> Any:
+    """Off-policy `prepare` (logs-only / hybrid): validate the logs, calibrate, weights, gates (``options``:
+    the run's typed `OffPolicyOptions`)."""
     with _rows_named_by_object(table, logs_uri, cfg):
-        return offpolicy_pipeline.prepare(table, **options)
+        return offpolicy_pipeline.prepare(table, options=options)
 
 
 @task(name="render", **_PURE_TASK)
@@ -380,7 +383,7 @@ class RunPlan:
     labels_uri: str
     policies: list[str] | None
     mode: str
-    opts: dict
+    opts: EngineOptions  # the typed options (`flows.config.engine_options`), passed as they are to the engine
     extra_columns: list[str]
     read_policies: list[str] | None
     retry: dict
@@ -391,7 +394,7 @@ class RunPlan:
     @property
     def covariates(self) -> list[str]:
         """The covariate columns the engine options name."""
-        return list(self.opts.get("covariates") or [])
+        return list(self.opts.covariates)
 
     @property
     def needed_columns(self) -> list[str]:
@@ -417,12 +420,12 @@ def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | Non
     for what, uri in (("logs_uri", logs_uri), ("results_uri", results_uri), ("labels_uri", labels_uri)):
         if uri:
             check_uri(uri, what)
+    opts = engine_options(options, policies, mode)  # the object itself when it was parsed already
     if mode == "direct":
-        opts, extra_columns, read_policies = engine_options(options, policies), [], policies
+        extra_columns, read_policies = [], policies
     else:
-        opts = flow_options(options, policies, mode)
         extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
-    columns = check_columns(columns, "columns", (options or {}).get("covariates")) or None
+    columns = check_columns(columns, "columns", option_covariates(options)) or None
     delays = list(retry_delays) if retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
     return RunPlan(evaluation=evaluation, window_spec=str(window), window=parse_window(window, as_of),
                    logs_uri=logs_uri, results_uri=results_uri or logs_uri, labels_uri=labels_uri or logs_uri,
@@ -447,7 +450,7 @@ def _code_version() -> str:
 def run_config(plan: RunPlan) -> dict:
     """The configuration that, with the inputs' fingerprint, names the run (its run key)."""
     config = {"evaluation": plan.evaluation, "window": plan.window.label,
-              "policies": sorted(plan.policies) if plan.policies else None, "options": plan.opts,
+              "policies": sorted(plan.policies) if plan.policies else None, "options": plan.opts.declared,
               "logs_uri": plan.logs_uri, "labels_uri": plan.labels_uri}
     if plan.mode != "direct":
         config["mode"] = plan.mode
@@ -471,7 +474,7 @@ def build_manifest(plan: RunPlan, files: list[dict], counts: dict, label_info: d
         "monitoring": plan.monitoring.model_dump(mode="json"),  # the settings of its regression alarms
         "code_version": _code_version(),
         "engine_version": ENGINE_VERSION,
-        "seed": int(plan.opts.get("seed", 0)),
+        "seed": int(plan.opts.seed),
         "ray": ray_kind,
         "flow_run_id": _flow_run_id(),
         "created_at": datetime.now(timezone.utc).isoformat(),
@@ -581,7 +584,7 @@ def evaluate(
     results_uri: str | None = None,
     labels_uri: str | None = None,
     policies: list[str] | None = None,
-    options: dict[str, Any] | None = None,
+    options: EngineOptionsParameter = None,
     as_of: str | None = None,
     n_chunks: int | None = None,
     retry_delays: list[float] | None = None,
@@ -604,8 +607,10 @@ def evaluate(
         Where results are published and where the label store lives (default: ``logs_uri``).
     policies : list of str, optional
         Only these policies (pushed down into the read).
-    options : dict, optional
-        Engine keyword options (``covariates``, ``n_bootstrap``, ``seed``, ...).
+    options : EvaluationOptions, OffPolicyOptions or dict, optional
+        Engine options: the typed object of a declared evaluation (``EvaluationSpec.flow_parameters()``),
+        used as it is, or a mapping (``covariates``, ``n_bootstrap``, ``seed``, ...; a deployment's JSON),
+        parsed once by `flows.config.engine_options`.
     as_of : str, optional
         Reference date of a relative window (default: today, UTC).
     n_chunks : int, optional

@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cje_engine.errors import CJEInputError
-from cje_engine.options import EvaluationOptions, did_you_mean
 
+from flows.config import did_you_mean
 from flows.storage.logs import log_renames
 
 log = logging.getLogger(__name__)
@@ -145,20 +145,15 @@ def _layout_error(st: Any, win: Any) -> CJEInputError:
                          source=st.url())
 
 
-def _declared_scales(options: Mapping[str, Any] | None) -> list[tuple[str, str, tuple[float, float]]]:
-    """(canonical column, option, (lo, hi)) of the declared label and score scales of a run's options
-    (the engine's defaults, 0-1, when not declared; an unbounded score scale is not checked)."""
-    from cje_engine.data.frame import parse_scale
-
-    opts = dict(options or {})
-    out = [("oracle_label", "label_scale", parse_scale(opts.get("label_scale", (0.0, 1.0)), "label"))]
-    score = parse_scale(opts.get("score_scale", (0.0, 1.0)), "score")
-    if score is not None:
-        out.append(("judge_score", "score_scale", score))
+def _declared_scales(options: Any) -> list[tuple[str, str, tuple[float, float]]]:
+    """(canonical column, option, (lo, hi)) of the declared label and score scales of a run's typed options
+    (`flows.config.engine_options`; an unbounded score scale is not checked)."""
+    eng = getattr(options, "engine", options)  # OffPolicyOptions keeps the engine's options in ``engine``
+    out = [("oracle_label", "label_scale", eng.label_scale), ("judge_score", "score_scale", eng.score_scale)]
     return [(c, o, sc) for c, o, sc in out if sc is not None]
 
 
-def check_scales(st: Any, files: Sequence[dict], options: Mapping[str, Any] | None,
+def check_scales(st: Any, files: Sequence[dict], options: Any,
                  mapping: Mapping[str, str] | None = None) -> None:
     """Every log file's ``judge_score`` and inline ``oracle_label`` values lie in the declared scales:
     the rule and the one-line message of `cje evaluate` (`cje_engine.data.io.check_scale_range`), naming
@@ -192,28 +187,6 @@ def check_scales(st: Any, files: Sequence[dict], options: Mapping[str, Any] | No
             check_scale_range(values, scale, url, canon, option)
 
 
-def engine_options(options: dict | None, policies: Sequence[str] | None) -> dict:
-    """Engine keyword options of a run, checked early (`EvaluationOptions.build`) and JSON-ready.
-
-    Parameters
-    ----------
-    options : dict or None
-        The evaluation's ``options:``.
-    policies : sequence of str or None
-        The evaluation's ``policies:`` (added as the ``policies`` option).
-
-    Returns
-    -------
-    dict
-        The options as given plus ``policies``; a `CJEInputError` names an unknown or bad option.
-    """
-    opts = dict(options or {})
-    if policies:
-        opts["policies"] = list(policies)
-    EvaluationOptions.build(**opts)  # early, clear error on an unknown or bad option
-    return opts
-
-
 def check_evaluation(params: dict) -> dict:
     """Check the inputs of an evaluate-flow run (``EvaluationSpec.flow_parameters()`` plus overrides).
 
@@ -222,18 +195,16 @@ def check_evaluation(params: dict) -> dict:
     """
     from pathlib import Path
 
-    from flows.config import check_columns
-    from flows.config import parse_window
+    from flows.config import check_columns, engine_options, option_covariates, parse_window
     from flows.storage.logs import REQUIRED, discover_partitions
     from flows.storage.objects import Storage, StorageConfig
 
     logs_uri = params["logs_uri"]
     win = parse_window(params.get("window") or "last 7 days", params.get("as_of"))
     mode = params.get("mode") or "direct"
-    covariates: list[str] = []
-    if mode == "direct":
-        covariates = list(engine_options(params.get("options"), params.get("policies")).get("covariates") or [])
-    mapping = check_columns(params.get("columns"), "columns", (params.get("options") or {}).get("covariates")) or None
+    opts = engine_options(params.get("options"), params.get("policies"), mode)  # as it is when already typed
+    covariates: list[str] = list(opts.covariates) if mode == "direct" else []
+    mapping = check_columns(params.get("columns"), "columns", option_covariates(params.get("options"))) or None
     if "://" not in str(logs_uri) and not Path(logs_uri).is_dir():
         raise CJEInputError("the logs folder does not exist (logs_uri)", source=str(logs_uri))
     cfg = StorageConfig.from_env()
@@ -251,7 +222,7 @@ def check_evaluation(params: dict) -> dict:
                             f"see docs/logs-layout.md)", source=source, column=missing[0])
     if mapping:
         check_mapped_files(st, files, mapping, names)
-    check_scales(st, files, params.get("options"), mapping)
+    check_scales(st, files, opts, mapping)
     derived = []
     for cov in covariates:
         if cov in names:

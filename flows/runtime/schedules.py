@@ -35,7 +35,8 @@ class EvaluationSpec(EvaluationConfig):
     deployment."""
 
     def flow_parameters(self) -> dict[str, Any]:
-        """Parameters of the `evaluate` flow for this evaluation (URIs only: no credentials)."""
+        """Parameters of the `evaluate` flow for this evaluation (URIs only: no credentials); ``options`` is
+        the typed object parsed when the file was loaded, passed on as it is to the engine."""
         return {
             "logs_uri": self.logs_uri,
             "window": self.window,
@@ -43,12 +44,20 @@ class EvaluationSpec(EvaluationConfig):
             "results_uri": self.results_uri,
             "labels_uri": self.labels_uri,
             "policies": list(self.policies) if self.policies else None,
-            "options": dict(self.options),
+            "options": self.options,
             "label_requests": dict(self.label_requests) if self.label_requests else None,
             "mode": self.mode,
             "columns": dict(self.columns) or None,
             "monitoring": dict(self.monitoring) or None,
         }
+
+    def deployment_parameters(self) -> dict[str, Any]:
+        """`flow_parameters` as JSON for a deployment (Prefect stores them): ``options`` as declared in the
+        file (the flow run parses them once, at its edge)."""
+        declared = self.options.declared
+        if self.policies:  # passed as the flow's own ``policies``
+            declared.pop("policies", None)
+        return {**self.flow_parameters(), "options": declared}
 
     def to_deployment(self, flow: Any):
         """A Prefect ``RunnerDeployment`` of ``flow`` (`flows.pipelines.deployments` gives `evaluate_and_audit`:
@@ -62,7 +71,7 @@ class EvaluationSpec(EvaluationConfig):
             # Flow runs import `flows.pipelines.evaluate` as a module (not the file as a script),
             # so Ray workers can unpickle its functions by module name.
             entrypoint_type=EntrypointType.MODULE_PATH,
-            parameters=self.flow_parameters(),
+            parameters=self.deployment_parameters(),
             description=self.description or f"CJE evaluation {self.name} over {self.window}",
             tags=["cje"],
             **self.schedule_kwargs(),

@@ -295,5 +295,5 @@ def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
     f.write_text("evaluations:\n  - &base {name: a, logs_uri: x, window: last 7 days, options: &o {seed: 3}}\n"
                  "  - <<: *base\n    name: b\n    window: last 3 days\n    options: *o\n")
     cfg = load_config(f)
-    assert cfg.evaluations["b"].window == "last 3 days" and cfg.evaluations["b"].options == {"seed": 3}
+    assert cfg.evaluations["b"].window == "last 3 days" and cfg.evaluations["b"].options.declared == {"seed": 3}
     assert cfg.evaluations["a"].window == "last 7 days"

@@ -456,3 +456,26 @@ def pd_ts(dt):
     import pandas as pd
 
     return pd.to_datetime(dt).dt.tz_localize("UTC") + pd.Timedelta(hours=1)
+
+
+def test_triggers_read_the_audit_margin_from_the_result(case, monkeypatch):
+    """The margin in label units is the engine's (`EvaluationOptions.audit_margin_in`, stored in every policy's
+    ``audit.margin``): change it in the engine and the triggers' sizing follows, with no copy of its formula or
+    default in flows/label_requests (the old copy used ``config.audit_margin`` x the label span, 0.05 here)."""
+    from cje_engine.options import EvaluationOptions
+    from flows.label_requests.triggers import audit_margin
+
+    _, table, r = case
+    assert audit_margin(r) == r["policies"]["clone"]["audit"]["margin"] == pytest.approx(0.05)
+    keep = ~((np.asarray(table.column("policy").to_pylist()) == "clone")
+             & ~np.isnan(table.column("oracle_label").to_numpy(zero_copy_only=False)))
+    t2 = table.filter(pa.array(keep))
+    monkeypatch.setattr(EvaluationOptions, "audit_margin_in", lambda self, label_scale=None: 0.123)
+    r2 = evaluate(t2.drop_columns(["dt"]), covariates=["response_length"], calibration_policies=["base"],
+                  inference="analytic").to_dict()
+    assert r2["config"]["audit_margin"] == 0.05  # the option as declared; the engine's margin is 0.123
+    assert {p["audit"]["margin"] for p in r2["policies"].values()} == {0.123}
+    trig = [t for t in find_triggers(r2, t2, {"triggers": ["no_own_labels"]}) if t["scope"] == "clone"]
+    assert "margin=0.123" in trig[0]["detail"]["sizing"]
+    with pytest.raises(CJEInputError, match="no audit margin"):
+        audit_margin({"config": {"audit_margin": 0.05}, "policies": {"a": {"audit": {"verdict": "not_run"}}}})

@@ -231,11 +231,13 @@ def test_options_validation(sim_frames):
 
 def test_flow_helpers():
     opts = flow_options({"logger": "base", "n_bootstrap": 100}, ["base", "near", "far"], "hybrid")
-    assert opts["targets"] == ["near", "far"] and opts["mode"] == "hybrid"
+    assert opts.targets == ("near", "far") and opts.mode == "hybrid" and opts.engine.n_bootstrap == 100
+    assert opts.declared["targets"] == ["near", "far"]  # what names the run (its run key)
+    assert flow_options(opts, ["x"], "hybrid") is opts  # typed options are never rebuilt
     assert flow_columns(opts) == ["base_logprob", "logprob__near", "logprob__far"]
     assert flow_policies(opts) == ["base", "near", "far"]
-    assert flow_policies({**opts, "mode": "logs-only"}) == ["base"]
-    assert flow_policies({"targets": ["near"], "mode": "hybrid"}) is None
+    assert flow_policies(flow_options({**opts.declared}, None, "logs-only")) == ["base"]
+    assert flow_policies(flow_options({"targets": ["near"]}, None, "hybrid")) is None
     with pytest.raises(CJEInputError, match="needs its candidates"):
         flow_columns(flow_options({}, None, "logs-only"))
     with pytest.raises(CJEInputError, match="mode must be one of"):

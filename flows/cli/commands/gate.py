@@ -31,7 +31,6 @@ import argparse
 import math
 import re
 from dataclasses import asdict, dataclass
-from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -41,6 +40,7 @@ from scipy.stats import norm
 from cje_engine.errors import CJEInputError
 from cje_engine.result.model import AssumedClaims, Audit, Comparison, EvaluationModel, Multiplicity
 from cje_engine.result.validate import typed_view
+from flows.config import did_you_mean
 
 from flows.cli.exits import EXIT_GATE_FAILED, EXIT_OK
 from flows.cli.terminal import err, escape, out, out_json
@@ -224,8 +224,7 @@ def judge(result: Mapping[str, Any] | EvaluationModel, baseline: str, *, fail_if
     pols = list(m.policies)
     for name in [baseline, *(candidates or [])]:
         if name not in pols:
-            close = get_close_matches(name, pols, n=1)
-            raise CJEInputError(f"policy {name!r} is not in the result{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+            raise CJEInputError(f"policy {name!r} is not in the result{did_you_mean(name, pols)}"
                                 f" (policies: {', '.join(pols)})", column="policies")
     cands = list(candidates) if candidates else [p for p in pols if p != baseline]
     if baseline in cands:

@@ -40,11 +40,10 @@ def config_path(ns: argparse.Namespace) -> str:
 
 
 def spec_of(config: str, name: str):
-    """The declared evaluation ``name`` of the evaluations file ``config`` (`flows.cli.common.pick_declared`)."""
-    from flows.cli.common import pick_declared
-    from flows.runtime.schedules import load_evaluations
+    """The declared evaluation ``name`` of the evaluations file ``config`` (`flows.cli.common.find_evaluation`)."""
+    from flows.cli.common import find_evaluation
 
-    return pick_declared(name, load_evaluations(config), what="evaluation", source=config)
+    return find_evaluation(name, config, quiet=True)[1]
 
 
 def _where(spec: Any) -> dict[str, Any]:
