@@ -24,12 +24,12 @@ from scipy.optimize import nnls
 from cje_engine.calibration.isotonic import isotonic_pooled
 
 try:  # numpy's compiled interpolation without the Python wrapper's checks (float inputs only here)
-    from numpy._core.multiarray import interp as _interp
+    from numpy._core.multiarray import interp as interp_flat
 except ImportError:  # pragma: no cover - other numpy layouts
-    _interp = np.interp
+    interp_flat = np.interp
 
 
-def _clip(out: np.ndarray, clip: tuple[float, float] | None) -> np.ndarray:
+def clip_to(out: np.ndarray, clip: tuple[float, float] | None) -> np.ndarray:
     """In-place clip (np.clip's dispatch costs more than the work on small arrays)."""
     if clip is None:
         return out
@@ -198,10 +198,10 @@ class IsotonicCalibrator:
 
     def predict_cells(self, cells: Cells) -> np.ndarray:
         """Predictions at every cell."""
-        return _clip(_interp(cells.score, self.x_, self.y_), self.clip)
+        return clip_to(interp_flat(cells.score, self.x_, self.y_), self.clip)
 
 
-def _ramp_basis(s: np.ndarray, knots: np.ndarray) -> np.ndarray:
+def ramp_basis(s: np.ndarray, knots: np.ndarray) -> np.ndarray:
     """Monotone ramp basis: column j rises linearly from 0 to 1 between knots j and j+1.
 
     Any non-negative combination is a non-decreasing piecewise-linear function of ``s``,
@@ -229,10 +229,10 @@ def _ramp_lsq(M: np.ndarray, t: np.ndarray, n_ramp: int, free: np.ndarray | None
     active set does not settle within a few steps.
     """
     # einsum, not BLAS: the same bits whatever the BLAS thread count of the process
-    return _ramp_lsq_gram(np.einsum("gp,gq->pq", M, M), np.einsum("gp,g->p", M, t), n_ramp, free)
+    return ramp_lsq_gram(np.einsum("gp,gq->pq", M, M), np.einsum("gp,g->p", M, t), n_ramp, free)
 
 
-def _ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray | None:
+def ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray | None:
     """`_ramp_lsq` from the normal equations ``G theta = b`` (``G = M'M``, ``b = M't``)."""
     P = G.shape[0]
     g = G.diagonal()
@@ -280,10 +280,10 @@ def _ramp_solve(M: np.ndarray, t: np.ndarray, n_ramp: int, free: np.ndarray | No
 def qp_ramp(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None) -> np.ndarray:
     """min 1/2 theta' G theta - b' theta with theta[:n_ramp] >= 0 (G positive definite).
 
-    The active set on the normal equations (`_ramp_lsq_gram`); if it declines (near collinearity,
+    The active set on the normal equations (`ramp_lsq_gram`); if it declines (near collinearity,
     no settling), scipy NNLS on the equivalent least squares ``||R theta - R^-T b||`` (G = R'R).
     """
-    theta = _ramp_lsq_gram(G, b, n_ramp, free)
+    theta = ramp_lsq_gram(G, b, n_ramp, free)
     if theta is None:
         R = np.linalg.cholesky(G).T
         theta = _ramp_solve(R, np.linalg.solve(R.T, b), n_ramp, None)
@@ -369,7 +369,7 @@ def _logit_newton(F: np.ndarray, w: np.ndarray, t: np.ndarray, lam: float, n_ram
     return theta
 
 
-def _knot_levels(n_knots: int) -> np.ndarray:
+def knot_levels(n_knots: int) -> np.ndarray:
     q = _LEVELS.get(n_knots)
     if q is None:
         q = _LEVELS[n_knots] = np.linspace(0, 1, n_knots + 1)
@@ -453,7 +453,7 @@ class TwoStageCalibrator:
         else:
             raise ValueError("two-stage fit needs at least one row with positive weight")
         per_score = np.bincount(code, weights=cnt, minlength=cells.score_values.size)
-        knots = quantile_of_counts(cells.score_values, per_score, _knot_levels(self.n_knots))
+        knots = quantile_of_counts(cells.score_values, per_score, knot_levels(self.n_knots))
         knots = knots[np.concatenate(([True], knots[1:] > knots[:-1]))]  # sorted: drop repeats
         if knots.size < 2:
             knots = np.array([s.min() - 0.5, s.min() + 0.5])
@@ -469,7 +469,7 @@ class TwoStageCalibrator:
         n_ramp = knots.size - 1
         sq = np.sqrt(wk)
         F = np.empty((s.size, n_ramp + p + 1))
-        F[:, :n_ramp] = _ramp_basis(s, knots)
+        F[:, :n_ramp] = ramp_basis(s, knots)
         F[:, n_ramp:n_ramp + p] = (Xt - self.x_mean_) / self.x_scale_
         F[:, -1] = 1.0
         free = None if warm is None or warm.ramp_coef_.size != n_ramp else warm.ramp_coef_ > 0
@@ -513,7 +513,7 @@ class TwoStageCalibrator:
     def _index_t(self, score: np.ndarray, Xt: np.ndarray) -> np.ndarray:
         # sum_j a_j ramp_j(s) is the piecewise-linear interpolant through (knot_j, a_0 + ... + a_{j-1}),
         # flat outside the knots: np.interp evaluates it without building the basis matrix.
-        h = _interp(score, self.knots_, self._cum)
+        h = interp_flat(score, self.knots_, self._cum)
         if Xt.shape[1]:
             h = h + ((Xt - self.x_mean_) / self.x_scale_) @ self.beta_
         return h + self.intercept_
@@ -531,7 +531,7 @@ class TwoStageCalibrator:
 
     def predict_cells(self, cells: Cells) -> np.ndarray:
         """Predictions at every cell."""
-        return _clip(_interp(self._index_t(cells.score, self._xt(cells)), self.x_, self.y_), self.clip)
+        return clip_to(interp_flat(self._index_t(cells.score, self._xt(cells)), self.x_, self.y_), self.clip)
 
 
 #: Ramp segments of the two-stage index with enough labels (`two_stage_knots`).

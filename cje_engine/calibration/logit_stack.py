@@ -24,14 +24,14 @@ _TRI: dict[int, tuple] = {}
 _SYM: dict[int, np.ndarray] = {}
 
 
-def _eye(P: int) -> np.ndarray:
+def eye_stack(P: int) -> np.ndarray:
     e = _EYE.get(P)
     if e is None:
         e = _EYE[P] = np.eye(P)
     return e
 
 
-def _triangle(P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def triangle_index(P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Upper-triangle indices of a P x P matrix and their positions in its flattened form."""
     tri = _TRI.get(P)
     if tri is None:
@@ -41,10 +41,10 @@ def _triangle(P: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _symmetric(P: int) -> np.ndarray:
-    """For each entry of a flattened P x P matrix, its position in the upper triangle (`_triangle`)."""
+    """For each entry of a flattened P x P matrix, its position in the upper triangle (`triangle_index`)."""
     sym = _SYM.get(P)
     if sym is None:
-        iu0, iu1, _ = _triangle(P)
+        iu0, iu1, _ = triangle_index(P)
         pos = np.empty((P, P), dtype=np.intp)
         pos[iu0, iu1] = np.arange(iu0.size)
         pos[iu1, iu0] = np.arange(iu0.size)
@@ -126,7 +126,7 @@ def newton_stack(levels: tuple, designs: list, counts: np.ndarray, W: np.ndarray
     out = np.empty((N, P))
     eta = np.log(mu / (1.0 - mu))
     theta = None
-    sym, eye = _symmetric(P), _eye(P)
+    sym, eye = _symmetric(P), eye_stack(P)
     group = np.repeat(np.arange(len(designs)), counts)
     act = np.arange(N)  # the fits still iterating (rows of the working arrays)
     parts = _parts(designs, counts)
@@ -239,7 +239,7 @@ def _qp_stack_pd(H: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | N
     if free is not None:
         mask[:, :n_ramp] = free
     tol = 1e-9 * (np.abs(b).max(1) + 1e-300)
-    eye = _eye(P)
+    eye = eye_stack(P)
     for _ in range(rounds):
         x = _lapack.solve1(np.where(mask[:, :, None] & mask[:, None, :], H, eye), np.where(mask, b, 0.0),
                            signature="dd->d")

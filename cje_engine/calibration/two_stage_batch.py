@@ -15,7 +15,7 @@ a 9-column least squares. `fit_two_stage_many` does every step for all fits toge
   are then expressed in each fit's own standardisation, as ``fit_cells`` stores them);
 * every fit's active set at once (`_ramp_lsq_stack`): batched LAPACK solves of the masked
   normal equations, each fit with its own free set, started from the design's point fit and
-  checked by the KKT conditions; the scalar solver (`_ramp_lsq_gram`) and finally scipy NNLS
+  checked by the KKT conditions; the scalar solver (`ramp_lsq_gram`) and finally scipy NNLS
   (``fit_cells``) only for the fits that fail the checks;
 * stage 2 for all fits from one stable sort of the index matrix, one pooling ``reduceat`` and
   one PAVA call per fit.
@@ -45,14 +45,14 @@ from cje_engine.calibration.calibrators import (
     RIDGE,
     Cells,
     TwoStageCalibrator,
-    _clip,
-    _interp,
-    _knot_levels,
-    _ramp_basis,
-    _ramp_lsq_gram,
+    clip_to,
+    interp_flat,
+    knot_levels,
+    ramp_basis,
+    ramp_lsq_gram,
 )
 from cje_engine.calibration.isotonic import isotonic_pooled_segments
-from cje_engine.calibration.logit_stack import _eye, _triangle, newton_stack
+from cje_engine.calibration.logit_stack import eye_stack, triangle_index, newton_stack
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _basis(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariates: bool
     def build() -> tuple[np.ndarray, np.ndarray]:
         nr, p = knots.size - 1, Xt.shape[1]
         F = np.empty((cells.size, nr + p + 1))
-        F[:, :nr] = _ramp_basis(cells.score, knots)
+        F[:, :nr] = ramp_basis(cells.score, knots)
         F[:, nr:nr + p] = Xt
         F[:, -1] = 1.0
         return F, (F[:, :, None] * F[:, None, :]).reshape(cells.size, -1)
@@ -133,7 +133,7 @@ def _score_design(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariate
 
     A cell's ramps depend on its score only, so every Gram entry of a fit is linear in its per-score
     sums ``s = [sum v, sum v x_k (per score), sum v x_k x_l]`` of the cells' weights ``v``:
-    ``h = s @ L`` (upper triangle, `_triangle` order); likewise the gradient ``b = [sum r, sum r x_k
+    ``h = s @ L`` (upper triangle, `triangle_index` order); likewise the gradient ``b = [sum r, sum r x_k
     (per score)] @ Lb``, and the index ``F theta`` is the ramp part at the score levels (``R' theta``)
     taken to the cells plus ``Xt theta_x``. Returns ``(L, Lb, R', largest |F| per column)``.
     """
@@ -141,8 +141,8 @@ def _score_design(cells: Cells, Xt: np.ndarray, knots: np.ndarray, log_covariate
         starts, level, X, _ = _levels(cells, Xt, log_covariates)
         D, p, nr = starts.size, Xt.shape[1], knots.size - 1
         P = nr + p + 1
-        R = _ramp_basis(cells.score[starts], knots)  # (D, nr): the ramps at each score level
-        iu0, iu1, _ = _triangle(P)
+        R = ramp_basis(cells.score[starts], knots)  # (D, nr): the ramps at each score level
+        iu0, iu1, _ = triangle_index(P)
         kind = np.array([0] * nr + [1] * p + [2])  # ramp, covariate, intercept
         S = D + D * p + p * (p + 1) // 2
         L = np.zeros((S, iu0.size))
@@ -180,7 +180,7 @@ def _all_knots(cells: Cells, C: np.ndarray, n_knots: int) -> tuple[np.ndarray, n
     per_score = np.bincount(_score_key(cells, J), weights=C.ravel(), minlength=J * D).reshape(J, D)
     cum = per_score.cumsum(1)
     n = cum[:, -1:]
-    virtual = (n - 1) * _knot_levels(n_knots)[None, :]
+    virtual = (n - 1) * knot_levels(n_knots)[None, :]
     prev = np.floor(virtual)
     both = np.concatenate([prev, np.minimum(prev + 1, n - 1)], axis=1)
     # per fit, how many cumulative counts are <= each order statistic: one searchsorted over the
@@ -232,7 +232,7 @@ class TwoStageFits:
 
     def index(self, j: int, score: np.ndarray, Xt: np.ndarray) -> np.ndarray:
         """Stage-1 index of fit ``j`` at scores ``score`` and transformed covariates ``Xt``."""
-        h = _interp(score, self.knots[j], self.cum[j])
+        h = interp_flat(score, self.knots[j], self.cum[j])
         if Xt.shape[1]:
             h = h + ((Xt - self.x_mean[j]) / self.x_scale[j]) @ self.beta[j]
         return h + self.intercept[j]
@@ -240,7 +240,7 @@ class TwoStageFits:
     def predict_cells(self, j: int, cells: Cells) -> np.ndarray:
         """Calibrated value of fit ``j`` at every cell of ``cells`` (any cells object)."""
         Xt = TwoStageCalibrator(log_covariates=self.log_covariates)._xt(cells)
-        return _clip(_interp(self.index(j, cells.score, Xt), self.x[j], self.y[j]), self.clip)
+        return clip_to(interp_flat(self.index(j, cells.score, Xt), self.x[j], self.y[j]), self.clip)
 
     def model(self, j: int) -> TwoStageCalibrator | None:
         """Fit ``j`` as a `TwoStageCalibrator` (None for a fit without data)."""
@@ -261,7 +261,7 @@ class TwoStageFits:
 
 def _ramp_lsq_stack(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | None = None,
                     rounds: int = 6) -> tuple[np.ndarray, np.ndarray]:
-    """The active set of `_ramp_lsq_gram` for a stack of systems at once, each with its own free set.
+    """The active set of `ramp_lsq_gram` for a stack of systems at once, each with its own free set.
 
     ``free`` (n_ramp,): the ramps every system starts with (all if None). Every round solves all
     unsettled systems in one batched call, with the fixed ramps masked out (their rows and
@@ -280,7 +280,7 @@ def _ramp_lsq_stack(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray 
     if free is not None:
         mask[:, :n_ramp] = free
     act = np.flatnonzero((np.diagonal(G, axis1=1, axis2=2) > 0).all(1))
-    eye = _eye(P)
+    eye = eye_stack(P)
     for _ in range(rounds):
         if act.size == 0:
             break
@@ -335,7 +335,7 @@ def _solve_all(cells: Cells, Xt: np.ndarray, knots: np.ndarray, W: np.ndarray, W
         b[order] = np.concatenate([part[2] for part in parts])
     theta, done = _ramp_lsq_stack(G, b, n_ramp, None if warm is None else warm.get(n_ramp))
     for j in np.flatnonzero(~done):  # the scalar solver (its own checks), then NNLS in the caller
-        th = _ramp_lsq_gram(G[j], b[j], n_ramp, None)
+        th = ramp_lsq_gram(G[j], b[j], n_ramp, None)
         if th is not None:
             theta[j], done[j] = th, True
     return theta, done
@@ -506,7 +506,7 @@ def _stage2_all(out: TwoStageFits, cells: Cells, Xt: np.ndarray, W: np.ndarray, 
     Z = np.empty((J, G))
     rows = np.flatnonzero(out.ok).tolist()
     for j in rows:
-        Z[j] = _interp(cells.score, out.knots[j], out.cum[j])
+        Z[j] = interp_flat(cells.score, out.knots[j], out.cum[j])
     if Xt.shape[1] == 1:
         Z += ((Xt[:, 0] - out.x_mean) / out.x_scale) * out.beta
     elif Xt.shape[1]:

@@ -27,15 +27,16 @@ DRAW_IDX = "draw_idx"
 _CHUNK = 1 << 20
 
 # Internal bookkeeping columns (dropped before returning).
-_SRC, _ROW = "__cje_source", "__cje_row"
+SOURCE_KEY, ROW_KEY = "__cje_source", "__cje_row"
 
 
-def _first(mask: np.ndarray) -> int:
+def first_value(mask: np.ndarray) -> int:
+    """Index of the first True in ``mask``."""
     return int(np.flatnonzero(mask)[0])
 
 
 
-def _null_str(n: int) -> pd.Series:
+def null_str(n: int) -> pd.Series:
     """An all-missing string column of length ``n``."""
     return pa.nulls(n, pa.large_string()).to_pandas()
 
@@ -44,19 +45,20 @@ def _null_str(n: int) -> pd.Series:
 # --------------------------------------------------------------------------------------
 # Cross-input checks
 # --------------------------------------------------------------------------------------
-def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+def concat_tables(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """Concatenate frames over the union of their columns (in first-seen order)."""
     if len(frames) == 1:
         return frames[0]
     cols: list[str] = []
     for f in frames:
         cols.extend(c for c in f.columns if c not in cols)
     if RESPONSE in cols:
-        frames = [f if RESPONSE in f.columns else f.assign(**{RESPONSE: _null_str(len(f))}) for f in frames]
+        frames = [f if RESPONSE in f.columns else f.assign(**{RESPONSE: null_str(len(f))}) for f in frames]
     return pd.concat(frames, ignore_index=True, sort=False)
 
 
 def _where(frame: pd.DataFrame, i: int, names: list[str]) -> tuple[str, int]:
-    return names[int(frame[_SRC].iat[i])], int(frame[_ROW].iat[i])
+    return names[int(frame[SOURCE_KEY].iat[i])], int(frame[ROW_KEY].iat[i])
 
 
 def _codes(values: Any) -> tuple[np.ndarray, int]:
@@ -111,7 +113,7 @@ def _combine(a: np.ndarray, na: int, b: np.ndarray, nb: int, *, into_b: bool = F
     return b, na * nb
 
 
-def _repeated(key: np.ndarray, size: int) -> np.ndarray:
+def repeated_values(key: np.ndarray, size: int) -> np.ndarray:
     """Mask of rows whose integer key occurs more than once (O(n))."""
     if size <= 4 * len(key) + 1_000_000:
         counts = np.bincount(key, minlength=size)
@@ -122,7 +124,7 @@ def _repeated(key: np.ndarray, size: int) -> np.ndarray:
 def _first_pair(keys: pd.DataFrame | pd.Series) -> tuple[int, int]:
     """Positions (earlier, later) of the first repeated key (the caller knows one exists)."""
     frame = keys.to_frame() if isinstance(keys, pd.Series) else keys
-    later = _first(frame.duplicated(keep="first").to_numpy())
+    later = first_value(frame.duplicated(keep="first").to_numpy())
     same = np.ones(len(frame), dtype=bool)
     for c in frame.columns:
         col = frame[c]
@@ -131,7 +133,7 @@ def _first_pair(keys: pd.DataFrame | pd.Series) -> tuple[int, int]:
             same &= col.isna().to_numpy()
         else:
             same &= (col == v).to_numpy(dtype=bool, na_value=False)
-    return _first(same), later
+    return first_value(same), later
 
 
 def _duplicate_error(frame: pd.DataFrame, earlier: int, later: int, what: str, names: list[str]) -> CJEInputError:
@@ -154,7 +156,7 @@ def _duplicate_error(frame: pd.DataFrame, earlier: int, later: int, what: str, n
     return CJEInputError(msg, source=src_l, row=row_l)
 
 
-def _identify(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
+def identify_rows(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
     """Fill missing response ids and refuse duplicate rows (see the module docstring).
 
     Fast path: integer codes of (policy, prompt, draw) and of (policy, prompt, k); strings are
@@ -183,7 +185,7 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
     if has_text.any():
         d_code, n_d = _codes(np.where(has_draw, draw, -1.0))
         base, n_base = _combine(pair, n_pair, d_code, n_d)
-        rep = _repeated(base, n_base)
+        rep = repeated_values(base, n_base)
         if rep.any():
             cols = [PROMPT, POLICY, RESPONSE, DRAW_IDX]
             sub = frame.loc[rep, cols]
@@ -235,7 +237,7 @@ def _identify(frame: pd.DataFrame, names: list[str]) -> FrameCodes:
         k_code, n_k = _codes(k)
         idk, n_idk = _combine(pair, n_pair, k_code, n_k, into_b=True)
         del k_code
-        has_dup = bool(_repeated(idk, n_idk).any())
+        has_dup = bool(repeated_values(idk, n_idk).any())
     else:
         has_dup = not rid.is_unique
     if has_dup:
@@ -253,7 +255,7 @@ def _arrow_str(s: pd.Series) -> pa.Array:
     return pc.cast(arr, pa.large_string())
 
 
-def _join_probe(frame: pd.DataFrame, part: Part, names: list[str]) -> None:
+def join_probe(frame: pd.DataFrame, part: Part, names: list[str]) -> None:
     """Set oracle labels of fresh-draw rows from a probe slice (matched, not appended)."""
     probe, name, pol = part.frame, part.name, part.policy
     in_pol = (frame[POLICY] == pol).to_numpy(dtype=bool)
@@ -264,7 +266,7 @@ def _join_probe(frame: pd.DataFrame, part: Part, names: list[str]) -> None:
         keys.append(DRAW_IDX)
     dup = probe.duplicated(subset=keys, keep="first").to_numpy()
     if dup.any():
-        later = _first(dup)
+        later = first_value(dup)
         raise CJEInputError(
             f"probe row repeats an earlier probe row ({', '.join(keys)}); each labelled row must be given once",
             source=name,
@@ -275,7 +277,7 @@ def _join_probe(frame: pd.DataFrame, part: Part, names: list[str]) -> None:
     m = left.merge(right, on=keys, how="left", sort=False)
     unmatched = m["__f"].isna().to_numpy()
     if unmatched.any():
-        p = int(m["__p"].to_numpy()[_first(unmatched)])
+        p = int(m["__p"].to_numpy()[first_value(unmatched)])
         raise CJEInputError(
             f"probe row has no matching fresh-draw row of policy '{pol}' (matched on {', '.join(keys)}); "
             "probe rows must label responses that are also in the fresh draws",
@@ -284,7 +286,7 @@ def _join_probe(frame: pd.DataFrame, part: Part, names: list[str]) -> None:
         )
     counts = np.bincount(m["__p"].to_numpy(dtype=np.int64), minlength=len(probe))
     if (counts > 1).any():
-        p = _first(counts > 1)
+        p = first_value(counts > 1)
         raise CJEInputError(
             f"probe row matches {counts[p]} fresh-draw rows of policy '{pol}' on ({', '.join(keys)}); "
             "add response text or draw_idx so that the match is unique",
@@ -296,7 +298,7 @@ def _join_probe(frame: pd.DataFrame, part: Part, names: list[str]) -> None:
     lab = frame[LABEL].to_numpy(dtype=np.float64, copy=True)
     already = ~np.isnan(lab[target])
     if already.any():
-        p = _first(already)
+        p = first_value(already)
         src_f, row_f = _where(frame, int(target[p]), names)
         raise CJEInputError(
             f"the same labelled row is supplied twice: row {row_f} of {src_f} already has an oracle label "
@@ -308,7 +310,7 @@ def _join_probe(frame: pd.DataFrame, part: Part, names: list[str]) -> None:
     fs = frame[SCORE].to_numpy(dtype=np.float64)[target]
     differ = ~np.isnan(ps) & (ps != fs)
     if differ.any():
-        p = _first(differ)
+        p = first_value(differ)
         src_f, row_f = _where(frame, int(target[p]), names)
         raise CJEInputError(
             f"probe judge score {ps[p]:g} differs from the matching fresh-draw row {row_f} of {src_f} "

@@ -76,8 +76,8 @@ import pyarrow.compute as pc
 
 from cje_engine.data.frame import (LABEL, LABEL_PROB, POLICY, PROMPT, RESPONSE_ID, SCORE, FrameCodes, Scale,
                                    parse_scale)
-from cje_engine.data.identity import (  # noqa: F401 (_repeated: re-exported for tests)
-    _ROW, _SRC, DRAW_IDX, RESPONSE, _concat, _first, _identify, _join_probe, _null_str, _repeated,
+from cje_engine.data.identity import (  # noqa: F401 (repeated_values: re-exported for tests)
+    ROW_KEY, SOURCE_KEY, DRAW_IDX, RESPONSE, concat_tables, first_value, identify_rows, join_probe, null_str, repeated_values,
 )
 from cje_engine.data.readers import ID_COLUMNS, Part, collect, read_jsonl_records  # noqa: F401 (re-exported)
 from cje_engine.errors import CJEInputError, did_you_mean
@@ -188,11 +188,11 @@ def load_coded(
     for i, part in enumerate(parts):
         part.frame = _normalise(part, i, lscale, sscale, covariates, keep_columns, mapping)
 
-    frame = _concat([p.frame for p in rows])
+    frame = concat_tables([p.frame for p in rows])
     names = [p.name for p in parts]
-    codes = _identify(frame, names)
+    codes = identify_rows(frame, names)
     for part in probes:
-        _join_probe(frame, part, names)
+        join_probe(frame, part, names)
 
     sources = [p.name for p in rows] + [p.name for p in probes]
     n_inputs = len(parts)
@@ -305,7 +305,7 @@ def _numeric(s: pd.Series, name: str, col: str, what: str = "a number") -> np.nd
             is_bool = np.fromiter((isinstance(v, (bool, np.bool_)) for v in vals), dtype=bool, count=cand.size)
             bad[cand[is_bool]] = True
     if bad.any():
-        row = _first(bad)
+        row = first_value(bad)
         raise CJEInputError(
             f"expected {what}, got {s.iloc[row]!r}", source=name, column=col, row=row
         )
@@ -315,7 +315,7 @@ def _numeric(s: pd.Series, name: str, col: str, what: str = "a number") -> np.nd
 def _strings(s: pd.Series, name: str, col: str, *, required: bool) -> pd.Series:
     missing = s.isna().to_numpy()
     if required and missing.any():
-        raise CJEInputError("missing value; every row needs one", source=name, column=col, row=_first(missing))
+        raise CJEInputError("missing value; every row needs one", source=name, column=col, row=first_value(missing))
     if pd.api.types.is_float_dtype(s.dtype):
         # 17.0 -> "17" so numeric ids read from CSV/Parquet stay stable.
         v = s.to_numpy()
@@ -328,7 +328,7 @@ def _strings(s: pd.Series, name: str, col: str, *, required: bool) -> pd.Series:
     if required:
         empty = (out.str.len() == 0).to_numpy(dtype=bool, na_value=False)
         if empty.any():
-            raise CJEInputError("empty string; every row needs a value", source=name, column=col, row=_first(empty))
+            raise CJEInputError("empty string; every row needs a value", source=name, column=col, row=first_value(empty))
     return out
 
 
@@ -423,7 +423,7 @@ def _check_range(values: np.ndarray, scale: Scale, name: str, col: str, arg: str
     lo, hi = scale
     bad = (values < lo) | (values > hi)  # NaN compares False: only present values are checked
     if bad.any():
-        row = _first(bad)
+        row = first_value(bad)
         present = values[~np.isnan(values)]
         raise CJEInputError(
             f"value {values[row]:g} is outside the declared {arg} [{lo:g}, {hi:g}]; "
@@ -472,8 +472,8 @@ def _normalise(
     _ids_and_policy(df, part, out)
     labelled = _score_and_label(df, part, out, lscale, sscale)
     _optional_columns(df, part, out, labelled, covariates, keep_columns)
-    out[_SRC] = np.int32(index)
-    _put(out, _ROW, np.arange(n, dtype=np.int32 if n < 2**31 else np.int64), True)
+    out[SOURCE_KEY] = np.int32(index)
+    _put(out, ROW_KEY, np.arange(n, dtype=np.int32 if n < 2**31 else np.int64), True)
     return out
 
 
@@ -489,7 +489,7 @@ def _ids_and_policy(df: pd.DataFrame, part: Part, out: pd.DataFrame) -> None:
             given = canonical_identifiers(_strings(df[POLICY], name, POLICY, required=True), name, POLICY)
             bad = (given != part.policy).to_numpy()
             if bad.any():
-                row = _first(bad)
+                row = first_value(bad)
                 raise CJEInputError(
                     f"policy {given.iloc[row]!r} disagrees with the file name (policy '{part.policy}')",
                     source=name,
@@ -514,12 +514,12 @@ def _score_and_label(df: pd.DataFrame, part: Part, out: pd.DataFrame, lscale: Sc
                     "judge score is missing (NaN/null); every row needs a finite score",
                     source=name,
                     column=SCORE,
-                    row=_first(miss),
+                    row=first_value(miss),
                 )
         inf = np.isinf(score)
         if inf.any():
             raise CJEInputError(
-                f"judge score is {score[_first(inf)]}; expected a finite number", source=name, column=SCORE, row=_first(inf)
+                f"judge score is {score[first_value(inf)]}; expected a finite number", source=name, column=SCORE, row=first_value(inf)
             )
         if sscale is not None:
             _check_range(score, sscale, name, SCORE, "score_scale")
@@ -532,10 +532,10 @@ def _score_and_label(df: pd.DataFrame, part: Part, out: pd.DataFrame, lscale: Sc
         inf = np.isinf(label)
         if inf.any():
             raise CJEInputError(
-                f"oracle label is {label[_first(inf)]}; expected a finite number (or null for unlabelled)",
+                f"oracle label is {label[first_value(inf)]}; expected a finite number (or null for unlabelled)",
                 source=name,
                 column=LABEL,
-                row=_first(inf),
+                row=first_value(inf),
             )
         _check_range(label, lscale, name, LABEL, "label_scale")
         if part.probe and np.isnan(label).any():
@@ -543,7 +543,7 @@ def _score_and_label(df: pd.DataFrame, part: Part, out: pd.DataFrame, lscale: Sc
                 "probe row has no oracle label; every probe row must be labelled",
                 source=name,
                 column=LABEL,
-                row=_first(np.isnan(label)),
+                row=first_value(np.isnan(label)),
             )
     else:
         label = np.full(n, np.nan)
@@ -554,7 +554,7 @@ def _score_and_label(df: pd.DataFrame, part: Part, out: pd.DataFrame, lscale: Sc
         prob = _numeric(df[LABEL_PROB], name, LABEL_PROB)
         bad = labelled & ~((prob > 0) & (prob <= 1))  # NaN fails the test
         if bad.any():
-            row = _first(bad)
+            row = first_value(bad)
             raise CJEInputError(
                 f"label probability {prob[row]!r} on a labelled row; expected a probability in (0, 1]",
                 source=name,
@@ -576,13 +576,13 @@ def _optional_columns(df: pd.DataFrame, part: Part, out: pd.DataFrame, labelled:
         out[RESPONSE_ID] = canonical_identifiers(_strings(df[RESPONSE_ID], name, RESPONSE_ID, required=False),
                                                  name, RESPONSE_ID)
     else:
-        out[RESPONSE_ID] = _null_str(n)
+        out[RESPONSE_ID] = null_str(n)
 
     if DRAW_IDX in df.columns:
         draw = _numeric(df[DRAW_IDX], name, DRAW_IDX, "a non-negative whole number")
         ok = np.isnan(draw) | ((draw >= 0) & np.isfinite(draw) & (np.mod(draw, 1) == 0))
         if not ok.all():
-            row = _first(~ok)
+            row = first_value(~ok)
             raise CJEInputError(
                 f"expected a non-negative whole number, got {df[DRAW_IDX].iloc[row]!r}",
                 source=name,
@@ -602,7 +602,7 @@ def _optional_columns(df: pd.DataFrame, part: Part, out: pd.DataFrame, labelled:
                 x = _numeric(df[col], name, col)
                 bad = ~np.isfinite(x)
                 if bad.any():
-                    row = _first(bad)
+                    row = first_value(bad)
                     raise CJEInputError(
                         f"covariate value {df[col].iloc[row]!r}; covariates must be finite numbers",
                         source=name,
@@ -724,7 +724,7 @@ def _token_count(text: pd.Series, name: str) -> np.ndarray:
             "response text is missing, so response_length cannot be derived for this row",
             source=name,
             column=RESPONSE,
-            row=_first(missing),
+            row=first_value(missing),
         )
     arr = pa.array(text.to_numpy(dtype=object), type=pa.large_string())
     counts = pc.count_substring_regex(arr, r"\S+")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cje_engine.calibration import registry
-from cje_engine.calibration.calibrators import TWO_STAGE_MAX_KNOTS, Cells, _clip, _interp, make_cells
+from cje_engine.calibration.calibrators import TWO_STAGE_MAX_KNOTS, Cells, clip_to, interp_flat, make_cells
 from cje_engine.data.frame import EvalData
 from cje_engine.errors import CJEInputError
 
@@ -158,7 +158,7 @@ class CalibrationPlan:
     """What a refit of the cross-fitted calibrator reads: O(labels + cells), no per-row arrays.
 
     Built once per design (`calibration_plan`); the refits of `cross_fit` and of every bootstrap
-    replicate run on it (`_cell_fits`), so both compute the same numbers the same way.
+    replicate run on it (`cell_fits`), so both compute the same numbers the same way.
     """
 
     mode: str
@@ -233,7 +233,7 @@ def _fold_sums(plan: CalibrationPlan, wc: np.ndarray) -> tuple[np.ndarray, np.nd
     return S, M
 
 
-def _cell_fits(plan: CalibrationPlan, wc: np.ndarray, with_models: bool = True):
+def cell_fits(plan: CalibrationPlan, wc: np.ndarray, with_models: bool = True):
     """Full and per-fold fits from per-(fold, cell) sums of calibration-row weights ``wc``.
 
     Returns the full model's prediction at every cell (G,), the out-of-fold prediction of every
@@ -285,9 +285,9 @@ def _out_of_fold(plan: CalibrationPlan, F_all: np.ndarray, Z: np.ndarray, live: 
     out = F_all[plan.global_sorted]
     for k in live:
         a, b = plan.fold_bounds[k]
-        out[a:b] = _interp(z[a:b], xs[k], ys[k])
+        out[a:b] = interp_flat(z[a:b], xs[k], ys[k])
     f_cal = np.empty(out.size)
-    f_cal[plan.order] = _clip(out, plan.label_scale)
+    f_cal[plan.order] = clip_to(out, plan.label_scale)
     return f_cal
 
 
@@ -295,7 +295,7 @@ def cross_fit_models(design: Design, row_w: np.ndarray | None = None):
     """`cross_fit`, also returning the per-fold models (``None`` for a fold that kept the full fit)."""
     cr = design.cal_rows
     wc = np.ones(cr.size) if row_w is None else row_w[cr]
-    F_all, f_cal, full, models = _cell_fits(calibration_plan(design), wc)
+    F_all, f_cal, full, models = cell_fits(calibration_plan(design), wc)
     f = F_all[design.cells.row_cell]
     f[cr] = f_cal
     return f, full, models
@@ -400,7 +400,7 @@ def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
     if plan.entry.batched:
         F_all, f_cal = _batched_refits(plan, [wc])[0]
     else:
-        F_all, f_cal, _, _ = _cell_fits(plan, wc, with_models=False)
+        F_all, f_cal, _, _ = cell_fits(plan, wc, with_models=False)
     return _replicate_stats(view, prompt_w, wc, F_all, f_cal)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from cje_engine.data.frame import fold_of
 from cje_engine.errors import CJEInputError
 from cje_engine.offpolicy.inputs import FreshData, LoggedData, Rewards
-from cje_engine.offpolicy.target import OffPolicyConfig, _check_stack, _compute_estimates, evaluate_target
+from cje_engine.offpolicy.target import OffPolicyConfig, check_stack, compute_estimates, evaluate_target
 
 
 #: ``refit(logged_idx, fresh_idx) -> Rewards``: refit the reward calibrator on the replicate
@@ -59,7 +59,7 @@ def bootstrap_target(logged: LoggedData, refit: RefitFn, fresh: FreshData | None
     `evaluate_target`), and records every estimate. Same seed, same numbers.
     """
     config = config or OffPolicyConfig()
-    _check_stack(config)
+    check_stack(config)
     if n_boot < 2:
         raise CJEInputError(f"n_boot must be at least 2, got {n_boot}")
     n = logged.n
@@ -97,7 +97,7 @@ def bootstrap_target(logged: LoggedData, refit: RefitFn, fresh: FreshData | None
                 reps[k].append(np.nan)
             continue
         rw = _call_refit(refit, li, fi, li.shape[0], fi.shape[0] if fi is not None else None)
-        ests, _, _ = _compute_estimates(logged.log_w[li], logged.scores[li], folds[li], lc, rw, fc, config,
+        ests, _, _ = compute_estimates(logged.log_w[li], logged.scores[li], folds[li], lc, rw, fc, config,
                                         report.stack_candidates)
         for k in reps:
             reps[k].append(ests[k].value if k in ests else np.nan)

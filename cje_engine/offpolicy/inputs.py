@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cje_engine.errors import CJEInputError
-from cje_engine.offpolicy.weights import _as_1d, log_importance_weights
+from cje_engine.offpolicy.weights import as_1d, log_importance_weights
 
 
 def _ids(values: object, n: int, column: str, source: str | None) -> np.ndarray:
@@ -25,7 +25,7 @@ def _ids(values: object, n: int, column: str, source: str | None) -> np.ndarray:
 
 
 def _finite(values: object, n: int, column: str, source: str | None) -> np.ndarray:
-    arr = _as_1d(values, column, source)
+    arr = as_1d(values, column, source)
     if arr.shape[0] != n:
         raise CJEInputError(f"length mismatch: expected {n} values (one per row), got {arr.shape[0]}",
                             column=column, source=source)
@@ -64,7 +64,7 @@ class LoggedData:
     log_w: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        lp0 = _as_1d(self.logger_logprob, "base_policy_logprob", self.source)
+        lp0 = as_1d(self.logger_logprob, "base_policy_logprob", self.source)
         n = lp0.shape[0]
         log_w = log_importance_weights(lp0, self.target_logprob, source=self.source,
                                        target_column=self.target_column)
@@ -93,7 +93,7 @@ class FreshData:
     source: str | None = None
 
     def __post_init__(self) -> None:
-        s = _as_1d(self.scores, "judge_score", self.source)
+        s = as_1d(self.scores, "judge_score", self.source)
         n = s.shape[0]
         if n == 0:
             raise CJEInputError("no fresh draws; expected at least one row", column="judge_score", source=self.source)

@@ -113,9 +113,10 @@ class TargetReport:
                 "stack_candidates": list(self.stack_candidates)}
 
 
-def _compute_estimates(log_w: np.ndarray, scores: np.ndarray, folds: np.ndarray, clusters: np.ndarray,
+def compute_estimates(log_w: np.ndarray, scores: np.ndarray, folds: np.ndarray, clusters: np.ndarray,
                        rw: Rewards, fresh_clusters: np.ndarray | None, config: OffPolicyConfig,
                        stack_names: Sequence[str] = ()) -> tuple[dict[str, Estimate], SIMCal, SIMCal | None]:
+    """Every off-policy estimator of one target from its log-weights, rewards and folds (with the SIMCal fits)."""
     W = mean_one_weights(log_w)
     R = rw.logged
 
@@ -154,7 +155,8 @@ def _stack_candidates(ests: Mapping[str, Estimate], pre: Mapping[str, Verdict], 
     return tuple(kept or avail)
 
 
-def _check_stack(config: OffPolicyConfig) -> None:
+def check_stack(config: OffPolicyConfig) -> None:
+    """Raise `CJEInputError` for a stacking candidate that is not a known estimator."""
     unknown = [k for k in config.stack if k not in ALL_ESTIMATORS]
     if unknown:
         raise CJEInputError(f"unknown stacking candidate {unknown[0]!r}; expected some of {', '.join(ALL_ESTIMATORS)}")
@@ -172,11 +174,11 @@ def evaluate_target(logged: LoggedData, rewards: Rewards, fresh: FreshData | Non
     target : name used in messages
     """
     config = config or OffPolicyConfig()
-    _check_stack(config)
+    check_stack(config)
     rw = rewards.checked(logged.n, fresh.n if fresh is not None else None)
     folds = fold_of(logged.prompt_ids, config.n_folds)
     fresh_ids = fresh.prompt_ids if fresh is not None else None
-    ests, cal, cal_dr = _compute_estimates(logged.log_w, logged.scores, folds, logged.prompt_ids, rw, fresh_ids,
+    ests, cal, cal_dr = compute_estimates(logged.log_w, logged.scores, folds, logged.prompt_ids, rw, fresh_ids,
                                            config)
     W = cal.raw_weights_
     ttc = target_typical_coverage(

@@ -44,7 +44,8 @@ LOG_PROB_ATOL = 1e-6
 # --------------------------------------------------------------------------------------------
 
 
-def _as_1d(values: object, column: str, source: str | None) -> np.ndarray:
+def as_1d(values: object, column: str, source: str | None) -> np.ndarray:
+    """``values`` as a 1-d float array; `CJEInputError` naming ``column`` otherwise."""
     try:
         arr = np.asarray(values, dtype=float)
     except (TypeError, ValueError):
@@ -116,8 +117,8 @@ def log_importance_weights(
     CJEInputError
         NaN/inf/positive log-probabilities, length mismatch, empty input, or all weights zero.
     """
-    lp0 = _as_1d(logger_logprob, logger_column, source)
-    lp1 = _as_1d(target_logprob, target_column, source)
+    lp0 = as_1d(logger_logprob, logger_column, source)
+    lp1 = as_1d(target_logprob, target_column, source)
     if lp0.shape[0] != lp1.shape[0]:
         raise CJEInputError(
             f"length mismatch: {lp0.shape[0]} logger log-probabilities but {lp1.shape[0]} target "
@@ -392,7 +393,7 @@ class SIMCal:
         """
         self._validate()
         log_w = np.asarray(log_w, dtype=float)
-        s = _as_1d(scores, "judge_score", None)
+        s = as_1d(scores, "judge_score", None)
         n = log_w.shape[0]
         if s.shape[0] != n:
             raise CJEInputError(f"length mismatch: {n} weights but {s.shape[0]} judge scores", column="judge_score")

@@ -33,7 +33,7 @@ from scipy.stats import norm
 from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
 from cje_engine.calibration import registry
-from cje_engine.direct.estimators import (Design, _cell_fits, calibration_plan, influence, make_design,
+from cje_engine.direct.estimators import (Design, cell_fits, calibration_plan, influence, make_design,
                                           policy_stats, row_cells)
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.multiplicity import holm
@@ -104,7 +104,7 @@ def fit_mode(data: EvalData, mode: str, sources: tuple[str, ...] | None, rows: t
     ``rows``: `estimators.row_cells` of ``data`` in ``mode`` (shared by the fits of one mode).
     """
     design = make_design(data, mode, sources, rows)
-    F_all, f_cal, full, models = _cell_fits(calibration_plan(design), np.ones(design.cal_rows.size))
+    F_all, f_cal, full, models = cell_fits(calibration_plan(design), np.ones(design.cal_rows.size))
     return Fit(design, F_all, f_cal, full, models)
 
 

@@ -64,7 +64,7 @@ from cje_engine.inference.variance import align_clusters, cluster_cov
 from cje_engine.offpolicy.gates import OffPolicyGates
 from cje_engine.offpolicy.influence import calibration_term
 from cje_engine.offpolicy.inputs import FreshData, LoggedData, Rewards
-from cje_engine.offpolicy.target import TargetReport, _compute_estimates, evaluate_target
+from cje_engine.offpolicy.target import TargetReport, compute_estimates, evaluate_target
 from cje_engine.pipeline import direct as direct_pipeline
 from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.direct import direct_data_summary, inference_summary, stacked_replicates
@@ -234,7 +234,7 @@ def _replicate(prep: OffPolicyPrepared, mult: np.ndarray) -> np.ndarray:
             else:
                 rw = Rewards(R[rows]).checked(rows.size, None)
             if rw is not None:
-                ests, _, _ = _compute_estimates(ld.log_w[li], ld.scores[li], d.fold[rows], lc, rw, fc, config,
+                ests, _, _ = compute_estimates(ld.log_w[li], ld.scores[li], d.fold[rows], lc, rw, fc, config,
                                                 rep.stack_candidates)
                 vals = {k: e.value for k, e in ests.items()}
         for k in rep.estimates:

@@ -34,7 +34,7 @@ import numpy as np
 from scipy.stats import norm
 
 from cje_engine.data.frame import EvalData
-from cje_engine.direct.estimators import (Design, _cell_fits, bootstrap_view, calibration_plan, make_design,
+from cje_engine.direct.estimators import (Design, cell_fits, bootstrap_view, calibration_plan, make_design,
                                           replicate_view, row_cells)
 from cje_engine.errors import CJEInputError
 from cje_engine.pipeline.calibration import Fit, failing_source, source_audits
@@ -92,7 +92,7 @@ class PoolingReplay:
         """Full-data SE of every source's residual mean under the fit of ``sources`` (NaN elsewhere)."""
         if sources not in self._se:
             design = self.design(sources)
-            F_all, f_cal, full, models = _cell_fits(calibration_plan(design), np.ones(design.cal_rows.size),
+            F_all, f_cal, full, models = cell_fits(calibration_plan(design), np.ones(design.cal_rows.size),
                                                     with_models=False)
             self._se[sources] = source_audits(Fit(design, F_all, f_cal, full, models))[1]
         return self._se[sources]

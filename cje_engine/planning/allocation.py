@@ -8,13 +8,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from cje_engine.errors import CJEInputError
-from cje_engine.planning.model import (Allocation, VarianceComponents, _check_alpha_power, _min_labels, _positive,
+from cje_engine.planning.model import (Allocation, VarianceComponents, check_alpha_power, min_labels_of, check_positive,
                                        mde_multiplier)
 
 _SCAN_CHUNK = 1_000_000
 
 
-def _as_list(components: Any) -> list[VarianceComponents]:
+def as_components(components: Any) -> list[VarianceComponents]:
+    """One or several `VarianceComponents` as a non-empty list (checked to share their design multipliers)."""
     comps = [components] if isinstance(components, VarianceComponents) else list(components)
     if not comps or not all(isinstance(c, VarianceComponents) for c in comps):
         raise CJEInputError("components must be a VarianceComponents or a non-empty sequence of them")
@@ -73,7 +74,7 @@ def continuous_optimum(components: VarianceComponents, budget: float, c_S: float
     ``r = optimal_fraction``, ``n = budget / (cs + cy r)``, ``m = r n``.
     """
     cs, cy = components.effective_costs(c_S, c_Y)
-    budget = _positive(budget, "budget")
+    budget = check_positive(budget, "budget")
     r = components.optimal_fraction(c_S, c_Y)
     n = budget / (cs + cy * r)
     return n, r * n
@@ -152,12 +153,12 @@ def optimal_allocation(components: VarianceComponents | Sequence[VarianceCompone
         Non-positive costs or budget, or a budget below the cheapest allowed design
         (``min_labels`` labels on as many responses).
     """
-    comps = _as_list(components)
+    comps = as_components(components)
     first = comps[0]
     cs, cy = first.effective_costs(c_S, c_Y)
-    C = _positive(budget, "budget")
-    min_labels = _min_labels(min_labels)
-    alpha, power = _check_alpha_power(alpha, power)
+    C = check_positive(budget, "budget")
+    min_labels = min_labels_of(min_labels)
+    alpha, power = check_alpha_power(alpha, power)
     cheapest = (cs + cy) * min_labels
     if C < cheapest * (1 - 1e-12):
         raise CJEInputError(
@@ -206,12 +207,12 @@ def allocation_for_mde(components: VarianceComponents | Sequence[VarianceCompone
     cheapest n is ``max(m, ceil(sigma2_eval / (V - sigma2_cal / m)))`` (the largest over several
     components). Ties in cost go to the smaller variance.
     """
-    comps = _as_list(components)
+    comps = as_components(components)
     first = comps[0]
     cs, cy = first.effective_costs(c_S, c_Y)
-    alpha, power = _check_alpha_power(alpha, power)
-    mde = _positive(target_mde, "target_mde")
-    min_labels = _min_labels(min_labels)
+    alpha, power = check_alpha_power(alpha, power)
+    mde = check_positive(target_mde, "target_mde")
+    min_labels = min_labels_of(min_labels)
     V = (mde / mde_multiplier(alpha, power)) ** 2
 
     def n_one(c: VarianceComponents, ms: np.ndarray) -> np.ndarray:
@@ -289,7 +290,7 @@ def mde_table(components: VarianceComponents, n_grid: Sequence[int], oracle_frac
     Returns a JSON-ready dict with ``n``, ``oracle_fraction``, and row-major matrices ``m``,
     ``se``, ``mde`` (and ``cost`` when both costs are given).
     """
-    alpha, power = _check_alpha_power(alpha, power)
+    alpha, power = check_alpha_power(alpha, power)
     ns = [int(v) for v in n_grid]
     fs = [float(v) for v in oracle_fraction_grid]
     if not ns or any(v < 1 for v in ns):
@@ -316,8 +317,8 @@ def iso_cost_curve(components: VarianceComponents, budget: float, c_S: float = 1
     variance and the oracle share of the budget at each point (they cross at the optimum).
     """
     cs, cy = components.effective_costs(c_S, c_Y)
-    C = _positive(budget, "budget")
-    alpha, power = _check_alpha_power(alpha, power)
+    C = check_positive(budget, "budget")
+    alpha, power = check_alpha_power(alpha, power)
     if fractions is None:
         f_min = max(1e-3, 1.0 / (C / (cs + cy)))  # at least one label at the smallest fraction
         f_min = min(f_min, 0.5)
@@ -342,8 +343,8 @@ def iso_cost_curve(components: VarianceComponents, budget: float, c_S: float = 1
 
 
 def _check_design(n: Any, m: Any) -> tuple[float, float]:
-    n_ = _positive(n, "n (prompts)")
-    m_ = _positive(m, "m (labels)", allow_zero=True)
+    n_ = check_positive(n, "n (prompts)")
+    m_ = check_positive(m, "m (labels)", allow_zero=True)
     if m_ > n_:
         raise CJEInputError(f"m (labels, {m_:g}) cannot exceed n (prompts, {n_:g}): a label needs a response")
     return n_, m_
@@ -380,7 +381,7 @@ def is_under_labelled(components: VarianceComponents, n: float, m: float, c_S: f
     False when every response is already labelled (``m >= n``): no label can be added without
     new responses.
     """
-    margin = _positive(margin, "margin", allow_zero=True)
+    margin = check_positive(margin, "margin", allow_zero=True)
     n, m = _check_design(n, m)
     if m >= n:
         return False
@@ -415,7 +416,7 @@ def labels_to_request(components: VarianceComponents, n: float, m: float, c_S: f
         reason = (f"raise the oracle fraction to the variance-optimal {r:.1%} at n={n_int}: then the calibration "
                   f"share of the variance equals the oracle share of the budget")
     else:
-        tse = _positive(target_se, "target_se")
+        tse = check_positive(target_se, "target_se")
         goal = "target_se"
         slack = tse**2 - A / n
         m_need = int(math.ceil(B / slack * (1 - 1e-12))) if (slack > 0 and B > 0) else (0 if slack > 0 else None)

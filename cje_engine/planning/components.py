@@ -8,13 +8,14 @@ from typing import Any, Mapping
 import numpy as np
 
 from cje_engine.errors import CJEInputError
-from cje_engine.planning.model import VarianceComponents, _positive
+from cje_engine.planning.model import VarianceComponents, check_positive
 
 _AUGMENTED = ("augmented", "recalibrated")
 
 
 @dataclass
-class _Pilot:
+class Pilot:
+    """A pilot result with the covariances the planner reads from it."""
     result: dict
     cov_total: np.ndarray | None = None
     cov_cal: np.ndarray | None = None
@@ -23,11 +24,13 @@ class _Pilot:
 
     @property
     def names(self) -> list[str]:
+        """The pilot's policies."""
         return list(self.result["policies"])
 
 
-def _pilot(source: Any) -> _Pilot:
-    if isinstance(source, _Pilot):
+def pilot_of(source: Any) -> Pilot:
+    """A `Pilot` from a result (object, dict or JSON path) or a pilot itself."""
+    if isinstance(source, Pilot):
         return source
     from cje_engine.result import EvaluationResult
 
@@ -35,17 +38,17 @@ def _pilot(source: Any) -> _Pilot:
         from cje_engine.inference.variance import cluster_cov
 
         cov = cluster_cov(np.asarray(source.influence, dtype=float)) if source.influence is not None else None
-        return _Pilot(source.to_dict(), cov_total=cov, columns=np.asarray(source.columns))
+        return Pilot(source.to_dict(), cov_total=cov, columns=np.asarray(source.columns))
     if not isinstance(source, Mapping):
         raise CJEInputError(f"expected an evaluation result (dict from evaluate(...).to_dict() or the "
                             f"EvaluationResult), got {type(source).__name__}")
     if not isinstance(source.get("policies"), Mapping) or not source["policies"]:
         raise CJEInputError("the result has no 'policies' section: expected the dict of evaluate(...).to_dict()",
                             column="policies")
-    return _Pilot(dict(source))
+    return Pilot(dict(source))
 
 
-def _entry(pilot: _Pilot, name: str) -> dict:
+def _entry(pilot: Pilot, name: str) -> dict:
     pols = pilot.result["policies"]
     if name not in pols:
         raise CJEInputError(f"unknown policy {name!r}; the result has: {', '.join(map(repr, pols))}",
@@ -53,7 +56,7 @@ def _entry(pilot: _Pilot, name: str) -> dict:
     return pols[name]
 
 
-def _raw(pilot: _Pilot, name: str) -> tuple[float, float, float, float, bool]:
+def _raw(pilot: Pilot, name: str) -> tuple[float, float, float, float, bool]:
     """(sigma2_eval, sigma2_cal, n_prompts, m_labels, augmented) of one policy."""
     e = _entry(pilot, name)
     vc = e.get("variance_components")
@@ -63,9 +66,9 @@ def _raw(pilot: _Pilot, name: str) -> tuple[float, float, float, float, bool]:
     for key in ("sigma2_eval", "sigma2_cal", "n_prompts", "m_labels"):
         if vc.get(key) is None:
             raise CJEInputError(f"policy {name!r}: variance_components lack {key!r}", column="variance_components")
-    A = _positive(vc["sigma2_eval"], f"policy {name!r} sigma2_eval", allow_zero=True)
-    B = _positive(vc["sigma2_cal"], f"policy {name!r} sigma2_cal", allow_zero=True)
-    n = _positive(vc["n_prompts"], f"policy {name!r} n_prompts")
+    A = check_positive(vc["sigma2_eval"], f"policy {name!r} sigma2_eval", allow_zero=True)
+    B = check_positive(vc["sigma2_cal"], f"policy {name!r} sigma2_cal", allow_zero=True)
+    n = check_positive(vc["n_prompts"], f"policy {name!r} n_prompts")
     m = float(vc["m_labels"]) if isinstance(vc["m_labels"], (int, float)) else float("nan")
     if not (m >= 1 and math.isfinite(m)):
         raise CJEInputError(f"policy {name!r}: the estimate rests on {vc['m_labels']!r} labels, so its calibration "
@@ -73,7 +76,7 @@ def _raw(pilot: _Pilot, name: str) -> tuple[float, float, float, float, bool]:
     return A, B, n, m, e.get("basis_code") in _AUGMENTED
 
 
-def _scope_multipliers(pilot: _Pilot) -> tuple[int, int]:
+def _scope_multipliers(pilot: Pilot) -> tuple[int, int]:
     """Cost multipliers when the whole pilot design (every policy) is scaled together."""
     n_aug = sum(1 for p in pilot.names if _entry(pilot, p).get("basis_code") in _AUGMENTED)
     return len(pilot.names), max(1, n_aug)
@@ -85,7 +88,7 @@ def policy_components(result: Any, policy: str, *, scope: str = "target") -> Var
     ``scope="target"``: costs count this policy only; ``"all"``: every policy of the pilot is
     run on the n prompts (K responses per prompt) with a label set per augmented policy.
     """
-    pilot = _pilot(result)
+    pilot = pilot_of(result)
     A, B, n, m, aug = _raw(pilot, policy)
     r, l = _multipliers(pilot, scope, (1, 1))
     return VarianceComponents(A, B, target=policy, n_pilot=n, m_pilot=m, responses_per_prompt=r, labels_per_unit=l,
@@ -93,7 +96,7 @@ def policy_components(result: Any, policy: str, *, scope: str = "target") -> Var
                                       "calibration influence variance (plug-in estimate)") + " from the pilot result")
 
 
-def _multipliers(pilot: _Pilot, scope: str, own: tuple[int, int]) -> tuple[int, int]:
+def _multipliers(pilot: Pilot, scope: str, own: tuple[int, int]) -> tuple[int, int]:
     if scope == "target":
         return own
     if scope == "all":
@@ -101,7 +104,7 @@ def _multipliers(pilot: _Pilot, scope: str, own: tuple[int, int]) -> tuple[int, 
     raise CJEInputError(f"scope must be 'target' or 'all', got {scope!r}")
 
 
-def _pair_total_variance(pilot: _Pilot, a: str, b: str) -> float | None:
+def _pair_total_variance(pilot: Pilot, a: str, b: str) -> float | None:
     names = pilot.names
     if pilot.cov_total is not None and pilot.columns is not None:
         ca, cb = (int(pilot.columns[names.index(x)]) for x in (a, b))
@@ -138,7 +141,7 @@ def difference_components(result: Any, a: str, b: str, *, scope: str = "target")
       the covariance between the two calibration terms (labels on the same prompts) lands here;
     * no paired information at all: the policies are treated as independent.
     """
-    pilot = _pilot(result)
+    pilot = pilot_of(result)
     if a == b:
         raise CJEInputError(f"a difference needs two different policies, got {a!r} twice", column="policy")
     Aa, Ba, n_a, m_a, aug_a = _raw(pilot, a)
@@ -208,7 +211,7 @@ def _split_difference(text: str, names: list[str]) -> tuple[str, str] | None:
 
 def parse_target(result: Any, target: Any) -> tuple[str, ...]:
     """``"base"`` -> ("base",); ``"a - b"`` (spaces optional) or ``("a", "b")`` -> ("a", "b"); names are checked."""
-    pilot = _pilot(result)
+    pilot = pilot_of(result)
     names = pilot.names
     if isinstance(target, str):
         text = target.strip()
@@ -235,7 +238,7 @@ def parse_target(result: Any, target: Any) -> tuple[str, ...]:
 def components_from_result(result: Any, target: Any = None, *, scope: str = "target") -> VarianceComponents:
     """Components for a policy (``"base"``) or a paired difference (``"a - b"``, ``("a", "b")``);
     ``target=None`` only for a one-policy result."""
-    pilot = _pilot(result)
+    pilot = pilot_of(result)
     if target is None:
         if len(pilot.names) > 1:
             raise CJEInputError(f"the result has {len(pilot.names)} policies: name a target policy or 'a - b'",

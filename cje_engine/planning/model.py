@@ -18,7 +18,8 @@ from cje_engine.errors import CJEInputError
 # validation helpers
 
 
-def _positive(value: Any, what: str, allow_zero: bool = False) -> float:
+def check_positive(value: Any, what: str, allow_zero: bool = False) -> float:
+    """``value`` as a finite positive float (zero allowed with ``allow_zero``); `CJEInputError` naming ``what``."""
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -29,12 +30,14 @@ def _positive(value: Any, what: str, allow_zero: bool = False) -> float:
     return v
 
 
-def _costs(c_S: Any, c_Y: Any) -> tuple[float, float]:
-    return (_positive(c_S, "c_S (cost of one judged response)"),
-            _positive(c_Y, "c_Y (cost of one oracle label)"))
+def check_costs(c_S: Any, c_Y: Any) -> tuple[float, float]:
+    """The checked costs of one judged response and one oracle label."""
+    return (check_positive(c_S, "c_S (cost of one judged response)"),
+            check_positive(c_Y, "c_Y (cost of one oracle label)"))
 
 
-def _check_alpha_power(alpha: Any, power: Any) -> tuple[float, float]:
+def check_alpha_power(alpha: Any, power: Any) -> tuple[float, float]:
+    """The checked ``alpha`` and ``power``, each in (0, 1)."""
     a = float(alpha) if isinstance(alpha, (int, float)) else float("nan")
     p = float(power) if isinstance(power, (int, float)) else float("nan")
     if not 0 < a < 1:
@@ -44,7 +47,8 @@ def _check_alpha_power(alpha: Any, power: Any) -> tuple[float, float]:
     return a, p
 
 
-def _min_labels(value: Any) -> int:
+def min_labels_of(value: Any) -> int:
+    """``value`` as a whole number of labels >= 1."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise CJEInputError(f"min_labels must be a whole number >= 1, got {value!r}")
     return int(value)
@@ -52,7 +56,7 @@ def _min_labels(value: Any) -> int:
 
 def mde_multiplier(alpha: float = 0.05, power: float = 0.8) -> float:
     """``z_{1-alpha/2} + z_power``: MDE = multiplier * SE (two-sided test at level alpha)."""
-    a, p = _check_alpha_power(alpha, power)
+    a, p = check_alpha_power(alpha, power)
     return float(norm.ppf(1 - a / 2) + norm.ppf(p))
 
 
@@ -91,13 +95,13 @@ class VarianceComponents:
 
     def __post_init__(self) -> None:
         for name in ("sigma2_eval", "sigma2_cal"):
-            object.__setattr__(self, name, _positive(getattr(self, name), name, allow_zero=True))
+            object.__setattr__(self, name, check_positive(getattr(self, name), name, allow_zero=True))
         if self.sigma2_eval == 0 and self.sigma2_cal == 0:
             raise CJEInputError(f"{self.target}: both variance components are zero, so there is nothing to plan")
         for name in ("n_pilot", "m_pilot"):
             v = getattr(self, name)
             if v is not None:
-                object.__setattr__(self, name, _positive(v, name))
+                object.__setattr__(self, name, check_positive(v, name))
         for name in ("responses_per_prompt", "labels_per_unit"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -120,7 +124,7 @@ class VarianceComponents:
 
     def effective_costs(self, c_S: float, c_Y: float) -> tuple[float, float]:
         """``(c_S * responses_per_prompt, c_Y * labels_per_unit)``: cost of one unit of n and of m."""
-        cs, cy = _costs(c_S, c_Y)
+        cs, cy = check_costs(c_S, c_Y)
         return cs * self.responses_per_prompt, cy * self.labels_per_unit
 
     def cost(self, n: Any, m: Any, c_S: float, c_Y: float) -> Any:

@@ -29,10 +29,10 @@ import numpy as np
 
 from cje_engine.errors import CJEInputError
 from cje_engine.planning.allocation import (allocation_diagnostic, allocation_for_mde, iso_cost_curve,
-                                            labels_to_request, mde_table, optimal_allocation, _as_list)
-from cje_engine.planning.components import (_Pilot, _pilot, components_from_result, difference_components,
+                                            labels_to_request, mde_table, optimal_allocation, as_components)
+from cje_engine.planning.components import (Pilot, pilot_of, components_from_result, difference_components,
                                             policy_components)
-from cje_engine.planning.model import VarianceComponents, _check_alpha_power, _costs, _min_labels, mde_multiplier
+from cje_engine.planning.model import VarianceComponents, check_alpha_power, check_costs, min_labels_of, mde_multiplier
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +129,10 @@ def plan(components: VarianceComponents | Sequence[VarianceComponents], *, budge
     largest variance at the chosen design. With neither ``budget`` nor ``target_mde`` the budget is
     ``default_budget`` or else the headline's pilot cost (needs ``n_pilot`` and ``m_pilot``).
     """
-    comps = _as_list(components)
-    c_S, c_Y = _costs(c_S, c_Y)
-    alpha, power = _check_alpha_power(alpha, power)
-    min_labels = _min_labels(min_labels)
+    comps = as_components(components)
+    c_S, c_Y = check_costs(c_S, c_Y)
+    alpha, power = check_alpha_power(alpha, power)
+    min_labels = min_labels_of(min_labels)
     notes: list[str] = []
     by_budget = by_mde = None
     if budget is not None:
@@ -216,8 +216,8 @@ def plan_from_result(result: Any, budget: float | None = None, target_mde: float
         `plan` output plus ``policies`` (per policy: optimal fraction, pilot diagnostic, SE/MDE at
         the chosen design), ``differences`` (same per pair), ``scope``, ``target_choice`` and ``source``.
     """
-    pilot = _pilot(result)
-    c_S, c_Y = _costs(c_S, c_Y)
+    pilot = pilot_of(result)
+    c_S, c_Y = check_costs(c_S, c_Y)
     if scope not in ("all", "target"):
         raise CJEInputError(f"scope must be 'target' or 'all', got {scope!r}")
     cfg = pilot.result.get("config") or {}
@@ -293,7 +293,7 @@ def plan_from_data(data: Any, budget: float | None = None, target_mde: float | N
 
     ext = extend_with_verified(prep, None)  # the columns ``res.columns`` index: plug-in, augmented, own, verified
     total, cal = ext.total, ext.calibration
-    pilot = _Pilot(res.to_dict(), cov_total=cluster_cov(total), cov_cal=cluster_cov(cal),
+    pilot = Pilot(res.to_dict(), cov_total=cluster_cov(total), cov_cal=cluster_cov(cal),
                    cov_eval=cluster_cov(np.nan_to_num(total) - np.nan_to_num(cal)), columns=np.asarray(res.columns))
     return plan_from_result(pilot, budget, target_mde, c_S, c_Y, target=target, targets=targets, scope=scope,
                             alpha=alpha, power=power, min_labels=min_labels)

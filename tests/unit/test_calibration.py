@@ -6,7 +6,7 @@ import pytest
 from scipy.optimize import lsq_linear
 from sklearn.isotonic import IsotonicRegression
 
-from cje_engine.calibration.calibrators import (IsotonicCalibrator, TwoStageCalibrator, _ramp_basis, _signed_log,
+from cje_engine.calibration.calibrators import (IsotonicCalibrator, TwoStageCalibrator, ramp_basis, _signed_log,
                                                two_stage_knots)
 
 
@@ -93,7 +93,7 @@ def test_two_stage_matches_bounded_least_squares_reference(seed):
     s, y, X = _two_stage_data(seed)
     cal = TwoStageCalibrator(link="identity").fit(s, y, X)
     Xs = (_signed_log(X) - cal.x_mean_) / cal.x_scale_
-    A = np.hstack([_ramp_basis(s, cal.knots_), Xs, np.ones((s.size, 1))])
+    A = np.hstack([ramp_basis(s, cal.knots_), Xs, np.ones((s.size, 1))])
     n_ramp = cal.knots_.size - 1
     lb = np.r_[np.zeros(n_ramp), -np.inf * np.ones(A.shape[1] - n_ramp)]
     sol = lsq_linear(A, y, bounds=(lb, np.inf), tol=1e-12, method="bvls")

@@ -414,8 +414,8 @@ def test_score_level_gram_equals_the_cell_level_products(p):
     depend on the score only): they equal ``F' diag(v) F``, ``F' r`` and ``F theta`` computed on the
     cells' full design matrix. Only the order of the sums differs: rtol 1e-12 (sums of a few hundred
     positive terms of similar size; float64 rounding ~1e-16 each)."""
-    from cje_engine.calibration.calibrators import _ramp_basis, make_cells
-    from cje_engine.calibration.logit_stack import _apply, _gram, _parts, _triangle
+    from cje_engine.calibration.calibrators import ramp_basis, make_cells
+    from cje_engine.calibration.logit_stack import _apply, _gram, _parts, triangle_index
     from cje_engine.calibration.two_stage_batch import _levels, _score_design
 
     rng = np.random.default_rng(p)
@@ -425,7 +425,7 @@ def test_score_level_gram_equals_the_cell_level_products(p):
     cells, _ = make_cells(s, X if p else None)
     Xt = np.log1p(cells.X)
     knots = np.array([0.0, 0.2, 0.5, 0.8, 1.0])
-    F = np.hstack([_ramp_basis(cells.score, knots), Xt, np.ones((cells.size, 1))])
+    F = np.hstack([ramp_basis(cells.score, knots), Xt, np.ones((cells.size, 1))])
     P = F.shape[1]
     levels = _levels(cells, Xt, True)
     design = _score_design(cells, Xt, knots, True)
@@ -433,7 +433,7 @@ def test_score_level_gram_equals_the_cell_level_products(p):
     v, r = rng.uniform(0, 1, (4, cells.size)), rng.normal(0, 1, (4, cells.size))
     theta = rng.normal(0, 1, (4, P))
     h, b = _gram(parts, levels, v, r, P)
-    iu0, iu1, _ = _triangle(P)
+    iu0, iu1, _ = triangle_index(P)
     np.testing.assert_allclose(h, np.einsum("jg,gp,gq->jpq", v, F, F)[:, iu0, iu1], rtol=1e-12)
     np.testing.assert_allclose(b, r @ F, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(_apply(parts, levels, theta, cells.size), theta @ F.T, rtol=1e-12, atol=1e-12)

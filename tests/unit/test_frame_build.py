@@ -107,7 +107,7 @@ def test_combine_in_place_equals_the_formula_across_chunks(monkeypatch):
 
 def test_repeated_marks_rows_whose_key_repeats():
     key = np.array([4, 1, 4, 0, 9, 1, 7])
-    assert identity._repeated(key, 10).tolist() == [True, True, True, False, False, True, False]
+    assert identity.repeated_values(key, 10).tolist() == [True, True, True, False, False, True, False]
 
 
 def test_cluster_cov_is_the_centred_cross_product_and_leaves_its_input_alone():
