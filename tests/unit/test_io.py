@@ -594,11 +594,11 @@ def test_csv_with_a_bad_value_after_the_first_block(tmp_path: Path):
 
 
 def test_sparse_integer_keys_use_the_hash_path():
-    from cje_engine.data.io import _repeated
+    from cje_engine.data.identity import repeated_values
 
     key = np.array([5, 10**12, 7, 10**12 + 1, 5], dtype=np.int64)
-    assert _repeated(key, 10**13).tolist() == [True, False, False, False, True]
-    assert _repeated(np.array([0, 3, 2, 3]), 4).tolist() == [False, True, False, True]
+    assert repeated_values(key, 10**13).tolist() == [True, False, False, False, True]
+    assert repeated_values(np.array([0, 3, 2, 3]), 4).tolist() == [False, True, False, True]
 
 
 def test_malformed_and_empty_csv(tmp_path: Path):
