@@ -53,7 +53,7 @@ def test_audit_margin_walks_from_yaml_to_the_engine_as_one_typed_object(tmp_path
     table = pa.Table.from_pandas(sim.frame, preserve_index=False)
     prep = evaluate_module.prepare.fn(table, plan.opts)  # hop 4: the prepare task -> cje_engine prepare
     assert prep.options is opts  # the engine received exactly that object: no dict, no copy
-    result = evaluate_module.engine_finalize(prep, []).to_dict()
+    result = prep.finalize([]).to_dict()  # analytic: no bootstrap chunks
     assert [p["audit"]["margin"] for p in result["policies"].values()] == [pytest.approx(0.07)] * 2
     assert audit_margin(result) == pytest.approx(0.07)  # label requests read the engine's margin
 
