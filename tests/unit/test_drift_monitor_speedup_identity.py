@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from cje_engine.drift import signflip
 from cje_engine.drift.monitor import METRICS, DriftMonitor
 from cje_engine.simulate.drift import simulate_monitor
 from tests.stats.drift_judge_data import PanelWorld
@@ -103,6 +104,54 @@ def test_the_comparison_sees_a_change() -> None:
     case = want["shared_clusters"]["looks"][0]["metrics"]["mean_shift"]
     moved = dict(case, p_value=case["p_value"] * (1 + 1e-9))
     assert _diff(moved, case, "$") == ["$.p_value: %r != %r" % (moved["p_value"], case["p_value"])]
+
+
+def _old_exact_lattice(k: np.ndarray, observed_steps: int) -> float:
+    """The convolution over the full lattice as it was before the speed-up (the reference)."""
+    total = int(k.sum())
+    dist = np.zeros(2 * total + 1)
+    dist[total] = 1.0
+    for v in k:
+        v = int(v)
+        new = np.zeros_like(dist)
+        new[v:] += 0.5 * dist[: dist.shape[0] - v]
+        new[: dist.shape[0] - v] += 0.5 * dist[v:]
+        dist = new
+    values = np.abs(np.arange(-total, total + 1))
+    return float(min(1.0, dist[values >= observed_steps].sum()))
+
+
+def _old_lattice_step(a: np.ndarray) -> float | None:
+    """Euclid in floating point, as before the whole-number shortcut (the reference)."""
+    scale = float(a.max())
+    tol = signflip._REL_TOL * scale
+    h = float(a[0])
+    for v in a[1:]:
+        x, y = max(h, float(v)), min(h, float(v))
+        while y > tol:
+            x, y = y, math.fmod(x, y)
+        h = x
+        if h <= tol or scale / h > signflip.LATTICE_MAX_STEPS:
+            return None
+    return h
+
+
+def test_exact_lattice_equals_the_full_convolution_bit_for_bit() -> None:
+    """Integer counts (<= 52 clusters) and the support-only convolution (more) give the old floats."""
+    rng = np.random.default_rng(5)
+    for G, top in [(1, 3), (5, 4), (20, 4), (50, 4), (52, 30), (53, 3), (70, 6), (30, 3000)]:
+        k = rng.integers(1, top + 1, G).astype(float)
+        for observed in {0, 1, int(k.sum()) // 3, int(k.sum()) // 2, int(k.sum())}:
+            assert signflip._exact_lattice(k, observed) == _old_exact_lattice(k, observed), (G, top, observed)
+
+
+def test_lattice_step_equals_euclid() -> None:
+    """The whole-number gcd shortcut returns Euclid's step (or None) on integer and other weights."""
+    rng = np.random.default_rng(6)
+    cases = [rng.integers(1, 40, 30).astype(float) * h for h in (1, 2, 5)]
+    cases += [np.array([7.0]), np.array([3.0, 200_001.0]), rng.random(10), np.array([0.5, 1.5, 2.5])]
+    for a in cases:
+        assert signflip._lattice_step(a) == _old_lattice_step(a), a
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["write"]:
