@@ -142,7 +142,7 @@ _MAX_WITHIN_CELLS = 4_000_000
 
 
 @functools.lru_cache(maxsize=32)
-def _within_pairs(codes_bytes: bytes, G: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _within_pairs(codes_bytes: bytes, G: int, max_cells: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """All within-cluster pairs ``(i, j, cluster)`` of the codes (cached: looks reuse the clusters).
 
     None when no cluster has two members or the padded layout exceeds `_MAX_WITHIN_CELLS`.
@@ -150,7 +150,7 @@ def _within_pairs(codes_bytes: bytes, G: int) -> tuple[np.ndarray, np.ndarray, n
     codes = np.frombuffer(codes_bytes, dtype=np.int64)
     sizes = np.bincount(codes, minlength=G)
     m = int(sizes.max())
-    if m < 2 or G * m * m > _MAX_WITHIN_CELLS:
+    if m < 2 or G * m * m > max_cells:
         return None
     order = np.argsort(codes, kind="stable")
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
@@ -179,7 +179,7 @@ def _within_cluster_counts(x: np.ndarray, y: np.ndarray, codes: np.ndarray, G: i
     w_s, w_x, w_y = np.zeros(G), np.zeros(G), np.zeros(G)
     if int(sizes.max()) < 2:
         return w_s, w_x, w_y
-    pairs = _within_pairs(codes.tobytes(), G)
+    pairs = _within_pairs(codes.tobytes(), G, _MAX_WITHIN_CELLS)
     if pairs is not None:
         i, j, g = pairs
         dx, dy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])
@@ -222,13 +222,20 @@ def tau_b_leave_one_out(
     _constant_error(xa, ya)
     codes = cluster_codes(clusters, xa.shape[0])
     cb = None if codes is None else np.ascontiguousarray(codes, dtype=np.int64).tobytes()
-    tau, loo = _leave_one_out_cached(xa.tobytes(), ya.tobytes(), cb)
+    # the size limits are part of the key: a result is reused only under the same algorithm
+    compute = _leave_one_out_cached if xa.shape[0] <= _CACHE_MAX_N else _leave_one_out_cached.__wrapped__
+    tau, loo = compute(xa.tobytes(), ya.tobytes(), cb, (_MAX_TABLE_CELLS, _BLOCK, _MAX_WITHIN_CELLS))
     return tau, loo.copy()
 
 
-@functools.lru_cache(maxsize=128)
-def _leave_one_out_cached(x_bytes: bytes, y_bytes: bytes, codes_bytes: bytes | None) -> tuple[float, np.ndarray]:
-    """`tau_b_leave_one_out` on checked arrays, cached by their bytes.
+#: Largest sample whose leave-one-out results are cached (the cache holds at most 64 of them).
+_CACHE_MAX_N = 10_000
+
+
+@functools.lru_cache(maxsize=64)
+def _leave_one_out_cached(x_bytes: bytes, y_bytes: bytes, codes_bytes: bytes | None,
+                          limits: tuple[int, int, int]) -> tuple[float, np.ndarray]:
+    """`tau_b_leave_one_out` on checked arrays, cached by their bytes (and the size ``limits``).
 
     A monitor's looks recompute the same pairs of scorings (reference and replicate, the stored
     recent looks, both windows of the rank metric); the cache returns the identical result.
