@@ -285,7 +285,8 @@ class DriftMonitor:
                 logger.warning("judge drift alarm on %s at look %d: estimate %.4g, p=%.3g <= %.3g", m, look,
                                metrics[m].estimate, metrics[m].p_value, metrics[m].alpha_spent)
         if self.rank_window > 1:
-            self.recent_ = (self.recent_ + [{str(k): float(v) for k, v in cur.items()}])[-(self.rank_window - 1):]
+            stored = dict(zip(map(str, cur.index.tolist()), cur.to_numpy(dtype=float).tolist()))
+            self.recent_ = (self.recent_ + [stored])[-(self.rank_window - 1):]
         meta_d = dict(meta or {})
         self.history_.append(jsonable({
             "look": look, "alarms": alarms, "estimate": {m: metrics[m].estimate for m in METRICS},

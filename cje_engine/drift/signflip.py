@@ -20,6 +20,7 @@ The two-sided p-value ``P(|sum eps_g |s_g|| >= |S|)`` is computed
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import Counter
@@ -77,10 +78,22 @@ def _lattice_counts(k: np.ndarray) -> np.ndarray:
     """Integer counts of ``sum_g eps_g k_g = -K .. K`` over the ``2**G`` sign vectors (``K = sum k``).
 
     Equal weights are taken together: ``m`` clusters of weight ``v`` contribute the polynomial
-    ``(x^-v + x^v)^m``, whose coefficients are binomial. Exact for ``G <= 62`` (int64).
+    ``(x^-v + x^v)^m``, whose coefficients are binomial. Exact for ``G <= 62`` (int64). The
+    counts depend on the multiset of weights only, so they are cached by it (read-only array).
     """
+    weights = tuple(sorted(Counter(k.astype(np.int64).tolist()).items()))
+    return (_multiset_counts if k.sum() <= _CACHE_MAX_STEPS else _multiset_counts.__wrapped__)(weights)
+
+
+#: Largest lattice (``sum k``) whose counts are cached (at most 512 arrays of <= 2001 counts).
+_CACHE_MAX_STEPS = 1000
+
+
+@functools.lru_cache(maxsize=512)
+def _multiset_counts(weights: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """`_lattice_counts` of the weights ``(value, multiplicity)`` in increasing value."""
     counts = np.ones(1, dtype=np.int64)
-    for v, m in sorted(Counter(k.astype(np.int64).tolist()).items()):
+    for v, m in weights:
         binom = np.array([math.comb(m, j) for j in range(m + 1)], dtype=np.int64)
         width = 2 * v * m + 1
         if width * counts.shape[0] <= _MAX_CONVOLVE_CELLS:
@@ -92,6 +105,7 @@ def _lattice_counts(k: np.ndarray) -> np.ndarray:
             for j, c in enumerate(binom.tolist()):
                 new[2 * v * j: 2 * v * j + counts.shape[0]] += c * counts
             counts = new
+    counts.flags.writeable = False
     return counts
 
 
