@@ -6,6 +6,7 @@ delete-one(-cluster) jackknife replicates are exact in O(n); see ``docs/drift.md
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +61,7 @@ def pair_counts(x: np.ndarray, y: np.ndarray) -> PairCounts:
     tx = (n - nx[cx]).astype(np.int64)
     ty = (n - ny[cy]).astype(np.int64)
     if kx * ky <= _MAX_TABLE_CELLS:
-        table = np.zeros((kx, ky), dtype=np.int64)
-        np.add.at(table, (cx, cy), 1)
+        table = np.bincount(cx * ky + cy, minlength=kx * ky).astype(np.int64).reshape(kx, ky)
         cum = np.zeros((kx + 1, ky + 1), dtype=np.int64)
         cum[1:, 1:] = table.cumsum(axis=0).cumsum(axis=1)
         a, b = cx, cy
@@ -101,6 +101,8 @@ def cluster_codes(clusters: Any, n: int) -> np.ndarray | None:
         return None
     arr = np.asarray(clusters)
     if arr.shape == (n,) and np.issubdtype(arr.dtype, np.integer):
+        if arr.dtype == np.intp and arr.min() >= 0 and np.bincount(arr).all():
+            return arr  # already the codes 0..G-1 (every code used): what np.unique would return
         return np.unique(arr, return_inverse=True)[1]
     if arr.shape != (n,):
         raise CJEInputError(
@@ -139,34 +141,53 @@ def _constant_error(x: np.ndarray, y: np.ndarray) -> None:
 _MAX_WITHIN_CELLS = 4_000_000
 
 
+@functools.lru_cache(maxsize=32)
+def _within_pairs(codes_bytes: bytes, G: int, max_cells: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """All within-cluster pairs ``(i, j, cluster)`` of the codes (cached: looks reuse the clusters).
+
+    None when no cluster has two members or the padded layout exceeds `_MAX_WITHIN_CELLS`.
+    """
+    codes = np.frombuffer(codes_bytes, dtype=np.int64)
+    sizes = np.bincount(codes, minlength=G)
+    m = int(sizes.max())
+    if m < 2 or G * m * m > max_cells:
+        return None
+    order = np.argsort(codes, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    pos = np.arange(codes.shape[0]) - starts[codes[order]]
+    member = np.full((G, m), -1, dtype=np.int64)
+    member[codes[order], pos] = order
+    a, b = np.triu_indices(m, k=1)
+    i, j = member[:, a], member[:, b]
+    ok = (i >= 0) & (j >= 0)
+    i, j = i[ok], j[ok]
+    g = codes[i]
+    for arr in (i, j, g):
+        arr.flags.writeable = False
+    return i, j, g
+
+
 def _within_cluster_counts(x: np.ndarray, y: np.ndarray, codes: np.ndarray, G: int
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per cluster: concordant minus discordant pairs, pairs untied in x, pairs untied in y.
 
-    Vectorised over all within-cluster pairs (clusters padded to the largest size) when that
-    fits in `_MAX_WITHIN_CELLS`; otherwise one `pair_counts` per cluster.
+    Vectorised over all within-cluster pairs (`_within_pairs`, clusters padded to the largest
+    size) when that fits in `_MAX_WITHIN_CELLS`; otherwise one `pair_counts` per cluster.
     """
+    codes = np.ascontiguousarray(codes, dtype=np.int64)
     sizes = np.bincount(codes, minlength=G)
-    m = int(sizes.max())
     w_s, w_x, w_y = np.zeros(G), np.zeros(G), np.zeros(G)
-    if m < 2:
+    if int(sizes.max()) < 2:
         return w_s, w_x, w_y
-    order = np.argsort(codes, kind="stable")
-    if G * m * m <= _MAX_WITHIN_CELLS:
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        pos = np.arange(codes.shape[0]) - starts[codes[order]]
-        member = np.full((G, m), -1, dtype=np.int64)
-        member[codes[order], pos] = order
-        a, b = np.triu_indices(m, k=1)
-        i, j = member[:, a], member[:, b]
-        ok = (i >= 0) & (j >= 0)
-        i, j = i[ok], j[ok]
-        g = codes[i]
+    pairs = _within_pairs(codes.tobytes(), G, _MAX_WITHIN_CELLS)
+    if pairs is not None:
+        i, j, g = pairs
         dx, dy = np.sign(x[i] - x[j]), np.sign(y[i] - y[j])
         w_s = np.bincount(g, weights=dx * dy, minlength=G)
         w_x = np.bincount(g, weights=(dx != 0).astype(float), minlength=G)
         w_y = np.bincount(g, weights=(dy != 0).astype(float), minlength=G)
         return w_s, w_x, w_y
+    order = np.argsort(codes, kind="stable")
     bounds = np.flatnonzero(np.diff(codes[order])) + 1
     for idx in np.split(order, bounds):
         if idx.shape[0] >= 2:
@@ -199,10 +220,32 @@ def tau_b_leave_one_out(
     """
     xa, ya = _check_pair(x, y)
     _constant_error(xa, ya)
+    codes = cluster_codes(clusters, xa.shape[0])
+    cb = None if codes is None else np.ascontiguousarray(codes, dtype=np.int64).tobytes()
+    # the size limits are part of the key: a result is reused only under the same algorithm
+    compute = _leave_one_out_cached if xa.shape[0] <= _CACHE_MAX_N else _leave_one_out_cached.__wrapped__
+    tau, loo = compute(xa.tobytes(), ya.tobytes(), cb, (_MAX_TABLE_CELLS, _BLOCK, _MAX_WITHIN_CELLS))
+    return tau, loo.copy()
+
+
+#: Largest sample whose leave-one-out results are cached (the cache holds at most 64 of them).
+_CACHE_MAX_N = 10_000
+
+
+@functools.lru_cache(maxsize=64)
+def _leave_one_out_cached(x_bytes: bytes, y_bytes: bytes, codes_bytes: bytes | None,
+                          limits: tuple[int, int, int]) -> tuple[float, np.ndarray]:
+    """`tau_b_leave_one_out` on checked arrays, cached by their bytes (and the size ``limits``).
+
+    A monitor's looks recompute the same pairs of scorings (reference and replicate, the stored
+    recent looks, both windows of the rank metric); the cache returns the identical result.
+    """
+    xa = np.frombuffer(x_bytes, dtype=float)
+    ya = np.frombuffer(y_bytes, dtype=float)
+    codes = None if codes_bytes is None else np.frombuffer(codes_bytes, dtype=np.int64)
     pc = pair_counts(xa, ya)
     S, Tx, Ty = pc.S, pc.Tx, pc.Ty
     tau = _tau_from(S, Tx, Ty)
-    codes = cluster_codes(clusters, xa.shape[0])
     if codes is None:
         s_g, tx_g, ty_g = pc.s, pc.tx, pc.ty
         w_s = w_x = w_y = 0
@@ -217,7 +260,9 @@ def tau_b_leave_one_out(
     dy = Ty - ty_g + w_y
     with np.errstate(invalid="ignore", divide="ignore"):
         loo = np.where((dx > 0) & (dy > 0), num / np.sqrt(np.maximum(dx, 0) * np.maximum(dy, 0)), np.nan)
-    return tau, loo.astype(float)
+    loo = loo.astype(float)
+    loo.flags.writeable = False
+    return tau, loo
 
 
 def jackknife_se(loo: np.ndarray) -> float:

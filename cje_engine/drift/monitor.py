@@ -285,7 +285,8 @@ class DriftMonitor:
                 logger.warning("judge drift alarm on %s at look %d: estimate %.4g, p=%.3g <= %.3g", m, look,
                                metrics[m].estimate, metrics[m].p_value, metrics[m].alpha_spent)
         if self.rank_window > 1:
-            self.recent_ = (self.recent_ + [{str(k): float(v) for k, v in cur.items()}])[-(self.rank_window - 1):]
+            stored = dict(zip(map(str, cur.index.tolist()), cur.to_numpy(dtype=float).tolist()))
+            self.recent_ = (self.recent_ + [stored])[-(self.rank_window - 1):]
         meta_d = dict(meta or {})
         self.history_.append(jsonable({
             "look": look, "alarms": alarms, "estimate": {m: metrics[m].estimate for m in METRICS},
@@ -302,8 +303,8 @@ class DriftMonitor:
         out = []
         for k, item in enumerate(items):
             what = "reference_replicate" if len(items) == 1 else f"reference_replicate[{k}]"
-            rep = as_scores(item, what)
-            missing = ~common.isin(rep.index)
+            rep = as_scores(item, what)  # its index is unique (as_scores checks)
+            missing = rep.index.get_indexer(common) < 0  # a hash lookup (isin on Arrow strings is slow)
             if missing.any():
                 raise CJEInputError(
                     f"{int(missing.sum())} paired anchors have no replicate score (first: "
@@ -376,12 +377,28 @@ class DriftMonitor:
 
     def _window(self, common: pd.Index) -> list[np.ndarray]:
         """Scores of the stored recent looks on the paired anchors (looks missing one are dropped)."""
+        ids = common.tolist()
         out = []
         for past in self.recent_:
-            vals = pd.Series(past, dtype=float).reindex(common)
-            if not vals.isna().any():
-                out.append(vals.to_numpy())
+            vals = self._same_anchors(past, ids)
+            if vals is not None:
+                if not np.isnan(vals).any():
+                    out.append(vals)
+                continue
+            series = pd.Series(past, dtype=float).reindex(common)
+            if not series.isna().any():
+                out.append(series.to_numpy())
         return out
+
+    @staticmethod
+    def _same_anchors(past: Mapping[str, Any], ids: list[str]) -> np.ndarray | None:
+        """A stored look's scores as floats when it holds exactly ``ids`` in order (the usual case), else None."""
+        if list(past) != ids:
+            return None
+        try:
+            return np.fromiter((float(v) for v in past.values()), dtype=float, count=len(ids))
+        except (TypeError, ValueError):
+            return None
 
     def _tau_metric(self, look: int, common: pd.Index, r: np.ndarray, c: np.ndarray,
                     replicates: list[np.ndarray], codes: np.ndarray | None) -> MetricResult:

@@ -20,8 +20,10 @@ The two-sided p-value ``P(|sum eps_g |s_g|| >= |S|)`` is computed
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from collections import Counter
 
 import numpy as np
 from scipy import special
@@ -42,6 +44,10 @@ def _norm_sf(x: float) -> float:
 def _lattice_step(a: np.ndarray) -> float | None:
     """Common step h with every ``a / h`` an integer (to a relative 1e-9), or None."""
     scale = float(a.max())
+    if scale < 1e6 and np.all(a == np.rint(a)):
+        # whole numbers (indicator counts): Euclid's float steps are exact and reach their gcd
+        h = float(np.gcd.reduce(a.astype(np.int64)))
+        return None if scale / h > LATTICE_MAX_STEPS else h
     tol = _REL_TOL * scale
     h = float(a[0])
     for v in a[1:]:
@@ -61,17 +67,67 @@ def _exact_enumeration(a: np.ndarray, observed: float) -> float:
     return float(np.mean(sums >= observed - _REL_TOL * max(observed, float(a.max()))))
 
 
+#: Most clusters for which the lattice probabilities are computed as integer counts: every
+#: probability is then ``count / 2**G`` with ``count < 2**53``, exact in floating point.
+_EXACT_COUNT_CLUSTERS = 52
+#: Largest dense convolution (cells) done in one call; larger ones add shifted copies.
+_MAX_CONVOLVE_CELLS = 4_000_000
+
+
+def _lattice_counts(k: np.ndarray) -> np.ndarray:
+    """Integer counts of ``sum_g eps_g k_g = -K .. K`` over the ``2**G`` sign vectors (``K = sum k``).
+
+    Equal weights are taken together: ``m`` clusters of weight ``v`` contribute the polynomial
+    ``(x^-v + x^v)^m``, whose coefficients are binomial. Exact for ``G <= 62`` (int64). The
+    counts depend on the multiset of weights only, so they are cached by it (read-only array).
+    """
+    weights = tuple(sorted(Counter(k.astype(np.int64).tolist()).items()))
+    return (_multiset_counts if k.sum() <= _CACHE_MAX_STEPS else _multiset_counts.__wrapped__)(weights)
+
+
+#: Largest lattice (``sum k``) whose counts are cached (at most 512 arrays of <= 2001 counts).
+_CACHE_MAX_STEPS = 1000
+
+
+@functools.lru_cache(maxsize=512)
+def _multiset_counts(weights: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """`_lattice_counts` of the weights ``(value, multiplicity)`` in increasing value."""
+    counts = np.ones(1, dtype=np.int64)
+    for v, m in weights:
+        binom = np.array([math.comb(m, j) for j in range(m + 1)], dtype=np.int64)
+        width = 2 * v * m + 1
+        if width * counts.shape[0] <= _MAX_CONVOLVE_CELLS:
+            poly = np.zeros(width, dtype=np.int64)
+            poly[:: max(2 * v, 1)] = binom if v > 0 else binom.sum()
+            counts = np.convolve(counts, poly)
+        else:
+            new = np.zeros(counts.shape[0] + width - 1, dtype=np.int64)
+            for j, c in enumerate(binom.tolist()):
+                new[2 * v * j: 2 * v * j + counts.shape[0]] += c * counts
+            counts = new
+    counts.flags.writeable = False
+    return counts
+
+
 def _exact_lattice(k: np.ndarray, observed_steps: int) -> float:
+    """Exact ``P(|sum_g eps_g k_g| >= observed_steps)`` for integer weights ``k_g``.
+
+    Up to `_EXACT_COUNT_CLUSTERS` clusters from integer counts (`_lattice_counts`); every
+    intermediate of the floating-point convolution below is then exact too, so both give the
+    same number. More clusters: the convolution, kept on the support reached so far.
+    """
     total = int(k.sum())
-    dist = np.zeros(2 * total + 1)
-    dist[total] = 1.0
+    values = np.abs(np.arange(-total, total + 1))
+    if k.shape[0] <= _EXACT_COUNT_CLUSTERS:
+        counts = _lattice_counts(k)
+        return float(min(1.0, int(counts[values >= observed_steps].sum()) / 2.0 ** k.shape[0]))
+    dist = np.ones(1)
     for v in k:
         v = int(v)
-        new = np.zeros_like(dist)
-        new[v:] += 0.5 * dist[: dist.shape[0] - v]
-        new[: dist.shape[0] - v] += 0.5 * dist[v:]
+        new = np.zeros(dist.shape[0] + 2 * v)
+        new[2 * v:] += 0.5 * dist
+        new[: dist.shape[0]] += 0.5 * dist
         dist = new
-    values = np.abs(np.arange(-total, total + 1))
     return float(min(1.0, dist[values >= observed_steps].sum()))
 
 
