@@ -54,6 +54,19 @@ def _type_errors(kw: dict) -> None:
             raise CJEInputError(f"option {key} must be a list of names, got {v!r}")
 
 
+def options_of(cls: type, options: Any, kwargs: Mapping[str, Any]) -> Any:
+    """``options`` itself when it is already a ``cls`` (never rebuilt; no keywords besides), else
+    ``cls.build`` of the mapping and/or keywords (the ``of`` of every options class)."""
+    if isinstance(options, cls):
+        if kwargs:
+            raise CJEInputError(f"give the options as an {cls.__name__} or as keywords, not both "
+                                f"(got {', '.join(sorted(kwargs))} besides)")
+        return options
+    if options is not None and not isinstance(options, Mapping):
+        raise CJEInputError(f"options must be a mapping of option -> value, got {type(options).__name__}")
+    return cls.build(**{**dict(options or {}), **kwargs})
+
+
 @dataclass(frozen=True)
 class EvaluationOptions:
     """Options of `cje_engine.evaluate` (see the README for their meaning).
@@ -186,14 +199,7 @@ class EvaluationOptions:
         -------
         EvaluationOptions
         """
-        if isinstance(options, cls):
-            if kwargs:
-                raise CJEInputError(f"give the options as an EvaluationOptions or as keywords, not both "
-                                    f"(got {', '.join(sorted(kwargs))} besides)")
-            return options
-        if options is not None and not isinstance(options, Mapping):
-            raise CJEInputError(f"options must be a mapping of option -> value, got {type(options).__name__}")
-        return cls.build(**{**dict(options or {}), **kwargs})
+        return options_of(cls, options, kwargs)
 
     @property
     def declared(self) -> dict:

@@ -11,7 +11,7 @@ from cje_engine.errors import CJEInputError
 from cje_engine.offpolicy.estimators import ALL_ESTIMATORS, DEFAULT_STACK
 from cje_engine.offpolicy.gates import OffPolicyGates
 from cje_engine.offpolicy.target import OffPolicyConfig
-from cje_engine.options import EvaluationOptions
+from cje_engine.options import EvaluationOptions, options_of
 
 MODES = ("logs-only", "hybrid")
 ESTIMATOR_CHOICES = ("auto",) + ALL_ESTIMATORS + ("stacked",)
@@ -93,14 +93,7 @@ class OffPolicyOptions:
     def of(cls, options: "OffPolicyOptions | Mapping[str, Any] | None" = None, **kwargs: Any) -> "OffPolicyOptions":
         """``options`` itself when it is already an `OffPolicyOptions` (never rebuilt), else `build` of the
         mapping and/or keywords (as `EvaluationOptions.of`)."""
-        if isinstance(options, cls):
-            if kwargs:
-                raise CJEInputError(f"give the options as an OffPolicyOptions or as keywords, not both "
-                                    f"(got {', '.join(sorted(kwargs))} besides)")
-            return options
-        if options is not None and not isinstance(options, Mapping):
-            raise CJEInputError(f"options must be a mapping of option -> value, got {type(options).__name__}")
-        return cls.build(**{**dict(options or {}), **kwargs})
+        return options_of(cls, options, kwargs)
 
     @property
     def declared(self) -> dict:
