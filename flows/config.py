@@ -90,6 +90,7 @@ class Window:
 
     @property
     def days(self) -> int:
+        """Number of days in the window, both ends included."""
         return (self.end - self.start).days + 1
 
 
@@ -240,6 +241,7 @@ def check_monitoring(monitoring: Any, where: str = "monitoring") -> MonitoringCo
 
 
 def check_cron(cron: str, tz: str) -> None:
+    """Raise `CJEInputError` when ``cron`` in time zone ``tz`` is not a schedule Prefect accepts."""
     from prefect.client.schemas.schedules import CronSchedule  # a schema only: starts nothing
 
     try:
@@ -527,6 +529,7 @@ class DriftMonitorConfig(ScheduledEntry, DriftComparisonKeys):
 
     @property
     def monitor_name(self) -> str:
+        """The monitor's name: ``name``, else its anchor set's name."""
         return self.name or self.set_name
 
     def check(self) -> None:
@@ -587,6 +590,7 @@ class StrictLoader(yaml.SafeLoader):
     is expanded, no recursive alias.  The check runs on the composed node graph, before any value is built."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
+        """Compose a node, refusing more aliases than `MAX_YAML_ALIASES`."""
         if self.check_event(yaml.AliasEvent):
             self._aliases = getattr(self, "_aliases", 0) + 1
             if self._aliases > MAX_YAML_ALIASES:
@@ -596,11 +600,13 @@ class StrictLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
     def compose_document(self) -> Any:
+        """Compose the document, refusing one whose aliases expand past the size limit."""
         node = super().compose_document()
         _expanded_size(node, {}, set())
         return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """Construct a mapping, refusing a key given twice (naming its line)."""
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, int] = {}
             for key_node, _ in node.value:

@@ -370,6 +370,7 @@ def _logit_newton(F: np.ndarray, w: np.ndarray, t: np.ndarray, lam: float, n_ram
 
 
 def knot_levels(n_knots: int) -> np.ndarray:
+    """The ``n_knots + 1`` equally spaced quantile levels of a ramp basis (cached per size)."""
     q = _LEVELS.get(n_knots)
     if q is None:
         q = _LEVELS[n_knots] = np.linspace(0, 1, n_knots + 1)

@@ -25,6 +25,7 @@ _SYM: dict[int, np.ndarray] = {}
 
 
 def eye_stack(P: int) -> np.ndarray:
+    """The ``P x P`` identity (cached per size; read-only use)."""
     e = _EYE.get(P)
     if e is None:
         e = _EYE[P] = np.eye(P)

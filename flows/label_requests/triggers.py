@@ -92,6 +92,7 @@ class TriggerRows:
 
     @classmethod
     def from_table(cls, table: pa.Table) -> "TriggerRows":
+        """The trigger columns of a logs table (dictionary-encoded ids decoded)."""
         n = table.num_rows
         rid = table.column("response_id")
         if pa.types.is_dictionary(rid.type):

@@ -76,6 +76,7 @@ class DriftSettings(DriftComparisonKeys, LinkedEvaluationKeys):
 
     @property
     def delays(self) -> list[float]:
+        """Retry delays of the flow's storage tasks (declared, else the default)."""
         return list(self.retry_delays) if self.retry_delays is not None else list(DEFAULT_RETRY_DELAYS)
 
     def uri(self, which: Literal["logs", "drift", "results"]) -> str:
