@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol, runtime_checkable
 import numpy as np
 
 from cje_engine.errors import CJEInputError
+from cje_engine.registry import Registry
 
 if TYPE_CHECKING:  # the calibrators import scipy: loaded when a mode is fitted, not when options are checked
     from cje_engine.calibration.calibrators import Cells
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # the calibrators import scipy: loaded when a mode is fitted,
 #: design gets when its mode has no index.
 DEFAULT_KNOTS = 6
 
-__all__ = ["AUTO", "Calibrator", "CalibrationMode", "ModeEntry", "MonotoneMode", "TwoStageMode",
+__all__ = ["AUTO", "MODES", "Calibrator", "CalibrationMode", "ModeEntry", "MonotoneMode", "TwoStageMode",
            "entries", "get", "names", "option_values", "register", "result_mode_type", "unregister"]
 
 #: The option value that lets the pipeline choose among the eligible registered modes.
@@ -254,7 +255,18 @@ class TwoStageMode(ModeEntry):
         return {} if fits.ramp[0] is None else {fits.ramp[0].size: fits.ramp[0] > 0}
 
 
-_REGISTRY: dict[str, CalibrationMode] = {}
+def _check_mode(entry: Any) -> None:
+    name = getattr(entry, "name", "")
+    if not isinstance(name, str) or not name.isidentifier() or name == AUTO:
+        raise ValueError(f"a calibration mode needs a name that is an identifier other than {AUTO!r}; got {name!r}")
+    missing = [a for a in ("label", "uses_covariates", "monotone", "preference", "in_auto", "batched", "n_knots",
+                           "shortfall", "auto_exclusion", "make", "selection_record") if not hasattr(entry, a)]
+    if missing:
+        raise TypeError(f"calibration mode {name!r} lacks {', '.join(missing)} (see CalibrationMode)")
+
+
+#: The family (`cje_engine.registry.Registry`); the functions below are its public face.
+MODES: Registry[CalibrationMode] = Registry("calibration mode", check=_check_mode, option="calibration_mode")
 
 
 def register(entry: CalibrationMode, *, replace: bool = False) -> CalibrationMode:
@@ -267,51 +279,40 @@ def register(entry: CalibrationMode, *, replace: bool = False) -> CalibrationMod
     replace : bool
         Allow replacing an entry of the same name (default: a second registration is an error).
     """
-    name = getattr(entry, "name", "")
-    if not isinstance(name, str) or not name.isidentifier() or name == AUTO:
-        raise ValueError(f"a calibration mode needs a name that is an identifier other than {AUTO!r}; got {name!r}")
-    missing = [a for a in ("label", "uses_covariates", "monotone", "preference", "in_auto", "batched", "n_knots",
-                           "shortfall", "auto_exclusion", "make", "selection_record") if not hasattr(entry, a)]
-    if missing:
-        raise TypeError(f"calibration mode {name!r} lacks {', '.join(missing)} (see CalibrationMode)")
-    if name in _REGISTRY and not replace:
-        raise ValueError(f"calibration mode {name!r} is already registered")
-    _REGISTRY[name] = entry
-    return entry
+    return MODES.register(entry, replace=replace)
 
 
 def unregister(name: str) -> None:
     """Remove a calibration mode (tests that register a toy one clean up with it)."""
-    _REGISTRY.pop(name, None)
+    MODES.unregister(name)
 
 
 def names() -> tuple[str, ...]:
     """The registered calibration modes, in registration order."""
-    return tuple(_REGISTRY)
+    return MODES.names()
 
 
 def option_values() -> tuple[str, ...]:
     """Every accepted ``calibration_mode`` value: ``auto`` then the registered modes."""
-    return (AUTO, *_REGISTRY)
+    return (AUTO, *MODES.names())
 
 
 def entries() -> tuple[CalibrationMode, ...]:
     """The registered entries, in registration order."""
-    return tuple(_REGISTRY.values())
+    return MODES.entries()
 
 
 def get(name: str) -> CalibrationMode:
     """The entry of ``name``; a `CJEInputError` naming the accepted values otherwise."""
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise CJEInputError(f"calibration_mode must be one of {', '.join(option_values())}; got {name!r}",
-                            option="calibration_mode") from None
+    if isinstance(name, str) and name in MODES:
+        return MODES.get(name)
+    raise CJEInputError(f"calibration_mode must be one of {', '.join(option_values())}; got {name!r}",
+                        option="calibration_mode")
 
 
 def _registered(name: str) -> str:
-    if name not in _REGISTRY:
-        raise ValueError(f"calibration mode must be a registered one ({', '.join(_REGISTRY)}); got {name!r}")
+    if name not in MODES:
+        raise ValueError(f"calibration mode must be a registered one ({', '.join(MODES)}); got {name!r}")
     return name
 
 

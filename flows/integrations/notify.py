@@ -26,7 +26,6 @@ module and one `register` call; docs/label-requests.md, "Adding a notifier".
 """
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import json
 import logging
@@ -42,6 +41,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 from cje_engine.errors import CJEInputError
+from cje_engine.registry import Registry
 from flows.uris import check_webhook_url, forbidden_address, literal_ip
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,16 @@ class PrefectEventNotifier:
         return _emit(message.kind, dict(message.payload), message.ts)
 
 
-_NOTIFIERS: dict[str, Notifier] = {}
+def _check_notifier(notifier: Any) -> None:
+    name = getattr(notifier, "name", None)
+    if not isinstance(name, str) or not name or name in ("kind", "ts", "ok", "error"):
+        raise ValueError(f"notifier name {name!r}: a non-empty string, not a key of notify's outcome")
+    if not isinstance(notifier, Notifier) or not callable(getattr(notifier, "configured", None)):
+        raise TypeError(f"notifier {name!r} lacks configured/send (flows.integrations.notify.Notifier)")
+
+
+#: The family (`cje_engine.registry.Registry`); the functions below are its public face.
+NOTIFIERS: Registry[Notifier] = Registry("notifier", check=_check_notifier)
 
 
 def register(notifier: Notifier, *, replace: bool = False) -> Notifier:
@@ -283,34 +292,22 @@ def register(notifier: Notifier, *, replace: bool = False) -> Notifier:
     ValueError, TypeError
         A name taken (unless ``replace``) or an object that is not a `Notifier`.
     """
-    name = getattr(notifier, "name", None)
-    if not isinstance(name, str) or not name or name in ("kind", "ts", "ok", "error"):
-        raise ValueError(f"notifier name {name!r}: a non-empty string, not a key of notify's outcome")
-    if not isinstance(notifier, Notifier) or not callable(getattr(notifier, "configured", None)):
-        raise TypeError(f"notifier {name!r} lacks configured/send (flows.integrations.notify.Notifier)")
-    if name in _NOTIFIERS and not replace:
-        raise ValueError(f"notifier {name!r} is registered already ({type(_NOTIFIERS[name]).__name__})")
-    _NOTIFIERS[name] = notifier
-    return notifier
+    return NOTIFIERS.register(notifier, replace=replace)
 
 
 def unregister(name: str) -> None:
     """Remove a notifier (tests register toys and remove them again)."""
-    _NOTIFIERS.pop(name, None)
+    NOTIFIERS.unregister(name)
 
 
 def names() -> tuple[str, ...]:
     """The registered notifiers, in registration order."""
-    return tuple(_NOTIFIERS)
+    return NOTIFIERS.names()
 
 
 def get(name: str) -> Notifier:
     """The registered notifier ``name``; `CJEInputError` naming the choices (and the closest) otherwise."""
-    if name in _NOTIFIERS:
-        return _NOTIFIERS[name]
-    close = difflib.get_close_matches(str(name), names(), n=1)
-    raise CJEInputError(f"unknown notifier {name!r}; expected one of {list(names())}"
-                        + (f"; did you mean {close[0]!r}?" if close else ""))
+    return NOTIFIERS.get(name)
 
 
 for _notifier in (WebhookNotifier(), PrefectEventNotifier()):

@@ -244,7 +244,7 @@ def test_a_toy_server_tool_is_pushed_to_and_its_pull_ingested_by_cje_labels(pref
 
 
 def test_registering_checks_the_protocol_and_names(toy):
-    with pytest.raises(ValueError, match="registered already"):
+    with pytest.raises(ValueError, match="already registered"):
         labelling.register(ToyTool())
     with pytest.raises(ValueError, match="lower case"):
         labelling.register(type("Bad", (ToyTool,), {"name": "Bad Name"})())

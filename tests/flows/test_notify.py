@@ -371,7 +371,7 @@ def test_channels_choose_notifiers_and_unknown_ones_are_named(toy, receiver):
 def test_registering_a_notifier_checks_its_name_and_protocol(toy):
     from flows.integrations.notify import register
 
-    with pytest.raises(ValueError, match="registered already"):
+    with pytest.raises(ValueError, match="already registered"):
         register(ToyNotifier())
     with pytest.raises(ValueError, match="not a key"):
         register(ToyNotifier("ok"))

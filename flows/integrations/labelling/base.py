@@ -16,7 +16,6 @@ tool is its module plus one `register` call (`flows.integrations.labelling`), do
 """
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 import pyarrow as pa
 
 from cje_engine.errors import CJEInputError
+from cje_engine.registry import Registry
 
 #: The answer every tool asks for (CSV/JSONL column, Label Studio ``Number`` control, Argilla question).
 ANSWER = "oracle_label"
@@ -257,7 +257,7 @@ class ServerTool(Protocol):
 # --------------------------------------------------------------------------------------
 # the registry
 
-_TOOLS: dict[str, LabellingTool] = {}
+
 
 
 def is_server(tool: Any) -> bool:
@@ -284,6 +284,10 @@ def _check_tool(tool: Any) -> None:
         raise TypeError(f"labelling tool {name!r}: a server tool names its token variable (token_env)")
 
 
+#: The family (`cje_engine.registry.Registry`); the functions below are its public face.
+TOOLS: Registry[LabellingTool] = Registry("labelling tool", check=_check_tool)
+
+
 def register(tool: LabellingTool, *, replace: bool = False) -> LabellingTool:
     """Add a labelling tool; it becomes a ``--format`` choice (and ``--to``/``--from`` with a server).
 
@@ -304,31 +308,27 @@ def register(tool: LabellingTool, *, replace: bool = False) -> LabellingTool:
     ValueError, TypeError
         A bad name, a name taken, or a tool that does not follow the protocols.
     """
-    _check_tool(tool)
-    if tool.name in _TOOLS and not replace:
-        raise ValueError(f"labelling tool {tool.name!r} is registered already ({type(_TOOLS[tool.name]).__name__})")
-    _TOOLS[tool.name] = tool
-    return tool
+    return TOOLS.register(tool, replace=replace)
 
 
 def unregister(name: str) -> None:
     """Remove a registered tool (tests register toys and remove them again)."""
-    _TOOLS.pop(name, None)
+    TOOLS.unregister(name)
 
 
 def names() -> tuple[str, ...]:
     """Every registered tool's name, in registration order (the ``requests export --format`` choices)."""
-    return tuple(_TOOLS)
+    return TOOLS.names()
 
 
 def server_names() -> tuple[str, ...]:
     """Names of the tools with a server (the ``requests push --to`` and ``labels --from`` choices)."""
-    return tuple(n for n, t in _TOOLS.items() if is_server(t))
+    return tuple(n for n, t in TOOLS.items() if is_server(t))
 
 
 def answer_formats() -> tuple[str, ...]:
     """``auto``, ``table`` and every tool reading its own answers (the ``cje labels --format`` choices)."""
-    return (*RESERVED, *(n for n, t in _TOOLS.items() if t.answers_format == n))
+    return (*RESERVED, *(n for n, t in TOOLS.items() if t.answers_format == n))
 
 
 def get(name: str, *, server: bool = False) -> LabellingTool:
@@ -339,18 +339,14 @@ def get(name: str, *, server: bool = False) -> LabellingTool:
     CJEInputError
         Unknown name (or no server), naming the choices and the closest one.
     """
-    choices = server_names() if server else names()
-    if name in choices:
-        return _TOOLS[name]
-    what = "labelling tool with a server" if server else "labelling tool"
-    close = difflib.get_close_matches(str(name), choices, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise CJEInputError(f"unknown {what} {name!r}; expected one of {list(choices)}{hint}")
+    if server:
+        return TOOLS.get(name, server_names(), "labelling tool with a server")
+    return TOOLS.get(name)
 
 
 def detect(first: Mapping) -> str | None:
     """The tool whose answer format ``first`` (a document's first record) is, or None (a table)."""
-    for name, tool in _TOOLS.items():
+    for name, tool in TOOLS.items():
         if tool.answers_format == name and tool.detects(first):
             return name
     return None
@@ -359,10 +355,10 @@ def detect(first: Mapping) -> str | None:
 def help_lines(server: bool = False) -> str:
     """``name: help`` of each (server) tool, for the CLI's help texts."""
     chosen = server_names() if server else names()
-    return "; ".join(f"{n}: {_TOOLS[n].help}" for n in chosen)
+    return "; ".join(f"{n}: {TOOLS.get(n).help}" for n in chosen)
 
 
 __all__ = ["LabellingTool", "AnswerReader", "ServerTool", "ExportOptions", "Destination", "PushResult",
-           "PullResult", "Answers", "ToolUnavailable", "register", "unregister", "get", "names", "server_names",
+           "PullResult", "Answers", "ToolUnavailable", "TOOLS", "register", "unregister", "get", "names", "server_names",
            "answer_formats", "detect", "is_server", "help_lines", "answer_number", "add_answers", "item_meta",
            "ANSWER", "META", "DEFAULT_TEXT_COLUMNS", "RESERVED"]
