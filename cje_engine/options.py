@@ -23,9 +23,12 @@ MAX_FOLDS = 100
 #: overrides it.
 DEFAULT_BOOTSTRAP_BYTES = 2 * 1024**3
 
-_INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labels", "min_prompts")
+_INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labels", "min_prompts", "planned_labels")
 _FLOAT_FIELDS = ("alpha", "audit_margin", "support_bandwidth", "support_material_share", "noninferiority_margin")
-_STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity", "pooling_bootstrap", "baseline")
+_STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity", "pooling_bootstrap", "baseline",
+               "looks")
+#: How often the claims are looked at (docs/statistics.md, "Repeated looks").
+LOOKS = ("one", "repeated")
 #: The level estimators (docs/statistics.md, "Levels").
 LEVEL_ESTIMATORS = ("verified", "audited", "robust", "augmented", "plug_in")
 _NAMES_FIELDS = ("covariates", "calibration_policies", "policies", "trust_transport")
@@ -123,6 +126,15 @@ class EvaluationOptions:
     min_labels : int
         Fewest own labels for an own-label (augmented or recalibrated) level, and fewest
         calibration labels overall.
+    looks : {"one", "repeated"}
+        ``one`` (default): comparisons, the best policy, the baseline comparisons and the gate hold at level
+        ``alpha`` for this evaluation looked at once. ``repeated``: they hold at every look at once, so a
+        team may re-evaluate after each round of labels and stop when a claim is made (a normal-mixture
+        confidence sequence, `cje_engine.inference.sequential`; pairwise significance by Holm; wider
+        intervals, x1.55 at the planned labels for alpha = 0.05).
+    planned_labels : int
+        With ``looks="repeated"``: the own labels per policy, fixed before the first look, at which the
+        confidence sequence is tightest (any count before or after stays valid).
     support_min_labels, support_bandwidth, support_material_share
         A score is thinly supported when fewer than ``support_min_labels`` calibration
         labels lie within ``support_bandwidth`` x (score range) of it; a plug-in level
@@ -153,6 +165,8 @@ class EvaluationOptions:
     baseline: str | None = None
     noninferiority_margin: float = 0.02
     min_prompts: int = 10
+    looks: str = "one"
+    planned_labels: int = 200
 
     @classmethod
     def build(cls, **kwargs) -> "EvaluationOptions":
@@ -270,9 +284,18 @@ class EvaluationOptions:
             bad(f"min_labels must be at least 2; got {self.min_labels}")
         if self.min_prompts < 2:
             bad(f"min_prompts must be at least 2; got {self.min_prompts}")
+        if self.looks not in LOOKS:
+            bad(f"looks must be one or repeated; got {self.looks!r}" + did_you_mean(self.looks, LOOKS))
+        if self.planned_labels < 2:
+            bad(f"planned_labels must be at least 2; got {self.planned_labels}")
         if not (0 <= self.noninferiority_margin < 1):
             bad(f"noninferiority_margin must be in [0, 1) (a fraction of the label scale); got "
                 f"{self.noninferiority_margin}")
+
+    @property
+    def sequential_labels(self) -> int | None:
+        """``planned_labels`` when claims must hold under repeated looks, else None (one look)."""
+        return self.planned_labels if self.looks == "repeated" else None
 
     def trusts(self, policy: str) -> bool:
         """Has the team declared that it trusts the calibration's transport to ``policy``?"""

@@ -14,6 +14,7 @@ import numpy as np
 from scipy.stats import kendalltau, norm, t as student_t
 
 from cje_engine.inference.multiplicity import adjust
+from cje_engine.inference.sequential import anytime_half_width, anytime_p_value, information_ratio, pair_labels
 from cje_engine.inference.variance import cluster_cov
 
 #: Relative disagreement between bootstrap and analytic SEs that triggers a warning.
@@ -52,6 +53,10 @@ class PolicyColumns:
     #: per policy: a bound on the bias of a rank-only level (limited support: the share of its rows the
     #: calibration extrapolates to, times the label span); comparisons widen their interval by it
     bias_bound: np.ndarray | None = None
+    #: per policy: the labels behind its level (own labels; 0: none of its own), for repeated-looks claims
+    labels: np.ndarray | None = None
+    #: the calibration labels: the information of a level without own labels (repeated-looks claims)
+    calibration_labels: float = 1.0
 
     def bias(self, k: int) -> float:
         """Bias bound of policy ``k`` (0 when none is given)."""
@@ -104,8 +109,13 @@ def _analytic_pair(diff: float, se: float, df: float, alpha: float) -> tuple[lis
 
 
 def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float,
-                  warnings: list[str]) -> list[dict]:
+                  warnings: list[str], planned_labels: int | None = None) -> list[dict]:
     """Every unordered pair once: difference, SE, CI, p-value, adjusted p-value, significance.
+
+    With ``planned_labels`` (repeated looks, `cje_engine.inference.sequential`) the interval is the
+    confidence sequence around the difference and the p-value the anytime-valid one, both from the
+    pair's SE (bootstrap or analytic) and its labels; ``method`` must then be ``holm`` (BH controls the
+    false discovery rate at one look, not over all of them).
 
     The bootstrap route (``cols.replicates``) uses percentile intervals of the paired replicate
     differences and the two-sided bootstrap p-value ``2 min(1 + #D<=0, 1 + #D>=0) / (B + 1)``; the
@@ -150,6 +160,12 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
                 ci_a, p_an, _ = _analytic_pair(diff, se_a, min(cols.dfs[a], cols.dfs[b]), alpha)
                 ci = [min(ci[0], ci_a[0]), max(ci[1], ci_a[1])]
                 p = max(p, p_an)
+            if planned_labels is not None and ci is not None and se is not None:
+                ratio = information_ratio(pair_labels(cols.labels, a, b, cols.calibration_labels), planned_labels,
+                                          alpha)
+                half = anytime_half_width(se, ratio, alpha)
+                ci = [min(ci[0], diff - half), max(ci[1], diff + half)]
+                p = max(p, anytime_p_value(diff, se, ratio))
             bound = cols.bias(a) + cols.bias(b)
             if ci is not None and bound > 0 and se is not None and se > 0:
                 # a rank-only level's bias is at most its bound: the interval carries it, and the test is the
@@ -252,17 +268,24 @@ def rank_agreement(names: Sequence[str], raw: np.ndarray, est: np.ndarray) -> di
 
 
 def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: float, warnings: list[str],
-                    baseline: str | None = None, noninferiority_margin: float = 0.0) -> dict:
+                    baseline: str | None = None, noninferiority_margin: float = 0.0,
+                    planned_labels: int | None = None) -> dict:
     """Comparisons, multiplicity, ranking, win matrix, best policy and rank agreement (result fields);
-    with ``baseline``, the many-to-one comparisons against it (`baseline_comparisons`)."""
-    comparisons = compare_pairs(cols, alpha=alpha, method=method, span=span, warnings=warnings)
+    with ``baseline``, the many-to-one comparisons against it (`baseline_comparisons`); with
+    ``planned_labels``, claims valid under repeated looks (`compare_pairs`; pairwise significance by Holm)."""
+    if planned_labels is not None:
+        method = "holm"
+    comparisons = compare_pairs(cols, alpha=alpha, method=method, span=span, warnings=warnings,
+                                planned_labels=planned_labels)
     dropped = {n: cols.relative_reason[k] for k, n in enumerate(cols.names) if cols.status(k) == "not_estimable"}
     ranking, win, best, reason = rank_policies(cols.names, cols.estimate, comparisons, cols.refused, cols.claims,
                                                dropped, alpha_iut=alpha)
     out = {
         "comparisons": comparisons,
         "multiplicity": {"method": method, "alpha": alpha,
-                         "n_comparisons": sum(1 for c in comparisons if c["reported"])},
+                         "n_comparisons": sum(1 for c in comparisons if c["reported"]),
+                         "looks": "one" if planned_labels is None else "repeated",
+                         "planned_labels": planned_labels},
         "ranking": ranking,
         "win_matrix": win,
         "best_policy": best,
@@ -271,7 +294,8 @@ def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: flo
     }
     if baseline is not None:
         out["baseline_comparisons"] = baseline_comparisons(cols, baseline, alpha=alpha,
-                                                           margin=noninferiority_margin)
+                                                           margin=noninferiority_margin,
+                                                           planned_labels=planned_labels)
     return out
 
 
@@ -279,7 +303,8 @@ def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: flo
 _MAXT_DRAWS = 200_000
 
 
-def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, margin: float) -> list[dict]:
+def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, margin: float,
+                         planned_labels: int | None = None) -> list[dict]:
     """Many-to-one comparisons ``policy - baseline`` with simultaneous intervals (single-step max-T).
 
     Every estimable policy against ``baseline``: the difference, its SE, a simultaneous ``1 - alpha``
@@ -287,7 +312,10 @@ def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, ma
     paired bootstrap replicates, or of ``max_j |Z_j|`` for the influence terms' correlation on the analytic
     route) and the single-step adjusted p-value ``P(max_j |T_j| >= |t_j|)``. ``better``/``worse``: the
     interval excludes 0; ``non_inferior``: its lower end is above ``-margin`` (label units). Policies that
-    are not estimable (or the baseline itself) get ``reported: false`` with the reason.
+    are not estimable (or the baseline itself) get ``reported: false`` with the reason. With
+    ``planned_labels`` (repeated looks) each interval is the confidence sequence at level ``alpha / m``
+    (Bonferroni over the ``m`` comparisons: simultaneous over the family and over every look) and the
+    adjusted p-value ``min(1, m p)`` of the anytime p-value; ``critical_value`` is its half-width over the SE.
     """
     names = list(cols.names)
     if baseline not in names:
@@ -332,8 +360,14 @@ def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, ma
             continue
         i = by_policy[j]
         t = abs(diff[i]) / se[i] if se[i] > 0 else np.inf
-        lo, hi = float(diff[i] - c * se[i]), float(diff[i] + c * se[i])
-        row.update(diff=float(diff[i]), se=float(se[i]), ci=[lo, hi], critical_value=c,
-                   p_adjusted=float((1 + np.sum(tmax >= t)) / (tmax.size + 1)), better=lo > 0, worse=hi < 0,
-                   non_inferior=lo > -margin, reported=True)
+        c_i, p_adj = c, float((1 + np.sum(tmax >= t)) / (tmax.size + 1))
+        if planned_labels is not None:
+            m = len(live)
+            ratio = information_ratio(pair_labels(cols.labels, j, b, cols.calibration_labels), planned_labels,
+                                      alpha / m)
+            c_i = anytime_half_width(1.0, ratio, alpha / m) if se[i] > 0 else np.inf
+            p_adj = min(1.0, m * anytime_p_value(float(diff[i]), float(se[i]), ratio))
+        lo, hi = float(diff[i] - c_i * se[i]), float(diff[i] + c_i * se[i])
+        row.update(diff=float(diff[i]), se=float(se[i]), ci=[lo, hi], critical_value=float(c_i),
+                   p_adjusted=p_adj, better=lo > 0, worse=hi < 0, non_inferior=lo > -margin, reported=True)
     return rows

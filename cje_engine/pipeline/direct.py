@@ -208,10 +208,11 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     names = list(d.policies)
     pols = s.policies
     span = d.label_scale[1] - d.label_scale[0]
-    rel = relative_claims(direct_columns(s, pols, names, use_boot, span), alpha=opts.alpha, method=opts.multiplicity,
-                          span=span, warnings=s.warnings, baseline=opts.baseline,
-                          noninferiority_margin=opts.noninferiority_margin * span)
-    rel["assumes_transport"] = assumed_claims(s, pols, names, use_boot, opts, span)
+    cols = direct_columns(s, pols, names, use_boot, span, calibration_labels=prep.design.cal_rows.size)
+    rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=s.warnings,
+                          baseline=opts.baseline, noninferiority_margin=opts.noninferiority_margin * span,
+                          planned_labels=opts.sequential_labels)
+    rel["assumes_transport"] = assumed_claims(s, pols, names, use_boot, opts, span, prep.design.cal_rows.size)
     result = assemble(mode="direct", config=opts.to_dict(), data=direct_data_summary(prep),
                       calibration=s.calibration, inference=inference_summary(opts),
                       policies={n: p.model_dump(exclude_unset=True, by_alias=True) for n, p in pols.items()},
@@ -219,8 +220,10 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     return EvaluationResult(result, replicates=s.reps, influence=s.influence, columns=s.cols, dfs=s.dfs)
 
 
-def direct_columns(s, pols: dict[str, PolicyResult], names: list[str], use_boot: bool, span: float) -> PolicyColumns:
-    """The comparison step's view of the reported levels (verified, or trusted assumes-transport ones)."""
+def direct_columns(s, pols: dict[str, PolicyResult], names: list[str], use_boot: bool, span: float,
+                   calibration_labels: int = 1) -> PolicyColumns:
+    """The comparison step's view of the reported levels (verified, or trusted assumes-transport ones);
+    ``calibration_labels`` is the information of a level without own labels (repeated looks)."""
     relative = [pols[n].relative_claim for n in names]
     return PolicyColumns(
         names=names, estimate=np.array([pols[n].estimate for n in names], dtype=float),
@@ -228,7 +231,9 @@ def direct_columns(s, pols: dict[str, PolicyResult], names: list[str], use_boot:
         dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n].level_claim for n in names],
         raw=np.array([pols[n].raw_judge_mean for n in names], dtype=float),
         relative=relative, relative_reason=[pols[n].relative_reason for n in names],
-        kinds=[claim_kind(pols[n].basis_code) for n in names], bias_bound=rank_only_bias(pols, names, span, relative))
+        kinds=[claim_kind(pols[n].basis_code) for n in names], bias_bound=rank_only_bias(pols, names, span, relative),
+        labels=np.array([pols[n].audit.n_labels for n in names], dtype=float),
+        calibration_labels=float(max(calibration_labels, 1)))
 
 
 def rank_only_bias(pols: dict[str, PolicyResult], names: list[str], span: float, relative: list[str]) -> np.ndarray:
@@ -238,7 +243,8 @@ def rank_only_bias(pols: dict[str, PolicyResult], names: list[str], span: float,
                      for n, r in zip(names, relative)])
 
 
-def assumed_claims(s, pols: dict[str, PolicyResult], names: list[str], use_boot: bool, opts: EvaluationOptions, span: float) -> dict:
+def assumed_claims(s, pols: dict[str, PolicyResult], names: list[str], use_boot: bool, opts: EvaluationOptions, span: float,
+                   calibration_labels: int = 1) -> dict:
     """Comparisons, ranking and best policy on the assumes-transport levels (the paper's protocol),
     kept beside the verified claims and named as such (never the basis of a gate or of "best")."""
     c = s.assumed_cols
@@ -249,6 +255,9 @@ def assumed_claims(s, pols: dict[str, PolicyResult], names: list[str], use_boot:
         raw=np.array([pols[n].raw_judge_mean for n in names], dtype=float),
         relative=[r[0] for r in s.assumed_relative], relative_reason=[r[1] for r in s.assumed_relative],
         kinds=[claim_kind(pols[n].assumed.basis_code) for n in names],
-        bias_bound=rank_only_bias(pols, names, span, [r[0] for r in s.assumed_relative]))
-    rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=[])
+        bias_bound=rank_only_bias(pols, names, span, [r[0] for r in s.assumed_relative]),
+        labels=np.array([pols[n].audit.n_labels for n in names], dtype=float),
+        calibration_labels=float(max(calibration_labels, 1)))
+    rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=[],
+                          planned_labels=opts.sequential_labels)
     return {k: rel[k] for k in ("comparisons", "ranking", "best_policy", "best_policy_reason")}

@@ -383,7 +383,7 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
         relative=[policies[n]["relative_claim"] for n in names],
         relative_reason=[policies[n]["relative_reason"] for n in names])
     rel = relative_claims(cols, alpha=eng.alpha, method=eng.multiplicity, span=eng.label_scale[1] - eng.label_scale[0],
-                          warnings=warnings)
+                          warnings=warnings, planned_labels=eng.sequential_labels)
     inference = {**inference_summary(eng), "offpolicy": (
         "the same prompt draws refit the calibrator (full and per-fold fits) and SIMCal in every replicate; IF "
         "stacks are re-solved per replicate" if boot else

@@ -356,6 +356,11 @@ class Multiplicity(_Strict):
     method: Literal["bh", "holm"]
     alpha: float
     n_comparisons: int = Field(description="reported comparisons (the adjustment's family)")
+    looks: Literal["one", "repeated"] = Field("one", description="one: the claims hold for this evaluation looked at "
+                                              "once; repeated: at every look at once (confidence sequences, "
+                                              "anytime p-values; docs/statistics.md, 'Repeated looks')")
+    planned_labels: Optional[int] = Field(None, description="repeated looks: the own labels per policy at which the "
+                                          "confidence sequence is tightest (fixed before the first look)")
 
 
 class RankAgreement(_Strict):

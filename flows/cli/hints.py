@@ -20,6 +20,7 @@ FLAGS: dict[str, str] = {
     "columns": "--columns", "budget": "--budget", "target_mde": "--target-mde", "target": "--target",
     "c_S": "--c-s", "c_Y": "--c-y", "power": "--power", "trust_transport": "--trust-transport",
     "baseline": "--baseline", "noninferiority_margin": "--noninferiority-margin", "min_prompts": "--min-prompts",
+    "looks": "--looks", "planned_labels": "--planned-labels",
 }
 
 _VALUE = r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{[^}]*\}|\([^)]*\)|[\w.+\-]+)"""

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 from cje_engine.calibration import registry as calibration_modes
 from cje_engine.errors import CJEInputError
-from cje_engine.options import LEVEL_ESTIMATORS
+from cje_engine.options import LEVEL_ESTIMATORS, LOOKS
 
 from flows.cli import terminal
 from flows.cli.common import (CONFIG_HELP, check_columns, check_out_dir, config_columns, declared_evaluations,
@@ -134,6 +134,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--noninferiority-margin", type=float,
                    help="non-inferiority margin against --baseline, a fraction of the label scale (default 0.02)")
     g.add_argument("--min-prompts", type=int, help="fewest prompts a policy needs for a level (default 10)")
+    g.add_argument("--looks", choices=list(LOOKS),
+                   help="one (default): claims hold for this evaluation looked at once; repeated: they hold at "
+                        "every look, so you may re-evaluate after each round of labels and stop when a claim is made")
+    g.add_argument("--planned-labels", type=int, metavar="N",
+                   help="with --looks repeated: own labels per policy, fixed before the first look, where the "
+                        "intervals are tightest (default 200)")
     g.add_argument("--label-scale", help="declared oracle label scale, e.g. 0-1, 1-5, 1-10, 0-100")
     g.add_argument("--score-scale", help="declared judge score scale, e.g. 0-1, 1-10, 0-100")
     g.add_argument("--multiplicity", choices=["bh", "holm"])
@@ -150,7 +156,7 @@ def _add_columns(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("covariates", "n_bootstrap", "alpha", "audit_margin", "seed", "calibration_policies",
                 "calibration_mode", "inference", "level_estimator", "label_scale", "score_scale", "multiplicity",
-                "trust_transport", "baseline", "noninferiority_margin", "min_prompts")
+                "trust_transport", "baseline", "noninferiority_margin", "min_prompts", "looks", "planned_labels")
 _CONFIG_HELP = CONFIG_HELP
 
 
