@@ -210,11 +210,14 @@ def cmd_status(ns: argparse.Namespace) -> int:
 def request_items(w: dict, m: dict, ns: argparse.Namespace) -> list[dict]:
     """The request's items with text from the logs (and the anchor set)."""
     cfg = StorageConfig.from_env()
-    cols = tuple(ns.text_columns)
     logs_uri = ns.logs_uri or m.get("logs_uri") or w.get("logs_uri")
     if m.get("rows") and not logs_uri:
         raise CJEInputError(f"request {m['request_id']} does not name its logs; pass --logs-uri")
     mapping = w.get("columns") if logs_uri == w.get("logs_uri") else None  # the evaluation's column names
+    if ns.text_columns is None:  # from the logs' own columns (`exports.default_text_columns`)
+        ns.text_columns = list(exports.default_text_columns(logs_uri, cfg, m.get("rows") or [], mapping)
+                               if m.get("rows") else exports.DEFAULT_TEXT_COLUMNS)
+    cols = tuple(ns.text_columns)
     texts = exports.read_texts(logs_uri, cfg, m.get("rows") or [], cols, mapping) if m.get("rows") else {}
     anchor_texts = None
     if m.get("anchors"):
@@ -340,8 +343,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _text(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--text-columns", type=_csv, default=list(exports.DEFAULT_TEXT_COLUMNS),
-                   help="log columns shown to labellers (default prompt,response)")
+    p.add_argument("--text-columns", type=_csv, default=None,
+                   help="log columns shown to labellers (default: prompt,response, those of the two the logs have "
+                        "after the evaluation's columns: mapping; else the logs' text columns named like question, "
+                        "answer, output, text; never ids, the policy or scores)")
     p.add_argument("--include-judge-score", action="store_true",
                    help="show the judge score (default: left out, labellers stay blind to it)")
 
