@@ -254,7 +254,8 @@ def test_a_new_team_from_a_csv_to_pages_that_agree_with_the_terminal(prefect_ser
             assert prow["data-value"] == fmt(pol["estimate"]) and prow["data-ci"] == fmt_ci(pol["ci"])
         assert any(name in ln and value in ln and claim in ln and (claim == "refused" or fmt_ci(pol["ci"]) in ln)
                    for ln in lines), (name, value, text)
-    for path in (index_path, trend_path, Path(latest.get("report") or run["report"])):
+    (report_path,) = (data / "results" / "team-daily" / latest["window"] / latest["run_key"]).rglob("report.html")
+    for path in (index_path, trend_path, report_path):
         html = path.read_text(encoding="utf-8")
         assert "{_" not in html and "{esc" not in html, path  # no template text
         for url in page(path).links:
@@ -266,9 +267,11 @@ def test_a_new_team_from_a_csv_to_pages_that_agree_with_the_terminal(prefect_ser
         if os.environ.get("CJE_REQUIRE_CHROMIUM") == "1":
             pytest.fail("chromium not installed but CJE_REQUIRE_CHROMIUM=1 (apt-get install -y chromium)")
         pytest.skip("chromium not installed (apt-get install -y chromium); every other step passed")
-    for path in (index_path, trend_path):
+    for path in (index_path, trend_path, report_path):
         for width in (1280, 420):
             m = _measure(path, tmp_path, width)
             assert m["scrollWidth"] <= width and m["wide"] == [] and m["clipped"] == [], (path.name, width, m)
             assert not [f for f in m["fonts"] if f[0] < 10], (path.name, width, m["fonts"][:5])
             assert "{_" not in m["text"] and "team-daily" in m["text"]
+            if path == report_path:
+                assert len(m["fonts"]) > 20, "the report's charts have labels"  # all >= 10 CSS px, as checked
