@@ -106,6 +106,7 @@ def _round_trip(world: dict, name: str, tmp_path: Path) -> None:
 def test_the_builtin_tools_are_registered_in_order():
     assert labelling.names()[:4] == BUILTIN
     assert "label-studio" in labelling.server_names()
+    assert callable(labelling.get("label-studio", server=True).status)  # push, pull and status on the interface
     assert labelling.answer_formats()[:4] == ("auto", "table", "label-studio", "argilla")
 
 
