@@ -351,15 +351,21 @@ def file_status(tool: Any, data: bytes, source: str) -> ToolStatus:
 
 def pulled_status(tool: Any, dest: Destination, storage: Any | None = None, pushed: int | None = None) -> ToolStatus:
     """A server tool's `ToolStatus` from a `ServerTool.pull` of ``dest.project``: answered items of the pulled
-    document, unanswered = tasks present without an answer, deleted = pushed items whose task is gone;
-    ``pushed`` (items the push records hand to the project) defaults to present + deleted."""
+    document, unanswered = tasks present without an answer, deleted = pushed items whose task is gone (None
+    without the push records in ``storage``); ``pushed`` (items the push records hand to the project) defaults
+    to present + deleted."""
     got = tool.pull(dest, storage)
     where = f"{dest.url} project {dest.project}"
-    present, deleted = int(got.n_tasks), len(got.deleted)
+    present = int(got.n_tasks)
+    # without the push records nothing says which tasks were deleted in the tool
+    deleted = len(got.deleted) if storage is not None else None
     answers, why = _parsed(tool, got.document, where)
     answered = None if answers is None else len(answers.ids)
     unanswered = None if answered is None else max(present - answered, 0)
-    return ToolStatus(tool.name, where, present + deleted if pushed is None else pushed, answered, unanswered,
+    if deleted is None:
+        why = "; ".join(x for x in (why, "deleted tasks need the push records: give --evaluation or --requests-uri")
+                        if x)
+    return ToolStatus(tool.name, where, present + (deleted or 0) if pushed is None else pushed, answered, unanswered,
                       deleted, why)
 
 
