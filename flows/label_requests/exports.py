@@ -86,7 +86,8 @@ def default_text_columns(logs_uri: str, storage_cfg: Any, rows: Sequence[Mapping
     chosen = tuple(dict.fromkeys(hinted))
     if not chosen:
         raise CJEInputError(f"the logs have no text column to show labellers (columns: {names}); name them with "
-                            "--text-columns COL[,COL] or map your response text with columns: {response: <your column>}",
+                            "--text-columns COL[,COL] or map your response text with columns: "
+                            "{response: <your column>}",
                             source=st.url(files[0].key if hasattr(files[0], "key") else str(files[0])))
     log.info("text columns shown to labellers: %s (from the logs' columns; --text-columns to choose)",
              ", ".join(chosen))
@@ -202,4 +203,5 @@ def export_request(items: Sequence[Mapping], fmt: str, text_columns: Sequence[st
     return export_files(items, fmt, dest, options)[dest]
 
 
-__all__ = ["formats", "request_items", "read_texts", "default_text_columns", "NOT_TEXT", "TEXT_HINTS", "read_anchor_texts", "export_request", "export_files"]
+__all__ = ["formats", "request_items", "read_texts", "default_text_columns", "NOT_TEXT", "TEXT_HINTS",
+           "read_anchor_texts", "export_request", "export_files"]

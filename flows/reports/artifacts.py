@@ -16,7 +16,8 @@ from flows.reports.common import fmt, fmt_ci
 
 log = logging.getLogger(__name__)
 
-__all__ = ["artifact_key", "is_web_link", "place_line", "evaluate_artifacts", "drift_artifacts", "labels_artifacts", "policy_rows",
+__all__ = ["artifact_key", "is_web_link", "place_line", "evaluate_artifacts", "drift_artifacts", "labels_artifacts",
+           "policy_rows",
            "evaluate_markdown"]
 
 
@@ -141,7 +142,8 @@ def drift_artifacts(summary: Mapping[str, Any]) -> Mapping[str, Any]:
                  ("table", f"{base}-looks", rows or [{"look": None, "day": None, "alarm": False}],
                   f"New looks of {mon}")]
         if summary.get("report"):
-            specs.append(_place_spec(f"{base}-report", "drift report", _href(summary["report"]), f"Drift report of {mon}"))
+            specs.append(_place_spec(f"{base}-report", "drift report", _href(summary["report"]),
+                                     f"Drift report of {mon}"))
         _create(specs)
     except Exception as exc:  # noqa: BLE001 - artifacts never fail a flow
         log.warning("drift artifacts not created: %s", exc)

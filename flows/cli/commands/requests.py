@@ -243,7 +243,8 @@ def _warn_ids_naming_policies(m: dict) -> None:
     named = [r for r in m.get("rows") or [] if r.get("policy") and str(r["policy"]) in str(r.get("response_id"))]
     if named:
         log.warning("request %s: %d of %d response id(s) contain their policy's name (e.g. %r); labellers will "
-                    "see it in the id column. Give the logs opaque response ids (flows.storage.logs.opaque_response_ids, "
+                    "see it in the id column. Give the logs opaque response ids "
+                    "(flows.storage.logs.opaque_response_ids, "
                     "docs/logs-layout.md \"Response ids\")",
                     m.get("request_id"), len(named), len(m.get("rows") or []), named[0]["response_id"])
 

@@ -22,5 +22,6 @@ for _tool in BUILTIN:
     register(_tool, replace=True)
 
 __all__ = ["LabellingTool", "AnswerReader", "ServerTool", "ExportOptions", "Destination", "PushResult", "PullResult",
-           "Answers", "ToolStatus", "tool_status", "ToolUnavailable", "register", "unregister", "get", "names", "server_names", "answer_formats",
+           "Answers", "ToolStatus", "tool_status", "ToolUnavailable", "register", "unregister", "get", "names",
+           "server_names", "answer_formats",
            "detect", "is_server", "help_lines", "BUILTIN", "ANSWER", "META", "DEFAULT_TEXT_COLUMNS"]

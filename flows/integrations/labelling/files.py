@@ -165,4 +165,5 @@ class JsonlTool:
         return jsonl_status(data, source, self.name)
 
 
-__all__ = ["CsvTool", "JsonlTool", "to_csv", "to_jsonl", "csv_status", "jsonl_status", "neutralize_csv_cell", "restore_csv_cell", "FORMULA_START"]
+__all__ = ["CsvTool", "JsonlTool", "to_csv", "to_jsonl", "csv_status", "jsonl_status", "neutralize_csv_cell",
+           "restore_csv_cell", "FORMULA_START"]
