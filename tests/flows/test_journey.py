@@ -111,7 +111,9 @@ class Page(HTMLParser):
         self.requests: dict[str, str] = {}
         self.runs: set[tuple[str, str]] = set()
         self.links: list[str] = []
+        self.cells: dict[tuple[str, str], dict] = {}  # trend grid: (policy, window) -> verdict, labels
         self._kpi: str | None = None
+        self._cell: dict | None = None
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
@@ -129,14 +131,24 @@ class Page(HTMLParser):
             self.runs.add((a["data-window"], a["data-run-key"]))
         if tag == "a" and a.get("href"):
             self.links.append(a["href"])
+        if tag == "td" and "data-policy" in a and "data-window" in a:
+            self._cell = self.cells.setdefault((a["data-policy"], a["data-window"]), {"verdict": None, "labels": ""})
+        if self._cell is not None and tag == "span":
+            verdict = [c[2:] for c in (a.get("class") or "").split() if c.startswith("v-")]
+            if verdict:
+                self._cell["verdict"] = verdict[0]
 
     def handle_data(self, data):
         if self._kpi and self._kpi in self.kpis:
             self.kpis[self._kpi] += data
+        if self._cell is not None:
+            self._cell["labels"] += data
 
     def handle_endtag(self, tag):
         if tag == "b":
             self._kpi = None
+        if tag == "td":
+            self._cell = None
 
 
 def page(path: Path) -> Page:
@@ -255,6 +267,12 @@ def test_a_new_team_from_a_csv_to_pages_that_agree_with_the_terminal(prefect_ser
         assert any(name in ln and value in ln and claim in ln and (claim == "refused" or fmt_ci(pol["ci"]) in ln)
                    for ln in lines), (name, value, text)
     (report_path,) = (data / "results" / "team-daily" / latest["window"] / latest["run_key"]).rglob("report.html")
+    report = report_path.read_text(encoding="utf-8")
+    for name, pol in latest["policies"].items():  # the trend grid and the report say the same as `cje runs`
+        cell = trend.cells[(name, latest["window"])]
+        assert cell["verdict"] == pol["audit"] and cell["labels"].split()[-1] == str(pol.get("n_labelled") or "-")
+        if pol.get("estimate") is not None:
+            assert fmt(pol["estimate"]) in report and fmt_ci(pol["ci"]) in report, name
     for path in (index_path, trend_path, report_path):
         html = path.read_text(encoding="utf-8")
         assert "{_" not in html and "{esc" not in html, path  # no template text
