@@ -53,7 +53,7 @@ def generate_logs(data: Path, days: int = 7, prompts_per_day: int = 1000, seed: 
     from cje_engine.simulate.direct import simulate
 
     from flows.storage.labels import LabelStore
-    from flows.storage.logs import write_logs
+    from flows.storage.logs import opaque_response_ids, write_logs
     from flows.storage.objects import Storage
 
     if days < 1 or prompts_per_day < 10:
@@ -61,7 +61,7 @@ def generate_logs(data: Path, days: int = 7, prompts_per_day: int = 1000, seed: 
     data = data.resolve()
     logs_dir, labels_dir = data / "logs", data / "labels"
     dates = _dates(days, as_of)
-    stamp = f"days={days} prompts_per_day={prompts_per_day} seed={seed} first={dates[0]}"
+    stamp = f"days={days} prompts_per_day={prompts_per_day} seed={seed} first={dates[0]} ids=opaque"
     n = days * prompts_per_day
     # 100 audit labels per non-logger policy and day; the logger labelled at 10 %.
     sim = simulate(n, label_design="calibration_policy", oracle_fraction=0.10,
@@ -82,6 +82,8 @@ def generate_logs(data: Path, days: int = 7, prompts_per_day: int = 1000, seed: 
         d.mkdir(parents=True)
 
     frame = sim.frame.copy()
+    # opaque ids: the simulator's "policy:prompt:k" would show labellers the policy (docs/logs-layout.md)
+    frame["response_id"] = opaque_response_ids([frame["response_id"]], salt=f"cje-demo-{seed}")
     rng = np.random.default_rng(seed + 1)
     # Prompt p is asked on day p // prompts_per_day at a random time of that day.
     codes = frame["prompt_id"].astype("category").cat.codes.to_numpy()

@@ -35,6 +35,65 @@ from flows.storage.objects import Storage
 log = logging.getLogger(__name__)
 
 
+#: Log columns never shown to labellers as text: ids, the policy, scores, labels, times.
+NOT_TEXT = frozenset({"response_id", "prompt_id", "policy", "judge_score", "oracle_label", "label_probability", "ts",
+                      "dt", "draw_idx", "judge_id"})
+#: Words in a column name that say it holds text a labeller reads (prompt-like first, then response-like).
+TEXT_HINTS = (("prompt", "question", "input", "query", "instruction", "conversation", "context"),
+              ("response", "answer", "output", "completion", "reply", "text", "message"))
+
+
+def _log_schema(st: Storage, files: Sequence[Any], mapping: Mapping[str, str] | None) -> pa.Schema:
+    """The first log file's schema with canonical names (the evaluation's ``columns:`` applied)."""
+    import pyarrow.dataset as ds
+
+    from flows.storage.logs import log_renames, renamed_schema
+
+    key = files[0].key if hasattr(files[0], "key") else str(files[0])
+    fs, _ = st.arrow_fs
+    schema = ds.dataset(st.arrow_path(key), filesystem=fs, format="parquet").schema
+    renames = {f: c for f, c in log_renames(schema.names, mapping, st.url(key)).items() if f != c}
+    return renamed_schema(schema, renames)
+
+
+def default_text_columns(logs_uri: str, storage_cfg: Any, rows: Sequence[Mapping],
+                         mapping: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The text columns shown to labellers when ``--text-columns`` is not given, from the logs' own columns.
+
+    ``prompt`` and ``response`` (after the evaluation's ``columns:`` mapping, e.g. ``{response:
+    response_text}``), those of the two the logs have; else the logs' text columns whose names say they
+    hold text (`TEXT_HINTS`: ``question``, ``answer``, ``output``, ...; never an id, the policy or a score).
+
+    Raises
+    ------
+    CJEInputError
+        The logs have no such column: the message lists their columns and the flag to use.
+    """
+    st = Storage.for_uri(logs_uri, storage_cfg)
+    dates = sorted({r.get("dt") for r in rows if r.get("dt")})
+    files = [f for d in dates for f in discover_partitions(st, d, d)] if dates else \
+        discover_partitions(st, "1970-01-01", "2999-12-31")
+    if not files:
+        raise CJEInputError("no log files for the request's days", source=st.url())
+    schema = _log_schema(st, files, mapping)
+    names = [f.name for f in schema]
+    plain = tuple(c for c in DEFAULT_TEXT_COLUMNS if c in names)
+    if plain:
+        return plain
+    text = [f.name for f in schema if (pa.types.is_string(f.type) or pa.types.is_large_string(f.type))
+            and f.name not in NOT_TEXT and not f.name.endswith("_id")]
+    hinted = [c for hints in TEXT_HINTS for c in text if any(h in c.lower() for h in hints)]
+    chosen = tuple(dict.fromkeys(hinted))
+    if not chosen:
+        raise CJEInputError(f"the logs have no text column to show labellers (columns: {names}); name them with "
+                            "--text-columns COL[,COL] or map your response text with columns: "
+                            "{response: <your column>}",
+                            source=st.url(files[0].key if hasattr(files[0], "key") else str(files[0])))
+    log.info("text columns shown to labellers: %s (from the logs' columns; --text-columns to choose)",
+             ", ".join(chosen))
+    return chosen
+
+
 def read_texts(logs_uri: str, storage_cfg: Any, rows: Sequence[Mapping],
                text_columns: Sequence[str] = DEFAULT_TEXT_COLUMNS,
                mapping: Mapping[str, str] | None = None) -> dict[str, dict]:
@@ -73,7 +132,8 @@ def read_anchor_texts(anchors_uri: str, storage_cfg: Any, set_name: str, version
     """Text of the anchors of a set version: ``anchor_id -> {column: text}`` (anchors have
     ``prompt`` and ``response``; other text columns map onto them by position)."""
     aset = read_anchor_set(Storage.for_uri(anchors_uri, storage_cfg), set_name, version)
-    src = [c if c in aset.table.column_names else d for c, d in zip(text_columns, DEFAULT_TEXT_COLUMNS)]
+    by_place = DEFAULT_TEXT_COLUMNS if len(text_columns) > 1 else DEFAULT_TEXT_COLUMNS[-1:]  # one column: the response
+    src = [c if c in aset.table.column_names else d for c, d in zip(text_columns, by_place)]
     cols = {c: aset.table.column(s).to_pylist() for c, s in zip(text_columns, src)}
     return {a: {c: cols[c][i] for c in text_columns} for i, a in enumerate(aset.anchor_ids)}
 
@@ -143,4 +203,5 @@ def export_request(items: Sequence[Mapping], fmt: str, text_columns: Sequence[st
     return export_files(items, fmt, dest, options)[dest]
 
 
-__all__ = ["formats", "request_items", "read_texts", "read_anchor_texts", "export_request", "export_files"]
+__all__ = ["formats", "request_items", "read_texts", "default_text_columns", "NOT_TEXT", "TEXT_HINTS",
+           "read_anchor_texts", "export_request", "export_files"]

@@ -16,7 +16,8 @@ from flows.reports.common import fmt, fmt_ci
 
 log = logging.getLogger(__name__)
 
-__all__ = ["artifact_key", "evaluate_artifacts", "drift_artifacts", "labels_artifacts", "policy_rows",
+__all__ = ["artifact_key", "is_web_link", "place_line", "evaluate_artifacts", "drift_artifacts", "labels_artifacts",
+           "policy_rows",
            "evaluate_markdown"]
 
 
@@ -27,12 +28,35 @@ def artifact_key(*parts: str) -> str:
 
 
 def _href(location: str | None) -> str | None:
-    """A link for a stored object: URLs as they are, local paths as file:// URLs."""
+    """Where a stored object is: an http(s) URL as it is, an object-store URI as it is, a local path made
+    absolute (never a ``file://`` URL: the Prefect UI, a web page, cannot open those)."""
     if not location:
         return None
-    if "://" in location:
+    if "://" in location and not location.startswith("file://"):
         return location
-    return Path(location).resolve().as_uri()
+    path = location[len("file://"):] if location.startswith("file://") else location
+    return str(Path(path).resolve())
+
+
+def is_web_link(href: str | None) -> bool:
+    """Whether ``href`` opens from the Prefect UI (an http or https URL)."""
+    return bool(href) and str(href).startswith(("http://", "https://"))
+
+
+def place_line(name: str, href: str) -> str:
+    """A markdown line for a link: a clickable link for a web URL, else the path or URI as code with what to
+    do with it (a file of the machine that ran the flow, or an object to fetch from storage)."""
+    if is_web_link(href):
+        return f"- [{_md(name)}]({href})"
+    where = "in object storage" if "://" in href else "a file on the machine that ran the flow; open it there"
+    return f"- {_md(name)}: `{href.replace('`', '')}` ({where})"
+
+
+def _place_spec(key: str, name: str, href: str, description: str) -> tuple[str, str, Any, str]:
+    """An artifact for a link: a link artifact for a web URL, else a markdown artifact with the plain place."""
+    if is_web_link(href):
+        return ("link", key, href, description)
+    return ("markdown", key, f"**{_md(description)}**\n\n{place_line(name, href)}", description)
 
 
 def _md(text: Any) -> str:
@@ -80,7 +104,7 @@ def evaluate_markdown(evaluation: str, window: str, run_key: str, result: Mappin
     lines.append("")
     for name, href in links.items():
         if href:
-            lines.append(f"- [{name}]({href})")
+            lines.append(place_line(name, href))
     return "\n".join(lines)
 
 
@@ -96,7 +120,7 @@ def evaluate_artifacts(evaluation: str, window: str, run_key: str, result: Mappi
         ("markdown", f"{base}-summary", evaluate_markdown(evaluation, window, run_key, result, links, alarms),
          f"Summary of {evaluation} {window}"),
         ("table", f"{base}-policies", policy_rows(result, changes, window), f"Policies of {evaluation} {window}"),
-        *[("link", f"{base}-{name}", href, f"{name} of {evaluation} {window}") for name, href in links.items()
+        *[_place_spec(f"{base}-{name}", name, href, f"{name} of {evaluation} {window}") for name, href in links.items()
           if href],
     ])
 
@@ -118,7 +142,8 @@ def drift_artifacts(summary: Mapping[str, Any]) -> Mapping[str, Any]:
                  ("table", f"{base}-looks", rows or [{"look": None, "day": None, "alarm": False}],
                   f"New looks of {mon}")]
         if summary.get("report"):
-            specs.append(("link", f"{base}-report", _href(summary["report"]), f"Drift report of {mon}"))
+            specs.append(_place_spec(f"{base}-report", "drift report", _href(summary["report"]),
+                                     f"Drift report of {mon}"))
         _create(specs)
     except Exception as exc:  # noqa: BLE001 - artifacts never fail a flow
         log.warning("drift artifacts not created: %s", exc)
@@ -138,8 +163,8 @@ def labels_artifacts(out: Mapping[str, Any]) -> Mapping[str, Any]:
         specs = [("markdown", "cje-labels-summary", md, "Label ingestion"),
                  ("table", "cje-labels-reevaluations", rows or [{"evaluation": None, "window": None}],
                   "Windows re-evaluated")]
-        specs += [("link", artifact_key("cje-labels-report", r["evaluation"] or "", r["window"] or ""),
-                   _href(r["report"]), "re-evaluated report") for r in rows if r.get("report")]
+        specs += [_place_spec(artifact_key("cje-labels-report", r["evaluation"] or "", r["window"] or ""), "report",
+                              _href(r["report"]), "re-evaluated report") for r in rows if r.get("report")]
         _create(specs)
     except Exception as exc:  # noqa: BLE001 - artifacts never fail a flow
         log.warning("labels artifacts not created: %s", exc)

@@ -103,6 +103,17 @@ footer p{font-size:13px;color:var(--muted)}
 footer .stamp{color:var(--ink)}
 a{color:var(--blue)}
 @media print{body{background:#fff}section,footer{break-inside:avoid;border-color:#ccc}}
+@media (max-width:640px){
+main{padding:14px 10px 24px}
+section,footer{padding:14px 12px}
+header.top h1{font-size:21px}
+.figure svg.chart,figure.panel svg.chart{max-width:none}
+.panels{grid-template-columns:minmax(0,1fr)}
+figure.panel{overflow-x:auto}
+table.data th,table.data td{padding:5px 5px}
+table.data.compact{min-width:0}
+td.reason{min-width:0}
+}
 """.replace("FONT", FONT)
 
 

@@ -401,10 +401,10 @@ def calibration_section(m: EvaluationModel) -> str:
             f"<td class='r num'>{esc(fmt(mp))}</td><td class='r num'>{esc(fmt(ml))}</td>"
             f"<td class='r num'>{esc(gap)}</td></tr>")
     rel_rows = "".join(row_list)
-    rel_table = ("<table class='data compact'><thead><tr><th>prediction bin</th><th class='r'>n</th>"
-                 "<th class='r'>mean predicted</th><th class='r'>mean label</th>"
+    rel_table = ("<div class='scroll'><table class='data compact'><thead><tr><th>prediction bin</th>"
+                 "<th class='r'>n</th><th class='r'>mean predicted</th><th class='r'>mean label</th>"
                  "<th class='r'>label \u2212 predicted</th></tr></thead>"
-                 f"<tbody>{rel_rows}</tbody></table>") if rel_rows else ""
+                 f"<tbody>{rel_rows}</tbody></table></div>") if rel_rows else ""
     sep = " \u00b7 "
     return (f"<p class='facts'>{sep.join(facts)}</p>{reason}{two_stage}"
             f"<div class='figure'>{calibration_svg(cal, config)}</div>{rel_table}")
@@ -432,9 +432,9 @@ def drift_section(d: dict) -> str:
             f"\u03c4-b drops below {esc(fmt(d['tau_threshold'], 2))} or the mean residual shifts "
             f"by more than \u00b1{esc(fmt(d['shift_threshold'], 2))}"
             f" (or as flagged by the monitor that produced the alarms).</p>"
-            f"<div class='figure'>{drift_svg(d)}</div><table class='data compact'><thead><tr>"
+            f"<div class='figure'>{drift_svg(d)}</div><div class='scroll'><table class='data compact'><thead><tr>"
             "<th>period</th><th class='r'>\u03c4-b</th><th class='r'>residual shift</th>"
-            f"<th>status</th></tr></thead><tbody>{rows}</tbody></table></section>")
+            f"<th>status</th></tr></thead><tbody>{rows}</tbody></table></div></section>")
 
 
 def report_footer(result: dict) -> str:

@@ -57,7 +57,7 @@ import re
 import time
 import uuid
 from datetime import date, datetime, timedelta
-from typing import Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -201,15 +201,53 @@ _EXPECTED_TEXT = {
 }
 
 
+#: What to do when logs have no ``response_id`` (docs/logs-layout.md, "Response ids").
+RESPONSE_ID_HINT = ("every logged response needs a unique id that stays the same when the logs are rewritten (labels "
+                    "join on it) and does not contain the policy name (labellers see it): e.g. opaque_response_ids("
+                    "[conversation_ids, policies, turns]) of flows.storage.logs, 'r-' + 20 hex digits of a sha256 "
+                    "(docs/logs-layout.md, \"Response ids\")")
+
+
+def opaque_response_ids(columns: Sequence[Sequence[Any]], salt: str = "") -> list[str]:
+    """Stable, opaque response ids from the columns that identify a logged response.
+
+    ``"r-"`` and the first 20 hex digits of the SHA-256 of the row's values (as text, joined by a unit
+    separator, after ``salt``): the same row gives the same id on every rewrite of the logs (the label store
+    joins on it), distinct rows distinct ids (80 bits: a collision among 10^9 rows has probability < 1e-6),
+    and nothing of the policy name shows. Include the policy among the columns when one prompt is answered
+    by several policies, and a turn or draw number when one conversation has several responses. A ``salt``
+    kept from the labellers stops anyone who knows the policies from recomputing an id from a policy name.
+
+    Parameters
+    ----------
+    columns : sequence of sequences
+        Equal-length columns (e.g. ``[frame["conversation_id"], frame["model"], frame["turn"]]``).
+    salt : str
+        Prefix of every hashed value (default none).
+
+    Returns
+    -------
+    list of str
+        One id per row.
+    """
+    import hashlib
+
+    cols = [list(c) for c in columns]
+    if not cols or len({len(c) for c in cols}) != 1:
+        raise ValueError("opaque_response_ids needs one or more columns of equal length")
+    return ["r-" + hashlib.sha256("\x1f".join([salt, *map(str, row)]).encode()).hexdigest()[:20] for row in zip(*cols)]
+
+
 def check_schema(schema: pa.Schema, source: str) -> None:
     """Raise `CJEInputError` (naming ``source`` and the column) unless the log schema is usable."""
     names = set(schema.names)
     for col in REQUIRED:
         if col not in names:
+            hint = f"; {RESPONSE_ID_HINT}" if col == "response_id" else ""
             raise CJEInputError(
                 f"required log column is missing (found columns {sorted(names)}; required {list(REQUIRED)}; "
-                f"logs naming it otherwise map it with columns: in evaluations.yaml, e.g. {{{col}: <your name>}})",
-                source=source, column=col)
+                f"logs naming it otherwise map it with columns: in evaluations.yaml, e.g. {{{col}: <your name>}}"
+                f"{hint})", source=source, column=col)
     for col, accepted in _ACCEPTED.items():
         if col in names:
             kind = column_kind(schema.field(col).type)

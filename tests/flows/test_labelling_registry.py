@@ -106,6 +106,7 @@ def _round_trip(world: dict, name: str, tmp_path: Path) -> None:
 def test_the_builtin_tools_are_registered_in_order():
     assert labelling.names()[:4] == BUILTIN
     assert "label-studio" in labelling.server_names()
+    assert callable(labelling.get("label-studio", server=True).status)  # push, pull and status on the interface
     assert labelling.answer_formats()[:4] == ("auto", "table", "label-studio", "argilla")
 
 
@@ -174,6 +175,8 @@ class ToyServer(ToyTool):
                                     tasks={k: n for n, k in enumerate(project)})
 
     def pull(self, dest, storage=None):
+        if dest.url.endswith(":9"):
+            raise labelling.ToolUnavailable(f"toy server at {dest.url} is not reachable")
         rows = [{"toy_key": k, "score": v} for k, v in self.projects[dest.project].items()] + self.extra
         return labelling.PullResult(document=json.dumps(rows).encode(), n_tasks=len(rows))
 
@@ -258,3 +261,47 @@ def test_registering_checks_the_protocol_and_names(toy):
         labelling.get("label-studoi")
     with pytest.raises(CJEInputError, match="unknown labelling tool with a server 'csv'"):
         labelling.get("csv", server=True)
+
+
+# ------------------------------------------------------------------------------ status
+
+
+@pytest.mark.parametrize("name", labelling.names())
+def test_every_tool_says_what_its_files_hold(name, world, tmp_path, capsys):
+    """Issue 30: the interface had export, push and pull but no status. Now every tool says how many items its
+    exported or answered file holds, answered and not (a file cannot tell what was deleted in the tool)."""
+    tool = labelling.get(name)
+    out, files = _export(world, name, tmp_path)
+    capsys.readouterr()
+    ids = [r["response_id"] for r in world["request"]["rows"]]
+    partial = tmp_path / f"partial-{name}{tool.suffix}"
+    partial.write_bytes(tool.answered(files, {i: float(world["oracle"][i]) for i in ids[1:]}))
+    for path, answered in ((out, 0), (partial, len(ids) - 1)):
+        assert main(["requests", "status", "--tool", name, "--file", str(path), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)["tool"]
+        assert (got["pushed"], got["answered"], got["unanswered"], got["deleted"]) == (
+            len(ids), answered, len(ids) - answered, None), got
+    assert main(["requests", "status", "--tool", name, "--file", str(partial)]) == 0
+    assert (f"{name} {partial}: {len(ids)} pushed, {len(ids) - 1} answered, 1 unanswered, ? deleted"
+            in capsys.readouterr().out)
+
+
+def test_status_of_a_server_tool_asks_its_server(toy, toy_server, world, capsys):
+    m = world["request"]
+    ids = [r["response_id"] for r in m["rows"]]
+    assert main(["requests", "push", m["request_id"], "--to", "toy-server", "--url", "http://127.0.0.1:8",
+                 "--project", "p1", "--requests-uri", world["root"]]) == 0
+    toy_server.projects["p1"].update({i: 0.5 for i in ids[:3]})
+    status = ["requests", "status", "--tool", "toy-server", "--url", "http://127.0.0.1:8", "--project", "p1",
+              "--requests-uri", world["root"]]
+    capsys.readouterr()
+    assert main([*status, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["tool"]["pushed"], doc["tool"]["answered"], doc["tool"]["unanswered"]) == (len(ids), 3, len(ids) - 3)
+    assert doc["requests"] == 1  # the requests' own counts are still there
+    assert main([*status[:5], "http://127.0.0.1:9", *status[6:]]) == 69
+    assert "not reachable" in capsys.readouterr().err
+    assert main(["requests", "status", "--tool", "csv", "--url", "http://127.0.0.1:8", "--project", "p1"]) == 2
+    assert "unknown labelling tool with a server 'csv'" in capsys.readouterr().err
+    assert main(["requests", "status", "--file", "x.csv", "--requests-uri", world["root"]]) == 2
+    assert "--file, --url and --project go with --tool" in capsys.readouterr().err

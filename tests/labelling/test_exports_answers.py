@@ -325,3 +325,52 @@ def test_tool_settings_follow_the_scale():
     assert argilla_settings((0, 100))["questions"][0]["type"] == "text"
     assert 'min="1" max="5" step="1"' in label_studio_config((1, 5))
     assert 'step="0.01"' in label_studio_config((0, 1))
+
+
+def _raised_with_texts(audit_case, tmp_path, texts: dict, columns: dict | None = None) -> dict:
+    """`raised` with other text columns in the logs (``{name: prefix}``) and an evaluations file with ``columns:``."""
+    import yaml
+
+    sim, table, result = audit_case
+    frame = table.to_pandas()
+    for name, prefix in texts.items():
+        frame[name] = prefix + frame["response_id"]
+    frame["ts"] = [datetime.fromisoformat(d).replace(tzinfo=timezone.utc) + timedelta(hours=1) for d in frame["dt"]]
+    root = str(tmp_path / "data")
+    write_logs(Storage.for_uri(root), pa.Table.from_pandas(frame.drop(columns=["dt", "oracle_label",
+                                                                                "label_probability"]),
+                                                            preserve_index=False), basename="sim")
+    (m,) = raise_requests_for_run(None, root, "ev", "2025-03-01_2025-03-02", result, root, CFG)
+    cfg = tmp_path / "evaluations.yaml"
+    cfg.write_text(yaml.safe_dump({"evaluations": [{"name": "ev", "logs_uri": root, "window": "2025-03-01..2025-03-02",
+                                                     **({"columns": columns} if columns else {})}]}))
+    return {"root": root, "request": m, "config": str(cfg)}
+
+
+def test_export_text_columns_default_to_what_the_logs_have(audit_case, tmp_path, capsys):
+    """Issue 26: the default ``--text-columns prompt,response`` failed on logs without a prompt column, and a
+    response column mapped with ``columns: {response: response_text}`` was "not in any of the log files". Now the
+    default comes from the logs' columns: prompt and response (after the mapping) where present, else columns named
+    like text (question, answer, ...); none at all is one line naming the flag."""
+    w = _raised_with_texts(audit_case, tmp_path / "mapped", {"response_text": "said "}, {"response": "response_text"})
+    out = tmp_path / "mapped.csv"
+    assert main(["requests", "export", w["request"]["request_id"], "--evaluation", "ev", "--config", w["config"],
+                 "--out", str(out)]) == 0
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert "prompt" not in rows[0] and all(r["response"] == "said " + r["response_id"] for r in rows)
+    w = _raised_with_texts(audit_case, tmp_path / "named", {"question": "q ", "answer": "a ", "model_tag": "x "})
+    out = tmp_path / "named.csv"
+    assert main(["requests", "export", w["request"]["request_id"], "--requests-uri", w["root"], "--out", str(out)]) == 0
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert list(rows[0])[:4] == ["response_id", "question", "answer", "oracle_label"]  # never model_tag
+    assert rows[0]["question"] == "q " + rows[0]["response_id"]
+    w = _raised_with_texts(audit_case, tmp_path / "none", {})
+    capsys.readouterr()
+    assert main(["requests", "export", w["request"]["request_id"], "--requests-uri", w["root"], "--out",
+                 str(tmp_path / "none.csv")]) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert "no text column to show labellers" in line and "--text-columns" in line
+    assert not (tmp_path / "none.csv").exists()
+    assert main(["requests", "export", "--help"]) == 0
+    assert "prompt,response, those of the two the logs have" in " ".join(capsys.readouterr().out.split())

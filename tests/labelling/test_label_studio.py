@@ -8,6 +8,8 @@ out-of-scale answer, disagreeing duplicate annotations: each a clear message and
 """
 from __future__ import annotations
 
+import json
+
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -188,6 +190,11 @@ def test_deleted_task_out_of_scale_and_duplicates_lose_nothing(refused, ls_env, 
     assert m["status"] == "pending"  # the deleted row is still owed
     assert main(["requests", "status", "--evaluation", "audited", "--config", w["config"]]) == 0
     assert f"{n - 1}/{n}" in capsys.readouterr().out
+    # issue 30: the tool's status, asked of the server: every pushed item, the answered ones, the deleted one
+    assert main(["requests", "status", "--tool", "label-studio", "--url", ls_env["LABEL_STUDIO_URL"], "--project",
+                 str(project), "--evaluation", "audited", "--config", w["config"], "--json"]) == 0
+    tool = json.loads(capsys.readouterr().out)["tool"]
+    assert (tool["pushed"], tool["answered"], tool["unanswered"], tool["deleted"]) == (n, n - 1, 0, 1), tool
     stored = set(LabelStore(w["st"]).read().column("response_id").to_pylist())
     assert gone not in stored and wild in stored and np.isclose(
         dict(zip(*[LabelStore(w["st"]).read().column(c).to_pylist() for c in ("response_id", "oracle_label")]))[wild],

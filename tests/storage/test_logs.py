@@ -364,3 +364,35 @@ def test_engine_folder_reader_and_log_listing_share_the_work_path_rule():
         assert is_work_path(key) and not is_log_object(key)
     assert not is_work_path("dt=2025-03-01/part-0.parquet") and is_log_object("dt=2025-03-01/part-0.parquet")
     assert not is_log_object("dt=2025-03-01/part-0.csv") and not is_log_object("x/part-0.parquet")
+
+
+def test_logs_without_response_ids_say_how_to_make_opaque_stable_ones(local_storage: Storage):
+    """Issue 26: logs must carry a ``response_id`` that exports rarely have, and nothing said how to make one;
+    the ids the simulator (and so `cje demo`) wrote, ``policy:prompt:k``, showed labellers the policy. Now the
+    error says what an id needs and names `opaque_response_ids`, which makes stable ids that show no policy."""
+    from flows.cli.demo import generate_logs
+    from flows.storage.logs import opaque_response_ids
+
+    table = make_logs(40).drop(["response_id"])
+    (local_storage.root / "dt=2025-03-01").mkdir(parents=True)
+    pq.write_table(table, local_storage.root / "dt=2025-03-01" / "part-0.parquet")
+    with pytest.raises(CJEInputError) as exc:
+        read_window(local_storage, discover_partitions(local_storage, "2025-03-01", "2025-03-01"))
+    msg = str(exc.value)
+    assert "column 'response_id'" in msg and "opaque_response_ids" in msg and "does not contain the policy name" in msg
+    assert "docs/logs-layout.md" in msg
+    ids = opaque_response_ids([table.column("prompt_id").to_pylist(), table.column("policy").to_pylist()])
+    assert ids == opaque_response_ids([table.column("prompt_id").to_pylist(), table.column("policy").to_pylist()])
+    assert len(set(ids)) == len(ids) == 40 and all(len(i) == 22 and i.startswith("r-") for i in ids)
+    assert not any(p in i for i in ids for p in POLICIES)
+    assert opaque_response_ids([["p0"], ["base"]], salt="team") != opaque_response_ids([["p0"], ["base"]])
+    # cje demo's logs: opaque ids, the same on every generation
+    firsts = []
+    for k in range(2):
+        out = generate_logs(local_storage.root / f"demo{k}", days=1, prompts_per_day=10)
+        logs = read_window(Storage.for_uri(out["logs_uri"]), discover_partitions(
+            Storage.for_uri(out["logs_uri"]), out["dates"][0], out["dates"][0]), columns=["response_id", "policy"])
+        rids, pols = logs.column("response_id").to_pylist(), set(logs.column("policy").to_pylist())
+        assert rids and not any(p in r for r in rids for p in pols) and all(r.startswith("r-") for r in rids)
+        firsts.append(sorted(rids))
+    assert firsts[0] == firsts[1]

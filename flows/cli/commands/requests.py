@@ -154,13 +154,49 @@ def cmd_show(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def tool_status(ns: argparse.Namespace) -> labelling.ToolStatus | None:
+    """What ``--tool`` says about its items: its server's ``--project`` at ``--url``, or the ``--file`` it
+    exported or handed back (`flows.integrations.labelling.tool_status`); None without ``--tool``."""
+    if not getattr(ns, "tool", None):
+        if ns.file or ns.url or ns.project:
+            raise CJEInputError("--file, --url and --project go with --tool (e.g. --tool csv --file labelled.csv, "
+                                "or --tool label-studio --url URL --project 12)")
+        return None
+    if ns.url or ns.project:
+        if not (ns.url and ns.project):
+            raise CJEInputError(f"--tool {ns.tool} with a server needs both --url and --project")
+        storage = None
+        if getattr(ns, "requests_uri", None) or ns.evaluation:
+            storage = Storage.for_uri(roots(ns)[0]["requests_uri"], StorageConfig.from_env())
+        dest = labelling.Destination(url=ns.url, project=ns.project, token_env=ns.token_env)
+        return labelling.tool_status(ns.tool, dest=dest, storage=storage)
+    if not ns.file:
+        raise CJEInputError(f"--tool {ns.tool} needs --file FILE (an exported or answered file)"
+                            + (" or --url and --project" if ns.tool in labelling.server_names() else ""))
+    path = Path(ns.file)
+    if not path.is_file():
+        raise CJEInputError("not found (the file exported with `cje requests export` or answered)", source=str(path))
+    return labelling.tool_status(ns.tool, data=path.read_bytes(), source=str(path))
+
+
 def cmd_status(ns: argparse.Namespace) -> int:
-    """``cje requests status``: counts by status and each request's progress; returns the exit code."""
-    items = [p for _, _, p in collect(ns)]
+    """``cje requests status``: counts by status and each request's progress (and, with ``--tool``, what the
+    labelling tool holds); returns the exit code (69 when the tool's server does not answer)."""
+    try:
+        tool = tool_status(ns)
+    except labelling.ToolUnavailable as exc:
+        sys.stderr.write(f"cje requests status: error: {exc}\n")
+        return EXIT_UNAVAILABLE
+    items = [p for _, _, p in collect(ns)] if (ns.evaluation or ns.requests_uri or tool is None) else []
     s = summarize(items)
     if ns.json:
-        out_json(json_doc("requests status", **s, items=items))
+        extra = {"tool": tool.to_dict()} if tool is not None else {}
+        out_json(json_doc("requests status", **s, items=items, **extra))
         return EXIT_OK
+    if tool is not None:
+        sys.stdout.write(tool.line() + "\n")
+        if not items:
+            return EXIT_OK
     lines = [f"{s['requests']} request(s), {s['received']} of {s['requested']} label(s) received"]
     lines += [f"  {st:<16} {s['by_status'].get(st, 0)}" for st in STATUSES]
     lines.append("by reasons (a request merged from several reasons counts once):")
@@ -174,11 +210,14 @@ def cmd_status(ns: argparse.Namespace) -> int:
 def request_items(w: dict, m: dict, ns: argparse.Namespace) -> list[dict]:
     """The request's items with text from the logs (and the anchor set)."""
     cfg = StorageConfig.from_env()
-    cols = tuple(ns.text_columns)
     logs_uri = ns.logs_uri or m.get("logs_uri") or w.get("logs_uri")
     if m.get("rows") and not logs_uri:
         raise CJEInputError(f"request {m['request_id']} does not name its logs; pass --logs-uri")
     mapping = w.get("columns") if logs_uri == w.get("logs_uri") else None  # the evaluation's column names
+    if ns.text_columns is None:  # from the logs' own columns (`exports.default_text_columns`)
+        ns.text_columns = list(exports.default_text_columns(logs_uri, cfg, m.get("rows") or [], mapping)
+                               if m.get("rows") else exports.DEFAULT_TEXT_COLUMNS)
+    cols = tuple(ns.text_columns)
     texts = exports.read_texts(logs_uri, cfg, m.get("rows") or [], cols, mapping) if m.get("rows") else {}
     anchor_texts = None
     if m.get("anchors"):
@@ -204,7 +243,9 @@ def _warn_ids_naming_policies(m: dict) -> None:
     named = [r for r in m.get("rows") or [] if r.get("policy") and str(r["policy"]) in str(r.get("response_id"))]
     if named:
         log.warning("request %s: %d of %d response id(s) contain their policy's name (e.g. %r); labellers will "
-                    "see it in the id column. Give the logs opaque response ids (e.g. a hash of the conversation)",
+                    "see it in the id column. Give the logs opaque response ids "
+                    "(flows.storage.logs.opaque_response_ids, "
+                    "docs/logs-layout.md \"Response ids\")",
                     m.get("request_id"), len(named), len(m.get("rows") or []), named[0]["response_id"])
 
 
@@ -304,8 +345,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _text(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--text-columns", type=_csv, default=list(exports.DEFAULT_TEXT_COLUMNS),
-                   help="log columns shown to labellers (default prompt,response)")
+    p.add_argument("--text-columns", type=_csv, default=None,
+                   help="log columns shown to labellers (default: prompt,response, those of the two the logs have "
+                        "after the evaluation's columns: mapping; else the logs' text columns named like question, "
+                        "answer, output, text; never ids, the policy or scores)")
     p.add_argument("--include-judge-score", action="store_true",
                    help="show the judge score (default: left out, labellers stay blind to it)")
 
@@ -324,9 +367,17 @@ def register(sub: Any) -> None:
     _common(q)
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=cmd_show)
-    q = rs.add_parser("status", help="counts per status and per reason")
+    q = rs.add_parser("status", help="counts per status and per reason (--tool: what a labelling tool holds)")
     _common(q)
     q.add_argument("--json", action="store_true")
+    q.add_argument("--tool", choices=labelling.names(),
+                   help="also say what this labelling tool holds: pushed, answered, unanswered, deleted items "
+                        "(a server tool asks its server: --url, --project; a file tool reads --file)")
+    q.add_argument("--file", help="with --tool: a file exported for it or answered in it")
+    q.add_argument("--url", help="with a server --tool: its URL")
+    q.add_argument("--project", help="with a server --tool: the project")
+    q.add_argument("--token-env", help="environment variable holding the token (default: the tool's, "
+                                       + token_envs() + ")")
     q.set_defaults(handler=cmd_status)
     q = rs.add_parser("export", help="a request as files for a labelling tool: "
                                      + ", ".join(labelling.names()))

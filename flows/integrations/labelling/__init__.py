@@ -10,8 +10,9 @@ from __future__ import annotations
 from flows.integrations.labelling.argilla import ArgillaTool
 from flows.integrations.labelling.base import (ANSWER, DEFAULT_TEXT_COLUMNS, META, AnswerReader, Answers,
                                                Destination, ExportOptions, LabellingTool, PullResult, PushResult,
-                                               ServerTool, ToolUnavailable, answer_formats, detect, get, help_lines,
-                                               is_server, names, register, server_names, unregister)
+                                               ServerTool, ToolStatus, ToolUnavailable, answer_formats, detect, get,
+                                               help_lines, is_server, names, register, server_names, tool_status,
+                                               unregister)
 from flows.integrations.labelling.files import CsvTool, JsonlTool
 from flows.integrations.labelling.label_studio import LabelStudioTool
 
@@ -21,5 +22,6 @@ for _tool in BUILTIN:
     register(_tool, replace=True)
 
 __all__ = ["LabellingTool", "AnswerReader", "ServerTool", "ExportOptions", "Destination", "PushResult", "PullResult",
-           "Answers", "ToolUnavailable", "register", "unregister", "get", "names", "server_names", "answer_formats",
+           "Answers", "ToolStatus", "tool_status", "ToolUnavailable", "register", "unregister", "get", "names",
+           "server_names", "answer_formats",
            "detect", "is_server", "help_lines", "BUILTIN", "ANSWER", "META", "DEFAULT_TEXT_COLUMNS"]

@@ -3,7 +3,8 @@
 Out: ``{"settings": {fields, questions, metadata}, "records": [{"id", "fields", "metadata"}]}`` as plain
 JSON (``rg.Settings`` / ``rg.Record`` keyword arguments).  Back: Argilla records (a JSON list, a JSONL
 file, or ``{"records": [...]}``) with ``responses[<question>] = [{"value", "user_id", "status"}]``, or the
-SDK's flattened ``<question>.responses`` lists.  No server round trip yet (no push/pull).
+SDK's flattened ``<question>.responses`` lists.  No server round trip: the Argilla server needs Elasticsearch or
+OpenSearch, which cannot run here (docs/labelling.md, "Argilla: files only, and why").
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class ArgillaTool:
     name = "argilla"
     suffix = ".json"
     title = "Argilla"
-    help = "Argilla dataset settings and records (files only, no push yet)"
+    help = "Argilla dataset settings and records (files only: its server needs Elasticsearch or OpenSearch)"
     answers_format = "argilla"
 
     def outputs(self, dest: Path) -> list[Path]:

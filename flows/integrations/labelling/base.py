@@ -16,6 +16,7 @@ tool is its module plus one `register` call (`flows.integrations.labelling`), do
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -113,6 +114,50 @@ class PullResult:
     suffix: str = ".json"
     deleted: Sequence[str] = ()
     n_tasks: int = 0
+
+
+@dataclass(frozen=True)
+class ToolStatus:
+    """What a labelling tool can say about the items it holds (``cje requests status --tool``).
+
+    Attributes
+    ----------
+    tool : str
+        The tool's name.
+    where : str
+        What was asked: a file, or a server's project (``URL project P``).
+    pushed : int or None
+        Items handed to the tool (pushed into the project, or rows of the exported file).
+    answered : int or None
+        Items with a submitted answer.
+    unanswered : int or None
+        Items still without one (pushed, present, not answered).
+    deleted : int or None
+        Pushed items whose task is gone from the tool; None when the tool cannot tell (a file).
+    note : str
+        What the tool cannot say, or why a count is missing.
+    """
+
+    tool: str
+    where: str
+    pushed: int | None = None
+    answered: int | None = None
+    unanswered: int | None = None
+    deleted: int | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        """Plain JSON data (the ``tool`` block of ``cje requests status --json``)."""
+        return {"tool": self.tool, "where": self.where, "pushed": self.pushed, "answered": self.answered,
+                "unanswered": self.unanswered, "deleted": self.deleted, "note": self.note}
+
+    def line(self) -> str:
+        """One line for people: counts, ``?`` for what the tool cannot tell."""
+        def n(v: int | None) -> str:
+            return "?" if v is None else str(v)
+        text = (f"{self.tool} {self.where}: {n(self.pushed)} pushed, {n(self.answered)} answered, "
+                f"{n(self.unanswered)} unanswered, {n(self.deleted)} deleted")
+        return text + (f" ({self.note})" if self.note else "")
 
 
 @dataclass
@@ -225,6 +270,9 @@ class LabellingTool(Protocol):
         """The exported files with ``answers`` (item id -> value) filled in, as the tool hands them back
         (what a labeller's submit produces; used by the conformance test and the docs' examples)."""
 
+    # Optional: ``file_status(data, source) -> ToolStatus``, what an exported or returned file says (items,
+    # answered, unanswered); without it `file_status` below parses the file with the tool's `AnswerReader`.
+
 
 @runtime_checkable
 class AnswerReader(Protocol):
@@ -252,6 +300,73 @@ class ServerTool(Protocol):
     def pull(self, dest: Destination, storage: Any | None = None) -> PullResult:
         """The project's answers document and the pushed items whose task is gone (from the push records
         in ``storage``). `ToolUnavailable` when the server does not answer."""
+
+    def status(self, dest: Destination, storage: Any | None = None) -> ToolStatus:
+        """What the project holds: items pushed, answered, unanswered, deleted in the tool (`ToolStatus`);
+        `pulled_status` computes it from a `pull`. `ToolUnavailable` when the server does not answer."""
+
+
+# --------------------------------------------------------------------------------------
+# status: what a tool can say about the items it holds
+
+
+def load_document(data: bytes, source: str) -> Any:
+    """``data`` as one JSON document, else as JSON lines (`CJEInputError` naming ``source`` and the error)."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        pass
+    try:
+        return [json.loads(ln) for ln in data.splitlines() if ln.strip()]
+    except ValueError as exc:
+        raise CJEInputError(f"is neither JSON nor JSON lines: {exc}", source=source) from None
+
+
+def _parsed(tool: Any, data: bytes, source: str) -> tuple[Answers | None, str]:
+    """The tool's answers of ``data``, or None and why (answers that disagree are named, not raised: a
+    status reports them)."""
+    try:
+        return tool.parse(load_document(data, source), source), ""
+    except CJEInputError as exc:
+        return None, f"answers not counted: {exc}"
+
+
+def file_status(tool: Any, data: bytes, source: str) -> ToolStatus:
+    """What an exported or returned file of ``tool`` says: its items, answered and unanswered ones.
+
+    The tool's own ``file_status`` when it has one (the table tools), else its `AnswerReader.parse`.
+    A file cannot tell which items were deleted in the tool (``deleted`` is None).
+    """
+    own = getattr(tool, "file_status", None)
+    if callable(own):
+        return own(data, source)
+    if not isinstance(tool, AnswerReader):
+        return ToolStatus(tool.name, source, note=f"{tool.title} files cannot be read back here")
+    got, why = _parsed(tool, data, source)
+    if got is None:
+        return ToolStatus(tool.name, source, note=why)
+    return ToolStatus(tool.name, source, len(got.ids) + len(got.unanswered), len(got.ids), len(got.unanswered),
+                      None, "a file cannot tell which items were deleted in the tool")
+
+
+def pulled_status(tool: Any, dest: Destination, storage: Any | None = None, pushed: int | None = None) -> ToolStatus:
+    """A server tool's `ToolStatus` from a `ServerTool.pull` of ``dest.project``: answered items of the pulled
+    document, unanswered = tasks present without an answer, deleted = pushed items whose task is gone (None
+    without the push records in ``storage``); ``pushed`` (items the push records hand to the project) defaults
+    to present + deleted."""
+    got = tool.pull(dest, storage)
+    where = f"{dest.url} project {dest.project}"
+    present = int(got.n_tasks)
+    # without the push records nothing says which tasks were deleted in the tool
+    deleted = len(got.deleted) if storage is not None else None
+    answers, why = _parsed(tool, got.document, where)
+    answered = None if answers is None else len(answers.ids)
+    unanswered = None if answered is None else max(present - answered, 0)
+    if deleted is None:
+        why = "; ".join(x for x in (why, "deleted tasks need the push records: give --evaluation or --requests-uri")
+                        if x)
+    return ToolStatus(tool.name, where, present + (deleted or 0) if pushed is None else pushed, answered, unanswered,
+                      deleted, why)
 
 
 # --------------------------------------------------------------------------------------
@@ -352,6 +467,25 @@ def detect(first: Mapping) -> str | None:
     return None
 
 
+def tool_status(name: str, *, data: bytes | None = None, source: str = "", dest: Destination | None = None,
+                storage: Any | None = None) -> ToolStatus:
+    """What the registered tool ``name`` says about its items: with ``dest``, its server's project
+    (the tool's ``status``, else `pulled_status`); else the file ``data`` (`file_status`).
+
+    Raises
+    ------
+    CJEInputError
+        Unknown tool (or, with ``dest``, a tool without a server).
+    ToolUnavailable
+        The server does not answer.
+    """
+    if dest is not None:
+        tool = get(name, server=True)
+        own = getattr(tool, "status", None)
+        return own(dest, storage) if callable(own) else pulled_status(tool, dest, storage)
+    return file_status(get(name), data or b"", source)
+
+
 def help_lines(server: bool = False) -> str:
     """``name: help`` of each (server) tool, for the CLI's help texts."""
     chosen = server_names() if server else names()
@@ -359,6 +493,7 @@ def help_lines(server: bool = False) -> str:
 
 
 __all__ = ["LabellingTool", "AnswerReader", "ServerTool", "ExportOptions", "Destination", "PushResult",
-           "PullResult", "Answers", "ToolUnavailable", "TOOLS", "register", "unregister", "get", "names", "server_names",
+           "PullResult", "Answers", "ToolStatus", "file_status", "pulled_status", "tool_status", "load_document",
+           "ToolUnavailable", "TOOLS", "register", "unregister", "get", "names", "server_names",
            "answer_formats", "detect", "is_server", "help_lines", "answer_number", "add_answers", "item_meta",
            "ANSWER", "META", "DEFAULT_TEXT_COLUMNS", "RESERVED"]

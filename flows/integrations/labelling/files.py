@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flows.integrations.labelling.base import ANSWER, DEFAULT_TEXT_COLUMNS, META, ExportOptions, item_meta
+from flows.integrations.labelling.base import (ANSWER, DEFAULT_TEXT_COLUMNS, META, ExportOptions, ToolStatus,
+                                               item_meta)
 
 #: Leading characters a spreadsheet reads as the start of a formula (OWASP, CSV injection).
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -65,6 +66,36 @@ def to_jsonl(items: Sequence[Mapping], text_columns: Sequence[str] = DEFAULT_TEX
     return ("\n".join(lines) + "\n").encode()
 
 
+def _counted(tool: str, ids: list[Any], values: list[Any], source: str) -> ToolStatus:
+    """`ToolStatus` of a table's rows: an item is answered when its ``oracle_label`` is not empty."""
+    answered = sum(1 for i, v in zip(ids, values) if i not in (None, "") and v not in (None, "")
+                   and not (isinstance(v, str) and not v.strip()))
+    items = sum(1 for i in ids if i not in (None, ""))
+    return ToolStatus(tool, source, items, answered, items - answered, None,
+                      "a file cannot tell which items were deleted in the tool")
+
+
+def csv_status(data: bytes, source: str, tool: str = "csv") -> ToolStatus:
+    """Rows, answered and unanswered items of an exported or filled CSV sheet (`restore_csv_cell` on ids)."""
+    rows = list(csv.reader(io.StringIO(data.decode("utf-8-sig"))))
+    if not rows or "response_id" not in rows[0] or ANSWER not in rows[0]:
+        return ToolStatus(tool, source, note=f"no response_id and {ANSWER} columns in the header")
+    rid, col = rows[0].index("response_id"), rows[0].index(ANSWER)
+    body = [r for r in rows[1:] if any(c.strip() for c in r)]
+    return _counted(tool, [restore_csv_cell(r[rid]) if rid < len(r) else "" for r in body],
+                    [r[col] if col < len(r) else "" for r in body], source)
+
+
+def jsonl_status(data: bytes, source: str, tool: str = "jsonl") -> ToolStatus:
+    """Lines, answered and unanswered items of an exported or filled JSON lines file."""
+    try:
+        recs = [json.loads(ln) for ln in data.decode().splitlines() if ln.strip()]
+    except ValueError as exc:
+        return ToolStatus(tool, source, note=f"not JSON lines: {exc}")
+    recs = [r for r in recs if isinstance(r, dict)]
+    return _counted(tool, [r.get("response_id") for r in recs], [r.get(ANSWER) for r in recs], source)
+
+
 class CsvTool:
     """A spreadsheet: one row per item, the labeller fills ``oracle_label`` (formula-safe cells)."""
 
@@ -96,6 +127,10 @@ class CsvTool:
             w.writerow(r)
         return buf.getvalue().encode()
 
+    def file_status(self, data: bytes, source: str) -> ToolStatus:
+        """`csv_status` of the sheet."""
+        return csv_status(data, source, self.name)
+
 
 class JsonlTool:
     """JSON lines: one object per item with ``oracle_label: null`` to fill."""
@@ -125,5 +160,10 @@ class JsonlTool:
                 out.append(json.dumps(rec))
         return ("\n".join(out) + "\n").encode()
 
+    def file_status(self, data: bytes, source: str) -> ToolStatus:
+        """`jsonl_status` of the lines."""
+        return jsonl_status(data, source, self.name)
 
-__all__ = ["CsvTool", "JsonlTool", "to_csv", "to_jsonl", "neutralize_csv_cell", "restore_csv_cell", "FORMULA_START"]
+
+__all__ = ["CsvTool", "JsonlTool", "to_csv", "to_jsonl", "csv_status", "jsonl_status", "neutralize_csv_cell",
+           "restore_csv_cell", "FORMULA_START"]

@@ -34,8 +34,8 @@ import httpx
 from cje_engine.errors import CJEInputError
 
 from flows.integrations.labelling.base import (ANSWER, DEFAULT_TEXT_COLUMNS, Answers, Destination, ExportOptions,
-                                               PullResult, PushResult, ToolUnavailable, add_answers, answer_number,
-                                               item_meta)
+                                               PullResult, PushResult, ToolStatus, ToolUnavailable, add_answers,
+                                               answer_number, item_meta, pulled_status)
 
 log = logging.getLogger(__name__)
 
@@ -402,6 +402,16 @@ class LabelStudioTool:
             got = pull_project(client, project, pushed_tasks(storage) if storage is not None else None)
         return PullResult(document=json.dumps(got["export"], indent=1).encode(), suffix=".json",
                           deleted=tuple(got["deleted"]), n_tasks=got["n_tasks"])
+
+    def status(self, dest: Destination, storage: Any | None = None) -> ToolStatus:
+        """The project's items: pushed (the push records in ``storage`` for this project, else the tasks there
+        plus those deleted), answered (a submitted ``oracle_label``), unanswered, deleted in the tool."""
+        project = _project_id(dest.project)
+        pushed = None
+        if storage is not None:
+            mine = [i for i, r in pushed_tasks(storage).items() if int(r.get("project") or -1) == project]
+            pushed = len(mine) or None
+        return pulled_status(self, dest, storage, pushed)
 
 
 __all__ = ["LabelStudio", "LabelStudioTool", "LabelStudioUnavailable", "LabelStudioAuthError", "push_request",
