@@ -43,6 +43,7 @@ from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.direct import Prepared
 from cje_engine.pipeline.policies import RowTotals
+from cje_engine.result.model import RowPass
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +370,7 @@ class ShardedPrepared:
     mapper: Any = field(default=serial_map, repr=False)
     influence: str = "per_prompt"  # "per_prompt": kept; "gram": only their sums and cross-products
     gram: dict = field(default_factory=dict)  # the merged Gram form of the evaluation terms
+    reason: str = "requested"  # why the sharded path was taken (the result's ``inference.row_pass``)
 
     @property
     def options(self) -> EvaluationOptions:
@@ -401,11 +403,14 @@ class ShardedPrepared:
     def finalize(self, chunks: Sequence[np.ndarray]):
         """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""
         result = self.prep.finalize(chunks)
+        result.model.inference.row_pass = RowPass(path="sharded", shards=len(self.shards), influence=self.influence,
+                                                  reason=self.reason)
         return result
 
 
 def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = None, *,
-                    mapper: Mapper = serial_map, keep_terms: bool = True, **kwargs: Any) -> ShardedPrepared:
+                    mapper: Mapper = serial_map, keep_terms: bool = True, reason: str = "requested",
+                    **kwargs: Any) -> ShardedPrepared:
     """Prepare a Direct evaluation from shards of rows split by prompt (`split_by_shard`).
 
     Parameters
@@ -416,6 +421,8 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     options : EvaluationOptions, optional (or keyword options)
     mapper : Mapper
         Runs the per-shard passes (default: in process, in order).
+    reason : str
+        Why the sharded path is taken (recorded in the result's ``inference.row_pass``).
     keep_terms : bool
         Bring every prompt's evaluation terms to the driver (the analytic result keeps per-prompt influence
         terms, as the single-process path does); they are always merged in their Gram form too.
@@ -474,7 +481,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     prep = Prepared(opts, design, selection, f, fit.full, stats, infl, jk, fit.models, excluded, None,
                     rows=merged.totals)
     return ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper,
-                           "per_prompt" if keep_terms else "gram", gram)
+                           "per_prompt" if keep_terms else "gram", gram, reason)
 
 
 def _labelled_window_rows(summaries: Sequence[ShardSummary], merged: Merged, opts: EvaluationOptions) -> np.ndarray:
