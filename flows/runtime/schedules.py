@@ -49,6 +49,7 @@ class EvaluationSpec(EvaluationConfig):
             "mode": self.mode,
             "columns": dict(self.columns) or None,
             "monitoring": dict(self.monitoring) or None,
+            "row_pass": self.row_pass,
         }
 
     def deployment_parameters(self) -> dict[str, Any]:

@@ -46,47 +46,58 @@ def replicate_chunk(n_replicates: int, n_policies: int, n_cells: int) -> int:
     return max(1, min(n_replicates, HISTOGRAM_BLOCK_BYTES // per))
 
 
-def _split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
-                policies: list[str] | None, mapping: dict | None):
-    """Read one log file on a worker and return its rows per shard (``num_returns = n_shards``); each row's
-    window place is ``file_index << 40`` plus its row in the file (file order, then row order)."""
+def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
+               policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None):
+    """Read one log file on a worker and return its rows per shard, then a small dict about the file
+    (``num_returns = n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
+    file (file order, then row order). ``prepare_rows(table, key)``: what the caller does to a file's rows
+    before they are split (the evaluate flow: join the label store's labels, derive covariates, check
+    columns) and returns ``(table, info)``."""
     from cje_engine.pipeline.sharded import split_by_shard
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
     table = read_window(st, [key], columns=columns, policies=policies, mapping=mapping, check_unique=False)
-    parts = split_by_shard(table, n_shards, row_offset=file_index << 40)
-    return tuple(parts) if n_shards > 1 else parts[0]
+    if "dt" in table.column_names:
+        table = table.drop_columns(["dt"])
+    info = {"key": key, "rows": table.num_rows}
+    if prepare_rows is not None:
+        table, more = prepare_rows(table, st.url(key))
+        info.update(more)
+    return (*split_by_shard(table, n_shards, row_offset=file_index << 40), info)
 
 
 def _concat(*parts):
     """One shard's table from its pieces of every file."""
     import pyarrow as pa
 
-    return pa.concat_tables([p for p in parts if p.num_rows], promote_options="default") if any(
-        p.num_rows for p in parts) else parts[0]
+    kept = [p for p in parts if p.num_rows]
+    return pa.concat_tables(kept, promote_options="default") if kept else parts[0]
 
 
 def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *, columns: list[str] | None = None,
-                policies: list[str] | None = None, mapping: dict | None = None,
-                rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES) -> list[Any]:
+                policies: list[str] | None = None, mapping: dict | None = None, prepare_rows: Callable | None = None,
+                rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False):
     """Object references of the window's shards (one `pyarrow.Table` each, in the cluster's object store).
 
     ``keys``: the window's log files in window order; ``rows_hint``: the window's rows when known (for the
-    tasks' memory).
+    tasks' memory); ``prepare_rows``: see `split_file`. With ``with_info`` also the list of every file's
+    info dict (small: fetched to the driver).
     """
     import ray
 
     per_file = max(1, rows_hint // max(len(keys), 1))
-    split = ray.remote(_split_file).options(num_returns=n_shards, max_retries=max_retries,
-                                            memory=task_memory(2 * per_file), name="cje_shard_read")
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping) for i, k in enumerate(keys)]
-    if n_shards == 1:
-        pieces = [[p] for p in pieces]
+    split = ray.remote(split_file).options(num_returns=n_shards + 1, max_retries=max_retries,
+                                           memory=task_memory(2 * per_file), name="cje_shard_read")
+    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows)
+              for i, k in enumerate(keys)]
     concat = ray.remote(_concat).options(max_retries=max_retries, memory=task_memory(2 * rows_hint // n_shards),
                                          name="cje_shard_concat")
-    return [concat.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
+    refs = [concat.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
+    if not with_info:
+        return refs
+    return refs, ray.get([p[n_shards] for p in pieces], timeout=ray_get_timeout())
 
 
 def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEFAULT_MAX_RETRIES,
