@@ -190,7 +190,7 @@ def stage_sharded(args: argparse.Namespace) -> dict:
             result = sp.finalize(chunks)
             mem.mark("finalize")
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        ray.internal.free(refs)
+        del refs
     out = _write_result(args, "sharded", result)
     if reps is not None:
         np.save(args.out / "sharded_reps.npy", reps)
