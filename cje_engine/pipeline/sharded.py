@@ -408,9 +408,36 @@ class ShardedPrepared:
         return result
 
 
+#: Bytes of per-prompt influence terms the driver may hold (``CJE_MAX_DRIVER_TERMS_BYTES`` overrides it).
+DRIVER_TERMS_BYTES = 4 * 2**30
+
+
+def terms_bytes(n_prompts: int, n_policies: int) -> int:
+    """Bytes of the per-prompt influence arrays the driver holds at the peak of `finalize`: ``total`` and
+    ``calibration`` (2K columns each), ``audit`` (K), the extended ``total`` and ``calibration`` (4K each)
+    and one (prompts, 4K) temporary of the covariance: 19K float64 a prompt."""
+    return int(8 * 19 * n_policies * n_prompts)
+
+
+def check_terms_memory(n_prompts: int, n_policies: int, budget: int | None = None) -> None:
+    """Raise `CJEInputError` before pass 2 when the per-prompt terms would not fit the driver's budget
+    (the Gram-only finalize, which would not need them, is not built yet: docs/scaling.md)."""
+    import os
+
+    if budget is None:
+        budget = int(os.environ.get("CJE_MAX_DRIVER_TERMS_BYTES", DRIVER_TERMS_BYTES))
+    need = terms_bytes(n_prompts, n_policies)
+    if need > budget:
+        raise CJEInputError(
+            f"the per-prompt influence terms of {n_prompts:,} prompts x {n_policies} policies need "
+            f"{need / 2**30:.1f} GiB on the driver, over its budget of {budget / 2**30:.1f} GiB "
+            "(CJE_MAX_DRIVER_TERMS_BYTES); the Gram-only finalize that would not need them is not built",
+            option="row_pass")
+
+
 def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = None, *,
                     mapper: Mapper = serial_map, keep_terms: bool = True, reason: str = "requested",
-                    **kwargs: Any) -> ShardedPrepared:
+                    terms_budget: int | None = None, **kwargs: Any) -> ShardedPrepared:
     """Prepare a Direct evaluation from shards of rows split by prompt (`split_by_shard`).
 
     Parameters
@@ -421,6 +448,9 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     options : EvaluationOptions, optional (or keyword options)
     mapper : Mapper
         Runs the per-shard passes (default: in process, in order).
+    terms_budget : int, optional
+        Bytes of per-prompt influence terms the driver may hold (`check_terms_memory`; default
+        `DRIVER_TERMS_BYTES` or ``CJE_MAX_DRIVER_TERMS_BYTES``).
     reason : str
         Why the sharded path is taken (recorded in the result's ``inference.row_pass``).
     keep_terms : bool
@@ -436,6 +466,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     for i, s in mapper(reduce_shard, [(t, cov, pols) for t in shards]):
         summaries[i] = s
     merged = merge_summaries(summaries, opts)
+    check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
     data = merged.data
     _check_labels(data, merged.totals)
     fit, selection, excluded = fit_calibration(data, opts, dict(merged.rows))

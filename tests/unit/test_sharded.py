@@ -134,3 +134,16 @@ def test_shard_of_is_stable_and_independent_of_the_folds():
     assert list(sharded.shard_of(["p0", "p1", "p2"], 7)) == list(sharded.shard_of(["p0", "p1", "p2"], 7))
     from cje_engine.data.frame import fold_of
     assert (s == fold_of(np.array(ids, dtype=object), 5)).mean() < 0.5
+
+
+def test_per_prompt_terms_over_the_driver_budget_are_refused_before_pass_2(table):
+    calls = []
+
+    def counting(fn, items):
+        calls.append(fn.__name__)
+        return sharded.serial_map(fn, items)
+
+    opts = EvaluationOptions.of(None, inference="analytic")
+    with pytest.raises(CJEInputError, match="per-prompt influence terms of 1,500 prompts"):
+        sharded.prepare_sharded(sharded.split_by_shard(table, 3), opts, mapper=counting, terms_budget=1000)
+    assert calls == ["reduce_shard"]  # refused after the merge, before the evaluation-terms pass
