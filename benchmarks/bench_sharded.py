@@ -115,6 +115,26 @@ def _max_rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
 
 
+def _ray(args: argparse.Namespace):
+    """`ray_session` (RAY_ADDRESS or a local Ray of ``--ray-cpus``), retried: a local raylet that does not
+    register within Ray's fixed 30 s (a loaded machine) is started again, up to 4 times."""
+    import contextlib
+
+    from flows.runtime import ray_fanout
+
+    for attempt in range(4):
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(ray_fanout.ray_session(
+                num_cpus=None if os.environ.get("RAY_ADDRESS") else args.ray_cpus))
+            return stack
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on a slow start
+            stack.close()
+            log.warning("Ray did not start (attempt %d): %s", attempt + 1, exc)
+            time.sleep(10)
+    raise RuntimeError("Ray did not start in 4 attempts")
+
+
 def _opts(args: argparse.Namespace):
     from cje_engine.options import EvaluationOptions
 
@@ -170,7 +190,7 @@ def stage_sharded(args: argparse.Namespace) -> dict:
     opts = _opts(args)
     cfg = StorageConfig.from_env().to_dict(include_secrets=True)
     rows = args.prompts * 5
-    with ray_fanout.ray_session(num_cpus=None if os.environ.get("RAY_ADDRESS") else args.ray_cpus):
+    with _ray(args):
         cpus = ray_fanout.cluster_cpus()
         n_shards = args.shards or sharded_ray.n_shards_for(rows, cpus)
         with MemorySampler() as mem:
@@ -219,7 +239,7 @@ def stage_groupby(args: argparse.Namespace) -> dict:
 
     keys = _keys(args.logs)
     cfg = StorageConfig.from_env().to_dict(include_secrets=True)
-    with ray_fanout.ray_session(num_cpus=None if os.environ.get("RAY_ADDRESS") else args.ray_cpus):
+    with _ray(args):
         t0 = time.perf_counter()
         remote = ray.remote(_groupby_file)
         parts = ray.get([remote.remote(args.logs, cfg, k) for k in keys])

@@ -178,7 +178,7 @@ def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequ
     return ShardSummary(
         n_rows=int(r.row.size), prompt_ids=r.prompt_ids, policies=r.policies, cell_score=cells.score,
         cell_X=cells.X, counts=counts, n_prompts=n_prompts,
-        score_sum=np.bincount(r.policy, weights=r.score, minlength=Kl),
+        score_sum=np.array([r.score[r.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
         score_min=float(r.score.min()) if r.row.size else np.inf,
         score_max=float(r.score.max()) if r.row.size else -np.inf,
         labelled={"row": r.row[lab], "prompt": r.prompt[lab], "policy": r.policy[lab], "cell": cell[lab],
