@@ -60,3 +60,21 @@ def test_the_flow_on_the_sharded_path_gives_the_single_process_numbers(prefect_s
     assert got["data"]["n_labelled"] == labelled.size  # no label dropped
     ref = engine_evaluate(f.drop(columns=["ts"]), inference="analytic", seed=1).to_dict()
     assert_same_result(ref, got)
+
+
+def test_row_pass_walks_from_yaml_to_the_flow_typed_once(tmp_path):
+    """``row_pass:`` of an evaluation is validated when the file is loaded and reaches the flows as it is."""
+    import yaml
+
+    from flows.pipelines.audit import evaluate_and_audit
+    from flows.runtime.schedules import load_evaluations
+
+    f = tmp_path / "evaluations.yaml"
+    entry = {"name": "big", "logs_uri": "logs", "options": {"inference": "analytic"}, "row_pass": "sharded"}
+    f.write_text(yaml.safe_dump({"evaluations": [entry]}))
+    params = load_evaluations(str(f))["big"].flow_parameters()
+    assert params["row_pass"] == "sharded"
+    assert evaluate_and_audit.check_parameters(dict(params))["row_pass"] == "sharded"
+    f.write_text(yaml.safe_dump({"evaluations": [{**entry, "row_pass": "sideways"}]}))
+    with pytest.raises(CJEInputError, match="row_pass"):
+        load_evaluations(str(f))
