@@ -130,6 +130,9 @@ def _ray(args: argparse.Namespace):
             return stack
         except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception on a slow start
             stack.close()
+            import ray
+
+            ray.shutdown()  # stop what the failed start left running
             log.warning("Ray did not start (attempt %d): %s", attempt + 1, exc)
             time.sleep(10)
     raise RuntimeError("Ray did not start in 4 attempts")
