@@ -402,6 +402,9 @@ class EvaluationConfig(ScheduledEntry):
                                     description="canonical log column -> your column (top-level columns: merged)")
     monitoring: dict[str, Any] = Field(default_factory=dict, validate_default=True,
                                        description="regression alarms across windows (top-level monitoring: merged)")
+    row_pass: Literal["auto", "single", "sharded"] = Field(
+        "auto", description="where the rows are reduced: sharded on Ray workers (Direct), single in the flow's "
+                            "process, auto by the window's size (flows.pipelines.sharded_pass)")
 
     _uris = _uri_validator("logs_uri", "results_uri", "labels_uri")
 

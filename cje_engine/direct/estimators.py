@@ -322,6 +322,32 @@ def policy_stats(design: Design, f: np.ndarray, row_w: np.ndarray | None = None)
     return np.concatenate([plug, plug + corr])
 
 
+def cell_policy_stats(design: Design, F_all: np.ndarray, f_cal: np.ndarray, f_lab: np.ndarray) -> np.ndarray:
+    """`policy_stats` of a cross-fit without a pass over the rows: the plug-in numerators are
+    ``counts @ F_all`` (every row at the full fit's value of its cell) plus the calibration rows' out-of-fold
+    corrections, as a bootstrap replicate computes them (`_replicate_stats`). Depends on the rows only through
+    the per-(policy, cell) counts, so a sharded preparation gets the same bits (`cje_engine.pipeline.sharded`).
+
+    ``F_all``: the full fit at every cell; ``f_cal``: the calibration rows' out-of-fold values; ``f_lab``: the
+    labelled rows' calibrated values (``design.lab_rows`` order).
+    """
+    d = design.data
+    K = design.n_policies
+    counts = design.cells.counts
+    cr = design.cal_rows
+    n_k = counts.sum(1)
+    # einsum, not BLAS: the same bits whatever the BLAS thread count of the process
+    num = np.einsum("kg,g->k", counts, F_all) + np.bincount(
+        d.policy[cr], weights=f_cal - F_all[design.cells.row_cell[cr]], minlength=K)
+    lab = design.lab_rows
+    lw = d.label_weight[lab]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        plug = num / n_k
+        den = np.bincount(d.policy[lab], weights=lw, minlength=K)
+        corr = np.bincount(d.policy[lab], weights=lw * (d.label[lab] - f_lab), minlength=K) / den
+    return np.concatenate([plug, plug + corr])
+
+
 @dataclass(frozen=True)
 class BootstrapView:
     """Everything a bootstrap replicate reads, and nothing else: what a Ray worker receives.
@@ -384,12 +410,13 @@ def bootstrap_view(design: Design, seed: int = 0) -> BootstrapView:
     return base if base.seed == seed else replace(base, seed=seed)
 
 
-def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
+def replicate_view(view: BootstrapView, prompt_w: np.ndarray, T: np.ndarray | None = None) -> np.ndarray:
     """One replicate (``policy_stats`` under prompt weights ``prompt_w``, calibrator refitted) on a view.
 
     Per-(fold, cell) sums of the calibration rows, refits from them, and one weighted histogram
     of all rows over (policy, cell): equal to ``policy_stats(design, *cross_fit(design, row_w),
-    row_w)`` with ``row_w = prompt_w[prompt]``. All NaN when the resample holds no calibration prompt
+    row_w)`` with ``row_w = prompt_w[prompt]``. ``T``: the replicate's weighted (policy, cell) histogram when
+    the rows are elsewhere (merged from the shards, `cje_engine.pipeline.sharded`). All NaN when the resample holds no calibration prompt
     (a handful of calibration labels); intervals and tests use the finite replicates and the result
     says how many were dropped.
     """
@@ -401,7 +428,7 @@ def replicate_view(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
         F_all, f_cal = _batched_refits(plan, [wc])[0]
     else:
         F_all, f_cal, _, _ = cell_fits(plan, wc, with_models=False)
-    return _replicate_stats(view, prompt_w, wc, F_all, f_cal)
+    return _replicate_stats(view, prompt_w, wc, F_all, f_cal, T)
 
 
 #: Replicates of a batched mode refitted together: one `fit_many` call (two-stage: `fit_two_stage_many`) for the
@@ -412,7 +439,7 @@ REPLICATE_BATCH = 32
 _BATCH_ELEMENTS = 2**20  # at most ~8 MB of per-replicate arrays held for one batch (10M rows: one a batch)
 
 
-def _replicates(view: BootstrapView, weights: list) -> np.ndarray:
+def _replicates(view: BootstrapView, weights: list, Ts: np.ndarray | None = None) -> np.ndarray:
     """Batched `replicate_view` for each prompt-weight vector of ``weights``, shape (len(weights), 2K):
     the refits of all of them in one batched fit (`_batched_refits`)."""
     out = np.full((len(weights), 2 * view.n_policies), np.nan)
@@ -420,7 +447,7 @@ def _replicates(view: BootstrapView, weights: list) -> np.ndarray:
     live = [i for i, wc in enumerate(wcs) if (wc > 0).any()]  # no calibration prompt: no calibrator, NaN
     fitted = _batched_refits(view.calibration, [wcs[i] for i in live])
     for i, (F_all, f_cal) in zip(live, fitted):
-        out[i] = _replicate_stats(view, weights[i], wcs[i], F_all, f_cal)
+        out[i] = _replicate_stats(view, weights[i], wcs[i], F_all, f_cal, None if Ts is None else Ts[i])
     return out
 
 
@@ -446,12 +473,15 @@ def _batched_refits(plan: CalibrationPlan, wcs: list) -> list:
 
 
 def _replicate_stats(view: BootstrapView, prompt_w: np.ndarray, wc: np.ndarray, F_all: np.ndarray,
-                     f_cal: np.ndarray) -> np.ndarray:
-    """Plug-in and augmented values of one replicate from its refits (`replicate_view`)."""
+                     f_cal: np.ndarray, T: np.ndarray | None = None) -> np.ndarray:
+    """Plug-in and augmented values of one replicate from its refits (`replicate_view`); ``T``: its
+    weighted (policy, cell) histogram when given (merged from shards), else computed from the view's rows."""
     plan = view.calibration
     K, G = view.n_policies, plan.cells.size
     # Every row at the full fit's value, then the calibration rows corrected to out of fold.
-    T = np.bincount(view.row_key, weights=prompt_w[view.row_prompt], minlength=K * G).reshape(K, G)
+    if T is None:
+        T = np.bincount(view.row_key, weights=prompt_w[view.row_prompt], minlength=K * G)
+    T = np.asarray(T, dtype=float).reshape(K, G)
     n_k = T.sum(1)
     # einsum, not BLAS: the same bits whatever the BLAS thread count of the process
     num = np.einsum("kg,g->k", T, F_all) + np.bincount(view.cal_policy, weights=wc * (f_cal - F_all[view.cal_cell_global]), minlength=K)
@@ -478,19 +508,22 @@ def own_label_means(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
                 / np.bincount(view.lab_policy, weights=lw, minlength=K))
 
 
-def bootstrap_replicates(view: BootstrapView, start: int, stop: int) -> np.ndarray:
+def bootstrap_replicates(view: BootstrapView, start: int, stop: int,
+                         histograms: np.ndarray | None = None) -> np.ndarray:
     """Replicates ``start..stop-1`` on a view, shape (stop - start, 3K): the 2K statistics of
     `policy_stats` (calibrator refitted) then every policy's own-label mean (`own_label_means`, the
     third block: the power-tuned verified level combines it with the augmented one). Replicate ``b``
     depends only on ``(view.seed, b)``, so any split into chunks gives the same rows (the same bits:
-    the batches of `_replicates` do not change any replicate's numbers)."""
+    the batches of `_replicates` do not change any replicate's numbers). ``histograms``: the replicates'
+    weighted (policy, cell) histograms, shape (stop - start, K * G), when the rows are on shards
+    (`cje_engine.pipeline.sharded.shard_histograms`, summed over the shards: whole numbers, exact)."""
     K = view.n_policies
     out = np.empty((stop - start, 3 * K))
     plan = view.calibration
     if not plan.entry.batched:
         for i, b in enumerate(range(start, stop)):
             w = bootstrap_weights(view.seed, b, view.n_prompts)
-            out[i, :2 * K] = replicate_view(view, w)
+            out[i, :2 * K] = replicate_view(view, w, None if histograms is None else histograms[i])
             out[i, 2 * K:] = own_label_means(view, w)
         return out
     # per replicate of a batch: its prompt weights, calibration weights and out-of-fold values, its
@@ -500,7 +533,8 @@ def bootstrap_replicates(view: BootstrapView, start: int, stop: int) -> np.ndarr
     for a in range(start, stop, batch):
         b = min(a + batch, stop)
         ws = [bootstrap_weights(view.seed, i, view.n_prompts) for i in range(a, b)]
-        out[a - start:b - start, :2 * K] = _replicates(view, ws)
+        out[a - start:b - start, :2 * K] = _replicates(view, ws, None if histograms is None
+                                                       else histograms[a - start:b - start])
         out[a - start:b - start, 2 * K:] = [own_label_means(view, w) for w in ws]
     return out
 
@@ -551,27 +585,49 @@ def influence(design: Design, f: np.ndarray, full, stats: np.ndarray | None = No
     """
     d = design.data
     K = design.n_policies
-    n_p = d.n_prompts
     if stats is None:
         stats = policy_stats(design, f)
-    plug, aug = stats[:K], stats[K:]
     n_k = np.bincount(d.policy, minlength=K).astype(float)
+    total = evaluation_terms(d.prompt, d.policy, f, stats[:K], n_k, d.n_prompts)
+    return influence_with_evaluation_terms(design, f, full, stats, total, n_k)
 
-    # Evaluation terms (same for plug-in and augmented): one pass over the rows, a chunk at a time,
-    # into one histogram over (prompt, plug-in column) laid out as ``total``.
-    n = d.n_rows
+
+def evaluation_terms(prompt: np.ndarray, policy: np.ndarray, f: np.ndarray, plug: np.ndarray, n_k: np.ndarray,
+                     n_prompts: int) -> np.ndarray:
+    """The evaluation part of the influence terms: ``(f_i - theta_k) / n_k`` summed per (prompt, policy).
+
+    One pass over the rows (a chunk at a time) into one histogram laid out as ``influence``'s ``total``
+    (n_prompts, 2K), the plug-in columns filled and copied into the augmented ones. Each bin sums its rows in
+    row order, so a shard holding all rows of its prompts in the same order gets the same bits per prompt
+    (`cje_engine.pipeline.sharded`).
+    """
+    K = plug.size
+    n = policy.shape[0]
     key = np.empty(n, dtype=np.int64)
     contrib = np.empty(n)
     for lo in range(0, n, _ROW_CHUNK):
         sl = slice(lo, lo + _ROW_CHUNK)
-        pol = d.policy[sl]
+        pol = policy[sl]
         np.subtract(f[sl], plug[pol], out=contrib[sl])
         np.divide(contrib[sl], n_k[pol], out=contrib[sl])
-        np.multiply(d.prompt[sl], 2 * K, out=key[sl])
+        np.multiply(prompt[sl], 2 * K, out=key[sl])
         key[sl] += pol
-    total = np.bincount(key, weights=contrib, minlength=n_p * 2 * K).reshape(n_p, 2 * K)
+    total = np.bincount(key, weights=contrib, minlength=n_prompts * 2 * K).reshape(n_prompts, 2 * K)
     del key, contrib
     total[:, K:] = total[:, :K]
+    return total
+
+
+def influence_with_evaluation_terms(design: Design, f: np.ndarray, full, stats: np.ndarray, total: np.ndarray,
+                                    n_k: np.ndarray) -> dict[str, np.ndarray]:
+    """`influence` from its evaluation part ``total`` (`evaluation_terms`, added to in place) and the
+    policies' row counts ``n_k``: the label and calibration parts read the labelled rows and the
+    per-(policy, cell) counts only, so a design of the labelled rows alone (with every row's counts) gives
+    the same terms (`cje_engine.pipeline.sharded`)."""
+    d = design.data
+    K = design.n_policies
+    n_p = d.n_prompts
+    plug, aug = stats[:K], stats[K:]
 
     # Augmented: label residual terms, one histogram over (prompt, augmented column) laid out as ``cal``
     # (each bin sums its rows in row order, as one histogram per policy would).

@@ -33,8 +33,8 @@ from scipy.stats import norm
 from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
 from cje_engine.calibration import registry
-from cje_engine.direct.estimators import (Design, cell_fits, calibration_plan, influence, make_design,
-                                          policy_stats, row_cells)
+from cje_engine.direct.estimators import (Design, cell_fits, cell_policy_stats, calibration_plan, influence, make_design,
+                                          row_cells)
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.multiplicity import holm
 from cje_engine.options import EvaluationOptions
@@ -69,8 +69,8 @@ class Fit:
 
     @cached_property
     def stats(self) -> np.ndarray:
-        """`estimators.policy_stats` of this fit."""
-        return policy_stats(self.design, self.f)
+        """`estimators.policy_stats` of this fit, from the cells (`estimators.cell_policy_stats`: no row pass)."""
+        return cell_policy_stats(self.design, self.F_all, self.f_cal, self.f_lab)
 
     @cached_property
     def infl(self) -> dict:
@@ -326,8 +326,11 @@ def _failing_source(fit: Fit, alpha: float) -> dict | None:
             "p_adjusted": p_adj, "family_size": family}
 
 
-def fit_calibration(data: EvalData, opts: EvaluationOptions) -> tuple[Fit, dict, list[dict]]:
+def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None = None) -> tuple[Fit, dict, list[dict]]:
     """Choose the mode and the calibration sources (robust pooling); see the module docstring.
+
+    ``rows``: `estimators.row_cells` of ``data`` per mode when given (a sharded preparation: its ``data`` holds
+    the labelled rows, the cells and counts come from every row), else computed here.
 
     Returns
     -------
@@ -339,7 +342,7 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions) -> tuple[Fit, dict,
     sources = opts.calibration_policies
     names = list(sources) if sources is not None else [data.policies[k] for k in labelled]
     excluded: list[dict] = []
-    rows: dict = {}  # row-level cell coding per mode, shared by every round
+    rows = {} if rows is None else rows  # row-level cell coding per mode, shared by every round
     selection, fits = choose_mode(data, opts, sources, rows)
     fit = fits[selection["chosen"]]
     while True:

@@ -24,7 +24,7 @@ from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.pooling_replay import PoolingReplay, build_replay
-from cje_engine.pipeline.policies import summarize_direct
+from cje_engine.pipeline.policies import RowTotals, row_totals, summarize_direct
 from cje_engine.result import EvaluationResult
 from cje_engine.result.model import PolicyResult
 
@@ -46,6 +46,7 @@ class Prepared:
     models: list | None = None  # per-fold calibrators of the cross-fit (None: the fold kept the full fit)
     excluded: list = field(default_factory=list)  # calibration sources removed by robust pooling
     replay: PoolingReplay | None = None  # robust pooling rerun in each replicate (pooling_bootstrap="rerun")
+    rows: RowTotals | None = None  # sharded: every row's totals (the design holds the labelled rows only)
 
     @property
     def n_replicate_stats(self) -> int:
@@ -178,7 +179,7 @@ def stacked_replicates(chunks: Sequence[np.ndarray], n_expected: int, n_stats: i
 def direct_data_summary(prep: Prepared) -> dict:
     """The result's ``data`` block of a Direct evaluation (rows, prompts, labels, policies, covariates)."""
     d = prep.design.data
-    return {"n_rows": d.n_rows, "n_prompts": d.n_prompts, "n_labelled": int(d.labelled.sum()),
+    return {"n_rows": int(row_totals(prep).n_rows.sum()), "n_prompts": d.n_prompts, "n_labelled": int(d.labelled.sum()),
             "n_calibration_labels": int(prep.design.cal_rows.size), "policies": list(d.policies),
             "covariates": list(d.covariate_names)}
 

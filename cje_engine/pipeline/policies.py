@@ -68,15 +68,54 @@ class DirectSummaries:
     assumed_relative: list | None = None  # (relative claim, reason) of each policy's protocol level
 
 
+@dataclass(frozen=True)
+class RowTotals:
+    """What the result reads from every row besides the (policy, cell) counts: per policy its rows, distinct
+    prompts and judge-score sum, and the judge scores' range. Computed from the rows (`row_totals`) or merged
+    from shards (`cje_engine.pipeline.sharded`: prompts never straddle shards, so the prompt counts add)."""
+
+    n_rows: np.ndarray  # (K,) int
+    n_prompts: np.ndarray  # (K,) int: distinct prompts with a row of the policy
+    score_sum: np.ndarray  # (K,) float: sum of the policy's judge scores
+    score_min: float
+    score_max: float
+    raw_judge_mean: np.ndarray | None = None  # (K,) when computed from the rows (the mean, exactly as before)
+
+    def judge_mean(self, k: int) -> float:
+        """Policy ``k``'s mean judge score."""
+        if self.raw_judge_mean is not None:
+            return float(self.raw_judge_mean[k])
+        return float(self.score_sum[k] / self.n_rows[k])
+
+
+def row_totals(prep: Any) -> RowTotals:
+    """The prepared state's `RowTotals`: its ``rows`` when it has them (a sharded preparation, whose design
+    holds the labelled rows only), else computed from the design's rows."""
+    rows = getattr(prep, "rows", None) or prep.__dict__.get("_row_totals")
+    if rows is not None:
+        return rows
+    d = prep.design.data
+    K = len(d.policies)
+    rows = prep.__dict__["_row_totals"] = RowTotals(
+        n_rows=np.bincount(d.policy, minlength=K),
+        n_prompts=np.array([np.unique(d.prompt[d.policy == k]).size for k in range(K)]),
+        score_sum=np.bincount(d.policy, weights=d.score, minlength=K),
+        score_min=float(d.score.min()), score_max=float(d.score.max()),
+        raw_judge_mean=np.array([float(d.score[d.policy == k].mean()) for k in range(K)]))
+    return rows
+
+
 def clip(ci: Sequence[float], scale: tuple[float, float]) -> list[float]:
     """The interval ``ci`` clipped to ``scale``."""
     return [float(np.clip(ci[0], *scale)), float(np.clip(ci[1], *scale))]
 
 
 def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.ndarray] | None = None,
-                   weights: Sequence[np.ndarray | None] | None = None) -> list[dict]:
+                   weights: Sequence[np.ndarray | None] | None = None,
+                   score_range: tuple[float, float] | None = None) -> list[dict]:
     """Calibration support of each policy's judge scores (or of the given score arrays).
 
+    ``score_range``: (min, max) of every row's judge score when the design does not hold every row.
     ``weights`` (one array or None per score array) make the shares weighted: a logs-only target's
     judge-score distribution is the logger's reweighted by the estimate's weights on its rewards
     (``sum_i a_i R_i``), so its thin share is the share of that weight on thinly supported scores.
@@ -86,7 +125,8 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
     if d.score_scale is not None:
         width = d.score_scale[1] - d.score_scale[0]
     else:
-        width = float(d.score.max() - d.score.min()) or 1.0
+        lo, hi = score_range if score_range is not None else (d.score.min(), d.score.max())
+        width = float(hi - lo) or 1.0
     h = opts.support_bandwidth * width
     tol = 1e-9 * width
     per_policy = scores is None  # one entry per design policy (not given score arrays)
@@ -165,8 +205,8 @@ def calibration_summary(prep: Any) -> dict:
     """The calibration block of the result: mode, selection, curve, points, reliability."""
     d = prep.design.data
     cr = prep.design.cal_rows
-    s_all = d.score
-    lo, hi = float(s_all.min()), float(s_all.max())
+    totals = row_totals(prep)
+    lo, hi = totals.score_min, totals.score_max
     grid = np.linspace(lo, hi, 101)
     Xmed = np.median(d.X[cr], axis=0) if d.X.shape[1] else np.zeros(0)
     curve = prep.full.predict(grid, np.tile(Xmed, (grid.size, 1)))
@@ -567,14 +607,14 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
         log.warning("%s", scale_note)
         warnings.append(scale_note)
     own_rows, n_own, n_own_prompts = _own_labels(design)
-    n_rows = np.bincount(d.policy, minlength=K)
-    n_prompts_k = np.array([np.unique(d.prompt[d.policy == k]).size for k in range(K)])
+    totals = row_totals(prep)
+    n_rows, n_prompts_k = totals.n_rows, totals.n_prompts
     cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
     excluded = {e["policy"] for e in prep.excluded}
     n_cal = design.cal_rows.size
 
     audits, se_route, is_source = _audits(prep, reps2, n_own, n_own_prompts)
-    support = support_checks(design, opts)
+    support = support_checks(design, opts, score_range=(totals.score_min, totals.score_max))
     dfs2 = degrees_of_freedom(K, n_own_prompts)
     dfs = np.concatenate([dfs2, dfs2[K:], dfs2[K:]])
     summary = _Stats(ext.stats, cov, ext.reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
@@ -672,7 +712,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
                 k, int(n_own[k]), int(n_rows[k]), assumed_est, se_verified, resid_sd, opts.min_labels, alpha))),
             plug_in=_typed(StatSummary, summary(k)),
             augmented=_typed(StatSummary, summary(K + k)) if has_aug else None,
-            raw_judge_mean=float(d.score[d.policy == k].mean()),
+            raw_judge_mean=totals.judge_mean(k),
             oracle_mean=float(np.sum(w_lab * d.label[sel_lab]) / np.sum(w_lab)) if has_aug else None,
             oracle_only=_typed(OracleOnly, oracle_only(d, sel_lab, alpha)) if n_own_prompts[k] >= 2 else None,
             n_rows=int(n_rows[k]),

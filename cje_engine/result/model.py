@@ -453,6 +453,17 @@ class Calibration(_Strict):
         default_factory=list, description="calibration sources whose labels left the calibrator (robust pooling)")
 
 
+class RowPass(_Strict):
+    """How the rows were reduced when not in one process (absent: the single-process path)."""
+
+    path: Literal["single", "sharded"]
+    shards: int = Field(description="shards by prompt (stable hash of the prompt id)")
+    influence: Literal["per_prompt", "gram"] = Field(
+        description="per_prompt: every prompt's influence terms were brought to the driver and are kept; gram: "
+                    "only their sums of squares and cross-products over policies")
+    reason: str
+
+
 class Inference(_Strict):
     """The inference route: bootstrap or analytic, and its settings."""
     method: Literal["bootstrap", "analytic"]
@@ -465,6 +476,7 @@ class Inference(_Strict):
     alpha: float
     cluster: Optional[str] = None
     offpolicy: Optional[str] = None
+    row_pass: Optional[RowPass] = None
 
 
 class OffPolicyRun(_Strict):

@@ -7,7 +7,7 @@ step) never unpublishes the result: it is logged and returned as ``label_request
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -59,6 +59,7 @@ def evaluate_and_audit(
     mode: str = "direct",
     columns: dict[str, str] | None = None,
     monitoring: dict[str, Any] | None = None,
+    row_pass: Literal["auto", "single", "sharded"] = "auto",
 ) -> dict:
     """The `evaluate` flow, then notifications and automatic label requests.
 
@@ -81,6 +82,8 @@ def evaluate_and_audit(
         extra["columns"] = dict(columns)
     if monitoring:  # the evaluation's ``monitoring:`` (regression alarms across windows)
         extra["monitoring"] = dict(monitoring)
+    if row_pass != "auto":  # the evaluation's ``row_pass:`` (flows.pipelines.sharded_pass)
+        extra["row_pass"] = row_pass
     out = evaluate(logs_uri=logs_uri, window=window, evaluation=evaluation, results_uri=results_uri,
                    labels_uri=labels_uri, policies=policies, options=options, as_of=as_of, n_chunks=n_chunks,
                    retry_delays=retry_delays, **extra)

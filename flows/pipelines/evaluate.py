@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from datetime import datetime, timezone
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -70,6 +70,7 @@ from flows.config import (EngineOptions, EngineOptionsParameter, MonitoringConfi
 from flows.pipelines import preflight
 from flows.pipelines.pages import contextual_report, refresh_pages
 from flows.pipelines.regressions import monitor_evaluation
+from flows.pipelines.sharded_pass import compute_sharded, row_pass_for
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
@@ -521,10 +522,12 @@ class WindowRows:
         return table
 
 
-def read_labelled_window(plan: RunPlan, cfg: Any) -> WindowRows:
-    """``discover``, ``load_labels``, ``read`` and ``join_labels``: the window's rows with their labels."""
+def read_labelled_window(plan: RunPlan, cfg: Any, files: list[dict] | None = None) -> WindowRows:
+    """``discover`` (unless ``files`` are given), ``load_labels``, ``read`` and ``join_labels``: the window's rows
+    with their labels."""
     with plan.timed("read"):
-        files = discover.with_options(**plan.retry)(plan.logs_uri, quote(cfg), plan.window)
+        if files is None:
+            files = discover.with_options(**plan.retry)(plan.logs_uri, quote(cfg), plan.window)
         labels, label_info = load_labels.with_options(**plan.retry)(plan.labels_uri, quote(cfg))
         table = read_needed(plan, cfg, files)
         table, label_info = join_labels(quote(table), quote(labels), label_info)
@@ -545,6 +548,18 @@ def compute(plan: RunPlan, cfg: Any, rows: WindowRows, n_chunks: int | None) -> 
         del table
         chunks = bootstrap(quote(prep), n_chunks)
         return counts, finalize(quote(prep), quote(chunks))
+
+
+def sharded_window(plan: RunPlan, cfg: Any, files: list[dict], reason: str) -> tuple[WindowRows, dict, Any]:
+    """``load_labels`` then the sharded row pass (`flows.pipelines.sharded_pass.compute_sharded`): the rows are
+    read, joined with the labels and reduced on Ray workers; the driver never holds them."""
+    with plan.timed("statistics"):
+        labels, label_info = load_labels.with_options(**plan.retry)(plan.labels_uri, quote(cfg))
+        counts, join, result = compute_sharded(plan, cfg, files, labels, reason, get_run_logger())
+    label_info = {**label_info, **join, "n_joined": counts["n_labelled"],
+                  "source": ("logs+label_store" if join["n_inline_labels"] else "label_store") if labels is not None
+                  else ("logs" if counts["n_labelled"] else "none")}
+    return WindowRows(files=files, label_info=label_info, table=None), counts, result
 
 
 def render_and_publish(plan: RunPlan, cfg: Any, files: list[dict], counts: dict, label_info: dict, result: Any,
@@ -591,6 +606,7 @@ def evaluate(
     mode: str = "direct",
     columns: dict[str, str] | None = None,
     monitoring: dict[str, Any] | None = None,
+    row_pass: Literal["auto", "single", "sharded"] = "auto",
 ) -> dict:
     """Evaluate a window of logs and publish the result.
 
@@ -629,6 +645,11 @@ def evaluate(
         The evaluation's ``monitoring:`` (`flows.config.MonitoringConfig`: alpha, baseline,
         baseline_windows, horizon, decision_margin, pools, label_requests) for the regression alarms
         across windows (docs/monitoring.md); default: its defaults.
+    row_pass : {"auto", "single", "sharded"}
+        Where the rows are reduced (the evaluation's ``row_pass:``): ``sharded`` on Ray workers, shards by
+        prompt (`flows.pipelines.sharded_pass`, Direct mode), ``single`` in this process, ``auto`` sharded from
+        `flows.pipelines.sharded_pass.SHARDED_MIN_BYTES` of logs. The numbers are the same; the log says which
+        path ran and the result's ``inference.row_pass`` records the sharded one.
 
     Returns
     -------
@@ -642,8 +663,14 @@ def evaluate(
     cfg = StorageConfig.from_env()  # from the driver's environment, never a flow parameter
     get_run_logger().info("evaluation %r over %s (%s) from %s", evaluation, plan.window.label, window, logs_uri)
     with ray_runtime.ray_session() as ray_kind:
-        rows = read_labelled_window(plan, cfg)  # discover, load_labels, read, join_labels
-        counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize
+        files = discover.with_options(**plan.retry)(plan.logs_uri, quote(cfg), plan.window)
+        path, why = row_pass_for(row_pass, plan.mode, files)
+        get_run_logger().info("row pass: %s (%s)", path, why)
+        if path == "sharded":
+            rows, counts, result = sharded_window(plan, cfg, files, why)  # load_labels, shards on Ray, finalize
+        else:
+            rows = read_labelled_window(plan, cfg, files)  # load_labels, read, join_labels
+            counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize
     files, label_info = rows.files, rows.label_info
     key, outcome = render_and_publish(plan, cfg, files, counts, label_info, result, ray_kind)
     alarms = monitor_evaluation(plan.results_uri, cfg, evaluation, plan.window.label, key, outcome,

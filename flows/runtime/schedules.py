@@ -15,6 +15,7 @@ File format (all keys but ``name`` and ``logs_uri`` optional)::
         policies: [base, clone]           # default: every policy in the logs
         options: {covariates: [response_length], n_bootstrap: 2000, seed: 0}
         columns: {prompt_id: id, policy: model}  # your log column names (default: the top-level columns:)
+        row_pass: auto                    # where rows are reduced: sharded on Ray workers / single / auto by size
 
 `cje serve` deploys every declared evaluation with ``flow.to_deployment`` (the flow chosen by
 `flows.pipelines.deployments`) and runs them with Prefect's ``serve``; `cje run NAME` runs one now.
@@ -49,6 +50,7 @@ class EvaluationSpec(EvaluationConfig):
             "mode": self.mode,
             "columns": dict(self.columns) or None,
             "monitoring": dict(self.monitoring) or None,
+            "row_pass": self.row_pass,
         }
 
     def deployment_parameters(self) -> dict[str, Any]:

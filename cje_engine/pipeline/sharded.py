@@ -1,0 +1,545 @@
+"""The sharded row pass: a Direct evaluation whose rows never meet in one process.
+
+The statistics depend on the unlabelled rows only through per-(policy, cell) counts, per-prompt evaluation
+terms and, in the bootstrap, per-replicate weighted (policy, cell) histograms (docs/scaling.md). So the rows
+are split into shards by prompt (`shard_of`: a stable hash of the prompt id, so every row of a prompt is in
+one shard whatever file or day it came from) and each shard is reduced where it is held, in three passes:
+
+1. `reduce_shard`: its distinct prompt ids, per-(policy, fine cell) counts (a fine cell is a distinct
+   (score, covariates) pair), per-policy row, prompt and score totals, and its labelled rows, which travel
+   to the driver. `merge_summaries` gives every prompt its global code (rank of its id, as the single-process
+   path codes them), the cells and counts of every calibration mode, and an `EvalData` of the labelled rows.
+   The driver fits the calibration from those exactly as the single-process path does.
+2. `shard_evaluation_terms`: the evaluation part of the influence terms per prompt (the same bits per
+   prompt as the single-process path: a prompt's rows are in one shard, in the same order), and their sums,
+   squares and cross-products over policies (the Gram form: any linear contrast's variance is a merge).
+3. `shard_histograms`: per bootstrap replicate ``b`` the shard's weighted (policy, cell) histogram under the
+   prompt weights regenerated from ``(seed, b)``; whole numbers, so their sum over shards is exact in any
+   order and the driver's replicates are bit-identical to the single-process ones (layout B).
+
+Every function here is pure: a shard is a `pyarrow.Table` of canonical columns plus `ROW` (the row's place
+in the whole window, to keep the single-process row order). Where the shards live and how the passes are run
+(in process, on Ray workers) is the caller's: `prepare_sharded` takes a `Mapper`.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from cje_engine.calibration import registry
+from cje_engine.calibration.calibrators import make_cells
+from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
+from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, evaluation_terms,
+                                          fold_jackknife, influence_with_evaluation_terms)
+from cje_engine.errors import CJEInputError
+from cje_engine.options import EvaluationOptions
+from cje_engine.pipeline.calibration import fit_calibration
+from cje_engine.pipeline.direct import Prepared
+from cje_engine.pipeline.policies import RowTotals
+from cje_engine.result.model import RowPass
+
+log = logging.getLogger(__name__)
+
+#: Column of a shard's table: the row's place in the whole window (file order, then row order in the file).
+ROW = "_row"
+
+#: ``Mapper(fn, items)`` runs ``fn(*item)`` for every item and yields ``(index of the item, result)`` in any
+#: order (`serial_map` in process; `flows.runtime.ray_fanout` on Ray workers).
+Mapper = Callable[[Callable, Sequence[tuple]], Iterable[tuple[int, Any]]]
+
+
+def serial_map(fn: Callable, items: Sequence[tuple]) -> Iterable[tuple[int, Any]]:
+    """The in-process `Mapper`: ``fn(*item)`` for each item, in order."""
+    for i, item in enumerate(items):
+        yield i, fn(*item)
+
+
+def shard_of(prompt_ids: Sequence[str] | np.ndarray | pa.Array, n_shards: int) -> np.ndarray:
+    """Stable shard of each prompt id: a keyed blake2b hash of the id modulo ``n_shards``.
+
+    Keyed (person ``cje-shard``) so that shards are independent of the cross-fitting folds (`fold_of`).
+    """
+    ids = prompt_ids.to_pylist() if isinstance(prompt_ids, (pa.Array, pa.ChunkedArray)) else list(prompt_ids)
+    out = np.empty(len(ids), dtype=np.uint64)
+    fresh = hashlib.blake2b(digest_size=8, person=b"cje-shard").copy
+    digests = []
+    for s in ids:
+        h = fresh()
+        h.update(str(s).encode("utf-8", "surrogatepass"))
+        digests.append(h.digest())
+    if ids:
+        out[:] = np.frombuffer(b"".join(digests), dtype=">u8")
+    return (out % np.uint64(n_shards)).astype(np.int64)
+
+
+def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0) -> list[pa.Table]:
+    """The rows of ``table`` per shard (`shard_of` of the prompt id), each with its `ROW` (``row_offset`` +
+    its place in ``table`` unless the table has one): what a reader of one file hands to the shards."""
+    if ROW not in table.column_names:
+        table = table.append_column(ROW, pa.array(np.arange(row_offset, row_offset + table.num_rows, dtype=np.int64)))
+    uniq = pc.unique(table[PROMPT])
+    code = pc.index_in(table[PROMPT], value_set=uniq)
+    shard = shard_of(uniq, n_shards)[np.asarray(code)]
+    order = np.argsort(shard, kind="stable")
+    bounds = np.searchsorted(shard[order], np.arange(n_shards + 1))
+    taken = table.take(pa.array(order))
+    return [taken.slice(bounds[s], bounds[s + 1] - bounds[s]) for s in range(n_shards)]
+
+
+@dataclass
+class ShardRows:
+    """One shard's rows as arrays, in window order (`shard_rows`)."""
+
+    row: np.ndarray  # (n,) place in the window
+    prompt_ids: pa.Array  # sorted distinct prompt ids
+    prompt: np.ndarray  # (n,) index into ``prompt_ids``
+    policies: tuple  # sorted distinct policy names
+    policy: np.ndarray  # (n,) index into ``policies``
+    score: np.ndarray
+    label: np.ndarray  # NaN: unlabelled
+    label_weight: np.ndarray  # 1 / P(labelled) on labelled rows, 0 elsewhere
+    X: np.ndarray  # (n, p) covariates
+
+
+def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None) -> ShardRows:
+    """A shard's table (canonical columns, validated upstream, plus `ROW`) as arrays in window order.
+
+    The conversions are those of `EvalData.from_frame` (float scores and labels, ``1 / label_prob`` as the
+    label weight, 1 where the probability is missing), so every row gets the same numbers here as there.
+    """
+    for col in (PROMPT, POLICY, SCORE, ROW, *covariates):
+        if col not in table.column_names:
+            raise CJEInputError(f"shard has no column {col!r} (columns: {', '.join(table.column_names)})", column=col)
+    if policies is not None:
+        table = table.filter(pc.is_in(table[POLICY], value_set=pa.array(list(policies), pa.string())))
+    row = np.asarray(table[ROW].to_numpy(), dtype=np.int64)
+    order = np.argsort(row, kind="stable")
+    if not np.all(order == np.arange(order.size)):
+        table = table.take(pa.array(order))
+        row = row[order]
+    prompt_codes, prompt_uniques = pd.factorize(table[PROMPT].to_pandas(), sort=True)
+    pol_codes, pol_uniques = pd.factorize(table[POLICY].to_pandas(), sort=True)
+    n = table.num_rows
+    label = (np.asarray(table[LABEL].to_numpy(zero_copy_only=False), dtype=float) if LABEL in table.column_names
+             else np.full(n, np.nan))
+    weight = np.zeros(n)
+    lab = np.flatnonzero(~np.isnan(label))
+    if LABEL_PROB in table.column_names:
+        prob = np.asarray(table[LABEL_PROB].to_numpy(zero_copy_only=False), dtype=float)[lab]
+        prob[np.isnan(prob)] = 1.0
+        weight[lab] = 1.0 / prob
+    else:
+        weight[lab] = 1.0
+    X = np.empty((n, len(covariates)))
+    for j, c in enumerate(covariates):
+        X[:, j] = np.asarray(table[c].to_numpy(zero_copy_only=False), dtype=float)
+    return ShardRows(row=row, prompt_ids=pa.array(np.asarray(prompt_uniques, dtype=object), pa.string()),
+                     prompt=prompt_codes.astype(np.int64), policies=tuple(str(p) for p in pol_uniques),
+                     policy=pol_codes.astype(np.int64),
+                     score=np.asarray(table[SCORE].to_numpy(zero_copy_only=False), dtype=float),
+                     label=label, label_weight=weight, X=X)
+
+
+@dataclass
+class ShardSummary:
+    """What pass 1 returns from a shard (`reduce_shard`): O(prompts + cells + labels), never its rows."""
+
+    n_rows: int
+    prompt_ids: pa.Array  # sorted distinct prompt ids
+    policies: tuple
+    cell_score: np.ndarray  # (Gs,) fine cells: distinct (score, covariates), sorted
+    cell_X: np.ndarray  # (Gs, p)
+    counts: np.ndarray  # (len(policies), Gs) rows per (policy, fine cell)
+    n_prompts: np.ndarray  # (len(policies),) distinct prompts per policy
+    score_sum: np.ndarray  # (len(policies),)
+    score_min: float
+    score_max: float
+    labelled: dict  # the labelled rows: row, prompt (index into prompt_ids), policy, cell, score, X, label, weight
+
+
+def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None
+                 ) -> ShardSummary:
+    """Pass 1 on one shard: counts, totals and the labelled rows (see the module docstring)."""
+    r = shard_rows(table, covariates, policies)
+    Kl = len(r.policies)
+    cells, cell = make_cells(r.score, r.X)
+    G = cells.size
+    counts = np.bincount(r.policy * G + cell, minlength=Kl * G).reshape(Kl, G)
+    pairs = np.unique(r.policy * (r.prompt_ids.__len__() + 1) + r.prompt) if r.row.size else np.empty(0, np.int64)
+    n_prompts = np.bincount(pairs // (len(r.prompt_ids) + 1), minlength=Kl)
+    lab = np.flatnonzero(~np.isnan(r.label))
+    return ShardSummary(
+        n_rows=int(r.row.size), prompt_ids=r.prompt_ids, policies=r.policies, cell_score=cells.score,
+        cell_X=cells.X, counts=counts, n_prompts=n_prompts,
+        score_sum=np.array([r.score[r.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
+        score_min=float(r.score.min()) if r.row.size else np.inf,
+        score_max=float(r.score.max()) if r.row.size else -np.inf,
+        labelled={"row": r.row[lab], "prompt": r.prompt[lab], "policy": r.policy[lab], "cell": cell[lab],
+                  "score": r.score[lab], "X": r.X[lab], "label": r.label[lab], "weight": r.label_weight[lab]})
+
+
+@dataclass
+class ShardCodes:
+    """What the driver sends a shard after the merge: its prompts' global codes and, for its fine cells and
+    policies, their global (policy, cell) codes in the chosen calibration mode."""
+
+    prompt_rank: np.ndarray  # (shard's prompts,) global prompt code of each
+    policy_code: np.ndarray  # (shard's policies,) global policy code (-1: not evaluated)
+    cell_code: np.ndarray  # (shard's fine cells,) global cell code in the chosen mode
+    n_cells: int  # G of the chosen mode
+
+
+@dataclass
+class Merged:
+    """The driver's merge of every shard's summary (`merge_summaries`)."""
+
+    data: EvalData  # the labelled rows (window order), global prompt and policy codes; no prompt ids
+    rows: dict  # mode -> `estimators.row_cells` tuple (cells, labelled rows' cell and key, every row's counts)
+    cell_maps: dict  # mode -> per shard: fine cell -> global cell
+    policy_maps: list  # per shard: local policy -> global code
+    prompt_ranks: list  # per shard: local prompt -> global code
+    totals: RowTotals
+    n_prompts: int
+    n_rows: int
+
+
+def global_prompt_codes(ids: Sequence[pa.Array]) -> tuple[list[np.ndarray], int]:
+    """Each shard's prompts' global codes: the rank of the id among all shards' ids (sorted as
+    ``pandas.factorize(sort=True)`` sorts them: by code point). Raises when a prompt is in two shards."""
+    sizes = [len(a) for a in ids]
+    allids = pa.concat_arrays([a.cast(pa.string()) for a in ids]) if ids else pa.array([], pa.string())
+    order = np.asarray(pc.sort_indices(allids))
+    if order.size > 1:
+        s = allids.take(pa.array(order))
+        dup = np.flatnonzero(np.asarray(pc.equal(s.slice(1), s.slice(0, len(s) - 1)).fill_null(False)))
+        if dup.size:
+            raise CJEInputError(f"prompt {s[int(dup[0])].as_py()!r} is in two shards: shards must split by prompt",
+                                column=PROMPT)
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [rank[bounds[i]:bounds[i + 1]] for i in range(len(ids))], int(order.size)
+
+
+def merge_summaries(summaries: Sequence[ShardSummary], opts: EvaluationOptions) -> Merged:
+    """Pass 1's merge: global codes, cells and counts of every calibration mode, the labelled rows' `EvalData`.
+
+    Integer counts add exactly; the labelled rows are put back in window order, so every fit on them is the
+    single-process one.
+    """
+    summaries = list(summaries)
+    seen = sorted({p for s in summaries for p in s.policies})
+    policies = list(opts.policies) if opts.policies else seen
+    missing = [p for p in policies if p not in seen]
+    if missing:
+        raise CJEInputError(f"policy {missing[0]!r} was requested but has no rows (policies present: "
+                            f"{', '.join(seen)})", column=POLICY)
+    look = {p: i for i, p in enumerate(policies)}
+    policy_maps = [np.array([look.get(p, -1) for p in s.policies], dtype=np.int64) for s in summaries]
+    ranks, n_prompts = global_prompt_codes([s.prompt_ids for s in summaries])
+    K = len(policies)
+    p = len(opts.covariates)
+    score = np.concatenate([s.cell_score for s in summaries]) if summaries else np.empty(0)
+    X = np.concatenate([s.cell_X.reshape(s.cell_score.size, p) for s in summaries]) if summaries else np.empty((0, p))
+    bounds = np.concatenate([[0], np.cumsum([s.cell_score.size for s in summaries])]).astype(int)
+    lab = {k: np.concatenate([s.labelled[k] for s in summaries]) if summaries else np.empty(0)
+           for k in ("row", "score", "label", "weight")}
+    lab_prompt = np.concatenate([ranks[i][s.labelled["prompt"]] for i, s in enumerate(summaries)])
+    lab_policy = np.concatenate([policy_maps[i][s.labelled["policy"]] for i, s in enumerate(summaries)])
+    lab_fine = np.concatenate([bounds[i] + s.labelled["cell"] for i, s in enumerate(summaries)])
+    lab_X = np.concatenate([s.labelled["X"].reshape(s.labelled["row"].size, p) for s in summaries])
+    order = np.argsort(lab["row"], kind="stable")
+    keep = order[lab_policy[order] >= 0]
+    rows, cell_maps = {}, {}
+    for entry in registry.entries():
+        cells, gcell = make_cells(score, X if entry.uses_covariates else None)
+        G = cells.size
+        small = np.int32 if K * G < 2**31 else np.int64
+        counts = np.zeros(K * G)
+        for i, s in enumerate(summaries):
+            pol = np.repeat(policy_maps[i], s.cell_score.size)
+            cc = np.tile(gcell[bounds[i]:bounds[i + 1]], len(s.policies))
+            ok = pol >= 0
+            counts += np.bincount(pol[ok] * G + cc[ok], weights=s.counts.ravel()[ok], minlength=K * G)
+        row_cell = gcell[lab_fine[keep]].astype(small)
+        rows[entry.name] = (cells, row_cell, lab_policy[keep].astype(small) * small(G) + row_cell,
+                            counts.reshape(K, G))
+        cell_maps[entry.name] = [gcell[bounds[i]:bounds[i + 1]] for i in range(len(summaries))]
+    ids_kept = pa.concat_arrays([s.prompt_ids.take(pa.array(s.labelled["prompt"])) for s in summaries]
+                                ).take(pa.array(keep))
+    data = EvalData(
+        prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (n_prompts,)),  # ids stay on the shards
+        prompt=lab_prompt[keep], policies=tuple(policies), policy=lab_policy[keep], score=lab["score"][keep],
+        label=lab["label"][keep], label_weight=lab["weight"][keep], X=lab_X[keep].reshape(keep.size, p),
+        covariate_names=tuple(opts.covariates), fold=fold_of(np.asarray(ids_kept.to_pylist(), dtype=object),
+                                                             opts.n_folds),
+        n_folds=opts.n_folds, label_scale=opts.label_scale, score_scale=opts.score_scale)
+    totals = _row_totals(summaries, policy_maps, K)
+    return Merged(data, rows, cell_maps, policy_maps, ranks, totals, n_prompts, int(totals.n_rows.sum()))
+
+
+def _row_totals(summaries: Sequence[ShardSummary], policy_maps: list, K: int) -> RowTotals:
+    """Every row's per-policy totals, added over the shards in shard order."""
+    n_rows, n_prompts, score_sum = np.zeros(K, np.int64), np.zeros(K, np.int64), np.zeros(K)
+    for s, pm in zip(summaries, policy_maps):
+        ok = pm >= 0
+        np.add.at(n_rows, pm[ok], s.counts.sum(1)[ok])
+        np.add.at(n_prompts, pm[ok], s.n_prompts[ok])
+        np.add.at(score_sum, pm[ok], s.score_sum[ok])
+    lo = min((s.score_min for s in summaries), default=np.nan)
+    hi = max((s.score_max for s in summaries), default=np.nan)
+    return RowTotals(n_rows=n_rows, n_prompts=n_prompts, score_sum=score_sum, score_min=float(lo), score_max=float(hi))
+
+
+def _shard_keys(r: ShardRows, codes: ShardCodes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(global policy, global cell, kept) of a shard's rows under ``codes``."""
+    _, fine = make_cells(r.score, r.X)
+    pol = codes.policy_code[r.policy]
+    keep = pol >= 0
+    return pol, codes.cell_code[fine], keep
+
+
+@dataclass
+class ShardTerms:
+    """Pass 2 of one shard (`shard_evaluation_terms`): the evaluation terms of its prompts and their Gram form."""
+
+    terms: np.ndarray | None  # (shard's prompts, K) per-prompt evaluation terms (None: not kept)
+    count: int  # prompts
+    total: np.ndarray  # (K,) sum over its prompts
+    gram: np.ndarray  # (K, K) sum of products over its prompts
+
+
+def shard_evaluation_terms(table: pa.Table, covariates: Sequence[str], policies: Sequence[str] | None,
+                           codes: ShardCodes, F_all: np.ndarray, cal_row: np.ndarray, cal_f: np.ndarray,
+                           plug: np.ndarray, n_k: np.ndarray, keep_terms: bool = True) -> ShardTerms:
+    """Pass 2 on one shard: every row's calibrated value (the full fit at its cell; out of fold on the
+    calibration rows ``cal_row`` of the shard, values ``cal_f``) and its evaluation term
+    ``(f - theta_k) / n_k`` summed per prompt (`estimators.evaluation_terms`, the same bits per prompt as the
+    single-process path), with their sums and cross-products over policies."""
+    r = shard_rows(table, covariates, policies)
+    pol, cell, keep = _shard_keys(r, codes)
+    f = F_all[cell]
+    if cal_row.size:
+        pos = np.searchsorted(r.row, cal_row)
+        if not np.array_equal(r.row[np.minimum(pos, r.row.size - 1)], cal_row):
+            raise ValueError("a calibration row sent to this shard is not in it")
+        f[pos] = cal_f
+    K = plug.size
+    terms = evaluation_terms(r.prompt[keep], pol[keep], f[keep], plug, n_k, len(r.prompt_ids))[:, :K]
+    return ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
+
+
+def shard_histograms(table: pa.Table, covariates: Sequence[str], policies: Sequence[str] | None,
+                     codes: ShardCodes, seed: int, start: int, stop: int, n_prompts: int, n_policies: int
+                     ) -> np.ndarray:
+    """Pass 3 on one shard: the weighted (policy, cell) histogram of replicates ``start..stop-1``, shape
+    (stop - start, K * G), int64. The prompt weights are regenerated from ``(seed, b)`` (`bootstrap_weights`),
+    whole numbers: the histograms of the shards add up exactly to the single-process one."""
+    r = shard_rows(table, covariates, policies)
+    pol, cell, keep = _shard_keys(r, codes)
+    key = (pol * codes.n_cells + cell)[keep]
+    prompt = codes.prompt_rank[r.prompt[keep]]
+    KG = n_policies * codes.n_cells
+    out = np.empty((stop - start, KG), dtype=np.int64)
+    for i, b in enumerate(range(start, stop)):
+        w = bootstrap_weights(seed, b, n_prompts)
+        out[i] = np.bincount(key, weights=w[prompt], minlength=KG)
+    return out
+
+
+@dataclass
+class ShardedPrepared:
+    """A Direct evaluation prepared from shards (`cje_engine.pipeline.prepared.Prepared`).
+
+    ``prep`` is Direct's prepared state on the labelled rows with every row's counts, totals and evaluation
+    terms merged in: `finalize` is Direct's. The replicates fan out over the shards (`shard_histograms`) with
+    ``mapper`` and are finished here; ``mapper`` and ``shards`` stay with the driver (not pickled).
+    """
+
+    prep: Prepared
+    shards: list  # per shard, what ``mapper`` hands `shard_histograms` as its table (a table or a reference)
+    codes: list  # per shard, its `ShardCodes`
+    n_prompts: int
+    mapper: Any = field(default=serial_map, repr=False)
+    influence: str = "per_prompt"  # "per_prompt": kept; "gram": only their sums and cross-products
+    gram: dict = field(default_factory=dict)  # the merged Gram form of the evaluation terms
+    reason: str = "requested"  # why the sharded path was taken (the result's ``inference.row_pass``)
+
+    @property
+    def options(self) -> EvaluationOptions:
+        """The evaluation's options."""
+        return self.prep.options
+
+    def check_bootstrap_memory(self) -> None:
+        """Direct's memory check of the replicate matrix."""
+        self.prep.check_bootstrap_memory()
+
+    def bootstrap_source(self) -> "ShardedPrepared":
+        """This state: its replicates fan out over the shards themselves (call `replicates` in the driver)."""
+        return self
+
+    def histograms(self, start: int, stop: int) -> np.ndarray:
+        """Replicates ``start..stop-1``'s (policy, cell) histograms summed over the shards (exact, any order)."""
+        opts, d = self.prep.options, self.prep.design
+        items = [(t, tuple(opts.covariates), opts.policies, c, opts.seed, start, stop, self.n_prompts,
+                  d.n_policies) for t, c in zip(self.shards, self.codes)]
+        total = None
+        for _, h in self.mapper(shard_histograms, items):
+            total = h.copy() if total is None else total + h  # int64: exact in any order
+        return total.astype(float)
+
+    def replicates(self, start: int, stop: int) -> np.ndarray:
+        """Bootstrap replicates ``start..stop-1``: bit-identical to the single-process `bootstrap_chunk`."""
+        view = bootstrap_view(self.prep.design, self.prep.options.seed)
+        return bootstrap_replicates(view, start, stop, self.histograms(start, stop))
+
+    def finalize(self, chunks: Sequence[np.ndarray]):
+        """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""
+        result = self.prep.finalize(chunks)
+        result.model.inference.row_pass = RowPass(path="sharded", shards=len(self.shards), influence=self.influence,
+                                                  reason=self.reason)
+        return result
+
+
+#: Bytes of per-prompt influence terms the driver may hold (``CJE_MAX_DRIVER_TERMS_BYTES`` overrides it).
+DRIVER_TERMS_BYTES = 4 * 2**30
+
+
+def terms_bytes(n_prompts: int, n_policies: int) -> int:
+    """Bytes of the per-prompt influence arrays the driver holds at the peak of `finalize`: ``total`` and
+    ``calibration`` (2K columns each), ``audit`` (K), the extended ``total`` and ``calibration`` (4K each)
+    and one (prompts, 4K) temporary of the covariance: 19K float64 a prompt."""
+    return int(8 * 19 * n_policies * n_prompts)
+
+
+def check_terms_memory(n_prompts: int, n_policies: int, budget: int | None = None) -> None:
+    """Raise `CJEInputError` before pass 2 when the per-prompt terms would not fit the driver's budget
+    (the Gram-only finalize, which would not need them, is not built yet: docs/scaling.md)."""
+    import os
+
+    if budget is None:
+        budget = int(os.environ.get("CJE_MAX_DRIVER_TERMS_BYTES", DRIVER_TERMS_BYTES))
+    need = terms_bytes(n_prompts, n_policies)
+    if need > budget:
+        raise CJEInputError(
+            f"the per-prompt influence terms of {n_prompts:,} prompts x {n_policies} policies need "
+            f"{need / 2**30:.1f} GiB on the driver, over its budget of {budget / 2**30:.1f} GiB "
+            "(CJE_MAX_DRIVER_TERMS_BYTES); the Gram-only finalize that would not need them is not built",
+            option="row_pass")
+
+
+def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = None, *,
+                    mapper: Mapper = serial_map, keep_terms: bool = True, reason: str = "requested",
+                    terms_budget: int | None = None, **kwargs: Any) -> ShardedPrepared:
+    """Prepare a Direct evaluation from shards of rows split by prompt (`split_by_shard`).
+
+    Parameters
+    ----------
+    shards : sequence
+        One entry per shard: a `pyarrow.Table` of its rows, or whatever ``mapper`` resolves to one (a Ray
+        object reference).
+    options : EvaluationOptions, optional (or keyword options)
+    mapper : Mapper
+        Runs the per-shard passes (default: in process, in order).
+    terms_budget : int, optional
+        Bytes of per-prompt influence terms the driver may hold (`check_terms_memory`; default
+        `DRIVER_TERMS_BYTES` or ``CJE_MAX_DRIVER_TERMS_BYTES``).
+    reason : str
+        Why the sharded path is taken (recorded in the result's ``inference.row_pass``).
+    keep_terms : bool
+        Bring every prompt's evaluation terms to the driver (the analytic result keeps per-prompt influence
+        terms, as the single-process path does); they are always merged in their Gram form too.
+    """
+    opts = EvaluationOptions.of(options, **kwargs)
+    if opts.inference == "bootstrap" and opts.pooling_bootstrap == "rerun" and opts.calibration_policies:
+        raise CJEInputError("pooling_bootstrap='rerun' is not available on the sharded path", option="pooling_bootstrap")
+    cov, pols = tuple(opts.covariates), opts.policies
+    shards = list(shards)
+    summaries: list = [None] * len(shards)
+    for i, s in mapper(reduce_shard, [(t, cov, pols) for t in shards]):
+        summaries[i] = s
+    merged = merge_summaries(summaries, opts)
+    check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
+    data = merged.data
+    _check_labels(data, merged.totals)
+    fit, selection, excluded = fit_calibration(data, opts, dict(merged.rows))
+    design = fit.design
+    mode = design.mode
+    G = design.cells.cells.size
+    counts = design.cells.counts
+    n_k = counts.sum(1)
+    K = design.n_policies
+    cr = design.cal_rows
+    f = fit.f
+    stats = fit.stats  # `estimators.cell_policy_stats`: the single-process path's bits
+    plug = stats[:K]
+    codes = [ShardCodes(merged.prompt_ranks[i], merged.policy_maps[i], merged.cell_maps[mode][i], G)
+             for i in range(len(shards))]
+    # the calibration rows of each shard: their window row and out-of-fold value
+    cal_rows_window = _labelled_window_rows(summaries, merged, opts)[cr]
+    shard_of_row = _shard_of_labelled(summaries, merged, opts)[cr]
+    items = []
+    for i, t in enumerate(shards):
+        sel = shard_of_row == i
+        items.append((t, cov, pols, codes[i], fit.F_all, cal_rows_window[sel], fit.f_cal[sel], plug, n_k, keep_terms))
+    total = np.zeros((merged.n_prompts, 2 * K)) if keep_terms else None
+    gram = {"count": 0, "sum": np.zeros(K), "gram": np.zeros((K, K))}
+    parts: list = [None] * len(shards)
+    for i, res in mapper(shard_evaluation_terms, items):
+        parts[i] = (res.count, res.total, res.gram)
+        if keep_terms:
+            total[codes[i].prompt_rank, :K] = res.terms
+    for count, tot, gr in parts:  # in shard order: the same sums whatever the order of arrival
+        gram["count"] += count
+        gram["sum"] += tot
+        gram["gram"] += gr
+    if keep_terms:
+        total[:, K:] = total[:, :K]
+        infl = influence_with_evaluation_terms(design, f, fit.full, stats, total, n_k)
+    else:
+        raise CJEInputError("the sharded path without per-prompt evaluation terms (the Gram form alone) cannot "
+                            "finalize yet: keep_terms=True", option="sharded")
+    jk = fold_jackknife(design, fit.models)
+    log.info("prepared %d rows on %d shards (%d prompts, %d labelled rows on the driver), mode=%s",
+             merged.n_rows, len(shards), merged.n_prompts, data.n_rows, mode)
+    prep = Prepared(opts, design, selection, f, fit.full, stats, infl, jk, fit.models, excluded, None,
+                    rows=merged.totals)
+    return ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper,
+                           "per_prompt" if keep_terms else "gram", gram, reason)
+
+
+def _labelled_window_rows(summaries: Sequence[ShardSummary], merged: Merged, opts: EvaluationOptions) -> np.ndarray:
+    """Window row of every labelled row of the merged data (its order)."""
+    rows = np.concatenate([s.labelled["row"] for s in summaries])
+    pol = np.concatenate([merged.policy_maps[i][s.labelled["policy"]] for i, s in enumerate(summaries)])
+    order = np.argsort(rows, kind="stable")
+    return rows[order[pol[order] >= 0]]
+
+
+def _shard_of_labelled(summaries: Sequence[ShardSummary], merged: Merged, opts: EvaluationOptions) -> np.ndarray:
+    """Shard of every labelled row of the merged data (its order)."""
+    rows = np.concatenate([s.labelled["row"] for s in summaries])
+    pol = np.concatenate([merged.policy_maps[i][s.labelled["policy"]] for i, s in enumerate(summaries)])
+    shard = np.concatenate([np.full(s.labelled["row"].size, i) for i, s in enumerate(summaries)])
+    order = np.argsort(rows, kind="stable")
+    return shard[order[pol[order] >= 0]]
+
+
+def _check_labels(data: EvalData, totals: RowTotals) -> None:
+    """The whole-window checks of `cje_engine.data.io` that need every row: labels and distinct scores."""
+    if data.n_rows == 0:
+        raise CJEInputError("no row has an oracle label; calibration needs labelled rows with at least two "
+                            "distinct label values", column=LABEL)
+    if data.label.min() == data.label.max():
+        raise CJEInputError(f"all {data.n_rows} labelled rows have the same oracle label {data.label[0]:g}; "
+                            "calibration needs at least two distinct label values", column=LABEL)
+    if totals.score_min == totals.score_max:
+        raise CJEInputError(f"every judge score is {totals.score_min:g}; the judge scores carry no information",
+                            column=SCORE)

@@ -1,0 +1,133 @@
+"""The evaluate flow's sharded row pass (issue 29): which path a run takes, and the sharded path itself.
+
+`row_pass_for` picks the path: ``row_pass="sharded"`` or ``"single"`` forces one; ``"auto"`` takes the
+sharded path for a Direct window whose Parquet files reach `SHARDED_MIN_BYTES`. `compute_sharded` reads
+every file on a Ray worker, joins the label store's labels and derives covariates there
+(`prepare_file_rows`), splits the rows by prompt into shards (`flows.runtime.sharded_ray.read_shards`) and
+runs `cje_engine.pipeline.sharded.prepare_sharded` with the Ray mapper: the flow's driver holds the labelled
+rows, counts per (policy, cell) and the per-prompt evaluation terms, never the rows.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+from cje_engine.errors import CJEInputError
+from cje_engine.pipeline import sharded
+from flows.runtime import ray_fanout, sharded_ray
+
+log = logging.getLogger(__name__)
+
+#: ``row_pass="auto"``: the sharded path from this many bytes of Parquet in the window (~45M rows of the
+#: simulator's schema at 116 MiB per 10M rows; the single path's driver needs ~165 B a row, docs/scaling.md).
+SHARDED_MIN_BYTES = 512 * 2**20
+
+ROW_PASSES = ("auto", "single", "sharded")
+BASE_COLUMNS = ("prompt_id", "policy", "judge_score", "response_id")
+
+
+def row_pass_for(requested: str, mode: str, files: Sequence[dict]) -> tuple[str, str]:
+    """(path, reason): ``"single"`` or ``"sharded"`` for a run of ``mode`` over ``files`` (their ``size``)."""
+    if requested not in ROW_PASSES:
+        raise CJEInputError(f"row_pass must be one of {', '.join(ROW_PASSES)}, got {requested!r}", option="row_pass")
+    size = sum(int(f.get("size") or 0) for f in files)
+    if requested == "sharded":
+        if mode != "direct":
+            raise CJEInputError(f"row_pass='sharded' is for mode 'direct' (this evaluation is {mode!r})",
+                                option="row_pass")
+        return "sharded", "requested (row_pass: sharded)"
+    if requested == "single":
+        return "single", "requested (row_pass: single)"
+    if mode == "direct" and size >= SHARDED_MIN_BYTES:
+        return "sharded", f"{size / 2**20:.0f} MiB of logs >= {SHARDED_MIN_BYTES / 2**20:.0f} MiB (row_pass: auto)"
+    return "single", (f"{size / 2**20:.0f} MiB of logs < {SHARDED_MIN_BYTES / 2**20:.0f} MiB (row_pass: auto)"
+                      if mode == "direct" else f"mode {mode!r} (row_pass: auto)")
+
+
+class FileRows:
+    """What a read task does to one file's rows before they are split (picklable: shipped to the workers):
+    join the label store's labels (`flows.storage.labels.join_labels`, row order kept), derive covariates
+    (`flows.pipelines.preflight.derive_covariates`) and check the columns, naming the file."""
+
+    def __init__(self, labels: pa.Table | None, covariates: Sequence[str]) -> None:
+        self.labels = labels
+        self.covariates = tuple(covariates)
+
+    def __call__(self, table: pa.Table, source: str) -> tuple[pa.Table, dict]:
+        """The file's rows ready for the shards, and its counts (rows, labels per policy, join counts)."""
+        from flows.pipelines import preflight
+        from flows.storage.labels import join_counts, join_labels
+
+        info: dict[str, Any] = {}
+        if self.labels is not None:
+            table = join_labels(table, self.labels)
+            info.update(join_counts(table))
+            if "label_conflict" in table.column_names:
+                table = table.drop_columns(["label_conflict"])
+        table = preflight.derive_covariates(table, self.covariates, source)
+        for col in list(BASE_COLUMNS) + list(self.covariates):
+            if col not in table.column_names:
+                raise CJEInputError(f"column is missing from the logs (found: {', '.join(table.column_names)})",
+                                    source=source, column=col)
+        lab = table["oracle_label"] if "oracle_label" in table.column_names else None
+        g = table.group_by("policy").aggregate([("policy", "count")] + ([("oracle_label", "count")] if lab else []))
+        info["policies"] = {p: {"rows": int(r), "labelled": int(n)} for p, r, n in zip(
+            g["policy"].to_pylist(), g["policy_count"].to_pylist(),
+            g["oracle_label_count"].to_pylist() if lab else [0] * g.num_rows)}
+        return table, info
+
+
+def merge_file_infos(infos: Sequence[dict]) -> dict:
+    """The flow's counts (`flows.pipelines.evaluate.validate`'s shape) from every file's info."""
+    per: dict[str, dict[str, int]] = {}
+    for info in infos:
+        for p, c in info.get("policies", {}).items():
+            acc = per.setdefault(p, {"rows": 0, "labelled": 0})
+            acc["rows"] += c["rows"]
+            acc["labelled"] += c["labelled"]
+    return {"n_rows": sum(c["rows"] for c in per.values()), "n_labelled": sum(c["labelled"] for c in per.values()),
+            "policies": per}
+
+
+def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: pa.Table | None, reason: str,
+                    logger: Any = log) -> tuple[dict, dict, Any]:
+    """The sharded path of a run: (counts, join counts, result). Shards are read, joined and reduced on Ray;
+    the bootstrap's histograms too (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`)."""
+    opts = plan.opts
+    cfg_dict = cfg.to_dict(include_secrets=True)
+    keys = [f["key"] for f in files]
+    size = sum(int(f.get("size") or 0) for f in files)
+    rows_hint = int(size / 12)  # ~12 bytes of zstd Parquet a row (simulator's schema): only the tasks' memory
+    n_shards = sharded_ray.n_shards_for(rows_hint, ray_fanout.cluster_cpus())
+    t0 = time.perf_counter()
+    refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
+                                          policies=plan.read_policies, mapping=plan.columns,
+                                          prepare_rows=FileRows(labels, plan.covariates), rows_hint=rows_hint,
+                                          with_info=True)
+    counts = merge_file_infos(infos)
+    if counts["n_rows"] == 0:
+        raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)
+    if counts["n_labelled"] == 0:
+        raise CJEInputError("no row of the window has an oracle label", source=plan.logs_uri, column="oracle_label")
+    per_task = sharded_ray.task_memory(counts["n_rows"] // n_shards)
+    mapper = sharded_ray.ray_mapper(memory=per_task)
+    sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason=reason)
+    logger.info("row pass: sharded (%s): %d rows in %d shard(s) read and reduced on Ray in %.2f s; the driver "
+                "holds %d labelled rows", reason, counts["n_rows"], n_shards, time.perf_counter() - t0,
+                sp.prep.design.data.n_rows)
+    chunks = []
+    if opts.inference == "bootstrap":
+        sp.check_bootstrap_memory()
+        B = int(opts.n_bootstrap)
+        d = sp.prep.design
+        step = sharded_ray.replicate_chunk(B, d.n_policies, d.cells.cells.size)
+        t1 = time.perf_counter()
+        chunks = [sp.replicates(a, min(a + step, B)) for a in range(0, B, step)]
+        logger.info("%d replicates from the shards' histograms in %d chunk(s) in %.2f s", B, len(chunks),
+                    time.perf_counter() - t1)
+    join = {k: sum(int(i.get(k, 0)) for i in infos) for k in
+            ("n_inline_labels", "n_inline_overridden", "n_conflicting_rows")}
+    return counts, join, sp.finalize(chunks)

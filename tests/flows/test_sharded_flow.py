@@ -1,0 +1,80 @@
+"""The evaluate flow on its sharded row pass (`row_pass: sharded`): same numbers, says which path it took.
+
+A real Prefect server and the flow's own local Ray; logs in daily files with every prompt on two days,
+half the labels inline and half in the label store (joined on the workers)."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cje_engine import evaluate as engine_evaluate
+from cje_engine.errors import CJEInputError
+from cje_engine.simulate import simulate
+from flows.pipelines.sharded_pass import SHARDED_MIN_BYTES, row_pass_for
+from flows.storage.labels import LabelStore
+from flows.storage.objects import Storage
+
+from tests.unit.test_sharded import assert_same_result
+
+DAYS = ("2026-02-02", "2026-02-03")
+
+
+def test_row_pass_is_chosen_by_size_or_forced():
+    small, big = [{"key": "a", "size": 10}], [{"key": "a", "size": SHARDED_MIN_BYTES}]
+    assert row_pass_for("auto", "direct", small)[0] == "single"
+    assert row_pass_for("auto", "direct", big)[0] == "sharded"
+    assert row_pass_for("auto", "logs-only", big)[0] == "single"
+    assert row_pass_for("sharded", "direct", small) == ("sharded", "requested (row_pass: sharded)")
+    assert row_pass_for("single", "direct", big)[0] == "single"
+    with pytest.raises(CJEInputError, match="row_pass='sharded' is for mode 'direct'"):
+        row_pass_for("sharded", "hybrid", small)
+
+
+def test_the_flow_on_the_sharded_path_gives_the_single_process_numbers(prefect_server, tmp_path, monkeypatch):
+    from flows.pipelines.evaluate import evaluate
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    f = simulate(300, seed=5, oracle_fraction=0.1).frame
+    pol = f["policy"].astype("category").cat.codes.to_numpy()
+    f["ts"] = pd.Timestamp(DAYS[0], tz="UTC") + pd.to_timedelta(pol % 2, unit="D") + pd.Timedelta(hours=12)
+    f = f.iloc[np.argsort(pol % 2, kind="stable")].reset_index(drop=True)  # rows in file (day) order
+    labelled = np.flatnonzero(f["oracle_label"].notna().to_numpy())
+    logs = f.copy()
+    logs.loc[labelled[::2], ["oracle_label", "label_probability"]] = np.nan  # half the labels in the store only
+    day = (f["ts"] - f["ts"].min()).dt.days.to_numpy()
+    for i, d in enumerate(DAYS):
+        (tmp_path / "logs" / f"dt={d}").mkdir(parents=True)
+        pq.write_table(pa.Table.from_pandas(logs[day == i], preserve_index=False),
+                       tmp_path / "logs" / f"dt={d}" / "part-0.parquet")
+    store = f.loc[labelled[::2], ["response_id", "oracle_label", "label_probability"]].reset_index(drop=True)
+    LabelStore(Storage.for_uri(str(tmp_path / "labels"))).append(pa.Table.from_pandas(store, preserve_index=False),
+                                                                  "oracle")
+    out = evaluate(logs_uri=str(tmp_path / "logs"), window=f"{DAYS[0]}..{DAYS[1]}", evaluation="sharded",
+                   results_uri=str(tmp_path / "results"), labels_uri=str(tmp_path / "labels"),
+                   options={"inference": "analytic", "seed": 1}, row_pass="sharded")
+    got = out["result"]
+    assert got["inference"]["row_pass"]["path"] == "sharded"
+    assert got["data"]["n_labelled"] == labelled.size  # no label dropped
+    ref = engine_evaluate(f.drop(columns=["ts"]), inference="analytic", seed=1).to_dict()
+    assert_same_result(ref, got)
+
+
+def test_row_pass_walks_from_yaml_to_the_flow_typed_once(tmp_path):
+    """``row_pass:`` of an evaluation is validated when the file is loaded and reaches the flows as it is."""
+    import yaml
+
+    from flows.pipelines.audit import evaluate_and_audit
+    from flows.runtime.schedules import load_evaluations
+
+    f = tmp_path / "evaluations.yaml"
+    entry = {"name": "big", "logs_uri": "logs", "options": {"inference": "analytic"}, "row_pass": "sharded"}
+    f.write_text(yaml.safe_dump({"evaluations": [entry]}))
+    params = load_evaluations(str(f))["big"].flow_parameters()
+    assert params["row_pass"] == "sharded"
+    assert evaluate_and_audit.check_parameters(dict(params))["row_pass"] == "sharded"
+    f.write_text(yaml.safe_dump({"evaluations": [{**entry, "row_pass": "sideways"}]}))
+    with pytest.raises(CJEInputError, match="row_pass"):
+        load_evaluations(str(f))

@@ -1,0 +1,119 @@
+"""The sharded row pass on a real local Ray reading daily Parquet files from S3 (moto).
+
+Shards are read and reduced on the workers (`flows.runtime.sharded_ray`); the numbers are the
+single-process engine's on the same files (replicates bit-identical), also when a worker is killed
+in the middle of a pass.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from cje_engine.options import EvaluationOptions
+from cje_engine.pipeline import direct, sharded
+from cje_engine.simulate import simulate
+from flows.runtime import sharded_ray
+from flows.storage.logs import read_window, write_logs
+
+from tests.unit.test_sharded import assert_same_result
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A real local Ray (this process's own, two CPUs): the test kills one of its worker processes."""
+    from flows.runtime import ray_fanout
+
+    with ray_fanout.ray_session(num_cpus=2):
+        yield os.getpid()
+
+
+def _descends_from(pid: int, root: int) -> bool:
+    for _ in range(64):
+        if pid == root:
+            return True
+        if pid <= 1:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
+@pytest.fixture
+def two_days(direct_storage, bucket, s3_server):
+    """Simulated logs with inline labels in two daily files; every prompt has rows on both days."""
+    frame = simulate(1200, seed=2, oracle_fraction=0.05).frame.copy()
+    pol_code = frame["policy"].astype("category").cat.codes.to_numpy()
+    start = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    frame["ts"] = [start + timedelta(days=int(c % 2), seconds=i % 80000) for i, c in enumerate(pol_code)]
+    uri = f"s3://{bucket}/logs"
+    st = direct_storage(uri)
+    keys = sorted(write_logs(st, pa.Table.from_pandas(frame, preserve_index=False), basename="sim"))
+    assert len(keys) == 2
+    cfg = st.config.to_dict(include_secrets=True)
+    window = read_window(st, keys)  # the single-process path's table: files in window order
+    return uri, cfg, keys, window.drop([c for c in ("dt", "ts") if c in window.column_names])
+
+
+def _shard_workers(root: int, name: bytes) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if cmd.startswith(b"ray::" + name) and _descends_from(int(entry), root):
+            pids.append(int(entry))
+    return pids
+
+
+def test_shards_read_on_workers_give_the_single_process_numbers(local_ray, two_days):
+    uri, cfg, keys, window = two_days
+    opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=60)
+    prep = direct.prepare(window, opts)
+    expected = direct.bootstrap_chunk(prep, 0, 60)
+    refs = sharded_ray.read_shards(uri, cfg, keys, 3, rows_hint=window.num_rows)
+    sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper(
+        memory=sharded_ray.task_memory(window.num_rows // 3)))
+    got = sp.replicates(0, 60)
+    assert np.array_equal(got, expected, equal_nan=True)
+    assert_same_result(direct.finalize(prep, [expected]).to_dict(), sp.finalize([got]).to_dict())
+
+
+def test_a_worker_killed_mid_pass_is_retried_without_changing_a_number(local_ray, two_days):
+    uri, cfg, keys, window = two_days
+    B = 400
+    opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=B)
+    expected = direct.bootstrap_chunk(direct.prepare(window, opts), 0, B)
+    refs = sharded_ray.read_shards(uri, cfg, keys, 2, rows_hint=window.num_rows)
+    sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
+    killed = []
+
+    def killer():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            pids = _shard_workers(local_ray, b"cje_shard_histograms")
+            if pids:
+                time.sleep(0.2)
+                os.kill(pids[0], signal.SIGKILL)
+                killed.append(pids[0])
+            time.sleep(0.02)
+
+    th = threading.Thread(target=killer)
+    th.start()
+    got = sp.replicates(0, B)
+    th.join()
+    assert killed, "no histogram task was seen running"
+    assert np.array_equal(got, expected, equal_nan=True)
