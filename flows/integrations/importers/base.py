@@ -106,6 +106,22 @@ class SourceRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class Note:
+    """Something an importer passed over that is not a record (spans that are not responses), to report.
+
+    Parameters
+    ----------
+    text : str
+        What (the report counts it under this text).
+    count : int
+        How many.
+    """
+
+    text: str
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class ImportedRow:
     """One row of the service's logs, as the writer stores it.
 
@@ -449,8 +465,10 @@ class Importer(Protocol):
     default_prompt: str
     version: str
 
-    def records(self, source: Path) -> Iterator[SourceRecord]:
+    def records(self, source: Path) -> Iterator[SourceRecord | Note]:
         """Stream the records of ``source`` (a file, or a folder when the tool exports several files).
+
+        `Note` items (things passed over that are not records) go to the report's notes.
 
         Raises
         ------

@@ -1,8 +1,8 @@
 """Streaming JSON for importers: JSON Lines line by line, and the items of a large JSON document.
 
-No whole file is held in memory. `iter_jsonl` decodes one line at a time. `iter_items` walks a JSON
-document down a path of keys and ``*`` (every item of an array), decoding each item at the end of the
-path on its own with the standard library's C decoder (``json.JSONDecoder.raw_decode``) from a buffer
+No whole file is held in memory. `iter_jsonl` decodes one line at a time. `iter_json` reads a JSON
+document (or several one after another, or a top-level array) and walks it down a path of keys and ``*``
+(every item of an array), decoding each record at the end of the path on its own with the standard library's C decoder (``json.JSONDecoder.raw_decode``) from a buffer
 refilled in chunks; the values met on the way (an OTLP ``resource`` before its ``scopeSpans``) are
 decoded too and passed along as the item's context.  Memory is bounded by the largest single item (or
 sibling value), not by the file.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import IO, Any, Iterator, Sequence
+from typing import IO, Any, Iterator, Mapping, Sequence
 
 from cje_engine.errors import CJEInputError
 
@@ -22,8 +22,10 @@ _WS = " \t\n\r"
 _DECODER = json.JSONDecoder()
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(path: Path, only_with: str | None = None) -> Iterator[tuple[int, Any]]:
     """``(line number, value)`` of every non-blank line of a JSON Lines file (1-based lines).
+
+    ``only_with``: decode only the lines containing this text (a cheap pre-filter for a first pass).
 
     Raises
     ------
@@ -33,7 +35,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     try:
         with open(path, "r", encoding="utf-8") as fh:
             for i, line in enumerate(fh, 1):
-                if not line.strip():
+                if not line.strip() or (only_with is not None and only_with not in line):
                     continue
                 try:
                     yield i, json.loads(line)
@@ -126,39 +128,82 @@ class _Buffer:
         return CJEInputError(f"record {record}, character {offset}: {message}", source=self.source, row=record)
 
 
-def iter_items(path: Path, steps: Sequence[str]) -> Iterator[tuple[list[dict[str, Any]], Any]]:
-    """Stream the values at ``steps`` in the JSON document ``path``.
+def iter_json(path: Path, paths: Mapping[str, Sequence[str]] | None = None) -> Iterator[tuple[str | None, list[dict[str, Any]], Any]]:
+    """Stream the records of a JSON file: one document, several documents one after the other, or an array.
 
     Parameters
     ----------
     path : Path
-        The file.
-    steps : sequence of str
-        Object keys and ``"*"`` (every item of an array), e.g. ``["resourceSpans", "*", "scopeSpans",
-        "*", "spans", "*"]`` or ``["*"]`` for a top-level array.  A key absent from its object yields
-        nothing below it.
+        The file: a JSON document, a top-level array, or JSON values one after another (JSON Lines,
+        or pretty-printed objects as the OpenTelemetry SDK's console exporter writes them).
+    paths : mapping of str to sequence of str, optional
+        For a top-level object with one of these keys, the path below the key to the records: keys and
+        ``"*"`` (every item of an array), e.g. ``{"resourceSpans": ["*", "scopeSpans", "*", "spans",
+        "*"]}``.  The records are decoded one at a time; the values met on the way (an OTLP
+        ``resource`` before its ``scopeSpans``) are decoded too and passed as context.
 
     Yields
     ------
-    (list of dict, value)
-        The context (for each object on the path, its other keys decoded so far, outermost first; the
-        dicts are reused, copy what you keep) and the item.
+    (str or None, list of dict, value)
+        The top-level key whose path led to the record (None: the record is a whole top-level object
+        without any of those keys, or an item of a top-level array), the context (for each object on
+        the path, its other keys decoded so far, outermost first; reused, copy what you keep) and the
+        record.
 
     Raises
     ------
     CJEInputError
-        Invalid JSON or a shape other than ``steps`` (file, character offset and record named).
+        Invalid JSON or another shape (file, character offset and record named).
     """
+    paths = dict(paths or {})
     counter = [0]
     try:
         with open(path, "r", encoding="utf-8") as fh:
             buf = _Buffer(fh, str(path))
-            ctx: list[dict[str, Any]] = []
-            yield from _walk(buf, list(steps), 0, ctx, counter)
-            if buf.skip_ws():
-                raise buf.error("unexpected data after the JSON document", counter[0])
+            if buf.skip_ws() == "\ufeff":
+                buf.pos += 1
+            while True:
+                c = buf.skip_ws()
+                if not c:
+                    return
+                if c == "[":
+                    for _, item in _walk(buf, ["*"], 0, [], counter):
+                        yield None, [], item
+                    continue
+                if c != "{":
+                    raise buf.error(f"expected a JSON object or array, found {c!r}", counter[0])
+                yield from _top(buf, paths, counter)
     except UnicodeDecodeError as exc:
         raise CJEInputError(f"is not UTF-8 text ({exc.reason})", source=str(path)) from None
+
+
+def _top(buf: _Buffer, paths: Mapping[str, Sequence[str]], counter: list[int]) -> Iterator[tuple[str | None, list[dict[str, Any]], Any]]:
+    """One top-level object: descend the keys of ``paths``, else yield it whole."""
+    buf.pos += 1
+    level: dict[str, Any] = {}
+    ctx = [level]
+    found = False
+    if buf.skip_ws() == "}":
+        buf.pos += 1
+    else:
+        while True:
+            key = buf.key(counter[0])
+            buf.expect(":", "':'", counter[0])
+            steps = paths.get(key)
+            if steps is not None:
+                found = True
+                if buf.skip_ws() == "n":
+                    buf.value(counter[0])
+                else:
+                    for c, item in _walk(buf, list(steps), 0, ctx, counter):
+                        yield key, c, item
+            else:
+                level[key] = buf.value(counter[0])
+            if buf.expect(",}", "',' or '}'", counter[0]) == "}":
+                break
+    if not found:
+        yield None, [], level
+        counter[0] += 1
 
 
 def _walk(buf: _Buffer, steps: list[str], depth: int, ctx: list[dict[str, Any]],
@@ -166,7 +211,7 @@ def _walk(buf: _Buffer, steps: list[str], depth: int, ctx: list[dict[str, Any]],
     step = steps[depth]
     last = depth == len(steps) - 1
     if step == "*":
-        buf.expect("[", f"an array at {'.'.join(steps[:depth]) or 'the top level'}", counter[0])
+        buf.expect("[", "an array", counter[0])
         if buf.skip_ws() == "]":
             buf.pos += 1
             return

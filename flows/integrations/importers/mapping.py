@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 
 from cje_engine.errors import CJEInputError
 
-from flows.integrations.importers.base import (HUMAN, JUDGE, UNKNOWN, ImportedRow, ImportMapping, ImportReport,
+from flows.integrations.importers.base import (HUMAN, JUDGE, UNKNOWN, ImportedRow, ImportMapping, ImportReport, Note,
                                                Score, SourceRecord, number, text_id)
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ def _find(scores: list[Score], name: str, report: ImportReport) -> Score | None:
     return hit
 
 
-def map_records(records: Iterable[SourceRecord], mapping: ImportMapping, report: ImportReport) -> Iterator[ImportedRow]:
+def map_records(records: Iterable[SourceRecord | Note], mapping: ImportMapping, report: ImportReport) -> Iterator[ImportedRow]:
     """Apply ``mapping`` to ``records``; rows out, what could not be mapped counted in ``report``.
 
     Parameters
@@ -111,6 +111,9 @@ def map_records(records: Iterable[SourceRecord], mapping: ImportMapping, report:
     label = _Picker("label", mapping.label, (HUMAN,), "--label-from")
     jlo = jhi = llo = lhi = None
     for rec in records:
+        if isinstance(rec, Note):
+            report.notes[rec.text] += rec.count
+            continue
         report.records += 1
         pos = rec.position
         policy = mapping.policy.resolve(rec.fields)
