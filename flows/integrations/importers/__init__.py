@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from flows.integrations.importers.base import (HUMAN, IMPORTERS, JUDGE, UNKNOWN, ImportedRow, Importer, ImportMapping,
                                                ImportReport, Note, Score, Selector, Skipped, SourceRecord, bad_record, get,
-                                               names, number, parse_ts, register, text_id)
+                                               message_text, names, number, parse_ts, register, text_id)
 from flows.integrations.importers.mapping import map_records
+from flows.integrations.importers.langfuse import LangfuseImporter
+from flows.integrations.importers.langsmith import LangSmithImporter
 from flows.integrations.importers.otel import OtelImporter
 from flows.integrations.importers.writer import import_source
 
 #: The built-in importers: one registration each.
-BUILTIN: tuple[Importer, ...] = (OtelImporter(),)
+BUILTIN: tuple[Importer, ...] = (OtelImporter(), LangfuseImporter(), LangSmithImporter())
 for _imp in BUILTIN:
     register(_imp, replace=True)
 
 __all__ = ["Importer", "SourceRecord", "Score", "ImportedRow", "ImportReport", "Note", "Skipped", "ImportMapping", "Selector",
-           "IMPORTERS", "register", "get", "names", "map_records", "import_source", "bad_record", "parse_ts", "number",
+           "IMPORTERS", "register", "get", "names", "map_records", "import_source", "bad_record", "message_text", "parse_ts", "number",
            "text_id", "JUDGE", "HUMAN", "UNKNOWN", "BUILTIN"]

@@ -25,6 +25,7 @@ A new source is its module, an object following `Importer`, and one `register` c
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from collections import Counter
@@ -197,8 +198,8 @@ class ImportReport:
         Scores present on mapped records that were neither the judge nor the label, per name.
     judge_range, label_range : (float, float) or None
         Observed range of the mapped judge scores and labels.
-    judge_scale : (float, float) or None
-        The scale the source declares for the judge, when it does.
+    judge_scale, label_scale : (float, float) or None
+        The scale the source declares for the judge and for the label, when it does.
     written, already_present : int
         Rows written; rows whose ``response_id`` the logs already held (a re-import).
     objects : list of str
@@ -224,6 +225,7 @@ class ImportReport:
     judge_range: tuple[float, float] | None = None
     label_range: tuple[float, float] | None = None
     judge_scale: tuple[float, float] | None = None
+    label_scale: tuple[float, float] | None = None
     written: int = 0
     already_present: int = 0
     objects: list[str] = field(default_factory=list)
@@ -258,6 +260,7 @@ class ImportReport:
             "judge_range": list(self.judge_range) if self.judge_range else None,
             "label_range": list(self.label_range) if self.label_range else None,
             "judge_scale": list(self.judge_scale) if self.judge_scale else None,
+            "label_scale": list(self.label_scale) if self.label_scale else None,
             "objects": list(self.objects), "days": list(self.days),
         }
 
@@ -273,7 +276,7 @@ class ImportReport:
                        for r, s in (data.get("skipped") or {}).items()}
         for k in ("notes", "policies", "judges", "labels", "unused_scores"):
             setattr(rep, k, Counter(data.get(k) or {}))
-        for k in ("judge_range", "label_range", "judge_scale"):
+        for k in ("judge_range", "label_range", "judge_scale", "label_scale"):
             v = data.get(k)
             setattr(rep, k, (float(v[0]), float(v[1])) if v else None)
         rep.objects = [str(o) for o in data.get("objects") or []]
@@ -284,7 +287,7 @@ class ImportReport:
         """The ``--score-scale``/``--label-scale`` flags `cje evaluate` needs for these rows ('' for 0-1)."""
         flags = []
         for flag, declared, seen in (("--score-scale", self.judge_scale, self.judge_range),
-                                     ("--label-scale", None, self.label_range)):
+                                     ("--label-scale", self.label_scale, self.label_range)):
             lo, hi = declared or seen or (0.0, 1.0)
             if (lo, hi) != (0.0, 1.0) and (lo < 0.0 or hi > 1.0 or declared):
                 flags.append(f"{flag} {_num(lo)}-{_num(hi)}")
@@ -549,7 +552,9 @@ def bad_record(source: str | Path, record: int, field_name: str | None, expected
     """
     where = f"record {record}" + (f" (line {line})" if line is not None else "")
     what = f"field '{field_name}'" if field_name else "the record"
-    return CJEInputError(f"{where}: {what} is not {expected}", source=str(source), column=field_name, row=record)
+    err = CJEInputError(f"{where}: {what} is not {expected}", source=str(source))
+    err.column, err.row = field_name, record  # named in the message already, kept for callers
+    return err
 
 
 def parse_ts(value: Any) -> datetime | None:
@@ -598,3 +603,47 @@ def number(value: Any) -> float | None:
 def text_id(text: str) -> str:
     """A stable prompt id from the prompt text: ``sha1:`` and 16 hex digits of its SHA-1."""
     return "sha1:" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
+def message_text(v: Any, last_user: bool = False) -> str | None:
+    """The text of chat messages, a string, or ``{"content": ...}``/``{"parts": [...]}`` objects.
+
+    Parameters
+    ----------
+    v : object
+        Messages as the tools record them (a JSON string of them is decoded first).
+    last_user : bool
+        Keep only the last ``user`` message when there is one (the prompt, without a system message
+        that every prompt shares).
+    """
+    if v is None:
+        return None
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except (json.JSONDecodeError, ValueError):
+            return v
+    if last_user and isinstance(v, list):
+        users = [m for m in v if isinstance(m, dict) and m.get("role") in ("user", "human")]
+        if users:
+            v = users[-1]
+    if isinstance(v, dict) and isinstance(v.get("messages"), list):
+        v = v["messages"]
+        if last_user:
+            users = [m for m in v if isinstance(m, dict) and m.get("role") in ("user", "human")]
+            v = users[-1] if users else v
+    parts: list[str] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, str):
+            parts.append(x)
+        elif isinstance(x, list):
+            for i in x:
+                walk(i)
+        elif isinstance(x, dict):
+            for key in ("content", "parts", "text", "message", "choices", "generations", "output"):
+                if isinstance(x.get(key), (str, list, dict)):
+                    walk(x[key])
+                    return
+    walk(v)
+    return "\n".join(parts) if parts else None

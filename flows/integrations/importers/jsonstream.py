@@ -248,3 +248,42 @@ def _walk(buf: _Buffer, steps: list[str], depth: int, ctx: list[dict[str, Any]],
                 return
     finally:
         ctx.pop()
+
+
+#: Suffixes of the files a folder source is read from.
+SUFFIXES = (".json", ".jsonl", ".ndjson")
+
+
+def source_files(source: Path) -> list[Path]:
+    """The files of a source: the file itself, or a folder's ``.json``/``.jsonl``/``.ndjson`` files (sorted)."""
+    if source.is_dir():
+        return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
+                      and not any(part.startswith((".", "_")) for part in p.relative_to(source).parts))
+    return [source]
+
+
+def iter_objects(path: Path, only_with: str | None = None) -> Iterator[tuple[int, Any, str]]:
+    """``(record number, value, where)`` of every record of one export file, streamed.
+
+    JSON Lines line by line (``only_with`` pre-filters lines by text); otherwise a JSON document: a
+    top-level array, an API page ``{"data": [...]}``, or objects one after another. ``where`` says
+    ``line N`` or ``record N`` for messages.
+    """
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        for i, (line, obj) in enumerate(iter_jsonl(path, only_with=only_with)):
+            yield i, obj, f"line {line}"
+        return
+    for i, (_key, _ctx, obj) in enumerate(iter_json(path, {"data": ["*"]})):
+        yield i, obj, f"record {i}"
+
+
+def mentions(path: Path, text: str) -> bool:
+    """Whether the file contains ``text`` (a byte scan in chunks: decides whether a first pass is needed)."""
+    needle = text.encode()
+    tail = b""
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            if needle in tail + chunk:
+                return True
+            tail = chunk[-len(needle):]
+    return False

@@ -68,7 +68,7 @@ class _Picker:
         if others:
             raise CJEInputError(f"record {rec.position}: the source has several {self.role} scores "
                                 f"({[self.chosen] + others}); choose the {self.role} with {self.flag} "
-                                f"score:NAME", option=self.flag.lstrip("-").replace("-", "_"), row=rec.position)
+                                f"score:NAME", option=self.flag.lstrip("-").replace("-", "_"))
         s = _find(cands, self.chosen, report)
         return (s.name, s.value, s.scale) if s is not None else None
 
@@ -150,6 +150,8 @@ def map_records(records: Iterable[SourceRecord | Note], mapping: ImportMapping, 
                 report.skip(LABEL_NOT_NUMERIC, pos, f"{lab[0]} = {str(lab[1])[:40]!r}")
                 continue
             report.labels[lab[0]] += 1
+            if lab[2] is not None and report.label_scale is None:
+                report.label_scale = (float(lab[2][0]), float(lab[2][1]))
             llo = lval if llo is None or lval < llo else llo
             lhi = lval if lhi is None or lval > lhi else lhi
         used = {jname} | ({lab[0]} if lab is not None else set())

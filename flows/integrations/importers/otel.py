@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from flows.integrations.importers.base import UNKNOWN, Note, Score, SourceRecord, bad_record, parse_ts
-from flows.integrations.importers.jsonstream import iter_json, iter_jsonl
+from flows.integrations.importers.base import (UNKNOWN, Note, Score, SourceRecord, bad_record, message_text,
+                                               parse_ts)
+from flows.integrations.importers.jsonstream import iter_json, iter_jsonl, mentions, source_files
 
 EVAL_EVENT = "gen_ai.evaluation.result"
 EVAL_NAME = "gen_ai.evaluation.name"
@@ -104,36 +104,8 @@ def hex_id(v: Any) -> str:
 # --------------------------------------------------------------------------- texts
 
 
-def _message_text(v: Any) -> str | None:
-    """Text of ``gen_ai.input.messages`` / ``gen_ai.output.messages`` (JSON text or a decoded list)."""
-    if v is None:
-        return None
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except json.JSONDecodeError:
-            return v
-    parts: list[str] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, str):
-            parts.append(x)
-        elif isinstance(x, list):
-            for i in x:
-                walk(i)
-        elif isinstance(x, dict):
-            if isinstance(x.get("content"), (str, list)):
-                walk(x["content"])
-            elif isinstance(x.get("parts"), list):
-                walk(x["parts"])
-            elif isinstance(x.get("text"), str):
-                parts.append(x["text"])
-    walk(v)
-    return "\n".join(parts) if parts else None
-
-
 def _prompt_text(attrs: dict[str, Any]) -> str | None:
-    text = _message_text(attrs.get("gen_ai.input.messages"))
+    text = message_text(attrs.get("gen_ai.input.messages"), last_user=True)
     if text is None:
         legacy = [str(attrs[k]) for k in sorted(attrs) if k.startswith("gen_ai.prompt.") and k.endswith(".content")]
         text = "\n".join(legacy) if legacy else (attrs.get("gen_ai.prompt") if isinstance(attrs.get("gen_ai.prompt"), str) else None)
@@ -141,7 +113,7 @@ def _prompt_text(attrs: dict[str, Any]) -> str | None:
 
 
 def _response_text(attrs: dict[str, Any]) -> str | None:
-    text = _message_text(attrs.get("gen_ai.output.messages"))
+    text = message_text(attrs.get("gen_ai.output.messages"))
     if text is None:
         legacy = [str(attrs[k]) for k in sorted(attrs) if k.startswith("gen_ai.completion.") and k.endswith(".content")]
         text = "\n".join(legacy) if legacy else (attrs.get("gen_ai.completion") if isinstance(attrs.get("gen_ai.completion"), str) else None)
@@ -191,7 +163,7 @@ class OtelImporter:
 
     def records(self, source: Path) -> Iterator[SourceRecord]:
         """Stream the GenAI operation spans of ``source`` (a file, or a folder of ``.json``/``.jsonl``)."""
-        files = _files(source)
+        files = source_files(source)
         apart = self._evaluations_apart(files)
         pos = 0
         ignored = 0
@@ -213,7 +185,7 @@ class OtelImporter:
         """``span id or response id -> scores`` from log records and evaluation spans (first pass)."""
         found: dict[str, list[Score]] = {}
         for path in files:
-            if not _mentions(path, _MARK):
+            if not mentions(path, _MARK):
                 continue
             for kind, _res, _scope, obj, _where in _items(path, only_marked=True):
                 if kind == "log":
@@ -280,24 +252,6 @@ class OtelImporter:
             extra["response_id"] = attrs[RESPONSE_ID]
         return SourceRecord(pos, f"{trace_id}:{span_id}", ts, _Fields(attrs, resource, span_fields, scope), scores,
                             prompt=_prompt_text(attrs), response=_response_text(attrs), extra=extra)
-
-
-def _files(source: Path) -> list[Path]:
-    if source.is_dir():
-        return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in (".json", ".jsonl", ".ndjson"))
-    return [source]
-
-
-def _mentions(path: Path, text: str) -> bool:
-    """Whether the file contains ``text`` (a byte scan in chunks)."""
-    needle = text.encode()
-    tail = b""
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            if needle in tail + chunk:
-                return True
-            tail = chunk[-len(needle):]
-    return False
 
 
 def _items(path: Path, only_marked: bool = False) -> Iterator[tuple[str, dict, dict, Any, str]]:
