@@ -13,7 +13,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "imports"
 N_BOOT = 200
 
 
-def import_and_evaluate(capsys, tmp_path: Path, fmt: str, source: Path, *flags: str) -> tuple[dict, dict, Path]:
+def import_and_evaluate(capsys, tmp_path: Path, fmt: str, source: Path, *flags: str,
+                        evaluate_flags: tuple[str, ...] = ()) -> tuple[dict, dict, Path]:
     """Run ``cje import`` then ``cje evaluate`` on the logs written; the import report, the result, the logs."""
     logs = tmp_path / "logs"
     code = cli.main(["import", fmt, str(source), "--out", str(logs), "--json", *flags])
@@ -22,17 +23,17 @@ def import_and_evaluate(capsys, tmp_path: Path, fmt: str, source: Path, *flags: 
     report = json.loads(text)
     out = tmp_path / "out"
     code = cli.main(["evaluate", str(logs), "--out", str(out), "--n-bootstrap", str(N_BOOT), "--seed", "0",
-                     "--exit-zero", "-q"])
+                     "--exit-zero", "-q", *evaluate_flags])
     capsys.readouterr()
     assert code == 0
     return report, json.loads((out / "result.json").read_text()), logs
 
 
-def direct_result(frame: pd.DataFrame) -> dict:
+def direct_result(frame: pd.DataFrame, **options) -> dict:
     """The engine on a frame built without the importer (the direct computation), as result JSON."""
     from cje_engine import evaluate
 
-    res = evaluate(frame, n_bootstrap=N_BOOT, seed=0)
+    res = evaluate(frame, n_bootstrap=N_BOOT, seed=0, **options)
     return json.loads(res.to_json()) if hasattr(res, "to_json") else res.to_dict()
 
 
@@ -41,7 +42,7 @@ def text_id(text: str) -> str:
     return "sha1:" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
-def assert_same_numbers(result: dict, direct: dict, frame: pd.DataFrame) -> None:
+def assert_same_numbers(result: dict, direct: dict, frame: pd.DataFrame, label_scale: tuple[float, float] = (0, 1)) -> None:
     """Every policy's estimate, SE and CI equal the direct computation's; the raw means equal pandas'."""
     assert set(result["policies"]) == set(direct["policies"]) == set(frame["policy"])
     for name, pol in result["policies"].items():
@@ -51,5 +52,6 @@ def assert_same_numbers(result: dict, direct: dict, frame: pd.DataFrame) -> None
         assert pol["ci"] == ref["ci"], name
         sub = frame[frame["policy"] == name]
         assert abs(pol["raw_judge_mean"] - sub["judge_score"].mean()) < 1e-9
-        assert abs(pol["oracle_mean"] - sub["oracle_label"].dropna().mean()) < 1e-9
+        lo, hi = label_scale
+        assert abs(pol["oracle_mean"] - (sub["oracle_label"].dropna().mean() - lo) / (hi - lo)) < 1e-9
         assert pol["n_rows"] == len(sub) and pol["n_labelled"] == int(sub["oracle_label"].notna().sum())
