@@ -36,7 +36,7 @@ def test_langfuse_import_then_evaluate_gives_the_direct_numbers(capsys, tmp_path
     assert report["labels"] == {"quality": 132} and report["label_scale"] == [1.0, 5.0]
     assert report["unused_scores"] == {"toxicity": 300}
     assert report["next"].endswith("--label-scale 1-5")  # the scale the score config declares
-    assert_same_numbers(result, direct_result(frame, label_scale="1-5"), frame, label_scale=(1, 5))
+    assert_same_numbers(result, direct_result(frame, label_scale="1-5"), frame)
 
 
 def test_trace_scores_are_not_attached_to_one_of_several_generations(tmp_path):
