@@ -50,3 +50,42 @@ def test_toy_import_writes_the_daily_layout_and_a_second_import_writes_nothing(t
     again = json.loads(capsys.readouterr().out)
     assert again["already_imported"] is True and again["written"] == 2
     assert sorted((p, p.stat().st_mtime_ns) for p in logs.rglob("*") if p.is_file()) == before
+
+
+def test_bad_record_exits_2_naming_file_record_and_field_and_writes_nothing(tmp_path, capsys):
+    src = tmp_path / "spans.jsonl"
+    src.write_text('{"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "ab", "spanId": "cd", '
+                   '"startTimeUnixNano": "soon", "attributes": [{"key": "gen_ai.request.model", '
+                   '"value": {"stringValue": "m"}}]}]}]}]}\n')
+    logs = tmp_path / "logs"
+    assert cli.main(["import", "otel", str(src), "--out", str(logs)]) == 2
+    err = capsys.readouterr().err
+    assert str(src) in err and "record 0" in err and "'startTimeUnixNano'" in err and "timestamp" in err
+    assert not logs.exists() or not any(logs.rglob("*.parquet"))
+
+
+def test_unknown_format_and_bad_selector_exit_2_naming_the_choices(tmp_path, capsys):
+    src = _write(tmp_path / "x.jsonl", ROWS)
+    assert cli.main(["import", "langfuze", str(src), "--out", str(tmp_path / "logs")]) == 2
+    assert "did you mean 'langfuse'" in capsys.readouterr().err
+    assert cli.main(["import", "otel", str(src), "--out", str(tmp_path / "logs"), "--policy-from", "atr:model"]) == 2
+    err = capsys.readouterr().err
+    assert "--policy-from" in err and "'attr'" in err
+    assert cli.main(["import", "otel", str(src)]) == 64  # --out is required: a usage error
+
+
+def test_every_builtin_importer_follows_the_protocol():
+    assert importers.names()[:3] == ("otel", "langfuse", "langsmith")
+    with pytest.raises(TypeError, match="lacks"):
+        importers.register(type("Half", (), {"name": "half"})())
+    with pytest.raises(ValueError, match="already registered"):
+        importers.register(importers.get("otel"))
+
+
+def test_selectors_join_and_fall_back():
+    from flows.integrations.importers import Selector
+
+    sel = Selector.parse("attr:model+metadata:v|attr:system", ("attr", "metadata"), "attr", "--policy-from")
+    assert sel.resolve({"attr:model": "m", "metadata:v": 3}) == "m/3"
+    assert sel.resolve({"attr:model": "m", "attr:system": "openai"}) == "openai"
+    assert sel.resolve({}) is None
