@@ -69,9 +69,10 @@ class _Picker:
                 log.info("%s: %r (the first %s score of the source; choose another with %s)", self.role, chosen,
                          "/".join(self.origins), self.flag)
             if s.name != chosen:
-                raise CJEInputError(f"record {rec.position}: the source has several {self.role} scores "
-                                    f"({[chosen, s.name]}); choose the {self.role} with {self.flag} "
-                                    f"score:NAME", option=self.flag.lstrip("-").replace("-", "_"))
+                hint = " (and name a person's score with --label-from score:NAME)" if self.role == "judge" else ""
+                raise CJEInputError(f"record {rec.position}: the source has several scores that could be the "
+                                    f"{self.role} ({[chosen, s.name]}); choose the {self.role} with {self.flag} "
+                                    f"score:NAME{hint}", option=self.flag.lstrip("-").replace("-", "_"))
             if hit is None:
                 hit = s
             else:
