@@ -15,8 +15,8 @@ own peak RSS), run ``--repeat`` times, best wall time shown with its CPU time:
 * ``pyarrow.json``: ``pyarrow.json.read_json`` of the file (native, multi-threaded; reads the nested
   structs and maps nothing) -- for scale only.
 
-The claim (issue 30): the import within 2x of ``json+pyarrow`` and its memory bounded (it does not grow
-with the file: one batch of rows and one day's ids).
+The claim (issue 30): the import within 2x of ``json+pyarrow`` and its memory bounded (one batch of rows;
+it grows with the number of responses, their ids and first-pass ratings, not with the file's text).
 
 Usage::
 
