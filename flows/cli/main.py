@@ -58,6 +58,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "flows.cli.commands.deploy",
     "flows.cli.commands.ui",
     "flows.cli.commands.monitor",
+    "flows.cli.commands.imports",
 )
 
 #: Version of the ``--json`` documents (docs/cli.md); fields are only ever added within a version.
