@@ -70,7 +70,7 @@ def test_the_three_otel_encodings_map_to_the_same_rows():
 def test_two_unnamed_evaluations_ask_for_label_from(capsys, tmp_path):
     code = cli.main(["import", "otel", str(JSONL), "--out", str(tmp_path / "logs")])
     err = capsys.readouterr().err
-    assert code == 2 and "several judge scores" in err and "--judge-from" in err
+    assert code == 2 and "several scores that could be the judge" in err and "--label-from" in err
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").rglob("*.parquet"))
 
 

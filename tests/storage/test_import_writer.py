@@ -84,3 +84,20 @@ def test_a_response_id_twice_in_one_source_is_bad_input_and_nothing_is_written(l
         import_source(TOY, src, local_storage, ImportMapping.build(TOY))
     assert "records [1, 3]" in str(e.value) and "'r1'" in str(e.value)
     assert local_storage.list("") == []
+
+
+def test_rows_staged_in_small_batches_are_the_rows_of_one_batch(local_storage, tmp_path):
+    """Memory holds one batch: flushing every 7 rows writes exactly what one batch writes."""
+    import pyarrow.parquet as pq
+
+    from flows.storage.objects import Storage
+
+    src = _src(tmp_path / "a.jsonl", list(range(40)))
+    other = Storage.for_uri(str(tmp_path / "other"))
+    small = import_source(TOY, src, local_storage, ImportMapping.build(TOY), batch_rows=7)
+    whole = import_source(TOY, src, other, ImportMapping.build(TOY), batch_rows=1000)
+    assert small.objects == whole.objects and small.written == whole.written == 40
+    for key in small.objects:
+        a = pq.read_table(local_storage.arrow_path(key)).sort_by("response_id")
+        b = pq.read_table(other.arrow_path(key)).sort_by("response_id")
+        assert a.equals(b)

@@ -30,7 +30,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, runtime_checkable
 
@@ -370,6 +370,11 @@ class Selector:
     def resolve(self, fields: Mapping[str, Any]) -> str | None:
         """The value in ``fields`` (text), or None when no alternative is complete."""
         for keys in self.alternatives:
+            if len(keys) == 1:
+                v = fields.get(keys[0])
+                if v is not None and v != "":
+                    return v if isinstance(v, str) else _text(v)
+                continue
             parts = []
             for k in keys:
                 v = fields.get(k)
@@ -557,6 +562,9 @@ def bad_record(source: str | Path, record: int, field_name: str | None, expected
     return err
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
 def parse_ts(value: Any) -> datetime | None:
     """A timestamp from ISO-8601 text, epoch nanoseconds (int or digit text) or a datetime; UTC-aware.
 
@@ -570,8 +578,7 @@ def parse_ts(value: Any) -> datetime | None:
         ns = int(value)
         if ns <= 0:
             return None  # OTLP: 0 means unset
-        return datetime.fromtimestamp(ns // 1_000_000_000, tz=timezone.utc).replace(
-            microsecond=(ns % 1_000_000_000) // 1000)
+        return _EPOCH + timedelta(microseconds=ns // 1000)
     if isinstance(value, str):
         text = value.strip()
         if text.endswith("Z"):

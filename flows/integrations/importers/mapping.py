@@ -41,36 +41,43 @@ class _Picker:
         self.flag = flag
         self.chosen: str | None = None  # the auto-chosen name
 
-    def pick(self, rec: SourceRecord, report: ImportReport) -> tuple[str, Any, tuple[float, float] | None] | None:
-        """``(name, raw value, declared scale)`` of the chosen score, or None."""
+        # selector terms, parsed once: (kind is "score", name, "KIND:NAME" key)
+        self.terms = [(k.split(":", 1)[0] == "score", k.split(":", 1)[1], k)
+                      for keys in selector.alternatives for k in keys] if selector is not None else []
+
+    def pick(self, rec: SourceRecord, report: ImportReport,
+             exclude: str | None = None) -> tuple[str, Any, tuple[float, float] | None] | None:
+        """``(name, raw value, declared scale)`` of the chosen score (never the one named ``exclude``), or None."""
         if self.selector is not None:
-            for keys in self.selector.alternatives:
-                for key in keys:
-                    kind, name = key.split(":", 1)
-                    if kind == "score":
-                        s = _find(rec.scores, name, report)
-                        if s is not None:
-                            return s.name, s.value, s.scale
-                    else:
-                        v = rec.fields.get(key)
-                        if v is not None:
-                            return name, v, None
+            for is_score, name, key in self.terms:
+                if is_score:
+                    s = _find(rec.scores, name, report)
+                    if s is not None:
+                        return s.name, s.value, s.scale
+                else:
+                    v = rec.fields.get(key)
+                    if v is not None:
+                        return name, v, None
             return None
-        cands = [s for s in rec.scores if s.origin in self.origins]
-        if not cands:
-            return None
-        names = list(dict.fromkeys(s.name for s in cands))
-        if self.chosen is None:
-            self.chosen = names[0]
-            log.info("%s: %r (the first %s score of the source; choose another with %s)", self.role, self.chosen,
-                     "/".join(self.origins), self.flag)
-        others = [n for n in names if n != self.chosen]
-        if others:
-            raise CJEInputError(f"record {rec.position}: the source has several {self.role} scores "
-                                f"({[self.chosen] + others}); choose the {self.role} with {self.flag} "
-                                f"score:NAME", option=self.flag.lstrip("-").replace("-", "_"))
-        s = _find(cands, self.chosen, report)
-        return (s.name, s.value, s.scale) if s is not None else None
+        hit = None
+        chosen = self.chosen
+        for s in rec.scores:
+            if s.origin not in self.origins or s.name == exclude:
+                continue
+            if chosen is None:
+                chosen = self.chosen = s.name
+                log.info("%s: %r (the first %s score of the source; choose another with %s)", self.role, chosen,
+                         "/".join(self.origins), self.flag)
+            if s.name != chosen:
+                hint = " (and name a person's score with --label-from score:NAME)" if self.role == "judge" else ""
+                raise CJEInputError(f"record {rec.position}: the source has several scores that could be the "
+                                    f"{self.role} ({[chosen, s.name]}); choose the {self.role} with {self.flag} "
+                                    f"score:NAME{hint}", option=self.flag.lstrip("-").replace("-", "_"))
+            if hit is None:
+                hit = s
+            else:
+                report.notes[f"several scores named {chosen!r} on one record: kept the first"] += 1
+        return (hit.name, hit.value, hit.scale) if hit is not None else None
 
 
 def _find(scores: list[Score], name: str, report: ImportReport) -> Score | None:
@@ -133,7 +140,7 @@ def map_records(records: Iterable[SourceRecord | Note], mapping: ImportMapping, 
             report.skip(NO_TS, pos)
             continue
         lab = label.pick(rec, report)
-        jud = judge.pick(rec, report) if mapping.judge is not None else judge.pick(_without(rec, lab), report)
+        jud = judge.pick(rec, report, exclude=lab[0] if lab is not None else None)
         if jud is None:
             report.skip(LABEL_WITHOUT_JUDGE if lab is not None else NO_JUDGE, pos,
                         f"scores {[s.name for s in rec.scores]}" if rec.scores else "no scores")
@@ -154,10 +161,11 @@ def map_records(records: Iterable[SourceRecord | Note], mapping: ImportMapping, 
                 report.label_scale = (float(lab[2][0]), float(lab[2][1]))
             llo = lval if llo is None or lval < llo else llo
             lhi = lval if lhi is None or lval > lhi else lhi
-        used = {jname} | ({lab[0]} if lab is not None else set())
-        for s in rec.scores:
-            if s.name not in used:
-                report.unused_scores[s.name] += 1
+        if len(rec.scores) > 1 + (lab is not None):
+            used = (jname, lab[0] if lab is not None else jname)
+            for s in rec.scores:
+                if s.name not in used:
+                    report.unused_scores[s.name] += 1
         if jscale is not None:
             if report.judge_scale is not None and report.judge_scale != jscale:
                 report.notes[f"judge scale differs between records ({report.judge_scale} vs {jscale})"] += 1
@@ -174,11 +182,3 @@ def map_records(records: Iterable[SourceRecord | Note], mapping: ImportMapping, 
         report.judge_range = (jlo, jhi)  # type: ignore[assignment]
         if llo is not None:
             report.label_range = (llo, lhi)  # type: ignore[assignment]
-
-
-def _without(rec: SourceRecord, lab: tuple[str, Any, Any] | None) -> SourceRecord:
-    """``rec`` without the label's score (so that an unmarked label is not taken for the judge)."""
-    if lab is None:
-        return rec
-    return SourceRecord(rec.position, rec.response_id, rec.ts, rec.fields,
-                        [s for s in rec.scores if s.name != lab[0]], rec.prompt, rec.response, rec.extra)

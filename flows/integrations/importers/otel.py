@@ -13,8 +13,8 @@ A record is a GenAI operation span: a span with ``gen_ai.operation.name``, ``gen
 ``gen_ai.response.model`` (other spans are counted in a note, not records). Scores are
 ``gen_ai.evaluation.result`` events (``gen_ai.evaluation.name``, ``gen_ai.evaluation.score.value``,
 else ``gen_ai.evaluation.score.label`` when it is a number or a boolean): span events on the evaluated
-span, log records of that name (OTLP logs, the events' own signal; matched by their ``spanId``, else by
-``gen_ai.response.id``) and spans carrying ``gen_ai.evaluation.name`` whose parent is the evaluated span.
+span, and log records of that name (OTLP logs, the events' own signal, in the same file or folder; matched
+by their ``spanId``, else by ``gen_ai.response.id``).
 The conventions do not say who scored, so every evaluation is of unknown origin: name the human one with
 ``--label-from score:NAME``.
 
@@ -25,13 +25,14 @@ prompt ``attr:cje.prompt_id`` (else a hash of the input messages' text: ``gen_ai
 the older ``gen_ai.prompt`` attributes). Timestamp: the span's start.
 
 Streaming: JSON Lines line by line; a JSON document one span at a time. When the source holds
-evaluations apart from their spans (log records, evaluation spans), a first pass collects those
-evaluations (only the lines that mention ``gen_ai.evaluation``) and the second pass streams the spans.
+log records, a first pass collects their evaluations (in JSON Lines only the lines with ``resourceLogs``;
+memory: the scores) and the second pass streams the spans.
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,7 +49,6 @@ _GENAI_KEYS = ("gen_ai.operation.name", "gen_ai.request.model", "gen_ai.response
 _SPAN_PATH = ["*", "scopeSpans", "*", "spans", "*"]
 _LOG_PATH = ["*", "scopeLogs", "*", "logRecords", "*"]
 _PATHS = {"resourceSpans": _SPAN_PATH, "resourceLogs": _LOG_PATH}
-_MARK = "gen_ai.evaluation"
 
 
 # --------------------------------------------------------------------------- OTLP values
@@ -82,8 +82,24 @@ def attributes(items: Any) -> dict[str, Any]:
         return items
     out = {}
     for kv in items or ():
-        out[kv["key"]] = any_value(kv.get("value"))
+        v = kv.get("value")
+        if not v:
+            out[kv["key"]] = None
+            continue
+        for t, x in v.items():  # one key: the value's type
+            break
+        if t == "stringValue" or t == "boolValue":
+            out[kv["key"]] = x
+        elif t == "doubleValue":
+            out[kv["key"]] = float(x)
+        elif t == "intValue":
+            out[kv["key"]] = int(x)
+        else:
+            out[kv["key"]] = any_value(v)
     return out
+
+
+_HEX = re.compile(r"[0-9a-fA-F]{16}|[0-9a-fA-F]{32}")
 
 
 def hex_id(v: Any) -> str:
@@ -91,10 +107,10 @@ def hex_id(v: Any) -> str:
     if not v:
         return ""
     s = str(v)
+    if _HEX.fullmatch(s):
+        return s.lower()
     if s.startswith("0x"):
         return s[2:].lower()
-    if len(s) in (16, 32) and all(c in "0123456789abcdefABCDEF" for c in s):
-        return s.lower()
     try:
         return base64.b64decode(s, validate=True).hex()
     except (binascii.Error, ValueError):
@@ -104,20 +120,26 @@ def hex_id(v: Any) -> str:
 # --------------------------------------------------------------------------- texts
 
 
+def _legacy_text(attrs: dict[str, Any], prefix: str) -> str | None:
+    """``gen_ai.prompt.N.content`` / ``gen_ai.completion.N.content`` (older conventions), or ``gen_ai.prompt``."""
+    if f"{prefix}.0.content" in attrs:
+        parts, i = [], 0
+        while f"{prefix}.{i}.content" in attrs:
+            parts.append(str(attrs[f"{prefix}.{i}.content"]))
+            i += 1
+        return "\n".join(parts)
+    v = attrs.get(prefix)
+    return v if isinstance(v, str) else None
+
+
 def _prompt_text(attrs: dict[str, Any]) -> str | None:
-    text = message_text(attrs.get("gen_ai.input.messages"), last_user=True)
-    if text is None:
-        legacy = [str(attrs[k]) for k in sorted(attrs) if k.startswith("gen_ai.prompt.") and k.endswith(".content")]
-        text = "\n".join(legacy) if legacy else (attrs.get("gen_ai.prompt") if isinstance(attrs.get("gen_ai.prompt"), str) else None)
-    return text
+    v = attrs.get("gen_ai.input.messages")
+    return message_text(v, last_user=True) if v is not None else _legacy_text(attrs, "gen_ai.prompt")
 
 
 def _response_text(attrs: dict[str, Any]) -> str | None:
-    text = message_text(attrs.get("gen_ai.output.messages"))
-    if text is None:
-        legacy = [str(attrs[k]) for k in sorted(attrs) if k.startswith("gen_ai.completion.") and k.endswith(".content")]
-        text = "\n".join(legacy) if legacy else (attrs.get("gen_ai.completion") if isinstance(attrs.get("gen_ai.completion"), str) else None)
-    return text
+    v = attrs.get("gen_ai.output.messages")
+    return message_text(v) if v is not None else _legacy_text(attrs, "gen_ai.completion")
 
 
 def _evaluation(attrs: dict[str, Any]) -> Score | None:
@@ -143,11 +165,21 @@ class _Fields:
 
     def get(self, key: str, default: Any = None) -> Any:
         kind, _, name = key.partition(":")
-        src = {"attr": self.attrs, "resource": self.resource, "span": self.span, "scope": self.scope}.get(kind)
-        if src is None:
-            return default
-        v = src.get(name, default)
-        return default if v is None else v
+        if kind == "attr":
+            v = self.attrs.get(name)
+        elif kind == "span":  # name, trace_id, span_id (hex) whatever the encoding
+            if name in ("trace_id", "span_id"):
+                ctx = self.span.get("context") or {}
+                v = hex_id(self.span.get("traceId" if name == "trace_id" else "spanId") or ctx.get(name))
+            else:
+                v = self.span.get(name)
+        elif kind == "resource":
+            v = self.resource.get(name)
+        elif kind == "scope":
+            v = self.scope.get(name)
+        else:
+            v = None
+        return default if v is None or v == "" else v
 
 
 class OtelImporter:
@@ -182,29 +214,20 @@ class OtelImporter:
 
     # -- pass 1: evaluations kept apart from their spans
     def _evaluations_apart(self, files: list[Path]) -> dict[str, list[Score]]:
-        """``span id or response id -> scores`` from log records and evaluation spans (first pass)."""
+        """``span id or response id -> scores`` from log-based evaluation events (first pass)."""
         found: dict[str, list[Score]] = {}
         for path in files:
-            if not mentions(path, _MARK):
+            if not mentions(path, "resourceLogs"):
                 continue
-            for kind, _res, _scope, obj, _where in _items(path, only_marked=True):
-                if kind == "log":
-                    if obj.get("eventName") != EVAL_EVENT and attributes(obj.get("attributes")).get("event.name") != EVAL_EVENT:
-                        continue
-                    attrs = attributes(obj.get("attributes"))
-                    keys = [hex_id(obj.get("spanId")), attrs.get(RESPONSE_ID)]
-                elif kind == "span":
-                    attrs = attributes(obj.get("attributes"))
-                    if EVAL_NAME not in attrs:
-                        continue
-                    keys = [hex_id(obj.get("parentSpanId") or obj.get("parent_id")), attrs.get(RESPONSE_ID)]
-                else:
+            for kind, _res, _scope, obj, _where in _items(path, only_with="resourceLogs"):
+                if kind != "log" or not isinstance(obj, dict):
+                    continue
+                attrs = attributes(obj.get("attributes"))
+                if obj.get("eventName") != EVAL_EVENT and attrs.get("event.name") != EVAL_EVENT:
                     continue
                 score = _evaluation(attrs)
-                if score is None:
-                    continue
-                key = next((k for k in keys if k), None)
-                if key:
+                key = hex_id(obj.get("spanId")) or attrs.get(RESPONSE_ID)
+                if score is not None and key:
                     found.setdefault(str(key), []).append(score)
         return found
 
@@ -217,7 +240,7 @@ class OtelImporter:
         attrs = attributes(span.get("attributes"))
         if not isinstance(attrs, dict):
             raise bad_record(path, pos, "attributes", "a list of key/value attributes")
-        if EVAL_NAME in attrs or not any(k in attrs for k in _GENAI_KEYS):
+        if not any(k in attrs for k in _GENAI_KEYS):
             return None
         if sdk:
             ctx = span.get("context") or {}
@@ -246,18 +269,15 @@ class OtelImporter:
             rid = attrs.get(RESPONSE_ID)
             if rid and str(rid) != span_id:
                 scores += apart.get(str(rid), [])
-        span_fields = {"name": span.get("name"), "trace_id": trace_id, "span_id": span_id}
-        extra = {"trace_id": trace_id, "span": span.get("name")}
-        if RESPONSE_ID in attrs:
-            extra["response_id"] = attrs[RESPONSE_ID]
-        return SourceRecord(pos, f"{trace_id}:{span_id}", ts, _Fields(attrs, resource, span_fields, scope), scores,
+        extra = {"response_id": attrs[RESPONSE_ID]} if RESPONSE_ID in attrs else None
+        return SourceRecord(pos, f"{trace_id}:{span_id}", ts, _Fields(attrs, resource, span, scope), scores,
                             prompt=_prompt_text(attrs), response=_response_text(attrs), extra=extra)
 
 
-def _items(path: Path, only_marked: bool = False) -> Iterator[tuple[str, dict, dict, Any, str]]:
+def _items(path: Path, only_with: str | None = None) -> Iterator[tuple[str, dict, dict, Any, str]]:
     """``(kind, resource attributes, scope, object, where)`` of every span and log record of a file."""
     if path.suffix.lower() in (".jsonl", ".ndjson"):
-        for line, doc in iter_jsonl(path, only_with=_MARK if only_marked else None):
+        for line, doc in iter_jsonl(path, only_with=only_with):
             yield from _from_document(path, doc, f"line {line}")
         return
     cache: dict[str, Any] = {"res": None, "attrs": {}}
