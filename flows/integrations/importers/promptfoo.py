@@ -78,7 +78,7 @@ def prompt_name(prompt: Any, prompt_id: Any) -> str:
     return "prompt-" + (str(prompt_id)[:8] if prompt_id else _short(str(raw)))
 
 
-def test_key(test: dict[str, Any], vars_: Any) -> str:
+def case_key(test: dict[str, Any], vars_: Any) -> str:
     """The stable id of a test case: ``pf:`` and 16 hex digits of SHA-1 over its description and vars."""
     body = json.dumps({"description": test.get("description"), "vars": vars_}, sort_keys=True, default=str,
                       separators=(",", ":"))
@@ -134,7 +134,7 @@ class _Fields:
 
     def _auto(self, name: str) -> str | None:
         if name == "prompt":
-            return test_key(self._test(), self._vars())
+            return case_key(self._test(), self._vars())
         if name != "policy":
             return None
         prov = self._provider("label") or self._provider("id")
