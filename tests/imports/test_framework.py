@@ -89,3 +89,13 @@ def test_selectors_join_and_fall_back():
     assert sel.resolve({"attr:model": "m", "metadata:v": 3}) == "m/3"
     assert sel.resolve({"attr:model": "m", "attr:system": "openai"}) == "openai"
     assert sel.resolve({}) is None
+
+
+def test_scale_hints_are_declared_scales_never_guesses():
+    from flows.integrations.importers import ImportReport
+
+    rep = ImportReport("toy", "x", judge_range=(0.1, 0.9), label_range=(1.5, 5.0), label_scale=(1.0, 5.0))
+    assert rep.scale_hint() == "--label-scale 1-5"
+    rep = ImportReport("toy", "x", judge_range=(2.0, 9.0))
+    assert rep.scale_hint() == "--score-scale LO-HI (observed 2..9; declare the scale)"
+    assert ImportReport("toy", "x", judge_range=(0.0, 1.0), judge_scale=(0.0, 1.0)).scale_hint() == ""

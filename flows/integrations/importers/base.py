@@ -284,13 +284,19 @@ class ImportReport:
         return rep
 
     def scale_hint(self) -> str:
-        """The ``--score-scale``/``--label-scale`` flags `cje evaluate` needs for these rows ('' for 0-1)."""
+        """The ``--score-scale``/``--label-scale`` flags `cje evaluate` needs for these rows ('' for 0-1).
+
+        A scale the source declares is given as is; an undeclared one outside 0-1 is left for the user to
+        declare (``--label-scale LO-HI``, with the observed range): scales are declared, never guessed.
+        """
         flags = []
         for flag, declared, seen in (("--score-scale", self.judge_scale, self.judge_range),
                                      ("--label-scale", self.label_scale, self.label_range)):
-            lo, hi = declared or seen or (0.0, 1.0)
-            if (lo, hi) != (0.0, 1.0) and (lo < 0.0 or hi > 1.0 or declared):
-                flags.append(f"{flag} {_num(lo)}-{_num(hi)}")
+            if declared is not None:
+                if tuple(declared) != (0.0, 1.0):
+                    flags.append(f"{flag} {_num(declared[0])}-{_num(declared[1])}")
+            elif seen is not None and (seen[0] < 0.0 or seen[1] > 1.0):
+                flags.append(f"{flag} LO-HI (observed {_num(seen[0])}..{_num(seen[1])}; declare the scale)")
         return " ".join(flags)
 
     def lines(self) -> list[str]:
