@@ -56,7 +56,7 @@ def test_promptfoo_import_then_evaluate_gives_the_direct_numbers(capsys, tmp_pat
     assert report["policies"] == {"careful": 40, "hasty": 40, "verbose": 40}
     assert report["judges"] == {"helpfulness": 120} and report["labels"] == {"expert": 60}
     assert report["judge_scale"] == [0.0, 1.0] and report["label_range"] == [1.0, 5.0]
-    assert "--label-scale 1-5" in report["next"]
+    assert "--label-scale LO-HI (observed 1..5; declare the scale)" in report["next"]  # not guessed
     assert_same_numbers(result, direct_result(frame, label_scale="1-5"), frame)
     # the verbose provider pads its answers and the judge likes length; the expert does not
     pol = result["policies"]
