@@ -247,12 +247,14 @@ class PromptfooImporter:
                                     "output of promptfoo eval -o results.json)", source=str(path))
             seen = True
             top, res = ctx[0], ctx[1]
-            try:
-                ts = parse_ts(res.get("timestamp"))
-            except (ValueError, TypeError):
-                raise bad_record(path, i, "results.timestamp", "an ISO-8601 timestamp") from None
-            prompts = res.get("prompts")
-            ids = {p.get("id") or p.get("raw") for p in prompts if isinstance(p, dict)} if isinstance(prompts, list) else set()
+            if i == 0:  # the eval's header (read before the first result) holds for every result
+                try:
+                    ts = parse_ts(res.get("timestamp"))
+                except (ValueError, TypeError):
+                    raise bad_record(path, i, "results.timestamp", "an ISO-8601 timestamp") from None
+                prompts = res.get("prompts")
+                ids = ({p.get("id") or p.get("raw") for p in prompts if isinstance(p, dict)}
+                       if isinstance(prompts, list) else set())
             yield item, top.get("evalId"), ts, len(ids) > 1, f"results.results[{i}]"
             i += 1
         if not seen:
