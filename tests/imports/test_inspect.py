@@ -178,3 +178,14 @@ def test_a_truncated_json_log_is_bad_input_naming_the_offset(tmp_path):
     with pytest.raises(CJEInputError) as e:
         _rows(p)
     assert e.value.source == str(p) and "character" in str(e.value)
+
+
+def test_a_cancelled_run_imports_its_logged_samples_and_says_so(tmp_path):
+    doc = json.loads(SMALL.read_text())
+    doc["status"] = "cancelled"
+    doc["samples"] = doc["samples"][:3]
+    p = tmp_path / "cancelled.json"
+    p.write_text(json.dumps(doc))
+    rows, rep = _rows(p)
+    assert len(rows) == 3
+    assert rep.notes["logs of runs that did not finish (status cancelled): their logged samples imported"] == 1

@@ -20,7 +20,8 @@ sample's metadata; the default kind). Defaults: policy ``eval:model``, prompt ``
 (``capitals_qa/q007``: the same sample under every model). Response id: ``eval_id/sample id/epoch``.
 Timestamp: the sample's ``started_at``, else the eval's ``created``.
 
-Samples that ended in an error are passed over and counted in a note. Streaming: one sample member at a
+Samples that ended in an error are passed over and counted in a note; the samples a cancelled or failed
+run logged are imported, and a note says how many such logs there were. Streaming: one sample member at a
 time from an ``.eval`` archive; one sample at a time from a JSON log (the ``eval`` spec, written before
 the samples, is read on the way).
 """
@@ -241,7 +242,12 @@ class InspectImporter:
             if head is None:
                 raise CJEInputError("is not an Inspect .eval log: neither header.json nor _journal/start.json",
                                     source=str(path))
-            spec = _member_json(path, zf, head).get("eval")
+            header = _member_json(path, zf, head)
+            spec = header.get("eval")
+            status = header.get("status")
+            if head.filename != "header.json" or status not in (None, "success"):
+                yield Note(f"logs of runs that did not finish (status {status or 'started'}): their logged samples "
+                           "imported")
             if not isinstance(spec, dict):
                 raise CJEInputError(f"member {head.filename}: field 'eval' is not the eval spec object",
                                     source=str(path))
@@ -253,7 +259,7 @@ class InspectImporter:
             for n in members:
                 yield spec, _member_json(path, zf, names[n]), f"member {n}"
 
-    def _json(self, path: Path) -> Iterator[tuple[dict, Any, str]]:
+    def _json(self, path: Path) -> Iterator[tuple[dict, Any, str] | Note]:
         """``(eval spec, sample, where)`` of a JSON log, one sample at a time."""
         seen = False
         spec: dict | None = None
@@ -264,6 +270,9 @@ class InspectImporter:
             seen = True
             if spec is None:
                 spec = ctx[0].get("eval") if ctx else None
+                status = ctx[0].get("status") if ctx else None
+                if status not in (None, "success"):
+                    yield Note(f"logs of runs that did not finish (status {status}): their logged samples imported")
                 if not isinstance(spec, dict):
                     raise CJEInputError("is not an Inspect log: no 'eval' spec before its samples",
                                         source=str(path))
