@@ -16,10 +16,13 @@ from flows.integrations.importers.mapping import map_records
 from flows.integrations.importers.langfuse import LangfuseImporter
 from flows.integrations.importers.langsmith import LangSmithImporter
 from flows.integrations.importers.otel import OtelImporter
+from flows.integrations.importers.promptfoo import PromptfooImporter
+from flows.integrations.importers.inspect_logs import InspectImporter
 from flows.integrations.importers.writer import import_source
 
 #: The built-in importers: one registration each.
-BUILTIN: tuple[Importer, ...] = (OtelImporter(), LangfuseImporter(), LangSmithImporter())
+BUILTIN: tuple[Importer, ...] = (OtelImporter(), LangfuseImporter(), LangSmithImporter(), PromptfooImporter(),
+                                 InspectImporter())
 for _imp in BUILTIN:
     register(_imp, replace=True)
 

@@ -11,6 +11,7 @@ Errors are `CJEInputError` naming the file, the line (JSON Lines) or byte offset
 """
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import IO, Any, Iterator, Mapping, Sequence
@@ -20,6 +21,21 @@ from cje_engine.errors import CJEInputError
 CHUNK = 1 << 20
 _WS = " \t\n\r"
 _DECODER = json.JSONDecoder()
+
+
+def open_text(path: Path, errors: str = "strict") -> IO[str]:
+    """Open a file as UTF-8 text; a ``.gz`` file is decompressed as it is read (streamed, not in memory)."""
+    if str(path).lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", errors=errors)
+    return open(path, "r", encoding="utf-8", errors=errors)
+
+
+def base_suffix(path: Path) -> str:
+    """The suffix that tells the format, below a ``.gz`` (``results.jsonl.gz`` -> ``.jsonl``), lower case."""
+    p = Path(path)
+    if p.suffix.lower() == ".gz":
+        p = p.with_suffix("")
+    return p.suffix.lower()
 
 
 def iter_jsonl(path: Path, only_with: str | None = None) -> Iterator[tuple[int, Any]]:
@@ -33,7 +49,7 @@ def iter_jsonl(path: Path, only_with: str | None = None) -> Iterator[tuple[int, 
         A line is not JSON, or the file is not UTF-8 (file and line named).
     """
     try:
-        with open(path, "r", encoding="utf-8") as fh:
+        with open_text(path) as fh:
             for i, line in enumerate(fh, 1):
                 if not line.strip() or (only_with is not None and only_with not in line):
                     continue
@@ -44,11 +60,14 @@ def iter_jsonl(path: Path, only_with: str | None = None) -> Iterator[tuple[int, 
                                         "JSON value per line (JSON Lines)", source=str(path), row=i - 1) from None
     except UnicodeDecodeError as exc:
         raise CJEInputError(f"is not UTF-8 text ({exc.reason} at byte {exc.start})", source=str(path)) from None
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise CJEInputError(f"is not a complete gzip file ({exc}); expected gzip-compressed JSON Lines",
+                            source=str(path)) from None
 
 
 def first_char(path: Path) -> str:
     """The first non-blank character of a file ('' when empty): tells a JSON document from JSON Lines."""
-    with open(path, "r", encoding="utf-8", errors="replace") as fh:
+    with open_text(path, errors="replace") as fh:
         while True:
             chunk = fh.read(4096)
             if not chunk:
@@ -158,7 +177,7 @@ def iter_json(path: Path, paths: Mapping[str, Sequence[str]] | None = None) -> I
     paths = dict(paths or {})
     counter = [0]
     try:
-        with open(path, "r", encoding="utf-8") as fh:
+        with open_text(path) as fh:
             buf = _Buffer(fh, str(path))
             if buf.skip_ws() == "\ufeff":
                 buf.pos += 1
@@ -175,6 +194,8 @@ def iter_json(path: Path, paths: Mapping[str, Sequence[str]] | None = None) -> I
                 yield from _top(buf, paths, counter)
     except UnicodeDecodeError as exc:
         raise CJEInputError(f"is not UTF-8 text ({exc.reason})", source=str(path)) from None
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise CJEInputError(f"is not a complete gzip file ({exc}); expected gzip-compressed JSON", source=str(path)) from None
 
 
 def _top(buf: _Buffer, paths: Mapping[str, Sequence[str]], counter: list[int]) -> Iterator[tuple[str | None, list[dict[str, Any]], Any]]:
