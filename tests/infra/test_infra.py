@@ -762,6 +762,18 @@ def test_ci_runs_every_tier_and_fails_at_the_end_naming_the_failing_ones():
     text = (CI / "run").read_text()
     assert re.search(r"^set -[a-z]*u", text, flags=re.M) and "source .ci/tiers.sh" in text
     body = [line for line in text.splitlines() if line.startswith("tier ")]
-    assert [line.split()[1] for line in body] == ["default", "services", "lifecycle"]
+    assert [line.split()[1] for line in body] == ["default", "lifecycle", "services"]
     assert text.rstrip().splitlines()[-1] == "tiers_result || exit 1"
     assert subprocess.run(["bash", "-n", str(CI / "run")]).returncode == 0
+
+
+def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
+    """Rule 6 (test time): the stack and Label Studio idled through the default and lifecycle tiers and
+    took CPU from them. They start after those tiers and before the one tier that uses them; the
+    stop-on-exit trap is set before the first service starts."""
+    lines = (CI / "run").read_text().splitlines()
+    at = {name: i for i, line in enumerate(lines) for name in ("default", "lifecycle", "services")
+          if line.startswith(f"tier {name} ")}
+    starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
+    assert len(starts) == 2 and max(at["default"], at["lifecycle"]) < min(starts) and max(starts) < at["services"]
+    assert min(i for i, line in enumerate(lines) if line.startswith("trap stop_services EXIT")) < min(starts)
