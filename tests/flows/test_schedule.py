@@ -21,10 +21,13 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
     logs, labels = tmp_path / "logs", tmp_path / "labels"
     _, window = write_simulated_logs(Storage.for_uri(str(logs)), Storage.for_uri(str(labels)), 300, 2)
     config = tmp_path / "evaluations.yaml"
-    anchor = (datetime.now(timezone.utc) - timedelta(seconds=55)).isoformat()
+    anchor = (datetime.now(timezone.utc) - timedelta(seconds=40)).isoformat()
     config.write_text(json.dumps({"evaluations": [{
         "name": "every-few-seconds", "logs_uri": "logs", "labels_uri": "labels", "results_uri": ".",
-        # The shortest interval allowed (60 s), anchored 55 s ago: the first run is due ~5 s after deploying.
+        # The shortest interval allowed (60 s), anchored 40 s ago: the first run is due ~20 s from now.
+        # `cje serve` deploys well within that (a slot already past when the deployment exists is never
+        # run: anchored 55 s ago, the 5 s slot was always missed and the test waited a minute more for
+        # the next one); a slower start still catches the next slot, inside the deadline.
         "window": window, "interval": 60, "anchor": anchor, "options": {"n_bootstrap": 100, "seed": 1}}]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS"))}
     env.update(PREFECT_API_URL=prefect_server.url, RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO),

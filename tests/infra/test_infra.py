@@ -777,3 +777,14 @@ def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
     starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
     assert len(starts) == 2 and max(at["default"], at["lifecycle"]) < min(starts) and max(starts) < at["services"]
     assert min(i for i, line in enumerate(lines) if line.startswith("trap stop_services EXIT")) < min(starts)
+
+
+def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
+    """Rule 6 (test time): the README's command 2 and .ci/run's default tier are the same pytest call, and it
+    spreads the test files over two pytest-xdist workers (pinned in pyproject's test extra and the lock)."""
+    readme = (REPO / "README.md").read_text()
+    [command] = re.findall(r"^python3\.11 -m venv .* && (\.venv/bin/python -m pytest.*)$", readme, flags=re.M)
+    [tier] = [line for line in (CI / "run").read_text().splitlines() if line.startswith("tier default ")]
+    assert tier == f"tier default {command}" and "-n 2 --dist loadfile" in command
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert "pytest-xdist==3.8.0" in extra and "pytest-xdist==3.8.0" in (REPO / "requirements.lock").read_text()
