@@ -21,14 +21,14 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
     logs, labels = tmp_path / "logs", tmp_path / "labels"
     _, window = write_simulated_logs(Storage.for_uri(str(logs)), Storage.for_uri(str(labels)), 300, 2)
     config = tmp_path / "evaluations.yaml"
-    anchor = (datetime.now(timezone.utc) - timedelta(seconds=40)).isoformat()
+    anchor = (datetime.now(timezone.utc) - timedelta(seconds=30)).isoformat()
     config.write_text(json.dumps({"evaluations": [{
         "name": "every-few-seconds", "logs_uri": "logs", "labels_uri": "labels", "results_uri": ".",
-        # The shortest interval allowed (60 s), anchored 40 s ago: the first run is due ~20 s from now.
-        # `cje serve` deploys well within that on a quiet machine (Prefect's scheduler never creates a
-        # slot already past: anchored 55 s ago, the 5 s slot was always missed and the test idled a
-        # minute for the next one). A start slower than 20 s (a loaded machine: 33 s at load 25) catches
-        # the next slot, 80 s out, which the deadline below leaves room to finish.
+        # The shortest interval allowed (60 s), anchored 30 s ago: the first run is due ~30 s from now.
+        # `cje serve` deploys within that (25.6 s at load 12 on 2 cores, a few s on a quiet machine);
+        # Prefect's scheduler never creates a slot already past, so the old anchor (55 s ago, first slot
+        # 5 s out) was always missed and the test idled a minute for the next one. A start slower than
+        # 30 s catches the next slot, 90 s out, which the deadline below leaves room to finish.
         "window": window, "interval": 60, "anchor": anchor, "options": {"n_bootstrap": 100, "seed": 1}}]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS"))}
     env.update(PREFECT_API_URL=prefect_server.url, RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO),
