@@ -25,7 +25,8 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
     config.write_text(json.dumps({"evaluations": [{
         "name": "every-few-seconds", "logs_uri": "logs", "labels_uri": "labels", "results_uri": ".",
         # The shortest interval allowed (60 s), anchored 30 s ago: the first run is due ~30 s from now.
-        # `cje serve` deploys within that (25.6 s at load 12 on 2 cores, a few s on a quiet machine);
+        # `cje serve` deploys within that on a quiet machine (~6 s of CPU: 25.6 and 28.7 s of wall at load
+        # 12 and 9 on 2 cores, the second one a moment too late for the first slot);
         # Prefect's scheduler never creates a slot already past, so the old anchor (55 s ago, first slot
         # 5 s out) was always missed and the test idled a minute for the next one. A start slower than
         # 30 s catches the next slot, 90 s out, which the deadline below leaves room to finish.
