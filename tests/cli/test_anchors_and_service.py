@@ -162,28 +162,6 @@ def test_cje_run_refuses_a_day_whose_only_file_is_a_dangling_symlink(tmp_path, c
     assert not (tmp_path / "results").exists() and not list(tmp_path.rglob("manifest.json"))
 
 
-def test_cje_run_does_not_read_spark_work_folders_inside_a_day(tmp_path, capsys, in_tmp):
-    """`dt=.../_temporary/0/.../part-0.parquet` is not data: the published run counts the committed rows only."""
-    import json
-
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    table = _logs(tmp_path / "logs")  # 3 days x 60 prompts x 2 policies = 360 rows
-    day = sorted((tmp_path / "logs").glob("dt=*"))[1]
-    [only] = list(day.glob("*.parquet"))
-    committed = pq.read_table(only)
-    for i, work in enumerate(("_temporary/0/task_0001", ".staging")):
-        attempt = committed.set_column(committed.schema.get_field_index("response_id"), "response_id",
-                                       pc.binary_join_element_wise(f"tmp{i}-", committed.column("response_id"), ""))
-        (day / work).mkdir(parents=True)
-        pq.write_table(attempt, day / work / "part-0.parquet")  # an uncommitted task attempt's output
-    cfg = _config(tmp_path, tmp_path / "logs")
-    assert cli.main(["run", "ev", "--config", str(cfg)]) == 0, capsys.readouterr().err
-    [result] = list(tmp_path.rglob("result.json"))
-    assert json.loads(result.read_text())["data"]["n_rows"] == table.num_rows == 360  # was: 600 (or a duplicate-id error)
-
-
 def test_cje_run_names_an_underivable_covariate(tmp_path, capsys, in_tmp):
     _logs(tmp_path / "logs")
     cfg = _config(tmp_path, tmp_path / "logs", "[difficulty]")

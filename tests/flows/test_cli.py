@@ -153,6 +153,37 @@ def test_cje_evaluate_logs_only_mode_on_arena_refuses_low_overlap_targets(tmp_pa
     assert d["best_policy"] not in ("unhelpful", "parallel_universe_prompt")
 
 
+def test_cje_run_does_not_read_spark_work_folders_inside_a_day(tmp_path, prefect_server, ray_cluster, monkeypatch,
+                                                                capsys):
+    """`dt=.../_temporary/0/.../part-0.parquet` is not data: the published run counts the committed rows only.
+
+    On the session's Prefect server and Ray cluster (was in tests/cli on an embedded server and a local
+    Ray, started for this one run: 55 s, and under load the embedded server's 120 s health wait failed)."""
+    import importlib
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from tests.cli.test_anchors_and_service import _config, _logs
+
+    table = _logs(tmp_path / "logs")  # 3 days x 60 prompts x 2 policies = 360 rows
+    day = sorted((tmp_path / "logs").glob("dt=*"))[1]
+    [only] = list(day.glob("*.parquet"))
+    committed = pq.read_table(only)
+    for i, work in enumerate(("_temporary/0/task_0001", ".staging")):
+        attempt = committed.set_column(committed.schema.get_field_index("response_id"), "response_id",
+                                       pc.binary_join_element_wise(f"tmp{i}-", committed.column("response_id"), ""))
+        (day / work).mkdir(parents=True)
+        pq.write_table(attempt, day / work / "part-0.parquet")  # an uncommitted task attempt's output
+    cfg = _config(tmp_path, tmp_path / "logs")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CJE_CONFIG", raising=False)
+    cli = importlib.import_module("flows.cli.main")
+    assert cli.main(["run", "ev", "--config", str(cfg)]) == 0, capsys.readouterr().err[-3000:]
+    [result] = list(tmp_path.rglob("result.json"))
+    assert json.loads(result.read_text())["data"]["n_rows"] == table.num_rows == 360  # was: 600 (or a duplicate-id error)
+
+
 def test_cje_run_derives_response_length_like_cje_evaluate(tmp_path, prefect_server, ray_cluster, monkeypatch, capsys):
     """`covariates: [response_length]` with logs that only carry the response text: `cje run`
     derives it (as `cje evaluate` does) instead of failing on a missing column."""

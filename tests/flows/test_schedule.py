@@ -21,10 +21,15 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
     logs, labels = tmp_path / "logs", tmp_path / "labels"
     _, window = write_simulated_logs(Storage.for_uri(str(logs)), Storage.for_uri(str(labels)), 300, 2)
     config = tmp_path / "evaluations.yaml"
-    anchor = (datetime.now(timezone.utc) - timedelta(seconds=55)).isoformat()
+    anchor = (datetime.now(timezone.utc) - timedelta(seconds=30)).isoformat()
     config.write_text(json.dumps({"evaluations": [{
         "name": "every-few-seconds", "logs_uri": "logs", "labels_uri": "labels", "results_uri": ".",
-        # The shortest interval allowed (60 s), anchored 55 s ago: the first run is due ~5 s after deploying.
+        # The shortest interval allowed (60 s), anchored 30 s ago: the first run is due ~30 s from now.
+        # `cje serve` deploys within that on a quiet machine (~6 s of CPU: 25.6 and 28.7 s of wall at load
+        # 12 and 9 on 2 cores, the second one a moment too late for the first slot);
+        # Prefect's scheduler never creates a slot already past, so the old anchor (55 s ago, first slot
+        # 5 s out) was always missed and the test idled a minute for the next one. A start slower than
+        # 30 s catches the next slot, 90 s out, which the deadline below leaves room to finish.
         "window": window, "interval": 60, "anchor": anchor, "options": {"n_bootstrap": 100, "seed": 1}}]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS"))}
     env.update(PREFECT_API_URL=prefect_server.url, RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO),
@@ -34,7 +39,7 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
                             stderr=subprocess.STDOUT, start_new_session=True)
     completed = []
     try:
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 240  # a timeout for a loaded machine; a quiet one finishes one run after the first slot
         with get_client(sync_client=True) as client:
             while time.monotonic() < deadline and not completed:
                 assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]

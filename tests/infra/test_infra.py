@@ -762,6 +762,29 @@ def test_ci_runs_every_tier_and_fails_at_the_end_naming_the_failing_ones():
     text = (CI / "run").read_text()
     assert re.search(r"^set -[a-z]*u", text, flags=re.M) and "source .ci/tiers.sh" in text
     body = [line for line in text.splitlines() if line.startswith("tier ")]
-    assert [line.split()[1] for line in body] == ["default", "services", "lifecycle"]
+    assert [line.split()[1] for line in body] == ["default", "lifecycle", "services"]
     assert text.rstrip().splitlines()[-1] == "tiers_result || exit 1"
     assert subprocess.run(["bash", "-n", str(CI / "run")]).returncode == 0
+
+
+def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
+    """Rule 6 (test time): the stack and Label Studio idled through the default and lifecycle tiers and
+    took CPU from them. They start after those tiers and before the one tier that uses them; the
+    stop-on-exit trap is set before the first service starts."""
+    lines = (CI / "run").read_text().splitlines()
+    at = {name: i for i, line in enumerate(lines) for name in ("default", "lifecycle", "services")
+          if line.startswith(f"tier {name} ")}
+    starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
+    assert len(starts) == 2 and max(at["default"], at["lifecycle"]) < min(starts) and max(starts) < at["services"]
+    assert min(i for i, line in enumerate(lines) if line.startswith("trap stop_services EXIT")) < min(starts)
+
+
+def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
+    """Rule 6 (test time): the README's command 2 and .ci/run's default tier are the same pytest call, and it
+    spreads the test files over two pytest-xdist workers (pinned in pyproject's test extra and the lock)."""
+    readme = (REPO / "README.md").read_text()
+    [command] = re.findall(r"^python3\.11 -m venv .* && (\.venv/bin/python -m pytest.*)$", readme, flags=re.M)
+    [tier] = [line for line in (CI / "run").read_text().splitlines() if line.startswith("tier default ")]
+    assert tier == f"tier default {command}" and "-n 2 --dist loadfile" in command
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert "pytest-xdist==3.8.0" in extra and "pytest-xdist==3.8.0" in (REPO / "requirements.lock").read_text()
