@@ -120,8 +120,9 @@ def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
     """Clustered Wald test of H0: every entry of ``delta`` is 0.
 
     ``V = cluster_cov(psi)`` (prompt clusters, G/(G-1)); the statistic ``delta' V^+ delta`` on the
-    eigen-directions of V above `RANK_TOL` x its largest eigenvalue, chi-square with df = that rank
-    (segment means and decile means of the same rows share one linear constraint, so V is singular).
+    eigen-directions of V above `RANK_TOL` x its largest eigenvalue, chi-square with df = that rank (a
+    guard: the caller leaves out a mean that others determine, such as the last decile's beside the
+    segment means of the same rows).
 
     Parameters
     ----------

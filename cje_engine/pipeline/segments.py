@@ -199,7 +199,13 @@ def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np
     psi = np.hstack([psi_s, psi_d])
     n = np.concatenate([n_s, n_d])
     delta[n < 2] = np.nan  # a group of one row has no variance of its own
-    stat, df, p = wald_test(delta, psi)
+    # the weighted segment means and the weighted decile means both sum to the pooled residual sum: one
+    # decile follows from the rest, so it leaves the test (df = segments + deciles - 1)
+    test = delta.copy()
+    last = np.flatnonzero(np.isfinite(test[G:]))
+    if G > 0 and last.size:
+        test[G + last[-1]] = np.nan
+    stat, df, p = wald_test(test, psi)
     from cje_engine.inference.variance import cluster_cov
 
     se = np.sqrt(np.clip(np.diag(np.atleast_2d(cluster_cov(psi))), 0, None))
@@ -308,6 +314,7 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
         block = {"segment": group_names[c["g"]], "policy": d.policies[c["k"]], "n_rows": pol.n_rows,
                  "n_prompts": pol.n_prompts or 0, "n_labels": pol.n_labelled, "claim_kind": c["kind"],
                  "estimate": None, "se": None, "ci": None, "ci_marginal": None, "assumed_estimate": None,
+                 "plug_in": None,
                  "reason": c["reason"],
                  "audit": {"verdict": a.verdict, "n_labels": a.n_labels, "residual_mean": a.residual_mean,
                            "se": a.se, "p_value": a.p_value, "p_adjusted": aud_p.get(c["i"])}}
@@ -319,6 +326,8 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
                                else _clip(normal_interval(level["estimate"], level["se"], lvl), d.label_scale))
             if c["kind"] == "verified" and pol.assumed is not None:
                 block["assumed_estimate"] = pol.assumed.estimate
+        if c["kind"] != "too_few" and pol.plug_in is not None:
+            block["plug_in"] = pol.plug_in.estimate
         out_cells.append(block)
 
     comps = []
