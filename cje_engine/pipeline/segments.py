@@ -323,7 +323,8 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
             block.update(level)
             if level["se"] is not None and level["estimate"] is not None:
                 block["ci"] = (level["ci_marginal"] if abs(lvl - (1 - alpha)) < 1e-12
-                               else _clip(normal_interval(level["estimate"], level["se"], lvl), d.label_scale))
+                               else _clip(normal_interval(level["estimate"], level["se"], lvl, float(s.dfs[col])),
+                                          d.label_scale))
             if c["kind"] == "verified" and pol.assumed is not None:
                 block["assumed_estimate"] = pol.assumed.estimate
         if c["kind"] != "too_few" and pol.plug_in is not None:
@@ -353,7 +354,7 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
     cmp_level = by_interval_level(R, m, alpha)
     for c in live:
         if c["significant"]:
-            c["ci_fcr"] = normal_interval(c["diff"], c["se"], cmp_level)
+            c["ci_fcr"] = normal_interval(c["diff"], c["se"], cmp_level, c["df"] if c["df"] is not None else np.inf)
     err = {"alpha": alpha, "claims_method": opts.segment_claims, "n_comparisons": m, "n_selected": R,
            "comparison_interval_method": "by_fcr", "comparison_interval_level": cmp_level,
            "n_cells": n_cells, "n_shown": n_shown, "level_interval_level": lvl, "audit_method": "holm",
@@ -392,18 +393,19 @@ def _comparison(s: Any, reps: np.ndarray | None, infl: np.ndarray, i: int, ib: i
     """``policy - baseline`` in one segment, on the levels both cells print."""
     (ka, ca), (kb, cb) = printed[i], printed[ib]
     out = {"segment": segment, "policy": policy, "baseline": baseline, "claim_kind": "too_few", "diff": None,
-           "se": None, "ci": None, "ci_fcr": None, "p_value": None, "p_adjusted": None, "significant": None,
-           "better": None, "worse": None}
+           "se": None, "df": None, "ci": None, "ci_fcr": None, "p_value": None, "p_adjusted": None,
+           "significant": None, "better": None, "worse": None}
     if ca is None or cb is None or "too_few" in (ka, kb):
         return out
     kind = "verified" if ka == kb == "verified" else "assumes_transport"
     if kind == "assumes_transport":  # compare the same kind of level: both plug-ins (the protocol's)
         ca, cb = int(s.assumed_cols[i]), int(s.assumed_cols[ib])
     est = np.array([_stat(s, ca, i), _stat(s, cb, ib)])
+    df = float(np.nanmin([s.dfs[ca], s.dfs[cb], np.inf]))
     r = paired_difference(est[0], est[1], None if reps is None else reps[:, ca], None if reps is None else reps[:, cb],
-                          infl[:, ca], infl[:, cb], alpha)
+                          infl[:, ca], infl[:, cb], alpha, df)
     out.update(claim_kind=kind, diff=r["diff"], se=r["se"] if np.isfinite(r["se"]) else None, ci=r["ci"],
-               p_value=r["p_value"] if np.isfinite(r["p_value"]) else None)
+               p_value=r["p_value"] if np.isfinite(r["p_value"]) else None, df=df if np.isfinite(df) else None)
     return out
 
 

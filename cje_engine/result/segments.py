@@ -91,6 +91,8 @@ class SegmentComparison(_Strict):
     claim_kind: ClaimKind = Field(description="verified when both levels are verified; too_few: not compared")
     diff: Num = None
     se: Num = None
+    df: Num = Field(None, description="degrees of freedom of the t reference of diff / se (the smaller of the two "
+                                      "levels'; null: normal)")
     ci: Optional[Pair] = Field(None, description="marginal 1 - alpha interval")
     ci_fcr: Optional[Pair] = Field(None, description="selected comparisons only (significant after adjustment): "
                                                      "the Benjamini-Yekutieli interval at level 1 - R alpha / m")

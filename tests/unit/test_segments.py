@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from scipy.stats import chi2
+from scipy.stats import t as student_t
 
 from cje_engine import CJEInputError, evaluate
 from cje_engine.inference.multiplicity import benjamini_hochberg, holm
@@ -69,13 +70,15 @@ def test_segment_comparisons_are_paired_differences_adjusted_over_the_family(los
         b = next(x for x in seg.cells if x.segment == c.segment and x.policy == c.baseline)
         assert c.diff == pytest.approx(a.estimate - b.estimate, abs=1e-12)
         # the comparison's SE is at least as small as the unpaired one would be when levels share prompts
-        assert c.se > 0 and c.p_value == pytest.approx(2 * (1 - __import__("scipy.stats").stats.norm.cdf(abs(c.diff / c.se))))
+        # t reference with the smaller of the two levels' degrees of freedom (own labels)
+        assert c.se > 0 and c.df is not None and 20 < c.df < 200
+        assert c.p_value == pytest.approx(2 * student_t.sf(abs(c.diff / c.se), c.df))
     R = sum(c.significant for c in seg.comparisons)
     m = len(seg.comparisons)
     assert seg.error_control.n_selected == R and seg.error_control.n_comparisons == m
     assert seg.error_control.comparison_interval_level == pytest.approx(1 - R * 0.05 / m)
-    z = __import__("scipy.stats").stats.norm.ppf(1 - R * 0.05 / m / 2)
     for c in seg.comparisons:
+        z = student_t.ppf(1 - R * 0.05 / m / 2, c.df)
         if c.significant:
             assert c.ci_fcr == pytest.approx([c.diff - z * c.se, c.diff + z * c.se])
             assert c.ci_fcr[0] > 0 or c.ci_fcr[1] < 0  # BY intervals of BH-selected comparisons exclude 0
