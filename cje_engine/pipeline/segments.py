@@ -33,7 +33,7 @@ from cje_engine.inference.variance import cluster_cov
 from cje_engine.pipeline.calibration import fit_mode
 from cje_engine.pipeline.policies import summarize_direct
 from cje_engine.result.jsonable import jsonable
-from cje_engine.inference.segments import (by_interval_level, group_mean_residuals, normal_interval,
+from cje_engine.inference.segments import (by_interval_level, eb_pool, group_mean_residuals, normal_interval,
                                            paired_difference, reliability_bins, score_bins, wald_test)
 from cje_engine.result.segments import OTHER, SegmentsResult
 
@@ -369,10 +369,29 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
            "omnibus": "clustered Wald chi-square on the mean residuals by segment and by score decile, one test per "
                       "policy and one over all labels, each at alpha; the calibration by segment is refitted when "
                       "the test over all labels fails"}
-    block = {"columns": list(rows.columns), "baseline": baseline, "min_rows": opts.segment_min_rows,
+    pooling = partial_pooling(out_cells, alpha, d.label_scale) if opts.segment_pooling == "eb" else None
+    block = {"columns": list(rows.columns), "baseline": baseline, "partial_pooling": pooling, "min_rows": opts.segment_min_rows,
              "min_labels": opts.segment_min_labels, "segments": info, "cells": out_cells, "comparisons": comps,
              "error_control": err, "omnibus": omnibus, "recalibration": recal, "reliability": reliability(prep)}
     return SegmentsResult.model_validate(_plain(block)).model_dump(mode="json", exclude_none=False)
+
+
+def partial_pooling(cells: list[dict], alpha: float, scale: tuple[float, float]) -> list[dict]:
+    """Empirical-Bayes pooling (`eb_pool`) of each policy's verified segment levels (three or more); writes
+    each pooled cell's ``pooled`` block and returns the per-policy `PartialPooling` blocks."""
+    out = []
+    for policy in dict.fromkeys(c["policy"] for c in cells):
+        mine = [c for c in cells if c["policy"] == policy and c["claim_kind"] == "verified"
+                and c["estimate"] is not None and c["se"] is not None and c["se"] > 0]
+        if len(mine) < 3:
+            continue
+        r = eb_pool(np.array([c["estimate"] for c in mine]), np.array([c["se"] for c in mine]), alpha)
+        for j, c in enumerate(mine):
+            c["pooled"] = {"estimate": float(r["estimate"][j]), "ci": _clip(list(map(float, r["ci"][j])), scale),
+                           "shrinkage": float(r["shrinkage"][j])}
+        out.append({"policy": policy, "method": "robust_ebci", "n_segments": len(mine), "mean": r["mean"],
+                    "mean_se": r["mean_se"], "mu2": r["mu2"]})
+    return out
 
 
 def _audit_family(s: Any, names: list[str]) -> tuple[list[int], dict]:
