@@ -21,6 +21,8 @@ FLAGS: dict[str, str] = {
     "c_S": "--c-s", "c_Y": "--c-y", "power": "--power", "trust_transport": "--trust-transport",
     "baseline": "--baseline", "noninferiority_margin": "--noninferiority-margin", "min_prompts": "--min-prompts",
     "looks": "--looks", "planned_labels": "--planned-labels",
+    "segment_by": "--segment-by", "segment_min_rows": "--segment-min-rows", "segment_min_labels": "--segment-min-labels",
+    "segment_claims": "--segment-claims",
 }
 
 _VALUE = r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{[^}]*\}|\([^)]*\)|[\w.+\-]+)"""

@@ -144,6 +144,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label-scale", help="declared oracle label scale, e.g. 0-1, 1-5, 1-10, 0-100")
     g.add_argument("--score-scale", help="declared judge score scale, e.g. 0-1, 1-10, 0-100")
     g.add_argument("--multiplicity", choices=["bh", "holm"])
+    g.add_argument("--segment-by", action="append", metavar="COL", dest="segment_by",
+                   help="segment the evaluation by this column (repeatable: their combinations); prints the "
+                        "segment table (docs/segments.md)")
+    g.add_argument("--segment-min-rows", type=int, help="fewest rows of each policy for a segment of its own (default 50)")
+    g.add_argument("--segment-min-labels", type=int, help="fewest labels for a segment of its own (default 20)")
+    g.add_argument("--segment-claims", choices=["bh", "holm"], help="error control of segment claims (default bh)")
 
 
 def _add_columns(p: argparse.ArgumentParser) -> None:
@@ -157,7 +163,8 @@ def _add_columns(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("covariates", "n_bootstrap", "alpha", "audit_margin", "seed", "calibration_policies",
                 "calibration_mode", "inference", "level_estimator", "label_scale", "score_scale", "multiplicity",
-                "trust_transport", "baseline", "noninferiority_margin", "min_prompts", "looks", "planned_labels")
+                "trust_transport", "baseline", "noninferiority_margin", "min_prompts", "segment_by", "segment_min_rows",
+                "segment_min_labels", "segment_claims", "looks", "planned_labels")
 _CONFIG_HELP = CONFIG_HELP
 
 
@@ -363,10 +370,16 @@ def _evaluate_direct(ns: argparse.Namespace, opts: Any) -> Any:
     from cje_engine.pipeline.direct import finalize, prepare
 
     columns = _columns(ns)
+    from cje_engine.pipeline.segments import segment_error
+
     with progress(f"reading {ns.input}"):
-        frame = load_input(ns.input, columns, label_scale=opts.label_scale,
-                           score_scale=opts.score_scale if opts.score_scale is not None else "none",
-                           covariates=opts.covariates, policies=list(opts.policies) if opts.policies else None)
+        try:
+            frame = load_input(ns.input, columns, label_scale=opts.label_scale,
+                               score_scale=opts.score_scale if opts.score_scale is not None else "none",
+                               covariates=opts.covariates, policies=list(opts.policies) if opts.policies else None,
+                               **({"keep_columns": list(opts.segment_by)} if opts.segment_by else {}))
+        except CJEInputError as exc:
+            raise segment_error(exc, opts.segment_by) from None
     with progress("calibrating"):
         prep = prepare(frame, opts)
     return finalize(prep, _bootstrap(prep))
@@ -376,7 +389,7 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     """Engine only: write DIR/result.json, DIR/report.html and DIR/terms.npz (the replicates and influence
     terms behind the result's accessors) and print the table."""
     from flows.reports.evaluation import render_report
-    from flows.reports.table import format_table
+    from flows.reports.table import format_segment_table, format_table
 
     kwargs = engine_kwargs(ns)
     if ns.policies:
@@ -404,6 +417,8 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
                           problems=problems, result=d))
     else:
         out(format_table(d))
+        if d.get("segments"):
+            out(format_segment_table(d))
         out(f"result: {result_path}\nreport: {report_path}")
     return _problems_exit(problems, ns.exit_zero)
 
