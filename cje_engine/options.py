@@ -23,12 +23,17 @@ MAX_FOLDS = 100
 #: overrides it.
 DEFAULT_BOOTSTRAP_BYTES = 2 * 1024**3
 
-_INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labels", "min_prompts")
+_INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labels", "min_prompts", "segment_min_rows",
+               "segment_min_labels")
 _FLOAT_FIELDS = ("alpha", "audit_margin", "support_bandwidth", "support_material_share", "noninferiority_margin")
-_STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity", "pooling_bootstrap", "baseline")
+_STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity", "pooling_bootstrap", "baseline",
+               "segment_claims", "segment_recalibrate")
 #: The level estimators (docs/statistics.md, "Levels").
 LEVEL_ESTIMATORS = ("verified", "audited", "robust", "augmented", "plug_in")
-_NAMES_FIELDS = ("covariates", "calibration_policies", "policies", "trust_transport")
+_NAMES_FIELDS = ("covariates", "calibration_policies", "policies", "trust_transport", "segment_by")
+#: The segment options (docs/segments.md): left out of ``to_dict`` (the result's ``config``) when
+#: ``segment_by`` is empty, so an unsegmented evaluation's result is as before.
+SEGMENT_FIELDS = ("segment_by", "segment_min_rows", "segment_min_labels", "segment_claims", "segment_recalibrate")
 
 
 def _type_errors(kw: dict) -> None:
@@ -128,6 +133,19 @@ class EvaluationOptions:
         labels lie within ``support_bandwidth`` x (score range) of it; a plug-in level
         is refused when more than ``support_material_share`` of the policy's rows are
         thinly supported or outside the labelled range.
+    segment_by : tuple of str
+        Columns that cut the rows into segments (e.g. ``("category",)``; several: their combinations).
+        Empty (the default): no segments. Otherwise the result's ``segments`` block (docs/segments.md).
+    segment_min_rows, segment_min_labels
+        A segment is shown on its own when every policy has at least ``segment_min_rows`` rows in it and
+        it holds at least ``segment_min_labels`` labels; smaller ones are pooled into ``other`` (itself
+        reported as too few, without a level, when it is still below the minimums).
+    segment_claims : {"bh", "holm"}
+        Error control of the segment x policy comparison claims: Benjamini-Hochberg (false discovery
+        rate, the default) or Holm (family-wise).
+    segment_recalibrate : {"auto", "never"}
+        ``auto``: when the omnibus calibration test over all labels fails, the segment levels use a
+        calibration with the segment as a covariate (one-hot, two-stage); ``never``: the pooled one.
     """
 
     covariates: tuple[str, ...] = ()
@@ -153,6 +171,11 @@ class EvaluationOptions:
     baseline: str | None = None
     noninferiority_margin: float = 0.02
     min_prompts: int = 10
+    segment_by: tuple[str, ...] = ()
+    segment_min_rows: int = 50
+    segment_min_labels: int = 20
+    segment_claims: str = "bh"
+    segment_recalibrate: str = "auto"
 
     @classmethod
     def build(cls, **kwargs) -> "EvaluationOptions":
@@ -166,12 +189,13 @@ class EvaluationOptions:
                                 + did_you_mean(unknown[0], cls.__dataclass_fields__))
         kw = dict(kwargs)
         _type_errors(kw)
-        for key in ("covariates", "calibration_policies", "policies", "trust_transport"):
+        for key in ("covariates", "calibration_policies", "policies", "trust_transport", "segment_by"):
             if kw.get(key) is not None:
                 v = kw[key]
                 kw[key] = (v,) if isinstance(v, str) else tuple(v)
-        if "covariates" in kw and kw["covariates"] is None:
-            kw["covariates"] = ()
+        for key in ("covariates", "segment_by"):
+            if key in kw and kw[key] is None:
+                kw[key] = ()
         if "label_scale" in kw:
             kw["label_scale"] = parse_scale(kw["label_scale"], "label")
             if kw["label_scale"] is None:
@@ -270,6 +294,17 @@ class EvaluationOptions:
             bad(f"min_labels must be at least 2; got {self.min_labels}")
         if self.min_prompts < 2:
             bad(f"min_prompts must be at least 2; got {self.min_prompts}")
+        if self.segment_claims not in ("bh", "holm"):
+            bad(f"segment_claims must be bh or holm; got {self.segment_claims!r}")
+        if self.segment_recalibrate not in ("auto", "never"):
+            bad(f"segment_recalibrate must be auto or never; got {self.segment_recalibrate!r}")
+        if self.segment_min_rows < 2:
+            bad(f"segment_min_rows must be at least 2; got {self.segment_min_rows}")
+        if self.segment_min_labels < 0:
+            bad(f"segment_min_labels must be at least 0; got {self.segment_min_labels}")
+        clash = [c for c in self.segment_by if c in self.covariates]
+        if clash:
+            bad(f"segment_by column {clash[0]!r} is also a covariate; bucket it into a column of its own")
         if not (0 <= self.noninferiority_margin < 1):
             bad(f"noninferiority_margin must be in [0, 1) (a fraction of the label scale); got "
                 f"{self.noninferiority_margin}")
@@ -304,6 +339,9 @@ class EvaluationOptions:
     def to_dict(self) -> dict:
         """Every option, JSON-ready (tuples as lists): the result's ``config``."""
         d = asdict(self)
+        if not self.segment_by:
+            for k in SEGMENT_FIELDS:
+                d.pop(k)
         for k, v in d.items():
             if isinstance(v, tuple):
                 d[k] = list(v)

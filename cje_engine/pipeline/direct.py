@@ -24,6 +24,7 @@ from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.pooling_replay import PoolingReplay, build_replay
+from cje_engine.pipeline.segments import SegmentRows, segment_rows, summarize_segments
 from cje_engine.pipeline.policies import summarize_direct
 from cje_engine.result import EvaluationResult
 from cje_engine.result.model import PolicyResult
@@ -46,6 +47,7 @@ class Prepared:
     models: list | None = None  # per-fold calibrators of the cross-fit (None: the fold kept the full fit)
     excluded: list = field(default_factory=list)  # calibration sources removed by robust pooling
     replay: PoolingReplay | None = None  # robust pooling rerun in each replicate (pooling_bootstrap="rerun")
+    segments: SegmentRows | None = None  # each row's segment (options.segment_by), docs/segments.md
 
     @property
     def n_replicate_stats(self) -> int:
@@ -74,16 +76,28 @@ class Prepared:
         return finalize(self, chunks)
 
 
-def _to_evaldata(data: Any, opts: EvaluationOptions) -> EvalData:
+def _to_evaldata(data: Any, opts: EvaluationOptions) -> tuple[EvalData, SegmentRows | None]:
     if isinstance(data, EvalData):
-        return data
+        if opts.segment_by:
+            raise CJEInputError("segment_by needs the rows' columns: give a path, a frame or a table, not an EvalData",
+                                option="segment_by")
+        return data, None
     frame, codes = load_coded(
         data,
         label_scale=opts.label_scale,
         score_scale=opts.score_scale,
         covariates=list(opts.covariates),
         policies=list(opts.policies) if opts.policies else None,
+        keep_columns=list(opts.segment_by),
     )
+    seg = segment_rows(frame, opts.segment_by) if opts.segment_by else None
+    ed = _from_frame(frame, codes, opts)
+    if seg is not None and seg.code.size != ed.n_rows:
+        raise CJEInputError(f"segment_by: {seg.code.size} rows read, {ed.n_rows} kept", option="segment_by")
+    return ed, seg
+
+
+def _from_frame(frame: Any, codes: Any, opts: EvaluationOptions) -> EvalData:
     return EvalData.from_frame(
         frame,
         covariates=opts.covariates,
@@ -107,7 +121,7 @@ def prepare(data: Any, options: EvaluationOptions | None = None, **kwargs: Any) 
     **kwargs : keyword options, see `EvaluationOptions`
     """
     opts = EvaluationOptions.of(options, **kwargs)
-    ed = _to_evaldata(data, opts)
+    ed, seg = _to_evaldata(data, opts)
     if opts.calibration_policies is not None:
         missing = [p for p in opts.calibration_policies if p not in ed.policies]
         if missing:
@@ -120,7 +134,7 @@ def prepare(data: Any, options: EvaluationOptions | None = None, **kwargs: Any) 
     rerun = opts.inference == "bootstrap" and opts.pooling_bootstrap == "rerun"
     replay = build_replay(ed, opts, fit.design, excluded) if rerun else None
     return Prepared(opts, fit.design, selection, fit.f, fit.full, fit.stats, fit.infl, jk, fit.models, excluded,
-                    replay)
+                    replay, seg)
 
 
 def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
@@ -216,6 +230,8 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
                       calibration=s.calibration, inference=inference_summary(opts),
                       policies={n: p.model_dump(exclude_unset=True, by_alias=True) for n, p in pols.items()},
                       relative=rel, warnings=s.warnings)
+    if prep.segments is not None:
+        result["segments"] = summarize_segments(prep, prep.segments)
     return EvaluationResult(result, replicates=s.reps, influence=s.influence, columns=s.cols, dfs=s.dfs)
 
 

@@ -65,6 +65,11 @@ class EvaluationResult:
         return json.dumps(self.to_dict(), allow_nan=False, **kwargs)
 
     @property
+    def segments(self) -> Any:
+        """The typed segments block (`cje_engine.result.segments.SegmentsResult`), or None without ``segment_by``."""
+        return self.model.segments
+
+    @property
     def policies(self) -> dict:
         """The policies block as plain JSON data (``to_dict()["policies"]``)."""
         return self.to_dict()["policies"]

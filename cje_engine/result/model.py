@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from cje_engine.calibration.registry import result_mode_type
+from cje_engine.result.segments import SegmentsResult
 
 SCHEMA_VERSION = 1
 
@@ -499,4 +500,7 @@ class EvaluationModel(_Strict):
     assumes_transport: Optional[AssumedClaims] = Field(
         None, description="Direct: claims on the assumes-transport levels (never the basis of best or a gate)")
     offpolicy: Optional[OffPolicyRun] = None
+    segments: Optional[SegmentsResult] = Field(
+        None, description="evaluate(..., segment_by=[...]): segment x policy levels, comparisons with the baseline, "
+                          "calibration by segment and the error control of the family (docs/segments.md)")
     warnings: list[str]

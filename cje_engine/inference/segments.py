@@ -1,0 +1,197 @@
+"""Statistics of segmented evaluations: pure functions of arrays, one small function per estimand.
+
+- `by_interval_level`: the Benjamini-Yekutieli (2005) level of the intervals of R selected out of m.
+- `paired_difference`: a difference of two levels with its SE (bootstrap replicates or influence terms),
+  interval and two-sided p-value.
+- `group_mean_residuals`: mean residual of each group of labelled rows and its per-prompt influence.
+- `wald_test`: the clustered Wald (chi-square) test that a vector of means is 0 (pseudo-inverse, df = rank).
+- `score_bins`: decile bins of a score (ties kept whole).
+- `reliability_bins`: a reliability diagram's bins with cluster-robust SEs.
+
+Nothing here reads files or the clock (docs/architecture.md); `cje_engine.pipeline.segments` calls them.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy.stats import chi2, norm
+
+from cje_engine.inference.variance import cluster_cov
+
+#: Relative eigenvalue below which a direction of the omnibus covariance counts as degenerate.
+RANK_TOL = 1e-9
+
+
+def by_interval_level(n_selected: int, n_family: int, alpha: float) -> float | None:
+    """Benjamini-Yekutieli (2005) false-coverage-rate level ``1 - R alpha / m`` of the R selected intervals.
+
+    Parameters
+    ----------
+    n_selected : int
+        R, the parameters whose intervals are shown.
+    n_family : int
+        m, every parameter the selection chose from.
+    alpha : float
+        The false coverage rate to control.
+
+    Returns
+    -------
+    float or None
+        The marginal level of each shown interval (None when nothing is selected).
+    """
+    if n_selected <= 0 or n_family <= 0:
+        return None
+    return 1.0 - min(n_selected, n_family) * alpha / n_family
+
+
+def normal_interval(estimate: float, se: float, level: float) -> list[float]:
+    """``estimate +- z_{(1 + level) / 2} se``."""
+    z = float(norm.ppf(0.5 + level / 2))
+    return [float(estimate - z * se), float(estimate + z * se)]
+
+
+def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, reps_b: np.ndarray | None,
+                      psi_a: np.ndarray, psi_b: np.ndarray, alpha: float) -> dict:
+    """``a - b`` with its SE, normal interval and two-sided p-value (H0: no difference).
+
+    Parameters
+    ----------
+    est_a, est_b : float
+        The two levels.
+    reps_a, reps_b : ndarray (B,) or None
+        Their paired bootstrap replicates (each refits the calibrator); None: the analytic route.
+    psi_a, psi_b : ndarray (n_prompts,)
+        Their per-prompt influence terms (used when there are no replicates).
+    alpha : float
+        1 - the interval's level.
+
+    Returns
+    -------
+    dict
+        ``diff``, ``se``, ``ci``, ``p_value`` (NaN where not estimable).
+    """
+    diff = float(est_a - est_b)
+    if reps_a is not None and reps_b is not None:
+        d = np.asarray(reps_a, float) - np.asarray(reps_b, float)
+        d = d[np.isfinite(d)]
+        se = float(np.std(d, ddof=1)) if d.size > 2 else float("nan")
+    else:
+        se = float(np.sqrt(cluster_cov(np.nan_to_num(np.asarray(psi_a, float) - np.asarray(psi_b, float)))[0, 0]))
+    if not (np.isfinite(diff) and np.isfinite(se) and se > 0):
+        return {"diff": diff if np.isfinite(diff) else float("nan"), "se": float("nan"), "ci": None,
+                "p_value": float("nan")}
+    return {"diff": diff, "se": se, "ci": normal_interval(diff, se, 1 - alpha),
+            "p_value": float(2 * norm.sf(abs(diff) / se))}
+
+
+def group_mean_residuals(prompt: np.ndarray, group: np.ndarray, resid: np.ndarray, weight: np.ndarray,
+                         n_groups: int, n_prompts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weighted mean residual of each group and its per-prompt influence (the residual term).
+
+    Parameters
+    ----------
+    prompt, group : ndarray of int (m,)
+        Each labelled row's prompt (the cluster) and group (segment or score bin; -1: in no group).
+    resid, weight : ndarray (m,)
+        Residuals ``Y - f`` and label weights (1 / P(labelled)).
+    n_groups, n_prompts : int
+
+    Returns
+    -------
+    means : ndarray (n_groups,)
+        NaN for an empty group.
+    psi : ndarray (n_prompts, n_groups)
+        ``sum over the prompt's rows in group j of w (r - mean_j) / sum_j(w)``; its `cluster_cov` is the
+        covariance of the means (groups sharing prompts are correlated through it).
+    n : ndarray of int (n_groups,)
+        Rows per group.
+    """
+    keep = group >= 0
+    g, p, r, w = group[keep], prompt[keep], resid[keep], weight[keep]
+    den = np.bincount(g, weights=w, minlength=n_groups)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.bincount(g, weights=w * r, minlength=n_groups) / den
+        contrib = w * (r - means[g]) / den[g]
+    psi = np.bincount(p.astype(np.int64) * n_groups + g, weights=contrib,
+                      minlength=n_prompts * n_groups).reshape(n_prompts, n_groups)
+    return means, psi, np.bincount(g, minlength=n_groups)
+
+
+def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
+    """Clustered Wald test of H0: every entry of ``delta`` is 0.
+
+    ``V = cluster_cov(psi)`` (prompt clusters, G/(G-1)); the statistic ``delta' V^+ delta`` on the
+    eigen-directions of V above `RANK_TOL` x its largest eigenvalue, chi-square with df = that rank
+    (segment means and decile means of the same rows share one linear constraint, so V is singular).
+
+    Parameters
+    ----------
+    delta : ndarray (J,)
+        The means (non-finite entries are left out, with their columns).
+    psi : ndarray (n_clusters, J)
+        Their per-cluster influence sums.
+
+    Returns
+    -------
+    (statistic, df, p_value)
+        NaN statistic and p-value with df 0 when nothing can be tested.
+    """
+    delta = np.asarray(delta, float)
+    ok = np.isfinite(delta)
+    if not ok.any():
+        return float("nan"), 0, float("nan")
+    V = np.atleast_2d(cluster_cov(np.asarray(psi, float)[:, ok]))
+    vals, vecs = np.linalg.eigh(V)
+    top = float(vals.max()) if vals.size else 0.0
+    keep = vals > RANK_TOL * top if top > 0 else np.zeros(vals.size, bool)
+    df = int(keep.sum())
+    if df == 0:
+        return float("nan"), 0, float("nan")
+    proj = vecs[:, keep].T @ delta[ok]
+    stat = float(np.sum(proj ** 2 / vals[keep]))
+    return stat, df, float(chi2.sf(stat, df))
+
+
+def score_bins(score: np.ndarray, n_bins: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """Decile bins of ``score`` (quantile edges; ties keep a bin whole, so fewer bins may appear).
+
+    Returns
+    -------
+    idx : ndarray of int (n,)
+        Each value's bin (0 .. len(edges) - 2).
+    edges : ndarray
+        The bins' edges.
+    """
+    score = np.asarray(score, float)
+    if score.size == 0:
+        return np.empty(0, dtype=np.int64), np.array([0.0, 0.0])
+    edges = np.unique(np.quantile(score, np.linspace(0, 1, n_bins + 1)))
+    if edges.size == 1:
+        edges = np.array([edges[0], edges[0]])
+    idx = np.clip(np.searchsorted(edges, score, side="right") - 1, 0, edges.size - 2)
+    return idx.astype(np.int64), edges
+
+
+def reliability_bins(pred: np.ndarray, y: np.ndarray, weight: np.ndarray, prompt: np.ndarray,
+                     n_bins: int = 10) -> list[dict]:
+    """Reliability diagram data: labelled rows binned by decile of the calibrated prediction.
+
+    Each bin: ``lo``, ``hi`` (prediction range), ``n``, ``mean_predicted``, ``mean_label`` (weighted) and
+    ``se``, the prompt-clustered SE of ``mean_label - mean_predicted`` (None with one row).
+    """
+    pred, y, weight = (np.asarray(a, float) for a in (pred, y, weight))
+    if pred.size == 0:
+        return []
+    idx, edges = score_bins(pred, n_bins)
+    _, codes = np.unique(prompt, return_inverse=True)
+    means, psi, n = group_mean_residuals(codes, idx, y - pred, weight, edges.size - 1, int(codes.max()) + 1)
+    out = []
+    for b in range(edges.size - 1):
+        sel = idx == b
+        if not sel.any():
+            continue
+        w = weight[sel]
+        se = float(np.sqrt(cluster_cov(psi[:, b])[0, 0])) if n[b] > 1 else None
+        out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "n": int(n[b]),
+                    "mean_predicted": float(np.sum(w * pred[sel]) / np.sum(w)),
+                    "mean_label": float(np.sum(w * y[sel]) / np.sum(w)), "se": se})
+    return out
