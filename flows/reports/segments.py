@@ -30,25 +30,46 @@ __all__ = ["segments_of", "segments_section", "heatmap_table", "drilldown_table"
 SEGMENT_CSS = """
 table.heat{border-collapse:separate;border-spacing:3px;font-size:13px;margin:8px 0}
 table.heat th{font-weight:600;color:var(--muted);padding:4px 6px;text-align:center;white-space:normal;
-overflow-wrap:anywhere;max-width:9em}
-table.heat th.seg{text-align:left;max-width:14em}
+overflow-wrap:break-word;max-width:9em}
+table.heat th.seg{text-align:left;max-width:11em;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 table.heat td{min-width:5.2em;height:2.6em;padding:3px 6px;text-align:center;border-radius:5px;
 font-variant-numeric:tabular-nums;line-height:1.2}
 table.heat td.verified{border:2px solid #1f2328}
 table.heat td.assumes_transport{border:2px dashed #6b7280;font-style:italic;
-background-image:repeating-linear-gradient(135deg,rgba(255,255,255,.0) 0 5px,rgba(255,255,255,.75) 5px 8px)}
+background-image:repeating-linear-gradient(135deg,rgba(255,255,255,0) 0 6px,rgba(255,255,255,.55) 6px 9px)}
 table.heat td.too_few{background:#fff;border:1px dotted #b8bfc6;color:var(--muted);font-size:11.5px;
 min-width:7em}
 table.heat td.base{background:#f4f6f8;color:var(--muted);font-size:12px}
 table.heat td .mark{font-size:11px;display:block;color:#3d444d}
+table.heat td.assumes_transport b,table.heat td.assumes_transport .v,table.heat td.assumes_transport .mark{
+background:rgba(255,255,255,.85);border-radius:3px;padding:0 3px}
+table.heat td.assumes_transport .mark{display:inline-block;margin-top:2px}
 table.heat td.sig b{font-weight:700}
 .heat-legend{display:flex;flex-wrap:wrap;gap:6px 14px;font-size:12.5px;color:var(--muted);margin:4px 0 8px}
 .heat-legend span.sw{display:inline-block;width:2.2em;height:1.2em;border-radius:4px;vertical-align:middle;
 margin-right:4px}
 .panels.rel{grid-template-columns:repeat(auto-fill,minmax(min(100%,330px),1fr))}
 table.data.drill td{white-space:nowrap}
-table.data.drill td.why{white-space:normal;min-width:12em;color:var(--muted)}
+table.data.drill td.why{white-space:normal;min-width:9em;max-width:16em}
+table.data.drill td.why small{color:var(--muted)}
 tr.seg-first td{border-top:2px solid var(--line)}
+@media (max-width:640px){
+main{padding:14px 10px 24px}
+section,footer{padding:14px 12px}
+table.heat{border-spacing:2px;font-size:12.5px}
+table.heat td{min-width:4.6em;padding:2px 3px}
+table.heat th{padding:2px 3px}
+table.heat th.seg{max-width:6.5em}
+table.data.cards thead{display:none}
+table.data.cards,table.data.cards tbody{display:block}
+table.data.cards tr{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:1px 12px;padding:6px 0;
+border-bottom:1px solid #eaeef2}
+table.data.cards tr.seg-first{border-top:2px solid var(--line)}
+table.data.cards td{display:block;border:0;padding:1px 0;white-space:normal;text-align:left;min-width:0;max-width:none}
+table.data.cards td[data-label]::before{content:attr(data-label) ": ";color:var(--muted);font-size:12px}
+table.data.cards td.name{font-weight:600;font-size:14px}
+table.data.cards td:empty{display:none}
+}
 """
 
 
@@ -142,7 +163,7 @@ def heatmap_table(seg: SegmentsResult) -> str:
             if kind == "too_few" or c is None or as_number(c.diff) is None:
                 why = _too_few_reason(seg, s, p, c)
                 tds.append(f"<td class='too_few' {attrs} data-reason='{esc(why)}' title='{esc(why)}'>"
-                           f"too few<span class='mark'>{esc(_short_reason(why))}</span></td>")
+                           f"too few<span class='mark'>{esc(_sizes(seg, s, p))}</span></td>")
                 continue
             sig = bool(c.significant)
             arrow = ("\u25b2 " if c.better else "\u25bc " if c.worse else "")
@@ -150,12 +171,13 @@ def heatmap_table(seg: SegmentsResult) -> str:
             ci = as_pair(c.ci_fcr) or as_pair(c.ci)
             tip = (f"{p} - {seg.baseline} in {s}: {signed(c.diff)} {fmt_ci(ci)}; adjusted p {fmt_p(c.p_adjusted)}"
                    f"; {mark}" + ("" if kind == "verified" else " (not verified by the segment's own labels)"))
-            value = f"<b>{esc(arrow + signed(c.diff))}</b>" if sig else esc(signed(c.diff))
+            value = (f"<b>{esc(arrow + signed(c.diff))}</b>" if sig else
+                     f"<span class='v'>{esc(signed(c.diff))}</span>")
             tds.append(f"<td class='{esc(kind)}{' sig' if sig else ''}' {attrs} data-significant='{str(sig).lower()}'"
                        f" data-diff='{esc(signed(c.diff))}' style='background-color:{diff_colour(c.diff, scale)}' "
                        f"title='{esc(tip)}'>{value}<span class='mark'>{esc(mark)}</span></td>")
         label = s if s != OTHER else f"{OTHER} (pooled)"
-        body.append(f"<tr><th class='seg' scope='row'>{name_cell(label)}</th>{''.join(tds)}</tr>")
+        body.append(f"<tr><th class='seg' scope='row' title='{esc(label)}'>{esc(label)}</th>{''.join(tds)}</tr>")
     legend = (
         "<div class='heat-legend'>"
         f"<span><span class='sw' style='background:{diff_colour(scale, scale)}'></span>better than the baseline</span>"
@@ -170,24 +192,43 @@ def heatmap_table(seg: SegmentsResult) -> str:
             f"<thead>{head}</thead><tbody>{''.join(body)}</tbody></table></div>")
 
 
+def _sizes(seg: SegmentsResult, segment: str, policy: str) -> str:
+    """A too-few cell's own sizes, e.g. ``14 rows, 2 labels``."""
+    cell = _cell(seg, segment, policy)
+    if cell is not None:
+        return f"{cell.n_rows} rows, {cell.n_labels} labels"
+    info = next((x for x in seg.segments if x.name == segment), None)
+    return f"{info.n_rows} rows, {info.n_labels} labels" if info is not None else "no rows"
+
+
 def _short_reason(why: str) -> str:
     """The first clause of a reason, for the cell itself (the full one is its tooltip)."""
     text = why.split(";")[0].split("(")[0].strip()
     return text if len(text) <= 40 else text[:39] + "\u2026"
 
 
+def _claim_cell(c: SegmentCell) -> str:
+    """The claim of a cell, with the reason it is not verified (short; the full reason in the tooltip)."""
+    word = {"verified": "\u2713 verified", "assumes_transport": "assumes transport", "too_few": "too few"}[c.claim_kind]
+    if c.claim_kind == "verified" or not c.reason:
+        return f"<td data-label='claim'>{esc(word)}</td>"
+    return (f"<td class='why' data-label='claim' title='{esc(c.reason)}'>{esc(word)}<br><small>{esc(_short_reason(c.reason))}</small>"
+            "</td>")
+
+
 def drilldown_table(seg: SegmentsResult, alpha: float) -> str:
-    """One row per segment x policy: level, shown interval, claim, labels, rows, audit, difference with the
-    baseline, its interval and adjusted p."""
+    """One row per segment x policy: level, shown interval, claim, labels / rows, audit (with its adjusted p),
+    the difference with the baseline, its interval and adjusted p."""
     ec = seg.error_control
     lvl = as_number(ec.level_interval_level)
     lvl_txt = f"{100 * lvl:.4g}%" if lvl is not None else conf_label(alpha)
     head = ("<tr><th>segment</th><th>policy</th><th class='r'>level</th>"
             f"<th class='r' title='false coverage rate controlled over the shown levels'>interval ({esc(lvl_txt)})</th>"
-            "<th>claim</th><th class='r'>labels</th><th class='r'>rows</th><th>audit</th>"
-            "<th class='r' title='audit: Holm over the audited cells'>audit p adj.</th>"
-            f"<th class='r'>vs {esc(seg.baseline)}</th><th class='r' title='BY (FCR) interval when selected, else "
-            f"the marginal one'>interval</th><th class='r'>p adj. ({esc(ec.claims_method)})</th><th>note</th></tr>")
+            "<th>claim</th><th class='r'>labels / rows</th>"
+            "<th title='transport audit on the cell&#39;s own labels; p adjusted by Holm over the audited cells'>"
+            "audit (p adj.)</th>"
+            f"<th class='r'>vs {esc(seg.baseline)}</th><th class='r' title='Benjamini-Yekutieli (FCR) interval when "
+            f"claimed, else the marginal one'>interval</th><th class='r'>p adj. ({esc(ec.claims_method)})</th></tr>")
     rows = []
     order = [seg.baseline] + _policies(seg)
     for s in shown_segments(seg):
@@ -200,31 +241,30 @@ def drilldown_table(seg: SegmentsResult, alpha: float) -> str:
             a = c.audit
             sym, label, _ = VERDICT_STYLE.get(a.verdict, VERDICT_STYLE["not_run"])
             if c.claim_kind == "too_few":
-                level = "<td class='r muted' colspan='2'>no level</td>"
+                level = "<td class='r muted' colspan='2' data-label='level'>none</td>"
             else:
-                level = (f"<td class='r num'>{'' if c.claim_kind == 'verified' else '<i>'}{esc(fmt(c.estimate))}"
-                         f"{'' if c.claim_kind == 'verified' else '</i>'}</td>"
-                         f"<td class='r num'>{esc(fmt_ci(c.ci))}</td>")
+                num = esc(fmt(c.estimate))
+                level = (f"<td class='r num' data-label='level'>{num if c.claim_kind == 'verified' else f'<i>{num}</i>'}"
+                         f"</td><td class='r num' data-label='interval'>{esc(fmt_ci(c.ci))}</td>")
             if comp is None or comp.claim_kind == "too_few" or as_number(comp.diff) is None:
                 vs = ("<td class='r muted'>baseline</td><td></td><td></td>" if p == seg.baseline
-                      else "<td class='r muted' colspan='3'>not compared</td>")
+                      else f"<td class='r muted' colspan='3' data-label='vs {esc(seg.baseline)}'>not compared</td>")
             else:
                 ci = as_pair(comp.ci_fcr) or as_pair(comp.ci)
                 star = " sig" if comp.significant else ""
-                vs = (f"<td class='r num{star}'>{esc(signed(comp.diff))}</td><td class='r num'>{esc(fmt_ci(ci))}</td>"
-                      f"<td class='r num{star}'>{esc(fmt_p(comp.p_adjusted))}</td>")
-            claim = {"verified": "\u2713 verified", "assumes_transport": "assumes transport",
-                     "too_few": "too few"}[c.claim_kind]
+                vs = (f"<td class='r num{star}' data-label='vs {esc(seg.baseline)}'>{esc(signed(comp.diff))}</td>"
+                      f"<td class='r num' data-label='interval'>{esc(fmt_ci(ci))}</td>"
+                      f"<td class='r num{star}' data-label='p adj.'>{esc(fmt_p(comp.p_adjusted))}</td>")
             cls = " class='seg-first'" if first else ""
             first = False
+            audit_p = f" <small class='num'>{esc(fmt_p(a.p_adjusted))}</small>" if a.p_adjusted is not None else ""
             rows.append(
                 f"<tr{cls} data-segment='{esc(s)}' data-policy='{esc(p)}' data-claim='{esc(c.claim_kind)}' "
                 f"data-audit='{esc(a.verdict)}'><td class='name'>{name_cell(s)}</td><td class='name'>{name_cell(p)}</td>"
-                f"{level}<td>{esc(claim)}</td><td class='r num'>{c.n_labels}</td><td class='r num'>{c.n_rows}</td>"
-                f"<td><span class='badge v-{esc(a.verdict)}'>{esc(sym)} {esc(label)}</span></td>"
-                f"<td class='r num'>{esc(fmt_p(a.p_adjusted))}</td>{vs}"
-                f"<td class='why'>{esc(c.reason or '')}</td></tr>")
-    return (f"<div class='scroll'><table class='data drill'><thead>{head}</thead><tbody>{''.join(rows)}</tbody>"
+                f"{level}{_claim_cell(c)}<td class='r num' data-label='labels / rows'>{c.n_labels} / {c.n_rows}</td>"
+                f"<td data-label='audit'><span class='badge v-{esc(a.verdict)}'>{esc(sym)} {esc(label)}</span>{audit_p}"
+                f"</td>{vs}</tr>")
+    return (f"<div class='scroll'><table class='data drill cards'><thead>{head}</thead><tbody>{''.join(rows)}</tbody>"
             "</table></div>")
 
 
@@ -242,10 +282,12 @@ def omnibus_table(seg: SegmentsResult) -> str:
         rows.append(f"<tr data-policy='{esc(t.policy)}' data-reject='{str(bool(t.reject)).lower()}'>"
                     f"<td class='name'>{esc('all labels' if t.policy == '*' else t.policy)}</td>"
                     f"<td><span class='badge v-{verdict}'>{esc(sym)} {esc('off somewhere' if t.reject else label)}"
-                    f"</span></td><td class='r num'>{esc(fmt(t.statistic, 1))} on {t.df} df</td>"
-                    f"<td class='r num'>{esc(fmt_p(t.p_value))}</td><td class='r num'>{esc(fmt_p(t.pooled_p_value))}"
-                    f"</td><td class='r num'>{t.n_labels} / {t.n_clusters}</td><td>{esc(where)}</td></tr>")
-    return ("<div class='scroll'><table class='data'><thead><tr><th>labels of</th><th>omnibus</th>"
+                    f"</span></td><td class='r num' data-label='\u03c7\u00b2'>{esc(fmt(t.statistic, 1))} on {t.df} df</td>"
+                    f"<td class='r num' data-label='p'>{esc(fmt_p(t.p_value))}</td><td class='r num' "
+                    f"data-label='pooled audit p'>{esc(fmt_p(t.pooled_p_value))}</td><td class='r num' "
+                    f"data-label='labels / prompts'>{t.n_labels} / {t.n_clusters}</td><td data-label='largest'>"
+                    f"{esc(where)}</td></tr>")
+    return ("<div class='scroll'><table class='data cards'><thead><tr><th>labels of</th><th>omnibus</th>"
             "<th class='r'>\u03c7\u00b2</th><th class='r'>p</th><th class='r' title='the plain pooled audit: blind to "
             "errors that cancel'>pooled audit p</th><th class='r'>labels / prompts</th><th>largest deviation</th>"
             f"</tr></thead><tbody>{''.join(rows)}</tbody></table></div>")
