@@ -410,7 +410,7 @@ def _segment_panel(segment: str, rows: Sequence[Mapping[str, Any]], policies: Se
     transport, a vermillion ring: significantly worse) with its interval; windows without a number say why."""
     windows = [r["window"] for r in rows]
     sx = _x_scale(len(windows), g)
-    T, H = (40, 130) if g.narrow else (30, 130)
+    T, H = (56, 130) if g.narrow else (30, 130)  # narrow: the baseline on a line of its own
     vals = [0.0]
     for r in rows:
         for p in policies:

@@ -151,3 +151,32 @@ def test_the_trend_page_draws_a_trend_per_segment_over_windows(seg_result):
     page = render_trend("ev", [{**r, "policies": {}} for r in rows], rows, {}, {}, [])
     assert "<section id='segments'>" in page and "Segments over windows" in page
     assert segments_trend_section([{**r, "segments": None} for r in rows]) == ""
+
+
+def test_segment_sections_read_at_1280_and_420_px(seg_result, tmp_path):
+    """Laid out in headless Chromium (network dead) at a laptop and a phone width: nothing wider than the viewport
+    outside a scroll box, every chart label >= 10 CSS px, the drill-down and its too-few cells readable."""
+    import os
+
+    from tests.flows.test_monitoring import _chromium, _measure
+
+    if _chromium() is None:
+        if os.environ.get("CJE_REQUIRE_CHROMIUM") == "1":
+            pytest.fail("chromium not installed but CJE_REQUIRE_CHROMIUM=1 (apt-get install -y chromium)")
+        pytest.skip("chromium not installed (apt-get install -y chromium); the static checks passed")
+    doc = render_report(seg_result)
+    head = doc[:doc.index("<main>") + 6]
+    section = re.search(r"<section id='segments'>.*?</section>", doc, re.S).group(0)
+    page = tmp_path / "segments.html"
+    page.write_text(head + section + "</main></body></html>", encoding="utf-8")
+    rows = [_row("2025-06-01_2025-06-01", seg_result), _row("2025-06-02_2025-06-02", seg_result)]
+    trend = tmp_path / "trend.html"
+    trend.write_text(render_trend("ev", [{**r, "policies": {}} for r in rows], rows, {}, {}, []), encoding="utf-8")
+    for p in (page, trend):
+        for width in (1280, 420):
+            m = _measure(p, tmp_path, width)
+            assert m["scrollWidth"] <= width and m["wide"] == [], (p.name, width, m["wide"][:5])
+            small = [f for f in m["fonts"] if f[0] < 10]
+            assert m["fonts"] and not small, (p.name, width, small[:5])
+            if p == page:
+                assert "Drill-down" in m["text"] and "too few" in m["text"]
