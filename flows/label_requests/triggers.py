@@ -526,12 +526,14 @@ def segment_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
     """Triggers 8-9 (segmented results, ``segments`` of the result): a segment x policy cell whose transport
     audit is inconclusive (``segment_audit_inconclusive``), and a comparison with the baseline in a segment
     that is undecided (``segment_undecided``): not significant after the family's adjustment while its interval
-    still holds a loss (or gain) larger than the decision margin, or resting on an assumed (unverified) level.
+    still holds a loss (or gain) larger than the decision margin (the audit margin), or resting on an assumed
+    (unverified) level, significant or not.
 
     Sizes: the audit as the policy audit's ``extra_labels_needed`` (n (se / target)^2 - n, target = (margin -
     |delta|) / z); a comparison: labels on the cell with the larger standard error (the policy's or the
-    baseline's in that segment) so that its SE reaches max(|diff|, margin) / (z_{1-alpha/2} + z_{0.8}), and at
-    least the ``min_labels`` a verified level needs. The request's pool is that cell's unlabelled rows."""
+    baseline's in that segment; the unverified one when a level is assumed) so that its SE reaches
+    max(|diff|, margin) / (z_{1-alpha/2} + z_{0.8}), and at least the ``min_labels`` a verified level needs. The
+    request's pool is that cell's unlabelled rows (``other``: the rows of its pooled segments)."""
     seg = _segment_block(result)
     wanted = {"segment_audit_inconclusive", "segment_undecided"} & set(cfg.triggers)
     if seg is None or not wanted:
@@ -564,13 +566,16 @@ def segment_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
         for comp in seg.get("comparisons") or []:
             s, p = comp.get("segment"), comp.get("policy")
             kind, diff, ci = comp.get("claim_kind"), comp.get("diff"), comp.get("ci") or []
-            if kind == "too_few" or diff is None or comp.get("significant") or len(ci) != 2:
+            if kind == "too_few" or diff is None or len(ci) != 2 or (comp.get("significant") and kind == "verified"):
                 continue
             open_loss, open_gain = float(ci[0]) < -margin, float(ci[1]) > margin
             if not (open_loss or open_gain or kind == "assumes_transport"):
                 continue
             own, bc = cells.get((s, p)) or {}, cells.get((s, base)) or {}
-            target_cell = own if float(own.get("se") or 0) >= float(bc.get("se") or 0) else bc
+            if own.get("claim_kind") == "assumes_transport" or bc.get("claim_kind") == "assumes_transport":
+                target_cell = own if own.get("claim_kind") == "assumes_transport" else bc  # the unverified level
+            else:
+                target_cell = own if float(own.get("se") or 0) >= float(bc.get("se") or 0) else bc
             tp = target_cell.get("policy", p)
             n_have = int(target_cell.get("n_labels") or 0)
             target = max(abs(float(diff)), margin) / (z + z_pow)
