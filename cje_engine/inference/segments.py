@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 from scipy.stats import chi2, norm
+from scipy.stats import t as student_t
 
 from cje_engine.inference.variance import cluster_cov
 
@@ -43,15 +44,15 @@ def by_interval_level(n_selected: int, n_family: int, alpha: float) -> float | N
     return 1.0 - min(n_selected, n_family) * alpha / n_family
 
 
-def normal_interval(estimate: float, se: float, level: float) -> list[float]:
-    """``estimate +- z_{(1 + level) / 2} se``."""
-    z = float(norm.ppf(0.5 + level / 2))
-    return [float(estimate - z * se), float(estimate + z * se)]
+def normal_interval(estimate: float, se: float, level: float, df: float = np.inf) -> list[float]:
+    """``estimate +- q se`` with ``q`` the ``(1 + level) / 2`` quantile of the normal (``df`` inf) or of Student's t."""
+    q = float(norm.ppf(0.5 + level / 2) if not np.isfinite(df) else student_t.ppf(0.5 + level / 2, df))
+    return [float(estimate - q * se), float(estimate + q * se)]
 
 
 def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, reps_b: np.ndarray | None,
-                      psi_a: np.ndarray, psi_b: np.ndarray, alpha: float) -> dict:
-    """``a - b`` with its SE, normal interval and two-sided p-value (H0: no difference).
+                      psi_a: np.ndarray, psi_b: np.ndarray, alpha: float, df: float = np.inf) -> dict:
+    """``a - b`` with its SE, interval and two-sided p-value (H0: no difference), t reference with ``df``.
 
     Parameters
     ----------
@@ -63,11 +64,13 @@ def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, rep
         Their per-prompt influence terms (used when there are no replicates).
     alpha : float
         1 - the interval's level.
+    df : float
+        Degrees of freedom of ``diff / se`` (inf: normal): the smaller of the two levels' (own labels).
 
     Returns
     -------
     dict
-        ``diff``, ``se``, ``ci``, ``p_value`` (NaN where not estimable).
+        ``diff``, ``se``, ``ci``, ``p_value``, ``df`` (NaN where not estimable).
     """
     diff = float(est_a - est_b)
     if reps_a is not None and reps_b is not None:
@@ -78,9 +81,9 @@ def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, rep
         se = float(np.sqrt(cluster_cov(np.nan_to_num(np.asarray(psi_a, float) - np.asarray(psi_b, float)))[0, 0]))
     if not (np.isfinite(diff) and np.isfinite(se) and se > 0):
         return {"diff": diff if np.isfinite(diff) else float("nan"), "se": float("nan"), "ci": None,
-                "p_value": float("nan")}
-    return {"diff": diff, "se": se, "ci": normal_interval(diff, se, 1 - alpha),
-            "p_value": float(2 * norm.sf(abs(diff) / se))}
+                "p_value": float("nan"), "df": df}
+    p = norm.sf(abs(diff) / se) if not np.isfinite(df) else student_t.sf(abs(diff) / se, df)
+    return {"diff": diff, "se": se, "ci": normal_interval(diff, se, 1 - alpha, df), "p_value": float(2 * p), "df": df}
 
 
 def group_mean_residuals(prompt: np.ndarray, group: np.ndarray, resid: np.ndarray, weight: np.ndarray,
@@ -120,8 +123,9 @@ def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
     """Clustered Wald test of H0: every entry of ``delta`` is 0.
 
     ``V = cluster_cov(psi)`` (prompt clusters, G/(G-1)); the statistic ``delta' V^+ delta`` on the
-    eigen-directions of V above `RANK_TOL` x its largest eigenvalue, chi-square with df = that rank
-    (segment means and decile means of the same rows share one linear constraint, so V is singular).
+    eigen-directions of V above `RANK_TOL` x its largest eigenvalue, chi-square with df = that rank (a
+    guard: the caller leaves out a mean that others determine, such as the last decile's beside the
+    segment means of the same rows).
 
     Parameters
     ----------

@@ -82,14 +82,20 @@ def _to_evaldata(data: Any, opts: EvaluationOptions) -> tuple[EvalData, SegmentR
             raise CJEInputError("segment_by needs the rows' columns: give a path, a frame or a table, not an EvalData",
                                 option="segment_by")
         return data, None
-    frame, codes = load_coded(
-        data,
-        label_scale=opts.label_scale,
-        score_scale=opts.score_scale,
-        covariates=list(opts.covariates),
-        policies=list(opts.policies) if opts.policies else None,
-        keep_columns=list(opts.segment_by),
-    )
+    try:
+        frame, codes = load_coded(
+            data,
+            label_scale=opts.label_scale,
+            score_scale=opts.score_scale,
+            covariates=list(opts.covariates),
+            policies=list(opts.policies) if opts.policies else None,
+            keep_columns=list(opts.segment_by),
+        )
+    except CJEInputError as exc:
+        if opts.segment_by and exc.column in opts.segment_by and "keep_columns" in exc.detail:
+            raise CJEInputError(exc.detail.replace("keep_columns asks for", "segment_by names"), source=exc.source,
+                                column=exc.column, option="segment_by") from None
+        raise
     seg = segment_rows(frame, opts.segment_by) if opts.segment_by else None
     ed = _from_frame(frame, codes, opts)
     if seg is not None and seg.code.size != ed.n_rows:

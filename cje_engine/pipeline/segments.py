@@ -199,7 +199,13 @@ def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np
     psi = np.hstack([psi_s, psi_d])
     n = np.concatenate([n_s, n_d])
     delta[n < 2] = np.nan  # a group of one row has no variance of its own
-    stat, df, p = wald_test(delta, psi)
+    # the weighted segment means and the weighted decile means both sum to the pooled residual sum: one
+    # decile follows from the rest, so it leaves the test (df = segments + deciles - 1)
+    test = delta.copy()
+    last = np.flatnonzero(np.isfinite(test[G:]))
+    if G > 0 and last.size:
+        test[G + last[-1]] = np.nan
+    stat, df, p = wald_test(test, psi)
     from cje_engine.inference.variance import cluster_cov
 
     se = np.sqrt(np.clip(np.diag(np.atleast_2d(cluster_cov(psi))), 0, None))
@@ -308,6 +314,7 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
         block = {"segment": group_names[c["g"]], "policy": d.policies[c["k"]], "n_rows": pol.n_rows,
                  "n_prompts": pol.n_prompts or 0, "n_labels": pol.n_labelled, "claim_kind": c["kind"],
                  "estimate": None, "se": None, "ci": None, "ci_marginal": None, "assumed_estimate": None,
+                 "plug_in": None,
                  "reason": c["reason"],
                  "audit": {"verdict": a.verdict, "n_labels": a.n_labels, "residual_mean": a.residual_mean,
                            "se": a.se, "p_value": a.p_value, "p_adjusted": aud_p.get(c["i"])}}
@@ -316,9 +323,12 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
             block.update(level)
             if level["se"] is not None and level["estimate"] is not None:
                 block["ci"] = (level["ci_marginal"] if abs(lvl - (1 - alpha)) < 1e-12
-                               else _clip(normal_interval(level["estimate"], level["se"], lvl), d.label_scale))
+                               else _clip(normal_interval(level["estimate"], level["se"], lvl, float(s.dfs[col])),
+                                          d.label_scale))
             if c["kind"] == "verified" and pol.assumed is not None:
                 block["assumed_estimate"] = pol.assumed.estimate
+        if c["kind"] != "too_few" and pol.plug_in is not None:
+            block["plug_in"] = pol.plug_in.estimate
         out_cells.append(block)
 
     comps = []
@@ -344,7 +354,7 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
     cmp_level = by_interval_level(R, m, alpha)
     for c in live:
         if c["significant"]:
-            c["ci_fcr"] = normal_interval(c["diff"], c["se"], cmp_level)
+            c["ci_fcr"] = normal_interval(c["diff"], c["se"], cmp_level, c["df"] if c["df"] is not None else np.inf)
     err = {"alpha": alpha, "claims_method": opts.segment_claims, "n_comparisons": m, "n_selected": R,
            "comparison_interval_method": "by_fcr", "comparison_interval_level": cmp_level,
            "n_cells": n_cells, "n_shown": n_shown, "level_interval_level": lvl, "audit_method": "holm",
@@ -383,18 +393,19 @@ def _comparison(s: Any, reps: np.ndarray | None, infl: np.ndarray, i: int, ib: i
     """``policy - baseline`` in one segment, on the levels both cells print."""
     (ka, ca), (kb, cb) = printed[i], printed[ib]
     out = {"segment": segment, "policy": policy, "baseline": baseline, "claim_kind": "too_few", "diff": None,
-           "se": None, "ci": None, "ci_fcr": None, "p_value": None, "p_adjusted": None, "significant": None,
-           "better": None, "worse": None}
+           "se": None, "df": None, "ci": None, "ci_fcr": None, "p_value": None, "p_adjusted": None,
+           "significant": None, "better": None, "worse": None}
     if ca is None or cb is None or "too_few" in (ka, kb):
         return out
     kind = "verified" if ka == kb == "verified" else "assumes_transport"
     if kind == "assumes_transport":  # compare the same kind of level: both plug-ins (the protocol's)
         ca, cb = int(s.assumed_cols[i]), int(s.assumed_cols[ib])
     est = np.array([_stat(s, ca, i), _stat(s, cb, ib)])
+    df = float(np.nanmin([s.dfs[ca], s.dfs[cb], np.inf]))
     r = paired_difference(est[0], est[1], None if reps is None else reps[:, ca], None if reps is None else reps[:, cb],
-                          infl[:, ca], infl[:, cb], alpha)
+                          infl[:, ca], infl[:, cb], alpha, df)
     out.update(claim_kind=kind, diff=r["diff"], se=r["se"] if np.isfinite(r["se"]) else None, ci=r["ci"],
-               p_value=r["p_value"] if np.isfinite(r["p_value"]) else None)
+               p_value=r["p_value"] if np.isfinite(r["p_value"]) else None, df=df if np.isfinite(df) else None)
     return out
 
 

@@ -74,7 +74,10 @@ class SegmentCell(_Strict):
     ci: Optional[Pair] = Field(None, description="the shown interval at error_control.level_interval_level "
                                                  "(false coverage rate control over the shown cells)")
     ci_marginal: Optional[Pair] = Field(None, description="the cell's own 1 - alpha interval")
-    assumed_estimate: Num = Field(None, description="the plug-in (assumes transport) beside a verified level")
+    assumed_estimate: Num = Field(None, description="the assumes-transport level (the paper's protocol) beside a "
+                                                    "verified level")
+    plug_in: Num = Field(None, description="the calibrated plug-in on the cell's rows (assumes transport; with "
+                                           "recalibration.applied, of the calibration with the segment covariate)")
     reason: Optional[str] = Field(None, description="why the claim is not verified, or why nothing is printed")
     audit: SegmentAudit
 
@@ -88,6 +91,8 @@ class SegmentComparison(_Strict):
     claim_kind: ClaimKind = Field(description="verified when both levels are verified; too_few: not compared")
     diff: Num = None
     se: Num = None
+    df: Num = Field(None, description="degrees of freedom of the t reference of diff / se (the smaller of the two "
+                                      "levels'; null: normal)")
     ci: Optional[Pair] = Field(None, description="marginal 1 - alpha interval")
     ci_fcr: Optional[Pair] = Field(None, description="selected comparisons only (significant after adjustment): "
                                                      "the Benjamini-Yekutieli interval at level 1 - R alpha / m")

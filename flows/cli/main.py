@@ -137,6 +137,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label-scale", help="declared oracle label scale, e.g. 0-1, 1-5, 1-10, 0-100")
     g.add_argument("--score-scale", help="declared judge score scale, e.g. 0-1, 1-10, 0-100")
     g.add_argument("--multiplicity", choices=["bh", "holm"])
+    g.add_argument("--segment-by", action="append", metavar="COL", dest="segment_by",
+                   help="segment the evaluation by this column (repeatable: their combinations); prints the "
+                        "segment table (docs/segments.md)")
+    g.add_argument("--segment-min-rows", type=int, help="fewest rows of each policy for a segment of its own (default 50)")
+    g.add_argument("--segment-min-labels", type=int, help="fewest labels for a segment of its own (default 20)")
+    g.add_argument("--segment-claims", choices=["bh", "holm"], help="error control of segment claims (default bh)")
 
 
 def _add_columns(p: argparse.ArgumentParser) -> None:
@@ -150,7 +156,8 @@ def _add_columns(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("covariates", "n_bootstrap", "alpha", "audit_margin", "seed", "calibration_policies",
                 "calibration_mode", "inference", "level_estimator", "label_scale", "score_scale", "multiplicity",
-                "trust_transport", "baseline", "noninferiority_margin", "min_prompts")
+                "trust_transport", "baseline", "noninferiority_margin", "min_prompts", "segment_by", "segment_min_rows",
+                "segment_min_labels", "segment_claims")
 _CONFIG_HELP = CONFIG_HELP
 
 
@@ -359,7 +366,8 @@ def _evaluate_direct(ns: argparse.Namespace, opts: Any) -> Any:
     with progress(f"reading {ns.input}"):
         frame = load_input(ns.input, columns, label_scale=opts.label_scale,
                            score_scale=opts.score_scale if opts.score_scale is not None else "none",
-                           covariates=opts.covariates, policies=list(opts.policies) if opts.policies else None)
+                           covariates=opts.covariates, policies=list(opts.policies) if opts.policies else None,
+                           **({"keep_columns": list(opts.segment_by)} if opts.segment_by else {}))
     with progress("calibrating"):
         prep = prepare(frame, opts)
     return finalize(prep, _bootstrap(prep))
@@ -369,7 +377,7 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
     """Engine only: write DIR/result.json, DIR/report.html and DIR/terms.npz (the replicates and influence
     terms behind the result's accessors) and print the table."""
     from flows.reports.evaluation import render_report
-    from flows.reports.table import format_table
+    from flows.reports.table import format_segment_table, format_table
 
     kwargs = engine_kwargs(ns)
     if ns.policies:
@@ -397,6 +405,8 @@ def cmd_evaluate(ns: argparse.Namespace) -> int:
                           problems=problems, result=d))
     else:
         out(format_table(d))
+        if d.get("segments"):
+            out(format_segment_table(d))
         out(f"result: {result_path}\nreport: {report_path}")
     return _problems_exit(problems, ns.exit_zero)
 

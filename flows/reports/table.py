@@ -10,7 +10,7 @@ from flows.reports.common import (VERDICT_STYLE, alpha_of, conf_label, fmt, fmt_
                                   scale_text, scales_of, signed, verdict_of)
 from flows.reports.sections import strip_winner_prefix
 
-__all__ = ["format_table", "text_table"]
+__all__ = ["format_table", "format_segment_table", "text_table"]
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
@@ -157,3 +157,50 @@ def _baseline_lines(m: EvaluationModel, conf: str) -> list[str]:
                      "assumes transport" if c.claim_kind == "assumes_transport" else "verified"])
     out += text_table(["policy", "diff", f"{conf} CI (simultaneous)", "verdict", "claim"], body, right={1, 2})
     return out
+
+
+def format_segment_table(result: Any) -> str:
+    """Fixed-width text table of a segmented result (``segment_by``): one row per segment x policy.
+
+    Columns: segment, policy, rows, own labels, the printed level with its shown interval (at the false
+    coverage rate level of ``segments.error_control``), the claim kind, the difference with the baseline
+    (its interval when claimed), the claim (better / worse / no claim) and the cell's audit verdict. Cells
+    of a segment with too few rows or labels print "too few" and no number. Then the omnibus calibration
+    test over all labels and the error control in one line each. Empty string without segments.
+    """
+    m = result_model(result)
+    seg = m.segments
+    if seg is None:
+        return ""
+    ec = seg.error_control
+    cmp = {(c.segment, c.policy): c for c in seg.comparisons}
+    rows = []
+    for c in seg.cells:
+        k = cmp.get((c.segment, c.policy))
+        level = "too few" if c.claim_kind == "too_few" else fmt(c.estimate) if c.estimate is not None else "-"
+        ci = fmt_ci(c.ci) if c.ci else ""
+        if k is None:
+            diff, claim = ("baseline" if c.policy == seg.baseline else ""), ""
+        elif k.diff is None:
+            diff, claim = "-", ""
+        else:
+            diff = signed(k.diff) + (f" {fmt_ci(k.ci_fcr)}" if k.ci_fcr else "")
+            claim = "better" if k.better else "WORSE" if k.worse else "no claim"
+        kind = {"verified": "verified", "assumes_transport": "assumes transport", "too_few": "too few"}[c.claim_kind]
+        rows.append([safe_str(c.segment), safe_str(c.policy), str(c.n_rows), str(c.n_labels), level, ci, kind, diff,
+                     claim, c.audit.verdict])
+    head = (f"segments by {', '.join(safe_str(x) for x in seg.columns)} (baseline {safe_str(seg.baseline)}; "
+            f"levels shown at {ec.level_interval_level:.1%})")
+    lines = [head, *text_table(["segment", "policy", "rows", "labels", "level", "interval", "claim kind",
+                                f"vs {safe_str(seg.baseline)}", "claim", "audit"], rows, {2, 3, 4})]
+    star = seg.omnibus[0] if seg.omnibus else None
+    if star is not None:
+        verdict = "FAILS" if star.reject else "passes"
+        lines.append(f"calibration by segment and score decile: {verdict} (chi2 {fmt(star.statistic)}, df {star.df}, "
+                     f"p {fmt_p(star.p_value)}; pooled mean residual p {fmt_p(star.pooled_p_value)})"
+                     + ("; levels recalibrated with the segment as a covariate" if seg.recalibration.applied else ""))
+    method = "Benjamini-Hochberg (FDR)" if ec.claims_method == "bh" else "Holm (FWER)"
+    lines.append(f"claims: {ec.n_selected} of {ec.n_comparisons} comparisons, {method} at {ec.alpha:g}; claimed "
+                 f"differences carry Benjamini-Yekutieli intervals"
+                 + (f" at {ec.comparison_interval_level:.2%}" if ec.comparison_interval_level else ""))
+    return "\n".join(lines)
