@@ -36,14 +36,14 @@ table.heat td{min-width:5.2em;height:2.6em;padding:3px 6px;text-align:center;bor
 font-variant-numeric:tabular-nums;line-height:1.2}
 table.heat td.verified{border:2px solid #1f2328}
 table.heat td.assumes_transport{border:2px dashed #6b7280;font-style:italic;
-background-image:repeating-linear-gradient(135deg,rgba(255,255,255,0) 0 6px,rgba(255,255,255,.55) 6px 9px)}
+background-image:repeating-linear-gradient(135deg,rgba(89,99,110,.22) 0 2px,rgba(255,255,255,0) 2px 7px)}
 table.heat td.too_few{background:#fff;border:1px dotted #b8bfc6;color:var(--muted);font-size:11.5px;
-min-width:7em}
+min-width:7em;max-width:11em;white-space:normal}
 table.heat td.base{background:#f4f6f8;color:var(--muted);font-size:12px}
 table.heat td .mark{font-size:11px;display:block;color:#3d444d}
 table.heat td.assumes_transport b,table.heat td.assumes_transport .v,table.heat td.assumes_transport .mark{
 background:rgba(255,255,255,.85);border-radius:3px;padding:0 3px}
-table.heat td.assumes_transport .mark{display:inline-block;margin-top:2px}
+table.heat td.assumes_transport .mark{display:table;margin:2px auto 0}
 table.heat td.sig b{font-weight:700}
 .heat-legend{display:flex;flex-wrap:wrap;gap:6px 14px;font-size:12.5px;color:var(--muted);margin:4px 0 8px}
 .heat-legend span.sw{display:inline-block;width:2.2em;height:1.2em;border-radius:4px;vertical-align:middle;
@@ -57,9 +57,10 @@ tr.seg-first td{border-top:2px solid var(--line)}
 main{padding:14px 10px 24px}
 section,footer{padding:14px 12px}
 table.heat{border-spacing:2px;font-size:12.5px}
-table.heat td{min-width:4.6em;padding:2px 3px}
-table.heat th{padding:2px 3px}
-table.heat th.seg{max-width:6.5em}
+table.heat td{min-width:4.4em;padding:2px 3px}
+table.heat td.too_few{min-width:4.4em;font-size:11px}
+table.heat th{padding:2px 3px;max-width:6.5em}
+table.heat th.seg{max-width:5.5em}
 table.data.cards thead{display:none}
 table.data.cards,table.data.cards tbody{display:block}
 table.data.cards tr{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:1px 12px;padding:6px 0;
@@ -115,17 +116,22 @@ def diff_colour(diff: float | None, scale: float) -> str:
     return _mix("#ffffff", BLUE if diff > 0 else VERMILLION, t)
 
 
-def _too_few_reason(seg: SegmentsResult, segment: str, policy: str, comp: SegmentComparison | None) -> str:
-    """Why a cell has no number: the reason of the policy's or the baseline's cell, else the segment's sizes."""
+def _no_number_reason(seg: SegmentsResult, segment: str, policy: str) -> tuple[str, str]:
+    """(label, reason) of a heatmap cell without a number: ``too few`` (the segment's sizes) or ``no level`` with
+    the reason of the policy's or the baseline's cell (e.g. limited calibration support)."""
     for name in (policy, seg.baseline):
         cell = _cell(seg, segment, name)
-        if cell is not None and cell.claim_kind == "too_few" and cell.reason:
-            return cell.reason
+        if cell is not None and cell.claim_kind == "too_few":
+            return "too few", cell.reason or f"too few: {_sizes(seg, segment, name)}"
+    for name in (policy, seg.baseline):
+        cell = _cell(seg, segment, name)
+        if cell is not None and as_number(cell.estimate) is None:
+            return "no level", f"{name}: {cell.reason or 'no level in this segment'}"
     info = next((s for s in seg.segments if s.name == segment), None)
     if info is not None:
-        return (f"too few: {info.n_rows} rows, {info.n_labels} labels (needs {seg.min_rows} rows a policy, "
-                f"{seg.min_labels} labels)")
-    return "too few rows or labels"
+        return "too few", (f"too few: {info.n_rows} rows, {info.n_labels} labels (needs {seg.min_rows} rows a policy, "
+                           f"{seg.min_labels} labels)")
+    return "too few", "too few rows or labels"
 
 
 def _cell(seg: SegmentsResult, segment: str, policy: str) -> SegmentCell | None:
@@ -161,9 +167,10 @@ def heatmap_table(seg: SegmentsResult) -> str:
             kind = c.claim_kind if c is not None else "too_few"
             attrs = f"data-segment='{esc(s)}' data-policy='{esc(p)}' data-claim='{esc(kind)}'"
             if kind == "too_few" or c is None or as_number(c.diff) is None:
-                why = _too_few_reason(seg, s, p, c)
+                word, why = _no_number_reason(seg, s, p)
+                mark = _sizes(seg, s, p) if word == "too few" else _short_reason(why.split(": ", 1)[-1], 24)
                 tds.append(f"<td class='too_few' {attrs} data-reason='{esc(why)}' title='{esc(why)}'>"
-                           f"too few<span class='mark'>{esc(_sizes(seg, s, p))}</span></td>")
+                           f"{esc(word)}<span class='mark'>{esc(mark)}</span></td>")
                 continue
             sig = bool(c.significant)
             arrow = ("\u25b2 " if c.better else "\u25bc " if c.worse else "")
@@ -176,7 +183,7 @@ def heatmap_table(seg: SegmentsResult) -> str:
             tds.append(f"<td class='{esc(kind)}{' sig' if sig else ''}' {attrs} data-significant='{str(sig).lower()}'"
                        f" data-diff='{esc(signed(c.diff))}' style='background-color:{diff_colour(c.diff, scale)}' "
                        f"title='{esc(tip)}'>{value}<span class='mark'>{esc(mark)}</span></td>")
-        label = s if s != OTHER else f"{OTHER} (pooled)"
+        label = s
         body.append(f"<tr><th class='seg' scope='row' title='{esc(label)}'>{esc(label)}</th>{''.join(tds)}</tr>")
     legend = (
         "<div class='heat-legend'>"
@@ -185,8 +192,9 @@ def heatmap_table(seg: SegmentsResult) -> str:
         "<span><b>\u25b2/\u25bc bold</b>: significant after the family's adjustment</span>"
         "<span><span class='sw' style='border:2px solid #1f2328'></span>\u2713 verified by the segment's own labels"
         "</span><span><span class='sw' style='border:2px dashed #6b7280;background:repeating-linear-gradient(135deg,"
-        "#e8eef5 0 5px,#fff 5px 8px)'></span><i>assumes transport</i> (not verified)</span>"
-        "<span><span class='sw' style='border:1px dotted #b8bfc6'></span>too few rows or labels: no number</span>"
+        "rgba(89,99,110,.22) 0 2px,#fff 2px 7px)'></span><i>assumes transport</i> (hatched: not verified)</span>"
+        "<span><span class='sw' style='border:1px dotted #b8bfc6'></span>too few rows or labels, or no level: no number "
+        "(the reason in the cell)</span>"
         "</div>")
     return (f"{legend}<div class='scroll'><table class='heat' data-baseline='{esc(seg.baseline)}'>"
             f"<thead>{head}</thead><tbody>{''.join(body)}</tbody></table></div>")
@@ -201,10 +209,11 @@ def _sizes(seg: SegmentsResult, segment: str, policy: str) -> str:
     return f"{info.n_rows} rows, {info.n_labels} labels" if info is not None else "no rows"
 
 
-def _short_reason(why: str) -> str:
-    """The first clause of a reason, for the cell itself (the full one is its tooltip)."""
+def _short_reason(why: str, limit: int = 40) -> str:
+    """The first clause of a reason (at most ``limit`` characters), for the cell itself (the full one is its
+    tooltip)."""
     text = why.split(";")[0].split("(")[0].strip()
-    return text if len(text) <= 40 else text[:39] + "\u2026"
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 def _claim_cell(c: SegmentCell) -> str:
@@ -212,7 +221,8 @@ def _claim_cell(c: SegmentCell) -> str:
     word = {"verified": "\u2713 verified", "assumes_transport": "assumes transport", "too_few": "too few"}[c.claim_kind]
     if c.claim_kind == "verified" or not c.reason:
         return f"<td data-label='claim'>{esc(word)}</td>"
-    return (f"<td class='why' data-label='claim' title='{esc(c.reason)}'>{esc(word)}<br><small>{esc(_short_reason(c.reason))}</small>"
+    short = _short_reason(c.reason.removeprefix("assumes transport: "))
+    return (f"<td class='why' data-label='claim' title='{esc(c.reason)}'>{esc(word)}<br><small>{esc(short)}</small>"
             "</td>")
 
 
@@ -240,7 +250,7 @@ def drilldown_table(seg: SegmentsResult, alpha: float) -> str:
             comp = _comparison(seg, s, p) if p != seg.baseline else None
             a = c.audit
             sym, label, _ = VERDICT_STYLE.get(a.verdict, VERDICT_STYLE["not_run"])
-            if c.claim_kind == "too_few":
+            if c.claim_kind == "too_few" or as_number(c.estimate) is None:
                 level = "<td class='r muted' colspan='2' data-label='level'>none</td>"
             else:
                 num = esc(fmt(c.estimate))
