@@ -27,13 +27,14 @@ _INT_FIELDS = ("n_bootstrap", "seed", "n_folds", "min_labels", "support_min_labe
                "segment_min_labels")
 _FLOAT_FIELDS = ("alpha", "audit_margin", "support_bandwidth", "support_material_share", "noninferiority_margin")
 _STR_FIELDS = ("calibration_mode", "level_estimator", "inference", "multiplicity", "pooling_bootstrap", "baseline",
-               "segment_claims", "segment_recalibrate")
+               "segment_claims", "segment_recalibrate", "segment_pooling")
 #: The level estimators (docs/statistics.md, "Levels").
 LEVEL_ESTIMATORS = ("verified", "audited", "robust", "augmented", "plug_in")
 _NAMES_FIELDS = ("covariates", "calibration_policies", "policies", "trust_transport", "segment_by")
 #: The segment options (docs/segments.md): left out of ``to_dict`` (the result's ``config``) when
 #: ``segment_by`` is empty, so an unsegmented evaluation's result is as before.
-SEGMENT_FIELDS = ("segment_by", "segment_min_rows", "segment_min_labels", "segment_claims", "segment_recalibrate")
+SEGMENT_FIELDS = ("segment_by", "segment_min_rows", "segment_min_labels", "segment_claims", "segment_recalibrate",
+                  "segment_pooling")
 
 
 def _type_errors(kw: dict) -> None:
@@ -146,6 +147,9 @@ class EvaluationOptions:
     segment_recalibrate : {"auto", "never"}
         ``auto``: when the omnibus calibration test over all labels fails, the segment levels use a
         calibration with the segment as a covariate (one-hot, two-stage); ``never``: the pooled one.
+    segment_pooling : {"none", "eb"}
+        ``eb``: each verified segment level also gets an empirical-Bayes partially pooled level across the
+        policy's segments with a robust EBCI (``pooled``; coverage measured in docs/segments.md).
     """
 
     covariates: tuple[str, ...] = ()
@@ -176,6 +180,7 @@ class EvaluationOptions:
     segment_min_labels: int = 20
     segment_claims: str = "bh"
     segment_recalibrate: str = "auto"
+    segment_pooling: str = "none"
 
     @classmethod
     def build(cls, **kwargs) -> "EvaluationOptions":
@@ -298,6 +303,8 @@ class EvaluationOptions:
             bad(f"segment_claims must be bh or holm; got {self.segment_claims!r}")
         if self.segment_recalibrate not in ("auto", "never"):
             bad(f"segment_recalibrate must be auto or never; got {self.segment_recalibrate!r}")
+        if self.segment_pooling not in ("none", "eb"):
+            bad(f"segment_pooling must be none or eb; got {self.segment_pooling!r}")
         if self.segment_min_rows < 2:
             bad(f"segment_min_rows must be at least 2; got {self.segment_min_rows}")
         if self.segment_min_labels < 0:

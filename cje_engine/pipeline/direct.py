@@ -24,7 +24,7 @@ from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.pooling_replay import PoolingReplay, build_replay
-from cje_engine.pipeline.segments import SegmentRows, segment_rows, summarize_segments
+from cje_engine.pipeline.segments import SegmentRows, segment_error, segment_rows, summarize_segments
 from cje_engine.pipeline.policies import summarize_direct
 from cje_engine.result import EvaluationResult
 from cje_engine.result.model import PolicyResult
@@ -92,10 +92,7 @@ def _to_evaldata(data: Any, opts: EvaluationOptions) -> tuple[EvalData, SegmentR
             keep_columns=list(opts.segment_by),
         )
     except CJEInputError as exc:
-        if opts.segment_by and exc.column in opts.segment_by and "keep_columns" in exc.detail:
-            raise CJEInputError(exc.detail.replace("keep_columns asks for", "segment_by names"), source=exc.source,
-                                column=exc.column, option="segment_by") from None
-        raise
+        raise segment_error(exc, opts.segment_by) from None
     seg = segment_rows(frame, opts.segment_by) if opts.segment_by else None
     ed = _from_frame(frame, codes, opts)
     if seg is not None and seg.code.size != ed.n_rows:

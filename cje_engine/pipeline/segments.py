@@ -22,13 +22,18 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
+from scipy.stats import norm
 
 from cje_engine.calibration import registry
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import bootstrap_replicates, bootstrap_view, fold_jackknife
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.multiplicity import adjust, holm
-from cje_engine.inference.segments import (by_interval_level, group_mean_residuals, normal_interval,
+from cje_engine.inference.variance import cluster_cov
+from cje_engine.pipeline.calibration import fit_mode
+from cje_engine.pipeline.policies import summarize_direct
+from cje_engine.result.jsonable import jsonable
+from cje_engine.inference.segments import (by_interval_level, eb_pool, group_mean_residuals, normal_interval,
                                            paired_difference, reliability_bins, score_bins, wald_test)
 from cje_engine.result.segments import OTHER, SegmentsResult
 
@@ -68,6 +73,15 @@ def segment_rows(frame: pd.DataFrame, columns: Sequence[str]) -> SegmentRows:
     text = parts[0] if len(parts) == 1 else parts[0].str.cat(parts[1:], sep=JOIN)
     code, names = pd.factorize(text, sort=True)
     return SegmentRows(tuple(columns), tuple(str(n) for n in names), code.astype(np.int64))
+
+
+def segment_error(exc: CJEInputError, segment_by: Sequence[str]) -> CJEInputError:
+    """A reader's "keep_columns asks for COL" about a ``segment_by`` column, reworded to name the option the
+    user gave (``exc`` itself otherwise)."""
+    if segment_by and exc.column in segment_by and "keep_columns asks for" in (exc.detail or ""):
+        return CJEInputError(exc.detail.replace("keep_columns asks for", "segment_by names"), source=exc.source,
+                             column=exc.column, option="segment_by")
+    return exc
 
 
 def plan_segments(policy: np.ndarray, code: np.ndarray, labelled: np.ndarray, n_policies: int,
@@ -153,8 +167,6 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
     Returns the prepared state (`cje_engine.pipeline.direct.Prepared`), the cells' (policy, group) and
     the `Recalibration` block.
     """
-    from cje_engine.pipeline.calibration import fit_mode
-    from cje_engine.pipeline.direct import Prepared
 
     d, opts = prep.design.data, prep.options
     G = len(group_names)
@@ -183,7 +195,9 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
                     calibration_policies=_sources(prep, vdata, cells),
                     covariates=tuple(vdata.covariate_names))
     jk = fold_jackknife(fit.design, fit.models)
-    vprep = Prepared(vopts, fit.design, prep.selection, fit.f, fit.full, fit.stats, fit.infl, jk, fit.models, [], None)
+    # the same prepared class as the run's (a dataclass), on the virtual design
+    vprep = replace(prep, options=vopts, design=fit.design, f=fit.f, full=fit.full, stats=fit.stats, infl=fit.infl,
+                    jackknife=jk, models=fit.models, excluded=[], replay=None, segments=None)
     return vprep, cells, recal
 
 
@@ -206,8 +220,6 @@ def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np
     if G > 0 and last.size:
         test[G + last[-1]] = np.nan
     stat, df, p = wald_test(test, psi)
-    from cje_engine.inference.variance import cluster_cov
-
     se = np.sqrt(np.clip(np.diag(np.atleast_2d(cluster_cov(psi))), 0, None))
     comps = [{"kind": "segment", "name": group_names[j], "n": int(n_s[j]), "mean_residual": float(means_s[j]),
               "se": float(se[j])} for j in range(G) if n_s[j] > 0]
@@ -215,8 +227,6 @@ def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np
                "mean_residual": float(means_d[j]), "se": float(se[G + j])} for j in range(D) if n_d[j] > 0]
     pooled, psi_p, _ = group_mean_residuals(prompt, np.zeros(resid.size, np.int64), resid, weight, 1, n_prompts)
     pse = float(np.sqrt(cluster_cov(psi_p[:, 0])[0, 0])) if resid.size > 1 else float("nan")
-    from scipy.stats import norm
-
     return {"policy": policy_name, "statistic": stat, "df": df, "p_value": p,
             "reject": None if not np.isfinite(p) else bool(p <= alpha), "n_labels": int(resid.size),
             "n_clusters": int(np.unique(prompt).size), "pooled_residual_mean": float(pooled[0]),
@@ -270,8 +280,6 @@ def _cell_level(pol: Any, col: int, n_virtual: int, assumed_col: int) -> tuple[s
 
 def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
     """The result's ``segments`` block (`cje_engine.result.segments.SegmentsResult`) of a prepared run."""
-    from cje_engine.pipeline.policies import summarize_direct
-
     opts, d = prep.options, prep.design.data
     alpha, K = opts.alpha, len(d.policies)
     baseline = opts.baseline or d.policies[0]
@@ -361,10 +369,29 @@ def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
            "omnibus": "clustered Wald chi-square on the mean residuals by segment and by score decile, one test per "
                       "policy and one over all labels, each at alpha; the calibration by segment is refitted when "
                       "the test over all labels fails"}
-    block = {"columns": list(rows.columns), "baseline": baseline, "min_rows": opts.segment_min_rows,
+    pooling = partial_pooling(out_cells, alpha, d.label_scale) if opts.segment_pooling == "eb" else None
+    block = {"columns": list(rows.columns), "baseline": baseline, "partial_pooling": pooling, "min_rows": opts.segment_min_rows,
              "min_labels": opts.segment_min_labels, "segments": info, "cells": out_cells, "comparisons": comps,
              "error_control": err, "omnibus": omnibus, "recalibration": recal, "reliability": reliability(prep)}
     return SegmentsResult.model_validate(_plain(block)).model_dump(mode="json", exclude_none=False)
+
+
+def partial_pooling(cells: list[dict], alpha: float, scale: tuple[float, float]) -> list[dict]:
+    """Empirical-Bayes pooling (`eb_pool`) of each policy's verified segment levels (three or more); writes
+    each pooled cell's ``pooled`` block and returns the per-policy `PartialPooling` blocks."""
+    out = []
+    for policy in dict.fromkeys(c["policy"] for c in cells):
+        mine = [c for c in cells if c["policy"] == policy and c["claim_kind"] == "verified"
+                and c["estimate"] is not None and c["se"] is not None and c["se"] > 0]
+        if len(mine) < 3:
+            continue
+        r = eb_pool(np.array([c["estimate"] for c in mine]), np.array([c["se"] for c in mine]), alpha)
+        for j, c in enumerate(mine):
+            c["pooled"] = {"estimate": float(r["estimate"][j]), "ci": _clip(list(map(float, r["ci"][j])), scale),
+                           "shrinkage": float(r["shrinkage"][j])}
+        out.append({"policy": policy, "method": "robust_ebci", "n_segments": len(mine), "mean": r["mean"],
+                    "mean_se": r["mean_se"], "mu2": r["mu2"]})
+    return out
 
 
 def _audit_family(s: Any, names: list[str]) -> tuple[list[int], dict]:
@@ -426,6 +453,4 @@ def _stat(s: Any, col: int, i: int) -> float:
 
 def _plain(x: Any) -> Any:
     """Numbers made JSON-plain (NaN/inf to None)."""
-    from cje_engine.result.jsonable import jsonable
-
     return jsonable(x)

@@ -80,6 +80,27 @@ class SegmentCell(_Strict):
                                            "recalibration.applied, of the calibration with the segment covariate)")
     reason: Optional[str] = Field(None, description="why the claim is not verified, or why nothing is printed")
     audit: SegmentAudit
+    pooled: Optional["PooledLevel"] = Field(None, description="segment_pooling='eb': the partially pooled level")
+
+
+class PooledLevel(_Strict):
+    """A verified cell's level partially pooled across the policy's segments (empirical Bayes)."""
+
+    estimate: float = Field(description="mean + (1 - shrinkage) (level - mean)")
+    ci: Pair = Field(description="robust EBCI (Armstrong, Kolesar & Plagborg-Moller 2022): average coverage "
+                                 "1 - alpha across the policy's segments whatever the spread of the true levels")
+    shrinkage: float = Field(description="se^2 / (mu2 + se^2): the weight on the policy's mean across segments")
+
+
+class PartialPooling(_Strict):
+    """Empirical-Bayes partial pooling of one policy's verified segment levels."""
+
+    policy: str
+    method: Literal["robust_ebci"] = "robust_ebci"
+    n_segments: int
+    mean: float = Field(description="precision-weighted mean of the policy's verified segment levels")
+    mean_se: float
+    mu2: float = Field(description="estimated variance of the true levels around the mean (floored)")
 
 
 class SegmentComparison(_Strict):
@@ -195,3 +216,8 @@ class SegmentsResult(_Strict):
     omnibus: list[OmnibusTest]
     recalibration: Recalibration
     reliability: list[ReliabilityDiagram]
+    partial_pooling: Optional[list[PartialPooling]] = Field(
+        None, description="segment_pooling='eb': per policy with at least three verified segments")
+
+
+SegmentCell.model_rebuild()

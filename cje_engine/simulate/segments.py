@@ -121,8 +121,12 @@ def study_one(scenario: str, seed: int, inference: str = "analytic", n_prompts: 
 
     d = simulate_segments(segment_scenario(scenario, seed=seed, n_prompts=n_prompts))
     kw = {"n_bootstrap": n_bootstrap} if inference == "bootstrap" else {}
+    opts = {"segment_pooling": "eb", **opts}
     sg = evaluate(d.frame, segment_by=["segment"], inference=inference, seed=seed, alpha=ALPHA, **kw, **opts).segments
     covered = [c.ci[0] <= d.truth[(c.segment, c.policy)] <= c.ci[1] for c in sg.cells if c.ci is not None]
+    pooled = [c for c in sg.cells if c.pooled is not None]
+    eb_covered = [c.pooled.ci[0] <= d.truth[(c.segment, c.policy)] <= c.pooled.ci[1] for c in pooled]
+    eb_width = [(c.pooled.ci[1] - c.pooled.ci[0]) / (c.ci[1] - c.ci[0]) for c in pooled]
     claims = [c for c in sg.comparisons if c.significant]
     false = [c for c in claims if np.sign(c.diff) != np.sign(d.diff(c.segment, c.policy, c.baseline))
              or d.diff(c.segment, c.policy, c.baseline) == 0]
@@ -135,6 +139,9 @@ def study_one(scenario: str, seed: int, inference: str = "analytic", n_prompts: 
             "omnibus_any_policy": any(o.reject for o in sg.omnibus[1:]),
             "audit_family_fail": any(c.audit.p_adjusted is not None and c.audit.p_adjusted <= ALPHA for c in sg.cells),
             "covered": int(sum(covered)), "shown": len(covered),
+            "eb_covered": int(sum(eb_covered)), "eb_shown": len(eb_covered), "eb_width": float(np.sum(eb_width)),
+            "eb_d_covered": [c.pooled.ci[0] <= d.truth[(c.segment, c.policy)] <= c.pooled.ci[1]
+                             for c in pooled if c.segment == "d" and c.policy == "new"],
             "recalibrated": sg.recalibration.applied}
 
 
@@ -165,4 +172,10 @@ def segment_study(n: int, inference: str = "analytic", n_prompts: int = 2000, se
     p = cov / shown
     out["coverage_shown_intervals"] = (p, float(np.sqrt(p * (1 - p) / shown)))
     out["n_shown_intervals"] = shown
+    for name, rs in (("null", nu), ("loser", lo)):
+        eb_n = sum(r["eb_shown"] for r in rs)
+        p = sum(r["eb_covered"] for r in rs) / max(eb_n, 1)
+        out[f"eb_coverage_{name}"] = (p, float(np.sqrt(p * (1 - p) / max(eb_n, 1))))
+        out[f"eb_width_ratio_{name}"] = sum(r["eb_width"] for r in rs) / max(eb_n, 1)
+    out["eb_coverage_loser_segment_d_new"] = rate([x for r in lo for x in r["eb_d_covered"]])
     return out

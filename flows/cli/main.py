@@ -363,11 +363,16 @@ def _evaluate_direct(ns: argparse.Namespace, opts: Any) -> Any:
     from cje_engine.pipeline.direct import finalize, prepare
 
     columns = _columns(ns)
+    from cje_engine.pipeline.segments import segment_error
+
     with progress(f"reading {ns.input}"):
-        frame = load_input(ns.input, columns, label_scale=opts.label_scale,
-                           score_scale=opts.score_scale if opts.score_scale is not None else "none",
-                           covariates=opts.covariates, policies=list(opts.policies) if opts.policies else None,
-                           **({"keep_columns": list(opts.segment_by)} if opts.segment_by else {}))
+        try:
+            frame = load_input(ns.input, columns, label_scale=opts.label_scale,
+                               score_scale=opts.score_scale if opts.score_scale is not None else "none",
+                               covariates=opts.covariates, policies=list(opts.policies) if opts.policies else None,
+                               **({"keep_columns": list(opts.segment_by)} if opts.segment_by else {}))
+        except CJEInputError as exc:
+            raise segment_error(exc, opts.segment_by) from None
     with progress("calibrating"):
         prep = prepare(frame, opts)
     return finalize(prep, _bootstrap(prep))

@@ -230,3 +230,35 @@ def test_without_segment_by_the_result_has_no_segments_and_no_new_config_keys(lo
     d = res.to_dict()
     assert "segments" not in d and res.segments is None
     assert not any(k.startswith("segment") for k in d["config"])
+
+
+def test_segment_options_are_checked_before_any_data_is_read():
+    from cje_engine.options import EvaluationOptions
+
+    with pytest.raises(CJEInputError, match="segment_claims must be bh or holm"):
+        EvaluationOptions.build(segment_by=["topic"], segment_claims="fdr")
+    with pytest.raises(CJEInputError, match="segment_by column 'response_length' is also a covariate"):
+        EvaluationOptions.build(segment_by="response_length", covariates=["response_length"])
+    with pytest.raises(CJEInputError, match="segment_min_rows must be an integer"):
+        EvaluationOptions.build(segment_by=["topic"], segment_min_rows="50")
+    assert EvaluationOptions.build(segment_by="topic").segment_by == ("topic",)
+
+
+def test_cli_segment_by_prints_the_segment_table(loser, tmp_path, capsys):
+    from flows.cli.main import main
+
+    src = tmp_path / "loser.parquet"
+    loser.frame.to_parquet(src, index=False)
+    code = main(["evaluate", str(src), "--out", str(tmp_path / "out"), "--segment-by", "segment",
+                 "--inference", "analytic", "--exit-zero"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "segments by segment (baseline base" in text
+    assert "WORSE" in text and "calibration by segment and score decile: passes" in text
+    table = text[text.index("segments by segment"):]
+    rows = [line for line in table.splitlines() if line.startswith(("a ", "b ", "c ", "d "))]
+    assert len(rows) == 8
+    code = main(["evaluate", str(src), "--out", str(tmp_path / "out2"), "--segment-by", "topic",
+                 "--inference", "analytic"])
+    assert code == 2
+    assert "segment_by names 'topic', which is not a column" in capsys.readouterr().err
