@@ -242,7 +242,8 @@ def check_monitoring(monitoring: Any, where: str = "monitoring") -> MonitoringCo
 
 #: ``segments:`` key -> the engine option it becomes (`cje_engine.options.EvaluationOptions`); declared once here.
 SEGMENT_OPTIONS = {"by": "segment_by", "min_rows": "segment_min_rows", "min_labels": "segment_min_labels",
-                   "error_control": "segment_claims", "recalibrate": "segment_recalibrate"}
+                   "error_control": "segment_claims", "recalibrate": "segment_recalibrate",
+                   "pooling": "segment_pooling"}
 
 
 class SegmentsConfig(BaseModel):
@@ -265,6 +266,9 @@ class SegmentsConfig(BaseModel):
                                   "(family-wise); shown intervals always control the false coverage rate")
     recalibrate: Literal["auto", "never"] | None = Field(
         default=None, description="auto: recalibrate with the segment as a covariate when the omnibus test fails")
+    pooling: Literal["none", "eb"] | None = Field(
+        default=None, description="eb: also each verified level partially pooled across the policy's segments "
+                                  "(empirical Bayes, robust intervals)")
 
     @field_validator("by", mode="before")
     @classmethod

@@ -254,8 +254,12 @@ def drilldown_table(seg: SegmentsResult, alpha: float) -> str:
                 level = "<td class='r muted' colspan='2' data-label='level'>none</td>"
             else:
                 num = esc(fmt(c.estimate))
+                eb = (f"<br><small class='muted' title='partially pooled across the policy&#39;s segments (empirical "
+                      f"Bayes, robust EBCI; shrinkage {fmt(c.pooled.shrinkage, 2)})'>EB {esc(fmt(c.pooled.estimate))}"
+                      "</small>" if c.pooled is not None else "")
+                eb_ci = (f"<br><small class='muted'>{esc(fmt_ci(c.pooled.ci))}</small>" if c.pooled is not None else "")
                 level = (f"<td class='r num' data-label='level'>{num if c.claim_kind == 'verified' else f'<i>{num}</i>'}"
-                         f"</td><td class='r num' data-label='interval'>{esc(fmt_ci(c.ci))}</td>")
+                         f"{eb}</td><td class='r num' data-label='interval'>{esc(fmt_ci(c.ci))}{eb_ci}</td>")
             if comp is None or comp.claim_kind == "too_few" or as_number(comp.diff) is None:
                 vs = ("<td class='r muted'>baseline</td><td></td><td></td>" if p == seg.baseline
                       else f"<td class='r muted' colspan='3' data-label='vs {esc(seg.baseline)}'>not compared</td>")

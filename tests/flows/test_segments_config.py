@@ -45,13 +45,15 @@ def write_segment_logs(root, days: int = 1, n_prompts: int = 300, column: str = 
 
 
 def test_segments_walk_from_yaml_to_the_engine_as_the_one_typed_options(tmp_path):
-    f = _file(tmp_path, segments={"by": ["category"], "min_rows": 40, "min_labels": 12, "error_control": "holm"},
+    f = _file(tmp_path, segments={"by": ["category"], "min_rows": 40, "min_labels": 12, "error_control": "holm",
+                                  "recalibrate": "never", "pooling": "eb"},
               options={"n_bootstrap": 100, "baseline": "base"})
     spec = load_evaluations(f)["ev"]
     opts = spec.options
     assert isinstance(opts, EvaluationOptions)
     assert (opts.segment_by, opts.segment_min_rows, opts.segment_min_labels, opts.segment_claims) == \
         (("category",), 40, 12, "holm")
+    assert (opts.segment_recalibrate, opts.segment_pooling) == ("never", "eb")
     assert spec.flow_parameters()["options"] is opts  # passed on as it is
     declared = spec.deployment_parameters()["options"]  # a deployment stores the options as declared
     assert declared["segment_by"] == ["category"] and engine_options(declared).segment_by == ("category",)

@@ -13,7 +13,7 @@ import pytest
 
 from cje_engine import evaluate
 from cje_engine.simulate.segments import SegmentSpec, simulate_segments
-from flows.reports.common import fmt_ci, signed
+from flows.reports.common import fmt, fmt_ci, signed
 from flows.reports.evaluation import render_report
 from flows.reports.history import segments_summary
 from flows.reports.trend import render_trend, segments_trend_section
@@ -37,7 +37,8 @@ def segmented_frame(seed: int = 1, n_prompts: int = 1500, shift: float = 0.0):
 
 @pytest.fixture(scope="module")
 def seg_result() -> dict:
-    res = evaluate(segmented_frame(), segment_by=["segment"], baseline="base", n_bootstrap=200, seed=0)
+    res = evaluate(segmented_frame(), segment_by=["segment"], baseline="base", n_bootstrap=200, seed=0,
+                   segment_pooling="eb")
     return res.to_dict()
 
 
@@ -115,6 +116,12 @@ def test_the_report_has_the_segment_sections_with_the_right_marking(seg_result):
     assert len(rel) == len(seg["reliability"]) == 3
     for svg in rel:
         ET.fromstring(svg)
+    # partial pooling (segment_pooling="eb"): the pooled level and its interval beside the cell's own
+    pooled = [c for c in seg["cells"] if c.get("pooled")]
+    assert pooled and "EB " in body
+    for c in pooled:
+        row = re.search(rf"<tr[^>]*data-segment='{c['segment']}' data-policy='{c['policy']}'.*?</tr>", body, re.S).group(0)
+        assert f"EB {fmt(c['pooled']['estimate'])}" in row and fmt_ci(c["pooled"]["ci"]) in row
     # an unsegmented result has no segment section
     plain = {k: v for k, v in seg_result.items() if k != "segments"}
     assert "id='segments'" not in render_report(plain)
