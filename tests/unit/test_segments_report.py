@@ -187,3 +187,29 @@ def test_segment_sections_read_at_1280_and_420_px(seg_result, tmp_path):
             assert m["fonts"] and not small, (p.name, width, small[:5])
             if p == page:
                 assert "Drill-down" in m["text"] and "too few" in m["text"]
+
+
+def test_published_segmented_runs_keep_their_segments_and_the_trend_page_reads_them(seg_result, tmp_path):
+    """Published through the storage layer (no Prefect): the result keeps its segments, the history rows carry
+    them, and the rebuilt trend page has the per-segment panels of every window."""
+    import json
+
+    from flows.pipelines.pages import rebuild_pages
+    from flows.reports.history import read_history
+    from flows.storage.objects import Storage
+    from flows.storage.publish import publish_run, read_latest
+
+    st = Storage.for_uri(tmp_path)
+    windows = ["2025-06-01_2025-06-01", "2025-06-02_2025-06-02"]
+    for i, w in enumerate(windows):
+        publish_run(st, "ev", w, f"k{i}", {"result.json": json.dumps(seg_result).encode()}, {})
+    rebuild_pages(str(tmp_path), None, "ev")
+    assert read_latest(st, "ev")["result"]["segments"] == seg_result["segments"]
+    hist = read_history(st, "ev")
+    assert all(r["segments"] and r["segments"]["baseline"] == "base" for r in hist)
+    trend = (tmp_path / "results" / "ev" / "trend.html").read_text()
+    section = trend.split("<section id='segments'>", 1)[1].split("</section>", 1)[0]
+    shown = [c for c in seg_result["segments"]["comparisons"] if c["claim_kind"] != "too_few"]
+    for w in windows:
+        marks = [a for tag, a in _cells(section) if a.get("data-window") == w and a.get("class") == "segment-marker"]
+        assert {(a["data-segment"], a["data-policy"]) for a in marks} == {(c["segment"], c["policy"]) for c in shown}
