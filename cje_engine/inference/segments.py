@@ -216,25 +216,24 @@ def max_noncoverage(m2: float, chi: float) -> float:
     second-moment case: ``r0(t) = r(sqrt(t), chi)`` where ``t >= t0``, and the chord from ``(0, r0(0))`` to
     ``(t0, r0(t0))`` below it (the least concave majorant), ``t0`` where the chord is tangent.
     """
-    from scipy.optimize import brentq
+    from scipy.optimize import minimize_scalar
 
-    def r0(t: float) -> float:
-        return _noncoverage(np.sqrt(max(t, 0.0)), chi)
+    def r0(t: np.ndarray | float) -> np.ndarray:
+        b = np.sqrt(np.maximum(t, 0.0))
+        return norm.cdf(-chi - b) + norm.cdf(-chi + b)
 
-    def dr0(t: float) -> float:
-        s = np.sqrt(t)
-        return float((norm.pdf(chi - s) - norm.pdf(chi + s)) / (2 * s))
-
-    def gap(t: float) -> float:
-        return r0(t) - r0(0.0) - t * dr0(t)
-
-    lo, hi = 1e-8, max(4.0 * chi * chi, 1.0)
-    while gap(hi) < 0 and hi < 1e6:
-        hi *= 2
-    t0 = brentq(gap, lo, hi) if gap(lo) < 0 < gap(hi) else 0.0
+    base = float(r0(0.0))
+    # t0: where the chord from (0, r0(0)) is steepest (tangent to r0): a grid over log t, then refined
+    grid = np.exp(np.linspace(np.log(1e-6), np.log(max(100.0 * (chi + 1) ** 2, 10.0 * m2 + 1)), 4000))
+    slope = (r0(grid) - base) / grid
+    i = int(np.argmax(slope))
+    lo, hi = np.log(grid[max(i - 1, 0)]), np.log(grid[min(i + 1, grid.size - 1)])
+    opt = minimize_scalar(lambda u: -(float(r0(np.exp(u))) - base) / np.exp(u), bounds=(lo, hi), method="bounded",
+                          options={"xatol": 1e-10})
+    t0 = float(np.exp(opt.x))
     if m2 >= t0:
-        return r0(m2)
-    return r0(0.0) + m2 / t0 * (r0(t0) - r0(0.0))
+        return float(r0(m2))
+    return base + m2 * (float(r0(t0)) - base) / t0
 
 
 def robust_critical_value(m2: float, alpha: float) -> float:

@@ -52,6 +52,24 @@ def cluster_cov(psi: np.ndarray, *, center: bool = True) -> np.ndarray:
     return (c.T @ c) * g / max(g - 1, 1)
 
 
+def cluster_var(psi: np.ndarray) -> np.ndarray:
+    """The diagonal of `cluster_cov` (centred): each column's variance, without the off-diagonal products.
+
+    Parameters
+    ----------
+    psi : ndarray, shape (G, K)
+        Per-cluster influence sums (NaN counts as 0).
+    """
+    c = np.array(psi, dtype=float)
+    if not np.isfinite(c).all():
+        np.nan_to_num(c, copy=False)
+    if c.ndim == 1:
+        c = c[:, None]
+    g = c.shape[0]
+    c -= c.mean(axis=0)
+    return np.einsum("ij,ij->j", c, c) * g / max(g - 1, 1)
+
+
 def clustered_se(psi: np.ndarray) -> float:
     """Standard error of one statistic from its per-cluster influence sums (uncentred)."""
     p = np.asarray(psi, dtype=float)

@@ -31,7 +31,7 @@ from cje_engine.inference.selective import (
     audit_critical_z,
     audit_selective_interval,
 )
-from cje_engine.inference.variance import cluster_cov
+from cje_engine.inference.variance import cluster_cov, cluster_var
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import audit_degrees_of_freedom, audit_statistics
 from cje_engine.result.jsonable import jsonable
@@ -404,6 +404,12 @@ def _level_interval(summary: _Stats, k: int, col: int, selected: bool, basis: st
     return sel["ci"], SELECTIVE, basis, sel
 
 
+def prompts_per_policy(policy: np.ndarray, prompt: np.ndarray, n_policies: int, n_prompts: int) -> np.ndarray:
+    """Distinct prompts of each policy (one pass over the (policy, prompt) pairs, not one per policy)."""
+    pairs = np.unique(policy.astype(np.int64) * n_prompts + prompt)
+    return np.bincount(pairs // n_prompts, minlength=n_policies)
+
+
 def _own_labels(design: Design) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """Each policy's labelled rows as indices (increasing, as a mask would select them: no row-sized
     masks), their number and their number of distinct prompts."""
@@ -559,8 +565,9 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     protocol = "audited" if verified_mode else opts.level_estimator
     reps2 = None if reps is None else reps[:, :2 * K]
     ext = extend_with_verified(prep, reps)
-    cov = cluster_cov(ext.total)
-    cov_cal = cluster_cov(ext.calibration)
+    # only the variances are read (the diagonal): K columns' squares, not the K x K products (segments: K ~ 100)
+    cov = np.diag(cluster_var(ext.total))
+    cov_cal = np.diag(cluster_var(ext.calibration))
     warnings: list[str] = []
     scale_note = label_scale_warning(d.label, d.label_scale, opts)
     if scale_note:
@@ -568,7 +575,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
         warnings.append(scale_note)
     own_rows, n_own, n_own_prompts = _own_labels(design)
     n_rows = np.bincount(d.policy, minlength=K)
-    n_prompts_k = np.array([np.unique(d.prompt[d.policy == k]).size for k in range(K)])
+    n_prompts_k = prompts_per_policy(d.policy, d.prompt, K, d.n_prompts)
     cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
     excluded = {e["policy"] for e in prep.excluded}
     n_cal = design.cal_rows.size

@@ -244,13 +244,16 @@ def omnibus_tests(prep: Any, group: np.ndarray, group_names: list[str]) -> list[
     d, design = prep.design.data, prep.design
     lab = design.lab_rows
     resid = d.label[lab] - prep.f[lab]
-    args = (d.prompt[lab], resid, d.label_weight[lab], d.score[lab], group[lab])
-    out = [_omnibus("*", *args, group_names, d.n_prompts, prep.options.alpha)]
+    # the clusters are the labelled prompts (the others contribute nothing to a residual mean)
+    _, prompt = np.unique(d.prompt[lab], return_inverse=True)
+    n_clusters = int(prompt.max()) + 1 if prompt.size else 0
+    args = (prompt, resid, d.label_weight[lab], d.score[lab], group[lab])
+    out = [_omnibus("*", *args, group_names, n_clusters, prep.options.alpha)]
     pol = d.policy[lab]
     for k, name in enumerate(d.policies):
         sel = pol == k
         if sel.sum() >= 2:
-            out.append(_omnibus(name, *(a[sel] for a in args), group_names, d.n_prompts, prep.options.alpha))
+            out.append(_omnibus(name, *(a[sel] for a in args), group_names, n_clusters, prep.options.alpha))
     return out
 
 

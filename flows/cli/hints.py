@@ -20,6 +20,8 @@ FLAGS: dict[str, str] = {
     "columns": "--columns", "budget": "--budget", "target_mde": "--target-mde", "target": "--target",
     "c_S": "--c-s", "c_Y": "--c-y", "power": "--power", "trust_transport": "--trust-transport",
     "baseline": "--baseline", "noninferiority_margin": "--noninferiority-margin", "min_prompts": "--min-prompts",
+    "segment_by": "--segment-by", "segment_min_rows": "--segment-min-rows", "segment_min_labels": "--segment-min-labels",
+    "segment_claims": "--segment-claims",
 }
 
 _VALUE = r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|\[[^\]]*\]|\{[^}]*\}|\([^)]*\)|[\w.+\-]+)"""

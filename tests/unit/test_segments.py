@@ -262,3 +262,42 @@ def test_cli_segment_by_prints_the_segment_table(loser, tmp_path, capsys):
                  "--inference", "analytic"])
     assert code == 2
     assert "segment_by names 'topic', which is not a column" in capsys.readouterr().err
+
+
+def test_robust_critical_value_against_a_brute_force_maximum_over_two_point_distributions():
+    """The worst average non-coverage with E b^2 = m2 is attained by a mass at 0 and one at sqrt(t), t >= m2:
+    a grid over t gives it by brute force; the critical value is where it equals alpha."""
+    from scipy.stats import norm
+
+    from cje_engine.inference.segments import max_noncoverage, robust_critical_value
+
+    def r(b, chi):
+        return norm.cdf(-chi - b) + norm.cdf(-chi + b)
+
+    for m2 in (0.05, 0.5, 2.0, 10.0):
+        for chi in (1.96, 2.5, 4.0, 8.0):
+            t = m2 * np.exp(np.linspace(0, np.log(2000 / m2 + 2), 20000))
+            brute = float(np.max((1 - m2 / t) * r(0, chi) + m2 / t * r(np.sqrt(t), chi)))
+            assert max_noncoverage(m2, chi) == pytest.approx(brute, rel=1e-4, abs=1e-7)
+        chi = robust_critical_value(m2, 0.05)
+        t = m2 * np.exp(np.linspace(0, np.log(2000 / m2 + 2), 20000))
+        assert float(np.max((1 - m2 / t) * r(0, chi) + m2 / t * r(np.sqrt(t), chi))) == pytest.approx(0.05, rel=1e-3)
+    assert robust_critical_value(0.0, 0.05) == pytest.approx(1.959964, rel=1e-6)
+
+
+def test_eb_pool_shrinks_by_hand():
+    from scipy.stats import norm
+
+    from cje_engine.inference.segments import eb_pool, robust_critical_value
+
+    y, se = np.array([0.50, 0.55, 0.40, 0.62]), np.array([0.02, 0.03, 0.025, 0.04])
+    r = eb_pool(y, se, 0.05)
+    w0 = 1 / se ** 2
+    m = np.sum(w0 * y) / np.sum(w0)
+    mu2 = max(np.mean((y - m) ** 2 - se ** 2), 2 * np.sum(se ** 4) / (4 * np.sum(se ** 2)))
+    w = mu2 / (mu2 + se ** 2)
+    assert r["mean"] == pytest.approx(m) and r["mu2"] == pytest.approx(mu2)
+    assert r["estimate"] == pytest.approx(m + w * (y - m))
+    half = [robust_critical_value(se[j] ** 2 / mu2, 0.05) * w[j] * se[j]
+            + norm.ppf(0.975) * (1 - w[j]) * np.sqrt(1 / np.sum(w0)) for j in range(4)]
+    assert r["ci"][:, 1] - r["estimate"] == pytest.approx(half)
