@@ -240,6 +240,104 @@ def check_monitoring(monitoring: Any, where: str = "monitoring") -> MonitoringCo
         raise CJEInputError(f"{where}: {_one_line(exc, MonitoringConfig)}", option="monitoring") from None
 
 
+#: ``segments:`` key -> the engine option it becomes (`cje_engine.options.EvaluationOptions`); declared once here.
+SEGMENT_OPTIONS = {"by": "segment_by", "min_rows": "segment_min_rows", "min_labels": "segment_min_labels",
+                   "error_control": "segment_claims", "recalibrate": "segment_recalibrate",
+                   "pooling": "segment_pooling"}
+
+
+class SegmentsConfig(BaseModel):
+    """``segments:`` of an evaluation: the columns its results are broken down by (docs/segments.md).
+
+    ``segments: [category, language]`` is short for ``segments: {by: [category, language]}``. Every key but
+    ``by`` is optional (unset: the engine's default). The block becomes engine options (`SEGMENT_OPTIONS`)
+    inside the evaluation's ONE typed `EvaluationOptions` (`engine_options`), so the evaluate flow passes it
+    as it passes every other option.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    by: tuple[str, ...] = Field(description="segment columns of the logs (one or more)")
+    min_rows: int | None = Field(default=None, ge=2, description="fewest rows of each policy for a segment to be "
+                                 "shown on its own (smaller ones are pooled into 'other')")
+    min_labels: int | None = Field(default=None, ge=0, description="fewest labels for a segment to be shown on its own")
+    error_control: Literal["bh", "holm"] | None = Field(
+        default=None, description="the claims over the segment x policy family: bh (false discovery rate) or holm "
+                                  "(family-wise); shown intervals always control the false coverage rate")
+    recalibrate: Literal["auto", "never"] | None = Field(
+        default=None, description="auto: recalibrate with the segment as a covariate when the omnibus test fails")
+    pooling: Literal["none", "eb"] | None = Field(
+        default=None, description="eb: also each verified level partially pooled across the policy's segments "
+                                  "(empirical Bayes, robust intervals)")
+
+    @field_validator("by", mode="before")
+    @classmethod
+    def _by(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)) or not v or not all(isinstance(c, str) and c.strip() for c in v):
+            raise ValueError(f"must be a column name or a non-empty list of column names, got {v!r}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a column twice: {sorted({c for c in v if list(v).count(c) > 1})}")
+        return tuple(v)
+
+    def engine_options(self) -> dict[str, Any]:
+        """The declared keys as engine options (`SEGMENT_OPTIONS`; unset keys left to the engine's defaults)."""
+        given = self.model_dump(exclude_unset=True, exclude_none=True)
+        return {SEGMENT_OPTIONS[k]: (list(v) if isinstance(v, tuple) else v) for k, v in given.items()}
+
+
+def check_segments(segments: Any) -> SegmentsConfig | None:
+    """A ``segments:`` value validated as `SegmentsConfig` (None: no segments); `CJEInputError` whose one line
+    starts with the key (``key segments.min_rows: ...``), with a did-you-mean hint for an unknown key."""
+    if segments is None or isinstance(segments, SegmentsConfig):
+        return segments
+    if isinstance(segments, (str, list, tuple)):
+        segments = {"by": segments}
+    if not isinstance(segments, Mapping):
+        raise CJEInputError(f"key segments: expected a list of columns or a mapping such as {{by: [category], "
+                            f"min_rows: 200}}, got {segments!r}", option="segments")
+    unknown = sorted(str(k) for k in segments if k not in SegmentsConfig.model_fields)
+    if unknown:
+        raise CJEInputError(f"key segments: unknown key {unknown[0]!r}{did_you_mean(unknown[0], SEGMENT_OPTIONS)}; "
+                            f"expected some of {', '.join(SEGMENT_OPTIONS)}", option="segments")
+    try:
+        return SegmentsConfig.model_validate(dict(segments))
+    except ValidationError as exc:
+        detail = _one_line(exc, SegmentsConfig)
+        detail = f"key segments.{detail[4:]}" if detail.startswith("key ") else f"key segments: {detail}"
+        raise CJEInputError(detail, option="segments") from None
+
+
+def segment_columns(options: Any) -> list[str]:
+    """The segment columns (``segment_by``) of typed engine options; ``[]`` without segments or in a mode
+    without them."""
+    eng = getattr(options, "engine", options)  # OffPolicyOptions keeps the engine's options in ``engine``
+    return list(getattr(eng, SEGMENT_OPTIONS["by"], None) or ())
+
+
+def with_segments(options: Any, segments: SegmentsConfig | None, mode: str = "direct") -> Any:
+    """``options`` (a mapping or typed options) with the ``segments:`` block merged in as engine options.
+
+    Raises
+    ------
+    CJEInputError
+        Segments in a mode without them, or a segment option given both in ``segments:`` and in ``options:``.
+    """
+    if segments is None:
+        return options
+    if mode != "direct":
+        raise CJEInputError(f"key segments: segments are computed in mode direct only (this evaluation is {mode!r})",
+                            option="segments")
+    declared = options.declared if hasattr(options, "declared") else dict(options or {})
+    seg = segments.engine_options()
+    twice = sorted(k for k in seg if k in declared and declared[k] != seg[k])
+    if twice:
+        raise CJEInputError(f"key segments: option {twice[0]} is given in options: too; declare segments once, in "
+                            "segments:", option="segments")
+    return {**declared, **seg}
+
+
 def check_cron(cron: str, tz: str) -> None:
     """Raise `CJEInputError` when ``cron`` in time zone ``tz`` is not a schedule Prefect accepts."""
     from prefect.client.schemas.schedules import CronSchedule  # a schema only: starts nothing
@@ -395,6 +493,8 @@ class EvaluationConfig(ScheduledEntry):
     window: str = "last 7 days"
     policies: tuple[str, ...] | None = None
     mode: Literal["direct", "logs-only", "hybrid"] = "direct"
+    segments: SegmentsConfig | None = Field(default=None, description="columns the results are broken down by "
+                                            "(`SegmentsConfig`; merged into the engine options)")
     options: Any = Field(default_factory=dict, validate_default=True,
                          description="engine options, parsed once into `EvaluationOptions` / `OffPolicyOptions`")
     label_requests: dict[str, Any] | None = None
@@ -408,14 +508,22 @@ class EvaluationConfig(ScheduledEntry):
 
     _uris = _uri_validator("logs_uri", "results_uri", "labels_uri")
 
+    @field_validator("segments", mode="before")
+    @classmethod
+    def _segments(cls, v: Any) -> Any:
+        """``segments:`` as a list of columns (short form) or a mapping -> `SegmentsConfig`."""
+        return check_segments(v)  # a CJEInputError is kept as it is (`raised_input_error`)
+
     @field_validator("options", mode="before")
     @classmethod
     def _options(cls, v: Any, info: ValidationInfo) -> Any:
-        """The mapping of engine options -> the one typed object (`engine_options`, with ``policies``)."""
-        if "mode" not in info.data or "policies" not in info.data:
-            return v  # the entry is refused for its mode or policies already
+        """The mapping of engine options -> the one typed object (`engine_options`, with ``policies`` and the
+        ``segments:`` block's options, `with_segments`)."""
+        if "mode" not in info.data or "policies" not in info.data or "segments" not in info.data:
+            return v  # the entry is refused for its mode, policies or segments already
         if not isinstance(v, Mapping) and not hasattr(v, "declared"):  # a mapping or typed options
             raise PydanticCustomError("dict_type", "Input should be a valid dictionary")
+        v = with_segments(v, info.data["segments"], info.data["mode"])
         return engine_options(v, info.data["policies"], info.data["mode"])
 
     @field_validator("columns", mode="before")
@@ -743,7 +851,7 @@ def validate_entry(model: type[ScheduledEntry], entry: Any, where: str, src: str
     try:
         obj = model.model_validate(entry, context=context)
     except ValidationError as exc:
-        inner = raised_input_error(exc)
+        inner = raised_input_error(exc, ("options", "segments"))
         if inner is None:
             raise CJEInputError(f"{where}: {_one_line(exc, model)}", source=src) from None
         raise _entry_error(inner, where, src, columns) from None
@@ -820,4 +928,5 @@ def pick_declared(name: str, declared: Mapping[str, Any], *, what: str = "evalua
 __all__ = ["did_you_mean", "engine_options", "option_covariates", "EngineOptions", "EngineOptionsParameter",
            "pick_declared", "raised_input_error", "Config", "EvaluationConfig", "DriftMonitorConfig", "Window", "parse_window", "load_config",
            "read_yaml", "validate_entry", "check_uri", "check_webhook_url", "check_columns", "merge_columns", "check_publish_name",
-           "MonitoringConfig", "check_monitoring", "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]
+           "MonitoringConfig", "check_monitoring", "SegmentsConfig", "check_segments", "with_segments", "segment_columns", "SEGMENT_OPTIONS",
+           "MIN_INTERVAL_SECONDS", "MAX_WINDOW_DAYS", "DEFAULT_FILE"]

@@ -577,10 +577,10 @@ def cmd_run(ns: argparse.Namespace) -> int:
     """Check the inputs, then run one declared evaluation now (notifications, label requests)."""
     from flows.pipelines.preflight import check_evaluation
 
-    spec = _spec(ns.config, ns.name)
+    path, spec = find_evaluation(ns.name, ns.config)
     params = spec.flow_parameters()
     params.update({k: v for k, v in {"as_of": ns.as_of, "window": ns.window}.items() if v is not None})
-    check_evaluation(params)  # before Prefect and Ray start
+    check_evaluation(params, str(path))  # before Prefect and Ray start
     from flows.pipelines.audit import evaluate_and_audit
 
     with _services(), progress(f"evaluation {ns.name}: running the flow (Prefect + Ray)"):
@@ -633,7 +633,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from flows.pipelines.preflight import check_evaluation
 
     for spec in specs.values():
-        check_evaluation(spec.flow_parameters())
+        check_evaluation(spec.flow_parameters(), str(config))
     # Flow runs execute in subprocesses: they must find this code.
     paths = [str(ray_runtime.CODE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

@@ -19,11 +19,12 @@ from flows.uris import check_webhook_url
 PREFIX = "label_requests"
 MANIFEST_VERSION = 1
 TRIGGERS = ("audit_failed", "no_own_labels", "audit_inconclusive", "drift_alarm", "thin_support", "under_labelled",
-            "regression_undecided")
+            "regression_undecided", "segment_audit_inconclusive", "segment_undecided")
 #: Design chosen for each trigger; a merged request uses the most specific (targeted > stratified > random).
 DESIGN_OF = {"audit_failed": "stratified", "no_own_labels": "stratified", "audit_inconclusive": "stratified",
              "drift_alarm": "stratified", "thin_support": "targeted", "under_labelled": "stratified",
-             "regression_undecided": "stratified"}
+             "regression_undecided": "stratified", "segment_audit_inconclusive": "stratified",
+             "segment_undecided": "stratified"}
 DESIGNS = ("random", "stratified", "targeted")
 #: Sampling designs from the simplest up: merged requests keep the highest.
 DESIGN_RANK = {"random": 0, "stratified": 1, "targeted": 2}

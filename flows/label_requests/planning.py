@@ -9,8 +9,8 @@ import numpy as np
 from flows.label_requests.config import (DESIGN_RANK, MANIFEST_VERSION, PRIORITY, RequestConfig, current_time,
                                          iso_period, request_seed, stable_hash)
 from flows.label_requests.sampling import sample
-from flows.label_requests.triggers import (TriggerRows, as_arrow_table, label_prior_probability, triggers_of_rows,
-                                           unwrap_result)
+from flows.label_requests.triggers import (TriggerRows, as_arrow_table, label_prior_probability, segment_columns_of,
+                                           triggers_of_rows, unwrap_result)
 
 
 def _merge(triggers: Sequence[dict]) -> dict[str, dict]:
@@ -18,7 +18,9 @@ def _merge(triggers: Sequence[dict]) -> dict[str, dict]:
     merged: dict[str, dict] = {}
     for t in triggers:
         m = merged.setdefault(t["scope"], {"scope": t["scope"], "labels": 0, "design": "random", "reasons": [],
-                                           "regions": None, "rule": None})
+                                           "regions": None, "rule": None, "segment": None})
+        if "segment" in t["detail"]:  # a segment x policy cell: its rows only
+            m["segment"] = {k: t["detail"][k] for k in ("policy", "segment", "segments")}
         m["labels"] = max(m["labels"], t["labels"])
         if DESIGN_RANK[t["design"]] > DESIGN_RANK[m["design"]]:
             m["design"] = t["design"]
@@ -28,12 +30,16 @@ def _merge(triggers: Sequence[dict]) -> dict[str, dict]:
     return merged
 
 
-def _pool(rows: TriggerRows, scope: str, result: Mapping, cfg: RequestConfig, exclude: set[str]) -> np.ndarray:
-    """Row indices a request of this scope may draw from: unlabelled, not pending elsewhere."""
+def _pool(rows: TriggerRows, scope: str, result: Mapping, cfg: RequestConfig, exclude: set[str],
+          segment: Mapping | None = None) -> np.ndarray:
+    """Row indices a request of this scope may draw from: unlabelled, not pending elsewhere (``segment``: the
+    policy's rows in the segment, or in the pooled segments of ``other``)."""
     ok = ~rows.labelled
     if exclude:
         ok &= ~rows.rid_in(exclude)
-    if scope == "calibration":
+    if segment is not None:
+        ok &= rows.policy_in(segment["policy"]) & rows.segment_in(segment["segments"])
+    elif scope == "calibration":
         cal = (result.get("calibration") or {}).get("calibration_policies") or \
               (result.get("config") or {}).get("calibration_policies")
         if cal:
@@ -100,7 +106,7 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
     run_key = run_key or info.get("run_key")
     now_ = current_time(now)
     period = iso_period(now_)
-    rows = TriggerRows.from_table(as_arrow_table(logs))
+    rows = TriggerRows.from_table(as_arrow_table(logs), segment_columns_of(result))
     triggers = triggers_of_rows(result, rows, cfg, drift_look, anchor_ids, info.get("undecided"))
 
     fresh, skipped, pending_ids, pending_anchors = _deduplicate(triggers, existing, evaluation)
@@ -133,7 +139,7 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
                             "reason": f"label budget of period {period} exhausted ({used} of "
                                       f"{cfg.max_labels_per_period} already requested)"})
             continue
-        pool = _pool(rows, m["scope"], result, cfg, pending_ids | taken)
+        pool = _pool(rows, m["scope"], result, cfg, pending_ids | taken, m["segment"])
         if pool.size == 0 and not (n_anchor and anchor_pool):
             skipped.append({"scope": m["scope"], "trigger": ",".join(codes),
                             "reason": "no unlabelled row left to request"
@@ -170,6 +176,8 @@ def plan_requests(result: Mapping, logs: Any, config: Mapping | RequestConfig | 
             "deadline": (now_ + timedelta(days=cfg.deadline_days)).isoformat(), "period": period,
             "rows": req_rows, "anchors": anchors,
         }
+        if m["segment"] is not None:
+            manifest["segment"] = dict(m["segment"], columns=segment_columns_of(result))
         if m["scope"] == "drift" and drift_detail:
             manifest["drift"] = {k: drift_detail.get(k) for k in (
                 "monitor", "set_name", "anchors_version", "look", "look_key", "judge_id", "alarms", "new_alarms")}

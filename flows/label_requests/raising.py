@@ -14,7 +14,7 @@ from flows.label_requests.budget import LabelBudget
 from flows.label_requests.config import RequestConfig, current_time, iso_period
 from flows.label_requests.manifests import list_requests, request_key, storage_for, write_request
 from flows.label_requests.planning import plan_requests
-from flows.label_requests.triggers import as_arrow_table
+from flows.label_requests.triggers import as_arrow_table, segment_columns_of, unwrap_result
 from flows.storage.labels import LABEL_COLUMNS, LabelStore, inline_label_columns, join_labels
 from flows.storage.logs import discover_partitions, read_window
 from flows.storage.objects import StorageError
@@ -38,14 +38,15 @@ def _window_dates(window: str) -> tuple[date, date]:
 
 
 def read_evaluated_logs(logs_uri: str, window: str, labels_uri: str | None, storage_cfg: Any,
-                        columns: Mapping[str, str] | None = None) -> pa.Table:
-    """The window's rows (ids, policy, prompt, score, dt) with their labels: inline ones of the logs
-    combined with the label store's (the store wins), as the evaluate flow joins them (``columns``:
-    the evaluation's column mapping, applied as the evaluate flow reads)."""
+                        columns: Mapping[str, str] | None = None, extra: Sequence[str] = ()) -> pa.Table:
+    """The window's rows (ids, policy, prompt, score, dt, and the ``extra`` columns, e.g. the result's segment
+    columns) with their labels: inline ones of the logs combined with the label store's (the store wins), as
+    the evaluate flow joins them (``columns``: the evaluation's column mapping, applied as the evaluate flow
+    reads)."""
     st = storage_for(logs_uri, storage_cfg)
     start, end = _window_dates(window)
     files = discover_partitions(st, start, end)
-    base = ["response_id", "policy", "prompt_id", "judge_score", "dt"]
+    base = list(dict.fromkeys(["response_id", "policy", "prompt_id", "judge_score", "dt", *extra]))
     inline = inline_label_columns(st, [f.key for f in files], mapping=columns)
     table = read_window(st, files, columns=None if inline["mixed"] else base + inline["columns"], check_unique=False,
                         mapping=columns)
@@ -90,7 +91,8 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
     cfg = RequestConfig.from_dict(config)
     logs_uri = logs_table_or_uri if isinstance(logs_table_or_uri, str) else None
     if logs_uri is not None:
-        table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg, columns)
+        result, _ = unwrap_result(published_result)
+        table = read_evaluated_logs(logs_uri, window, cfg.labels_uri, storage_cfg, columns, segment_columns_of(result))
     else:
         table = as_arrow_table(logs_table_or_uri)
     st = storage_for(cfg.requests_uri or results_uri, storage_cfg)

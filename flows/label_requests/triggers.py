@@ -1,4 +1,5 @@
-"""The six trigger rules (pure): which policies need labels, how many, and why (docs/label-requests.md)."""
+"""The trigger rules (pure): which policies (or segment x policy cells) need labels, how many, and why
+(docs/label-requests.md)."""
 from __future__ import annotations
 
 import logging
@@ -70,6 +71,33 @@ def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return codes, np.asarray(names.to_pylist(), dtype=object)
 
 
+#: The engine's naming of segments (`cje_engine.pipeline.segments`): several columns' values joined by
+#: ``" / "``, a missing value named ``"(missing)"``.
+SEGMENT_JOIN, SEGMENT_MISSING = " / ", "(missing)"
+
+
+def segment_keys(table: pa.Table, columns: Sequence[str]) -> pa.ChunkedArray:
+    """Each row's segment name by the engine's rule (`SEGMENT_JOIN`, `SEGMENT_MISSING`).
+
+    Raises
+    ------
+    CJEInputError
+        A segment column is not in the logs read.
+    """
+    parts = []
+    for col in columns:
+        if col not in table.column_names:
+            raise CJEInputError(f"the evaluated logs lack the segment column {col!r} (found {table.column_names})",
+                                source="<logs>", column=col)
+        arr = table.column(col)
+        if pa.types.is_dictionary(arr.type):
+            arr = arr.cast(arr.type.value_type)
+        parts.append(pc.fill_null(arr.cast(pa.string()), SEGMENT_MISSING))
+    if len(parts) == 1:
+        return parts[0]
+    return pc.binary_join_element_wise(*parts, SEGMENT_JOIN)
+
+
 @dataclass
 class TriggerRows:
     """Columnar view of the evaluated logs (only what the triggers need).
@@ -89,10 +117,13 @@ class TriggerRows:
     prompt_arrow: pa.ChunkedArray | None
     dt_codes: np.ndarray | None
     dt_names: np.ndarray | None
+    segment_codes: np.ndarray | None = None
+    segment_names: np.ndarray | None = None
 
     @classmethod
-    def from_table(cls, table: pa.Table) -> "TriggerRows":
-        """The trigger columns of a logs table (dictionary-encoded ids decoded)."""
+    def from_table(cls, table: pa.Table, segment_columns: Sequence[str] = ()) -> "TriggerRows":
+        """The trigger columns of a logs table (dictionary-encoded ids decoded); with ``segment_columns`` (the
+        result's ``segments.columns``) each row's segment by the engine's rule (`segment_keys`)."""
         n = table.num_rows
         rid = table.column("response_id")
         if pa.types.is_dictionary(rid.type):
@@ -121,8 +152,18 @@ class TriggerRows:
                 prompt = prompt.cast(prompt.type.value_type)
             prompt = prompt.cast(pa.string())
         dcodes, dnames = _codes(table.column("dt")) if "dt" in table.column_names else (None, None)
+        scodes, snames = _codes(segment_keys(table, segment_columns)) if segment_columns else (None, None)
         return cls(rid_arrow=rid, rid_rank=rank, policy_codes=pcodes, policy_names=pnames, score=score,
-                   labelled=labelled, prob=prob, prompt_arrow=prompt, dt_codes=dcodes, dt_names=dnames)
+                   labelled=labelled, prob=prob, prompt_arrow=prompt, dt_codes=dcodes, dt_names=dnames,
+                   segment_codes=scodes, segment_names=snames)
+
+    def segment_in(self, names: Sequence[str]) -> np.ndarray:
+        """Boolean mask of the rows whose segment is one of ``names`` (none without segment columns)."""
+        if self.segment_codes is None:
+            return np.zeros(self.rid_rank.size, dtype=bool)
+        wanted = set(names)
+        hit = np.array([v in wanted for v in self.segment_names.tolist()], dtype=bool)
+        return hit[self.segment_codes] if hit.size else np.zeros(self.rid_rank.size, dtype=bool)
 
     @cached_property
     def policy(self) -> np.ndarray:
@@ -451,13 +492,117 @@ def regression_triggers(undecided: Mapping[str, Any] | None, cfg: RequestConfig)
     return out
 
 
+def _segment_block(result: Mapping) -> Mapping | None:
+    seg = result.get("segments")
+    return seg if isinstance(seg, Mapping) and seg.get("cells") is not None else None
+
+
+def segment_columns_of(result: Mapping) -> list[str]:
+    """The segment columns of a result (``segments.columns``; ``[]`` without segments)."""
+    seg = _segment_block(result)
+    return [str(c) for c in (seg.get("columns") or [])] if seg else []
+
+
+def _segment_scope(policy: str, segment: str) -> str:
+    """The scope of a segment request: ``policy @ segment``."""
+    return f"{policy} @ {segment}"
+
+
+def _members(seg: Mapping, segment: str) -> list[str]:
+    """The segments whose rows make up ``segment`` (``other``: its pooled members)."""
+    info = next((s for s in seg.get("segments") or [] if s.get("name") == segment), {})
+    return list(info.get("members") or []) or [segment]
+
+
+def _more_labels(n: int, se: float, target: float, floor: int) -> int:
+    """Extra labels for a standard error ``se`` from ``n`` labels to reach ``target`` (SE ~ 1/sqrt(labels)),
+    at least ``floor``."""
+    if target <= 0 or not math.isfinite(se) or se <= 0:
+        return max(floor, 0)
+    return max(floor, math.ceil(max(n, 1) * (se / target) ** 2) - n, 1)
+
+
+def segment_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
+    """Triggers 8-9 (segmented results, ``segments`` of the result): a segment x policy cell whose transport
+    audit is inconclusive (``segment_audit_inconclusive``), and a comparison with the baseline in a segment
+    that is undecided (``segment_undecided``): not significant after the family's adjustment while its interval
+    still holds a loss (or gain) larger than the decision margin (the audit margin), or resting on an assumed
+    (unverified) level, significant or not.
+
+    Sizes: the audit as the policy audit's ``extra_labels_needed`` (n (se / target)^2 - n, target = (margin -
+    |delta|) / z); a comparison: labels on the cell with the larger standard error (the policy's or the
+    baseline's in that segment; the unverified one when a level is assumed) so that its SE reaches
+    max(|diff|, margin) / (z_{1-alpha/2} + z_{0.8}), and at least the ``min_labels`` a verified level needs. The
+    request's pool is that cell's unlabelled rows (``other``: the rows of its pooled segments)."""
+    seg = _segment_block(result)
+    wanted = {"segment_audit_inconclusive", "segment_undecided"} & set(cfg.triggers)
+    if seg is None or not wanted:
+        return []
+    conf = result.get("config") or {}
+    alpha = float(conf.get("alpha", 0.05))
+    min_labels = int(conf.get("min_labels", 10))
+    margin = audit_margin(result)
+    z, z_pow = _z(alpha), float(norm.ppf(0.8))
+    cells = {(c.get("segment"), c.get("policy")): c for c in seg.get("cells") or []}
+    out = []
+    if "segment_audit_inconclusive" in wanted:
+        for (s, p), c in cells.items():
+            a = c.get("audit") or {}
+            if a.get("verdict") != "inconclusive" or c.get("claim_kind") == "too_few":
+                continue
+            n_own, se, delta = int(c.get("n_labels") or 0), float(a.get("se") or 0.0), abs(float(a.get("residual_mean")
+                                                                                                 or 0.0))
+            target = (margin - delta) / z if delta < margin else delta / z
+            n = min(_more_labels(n_own, se, target, 1), cfg.max_labels_per_request)
+            out.append(_trigger(
+                "segment_audit_inconclusive", _segment_scope(p, s), n,
+                f"segment {s!r}: the transport audit of {p!r} on its {n_own} own label(s) is inconclusive (mean "
+                f"residual {float(a.get('residual_mean') or 0):+.3g}, SE {se:.3g}, margin {margin:g})",
+                policy=p, segment=s, segments=_members(seg, s), n_labelled=n_own,
+                residual_mean=a.get("residual_mean"), se=a.get("se"),
+                sizing=f"n (se / target)^2 - n with target = (margin - |delta|) / z = {target:.4g} (z={z:.3f})"))
+    if "segment_undecided" in wanted:
+        base = seg.get("baseline")
+        for comp in seg.get("comparisons") or []:
+            s, p = comp.get("segment"), comp.get("policy")
+            kind, diff, ci = comp.get("claim_kind"), comp.get("diff"), comp.get("ci") or []
+            if kind == "too_few" or diff is None or len(ci) != 2 or (comp.get("significant") and kind == "verified"):
+                continue
+            open_loss, open_gain = float(ci[0]) < -margin, float(ci[1]) > margin
+            if not (open_loss or open_gain or kind == "assumes_transport"):
+                continue
+            own, bc = cells.get((s, p)) or {}, cells.get((s, base)) or {}
+            if own.get("claim_kind") == "assumes_transport" or bc.get("claim_kind") == "assumes_transport":
+                target_cell = own if own.get("claim_kind") == "assumes_transport" else bc  # the unverified level
+            else:
+                target_cell = own if float(own.get("se") or 0) >= float(bc.get("se") or 0) else bc
+            tp = target_cell.get("policy", p)
+            n_have = int(target_cell.get("n_labels") or 0)
+            target = max(abs(float(diff)), margin) / (z + z_pow)
+            n = _more_labels(n_have, float(comp.get("se") or 0.0), target, max(min_labels - n_have, 0))
+            n = min(n, cfg.max_labels_per_request)
+            why = ("rests on an assumed (unverified) level" if kind == "assumes_transport" else
+                   f"its interval [{float(ci[0]):.3g}, {float(ci[1]):.3g}] still holds a "
+                   + ("loss" if open_loss else "gain") + f" beyond the margin {margin:g}")
+            out.append(_trigger(
+                "segment_undecided", _segment_scope(tp, s), n,
+                f"segment {s!r}: {p!r} vs {base!r} is undecided (diff {float(diff):+.3g}, adjusted p "
+                f"{comp.get('p_adjusted') if comp.get('p_adjusted') is not None else 'n/a'}; {why}); labels for "
+                f"{tp!r} in the segment", policy=tp, segment=s, segments=_members(seg, s), compared=p, baseline=base,
+                diff=diff, ci=list(ci), p_adjusted=comp.get("p_adjusted"), n_labelled=n_have,
+                sizing=(f"SE of the comparison {float(comp.get('se') or 0):.4g} -> max(|diff|, margin) / (z + z_0.8) = "
+                        f"{target:.4g} by labels on the cell with the larger SE ({tp!r}), SE ~ 1/sqrt(labels); at "
+                        f"least min_labels={min_labels} own labels")))
+    return out
+
+
 def find_triggers(result: Mapping, logs: Any, config: Mapping | RequestConfig | None = None, *,
                   drift_look: Mapping | None = None, anchor_ids: Sequence[str] | None = None) -> list[dict]:
     """Every trigger that fires for a published result (pure; no storage)."""
     cfg = RequestConfig.from_dict(config)
     result, info = unwrap_result(result)
-    return triggers_of_rows(result, TriggerRows.from_table(as_arrow_table(logs)), cfg, drift_look, anchor_ids,
-                          info.get("undecided"))
+    rows = TriggerRows.from_table(as_arrow_table(logs), segment_columns_of(result))
+    return triggers_of_rows(result, rows, cfg, drift_look, anchor_ids, info.get("undecided"))
 
 
 def triggers_of_rows(result: Mapping, rows: TriggerRows, cfg: RequestConfig, drift_look: Mapping | None,
@@ -467,4 +612,5 @@ def triggers_of_rows(result: Mapping, rows: TriggerRows, cfg: RequestConfig, dri
     anchor_ids = None if anchor_ids is None else [str(a) for a in anchor_ids]
     trig = audit_triggers(result, cfg) + support_triggers(rows, result, cfg) + under_labelled_triggers(result, cfg)
     trig += drift_triggers(drift_look, cfg, anchor_ids) + regression_triggers(undecided, cfg)
+    trig += segment_triggers(result, cfg)
     return [t for t in trig if t["labels"] > 0 or t["detail"].get("n_anchor_labels", 0) > 0]

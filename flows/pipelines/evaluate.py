@@ -66,7 +66,7 @@ from cje_engine.pipeline.offpolicy import flow_columns, flow_policies
 
 from flows.config import (EngineOptions, EngineOptionsParameter, MonitoringConfig, Window, check_columns,
                           check_monitoring, check_publish_name, check_uri, engine_options, option_covariates,
-                          parse_window)
+                          parse_window, segment_columns)
 from flows.pipelines import preflight
 from flows.pipelines.pages import contextual_report, refresh_pages
 from flows.pipelines.regressions import monitor_evaluation
@@ -423,7 +423,7 @@ def plan_run(logs_uri: str, window: Any, evaluation: str, results_uri: str | Non
             check_uri(uri, what)
     opts = engine_options(options, policies, mode)  # the object itself when it was parsed already
     if mode == "direct":
-        extra_columns, read_policies = [], policies
+        extra_columns, read_policies = segment_columns(opts), policies
     else:
         extra_columns, read_policies = flow_columns(opts), flow_policies(opts)
     columns = check_columns(columns, "columns", option_covariates(options)) or None

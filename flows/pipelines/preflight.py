@@ -187,11 +187,47 @@ def check_scales(st: Any, files: Sequence[dict], options: Any,
             check_scale_range(values, scale, url, canon, option)
 
 
-def check_evaluation(params: dict) -> dict:
+def check_segment_columns(opts: Any, names: Sequence[str], evaluation: str | None, log_file: str,
+                          config_file: str | None = None) -> None:
+    """Every segment column of the options (``segments.by``) is a column of the logs (``names``: the first
+    partition file's, renamed by the evaluation's mapping).
+
+    Raises
+    ------
+    CJEInputError
+        One line naming the evaluations file (else the log file), the evaluation, the column, the closest log
+        column (did you mean) and the log file read.
+    """
+    from flows.config import segment_columns
+
+    for col in segment_columns(opts):
+        if col in names:
+            continue
+        raise CJEInputError(f"evaluation {evaluation!r}: segments.by names column {col!r}, which is not a log column"
+                            f"{did_you_mean(col, names)} (the first log file of the window, {log_file}, has: "
+                            f"{', '.join(names)})", source=config_file or log_file, column=col, option="segments")
+
+
+def check_evaluation(params: dict, config_file: str | None = None) -> dict:
     """Check the inputs of an evaluate-flow run (``EvaluationSpec.flow_parameters()`` plus overrides).
 
-    Returns ``{"n_files", "columns", "derived"}``. Raises `CJEInputError` (one line) on a bad
-    window, options, layout, missing columns or underivable covariates.
+    Parameters
+    ----------
+    params : dict
+        The flow's parameters.
+    config_file : str, optional
+        The evaluations file the evaluation was declared in (named by the errors about its declarations).
+
+    Returns
+    -------
+    dict
+        ``{"n_files", "columns", "derived"}``.
+
+    Raises
+    ------
+    CJEInputError
+        One line, on a bad window, options, layout, missing columns or segment columns, or underivable
+        covariates.
     """
     from pathlib import Path
 
@@ -233,6 +269,7 @@ def check_evaluation(params: dict) -> dict:
         how = f" and there is no {DERIVED[cov]!r} column to derive it from" if cov in DERIVED else ""
         raise CJEInputError(f"covariate {cov!r} is not a log column{how} (found: {', '.join(names)})",
                             source=source, column=cov)
+    check_segment_columns(opts, names, params.get("evaluation"), source, config_file)
     log.info("inputs checked: %d partition file(s) in %s..%s%s", len(files), win.start, win.end,
              f"; derived from the response text: {', '.join(derived)}" if derived else "")
     return {"n_files": len(files), "columns": names, "derived": derived}

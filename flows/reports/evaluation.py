@@ -24,10 +24,11 @@ from typing import Any, Sequence
 from cje_engine.errors import CJEInputError
 from flows.reports.charts import forest_svg, win_svg
 from cje_engine.result.model import Calibration, DataSummary, EvaluationModel, Inference
-from flows.reports.common import FONT, check_drift, conf_label, esc, alpha_of, policy_order, result_model
+from flows.reports.common import FONT, alpha_of, as_pair, check_drift, conf_label, esc, policy_order, result_model
 from flows.reports.sections import (audit_section, calibration_section, changed_section, comparisons_table,
                                     context_meta, drift_section, estimator_table, policy_table, report_footer,
                                     summary_html)
+from flows.reports.segments import SEGMENT_CSS, segments_section
 from flows.reports.table import format_table
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ table.data th,table.data td{padding:5px 5px}
 table.data.compact{min-width:0}
 td.reason{min-width:0}
 }
-""".replace("FONT", FONT)
+""".replace("FONT", FONT) + SEGMENT_CSS
 
 
 def _meta_items(m: EvaluationModel, order: list[str]) -> list[str]:
@@ -251,6 +252,8 @@ def render_report(result: Any, *, title: str | None = None, drift: dict | None =
         f"<div class='figure'>{win_svg(m)}</div>{comparisons_table(m, alpha)}"
         "</section>",
     ]
+    parts.append(segments_section(m, alpha, as_pair((m.config or {}).get("label_scale") if isinstance(m.config, dict)
+                                                    else None)))
     if drift_data is not None:
         parts.append(drift_section(drift_data))
     for monitor, d in sorted((ctx.get("drift") or {}).items()):

@@ -58,7 +58,37 @@ def run_summary(run: Mapping[str, Any]) -> dict[str, Any]:
         "best_policy": result.get("best_policy"), "n_labels": data.get("n_labelled"),
         "confidence": conf_label(alpha_of(result)),
         "policies": policies, "monitoring": (run.get("manifest") or {}).get("monitoring"),
+        "segments": segments_summary(result),
     }
+
+
+def segments_summary(result: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A result's segment block as a history row keeps it (None without segments): the columns, the baseline
+    and per segment x policy the difference with the baseline (``diff``, ``ci``: the FCR interval when claimed,
+    else the marginal one; ``claim``: verified, assumes_transport or too_few; ``better``/``worse``) and the
+    level (``estimate``, ``ci``, ``claim``)."""
+    seg = result.get("segments") if isinstance(result, Mapping) else None
+    if not isinstance(seg, Mapping):
+        return None
+    cells: dict[str, dict[str, Any]] = {}
+    for c in seg.get("cells") or []:
+        shown = c.get("claim_kind") != "too_few"
+        ci = as_pair(c.get("ci")) if shown else None
+        cells.setdefault(str(c.get("segment")), {})[str(c.get("policy"))] = {
+            "estimate": as_number(c.get("estimate")) if shown else None, "ci": list(ci) if ci else None,
+            "claim": c.get("claim_kind"), "n_labels": c.get("n_labels"), "n_rows": c.get("n_rows"),
+            "audit": (c.get("audit") or {}).get("verdict") or "not_run", "reason": c.get("reason")}
+    diffs: dict[str, dict[str, Any]] = {}
+    for c in seg.get("comparisons") or []:
+        shown = c.get("claim_kind") != "too_few"
+        ci = (as_pair(c.get("ci_fcr")) or as_pair(c.get("ci"))) if shown else None
+        diffs.setdefault(str(c.get("segment")), {})[str(c.get("policy"))] = {
+            "diff": as_number(c.get("diff")) if shown else None, "ci": list(ci) if ci else None,
+            "claim": c.get("claim_kind"), "better": bool(c.get("better")), "worse": bool(c.get("worse")),
+            "p_adjusted": as_number(c.get("p_adjusted"))}
+    order = [str(s.get("name")) for s in seg.get("segments") or [] if s.get("status") != "pooled"]
+    return {"columns": list(seg.get("columns") or []), "baseline": seg.get("baseline"), "order": order,
+            "cells": cells, "diffs": diffs}
 
 
 def _assumed(pol: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -17,14 +17,15 @@ from cje_engine.inference.changes import PolicyChanges
 from flows.storage.objects import Storage
 from flows.storage.publish import RESULTS
 
-from flows.reports.common import BLUE, GREEN, GREY, INK, MUTED, SKY, VERDICT_STYLE, VERMILLION, esc, fmt, fmt_ci, signed
+from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, PURPLE, SKY, VERDICT_STYLE, VERMILLION, esc, fmt,
+                                  fmt_ci, signed)
 from flows.reports.evaluation import CSS
 from flows.reports.history import (evaluations, latest_per_window, linked_drift, open_label_requests, read_history,
                                    window_changes_of)
 from flows.reports.svg import (LinearScale, coord, el, nice_ticks, svg_diamond, svg_doc, svg_legend, svg_line,
                                svg_polylines, svg_text, y_axis)
 
-__all__ = ["render_index", "render_trend", "write_pages", "INDEX", "TREND"]
+__all__ = ["render_index", "render_trend", "write_pages", "segments_trend_section", "INDEX", "TREND"]
 
 INDEX = "index.html"
 TREND = "trend.html"
@@ -380,6 +381,124 @@ def _legend_svg(g: _Geom = WIDE) -> str:
     return svg_doc(g.width, 22 * len(items) + 6, body, "Legend")
 
 
+#: Colours of the policies in the segment panels (Okabe-Ito, vermillion kept for alarms and losses).
+SEGMENT_COLOURS = (BLUE, ORANGE, GREEN, PURPLE, SKY, "#6b7280")
+
+
+def _segment_layout(rows: Sequence[Mapping[str, Any]]) -> tuple[str | None, list[str], list[str]]:
+    """(baseline, segments, compared policies) over the windows with segments: the latest window's order
+    first, then segments and policies seen only in earlier windows."""
+    baseline, segs, pols = None, [], []
+    for r in reversed(rows):
+        seg = r.get("segments")
+        if not seg:
+            continue
+        baseline = baseline or seg.get("baseline")
+        for name in list(seg.get("order") or []) + sorted(seg.get("diffs") or {}):
+            if name not in segs:
+                segs.append(name)
+        for per in (seg.get("diffs") or {}).values():
+            pols += [p for p in per if p not in pols]
+    if "other" in segs:
+        segs = [s for s in segs if s != "other"] + ["other"]
+    return baseline, segs, pols
+
+
+def _segment_panel(segment: str, rows: Sequence[Mapping[str, Any]], policies: Sequence[str], baseline: str,
+                   g: _Geom = WIDE) -> str:
+    """One segment over windows: each policy's difference with the baseline (filled: verified, hollow: assumes
+    transport, a vermillion ring: significantly worse) with its interval; windows without a number say why."""
+    windows = [r["window"] for r in rows]
+    sx = _x_scale(len(windows), g)
+    T, H = (56, 130) if g.narrow else (30, 130)  # narrow: the baseline on a line of its own
+    vals = [0.0]
+    for r in rows:
+        for p in policies:
+            d = (((r.get("segments") or {}).get("diffs") or {}).get(segment) or {}).get(p) or {}
+            vals += list(d.get("ci") or []) + ([d["diff"]] if d.get("diff") is not None else [])
+    lo, hi, ticks, dec = nice_ticks(min(vals), max(vals), 5)
+    sy = LinearScale(lo, hi, T + H, T)
+    title = segment if segment != "other" else "other (pooled small segments)"
+    body = [svg_text(g.left if not g.narrow else 4, 18, title, fill=INK, font_size=g.fs(14), font_weight="600"),
+            svg_text(4, 34, f"vs {baseline}", fill=MUTED, font_size=g.fs(11.5)) if g.narrow else
+            svg_text(g.width - g.right, 18, f"difference with {baseline}", text_anchor="end", fill=MUTED,
+                     font_size=g.fs(11.5))]
+    axis = y_axis(sy, ticks, dec, g.left - 10, g.width - g.right, "" if g.narrow else "diff")
+    body += [a.replace('font-size="11"', f'font-size="{g.fs(11)}"') for a in axis]
+    body.append(svg_line(g.left, sy(0.0), g.width - g.right, sy(0.0), stroke=INK, stroke_width="1",
+                         stroke_opacity="0.5"))
+    k = max(len(policies), 1)
+    for j, p in enumerate(policies):
+        colour = SEGMENT_COLOURS[j % len(SEGMENT_COLOURS)]
+        pts = []
+        for i, r in enumerate(rows):
+            x = sx(i) + (j - (k - 1) / 2) * (8 if g.narrow else 12)  # policies side by side within a window
+            seg = r.get("segments")
+            d = ((seg or {}).get("diffs") or {}).get(segment, {}).get(p) if seg else None
+            if not d or d.get("diff") is None:
+                why = ("not segmented" if not seg else "not in this window" if d is None else
+                       ((seg.get("cells") or {}).get(segment, {}).get(p) or {}).get("reason") or "too few rows or labels")
+                body.append(el("g", el("title", esc(f"{_window_label(r['window'])}, {p}: no number ({why})"))
+                               + svg_text(x, T + H - 4, "\u00d7", text_anchor="middle", fill=GREY, font_size=g.fs(12)),
+                               class_=g.cls("segment-gap"), data_segment=segment, data_policy=p,
+                               data_window=r["window"]))
+                pts.append(None)
+                continue
+            verified = d.get("claim") == "verified"
+            tip = (f"{_window_label(r['window'])}, {p} - {baseline}: {signed(d['diff'])} {fmt_ci(d.get('ci'))} "
+                   f"({'verified' if verified else 'assumes transport'}"
+                   + ("; significantly worse" if d.get("worse") else "; significantly better" if d.get("better") else "")
+                   + ")")
+            inner = el("title", esc(tip))
+            if d.get("ci"):
+                inner += svg_line(x, sy(d["ci"][0]), x, sy(d["ci"][1]), stroke=colour, stroke_width="2",
+                                  stroke_opacity="0.55", **({} if verified else {"stroke_dasharray": "3 3"}))
+            if d.get("worse"):
+                inner += el("circle", cx=x, cy=sy(d["diff"]), r="8.5", fill="none", stroke=VERMILLION,
+                            stroke_width="2")
+            inner += el("circle", cx=x, cy=sy(d["diff"]), r="4.5", fill=colour if verified else "#fff", stroke=colour,
+                        stroke_width="1.6")
+            body.append(el("g", inner, class_=g.cls("segment-marker"), data_segment=segment, data_policy=p,
+                           data_window=r["window"], data_claim=d.get("claim") or "",
+                           data_worse=str(bool(d.get("worse"))).lower()))
+            pts.append((x, sy(d["diff"])))
+        body = body[:2] + svg_polylines(pts, stroke=colour, stroke_width="1.4", stroke_opacity="0.6") + body[2:]
+    body += _x_labels(sx, windows, T + H + 18, g)
+    return svg_doc(g.width, T + H + ((86 if g.narrow else 48) if g.rotate(len(windows)) else 30), body,
+                   f"Segment {segment}: difference with {baseline} over windows")
+
+
+def _segment_legend(policies: Sequence[str], g: _Geom = WIDE) -> str:
+    items = [(el("circle", cx=0.0, cy=0.0, r="5", fill=SEGMENT_COLOURS[j % len(SEGMENT_COLOURS)]), p)
+             for j, p in enumerate(policies)]
+    items += [(el("circle", cx=0.0, cy=0.0, r="5", fill="#fff", stroke=INK, stroke_width="1.5"),
+               "assumes transport (hollow)"),
+              (el("circle", cx=0.0, cy=0.0, r="7", fill="none", stroke=VERMILLION, stroke_width="2"),
+               "significantly worse"),
+              (svg_text(0, 4, "\u00d7", text_anchor="middle", fill=GREY), "too few: no number")]
+    if not g.narrow:
+        return svg_doc(g.width, 26, svg_legend(items, g.left, 14, gap=22), "Legend of the segment panels")
+    body = []
+    for k, item in enumerate(items):
+        body += [x.replace('font-size="12"', f'font-size="{g.fs(12)}"') for x in svg_legend([item], 12, 14 + 22 * k)]
+    return svg_doc(g.width, 22 * len(items) + 6, body, "Legend of the segment panels")
+
+
+def segments_trend_section(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The trend page's ``<section id='segments'>``: one panel per segment over the windows (empty string when
+    no window was segmented)."""
+    baseline, segs, pols = _segment_layout(rows)
+    if not segs or baseline is None:
+        return ""
+    cols = next((r["segments"].get("columns") for r in reversed(rows) if r.get("segments")), []) or []
+    panels = "".join(_both(_segment_panel, s, rows, pols, baseline) for s in segs)
+    return ("<section id='segments'><h2>Segments over windows</h2><p class='lead'>Per segment of "
+            f"<b>{esc(' x '.join(cols))}</b>, each policy's difference with <b>{esc(baseline)}</b> in every window "
+            "with its interval (false coverage rate controlled when claimed). Filled: verified by the segment's own "
+            "labels; hollow with a dashed interval: assumes transport; \u00d7: too few rows or labels (no number)."
+            f"</p>{_both(_segment_legend, pols)}{panels}</section>")
+
+
 def _window_index(windows: Sequence[str], dt: Any) -> int | None:
     if not dt:
         return None
@@ -507,6 +626,7 @@ def render_trend(evaluation: str, windows: Sequence[Mapping[str, Any]], history:
         "number is a ranking-only figure and is never drawn). Diamonds: regression alarms (a significant drop "
         "against the previous window or the baseline, with the false-alarm rate held over all windows by alpha "
         f"spending; see docs/monitoring.md).</p>{legend}{panels}</section>",
+        segments_trend_section(windows),
         f"<section id='drift'><h2>Judge drift of linked monitors</h2>{drift_html}</section>",
         "<section id='changes'><h2>Changes in the latest window</h2>"
         f"{_changes_table(changes, latest['window'])}</section>",
