@@ -16,7 +16,7 @@ Every cell carries ``data-segment`` / ``data-policy`` / ``data-claim`` so that t
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 from cje_engine.result.model import EvaluationModel
 from cje_engine.result.segments import (OTHER, ReliabilityDiagram, SegmentCell, SegmentComparison, SegmentsResult)
