@@ -138,7 +138,7 @@ def prepare(data: Any, options: EvaluationOptions | None = None, **kwargs: Any) 
     rerun = opts.inference == "bootstrap" and opts.pooling_bootstrap == "rerun"
     replay = build_replay(ed, opts, fit.design, excluded) if rerun else None
     return Prepared(opts, fit.design, selection, fit.f, fit.full, fit.stats, fit.infl, jk, fit.models, excluded,
-                    replay, seg)
+                    replay, segments=seg)
 
 
 def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
