@@ -74,7 +74,7 @@ class EvaluationSpec(EvaluationConfig):
             parameters=self.deployment_parameters(),
             description=self.description or f"CJE evaluation {self.name} over {self.window}",
             tags=["cje"],
-            **self.schedule_kwargs(),
+            **self.schedule_kwargs(), **self.concurrency_kwargs(),
         )
 
 

@@ -162,6 +162,23 @@ def test_cje_run_refuses_a_day_whose_only_file_is_a_dangling_symlink(tmp_path, c
     assert not (tmp_path / "results").exists() and not list(tmp_path.rglob("manifest.json"))
 
 
+def test_cje_run_refuses_a_dangling_symlinked_day_folder(tmp_path, capsys, in_tmp):
+    """A day folder that is a symbolic link to a folder moved away: exit 2 naming it (was: an empty day,
+    2 of 3 days evaluated and published)."""
+    import os
+
+    _logs(tmp_path / "logs")
+    day = sorted((tmp_path / "logs").glob("dt=*"))[1]
+    day.rename(tmp_path / "moved")
+    os.symlink(tmp_path / "gone", day)
+    cfg = _config(tmp_path, tmp_path / "logs")
+    assert cli.main(["run", "ev", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert str(day) in err and "symbolic link whose target does not exist" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.rglob("manifest.json"))
+
+
 def test_cje_run_does_not_read_spark_work_folders_inside_a_day(tmp_path, capsys, in_tmp):
     """`dt=.../_temporary/0/.../part-0.parquet` is not data: the published run counts the committed rows only."""
     import json

@@ -355,6 +355,28 @@ def test_a_dangling_symlink_as_a_days_file_is_an_error_naming_it(local_storage: 
     assert err.value.source == str(loop)
 
 
+def test_a_dangling_symlinked_day_folder_is_an_error_naming_it(local_storage: Storage):
+    """Issue 25: a day's folder ``dt=2025-03-02`` that is a symbolic link to a folder moved away was listed
+    as an empty day (the day silently missing from the window).  Now: `CJEInputError` naming the link; a
+    symlinked day folder whose target exists is read as any other."""
+    import os
+    import shutil
+
+    write_logs(local_storage, make_logs(n=300, days=3), basename="b")
+    day = local_storage.root / "dt=2025-03-02"
+    moved = local_storage.root.parent / "elsewhere"
+    shutil.move(day, moved)
+    os.symlink(moved, day)
+    assert [f.key for f in discover_partitions(local_storage, "2025-03-02", "2025-03-02")] == [
+        "dt=2025-03-02/part-b.parquet"]  # a link to an existing folder: read
+    shutil.rmtree(moved)
+    with pytest.raises(CJEInputError, match="symbolic link whose target does not exist") as err:
+        discover_partitions(local_storage, "2025-03-01", "2025-03-03")
+    assert err.value.source == str(day)
+    with pytest.raises(CJEInputError, match="symbolic link whose target does not exist"):
+        local_storage.list("")  # the whole listing (pre-flight) names it too
+
+
 def test_engine_folder_reader_and_log_listing_share_the_work_path_rule():
     from cje_engine.data.readers import is_work_path
     from flows.storage.logs import is_log_object
