@@ -721,11 +721,12 @@ def followup_due(st: Storage, evaluation: str, window: str, key: str, step: str)
     Returns
     -------
     bool
-        False for an unpublished run and for a manifest without ``followups`` (nothing owed).
+        False for a manifest without ``followups`` (an older publisher's run: nothing owed) and once the
+        step is recorded; True when no manifest can be read (nothing says it was done).
     """
     done_key = _followup_key(evaluation, window, key, step)
     manifest = _read_json(st, f"{run_prefix(evaluation, window, key)}/{MANIFEST}")
-    if manifest is None or step not in (manifest.get(FOLLOWUPS) or ()):
+    if manifest is not None and step not in (manifest.get(FOLLOWUPS) or ()):
         return False
     return not st.exists(done_key)
 
