@@ -287,13 +287,16 @@ class StderrHandler(logging.StreamHandler):
 class QuietRunErrors(logging.Filter):
     """``-q``: one line per error.  The errors Prefect logs for a failing flow or task run (its exception with
     the traceback, then "Finished in state Failed") are left out of the terminal: the command reports the
-    error itself, once, as one line with its exit code (they still reach the Prefect API's run logs)."""
+    error itself, once, as one line with its exit code (they still reach the Prefect API's run logs).  Errors
+    the flows log themselves (a failed label-request step of a published run) stay."""
 
     RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """False for an ERROR (or worse) record of a flow- or task-run logger."""
-        return not (record.levelno >= logging.ERROR and record.name.startswith(self.RUN_LOGGERS))
+        """False for a flow- or task-run error that carries an exception, or a run's final failed state."""
+        if record.levelno < logging.ERROR or not record.name.startswith(self.RUN_LOGGERS):
+            return True
+        return not (record.exc_info or str(record.msg).startswith("Finished in state"))
 
 
 class QuietFormatter(logging.Formatter):
