@@ -422,6 +422,9 @@ class ScheduledEntry(BaseModel):
     interval: float | None = None
     anchor: datetime | None = Field(default=None, description="start of the interval grid (default: now)")
     timezone: str = "UTC"
+    overlap: Literal["queue", "skip"] = Field(
+        default="queue", description="a run due while the entry's previous run still runs: queued until it ends "
+                                     "(queue) or cancelled with the reason in its state (skip); never two at once")
 
     @field_validator("interval", mode="before")
     @classmethod
@@ -464,6 +467,16 @@ class ScheduledEntry(BaseModel):
             return {"schedule": Interval(timedelta(seconds=self.interval), anchor_date=self.anchor,
                                          timezone=self.timezone)}
         return {}
+
+    def concurrency_kwargs(self) -> dict[str, Any]:
+        """``concurrency_limit=`` keyword of ``flow.to_deployment``: one run of the entry at a time, enforced by
+        the Prefect server for `cje serve` and `cje deploy` alike; a run due while one runs waits in
+        ``AwaitingConcurrencySlot`` (``overlap: queue``) or is cancelled, the limit named in its state
+        (``overlap: skip``)."""
+        from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
+        strategy = ConcurrencyLimitStrategy.ENQUEUE if self.overlap == "queue" else ConcurrencyLimitStrategy.CANCEL_NEW
+        return {"concurrency_limit": ConcurrencyLimitConfig(limit=1, collision_strategy=strategy)}
 
 
 def _uri_validator(*names: str):

@@ -298,6 +298,33 @@ class StderrHandler(logging.StreamHandler):
         pass
 
 
+class QuietRunErrors(logging.Filter):
+    """``-q``: one line per error.  The errors Prefect logs for a failing flow or task run (its exception with
+    the traceback, then "Finished in state Failed") are left out of the terminal: the command reports the
+    error itself, once, as one line with its exit code (they still reach the Prefect API's run logs).  Errors
+    the flows log themselves (a failed label-request step of a published run) stay."""
+
+    RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for a flow- or task-run error that carries an exception, or a run's final failed state."""
+        if record.levelno < logging.ERROR or not record.name.startswith(self.RUN_LOGGERS):
+            return True
+        return not (record.exc_info or str(record.msg).startswith("Finished in state"))
+
+
+class QuietFormatter(logging.Formatter):
+    """``-q``: a warning or error logged with its exception is one line, without the traceback (``-v`` shows it)."""
+
+    def formatException(self, ei) -> str:  # noqa: N802 - logging's API
+        """Nothing: no traceback under ``-q``."""
+        return ""
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802 - logging's API
+        """Nothing: no stack under ``-q``."""
+        return ""
+
+
 #: Prefect's loggers with a level of their own (`prefect/logging/logging.yml`); the flow- and task-run
 #: loggers inherit the level of ``prefect``.
 PREFECT_LOGGERS = ("prefect", "prefect.extra", "prefect.client", "prefect.infrastructure")
@@ -307,7 +334,11 @@ def _setup_logging(verbose: bool, quiet: bool) -> Callable[[], None]:
     """Log to stderr at DEBUG (``-v``), WARNING (``-q``, Prefect included) or INFO; returns the undo of
     the Prefect settings (`_quiet_prefect`)."""
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    logging.basicConfig(level=level, handlers=[StderrHandler()], force=True,
+    handler = StderrHandler()
+    if quiet and not verbose:
+        handler.addFilter(QuietRunErrors())
+        handler.setFormatter(QuietFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore", "botocore", "urllib3", "asyncio", "numba"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -13,8 +13,11 @@ locally, ``If-None-Match: *`` on S3, the same primitive publishing uses).  The e
 gets ``False``, reads the ledger again and re-plans against what is left.  Hence the sum of the
 entries never exceeds the limit, whatever the number of threads, processes or hosts.  The manifest
 is written after its reservation; until it exists, the entry's copy of the request's ids keeps
-other writers from requesting the same rows (for `INFLIGHT_SECONDS`).  A writer that dies in between
-leaves labels reserved but never requested: the budget is under-spent, never over-spent.
+other writers from requesting the same rows (for `INFLIGHT_SECONDS`).  The entry keeps the whole
+manifest: a writer that dies in between is resumed by the retry of the same run, which writes the
+reserved manifest (`LabelBudget.unwritten`) instead of planning again (the pending reservation would
+hide the trigger), so the ledger equals the stored requests; without a retry the labels stay reserved
+but never requested: the budget is under-spent, never over-spent.
 
 Requests created before the ledger existed (no entry names them) still count, by their manifest.
 """
@@ -110,6 +113,14 @@ class LabelBudget:
                          and (now - datetime.fromisoformat(e["created_at"])).total_seconds() < INFLIGHT_SECONDS)
         return BudgetSnapshot(self.period, seq, used, reserved, inflight)
 
+    def unwritten(self, existing: Sequence[Mapping] = ()) -> list[dict]:
+        """The manifests reserved in this ledger whose request was never written (``existing``: the stored
+        requests): what a writer killed between its reservation and its manifest left undone.  Entries
+        written before the ledger kept the whole manifest are left out."""
+        stored = {m.get("request_id") for m in existing}
+        return [dict(r["manifest"]) for e in self.entries() for r in e.get("requests") or []
+                if r.get("request_id") not in stored and isinstance(r.get("manifest"), Mapping)]
+
     def take(self, snap: BudgetSnapshot, manifests: Sequence[Mapping], limit: int, *,
              evaluation: str | None = None) -> bool:
         """Reserve the labels of ``manifests`` as entry ``snap.seq + 1``; False when another writer got it.
@@ -137,6 +148,7 @@ def _summary(m: Mapping) -> dict:
     """What deduplication needs of a reserved request before its manifest exists."""
     drift = m.get("drift") or {}
     return {"request_id": m["request_id"], "evaluation": m.get("evaluation"), "scope": m.get("scope"),
+            "window": m.get("window"), "run_key": m.get("run_key"), "manifest": dict(m),
             "period": m.get("period"), "n_labels": int(m["n_labels"]),
             "reasons": [{"trigger": r.get("trigger")} for r in m.get("reasons") or []],
             "drift": {k: drift.get(k) for k in ("monitor", "set_name", "look")} if drift else None,

@@ -96,6 +96,8 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
     else:
         table = as_arrow_table(logs_table_or_uri)
     st = storage_for(cfg.requests_uri or results_uri, storage_cfg)
+    resumed = _write_and_notify(st, reserved_unwritten(st, evaluation, window, unwrap_result(published_result)[1]
+                                                       .get("run_key"), now), cfg, evaluation, window)
 
     def plan(existing: list[dict], used: int) -> dict:
         return plan_requests(published_result, table, cfg, evaluation=evaluation, window=window, logs_uri=logs_uri,
@@ -105,7 +107,39 @@ def raise_requests_for_run(storage_cfg: Any, results_uri: str, evaluation: str, 
     planned = plan_within_budget(st, cfg, plan, evaluation=evaluation, now=now)
     for s in planned["skipped"]:
         log.info("label request not raised for %s/%s: %s", evaluation, s.get("scope"), s.get("reason"))
-    return _write_and_notify(st, planned["requests"], cfg, evaluation, window)
+    return resumed + _write_and_notify(st, planned["requests"], cfg, evaluation, window)
+
+
+def reserved_unwritten(st: Any, evaluation: str, window: str, run_key: str | None,
+                       now: datetime | str | None = None) -> list[dict]:
+    """Requests of this run that an earlier attempt reserved in the period's budget ledger and died before
+    writing (`flows.label_requests.budget.LabelBudget.unwritten`); the retry writes them as reserved.
+
+    Parameters
+    ----------
+    st : Storage
+        The requests root.
+    evaluation, window : str
+        The run's evaluation and window.
+    run_key : str or None
+        The run (None: nothing is resumed).
+    now : datetime or str, optional
+        The time deciding the budget period (default: now, UTC).
+
+    Returns
+    -------
+    list of dict
+        The reserved manifests, oldest reservation first.
+    """
+    if not run_key:
+        return []
+    ledger = LabelBudget(st, iso_period(current_time(now)))
+    found = [m for m in ledger.unwritten(list_requests(st, now=now))
+             if (m.get("evaluation"), m.get("window"), m.get("run_key")) == (evaluation, window, run_key)]
+    for m in found:
+        log.warning("label request %s of %s/%s was reserved by an earlier attempt that did not write it: "
+                    "writing it now", m["request_id"], evaluation, window)
+    return found
 
 
 def plan_within_budget(st: Any, cfg: RequestConfig, plan: Callable[[list[dict], int], dict], *,

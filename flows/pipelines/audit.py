@@ -4,6 +4,12 @@ results pages rebuilt with them (`flows.pipelines.pages`).
 It is the flow that ``cje run``, ``cje serve`` (scheduled deployments), the demo and the re-evaluations of
 the ``labels`` flow call (docs/label-requests.md).  A failure after publishing (notification or request
 step) never unpublishes the result: it is logged and returned as ``label_requests_error``.
+
+A run killed between its commit and a later step, then retried: the retry finds the run "already
+published" and does what is still owed, once.  The result's notifications are a step of the manifest
+(``followups``), recorded as done (`flows.storage.publish.record_followup`); the label requests are
+planned again against the stored requests and the budget ledger, whose reservations of requests never
+written are kept for them (`flows.label_requests.budget`); the pages are rebuilt by every run.
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ from flows.pipelines.evaluate import evaluate
 from flows.pipelines.pages import refresh_pages
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import TASK_TIMEOUT
-from flows.storage.objects import StorageConfig
+from flows.storage.objects import Storage, StorageConfig
+from flows.storage.publish import followup_due, record_followup
 
 
 @task(name="raise_label_requests", retries=2, retry_delay_seconds=[1.0, 5.0], cache_policy=NO_CACHE, **TASK_TIMEOUT)
@@ -89,10 +96,15 @@ def evaluate_and_audit(
                    retry_delays=retry_delays, **extra)
     out["notifications"] = []
     out["label_requests"] = []
-    if out.get("published"):  # a rerun of a published run notifies nothing new
+    cfg = StorageConfig.from_env()
+    results = Storage.for_uri(results_uri or logs_uri, cfg)
+    # Owed by the run until recorded (the manifest lists the step): a fresh publish notifies, a rerun of a
+    # notified run does not, and the retry of a run killed between its commit and this step does.
+    if followup_due(results, evaluation, out["window"], out["run_key"], "notify"):
         out["notifications"] = notify_result(out["result"], evaluation=evaluation, window=out["window"],
                                              path=out.get("path"), webhook_url=cfg_req.webhook_url)
-    cfg = StorageConfig.from_env()
+        record_followup(results, evaluation, out["window"], out["run_key"], "notify",
+                        {"sent": len(out["notifications"])})
     try:
         out["label_requests"] = raise_label_requests(results_uri or logs_uri, quote(cfg), evaluation,
                                                      out["window"], quote(out), logs_uri, req_dict, drift_look,

@@ -3,8 +3,9 @@
 The runtime layer knows how a declaration is scheduled and deployed (`flows.runtime.schedules`,
 `flows.runtime.deploy`) but not the flows, which live here above it: each declared evaluation becomes a
 deployment of `flows.pipelines.audit.evaluate_and_audit`, each drift monitor one of
-`flows.pipelines.drift.drift`. ``cje serve`` runs them in one process, ``cje deploy`` applies them to a work
-pool (with a concurrency limit of one run at a time: `flows.runtime.deploy`).
+`flows.pipelines.drift.drift`, each with a concurrency limit of one run at a time (the entry's ``overlap:``
+queues or skips a run due while one runs). ``cje serve`` runs them in one process, ``cje deploy`` applies
+them to a work pool (`flows.runtime.deploy`).
 """
 from __future__ import annotations
 
@@ -72,18 +73,13 @@ def runner_deployments(config: str | None = None, only: Sequence[str] | None = N
     Returns
     -------
     list of RunnerDeployment
-        Each with a concurrency limit of one run at a time (collision strategy ``ENQUEUE``: see
-        `flows.runtime.deploy`).
+        Each with a concurrency limit of one run at a time (collision strategy ``ENQUEUE``, or ``CANCEL_NEW``
+        for ``overlap: skip``: `flows.config.ScheduledEntry.concurrency_kwargs`, as for `cje serve`).
     """
-    from prefect.client.schemas.objects import ConcurrencyLimitStrategy, ConcurrencyOptions
-
     specs: dict[str, Any] = load_evaluations(config)
     if only:
         specs = {n: pick_declared(n, specs, what="evaluation", source=config) for n in only}
     deployments = evaluation_deployments(specs.values())
     if drift:
         deployments += drift_deployments(config)
-    for dep in deployments:
-        dep.concurrency_limit = 1
-        dep.concurrency_options = ConcurrencyOptions(collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
     return deployments

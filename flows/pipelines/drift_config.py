@@ -127,7 +127,7 @@ class DriftMonitorSpec(DriftMonitorConfig, LinkedEvaluationKeys):
             name=f"drift-{self.monitor_name}", entrypoint_type=EntrypointType.MODULE_PATH,
             parameters=self.flow_parameters(),
             description=self.description or f"Judge drift on anchor set {self.set_name}", tags=["cje", "drift"],
-            **self.schedule_kwargs())
+            **self.schedule_kwargs(), **self.concurrency_kwargs())
 
 
 def load_drift_monitors(path: str | os.PathLike | None = None) -> dict[str, DriftMonitorSpec]:

@@ -78,7 +78,7 @@ from flows.storage.labels import LabelStore
 from flows.storage.logs import (concat_with_sources, discover_partitions, first_duplicate, locate_row, row_sources,
                                 window_days)
 from flows.storage.objects import Storage, StorageConfig
-from flows.storage.publish import run_key
+from flows.storage.publish import FOLLOWUPS, run_key
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,10 @@ LABEL_COLUMNS = ("oracle_label", "label_probability")
 
 #: Fewest bootstrap replicates per Ray chunk (below this, scheduling dominates).
 MIN_CHUNK = 50
+
+#: Steps a published run owes after its commit (`flows.storage.publish.FOLLOWUPS`): the result's
+#: notifications (`flows.pipelines.audit`) and its regression alarms (`monitor_evaluation`).
+FOLLOWUP_STEPS = ("notify", "regression_alarms")
 
 _STORAGE_TASK = storage_task_options()
 _PURE_TASK = PURE_TASK
@@ -480,6 +484,8 @@ def build_manifest(plan: RunPlan, files: list[dict], counts: dict, label_info: d
         "flow_run_id": _flow_run_id(),
         "created_at": datetime.now(timezone.utc).isoformat(),
         "timings_s": {k: round(v, 3) for k, v in plan.timings.items()},
+        # the steps owed after the commit, each recorded once done (a killed run's retry finishes them)
+        FOLLOWUPS: list(FOLLOWUP_STEPS),
     }
 
 

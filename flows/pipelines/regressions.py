@@ -4,7 +4,8 @@
 history, computes each policy's changes across windows (`cje_engine.inference.changes`: consecutive and
 against the baseline window, alpha spending over windows), sends one ``regression_alarm`` notification
 (webhook and Prefect event, like a drift alarm) per policy whose value dropped significantly in the
-published window, and creates the run's Prefect artifacts (`flows.reports.artifacts`). Nothing here can
+published window (once per run: the step ``regression_alarms`` of its manifest, recorded when done, so a
+rerun sends nothing again and the retry of a run killed before it sends them), and creates the run's Prefect artifacts (`flows.reports.artifacts`). Nothing here can
 fail the flow: the run is already published.
 """
 from __future__ import annotations
@@ -72,7 +73,7 @@ def monitor_evaluation(results_uri: str, cfg: Any, evaluation: str, window: str,
     except Exception as exc:  # noqa: BLE001 - the run is published; monitoring is an addition
         log.warning("changes across windows of %s not computed: %s", evaluation, exc)
         out["error"] = f"{type(exc).__name__}: {exc}"
-    if out["alarms"]:
+    if out["alarms"] and _owed(results_uri, cfg, evaluation, window, run_key, "regression_alarms"):
         from flows.integrations.notify import notify
 
         links = {"report": (outcome.get("artifacts") or {}).get("report.html"), "trend": trend}
@@ -80,6 +81,7 @@ def monitor_evaluation(results_uri: str, cfg: Any, evaluation: str, window: str,
             payload = regression_payload(evaluation, window, run_key, name, changes[name], links)
             log.warning("regression alarm: %s of %s dropped in window %s", name, evaluation, window)
             out["notifications"].append(notify("regression_alarm", payload))
+        _done(results_uri, cfg, evaluation, window, run_key, "regression_alarms", len(out["notifications"]))
     try:
         out["artifacts"] = evaluate_artifacts(evaluation, window, run_key, result, outcome, trend, changes,
                                               out["alarms"])
@@ -87,3 +89,26 @@ def monitor_evaluation(results_uri: str, cfg: Any, evaluation: str, window: str,
         log.warning("Prefect artifacts of %s %s not created: %s", evaluation, window, exc)
         out["error"] = out["error"] or f"{type(exc).__name__}: {exc}"
     return out
+
+
+def _owed(results_uri: str, cfg: Any, evaluation: str, window: str, run_key: str, step: str) -> bool:
+    """Whether the run still owes ``step`` (`flows.storage.publish.followup_due`); True when storage cannot
+    tell (a notification sent twice is better than one lost)."""
+    from flows.storage.publish import followup_due
+
+    try:
+        return followup_due(Storage.for_uri(results_uri, cfg), evaluation, window, run_key, step)
+    except Exception as exc:  # noqa: BLE001 - the run is published; monitoring is an addition
+        log.warning("could not read whether %s of %s/%s/%s is done (%s): doing it", step, evaluation, window,
+                    run_key, exc)
+        return True
+
+
+def _done(results_uri: str, cfg: Any, evaluation: str, window: str, run_key: str, step: str, sent: int) -> None:
+    """Record ``step`` of the run as done (`flows.storage.publish.record_followup`); a failure is logged."""
+    from flows.storage.publish import record_followup
+
+    try:
+        record_followup(Storage.for_uri(results_uri, cfg), evaluation, window, run_key, step, {"sent": sent})
+    except Exception as exc:  # noqa: BLE001 - the notifications went out; a rerun may send them again
+        log.warning("could not record %s of %s/%s/%s as done: %s", step, evaluation, window, run_key, exc)

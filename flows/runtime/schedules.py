@@ -12,6 +12,7 @@ File format (all keys but ``name`` and ``logs_uri`` optional)::
         interval: 3600                    # seconds between runs, >= 60 (one of cron / interval)
         anchor: 2025-01-01T06:00:00Z      # start of the interval grid (default: when deployed)
         timezone: UTC
+        overlap: queue                    # a run due while the previous one runs: queue (default) or skip
         policies: [base, clone]           # default: every policy in the logs
         options: {covariates: [response_length], n_bootstrap: 2000, seed: 0}
         columns: {prompt_id: id, policy: model}  # your log column names (default: the top-level columns:)
@@ -76,7 +77,7 @@ class EvaluationSpec(EvaluationConfig):
             parameters=self.deployment_parameters(),
             description=self.description or f"CJE evaluation {self.name} over {self.window}",
             tags=["cje"],
-            **self.schedule_kwargs(),
+            **self.schedule_kwargs(), **self.concurrency_kwargs(),
         )
 
 

@@ -162,6 +162,7 @@ class LocalStorage(Storage):
         start = self.root.joinpath(*folder_part.split("/")) if folder_part else self.root
         out: list[ObjectInfo] = []
         if not start.is_dir():
+            self._check_no_dangling_folder(start)
             return out
         def unlistable(exc: OSError) -> None:  # os.walk would silently skip a folder it cannot read
             if not isinstance(exc, FileNotFoundError):  # (a folder deleted while listing is gone)
@@ -187,6 +188,17 @@ class LocalStorage(Storage):
             raise self._fail("list", prefix or ".", exc) from None
         out.sort(key=lambda o: o.key)
         return out
+
+    def _check_no_dangling_folder(self, folder: Path) -> None:
+        """Raise `CJEInputError` naming ``folder`` (or the folder above it, up to the root) when it is a
+        symbolic link whose target is gone: a day folder ``dt=...`` linked to a folder moved away is never
+        listed as an empty day."""
+        for path in (folder, *folder.parents):
+            if path == self.root or self.root not in path.parents:
+                return
+            if os.path.islink(path) and not os.path.exists(path):
+                raise CJEInputError("is a symbolic link whose target does not exist; the objects under it "
+                                    "cannot be listed (remove it or fix the link)", source=str(path))
 
     @staticmethod
     def _stat_listed(path: str) -> os.stat_result | None:

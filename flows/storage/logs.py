@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import time
@@ -328,6 +329,8 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
                 flt_row, after = None, row_filter
             if flt_row is not None:
                 flt = flt_row if flt is None else (flt & flt_row)
+            check_row_group_memory(dataset, [file_name.get(c, c) for c in (wanted if after is None else names)],
+                                   source)
             # Projection and the policy filter go into the Parquet scan.
             if after is None:
                 table = dataset.to_table(columns=[file_name.get(c, c) for c in wanted], filter=flt,
@@ -340,6 +343,9 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
         except FileNotFoundError:
             raise StorageError(f"read {source} failed: does not exist (deleted after discovery?)",
                                key=key, operation="read") from None
+        except MemoryError as exc:  # pyarrow's ArrowMemoryError too: the object, not the process, is the problem
+            raise CJEInputError(f"does not fit in memory when read ({_brief(exc) or 'out of memory'}); rewrite it "
+                                "with smaller row groups or read fewer columns", source=source) from None
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, pa.ArrowKeyError) as exc:
             raise CJEInputError(f"is not a readable Parquet log file: {_brief(exc)}", source=source) from None
         except OSError as exc:
@@ -355,6 +361,71 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
                 time.sleep(delay)
     raise StorageError(f"read {source} failed after {attempts} attempt(s): {short_error(last, st.config)}",
                        key=key, operation="read") from None
+
+
+#: Environment variable: the most bytes one row group of a log object may hold, uncompressed, in the columns
+#: read (default: a quarter of the memory this process may use, at most 4 GiB).
+MAX_ROW_GROUP_BYTES_ENV = "CJE_MAX_ROW_GROUP_BYTES"
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use: the cgroup limit (v2 ``memory.max`` or v1) or the physical memory."""
+    limits = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            limits.append(int(text))
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    return min(limits) if limits else 8 << 30
+
+
+def max_row_group_bytes() -> int:
+    """The row-group budget (`MAX_ROW_GROUP_BYTES_ENV`, else a quarter of `memory_limit_bytes`, at most 4 GiB)."""
+    raw = os.environ.get(MAX_ROW_GROUP_BYTES_ENV, "").strip()
+    if raw:
+        try:
+            value = int(float(raw))
+        except ValueError:
+            raise CJEInputError(f"{MAX_ROW_GROUP_BYTES_ENV}={raw!r} must be a number of bytes") from None
+        if value <= 0:
+            raise CJEInputError(f"{MAX_ROW_GROUP_BYTES_ENV}={raw!r} must be a positive number of bytes")
+        return value
+    return min(4 << 30, memory_limit_bytes() // 4)
+
+
+def check_row_group_memory(dataset: ds.Dataset, columns: Sequence[str], source: str) -> None:
+    """Raise `CJEInputError` naming the object and its row group when a row group holds more bytes,
+    uncompressed, in ``columns`` than `max_row_group_bytes`: reading it would blow the memory limit (a row
+    group is decoded whole), so it is refused as bad data before it is read, never a killed process.
+    Footer metadata only."""
+    budget = max_row_group_bytes()
+    wanted = set(columns)
+    for fragment in dataset.get_fragments():
+        md = fragment.metadata
+        for i in range(md.num_row_groups):
+            rg = md.row_group(i)
+            size = sum(rg.column(j).total_uncompressed_size for j in range(rg.num_columns)
+                       if rg.column(j).path_in_schema.split(".", 1)[0] in wanted)
+            if size > budget:
+                raise CJEInputError(
+                    f"row group {i} holds {_size(size)} uncompressed in the columns read "
+                    f"({rg.num_rows} rows), more than the {_size(budget)} one row group may use here "
+                    f"({MAX_ROW_GROUP_BYTES_ENV}); reading it would exhaust memory. Rewrite the file with smaller "
+                    "row groups (e.g. pyarrow's row_group_size=262144)", source=source)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def _brief(exc: BaseException) -> str:

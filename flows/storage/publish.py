@@ -30,9 +30,11 @@ lists every artifact with its key, size and sha256, plus the caller's lineage.  
   id, keeping its ``published_at`` and adding ``repaired_at`` (reason ``"republished"``).
 * ``latest.json`` is (re)written only after the manifest exists; a publisher that died between
   the two is repaired by the next publish call for that run.  What a reader of ``latest.json``
-  sees: a complete pointer (one atomic object write) to a committed run, and over time only
-  publications with a later or equal ``published_at`` (the publisher's UTC clock at commit).  The
-  pointer moves by compare-and-swap on that time (`_compare_and_swap`: an exclusive lock on the
+  sees: a complete pointer (one atomic object write) to a committed run, and over time only runs
+  that are newer or equal by `publication_order`: the window's end and start dates, then the
+  label-store version the run read, and only between runs of the same window and labels the
+  ``published_at`` of the publisher's UTC clock (so a clock running ahead, or an older run finishing
+  later, never moves it back).  The pointer moves by compare-and-swap on that order (`_compare_and_swap`: an exclusive lock on the
   folder for local storage, a conditional PUT with ``If-Match: <ETag>`` on S3), so of racing
   publishers the newest publication always ends in the pointer.  On S3 endpoints without
   conditional writes (``conditional_writes="emulated"``) the swap is read-compare-write and a
@@ -94,6 +96,7 @@ RESERVED = ("manifest_version", "evaluation", "window", "run_key", "attempt", "p
             "artifacts")
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,199}$")
 _ATTEMPT = re.compile(r"^(\d{8}T\d{6}Z)-[0-9a-f]{8}$")
+_WINDOW_DATES = re.compile(r"^(\d{4}-\d{2}-\d{2})_(\d{4}-\d{2}-\d{2})$")
 
 
 class PublishGateError(CJEInputError):
@@ -490,22 +493,60 @@ def _refuse_credentials(st: Storage, artifacts: Mapping[str, bytes], manifest: M
             raise PublishGateError("contains a storage credential; refusing to publish it", source=name)
 
 
-def _advance_latest(st: Storage, evaluation: str, manifest: Mapping[str, Any], manifest_key: str) -> None:
-    """Point latest.json at this run unless it already points at a newer publication.
+def publication_order(manifest: Mapping[str, Any]) -> list[Any]:
+    """The key by which runs of an evaluation are ordered for ``latest.json`` (larger is newer).
 
-    A compare-and-swap on the publication time: the pointer is replaced only if, at the instant of
-    the write, it still holds what was read (a directory lock locally, ``If-Match`` on the ETag on
-    S3), so of two racing publishers the newer publication always ends in the pointer.
+    ``[window end, window start, label-store version, published_at]``: the run's identity first (its
+    window's dates, from ``window_spec`` or a ``YYYY-MM-DD_YYYY-MM-DD`` window label; then the version of
+    the label store it read), the publisher's clock only between runs of the same window and labels.
+    So a publisher whose clock runs ahead, or a run that finishes later but evaluated an older window or
+    older labels, never moves the pointer back.  Windows that are not dates compare equal.
+
+    Parameters
+    ----------
+    manifest : mapping
+        A run's manifest (or a ``latest.json`` pointer, which carries the key as ``order``).
+
+    Returns
+    -------
+    list
+        Comparable lists (strings and an int).
+    """
+    if isinstance(manifest.get("order"), list) and len(manifest["order"]) == 4:
+        return list(manifest["order"])
+    spec = manifest.get("window_spec") if isinstance(manifest.get("window_spec"), Mapping) else {}
+    start, end = str(spec.get("start") or ""), str(spec.get("end") or "")
+    if not (start and end):
+        m = _WINDOW_DATES.match(str(manifest.get("window") or ""))
+        start, end = (m.group(1), m.group(2)) if m else ("", "")
+    labels = manifest.get("labels") if isinstance(manifest.get("labels"), Mapping) else {}
+    version = labels.get("label_store_version", manifest.get("label_store_version"))
+    try:
+        version = int(version)
+    except (TypeError, ValueError):
+        version = -1
+    return [end, start, version, str(manifest.get("published_at") or "")]
+
+
+def _advance_latest(st: Storage, evaluation: str, manifest: Mapping[str, Any], manifest_key: str) -> None:
+    """Point latest.json at this run unless it already points at a newer one (`publication_order`).
+
+    A compare-and-swap on the order: the pointer is replaced only if, at the instant of the write, it
+    still holds what was read (a directory lock locally, ``If-Match`` on the ETag on S3), so of two
+    racing publishers the newer run always ends in the pointer.  A pointer written before the order
+    existed is ordered by its run's manifest.
     """
     if not manifest.get("published_at"):
         return
     pointer_key = f"{RESULTS}/{evaluation}/{LATEST}"
+    order = publication_order(manifest)
     pointer = {
         "evaluation": evaluation,
         "window": manifest.get("window"),
         "run_key": manifest.get("run_key"),
         "manifest": manifest_key,
         "published_at": manifest["published_at"],
+        "order": order,
     }
     body = json.dumps(pointer, indent=1, sort_keys=True).encode()
 
@@ -513,10 +554,18 @@ def _advance_latest(st: Storage, evaluation: str, manifest: Mapping[str, Any], m
         if current is None:
             return True
         if current.get("manifest") == manifest_key and current.get("published_at") == manifest["published_at"]:
-            return False
-        return str(current.get("published_at", "")) <= str(manifest["published_at"])
+            return current.get("order") != order  # the same run: only to add the order to an old pointer
+        return _pointer_order(st, current) <= order
 
     _compare_and_swap(st, pointer_key, wanted, body)
+
+
+def _pointer_order(st: Storage, pointer: Mapping[str, Any]) -> list[Any]:
+    """The order of the run a ``latest.json`` points at (read from its manifest for an old pointer)."""
+    if isinstance(pointer.get("order"), list):
+        return publication_order(pointer)
+    stored = _read_json(st, str(pointer.get("manifest"))) if pointer.get("manifest") else None
+    return publication_order(stored if stored is not None else pointer)
 
 
 def _parse(raw: bytes | None) -> dict | None:
@@ -639,6 +688,72 @@ def _remove_other_attempts(st: Storage, run: str, committed_attempt: str) -> int
             except StorageError as exc:
                 log.warning("could not remove %s: %s", st.url(info.key), exc)
     return removed
+
+
+# --------------------------------------------------------------------------- steps after the commit
+
+#: Manifest key: the steps the publisher's flow owes after the commit (e.g. ``["notify"]``).  Each step's
+#: completion is recorded beside the manifest as ``done-<step>.json`` (create-only), so a flow killed
+#: between the commit and a step, then retried, finds the step still due ("already published" runs
+#: included) and does it once; a run whose manifest lists no steps (older publishers) owes none.
+FOLLOWUPS = "followups"
+_STEP = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+def _followup_key(evaluation: str, window: str, key: str, step: str) -> str:
+    if not isinstance(step, str) or not _STEP.match(step):
+        raise CJEInputError(f"follow-up step {step!r} must be 1-64 lower-case letters, digits and _")
+    return f"{run_prefix(evaluation, window, key)}/done-{step}.json"
+
+
+def followup_due(st: Storage, evaluation: str, window: str, key: str, step: str) -> bool:
+    """Whether the published run still owes ``step``: its manifest lists it and no completion is recorded.
+
+    Parameters
+    ----------
+    st : Storage
+        The results root.
+    evaluation, window, key : str
+        The run.
+    step : str
+        A step name of the manifest's ``followups`` (``notify``, ``regression_alarms``).
+
+    Returns
+    -------
+    bool
+        False for a manifest without ``followups`` (an older publisher's run: nothing owed) and once the
+        step is recorded; True when no manifest can be read (nothing says it was done).
+    """
+    done_key = _followup_key(evaluation, window, key, step)
+    manifest = _read_json(st, f"{run_prefix(evaluation, window, key)}/{MANIFEST}")
+    if manifest is not None and step not in (manifest.get(FOLLOWUPS) or ()):
+        return False
+    return not st.exists(done_key)
+
+
+def record_followup(st: Storage, evaluation: str, window: str, key: str, step: str,
+                    detail: Mapping[str, Any] | None = None) -> bool:
+    """Record that ``step`` of the run was done (create-only: the first record stays).
+
+    Parameters
+    ----------
+    st : Storage
+        The results root.
+    evaluation, window, key : str
+        The run.
+    step : str
+        The step done.
+    detail : mapping, optional
+        What the step did (e.g. the number of notifications), stored in the record.
+
+    Returns
+    -------
+    bool
+        True if this call wrote the record, False if one existed.
+    """
+    body = {"step": step, "done_at": datetime.now(timezone.utc).isoformat(), **dict(detail or {})}
+    return bool(st.put_if_absent(_followup_key(evaluation, window, key, step),
+                                 json.dumps(body, indent=1, sort_keys=True, default=_json_default).encode()))
 
 
 # --------------------------------------------------------------------------- reading
@@ -796,7 +911,7 @@ def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
     runs = list_runs(st, evaluation)
     if not runs:
         return None
-    newest = runs[-1]
+    newest = max(runs, key=lambda r: publication_order(r["manifest"]))
     return read_run(st, evaluation, newest["window"], newest["run_key"])
 
 

@@ -162,6 +162,44 @@ def test_cje_run_refuses_a_day_whose_only_file_is_a_dangling_symlink(tmp_path, c
     assert not (tmp_path / "results").exists() and not list(tmp_path.rglob("manifest.json"))
 
 
+def test_cje_run_refuses_a_dangling_symlinked_day_folder(tmp_path, capsys, in_tmp):
+    """A day folder that is a symbolic link to a folder moved away: exit 2 naming it (was: an empty day,
+    2 of 3 days evaluated and published)."""
+    import os
+
+    _logs(tmp_path / "logs")
+    day = sorted((tmp_path / "logs").glob("dt=*"))[1]
+    day.rename(tmp_path / "moved")
+    os.symlink(tmp_path / "gone", day)
+    cfg = _config(tmp_path, tmp_path / "logs")
+    assert cli.main(["run", "ev", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert str(day) in err and "symbolic link whose target does not exist" in err and "Traceback" not in err
+    assert not list(tmp_path.rglob("manifest.json"))
+
+
+def test_cje_run_quiet_reports_bad_data_found_inside_the_flow_as_one_line(tmp_path):
+    """Issue 25: with ``-q``, bad data found inside the flow (a response id twice in the window: the flow's
+    ``validate`` step, after Prefect and Ray started) printed Prefect's task- and flow-run errors with three
+    tracebacks (129 lines) before the command's own line.  Now: exit 2 and one error line."""
+    import pyarrow.parquet as pq
+
+    _logs(tmp_path / "logs")
+    first, second = sorted((tmp_path / "logs").rglob("*.parquet"))[:2]
+    table = pq.read_table(second)
+    ids = table.column("response_id").to_pylist()
+    ids[3] = pq.read_table(first).column("response_id")[0].as_py()  # the same response on two days
+    pq.write_table(table.set_column(table.schema.get_field_index("response_id"), "response_id", pa.array(ids)),
+                   second)
+    cfg = _config(tmp_path, tmp_path / "logs")
+    r = run_cje("run", "ev", "--config", str(cfg), "-q", cwd=tmp_path, timeout=600)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "prefect" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("cje run: error:") and "appears more than once" in errors[0]
+    assert not list(tmp_path.rglob("manifest.json"))
+
+
 def test_cje_run_names_an_underivable_covariate(tmp_path, capsys, in_tmp):
     _logs(tmp_path / "logs")
     cfg = _config(tmp_path, tmp_path / "logs", "[difficulty]")

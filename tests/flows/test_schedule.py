@@ -8,6 +8,8 @@ import sys
 import time
 from datetime import datetime, timedelta, timezone
 
+import pytest
+
 from flows.storage.publish import read_latest
 from flows.storage.objects import Storage
 
@@ -69,3 +71,53 @@ def test_cje_serve_refuses_a_sub_minute_interval_before_starting_anything(tmp_pa
                            cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "key interval" in r.stderr and str(config) in r.stderr, r.stderr
         assert "starting a local" not in r.stderr
+
+
+@pytest.mark.parametrize("overlap", ["queue", "skip"])
+def test_overlapping_runs_of_a_served_evaluation_never_run_at_once(prefect_server, tmp_path, overlap):
+    """Issue 25: the deployments of `cje serve` had no concurrency limit (only `cje deploy` set one), so a
+    scheduled run due while the previous one still ran started beside it: two writers on one window.
+    Now every declared entry has a limit of one run, enforced by the server; ``overlap: queue`` (default)
+    holds the second in ``AwaitingConcurrencySlot``, ``overlap: skip`` cancels it with the reason in its state."""
+    import uuid
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Pending, Running
+
+    from flows.pipelines.deployments import evaluation_deployments
+    from flows.runtime.schedules import load_evaluations
+
+    name = f"overlap-{overlap}-{uuid.uuid4().hex[:6]}"
+    config = tmp_path / "evaluations.yaml"
+    config.write_text(f"evaluations:\n  - name: {name}\n    logs_uri: {tmp_path}\n    interval: 3600\n"
+                      + (f"    overlap: {overlap}\n" if overlap == "skip" else ""))
+    (dep,) = evaluation_deployments(load_evaluations(config).values())  # what `cje serve` serves
+    assert dep.concurrency_limit == 1
+    assert dep.concurrency_options.collision_strategy.value == ("ENQUEUE" if overlap == "queue" else "CANCEL_NEW")
+    dep_id = dep.apply()
+    with get_client(sync_client=True) as client:
+        try:
+            first, second = (client.create_flow_run_from_deployment(dep_id) for _ in range(2))
+            assert client.set_flow_run_state(first.id, Pending()).status.value == "ACCEPT"
+            client.set_flow_run_state(first.id, Running())
+            answer = client.set_flow_run_state(second.id, Pending())  # the runner asks before it starts a run
+            state = client.read_flow_run(second.id).state
+            assert answer.status.value != "ACCEPT" and not state.is_running() and not state.is_pending()
+            if overlap == "queue":
+                assert state.name == "AwaitingConcurrencySlot"
+            else:
+                assert state.is_cancelled() and "concurrency" in (state.message or "").lower()
+            client.set_flow_run_state(first.id, Completed())
+        finally:
+            client.delete_deployment(dep_id)
+
+
+def test_overlap_is_a_typed_option_of_each_entry(tmp_path):
+    """``overlap:`` other than queue or skip is exit 2 at load naming the file, the entry and the key."""
+    config = tmp_path / "evaluations.yaml"
+    config.write_text(f"evaluations:\n  - name: ev\n    logs_uri: {tmp_path}\n    overlap: parallel\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+    r = subprocess.run([sys.executable, "-m", "flows.cli.main", "serve", "--config", str(config)], env=env,
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "key overlap" in r.stderr and str(config) in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "starting a local" not in r.stderr

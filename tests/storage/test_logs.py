@@ -355,6 +355,28 @@ def test_a_dangling_symlink_as_a_days_file_is_an_error_naming_it(local_storage: 
     assert err.value.source == str(loop)
 
 
+def test_a_dangling_symlinked_day_folder_is_an_error_naming_it(local_storage: Storage):
+    """Issue 25: a day's folder ``dt=2025-03-02`` that is a symbolic link to a folder moved away was listed
+    as an empty day (the day silently missing from the window).  Now: `CJEInputError` naming the link; a
+    symlinked day folder whose target exists is read as any other."""
+    import os
+    import shutil
+
+    write_logs(local_storage, make_logs(n=300, days=3), basename="b")
+    day = local_storage.root / "dt=2025-03-02"
+    moved = local_storage.root.parent / "elsewhere"
+    shutil.move(day, moved)
+    os.symlink(moved, day)
+    assert [f.key for f in discover_partitions(local_storage, "2025-03-02", "2025-03-02")] == [
+        "dt=2025-03-02/part-b.parquet"]  # a link to an existing folder: read
+    shutil.rmtree(moved)
+    with pytest.raises(CJEInputError, match="symbolic link whose target does not exist") as err:
+        discover_partitions(local_storage, "2025-03-01", "2025-03-03")
+    assert err.value.source == str(day)
+    with pytest.raises(CJEInputError, match="symbolic link whose target does not exist"):
+        local_storage.list("")  # the whole listing (pre-flight) names it too
+
+
 def test_engine_folder_reader_and_log_listing_share_the_work_path_rule():
     from cje_engine.data.readers import is_work_path
     from flows.storage.logs import is_log_object
@@ -396,3 +418,41 @@ def test_logs_without_response_ids_say_how_to_make_opaque_stable_ones(local_stor
         assert rids and not any(p in r for r in rids for p in pols) and all(r.startswith("r-") for r in rids)
         firsts.append(sorted(rids))
     assert firsts[0] == firsts[1]
+
+
+def test_a_row_group_that_would_exhaust_memory_is_bad_data_naming_the_object(local_storage: Storage, monkeypatch):
+    """Issue 25: out of memory was a killed process, an "internal error" or reported as bad data of another
+    row.  A row group is decoded whole: one that holds more bytes (uncompressed, in the columns read) than
+    the process may spend on it is refused from the footer, before it is read, naming the object and the row
+    group (exit 2); a MemoryError while reading an object names the object too."""
+    import pyarrow.dataset as pads
+
+    from flows.storage import logs as logs_module
+    from flows.storage.logs import read_window
+
+    write_logs(local_storage, make_logs(n=3000, days=1), basename="big", row_group_size=1_000_000)
+    files = discover_partitions(local_storage, "2025-03-01", "2025-03-01")
+    assert read_window(local_storage, files).num_rows == 3000  # within the default budget: read
+    monkeypatch.setenv("CJE_MAX_ROW_GROUP_BYTES", "40000")
+    with pytest.raises(CJEInputError, match=r"row group 0 holds .* uncompressed .*CJE_MAX_ROW_GROUP_BYTES") as err:
+        read_window(local_storage, files)
+    assert err.value.source == local_storage.url(files[0].key)
+    # a projection that fits is read: only the columns read count
+    assert read_window(local_storage, files, columns=["judge_score"]).num_rows == 3000
+    monkeypatch.delenv("CJE_MAX_ROW_GROUP_BYTES")
+
+    class Exhausted:
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def to_table(self, *args, **kwargs):
+            raise pa.ArrowMemoryError("malloc of size 8589934592 failed")
+
+    real_dataset = pads.dataset
+    monkeypatch.setattr(logs_module.ds, "dataset", lambda *a, **k: Exhausted(real_dataset(*a, **k)))
+    with pytest.raises(CJEInputError, match="does not fit in memory") as err:
+        read_window(local_storage, files)
+    assert err.value.source == local_storage.url(files[0].key)

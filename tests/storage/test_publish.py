@@ -637,3 +637,41 @@ def test_a_manifest_left_without_its_artifacts_is_repaired_by_the_rerun(storage:
     assert got["manifest"]["published_at"] == broken["published_at"] and got["manifest"]["repaired_at"]
     assert got["manifest"]["attempt"] != broken["attempt"]
     assert publish_run(storage, "ev", "w", "k", artifacts_for(), LINEAGE).reason == "already published"
+
+
+def _dated(window: str, label_version: int) -> dict:
+    start, end = window.split("_")
+    return {**LINEAGE, "window_spec": {"start": start, "end": end}, "labels": {"label_store_version": label_version}}
+
+
+def test_latest_follows_the_runs_identity_not_the_publishers_clock(storage: Storage, monkeypatch):
+    """Issue 25: ``latest.json`` was ordered by the publisher's clock at commit.  A publisher whose clock ran
+    2 h fast kept the pointer on its run while the next day's run was published (for 2 h), and a run that
+    finished later but was older (a slow run of yesterday's window, a re-evaluation of an old window, a run
+    that read an older label-store version) moved the pointer back.  Now the pointer follows the run's
+    identity: the window's end and start dates, then the label-store version; the clock only between runs
+    of the same window and labels."""
+    import flows.storage.publish as publish
+    from datetime import datetime as real_datetime, timedelta
+
+    class FastClock(real_datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return real_datetime.now(tz) + timedelta(hours=2)
+
+    monkeypatch.setattr(publish, "datetime", FastClock)
+    publish_run(storage, "ev", "2025-03-01_2025-03-03", "fast", artifacts_for(), _dated("2025-03-01_2025-03-03", 1))
+    monkeypatch.undo()
+    assert read_latest(storage, "ev")["run_key"] == "fast"
+    publish_run(storage, "ev", "2025-03-02_2025-03-04", "next", artifacts_for(), _dated("2025-03-02_2025-03-04", 1))
+    assert read_latest(storage, "ev")["run_key"] == "next"  # was: "fast" for 2 hours
+    # an older window finishing later (a slow run, or new labels for its days) does not move it back
+    publish_run(storage, "ev", "2025-03-01_2025-03-03", "late", artifacts_for(), _dated("2025-03-01_2025-03-03", 2))
+    assert read_latest(storage, "ev")["run_key"] == "next"
+    # the same window: the newer label-store version wins, whenever each run finishes
+    publish_run(storage, "ev", "2025-03-02_2025-03-04", "relabelled", artifacts_for(), _dated("2025-03-02_2025-03-04", 3))
+    publish_run(storage, "ev", "2025-03-02_2025-03-04", "stale", artifacts_for(), _dated("2025-03-02_2025-03-04", 2))
+    assert read_latest(storage, "ev")["run_key"] == "relabelled"
+    # the listing fallback (a pointer lost) agrees
+    storage.delete("results/ev/latest.json")
+    assert read_latest(storage, "ev")["run_key"] == "relabelled"
