@@ -5,9 +5,12 @@ influence column only through its evaluation terms ``e`` (K numbers: ``(f - thet
 rows): the calibration, audit and own-label parts are zero there, and every column the finalize builds
 (plug-in, augmented, own-label mean, power-tuned, differences) is a linear function ``e @ A[:, c]`` of them.
 So the driver needs, for the unlabelled prompts, only their number, the sum of ``e``, its K x K
-cross-products and its K x K x K third moments (`Moments`, merged over shards), plus every labelled prompt's
-row. `GramTerms` holds that and behaves like the (prompts, columns) array for the operations the finalize
-applies to influence terms: column selection, linear combinations (``+``, ``-``, ``*`` by constants),
+cross-products and its K x K x K third moments (`Moments`, merged over shards). A labelled prompt's columns
+are linear too, in its *basis* vector (``e`` and its calibration, label-residual, audit and own-label parts:
+5K numbers), so the labelled prompts are kept as those basis rows (`Basis`), never as the finalize's 4K-column
+arrays. A `GramTerms` is a basis plus a column map ``M`` (basis dimensions x columns): column ``c`` of a
+labelled prompt is ``b @ M[:, c]``, of an unlabelled one ``e @ M[:K, c]``. It behaves like the (prompts,
+columns) array for the operations the finalize applies to influence terms (they change ``M`` only): column selection, linear combinations (``+``, ``-``, ``*`` by constants),
 `numpy.hstack`, `numpy.column_stack`, `numpy.where` over columns, `numpy.nan_to_num`; and answers the
 reductions (`cluster_cov`, `column_var`, `acceleration`, `power_tuned_lambda`) from the moments. Anything that
 would need every prompt's value (``numpy.asarray``, saving the terms) raises `TermsNotKept`.
@@ -54,48 +57,92 @@ class Moments:
         return Moments(self.n + other.n, self.s + other.s, self.S + other.S, self.T + other.T)
 
 
-def _linear(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Broadcast two column sets (1 column against many, as numpy does)."""
-    return np.broadcast_arrays(a, b)
+@dataclass
+class Basis:
+    """The prompts of a Gram form: labelled prompts' basis rows, the unlabelled prompts' moments.
+
+    ``rows`` (L, D): each labelled prompt's basis vector (its first K entries are its evaluation terms ``e``);
+    ``moments``: of the unlabelled prompts' ``e`` (K dimensions); ``prompts`` (L,): the evaluation's prompt
+    code of each row (increasing). Column sums and cross-products of the rows are computed once.
+    """
+
+    rows: np.ndarray
+    moments: Moments
+    prompts: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.rows = np.asarray(self.rows, dtype=float)
+        if not np.isfinite(self.rows).all():
+            raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
+        K, D = self.moments.s.size, self.rows.shape[1]
+        if K > D:
+            raise ValueError(f"moments of {K} dimensions for a basis of {D}")
+        self.sum = self.rows.sum(0)
+        self.sum[:K] += self.moments.s
+        self.cross = self.rows.T @ self.rows
+        self.cross[:K, :K] += self.moments.S
+
+    @property
+    def n(self) -> int:
+        """Every prompt: labelled rows plus unlabelled ones."""
+        return int(self.rows.shape[0] + self.moments.n)
+
+    def local(self, prompt: np.ndarray) -> np.ndarray:
+        """The row of each of the evaluation's prompt codes ``prompt`` (all must be labelled prompts)."""
+        pos = np.searchsorted(self.prompts, prompt)
+        if pos.size and (pos.max() >= self.prompts.size or not np.array_equal(self.prompts[pos], prompt)):
+            raise ValueError("a prompt without a row in the Gram form")
+        return pos
 
 
 class GramTerms:
-    """A (prompts, C) matrix of influence terms held as labelled rows plus unlabelled moments (module doc).
+    """A (prompts, C) matrix of influence terms: a `Basis` and a column map (module doc).
 
     Parameters
     ----------
-    rows : ndarray (L, C)
-        The labelled prompts' terms.
-    A : ndarray (K, C)
-        Column ``c`` of an unlabelled prompt is ``e @ A[:, c]``; an all-NaN column of ``A``: NaN on every
-        unlabelled prompt.
-    moments : Moments
-        Of the unlabelled prompts' ``e``.
+    basis : Basis
+    M : ndarray (D, C)
+        Column ``c`` of a labelled prompt is ``b @ M[:, c]``, of an unlabelled one ``e @ M[:K, c]``; a column
+        of ``M`` with a NaN: NaN on every prompt (a statistic that does not exist).
     vector : bool
         A single column taken with an integer index (numpy's 1-d column).
-    prompts : ndarray (L,), optional
-        The evaluation's prompt code of each row (increasing).
     """
 
     __array_priority__ = 100
 
-    def __init__(self, rows: np.ndarray, A: np.ndarray, moments: Moments, vector: bool = False,
-                 prompts: np.ndarray | None = None) -> None:
-        self.rows = np.asarray(rows, dtype=float)
-        self.A = np.asarray(A, dtype=float)
-        self.moments = moments
+    def __init__(self, basis: Basis, M: np.ndarray, vector: bool = False) -> None:
+        self.basis = basis
+        self.M = np.asarray(M, dtype=float)
         self.vector = vector
-        self.prompts = prompts  # (L,) the labelled rows' prompt codes in the evaluation (sorted)
-        if self.rows.ndim != 2 or self.A.ndim != 2 or self.rows.shape[1] != self.A.shape[1]:
-            raise ValueError(f"GramTerms: rows {self.rows.shape} and map {self.A.shape} do not agree")
+        if self.M.ndim != 2 or self.M.shape[0] != basis.rows.shape[1]:
+            raise ValueError(f"GramTerms: basis of {basis.rows.shape[1]} dimensions, map {self.M.shape}")
 
     # ---------------------------------------------------------------- array-like surface
 
     @property
+    def moments(self) -> Moments:
+        """The unlabelled prompts' moments."""
+        return self.basis.moments
+
+    @property
+    def prompts(self) -> np.ndarray | None:
+        """The labelled prompts' codes (the basis rows')."""
+        return self.basis.prompts
+
+    def local(self, prompt: np.ndarray) -> np.ndarray:
+        """`Basis.local`."""
+        return self.basis.local(prompt)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The labelled prompts' values (L, C) (computed: ``basis.rows @ M``)."""
+        return self.basis.rows @ self.M
+
+    @property
     def shape(self) -> tuple:
         """The shape of the matrix it stands for: (prompts,) or (prompts, C)."""
-        g = self.rows.shape[0] + self.moments.n
-        return (g,) if self.vector else (g, self.rows.shape[1])
+        g = self.basis.n
+        return (g,) if self.vector else (g, self.M.shape[1])
 
     @property
     def ndim(self) -> int:
@@ -107,8 +154,8 @@ class GramTerms:
         """Entries of the matrix it stands for."""
         return int(np.prod(self.shape))
 
-    def _new(self, rows: np.ndarray, A: np.ndarray, vector: bool = False) -> "GramTerms":
-        return GramTerms(rows, A, self.moments, vector, self.prompts)
+    def _new(self, M: np.ndarray, vector: bool = False) -> "GramTerms":
+        return GramTerms(self.basis, M, vector)
 
     def __getitem__(self, key: Any) -> "GramTerms":
         if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], slice) and key[0] == slice(None)):
@@ -117,18 +164,18 @@ class GramTerms:
             raise TermsNotKept(NOT_KEPT + " (a column of a column)")
         col = key[1]
         if isinstance(col, (int, np.integer)):
-            return self._new(self.rows[:, [int(col)]], self.A[:, [int(col)]], vector=True)
-        return self._new(self.rows[:, col], self.A[:, col])
+            return self._new(self.M[:, [int(col)]], vector=True)
+        return self._new(self.M[:, col])
 
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
         raise TermsNotKept(NOT_KEPT)
 
-    def _operand(self, x: Any) -> tuple[np.ndarray, np.ndarray] | None:
-        """(rows, A) of a linear operand; None for a constant."""
+    def _operand(self, x: Any) -> np.ndarray | None:
+        """The column map of a linear operand; None for a constant."""
         if isinstance(x, GramTerms):
-            if x.moments is not self.moments:
+            if x.basis is not self.basis:
                 raise ValueError("GramTerms of different evaluations")
-            return x.rows, x.A
+            return x.M
         return None
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
@@ -136,19 +183,16 @@ class GramTerms:
             return NotImplemented
         vector = all(x.vector for x in inputs if isinstance(x, GramTerms))
         ops = [self._operand(x) for x in inputs]
-        if ufunc in (np.add, np.subtract) and all(o is not None for o in ops):
-            (r1, a1), (r2, a2) = ops
-            r1, r2 = _linear(r1, r2)
-            a1, a2 = _linear(a1, a2)
-            return self._new(ufunc(r1, r2), ufunc(a1, a2), vector)
-        if ufunc is np.multiply and sum(o is not None for o in ops) == 1:
-            g, c = (ops[0], inputs[1]) if ops[0] is not None else (ops[1], inputs[0])
+        if ufunc in (np.add, np.subtract) and len(ops) == 2 and all(o is not None for o in ops):
+            return self._new(ufunc(*np.broadcast_arrays(*ops)), vector)
+        if ufunc is np.multiply and len(ops) == 2 and sum(o is not None for o in ops) == 1:
+            m, c = (ops[0], inputs[1]) if ops[0] is not None else (ops[1], inputs[0])
             c = np.asarray(c, dtype=float)
             if c.ndim > 1 and c.shape[0] != 1:
                 return NotImplemented
-            return self._new(g[0] * c, g[1] * c, vector)
+            return self._new(m * c, vector)
         if ufunc is np.negative:
-            return self._new(-ops[0][0], -ops[0][1], vector)
+            return self._new(-ops[0], vector)
         raise TermsNotKept(NOT_KEPT + f" ({ufunc.__name__} is not linear in the terms)")
 
     def __add__(self, o: Any) -> Any:
@@ -180,31 +224,23 @@ class GramTerms:
             ops = [self._operand(p) for p in parts]
             if any(o is None for o in ops):
                 raise TermsNotKept(NOT_KEPT + " (stacking with a per-prompt array)")
-            return self._new(np.hstack([o[0] for o in ops]), np.hstack([o[1] for o in ops]))
+            return self._new(np.hstack(ops))
         if func is np.where and len(args) == 3:
             cond, a, b = args
             cond = np.asarray(cond)
             if cond.ndim != 2 or cond.shape[0] != 1:
                 raise TermsNotKept(NOT_KEPT + " (numpy.where over prompts)")
-            (ra, aa), (rb, ab) = self._operand(a), self._operand(b)
-            return self._new(np.where(cond, ra, rb), np.where(cond, aa, ab))
+            return self._new(np.where(cond, self._operand(a), self._operand(b)))
         if func is np.nan_to_num:
-            return self._new(np.nan_to_num(self.rows), np.nan_to_num(self.A), self.vector)
+            return self._new(np.nan_to_num(self.M), self.vector)
         raise TermsNotKept(NOT_KEPT + f" (numpy.{func.__name__})")
 
     # ---------------------------------------------------------------- reductions
 
-    def local(self, prompt: np.ndarray) -> np.ndarray:
-        """The row of each of the evaluation's prompt codes ``prompt`` (all must be labelled prompts)."""
-        pos = np.searchsorted(self.prompts, prompt)
-        if pos.size and (pos.max() >= self.prompts.size or not np.array_equal(self.prompts[pos], prompt)):
-            raise ValueError("a prompt without a row in the Gram form")
-        return pos
-
     def _sums(self) -> tuple[int, np.ndarray, np.ndarray]:
         """(prompts, column sums, uncentred cross-products) with NaN as 0."""
-        R, A, m = np.nan_to_num(self.rows), np.nan_to_num(self.A), self.moments
-        return R.shape[0] + m.n, R.sum(0) + m.s @ A, R.T @ R + A.T @ m.S @ A
+        M = np.nan_to_num(self.M)
+        return self.basis.n, self.basis.sum @ M, M.T @ self.basis.cross @ M
 
     def cluster_cov(self, center: bool = True) -> np.ndarray:
         """`cje_engine.inference.variance.cluster_cov` of the matrix: ``G/(G-1) sum_c psi_c psi_c'``, centred."""
@@ -219,13 +255,15 @@ class GramTerms:
 
     def acceleration(self) -> float:
         """`cje_engine.inference.intervals.acceleration` of a single column: ``sum U^3 / (6 (sum U^2)^1.5)``."""
-        if self.rows.shape[1] != 1:
+        if self.M.shape[1] != 1:
             raise ValueError("acceleration of a single column")
-        x, a, m = np.nan_to_num(self.rows[:, 0]), np.nan_to_num(self.A[:, 0]), self.moments
-        g = x.size + m.n
-        s1 = x.sum() + m.s @ a
-        s2 = x @ x + a @ m.S @ a
-        s3 = np.sum(x * x * x) + np.einsum("ijk,i,j,k->", m.T, a, a, a)
+        a = np.nan_to_num(self.M[:, 0])
+        m = self.moments
+        x = self.basis.rows @ a
+        g, s, P = self._sums()
+        s1, s2 = float(s[0]), float(P[0, 0])
+        ak = a[:m.s.size]
+        s3 = np.sum(x * x * x) + np.einsum("ijk,i,j,k->", m.T, ak, ak, ak)
         mu = s1 / g
         c2 = s2 - g * mu * mu
         if not c2 > 0:
@@ -234,14 +272,11 @@ class GramTerms:
         return float(c3 / (6.0 * c2 ** 1.5))
 
     def power_tuned_lambda(self, aug: "GramTerms") -> float:
-        """`cje_engine.direct.verified.power_tuned_lambda` with ``self`` the own-label column."""
-        o_rows, a_rows = self.rows[:, 0], aug.rows[:, 0]
-        ok = np.isfinite(o_rows) & np.isfinite(a_rows)
-        u_ok = bool(np.isfinite(self.A).all() and np.isfinite(aug.A).all())
-        m = self.moments if u_ok else Moments.zero(self.A.shape[0])
-        both = GramTerms(np.column_stack([o_rows[ok], a_rows[ok] - o_rows[ok]]),
-                         np.column_stack([self.A[:, 0], aug.A[:, 0] - self.A[:, 0]]) if u_ok
-                         else np.zeros((self.A.shape[0], 2)), m)
+        """`cje_engine.direct.verified.power_tuned_lambda` with ``self`` the own-label column (non-finite
+        columns are NaN on every prompt: then 1, as there)."""
+        if not (np.isfinite(self.M).all() and np.isfinite(aug.M).all()):
+            return 1.0
+        both = self._new(np.column_stack([self.M[:, 0], aug.M[:, 0] - self.M[:, 0]]))
         g, s, P = both._sums()
         if g < 3:
             return 1.0

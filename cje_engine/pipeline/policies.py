@@ -500,11 +500,10 @@ def extend_with_verified(prep: Any, reps: np.ndarray | None) -> _Extended:
     d, K = design.data, design.n_policies
     lab = design.lab_rows
     tot, cal = prep.infl["total"], prep.infl["calibration"]
-    if isinstance(tot, GramTerms):  # Gram form: own-label terms on the labelled prompts' rows, 0 elsewhere
-        own, psi_own = own_label_influence(tot.local(d.prompt[lab]), d.policy[lab], d.label[lab],
-                                           d.label_weight[lab], tot.prompts.size, K)
-        a_own = np.where(np.isnan(own), np.nan, 0.0) * np.ones((K, 1))  # NaN column: the policy has no labels
-        psi_own = GramTerms(psi_own, a_own, tot.moments, prompts=tot.prompts)
+    if isinstance(tot, GramTerms):  # Gram form: the own-label terms are in its basis (`sharded.gram_influence`)
+        own, _ = own_label_influence(np.zeros(lab.size, np.int64), d.policy[lab], d.label[lab], d.label_weight[lab],
+                                     1, K)
+        psi_own = prep.infl["own"]
     else:
         own, psi_own = own_label_influence(d.prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab],
                                            d.n_prompts, K)

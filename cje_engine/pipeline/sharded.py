@@ -41,7 +41,8 @@ from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, Eval
 from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, evaluation_terms,
                                           fold_jackknife, influence_with_evaluation_terms)
 from cje_engine.errors import CJEInputError
-from cje_engine.inference.gram import GramTerms, Moments
+from cje_engine.direct.verified import own_label_influence
+from cje_engine.inference.gram import Basis, GramTerms, Moments
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.direct import Prepared
@@ -544,39 +545,53 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
 
 def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, parts: Sequence[ShardTerms],
                    n_k: np.ndarray) -> dict[str, GramTerms]:
-    """Direct's influence terms (``total``, ``calibration``, ``audit``) in the Gram form from pass 2's parts.
+    """Direct's influence terms (``total``, ``calibration``, ``audit`` and the own-label ``own``) in the Gram
+    form (`cje_engine.inference.gram`) from pass 2's parts.
 
-    The labelled prompts' rows are `estimators.influence_with_evaluation_terms` on the design with its prompts
-    renumbered to the labelled ones (the label and calibration parts live there only); every other prompt's
-    ``total`` is its evaluation terms in the plug-in and augmented columns (``A = [I | I]``) and its
-    ``calibration`` and ``audit`` terms are 0; a column NaN for lack of labels is NaN for every prompt.
+    Each labelled prompt keeps its basis vector ``[e | c | r | audit | own]`` (5K numbers: evaluation terms,
+    calibration part of the plug-in, label-residual part of the augmented level, audit term, own-label term;
+    the last four from `estimators.influence_with_evaluation_terms` and `verified.own_label_influence` on the
+    design with its prompts renumbered to the labelled ones, the only prompts where they are not 0); every other
+    prompt enters through the moments of its ``e``. ``total = [e + c | e + r]``, ``calibration = [c | r]``; a
+    column NaN for lack of labels is NaN for every prompt (in the column map).
     """
     d = design.data
     K = design.n_policies
     lab_prompts = np.unique(d.prompt)
     rest = Moments.zero(K)
-    total = np.zeros((lab_prompts.size, 2 * K))
+    L = lab_prompts.size
+    total = np.zeros((L, 2 * K))
     for res in parts:  # in shard order
         rest = rest + res.rest
         if res.labelled.size:
             pos = np.searchsorted(lab_prompts, res.labelled)
-            if pos.max() >= lab_prompts.size or not np.array_equal(lab_prompts[pos], res.labelled):
+            if pos.max() >= L or not np.array_equal(lab_prompts[pos], res.labelled):
                 raise ValueError("a shard's labelled prompts are not the driver's")
             total[pos, :K] = res.labelled_terms
+    base = np.empty((L, 5 * K))
+    base[:, :K] = total[:, :K]
     total[:, K:] = total[:, :K]
-    local = dataclasses.replace(d, prompt=np.searchsorted(lab_prompts, d.prompt),
-                                prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (lab_prompts.size,)))
+    local_prompt = np.searchsorted(lab_prompts, d.prompt)
+    local = dataclasses.replace(d, prompt=local_prompt, prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (L,)))
     infl = influence_with_evaluation_terms(dataclasses.replace(design, data=local), f, full, stats, total, n_k)
+    del total
+    base[:, K:3 * K] = np.nan_to_num(infl.pop("calibration"))
+    base[:, 3 * K:4 * K] = np.nan_to_num(infl.pop("audit"))
     lab = design.lab_rows
+    _, psi_own = own_label_influence(local_prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab], L, K)
+    base[:, 4 * K:] = np.nan_to_num(psi_own)
+    del infl, psi_own
     den = np.bincount(d.policy[lab], weights=d.label_weight[lab], minlength=K)
     gone = np.flatnonzero(~(den > 0))
-    eye = np.eye(K)
-    a_total, a_cal, a_audit = np.hstack([eye, eye]), np.zeros((K, 2 * K)), np.zeros((K, K))
-    a_total[:, K + gone] = np.nan
-    a_cal[:, K + gone] = np.nan
-    a_audit[:, gone] = np.nan
-    return {name: GramTerms(infl[name], a, rest, prompts=lab_prompts)
-            for name, a in (("total", a_total), ("calibration", a_cal), ("audit", a_audit))}
+    eye, zero = np.eye(K), np.zeros((K, K))
+    e, c, r, au, ow = (np.vstack([eye if j == i else zero for j in range(5)]) for i in range(5))  # (5K, K) each
+    maps = {"total": np.hstack([e + c, e + r]), "calibration": np.hstack([c, r]), "audit": au.copy(), "own": ow.copy()}
+    maps["total"][:, K + gone] = np.nan
+    maps["calibration"][:, K + gone] = np.nan
+    maps["audit"][:, gone] = np.nan
+    maps["own"][:, gone] = np.nan
+    basis = Basis(base, rest, lab_prompts)
+    return {name: GramTerms(basis, M) for name, M in maps.items()}
 
 
 def _labelled_window_rows(summaries: Sequence[ShardSummary], merged: Merged, opts: EvaluationOptions) -> np.ndarray:

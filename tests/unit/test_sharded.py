@@ -13,7 +13,7 @@ import pytest
 
 from cje_engine.direct.verified import power_tuned_lambda
 from cje_engine.errors import CJEInputError
-from cje_engine.inference.gram import GramTerms, Moments, TermsNotKept
+from cje_engine.inference.gram import Basis, GramTerms, Moments, TermsNotKept
 from cje_engine.inference.intervals import acceleration
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
@@ -171,7 +171,8 @@ def test_the_gram_form_gives_the_single_process_numbers(table, n_shards, kw):
     assert sp.influence == "gram"
     for name, terms in sp.prep.infl.items():
         assert isinstance(terms, GramTerms), name
-        assert terms.rows.shape[0] == np.unique(sp.prep.design.data.prompt).size < sp.n_prompts / 2
+        assert terms.basis.rows.shape == (np.unique(sp.prep.design.data.prompt).size, 5 * sp.prep.design.n_policies)
+        assert terms.basis.rows.shape[0] < sp.n_prompts / 2
     assert_same_result(single, sp.finalize(chunks).to_dict(), influence="gram")
 
 
@@ -179,14 +180,14 @@ def test_gram_reductions_equal_the_per_prompt_ones():
     """Every reduction of `GramTerms` (covariance, column variance, acceleration, power-tuning weight) and
     every linear operation equals the per-prompt matrix's, NaN columns included."""
     rng = np.random.default_rng(0)
-    K, L, U = 3, 40, 500
+    K, D, L, U = 3, 6, 40, 500
     e = rng.standard_normal((U, K)) ** 2 - 1  # skewed: the third moments matter
-    rows = rng.standard_normal((L, 2 * K))
-    A = np.hstack([np.eye(K), 0.5 * np.eye(K)])
-    A[:, 2 * K - 1] = np.nan
-    full = np.vstack([rows, e @ np.nan_to_num(A)])
-    full[L:, 2 * K - 1] = np.nan
-    g = GramTerms(rows, A, Moments.of(e[:200]) + Moments.of(e[200:]))
+    base = rng.standard_normal((L, D))
+    M = rng.standard_normal((D, 2 * K))
+    M[:, 2 * K - 1] = np.nan
+    full = np.vstack([base @ np.nan_to_num(M), e @ np.nan_to_num(M[:K])])
+    full[:, 2 * K - 1] = np.nan
+    g = GramTerms(Basis(base, Moments.of(e[:200]) + Moments.of(e[200:])), M)
     assert g.shape == full.shape
     np.testing.assert_allclose(cluster_cov(g), cluster_cov(full), rtol=1e-12, atol=1e-15)
     d = g[:, [0, 1]] - g[:, [K]]
@@ -197,9 +198,10 @@ def test_gram_reductions_equal_the_per_prompt_ones():
                                                       0.3 * full[:, :1] + full[:, 1:2]])), rtol=1e-12, atol=1e-15)
     for c in range(2 * K):
         assert acceleration(g[:, c]) == pytest.approx(acceleration(full[:, c]), rel=1e-12, abs=1e-15)
-    own = GramTerms(rows[:, :1], np.zeros((K, 1)), g.moments)
-    assert power_tuned_lambda(own[:, 0], g[:, K]) == pytest.approx(
-        power_tuned_lambda(np.concatenate([rows[:, 0], np.zeros(U)]), full[:, K]), rel=1e-12)
+    own = g[:, 0] - g[:, 1]
+    assert power_tuned_lambda(own, g[:, K]) == pytest.approx(
+        power_tuned_lambda(full[:, 0] - full[:, 1], full[:, K]), rel=1e-12)
+    assert power_tuned_lambda(own, g[:, 2 * K - 1]) == 1.0 == power_tuned_lambda(full[:, 0], full[:, 2 * K - 1])
     with pytest.raises(TermsNotKept, match="row_pass.influence = 'gram'"):
         np.asarray(g)
 
