@@ -221,3 +221,17 @@ def test_a_gram_result_answers_confint_and_compare_and_refuses_per_prompt_terms(
     with pytest.raises(TermsNotKept, match="save_terms writes per-prompt terms"):
         res.save_terms(tmp_path / "terms.npz")
     assert not list(tmp_path.iterdir())  # nothing partial written
+
+
+def test_the_gram_form_with_a_policy_without_labels(table):
+    """A policy without own labels has NaN augmented, audit and own-label columns on every prompt: the Gram form
+    carries them as NaN columns of its map and gives the single path's numbers."""
+    pol = np.asarray(table["policy"].to_pylist())
+    label = np.where(pol == "clone", np.nan, table["oracle_label"].to_numpy(zero_copy_only=False))
+    t2 = table.set_column(table.column_names.index("oracle_label"), "oracle_label", pa.array(label))
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic")
+    single = direct.evaluate(t2, opts).to_dict()
+    assert single["policies"]["clone"]["n_labelled"] == 0
+    sp = sharded.prepare_sharded(sharded.split_by_shard(t2, 3), opts, keep_terms=False)
+    assert np.isnan(sp.prep.infl["own"].M).any()
+    assert_same_result(single, sp.finalize([]).to_dict(), influence="gram")
