@@ -158,7 +158,9 @@ def test_per_prompt_terms_over_the_driver_budget_are_refused_before_pass_2(table
 @pytest.mark.parametrize("kw", [dict(inference="analytic"),
                                 dict(inference="analytic", covariates=("response_length",),
                                      calibration_mode="two_stage"),
-                                dict(inference="bootstrap", n_bootstrap=60)], ids=["monotone", "two_stage", "bootstrap"])
+                                dict(inference="bootstrap", n_bootstrap=60),
+                                dict(inference="analytic", baseline="base")],
+                         ids=["monotone", "two_stage", "bootstrap", "baseline_max_t"])
 def test_the_gram_form_gives_the_single_process_numbers(table, n_shards, kw):
     """Over the driver's budget the sharded path keeps the Gram form (labelled prompts' terms plus the moments
     of the rest): the same numbers as the single path to 1e-12 relative, and the driver holds no
