@@ -490,6 +490,11 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     for i, s in mapper(reduce_shard, [(t, cov, pols) for t in shards]):
         summaries[i] = s
     merged = merge_summaries(summaries, opts)
+    # the labelled rows' window row and shard (merged data's order); then the summaries (every prompt id and
+    # labelled row of every shard) are released before the fit
+    lab_window_rows = _labelled_window_rows(summaries, merged, opts)
+    lab_shard = _shard_of_labelled(summaries, merged, opts)
+    summaries = s = None
     if keep_terms is None:
         keep_terms = terms_bytes(merged.n_prompts, len(merged.data.policies)) <= terms_budget_bytes(terms_budget)
         log.info("influence terms: %s (%d prompts)", "per prompt" if keep_terms else "Gram form", merged.n_prompts)
@@ -511,8 +516,8 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     codes = [ShardCodes(merged.prompt_ranks[i], merged.policy_maps[i], merged.cell_maps[mode][i], G)
              for i in range(len(shards))]
     # the calibration rows of each shard: their window row and out-of-fold value
-    cal_rows_window = _labelled_window_rows(summaries, merged, opts)[cr]
-    shard_of_row = _shard_of_labelled(summaries, merged, opts)[cr]
+    cal_rows_window = lab_window_rows[cr]
+    shard_of_row = lab_shard[cr]
     items = []
     for i, t in enumerate(shards):
         sel = shard_of_row == i
