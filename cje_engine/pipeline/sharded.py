@@ -282,11 +282,20 @@ def merge_summaries(summaries: Sequence[ShardSummary], opts: EvaluationOptions) 
         prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (n_prompts,)),  # ids stay on the shards
         prompt=lab_prompt[keep], policies=tuple(policies), policy=lab_policy[keep], score=lab["score"][keep],
         label=lab["label"][keep], label_weight=lab["weight"][keep], X=lab_X[keep].reshape(keep.size, p),
-        covariate_names=tuple(opts.covariates), fold=fold_of(np.asarray(ids_kept.to_pylist(), dtype=object),
-                                                             opts.n_folds),
+        covariate_names=tuple(opts.covariates), fold=_folds(ids_kept, opts.n_folds),
         n_folds=opts.n_folds, label_scale=opts.label_scale, score_scale=opts.score_scale)
     totals = _row_totals(summaries, policy_maps, K)
     return Merged(data, rows, cell_maps, policy_maps, ranks, totals, n_prompts, int(totals.n_rows.sum()))
+
+
+#: Labelled prompt ids turned into Python strings at a time by `_folds`.
+FOLD_CHUNK = 1 << 18
+
+
+def _folds(ids: pa.Array, n_folds: int) -> np.ndarray:
+    """`fold_of` of Arrow ids, a chunk at a time (never every labelled id as a Python string at once)."""
+    parts = [fold_of(ids.slice(lo, FOLD_CHUNK).to_pylist(), n_folds) for lo in range(0, len(ids), FOLD_CHUNK)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 def _row_totals(summaries: Sequence[ShardSummary], policy_maps: list, K: int) -> RowTotals:

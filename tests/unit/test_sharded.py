@@ -237,3 +237,12 @@ def test_the_gram_form_with_a_policy_without_labels(table):
     sp = sharded.prepare_sharded(sharded.split_by_shard(t2, 3), opts, keep_terms=False)
     assert np.isnan(sp.prep.infl["own"].M).any()
     assert_same_result(single, sp.finalize([]).to_dict(), influence="gram")
+
+
+def test_labelled_folds_are_hashed_a_chunk_at_a_time(monkeypatch):
+    from cje_engine.data.frame import fold_of
+
+    ids = pa.array([f"p{i}" for i in range(100)])
+    monkeypatch.setattr(sharded, "FOLD_CHUNK", 7)
+    assert np.array_equal(sharded._folds(ids, 5), fold_of(ids.to_pylist(), 5))
+    assert sharded._folds(pa.array([], pa.string()), 5).size == 0
