@@ -200,7 +200,8 @@ def stage_sharded(args: argparse.Namespace) -> dict:
             t0, c0 = time.perf_counter(), time.process_time()
             refs = sharded_ray.read_shards(args.logs, cfg, keys, n_shards, rows_hint=rows)
             mapper = sharded_ray.ray_mapper(memory=sharded_ray.task_memory(rows // n_shards))
-            sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason="benchmark")
+            keep = {"auto": None, "per_prompt": True, "gram": False}[args.terms]
+            sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason="benchmark", keep_terms=keep)
             mem.mark("read + passes 1-2 + merge")
             t_prep = time.perf_counter() - t0
             chunks = []
@@ -218,6 +219,7 @@ def stage_sharded(args: argparse.Namespace) -> dict:
     if reps is not None:
         np.save(args.out / "sharded_reps.npy", reps)
     return {"wall_s": wall, "cpu_s": cpu, "prepare_wall_s": t_prep, "max_rss_gib": _max_rss(), "shards": n_shards,
+            "terms": sp.influence,
             "cpus": cpus, "stages": mem.stages, **out}
 
 
@@ -286,7 +288,7 @@ def _child(stage: str, args: argparse.Namespace, prompts: int) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", stage, "--sizes", str(prompts),
            "--logs", _logs_for(args, prompts), "--inference", args.inference, "--bootstrap", str(args.bootstrap),
            "--seed", str(args.seed), "--fraction", str(args.fraction), "--ray-cpus", str(args.ray_cpus),
-           "--shards", str(args.shards), "--check-replicates", str(args.check_replicates),
+           "--shards", str(args.shards), "--check-replicates", str(args.check_replicates), "--terms", args.terms,
            "--out", str(args.out / str(prompts))]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -316,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-cpus", type=int, default=2)
     p.add_argument("--shards", type=int, default=0, help="0: from the rows and the cluster's CPUs")
     p.add_argument("--skip-single", action="store_true")
+    p.add_argument("--terms", default="auto", choices=["auto", "per_prompt", "gram"],
+                   help="influence terms on the sharded driver: per prompt, the Gram form, or by the driver budget")
     p.add_argument("--keep", action="store_true", help="keep the written logs")
     p.add_argument("--out", type=Path, default=HERE / "_work" / "sharded_out")
     p.add_argument("--stage", choices=["write", "single", "sharded", "groupby"])
@@ -362,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f" {r['rows']:>11,} | single  | {s['wall_s']:6.1f} | {s['cpu_s']:12.1f} | {s['max_rss_gib']:19.2f} | "
                   f"{'-':>6} |       |")
         print(f" {r['rows']:>11,} | sharded | {sh['wall_s']:6.1f} | {sh['cpu_s']:12.1f} | {sh['max_rss_gib']:19.2f} | "
-              f"{sh['shards']:>6} | {ratio:>5} | {same}")
+              f"{sh['shards']:>6} | {ratio:>5} | {same} | terms {sh.get('terms')}")
         print(f" {r['rows']:>11,} | read+group-by on Ray: {r['groupby_wall_s']:.1f} s")
     (args.out / "summary.json").write_text(json.dumps(rows_out, indent=1))
     return 0

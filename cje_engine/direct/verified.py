@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cje_engine.inference.gram import GramTerms
+
 
 def power_tuned_lambda(own: np.ndarray, aug: np.ndarray) -> float:
     """Variance-minimising weight of the augmented level against the own-label mean.
@@ -38,6 +40,8 @@ def power_tuned_lambda(own: np.ndarray, aug: np.ndarray) -> float:
     float
         ``lambda`` in [0, 1]; 1 (the augmented level) when ``A - O`` does not vary.
     """
+    if isinstance(own, GramTerms):  # the sharded path's Gram form: from the moments
+        return own.power_tuned_lambda(aug)
     ok = np.isfinite(own) & np.isfinite(aug)
     o, a = own[ok], aug[ok]
     if o.size < 3:

@@ -29,6 +29,8 @@ import numpy as np
 from scipy.special import ndtr, ndtri
 from scipy.stats import t as student_t
 
+from cje_engine.inference.gram import GramTerms
+
 #: Own-label interval methods of the bootstrap route (``percentile`` = the plug-in columns' method).
 BOOTSTRAP_METHODS = ("percentile", "bca", "bca_expanded", "t_bootstrap_se")
 #: Own-label interval methods of the analytic route.
@@ -52,6 +54,8 @@ def acceleration(infl: np.ndarray) -> float:
     float
         ``sum U^3 / (6 (sum U^2)^(3/2))`` with ``U`` the centred values; 0 when they are all 0.
     """
+    if isinstance(infl, GramTerms):  # the sharded path's Gram form: from the moments (orders 1-3)
+        return infl.acceleration()
     u = np.nan_to_num(np.asarray(infl, dtype=float))
     u = u - u.mean()
     s2 = float(np.sum(u * u))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cje_engine.inference.gram import GramTerms
+
 
 def cluster_sums(values: np.ndarray, clusters: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sum ``values`` (one per row) within each distinct cluster label.
@@ -41,6 +43,8 @@ def cluster_cov(psi: np.ndarray, *, center: bool = True) -> np.ndarray:
         Subtract the column means first (they are 0 for exact influence functions; centring
         guards against rounding and against contributions that are only centred overall).
     """
+    if isinstance(psi, GramTerms):  # the sharded path's Gram form: from the moments
+        return psi.cluster_cov(center=center)
     c = np.array(psi, dtype=float)  # a copy: centred in place below
     if not np.isfinite(c).all():  # (one scan instead of nan_to_num's three when all are finite)
         np.nan_to_num(c, copy=False)

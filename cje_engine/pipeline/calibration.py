@@ -36,6 +36,7 @@ from cje_engine.calibration import registry
 from cje_engine.direct.estimators import (Design, cell_fits, cell_policy_stats, calibration_plan, influence, make_design,
                                           row_cells)
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.multiplicity import holm
 from cje_engine.options import EvaluationOptions
 
@@ -113,6 +114,8 @@ def _column_var(psi: np.ndarray, overwrite: bool = False) -> np.ndarray:
 
     ``overwrite``: ``psi`` is a float64 temporary of the caller's, centred and squared in place (no copy).
     """
+    if isinstance(psi, GramTerms):  # the sharded path's Gram form: from the moments
+        return psi.column_var()
     c = np.nan_to_num(psi, copy=False) if overwrite else np.nan_to_num(np.asarray(psi, dtype=float))
     g = c.shape[0]
     c -= c.mean(axis=0)

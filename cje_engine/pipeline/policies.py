@@ -21,6 +21,7 @@ from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import Design
 from cje_engine.direct.verified import own_label_influence, power_tuned, power_tuned_lambda
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
+from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.intervals import (
     OWN_LABEL_ANALYTIC,
     OWN_LABEL_BOOTSTRAP,
@@ -504,8 +505,14 @@ def extend_with_verified(prep: Any, reps: np.ndarray | None) -> _Extended:
     design = prep.design
     d, K = design.data, design.n_policies
     lab = design.lab_rows
-    own, psi_own = own_label_influence(d.prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab],
-                                       d.n_prompts, K)
+    tot, cal = prep.infl["total"], prep.infl["calibration"]
+    if isinstance(tot, GramTerms):  # Gram form: the own-label terms are in its basis (`sharded.gram_influence`)
+        own, _ = own_label_influence(np.zeros(lab.size, np.int64), d.policy[lab], d.label[lab], d.label_weight[lab],
+                                     1, K)
+        psi_own = prep.infl["own"]
+    else:
+        own, psi_own = own_label_influence(d.prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab],
+                                           d.n_prompts, K)
     aug = prep.stats[K:]
     lam = np.full(K, np.nan)
     for k in range(K):
@@ -517,7 +524,6 @@ def extend_with_verified(prep: Any, reps: np.ndarray | None) -> _Extended:
             lam[k] = power_tuned_lambda(psi_own[:, k], prep.infl["total"][:, K + k])
     lam_f = np.nan_to_num(lam, nan=1.0)
     ppi = power_tuned(own, aug, lam_f)
-    tot, cal = prep.infl["total"], prep.infl["calibration"]
     total = np.hstack([tot, psi_own, power_tuned(psi_own, tot[:, K:], lam_f)])
     calib = np.hstack([cal, psi_own, power_tuned(psi_own, cal[:, K:], lam_f)])
     reps_ext = None

@@ -12,7 +12,9 @@ one shard whatever file or day it came from) and each shard is reduced where it 
    The driver fits the calibration from those exactly as the single-process path does.
 2. `shard_evaluation_terms`: the evaluation part of the influence terms per prompt (the same bits per
    prompt as the single-process path: a prompt's rows are in one shard, in the same order), and their sums,
-   squares and cross-products over policies (the Gram form: any linear contrast's variance is a merge).
+   squares and cross-products over policies. Over the driver's budget (or ``keep_terms=False``) only the
+   prompts with a labelled row keep their terms and the others arrive as moments of orders 1-3: the driver's
+   `GramTerms` (`cje_engine.inference.gram`, result ``inference.row_pass.influence = "gram"``).
 3. `shard_histograms`: per bootstrap replicate ``b`` the shard's weighted (policy, cell) histogram under the
    prompt weights regenerated from ``(seed, b)``; whole numbers, so their sum over shards is exact in any
    order and the driver's replicates are bit-identical to the single-process ones (layout B).
@@ -23,8 +25,10 @@ in the whole window, to keep the single-process row order). Where the shards liv
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -39,6 +43,8 @@ from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, Eval
 from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, evaluation_terms,
                                           fold_jackknife, influence_with_evaluation_terms)
 from cje_engine.errors import CJEInputError
+from cje_engine.direct.verified import own_label_influence
+from cje_engine.inference.gram import Basis, GramTerms, Moments
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.direct import Prepared
@@ -278,11 +284,20 @@ def merge_summaries(summaries: Sequence[ShardSummary], opts: EvaluationOptions) 
         prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (n_prompts,)),  # ids stay on the shards
         prompt=lab_prompt[keep], policies=tuple(policies), policy=lab_policy[keep], score=lab["score"][keep],
         label=lab["label"][keep], label_weight=lab["weight"][keep], X=lab_X[keep].reshape(keep.size, p),
-        covariate_names=tuple(opts.covariates), fold=fold_of(np.asarray(ids_kept.to_pylist(), dtype=object),
-                                                             opts.n_folds),
+        covariate_names=tuple(opts.covariates), fold=_folds(ids_kept, opts.n_folds),
         n_folds=opts.n_folds, label_scale=opts.label_scale, score_scale=opts.score_scale)
     totals = _row_totals(summaries, policy_maps, K)
     return Merged(data, rows, cell_maps, policy_maps, ranks, totals, n_prompts, int(totals.n_rows.sum()))
+
+
+#: Labelled prompt ids turned into Python strings at a time by `_folds`.
+FOLD_CHUNK = 1 << 18
+
+
+def _folds(ids: pa.Array, n_folds: int) -> np.ndarray:
+    """`fold_of` of Arrow ids, a chunk at a time (never every labelled id as a Python string at once)."""
+    parts = [fold_of(ids.slice(lo, FOLD_CHUNK).to_pylist(), n_folds) for lo in range(0, len(ids), FOLD_CHUNK)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 def _row_totals(summaries: Sequence[ShardSummary], policy_maps: list, K: int) -> RowTotals:
@@ -314,6 +329,9 @@ class ShardTerms:
     count: int  # prompts
     total: np.ndarray  # (K,) sum over its prompts
     gram: np.ndarray  # (K, K) sum of products over its prompts
+    labelled: np.ndarray | None = None  # Gram form: global codes of its prompts with a labelled row (sorted)
+    labelled_terms: np.ndarray | None = None  # Gram form: (labelled prompts, K) their terms
+    rest: Moments | None = None  # Gram form: moments (orders 1-3) of the other prompts' terms
 
 
 def shard_evaluation_terms(table: pa.Table, covariates: Sequence[str], policies: Sequence[str] | None,
@@ -322,7 +340,9 @@ def shard_evaluation_terms(table: pa.Table, covariates: Sequence[str], policies:
     """Pass 2 on one shard: every row's calibrated value (the full fit at its cell; out of fold on the
     calibration rows ``cal_row`` of the shard, values ``cal_f``) and its evaluation term
     ``(f - theta_k) / n_k`` summed per prompt (`estimators.evaluation_terms`, the same bits per prompt as the
-    single-process path), with their sums and cross-products over policies."""
+    single-process path), with their sums and cross-products over policies. ``keep_terms=False`` (the Gram
+    form): only the prompts with a labelled row keep their terms; the others are returned as their moments
+    (`cje_engine.inference.gram.Moments`), O(K^3) whatever the shard's size."""
     r = shard_rows(table, covariates, policies)
     pol, cell, keep = _shard_keys(r, codes)
     f = F_all[cell]
@@ -333,7 +353,15 @@ def shard_evaluation_terms(table: pa.Table, covariates: Sequence[str], policies:
         f[pos] = cal_f
     K = plug.size
     terms = evaluation_terms(r.prompt[keep], pol[keep], f[keep], plug, n_k, len(r.prompt_ids))[:, :K]
-    return ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
+    out = ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
+    if not keep_terms:
+        lab = np.unique(r.prompt[keep & ~np.isnan(r.label)])
+        rest = np.ones(terms.shape[0], dtype=bool)
+        rest[lab] = False
+        out.labelled = codes.prompt_rank[lab]
+        out.labelled_terms = terms[lab]
+        out.rest = Moments.of(terms[rest])
+    return out
 
 
 def shard_histograms(table: pa.Table, covariates: Sequence[str], policies: Sequence[str] | None,
@@ -419,24 +447,28 @@ def terms_bytes(n_prompts: int, n_policies: int) -> int:
     return int(8 * 19 * n_policies * n_prompts)
 
 
-def check_terms_memory(n_prompts: int, n_policies: int, budget: int | None = None) -> None:
-    """Raise `CJEInputError` before pass 2 when the per-prompt terms would not fit the driver's budget
-    (the Gram-only finalize, which would not need them, is not built yet: docs/scaling.md)."""
-    import os
+def terms_budget_bytes(budget: int | None = None) -> int:
+    """The driver's budget for per-prompt terms: ``budget``, else ``CJE_MAX_DRIVER_TERMS_BYTES``, else
+    `DRIVER_TERMS_BYTES`."""
+    return int(os.environ.get("CJE_MAX_DRIVER_TERMS_BYTES", DRIVER_TERMS_BYTES)) if budget is None else int(budget)
 
-    if budget is None:
-        budget = int(os.environ.get("CJE_MAX_DRIVER_TERMS_BYTES", DRIVER_TERMS_BYTES))
+
+def check_terms_memory(n_prompts: int, n_policies: int, budget: int | None = None) -> None:
+    """Raise `CJEInputError` before pass 2 when per-prompt terms were asked for (``keep_terms=True``) and
+    would not fit the driver's budget (`terms_budget_bytes`); the Gram form (``keep_terms=False``, the
+    default above the budget) does not need them."""
+    budget = terms_budget_bytes(budget)
     need = terms_bytes(n_prompts, n_policies)
     if need > budget:
         raise CJEInputError(
             f"the per-prompt influence terms of {n_prompts:,} prompts x {n_policies} policies need "
             f"{need / 2**30:.1f} GiB on the driver, over its budget of {budget / 2**30:.1f} GiB "
-            "(CJE_MAX_DRIVER_TERMS_BYTES); the Gram-only finalize that would not need them is not built",
-            option="row_pass")
+            "(CJE_MAX_DRIVER_TERMS_BYTES); leave keep_terms unset (or False) for the Gram form, which does not "
+            "need them", option="row_pass")
 
 
 def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = None, *,
-                    mapper: Mapper = serial_map, keep_terms: bool = True, reason: str = "requested",
+                    mapper: Mapper = serial_map, keep_terms: bool | None = None, reason: str = "requested",
                     terms_budget: int | None = None, **kwargs: Any) -> ShardedPrepared:
     """Prepare a Direct evaluation from shards of rows split by prompt (`split_by_shard`).
 
@@ -453,9 +485,12 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         `DRIVER_TERMS_BYTES` or ``CJE_MAX_DRIVER_TERMS_BYTES``).
     reason : str
         Why the sharded path is taken (recorded in the result's ``inference.row_pass``).
-    keep_terms : bool
-        Bring every prompt's evaluation terms to the driver (the analytic result keeps per-prompt influence
-        terms, as the single-process path does); they are always merged in their Gram form too.
+    keep_terms : bool, optional
+        True: bring every prompt's evaluation terms to the driver (the result keeps per-prompt influence
+        terms, as the single-process path does; refused over the budget). False: the Gram form
+        (`cje_engine.inference.gram.GramTerms`: the labelled prompts' terms plus the moments of the rest; the
+        driver's memory does not grow with the prompts; the result's ``inference.row_pass.influence`` is
+        ``gram``). None (default): per-prompt terms when they fit the budget, else the Gram form.
     """
     opts = EvaluationOptions.of(options, **kwargs)
     if opts.inference == "bootstrap" and opts.pooling_bootstrap == "rerun" and opts.calibration_policies:
@@ -466,7 +501,16 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     for i, s in mapper(reduce_shard, [(t, cov, pols) for t in shards]):
         summaries[i] = s
     merged = merge_summaries(summaries, opts)
-    check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
+    # the labelled rows' window row and shard (merged data's order); then the summaries (every prompt id and
+    # labelled row of every shard) are released before the fit
+    lab_window_rows = _labelled_window_rows(summaries, merged, opts)
+    lab_shard = _shard_of_labelled(summaries, merged, opts)
+    summaries = s = None
+    if keep_terms is None:
+        keep_terms = terms_bytes(merged.n_prompts, len(merged.data.policies)) <= terms_budget_bytes(terms_budget)
+        log.info("influence terms: %s (%d prompts)", "per prompt" if keep_terms else "Gram form", merged.n_prompts)
+    elif keep_terms:
+        check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
     data = merged.data
     _check_labels(data, merged.totals)
     fit, selection, excluded = fit_calibration(data, opts, dict(merged.rows))
@@ -483,8 +527,8 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     codes = [ShardCodes(merged.prompt_ranks[i], merged.policy_maps[i], merged.cell_maps[mode][i], G)
              for i in range(len(shards))]
     # the calibration rows of each shard: their window row and out-of-fold value
-    cal_rows_window = _labelled_window_rows(summaries, merged, opts)[cr]
-    shard_of_row = _shard_of_labelled(summaries, merged, opts)[cr]
+    cal_rows_window = lab_window_rows[cr]
+    shard_of_row = lab_shard[cr]
     items = []
     for i, t in enumerate(shards):
         sel = shard_of_row == i
@@ -493,19 +537,19 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     gram = {"count": 0, "sum": np.zeros(K), "gram": np.zeros((K, K))}
     parts: list = [None] * len(shards)
     for i, res in mapper(shard_evaluation_terms, items):
-        parts[i] = (res.count, res.total, res.gram)
         if keep_terms:
             total[codes[i].prompt_rank, :K] = res.terms
-    for count, tot, gr in parts:  # in shard order: the same sums whatever the order of arrival
-        gram["count"] += count
-        gram["sum"] += tot
-        gram["gram"] += gr
+            res.terms = None
+        parts[i] = res
+    for res in parts:  # in shard order: the same sums whatever the order of arrival
+        gram["count"] += res.count
+        gram["sum"] += res.total
+        gram["gram"] += res.gram
     if keep_terms:
         total[:, K:] = total[:, :K]
         infl = influence_with_evaluation_terms(design, f, fit.full, stats, total, n_k)
     else:
-        raise CJEInputError("the sharded path without per-prompt evaluation terms (the Gram form alone) cannot "
-                            "finalize yet: keep_terms=True", option="sharded")
+        infl = gram_influence(design, f, fit.full, stats, parts, n_k)
     jk = fold_jackknife(design, fit.models)
     log.info("prepared %d rows on %d shards (%d prompts, %d labelled rows on the driver), mode=%s",
              merged.n_rows, len(shards), merged.n_prompts, data.n_rows, mode)
@@ -513,6 +557,57 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
                     rows=merged.totals)
     return ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper,
                            "per_prompt" if keep_terms else "gram", gram, reason)
+
+
+def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, parts: Sequence[ShardTerms],
+                   n_k: np.ndarray) -> dict[str, GramTerms]:
+    """Direct's influence terms (``total``, ``calibration``, ``audit`` and the own-label ``own``) in the Gram
+    form (`cje_engine.inference.gram`) from pass 2's parts.
+
+    Each labelled prompt keeps its basis vector ``[e | c | r | audit | own]`` (5K numbers: evaluation terms,
+    calibration part of the plug-in, label-residual part of the augmented level, audit term, own-label term;
+    the last four from `estimators.influence_with_evaluation_terms` and `verified.own_label_influence` on the
+    design with its prompts renumbered to the labelled ones, the only prompts where they are not 0); every other
+    prompt enters through the moments of its ``e``. ``total = [e + c | e + r]``, ``calibration = [c | r]``; a
+    column NaN for lack of labels is NaN for every prompt (in the column map).
+    """
+    d = design.data
+    K = design.n_policies
+    lab_prompts = np.unique(d.prompt)
+    rest = Moments.zero(K)
+    L = lab_prompts.size
+    total = np.zeros((L, 2 * K))
+    for res in parts:  # in shard order
+        rest = rest + res.rest
+        if res.labelled.size:
+            pos = np.searchsorted(lab_prompts, res.labelled)
+            if pos.max() >= L or not np.array_equal(lab_prompts[pos], res.labelled):
+                raise ValueError("a shard's labelled prompts are not the driver's")
+            total[pos, :K] = res.labelled_terms
+    base = np.empty((L, 5 * K))
+    base[:, :K] = total[:, :K]
+    total[:, K:] = total[:, :K]
+    local_prompt = np.searchsorted(lab_prompts, d.prompt)
+    local = dataclasses.replace(d, prompt=local_prompt, prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (L,)))
+    infl = influence_with_evaluation_terms(dataclasses.replace(design, data=local), f, full, stats, total, n_k)
+    del total
+    base[:, K:3 * K] = np.nan_to_num(infl.pop("calibration"))
+    base[:, 3 * K:4 * K] = np.nan_to_num(infl.pop("audit"))
+    lab = design.lab_rows
+    _, psi_own = own_label_influence(local_prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab], L, K)
+    base[:, 4 * K:] = np.nan_to_num(psi_own)
+    del infl, psi_own
+    den = np.bincount(d.policy[lab], weights=d.label_weight[lab], minlength=K)
+    gone = np.flatnonzero(~(den > 0))
+    eye, zero = np.eye(K), np.zeros((K, K))
+    e, c, r, au, ow = (np.vstack([eye if j == i else zero for j in range(5)]) for i in range(5))  # (5K, K) each
+    maps = {"total": np.hstack([e + c, e + r]), "calibration": np.hstack([c, r]), "audit": au.copy(), "own": ow.copy()}
+    maps["total"][:, K + gone] = np.nan
+    maps["calibration"][:, K + gone] = np.nan
+    maps["audit"][:, gone] = np.nan
+    maps["own"][:, gone] = np.nan
+    basis = Basis(base, rest, lab_prompts)
+    return {name: GramTerms(basis, M) for name, M in maps.items()}
 
 
 def _labelled_window_rows(summaries: Sequence[ShardSummary], merged: Merged, opts: EvaluationOptions) -> np.ndarray:

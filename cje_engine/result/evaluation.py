@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.gram import NOT_KEPT, GramTerms, TermsNotKept
 from cje_engine.result import accessors
 from cje_engine.result.jsonable import jsonable
 from cje_engine.result.model import Comparison, EvaluationModel
@@ -165,6 +166,8 @@ class EvaluationResult:
         The file records the policies and the sha256 of the result's JSON, so `load` refuses terms of
         another result.
         """
+        if isinstance(self.influence, GramTerms):
+            raise TermsNotKept(NOT_KEPT + ": save_terms writes per-prompt terms")
         t = self.terms
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")

@@ -461,7 +461,8 @@ class RowPass(_Strict):
     shards: int = Field(description="shards by prompt (stable hash of the prompt id)")
     influence: Literal["per_prompt", "gram"] = Field(
         description="per_prompt: every prompt's influence terms were brought to the driver and are kept; gram: "
-                    "only their sums of squares and cross-products over policies")
+                    "the labelled prompts' terms plus the moments (orders 1-3) of the other prompts' (variances, "
+                    "intervals and comparisons as per_prompt; per-prompt terms not available: save_terms refuses)")
     reason: str
 
 

@@ -33,10 +33,14 @@ def test_row_pass_is_chosen_by_size_or_forced():
         row_pass_for("sharded", "hybrid", small)
 
 
-def test_the_flow_on_the_sharded_path_gives_the_single_process_numbers(prefect_server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("terms", ["per_prompt", "gram"])
+def test_the_flow_on_the_sharded_path_gives_the_single_process_numbers(prefect_server, tmp_path, monkeypatch, terms):
+    """Per-prompt terms where they fit the driver's budget, else (a 1-byte budget here) the Gram form."""
     from flows.pipelines.evaluate import evaluate
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if terms == "gram":
+        monkeypatch.setenv("CJE_MAX_DRIVER_TERMS_BYTES", "1")
     f = simulate(300, seed=5, oracle_fraction=0.1).frame
     pol = f["policy"].astype("category").cat.codes.to_numpy()
     f["ts"] = pd.Timestamp(DAYS[0], tz="UTC") + pd.to_timedelta(pol % 2, unit="D") + pd.Timedelta(hours=12)
@@ -59,7 +63,7 @@ def test_the_flow_on_the_sharded_path_gives_the_single_process_numbers(prefect_s
     assert got["inference"]["row_pass"]["path"] == "sharded"
     assert got["data"]["n_labelled"] == labelled.size  # no label dropped
     ref = engine_evaluate(f.drop(columns=["ts"]), inference="analytic", seed=1).to_dict()
-    assert_same_result(ref, got)
+    assert_same_result(ref, got, influence=terms)
 
 
 def test_row_pass_walks_from_yaml_to_the_flow_typed_once(tmp_path):

@@ -11,7 +11,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from cje_engine.direct.verified import power_tuned_lambda
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.gram import Basis, GramTerms, Moments, TermsNotKept
+from cje_engine.inference.intervals import acceleration
+from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline import direct, sharded
 from cje_engine.simulate import simulate
@@ -36,11 +40,11 @@ def _numbers(x, path=""):
         yield path, x
 
 
-def assert_same_result(a: dict, b: dict) -> None:
+def assert_same_result(a: dict, b: dict, influence: str = "per_prompt") -> None:
     """``b`` (sharded) has ``a``'s (single-process) numbers to `TOL`, and says it took the sharded path."""
     b = {**b, "inference": dict(b["inference"])}
     row_pass = b["inference"].pop("row_pass")
-    assert row_pass["path"] == "sharded" and row_pass["influence"] == "per_prompt"
+    assert row_pass["path"] == "sharded" and row_pass["influence"] == influence
     na, nb = dict(_numbers(a)), dict(_numbers(b))
     assert na.keys() == nb.keys()
     for k, x in na.items():
@@ -145,5 +149,100 @@ def test_per_prompt_terms_over_the_driver_budget_are_refused_before_pass_2(table
 
     opts = EvaluationOptions.of(None, inference="analytic")
     with pytest.raises(CJEInputError, match="per-prompt influence terms of 1,500 prompts"):
-        sharded.prepare_sharded(sharded.split_by_shard(table, 3), opts, mapper=counting, terms_budget=1000)
+        sharded.prepare_sharded(sharded.split_by_shard(table, 3), opts, mapper=counting, terms_budget=1000,
+                                keep_terms=True)
     assert calls == ["reduce_shard"]  # refused after the merge, before the evaluation-terms pass
+
+
+@pytest.mark.parametrize("n_shards", [1, 3, 17])
+@pytest.mark.parametrize("kw", [dict(inference="analytic"),
+                                dict(inference="analytic", covariates=("response_length",),
+                                     calibration_mode="two_stage"),
+                                dict(inference="bootstrap", n_bootstrap=60),
+                                dict(inference="analytic", baseline="base")],
+                         ids=["monotone", "two_stage", "bootstrap", "baseline_max_t"])
+def test_the_gram_form_gives_the_single_process_numbers(table, n_shards, kw):
+    """Over the driver's budget the sharded path keeps the Gram form (labelled prompts' terms plus the moments
+    of the rest): the same numbers as the single path to 1e-12 relative, and the driver holds no
+    per-prompt array of all prompts."""
+    opts = EvaluationOptions.of(None, seed=3, **kw)
+    prep = direct.prepare(table, opts)
+    chunks = [direct.bootstrap_chunk(prep, 0, 60)] if kw["inference"] == "bootstrap" else []
+    single = direct.finalize(prep, chunks).to_dict()
+    sp = sharded.prepare_sharded(sharded.split_by_shard(table, n_shards), opts, terms_budget=1000)
+    assert sp.influence == "gram"
+    for name, terms in sp.prep.infl.items():
+        assert isinstance(terms, GramTerms), name
+        assert terms.basis.rows.shape == (np.unique(sp.prep.design.data.prompt).size, 5 * sp.prep.design.n_policies)
+        assert terms.basis.rows.shape[0] < sp.n_prompts / 2
+    assert_same_result(single, sp.finalize(chunks).to_dict(), influence="gram")
+
+
+def test_gram_reductions_equal_the_per_prompt_ones():
+    """Every reduction of `GramTerms` (covariance, column variance, acceleration, power-tuning weight) and
+    every linear operation equals the per-prompt matrix's, NaN columns included."""
+    rng = np.random.default_rng(0)
+    K, D, L, U = 3, 6, 40, 500
+    e = rng.standard_normal((U, K)) ** 2 - 1  # skewed: the third moments matter
+    base = rng.standard_normal((L, D))
+    M = rng.standard_normal((D, 2 * K))
+    M[:, 2 * K - 1] = np.nan
+    full = np.vstack([base @ np.nan_to_num(M), e @ np.nan_to_num(M[:K])])
+    full[:, 2 * K - 1] = np.nan
+    g = GramTerms(Basis(base, Moments.of(e[:200]) + Moments.of(e[200:])), M)
+    assert g.shape == full.shape
+    np.testing.assert_allclose(cluster_cov(g), cluster_cov(full), rtol=1e-12, atol=1e-15)
+    d = g[:, [0, 1]] - g[:, [K]]
+    np.testing.assert_allclose(cluster_cov(d), cluster_cov(full[:, [0, 1]] - full[:, [K]]), rtol=1e-12, atol=1e-15)
+    mixed = np.where(np.array([[True, False, True]]), g[:, :K], g[:, K:])
+    np.testing.assert_allclose(cluster_cov(np.hstack([mixed, 0.3 * g[:, :1] + g[:, 1:2]])),
+                               cluster_cov(np.hstack([np.where(np.array([[True, False, True]]), full[:, :K], full[:, K:]),
+                                                      0.3 * full[:, :1] + full[:, 1:2]])), rtol=1e-12, atol=1e-15)
+    for c in range(2 * K):
+        assert acceleration(g[:, c]) == pytest.approx(acceleration(full[:, c]), rel=1e-12, abs=1e-15)
+    own = g[:, 0] - g[:, 1]
+    assert power_tuned_lambda(own, g[:, K]) == pytest.approx(
+        power_tuned_lambda(full[:, 0] - full[:, 1], full[:, K]), rel=1e-12)
+    assert power_tuned_lambda(own, g[:, 2 * K - 1]) == 1.0 == power_tuned_lambda(full[:, 0], full[:, 2 * K - 1])
+    with pytest.raises(TermsNotKept, match="row_pass.influence = 'gram'"):
+        np.asarray(g)
+
+
+def test_a_gram_result_answers_confint_and_compare_and_refuses_per_prompt_terms(table, tmp_path):
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic")
+    single = direct.evaluate(table, opts)
+    res = sharded.prepare_sharded(sharded.split_by_shard(table, 3), opts, keep_terms=False).finalize([])
+    assert res.model.inference.row_pass.influence == "gram"
+    a, b = single.confint(level=0.9, joint=True), res.confint(level=0.9, joint=True)
+    cols = ["ci_low", "ci_high"]
+    assert np.isfinite(np.asarray(a[cols], float)).any()
+    np.testing.assert_allclose(np.asarray(b[cols], float), np.asarray(a[cols], float), rtol=1e-12)
+    names = list(single.model.policies)
+    ca, cb = single.compare(names[0], names[1]), res.compare(names[0], names[1])
+    assert cb.diff == pytest.approx(ca.diff, rel=1e-12) and cb.se == pytest.approx(ca.se, rel=1e-12)
+    with pytest.raises(TermsNotKept, match="save_terms writes per-prompt terms"):
+        res.save_terms(tmp_path / "terms.npz")
+    assert not list(tmp_path.iterdir())  # nothing partial written
+
+
+def test_the_gram_form_with_a_policy_without_labels(table):
+    """A policy without own labels has NaN augmented, audit and own-label columns on every prompt: the Gram form
+    carries them as NaN columns of its map and gives the single path's numbers."""
+    pol = np.asarray(table["policy"].to_pylist())
+    label = np.where(pol == "clone", np.nan, table["oracle_label"].to_numpy(zero_copy_only=False))
+    t2 = table.set_column(table.column_names.index("oracle_label"), "oracle_label", pa.array(label))
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic")
+    single = direct.evaluate(t2, opts).to_dict()
+    assert single["policies"]["clone"]["n_labelled"] == 0
+    sp = sharded.prepare_sharded(sharded.split_by_shard(t2, 3), opts, keep_terms=False)
+    assert np.isnan(sp.prep.infl["own"].M).any()
+    assert_same_result(single, sp.finalize([]).to_dict(), influence="gram")
+
+
+def test_labelled_folds_are_hashed_a_chunk_at_a_time(monkeypatch):
+    from cje_engine.data.frame import fold_of
+
+    ids = pa.array([f"p{i}" for i in range(100)])
+    monkeypatch.setattr(sharded, "FOLD_CHUNK", 7)
+    assert np.array_equal(sharded._folds(ids, 5), fold_of(ids.to_pylist(), 5))
+    assert sharded._folds(pa.array([], pa.string()), 5).size == 0
