@@ -61,9 +61,11 @@ def cluster_var(psi: np.ndarray) -> np.ndarray:
 
     Parameters
     ----------
-    psi : ndarray, shape (G, K)
-        Per-cluster influence sums (NaN counts as 0).
+    psi : ndarray, shape (G, K), or GramTerms
+        Per-cluster influence sums (NaN counts as 0), or the sharded path's Gram form.
     """
+    if isinstance(psi, GramTerms):  # the Gram form: the diagonal of its moments' covariance
+        return psi.column_var()
     c = np.array(psi, dtype=float)
     if not np.isfinite(c).all():
         np.nan_to_num(c, copy=False)
