@@ -136,7 +136,9 @@ def test_worker_killed_mid_run_crashes_publishes_nothing_and_the_next_run_succee
 def test_prefect_server_restarted_mid_run(stack, bucket, tmp_path):
     name = _name("restart")
     write_window(stack, bucket, **SLOW)
-    dep_id = deploy(stack, evaluations_file(tmp_path, name, bucket, n_bootstrap=SLOW_B))
+    # the crash automation must outlast a heartbeat interval (30 s) plus the API's outage: a restart on PostgreSQL
+    # took longer than the 40 s the worker-death tests use (CRASHED with "no heartbeat for 40 s" under load)
+    dep_id = deploy(stack, evaluations_file(tmp_path, name, bucket, n_bootstrap=SLOW_B), heartbeat_timeout=150)
     run_id = start_run(stack, dep_id)
     _wait_bootstrap(stack, run_id)
     stack.kill("prefect-server", signal.SIGTERM)
