@@ -453,7 +453,9 @@ def test_labels_reevaluate_only_published_windows_and_never_one_with_days_missin
     assert "--partial-windows" in skipped["reason"]
     windows = {r["window"] for r in list_runs(st, "wk")}
     assert windows == {"2025-03-01_2025-03-02", "2025-03-03_2025-03-05"}  # no window nobody published
-    assert read_latest(st, "wk")["window"] == "2025-03-01_2025-03-02"
+    # latest.json follows the runs' identity (window end, start, label version; issue 25): the re-evaluated
+    # older window is a new run but not the latest one
+    assert read_latest(st, "wk")["window"] == "2025-03-03_2025-03-05"
     assert LabelStore(st).reevaluated(out["version"])["skipped"][0]["window"] == "2025-03-03_2025-03-05"
 
     # asked for: the window with a day missing is re-evaluated and says so
