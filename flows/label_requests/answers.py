@@ -142,18 +142,6 @@ def detect_format(data: bytes, name: str) -> str:
     return (labelling.detect(first) if isinstance(first, Mapping) else None) or "table"
 
 
-def load_json_or_jsonl(data: bytes, source: str) -> Any:
-    """Parse ``data`` as one JSON document, else as JSON lines (errors name ``source`` and the line)."""
-    try:
-        return json.loads(data)
-    except ValueError:
-        pass
-    try:
-        return [json.loads(ln) for ln in data.splitlines() if ln.strip()]
-    except ValueError as exc:
-        raise CJEInputError(f"is neither JSON nor JSON lines: {exc}", source=source) from None
-
-
 def rescale(values: Iterable[float], ids: Sequence[str], rows: Sequence[str], source: str,
             answer_scale: Sequence[float], target_scale: Sequence[float]) -> list[float]:
     """Check answers against ``answer_scale`` and map them linearly onto ``target_scale``."""
@@ -169,5 +157,5 @@ def rescale(values: Iterable[float], ids: Sequence[str], rows: Sequence[str], so
     return out
 
 
-__all__ = ["Answers", "parse_answers", "parse_table", "detect_format", "parse_scale", "rescale", "load_json_or_jsonl",
+__all__ = ["Answers", "parse_answers", "parse_table", "detect_format", "parse_scale", "rescale",
            "answer_formats", "restore_csv_table"]

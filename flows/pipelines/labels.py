@@ -49,7 +49,8 @@ from prefect.utilities.annotations import quote
 
 from cje_engine.errors import CJEInputError
 
-from flows.label_requests.answers import (answer_formats, detect_format, load_json_or_jsonl, parse_answers,
+from flows.integrations.labelling.base import load_document
+from flows.label_requests.answers import (answer_formats, detect_format, parse_answers,
                                           parse_table, rescale, restore_csv_table)
 from flows.label_requests.config import RequestConfig
 from flows.label_requests.manifests import list_requests, mark_fulfilled
@@ -138,7 +139,7 @@ def read_label_file(path: str, cfg: Any = None, answers_format: str = "auto", an
             return table, source, {"format": "table"}
         parsed = parse_table(table, source, answer_field=answer_field, id_field=id_field)
     else:  # a registered labelling tool's own answers (label-studio, argilla, ...)
-        parsed = parse_answers(fmt, load_json_or_jsonl(data, source), source, answer_field, id_field)
+        parsed = parse_answers(fmt, load_document(data, source), source, answer_field, id_field)
     info = {"format": fmt, "ignored": parsed.ignored, "duplicates": parsed.duplicates,
             "unanswered": len(parsed.unanswered), "task_ids": parsed.task_ids}
     if not parsed.ids:
