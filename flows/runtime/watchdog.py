@@ -13,7 +13,9 @@ mechanisms together cover every way `cje` can end:
   as ``python -m flows.runtime.watchdog``) polls the parent once a second, remembering its
   descendants (PID and start time, so a reused PID is never hit); when the parent is gone it
   sends SIGTERM to every remembered process still alive and to their children, SIGKILL
-  after `GRACE_SECONDS`, then removes the temporary folders the parent registered.
+  after `GRACE_SECONDS`, then removes the temporary folders the parent registered (stopping first
+  any process whose command line names one of them: one started between two polls, and retrying
+  while something still writes into them).
 
 The watchdog itself holds no secret and starts nothing; it exits when its work is done.
 """
@@ -176,13 +178,55 @@ def _kill_all(known: dict[int, int]) -> None:
             time.sleep(0.1)
 
 
-def _remove_registered(registry: Path) -> None:
+#: Attempts (REMOVE_PAUSE s apart) at removing a registered folder that something still writes into.
+REMOVE_ATTEMPTS, REMOVE_PAUSE = 20, 0.5
+
+
+def _cmdline(pid: int) -> str:
     try:
-        paths = json.loads(registry.read_text()).get("remove", [])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _users_of(paths: list[str]) -> dict[int, int]:
+    """``{pid: start time}`` of this user's live processes whose command line names one of ``paths``.
+
+    A process the polls never saw (Ray starts workers between two looks; once the raylet is gone they
+    belong to init, not to anything remembered) still names its session folder in its arguments."""
+    me, uid, found = os.getpid(), os.getuid(), {}
+    for pid, (_, start) in _table().items():
+        if pid == me:
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        line = _cmdline(pid) + " "
+        if any(f"{p}/" in line or f"{p} " in line or f"{p}=" in line for p in paths):
+            found[pid] = start
+    return found
+
+
+def _remove_registered(registry: Path) -> None:
+    """Remove the registered folders: first stop any process still naming one, then retry the removal
+    while something still writes into it (``rmtree`` fails on a folder that gains a file meanwhile)."""
+    try:
+        paths = [str(p) for p in json.loads(registry.read_text()).get("remove", [])]
     except (OSError, ValueError):
         paths = []
-    for p in paths:
-        shutil.rmtree(p, ignore_errors=True)
+    for _ in range(REMOVE_ATTEMPTS):
+        users = _users_of(paths) if paths else {}
+        if users:
+            _kill_all(users)
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+        paths = [p for p in paths if os.path.lexists(p)]
+        if not paths:
+            break
+        time.sleep(REMOVE_PAUSE)
     with contextlib.suppress(OSError):
         registry.unlink()
     with contextlib.suppress(OSError):
