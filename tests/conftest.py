@@ -23,3 +23,16 @@ def arena_dir() -> Path:
     if not (ARENA / "fresh_draws").is_dir():
         pytest.fail(f"arena sample not found at {ARENA}; set CJE_ARENA_DIR")
     return ARENA
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """The service tier's two workers (``-n 2 --dist loadgroup``, .ci/run): every test under tests/stack in
+    one worker, in order (they kill and restart the shared Prefect server, worker, PostgreSQL and Ray
+    nodes, and mostly wait on heartbeats); every other test of that tier (radosgw, Label Studio, the
+    lifecycle tests of `cje run`/`cje ui` under real signals: none uses the stack's Prefect or Ray) in the
+    other. Without ``--dist loadgroup`` (the default tier's ``loadfile``) the groups change nothing."""
+    stack_dir = Path(__file__).parent / "stack"
+    for item in items:
+        in_stack = stack_dir in Path(str(item.fspath)).parents
+        item.add_marker(pytest.mark.xdist_group("stack" if in_stack else "beside-stack"))

@@ -137,14 +137,14 @@ def _ports_reused(report: dict) -> bool:
     return True
 
 
-@pytest.mark.slow
+@pytest.mark.lifecycle
 def test_kill_9_of_cje_run_leaves_nothing_running_and_nothing_listens(tmp_path):
     report = _run_and_interrupt(tmp_path, signal.SIGKILL)
     assert report["returncode"] == -signal.SIGKILL
     _check(report)
 
 
-@pytest.mark.slow
+@pytest.mark.lifecycle
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_sigterm_and_sigint_of_cje_run_stop_everything_in_order(tmp_path, sig, code):
     report = _run_and_interrupt(tmp_path, sig)

@@ -55,7 +55,7 @@ def test_running_ui_forgets_a_stale_state_file(tmp_path, monkeypatch):
     assert running_ui() is None and not ui_state_file().exists()
 
 
-@pytest.mark.slow
+@pytest.mark.lifecycle
 def test_cje_ui_is_used_by_later_commands_and_keeps_their_runs(tmp_path):
     port = _free_port()
     proc, state = _start_ui(tmp_path, port)

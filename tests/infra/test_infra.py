@@ -762,21 +762,41 @@ def test_ci_runs_every_tier_and_fails_at_the_end_naming_the_failing_ones():
     text = (CI / "run").read_text()
     assert re.search(r"^set -[a-z]*u", text, flags=re.M) and "source .ci/tiers.sh" in text
     body = [line for line in text.splitlines() if line.startswith("tier ")]
-    assert [line.split()[1] for line in body] == ["default", "lifecycle", "services"]
+    assert [line.split()[1] for line in body] == ["default", "services"]
     assert text.rstrip().splitlines()[-1] == "tiers_result || exit 1"
     assert subprocess.run(["bash", "-n", str(CI / "run")]).returncode == 0
 
 
 def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
-    """Rule 6 (test time): the stack and Label Studio idled through the default and lifecycle tiers and
-    took CPU from them. They start after those tiers and before the one tier that uses them; the
-    stop-on-exit trap is set before the first service starts."""
+    """Rule 6 (test time): the stack and Label Studio idled through the default tier and took CPU from it.
+    They start after it and before the one tier that uses them; the stop-on-exit trap is set before the
+    first service starts. Label Studio's preparation (its virtualenv and migrated database, no server left
+    running) runs beside the install and is waited for before the default tier."""
     lines = (CI / "run").read_text().splitlines()
-    at = {name: i for i, line in enumerate(lines) for name in ("default", "lifecycle", "services")
+    at = {name: i for i, line in enumerate(lines) for name in ("default", "services")
           if line.startswith(f"tier {name} ")}
     starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
-    assert len(starts) == 2 and max(at["default"], at["lifecycle"]) < min(starts) and max(starts) < at["services"]
-    assert min(i for i, line in enumerate(lines) if line.startswith("trap stop_services EXIT")) < min(starts)
+    assert len(starts) == 2 and at["default"] < min(starts) and max(starts) < at["services"]
+    trap = min(i for i, line in enumerate(lines) if line.startswith("trap stop_services EXIT"))
+    assert trap < min(starts)
+    [prep] = [i for i, line in enumerate(lines) if "infra/labelstudio/prepare.sh" in line and line.endswith("&")]
+    [wait] = [i for i, line in enumerate(lines) if 'wait "$LS_PREPARE"' in line]
+    assert trap < prep < wait < at["default"]
+
+
+def test_ci_service_tier_runs_the_stack_tests_in_one_worker_and_the_rest_beside_them():
+    """Rule 6 (test time): the service tier's stack tests (serial: they kill and restart shared services,
+    mostly waiting on heartbeats) run in one pytest-xdist worker, everything else of the tier (radosgw,
+    Label Studio, the lifecycle tests) in the other; the lifecycle tests are excluded from the default run."""
+    text = (CI / "run").read_text().replace("\\\n", " ")
+    [tier] = [line for line in text.splitlines() if line.startswith("tier services ")]
+    assert "-n 2 --dist loadgroup" in tier and '-m "integration or stack or lifecycle"' in tier
+    assert "tests/flows/test_lifecycle.py" in tier and "tests/stack" in tier
+    addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    assert "not lifecycle" in addopts
+    for name in ("test_lifecycle.py", "test_ui.py"):
+        source = (REPO / "tests" / "flows" / name).read_text()
+        assert "@pytest.mark.lifecycle" in source and "@pytest.mark.slow" not in source, name
 
 
 def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
