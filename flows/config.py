@@ -327,7 +327,9 @@ def with_segments(options: Any, segments: SegmentsConfig | None, mode: str = "di
     if segments is None:
         return options
     if mode != "direct":
-        raise CJEInputError(f"key segments: segments are computed in mode direct only (this evaluation is {mode!r})",
+        from cje_engine.pipeline.offpolicy_options import segments_refused
+
+        raise CJEInputError(f"key segments: segments are computed in mode direct only; {segments_refused(mode, segments.by)}",
                             option="segments")
     declared = options.declared if hasattr(options, "declared") else dict(options or {})
     seg = segments.engine_options()
