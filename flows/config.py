@@ -322,15 +322,10 @@ def with_segments(options: Any, segments: SegmentsConfig | None, mode: str = "di
     Raises
     ------
     CJEInputError
-        Segments in a mode without them, or a segment option given both in ``segments:`` and in ``options:``.
+        A segment option given both in ``segments:`` and in ``options:``.
     """
     if segments is None:
         return options
-    if mode != "direct":
-        from cje_engine.pipeline.offpolicy_options import segments_refused
-
-        raise CJEInputError(f"key segments: segments are computed in mode direct only; {segments_refused(mode, segments.by)}",
-                            option="segments")
     declared = options.declared if hasattr(options, "declared") else dict(options or {})
     seg = segments.engine_options()
     twice = sorted(k for k in seg if k in declared and declared[k] != seg[k])

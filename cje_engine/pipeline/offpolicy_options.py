@@ -17,20 +17,6 @@ MODES = ("logs-only", "hybrid")
 ESTIMATOR_CHOICES = ("auto",) + ALL_ESTIMATORS + ("stacked",)
 
 
-def segments_refused(mode: str, columns: Any = ()) -> str:
-    """The one-line refusal of segments (``segment_by`` / ``--segment-by`` / ``segments:``) in an off-policy mode.
-
-    Off-policy modes take no segments (docs/segments.md, "Off-policy modes"): a segment of the logs is a
-    segment of the logger's responses, not of the candidate's unseen ones, and the per-segment levels would
-    need the weights, gates and calibration fitted within each segment, which is not built. Refused before any
-    data is read rather than silently evaluated without the segments.
-    """
-    cols = ", ".join(map(str, columns)) if not isinstance(columns, str) else columns
-    return (f"segments (segment_by / --segment-by / segments:, here {cols}) are not supported in mode {mode!r}: "
-            "logs-only and hybrid evaluations take no segments (their importance weights, gates and calibration are "
-            "not built per segment; docs/segments.md, \"Off-policy modes\"); segment the fresh draws in mode direct")
-
-
 @dataclass(frozen=True)
 class OffPolicyOptions:
     """Options of an off-policy evaluation (the engine's shared options live in ``engine``).
@@ -117,8 +103,11 @@ class OffPolicyOptions:
         return dict(given) if given is not None else self.to_dict()
 
     def _check(self) -> None:
-        if self.engine.segment_by:
-            raise CJEInputError(segments_refused(self.mode, self.engine.segment_by), option="segment_by")
+        if self.engine.segment_pooling != "none":
+            raise CJEInputError(f"segment_pooling={self.engine.segment_pooling!r} is not supported in mode "
+                                f"{self.mode!r} (no segment level of an off-policy mode is verified, and partial "
+                                "pooling pools verified levels; docs/segments.md, \"Off-policy modes\")",
+                                option="segment_pooling")
         if self.estimator not in ESTIMATOR_CHOICES:
             raise CJEInputError(f"estimator must be one of {', '.join(ESTIMATOR_CHOICES)}; got {self.estimator!r}")
         if self.downgraded not in ("ok", "refused"):
