@@ -310,14 +310,15 @@ def check_segments(segments: Any) -> SegmentsConfig | None:
 
 
 def segment_columns(options: Any) -> list[str]:
-    """The segment columns (``segment_by``) of typed engine options; ``[]`` without segments or in a mode
-    without them."""
+    """The segment columns (``segment_by``) of typed engine options (Direct's or an off-policy mode's); ``[]``
+    without segments."""
     eng = getattr(options, "engine", options)  # OffPolicyOptions keeps the engine's options in ``engine``
     return list(getattr(eng, SEGMENT_OPTIONS["by"], None) or ())
 
 
 def with_segments(options: Any, segments: SegmentsConfig | None, mode: str = "direct") -> Any:
-    """``options`` (a mapping or typed options) with the ``segments:`` block merged in as engine options.
+    """``options`` (a mapping or typed options) with the ``segments:`` block merged in as engine options (every
+    mode takes segments; ``mode`` is kept for the callers).
 
     Raises
     ------
