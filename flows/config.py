@@ -310,25 +310,23 @@ def check_segments(segments: Any) -> SegmentsConfig | None:
 
 
 def segment_columns(options: Any) -> list[str]:
-    """The segment columns (``segment_by``) of typed engine options; ``[]`` without segments or in a mode
-    without them."""
+    """The segment columns (``segment_by``) of typed engine options (Direct's or an off-policy mode's); ``[]``
+    without segments."""
     eng = getattr(options, "engine", options)  # OffPolicyOptions keeps the engine's options in ``engine``
     return list(getattr(eng, SEGMENT_OPTIONS["by"], None) or ())
 
 
 def with_segments(options: Any, segments: SegmentsConfig | None, mode: str = "direct") -> Any:
-    """``options`` (a mapping or typed options) with the ``segments:`` block merged in as engine options.
+    """``options`` (a mapping or typed options) with the ``segments:`` block merged in as engine options (every
+    mode takes segments; ``mode`` is kept for the callers).
 
     Raises
     ------
     CJEInputError
-        Segments in a mode without them, or a segment option given both in ``segments:`` and in ``options:``.
+        A segment option given both in ``segments:`` and in ``options:``.
     """
     if segments is None:
         return options
-    if mode != "direct":
-        raise CJEInputError(f"key segments: segments are computed in mode direct only (this evaluation is {mode!r})",
-                            option="segments")
     declared = options.declared if hasattr(options, "declared") else dict(options or {})
     seg = segments.engine_options()
     twice = sorted(k for k in seg if k in declared and declared[k] != seg[k])

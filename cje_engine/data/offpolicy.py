@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from cje_engine.data.frame import LABEL, POLICY, PROMPT, RESPONSE_ID, SCORE, Scale
-from cje_engine.errors import CJEInputError
+from cje_engine.errors import CJEInputError, did_you_mean
 from cje_engine.data.io import load_frame, read_jsonl_records
 from cje_engine.offpolicy.inputs import FreshData, LoggedData
 from cje_engine.offpolicy.weights import LOG_PROB_ATOL
@@ -107,6 +107,19 @@ class OffPolicyData:
     fresh_source: str | None
     logger_column: str
     notes: tuple[str, ...] = ()
+    segment_values: np.ndarray | None = None  # (n_frame,) each row's prompt segment (``segment_by``), or None
+
+    def subset(self, rows: np.ndarray) -> "OffPolicyData":
+        """The same data restricted to frame rows ``rows`` (sorted; the logged ones stay first): a segment's data."""
+        rows = np.sort(np.asarray(rows, dtype=np.int64))
+        logged = rows[rows < self.n_logged]
+        take = lambda v: None if v is None else v[rows]  # noqa: E731
+        return replace(self, frame=self.frame.iloc[rows].reset_index(drop=True), n_logged=int(logged.size),
+                       logger_logprob=self.logger_logprob[logged],
+                       target_logprob={t: v[logged] for t, v in self.target_logprob.items()},
+                       lengths=None if self.lengths is None else self.lengths[logged],
+                       fresh_logprob={t: v[rows] for t, v in self.fresh_logprob.items()},
+                       fresh_lengths=take(self.fresh_lengths), segment_values=take(self.segment_values))
 
     def logged_rows(self) -> np.ndarray:
         """Row indices of the logged rows (the first ``n_logged`` rows of the frame)."""
@@ -575,6 +588,7 @@ def load_offpolicy(
     score_scale: Scale | None = (0.0, 1.0),
     logger_column: str | None = None,
     length_column: str | None = None,
+    segment_by: Sequence[str] = (),
 ) -> OffPolicyData:
     """Read and validate logged responses (and, in hybrid mode, fresh draws).
 
@@ -594,6 +608,8 @@ def load_offpolicy(
     logger_column : column of the logger's log-probabilities (default: the first of
         ``LOGGER_COLUMNS`` present)
     length_column : token counts for per-token TTC (default ``n_tokens`` if present)
+    segment_by : columns of the logged rows that segment the prompts (`prompt_segments`): each row's segment,
+        its prompt's, is ``segment_values``
 
     Raises
     ------
@@ -629,13 +645,51 @@ def load_offpolicy(
 
     frame, fresh_lp, fresh_len = _finish_frame(frame, fresh_lp, fresh_len, n_logged, tlist, logger_policy, mode,
                                                fresh_name or name, notes)
+    seg = prompt_segments(logged_df, frame, segment_by, name, rows_l) if segment_by else None
     n_lab = int(frame[LABEL].iloc[:n_logged].notna().sum())
     logger.info("off-policy data: %d logged responses of '%s' (%d labelled), %d fresh draws, candidates %s",
                 n_logged, logger_policy, n_lab, frame.shape[0] - n_logged, ", ".join(tlist))
     return OffPolicyData(frame=frame, logger=logger_policy, targets=tuple(tlist), n_logged=n_logged,
                          logger_logprob=lp0, target_logprob=lp_t, lengths=lengths, fresh_logprob=fresh_lp,
                          fresh_lengths=fresh_len, source=name, fresh_source=fresh_name, logger_column=lcol,
-                         notes=tuple(notes))
+                         notes=tuple(notes), segment_values=seg)
+
+
+#: Separator of several segment columns' values, and the value of a missing one (as Direct's segments).
+SEGMENT_JOIN, SEGMENT_MISSING = " / ", "(missing)"
+
+
+def prompt_segments(logged_df: pd.DataFrame, frame: pd.DataFrame, columns: Sequence[str], name: str,
+                    rows_l: np.ndarray) -> np.ndarray:
+    """Each frame row's segment: the ``columns`` of its prompt's logged responses (joined by `SEGMENT_JOIN`).
+
+    Off-policy segments are prompt attributes: a candidate's responses are never seen, so a column of the
+    logger's responses segments the candidate's only when it is constant within a prompt. Fresh draws take
+    their prompt's segment (`SEGMENT_MISSING` for a prompt without logged responses).
+
+    Raises
+    ------
+    CJEInputError
+        A column is missing, or varies within a prompt (naming the prompt and the row).
+    """
+    missing = [c for c in columns if c not in logged_df.columns]
+    if missing:
+        cols = [c for c in logged_df.columns if c != _ROW]
+        raise CJEInputError(f"segment_by names {missing[0]!r}, which is not a column of the logged responses"
+                            f"{did_you_mean(missing[0], cols)}", source=name, column=missing[0])
+    parts = [logged_df[c].astype("string").fillna(SEGMENT_MISSING).astype(str).to_numpy() for c in columns]
+    text = parts[0] if len(parts) == 1 else np.array([SEGMENT_JOIN.join(v) for v in zip(*parts)], dtype=object)
+    prompts = frame[PROMPT].astype(str).to_numpy()[: len(text)]  # the logged rows come first, in order
+    by_prompt = pd.Series(text).groupby(pd.Series(prompts))
+    varies = by_prompt.nunique()
+    if (varies > 1).any():
+        p = str(varies.index[np.flatnonzero(varies.to_numpy() > 1)[0]])
+        r = int(rows_l[np.flatnonzero(prompts == p)[1]])
+        raise CJEInputError(f"segment_by {', '.join(columns)} varies within prompt {p!r}: off-policy segments must be "
+                            "prompt attributes (a candidate's responses are not seen, so a response's column cannot "
+                            "segment them)", source=name, column=columns[0], row=r)
+    first = by_prompt.first()
+    return frame[PROMPT].astype(str).map(first).fillna(SEGMENT_MISSING).to_numpy(dtype=object)
 
 
 def projection_columns(targets: Sequence[str], *, logger_column: str = LOGGER_COLUMNS[0],

@@ -45,10 +45,11 @@ from the influence columns), which agrees with the bootstrap SE within 25% (test
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
+import pandas as pd
 
 from cje_engine.data.frame import EvalData
 from cje_engine.data.offpolicy import (
@@ -69,7 +70,9 @@ from cje_engine.pipeline import direct as direct_pipeline
 from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.direct import direct_data_summary, inference_summary, stacked_replicates
 from cje_engine.pipeline.offpolicy_options import OffPolicyOptions
+from cje_engine.pipeline.offpolicy_segments import summarize_offpolicy_segments
 from cje_engine.pipeline.policies import summarize_direct, variance_components
+from cje_engine.pipeline.segments import SegmentRows
 from cje_engine.pipeline.targets import target_entry, uses_direct_level
 from cje_engine.result import EvaluationResult
 
@@ -94,6 +97,7 @@ class OffPolicyPrepared:
     rewards: np.ndarray
     q: np.ndarray
     notes: list[str]
+    segments: Any = None  # `cje_engine.pipeline.segments.SegmentRows` of the frame's rows (``segment_by``), or None
 
     @property
     def n_direct_stats(self) -> int:
@@ -167,10 +171,18 @@ def prepare(logged: Any, fresh: Any = None, options: OffPolicyOptions | None = N
     eng = opts.engine
     data = load_offpolicy(logged, fresh, mode=opts.mode, targets=opts.targets, logger_policy=opts.logger,
                           covariates=eng.covariates, label_scale=eng.label_scale, score_scale=eng.score_scale,
-                          logger_column=opts.logger_column, length_column=opts.length_column)
+                          logger_column=opts.logger_column, length_column=opts.length_column,
+                          segment_by=eng.segment_by)
+    return prepare_data(data, opts)
+
+
+def prepare_data(data: OffPolicyData, opts: OffPolicyOptions) -> OffPolicyPrepared:
+    """`prepare` from loaded data (`cje_engine.data.offpolicy.OffPolicyData`): calibrate, point estimates,
+    diagnostics, gates; a segment's evaluation runs this on the segment's rows (docs/segments.md)."""
+    eng = opts.engine
     ed = EvalData.from_frame(data.frame, covariates=eng.covariates, label_scale=eng.label_scale,
                              score_scale=eng.score_scale, n_folds=eng.n_folds)
-    direct = direct_pipeline.prepare(ed, eng)
+    direct = direct_pipeline.prepare(ed, replace(eng, segment_by=()) if eng.segment_by else eng)
     R, q = direct.f, outcome_model(direct.design, direct.full, direct.models)
     pol = np.asarray(ed.policies)[ed.policy]
     logged_rows = np.arange(data.n_logged)
@@ -191,8 +203,12 @@ def prepare(logged: Any, fresh: Any = None, options: OffPolicyOptions | None = N
     log.info("off-policy prepared: mode=%s, logger=%s, %d logged rows, candidates %s", opts.mode, data.logger,
              data.n_logged, ", ".join(f"{t} ({headline[t]}: {reports[t].verdicts[headline[t]].claim})"
                                       for t in data.targets))
+    seg = None
+    if data.segment_values is not None:
+        code, names = pd.factorize(pd.Series(data.segment_values, dtype=object).astype(str), sort=True)
+        seg = SegmentRows(tuple(eng.segment_by), tuple(str(n) for n in names), code.astype(np.int64))
     return OffPolicyPrepared(opts, data, direct, logged_rows, fresh_rows, lds, fds, reports, headline, layout,
-                             R, q, notes)
+                             R, q, notes, seg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,6 +408,8 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
     result = assemble(mode=prep.options.mode, config=prep.options.to_dict(), data=_data_summary(prep, names),
                       calibration=direct.calibration, inference=inference, policies=policies, relative=rel,
                       warnings=warnings, offpolicy=_run_block(prep, direct_policies))
+    if prep.segments is not None:
+        result["segments"] = summarize_offpolicy_segments(prep, result, evaluate_data)
     return OffPolicyResult(result, cols.replicates if boot else np.empty((0, len(names))), np.column_stack(infl),
                            np.arange(len(names)), dict(prep.reports))
 
@@ -399,6 +417,14 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
 # --------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------
+
+
+def evaluate_data(data: OffPolicyData, options: OffPolicyOptions) -> dict:
+    """The whole evaluation (prepare, bootstrap, finalize) of loaded data, as a result dict: one segment's
+    evaluation (`cje_engine.pipeline.offpolicy_segments`)."""
+    prep = prepare_data(data, options)
+    chunks = [bootstrap_chunk(prep, 0, options.n_bootstrap)] if options.inference == "bootstrap" else []
+    return finalize(prep, chunks).to_dict()
 
 
 def evaluate_offpolicy(
@@ -486,12 +512,12 @@ def flow_options(options: "dict | OffPolicyOptions | None", policies: Sequence[s
 
 def flow_columns(opts: OffPolicyOptions) -> list[str]:
     """Log columns to read besides Direct's: the logger's and the candidates' log-probabilities
-    (and the token counts if ``length_column`` is set): the read's projection."""
+    (and the token counts if ``length_column`` is set, and the ``segment_by`` columns): the read's projection."""
     if not opts.targets:
         raise CJEInputError("an off-policy flow run needs its candidates: give options={'targets': [...]} or "
                             "policies=[...] (the logs' logprob__<policy> columns to read)", column="targets")
     return projection_columns(list(opts.targets), logger_column=opts.logger_column or LOGGER_COLUMNS[0],
-                              length_column=opts.length_column)
+                              length_column=opts.length_column) + list(opts.engine.segment_by)
 
 
 def flow_policies(opts: OffPolicyOptions) -> list[str] | None:
@@ -502,5 +528,5 @@ def flow_policies(opts: OffPolicyOptions) -> list[str] | None:
     return [opts.logger] + (list(opts.targets or []) if opts.mode == "hybrid" else [])
 
 
-__all__ = ["evaluate_offpolicy", "prepare", "bootstrap_chunk", "finalize", "OffPolicyPrepared",
+__all__ = ["evaluate_offpolicy", "evaluate_data", "prepare", "prepare_data", "bootstrap_chunk", "finalize", "OffPolicyPrepared",
            "OffPolicyResult", "outcome_model", "rewards_and_outcome", "flow_options", "flow_columns", "flow_policies"]

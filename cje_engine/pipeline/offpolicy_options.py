@@ -103,6 +103,11 @@ class OffPolicyOptions:
         return dict(given) if given is not None else self.to_dict()
 
     def _check(self) -> None:
+        if self.engine.segment_by and self.engine.segment_pooling != "none":
+            raise CJEInputError(f"segment_pooling={self.engine.segment_pooling!r} is not supported in mode "
+                                f"{self.mode!r} (no segment level of an off-policy mode is verified, and partial "
+                                "pooling pools verified levels; docs/segments.md, \"Off-policy modes\")",
+                                option="segment_pooling")
         if self.estimator not in ESTIMATOR_CHOICES:
             raise CJEInputError(f"estimator must be one of {', '.join(ESTIMATOR_CHOICES)}; got {self.estimator!r}")
         if self.downgraded not in ("ok", "refused"):

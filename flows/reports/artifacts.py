@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from flows.reports.common import fmt, fmt_ci
+from flows.reports.segments import brief_lines, brief_rows, segment_brief
 
 log = logging.getLogger(__name__)
 
 __all__ = ["artifact_key", "is_web_link", "place_line", "evaluate_artifacts", "drift_artifacts", "labels_artifacts",
-           "policy_rows",
-           "evaluate_markdown"]
+           "policy_rows", "evaluate_markdown", "segment_markdown"]
 
 
 def artifact_key(*parts: str) -> str:
@@ -101,11 +101,23 @@ def evaluate_markdown(evaluation: str, window: str, run_key: str, result: Mappin
     for r in policy_rows(result):
         lines.append(f"| {_md(r['policy'])} | {r['estimate']} | {r['ci']} | {r['level_claim']} | {r['audit']} | "
                      f"{r['labels'] if r['labels'] is not None else ''} |")
+    lines += segment_markdown(result)
     lines.append("")
     for name, href in links.items():
         if href:
             lines.append(place_line(name, href))
     return "\n".join(lines)
+
+
+def segment_markdown(result: Mapping[str, Any]) -> list[str]:
+    """The summary's segment lines (`flows.reports.segments.segment_brief`): claims against the baseline,
+    audits failing by segment, the omnibus test; none when the evaluation has no segments."""
+    brief = segment_brief(result)
+    if brief is None:
+        return []
+    text = brief_lines(brief)
+    return ["", f"## {_md(text['title'])}", "", f"- {_md(text['claims'])}", f"- {_md(text['audits'])}",
+            f"- {_md(text['omnibus'])}"]
 
 
 def evaluate_artifacts(evaluation: str, window: str, run_key: str, result: Mapping[str, Any],
@@ -120,9 +132,18 @@ def evaluate_artifacts(evaluation: str, window: str, run_key: str, result: Mappi
         ("markdown", f"{base}-summary", evaluate_markdown(evaluation, window, run_key, result, links, alarms),
          f"Summary of {evaluation} {window}"),
         ("table", f"{base}-policies", policy_rows(result, changes, window), f"Policies of {evaluation} {window}"),
+        *_segment_specs(base, evaluation, window, result),
         *[_place_spec(f"{base}-{name}", name, href, f"{name} of {evaluation} {window}") for name, href in links.items()
           if href],
     ])
+
+
+def _segment_specs(base: str, evaluation: str, window: str, result: Mapping[str, Any]) -> list[tuple[str, str, Any, str]]:
+    """The segment table artifact (claims, failing audits, omnibus test) of a segmented result; none otherwise."""
+    brief = segment_brief(result)
+    if brief is None:
+        return []
+    return [("table", f"{base}-segments", brief_rows(brief), f"Segments of {evaluation} {window}")]
 
 
 def drift_artifacts(summary: Mapping[str, Any]) -> Mapping[str, Any]:

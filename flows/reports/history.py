@@ -18,6 +18,7 @@ from cje_engine.inference.changes import PolicyChanges, changes_by_policy
 from flows.label_requests.manifests import list_requests, progress
 from flows.config import MonitoringConfig, check_monitoring
 from flows.reports.common import alpha_of, conf_label, as_number, as_pair
+from flows.reports.segments import segment_brief
 from flows.storage.objects import NotFoundError, Storage, StorageError
 from flows.storage.publish import RESULTS, list_runs, read_run
 
@@ -66,7 +67,8 @@ def segments_summary(result: Mapping[str, Any]) -> dict[str, Any] | None:
     """A result's segment block as a history row keeps it (None without segments): the columns, the baseline
     and per segment x policy the difference with the baseline (``diff``, ``ci``: the FCR interval when claimed,
     else the marginal one; ``claim``: verified, assumes_transport or too_few; ``better``/``worse``) and the
-    level (``estimate``, ``ci``, ``claim``)."""
+    level (``estimate``, ``ci``, ``claim``); ``brief``: the short summary of the index card and the trend page
+    (`flows.reports.segments.segment_brief`)."""
     seg = result.get("segments") if isinstance(result, Mapping) else None
     if not isinstance(seg, Mapping):
         return None
@@ -88,7 +90,7 @@ def segments_summary(result: Mapping[str, Any]) -> dict[str, Any] | None:
             "p_adjusted": as_number(c.get("p_adjusted"))}
     order = [str(s.get("name")) for s in seg.get("segments") or [] if s.get("status") != "pooled"]
     return {"columns": list(seg.get("columns") or []), "baseline": seg.get("baseline"), "order": order,
-            "cells": cells, "diffs": diffs}
+            "cells": cells, "diffs": diffs, "brief": segment_brief(result)}
 
 
 def _assumed(pol: Mapping[str, Any]) -> dict[str, Any] | None:

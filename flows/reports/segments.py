@@ -16,7 +16,7 @@ Every cell carries ``data-segment`` / ``data-policy`` / ``data-claim`` so that t
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from cje_engine.result.model import EvaluationModel
 from cje_engine.result.segments import (OTHER, ReliabilityDiagram, SegmentCell, SegmentComparison, SegmentsResult)
@@ -24,7 +24,8 @@ from flows.reports.common import (BLUE, GREY, INK, MUTED, VERMILLION, VERDICT_ST
                                   esc, fmt, fmt_ci, fmt_p, name_cell, scale_text, signed)
 from flows.reports.svg import (LinearScale, el, nice_ticks, svg_doc, svg_line, svg_text, x_axis, y_axis)
 
-__all__ = ["segments_of", "segments_section", "heatmap_table", "drilldown_table", "reliability_svg", "SEGMENT_CSS"]
+__all__ = ["segments_of", "segments_section", "heatmap_table", "drilldown_table", "reliability_svg", "SEGMENT_CSS",
+           "segment_brief", "brief_lines", "brief_rows"]
 
 #: Styles of the segment section (appended to the report's CSS).
 SEGMENT_CSS = """
@@ -389,3 +390,98 @@ def segments_section(m: EvaluationModel, alpha: float, label_scale: Sequence[flo
            f"prediction (on the label scale {esc(scale_text(scale))}); bars: {conf_label(alpha)} clustered "
            f"intervals; dashed: identity.</p><div class='panels rel'>{panels}</div>" if panels else "")
         + "</section>")
+
+
+# --------------------------------------------------------------------------------------------- brief
+#: Findings listed by name in a brief (the rest are counted: "and N more").
+BRIEF_LIMIT = 5
+
+
+def segment_brief(result: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The short segment summary of a result (None when it has no segments): what the Prefect artifacts and
+    the index and trend pages show beside the policies.
+
+    Reads the plain result dict (a published result.json), so a result written by an older version reads too.
+
+    Returns
+    -------
+    dict or None
+        ``columns``, ``baseline``, ``alpha``, ``claims_method``, ``n_comparisons``; ``claims``: the comparisons
+        significant after the family's adjustment (``segment``, ``policy``, ``direction`` better/worse,
+        ``diff``, ``ci`` (the FCR interval), ``claim_kind``, ``p_adjusted``; losses first); ``audits_failing``:
+        the segment x policy cells whose audit fails (``segment``, ``policy``, ``residual_mean``,
+        ``p_adjusted`` by Holm over the audited cells); ``omnibus``: the test over all labels (``reject``,
+        ``p_value``, ``statistic``, ``df``) or None; ``omnibus_failing``: policies whose own omnibus test fails.
+    """
+    seg = result.get("segments") if isinstance(result, Mapping) else None
+    if not isinstance(seg, Mapping):
+        return None
+    err = seg.get("error_control") if isinstance(seg.get("error_control"), Mapping) else {}
+    claims = []
+    for c in seg.get("comparisons") or []:
+        if not (c.get("better") or c.get("worse")):
+            continue
+        claims.append({"segment": str(c.get("segment")), "policy": str(c.get("policy")),
+                       "direction": "worse" if c.get("worse") else "better", "diff": as_number(c.get("diff")),
+                       "ci": list(as_pair(c.get("ci_fcr")) or as_pair(c.get("ci")) or ()) or None,
+                       "claim_kind": c.get("claim_kind"), "p_adjusted": as_number(c.get("p_adjusted"))})
+    claims.sort(key=lambda c: (c["direction"] != "worse", c["p_adjusted"] if c["p_adjusted"] is not None else 1.0))
+    failing = [{"segment": str(c.get("segment")), "policy": str(c.get("policy")),
+                "residual_mean": as_number((c.get("audit") or {}).get("residual_mean")),
+                "p_adjusted": as_number((c.get("audit") or {}).get("p_adjusted"))}
+               for c in seg.get("cells") or [] if (c.get("audit") or {}).get("verdict") == "fail"]
+    tests = [t for t in seg.get("omnibus") or [] if isinstance(t, Mapping)]
+    overall = next((t for t in tests if t.get("policy") == "*"), None)
+    omnibus = None if overall is None else {
+        "reject": overall.get("reject"), "p_value": as_number(overall.get("p_value")),
+        "statistic": as_number(overall.get("statistic")), "df": overall.get("df")}
+    return {"columns": [str(c) for c in seg.get("columns") or []], "baseline": seg.get("baseline"),
+            "alpha": as_number(err.get("alpha")), "claims_method": err.get("claims_method"),
+            "n_comparisons": err.get("n_comparisons"), "claims": claims, "audits_failing": failing,
+            "omnibus": omnibus,
+            "omnibus_failing": [str(t.get("policy")) for t in tests if t.get("policy") != "*" and t.get("reject")]}
+
+
+def _listed(items: Sequence[str]) -> str:
+    """Up to `BRIEF_LIMIT` items joined, then "and N more"."""
+    head = ", ".join(items[:BRIEF_LIMIT])
+    return head + (f" and {len(items) - BRIEF_LIMIT} more" if len(items) > BRIEF_LIMIT else "")
+
+
+def brief_lines(brief: Mapping[str, Any]) -> dict[str, str]:
+    """The brief (`segment_brief`) as plain-text lines ``title``, ``claims``, ``audits`` and ``omnibus``: the
+    same words on the Prefect artifact, the index card and the trend page."""
+    method = {"bh": "Benjamini-Hochberg", "holm": "Holm"}.get(str(brief.get("claims_method")), "adjusted")
+    claims = [f"{c['policy']} {c['direction'].upper()} in {c['segment']} ({signed(c['diff'])} {fmt_ci(c['ci'])}"
+              f"{', assumes transport' if c['claim_kind'] == 'assumes_transport' else ''})" for c in brief["claims"]]
+    audits = [f"{a['policy']} in {a['segment']}" for a in brief["audits_failing"]]
+    om = brief.get("omnibus")
+    if om is None or om.get("reject") is None:
+        omnibus = "calibration by segment and score decile: not run"
+    else:
+        omnibus = (f"calibration by segment and score decile: {'FAILS' if om['reject'] else 'passes'} "
+                   f"(omnibus p {fmt_p(om['p_value'])}, {om['df']} df)")
+        if brief.get("omnibus_failing"):
+            omnibus += f"; fails for {_listed(brief['omnibus_failing'])}"
+    n = brief.get("n_comparisons") or 0
+    return {"title": f"Segments by {' / '.join(brief['columns'])} (against {brief.get('baseline')})",
+            "claims": (f"claims against {brief.get('baseline')} ({method} over {n} comparisons): "
+                       + (_listed(claims) if claims else "none")),
+            "audits": "audits failing by segment: " + (_listed(audits) if audits else "none"),
+            "omnibus": omnibus}
+
+
+def brief_rows(brief: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The brief as table rows (the Prefect table artifact): each claim, each failing audit, the omnibus test."""
+    rows = [{"segment": c["segment"], "policy": c["policy"], "finding": f"{c['direction']} than {brief.get('baseline')}",
+             "difference": signed(c["diff"]), "interval": fmt_ci(c["ci"]), "claim": c["claim_kind"],
+             "p_adjusted": fmt_p(c["p_adjusted"])} for c in brief["claims"]]
+    rows += [{"segment": a["segment"], "policy": a["policy"], "finding": "audit fails",
+              "difference": signed(a["residual_mean"]), "interval": "", "claim": "mean residual",
+              "p_adjusted": fmt_p(a["p_adjusted"])} for a in brief["audits_failing"]]
+    om = brief.get("omnibus")
+    if om is not None:
+        verdict = "not run" if om.get("reject") is None else ("fails" if om["reject"] else "passes")
+        rows.append({"segment": "all segments", "policy": "all labels", "finding": f"omnibus calibration test {verdict}",
+                     "difference": "", "interval": "", "claim": f"{om.get('df')} df", "p_adjusted": fmt_p(om.get("p_value"))})
+    return rows

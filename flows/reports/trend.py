@@ -20,12 +20,14 @@ from flows.storage.publish import RESULTS
 from flows.reports.common import (BLUE, GREEN, GREY, INK, MUTED, ORANGE, PURPLE, SKY, VERDICT_STYLE, VERMILLION, esc, fmt,
                                   fmt_ci, signed)
 from flows.reports.evaluation import CSS
+from flows.reports.segments import brief_lines
 from flows.reports.history import (evaluations, latest_per_window, linked_drift, open_label_requests, read_history,
                                    window_changes_of)
 from flows.reports.svg import (LinearScale, coord, el, nice_ticks, svg_diamond, svg_doc, svg_legend, svg_line,
                                svg_polylines, svg_text, y_axis)
 
-__all__ = ["render_index", "render_trend", "write_pages", "segments_trend_section", "INDEX", "TREND"]
+__all__ = ["render_index", "render_trend", "write_pages", "segments_trend_section", "segment_brief_html", "INDEX",
+           "TREND"]
 
 INDEX = "index.html"
 TREND = "trend.html"
@@ -54,6 +56,11 @@ table.data.values .badge{white-space:normal}
 p.links{margin:8px 0 0;font-size:14px;line-height:2}
 p.links a{white-space:nowrap;padding:2px 0}
 .figure.chartn{display:none}
+.segbrief{margin:8px 0 2px;font-size:14px}
+.segbrief p{margin:0;overflow-wrap:anywhere}
+.segbrief ul{margin:2px 0 0;padding-left:18px}
+.segbrief li{margin:2px 0;overflow-wrap:anywhere}
+.segbrief li.bad{color:#9a3d00}
 @media (max-width:640px){
 main{padding:14px 10px 24px}
 section,footer{padding:14px 12px}
@@ -131,6 +138,24 @@ def _value_row(name: str, p: Mapping[str, Any], alarm: bool) -> str:
             f"<td class='r num'><b>{value}</b></td><td class='r num'>{interval}</td><td>{badge}</td></tr>")
 
 
+def segment_brief_html(brief: Mapping[str, Any] | None, when: str = "") -> str:
+    """The short segment summary (`flows.reports.segments.segment_brief`) of an index card or a trend page:
+    claims against the baseline, audits failing by segment, the omnibus test; ``""`` without segments."""
+    if not brief:
+        return ""
+    text = brief_lines(brief)
+    om = brief.get("omnibus") or {}
+    omnibus = "not_run" if om.get("reject") is None else ("fail" if om["reject"] else "pass")
+    bad = {"claims": any(c["direction"] == "worse" for c in brief["claims"]), "audits": bool(brief["audits_failing"]),
+           "omnibus": omnibus == "fail" or bool(brief.get("omnibus_failing"))}
+    items = "".join(f"<li data-brief='{k}' class='{'bad' if bad[k] else 'ok'}'>{esc(text[k])}</li>"
+                    for k in ("claims", "audits", "omnibus"))
+    return (f"<div class='segbrief' data-segment-claims='{len(brief['claims'])}' "
+            f"data-segment-worse='{sum(c['direction'] == 'worse' for c in brief['claims'])}' "
+            f"data-segment-audits-failing='{len(brief['audits_failing'])}' data-omnibus='{omnibus}'>"
+            f"<p><b>{esc(text['title'])}</b>{esc(when)}</p><ul>{items}</ul></div>")
+
+
 def _card(e: Mapping[str, Any]) -> str:
     """One evaluation of the index: its latest run's values with intervals and claims, status, links."""
     latest = e["latest"]
@@ -162,6 +187,7 @@ def _card(e: Mapping[str, Any]) -> str:
             f"<p class='status'>{''.join(status) or OK_BADGE}</p>"
             "<table class='data values'><thead><tr><th>policy</th><th class='r'>value</th>"
             f"<th class='r'>{esc(conf)} CI</th><th>claim</th></tr></thead><tbody>{rows}</tbody></table>"
+            f"{segment_brief_html((latest.get('segments') or {}).get('brief'))}"
             f"<p class='links'>{DOT.join(links)}</p></section>")
 
 
@@ -620,7 +646,8 @@ def render_trend(evaluation: str, windows: Sequence[Mapping[str, Any]], history:
                   "<p class='muted'>No drift monitor is linked to this evaluation (a monitor is linked when its "
                   "calibration comes from this evaluation's results).</p>")
     body = [
-        f"<section id='status' class='summary'><h2>Status</h2><div class='kpis'>{kpi_html}</div></section>",
+        f"<section id='status' class='summary'><h2>Status</h2><div class='kpis'>{kpi_html}</div>"
+        f"{segment_brief_html((latest.get('segments') or {}).get('brief'), ', latest window')}</section>",
         "<section id='values'><h2>Policy values over windows</h2><p class='lead'>Calibrated values on the oracle "
         "scale with their intervals, one panel per policy on one time axis. A refused window has no value (its "
         "number is a ranking-only figure and is never drawn). Diamonds: regression alarms (a significant drop "

@@ -76,7 +76,8 @@ def test_segments_walk_from_yaml_to_the_engine_as_the_one_typed_options(tmp_path
     ({"segments": {"by": "a", "min_rows": "50"}}, "key segments.min_rows: Input should be a valid integer"),
     ({"segments": {"by": "a", "error_control": "bonferroni"}}, "key segments.error_control: Input should be 'bh' or"),
     ({"segments": 7}, "key segments: expected a list of columns or a mapping"),
-    ({"segments": ["a"], "mode": "logs-only"}, "segments are computed in mode direct only"),
+    ({"segments": {"by": ["a"], "pooling": "eb"}, "mode": "logs-only", "options": {"logger": "base"}},
+     "segment_pooling='eb' is not supported in mode 'logs-only'"),
     ({"segments": ["a"], "options": {"segment_by": ["b"]}}, "option segment_by is given in options: too"),
     ({"segments": ["a"], "options": {"covariates": ["a"]}}, "segment_by column 'a' is also a covariate"),
 ])
