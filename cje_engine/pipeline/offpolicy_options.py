@@ -62,9 +62,7 @@ class OffPolicyOptions:
         rest = {k: v for k, v in kwargs.items() if k not in own}
         if "direct_estimator" in rest:
             rest["level_estimator"] = rest.pop("direct_estimator")
-        # Off-policy modes keep the paper's protocol for their Direct entries (logger, fresh draws):
-        # verified claims are built for Direct evaluations (docs/statistics.md, "Verified and assumed claims").
-        rest.setdefault("level_estimator", "audited")
+        # every entry follows Direct's verified-claim rule (docs/statistics.md, "Off-policy modes"): no default here
         engine = EvaluationOptions.build(**rest)
         if mine.get("mode", "logs-only") not in MODES:
             raise CJEInputError(f"mode must be one of direct, logs-only, hybrid; got {mine.get('mode')!r} "
