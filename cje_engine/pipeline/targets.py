@@ -325,6 +325,8 @@ def claimed_entry(entry: dict, t: str, dpol: dict | None, verified_mode: bool, t
     """
     out = dict(entry)
     out["assumed"] = {k: entry.get(k) for k in ASSUMED_FIELDS}
+    if dpol is not None:  # Direct's reported entry of the fresh draws (what mode='direct' reports)
+        out["direct"] = {k: dpol[k] for k in ("estimate", "se", "ci", "level_claim", "refusal_reasons", "basis_code")}
     has_verified = dpol is not None and dpol.get("basis_code") == "power_tuned"
     n_own = int(entry.get("n_labelled") or 0)
     choice = level_choice(verified_mode, has_verified, False, entry["level_claim"] == "refused", trusted)
