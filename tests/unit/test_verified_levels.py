@@ -222,12 +222,13 @@ def test_rank_only_comparisons_carry_the_bias_bound():
 # ------------------------------------------------------------------ off-policy modes (hybrid, logs-only)
 
 
-def _hybrid_frames(own: dict[str, int], seed: int = 4):
+def _hybrid_frames(own: dict[str, int], seed: int = 4, n_prompts: int = 200):
     """Simulated logs (logger 'base', 30% labelled) and fresh draws of 'near' (eta 0.05) and 'mid' (eta 0.4,
     the best policy), ``own[t]`` of each candidate's fresh draws labelled by the simulator's oracle."""
     from cje_engine.simulate.logs import simulate_logs
 
-    sim = simulate_logs(n_prompts=300, length=8, targets={"near": 0.05, "mid": 0.4}, seed=seed, label_fraction=0.3)
+    sim = simulate_logs(n_prompts=n_prompts, length=8, targets={"near": 0.05, "mid": 0.4}, seed=seed,
+                        label_fraction=0.3)
     logged, fresh = sim.to_frames("base")
     rng = np.random.default_rng(seed)
     for t, n in own.items():
@@ -328,7 +329,7 @@ def test_logs_only_levels_assume_transport():
     Trusted, it is reported and compared as an assumes-transport claim."""
     from cje_engine.pipeline.offpolicy import evaluate_offpolicy
 
-    _, logged, _ = _hybrid_frames({})
+    _, logged, _ = _hybrid_frames({}, n_prompts=300)  # 300: the candidates' levels pass the support rule
     kw = dict(mode="logs-only", inference="analytic", seed=3)
     d = evaluate_offpolicy(logged, **kw).to_dict()
     validate_result(d)
