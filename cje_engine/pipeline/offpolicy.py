@@ -268,8 +268,8 @@ class OffPolicyResult(EvaluationResult):
     plus ``reports`` (candidate -> `TargetReport`)."""
 
     def __init__(self, data: dict, replicates: np.ndarray, influence: np.ndarray, columns: np.ndarray,
-                 reports: dict[str, TargetReport]) -> None:
-        super().__init__(data, replicates=replicates, influence=influence, columns=columns)
+                 reports: dict[str, TargetReport], dfs: np.ndarray | None = None) -> None:
+        super().__init__(data, replicates=replicates, influence=influence, columns=columns, dfs=dfs)
         self.reports = reports
 
 
@@ -447,7 +447,7 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
                       calibration=direct.calibration, inference=inference, policies=policies, relative=rel,
                       warnings=warnings, offpolicy=_run_block(prep, direct_policies, protocol))
     return OffPolicyResult(result, cols.replicates if boot else np.empty((0, len(names))), cols.influence,
-                           np.arange(len(names)), dict(prep.reports))
+                           np.arange(len(names)), dict(prep.reports), dfs=cols.dfs)
 
 
 # --------------------------------------------------------------------------------------------

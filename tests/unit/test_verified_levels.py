@@ -245,16 +245,16 @@ def hybrid_few():
 
     _, logged, fresh = _hybrid_frames({"near": 40, "mid": 5})
     prep = offpolicy.prepare(logged, fresh, mode="hybrid", n_bootstrap=50, seed=3)
-    res = offpolicy.finalize(prep, [offpolicy.bootstrap_chunk(prep, 0, 50)]).to_dict()
+    obj = offpolicy.finalize(prep, [offpolicy.bootstrap_chunk(prep, 0, 50)])
     direct = finalize(prep.direct, [bootstrap_chunk(prep.direct, 0, 50)]).to_dict()
-    return res, direct
+    return obj.to_dict(), direct, obj
 
 
 def test_hybrid_fresh_draws_with_too_few_own_labels_have_no_verified_level(hybrid_few):
     """Hybrid, Direct's rule: a fresh-draw policy with 5 own labels gets no quotable level (estimate null), its
     protocol level (the IF-stacked hybrid estimate) is kept in ``assumed``, and labels_to_verify says how many
     own labels would verify it. (Before: the stacked estimate was reported as an ``ok`` level.)"""
-    res, direct = hybrid_few
+    res, direct, _ = hybrid_few
     validate_result(res)
     mid = res["policies"]["mid"]
     assert mid["level_claim"] == "assumes_transport" and mid["estimate"] is None and mid["ci"] is None
@@ -276,7 +276,8 @@ def test_hybrid_verified_comparisons_ranking_and_best_are_directs(hybrid_few):
     """The verified claims of a hybrid evaluation are Direct's on the same design: the same reported pairs,
     differences, intervals, adjusted p-values, ranking and best policy; the unverified policy (here the
     true best, 'mid') is in none of them but in the ``assumes_transport`` block, named as such."""
-    res, direct = hybrid_few
+    res, direct, obj = hybrid_few
+
     def pairs(d):  # a - b as (a, b) in sorted order (the modes list the policies in different orders)
         out = {}
         for c in d["comparisons"]:
@@ -295,6 +296,12 @@ def test_hybrid_verified_comparisons_ranking_and_best_are_directs(hybrid_few):
     assert all(c["reported"] is False for c in res["comparisons"] if "mid" in (c["a"], c["b"]))
     assert [e["policy"] for e in res["ranking"]] == [e["policy"] for e in direct["ranking"]]
     assert "mid" not in {e["policy"] for e in res["ranking"]}
+    # the result's accessors recompute the reported pair (same replicates, dfs and claim kinds)
+    c = next(c for c in res["comparisons"] if {c["a"], c["b"]} == {"base", "near"})
+    acc = obj.compare(c["a"], c["b"])
+    assert (acc.diff, acc.ci, acc.p_value, acc.claim_kind) == (pytest.approx(c["diff"]), pytest.approx(c["ci"]),
+                                                               pytest.approx(c["p_value"]), c["claim_kind"])
+    assert obj.compare("base", "mid").reported is False
     assert res["best_policy"] is None and res["best_policy_reason"] == direct["best_policy_reason"]
     at = res["assumes_transport"]
     assert "mid" in {e["policy"] for e in at["ranking"]}
