@@ -36,7 +36,9 @@ class OffPolicyOptions:
     engine : `EvaluationOptions` (covariates, calibration_mode, calibration_policies, inference
         ("bootstrap", the default, or "analytic": influence functions with the first-order calibration
         term, no replicates), n_bootstrap, seed, alpha, audit_margin, n_folds, multiplicity, label_scale, score_scale, min_labels,
-        support_*; ``direct_estimator`` maps to its ``level_estimator``)
+        support_*, trust_transport; ``direct_estimator`` maps to its ``level_estimator``: ``verified``, the
+        default, applies Direct's verified-claim rule to every entry, the candidates' off-policy levels then
+        kept in ``assumed``; ``audited`` reports the paper's protocol levels)
     """
 
     mode: str = "logs-only"
