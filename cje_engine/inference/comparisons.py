@@ -80,9 +80,11 @@ VERIFIED_BASES = ("power_tuned", "augmented", "recalibrated")
 
 
 def claim_kind(basis_code: str) -> str:
-    """``verified`` for a level corrected by the policy's own labels, else ``assumes_transport`` (a calibrated
-    plug-in). Off-policy levels (``logs-only/...``, ``hybrid/...``) rest on their own gates: ``verified`` here."""
-    if basis_code in VERIFIED_BASES or "/" in str(basis_code):
+    """``verified`` for a level corrected by the policy's own labels, else ``assumes_transport``: a calibrated
+    plug-in, and every off-policy level (``logs-only/...``, ``hybrid/...``: importance-weighted, DR or stacked
+    estimates rest on the calibration transporting to the target's reweighted responses, besides overlap;
+    docs/statistics.md, "Off-policy modes")."""
+    if basis_code in VERIFIED_BASES:
         return "verified"
     return "assumes_transport"
 

@@ -251,16 +251,17 @@ def direct_columns(s, pols: dict[str, PolicyResult], names: list[str], use_boot:
         dfs=s.dfs[s.cols], refused=s.refused, claims=[pols[n].level_claim for n in names],
         raw=np.array([pols[n].raw_judge_mean for n in names], dtype=float),
         relative=relative, relative_reason=[pols[n].relative_reason for n in names],
-        kinds=[claim_kind(pols[n].basis_code) for n in names], bias_bound=rank_only_bias(pols, names, span, relative),
+        kinds=[claim_kind(pols[n].basis_code) for n in names], bias_bound=rank_only_bias(
+            [pols[n].support.share_thin for n in names], span, relative),
         labels=np.array([pols[n].audit.n_labels for n in names], dtype=float),
         calibration_labels=float(max(calibration_labels, 1)))
 
 
-def rank_only_bias(pols: dict[str, PolicyResult], names: list[str], span: float, relative: list[str]) -> np.ndarray:
-    """Bias bound of each rank-only level: the share of its rows where calibration support is thin or absent
-    (the calibrator extrapolates there, and can be off by up to the label span) times the span; 0 elsewhere."""
-    return np.array([float(pols[n].support.share_thin) * span if r == "rank_only" else 0.0
-                     for n, r in zip(names, relative)])
+def rank_only_bias(share_thin: Sequence[float], span: float, relative: list[str]) -> np.ndarray:
+    """Bias bound of each rank-only level (every mode): the share of its rows (or, logs-only, of its estimate's
+    weight) where calibration support is thin or absent (the calibrator extrapolates there, and can be off by up
+    to the label span) times the span; 0 elsewhere."""
+    return np.array([float(sh) * span if r == "rank_only" else 0.0 for sh, r in zip(share_thin, relative)])
 
 
 def assumed_claims(s, pols: dict[str, PolicyResult], names: list[str], use_boot: bool, opts: EvaluationOptions, span: float,
@@ -275,9 +276,16 @@ def assumed_claims(s, pols: dict[str, PolicyResult], names: list[str], use_boot:
         raw=np.array([pols[n].raw_judge_mean for n in names], dtype=float),
         relative=[r[0] for r in s.assumed_relative], relative_reason=[r[1] for r in s.assumed_relative],
         kinds=[claim_kind(pols[n].assumed.basis_code) for n in names],
-        bias_bound=rank_only_bias(pols, names, span, [r[0] for r in s.assumed_relative]),
+        bias_bound=rank_only_bias([pols[n].support.share_thin for n in names], span,
+                                  [r[0] for r in s.assumed_relative]),
         labels=np.array([pols[n].audit.n_labels for n in names], dtype=float),
         calibration_labels=float(max(calibration_labels, 1)))
+    return assumes_transport_block(cols, opts, span)
+
+
+def assumes_transport_block(cols: PolicyColumns, opts: EvaluationOptions, span: float) -> dict:
+    """The result's ``assumes_transport`` block (every mode): comparisons, ranking and best policy of the
+    assumes-transport levels ``cols``, by the same comparison step as the verified claims."""
     rel = relative_claims(cols, alpha=opts.alpha, method=opts.multiplicity, span=span, warnings=[],
                           planned_labels=opts.sequential_labels)
     return {k: rel[k] for k in ("comparisons", "ranking", "best_policy", "best_policy_reason")}

@@ -60,7 +60,7 @@ from cje_engine.data.offpolicy import (
 )
 from cje_engine.direct.estimators import Design, bootstrap_weights, cross_fit_models
 from cje_engine.errors import CJEInputError
-from cje_engine.inference.comparisons import PolicyColumns, relative_claims
+from cje_engine.inference.comparisons import PolicyColumns, claim_kind, relative_claims
 from cje_engine.inference.variance import align_clusters, cluster_cov
 from cje_engine.offpolicy.gates import OffPolicyGates
 from cje_engine.offpolicy.influence import calibration_term
@@ -68,12 +68,13 @@ from cje_engine.offpolicy.inputs import FreshData, LoggedData, Rewards
 from cje_engine.offpolicy.target import TargetReport, compute_estimates, evaluate_target
 from cje_engine.pipeline import direct as direct_pipeline
 from cje_engine.pipeline.assemble import assemble
-from cje_engine.pipeline.direct import direct_data_summary, inference_summary, stacked_replicates
+from cje_engine.pipeline.direct import (assumes_transport_block, direct_data_summary, inference_summary,
+                                       rank_only_bias, stacked_replicates)
 from cje_engine.pipeline.offpolicy_options import OffPolicyOptions
 from cje_engine.pipeline.offpolicy_segments import summarize_offpolicy_segments
 from cje_engine.pipeline.policies import summarize_direct, variance_components
 from cje_engine.pipeline.segments import SegmentRows
-from cje_engine.pipeline.targets import target_entry, uses_direct_level
+from cje_engine.pipeline.targets import claimed_entry, protocol_view, target_entry, uses_direct_level
 from cje_engine.result import EvaluationResult
 
 log = logging.getLogger(__name__)
@@ -283,8 +284,8 @@ class OffPolicyResult(EvaluationResult):
     plus ``reports`` (candidate -> `TargetReport`)."""
 
     def __init__(self, data: dict, replicates: np.ndarray, influence: np.ndarray, columns: np.ndarray,
-                 reports: dict[str, TargetReport]) -> None:
-        super().__init__(data, replicates=replicates, influence=influence, columns=columns)
+                 reports: dict[str, TargetReport], dfs: np.ndarray | None = None) -> None:
+        super().__init__(data, replicates=replicates, influence=influence, columns=columns, dfs=dfs)
         self.reports = reports
 
 
@@ -329,7 +330,7 @@ def _variance(total: np.ndarray, cal: np.ndarray, n_prompts: int, m_labels: int)
 
 def _logger_entry(direct_entry: dict) -> dict:
     lp = dict(direct_entry)
-    lp["claim"] = "level" if lp["level_claim"] == "ok" else "refused"
+    lp["claim"] = "refused" if lp["level_claim"] == "refused" else "level"  # no gates: the logger's own rows
     lp["offpolicy"] = {"role": "logger", "estimator": "direct (on-policy logs)"}
     return lp
 
@@ -343,11 +344,13 @@ def _data_summary(prep: OffPolicyPrepared, names: list[str]) -> dict:
             "source": prep.data.source, "logger_column": prep.data.logger_column}
 
 
-def _run_block(prep: OffPolicyPrepared, direct_policies: dict) -> dict:
+def _run_block(prep: OffPolicyPrepared, direct_policies: dict, protocol: dict) -> dict:
+    """The result's ``offpolicy`` block: mode, logger, each candidate's protocol estimator, gates, options and
+    Direct's reported entry of each candidate's fresh draws (``protocol``: Direct's protocol views)."""
     opts = prep.options
     return {
         "mode": opts.mode, "logger": prep.data.logger, "targets": list(prep.data.targets),
-        "estimator": {t: ("direct_recalibrated" if uses_direct_level(prep, t, direct_policies) else h)
+        "estimator": {t: ("direct_recalibrated" if uses_direct_level(prep, t, protocol) else h)
                       for t, h in prep.headline.items()}, "gates": asdict(opts.gates),
         "simcal": {"rho": opts.rho, "projection": opts.projection, "stack_by": opts.simcal_stack_by},
         "ttc_mass": opts.ttc_mass, "stack": list(opts.stack), "downgraded": opts.downgraded,
@@ -357,9 +360,57 @@ def _run_block(prep: OffPolicyPrepared, direct_policies: dict) -> dict:
     }
 
 
+@dataclass
+class _Column:
+    """Where a reported level's replicates and influence terms are: Direct's extended columns
+    (``direct`` True: `DirectSummaries.reps`/``influence``, index ``index``) or a candidate's off-policy
+    estimate (``off``: its (candidate, estimator) key in ``prep.layout``)."""
+
+    direct: bool
+    index: int = -1
+    off: tuple[str, str] | None = None
+
+
+def _stack_columns(prep: OffPolicyPrepared, direct, reps_off: np.ndarray | None, policies: dict, levels: dict,
+                   where: dict[str, _Column], head_infl: dict[str, np.ndarray], boot: bool) -> PolicyColumns:
+    """The comparison step's view of one family of levels (``levels[name]``: a dict with estimate, level_claim,
+    basis_code, relative_claim/reason; ``where[name]``: its column; ``head_infl``: each candidate's headline
+    influence terms), Direct's way (`cje_engine.pipeline.direct.direct_columns`)."""
+    eng = prep.options.engine
+    names = list(policies)
+    layout = {key: j for j, key in enumerate(prep.layout)}
+    rep_cols, infl, dfs = [], [], []
+    for n in names:
+        c = where[n]
+        if c.direct:
+            rep_cols.append(direct.reps[:, c.index] if boot else np.empty(0))
+            infl.append(np.nan_to_num(direct.influence[:, c.index]))
+            dfs.append(float(direct.dfs[c.index]))
+        else:
+            rep_cols.append(reps_off[:, layout[c.off]] if boot else np.empty(0))
+            infl.append(head_infl[c.off[0]])
+            dfs.append(np.inf)
+    relative = [levels[n]["relative_claim"] for n in names]
+    span = eng.label_scale[1] - eng.label_scale[0]
+    return PolicyColumns(
+        names=names, estimate=np.array([np.nan if levels[n]["estimate"] is None else levels[n]["estimate"]
+                                        for n in names], dtype=float),
+        replicates=np.column_stack(rep_cols) if boot else None, influence=np.column_stack(infl),
+        dfs=np.array(dfs, dtype=float), refused=np.array([levels[n]["level_claim"] == "refused" for n in names]),
+        claims=[levels[n]["level_claim"] for n in names],
+        raw=np.array([policies[n]["raw_judge_mean"] for n in names], dtype=float),
+        relative=relative, relative_reason=[levels[n]["relative_reason"] for n in names],
+        kinds=[claim_kind(levels[n]["basis_code"]) for n in names],
+        bias_bound=rank_only_bias([policies[n]["support"]["share_thin"] or 0.0 for n in names], span, relative),
+        labels=np.array([policies[n]["audit"]["n_labels"] for n in names], dtype=float),
+        calibration_labels=float(max(int(prep.direct.design.cal_rows.size), 1)))
+
+
 def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicyResult:
-    """Direct's entries for the logger (and the fresh draws), every candidate's gated entry, then the
-    shared comparison, ranking and result steps (the best policy is never a refused one)."""
+    """Direct's entries for the logger (and the fresh draws), every candidate's gated entry under Direct's
+    verified-claim rule (`cje_engine.pipeline.targets.claimed_entry`), then the shared comparison, ranking and
+    result steps for the verified claims and for the assumes-transport ones (the best policy is never a refused
+    one)."""
     eng = prep.options.engine
     nd = prep.n_direct_stats
     boot = eng.inference == "bootstrap"
@@ -367,39 +418,42 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
     direct = summarize_direct(prep.direct, reps[:, :nd] if boot else None)
     # the candidates' entries are built as dicts (`target_entry`): Direct's typed entries in their JSON form
     direct_policies = {n: p.model_dump(exclude_unset=True, by_alias=True) for n, p in direct.policies.items()}
+    d = prep.direct.design.data
+    k_of = {n: k for k, n in enumerate(d.policies)}
+    # the protocol's levels (what the candidates' off-policy entries are built on), Direct's rule on top
+    protocol = {n: protocol_view(p, direct.assumed_relative[k_of[n]]) for n, p in direct_policies.items()}
     off = reps[:, nd:] if boot else None
     warnings = direct.warnings + list(prep.notes)
-    d = prep.direct.design.data
     logger_name = prep.data.logger
-    k_log = list(d.policies).index(logger_name)
+    k_log = k_of[logger_name]
     policies = {logger_name: _logger_entry(direct_policies[logger_name])}
-    infl = [np.nan_to_num(prep.direct.infl["total"][:, direct.cols[k_log]])]
-    col = {key: j for j, key in enumerate(prep.layout)}
-    rep_cols = [reps[:, int(direct.cols[k_log])]]
+    reported = {logger_name: _Column(True, int(direct.cols[k_log]))}
+    assumed = {logger_name: _Column(True, int(direct.assumed_cols[k_log]))}
+    assumed_levels = {logger_name: protocol[logger_name]}  # each policy's protocol level and its relative status
     n_cal = int(prep.direct.design.cal_rows.size)
+    head_infl: dict[str, np.ndarray] = {}
+    verified_mode = eng.level_estimator == "verified"
     for t in prep.data.targets:
         total, cal = _target_influence(prep, t)
-        policies[t] = target_entry(prep, t, off, direct_policies, warnings, _variance(total, cal, d.n_prompts, n_cal),
-                                   _influence_ses(prep, t))
-        if uses_direct_level(prep, t, direct_policies):  # Direct's recalibrated level: its column, paired draws
-            k_t = int(direct.cols[list(d.policies).index(t)])
-            infl.append(np.nan_to_num(prep.direct.infl["total"][:, k_t]))
-            rep_cols.append(reps[:, k_t])
+        head_infl[t] = total
+        entry = target_entry(prep, t, off, protocol, warnings, _variance(total, cal, d.n_prompts, n_cal),
+                             _influence_ses(prep, t))
+        dpol = direct_policies.get(t) if prep.fresh[t] is not None else None
+        policies[t], choice = claimed_entry(entry, t, dpol, verified_mode, eng.trusts(t), eng.min_labels)
+        assumed_levels[t] = entry
+        if uses_direct_level(prep, t, protocol):  # Direct's recalibrated level: its column, paired draws
+            assumed[t] = _Column(True, int(direct.assumed_cols[k_of[t]]))
         else:
-            infl.append(total)
-            rep_cols.append(off[:, col[(t, prep.headline[t])]] if boot else np.empty(0))
+            assumed[t] = _Column(False, off=(t, prep.headline[t]))
+        reported[t] = _Column(True, int(direct.cols[k_of[t]])) if choice == "verified" else assumed[t]
     names = list(policies)
-    est = np.array([np.nan if policies[n]["estimate"] is None else policies[n]["estimate"] for n in names])
-    cols = PolicyColumns(
-        names=names, estimate=est, replicates=np.column_stack(rep_cols) if boot else None,
-        influence=np.column_stack(infl),
-        dfs=np.full(len(names), np.inf), refused=np.array([policies[n]["level_claim"] == "refused" for n in names]),
-        claims=[policies[n]["level_claim"] for n in names],
-        raw=np.array([policies[n]["raw_judge_mean"] for n in names], dtype=float),
-        relative=[policies[n]["relative_claim"] for n in names],
-        relative_reason=[policies[n]["relative_reason"] for n in names])
-    rel = relative_claims(cols, alpha=eng.alpha, method=eng.multiplicity, span=eng.label_scale[1] - eng.label_scale[0],
-                          warnings=warnings, planned_labels=eng.sequential_labels)
+    cols = _stack_columns(prep, direct, off, policies, policies, reported, head_infl, boot)
+    span = eng.label_scale[1] - eng.label_scale[0]
+    rel = relative_claims(cols, alpha=eng.alpha, method=eng.multiplicity, span=span, warnings=warnings,
+                          baseline=eng.baseline, noninferiority_margin=eng.noninferiority_margin * span,
+                          planned_labels=eng.sequential_labels)
+    rel["assumes_transport"] = assumes_transport_block(
+        _stack_columns(prep, direct, off, policies, assumed_levels, assumed, head_infl, boot), eng, span)
     inference = {**inference_summary(eng), "offpolicy": (
         "the same prompt draws refit the calibrator (full and per-fold fits) and SIMCal in every replicate; IF "
         "stacks are re-solved per replicate" if boot else
@@ -407,11 +461,11 @@ def finalize(prep: OffPolicyPrepared, chunks: Sequence[np.ndarray]) -> OffPolicy
         "first-order calibration term (cje_engine.offpolicy.influence); normal intervals")}
     result = assemble(mode=prep.options.mode, config=prep.options.to_dict(), data=_data_summary(prep, names),
                       calibration=direct.calibration, inference=inference, policies=policies, relative=rel,
-                      warnings=warnings, offpolicy=_run_block(prep, direct_policies))
+                      warnings=warnings, offpolicy=_run_block(prep, direct_policies, protocol))
     if prep.segments is not None:
         result["segments"] = summarize_offpolicy_segments(prep, result, evaluate_data)
-    return OffPolicyResult(result, cols.replicates if boot else np.empty((0, len(names))), np.column_stack(infl),
-                           np.arange(len(names)), dict(prep.reports))
+    return OffPolicyResult(result, cols.replicates if boot else np.empty((0, len(names))), cols.influence,
+                           np.arange(len(names)), dict(prep.reports), dfs=cols.dfs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,7 +36,9 @@ class OffPolicyOptions:
     engine : `EvaluationOptions` (covariates, calibration_mode, calibration_policies, inference
         ("bootstrap", the default, or "analytic": influence functions with the first-order calibration
         term, no replicates), n_bootstrap, seed, alpha, audit_margin, n_folds, multiplicity, label_scale, score_scale, min_labels,
-        support_*; ``direct_estimator`` maps to its ``level_estimator``)
+        support_*, trust_transport; ``direct_estimator`` maps to its ``level_estimator``: ``verified``, the
+        default, applies Direct's verified-claim rule to every entry, the candidates' off-policy levels then
+        kept in ``assumed``; ``audited`` reports the paper's protocol levels)
     """
 
     mode: str = "logs-only"
@@ -62,9 +64,7 @@ class OffPolicyOptions:
         rest = {k: v for k, v in kwargs.items() if k not in own}
         if "direct_estimator" in rest:
             rest["level_estimator"] = rest.pop("direct_estimator")
-        # Off-policy modes keep the paper's protocol for their Direct entries (logger, fresh draws):
-        # verified claims are built for Direct evaluations (docs/statistics.md, "Verified and assumed claims").
-        rest.setdefault("level_estimator", "audited")
+        # every entry follows Direct's verified-claim rule (docs/statistics.md, "Off-policy modes"): no default here
         engine = EvaluationOptions.build(**rest)
         if mine.get("mode", "logs-only") not in MODES:
             raise CJEInputError(f"mode must be one of direct, logs-only, hybrid; got {mine.get('mode')!r} "

@@ -564,6 +564,55 @@ def labels_to_verify(k: int, n_own: int, n_rows: int, assumed: np.ndarray, se_ve
     return out
 
 
+def level_choice(verified_mode: bool, has_verified: bool, floor: bool, protocol_refused: bool, trusted: bool) -> str:
+    """Which level a policy reports (docs/statistics.md, "Verified and assumed claims"); every mode's rule.
+
+    Parameters
+    ----------
+    verified_mode : ``level_estimator == "verified"`` (the default)
+    has_verified : the policy has a verified level (enough own labels for the power-tuned correction)
+    floor : a minimum-evidence refusal (too few prompts or calibration labels) applies
+    protocol_refused : the protocol's (assumes-transport) level is refused
+    trusted : the team trusts the calibration's transport to the policy (``trust_transport``)
+
+    Returns
+    -------
+    str
+        ``"verified"`` (the verified level is reported), ``"unverified"`` (no quotable level: estimate null,
+        the protocol's level only in ``assumed``) or ``"protocol"`` (the protocol's level is reported:
+        refused, trusted, or every level of a non-default estimator; see `protocol_claim`).
+    """
+    if verified_mode and not floor and has_verified:
+        return "verified"
+    if verified_mode and not floor and not protocol_refused and not trusted:
+        return "unverified"
+    return "protocol"
+
+
+def unverified_relative(n_own: int, min_labels: int) -> tuple[str, str]:
+    """The relative status of a policy without a verified level (it leaves the verified claims)."""
+    return "not_estimable", f"no verified level ({n_own} own labels, {min_labels} needed)"
+
+
+def protocol_claim(verified_mode: bool, claim: str, rests_on_transport: bool, trusted: bool, basis: str,
+                   relative: tuple[str, str | None], n_own: int, min_labels: int, what: str = "its plug-in"
+                   ) -> tuple[str, str, tuple[str, str | None]]:
+    """(level claim, basis, relative status) of a reported protocol level (`level_choice` ``"protocol"``).
+
+    In verified mode a quotable level that rests on transport (a plug-in, an importance-weighted or
+    stacked estimate) is reported only when trusted and reads ``assumes_transport``; a refused one
+    without a verified level leaves the verified claims unless trusted. ``what`` names the level in
+    that reason.
+    """
+    if verified_mode and claim == "ok" and rests_on_transport:
+        return "assumes_transport", f"assumes transport (trusted: trust_transport): {basis}", relative
+    if verified_mode and not trusted and relative[0] != "not_estimable":
+        # refused and without a verified level: nothing to compare in the verified claims
+        return claim, basis, ("not_estimable", f"no verified level ({n_own} own labels, {min_labels} needed) "
+                                               f"and {what} is refused")
+    return claim, basis, relative
+
+
 #: A declared label scale whose labels span less than this share of its width gets a warning.
 NARROW_LABEL_SHARE = 0.5
 
@@ -681,26 +730,22 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
         # the reported level: verified where the policy's own labels allow it
         has_verified = (verified_mode and n_own[k] >= opts.min_labels and n_own_prompts[k] >= 2
                         and np.isfinite(ext.stats[3 * K + k]))
-        if verified_mode and not floor and has_verified:
+        choice = level_choice(verified_mode, has_verified, bool(floor), bool(p_reasons), opts.trusts(name))
+        if choice == "verified":
             col, code, reasons, rel = 3 * K + k, "power_tuned", [], ("ok", None)
             basis = (f"verified: power-tuned residual correction (PPI++, lambda {ext.lam[k]:.2f}) on {int(n_own[k])} "
                      f"own labels; valid whether or not the calibration transports to this policy")
             claim, summ, ci_method, sel = "ok", summary(col), summary.reported_raw(col)[1], None
-        elif verified_mode and not floor and not p_reasons and not opts.trusts(name):
+        elif choice == "unverified":
             col, code, reasons = p_col, p_code, []
-            rel = ("not_estimable", f"no verified level ({int(n_own[k])} own labels, {opts.min_labels} needed)")
+            rel = unverified_relative(int(n_own[k]), opts.min_labels)
             basis = f"assumes transport: {p_basis}"
             claim, summ, ci_method, sel = "assumes_transport", None, None, None
         else:  # the protocol's level: refused, a trusted plug-in, or every level of a non-default estimator
-            col, code, basis, reasons, rel = p_col, p_code, p_basis, p_reasons, p_rel
-            claim, summ, ci_method, sel = p_claim, p_summ, p_ci_method, selective
-            if verified_mode and claim == "ok" and p_col < K:
-                claim = "assumes_transport"
-                basis = f"assumes transport (trusted: trust_transport): {p_basis}"
-            elif verified_mode and not opts.trusts(name) and rel[0] != "not_estimable":
-                # refused and without a verified level: nothing to compare in the verified claims
-                rel = ("not_estimable", f"no verified level ({int(n_own[k])} own labels, {opts.min_labels} needed) "
-                                        f"and its plug-in is refused")
+            col, code, reasons = p_col, p_code, p_reasons
+            claim, basis, rel = protocol_claim(verified_mode, p_claim, p_col < K, opts.trusts(name), p_basis, p_rel,
+                                               int(n_own[k]), opts.min_labels)
+            summ, ci_method, sel = p_summ, p_ci_method, selective
         cols[k] = col
         refused[k] = claim == "refused"
         var_tot = cov[col, col]

@@ -1,7 +1,10 @@
 """Off-policy candidates' result entries: the headline estimate, its gated claim, basis, audit and detail.
 
 `target_entry` is the logs-only/hybrid counterpart of Direct's `cje_engine.pipeline.policies.summarize_direct`:
-same fields, plus ``claim``, ``recommendation``, ``direct`` and the ``offpolicy`` block.
+same fields, plus ``claim``, ``recommendation``, ``direct`` and the ``offpolicy`` block; it gives the candidate's
+protocol (assumes-transport) level. `claimed_entry` then applies Direct's verified-claim rule
+(`cje_engine.pipeline.policies.level_choice`): the reported level is the verified one from the fresh draws'
+own labels, or none, and the protocol's level is kept in ``assumed`` (docs/statistics.md, "Off-policy modes").
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from scipy.stats import norm
 from cje_engine.offpolicy.gates import OffPolicyGates
 from cje_engine.offpolicy.target import TargetReport
 from cje_engine.offpolicy.weights import mean_one_weights
-from cje_engine.pipeline.policies import support_checks
+from cje_engine.inference.comparisons import claim_kind
+from cje_engine.pipeline.policies import level_choice, protocol_claim, support_checks, unverified_relative
 
 #: Estimators that use the candidate's fresh draws (their validity also rests on Direct's checks).
 USES_FRESH = ("dr", "direct", "stacked")
@@ -267,6 +271,90 @@ def target_entry(prep: Any, t: str, off: np.ndarray | None, direct_policies: dic
         },
     }
     return _direct_level(entry, dpol, t) if direct_path else entry
+
+
+#: The fields of an `AssumedLevel` (the protocol's level kept beside the reported one).
+ASSUMED_FIELDS = ("estimate", "se", "ci", "ci_method", "basis_code", "basis", "level_claim", "refusal_reasons")
+
+
+def protocol_view(dpol: dict, relative: tuple[str, str | None]) -> dict:
+    """Direct's entry of a design policy with its protocol's (assumes-transport) level in the reported fields.
+
+    The off-policy candidate entries are built on the protocol's levels (`target_entry`); Direct's verified
+    level is applied on top of them by `claimed_entry`. ``relative``: the protocol level's relative status
+    (`cje_engine.pipeline.policies.DirectSummaries.assumed_relative`). Under a non-default ``level_estimator``
+    the view equals the entry.
+    """
+    a = dpol.get("assumed")
+    if a is None:
+        return dpol
+    out = dict(dpol)
+    out.update({k: a.get(k) for k in ASSUMED_FIELDS})
+    out["relative_claim"], out["relative_reason"] = relative
+    return out
+
+
+def _recommend_verification(t: str, dpol: dict | None, min_labels: int) -> str:
+    if dpol is None:
+        return (f"collect fresh draws of '{t}' and label at least {min_labels} of them with the oracle (hybrid or "
+                "Direct): its own labels verify a level; or declare trust_transport for it")
+    need = (dpol.get("labels_to_verify") or {}).get("n_labels", min_labels)
+    return (f"label {need} more fresh draws of '{t}' with the oracle (labels_to_verify): its own labels verify a "
+            "level; or declare trust_transport for it")
+
+
+def claimed_entry(entry: dict, t: str, dpol: dict | None, verified_mode: bool, trusted: bool,
+                  min_labels: int) -> tuple[dict, str]:
+    """Candidate ``t``'s entry under the verified-claim rule of every mode (`level_choice`).
+
+    Parameters
+    ----------
+    entry : the candidate's protocol entry (`target_entry`): the gated off-policy headline, or Direct's
+        recalibrated level after a failed audit
+    dpol : Direct's reported entry of the candidate's fresh draws (hybrid), or None (no fresh draws)
+    verified_mode, trusted, min_labels : the engine's ``level_estimator == "verified"``,
+        ``trusts(t)`` and ``min_labels``
+
+    Returns
+    -------
+    (dict, str)
+        The entry and the choice: ``"verified"`` (Direct's verified level of the fresh draws is reported, its
+        column in the comparisons), ``"unverified"`` (estimate null, ``level_claim: assumes_transport``) or
+        ``"protocol"`` (the protocol's level: refused, trusted, or a non-default estimator). The protocol's level
+        is in ``assumed`` in every case.
+    """
+    out = dict(entry)
+    out["assumed"] = {k: entry.get(k) for k in ASSUMED_FIELDS}
+    if dpol is not None:  # Direct's reported entry of the fresh draws (what mode='direct' reports)
+        out["direct"] = {k: dpol[k] for k in ("estimate", "se", "ci", "level_claim", "refusal_reasons", "basis_code")}
+    has_verified = dpol is not None and dpol.get("basis_code") == "power_tuned"
+    n_own = int(entry.get("n_labelled") or 0)
+    choice = level_choice(verified_mode, has_verified, False, entry["level_claim"] == "refused", trusted)
+    if choice == "verified":
+        for k in ("estimate", "se", "ci", "ci_method", "selective", "level_claim", "refusal_reasons", "basis_code",
+                  "verified", "augmented", "variance_share_calibration", "variance_components", "se_analytic",
+                  "se_bootstrap", "relative_claim", "relative_reason"):
+            out[k] = dpol.get(k)
+        out["basis"] = f"hybrid, Direct on the fresh draws of '{t}': {dpol['basis']}"
+        out["claim"], out["recommendation"] = "level", None
+        return out, choice
+    out["labels_to_verify"] = dpol.get("labels_to_verify") if dpol is not None and verified_mode else None
+    if choice == "unverified":
+        out.update(estimate=None, se=None, ci=None, ci_method=None, selective=None, level_claim="assumes_transport",
+                   refusal_reasons=[], se_analytic=None, se_bootstrap=None,
+                   basis=f"assumes transport: {entry['basis']}",
+                   recommendation=_recommend_verification(t, dpol, min_labels))
+        rel = unverified_relative(n_own, min_labels)
+        out["relative_claim"], out["relative_reason"] = rel[0], (
+            rel[1] if dpol is not None else f"no verified level (no fresh draws of '{t}' to label)")
+        return out, choice
+    claim, basis, rel = protocol_claim(verified_mode, entry["level_claim"], claim_kind(entry["basis_code"])
+                                       == "assumes_transport", trusted, entry["basis"],
+                                       (entry["relative_claim"], entry["relative_reason"]), n_own, min_labels,
+                                       what=f"its {entry['offpolicy']['estimator']} estimate")
+    out["level_claim"], out["basis"] = claim, basis
+    out["relative_claim"], out["relative_reason"] = rel
+    return out, choice
 
 
 def gate_checks(rep: TargetReport, gates: OffPolicyGates) -> list[dict]:

@@ -195,7 +195,6 @@ def _columns(model: EvaluationModel, terms: Terms, names: list[str]) -> PolicyCo
     index = [list(model.policies).index(n) for n in names]
     pols = [model.policies[n] for n in names]
     lo, hi = label_scale(model)
-    direct = model.mode in (None, "direct")
     rel = [p.relative_claim or "ok" for p in pols]
     return PolicyColumns(
         names=list(names), estimate=np.array([np.nan if p.estimate is None else p.estimate for p in pols], float),
@@ -204,9 +203,9 @@ def _columns(model: EvaluationModel, terms: Terms, names: list[str]) -> PolicyCo
         dfs=np.asarray(terms.dfs, float)[index], refused=np.array([p.level_claim == "refused" for p in pols]),
         claims=[p.level_claim for p in pols], raw=np.array([p.raw_judge_mean or np.nan for p in pols], float),
         relative=rel, relative_reason=[p.relative_reason for p in pols],
-        kinds=[claim_kind(p.basis_code) for p in pols] if direct else None,
-        bias_bound=(np.array([p.support.share_thin * (hi - lo) if r == "rank_only" else 0.0 for p, r in zip(pols, rel)])
-                    if direct else None))
+        kinds=[claim_kind(p.basis_code) for p in pols],  # every mode (the off-policy ones since issue 24)
+        bias_bound=np.array([(p.support.share_thin or 0.0) * (hi - lo) if r == "rank_only" else 0.0
+                             for p, r in zip(pols, rel)]))
 
 
 def compare(model: EvaluationModel, terms: Terms, a: str, b: str, level: float = 0.95) -> Comparison:

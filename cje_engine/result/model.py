@@ -200,7 +200,8 @@ class VerifiedLevel(_Strict):
 
 class AssumedLevel(_Strict):
     """The policy's assumes-transport level (the paper's protocol: the calibrated plug-in where the audit did
-    not fail, the own-label level where it failed), kept beside the verified one."""
+    not fail, the own-label level where it failed; an off-policy candidate's gated headline estimate), kept
+    beside the verified one."""
 
     estimate: Num
     se: Num
@@ -242,8 +243,10 @@ class PolicyResult(_Strict):
                     "the calibration transporting to this policy, which its labels did not verify (estimate null "
                     "unless the team trusts it: trust_transport); refused")
     refusal_reasons: list[str] = Field(description="plain-language reasons, non-empty exactly when refused")
-    verified: Optional[VerifiedLevel] = Field(None, description="Direct: the verified level, when the policy has one")
-    assumed: Optional[AssumedLevel] = Field(None, description="Direct: the assumes-transport level (paper's protocol)")
+    verified: Optional[VerifiedLevel] = Field(None, description="the verified level, when the policy has one (Direct; "
+                                                                "hybrid: Direct's, from the fresh draws' own labels)")
+    assumed: Optional[AssumedLevel] = Field(None, description="the assumes-transport level (paper's protocol; "
+                                                              "off-policy candidates: the gated off-policy headline)")
     labels_to_verify: Optional[LabelsToVerify] = None
     n_prompts: Optional[int] = None
     claim: Optional[Literal["level", "downgraded", "refused"]] = Field(

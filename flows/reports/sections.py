@@ -78,11 +78,13 @@ def summary_html(m: EvaluationModel, order: list[str], alpha: float, drift: dict
             ci_txt = f" ({conf} CI {fmt(ci[0])}\u2013{fmt(ci[1])})" if ci else ""
             ltv = p.labels_to_verify if isinstance(p.labels_to_verify, LabelsToVerify) else None
             need = (f"; about {ltv.n_labels} more own labels would verify it"
-                    if ltv is not None and isinstance(ltv.n_labels, int) and ltv.n_labels > 0 else "")
+                    if ltv is not None and isinstance(ltv.n_labels, int) and ltv.n_labels > 0 else
+                    f"; {p.recommendation}" if ltv is None and p.recommendation else "")  # logs-only: fresh draws
             lines.append(f"<li><b>{esc(n)}</b>: <span class='num'>{esc(fmt(a.estimate if a else None))}</span>"
                          f"{esc(ci_txt)} <span class='note'>assumes transport{esc(need)}</span></li>")
-        items.append(("warn", "<p><b>Assumes transport</b> (not verified: the calibrated plug-in rests on the "
-                              "calibration transporting to the policy; not used for the best policy or a gate):"
+        items.append(("warn", "<p><b>Assumes transport</b> (not verified: the calibrated plug-in, or the off-policy "
+                              "estimate, rests on the calibration transporting to the policy; not used for the best "
+                              "policy or a gate):"
                               f"</p><ul>{''.join(lines)}</ul>"))
     if refused:
         lines = []

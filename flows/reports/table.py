@@ -76,8 +76,9 @@ def format_table(result: Any) -> str:
     lines += text_table(["rank", "policy", "estimate", f"{conf} CI", "claim", "basis", "audit", "assumes transport",
                      raw_head, "oracle mean"], rows, right={2, 3, 7, 8, 9})
     if any(pols[n].level_claim == "assumes_transport" for n in order):
-        lines.append("claim 'assumes transport': no verified level; the plug-in shown rests on the calibration "
-                     "transporting to the policy, which its labels did not verify (labels_to_verify in the result)")
+        lines.append("claim 'assumes transport': no verified level; the level shown (a calibrated plug-in, or an "
+                     "off-policy estimate: importance-weighted, DR or stacked) rests on the calibration transporting "
+                     "to the policy, which its labels did not verify (labels_to_verify in the result)")
     if any("-" in r[0] and r[0] != "-" for r in rows):
         lines.append("rank: 1 + policies significantly better; a range (1-3) when the comparisons leave it open")
     lines.append("")

@@ -88,7 +88,9 @@ def test_logs_only_and_hybrid_through_the_flow(logs):
     assert res["mode"] == "logs-only" and res["data"]["n_rows"] == N_PROMPTS
     assert res["data"]["n_fresh"] == {"near": 0, "far": 0}
     near, far = res["policies"]["near"], res["policies"]["far"]
-    assert near["level_claim"] == "ok" and near["basis_code"] == "logs-only/calibrated_ips"
+    # no label of the candidate's responses: its level assumes transport and is kept in ``assumed``
+    assert near["level_claim"] == "assumes_transport" and near["basis_code"] == "logs-only/calibrated_ips"
+    assert near["estimate"] is None and near["assumed"]["level_claim"] == "ok"
     assert far["level_claim"] == "refused" and res["best_policy"] != "far"
     assert any("TTC" in r for r in far["refusal_reasons"])
     assert "collect fresh draws" in far["refusal_reasons"][-1]

@@ -160,9 +160,13 @@ def test_logs_only_equals_hybrid_on_the_logs(sim_frames):
     # the near clone passes the overlap gates; with 75 labels its (weighted) judge scores are thinly
     # supported, so the support rule refuses its level and keeps it rank-only
     assert near["support"]["limited"] and "weighted" in near["support"]["rule"]
-    assert near["level_claim"] == "refused" and near["relative_claim"] == "rank_only"
+    # (the protocol's claim; without a verified level the rank-only level leaves the verified claims and is
+    # ranked among the assumes-transport ones, as in Direct)
+    assert near["level_claim"] == "refused" and near["relative_claim"] == "not_estimable"
+    assert near["assumed"]["level_claim"] == "refused"
     assert any("limited calibration support" in r for r in near["refusal_reasons"])
-    assert "near" in {e["policy"] for e in lo["ranking"]}
+    assert "near" not in {e["policy"] for e in lo["ranking"]}
+    assert "near" in {e["policy"] for e in lo["assumes_transport"]["ranking"]}
     assert lo["policies"]["far"]["level_claim"] == "refused"
     assert "collect fresh draws" in lo["policies"]["far"]["refusal_reasons"][-1]
     assert lo["policies"]["far"]["transport"] == "unaudited"
@@ -175,11 +179,13 @@ def test_downgraded_claims():
     makes the case; every row is labelled so Direct's calibration support is not the issue."""
     sim = simulate_logs(n_prompts=300, length=8, targets={"near": 0.05}, seed=8, label_fraction=1.0)
     logged, fresh = sim.to_frames("base")
-    kw = dict(mode="hybrid", estimator="dr", gates={"min_ttc": 0.99}, n_bootstrap=50, seed=0)
+    # the fresh draws have no own labels: the DR level assumes transport, reported because the team trusts it
+    kw = dict(mode="hybrid", estimator="dr", gates={"min_ttc": 0.99}, n_bootstrap=50, seed=0, trust_transport=["near"])
     ok = evaluate_offpolicy(logged, fresh, **kw).to_dict()
     near = ok["policies"]["near"]
-    assert near["direct"]["level_claim"] == "ok"
-    assert near["claim"] == "downgraded" and near["basis_code"] == "hybrid/dr" and near["level_claim"] == "ok"
+    assert near["direct"]["level_claim"] == "assumes_transport" and near["assumed"]["level_claim"] == "ok"
+    assert near["claim"] == "downgraded" and near["basis_code"] == "hybrid/dr"
+    assert near["level_claim"] == "assumes_transport" and near["estimate"] == near["assumed"]["estimate"]
     assert near["recommendation"] is not None
     assert any(w.startswith("near: the dr estimate's claim is downgraded") for w in ok["warnings"])
     strict = evaluate_offpolicy(logged, fresh, downgraded="refused", **kw).to_dict()
@@ -201,12 +207,16 @@ def test_arena_modes(arena_dir):
     lo = evaluate_offpolicy(arena_dir, mode="logs-only", logger="base", calibration_policies=["base"],
                             n_bootstrap=50).to_dict()
     claims = {t: lo["policies"][t]["level_claim"] for t in ("clone", "parallel_universe_prompt", "unhelpful")}
-    assert claims == {"clone": "ok", "parallel_universe_prompt": "refused", "unhelpful": "refused"}
+    # logs-only levels assume transport (no label of the candidates' responses): the clone's passes its gates
+    assert claims == {"clone": "assumes_transport", "parallel_universe_prompt": "refused", "unhelpful": "refused"}
+    assert lo["policies"]["clone"]["estimate"] is None and lo["policies"]["clone"]["assumed"]["level_claim"] == "ok"
     hy = evaluate_offpolicy(arena_dir, mode="hybrid", logger="base", calibration_policies=["base"],
                             n_bootstrap=50).to_dict()
     un = hy["policies"]["unhelpful"]
-    # hybrid gives it Direct's level path: its 50 own labels fail the audit and recalibrate it
-    assert un["audit"]["verdict"] == "fail" and un["level_claim"] == "ok" and un["basis_code"] == "recalibrated"
+    # hybrid gives it Direct's level path: its 50 own labels fail the audit, the protocol recalibrates it and its
+    # reported level is Direct's verified one
+    assert un["audit"]["verdict"] == "fail" and un["level_claim"] == "ok" and un["basis_code"] == "power_tuned"
+    assert un["assumed"]["basis_code"] == "recalibrated"
     assert un["estimate"] == pytest.approx(un["direct"]["estimate"]) and un["ci"] == un["direct"]["ci"]
     assert un["estimate"] < 0.2 < un["offpolicy"]["estimates"]["calibrated_ips"]["value"]
     assert un["relative_claim"] == "ok" and "unhelpful" in {e["policy"] for e in hy["ranking"]}

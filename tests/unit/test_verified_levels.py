@@ -217,3 +217,138 @@ def test_rank_only_comparisons_carry_the_bias_bound():
     from scipy.stats import t as student_t
     assert wide["p_value"] >= 2 * student_t.sf((0.1 - 0.09) / wide["se"], np.inf) - 1e-12
     assert plain["significant"] and not wide["significant"] or wide["p_value"] > plain["p_value"]
+
+
+# ------------------------------------------------------------------ off-policy modes (hybrid, logs-only)
+
+
+def _hybrid_frames(own: dict[str, int], seed: int = 4, n_prompts: int = 200):
+    """Simulated logs (logger 'base', 30% labelled) and fresh draws of 'near' (eta 0.05) and 'mid' (eta 0.4,
+    the best policy), ``own[t]`` of each candidate's fresh draws labelled by the simulator's oracle."""
+    from cje_engine.simulate.logs import simulate_logs
+
+    sim = simulate_logs(n_prompts=n_prompts, length=8, targets={"near": 0.05, "mid": 0.4}, seed=seed,
+                        label_fraction=0.3)
+    logged, fresh = sim.to_frames("base")
+    rng = np.random.default_rng(seed)
+    for t, n in own.items():
+        rows = np.flatnonzero(fresh["policy"].to_numpy() == t)
+        pick = rng.choice(rows.size, n, replace=False)
+        fresh.loc[rows[pick], "oracle_label"] = sim.fresh[t].oracle[pick]
+    return sim, logged, fresh
+
+
+@pytest.fixture(scope="module")
+def hybrid_few():
+    """Hybrid, 'mid' with 5 own labels (under min_labels), 'near' with 40: bootstrap, and Direct on the same design."""
+    from cje_engine.pipeline import offpolicy
+
+    _, logged, fresh = _hybrid_frames({"near": 40, "mid": 5})
+    prep = offpolicy.prepare(logged, fresh, mode="hybrid", n_bootstrap=50, seed=3)
+    obj = offpolicy.finalize(prep, [offpolicy.bootstrap_chunk(prep, 0, 50)])
+    direct = finalize(prep.direct, [bootstrap_chunk(prep.direct, 0, 50)]).to_dict()
+    return obj.to_dict(), direct, obj
+
+
+def test_hybrid_fresh_draws_with_too_few_own_labels_have_no_verified_level(hybrid_few):
+    """Hybrid, Direct's rule: a fresh-draw policy with 5 own labels gets no quotable level (estimate null), its
+    protocol level (the IF-stacked hybrid estimate) is kept in ``assumed``, and labels_to_verify says how many
+    own labels would verify it. (Before: the stacked estimate was reported as an ``ok`` level.)"""
+    res, direct, _ = hybrid_few
+    validate_result(res)
+    mid = res["policies"]["mid"]
+    assert mid["level_claim"] == "assumes_transport" and mid["estimate"] is None and mid["ci"] is None
+    assert mid["assumed"]["basis_code"] == "hybrid/stacked" and mid["assumed"]["level_claim"] == "ok"
+    assert mid["assumed"]["estimate"] == pytest.approx(mid["offpolicy"]["estimates"]["stacked"]["value"])
+    assert mid["labels_to_verify"] == direct["policies"]["mid"]["labels_to_verify"]
+    assert mid["labels_to_verify"]["n_labels"] >= 5 and mid["relative_claim"] == "not_estimable"
+    assert mid["direct"]["level_claim"] == "assumes_transport"  # what mode='direct' says of its fresh draws
+    # the policies with enough own labels: Direct's verified level, the protocol's kept beside
+    for n in ("base", "near"):
+        p, q = res["policies"][n], direct["policies"][n]
+        assert p["level_claim"] == "ok" and p["basis_code"] == "power_tuned"
+        assert (p["estimate"], p["ci"], p["verified"]) == (q["estimate"], q["ci"], q["verified"])
+    assert res["policies"]["near"]["assumed"]["basis_code"] == "hybrid/stacked"
+    assert res["policies"]["base"]["assumed"] == direct["policies"]["base"]["assumed"]
+
+
+def test_hybrid_verified_comparisons_ranking_and_best_are_directs(hybrid_few):
+    """The verified claims of a hybrid evaluation are Direct's on the same design: the same reported pairs,
+    differences, intervals, adjusted p-values, ranking and best policy; the unverified policy (here the
+    true best, 'mid') is in none of them but in the ``assumes_transport`` block, named as such."""
+    res, direct, obj = hybrid_few
+
+    def pairs(d):  # a - b as (a, b) in sorted order (the modes list the policies in different orders)
+        out = {}
+        for c in d["comparisons"]:
+            flip = c["a"] > c["b"]
+            diff = None if c["diff"] is None else (-c["diff"] if flip else c["diff"])
+            ci = None if c["ci"] is None else ([-c["ci"][1], -c["ci"][0]] if flip else c["ci"])
+            out[tuple(sorted((c["a"], c["b"])))] = (c["reported"], diff, ci, c["p_value"], c["p_adjusted"],
+                                                    c["significant"], c["claim_kind"])
+        return out
+
+    got, ref = pairs(res), pairs(direct)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        for g, r in zip(got[k], ref[k]):
+            assert g == (r if r is None or isinstance(r, (bool, str)) else pytest.approx(r, rel=1e-12, abs=1e-15)), k
+    assert all(c["reported"] is False for c in res["comparisons"] if "mid" in (c["a"], c["b"]))
+    assert [e["policy"] for e in res["ranking"]] == [e["policy"] for e in direct["ranking"]]
+    assert "mid" not in {e["policy"] for e in res["ranking"]}
+    # the result's accessors recompute the reported pair (same replicates, dfs and claim kinds)
+    c = next(c for c in res["comparisons"] if {c["a"], c["b"]} == {"base", "near"})
+    acc = obj.compare(c["a"], c["b"])
+    assert (acc.diff, acc.ci, acc.p_value, acc.claim_kind) == (pytest.approx(c["diff"]), pytest.approx(c["ci"]),
+                                                               pytest.approx(c["p_value"]), c["claim_kind"])
+    assert obj.compare("base", "mid").reported is False
+    assert res["best_policy"] is None and res["best_policy_reason"] == direct["best_policy_reason"]
+    at = res["assumes_transport"]
+    assert "mid" in {e["policy"] for e in at["ranking"]}
+    mids = [c for c in at["comparisons"] if "mid" in (c["a"], c["b"])]
+    assert mids and all(c["reported"] and c["claim_kind"] == "assumes_transport" for c in mids)
+
+
+def test_hybrid_trust_transport_reports_the_assumed_level():
+    """``trust_transport`` in hybrid mode: the trusted policy's protocol level is its reported level, named
+    assumes_transport, and its comparisons enter the main family as assumes_transport claims."""
+    from cje_engine.pipeline.offpolicy import evaluate_offpolicy
+
+    _, logged, fresh = _hybrid_frames({"near": 40, "mid": 5})
+    kw = dict(mode="hybrid", inference="analytic", seed=3)
+    plain = evaluate_offpolicy(logged, fresh, **kw).to_dict()
+    res = evaluate_offpolicy(logged, fresh, trust_transport=["mid"], **kw).to_dict()
+    validate_result(res)
+    mid = res["policies"]["mid"]
+    assert mid["level_claim"] == "assumes_transport" and "trust_transport" in mid["basis"]
+    assert mid["estimate"] == pytest.approx(plain["policies"]["mid"]["assumed"]["estimate"]) is not None
+    assert mid["ci"] is not None and mid["relative_claim"] == "ok"
+    cmp = [c for c in res["comparisons"] if "mid" in (c["a"], c["b"])]
+    assert cmp and all(c["reported"] and c["claim_kind"] == "assumes_transport" for c in cmp)
+    assert all(c["claim_kind"] == "verified" for c in res["comparisons"] if "mid" not in (c["a"], c["b"]))
+    assert "mid" in {e["policy"] for e in res["ranking"]}
+
+
+def test_logs_only_levels_assume_transport():
+    """Logs-only: the importance-weighted level of a candidate assumes that the calibration transports to its
+    reweighted responses (no label of its own can exist) and overlap: estimate null, the gated level in
+    ``assumed``, no labels_to_verify (its fresh draws are needed); the logger's level is Direct's verified one.
+    Trusted, it is reported and compared as an assumes-transport claim."""
+    from cje_engine.pipeline.offpolicy import evaluate_offpolicy
+
+    _, logged, _ = _hybrid_frames({}, n_prompts=300)  # 300: the candidates' levels pass the support rule
+    kw = dict(mode="logs-only", inference="analytic", seed=3)
+    d = evaluate_offpolicy(logged, **kw).to_dict()
+    validate_result(d)
+    assert d["policies"]["base"]["basis_code"] == "power_tuned" and d["policies"]["base"]["level_claim"] == "ok"
+    for t in ("near", "mid"):
+        p = d["policies"][t]
+        assert p["level_claim"] == "assumes_transport" and p["estimate"] is None and p["labels_to_verify"] is None
+        assert p["assumed"]["basis_code"] == "logs-only/calibrated_ips" and p["assumed"]["estimate"] is not None
+        assert "fresh draws" in p["relative_reason"] and "fresh draws" in p["recommendation"]
+    assert d["best_policy"] is None and not any(c["reported"] for c in d["comparisons"])
+    assert d["assumes_transport"]["comparisons"] and all(
+        c["claim_kind"] == "assumes_transport" for c in d["assumes_transport"]["comparisons"] if c["reported"])
+    t = evaluate_offpolicy(logged, trust_transport=["*"], **kw).to_dict()
+    assert t["policies"]["mid"]["estimate"] == pytest.approx(d["policies"]["mid"]["assumed"]["estimate"])
+    assert all(c["claim_kind"] == "assumes_transport" for c in t["comparisons"] if c["reported"])
