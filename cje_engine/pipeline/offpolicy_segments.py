@@ -71,12 +71,19 @@ def _cell(segment: str, policy: str, sub: Any, reason: str) -> dict:
                  n_labels=int(q.get("n_labelled") or 0),
                  audit={"verdict": a.get("verdict") or "not_run", "n_labels": int(a.get("n_labels") or 0),
                         "residual_mean": a.get("residual_mean"), "se": a.get("se"), "p_value": a.get("p_value")})
-    if q.get("level_claim") == "refused" or q.get("estimate") is None:
-        block["reason"] = "; ".join(q.get("refusal_reasons") or []) or "level refused"
+    assumed = q.get("assumed") or {}
+    if q.get("level_claim") == "ok" and q.get("estimate") is not None:  # verified, as the whole run's rule says
+        kind, level = "verified", q
+    elif assumed.get("level_claim") == "ok" and assumed.get("estimate") is not None:
+        kind, level = "assumes_transport", assumed
+    else:
+        block["reason"] = "; ".join(q.get("refusal_reasons") or assumed.get("refusal_reasons") or []) or "level refused"
         return block
     estimator = (sub.get("offpolicy") or {}).get("estimator", {}).get(policy) or "direct (on-policy logs)"
-    block.update(claim_kind="assumes_transport", estimate=q["estimate"], se=q.get("se"), ci_marginal=q.get("ci"),
-                 reason=ASSUMED.format(estimator=estimator))
+    block.update(claim_kind=kind, estimate=level["estimate"], se=level.get("se"), ci_marginal=level.get("ci"),
+                 reason=None if kind == "verified" else ASSUMED.format(estimator=estimator))
+    if kind == "verified" and assumed.get("estimate") is not None:
+        block["assumed_estimate"] = assumed["estimate"]
     return block
 
 
@@ -88,12 +95,16 @@ def _comparison(segment: str, policy: str, baseline: str, sub: Any, cells: dict)
     if not isinstance(sub, dict) or "too_few" in (cells[(segment, policy)]["claim_kind"],
                                                   cells[(segment, baseline)]["claim_kind"]):
         return out
-    c = next((c for c in sub.get("comparisons") or [] if {c.get("a"), c.get("b")} == {policy, baseline}), None)
+    # the same kind of level on both sides: verified if both cells are, else both assumes-transport levels
+    kind = "verified" if cells[(segment, policy)]["claim_kind"] == cells[(segment, baseline)]["claim_kind"] == \
+        "verified" else "assumes_transport"
+    pairs = sub.get("comparisons") if kind == "verified" else (sub.get("assumes_transport") or {}).get("comparisons")
+    c = next((c for c in pairs or [] if {c.get("a"), c.get("b")} == {policy, baseline}), None)
     if c is None or c.get("p_value") is None or c.get("diff") is None:
         return out
     sign = 1.0 if c["a"] == policy else -1.0  # the comparison is a - b
     ci = c.get("ci")
-    out.update(claim_kind="assumes_transport", diff=sign * c["diff"], se=c.get("se"), p_value=c["p_value"],
+    out.update(claim_kind=kind, diff=sign * c["diff"], se=c.get("se"), p_value=c["p_value"],
                ci=None if not ci else sorted([sign * ci[0], sign * ci[1]]))
     return out
 

@@ -56,13 +56,17 @@ def test_offpolicy_segment_cells_are_the_modes_evaluation_of_each_segment_alone(
         alone = _alone(frames, s, mode, **kw)
         for p, q in alone["policies"].items():
             c = cells[(s, p)]
-            assert c["claim_kind"] == "assumes_transport"  # an off-policy level is never verified
-            assert c["estimate"] == q["estimate"] and c["se"] == q["se"] and c["ci_marginal"] == q["ci"]
+            # the run's claim rule, cell by cell: an importance-weighted level assumes transport (in `assumed`)
+            level = q if q["estimate"] is not None else q["assumed"]
+            assert c["claim_kind"] == ("verified" if q["estimate"] is not None else "assumes_transport")
+            assert c["estimate"] == level["estimate"] and c["se"] == level["se"] and c["ci_marginal"] == level["ci"]
             assert c["audit"]["verdict"] == q["audit"]["verdict"] and c["n_labels"] == q["n_labelled"]
         (cmp,) = [c for c in seg["comparisons"] if c["segment"] == s]
-        (ref,) = alone["comparisons"]
+        kind = cmp["claim_kind"]
+        (ref,) = alone["comparisons"] if kind == "verified" else alone["assumes_transport"]["comparisons"]
+        levels = {p: (q if kind == "verified" else q["assumed"])["estimate"] for p, q in alone["policies"].items()}
         assert cmp["policy"] == "t" and cmp["baseline"] == "base"
-        assert cmp["diff"] == pytest.approx(alone["policies"]["t"]["estimate"] - alone["policies"]["base"]["estimate"])
+        assert cmp["diff"] == pytest.approx(levels["t"] - levels["base"])
         assert cmp["p_value"] == ref["p_value"]
     # other (c, pooled) has too few labels: no level, no comparison, not in the family
     assert all(cells[("other", p)]["estimate"] is None for p in ("base", "t"))
