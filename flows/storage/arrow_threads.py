@@ -62,7 +62,7 @@ def arrow_buffer(data: bytes | bytearray | memoryview) -> Any:
     view = memoryview(data).cast("B")
     buf = pa.allocate_buffer(view.nbytes)
     if view.nbytes:
-        memoryview(buf)[:] = view
+        memoryview(buf).cast("B")[:] = view
     return buf
 
 
