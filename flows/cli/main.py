@@ -743,6 +743,9 @@ def json_error(command: str, code: int, lines: Sequence[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cje` console script; returns the exit code."""
+    from flows.storage.arrow_threads import install_exit_wait
+
+    install_exit_wait()  # every command: no Arrow worker may outlive the interpreter (exit code 134)
     parser = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
     try:

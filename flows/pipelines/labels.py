@@ -29,7 +29,6 @@ Steps (Prefect tasks):
 """
 from __future__ import annotations
 
-import io
 import logging
 import os
 from datetime import date
@@ -41,7 +40,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
-import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
@@ -57,6 +55,7 @@ from flows.label_requests.manifests import list_requests, mark_fulfilled
 from flows.pipelines.audit import evaluate_and_audit
 from flows.pipelines.pages import refresh_pages
 from flows.storage.anchors import label_anchors
+from flows.storage.arrow_threads import arrow_buffer, read_parquet_bytes
 from flows.storage.objects import NotFoundError, StorageConfig
 from flows.storage.publish import list_runs
 from flows.runtime.guard import checked_flow
@@ -102,13 +101,13 @@ def parse_labels(data: bytes, name: str, source: str) -> pa.Table:
                             source=source)
     try:
         if fmt == "parquet":
-            return pq.read_table(io.BytesIO(data))
+            return read_parquet_bytes(data)
         if fmt == "csv":
             opts = pacsv.ConvertOptions(column_types={"response_id": pa.string()})
-            return restore_csv_table(pacsv.read_csv(io.BytesIO(data), convert_options=opts))
+            return restore_csv_table(pacsv.read_csv(pa.BufferReader(arrow_buffer(data)), convert_options=opts))
         schema = pa.schema([("response_id", pa.string())])
-        return pajson.read_json(io.BytesIO(data), parse_options=pajson.ParseOptions(explicit_schema=schema,
-                                                                                    unexpected_field_behavior="infer"))
+        return pajson.read_json(pa.BufferReader(arrow_buffer(data)),
+                                parse_options=pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="infer"))
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as exc:
         raise CJEInputError(f"is not a readable {fmt} label file: {' '.join(str(exc).split())[:200]}",
                             source=source) from None

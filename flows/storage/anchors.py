@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 
 from cje_engine.errors import CJEInputError
 
+from flows.storage.arrow_threads import read_parquet_bytes
 from flows.storage.logs import PARTITION, as_date, column_kind, is_work_path, partition_of
 from flows.storage.objects import NotFoundError, Storage
 
@@ -337,7 +338,7 @@ def read_anchor_set(st: Storage, set_name: str, version: int | None = None) -> A
         raise CJEInputError("anchor file does not match the sha256 in its manifest (modified after writing?)",
                             source=st.url(key))
     try:
-        table = pq.read_table(io.BytesIO(data))
+        table = read_parquet_bytes(data)
     except (pa.ArrowInvalid, OSError) as exc:
         raise CJEInputError(f"is not a readable Parquet anchor file: {exc}", source=st.url(key)) from None
     return AnchorSet(set_name, int(version), normalize_anchors(table, st.url(key)), manifest)
@@ -454,7 +455,7 @@ def read_anchor_scores(st: Storage, files: Iterable, known_ids: Iterable[str] | 
         except NotFoundError:
             raise CJEInputError("score object disappeared after listing", source=source) from None
         try:
-            raw = pq.read_table(io.BytesIO(data))
+            raw = read_parquet_bytes(data)
         except (pa.ArrowInvalid, OSError) as exc:
             raise CJEInputError(f"is not a readable Parquet score file: {exc}", source=source) from None
         table = _canonical_scores(raw, source)

@@ -59,6 +59,7 @@ import pyarrow.parquet as pq
 from cje_engine.data.io import canonical_id_array
 from cje_engine.errors import CJEInputError
 
+from flows.storage.arrow_threads import read_parquet_bytes
 from flows.storage.logs import column_kind, log_renames
 from flows.storage.objects import NotFoundError, Storage, StorageError
 
@@ -347,7 +348,7 @@ class LabelStore:
                     f"commit record {self._commit_key(v)} says {str(want)[:16]}... ({record.get('object_bytes')} "
                     "bytes); the object was replaced or corrupted and is not used (restore it)", source=source)
         try:
-            t = pq.read_table(io.BytesIO(raw)).cast(LABEL_SCHEMA)
+            t = read_parquet_bytes(raw).cast(LABEL_SCHEMA)
         except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, ValueError) as exc:
             raise CJEInputError(f"label object is not readable Parquet with columns {LABEL_SCHEMA.names}: "
                                 f"{' '.join(str(exc).split())[:200]}", source=source) from None
@@ -364,7 +365,7 @@ class LabelStore:
 def _content_sha(data: bytes) -> str | None:
     """`content_hash` of a stored label object's bytes (None if they are not a label table)."""
     try:
-        return content_hash(pq.read_table(io.BytesIO(data)).cast(LABEL_SCHEMA))
+        return content_hash(read_parquet_bytes(data).cast(LABEL_SCHEMA))
     except (pa.ArrowException, OSError, ValueError):
         return None
 

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import io
 import json
 import logging
 import os
@@ -80,6 +79,7 @@ from typing import Any, Iterable, Mapping, Protocol
 from cje_engine.errors import CJEInputError
 from cje_engine.result import validate_result
 
+from flows.storage.arrow_threads import read_parquet_bytes
 from flows.storage.local import LocalStorage
 from flows.storage.s3 import S3Storage
 from flows.storage.objects import (TMP_PREFIX, NotFoundError, ObjectInfo, Storage,
@@ -236,10 +236,8 @@ def check_result_gate(result: Mapping[str, Any], policy_table: bytes | None = No
 
 
 def _check_policy_table(data: bytes, claims: dict[str, str]) -> None:
-    import pyarrow.parquet as pq
-
     try:
-        table = pq.read_table(io.BytesIO(data))
+        table = read_parquet_bytes(data)
     except Exception as exc:  # noqa: BLE001 - any parse failure is a gate failure
         raise PublishGateError(f"policies.parquet is not readable Parquet: {exc}", source="policies.parquet") from None
     if not {"policy", "level_claim"} <= set(table.column_names):
