@@ -787,13 +787,14 @@ def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
 def test_ci_service_tier_runs_the_stack_tests_in_one_worker_and_the_rest_beside_them():
     """Rule 6 (test time): the service tier's stack tests (serial: they kill and restart shared services,
     mostly waiting on heartbeats) run in one pytest-xdist worker, everything else of the tier (radosgw,
-    Label Studio, the lifecycle tests) in the other; the lifecycle tests are excluded from the default run."""
+    Label Studio, the lifecycle tests, the statistical property checks) in the other; the lifecycle and
+    statistical tests are excluded from the default run, and CI still runs every one of them."""
     text = (CI / "run").read_text().replace("\\\n", " ")
     [tier] = [line for line in text.splitlines() if line.startswith("tier services ")]
-    assert "-n 2 --dist loadgroup" in tier and '-m "integration or stack or lifecycle"' in tier
-    assert "tests/flows/test_lifecycle.py" in tier and "tests/stack" in tier
+    assert "-n 2 --dist loadgroup" in tier and '-m "integration or stack or lifecycle or stats"' in tier
+    assert "tests/flows/test_lifecycle.py" in tier and "tests/stack" in tier and "tests/stats" in tier
     addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
-    assert "not lifecycle" in addopts
+    assert "not lifecycle" in addopts and "not stats" in addopts
     for name in ("test_lifecycle.py", "test_ui.py"):
         source = (REPO / "tests" / "flows" / name).read_text()
         assert "@pytest.mark.lifecycle" in source and "@pytest.mark.slow" not in source, name
