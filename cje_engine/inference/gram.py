@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from scipy import sparse
 
 #: The message of `TermsNotKept`.
 NOT_KEPT = ("the per-prompt influence terms were not kept: this evaluation ran the sharded row pass in the Gram form "
@@ -93,6 +94,20 @@ class Basis:
         if pos.size and (pos.max() >= self.prompts.size or not np.array_equal(self.prompts[pos], prompt)):
             raise ValueError("a prompt without a row in the Gram form")
         return pos
+
+
+class SparseBasis(Basis):
+    """A `Basis` whose rows are a sparse matrix (every prompt a row, no moments): the segment x policy terms
+    (`cje_engine.direct.segment_terms`), where a prompt's row is non-zero only in its own segment's columns
+    and in the level sets of its calibration rows. Column sums and cross-products are computed sparsely."""
+
+    def __post_init__(self) -> None:
+        rows = sparse.csr_matrix(self.rows, dtype=float)
+        if not np.isfinite(rows.data).all():
+            raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
+        self.rows = rows
+        self.sum = np.asarray(rows.sum(axis=0), dtype=float).ravel()
+        self.cross = np.asarray((rows.T @ rows).toarray(), dtype=float)
 
 
 class GramTerms:

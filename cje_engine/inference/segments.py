@@ -16,6 +16,7 @@ import numpy as np
 from scipy.stats import chi2, norm
 from scipy.stats import t as student_t
 
+from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.variance import cluster_cov
 
 #: Relative eigenvalue below which a direction of the omnibus covariance counts as degenerate.
@@ -77,6 +78,8 @@ def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, rep
         d = np.asarray(reps_a, float) - np.asarray(reps_b, float)
         d = d[np.isfinite(d)]
         se = float(np.std(d, ddof=1)) if d.size > 2 else float("nan")
+    elif isinstance(psi_a, GramTerms):  # the segment cells' sparse Gram form (`cje_engine.direct.segment_terms`)
+        se = float(np.sqrt(max(float(cluster_cov(np.nan_to_num(psi_a - psi_b))[0, 0]), 0.0)))
     else:
         se = float(np.sqrt(cluster_cov(np.nan_to_num(np.asarray(psi_a, float) - np.asarray(psi_b, float)))[0, 0]))
     if not (np.isfinite(diff) and np.isfinite(se) and se > 0):

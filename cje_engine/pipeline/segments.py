@@ -27,11 +27,12 @@ from scipy.stats import norm
 from cje_engine.calibration import registry
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import bootstrap_replicates, bootstrap_view, fold_jackknife
+from cje_engine.direct.segment_terms import prompts_per_column, sparse_influence
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.multiplicity import adjust, holm
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.pipeline.calibration import fit_mode
-from cje_engine.pipeline.policies import summarize_direct
+from cje_engine.pipeline.policies import RowTotals, summarize_direct
 from cje_engine.result.jsonable import jsonable
 from cje_engine.inference.segments import (by_interval_level, eb_pool, group_mean_residuals, normal_interval,
                                            paired_difference, reliability_bins, score_bins, wald_test)
@@ -129,13 +130,16 @@ def virtual_data(data: EvalData, group: np.ndarray, n_groups: int, extra_X: np.n
     """
     K = len(data.policies)
     key = data.policy.astype(np.int64) * n_groups + group
-    present, code = np.unique(key, return_inverse=True)
+    # np.unique's sorted keys and inverse, by a histogram of the K x G keys (no hash or sort of the rows)
+    present = np.flatnonzero(np.bincount(key, minlength=K * n_groups))
+    remap = np.zeros(K * n_groups, dtype=np.int64)
+    remap[present] = np.arange(present.size)
+    code = remap[key]
     cells = np.stack([present // n_groups, present % n_groups], axis=1)
     names = tuple(f"{data.policies[k]}\x1f{g}" for k, g in cells)
     X = data.X if extra_X is None else np.hstack([data.X, extra_X])
     out = replace(data, policies=names, policy=code.astype(data.policy.dtype), X=X,
                   covariate_names=tuple(data.covariate_names) + tuple(extra_names))
-    del K
     return out, cells
 
 
@@ -186,7 +190,17 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
                                                 "levels use a calibration with the segment as a covariate",
                      "mode": mode, "covariates": list(d.covariate_names) + list(extra_names)}
     vdata, cells = virtual_data(d, group, G, extra_X, extra_names)
-    fit = fit_mode(vdata, mode, _sources(prep, vdata, cells))
+    rows = None
+    if extra_X is None and mode == prep.design.mode and prep.design.cells is not None:
+        # the same cells as the run's (they depend on the scores and covariates, not on the policies): recode
+        # the (policy, cell) keys only, not the rows' cells
+        ci = prep.design.cells
+        n_cells = ci.cells.size
+        small = np.int32 if len(cells) * n_cells < 2**31 else np.int64
+        row_key = vdata.policy.astype(small) * small(n_cells) + ci.row_cell.astype(small)
+        counts = np.bincount(row_key, minlength=len(cells) * n_cells).reshape(len(cells), n_cells).astype(float)
+        rows = (ci.cells, ci.row_cell.astype(small), row_key, counts)
+    fit = fit_mode(vdata, mode, _sources(prep, vdata, cells), rows)
     names = set(vdata.policies)
     trust = opts.trust_transport
     if trust and "*" not in trust:
@@ -195,10 +209,23 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
                     calibration_policies=_sources(prep, vdata, cells),
                     covariates=tuple(vdata.covariate_names))
     jk = fold_jackknife(fit.design, fit.models)
+    f = fit.f
+    infl = sparse_influence(fit.design, f, fit.full, fit.stats)  # never the dense (prompts, 2 K S) arrays
     # the same prepared class as the run's (a dataclass), on the virtual design
-    vprep = replace(prep, options=vopts, design=fit.design, f=fit.f, full=fit.full, stats=fit.stats, infl=fit.infl,
-                    jackknife=jk, models=fit.models, excluded=[], replay=None, segments=None)
+    vprep = replace(prep, options=vopts, design=fit.design, f=f, full=fit.full, stats=fit.stats, infl=infl,
+                    jackknife=jk, models=fit.models, excluded=[], replay=None, segments=None,
+                    rows=virtual_row_totals(fit.design))
     return vprep, cells, recal
+
+
+def virtual_row_totals(design: Any) -> RowTotals:
+    """`cje_engine.pipeline.policies.RowTotals` of the virtual design (histograms of its policy codes; the
+    judge means as score sums over row counts, not one row mask per cell)."""
+    d = design.data
+    K = len(d.policies)
+    return RowTotals(n_rows=np.bincount(d.policy, minlength=K), n_prompts=prompts_per_column(design),
+                     score_sum=np.bincount(d.policy, weights=d.score, minlength=K),
+                     score_min=float(d.score.min()), score_max=float(d.score.max()))
 
 
 def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np.ndarray, score: np.ndarray,
