@@ -88,6 +88,10 @@ class Basis:
         """Every prompt: labelled rows plus unlabelled ones."""
         return int(self.rows.shape[0] + self.moments.n)
 
+    def times(self, a: np.ndarray) -> np.ndarray:
+        """Every prompt's value ``rows @ a`` of the column map ``a`` (D,) (labelled prompts only here)."""
+        return self.rows @ a
+
     def local(self, prompt: np.ndarray) -> np.ndarray:
         """The row of each of the evaluation's prompt codes ``prompt`` (all must be labelled prompts)."""
         pos = np.searchsorted(self.prompts, prompt)
@@ -108,6 +112,13 @@ class SparseBasis(Basis):
         self.rows = rows
         self.sum = np.asarray(rows.sum(axis=0), dtype=float).ravel()
         self.cross = np.asarray((rows.T @ rows).toarray(), dtype=float)
+        self._by_column = rows.tocsc()
+
+    def times(self, a: np.ndarray) -> np.ndarray:
+        """``rows @ a`` from the basis columns where ``a`` is not 0 only (a segment cell's column reads its
+        own cell's dimensions and the level sets, not every cell's)."""
+        nz = np.flatnonzero(a)
+        return self._by_column[:, nz] @ a[nz]
 
 
 class GramTerms:
@@ -274,7 +285,7 @@ class GramTerms:
             raise ValueError("acceleration of a single column")
         a = np.nan_to_num(self.M[:, 0])
         m = self.moments
-        x = self.basis.rows @ a
+        x = self.basis.times(a)
         g, s, P = self._sums()
         s1, s2 = float(s[0]), float(P[0, 0])
         ak = a[:m.s.size]

@@ -25,6 +25,7 @@ import pandas as pd
 from scipy.stats import norm
 
 from cje_engine.calibration import registry
+from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import bootstrap_replicates, bootstrap_view, fold_jackknife
 from cje_engine.direct.segment_terms import prompts_per_column, sparse_influence
@@ -190,17 +191,7 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
                                                 "levels use a calibration with the segment as a covariate",
                      "mode": mode, "covariates": list(d.covariate_names) + list(extra_names)}
     vdata, cells = virtual_data(d, group, G, extra_X, extra_names)
-    rows = None
-    if extra_X is None and mode == prep.design.mode and prep.design.cells is not None:
-        # the same cells as the run's (they depend on the scores and covariates, not on the policies): recode
-        # the (policy, cell) keys only, not the rows' cells
-        ci = prep.design.cells
-        n_cells = ci.cells.size
-        small = np.int32 if len(cells) * n_cells < 2**31 else np.int64
-        row_key = vdata.policy.astype(small) * small(n_cells) + ci.row_cell.astype(small)
-        counts = np.bincount(row_key, minlength=len(cells) * n_cells).reshape(len(cells), n_cells).astype(float)
-        rows = (ci.cells, ci.row_cell.astype(small), row_key, counts)
-    fit = fit_mode(vdata, mode, _sources(prep, vdata, cells), rows)
+    fit = fit_mode(vdata, mode, _sources(prep, vdata, cells), virtual_cells(prep, vdata, group, G, mode, extra_X))
     names = set(vdata.policies)
     trust = opts.trust_transport
     if trust and "*" not in trust:
@@ -216,6 +207,38 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
                     jackknife=jk, models=fit.models, excluded=[], replay=None, segments=None,
                     rows=virtual_row_totals(fit.design))
     return vprep, cells, recal
+
+
+def virtual_cells(prep: Any, vdata: EvalData, group: np.ndarray, n_groups: int, mode: str,
+                  extra_X: np.ndarray | None) -> tuple | None:
+    """`cje_engine.direct.estimators.row_cells` of the virtual data from the run's cells, without coding the
+    rows' scores and covariates again: the same cells when the calibration is the run's; with the segment
+    one-hot columns, the cells of the distinct (run's cell, segment) pairs. None when the run's cells do
+    not determine the virtual ones (another mode, or covariates the run's mode did not read)."""
+    ci = prep.design.cells
+    if ci is None:
+        return None
+    K = len(vdata.policies)
+    if extra_X is None and mode == prep.design.mode:
+        cells, row_cell = ci.cells, ci.row_cell
+    elif extra_X is not None and (prep.design.entry.uses_covariates or prep.design.data.X.shape[1] == 0):
+        pair = ci.row_cell.astype(np.int64) * n_groups + group
+        present = np.flatnonzero(np.bincount(pair, minlength=ci.cells.size * n_groups))
+        code = np.zeros(ci.cells.size * n_groups, dtype=np.int64)
+        code[present] = np.arange(present.size)
+        code = code[pair]
+        first = np.zeros(present.size, dtype=np.int64)
+        first[code[::-1]] = np.arange(code.size - 1, -1, -1)  # a row of each pair (the first)
+        cells, pair_cell = make_cells(vdata.score[first], vdata.X[first])  # sorted as make_cells sorts the rows
+        row_cell = pair_cell[code]
+    else:
+        return None
+    G = cells.size
+    small = np.int32 if K * G < 2**31 else np.int64  # as `row_cells`
+    row_cell = row_cell.astype(small)
+    row_key = vdata.policy.astype(small) * small(G) + row_cell
+    counts = np.bincount(row_key, minlength=K * G).reshape(K, G).astype(float)
+    return cells, row_cell, row_key, counts
 
 
 def virtual_row_totals(design: Any) -> RowTotals:
