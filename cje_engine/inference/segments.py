@@ -122,7 +122,7 @@ def group_mean_residuals(prompt: np.ndarray, group: np.ndarray, resid: np.ndarra
     return means, psi, np.bincount(g, minlength=n_groups)
 
 
-def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
+def wald_test(delta: np.ndarray, psi: np.ndarray | None, V: np.ndarray | None = None) -> tuple[float, int, float]:
     """Clustered Wald test of H0: every entry of ``delta`` is 0.
 
     ``V = cluster_cov(psi)`` (prompt clusters, G/(G-1)); the statistic ``delta' V^+ delta`` on the
@@ -136,6 +136,8 @@ def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
         The means (non-finite entries are left out, with their columns).
     psi : ndarray (n_clusters, J)
         Their per-cluster influence sums.
+    V : ndarray (J, J), optional
+        ``cluster_cov(psi)`` when the caller has it (``psi`` is then not read).
 
     Returns
     -------
@@ -146,7 +148,8 @@ def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
     ok = np.isfinite(delta)
     if not ok.any():
         return float("nan"), 0, float("nan")
-    V = np.atleast_2d(cluster_cov(np.asarray(psi, float)[:, ok]))
+    V = (np.atleast_2d(cluster_cov(np.asarray(psi, float)[:, ok])) if V is None
+         else np.atleast_2d(np.asarray(V, float)[np.ix_(ok, ok)]))
     vals, vecs = np.linalg.eigh(V)
     top = float(vals.max()) if vals.size else 0.0
     keep = vals > RANK_TOL * top if top > 0 else np.zeros(vals.size, bool)

@@ -31,7 +31,7 @@ from cje_engine.direct.estimators import bootstrap_replicates, bootstrap_view, f
 from cje_engine.direct.segment_terms import prompts_per_column, sparse_influence
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.multiplicity import adjust, holm
-from cje_engine.inference.variance import cluster_cov
+from cje_engine.inference.variance import cluster_cov_padded
 from cje_engine.pipeline.calibration import fit_mode
 from cje_engine.pipeline.policies import RowTotals, summarize_direct
 from cje_engine.result.jsonable import jsonable
@@ -253,12 +253,17 @@ def virtual_row_totals(design: Any) -> RowTotals:
 
 def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np.ndarray, score: np.ndarray,
              group: np.ndarray, group_names: list[str], n_prompts: int, alpha: float) -> dict:
-    """The omnibus test on these labelled rows: mean residual by segment and by score decile."""
+    """The omnibus test on these labelled rows: mean residual by segment and by score decile.
+
+    ``prompt``: the rows' clusters among ``n_prompts``; the covariances are over all of them
+    (`cluster_cov_padded`), the per-cluster sums built for the clusters of these rows only."""
     G = len(group_names)
-    means_s, psi_s, n_s = group_mean_residuals(prompt, group, resid, weight, G, n_prompts)
+    present, local = np.unique(prompt, return_inverse=True)
+    n_c = int(present.size)
+    means_s, psi_s, n_s = group_mean_residuals(local, group, resid, weight, G, n_c)
     dec, edges = score_bins(score, N_BINS)
     D = edges.size - 1
-    means_d, psi_d, n_d = group_mean_residuals(prompt, dec, resid, weight, D, n_prompts)
+    means_d, psi_d, n_d = group_mean_residuals(local, dec, resid, weight, D, n_c)
     delta = np.concatenate([means_s, means_d])
     psi = np.hstack([psi_s, psi_d])
     n = np.concatenate([n_s, n_d])
@@ -269,17 +274,18 @@ def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np
     last = np.flatnonzero(np.isfinite(test[G:]))
     if G > 0 and last.size:
         test[G + last[-1]] = np.nan
-    stat, df, p = wald_test(test, psi)
-    se = np.sqrt(np.clip(np.diag(np.atleast_2d(cluster_cov(psi))), 0, None))
+    V = cluster_cov_padded(psi, n_prompts)
+    stat, df, p = wald_test(test, None, V=V)
+    se = np.sqrt(np.clip(np.diag(V), 0, None))
     comps = [{"kind": "segment", "name": group_names[j], "n": int(n_s[j]), "mean_residual": float(means_s[j]),
               "se": float(se[j])} for j in range(G) if n_s[j] > 0]
     comps += [{"kind": "decile", "name": f"{edges[j]:.4g}-{edges[j + 1]:.4g}", "n": int(n_d[j]),
                "mean_residual": float(means_d[j]), "se": float(se[G + j])} for j in range(D) if n_d[j] > 0]
-    pooled, psi_p, _ = group_mean_residuals(prompt, np.zeros(resid.size, np.int64), resid, weight, 1, n_prompts)
-    pse = float(np.sqrt(cluster_cov(psi_p[:, 0])[0, 0])) if resid.size > 1 else float("nan")
+    pooled, psi_p, _ = group_mean_residuals(local, np.zeros(resid.size, np.int64), resid, weight, 1, n_c)
+    pse = float(np.sqrt(max(cluster_cov_padded(psi_p[:, 0], n_prompts)[0, 0], 0.0))) if resid.size > 1 else float("nan")
     return {"policy": policy_name, "statistic": stat, "df": df, "p_value": p,
             "reject": None if not np.isfinite(p) else bool(p <= alpha), "n_labels": int(resid.size),
-            "n_clusters": int(np.unique(prompt).size), "pooled_residual_mean": float(pooled[0]),
+            "n_clusters": n_c, "pooled_residual_mean": float(pooled[0]),
             "pooled_se": pse, "pooled_p_value": float(2 * norm.sf(abs(pooled[0]) / pse)) if pse > 0 else None,
             "components": comps}
 
