@@ -89,7 +89,8 @@ class Basis:
         return int(self.rows.shape[0] + self.moments.n)
 
     def times(self, a: np.ndarray) -> np.ndarray:
-        """Every prompt's value ``rows @ a`` of the column map ``a`` (D,) (labelled prompts only here)."""
+        """The values ``rows @ a`` of the column map ``a`` (D,) at the basis rows (labelled prompts only here),
+        for sums of their powers: a subclass may leave out rows where the value is 0."""
         return self.rows @ a
 
     def local(self, prompt: np.ndarray) -> np.ndarray:
@@ -115,10 +116,11 @@ class SparseBasis(Basis):
         self._by_column = rows.tocsc()
 
     def times(self, a: np.ndarray) -> np.ndarray:
-        """``rows @ a`` from the basis columns where ``a`` is not 0 only (a segment cell's column reads its
-        own cell's dimensions and the level sets, not every cell's)."""
+        """``rows @ a`` at the prompts where a basis dimension that ``a`` reads is not 0 (the others are 0; a
+        segment cell's own-label column reads its own cell's dimensions only, not every prompt's)."""
         nz = np.flatnonzero(a)
-        return self._by_column[:, nz] @ a[nz]
+        sub = self._by_column[:, nz]
+        return (sub @ sparse.csc_matrix(a[nz].reshape(-1, 1))).data
 
 
 class GramTerms:
