@@ -138,7 +138,7 @@ def virtual_data(data: EvalData, group: np.ndarray, n_groups: int, extra_X: np.n
     code = remap[key]
     cells = np.stack([present // n_groups, present % n_groups], axis=1)
     names = tuple(f"{data.policies[k]}\x1f{g}" for k, g in cells)
-    X = data.X if extra_X is None else np.hstack([data.X, extra_X])
+    X = data.X if extra_X is None else extra_X if data.X.shape[1] == 0 else np.hstack([data.X, extra_X])
     out = replace(data, policies=names, policy=code.astype(data.policy.dtype), X=X,
                   covariate_names=tuple(data.covariate_names) + tuple(extra_names))
     return out, cells
