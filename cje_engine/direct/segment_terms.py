@@ -85,7 +85,7 @@ def sparse_influence(design: Design, f: np.ndarray, full, stats: np.ndarray) -> 
     cols = np.concatenate([d.policy.astype(np.int64), K + lab_pol.astype(np.int64), 2 * K + lab_pol.astype(np.int64),
                            3 * K + ls.b_cal.astype(np.int64)])
     vals = np.concatenate([e_val, r_val, own_val, R_val])
-    basis = SparseBasis(sparse.coo_matrix((vals, (rows, cols)), shape=(n_p, 3 * K + B)).tocsr(), Moments.zero(0))
+    basis = SparseBasis(sparse.coo_matrix((vals, (rows, cols)), shape=(n_p, 3 * K + B)).tocsc(), Moments.zero(0))
 
     counts = design.cells.counts
     rho_plug = _rho(ls, counts / n_k[:, None])
@@ -115,11 +115,15 @@ def sparse_influence(design: Design, f: np.ndarray, full, stats: np.ndarray) -> 
     return {name: GramTerms(basis, M) for name, M in maps.items()}
 
 
-def prompts_per_column(design: Design) -> np.ndarray:
+def prompts_per_column(design: Design, terms: dict[str, GramTerms] | None = None) -> np.ndarray:
     """Distinct prompts with a row of each policy of ``design`` (no pass over (policy, prompt) pairs'
-    hashes: the structure of the sparse (prompt, policy) matrix)."""
+    hashes: the structure of the sparse (prompt, policy) matrix). ``terms``: `sparse_influence` of the design,
+    whose evaluation columns have exactly that structure (one stored entry per (prompt, policy) pair with
+    rows, kept when its value is 0)."""
     d = design.data
     K = design.n_policies
+    if terms is not None:
+        return np.diff(terms["total"].basis.rows.indptr[:K + 1]).astype(np.int64)
     m = sparse.coo_matrix((np.ones(d.n_rows, dtype=np.int8), (d.prompt.astype(np.int64), d.policy.astype(np.int64))),
                           shape=(d.n_prompts, K)).tocsc()
     return np.diff(m.indptr)

@@ -107,13 +107,14 @@ class SparseBasis(Basis):
     and in the level sets of its calibration rows. Column sums and cross-products are computed sparsely."""
 
     def __post_init__(self) -> None:
-        rows = sparse.csr_matrix(self.rows, dtype=float)
+        rows = self.rows if sparse.issparse(self.rows) and self.rows.format == "csc" else sparse.csc_matrix(self.rows)
+        rows = rows.astype(float, copy=False)
         if not np.isfinite(rows.data).all():
             raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
-        self.rows = rows
+        self.rows = rows  # by column (CSC): a column map reads the basis columns it names
         self.sum = np.asarray(rows.sum(axis=0), dtype=float).ravel()
         self.cross = np.asarray((rows.T @ rows).toarray(), dtype=float)
-        self._by_column = rows.tocsc()
+        self._by_column = rows
 
     def times(self, a: np.ndarray) -> np.ndarray:
         """``rows @ a`` at the prompts where a basis dimension that ``a`` reads is not 0 (the others are 0; a

@@ -194,13 +194,14 @@ def reliability_bins(pred: np.ndarray, y: np.ndarray, weight: np.ndarray, prompt
     idx, edges = score_bins(pred, n_bins)
     _, codes = np.unique(prompt, return_inverse=True)
     means, psi, n = group_mean_residuals(codes, idx, y - pred, weight, edges.size - 1, int(codes.max()) + 1)
+    var = np.diag(np.atleast_2d(cluster_cov(psi)))  # every bin's variance from one covariance (each column centred)
     out = []
     for b in range(edges.size - 1):
         sel = idx == b
         if not sel.any():
             continue
         w = weight[sel]
-        se = float(np.sqrt(cluster_cov(psi[:, b])[0, 0])) if n[b] > 1 else None
+        se = float(np.sqrt(max(var[b], 0.0))) if n[b] > 1 else None
         out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "n": int(n[b]),
                     "mean_predicted": float(np.sum(w * pred[sel]) / np.sum(w)),
                     "mean_label": float(np.sum(w * y[sel]) / np.sum(w)), "se": se})

@@ -205,7 +205,7 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
     # the same prepared class as the run's (a dataclass), on the virtual design
     vprep = replace(prep, options=vopts, design=fit.design, f=f, full=fit.full, stats=fit.stats, infl=infl,
                     jackknife=jk, models=fit.models, excluded=[], replay=None, segments=None,
-                    rows=virtual_row_totals(fit.design))
+                    rows=virtual_row_totals(fit.design, infl))
     return vprep, cells, recal
 
 
@@ -241,12 +241,13 @@ def virtual_cells(prep: Any, vdata: EvalData, group: np.ndarray, n_groups: int, 
     return cells, row_cell, row_key, counts
 
 
-def virtual_row_totals(design: Any) -> RowTotals:
+def virtual_row_totals(design: Any, terms: dict | None = None) -> RowTotals:
     """`cje_engine.pipeline.policies.RowTotals` of the virtual design (histograms of its policy codes; the
-    judge means as score sums over row counts, not one row mask per cell)."""
+    judge means as score sums over row counts, not one row mask per cell; the prompt counts from the
+    structure of the cells' sparse terms ``terms`` when given)."""
     d = design.data
     K = len(d.policies)
-    return RowTotals(n_rows=np.bincount(d.policy, minlength=K), n_prompts=prompts_per_column(design),
+    return RowTotals(n_rows=np.bincount(d.policy, minlength=K), n_prompts=prompts_per_column(design, terms),
                      score_sum=np.bincount(d.policy, weights=d.score, minlength=K),
                      score_min=float(d.score.min()), score_max=float(d.score.max()))
 
