@@ -677,22 +677,27 @@ def corrected_residuals(r_in: np.ndarray, block: np.ndarray, n_blocks: int, r_oo
         return np.where(k > 1, r_in * np.sqrt(k / np.maximum(k - 1, 1)), r_oof)
 
 
-def calibration_term(design: Design, full, share: np.ndarray, f_cal: np.ndarray | None = None, *,
-                     out: np.ndarray | None = None) -> np.ndarray:
-    """Per-prompt first-order effect of estimating the calibrator on ``sum_c share[k, c] f(c)``.
+@dataclass(frozen=True)
+class LevelSetShares:
+    """What `calibration_term` reads of a fitted isotonic calibrator: each calibration row's level set
+    (``b_cal``) and residual (``resid_cal``, leverage-corrected when the out-of-fold values were given), the
+    calibration rows' share of each level set (``q``) and each cell's split between the level sets of its two
+    neighbouring fitted points (``bj`` with weight ``1 - t``, ``bj1`` with weight ``t``)."""
 
-    ``share`` (K', G) weights the cells (rows of a policy per cell over the policy's rows: its
-    plug-in; labelled rows' label weights over their total: the mean calibrated value on its audit
-    slice; any weights ``a_i`` summed per cell: an off-policy estimate). For an isotonic fit on level
-    sets, a calibration row ``j`` contributes ``rho_k(block_j) r_j / m``, with ``rho_k`` the weighted
-    share of the cells in a level set over the calibration rows' share of it (linear interpolation
-    between level sets splits a cell between them) and ``r_j`` its residual: leverage-corrected
-    (`corrected_residuals`) when the cross-fitted values of the calibration rows ``f_cal`` are given,
-    else in sample (the exact derivative for fixed level sets). Returns (n_prompts, K'), written into
-    ``out`` when given (an (n_prompts, K') array or view).
-    """
+    b_cal: np.ndarray  # (m,)
+    resid_cal: np.ndarray  # (m,)
+    m: int
+    q: np.ndarray  # (n_blocks,)
+    n_blocks: int
+    bj: np.ndarray  # (G,)
+    bj1: np.ndarray  # (G,)
+    t: np.ndarray  # (G,)
+
+
+def level_set_shares(design: Design, full, f_cal: np.ndarray | None = None) -> LevelSetShares:
+    """The `LevelSetShares` of ``full`` on the design (the part of `calibration_term` that does not depend on
+    the weights of the cells)."""
     d = design.data
-    n_p = d.n_prompts
     cr = design.cal_rows
     block_of_x, n_blocks = _level_sets(full)
     ux = full.x_
@@ -712,7 +717,29 @@ def calibration_term(design: Design, full, share: np.ndarray, f_cal: np.ndarray 
     gap = ux[j1] - ux[j]
     with np.errstate(invalid="ignore", divide="ignore"):
         t = np.where(gap > 0, np.clip((z_all - ux[j]) / gap, 0.0, 1.0), 0.0)
-    bj, bj1 = block_of_x[j], block_of_x[j1]
+    return LevelSetShares(b_cal, resid_cal, m, q, n_blocks, block_of_x[j], block_of_x[j1], t)
+
+
+def calibration_term(design: Design, full, share: np.ndarray, f_cal: np.ndarray | None = None, *,
+                     out: np.ndarray | None = None) -> np.ndarray:
+    """Per-prompt first-order effect of estimating the calibrator on ``sum_c share[k, c] f(c)``.
+
+    ``share`` (K', G) weights the cells (rows of a policy per cell over the policy's rows: its
+    plug-in; labelled rows' label weights over their total: the mean calibrated value on its audit
+    slice; any weights ``a_i`` summed per cell: an off-policy estimate). For an isotonic fit on level
+    sets, a calibration row ``j`` contributes ``rho_k(block_j) r_j / m``, with ``rho_k`` the weighted
+    share of the cells in a level set over the calibration rows' share of it (linear interpolation
+    between level sets splits a cell between them) and ``r_j`` its residual: leverage-corrected
+    (`corrected_residuals`) when the cross-fitted values of the calibration rows ``f_cal`` are given,
+    else in sample (the exact derivative for fixed level sets). Returns (n_prompts, K'), written into
+    ``out`` when given (an (n_prompts, K') array or view).
+    """
+    d = design.data
+    n_p = d.n_prompts
+    cr = design.cal_rows
+    ls = level_set_shares(design, full, f_cal)
+    b_cal, resid_cal, m, q, n_blocks = ls.b_cal, ls.resid_cal, ls.m, ls.q, ls.n_blocks
+    bj, bj1, t = ls.bj, ls.bj1, ls.t
     if out is None:
         out = np.empty((n_p, share.shape[0]))
     prompt_cr = d.prompt[cr]

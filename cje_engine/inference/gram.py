@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from scipy import sparse
 
 #: The message of `TermsNotKept`.
 NOT_KEPT = ("the per-prompt influence terms were not kept: this evaluation ran the sharded row pass in the Gram form "
@@ -87,12 +88,40 @@ class Basis:
         """Every prompt: labelled rows plus unlabelled ones."""
         return int(self.rows.shape[0] + self.moments.n)
 
+    def times(self, a: np.ndarray) -> np.ndarray:
+        """The values ``rows @ a`` of the column map ``a`` (D,) at the basis rows (labelled prompts only here),
+        for sums of their powers: a subclass may leave out rows where the value is 0."""
+        return self.rows @ a
+
     def local(self, prompt: np.ndarray) -> np.ndarray:
         """The row of each of the evaluation's prompt codes ``prompt`` (all must be labelled prompts)."""
         pos = np.searchsorted(self.prompts, prompt)
         if pos.size and (pos.max() >= self.prompts.size or not np.array_equal(self.prompts[pos], prompt)):
             raise ValueError("a prompt without a row in the Gram form")
         return pos
+
+
+class SparseBasis(Basis):
+    """A `Basis` whose rows are a sparse matrix (every prompt a row, no moments): the segment x policy terms
+    (`cje_engine.direct.segment_terms`), where a prompt's row is non-zero only in its own segment's columns
+    and in the level sets of its calibration rows. Column sums and cross-products are computed sparsely."""
+
+    def __post_init__(self) -> None:
+        rows = self.rows if sparse.issparse(self.rows) and self.rows.format == "csc" else sparse.csc_matrix(self.rows)
+        rows = rows.astype(float, copy=False)
+        if not np.isfinite(rows.data).all():
+            raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
+        self.rows = rows  # by column (CSC): a column map reads the basis columns it names
+        self.sum = np.asarray(rows.sum(axis=0), dtype=float).ravel()
+        self.cross = np.asarray((rows.T @ rows).toarray(), dtype=float)
+        self._by_column = rows
+
+    def times(self, a: np.ndarray) -> np.ndarray:
+        """``rows @ a`` at the prompts where a basis dimension that ``a`` reads is not 0 (the others are 0; a
+        segment cell's own-label column reads its own cell's dimensions only, not every prompt's)."""
+        nz = np.flatnonzero(a)
+        sub = self._by_column[:, nz]
+        return (sub @ sparse.csc_matrix(a[nz].reshape(-1, 1))).data
 
 
 class GramTerms:
@@ -259,7 +288,7 @@ class GramTerms:
             raise ValueError("acceleration of a single column")
         a = np.nan_to_num(self.M[:, 0])
         m = self.moments
-        x = self.basis.rows @ a
+        x = self.basis.times(a)
         g, s, P = self._sums()
         s1, s2 = float(s[0]), float(P[0, 0])
         ak = a[:m.s.size]

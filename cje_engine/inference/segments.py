@@ -16,6 +16,7 @@ import numpy as np
 from scipy.stats import chi2, norm
 from scipy.stats import t as student_t
 
+from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.variance import cluster_cov
 
 #: Relative eigenvalue below which a direction of the omnibus covariance counts as degenerate.
@@ -77,6 +78,8 @@ def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, rep
         d = np.asarray(reps_a, float) - np.asarray(reps_b, float)
         d = d[np.isfinite(d)]
         se = float(np.std(d, ddof=1)) if d.size > 2 else float("nan")
+    elif isinstance(psi_a, GramTerms):  # the segment cells' sparse Gram form (`cje_engine.direct.segment_terms`)
+        se = float(np.sqrt(max(float(cluster_cov(np.nan_to_num(psi_a - psi_b))[0, 0]), 0.0)))
     else:
         se = float(np.sqrt(cluster_cov(np.nan_to_num(np.asarray(psi_a, float) - np.asarray(psi_b, float)))[0, 0]))
     if not (np.isfinite(diff) and np.isfinite(se) and se > 0):
@@ -119,7 +122,7 @@ def group_mean_residuals(prompt: np.ndarray, group: np.ndarray, resid: np.ndarra
     return means, psi, np.bincount(g, minlength=n_groups)
 
 
-def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
+def wald_test(delta: np.ndarray, psi: np.ndarray | None, V: np.ndarray | None = None) -> tuple[float, int, float]:
     """Clustered Wald test of H0: every entry of ``delta`` is 0.
 
     ``V = cluster_cov(psi)`` (prompt clusters, G/(G-1)); the statistic ``delta' V^+ delta`` on the
@@ -133,6 +136,8 @@ def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
         The means (non-finite entries are left out, with their columns).
     psi : ndarray (n_clusters, J)
         Their per-cluster influence sums.
+    V : ndarray (J, J), optional
+        ``cluster_cov(psi)`` when the caller has it (``psi`` is then not read).
 
     Returns
     -------
@@ -143,7 +148,8 @@ def wald_test(delta: np.ndarray, psi: np.ndarray) -> tuple[float, int, float]:
     ok = np.isfinite(delta)
     if not ok.any():
         return float("nan"), 0, float("nan")
-    V = np.atleast_2d(cluster_cov(np.asarray(psi, float)[:, ok]))
+    V = (np.atleast_2d(cluster_cov(np.asarray(psi, float)[:, ok])) if V is None
+         else np.atleast_2d(np.asarray(V, float)[np.ix_(ok, ok)]))
     vals, vecs = np.linalg.eigh(V)
     top = float(vals.max()) if vals.size else 0.0
     keep = vals > RANK_TOL * top if top > 0 else np.zeros(vals.size, bool)
@@ -188,13 +194,14 @@ def reliability_bins(pred: np.ndarray, y: np.ndarray, weight: np.ndarray, prompt
     idx, edges = score_bins(pred, n_bins)
     _, codes = np.unique(prompt, return_inverse=True)
     means, psi, n = group_mean_residuals(codes, idx, y - pred, weight, edges.size - 1, int(codes.max()) + 1)
+    var = np.diag(np.atleast_2d(cluster_cov(psi)))  # every bin's variance from one covariance (each column centred)
     out = []
     for b in range(edges.size - 1):
         sel = idx == b
         if not sel.any():
             continue
         w = weight[sel]
-        se = float(np.sqrt(cluster_cov(psi[:, b])[0, 0])) if n[b] > 1 else None
+        se = float(np.sqrt(max(var[b], 0.0))) if n[b] > 1 else None
         out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "n": int(n[b]),
                     "mean_predicted": float(np.sum(w * pred[sel]) / np.sum(w)),
                     "mean_label": float(np.sum(w * y[sel]) / np.sum(w)), "se": se})

@@ -56,6 +56,27 @@ def cluster_cov(psi: np.ndarray, *, center: bool = True) -> np.ndarray:
     return (c.T @ c) * g / max(g - 1, 1)
 
 
+def cluster_cov_padded(psi: np.ndarray, n_clusters: int) -> np.ndarray:
+    """`cluster_cov` (centred) of ``psi`` stacked over ``n_clusters - len(psi)`` more clusters whose sums are 0,
+    without building them: ``(sum_c psi_c psi_c' - s s' / G) G / (G - 1)`` with ``s`` the column sums and
+    ``G = n_clusters`` (the same matrix up to rounding; the omnibus tests of one policy's labels among every
+    labelled prompt's clusters).
+
+    Parameters
+    ----------
+    psi : ndarray, shape (L,) or (L, K)
+        The per-cluster sums of the clusters that hold any (NaN counts as 0).
+    n_clusters : int
+        Every cluster, ``L`` of them in ``psi`` (at least ``L``).
+    """
+    c = np.nan_to_num(np.asarray(psi, dtype=float))
+    if c.ndim == 1:
+        c = c[:, None]
+    g = max(int(n_clusters), c.shape[0])
+    s = c.sum(axis=0)
+    return (c.T @ c - np.outer(s, s) / max(g, 1)) * g / max(g - 1, 1)
+
+
 def cluster_var(psi: np.ndarray) -> np.ndarray:
     """The diagonal of `cluster_cov` (centred): each column's variance, without the off-diagonal products.
 

@@ -140,6 +140,10 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
     elif scores is None:
         scores = [d.score[d.policy == k] for k in range(len(d.policies))]
     out = []
+    x_range = None
+    if design.entry.uses_covariates and per_policy and d.X.shape[1]:
+        Xc = d.X[design.cal_rows]  # once, not per policy (segments: ~100 virtual policies)
+        x_range = (Xc.min(axis=0), Xc.max(axis=0))
     for i, s in enumerate(scores):
         cnt = np.searchsorted(cs, s + h + tol, side="right") - np.searchsorted(cs, s - h - tol, side="left")
         outside = (s < cs[0] - tol) | (s > cs[-1] + tol)
@@ -159,10 +163,9 @@ def support_checks(design: Design, opts: EvaluationOptions, scores: Sequence[np.
                      f"+/-{h:.4g} of the score, or outside [{cs[0]:.4g}, {cs[-1]:.4g}]; limited when more than "
                      f"{opts.support_material_share:.0%} of rows are thin"),
         }
-        if design.entry.uses_covariates and per_policy and d.X.shape[1]:
+        if x_range is not None:
             # the index extrapolates where a covariate lies outside the calibration labels' range
-            Xc = d.X[design.cal_rows]
-            lo, hi = Xc.min(axis=0), Xc.max(axis=0)
+            lo, hi = x_range
             cx = design.cells.cells.X if by_cell else d.X[d.policy == i]
             off = np.any((cx < lo - 1e-12) | (cx > hi + 1e-12), axis=1)
             share = float(np.sum(w * off) / np.sum(w))

@@ -25,13 +25,15 @@ import pandas as pd
 from scipy.stats import norm
 
 from cje_engine.calibration import registry
+from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import bootstrap_replicates, bootstrap_view, fold_jackknife
+from cje_engine.direct.segment_terms import prompts_per_column, sparse_influence
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.multiplicity import adjust, holm
-from cje_engine.inference.variance import cluster_cov
+from cje_engine.inference.variance import cluster_cov_padded
 from cje_engine.pipeline.calibration import fit_mode
-from cje_engine.pipeline.policies import summarize_direct
+from cje_engine.pipeline.policies import RowTotals, summarize_direct
 from cje_engine.result.jsonable import jsonable
 from cje_engine.inference.segments import (by_interval_level, eb_pool, group_mean_residuals, normal_interval,
                                            paired_difference, reliability_bins, score_bins, wald_test)
@@ -129,13 +131,16 @@ def virtual_data(data: EvalData, group: np.ndarray, n_groups: int, extra_X: np.n
     """
     K = len(data.policies)
     key = data.policy.astype(np.int64) * n_groups + group
-    present, code = np.unique(key, return_inverse=True)
+    # np.unique's sorted keys and inverse, by a histogram of the K x G keys (no hash or sort of the rows)
+    present = np.flatnonzero(np.bincount(key, minlength=K * n_groups))
+    remap = np.zeros(K * n_groups, dtype=np.int64)
+    remap[present] = np.arange(present.size)
+    code = remap[key]
     cells = np.stack([present // n_groups, present % n_groups], axis=1)
     names = tuple(f"{data.policies[k]}\x1f{g}" for k, g in cells)
-    X = data.X if extra_X is None else np.hstack([data.X, extra_X])
+    X = data.X if extra_X is None else extra_X if data.X.shape[1] == 0 else np.hstack([data.X, extra_X])
     out = replace(data, policies=names, policy=code.astype(data.policy.dtype), X=X,
                   covariate_names=tuple(data.covariate_names) + tuple(extra_names))
-    del K
     return out, cells
 
 
@@ -186,7 +191,7 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
                                                 "levels use a calibration with the segment as a covariate",
                      "mode": mode, "covariates": list(d.covariate_names) + list(extra_names)}
     vdata, cells = virtual_data(d, group, G, extra_X, extra_names)
-    fit = fit_mode(vdata, mode, _sources(prep, vdata, cells))
+    fit = fit_mode(vdata, mode, _sources(prep, vdata, cells), virtual_cells(prep, vdata, group, G, mode, extra_X))
     names = set(vdata.policies)
     trust = opts.trust_transport
     if trust and "*" not in trust:
@@ -195,20 +200,71 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
                     calibration_policies=_sources(prep, vdata, cells),
                     covariates=tuple(vdata.covariate_names))
     jk = fold_jackknife(fit.design, fit.models)
+    f = fit.f
+    infl = sparse_influence(fit.design, f, fit.full, fit.stats)  # never the dense (prompts, 2 K S) arrays
     # the same prepared class as the run's (a dataclass), on the virtual design
-    vprep = replace(prep, options=vopts, design=fit.design, f=fit.f, full=fit.full, stats=fit.stats, infl=fit.infl,
-                    jackknife=jk, models=fit.models, excluded=[], replay=None, segments=None)
+    vprep = replace(prep, options=vopts, design=fit.design, f=f, full=fit.full, stats=fit.stats, infl=infl,
+                    jackknife=jk, models=fit.models, excluded=[], replay=None, segments=None,
+                    rows=virtual_row_totals(fit.design, infl))
     return vprep, cells, recal
+
+
+def virtual_cells(prep: Any, vdata: EvalData, group: np.ndarray, n_groups: int, mode: str,
+                  extra_X: np.ndarray | None) -> tuple | None:
+    """`cje_engine.direct.estimators.row_cells` of the virtual data from the run's cells, without coding the
+    rows' scores and covariates again: the same cells when the calibration is the run's; with the segment
+    one-hot columns, the cells of the distinct (run's cell, segment) pairs. None when the run's cells do
+    not determine the virtual ones (another mode, or covariates the run's mode did not read)."""
+    ci = prep.design.cells
+    if ci is None:
+        return None
+    K = len(vdata.policies)
+    if extra_X is None and mode == prep.design.mode:
+        cells, row_cell = ci.cells, ci.row_cell
+    elif extra_X is not None and (prep.design.entry.uses_covariates or prep.design.data.X.shape[1] == 0):
+        pair = ci.row_cell.astype(np.int64) * n_groups + group
+        present = np.flatnonzero(np.bincount(pair, minlength=ci.cells.size * n_groups))
+        code = np.zeros(ci.cells.size * n_groups, dtype=np.int64)
+        code[present] = np.arange(present.size)
+        code = code[pair]
+        first = np.zeros(present.size, dtype=np.int64)
+        first[code[::-1]] = np.arange(code.size - 1, -1, -1)  # a row of each pair (the first)
+        cells, pair_cell = make_cells(vdata.score[first], vdata.X[first])  # sorted as make_cells sorts the rows
+        row_cell = pair_cell[code]
+    else:
+        return None
+    G = cells.size
+    small = np.int32 if K * G < 2**31 else np.int64  # as `row_cells`
+    row_cell = row_cell.astype(small)
+    row_key = vdata.policy.astype(small) * small(G) + row_cell
+    counts = np.bincount(row_key, minlength=K * G).reshape(K, G).astype(float)
+    return cells, row_cell, row_key, counts
+
+
+def virtual_row_totals(design: Any, terms: dict | None = None) -> RowTotals:
+    """`cje_engine.pipeline.policies.RowTotals` of the virtual design (histograms of its policy codes; the
+    judge means as score sums over row counts, not one row mask per cell; the prompt counts from the
+    structure of the cells' sparse terms ``terms`` when given)."""
+    d = design.data
+    K = len(d.policies)
+    return RowTotals(n_rows=np.bincount(d.policy, minlength=K), n_prompts=prompts_per_column(design, terms),
+                     score_sum=np.bincount(d.policy, weights=d.score, minlength=K),
+                     score_min=float(d.score.min()), score_max=float(d.score.max()))
 
 
 def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np.ndarray, score: np.ndarray,
              group: np.ndarray, group_names: list[str], n_prompts: int, alpha: float) -> dict:
-    """The omnibus test on these labelled rows: mean residual by segment and by score decile."""
+    """The omnibus test on these labelled rows: mean residual by segment and by score decile.
+
+    ``prompt``: the rows' clusters among ``n_prompts``; the covariances are over all of them
+    (`cluster_cov_padded`), the per-cluster sums built for the clusters of these rows only."""
     G = len(group_names)
-    means_s, psi_s, n_s = group_mean_residuals(prompt, group, resid, weight, G, n_prompts)
+    present, local = np.unique(prompt, return_inverse=True)
+    n_c = int(present.size)
+    means_s, psi_s, n_s = group_mean_residuals(local, group, resid, weight, G, n_c)
     dec, edges = score_bins(score, N_BINS)
     D = edges.size - 1
-    means_d, psi_d, n_d = group_mean_residuals(prompt, dec, resid, weight, D, n_prompts)
+    means_d, psi_d, n_d = group_mean_residuals(local, dec, resid, weight, D, n_c)
     delta = np.concatenate([means_s, means_d])
     psi = np.hstack([psi_s, psi_d])
     n = np.concatenate([n_s, n_d])
@@ -219,17 +275,18 @@ def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np
     last = np.flatnonzero(np.isfinite(test[G:]))
     if G > 0 and last.size:
         test[G + last[-1]] = np.nan
-    stat, df, p = wald_test(test, psi)
-    se = np.sqrt(np.clip(np.diag(np.atleast_2d(cluster_cov(psi))), 0, None))
+    V = cluster_cov_padded(psi, n_prompts)
+    stat, df, p = wald_test(test, None, V=V)
+    se = np.sqrt(np.clip(np.diag(V), 0, None))
     comps = [{"kind": "segment", "name": group_names[j], "n": int(n_s[j]), "mean_residual": float(means_s[j]),
               "se": float(se[j])} for j in range(G) if n_s[j] > 0]
     comps += [{"kind": "decile", "name": f"{edges[j]:.4g}-{edges[j + 1]:.4g}", "n": int(n_d[j]),
                "mean_residual": float(means_d[j]), "se": float(se[G + j])} for j in range(D) if n_d[j] > 0]
-    pooled, psi_p, _ = group_mean_residuals(prompt, np.zeros(resid.size, np.int64), resid, weight, 1, n_prompts)
-    pse = float(np.sqrt(cluster_cov(psi_p[:, 0])[0, 0])) if resid.size > 1 else float("nan")
+    pooled, psi_p, _ = group_mean_residuals(local, np.zeros(resid.size, np.int64), resid, weight, 1, n_c)
+    pse = float(np.sqrt(max(cluster_cov_padded(psi_p[:, 0], n_prompts)[0, 0], 0.0))) if resid.size > 1 else float("nan")
     return {"policy": policy_name, "statistic": stat, "df": df, "p_value": p,
             "reject": None if not np.isfinite(p) else bool(p <= alpha), "n_labels": int(resid.size),
-            "n_clusters": int(np.unique(prompt).size), "pooled_residual_mean": float(pooled[0]),
+            "n_clusters": n_c, "pooled_residual_mean": float(pooled[0]),
             "pooled_se": pse, "pooled_p_value": float(2 * norm.sf(abs(pooled[0]) / pse)) if pse > 0 else None,
             "components": comps}
 

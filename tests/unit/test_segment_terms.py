@@ -1,0 +1,126 @@
+"""The fast paths of segments (docs/segments.md, "Cost") against the slow, obvious computations they replace.
+
+- the cells' influence terms in the sparse Gram form (`cje_engine.direct.segment_terms`) = the dense
+  `estimators.influence` and `verified.own_label_influence` of the same virtual design, entry by entry and
+  through every reduction the finalize applies (variances, covariances, acceleration, power-tuning weight);
+- the virtual design's cells and keys, prompt counts and policy recoding = `row_cells`, `prompts_per_policy`
+  and ``np.unique`` on the rows, bit for bit;
+- the omnibus covariance over only the clusters that hold labels = `cluster_cov` over every cluster.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cje_engine.direct.estimators import influence, row_cells
+from cje_engine.direct.segment_terms import prompts_per_column, sparse_influence
+from cje_engine.direct.verified import own_label_influence, power_tuned_lambda
+from cje_engine.inference.intervals import acceleration
+from cje_engine.inference.variance import cluster_cov, cluster_cov_padded, cluster_var
+from cje_engine.pipeline import segments as seg
+from cje_engine.pipeline.direct import prepare
+from cje_engine.pipeline.policies import prompts_per_policy
+from cje_engine.simulate.segments import segment_scenario, simulate_segments
+
+
+@pytest.fixture(scope="module")
+def virtual():
+    """A prepared segmented run (4 segments, 2 policies, some policies' labels removed in one segment) and its
+    virtual-policy preparation with and without the segment covariate."""
+    data = simulate_segments(segment_scenario("loser", seed=11, n_prompts=600, oracle_fraction=0.2))
+    frame = data.frame.copy()
+    # a cell without labels: its augmented, audit and own-label columns are NaN
+    frame.loc[(frame["segment"] == "c") & (frame["policy"] == "new"), "oracle_label"] = np.nan
+    prep = prepare(frame, calibration_mode="monotone", inference="analytic", seed=1, segment_by=["segment"],
+                   segment_min_labels=0)
+    d = prep.design.data
+    group, names, _ = seg.plan_segments(d.policy, prep.segments.code, d.labelled, len(d.policies),
+                                        prep.segments.names, 50, 0)
+    out = {}
+    for recal in (False, True):
+        vprep, cells, _ = seg.segment_prepared(prep, group, names, recal)
+        out[recal] = vprep
+    return prep, group, names, out
+
+
+def _dense(vprep):
+    design = vprep.design
+    d = design.data
+    infl = influence(design, vprep.f, vprep.full, vprep.stats)
+    lab = design.lab_rows
+    _, own = own_label_influence(d.prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab], d.n_prompts,
+                                 design.n_policies)
+    infl["own"] = own
+    return infl
+
+
+@pytest.mark.parametrize("recal", [False, True])
+def test_sparse_terms_equal_the_dense_influence_terms_entry_by_entry(virtual, recal):
+    vprep = virtual[3][recal]
+    dense = _dense(vprep)
+    sparse = sparse_influence(vprep.design, vprep.f, vprep.full, vprep.stats)
+    for name in ("total", "calibration", "audit", "own"):
+        a, b = dense[name], sparse[name].rows  # the Gram form's every prompt (basis rows times the map)
+        assert a.shape == b.shape
+        assert np.array_equal(np.isnan(a).all(0), np.isnan(b).all(0)), name
+        fin = np.isfinite(a).all(0)
+        assert fin.sum() >= a.shape[1] - 3  # only the label-less cell's columns are NaN
+        scale = np.abs(a[:, fin]).max()
+        assert np.abs(a[:, fin] - b[:, fin]).max() <= 1e-12 * scale, name
+
+
+@pytest.mark.parametrize("recal", [False, True])
+def test_sparse_terms_give_the_dense_variances_accelerations_and_lambdas(virtual, recal):
+    vprep = virtual[3][recal]
+    dense = _dense(vprep)
+    sparse = vprep.infl  # what the virtual preparation carries
+    K = vprep.design.n_policies
+    for name in ("total", "calibration"):
+        v_d, v_s = cluster_var(dense[name]), cluster_var(sparse[name])
+        assert v_s == pytest.approx(v_d, rel=1e-12, abs=1e-30)
+    for k in range(K):
+        col = K + k
+        if not np.isfinite(dense["own"][:, k]).all():
+            continue
+        assert acceleration(sparse["total"][:, col]) == pytest.approx(acceleration(dense["total"][:, col]), rel=1e-9,
+                                                                      abs=1e-14)
+        assert power_tuned_lambda(sparse["own"][:, k], sparse["total"][:, col]) == pytest.approx(
+            power_tuned_lambda(dense["own"][:, k], dense["total"][:, col]), rel=1e-12, abs=1e-14)
+    pair = cluster_cov(np.nan_to_num(dense["total"][:, K] - dense["total"][:, K + 1]))[0, 0]
+    assert float(cluster_cov(np.nan_to_num(sparse["total"][:, K] - sparse["total"][:, K + 1]))[0, 0]) == pytest.approx(
+        pair, rel=1e-12)
+
+
+@pytest.mark.parametrize("recal", [False, True])
+def test_virtual_cells_keys_and_prompt_counts_equal_the_row_passes(virtual, recal):
+    prep, group, names, vpreps = virtual
+    vdesign = vpreps[recal].design
+    slow = row_cells(vdesign.data, vdesign.mode)
+    fast = (vdesign.cells.cells, vdesign.cells.row_cell, vdesign.cells.row_key, vdesign.cells.counts)
+    for a, b in zip(fast[1:], slow[1:]):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    for field in ("score", "X", "score_values", "score_code"):
+        assert np.array_equal(getattr(fast[0], field), getattr(slow[0], field))
+    d = vdesign.data
+    assert np.array_equal(prompts_per_column(vdesign), prompts_per_policy(d.policy, d.prompt, len(d.policies),
+                                                                          d.n_prompts))
+    assert np.array_equal(vpreps[recal].rows.n_rows, np.bincount(d.policy, minlength=len(d.policies)))
+
+
+def test_virtual_policy_codes_equal_np_unique(virtual):
+    prep, group, names, _ = virtual
+    d = prep.design.data
+    vdata, cells = seg.virtual_data(d, group, len(names))
+    key = d.policy.astype(np.int64) * len(names) + group
+    present, code = np.unique(key, return_inverse=True)
+    assert np.array_equal(vdata.policy, code.astype(d.policy.dtype))
+    assert np.array_equal(cells, np.stack([present // len(names), present % len(names)], axis=1))
+
+
+def test_padded_cluster_cov_equals_cluster_cov_over_every_cluster():
+    rng = np.random.default_rng(0)
+    psi = rng.normal(size=(40, 3)) + 0.3
+    full = np.zeros((100, 3))
+    full[rng.choice(100, 40, replace=False)] = psi
+    assert cluster_cov_padded(psi, 100) == pytest.approx(cluster_cov(full), rel=1e-12)
+    assert cluster_cov_padded(psi[:, 0], 100)[0, 0] == pytest.approx(cluster_cov(full[:, 0])[0, 0], rel=1e-12)
