@@ -73,14 +73,15 @@ def _answers(endpoint: str) -> bool:
 
 def start_s3_server(host: str = "127.0.0.1", port: int | None = None, timeout: float = 30.0,
                     log_file: str | os.PathLike | None = None) -> S3Server:
-    """Start ``python -m moto.server`` on ``host`` and wait until it answers HTTP."""
+    """Start moto's S3 server (``python -m atomic_moto``: conditional writes atomic, as on S3) on ``host`` and
+    wait until it answers HTTP."""
     last_error = "did not answer"
     for _ in range(3):  # a port picked by free_port can be taken in between: retry
         chosen = port or free_port(host)
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL
         env = dict(os.environ)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", host, "-p", str(chosen)],
+            [sys.executable, "-m", "atomic_moto", "-H", host, "-p", str(chosen)],  # moto, conditional PUTs atomic
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             cwd=str(Path(__file__).resolve().parent),
         )
