@@ -34,7 +34,8 @@ def pytest_collection_modifyitems(config, items):
     tests/stats: none uses the stack's Prefect or Ray) in the other, on the CPU the stack tests leave idle.
     Without ``--dist loadgroup`` (the default tier's ``loadfile``) the groups change nothing.
 
-    Every test of tests/stats that is not ``slow`` is marked ``stats`` here."""
+    Every test of tests/stats that is not ``slow`` is marked ``stats`` here (a few Monte Carlo checks
+    elsewhere carry the marker themselves)."""
     here = Path(__file__).parent
     for item in items:
         parents = Path(str(item.fspath)).parents

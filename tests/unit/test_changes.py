@@ -76,6 +76,7 @@ def test_undecided_drop_says_how_many_labels_would_decide_it():
     assert c.status == "undecided" and c.labels_needed is None
 
 
+@pytest.mark.stats  # Monte Carlo: CI's service tier (docs/testing.md)
 def test_false_alarm_rate_over_50_windows_holds():
     # 400 sequences x 50 windows with no change (more in benchmarks/bench_monitoring.py). The family-wise rate is
     # <= alpha by the union bound; tolerance: 3 binomial SEs at p = 0.05 (3 * sqrt(.05 * .95 / 400) = 0.033).

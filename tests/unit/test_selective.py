@@ -181,6 +181,7 @@ def test_audit_critical_z_is_the_audit_s_own_fail_boundary(df):
 
 # --------------------------------------------------------------------------- conditional coverage, Monte Carlo
 
+@pytest.mark.stats  # Monte Carlo: CI's service tier (docs/testing.md)
 @pytest.mark.parametrize("mu_r", [0.0, 1.5])
 def test_conditional_coverage_on_a_bivariate_normal(mu_r):
     """(L, R) bivariate normal, Var 1 and 1.2, Cov 0.9 (L = P + R-like); selected when |R|/sqrt(1.2) > 1.96.
