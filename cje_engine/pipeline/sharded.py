@@ -399,6 +399,7 @@ class ShardedPrepared:
     influence: str = "per_prompt"  # "per_prompt": kept; "gram": only their sums and cross-products
     gram: dict = field(default_factory=dict)  # the merged Gram form of the evaluation terms
     reason: str = "requested"  # why the sharded path was taken (the result's ``inference.row_pass``)
+    segments: Any = None  # options.segment_by: the shards' segment counts (`sharded_segments.SegmentCounts`)
 
     @property
     def options(self) -> EvaluationOptions:
@@ -431,6 +432,9 @@ class ShardedPrepared:
     def finalize(self, chunks: Sequence[np.ndarray]):
         """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""
         result = self.prep.finalize(chunks)
+        if self.segments is not None:  # the segment x policy cells, reduced on the shards too
+            from cje_engine.pipeline.sharded_segments import summarize_sharded_segments
+            summarize_sharded_segments(self, result)
         result.model.inference.row_pass = RowPass(path="sharded", shards=len(self.shards), influence=self.influence,
                                                   reason=self.reason)
         return result
@@ -469,7 +473,7 @@ def check_terms_memory(n_prompts: int, n_policies: int, budget: int | None = Non
 
 def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = None, *,
                     mapper: Mapper = serial_map, keep_terms: bool | None = None, reason: str = "requested",
-                    terms_budget: int | None = None, **kwargs: Any) -> ShardedPrepared:
+                    terms_budget: int | None = None, fit: Callable | None = None, **kwargs: Any) -> ShardedPrepared:
     """Prepare a Direct evaluation from shards of rows split by prompt (`split_by_shard`).
 
     Parameters
@@ -491,6 +495,10 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         (`cje_engine.inference.gram.GramTerms`: the labelled prompts' terms plus the moments of the rest; the
         driver's memory does not grow with the prompts; the result's ``inference.row_pass.influence`` is
         ``gram``). None (default): per-prompt terms when they fit the budget, else the Gram form.
+    fit : callable, optional
+        ``fit(data, options, rows) -> (Fit, selection, excluded)`` on the merged labelled rows (default
+        `cje_engine.pipeline.calibration.fit_calibration`: mode selection and robust pooling); the segment cells
+        fit the run's mode only (`cje_engine.pipeline.sharded_segments`).
     """
     opts = EvaluationOptions.of(options, **kwargs)
     if opts.inference == "bootstrap" and opts.pooling_bootstrap == "rerun" and opts.calibration_policies:
@@ -513,7 +521,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
     data = merged.data
     _check_labels(data, merged.totals)
-    fit, selection, excluded = fit_calibration(data, opts, dict(merged.rows))
+    fit, selection, excluded = (fit or fit_calibration)(data, opts, dict(merged.rows))
     design = fit.design
     mode = design.mode
     G = design.cells.cells.size
@@ -555,8 +563,12 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
              merged.n_rows, len(shards), merged.n_prompts, data.n_rows, mode)
     prep = Prepared(opts, design, selection, f, fit.full, stats, infl, jk, fit.models, excluded, None,
                     rows=merged.totals)
-    return ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper,
-                           "per_prompt" if keep_terms else "gram", gram, reason)
+    sp = ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper, "per_prompt" if keep_terms else "gram",
+                         gram, reason)
+    if opts.segment_by:  # each row's segment, counted on the shards (errors here, before any bootstrap)
+        from cje_engine.pipeline.sharded_segments import count_segments
+        sp.segments = count_segments(sp)
+    return sp
 
 
 def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, parts: Sequence[ShardTerms],
