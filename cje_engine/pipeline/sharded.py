@@ -650,3 +650,19 @@ def _check_labels(data: EvalData, totals: RowTotals) -> None:
     if totals.score_min == totals.score_max:
         raise CJEInputError(f"every judge score is {totals.score_min:g}; the judge scores carry no information",
                             column=SCORE)
+
+
+#: The evaluation modes the sharded row pass has (docs/scaling.md, "Modes and segments").
+SHARDED_MODES = ("direct",)
+#: Why logs-only and hybrid have none: the result's ``inference.row_pass.reason`` of their runs.
+OFFPOLICY_UNSHARDED = ("its estimators need every logged row in one process (the importance-weight calibration, "
+                       "SIMCal, and the stacked estimators are refitted on each row's own weight in every bootstrap "
+                       "resample: no per-shard count or histogram carries them exactly)")
+
+
+def check_sharded_mode(mode: str, what: str = "row_pass") -> None:
+    """Raise `CJEInputError` naming ``mode`` when it has no sharded row pass (`SHARDED_MODES`); ``what``
+    starts the message (the key or parameter that asked for it)."""
+    if mode not in SHARDED_MODES:
+        raise CJEInputError(f"{what}: sharded is not available in mode {mode!r}: {OFFPOLICY_UNSHARDED}; use "
+                            "row_pass: auto or single (the single path)", option="row_pass")
