@@ -122,3 +122,15 @@ def test_row_pass_walks_from_yaml_to_the_flow_typed_once(tmp_path):
     f.write_text(yaml.safe_dump({"evaluations": [{**entry, "row_pass": "sideways"}]}))
     with pytest.raises(CJEInputError, match="row_pass"):
         load_evaluations(str(f))
+
+
+def test_a_log_file_without_a_segment_column_is_refused_by_its_read_task():
+    """On the sharded path the segment columns are checked where each file is read (`FileRows`), naming it."""
+    from flows.pipelines.sharded_pass import FileRows
+
+    t = pa.Table.from_pandas(simulate(20, seed=1).frame, preserve_index=False)
+    with pytest.raises(CJEInputError, match="column 'band'.*column is missing from the logs") as err:
+        FileRows(None, [], ["band"])(t, "s3://b/logs/dt=2026-02-02/part-0.parquet")
+    assert err.value.source == "s3://b/logs/dt=2026-02-02/part-0.parquet"
+    table, info = FileRows(None, [], ["band"])(t.append_column("band", pa.array(["x"] * t.num_rows)), "f")
+    assert "band" in table.column_names and info["policies"]
