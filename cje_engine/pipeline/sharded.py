@@ -48,6 +48,7 @@ from cje_engine.inference.gram import Basis, GramTerms, Moments
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.direct import Prepared
+from cje_engine.pipeline import sharded_segments
 from cje_engine.pipeline.policies import RowTotals
 from cje_engine.result.model import RowPass
 
@@ -433,8 +434,7 @@ class ShardedPrepared:
         """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""
         result = self.prep.finalize(chunks)
         if self.segments is not None:  # the segment x policy cells, reduced on the shards too
-            from cje_engine.pipeline.sharded_segments import summarize_sharded_segments
-            summarize_sharded_segments(self, result)
+            sharded_segments.summarize_sharded_segments(self, result, prepare_sharded)
         result.model.inference.row_pass = RowPass(path="sharded", shards=len(self.shards), influence=self.influence,
                                                   reason=self.reason)
         return result
@@ -566,8 +566,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     sp = ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper, "per_prompt" if keep_terms else "gram",
                          gram, reason)
     if opts.segment_by:  # each row's segment, counted on the shards (errors here, before any bootstrap)
-        from cje_engine.pipeline.sharded_segments import count_segments
-        sp.segments = count_segments(sp)
+        sp.segments = sharded_segments.count_segments(sp, ROW)
     return sp
 
 

@@ -36,12 +36,13 @@ from cje_engine.data.frame import LABEL, POLICY
 from cje_engine.errors import CJEInputError
 from cje_engine.pipeline.calibration import fit_mode
 from cje_engine.pipeline.segments import OTHER, SegmentRows, segment_rows, summarize_segments
-from cje_engine.pipeline.sharded import ROW, Mapper, ShardedPrepared, prepare_sharded
 
 log = logging.getLogger(__name__)
 
 #: Separator of a virtual (policy, segment group) policy's name (`segments.virtual_data`'s).
 VIRTUAL = "\x1f"
+#: ``Mapper(fn, items)``: `cje_engine.pipeline.sharded.Mapper` (runs ``fn(*item)`` per item, yields (index, result)).
+Mapper = Callable[[Callable, Sequence[tuple]], Any]
 #: Largest block of histograms (replicates x cells x 8 bytes) the segment cells' bootstrap asks at a time.
 HISTOGRAM_BLOCK_BYTES = 64 * 2**20
 
@@ -54,7 +55,7 @@ class ShardSegments:
     policies: tuple  # sorted distinct policy names
     rows: np.ndarray  # (len(names), len(policies)) rows per (segment, policy)
     labels: np.ndarray  # (len(names),) labelled rows per segment
-    lab_row: np.ndarray  # window row (`sharded.ROW`) of each labelled row
+    lab_row: np.ndarray  # window row (`cje_engine.pipeline.sharded.ROW`) of each labelled row
     lab_segment: np.ndarray  # its segment (index into ``names``)
 
 
@@ -81,16 +82,17 @@ def _segments_of(table: pa.Table, columns: Sequence[str]) -> SegmentRows:
     return segment_rows(table.select(list(columns)).to_pandas(), columns)
 
 
-def shard_segments(table: pa.Table, columns: Sequence[str], policies: Sequence[str] | None) -> ShardSegments:
+def shard_segments(table: pa.Table, columns: Sequence[str], policies: Sequence[str] | None, row_column: str
+                   ) -> ShardSegments:
     """Pass 1 on one shard: its segments' names, rows per (segment, policy), labels per segment and the segment
-    of each labelled row (with its window row)."""
+    of each labelled row (with its window row, column ``row_column``: `cje_engine.pipeline.sharded.ROW`)."""
     table = _evaluated(table, policies)
     seg = _segments_of(table, columns)
     pol, pol_names = pd.factorize(table[POLICY].to_pandas(), sort=True)
     S, P = len(seg.names), len(pol_names)
     lab = _labelled(table)
     rows = np.bincount(seg.code * P + pol, minlength=S * P).reshape(S, P)
-    row = np.asarray(table[ROW].to_numpy(), dtype=np.int64)
+    row = np.asarray(table[row_column].to_numpy(), dtype=np.int64)
     return ShardSegments(names=seg.names, policies=tuple(str(p) for p in pol_names), rows=rows,
                          labels=np.bincount(seg.code[lab], minlength=S), lab_row=row[lab],
                          lab_segment=seg.code[lab])
@@ -131,13 +133,14 @@ def merge_segments(parts: Sequence[ShardSegments], columns: Sequence[str], polic
     return SegmentCounts(tuple(columns), names, rows, labels, seg_all[order])
 
 
-def count_segments(sp: ShardedPrepared) -> SegmentCounts:
-    """Pass 1 of the segments over ``sp``'s shards, merged; checked against the run's labelled rows."""
+def count_segments(sp: Any, row_column: str) -> SegmentCounts:
+    """Pass 1 of the segments over the shards of ``sp`` (a `cje_engine.pipeline.sharded.ShardedPrepared`), merged;
+    checked against the run's labelled rows. ``row_column``: the shards' window-row column."""
     opts = sp.options
     d = sp.prep.design.data
     columns = tuple(opts.segment_by)
     parts: list = [None] * len(sp.shards)
-    for i, res in sp.mapper(shard_segments, [(t, columns, opts.policies) for t in sp.shards]):
+    for i, res in sp.mapper(shard_segments, [(t, columns, opts.policies, row_column) for t in sp.shards]):
         parts[i] = res
     counts = merge_segments(parts, columns, d.policies)
     if counts.lab_segment.size != d.n_rows:
@@ -267,11 +270,12 @@ def _sources(prep: Any, names: Sequence[str], cells: np.ndarray) -> tuple[str, .
 
 
 class ShardedCellPass:
-    """`segments.summarize_segments`' cell pass on the shards: the segment x policy cells prepared by
-    `prepare_sharded` on the recoded shards and their bootstrap replicates from the shards' histograms."""
+    """`segments.summarize_segments`' cell pass on the shards: the segment x policy cells prepared by ``prepare``
+    (`cje_engine.pipeline.sharded.prepare_sharded`) on the recoded shards of ``sp`` and their bootstrap replicates
+    from the shards' histograms."""
 
-    def __init__(self, sp: ShardedPrepared, counts: SegmentCounts, remap: np.ndarray) -> None:
-        self.sp, self.counts, self.remap = sp, counts, remap
+    def __init__(self, sp: Any, counts: SegmentCounts, remap: np.ndarray, prepare: Callable) -> None:
+        self.sp, self.counts, self.remap, self.prepare = sp, counts, remap, prepare
 
     def __call__(self, prep: Any, group: np.ndarray, group_names: list[str], recalibrate: bool
                  ) -> tuple[Any, np.ndarray, dict, np.ndarray | None]:
@@ -297,7 +301,7 @@ class ShardedCellPass:
         def fit_cells(data, o, rows):  # the run's mode on the run's sources: `segment_prepared`'s fit
             return fit_mode(data, mode, sources, rows[mode]), prep.selection, []
 
-        vsp = prepare_sharded(sp.shards, vopts, mapper=recoding_mapper(sp.mapper, recode), fit=fit_cells,
+        vsp = self.prepare(sp.shards, vopts, mapper=recoding_mapper(sp.mapper, recode), fit=fit_cells,
                               keep_terms=None if sp.influence == "per_prompt" else False, reason=sp.reason)
         reps = None
         if opts.inference == "bootstrap":
@@ -310,9 +314,9 @@ class ShardedCellPass:
         return vsp.prep, cells, recal, reps
 
 
-def summarize_sharded_segments(sp: ShardedPrepared, result: Any) -> None:
-    """Put the ``segments`` block of ``sp``'s run into ``result`` (the single path's block: the same plan, cells,
-    claims and numbers)."""
+def summarize_sharded_segments(sp: Any, result: Any, prepare: Callable) -> None:
+    """Put the ``segments`` block of ``sp``'s run (a `cje_engine.pipeline.sharded.ShardedPrepared`) into ``result``
+    (the single path's block: the same plan, cells, claims and numbers); ``prepare``: `prepare_sharded`."""
     from cje_engine.result.segments import SegmentsResult
 
     opts, counts = sp.options, sp.segments
@@ -320,5 +324,5 @@ def summarize_sharded_segments(sp: ShardedPrepared, result: Any) -> None:
                                                 opts.segment_min_labels)
     rows = SegmentRows(counts.columns, counts.names, counts.lab_segment)
     block = summarize_segments(sp.prep, rows, plan=(remap[counts.lab_segment], group_names, info),
-                               cell_pass=ShardedCellPass(sp, counts, remap))
+                               cell_pass=ShardedCellPass(sp, counts, remap, prepare))
     result.model.segments = SegmentsResult.model_validate(block)

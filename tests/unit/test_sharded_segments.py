@@ -84,7 +84,7 @@ def test_segment_replicates_are_bit_identical_in_any_order_of_arrival(table):
     sp = sharded.prepare_sharded(sharded.split_by_shard(table, 3), opts, mapper=shuffled, terms_budget=1000)
     counts = sp.segments
     remap, names2, _ = sharded_segments.plan_from_counts(counts.rows, counts.labels, counts.names, 50, 5)
-    cell_pass = sharded_segments.ShardedCellPass(sp, counts, remap)
+    cell_pass = sharded_segments.ShardedCellPass(sp, counts, remap, sharded.prepare_sharded)
     _, cells2, _, got = cell_pass(sp.prep, remap[counts.lab_segment], names2, False)
     assert names2 == names and np.array_equal(cells2, cells)
     assert np.array_equal(got, expected, equal_nan=True)
