@@ -152,3 +152,24 @@ def test_a_missing_segment_column_on_a_shard_is_a_clear_input_error(table):
     opts = EvaluationOptions.of(None, inference="analytic", segment_by=("topik",))
     with pytest.raises(CJEInputError, match="segment_by column 'topik' is not a column"):
         sharded.prepare_sharded(sharded.split_by_shard(table, 3), opts)
+
+
+def test_empty_shards_and_a_nullable_integer_segment_change_nothing():
+    """More shards than prompts need (a small window on a large cluster, `row_pass: sharded` forced): empty shards
+    are reduced to nothing (they crashed the run's first pass before); a segment column of nullable integers
+    reads as on the single path (``(missing)``, ``0``, ...); the evaluated policies are a subset."""
+    f = simulate(120, seed=1, oracle_fraction=0.3).frame
+    f["band"] = np.where(f["response_length"] > f["response_length"].median(), "long", None)
+    f["n"] = (f["response_length"] % 3).astype("Int64")
+    f.loc[::7, "n"] = None
+    t = pa.Table.from_pandas(f, preserve_index=False)
+    opts = EvaluationOptions.of(None, seed=3, inference="bootstrap", n_bootstrap=50, segment_by=("band", "n"),
+                                segment_min_labels=3, segment_min_rows=5, policies=("base", "verbose"))
+    single, chunks = _single(t, opts, 50)
+    assert {"(missing) / (missing)", "long / 0"} <= {s["name"] for s in single["segments"]["segments"]}
+    parts = sharded.split_by_shard(t, 60)
+    assert sum(p.num_rows == 0 for p in parts) >= 3
+    sp = sharded.prepare_sharded(parts, opts)
+    got = sp.replicates(0, 50)
+    assert np.array_equal(got, chunks[0], equal_nan=True)
+    assert_same_result(single, sp.finalize([got]).to_dict())
