@@ -1,7 +1,9 @@
 """The evaluate flow's sharded row pass (issue 29): which path a run takes, and the sharded path itself.
 
 `row_pass_for` picks the path: ``row_pass="sharded"`` or ``"single"`` forces one; ``"auto"`` takes the
-sharded path for a Direct window whose Parquet files reach `SHARDED_MIN_BYTES`. `compute_sharded` reads
+sharded path for a Direct window (segmented or not) whose Parquet files reach `SHARDED_MIN_BYTES`, and the single
+path in logs-only and hybrid mode (their estimators need every logged row; ``"sharded"`` with them is refused
+by `check_row_pass` before Prefect or Ray start). `compute_sharded` reads
 every file on a Ray worker, joins the label store's labels and derives covariates there
 (`prepare_file_rows`), splits the rows by prompt into shards (`flows.runtime.sharded_ray.read_shards`) and
 runs `cje_engine.pipeline.sharded.prepare_sharded` with the Ray mapper: the flow's driver holds the labelled
@@ -120,8 +122,8 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: pa.Table | N
     t0 = time.perf_counter()
     refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
                                           policies=plan.read_policies, mapping=plan.columns,
-                                          prepare_rows=FileRows(labels, plan.covariates, plan.extra_columns), rows_hint=rows_hint,
-                                          with_info=True)
+                                          prepare_rows=FileRows(labels, plan.covariates, plan.extra_columns),
+                                          rows_hint=rows_hint, with_info=True)
     counts = merge_file_infos(infos)
     if counts["n_rows"] == 0:
         raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)
