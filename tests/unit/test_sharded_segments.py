@@ -57,7 +57,7 @@ def test_shard_counts_give_the_single_path_segments(table, n_shards, budget):
     single, _ = _single(table, opts)
     seg = single["segments"]
     status = {s["name"]: s["status"] for s in seg["segments"]}
-    assert status["rare / long"] == "pooled" and status["(missing) / short"] == "pooled" and status["a / long"] == "shown"
+    assert status["rare / long"] == status["(missing) / short"] == "pooled" and status["a / long"] == "shown"
     assert seg["recalibration"]["applied"] is True  # the segment-as-covariate fit on the shards too
     kinds = {c["claim_kind"] for c in seg["cells"]}
     assert {"verified", "assumes_transport"} <= kinds  # clone has no own label
