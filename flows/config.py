@@ -514,8 +514,9 @@ class EvaluationConfig(ScheduledEntry):
     monitoring: dict[str, Any] = Field(default_factory=dict, validate_default=True,
                                        description="regression alarms across windows (top-level monitoring: merged)")
     row_pass: Literal["auto", "single", "sharded"] = Field(
-        "auto", description="where the rows are reduced: sharded on Ray workers (Direct), single in the flow's "
-                            "process, auto by the window's size (flows.pipelines.sharded_pass)")
+        "auto", description="where the rows are reduced: sharded on Ray workers (Direct, segments included), single "
+                            "in the flow's process, auto by the window's size (flows.pipelines.sharded_pass); "
+                            "logs-only and hybrid: single only")
 
     _uris = _uri_validator("logs_uri", "results_uri", "labels_uri")
 
@@ -576,6 +577,9 @@ class EvaluationConfig(ScheduledEntry):
         self._check_schedule()
         check_columns(self.columns, "key columns", option_covariates(self.options))
         check_monitoring(self.monitoring, "key monitoring")
+        if self.row_pass == "sharded":  # logs-only and hybrid have no sharded row pass: refused at load (exit 2)
+            from cje_engine.pipeline.sharded import check_sharded_mode
+            check_sharded_mode(self.mode, "key row_pass")
         if isinstance(self.label_requests, Mapping) and self.label_requests.get("webhook_url") is not None:
             check_webhook_url(self.label_requests["webhook_url"], "key label_requests.webhook_url")
 

@@ -88,7 +88,9 @@ def make_cells(score: np.ndarray, X: np.ndarray | None = None) -> tuple[Cells, n
     """
     score = np.asarray(score, dtype=float)
     n = score.shape[0]
-    X = np.empty((n, 0)) if X is None else np.asarray(X, dtype=float).reshape(n, -1)
+    X = np.empty((n, 0)) if X is None else np.asarray(X, dtype=float)
+    if X.ndim != 2 or X.shape[0] != n:  # (n,) or flat: one row each; an (0, p) block (an empty shard) as it is
+        X = X.reshape(n, -1)
     values, key = _sorted_codes(score)
     size = values.size
     for j in range(X.shape[1]):

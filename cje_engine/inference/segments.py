@@ -61,8 +61,8 @@ def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, rep
         The two levels.
     reps_a, reps_b : ndarray (B,) or None
         Their paired bootstrap replicates (each refits the calibrator); None: the analytic route.
-    psi_a, psi_b : ndarray (n_prompts,)
-        Their per-prompt influence terms (used when there are no replicates).
+    psi_a, psi_b : ndarray (n_prompts,), or `cje_engine.inference.gram.GramTerms` columns
+        Their per-prompt influence terms (used when there are no replicates); the sharded path's Gram form too.
     alpha : float
         1 - the interval's level.
     df : float
@@ -81,7 +81,7 @@ def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, rep
     elif isinstance(psi_a, GramTerms):  # the segment cells' sparse Gram form (`cje_engine.direct.segment_terms`)
         se = float(np.sqrt(max(float(cluster_cov(np.nan_to_num(psi_a - psi_b))[0, 0]), 0.0)))
     else:
-        se = float(np.sqrt(cluster_cov(np.nan_to_num(np.asarray(psi_a, float) - np.asarray(psi_b, float)))[0, 0]))
+        se = float(np.sqrt(cluster_cov(np.nan_to_num(np.subtract(psi_a, psi_b)))[0, 0]))  # arrays or GramTerms
     if not (np.isfinite(diff) and np.isfinite(se) and se > 0):
         return {"diff": diff if np.isfinite(diff) else float("nan"), "se": float("nan"), "ci": None,
                 "p_value": float("nan"), "df": df}

@@ -338,21 +338,34 @@ def _cell_level(pol: Any, col: int, n_virtual: int, assumed_col: int) -> tuple[s
     return "assumes_transport", None, "; ".join(pol.assumed.refusal_reasons) if pol.assumed else reason
 
 
-def summarize_segments(prep: Any, rows: SegmentRows) -> dict:
-    """The result's ``segments`` block (`cje_engine.result.segments.SegmentsResult`) of a prepared run."""
+def segment_cells(prep: Any, group: np.ndarray, group_names: list[str], recalibrate: bool
+                  ) -> tuple[Any, np.ndarray, dict, np.ndarray | None]:
+    """`segment_prepared` and the bootstrap replicates of its cells (None on the analytic route)."""
+    vprep, cells, recal = segment_prepared(prep, group, group_names, recalibrate)
+    opts = prep.options
+    boot = opts.inference == "bootstrap"
+    reps = bootstrap_replicates(bootstrap_view(vprep.design, opts.seed), 0, opts.n_bootstrap) if boot else None
+    return vprep, cells, recal, reps
+
+
+def summarize_segments(prep: Any, rows: SegmentRows, plan: tuple | None = None, cell_pass: Any = None) -> dict:
+    """The result's ``segments`` block (`cje_engine.result.segments.SegmentsResult`) of a prepared run.
+
+    ``plan`` and ``cell_pass`` are for a run whose rows are not in ``prep`` (the sharded row pass,
+    `cje_engine.pipeline.sharded_segments`): ``plan`` is `plan_segments`' ``(group, group_names, info)`` with
+    ``group`` given for the rows of ``prep.design.data`` only; ``cell_pass`` replaces `segment_cells`.
+    """
     opts, d = prep.options, prep.design.data
     alpha, K = opts.alpha, len(d.policies)
     baseline = opts.baseline or d.policies[0]
     b = d.policies.index(baseline)
-    group, group_names, info = plan_segments(d.policy, rows.code, d.labelled, K, rows.names,
-                                             opts.segment_min_rows, opts.segment_min_labels)
+    group, group_names, info = plan if plan is not None else plan_segments(
+        d.policy, rows.code, d.labelled, K, rows.names, opts.segment_min_rows, opts.segment_min_labels)
     G = len(group_names)
     too_few = {g for g, n in enumerate(group_names) if n == OTHER and info[-1]["status"] == "too_few"}
     omnibus = omnibus_tests(prep, group, group_names)
     recalibrate = opts.segment_recalibrate == "auto" and bool(omnibus[0]["reject"])
-    vprep, cells, recal = segment_prepared(prep, group, group_names, recalibrate)
-    boot = opts.inference == "bootstrap"
-    reps = bootstrap_replicates(bootstrap_view(vprep.design, opts.seed), 0, opts.n_bootstrap) if boot else None
+    vprep, cells, recal, reps = (cell_pass or segment_cells)(prep, group, group_names, recalibrate)
     s = summarize_direct(vprep, reps)
     n_v = len(cells)
     names = list(vprep.design.data.policies)

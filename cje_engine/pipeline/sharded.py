@@ -21,7 +21,9 @@ one shard whatever file or day it came from) and each shard is reduced where it 
 
 Every function here is pure: a shard is a `pyarrow.Table` of canonical columns plus `ROW` (the row's place
 in the whole window, to keep the single-process row order). Where the shards live and how the passes are run
-(in process, on Ray workers) is the caller's: `prepare_sharded` takes a `Mapper`.
+(in process, on Ray workers) is the caller's: `prepare_sharded` takes a `Mapper`. Segments (``segment_by``) are
+reduced on the shards too (`cje_engine.pipeline.sharded_segments`); logs-only and hybrid have no sharded path
+(`check_sharded_mode`).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from cje_engine.inference.gram import Basis, GramTerms, Moments
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.direct import Prepared
+from cje_engine.pipeline import sharded_segments
 from cje_engine.pipeline.policies import RowTotals
 from cje_engine.result.model import RowPass
 
@@ -399,6 +402,7 @@ class ShardedPrepared:
     influence: str = "per_prompt"  # "per_prompt": kept; "gram": only their sums and cross-products
     gram: dict = field(default_factory=dict)  # the merged Gram form of the evaluation terms
     reason: str = "requested"  # why the sharded path was taken (the result's ``inference.row_pass``)
+    segments: Any = None  # options.segment_by: the shards' segment counts (`sharded_segments.SegmentCounts`)
 
     @property
     def options(self) -> EvaluationOptions:
@@ -431,6 +435,8 @@ class ShardedPrepared:
     def finalize(self, chunks: Sequence[np.ndarray]):
         """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""
         result = self.prep.finalize(chunks)
+        if self.segments is not None:  # the segment x policy cells, reduced on the shards too
+            sharded_segments.summarize_sharded_segments(self, result, prepare_sharded)
         result.model.inference.row_pass = RowPass(path="sharded", shards=len(self.shards), influence=self.influence,
                                                   reason=self.reason)
         return result
@@ -469,7 +475,7 @@ def check_terms_memory(n_prompts: int, n_policies: int, budget: int | None = Non
 
 def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = None, *,
                     mapper: Mapper = serial_map, keep_terms: bool | None = None, reason: str = "requested",
-                    terms_budget: int | None = None, **kwargs: Any) -> ShardedPrepared:
+                    terms_budget: int | None = None, fit: Callable | None = None, **kwargs: Any) -> ShardedPrepared:
     """Prepare a Direct evaluation from shards of rows split by prompt (`split_by_shard`).
 
     Parameters
@@ -491,6 +497,10 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         (`cje_engine.inference.gram.GramTerms`: the labelled prompts' terms plus the moments of the rest; the
         driver's memory does not grow with the prompts; the result's ``inference.row_pass.influence`` is
         ``gram``). None (default): per-prompt terms when they fit the budget, else the Gram form.
+    fit : callable, optional
+        ``fit(data, options, rows) -> (Fit, selection, excluded)`` on the merged labelled rows (default
+        `cje_engine.pipeline.calibration.fit_calibration`: mode selection and robust pooling); the segment cells
+        fit the run's mode only (`cje_engine.pipeline.sharded_segments`).
     """
     opts = EvaluationOptions.of(options, **kwargs)
     if opts.inference == "bootstrap" and opts.pooling_bootstrap == "rerun" and opts.calibration_policies:
@@ -513,7 +523,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
     data = merged.data
     _check_labels(data, merged.totals)
-    fit, selection, excluded = fit_calibration(data, opts, dict(merged.rows))
+    fit, selection, excluded = (fit or fit_calibration)(data, opts, dict(merged.rows))
     design = fit.design
     mode = design.mode
     G = design.cells.cells.size
@@ -555,8 +565,11 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
              merged.n_rows, len(shards), merged.n_prompts, data.n_rows, mode)
     prep = Prepared(opts, design, selection, f, fit.full, stats, infl, jk, fit.models, excluded, None,
                     rows=merged.totals)
-    return ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper,
-                           "per_prompt" if keep_terms else "gram", gram, reason)
+    sp = ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper, "per_prompt" if keep_terms else "gram",
+                         gram, reason)
+    if opts.segment_by:  # each row's segment, counted on the shards (errors here, before any bootstrap)
+        sp.segments = sharded_segments.count_segments(sp, ROW)
+    return sp
 
 
 def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, parts: Sequence[ShardTerms],
@@ -638,3 +651,19 @@ def _check_labels(data: EvalData, totals: RowTotals) -> None:
     if totals.score_min == totals.score_max:
         raise CJEInputError(f"every judge score is {totals.score_min:g}; the judge scores carry no information",
                             column=SCORE)
+
+
+#: The evaluation modes the sharded row pass has (docs/scaling.md, "Modes and segments").
+SHARDED_MODES = ("direct",)
+#: Why logs-only and hybrid have none: the result's ``inference.row_pass.reason`` of their runs.
+OFFPOLICY_UNSHARDED = ("its estimators need every logged row in one process (the importance-weight calibration, "
+                       "SIMCal, and the stacked estimators are refitted on each row's own weight in every bootstrap "
+                       "resample: no per-shard count or histogram carries them exactly)")
+
+
+def check_sharded_mode(mode: str, what: str = "row_pass") -> None:
+    """Raise `CJEInputError` naming ``mode`` when it has no sharded row pass (`SHARDED_MODES`); ``what``
+    starts the message (the key or parameter that asked for it)."""
+    if mode not in SHARDED_MODES:
+        raise CJEInputError(f"{what}: sharded is not available in mode {mode!r}: {OFFPOLICY_UNSHARDED}; use "
+                            "row_pass: auto or single (the single path)", option="row_pass")

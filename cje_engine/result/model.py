@@ -458,10 +458,11 @@ class Calibration(_Strict):
 
 
 class RowPass(_Strict):
-    """How the rows were reduced when not in one process (absent: the single-process path)."""
+    """Where the rows were reduced and why: the evaluate flow records it on either path (absent: an evaluation
+    run outside the flow, in one process)."""
 
     path: Literal["single", "sharded"]
-    shards: int = Field(description="shards by prompt (stable hash of the prompt id)")
+    shards: int = Field(description="shards by prompt (stable hash of the prompt id); 1 on the single path")
     influence: Literal["per_prompt", "gram"] = Field(
         description="per_prompt: every prompt's influence terms were brought to the driver and are kept; gram: "
                     "the labelled prompts' terms plus the moments (orders 1-3) of the other prompts' (variances, "

@@ -70,7 +70,7 @@ from flows.config import (EngineOptions, EngineOptionsParameter, MonitoringConfi
 from flows.pipelines import preflight
 from flows.pipelines.pages import contextual_report, refresh_pages
 from flows.pipelines.regressions import monitor_evaluation
-from flows.pipelines.sharded_pass import compute_sharded, row_pass_for
+from flows.pipelines.sharded_pass import check_row_pass, compute_sharded, row_pass_for, single_row_pass
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
@@ -503,9 +503,11 @@ def run_key_of(plan: RunPlan, files: list[dict], label_info: dict) -> str:
 
 
 def check_parameters(p: dict[str, Any]) -> None:
-    """The `evaluate` flow's checks before a run is created: `plan_run` of its (validated) parameters."""
+    """The `evaluate` flow's checks before a run is created: `plan_run` of its (validated) parameters and its
+    ``row_pass`` for its mode (`flows.pipelines.sharded_pass.check_row_pass`)."""
     plan_run(p["logs_uri"], p["window"], p["evaluation"], p["results_uri"], p["labels_uri"], p["policies"],
              p["options"], p["as_of"], p["retry_delays"], p["mode"], p["columns"], p["monitoring"])
+    check_row_pass(p.get("row_pass", "auto"), p["mode"])
 
 
 # --------------------------------------------------------------------------------------
@@ -654,8 +656,9 @@ def evaluate(
     row_pass : {"auto", "single", "sharded"}
         Where the rows are reduced (the evaluation's ``row_pass:``): ``sharded`` on Ray workers, shards by
         prompt (`flows.pipelines.sharded_pass`, Direct mode), ``single`` in this process, ``auto`` sharded from
-        `flows.pipelines.sharded_pass.SHARDED_MIN_BYTES` of logs. The numbers are the same; the log says which
-        path ran and the result's ``inference.row_pass`` records the sharded one.
+        `flows.pipelines.sharded_pass.SHARDED_MIN_BYTES` of logs (logs-only and hybrid: always single, they have
+        no sharded path; ``sharded`` with them is refused before the run). The numbers are the same; the log says
+        which path ran and the result's ``inference.row_pass`` records it with the reason.
 
     Returns
     -------
@@ -677,6 +680,7 @@ def evaluate(
         else:
             rows = read_labelled_window(plan, cfg, files)  # load_labels, read, join_labels
             counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize
+            result.model.inference.row_pass = single_row_pass(why)  # the path taken and why (off-policy: always)
     files, label_info = rows.files, rows.label_info
     key, outcome = render_and_publish(plan, cfg, files, counts, label_info, result, ray_kind)
     alarms = monitor_evaluation(plan.results_uri, cfg, evaluation, plan.window.label, key, outcome,

@@ -1,7 +1,9 @@
 """The evaluate flow's sharded row pass (issue 29): which path a run takes, and the sharded path itself.
 
 `row_pass_for` picks the path: ``row_pass="sharded"`` or ``"single"`` forces one; ``"auto"`` takes the
-sharded path for a Direct window whose Parquet files reach `SHARDED_MIN_BYTES`. `compute_sharded` reads
+sharded path for a Direct window (segmented or not) whose Parquet files reach `SHARDED_MIN_BYTES`, and the single
+path in logs-only and hybrid mode (their estimators need every logged row; ``"sharded"`` with them is refused
+by `check_row_pass` before Prefect or Ray start). `compute_sharded` reads
 every file on a Ray worker, joins the label store's labels and derives covariates there
 (`prepare_file_rows`), splits the rows by prompt into shards (`flows.runtime.sharded_ray.read_shards`) and
 runs `cje_engine.pipeline.sharded.prepare_sharded` with the Ray mapper: the flow's driver holds the labelled
@@ -17,6 +19,7 @@ import pyarrow as pa
 
 from cje_engine.errors import CJEInputError
 from cje_engine.pipeline import sharded
+from cje_engine.result.model import RowPass
 from flows.runtime import ray_fanout, sharded_ray
 
 log = logging.getLogger(__name__)
@@ -29,32 +32,46 @@ ROW_PASSES = ("auto", "single", "sharded")
 BASE_COLUMNS = ("prompt_id", "policy", "judge_score", "response_id")
 
 
-def row_pass_for(requested: str, mode: str, files: Sequence[dict]) -> tuple[str, str]:
-    """(path, reason): ``"single"`` or ``"sharded"`` for a run of ``mode`` over ``files`` (their ``size``)."""
+def check_row_pass(requested: str, mode: str) -> None:
+    """Raise `CJEInputError` (exit 2) when ``row_pass`` is unknown or asks the sharded path of a mode without one
+    (`cje_engine.pipeline.sharded.check_sharded_mode`): the flows' parameter check, before Prefect or Ray."""
     if requested not in ROW_PASSES:
         raise CJEInputError(f"row_pass must be one of {', '.join(ROW_PASSES)}, got {requested!r}", option="row_pass")
+    if requested == "sharded":
+        sharded.check_sharded_mode(mode)
+
+
+def row_pass_for(requested: str, mode: str, files: Sequence[dict]) -> tuple[str, str]:
+    """(path, reason): ``"single"`` or ``"sharded"`` for a run of ``mode`` over ``files`` (their ``size``).
+    ``auto`` takes the single path in a mode without a sharded one (logs-only, hybrid) and says why."""
+    check_row_pass(requested, mode)
     size = sum(int(f.get("size") or 0) for f in files)
     if requested == "sharded":
-        if mode != "direct":
-            raise CJEInputError(f"row_pass='sharded' is for mode 'direct' (this evaluation is {mode!r})",
-                                option="row_pass")
         return "sharded", "requested (row_pass: sharded)"
     if requested == "single":
         return "single", "requested (row_pass: single)"
-    if mode == "direct" and size >= SHARDED_MIN_BYTES:
+    if mode not in sharded.SHARDED_MODES:
+        return "single", f"mode {mode!r} has no sharded row pass: {sharded.OFFPOLICY_UNSHARDED} (row_pass: auto)"
+    if size >= SHARDED_MIN_BYTES:
         return "sharded", f"{size / 2**20:.0f} MiB of logs >= {SHARDED_MIN_BYTES / 2**20:.0f} MiB (row_pass: auto)"
-    return "single", (f"{size / 2**20:.0f} MiB of logs < {SHARDED_MIN_BYTES / 2**20:.0f} MiB (row_pass: auto)"
-                      if mode == "direct" else f"mode {mode!r} (row_pass: auto)")
+    return "single", f"{size / 2**20:.0f} MiB of logs < {SHARDED_MIN_BYTES / 2**20:.0f} MiB (row_pass: auto)"
+
+
+def single_row_pass(reason: str) -> RowPass:
+    """The result's ``inference.row_pass`` of a run on the single path (one process, per-prompt terms)."""
+    return RowPass(path="single", shards=1, influence="per_prompt", reason=reason)
 
 
 class FileRows:
     """What a read task does to one file's rows before they are split (picklable: shipped to the workers):
     join the label store's labels (`flows.storage.labels.join_labels`, row order kept), derive covariates
-    (`flows.pipelines.preflight.derive_covariates`) and check the columns, naming the file."""
+    (`flows.pipelines.preflight.derive_covariates`) and check the columns (``extra``: the segment columns),
+    naming the file."""
 
-    def __init__(self, labels: pa.Table | None, covariates: Sequence[str]) -> None:
+    def __init__(self, labels: pa.Table | None, covariates: Sequence[str], extra: Sequence[str] = ()) -> None:
         self.labels = labels
         self.covariates = tuple(covariates)
+        self.extra = tuple(extra)
 
     def __call__(self, table: pa.Table, source: str) -> tuple[pa.Table, dict]:
         """The file's rows ready for the shards, and its counts (rows, labels per policy, join counts)."""
@@ -68,7 +85,7 @@ class FileRows:
             if "label_conflict" in table.column_names:
                 table = table.drop_columns(["label_conflict"])
         table = preflight.derive_covariates(table, self.covariates, source)
-        for col in list(BASE_COLUMNS) + list(self.covariates):
+        for col in dict.fromkeys(list(BASE_COLUMNS) + list(self.covariates) + list(self.extra)):
             if col not in table.column_names:
                 raise CJEInputError(f"column is missing from the logs (found: {', '.join(table.column_names)})",
                                     source=source, column=col)
@@ -105,8 +122,8 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: pa.Table | N
     t0 = time.perf_counter()
     refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
                                           policies=plan.read_policies, mapping=plan.columns,
-                                          prepare_rows=FileRows(labels, plan.covariates), rows_hint=rows_hint,
-                                          with_info=True)
+                                          prepare_rows=FileRows(labels, plan.covariates, plan.extra_columns),
+                                          rows_hint=rows_hint, with_info=True)
     counts = merge_file_infos(infos)
     if counts["n_rows"] == 0:
         raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)

@@ -86,6 +86,8 @@ def test_logs_only_and_hybrid_through_the_flow(logs):
     assert res["policies"] == ref["policies"]  # Ray chunks and the S3 round trip change nothing
     assert res["comparisons"] == ref["comparisons"]
     assert res["mode"] == "logs-only" and res["data"]["n_rows"] == N_PROMPTS
+    row_pass = res["inference"]["row_pass"]  # auto: the single path, and the result says why (no sharded one)
+    assert row_pass["path"] == "single" and row_pass["reason"].startswith("mode 'logs-only' has no sharded row pass")
     assert res["data"]["n_fresh"] == {"near": 0, "far": 0}
     near, far = res["policies"]["near"], res["policies"]["far"]
     # no label of the candidate's responses: its level assumes transport and is kept in ``assumed``
@@ -109,6 +111,7 @@ def test_logs_only_and_hybrid_through_the_flow(logs):
     ref_h = evaluate_offpolicy(exp, mode="hybrid", **OPTIONS).to_dict()
     assert hy["result"]["policies"] == ref_h["policies"]
     assert hy["result"]["data"]["n_fresh"] == {"near": N_PROMPTS, "far": N_PROMPTS}
+    assert hy["result"]["inference"]["row_pass"]["reason"].startswith("mode 'hybrid' has no sharded row pass")
     near_h = hy["result"]["policies"]["near"]
     assert near_h["basis_code"] == "hybrid/stacked" and near_h["direct"]["basis_code"] == "plug_in"
     assert near_h["offpolicy"]["diagnostics"]["ttc_reference"] == "fresh/per-token"
@@ -123,6 +126,7 @@ def test_direct_mode_is_the_default_flow(logs):
     ref = engine_evaluate(exp, n_bootstrap=100, seed=5).to_dict()
     assert out["result"]["policies"] == ref["policies"]
     assert out["result"]["mode"] == "direct"  # every result names its mode (the typed result)
+    assert out["result"]["inference"]["row_pass"]["path"] == "single"  # a small window: auto's single path
     manifest, _ = _published(logs, out)
     assert "mode" not in manifest["config"]  # direct run keys are unchanged by the new parameter
 

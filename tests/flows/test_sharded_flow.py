@@ -26,22 +26,58 @@ def test_row_pass_is_chosen_by_size_or_forced():
     small, big = [{"key": "a", "size": 10}], [{"key": "a", "size": SHARDED_MIN_BYTES}]
     assert row_pass_for("auto", "direct", small)[0] == "single"
     assert row_pass_for("auto", "direct", big)[0] == "sharded"
-    assert row_pass_for("auto", "logs-only", big)[0] == "single"
+    path, why = row_pass_for("auto", "logs-only", big)
+    assert path == "single" and why.startswith("mode 'logs-only' has no sharded row pass: its estimators need")
     assert row_pass_for("sharded", "direct", small) == ("sharded", "requested (row_pass: sharded)")
     assert row_pass_for("single", "direct", big)[0] == "single"
-    with pytest.raises(CJEInputError, match="row_pass='sharded' is for mode 'direct'"):
+    with pytest.raises(CJEInputError, match="row_pass: sharded is not available in mode 'hybrid'"):
         row_pass_for("sharded", "hybrid", small)
+
+
+@pytest.mark.parametrize("mode", ["logs-only", "hybrid"])
+def test_row_pass_sharded_in_an_offpolicy_mode_exits_2_before_prefect_and_ray(tmp_path, capsys, monkeypatch, mode):
+    """The off-policy modes have no sharded row pass (docs/scaling.md): ``row_pass: sharded`` is refused when the
+    file is loaded (`cje run` exits 2, Prefect never started) and by the flows' parameter check (no flow run)."""
+    import yaml
+
+    from flows.cli import main as cli
+    from flows.pipelines.audit import evaluate_and_audit
+    from flows.pipelines.evaluate import evaluate
+
+    f = tmp_path / "evaluations.yaml"
+    opts = {"targets": ["near"], "logger": "base", "inference": "analytic"}
+    f.write_text(yaml.safe_dump({"evaluations": [{"name": "off", "logs_uri": str(tmp_path / "logs"), "mode": mode,
+                                                  "options": opts, "row_pass": "sharded"}]}))
+
+    def no_services(*a, **k):
+        raise AssertionError("Prefect was started before the inputs were checked")
+
+    monkeypatch.setattr(cli, "_services", no_services)
+    assert cli.main(["run", "off", "--config", str(f)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "cje run: error:" in ln]
+    assert len(err) == 1 and f"row_pass: sharded is not available in mode {mode!r}" in err[0], err
+    params = {"logs_uri": str(tmp_path / "logs"), "window": "2026-02-02", "mode": mode, "options": opts,
+              "row_pass": "sharded"}
+    for flow in (evaluate, evaluate_and_audit):
+        with pytest.raises(CJEInputError, match=f"not available in mode {mode!r}"):
+            flow.check_parameters(dict(params))
 
 
 @pytest.mark.parametrize("terms", ["per_prompt", "gram"])
 def test_the_flow_on_the_sharded_path_gives_the_single_process_numbers(prefect_server, tmp_path, monkeypatch, terms):
-    """Per-prompt terms where they fit the driver's budget, else (a 1-byte budget here) the Gram form."""
+    """Per-prompt terms where they fit the driver's budget, else (a 1-byte budget here) the Gram form; the Gram
+    run is segmented (``segments: [band]``, a per-row column) and has a policy without own labels: its segment
+    cells and verified claims are the single path's too."""
     from flows.pipelines.evaluate import evaluate
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    options: dict = {"inference": "analytic", "seed": 1}
+    f = simulate(300, seed=5, oracle_fraction=0.1).frame
     if terms == "gram":
         monkeypatch.setenv("CJE_MAX_DRIVER_TERMS_BYTES", "1")
-    f = simulate(300, seed=5, oracle_fraction=0.1).frame
+        f.loc[f["policy"] == "clone", ["oracle_label", "label_probability"]] = np.nan
+        f["band"] = np.where(f["response_length"] > f["response_length"].median(), "long", "short")
+        options.update(segment_by=["band"], segment_min_labels=5, segment_min_rows=20, baseline="base")
     pol = f["policy"].astype("category").cat.codes.to_numpy()
     f["ts"] = pd.Timestamp(DAYS[0], tz="UTC") + pd.to_timedelta(pol % 2, unit="D") + pd.Timedelta(hours=12)
     f = f.iloc[np.argsort(pol % 2, kind="stable")].reset_index(drop=True)  # rows in file (day) order
@@ -58,11 +94,15 @@ def test_the_flow_on_the_sharded_path_gives_the_single_process_numbers(prefect_s
                                                                   "oracle")
     out = evaluate(logs_uri=str(tmp_path / "logs"), window=f"{DAYS[0]}..{DAYS[1]}", evaluation="sharded",
                    results_uri=str(tmp_path / "results"), labels_uri=str(tmp_path / "labels"),
-                   options={"inference": "analytic", "seed": 1}, row_pass="sharded")
+                   options=options, row_pass="sharded")
     got = out["result"]
     assert got["inference"]["row_pass"]["path"] == "sharded"
     assert got["data"]["n_labelled"] == labelled.size  # no label dropped
-    ref = engine_evaluate(f.drop(columns=["ts"]), inference="analytic", seed=1).to_dict()
+    ref = engine_evaluate(f.drop(columns=["ts"]), **options).to_dict()
+    if terms == "gram":
+        assert got["segments"]["cells"] and {c["claim_kind"] for c in ref["segments"]["cells"]} >= {"verified",
+                                                                                                  "assumes_transport"}
+        assert got["policies"]["clone"]["level_claim"] == ref["policies"]["clone"]["level_claim"] != "ok"
     assert_same_result(ref, got, influence=terms)
 
 
@@ -82,3 +122,15 @@ def test_row_pass_walks_from_yaml_to_the_flow_typed_once(tmp_path):
     f.write_text(yaml.safe_dump({"evaluations": [{**entry, "row_pass": "sideways"}]}))
     with pytest.raises(CJEInputError, match="row_pass"):
         load_evaluations(str(f))
+
+
+def test_a_log_file_without_a_segment_column_is_refused_by_its_read_task():
+    """On the sharded path the segment columns are checked where each file is read (`FileRows`), naming it."""
+    from flows.pipelines.sharded_pass import FileRows
+
+    t = pa.Table.from_pandas(simulate(20, seed=1).frame, preserve_index=False)
+    with pytest.raises(CJEInputError, match="column 'band'.*column is missing from the logs") as err:
+        FileRows(None, [], ["band"])(t, "s3://b/logs/dt=2026-02-02/part-0.parquet")
+    assert err.value.source == "s3://b/logs/dt=2026-02-02/part-0.parquet"
+    table, info = FileRows(None, [], ["band"])(t.append_column("band", pa.array(["x"] * t.num_rows)), "f")
+    assert "band" in table.column_names and info["policies"]

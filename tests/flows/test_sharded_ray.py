@@ -92,6 +92,36 @@ def test_shards_read_on_workers_give_the_single_process_numbers(local_ray, two_d
     assert_same_result(direct.finalize(prep, [expected]).to_dict(), sp.finalize([got]).to_dict())
 
 
+def test_segments_reduced_on_ray_workers_give_the_single_process_block(local_ray, two_days):
+    """``segment_by`` on the workers: each task recodes its shard's rows to segment x policy cells where the shard
+    is (`sharded_segments.recoding_mapper`); the segments block is the single-process one, replicates included."""
+    uri, cfg, keys, window = two_days
+    cut = float(np.median(np.asarray(window["response_length"])))
+    band = pa.array(np.where(np.asarray(window["response_length"]) > cut, "long", "short"))
+    opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=60, segment_by=("band",),
+                                segment_min_labels=5, segment_min_rows=20)
+    prep = direct.prepare(window.append_column("band", band), opts)
+    expected = direct.bootstrap_chunk(prep, 0, 60)
+    refs = sharded_ray.read_shards(uri, cfg, keys, 3, rows_hint=window.num_rows, prepare_rows=_WithBand(cut))
+    sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
+    got = sp.replicates(0, 60)
+    assert np.array_equal(got, expected, equal_nan=True)
+    res = sp.finalize([got]).to_dict()
+    assert len(res["segments"]["cells"]) == 10
+    assert_same_result(direct.finalize(prep, [expected]).to_dict(), res)
+
+
+class _WithBand:
+    """A read task's row preparation: the per-row segment column ``band`` (picklable: shipped to the workers)."""
+
+    def __init__(self, cut: float) -> None:
+        self.cut = cut
+
+    def __call__(self, table: pa.Table, source: str) -> tuple[pa.Table, dict]:
+        band = np.where(np.asarray(table["response_length"]) > self.cut, "long", "short")
+        return table.append_column("band", pa.array(band)), {}
+
+
 def test_a_worker_killed_mid_pass_is_retried_without_changing_a_number(local_ray, two_days):
     uri, cfg, keys, window = two_days
     B = 400
