@@ -61,6 +61,22 @@ ROW = "_row"
 Mapper = Callable[[Callable, Sequence[tuple]], Iterable[tuple[int, Any]]]
 
 
+def _note(stage: str) -> None:
+    """Log (DEBUG) the driver's resident memory now and its peak so far after ``stage`` (Linux; for the
+    benchmarks' memory profile of the merge)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    try:
+        import resource
+
+        with open("/proc/self/statm") as fh:
+            now = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (OSError, ValueError, ImportError):
+        return
+    log.debug("driver RSS %.2f GiB (peak %.2f GiB) after %s", now / 2**30, peak / 2**30, stage)
+
+
 def serial_map(fn: Callable, items: Sequence[tuple]) -> Iterable[tuple[int, Any]]:
     """The in-process `Mapper`: ``fn(*item)`` for each item, in order."""
     for i, item in enumerate(items):
@@ -637,6 +653,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         # shards of a range split out of order (or overlapping): rank their ids on the driver
         for i, ids in mapper(shard_prompt_ids, [(t, cov, pols) for t in shards]):
             summaries[i].prompt_ids = ids
+    _note("pass 1")
     merged = merge_summaries(summaries, opts)
     summaries = None  # their labelled rows moved into the merge; the rest released before the fit
     lab_window_rows, lab_shard = merged.lab_rows, merged.lab_shard
@@ -648,7 +665,9 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
     data = merged.data
     _check_labels(data, merged.totals)
+    _note("merge")
     fit, selection, excluded = fit_calibration(data, opts, dict(merged.rows))
+    _note("calibration fit")
     design = fit.design
     mode = design.mode
     G = design.cells.cells.size
@@ -683,11 +702,13 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         gram["count"] += res.count
         gram["sum"] += res.total
         gram["gram"] += res.gram
+    _note("pass 2")
     if keep_terms:
         total[:, K:] = total[:, :K]
         infl = influence_with_evaluation_terms(design, f, fit.full, stats, total, n_k)
     else:
         infl = gram_influence(design, f, fit.full, stats, parts, n_k)
+    _note("influence terms")
     jk = fold_jackknife(design, fit.models)
     log.info("prepared %d rows on %d shards (%d prompts, %d labelled rows on the driver), mode=%s",
              merged.n_rows, len(shards), merged.n_prompts, data.n_rows, mode)
@@ -722,6 +743,7 @@ def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, par
             if pos.max() >= L or not np.array_equal(lab_prompts[pos], res.labelled):
                 raise ValueError("a shard's labelled prompts are not the driver's")
             base[pos, :K] = res.labelled_terms
+        res.labelled_terms = None  # copied: the shard's part is released as the basis fills
     local_prompt = np.searchsorted(lab_prompts, d.prompt)
     local = dataclasses.replace(design, data=dataclasses.replace(
         d, prompt=local_prompt, prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (L,))))
