@@ -667,6 +667,9 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     _check_labels(data, merged.totals)
     _note("merge")
     fit, selection, excluded = fit_calibration(data, opts, dict(merged.rows))
+    # the calibration plan cached on the design (~70 B a labelled row) is rebuilt, identical, if a bootstrap
+    # replicate needs it; the analytic route does not
+    fit.design.__dict__.pop("_calibration_plan", None)
     _note("calibration fit")
     design = fit.design
     mode = design.mode
