@@ -690,6 +690,8 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     for i, t in enumerate(shards):
         sel = shard_of_row == i
         items.append((t, cov, pols, codes[i], fit.F_all, cal_rows_window[sel], fit.f_cal[sel], plug, n_k, keep_terms))
+    del cal_rows_window, shard_of_row, lab_window_rows, lab_shard, sel
+    merged.rows = None  # every mode's row coding: the chosen one lives on in the design
     total = np.zeros((merged.n_prompts, 2 * K)) if keep_terms else None
     gram = {"count": 0, "sum": np.zeros(K), "gram": np.zeros((K, K))}
     parts: list = [None] * len(shards)
@@ -701,6 +703,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
                 total[codes[i].prompt_rank, :K] = res.terms
             res.terms = None
         parts[i] = res
+    items = None
     for res in parts:  # in shard order: the same sums whatever the order of arrival
         gram["count"] += res.count
         gram["sum"] += res.total
