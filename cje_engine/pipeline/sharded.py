@@ -61,6 +61,20 @@ ROW = "_row"
 Mapper = Callable[[Callable, Sequence[tuple]], Iterable[tuple[int, Any]]]
 
 
+def _release() -> None:
+    """Hand the driver's freed memory back to the OS between the merge's steps (glibc keeps freed heap pages
+    resident otherwise, and the next step's large arrays would come on top of them); no-op off glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _note(stage: str) -> None:
     """Log (DEBUG) the driver's resident memory now and its peak so far after ``stage`` (Linux; for the
     benchmarks' memory profile of the merge)."""
@@ -665,11 +679,14 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
     data = merged.data
     _check_labels(data, merged.totals)
+    _release()
     _note("merge")
     fit, selection, excluded = fit_calibration(data, opts, dict(merged.rows))
     # the calibration plan cached on the design (~70 B a labelled row) is rebuilt, identical, if a bootstrap
     # replicate needs it; the analytic route does not
     fit.design.__dict__.pop("_calibration_plan", None)
+    fit.__dict__.pop("residual_terms", None)  # the sources' audits are done: 24 B a labelled row
+    _release()
     _note("calibration fit")
     design = fit.design
     mode = design.mode
@@ -708,6 +725,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         gram["count"] += res.count
         gram["sum"] += res.total
         gram["gram"] += res.gram
+    _release()
     _note("pass 2")
     if keep_terms:
         total[:, K:] = total[:, :K]
