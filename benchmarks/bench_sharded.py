@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.inference == "bootstrap" and args.bootstrap < 50:
         p.error("--inference bootstrap needs --bootstrap >= 50")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.getLogger("cje_engine.pipeline.sharded").setLevel(logging.DEBUG)  # the driver's RSS per step
     if args.stage:
         args.prompts = int(args.sizes)
         fn = {"write": stage_write, "single": stage_single, "sharded": stage_sharded, "groupby": stage_groupby}

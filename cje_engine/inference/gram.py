@@ -73,7 +73,8 @@ class Basis:
 
     def __post_init__(self) -> None:
         self.rows = np.asarray(self.rows, dtype=float)
-        if not np.isfinite(self.rows).all():
+        step = 1 << 16  # a chunk of rows at a time: no (L, D) boolean temporary
+        if not all(np.isfinite(self.rows[i:i + step]).all() for i in range(0, self.rows.shape[0], step)):
             raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
         K, D = self.moments.s.size, self.rows.shape[1]
         if K > D:

@@ -194,7 +194,7 @@ def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             continue
         delta[k] = float(np.sum(w[sel] * r[sel]))
         psi = np.bincount(prompt[sel], weights=w[sel] * (r[sel] - delta[k]), minlength=d.n_prompts)
-        se[k] = float(np.sqrt(_column_var(psi[:, None])[0]))
+        se[k] = float(np.sqrt(_column_var(psi[:, None], overwrite=True)[0]))  # psi is ours: no copy
     return delta, se, is_source
 
 

@@ -42,8 +42,8 @@ import pyarrow.compute as pc
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
-from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, evaluation_terms,
-                                          fold_jackknife, influence_with_evaluation_terms)
+from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, calibration_term,
+                                          evaluation_terms, fold_jackknife, influence_with_evaluation_terms)
 from cje_engine.errors import CJEInputError
 from cje_engine.direct.verified import own_label_influence
 from cje_engine.inference.gram import Basis, GramTerms, Moments
@@ -62,6 +62,36 @@ ROW = "_row"
 #: ``Mapper(fn, items)`` runs ``fn(*item)`` for every item and yields ``(index of the item, result)`` in any
 #: order (`serial_map` in process; `flows.runtime.ray_fanout` on Ray workers).
 Mapper = Callable[[Callable, Sequence[tuple]], Iterable[tuple[int, Any]]]
+
+
+def _release() -> None:
+    """Hand the driver's freed memory back to the OS between the merge's steps (glibc keeps freed heap pages
+    resident otherwise, and the next step's large arrays would come on top of them); no-op off glibc."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _note(stage: str) -> None:
+    """Log (DEBUG) the driver's resident memory now and its peak so far after ``stage`` (Linux; for the
+    benchmarks' memory profile of the merge)."""
+    if not log.isEnabledFor(logging.DEBUG):
+        return
+    try:
+        import resource
+
+        with open("/proc/self/statm") as fh:
+            now = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (OSError, ValueError, ImportError):
+        return
+    log.debug("driver RSS %.2f GiB (peak %.2f GiB) after %s", now / 2**30, peak / 2**30, stage)
 
 
 def serial_map(fn: Callable, items: Sequence[tuple]) -> Iterable[tuple[int, Any]]:
@@ -88,18 +118,61 @@ def shard_of(prompt_ids: Sequence[str] | np.ndarray | pa.Array, n_shards: int) -
     return (out % np.uint64(n_shards)).astype(np.int64)
 
 
-def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0) -> list[pa.Table]:
-    """The rows of ``table`` per shard (`shard_of` of the prompt id), each with its `ROW` (``row_offset`` +
-    its place in ``table`` unless the table has one): what a reader of one file hands to the shards."""
+#: Schema metadata key of a shard split by prompt-id range (`split_by_shard` with ``splitters``).
+RANGE_META = b"cje.shard_range"
+
+
+def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
+                   splitters: Sequence[str] | None = None) -> list[pa.Table]:
+    """The rows of ``table`` per shard, each with its `ROW` (``row_offset`` + its place in ``table`` unless the
+    table has one): what a reader of one file hands to the shards.
+
+    Without ``splitters`` a prompt's shard is `shard_of` its id (a hash). With ``splitters`` (``n_shards - 1``
+    sorted prompt ids, `range_splitters`) shard ``s`` holds the ids in ``[splitters[s-1], splitters[s])``:
+    shards by range, so a prompt's global code is its shard's offset plus its rank in the shard and the ids
+    never travel to the driver (`prepare_sharded`); the shards' tables say so in their schema metadata.
+    """
     if ROW not in table.column_names:
         table = table.append_column(ROW, pa.array(np.arange(row_offset, row_offset + table.num_rows, dtype=np.int64)))
     uniq = pc.unique(table[PROMPT])
     code = pc.index_in(table[PROMPT], value_set=uniq)
-    shard = shard_of(uniq, n_shards)[np.asarray(code)]
+    if splitters is None:
+        shard = shard_of(uniq, n_shards)[np.asarray(code)]
+    else:
+        if len(splitters) != n_shards - 1:
+            raise ValueError(f"{len(splitters)} splitters for {n_shards} shards")
+        bounds_ids = np.asarray(list(splitters), dtype=object)
+        shard = np.searchsorted(bounds_ids, np.asarray(uniq.cast(pa.string()).to_pylist(), dtype=object),
+                                side="right").astype(np.int64)[np.asarray(code)]
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), RANGE_META: b"1"})
     order = np.argsort(shard, kind="stable")
     bounds = np.searchsorted(shard[order], np.arange(n_shards + 1))
     taken = table.take(pa.array(order))
     return [taken.slice(bounds[s], bounds[s + 1] - bounds[s]) for s in range(n_shards)]
+
+
+def sample_prompt_ids(ids: pa.Array | pa.ChunkedArray, k: int) -> list[str]:
+    """``k`` evenly spaced ids of the sorted distinct ``ids`` (a reader's sample for `range_splitters`)."""
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks()
+    uniq = pc.unique(ids.cast(pa.string()))
+    uniq = uniq.take(pc.sort_indices(uniq))
+    if len(uniq) == 0 or k <= 0:
+        return []
+    at = np.unique(np.linspace(0, len(uniq) - 1, min(k, len(uniq))).round().astype(np.int64))
+    return uniq.take(pa.array(at)).to_pylist()
+
+
+def range_splitters(samples: Iterable[Sequence[str]], n_shards: int) -> list[str]:
+    """``n_shards - 1`` sorted prompt ids cutting the pooled ``samples`` into equal parts (the shards' ranges for
+    `split_by_shard`); repeated when the samples have fewer distinct ids (some shards are then empty)."""
+    pooled = sorted({x for s in samples for x in s})
+    if n_shards <= 1:
+        return []
+    if not pooled:
+        return [""] * (n_shards - 1)
+    at = [min(len(pooled) - 1, (i * len(pooled)) // n_shards) for i in range(1, n_shards)]
+    return [pooled[i] for i in at]
 
 
 @dataclass
@@ -158,10 +231,11 @@ def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequen
 
 @dataclass
 class ShardSummary:
-    """What pass 1 returns from a shard (`reduce_shard`): O(prompts + cells + labels), never its rows."""
+    """What pass 1 returns from a shard (`reduce_shard`): O(cells + labels), never its rows, and its prompt ids
+    only when the shard is not one of a split by range (`split_by_shard` with splitters)."""
 
     n_rows: int
-    prompt_ids: pa.Array  # sorted distinct prompt ids
+    prompt_ids: pa.Array | None  # sorted distinct prompt ids (None: a range shard, they stay on the worker)
     policies: tuple
     cell_score: np.ndarray  # (Gs,) fine cells: distinct (score, covariates), sorted
     cell_X: np.ndarray  # (Gs, p)
@@ -170,39 +244,70 @@ class ShardSummary:
     score_sum: np.ndarray  # (len(policies),)
     score_min: float
     score_max: float
-    labelled: dict  # the labelled rows: row, prompt (index into prompt_ids), policy, cell, score, X, label, weight
+    labelled: dict  # the labelled rows: row, prompt (local), policy, cell, score, X, label, weight, fold
+    n_ids: int = 0  # distinct prompt ids
+    id_range: tuple = (None, None)  # its smallest and largest prompt id (None: no rows)
 
 
-def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None
-                 ) -> ShardSummary:
-    """Pass 1 on one shard: counts, totals and the labelled rows (see the module docstring)."""
+def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None,
+                 n_folds: int | None = None) -> ShardSummary:
+    """Pass 1 on one shard: counts, totals and the labelled rows (see the module docstring).
+
+    The labelled rows travel with their fold (`fold_of` their prompt id, ``n_folds``: default the options')
+    and 4-byte codes, so no prompt id travels with them; a shard of a split by range keeps its ids.
+    """
     r = shard_rows(table, covariates, policies)
     Kl = len(r.policies)
     cells, cell = make_cells(r.score, r.X)
     G = cells.size
     counts = np.bincount(r.policy * G + cell, minlength=Kl * G).reshape(Kl, G)
-    pairs = np.unique(r.policy * (r.prompt_ids.__len__() + 1) + r.prompt) if r.row.size else np.empty(0, np.int64)
-    n_prompts = np.bincount(pairs // (len(r.prompt_ids) + 1), minlength=Kl)
+    n_ids = len(r.prompt_ids)
+    pairs = np.unique(r.policy * (n_ids + 1) + r.prompt) if r.row.size else np.empty(0, np.int64)
+    n_prompts = np.bincount(pairs // (n_ids + 1), minlength=Kl)
+    del pairs
     lab = np.flatnonzero(~np.isnan(r.label))
+    lab_prompt = r.prompt[lab]
+    folds = n_folds if n_folds is not None else EvaluationOptions.of(None).n_folds
+    fold = _folds(r.prompt_ids.take(pa.array(lab_prompt)), folds).astype(np.int8)
+    ranged = bool(table.schema.metadata and table.schema.metadata.get(RANGE_META) == b"1")
     return ShardSummary(
-        n_rows=int(r.row.size), prompt_ids=r.prompt_ids, policies=r.policies, cell_score=cells.score,
-        cell_X=cells.X, counts=counts, n_prompts=n_prompts,
+        n_rows=int(r.row.size), prompt_ids=None if ranged else r.prompt_ids, policies=r.policies,
+        cell_score=cells.score, cell_X=cells.X, counts=counts, n_prompts=n_prompts,
         score_sum=np.array([r.score[r.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
         score_min=float(r.score.min()) if r.row.size else np.inf,
         score_max=float(r.score.max()) if r.row.size else -np.inf,
-        labelled={"row": r.row[lab], "prompt": r.prompt[lab], "policy": r.policy[lab], "cell": cell[lab],
-                  "score": r.score[lab], "X": r.X[lab], "label": r.label[lab], "weight": r.label_weight[lab]})
+        labelled={"row": r.row[lab], "prompt": lab_prompt.astype(np.int32), "policy": r.policy[lab].astype(np.int32),
+                  "cell": cell[lab].astype(np.int32), "score": r.score[lab], "X": r.X[lab], "label": r.label[lab],
+                  "weight": r.label_weight[lab], "fold": fold},
+        n_ids=n_ids, id_range=(r.prompt_ids[0].as_py(), r.prompt_ids[n_ids - 1].as_py()) if n_ids else (None, None))
+
+
+def shard_prompt_ids(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None
+                     ) -> pa.Array:
+    """A shard's sorted distinct prompt ids (those `reduce_shard` codes): what the driver ranks when the shards
+    were not split by range (`global_prompt_codes`)."""
+    return shard_rows(table, covariates, policies).prompt_ids
 
 
 @dataclass
 class ShardCodes:
     """What the driver sends a shard after the merge: its prompts' global codes and, for its fine cells and
-    policies, their global (policy, cell) codes in the chosen calibration mode."""
+    policies, their global (policy, cell) codes in the chosen calibration mode.
 
-    prompt_rank: np.ndarray  # (shard's prompts,) global prompt code of each
+    A shard of a split by range gets no array of prompt codes: its prompts' codes are ``prompt_offset`` plus
+    their rank in the shard (`ranks`)."""
+
+    prompt_rank: np.ndarray | None  # (shard's prompts,) global prompt code of each (None: ``prompt_offset`` + rank)
     policy_code: np.ndarray  # (shard's policies,) global policy code (-1: not evaluated)
     cell_code: np.ndarray  # (shard's fine cells,) global cell code in the chosen mode
     n_cells: int  # G of the chosen mode
+    prompt_offset: int = 0  # global code of the shard's first prompt when ``prompt_rank`` is None
+
+    def ranks(self, local: np.ndarray) -> np.ndarray:
+        """Global prompt codes (int64) of the shard's prompts ``local`` (their index in its sorted ids)."""
+        if self.prompt_rank is not None:
+            return self.prompt_rank[local]
+        return np.asarray(local, dtype=np.int64) + self.prompt_offset
 
 
 @dataclass
@@ -213,10 +318,13 @@ class Merged:
     rows: dict  # mode -> `estimators.row_cells` tuple (cells, labelled rows' cell and key, every row's counts)
     cell_maps: dict  # mode -> per shard: fine cell -> global cell
     policy_maps: list  # per shard: local policy -> global code
-    prompt_ranks: list  # per shard: local prompt -> global code
+    prompt_ranks: list  # per shard: local prompt -> global code (None: ``prompt_offsets`` + local rank)
     totals: RowTotals
     n_prompts: int
     n_rows: int
+    prompt_offsets: list = field(default_factory=list)  # per shard: global code of its first prompt
+    lab_rows: np.ndarray | None = None  # window row of each labelled row of ``data`` (its order)
+    lab_shard: np.ndarray | None = None  # shard of each labelled row of ``data`` (int32)
 
 
 def global_prompt_codes(ids: Sequence[pa.Array]) -> tuple[list[np.ndarray], int]:
@@ -237,11 +345,52 @@ def global_prompt_codes(ids: Sequence[pa.Array]) -> tuple[list[np.ndarray], int]
     return [rank[bounds[i]:bounds[i + 1]] for i in range(len(ids))], int(order.size)
 
 
+def ranges_in_order(summaries: Sequence[ShardSummary]) -> bool:
+    """True when every shard's prompt ids lie above the previous non-empty shard's (shards split by range, in
+    order): then a prompt's global code is its shard's offset plus its rank there, and no id need travel."""
+    last = None
+    for s in summaries:
+        if not s.n_ids:
+            continue
+        lo, hi = s.id_range
+        if last is not None and not last < lo:
+            return False
+        last = hi
+    return True
+
+
+def prompt_coding(summaries: Sequence[ShardSummary]) -> tuple[list, list[int], int]:
+    """(per shard: its prompts' global codes or None, per shard: the offset of its first prompt, prompts).
+
+    Shards in range order (`ranges_in_order`) need only their counts: code = offset + rank in the shard, the
+    single-process coding. Otherwise every shard's ``prompt_ids`` are ranked together (`global_prompt_codes`)."""
+    if ranges_in_order(summaries):
+        offsets = np.concatenate([[0], np.cumsum([s.n_ids for s in summaries])]).astype(np.int64)
+        return [None] * len(summaries), [int(o) for o in offsets[:-1]], int(offsets[-1])
+    if any(s.prompt_ids is None for s in summaries):
+        raise ValueError("shards out of range order need their prompt ids (shard_prompt_ids)")
+    ranks, n = global_prompt_codes([s.prompt_ids for s in summaries])
+    return ranks, [0] * len(summaries), n
+
+
+def _take_labelled(summaries: Sequence[ShardSummary], key: str, keep: np.ndarray, fn: Callable | None = None
+                   ) -> np.ndarray:
+    """One labelled-row field of every shard, concatenated (through ``fn(shard index, values)``), taken at
+    ``keep``; the shards' copies are released as they are read."""
+    parts = []
+    for i, s in enumerate(summaries):
+        v = s.labelled.pop(key)
+        parts.append(fn(i, v) if fn is not None else v)
+    out = np.concatenate(parts) if parts else np.empty(0)
+    del parts
+    return out[keep]
+
+
 def merge_summaries(summaries: Sequence[ShardSummary], opts: EvaluationOptions) -> Merged:
     """Pass 1's merge: global codes, cells and counts of every calibration mode, the labelled rows' `EvalData`.
 
     Integer counts add exactly; the labelled rows are put back in window order, so every fit on them is the
-    single-process one.
+    single-process one. The summaries' labelled rows are consumed (moved into the merge a field at a time).
     """
     summaries = list(summaries)
     seen = sorted({p for s in summaries for p in s.policies})
@@ -252,20 +401,30 @@ def merge_summaries(summaries: Sequence[ShardSummary], opts: EvaluationOptions) 
                             f"{', '.join(seen)})", column=POLICY)
     look = {p: i for i, p in enumerate(policies)}
     policy_maps = [np.array([look.get(p, -1) for p in s.policies], dtype=np.int64) for s in summaries]
-    ranks, n_prompts = global_prompt_codes([s.prompt_ids for s in summaries])
+    ranks, offsets, n_prompts = prompt_coding(summaries)
     K = len(policies)
     p = len(opts.covariates)
     score = np.concatenate([s.cell_score for s in summaries]) if summaries else np.empty(0)
     X = np.concatenate([s.cell_X.reshape(s.cell_score.size, p) for s in summaries]) if summaries else np.empty((0, p))
     bounds = np.concatenate([[0], np.cumsum([s.cell_score.size for s in summaries])]).astype(int)
-    lab = {k: np.concatenate([s.labelled[k] for s in summaries]) if summaries else np.empty(0)
-           for k in ("row", "score", "label", "weight")}
-    lab_prompt = np.concatenate([ranks[i][s.labelled["prompt"]] for i, s in enumerate(summaries)])
+    # window order of the labelled rows of the evaluated policies
+    lab_row = np.concatenate([s.labelled["row"] for s in summaries]) if summaries else np.empty(0, np.int64)
     lab_policy = np.concatenate([policy_maps[i][s.labelled["policy"]] for i, s in enumerate(summaries)])
-    lab_fine = np.concatenate([bounds[i] + s.labelled["cell"] for i, s in enumerate(summaries)])
-    lab_X = np.concatenate([s.labelled["X"].reshape(s.labelled["row"].size, p) for s in summaries])
-    order = np.argsort(lab["row"], kind="stable")
+    order = np.argsort(lab_row, kind="stable")
     keep = order[lab_policy[order] >= 0]
+    del order
+    lab_row, lab_policy = lab_row[keep], lab_policy[keep]
+    lab_shard = np.concatenate([np.full(s.labelled["row"].size, i, dtype=np.int32)
+                                for i, s in enumerate(summaries)])[keep]
+    for s in summaries:
+        s.labelled.pop("row")
+        s.labelled.pop("policy")
+
+    def code(i: int, local: np.ndarray) -> np.ndarray:
+        return ranks[i][local] if ranks[i] is not None else local.astype(np.int64) + offsets[i]
+
+    lab_prompt = _take_labelled(summaries, "prompt", keep, code)
+    lab_fine = _take_labelled(summaries, "cell", keep, lambda i, c: bounds[i] + c.astype(np.int64))
     rows, cell_maps = {}, {}
     for entry in registry.entries():
         cells, gcell = make_cells(score, X if entry.uses_covariates else None)
@@ -277,20 +436,23 @@ def merge_summaries(summaries: Sequence[ShardSummary], opts: EvaluationOptions) 
             cc = np.tile(gcell[bounds[i]:bounds[i + 1]], len(s.policies))
             ok = pol >= 0
             counts += np.bincount(pol[ok] * G + cc[ok], weights=s.counts.ravel()[ok], minlength=K * G)
-        row_cell = gcell[lab_fine[keep]].astype(small)
-        rows[entry.name] = (cells, row_cell, lab_policy[keep].astype(small) * small(G) + row_cell,
+        row_cell = gcell[lab_fine].astype(small)
+        rows[entry.name] = (cells, row_cell, lab_policy.astype(small) * small(G) + row_cell,
                             counts.reshape(K, G))
         cell_maps[entry.name] = [gcell[bounds[i]:bounds[i + 1]] for i in range(len(summaries))]
-    ids_kept = pa.concat_arrays([s.prompt_ids.take(pa.array(s.labelled["prompt"])) for s in summaries]
-                                ).take(pa.array(keep))
+    del lab_fine
+    n_lab = keep.size
     data = EvalData(
         prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (n_prompts,)),  # ids stay on the shards
-        prompt=lab_prompt[keep], policies=tuple(policies), policy=lab_policy[keep], score=lab["score"][keep],
-        label=lab["label"][keep], label_weight=lab["weight"][keep], X=lab_X[keep].reshape(keep.size, p),
-        covariate_names=tuple(opts.covariates), fold=_folds(ids_kept, opts.n_folds),
+        prompt=lab_prompt, policies=tuple(policies), policy=lab_policy,
+        score=_take_labelled(summaries, "score", keep), label=_take_labelled(summaries, "label", keep),
+        label_weight=_take_labelled(summaries, "weight", keep),
+        X=_take_labelled(summaries, "X", keep, lambda i, x: x.reshape(x.shape[0], p)).reshape(n_lab, p),
+        covariate_names=tuple(opts.covariates), fold=_take_labelled(summaries, "fold", keep).astype(np.int64),
         n_folds=opts.n_folds, label_scale=opts.label_scale, score_scale=opts.score_scale)
     totals = _row_totals(summaries, policy_maps, K)
-    return Merged(data, rows, cell_maps, policy_maps, ranks, totals, n_prompts, int(totals.n_rows.sum()))
+    return Merged(data, rows, cell_maps, policy_maps, ranks, totals, n_prompts, int(totals.n_rows.sum()),
+                  prompt_offsets=offsets, lab_rows=lab_row, lab_shard=lab_shard)
 
 
 #: Labelled prompt ids turned into Python strings at a time by `_folds`.
@@ -361,7 +523,7 @@ def shard_evaluation_terms(table: pa.Table, covariates: Sequence[str], policies:
         lab = np.unique(r.prompt[keep & ~np.isnan(r.label)])
         rest = np.ones(terms.shape[0], dtype=bool)
         rest[lab] = False
-        out.labelled = codes.prompt_rank[lab]
+        out.labelled = codes.ranks(lab)
         out.labelled_terms = terms[lab]
         out.rest = Moments.of(terms[rest])
     return out
@@ -376,7 +538,7 @@ def shard_histograms(table: pa.Table, covariates: Sequence[str], policies: Seque
     r = shard_rows(table, covariates, policies)
     pol, cell, keep = _shard_keys(r, codes)
     key = (pol * codes.n_cells + cell)[keep]
-    prompt = codes.prompt_rank[r.prompt[keep]]
+    prompt = codes.ranks(r.prompt[keep])
     KG = n_policies * codes.n_cells
     out = np.empty((stop - start, KG), dtype=np.int64)
     for i, b in enumerate(range(start, stop)):
@@ -508,14 +670,18 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     cov, pols = tuple(opts.covariates), opts.policies
     shards = list(shards)
     summaries: list = [None] * len(shards)
-    for i, s in mapper(reduce_shard, [(t, cov, pols) for t in shards]):
+    for i, s in mapper(reduce_shard, [(t, cov, pols, opts.n_folds) for t in shards]):
         summaries[i] = s
+    s = None
+    if not ranges_in_order(summaries) and any(x.prompt_ids is None for x in summaries):
+        # shards of a range split out of order (or overlapping): rank their ids on the driver
+        for i, ids in mapper(shard_prompt_ids, [(t, cov, pols) for t in shards]):
+            summaries[i].prompt_ids = ids
+    _note("pass 1")
     merged = merge_summaries(summaries, opts)
-    # the labelled rows' window row and shard (merged data's order); then the summaries (every prompt id and
-    # labelled row of every shard) are released before the fit
-    lab_window_rows = _labelled_window_rows(summaries, merged, opts)
-    lab_shard = _shard_of_labelled(summaries, merged, opts)
-    summaries = s = None
+    summaries = None  # their labelled rows moved into the merge; the rest released before the fit
+    lab_window_rows, lab_shard = merged.lab_rows, merged.lab_shard
+    merged.lab_rows = merged.lab_shard = None
     if keep_terms is None:
         keep_terms = terms_bytes(merged.n_prompts, len(merged.data.policies)) <= terms_budget_bytes(terms_budget)
         log.info("influence terms: %s (%d prompts)", "per prompt" if keep_terms else "Gram form", merged.n_prompts)
@@ -523,7 +689,15 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
     data = merged.data
     _check_labels(data, merged.totals)
+    _release()
+    _note("merge")
     fit, selection, excluded = (fit or fit_calibration)(data, opts, dict(merged.rows))
+    # the calibration plan cached on the design (~70 B a labelled row) is rebuilt, identical, if a bootstrap
+    # replicate needs it; the analytic route does not
+    fit.design.__dict__.pop("_calibration_plan", None)
+    fit.__dict__.pop("residual_terms", None)  # the sources' audits are done: 24 B a labelled row
+    _release()
+    _note("calibration fit")
     design = fit.design
     mode = design.mode
     G = design.cells.cells.size
@@ -534,8 +708,8 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     f = fit.f
     stats = fit.stats  # `estimators.cell_policy_stats`: the single-process path's bits
     plug = stats[:K]
-    codes = [ShardCodes(merged.prompt_ranks[i], merged.policy_maps[i], merged.cell_maps[mode][i], G)
-             for i in range(len(shards))]
+    codes = [ShardCodes(merged.prompt_ranks[i], merged.policy_maps[i], merged.cell_maps[mode][i], G,
+                        merged.prompt_offsets[i]) for i in range(len(shards))]
     # the calibration rows of each shard: their window row and out-of-fold value
     cal_rows_window = lab_window_rows[cr]
     shard_of_row = lab_shard[cr]
@@ -543,23 +717,32 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     for i, t in enumerate(shards):
         sel = shard_of_row == i
         items.append((t, cov, pols, codes[i], fit.F_all, cal_rows_window[sel], fit.f_cal[sel], plug, n_k, keep_terms))
+    del cal_rows_window, shard_of_row, lab_window_rows, lab_shard, sel
+    merged.rows = None  # every mode's row coding: the chosen one lives on in the design
     total = np.zeros((merged.n_prompts, 2 * K)) if keep_terms else None
     gram = {"count": 0, "sum": np.zeros(K), "gram": np.zeros((K, K))}
     parts: list = [None] * len(shards)
     for i, res in mapper(shard_evaluation_terms, items):
         if keep_terms:
-            total[codes[i].prompt_rank, :K] = res.terms
+            if codes[i].prompt_rank is None:
+                total[codes[i].prompt_offset:codes[i].prompt_offset + res.terms.shape[0], :K] = res.terms
+            else:
+                total[codes[i].prompt_rank, :K] = res.terms
             res.terms = None
         parts[i] = res
+    items = None
     for res in parts:  # in shard order: the same sums whatever the order of arrival
         gram["count"] += res.count
         gram["sum"] += res.total
         gram["gram"] += res.gram
+    _release()
+    _note("pass 2")
     if keep_terms:
         total[:, K:] = total[:, :K]
         infl = influence_with_evaluation_terms(design, f, fit.full, stats, total, n_k)
     else:
         infl = gram_influence(design, f, fit.full, stats, parts, n_k)
+    _note("influence terms")
     jk = fold_jackknife(design, fit.models)
     log.info("prepared %d rows on %d shards (%d prompts, %d labelled rows on the driver), mode=%s",
              merged.n_rows, len(shards), merged.n_prompts, data.n_rows, mode)
@@ -589,27 +772,24 @@ def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, par
     lab_prompts = np.unique(d.prompt)
     rest = Moments.zero(K)
     L = lab_prompts.size
-    total = np.zeros((L, 2 * K))
+    base = np.empty((L, 5 * K))  # written in place, block by block: no (L, 2K) arrays beside it
     for res in parts:  # in shard order
         rest = rest + res.rest
         if res.labelled.size:
             pos = np.searchsorted(lab_prompts, res.labelled)
             if pos.max() >= L or not np.array_equal(lab_prompts[pos], res.labelled):
                 raise ValueError("a shard's labelled prompts are not the driver's")
-            total[pos, :K] = res.labelled_terms
-    base = np.empty((L, 5 * K))
-    base[:, :K] = total[:, :K]
-    total[:, K:] = total[:, :K]
+            base[pos, :K] = res.labelled_terms
+        res.labelled_terms = None  # copied: the shard's part is released as the basis fills
     local_prompt = np.searchsorted(lab_prompts, d.prompt)
-    local = dataclasses.replace(d, prompt=local_prompt, prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (L,)))
-    infl = influence_with_evaluation_terms(dataclasses.replace(design, data=local), f, full, stats, total, n_k)
-    del total
-    base[:, K:3 * K] = np.nan_to_num(infl.pop("calibration"))
-    base[:, 3 * K:4 * K] = np.nan_to_num(infl.pop("audit"))
+    local = dataclasses.replace(design, data=dataclasses.replace(
+        d, prompt=local_prompt, prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (L,))))
+    labelled_influence_parts(local, f, full, stats, n_k, calibration=base[:, K:2 * K], residual=base[:, 2 * K:3 * K],
+                             audit=base[:, 3 * K:4 * K])
     lab = design.lab_rows
     _, psi_own = own_label_influence(local_prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab], L, K)
-    base[:, 4 * K:] = np.nan_to_num(psi_own)
-    del infl, psi_own
+    base[:, 4 * K:] = np.nan_to_num(psi_own, copy=False)
+    del psi_own, local_prompt, local
     den = np.bincount(d.policy[lab], weights=d.label_weight[lab], minlength=K)
     gone = np.flatnonzero(~(den > 0))
     eye, zero = np.eye(K), np.zeros((K, K))
@@ -623,21 +803,42 @@ def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, par
     return {name: GramTerms(basis, M) for name, M in maps.items()}
 
 
-def _labelled_window_rows(summaries: Sequence[ShardSummary], merged: Merged, opts: EvaluationOptions) -> np.ndarray:
-    """Window row of every labelled row of the merged data (its order)."""
-    rows = np.concatenate([s.labelled["row"] for s in summaries])
-    pol = np.concatenate([merged.policy_maps[i][s.labelled["policy"]] for i, s in enumerate(summaries)])
-    order = np.argsort(rows, kind="stable")
-    return rows[order[pol[order] >= 0]]
-
-
-def _shard_of_labelled(summaries: Sequence[ShardSummary], merged: Merged, opts: EvaluationOptions) -> np.ndarray:
-    """Shard of every labelled row of the merged data (its order)."""
-    rows = np.concatenate([s.labelled["row"] for s in summaries])
-    pol = np.concatenate([merged.policy_maps[i][s.labelled["policy"]] for i, s in enumerate(summaries)])
-    shard = np.concatenate([np.full(s.labelled["row"].size, i) for i, s in enumerate(summaries)])
-    order = np.argsort(rows, kind="stable")
-    return shard[order[pol[order] >= 0]]
+def labelled_influence_parts(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, n_k: np.ndarray, *,
+                             calibration: np.ndarray, residual: np.ndarray, audit: np.ndarray) -> None:
+    """The calibration, label-residual and audit parts of Direct's influence terms (each (prompts, K), NaN as
+    0), written into the given views: the values of `estimators.influence_with_evaluation_terms`'s
+    ``calibration[:, :K]``, ``calibration[:, K:]`` and ``audit`` after `numpy.nan_to_num`, bit for bit, without
+    its (prompts, 2K) arrays (the Gram basis of `gram_influence` is built in place with it)."""
+    d = design.data
+    K = design.n_policies
+    n_p = d.n_prompts
+    plug, aug = stats[:K], stats[K:]
+    lab = design.lab_rows
+    lw = d.label_weight[lab]
+    lab_pol = d.policy[lab]
+    den = np.bincount(lab_pol, weights=lw, minlength=K)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lab_contrib = lw * ((d.label[lab] - f[lab]) - (aug - plug)[lab_pol]) / den[lab_pol]
+    key = d.prompt[lab].astype(np.int64) * K
+    key += lab_pol
+    residual[...] = np.bincount(key, weights=lab_contrib, minlength=n_p * K).reshape(n_p, K)
+    del key, lab_contrib
+    gone = np.flatnonzero(den <= 0)
+    residual[:, gone] = np.nan
+    cells, counts = design.cells.cells, design.cells.counts
+    f_cal = f[design.cal_rows]
+    calibration_term(design, full, counts / n_k[:, None], f_cal, out=calibration)
+    np.nan_to_num(calibration, copy=False)
+    G = cells.size
+    lab_counts = np.bincount(lab_pol.astype(np.int64) * G + design.cells.row_cell[lab], weights=lw,
+                             minlength=K * G).reshape(K, G)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        lab_share = np.where(den[:, None] > 0, lab_counts / den[:, None], 0.0)
+    calibration_term(design, full, lab_share, f_cal, out=audit)
+    np.subtract(residual, audit, out=audit)
+    audit[:, gone] = np.nan
+    np.nan_to_num(audit, copy=False)
+    np.nan_to_num(residual, copy=False)
 
 
 def _check_labels(data: EvalData, totals: RowTotals) -> None:

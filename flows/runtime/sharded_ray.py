@@ -46,14 +46,58 @@ def replicate_chunk(n_replicates: int, n_policies: int, n_cells: int) -> int:
     return max(1, min(n_replicates, HISTOGRAM_BLOCK_BYTES // per))
 
 
+#: Prompt ids each file's reader samples for the shards' ranges (times the number of shards).
+SAMPLES_PER_SHARD = 16
+#: Row places are ``file index << ROW_BITS`` plus the row in the file.
+ROW_BITS = 40
+
+
+def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] | None, mapping: dict | None
+                ) -> list[str]:
+    """``k`` evenly spaced distinct prompt ids of one log file (its prompt column only): the readers' sample
+    from which the driver cuts the shards' ranges (`cje_engine.pipeline.sharded.range_splitters`)."""
+    from cje_engine.pipeline.sharded import sample_prompt_ids
+    from flows.storage.logs import read_window
+    from flows.storage.objects import Storage, StorageConfig
+
+    st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
+    table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
+    return sample_prompt_ids(table["prompt_id"], k)
+
+
+def response_id_buckets(table, n_buckets: int) -> list:
+    """The ``response_id`` column of a file's rows (with their window place `ROW`) split into ``n_buckets`` by
+    a hash of the id: every copy of an id lands in the same bucket, whatever file or shard it is in."""
+    import numpy as np
+    import pandas as pd
+    import pyarrow as pa
+
+    from cje_engine.pipeline.sharded import ROW
+
+    rid = table["response_id"].cast(pa.string())
+    ids = np.asarray(rid.to_numpy(zero_copy_only=False), dtype=object)
+    bucket = (pd.util.hash_array(ids, categorize=False) % np.uint64(n_buckets)).astype(np.int64)
+    del ids
+    order = np.argsort(bucket, kind="stable")
+    bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
+    taken = pa.table({"response_id": rid, ROW: table[ROW]}).take(pa.array(order))
+    return [taken.slice(bounds[b], bounds[b + 1] - bounds[b]) for b in range(n_buckets)]
+
+
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
-               policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None):
-    """Read one log file on a worker and return its rows per shard, then a small dict about the file
-    (``num_returns = n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
-    file (file order, then row order). ``prepare_rows(table, key)``: what the caller does to a file's rows
-    before they are split (the evaluate flow: join the label store's labels, derive covariates, check
-    columns) and returns ``(table, info)``."""
-    from cje_engine.pipeline.sharded import split_by_shard
+               policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
+               splitters: list[str] | None = None):
+    """Read one log file on a worker and return its rows per shard, its response ids per bucket
+    (`response_id_buckets`, without the rest of the row) and a small dict about the file
+    (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
+    file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
+    by hash). ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
+    evaluate flow: join the label store's labels, derive covariates, check columns) and returns
+    ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.pipeline.sharded import ROW, split_by_shard
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
@@ -65,7 +109,41 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     if prepare_rows is not None:
         table, more = prepare_rows(table, st.url(key))
         info.update(more)
-    return (*split_by_shard(table, n_shards, row_offset=file_index << 40), info)
+    start = file_index << ROW_BITS
+    table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
+    if "response_id" in table.column_names:
+        rids = response_id_buckets(table, n_shards)
+        table = table.drop_columns(["response_id"])
+    else:
+        rids = [pa.table({"response_id": pa.array([], pa.string()), ROW: pa.array([], pa.int64())})] * n_shards
+    return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
+
+
+def check_response_ids(*pieces) -> dict | None:
+    """One bucket of response ids from every file: None when they are distinct, else the first repeated id
+    and the window places of its rows (at most 5)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from cje_engine.pipeline.sharded import ROW
+    from flows.storage.logs import first_duplicate
+
+    table = pa.concat_tables([p for p in pieces if p.num_rows] or [pieces[0]])
+    dup = first_duplicate(table["response_id"])
+    if dup is None:
+        return None
+    rows = table.filter(pc.equal(table["response_id"], dup))[ROW].to_pylist()
+    return {"response_id": dup, "rows": sorted(rows)[:5], "count": len(rows)}
+
+
+def duplicate_response_id_error(found: dict, keys: Sequence[str], source: str):
+    """The `CJEInputError` (exit 2) naming a repeated ``response_id`` and the files and rows it is in."""
+    from cje_engine.errors import CJEInputError
+
+    where = ", ".join(f"{keys[r >> ROW_BITS]} row {r & ((1 << ROW_BITS) - 1)}" for r in found["rows"])
+    return CJEInputError(f"response_id {found['response_id']!r} appears more than once in the window "
+                         f"({found['count']} rows: {where}); response ids must be unique", source=source,
+                         column="response_id")
 
 
 def _concat(*parts):
@@ -81,23 +159,41 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                 rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False):
     """Object references of the window's shards (one `pyarrow.Table` each, in the cluster's object store).
 
+    The shards hold ranges of prompt ids, cut from a sample of every file's ids (`sample_file`), so the
+    engine codes prompts without their ids on the driver (`cje_engine.pipeline.sharded.prepare_sharded`).
+    The window's response ids are checked unique on the workers (by hash bucket, across files and shards):
+    a repeated id raises `CJEInputError` naming it and its files and rows.
+
     ``keys``: the window's log files in window order; ``rows_hint``: the window's rows when known (for the
     tasks' memory); ``prepare_rows``: see `split_file`. With ``with_info`` also the list of every file's
     info dict (small: fetched to the driver).
     """
     import ray
 
+    from cje_engine.pipeline.sharded import range_splitters
+
     per_file = max(1, rows_hint // max(len(keys), 1))
-    split = ray.remote(split_file).options(num_returns=n_shards + 1, max_retries=max_retries,
+    sample = ray.remote(sample_file).options(max_retries=max_retries, memory=task_memory(per_file // 2),
+                                             name="cje_shard_sample")
+    samples = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping)
+                       for k in keys], timeout=ray_get_timeout())
+    splitters = range_splitters(samples, n_shards)
+    split = ray.remote(split_file).options(num_returns=2 * n_shards + 1, max_retries=max_retries,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows)
+    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters)
               for i, k in enumerate(keys)]
+    check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
+                                                   memory=task_memory(rows_hint // n_shards // 4))
+    checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_shards)]
     concat = ray.remote(_concat).options(max_retries=max_retries, memory=task_memory(2 * rows_hint // n_shards),
                                          name="cje_shard_concat")
     refs = [concat.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
+    found = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
+    if found:
+        raise duplicate_response_id_error(min(found, key=lambda c: c["rows"][0]), keys, uri)
     if not with_info:
         return refs
-    return refs, ray.get([p[n_shards] for p in pieces], timeout=ray_get_timeout())
+    return refs, ray.get([p[2 * n_shards] for p in pieces], timeout=ray_get_timeout())
 
 
 def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEFAULT_MAX_RETRIES,

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from cje_engine.errors import CJEInputError
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline import direct, sharded
 from cje_engine.simulate import simulate
@@ -147,3 +148,36 @@ def test_a_worker_killed_mid_pass_is_retried_without_changing_a_number(local_ray
     th.join()
     assert killed, "no histogram task was seen running"
     assert np.array_equal(got, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("where", ["one_file_one_shard", "two_days_two_shards"])
+def test_a_repeated_response_id_is_refused_on_the_sharded_path(local_ray, direct_storage, bucket, s3_server, where):
+    """The single path refuses a window whose ``response_id`` repeats (exit 2, naming it); so does the sharded
+    path, whose rows never meet: the readers bucket the ids by hash and the workers check each bucket. A copy
+    in the same file (same prompt: the same shard) and a copy on another day (another prompt, another shard)."""
+    from flows.cli.exits import EXIT_BAD_INPUT
+    from flows.cli.main import exit_code_of
+
+    frame = simulate(400, seed=3, oracle_fraction=0.05).frame.copy()
+    pol_code = frame["policy"].astype("category").cat.codes.to_numpy()
+    start = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    frame["ts"] = [start + timedelta(days=int(c % 2)) for c in pol_code]
+    day = pol_code % 2
+    a = int(np.flatnonzero(day == 0)[0])
+    if where == "one_file_one_shard":  # another row of the same prompt, same day
+        b = int(np.flatnonzero((day == 0) & (frame["prompt_id"] == frame["prompt_id"][a]).to_numpy())[1])
+    else:  # a row of the other day whose prompt is in another shard
+        ids = frame["prompt_id"].astype(str).to_numpy()
+        cut = sharded.range_splitters([sorted(set(ids))], 3)
+        shard = np.searchsorted(np.asarray(cut, dtype=object), ids.astype(object), side="right")
+        b = int(np.flatnonzero((day == 1) & (shard != shard[a]))[0])
+    dup = frame.at[a, "response_id"]
+    frame.at[b, "response_id"] = dup
+    uri = f"s3://{bucket}/logs"
+    st = direct_storage(uri)
+    keys = sorted(write_logs(st, pa.Table.from_pandas(frame, preserve_index=False), basename="sim"))
+    with pytest.raises(CJEInputError, match=f"response_id {dup!r} appears more than once") as err:
+        sharded_ray.read_shards(uri, st.config.to_dict(include_secrets=True), keys, 3, rows_hint=len(frame))
+    files = {k for k in keys if k in str(err.value)}
+    assert files == ({keys[0]} if where == "one_file_one_shard" else set(keys))
+    assert exit_code_of(err.value) == EXIT_BAD_INPUT

@@ -258,3 +258,83 @@ def test_labelled_folds_are_hashed_a_chunk_at_a_time(monkeypatch):
     monkeypatch.setattr(sharded, "FOLD_CHUNK", 7)
     assert np.array_equal(sharded._folds(ids, 5), fold_of(ids.to_pylist(), 5))
     assert sharded._folds(pa.array([], pa.string()), 5).size == 0
+
+
+def _range_split(table: pa.Table, n: int, *days: pa.Table) -> list:
+    """Shards by prompt-id range, as the Ray readers split them: splitters from a sample of every file's ids."""
+    files = days or (table,)
+    cut = sharded.range_splitters([sharded.sample_prompt_ids(t["prompt_id"], 8 * n) for t in files], n)
+    if not days:
+        return sharded.split_by_shard(table, n, splitters=cut)
+    offset, pieces = 0, []
+    for t in days:
+        pieces.append(sharded.split_by_shard(t, n, row_offset=offset, splitters=cut))
+        offset += t.num_rows
+    return [pa.concat_tables([p[s] for p in reversed(pieces)]) for s in range(n)]
+
+
+@pytest.mark.parametrize("n_shards", [1, 3, 17])
+@pytest.mark.parametrize("kw", [dict(inference="analytic"), dict(inference="bootstrap", n_bootstrap=60),
+                                dict(inference="analytic", covariates=("response_length",),
+                                     calibration_mode="two_stage")], ids=["monotone", "bootstrap", "two_stage"])
+def test_shards_by_range_code_prompts_without_their_ids_on_the_driver(table, n_shards, kw):
+    """Split by prompt-id range, a shard's prompts are coded as its offset plus their rank in it: no prompt id
+    reaches the driver (pass 1 returns none, nor does any other call), and every number, replicates included,
+    is the single-process one (per-prompt terms and Gram form alike)."""
+    opts = EvaluationOptions.of(None, seed=3, **kw)
+    prep = direct.prepare(table, opts)
+    chunks = [direct.bootstrap_chunk(prep, 0, 60)] if kw["inference"] == "bootstrap" else []
+    single = direct.finalize(prep, chunks).to_dict()
+    n = table.num_rows
+    for parts in (_range_split(table, n_shards), _range_split(table, n_shards, table.slice(0, n // 3),
+                                                              table.slice(n // 3))):
+        assert all(sharded.RANGE_META in p.schema.metadata for p in parts)
+        calls, summaries = [], []
+
+        def watching(fn, items):
+            calls.append(fn.__name__)
+            for i, res in sharded.serial_map(fn, items):
+                if fn is sharded.reduce_shard:
+                    assert res.prompt_ids is None and res.n_ids == len(set(items[i][0]["prompt_id"].to_pylist()))
+                    summaries.append(res)
+                yield i, res
+
+        for keep in (True, False):
+            calls.clear()
+            sp = sharded.prepare_sharded(parts, opts, mapper=watching, keep_terms=keep)
+            assert "shard_prompt_ids" not in calls
+            assert all(c.prompt_rank is None for c in sp.codes)
+            got = [sp.replicates(0, 60)] if chunks else []
+            if chunks:
+                assert np.array_equal(got[0], chunks[0], equal_nan=True)
+            assert_same_result(single, sp.finalize(got).to_dict(), influence="per_prompt" if keep else "gram")
+
+
+def test_range_shards_out_of_order_are_ranked_on_the_driver(table):
+    """Range shards handed over in another order (or overlapping) fall back to ranking their ids on the driver:
+    same numbers; a prompt in two range shards is refused."""
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic")
+    single = direct.evaluate(table, opts).to_dict()
+    parts = _range_split(table, 3)
+    calls = []
+
+    def counting(fn, items):
+        calls.append(fn.__name__)
+        return sharded.serial_map(fn, items)
+
+    assert_same_result(single, sharded.prepare_sharded(parts[::-1], opts, mapper=counting).finalize([]).to_dict())
+    assert calls[:2] == ["reduce_shard", "shard_prompt_ids"]
+    wrong = [pa.concat_tables([parts[0], parts[1].slice(0, 1)]), parts[1], parts[2]]
+    with pytest.raises(CJEInputError, match="is in two shards"):
+        sharded.prepare_sharded(wrong, opts)
+
+
+def test_range_splitters_cut_the_pooled_samples_evenly():
+    ids = pa.array([f"p{i:05d}" for i in range(1000)])
+    sample = sharded.sample_prompt_ids(ids, 101)
+    assert sample == sorted(sample) and sample[0] == "p00000" and sample[-1] == "p00999"
+    cut = sharded.range_splitters([sample[::2], sample[1::2]], 4)
+    assert cut == sorted(cut) and len(cut) == 3
+    sizes = [p.num_rows for p in sharded.split_by_shard(pa.table({"prompt_id": ids}), 4, splitters=cut)]
+    assert sum(sizes) == 1000 and min(sizes) > 200
+    assert sharded.range_splitters([], 3) == ["", ""] and sharded.range_splitters([["a"]], 1) == []
