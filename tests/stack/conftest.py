@@ -171,6 +171,13 @@ def stack() -> Stack:
 @pytest.fixture
 def bucket(stack: Stack) -> Iterator[str]:
     """A fresh bucket on the stack's radosgw (emptied and removed afterwards)."""
+    with new_bucket(stack) as name:
+        yield name
+
+
+@contextlib.contextmanager
+def new_bucket(stack: Stack) -> Iterator[str]:
+    """A fresh bucket on the stack's radosgw for the block (emptied and removed afterwards)."""
     import boto3
     from botocore.config import Config
 
