@@ -314,8 +314,8 @@ def check_integrity(stack: Stack, bucket: str, evaluations: list[str]) -> Integr
     codes: dict[tuple, str] = {}
     for m in stored:
         for r in m.get("reasons") or []:
-            code = (m.get("evaluation"), m.get("window"), m.get("scope"), r.get("trigger"))
-            if code in codes:
+            code = (m.get("evaluation"), m.get("window"), m.get("scope"), r.get("trigger"), r.get("policy"))
+            if codes.get(code, m["request_id"]) != m["request_id"]:
                 out.duplicated_requests.append(f"{code} in {codes[code]} and {m['request_id']}")
             codes[code] = m["request_id"]
     for period in sorted({m.get("period") for m in stored} | _ledger_periods(st)):
