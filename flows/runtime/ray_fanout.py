@@ -168,6 +168,7 @@ def _connect(ray: Any, address: str, runtime_env: dict) -> None:
     fresh one. Only that error is retried (``CLIENT_INIT_ATTEMPTS`` in all, ``CLIENT_INIT_PAUSE`` s
     apart, doubling), so a wrong address or a refused connection still fails at once.
     """
+    _forget_lost_client(ray, address)
     pause = CLIENT_INIT_PAUSE
     for attempt in range(1, CLIENT_INIT_ATTEMPTS + 1):
         try:
@@ -182,6 +183,23 @@ def _connect(ray: Any, address: str, runtime_env: dict) -> None:
                 ray.shutdown()
             time.sleep(pause)
             pause *= 2
+
+
+def _forget_lost_client(ray: Any, address: str) -> None:
+    """Drop a Ray Client connection that was lost (its head died or restarted) before connecting again.
+
+    The client keeps the dead connection registered, and the next ``ray.init("ray://...")`` of the same
+    process (a retried task) then failed with "The client has already connected to the cluster with
+    allow_multiple=True", which names neither the cluster nor the lost head.
+    """
+    if not str(address).startswith("ray://"):
+        return
+    from ray.util import client as ray_client
+
+    if ray_client.num_connected_contexts() > 0 and not ray_client.ray.is_connected():
+        log.warning("the Ray Client connection to %s was lost (head down or restarted); connecting again", address)
+        with contextlib.suppress(Exception):
+            ray_client.ray.disconnect()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@
 #   CJE_PYTHON        the Python whose prefect / ray / cje are used      default <repo>/.venv/bin/python
 #   CJE_STACK_RAY_OBJECT_STORE  bytes of object store per Ray node       default 2 GiB
 #   CJE_STACK_NO_RGW=1          no radosgw (S3 settings then come from the caller's environment)
+#   CJE_STACK_RAY_WAIT          seconds to wait for each Ray node to join                   default 180
 #
 # The env file holds NAME=value lines: PREFECT_API_URL, CJE_STACK_POOL, RAY_ADDRESS (ray://),
 # CJE_STACK_RAY_GCS, RAY_AUTH_MODE, RAY_AUTH_TOKEN, the S3 settings of infra/radosgw/start.sh,
@@ -35,6 +36,7 @@ PY="${CJE_PYTHON:-$ROOT/.venv/bin/python}"
 BIN="$(dirname "$PY")"
 OBJ_STORE="${CJE_STACK_RAY_OBJECT_STORE:-2147483648}"
 POOL="cje-process"
+RAY_WAIT="${CJE_STACK_RAY_WAIT:-180}"
 T0=$(date +%s.%N)
 
 log() { echo "[stack] $*" >&2; }
@@ -175,16 +177,38 @@ ray_ports() {  # the ports a Ray node opens, each free (Ray's defaults are fixed
 }
 RAY_ENV="export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1
 export PYTHONPATH=\"$ROOT\${PYTHONPATH:+:\$PYTHONPATH}\""
+# Under CPU load a node's raylet gives up after ~16 s waiting for its dashboard agent ("Timed out waiting
+# for file .../dashboard_agent_listen_port_..."; seen at a load of 12-18 on 2 cores): `ray start` is tried
+# again, up to 5 times, after stopping what the failed attempt left in this service's session. A node that
+# ran for over 90 s and then stopped (e.g. its head lost) is not restarted.
+RETRY_START=$(cat <<'SH'
+for attempt in 1 2 3 4 5; do
+    t0=$(date +%s)
+    "$@" && exit 0
+    (( $(date +%s) - t0 > 90 )) && exit 1
+    echo "[ray] ray start failed (attempt $attempt of 5); again in 2 s" >&2
+    for p in $(ps -eo pid=,sid= | awk -v s=$$ '$2 == s && $1 != s {print $1}'); do kill -9 "$p" 2>/dev/null; done
+    sleep 2
+done
+exit 1
+SH
+)
 write_service ray-head <<EOF
 $RAY_ENV
-exec "$BIN/ray" start --head --block --node-ip-address=127.0.0.1 --port=$GCS_PORT \
+ray_start() {
+$RETRY_START
+}
+ray_start "$BIN/ray" start --head --block --node-ip-address=127.0.0.1 --port=$GCS_PORT \
     --ray-client-server-port=$CLIENT_PORT --include-dashboard=false --num-cpus=1 \
     --object-store-memory=$OBJ_STORE --temp-dir="$DIR/ray" $(ray_ports) --disable-usage-stats
 EOF
 launch ray-head
 write_service ray-worker <<EOF
 $RAY_ENV
-exec "$BIN/ray" start --block --address=127.0.0.1:$GCS_PORT --node-ip-address=127.0.0.1 --num-cpus=1 \
+ray_start() {
+$RETRY_START
+}
+ray_start "$BIN/ray" start --block --address=127.0.0.1:$GCS_PORT --node-ip-address=127.0.0.1 --num-cpus=1 \
     --object-store-memory=$OBJ_STORE $(ray_ports) --disable-usage-stats
 EOF
 
@@ -196,7 +220,7 @@ alive = [n for n in ray.nodes() if n["Alive"]]
 sys.exit(0 if len(alive) >= int(sys.argv[2]) else 1)
 PY
 }
-wait_for "the Ray head on port $GCS_PORT" 180 ray_up 1
+wait_for "the Ray head on port $GCS_PORT" "$RAY_WAIT" ray_up 1
 launch ray-worker
 log "Ray head up on 127.0.0.1:$GCS_PORT ($(elapsed)s)"
 
@@ -238,11 +262,13 @@ set -a; . "$DIR/service.env"; set +a
 export DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0 PREFECT_HOME="$DIR/prefect-worker-\${CJE_WORKER_NAME:-worker-1}"
 # Flow runs send heartbeats: a run whose worker died is marked Crashed (cje deploy's automation).
 export PREFECT_FLOWS_HEARTBEAT_FREQUENCY=\${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30}
+# It asks for due runs every 2 s (the default 10 s adds up to 10 s to each of the tier's ~40 runs).
+export PREFECT_WORKER_QUERY_SECONDS=\${PREFECT_WORKER_QUERY_SECONDS:-2}
 exec "$BIN/prefect" worker start --pool "$POOL" --name "\${CJE_WORKER_NAME:-worker-1}" \
     --type process --prefetch-seconds 5
 EOF
 launch prefect-worker
-wait_for "the Ray worker node" 180 ray_up 2
+wait_for "the Ray worker node" "$RAY_WAIT" ray_up 2
 log "Ray worker node joined ($(elapsed)s)"
 
 # ---------------------------------------------------------------------------------------------

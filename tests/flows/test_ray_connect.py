@@ -53,3 +53,21 @@ def test_other_failures_are_not_retried(exc):
     with pytest.raises(type(exc)):
         ray_fanout._connect(ray, "ray://127.0.0.1:1", {})
     assert ray.inits == 1
+
+
+def test_a_lost_client_connection_is_dropped_before_connecting_again(monkeypatch, caplog):
+    """The head died under a connected client (a retried task connects again in the same process): Ray kept
+    the dead connection registered and the next ``ray.init`` failed with "already connected to the cluster
+    with allow_multiple=True" (seen on the stack, tests/stack/test_stack_faults.py).  It is dropped first."""
+    from ray.util import client as ray_client
+
+    dropped = []
+    monkeypatch.setattr(ray_client, "num_connected_contexts", lambda: 1 - len(dropped))
+    monkeypatch.setattr(ray_client.ray, "is_connected", lambda: False)
+    monkeypatch.setattr(ray_client.ray, "disconnect", lambda *a, **k: dropped.append(1))
+    ray = FakeRay([])
+    ray_fanout._connect(ray, "ray://127.0.0.1:1", {})
+    assert dropped == [1] and ray.inits == 1
+    assert any("was lost" in r.getMessage() for r in caplog.records)
+    ray_fanout._connect(ray, "ray://127.0.0.1:1", {})  # nothing lost now: nothing dropped
+    assert dropped == [1]

@@ -65,15 +65,26 @@ def _healthy(api: str) -> bool:
 
 
 def session_pids(sid: int) -> list[int]:
-    """Processes whose session id is ``sid`` (a service started with setsid by start.sh)."""
-    out = []
+    """Processes whose session id is ``sid`` (a service started with setsid by start.sh), and their
+    descendants in sessions of their own (PostgreSQL's backends and the process worker's flow runs call
+    setsid; a SIGKILL of the session alone left PostgreSQL's checkpointer running)."""
+    sids, parents = {}, {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if os.getsid(int(d.name)) == sid:
-                    out.append(int(d.name))
-            except OSError:
+                pid = int(d.name)
+                sids[pid] = os.getsid(pid)
+                parents[pid] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 pass
+    out = []
+    for pid in sids:
+        q, n = pid, 0
+        while q > 1 and n < 64:
+            if sids.get(q) == sid:
+                out.append(pid)
+                break
+            q, n = parents.get(q, 0), n + 1
     return out
 
 
@@ -171,6 +182,13 @@ def stack() -> Stack:
 @pytest.fixture
 def bucket(stack: Stack) -> Iterator[str]:
     """A fresh bucket on the stack's radosgw (emptied and removed afterwards)."""
+    with new_bucket(stack) as name:
+        yield name
+
+
+@contextlib.contextmanager
+def new_bucket(stack: Stack) -> Iterator[str]:
+    """A fresh bucket on the stack's radosgw for the block (emptied and removed afterwards)."""
     import boto3
     from botocore.config import Config
 
