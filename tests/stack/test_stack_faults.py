@@ -35,6 +35,11 @@ from .test_stack import _wait_bootstrap
 
 pytestmark = pytest.mark.stack
 
+#: Not yet in CI's service tier (issue 25 stays open): tests 1 to 3 were not re-run after their last fix and
+#: took 26 minutes together with the others at load 12 to 22; the soak never ran. By hand, on a started stack:
+#: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
+UNVERIFIED = pytest.mark.stack_faults
+
 #: The shared window: 20,000 prompts x 5 policies. `SLOW` replicates keep the bootstrap busy for ~10 s on the
 #: two one-CPU Ray nodes (the fault hits it); `FAST` ones make a run of a few seconds.
 N_PROMPTS = 20000
@@ -103,6 +108,7 @@ def _states_seen(stack, ev: str) -> set[str]:
         return {s.type.value for r in runs for s in c.read_flow_run_states(r.id)}
 
 
+@UNVERIFIED
 def test_postgres_killed_and_restarted_mid_run_the_run_completes_once(shared):
     stack = shared.stack
     # The product's crash timeout (`cje deploy` default 90 s = three heartbeats): with 40 s, the heartbeat lost
@@ -120,6 +126,7 @@ def test_postgres_killed_and_restarted_mid_run_the_run_completes_once(shared):
     shared.check(ev, published=1)
 
 
+@UNVERIFIED
 def test_prefect_server_sigkilled_for_90_s_then_restarted(shared):
     stack = shared.stack
     # The automation must outlast the outage plus a heartbeat interval (30 s) plus the restart.
@@ -138,6 +145,7 @@ def test_prefect_server_sigkilled_for_90_s_then_restarted(shared):
     shared.check(ev, published=1)
 
 
+@UNVERIFIED
 def test_ray_head_killed_mid_run_the_run_ends_and_the_next_run_publishes(shared):
     stack = shared.stack
     run_id, ev = shared.run("head", SLOW)
@@ -202,6 +210,7 @@ def test_scheduler_double_fire_runs_one_at_a_time_and_publishes_one_result(share
     shared.check(ev, published=1)
 
 
+@UNVERIFIED
 def test_chaos_soak_short(stack, tmp_path):
     """benchmarks/chaos_soak.py with a few runs: faults at seeded random points, every invariant held."""
     out = tmp_path / "soak.json"
