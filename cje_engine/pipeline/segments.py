@@ -86,6 +86,32 @@ def segment_error(exc: CJEInputError, segment_by: Sequence[str]) -> CJEInputErro
     return exc
 
 
+def plan_from_counts(rows: np.ndarray, labels: np.ndarray, names: Sequence[str], min_rows: int, min_labels: int
+                     ) -> tuple[np.ndarray, list[str], list[dict]]:
+    """`plan_segments` from the counts: (each segment's shown group, group names, segment infos).
+
+    The rule itself (the sharded path calls it on the shards' merged counts): a segment is shown when every
+    policy has ``min_rows`` rows in it and it holds ``min_labels`` labels; the others are pooled into `OTHER`,
+    itself ``too_few`` below the same minimums. ``rows`` (segments, K) are the rows per segment and policy,
+    ``labels`` (segments,) the labels per segment."""
+    S = len(names)
+    big = (rows.min(axis=1) >= min_rows) & (labels >= min_labels)
+    shown = [s for s in range(S) if big[s]]
+    group_names = [names[s] for s in shown]
+    remap = np.full(S, len(shown), dtype=np.int64)
+    remap[shown] = np.arange(len(shown))
+    info = [{"name": names[s], "status": "shown" if big[s] else "pooled", "n_rows": int(rows[s].sum()),
+             "n_labels": int(labels[s])} for s in range(S)]
+    pooled = [s for s in range(S) if not big[s]]
+    if pooled:
+        o_rows, o_labels = rows[pooled].sum(axis=0), int(labels[pooled].sum())
+        ok = bool(o_rows.min() >= min_rows and o_labels >= min_labels)
+        group_names.append(OTHER)
+        info.append({"name": OTHER, "status": "shown" if ok else "too_few", "n_rows": int(o_rows.sum()),
+                     "n_labels": o_labels, "members": [names[s] for s in pooled]})
+    return remap, group_names, info
+
+
 def plan_segments(policy: np.ndarray, code: np.ndarray, labelled: np.ndarray, n_policies: int,
                   names: Sequence[str], min_rows: int, min_labels: int) -> tuple[np.ndarray, list[str], list[dict]]:
     """Which segments are shown on their own and which are pooled into `OTHER` (by size only).
@@ -105,22 +131,11 @@ def plan_segments(policy: np.ndarray, code: np.ndarray, labelled: np.ndarray, n_
     """
     S = len(names)
     rows = np.bincount(code * n_policies + policy, minlength=S * n_policies).reshape(S, n_policies)
-    labels = np.bincount(code[labelled], minlength=S)
-    big = (rows.min(axis=1) >= min_rows) & (labels >= min_labels)
-    shown = [s for s in range(S) if big[s]]
-    group_names = [names[s] for s in shown]
-    remap = np.full(S, len(shown), dtype=np.int64)
-    remap[shown] = np.arange(len(shown))
-    info = [{"name": names[s], "status": "shown" if big[s] else "pooled", "n_rows": int(rows[s].sum()),
-             "n_labels": int(labels[s])} for s in range(S)]
-    pooled = [s for s in range(S) if not big[s]]
-    if pooled:
-        o_rows, o_labels = rows[pooled].sum(axis=0), int(labels[pooled].sum())
-        ok = bool(o_rows.min() >= min_rows and o_labels >= min_labels)
-        group_names.append(OTHER)
-        info.append({"name": OTHER, "status": "shown" if ok else "too_few", "n_rows": int(o_rows.sum()),
-                     "n_labels": o_labels, "members": [names[s] for s in pooled]})
+    remap, group_names, info = plan_from_counts(rows, np.bincount(code[labelled], minlength=S), names,
+                                                min_rows, min_labels)
     return remap[code], group_names, info
+
+
 
 
 def virtual_data(data: EvalData, group: np.ndarray, n_groups: int, extra_X: np.ndarray | None = None,

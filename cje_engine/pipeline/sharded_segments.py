@@ -9,7 +9,7 @@ path computes them the same way, on the shards:
 1. `shard_segments` (one task per shard): the shard's segment names, rows per (segment, policy) and labels per
    segment, and its labelled rows' segments. `merge_segments` gives the window's sorted segment names (the
    single path's `segment_rows` codes), its counts and every labelled row's segment in the driver's order.
-2. `plan_from_counts`: `segments.plan_segments`' rule (shown or pooled into ``other``) from those counts.
+2. `segments.plan_from_counts`: the rule of `segments.plan_segments` (shown or pooled into ``other``) on those counts.
 3. The cells: `prepare_sharded` again on the same shards, each row recoded on its worker
    (`SegmentRecode`: policy -> ``policy\\x1fgroup``, plus the segment one-hot covariates when recalibrating),
    with the run's mode fitted (no mode selection, no robust pooling: `segments.segment_prepared`'s fit), and
@@ -35,7 +35,7 @@ from cje_engine.calibration import registry
 from cje_engine.data.frame import LABEL, POLICY
 from cje_engine.errors import CJEInputError
 from cje_engine.pipeline.calibration import fit_mode
-from cje_engine.pipeline.segments import OTHER, SegmentRows, segment_rows, summarize_segments
+from cje_engine.pipeline.segments import SegmentRows, plan_from_counts, segment_rows, summarize_segments
 
 log = logging.getLogger(__name__)
 
@@ -147,32 +147,6 @@ def count_segments(sp: Any, row_column: str) -> SegmentCounts:
         raise ValueError(f"segments: {counts.lab_segment.size} labelled rows counted on the shards, "
                          f"{d.n_rows} on the driver")
     return counts
-
-
-def plan_from_counts(rows: np.ndarray, labels: np.ndarray, names: Sequence[str], min_rows: int, min_labels: int
-                     ) -> tuple[np.ndarray, list[str], list[dict]]:
-    """`segments.plan_segments` from the counts: (each segment's shown group, group names, segment infos).
-
-    The same rule: a segment is shown when every policy has ``min_rows`` rows in it and it holds ``min_labels``
-    labels; the others are pooled into `segments.OTHER`, itself ``too_few`` below the same minimums.
-    ``rows`` (segments, K) and ``labels`` (segments,) are `SegmentCounts`' (tests check it against
-    `plan_segments` on the rows)."""
-    S = len(names)
-    big = (rows.min(axis=1) >= min_rows) & (labels >= min_labels)
-    shown = [s for s in range(S) if big[s]]
-    group_names = [names[s] for s in shown]
-    remap = np.full(S, len(shown), dtype=np.int64)
-    remap[shown] = np.arange(len(shown))
-    info = [{"name": names[s], "status": "shown" if big[s] else "pooled", "n_rows": int(rows[s].sum()),
-             "n_labels": int(labels[s])} for s in range(S)]
-    pooled = [s for s in range(S) if not big[s]]
-    if pooled:
-        o_rows, o_labels = rows[pooled].sum(axis=0), int(labels[pooled].sum())
-        ok = bool(o_rows.min() >= min_rows and o_labels >= min_labels)
-        group_names.append(OTHER)
-        info.append({"name": OTHER, "status": "shown" if ok else "too_few", "n_rows": int(o_rows.sum()),
-                     "n_labels": o_labels, "members": [names[s] for s in pooled]})
-    return remap, group_names, info
 
 
 @dataclass(frozen=True)
