@@ -25,20 +25,12 @@ def arena_dir() -> Path:
     return ARENA
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before the -m selection reads the markers
 def pytest_collection_modifyitems(config, items):
-    """The service tier's two workers (``-n 2 --dist loadgroup``, .ci/run): every test under tests/stack in
-    one worker, in order (they kill and restart the shared Prefect server, worker, PostgreSQL and Ray
-    nodes, and mostly wait on heartbeats); every other test of that tier (radosgw, Label Studio, the
-    lifecycle tests of `cje run`/`cje ui` under real signals, the statistical property checks of
-    tests/stats: none uses the stack's Prefect or Ray) in the other, on the CPU the stack tests leave idle.
-    Without ``--dist loadgroup`` (the default tier's ``loadfile``) the groups change nothing.
-
-    Every test of tests/stats that is not ``slow`` is marked ``stats`` here (a few Monte Carlo checks
-    elsewhere carry the marker themselves)."""
-    here = Path(__file__).parent
+    """Every test of tests/stats that is not ``slow`` is marked ``stats``: the Monte Carlo property checks,
+    outside the default run, run by CI's service tier beside the stack tests (.ci/services; a few Monte
+    Carlo checks elsewhere carry the marker themselves)."""
+    stats_dir = Path(__file__).parent / "stats"
     for item in items:
-        parents = Path(str(item.fspath)).parents
-        if here / "stats" in parents and not item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.stats)  # Monte Carlo property checks: CI's service tier (see pyproject)
-        item.add_marker(pytest.mark.xdist_group("stack" if here / "stack" in parents else "beside-stack"))
+        if stats_dir in Path(str(item.fspath)).parents and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.stats)

@@ -784,20 +784,32 @@ def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
     assert trap < prep < wait < at["default"]
 
 
-def test_ci_service_tier_runs_the_stack_tests_in_one_worker_and_the_rest_beside_them():
+def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp_path):
     """Rule 6 (test time): the service tier's stack tests (serial: they kill and restart shared services,
-    mostly waiting on heartbeats) run in one pytest-xdist worker, everything else of the tier (radosgw,
-    Label Studio, the lifecycle tests, the statistical property checks) in the other; the lifecycle and
-    statistical tests are excluded from the default run, and CI still runs every one of them."""
-    text = (CI / "run").read_text().replace("\\\n", " ")
-    [tier] = [line for line in text.splitlines() if line.startswith("tier services ")]
-    assert "-n 2 --dist loadgroup" in tier
-    assert tier.rstrip().endswith('-m "integration or (stack and not stack_faults) or lifecycle or stats"')  # by marker
+    mostly waiting on heartbeats) run in one pytest process, everything else of the tier (radosgw, Label
+    Studio, the lifecycle tests, the statistical property checks) in another beside it; the lifecycle and
+    statistical tests are excluded from the default run, and CI still runs every one of them. With stand-in
+    pytest processes: both run at once, both logs are printed, and a failure of either fails the tier."""
+    text = (CI / "run").read_text()
+    assert [line for line in text.splitlines() if line.startswith("tier services ")] == ["tier services bash .ci/services"]
+    script = (CI / "services").read_text()
+    assert '-m "stack and not stack_faults" tests/stack' in script and '-m "integration or lifecycle or stats"' in script
     addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     assert "not lifecycle" in addopts and "not stats" in addopts
     for name in ("test_lifecycle.py", "test_ui.py"):
         source = (REPO / "tests" / "flows" / name).read_text()
         assert "@pytest.mark.lifecycle" in source and "@pytest.mark.slow" not in source, name
+    fake = tmp_path / "py"
+    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4"; sleep 1; echo "end $4"\n'
+                    '[[ "$4" == "${FAIL:-none}" ]] && exit 3; exit 0\n')
+    fake.chmod(0o755)
+    for fail, code in (("none", 0), ("stack and not stack_faults", 3), ("integration or lifecycle or stats", 3)):
+        proc = subprocess.run(["bash", str(CI / "services")], capture_output=True, text=True,
+                              env={**os.environ, "CJE_TEST_PYTHON": str(fake), "FAIL": fail}, timeout=60)
+        assert proc.returncode == code, (fail, proc.stdout, proc.stderr)
+        starts = [float(line.split()[0]) for line in proc.stdout.splitlines() if " start " in line]
+        assert len(starts) == 2 and abs(starts[0] - starts[1]) < 0.9, proc.stdout  # side by side, not one after
+        assert proc.stdout.count("end ") == 2 and "[services] stack tests" in proc.stdout
 
 
 def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
