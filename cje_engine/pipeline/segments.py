@@ -170,8 +170,9 @@ def _sources(prep: Any, data: EvalData, cells: np.ndarray) -> tuple[str, ...] | 
     return tuple(n for n, (k, _) in zip(data.policies, cells) if base[k] in allowed)
 
 
-def _recalibration_mode(n_labels: int, n_covariates: int) -> tuple[str | None, str]:
-    """The first registered mode that reads covariates and can be fitted on these labels."""
+def recalibration_mode(n_labels: int, n_covariates: int) -> tuple[str | None, str]:
+    """The first registered mode that reads covariates and can be fitted on these labels (the mode of
+    `segment_prepared`'s recalibration by segment, on the single and the sharded path), or None and why not."""
     for entry in registry.entries():
         if entry.uses_covariates:
             short = entry.shortfall(n_labels, n_covariates)
@@ -196,7 +197,7 @@ def segment_prepared(prep: Any, group: np.ndarray, group_names: list[str], recal
     extra_X, extra_names = None, ()
     if recalibrate:
         onehot = (group[:, None] == np.arange(1, G)[None, :]).astype(float)
-        new_mode, why = _recalibration_mode(int(prep.design.cal_rows.size), d.X.shape[1] + G - 1)
+        new_mode, why = recalibration_mode(int(prep.design.cal_rows.size), d.X.shape[1] + G - 1)
         if new_mode is None or G < 2:
             recal["reason"] = ("the omnibus calibration test failed but the segment cannot be a covariate: "
                                + (why or "a single segment"))

@@ -31,11 +31,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cje_engine.calibration import registry
 from cje_engine.data.frame import LABEL, POLICY
 from cje_engine.errors import CJEInputError
 from cje_engine.pipeline.calibration import fit_mode
-from cje_engine.pipeline.segments import SegmentRows, plan_from_counts, segment_rows, summarize_segments
+from cje_engine.pipeline.segments import (SegmentRows, plan_from_counts, recalibration_mode, segment_rows,
+                                         summarize_segments)
 
 log = logging.getLogger(__name__)
 
@@ -197,18 +197,6 @@ def recoding_mapper(mapper: Mapper, recode: Callable[[pa.Table], pa.Table]) -> M
         return mapper(call, [(recode, *item) for item in items])
 
     return mapped
-
-
-def recalibration_mode(n_labels: int, n_covariates: int) -> tuple[str | None, str]:
-    """The first registered mode that reads covariates and can be fitted on these labels (the mode of
-    `segments.segment_prepared`'s recalibration by segment), or None and why not."""
-    for entry in registry.entries():
-        if entry.uses_covariates:
-            short = entry.shortfall(n_labels, n_covariates)
-            if short is None:
-                return entry.name, ""
-            return None, short
-    return None, "no registered calibration mode reads covariates"
 
 
 def _recalibration(prep: Any, group_names: list[str], recalibrate: bool) -> tuple[str, tuple, dict]:
