@@ -25,6 +25,7 @@ from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.intervals import (
     OWN_LABEL_ANALYTIC,
     OWN_LABEL_BOOTSTRAP,
+    acceleration,
     own_label_interval,
 )
 from cje_engine.inference.selective import (
@@ -365,6 +366,8 @@ class _Stats:
         c = self.crit[col]
         own = self._own(col)
         kw = dict(alpha=self.alpha, df=float(self.dfs[col]), infl=self.infl[:, col]) if own else {}
+        if own and self.reps is not None:  # both routes' intervals read the same acceleration: computed once
+            kw["accel"] = acceleration(kw["infl"])
         ci_a = own_label_interval(OWN_LABEL_ANALYTIC, est, se=se_a, **kw) if own else [est - c * se_a, est + c * se_a]
         out = {"estimate": est, "se_analytic": se_a, "ci_analytic": clip(ci_a, self.scale)}
         self._raw[col] = (list(ci_a), (OWN_LABEL_ANALYTIC if own else "normal"))
