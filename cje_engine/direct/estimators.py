@@ -584,26 +584,54 @@ def joint_replicates(view: BootstrapView, cells: BootstrapView, to_plain: np.nda
     K, Kc = view.n_policies, cells.n_policies
     plan, cplan = view.calibration, cells.calibration
     G, Gc = plan.cells.size, cplan.cells.size
-    shared = same_calibration(plan, cplan)
+    shared = same_calibration(plan, cplan) and np.array_equal(view.cal_prompt, cells.cal_prompt)
+    same_labels = np.array_equal(view.lab_prompt, cells.lab_prompt) and np.array_equal(view.lab_lw, cells.lab_lw)
     out, out_c = np.empty((stop - start, 3 * K)), np.empty((stop - start, 3 * Kc))
-    per = view.n_prompts + max(_replicate_elements(plan), _replicate_elements(cplan))
-    batch = 1 if not (plan.entry.batched or cplan.entry.batched) else max(
-        1, min(REPLICATE_BATCH, _BATCH_ELEMENTS // max(per, 1)))
+    # the refits of a batch are held together (their prompt weights too): sized by the refits' arrays
+    per = max(_replicate_elements(plan), _replicate_elements(cplan)) + view.n_prompts // 4
+    batch = max(1, min(REPLICATE_BATCH, _BATCH_ELEMENTS // max(per, 1)))
     for a in range(start, stop, batch):
         ws = [bootstrap_weights(view.seed, i, view.n_prompts) for i in range(a, min(a + batch, stop))]
         wcs = [w[view.cal_prompt] for w in ws]
         fits = _refits(plan, wcs)
-        wcs_c = wcs if shared and np.array_equal(view.cal_prompt, cells.cal_prompt) else [w[cells.cal_prompt] for w in ws]
-        fits_c = fits if wcs_c is wcs else _refits(cplan, wcs_c)
+        wcs_c = wcs if shared else [w[cells.cal_prompt] for w in ws]
+        fits_c = fits if shared else _refits(cplan, wcs_c)
         for j, w in enumerate(ws):
             i = a - start + j
             T_c = np.bincount(cells.row_key, weights=w[cells.row_prompt], minlength=Kc * Gc)
             T = np.bincount(to_plain, weights=T_c, minlength=K * G)
-            out[i, :2 * K] = _replicate_stats(view, w, wcs[j], *fits[j], T) if j in fits else np.nan
-            out_c[i, :2 * Kc] = _replicate_stats(cells, w, wcs_c[j], *fits_c[j], T_c) if j in fits_c else np.nan
-            out[i, 2 * K:] = own_label_means(view, w)
-            out_c[i, 2 * Kc:] = own_label_means(cells, w)
+            lw = w[view.lab_prompt] * view.lab_lw
+            out[i] = _replicate_row(view, w, wcs[j], fits.get(j), T, lw)
+            out_c[i] = _replicate_row(cells, w, wcs_c[j], fits_c.get(j), T_c,
+                                      lw if same_labels else w[cells.lab_prompt] * cells.lab_lw)
     return out, out_c
+
+
+def _replicate_row(view: BootstrapView, prompt_w: np.ndarray, wc: np.ndarray, fit: tuple | None, T: np.ndarray,
+                   lw: np.ndarray) -> np.ndarray:
+    """One replicate's row of `bootstrap_replicates` (3K: `_replicate_stats` then `own_label_means`, the same
+    bits) from its refit ``fit`` (None: no calibration prompt, NaN statistics), its weighted (policy, cell)
+    histogram ``T`` and its labelled rows' weights ``lw`` (prompt weight times label weight), the denominators
+    shared by both parts."""
+    K = view.n_policies
+    out = np.full(3 * K, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        den = np.bincount(view.lab_policy, weights=lw, minlength=K)
+        out[2 * K:] = np.bincount(view.lab_policy, weights=lw * view.lab_y, minlength=K) / den
+        if fit is None:
+            return out
+        F_all, f_cal = fit
+        T = T.reshape(K, view.calibration.cells.size)
+        n_k = T.sum(1)
+        # as `_replicate_stats`: einsum, not BLAS (the same bits whatever the BLAS thread count)
+        num = np.einsum("kg,g->k", T, F_all) + np.bincount(view.cal_policy, weights=wc * (f_cal - F_all[view.cal_cell_global]), minlength=K)
+        f_lab = F_all[view.lab_cell]
+        f_lab[view.lab_is_cal] = f_cal[view.lab_cal]
+        plug = num / n_k
+        corr = np.bincount(view.lab_policy, weights=lw * (view.lab_y - f_lab), minlength=K) / den
+    out[:K] = plug
+    out[K:2 * K] = plug + corr
+    return out
 
 
 def _replicate_elements(plan: CalibrationPlan) -> int:

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 from scipy.special import ndtr, ndtri
-from scipy.stats import t as student_t
 
 from cje_engine.inference.gram import GramTerms
+from cje_engine.inference.reference_t import t_ppf
 
 #: Own-label interval methods of the bootstrap route (``percentile`` = the plug-in columns' method).
 BOOTSTRAP_METHODS = ("percentile", "bca", "bca_expanded", "t_bootstrap_se")
@@ -90,7 +90,7 @@ def expanded_quantile(alpha: float, df: float) -> float:
         return float(ndtri(1 - alpha / 2))
     if df < 1:
         raise ValueError(f"df must be >= 1, got {df!r}")
-    return float(np.sqrt((df + 1.0) / df) * student_t.ppf(1 - alpha / 2, df))
+    return float(np.sqrt((df + 1.0) / df) * t_ppf(1 - alpha / 2, float(df)))
 
 
 def percentile_interval(reps: np.ndarray, alpha: float) -> tuple[float, float]:
@@ -152,7 +152,7 @@ def t_bootstrap_se_interval(estimate: float, reps: np.ndarray, alpha: float, df:
     r = np.asarray(reps, dtype=float)
     r = r[np.isfinite(r)]
     se = float(np.std(r, ddof=1))
-    q = float(student_t.ppf(1 - alpha / 2, df))
+    q = t_ppf(1 - alpha / 2, float(df))
     return estimate - q * se, estimate + q * se
 
 
@@ -166,7 +166,7 @@ def skew_t_interval(estimate: float, se: float, infl: np.ndarray, alpha: float, 
     ``[est - q se + a (2q^2+1) se, est + q se + a (2q^2+1) se]`` with ``q = t_{df, 1-alpha/2}``.
     ``accel``: ``acceleration(infl)`` when already computed.
     """
-    q = float(student_t.ppf(1 - alpha / 2, df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
+    q = t_ppf(1 - alpha / 2, float(df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
     shift = (acceleration(infl) if accel is None else accel) * (2 * q * q + 1) * se
     return estimate - q * se + shift, estimate + q * se + shift
 
@@ -208,6 +208,6 @@ def own_label_interval(method: str, estimate: float, *, alpha: float, df: float,
             raise ValueError(f"interval method {method!r} needs a standard error")
         if method == "skew_t":
             return skew_t_interval(estimate, se, infl, alpha, df, accel=accel)
-        q = float(student_t.ppf(1 - alpha / 2, df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
+        q = t_ppf(1 - alpha / 2, float(df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
         return estimate - q * se, estimate + q * se
     raise ValueError(f"unknown interval method {method!r}; one of {BOOTSTRAP_METHODS + ANALYTIC_METHODS}")

@@ -22,6 +22,7 @@ from cje_engine.direct.estimators import Design
 from cje_engine.direct.verified import own_label_influence, power_tuned, power_tuned_lambda
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
 from cje_engine.inference.gram import GramTerms
+from cje_engine.inference.reference_t import t_ppf
 from cje_engine.inference.intervals import (
     OWN_LABEL_ANALYTIC,
     OWN_LABEL_BOOTSTRAP,
@@ -201,7 +202,7 @@ def oracle_only(d: EvalData, sel: np.ndarray, alpha: float) -> dict:
     c = np.bincount(inv, weights=w * (y - mean) / np.sum(w))
     n = prompts.size
     se = float(np.sqrt(np.sum(c**2) * n / (n - 1)))
-    q = float(student_t.ppf(1 - alpha / 2, n - 1))
+    q = t_ppf(1 - alpha / 2, float(n - 1))
     return {"estimate": mean, "se": se, "ci": clip([mean - q * se, mean + q * se], d.label_scale),
             "n_labels": int(sel.size)}
 
