@@ -153,3 +153,24 @@ def test_joint_bootstrap_pass_gives_the_run_and_cells_replicates_bit_for_bit(sce
     for r in (a, b):
         r.pop("meta", None)
     assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def test_cli_bootstrap_with_segments_gives_the_two_pass_segments_block(tmp_path):
+    """`cje evaluate --segment-by` on the bootstrap route (chunks of a few replicates, the cells' replicates in
+    the same pass) writes the segments block of the two separate passes, number for number."""
+    import json
+
+    from cje_engine.options import EvaluationOptions
+    from cje_engine.pipeline.direct import bootstrap_chunk, finalize
+    from flows.cli.main import main
+
+    frame = simulate_segments(segment_scenario("loser", seed=8, n_prompts=400, oracle_fraction=0.25)).frame
+    src = tmp_path / "seg.parquet"
+    frame.to_parquet(src, index=False)
+    code = main(["evaluate", str(src), "--out", str(tmp_path / "out"), "--segment-by", "segment",
+                 "--inference", "bootstrap", "--n-bootstrap", "100", "--exit-zero"])
+    assert code == 0
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    prep = prepare(frame, EvaluationOptions.of(None, **{k: v for k, v in res["config"].items() if v is not None}))
+    ref = finalize(prep, [bootstrap_chunk(prep, 0, 100)]).to_dict()["segments"]
+    assert json.dumps(res["segments"], sort_keys=True) == json.dumps(json.loads(json.dumps(ref)), sort_keys=True)
