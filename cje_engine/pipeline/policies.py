@@ -359,7 +359,8 @@ class _Stats:
     def __call__(self, col: int) -> dict:
         """The summary of statistic ``col`` (computed once; callers get their own copy of the dict)."""
         self._ensure(col)
-        return copy.deepcopy(self._done[col])
+        # the values are numbers and lists of numbers (`_summary`): copying the lists is a deep copy (~20x cheaper)
+        return {k: (list(v) if isinstance(v, list) else copy.deepcopy(v)) for k, v in self._done[col].items()}
 
     def _summary(self, col: int) -> dict:
         est = float(self.stats[col])
