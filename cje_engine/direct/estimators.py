@@ -177,6 +177,7 @@ class CalibrationPlan:
     fold_cells: tuple  # (K,) fitted one at a time: (rows of fold k, the cells they occupy, index into those)
     warm: dict | None  # batched: where the solver of every refit starts (`_warm_start`)
     n_knots: int = TWO_STAGE_MAX_KNOTS  # an index's segments (the design's)
+    cell_sorted: np.ndarray | None = None  # (m,) in ``order``: each row's calibration cell
 
     @property
     def entry(self) -> registry.CalibrationMode:
@@ -206,7 +207,7 @@ def calibration_plan(design: Design) -> CalibrationPlan:
             key3=np.concatenate([ci.cal_key, ci.cal_key + K * Gc, ci.cal_key + 2 * K * Gc]),
             order=order, fold_bounds=tuple(zip((ends - size).tolist(), ends.tolist())),
             z_index=(folds[order] + 1) * Gc + ci.cal_cell[order], global_sorted=ci.cal_global[ci.cal_cell[order]],
-            fold_cells=tuple(fold_cells), warm=None, n_knots=design.n_knots)
+            fold_cells=tuple(fold_cells), warm=None, n_knots=design.n_knots, cell_sorted=ci.cal_cell[order])
         if plan.entry.batched:
             plan = replace(plan, warm=_warm_start(plan))
         object.__setattr__(design, "_calibration_plan", plan)  # frozen dataclass: a private cache
@@ -281,11 +282,18 @@ def _out_of_fold(plan: CalibrationPlan, F_all: np.ndarray, Z: np.ndarray, live: 
     """Out-of-fold value of every calibration row from the fits' index matrix ``Z`` (fit k + 1 at
     the cells of fold k's rows, then its stage-2 curve ``xs[k], ys[k]``); folds not in ``live``
     keep the full fit's value ``F_all``."""
-    z = Z.ravel()[plan.z_index]
     out = F_all[plan.global_sorted]
-    for k in live:
-        a, b = plan.fold_bounds[k]
-        out[a:b] = interp_flat(z[a:b], xs[k], ys[k])
+    if plan.cell_sorted is not None:
+        # a row's index value is its (fit, cell)'s: the stage-2 curve at each cell once, then read per row
+        # (np.interp is elementwise: the same bits as interpolating every row)
+        for k in live:
+            a, b = plan.fold_bounds[k]
+            out[a:b] = interp_flat(Z[k + 1], xs[k], ys[k])[plan.cell_sorted[a:b]]
+    else:
+        z = Z.ravel()[plan.z_index]
+        for k in live:
+            a, b = plan.fold_bounds[k]
+            out[a:b] = interp_flat(z[a:b], xs[k], ys[k])
     f_cal = np.empty(out.size)
     f_cal[plan.order] = clip_to(out, plan.label_scale)
     return f_cal
@@ -537,6 +545,98 @@ def bootstrap_replicates(view: BootstrapView, start: int, stop: int,
                                                        else histograms[a - start:b - start])
         out[a - start:b - start, 2 * K:] = [own_label_means(view, w) for w in ws]
     return out
+
+
+def _refits(plan: CalibrationPlan, wcs: list) -> dict:
+    """Index -> (full fit at every cell, out-of-fold values) of each weight vector of ``wcs`` that holds a
+    calibration prompt, computed as `bootstrap_replicates` computes them (batched modes: one `_batched_refits`
+    call for the batch; else `cell_fits` one at a time), so the same bits."""
+    live = [i for i, wc in enumerate(wcs) if (wc > 0).any()]  # no calibration prompt: no calibrator, NaN
+    if plan.entry.batched:
+        return dict(zip(live, _batched_refits(plan, [wcs[i] for i in live])))
+    return {i: cell_fits(plan, wcs[i], with_models=False)[:2] for i in live}
+
+
+def same_calibration(a: CalibrationPlan, b: CalibrationPlan) -> bool:
+    """Whether two plans refit to the same numbers under the same calibration-row weights (the same mode,
+    label bounds, folds, cells and calibration rows), so one refit serves both."""
+    if (a.mode, a.n_folds, a.label_scale, a.n_knots) != (b.mode, b.n_folds, b.label_scale, b.n_knots):
+        return False
+    pairs = [(a.cells.score, b.cells.score), (a.cells.X, b.cells.X), (a.cal_cells.score, b.cal_cells.score),
+             (a.cal_cells.X, b.cal_cells.X), (a.cal_global, b.cal_global), (a.cal_cell, b.cal_cell), (a.y, b.y),
+             (a.key3, b.key3)]
+    return all(x.shape == y.shape and np.array_equal(x, y) for x, y in pairs)
+
+
+def joint_replicates(view: BootstrapView, cells: BootstrapView, to_plain: np.ndarray, start: int, stop: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """`bootstrap_replicates` ``start..stop-1`` of a run (``view``) and of a refinement of its rows (``cells``:
+    the segment x policy cells of `cje_engine.pipeline.segments`, the same rows recoded) in one pass.
+
+    Per replicate: one set of prompt weights, one weighted histogram of the rows over the refined (policy, cell)
+    keys, the run's histogram summed from it (``to_plain``: each refined key's run key; whole-number weights, so
+    the sums are exact and the run's histogram the same bits as its own pass), and one refit when both plans
+    refit alike (`same_calibration`). Returns both replicate arrays, each equal bit for bit to
+    ``bootstrap_replicates`` of its view.
+    """
+    if view.n_prompts != cells.n_prompts or view.row_prompt.size != cells.row_prompt.size or view.seed != cells.seed:
+        raise ValueError("joint_replicates: the cells' view must recode the same rows, prompts and seed")
+    K, Kc = view.n_policies, cells.n_policies
+    plan, cplan = view.calibration, cells.calibration
+    G, Gc = plan.cells.size, cplan.cells.size
+    shared = same_calibration(plan, cplan) and np.array_equal(view.cal_prompt, cells.cal_prompt)
+    same_labels = np.array_equal(view.lab_prompt, cells.lab_prompt) and np.array_equal(view.lab_lw, cells.lab_lw)
+    out, out_c = np.empty((stop - start, 3 * K)), np.empty((stop - start, 3 * Kc))
+    # the refits of a batch are held together (their prompt weights too): sized by the refits' arrays
+    per = max(_replicate_elements(plan), _replicate_elements(cplan)) + view.n_prompts // 4
+    batch = max(1, min(REPLICATE_BATCH, _BATCH_ELEMENTS // max(per, 1)))
+    for a in range(start, stop, batch):
+        ws = [bootstrap_weights(view.seed, i, view.n_prompts) for i in range(a, min(a + batch, stop))]
+        wcs = [w[view.cal_prompt] for w in ws]
+        fits = _refits(plan, wcs)
+        wcs_c = wcs if shared else [w[cells.cal_prompt] for w in ws]
+        fits_c = fits if shared else _refits(cplan, wcs_c)
+        for j, w in enumerate(ws):
+            i = a - start + j
+            T_c = np.bincount(cells.row_key, weights=w[cells.row_prompt], minlength=Kc * Gc)
+            T = np.bincount(to_plain, weights=T_c, minlength=K * G)
+            lw = w[view.lab_prompt] * view.lab_lw
+            out[i] = _replicate_row(view, w, wcs[j], fits.get(j), T, lw)
+            out_c[i] = _replicate_row(cells, w, wcs_c[j], fits_c.get(j), T_c,
+                                      lw if same_labels else w[cells.lab_prompt] * cells.lab_lw)
+    return out, out_c
+
+
+def _replicate_row(view: BootstrapView, prompt_w: np.ndarray, wc: np.ndarray, fit: tuple | None, T: np.ndarray,
+                   lw: np.ndarray) -> np.ndarray:
+    """One replicate's row of `bootstrap_replicates` (3K: `_replicate_stats` then `own_label_means`, the same
+    bits) from its refit ``fit`` (None: no calibration prompt, NaN statistics), its weighted (policy, cell)
+    histogram ``T`` and its labelled rows' weights ``lw`` (prompt weight times label weight), the denominators
+    shared by both parts."""
+    K = view.n_policies
+    out = np.full(3 * K, np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        den = np.bincount(view.lab_policy, weights=lw, minlength=K)
+        out[2 * K:] = np.bincount(view.lab_policy, weights=lw * view.lab_y, minlength=K) / den
+        if fit is None:
+            return out
+        F_all, f_cal = fit
+        T = T.reshape(K, view.calibration.cells.size)
+        n_k = T.sum(1)
+        # as `_replicate_stats`: einsum, not BLAS (the same bits whatever the BLAS thread count)
+        num = np.einsum("kg,g->k", T, F_all) + np.bincount(view.cal_policy, weights=wc * (f_cal - F_all[view.cal_cell_global]), minlength=K)
+        f_lab = F_all[view.lab_cell]
+        f_lab[view.lab_is_cal] = f_cal[view.lab_cal]
+        plug = num / n_k
+        corr = np.bincount(view.lab_policy, weights=lw * (view.lab_y - f_lab), minlength=K) / den
+    out[:K] = plug
+    out[K:2 * K] = plug + corr
+    return out
+
+
+def _replicate_elements(plan: CalibrationPlan) -> int:
+    """Per-replicate array elements of a batch of refits beyond the prompt weights (`bootstrap_replicates`)."""
+    return 2 * plan.y.size + (6 * plan.n_folds + 10) * plan.cal_cells.size + plan.cells.size
 
 
 def replicate(design: Design, prompt_w: np.ndarray | None = None) -> np.ndarray:

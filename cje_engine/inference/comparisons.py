@@ -8,7 +8,7 @@ columns were computed (`cje_engine.pipeline`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 from scipy.stats import kendalltau, norm, t as student_t
@@ -93,6 +93,22 @@ def _num(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
+#: A difference of two levels (or of two replicates) within this many label spans of 0 is rounding, not a
+#: difference: a candidate whose level is computed from the same numbers as its comparator's (logs-only, a
+#: candidate with the logger's log-probabilities: weights of exactly 1) differs from it by ~1e-16 with an SE of 0,
+#: and a p-value of 0 from that is a false claim (docs/failure-modes.md).
+ROUNDING = 1e-12
+
+
+def exact_zero(x: Any, span: float) -> Any:
+    """``x`` (a number or an array of differences) with the entries within `ROUNDING` label spans of 0 set to 0."""
+    tol = ROUNDING * max(float(span), 1e-300)
+    if np.ndim(x) == 0:
+        return 0.0 if abs(float(x)) <= tol else float(x)
+    x = np.asarray(x, dtype=float)
+    return np.where(np.abs(x) <= tol, 0.0, x)
+
+
 def _bootstrap_pair(D: np.ndarray, alpha: float) -> tuple[float, list[float], float, float]:
     B = D.size
     se = float(np.std(D, ddof=1))
@@ -106,7 +122,7 @@ def _analytic_pair(diff: float, se: float, df: float, alpha: float) -> tuple[lis
     c = student_t.ppf(1 - alpha / 2, df)
     ci = [diff - c * se, diff + c * se]
     p = float(2 * student_t.sf(abs(diff) / se, df)) if se > 0 else (0.0 if diff != 0 else 1.0)
-    prob = float(norm.cdf(diff / se)) if se > 0 else float(diff > 0)
+    prob = float(norm.cdf(diff / se)) if se > 0 else (0.5 if diff == 0 else float(diff > 0))
     return ci, p, prob
 
 
@@ -130,7 +146,7 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
     out = []
     for a in range(K):
         for b in range(a + 1, K):
-            diff = float(cols.estimate[a] - cols.estimate[b])
+            diff = exact_zero(float(cols.estimate[a] - cols.estimate[b]), span)
             se_a = None if cov is None else float(np.sqrt(max(cov[a, a] + cov[b, b] - 2 * cov[a, b], 0.0)))
             kind = "verified" if cols.kind(a) == cols.kind(b) == "verified" else "assumes_transport"
             item = {"a": cols.names[a], "b": cols.names[b], "diff": _num(diff), "se_analytic": se_a,
@@ -138,7 +154,7 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
             D = None
             if cols.replicates is not None:
                 D = cols.replicates[:, a] - cols.replicates[:, b]
-                D = D[np.isfinite(D)]
+                D = exact_zero(D[np.isfinite(D)], span)
             dropped = [k for k in (a, b) if cols.status(k) == "not_estimable"]
             if dropped:
                 why = "; ".join(f"{cols.names[k]}: {cols.relative_reason[k]}" for k in dropped)
@@ -297,7 +313,7 @@ def relative_claims(cols: PolicyColumns, *, alpha: float, method: str, span: flo
     if baseline is not None:
         out["baseline_comparisons"] = baseline_comparisons(cols, baseline, alpha=alpha,
                                                            margin=noninferiority_margin,
-                                                           planned_labels=planned_labels)
+                                                           planned_labels=planned_labels, span=span)
     return out
 
 
@@ -306,7 +322,7 @@ _MAXT_DRAWS = 200_000
 
 
 def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, margin: float,
-                         planned_labels: int | None = None) -> list[dict]:
+                         planned_labels: int | None = None, span: float = 1.0) -> list[dict]:
     """Many-to-one comparisons ``policy - baseline`` with simultaneous intervals (single-step max-T).
 
     Every estimable policy against ``baseline``: the difference, its SE, a simultaneous ``1 - alpha``
@@ -318,6 +334,7 @@ def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, ma
     ``planned_labels`` (repeated looks) each interval is the confidence sequence at level ``alpha / m``
     (Bonferroni over the ``m`` comparisons: simultaneous over the family and over every look) and the
     adjusted p-value ``min(1, m p)`` of the anytime p-value; ``critical_value`` is its half-width over the SE.
+    ``span``: the label span (differences within `ROUNDING` spans of 0 are 0, `exact_zero`).
     """
     names = list(cols.names)
     if baseline not in names:
@@ -339,10 +356,10 @@ def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, ma
         rows.append(row)
     if not live:
         return rows
-    diff = cols.estimate[live] - cols.estimate[b]
+    diff = exact_zero(cols.estimate[live] - cols.estimate[b], span)
     if cols.replicates is not None:
         D = cols.replicates[:, live] - cols.replicates[:, [b]]
-        D = D[np.all(np.isfinite(D), axis=1)]
+        D = exact_zero(D[np.all(np.isfinite(D), axis=1)], span)
         se = D.std(axis=0, ddof=1)
         T = np.abs(D - diff) / np.where(se > 0, se, np.inf)
         tmax = T.max(axis=1)
@@ -361,7 +378,7 @@ def baseline_comparisons(cols: PolicyColumns, baseline: str, *, alpha: float, ma
         if j not in by_policy:
             continue
         i = by_policy[j]
-        t = abs(diff[i]) / se[i] if se[i] > 0 else np.inf
+        t = abs(diff[i]) / se[i] if se[i] > 0 else (np.inf if diff[i] != 0 else 0.0)
         c_i, p_adj = c, float((1 + np.sum(tmax >= t)) / (tmax.size + 1))
         if planned_labels is not None:
             m = len(live)

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 from scipy.special import ndtr, ndtri
-from scipy.stats import t as student_t
 
 from cje_engine.inference.gram import GramTerms
+from cje_engine.inference.reference_t import t_ppf
 
 #: Own-label interval methods of the bootstrap route (``percentile`` = the plug-in columns' method).
 BOOTSTRAP_METHODS = ("percentile", "bca", "bca_expanded", "t_bootstrap_se")
@@ -90,7 +90,7 @@ def expanded_quantile(alpha: float, df: float) -> float:
         return float(ndtri(1 - alpha / 2))
     if df < 1:
         raise ValueError(f"df must be >= 1, got {df!r}")
-    return float(np.sqrt((df + 1.0) / df) * student_t.ppf(1 - alpha / 2, df))
+    return float(np.sqrt((df + 1.0) / df) * t_ppf(1 - alpha / 2, float(df)))
 
 
 def percentile_interval(reps: np.ndarray, alpha: float) -> tuple[float, float]:
@@ -116,7 +116,7 @@ def bca_levels(z0: float, a: float, z: Sequence[float]) -> np.ndarray:
 
 
 def bca_interval(estimate: float, reps: np.ndarray, infl: np.ndarray, alpha: float, *,
-                 df: float | None = None) -> tuple[float, float]:
+                 df: float | None = None, accel: float | None = None) -> tuple[float, float]:
     """Bias-corrected and accelerated (BCa) bootstrap interval.
 
     Parameters
@@ -132,6 +132,8 @@ def bca_interval(estimate: float, reps: np.ndarray, infl: np.ndarray, alpha: flo
     df : float, optional
         Expand the interval for a small number of clusters: the normal quantile is replaced by
         `expanded_quantile` ``(alpha, df)`` (``df`` = clusters - 1). None: plain BCa.
+    accel : float, optional
+        ``acceleration(infl)`` when already computed (the same number; ``infl`` is then not read).
 
     Returns
     -------
@@ -140,7 +142,7 @@ def bca_interval(estimate: float, reps: np.ndarray, infl: np.ndarray, alpha: flo
     r = np.asarray(reps, dtype=float)
     r = r[np.isfinite(r)]
     q = float(ndtri(1 - alpha / 2)) if df is None else expanded_quantile(alpha, df)
-    lev = bca_levels(bias_correction(estimate, r), acceleration(infl), [-q, q])
+    lev = bca_levels(bias_correction(estimate, r), acceleration(infl) if accel is None else accel, [-q, q])
     lo, hi = np.quantile(r, lev)
     return float(lo), float(hi)
 
@@ -150,25 +152,28 @@ def t_bootstrap_se_interval(estimate: float, reps: np.ndarray, alpha: float, df:
     r = np.asarray(reps, dtype=float)
     r = r[np.isfinite(r)]
     se = float(np.std(r, ddof=1))
-    q = float(student_t.ppf(1 - alpha / 2, df))
+    q = t_ppf(1 - alpha / 2, float(df))
     return estimate - q * se, estimate + q * se
 
 
-def skew_t_interval(estimate: float, se: float, infl: np.ndarray, alpha: float, df: float) -> tuple[float, float]:
+def skew_t_interval(estimate: float, se: float, infl: np.ndarray, alpha: float, df: float, *,
+                    accel: float | None = None) -> tuple[float, float]:
     """t interval with a first-order Edgeworth correction for skewness (Hall 1992).
 
     For a studentized mean, ``P(T <= x) = Phi(x) + (gamma / (6 sqrt(n))) (2 x^2 + 1) phi(x) + O(1/n)``,
     and ``gamma / (6 sqrt(n))`` is the BCa acceleration ``a`` of the influence values. Both ends move
     by ``se * a * (2 q^2 + 1)`` towards the long tail:
     ``[est - q se + a (2q^2+1) se, est + q se + a (2q^2+1) se]`` with ``q = t_{df, 1-alpha/2}``.
+    ``accel``: ``acceleration(infl)`` when already computed.
     """
-    q = float(student_t.ppf(1 - alpha / 2, df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
-    shift = acceleration(infl) * (2 * q * q + 1) * se
+    q = t_ppf(1 - alpha / 2, float(df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
+    shift = (acceleration(infl) if accel is None else accel) * (2 * q * q + 1) * se
     return estimate - q * se + shift, estimate + q * se + shift
 
 
 def own_label_interval(method: str, estimate: float, *, alpha: float, df: float, infl: np.ndarray,
-                       se: float | None = None, reps: np.ndarray | None = None) -> tuple[float, float]:
+                       se: float | None = None, reps: np.ndarray | None = None,
+                       accel: float | None = None) -> tuple[float, float]:
     """The interval of one own-label statistic by the named method.
 
     Parameters
@@ -185,6 +190,8 @@ def own_label_interval(method: str, estimate: float, *, alpha: float, df: float,
         Influence-function standard error (analytic methods).
     reps : ndarray, shape (B,), optional
         Bootstrap replicates (bootstrap methods).
+    accel : float, optional
+        ``acceleration(infl)`` when already computed (a caller that asks for two methods computes it once).
     """
     if method in BOOTSTRAP_METHODS:
         if reps is None:
@@ -192,15 +199,15 @@ def own_label_interval(method: str, estimate: float, *, alpha: float, df: float,
         if method == "percentile":
             return percentile_interval(reps, alpha)
         if method == "bca":
-            return bca_interval(estimate, reps, infl, alpha)
+            return bca_interval(estimate, reps, infl, alpha, accel=accel)
         if method == "bca_expanded":
-            return bca_interval(estimate, reps, infl, alpha, df=df)
+            return bca_interval(estimate, reps, infl, alpha, df=df, accel=accel)
         return t_bootstrap_se_interval(estimate, reps, alpha, df)
     if method in ANALYTIC_METHODS:
         if se is None:
             raise ValueError(f"interval method {method!r} needs a standard error")
         if method == "skew_t":
-            return skew_t_interval(estimate, se, infl, alpha, df)
-        q = float(student_t.ppf(1 - alpha / 2, df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
+            return skew_t_interval(estimate, se, infl, alpha, df, accel=accel)
+        q = t_ppf(1 - alpha / 2, float(df)) if np.isfinite(df) else float(ndtri(1 - alpha / 2))
         return estimate - q * se, estimate + q * se
     raise ValueError(f"unknown interval method {method!r}; one of {BOOTSTRAP_METHODS + ANALYTIC_METHODS}")

@@ -16,7 +16,7 @@ import numpy as np
 from cje_engine.data.frame import EvalData
 from cje_engine.data.io import load_coded
 from cje_engine.direct.estimators import (Design, bootstrap_replicates, bootstrap_view, bootstrap_weights,
-                                          fold_jackknife, own_label_means)
+                                          fold_jackknife, joint_replicates, own_label_means)
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.comparisons import PolicyColumns, claim_kind, relative_claims
 from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP
@@ -25,7 +25,8 @@ from cje_engine.pipeline.assemble import assemble
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.pooling_replay import PoolingReplay, build_replay
 from cje_engine.pipeline.policies import RowTotals, row_totals, summarize_direct
-from cje_engine.pipeline.segments import SegmentRows, segment_error, segment_rows, summarize_segments
+from cje_engine.pipeline.segments import (SegmentPass, SegmentRows, segment_error, segment_pass, segment_rows,
+                                         summarize_segments)
 from cje_engine.result import EvaluationResult
 from cje_engine.result.model import PolicyResult
 
@@ -141,7 +142,7 @@ def prepare(data: Any, options: EvaluationOptions | None = None, **kwargs: Any) 
                     replay, segments=seg)
 
 
-def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
+def bootstrap_chunk(prep: Prepared, start: int, stop: int, with_segments: bool = False) -> np.ndarray:
     """Replicates ``start..stop-1`` of the calibration-aware cluster bootstrap.
 
     Each replicate resamples prompts with replacement, refits the calibrator (all folds)
@@ -149,7 +150,20 @@ def bootstrap_chunk(prep: Prepared, start: int, stop: int) -> np.ndarray:
     With ``pooling_bootstrap="rerun"`` and two or more calibration sources each replicate also
     reruns robust pooling on its resample (`cje_engine.pipeline.pooling_replay`), so the intervals
     carry that selection.
+
+    ``with_segments`` (a run with ``segment_by``, in this process): the segment x policy cells' replicates
+    are computed in the same pass (one histogram and, when the calibration is the run's, one refit per
+    replicate: `cje_engine.direct.estimators.joint_replicates`) and kept on ``prep`` for `finalize`; the
+    returned replicates are the same bits either way.
     """
+    if with_segments and prep.segments is not None and prep.replay is None and prep.options.inference == "bootstrap":
+        sp = segments_of(prep)
+        if sp.to_plain is not None:
+            seed = prep.options.seed
+            plain, cells = joint_replicates(bootstrap_view(prep.design, seed), bootstrap_view(sp.vprep.design, seed),
+                                            sp.to_plain, start, stop)
+            sp.chunks[(start, stop)] = cells
+            return plain
     view = bootstrap_view(prep.design, prep.options.seed)
     if prep.replay is None:
         return bootstrap_replicates(view, start, stop)
@@ -175,8 +189,17 @@ def evaluate(data: Any, options: EvaluationOptions | None = None, **kwargs: Any)
     prep = prepare(data, options, **kwargs)
     chunks = []
     if prep.options.inference == "bootstrap":
-        chunks.append(bootstrap_chunk(prep, 0, prep.options.n_bootstrap))
+        chunks.append(bootstrap_chunk(prep, 0, prep.options.n_bootstrap, with_segments=True))
     return finalize(prep, chunks)
+
+
+def segments_of(prep: Prepared) -> SegmentPass:
+    """The run's `cje_engine.pipeline.segments.SegmentPass` (plan, omnibus tests, prepared cells), computed once
+    and kept on ``prep`` (a private cache: not a field, so not copied by ``dataclasses.replace``)."""
+    sp = prep.__dict__.get("_segment_pass")
+    if sp is None:
+        sp = prep.__dict__["_segment_pass"] = segment_pass(prep)
+    return sp
 
 
 # --------------------------------------------------------------------------------------
@@ -236,7 +259,7 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
                       policies={n: p.model_dump(exclude_unset=True, by_alias=True) for n, p in pols.items()},
                       relative=rel, warnings=s.warnings)
     if prep.segments is not None:
-        result["segments"] = summarize_segments(prep, prep.segments)
+        result["segments"] = summarize_segments(prep, prep.segments, precomputed=prep.__dict__.get("_segment_pass"))
     return EvaluationResult(result, replicates=s.reps, influence=s.influence, columns=s.cols, dfs=s.dfs)
 
 

@@ -17,7 +17,7 @@ docs/segments.md states the method and its measured power and coverage.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -364,24 +364,87 @@ def segment_cells(prep: Any, group: np.ndarray, group_names: list[str], recalibr
     return vprep, cells, recal, reps
 
 
-def summarize_segments(prep: Any, rows: SegmentRows, plan: tuple | None = None, cell_pass: Any = None) -> dict:
+@dataclass
+class SegmentPass:
+    """A run's segments before the replicates: the plan, the omnibus tests and the prepared cells
+    (`segment_pass`), and the cells' bootstrap replicates computed beside the run's (`chunks`, by range)."""
+
+    plan: tuple  # `plan_segments`' (group, group_names, info)
+    omnibus: list
+    vprep: Any  # the cells' prepared state (`segment_prepared`)
+    cells: np.ndarray  # (n_cells, 2) each cell's (policy, group)
+    recal: dict
+    to_plain: np.ndarray | None  # each cell key's run key (`plain_keys`); None: no joint pass
+    chunks: dict = field(default_factory=dict)  # (start, stop) -> the cells' replicates start..stop-1
+
+    def replicates(self, n_bootstrap: int, seed: int) -> np.ndarray:
+        """The cells' replicates 0..n_bootstrap-1: the stored chunks when they cover the range exactly, else
+        `bootstrap_replicates` of the cells (the same bits either way)."""
+        spans = sorted(self.chunks)
+        if spans and spans[0][0] == 0 and spans[-1][1] == n_bootstrap and all(
+                a[1] == b[0] for a, b in zip(spans, spans[1:])):
+            return np.vstack([self.chunks[k] for k in spans])
+        return bootstrap_replicates(bootstrap_view(self.vprep.design, seed), 0, n_bootstrap)
+
+
+def plain_keys(prep: Any, vprep: Any, cells: np.ndarray) -> np.ndarray | None:
+    """Each (cell, calibration cell) histogram key of the cells' design mapped to the run's (policy, calibration
+    cell) key, or None when the cells' calibration cells do not refine the run's (then no joint bootstrap pass).
+
+    The cells' rows are the run's rows recoded (`virtual_data`): a cell's policy is the run's policy, and its
+    calibration cells are the run's cells or (with the segment covariate) the (run's cell, segment) pairs; the
+    map is read from the rows and checked on every row."""
+    ci, vci = prep.design.cells, vprep.design.cells
+    if ci is None or vci is None or ci.row_cell.size != vci.row_cell.size:
+        return None
+    G = ci.cells.size
+    cell_map = np.zeros(vci.cells.size, dtype=np.int64)
+    cell_map[vci.row_cell] = ci.row_cell
+    if not np.array_equal(cell_map[vci.row_cell], ci.row_cell):
+        return None
+    return (cells[:, 0].astype(np.int64)[:, None] * G + cell_map[None, :]).ravel()
+
+
+def segment_pass(prep: Any) -> SegmentPass:
+    """`SegmentPass` of a prepared run with segments (``prep.segments``): the plan, the omnibus tests, the
+    recalibration decision and the prepared cells, without replicates (`summarize_segments` reads it)."""
+    opts, d = prep.options, prep.design.data
+    group, group_names, info = plan_segments(d.policy, prep.segments.code, d.labelled, len(d.policies),
+                                             prep.segments.names, opts.segment_min_rows, opts.segment_min_labels)
+    omnibus = omnibus_tests(prep, group, group_names)
+    recalibrate = opts.segment_recalibrate == "auto" and bool(omnibus[0]["reject"])
+    vprep, cells, recal = segment_prepared(prep, group, group_names, recalibrate)
+    joint = opts.inference == "bootstrap" and getattr(prep, "replay", None) is None
+    return SegmentPass((group, group_names, info), omnibus, vprep, cells, recal,
+                       plain_keys(prep, vprep, cells) if joint else None)
+
+
+def summarize_segments(prep: Any, rows: SegmentRows, plan: tuple | None = None, cell_pass: Any = None,
+                       precomputed: SegmentPass | None = None) -> dict:
     """The result's ``segments`` block (`cje_engine.result.segments.SegmentsResult`) of a prepared run.
 
     ``plan`` and ``cell_pass`` are for a run whose rows are not in ``prep`` (the sharded row pass,
     `cje_engine.pipeline.sharded_segments`): ``plan`` is `plan_segments`' ``(group, group_names, info)`` with
     ``group`` given for the rows of ``prep.design.data`` only; ``cell_pass`` replaces `segment_cells`.
+    ``precomputed``: the run's `SegmentPass` (with the cells' replicates computed beside the run's,
+    `cje_engine.pipeline.direct.bootstrap_chunk`), used instead of computing it again.
     """
     opts, d = prep.options, prep.design.data
     alpha, K = opts.alpha, len(d.policies)
     baseline = opts.baseline or d.policies[0]
     b = d.policies.index(baseline)
-    group, group_names, info = plan if plan is not None else plan_segments(
-        d.policy, rows.code, d.labelled, K, rows.names, opts.segment_min_rows, opts.segment_min_labels)
+    if precomputed is not None:
+        (group, group_names, info), omnibus = precomputed.plan, precomputed.omnibus
+        vprep, cells, recal = precomputed.vprep, precomputed.cells, precomputed.recal
+        reps = precomputed.replicates(opts.n_bootstrap, opts.seed) if opts.inference == "bootstrap" else None
+    else:
+        group, group_names, info = plan if plan is not None else plan_segments(
+            d.policy, rows.code, d.labelled, K, rows.names, opts.segment_min_rows, opts.segment_min_labels)
+        omnibus = omnibus_tests(prep, group, group_names)
+        recalibrate = opts.segment_recalibrate == "auto" and bool(omnibus[0]["reject"])
+        vprep, cells, recal, reps = (cell_pass or segment_cells)(prep, group, group_names, recalibrate)
     G = len(group_names)
     too_few = {g for g, n in enumerate(group_names) if n == OTHER and info[-1]["status"] == "too_few"}
-    omnibus = omnibus_tests(prep, group, group_names)
-    recalibrate = opts.segment_recalibrate == "auto" and bool(omnibus[0]["reject"])
-    vprep, cells, recal, reps = (cell_pass or segment_cells)(prep, group, group_names, recalibrate)
     s = summarize_direct(vprep, reps)
     n_v = len(cells)
     names = list(vprep.design.data.policies)

@@ -390,7 +390,7 @@ def _bootstrap(prep: Any) -> list:
     with progress("bootstrap", total=B) as bar:
         for start in range(0, B, step):
             stop = min(B, start + step)
-            chunks.append(bootstrap_chunk(prep, start, stop))
+            chunks.append(bootstrap_chunk(prep, start, stop, with_segments=True))  # segment cells in the same pass
             bar.advance(stop - start)
     return chunks
 

@@ -5,7 +5,9 @@
   through every reduction the finalize applies (variances, covariances, acceleration, power-tuning weight);
 - the virtual design's cells and keys, prompt counts and policy recoding = `row_cells`, `prompts_per_policy`
   and ``np.unique`` on the rows, bit for bit;
-- the omnibus covariance over only the clusters that hold labels = `cluster_cov` over every cluster.
+- the omnibus covariance over only the clusters that hold labels = `cluster_cov` over every cluster;
+- the bootstrap route's one pass (`estimators.joint_replicates`: one histogram per replicate for the run and its
+  cells, one refit when the calibration is the run's) = the run's and the cells' own replicate passes, bit for bit.
 """
 from __future__ import annotations
 
@@ -124,3 +126,51 @@ def test_padded_cluster_cov_equals_cluster_cov_over_every_cluster():
     full[rng.choice(100, 40, replace=False)] = psi
     assert cluster_cov_padded(psi, 100) == pytest.approx(cluster_cov(full), rel=1e-12)
     assert cluster_cov_padded(psi[:, 0], 100)[0, 0] == pytest.approx(cluster_cov(full[:, 0])[0, 0], rel=1e-12)
+
+
+@pytest.mark.parametrize("scenario", ["null", "opposite"])
+def test_joint_bootstrap_pass_gives_the_run_and_cells_replicates_bit_for_bit(scenario):
+    """``bootstrap_chunk(with_segments=True)``: the run's replicates and the cells' (kept for finalize) equal the
+    separate passes bit for bit, whether the cells refit the run's calibration (null: shared refits) or their
+    own with the segment covariate (opposite: two-stage), in any chunking; the result is the same."""
+    import json
+
+    from cje_engine.direct.estimators import bootstrap_replicates, bootstrap_view
+    from cje_engine.pipeline.direct import bootstrap_chunk, finalize, segments_of
+
+    frame = simulate_segments(segment_scenario(scenario, seed=7, n_prompts=500, oracle_fraction=0.25)).frame
+    opts = dict(inference="bootstrap", n_bootstrap=60, seed=3, segment_by=["segment"], segment_min_labels=10)
+    prep, ref = prepare(frame.copy(), **opts), prepare(frame.copy(), **opts)
+    chunks = [bootstrap_chunk(prep, a, b, with_segments=True) for a, b in ((0, 25), (25, 60))]
+    sp = segments_of(prep)
+    assert sp.to_plain is not None and sorted(sp.chunks) == [(0, 25), (25, 60)]
+    assert sp.recal["applied"] == (scenario == "opposite")
+    plain = bootstrap_chunk(ref, 0, 60)
+    assert np.array_equal(np.vstack(chunks), plain, equal_nan=True)
+    cells = bootstrap_replicates(bootstrap_view(sp.vprep.design, 3), 0, 60)
+    assert np.array_equal(sp.replicates(60, 3), cells, equal_nan=True)
+    a, b = finalize(prep, chunks).to_dict(), finalize(ref, [plain]).to_dict()
+    for r in (a, b):
+        r.pop("meta", None)
+    assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def test_cli_bootstrap_with_segments_gives_the_two_pass_segments_block(tmp_path):
+    """`cje evaluate --segment-by` on the bootstrap route (chunks of a few replicates, the cells' replicates in
+    the same pass) writes the segments block of the two separate passes, number for number."""
+    import json
+
+    from cje_engine.options import EvaluationOptions
+    from cje_engine.pipeline.direct import bootstrap_chunk, finalize
+    from flows.cli.main import main
+
+    frame = simulate_segments(segment_scenario("loser", seed=8, n_prompts=400, oracle_fraction=0.25)).frame
+    src = tmp_path / "seg.parquet"
+    frame.to_parquet(src, index=False)
+    code = main(["evaluate", str(src), "--out", str(tmp_path / "out"), "--segment-by", "segment",
+                 "--inference", "bootstrap", "--n-bootstrap", "100", "--exit-zero"])
+    assert code == 0
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    prep = prepare(frame, EvaluationOptions.of(None, **{k: v for k, v in res["config"].items() if v is not None}))
+    ref = finalize(prep, [bootstrap_chunk(prep, 0, 100)]).to_dict()["segments"]
+    assert json.dumps(res["segments"], sort_keys=True) == json.dumps(json.loads(json.dumps(ref)), sort_keys=True)

@@ -132,3 +132,29 @@ def test_evaluations_file_takes_segments_in_offpolicy_modes_and_the_flow_reads_t
     opts = ev.options
     assert opts.engine.segment_by == ("category",)
     assert "category" in flow_columns(opts)  # the read's projection keeps the segment column
+
+
+def test_a_candidate_equal_to_the_logger_makes_no_claim_from_rounding():
+    """Logs-only with a candidate whose log-probabilities are the logger's (weights exactly 1): its level is computed
+    from the logger's numbers, so the difference is ~1e-16 with an SE of 0. Before, that gave p = 0 and a claim
+    ("worse") in every segment and in the run's own comparisons; now the difference is 0 and p 1."""
+    from cje_engine.inference.comparisons import PolicyColumns, compare_pairs
+
+    sim = simulate_logs(n_prompts=2000, length=4, targets={"t": 0.0}, seed=3, label_fraction=0.25)
+    logged, fresh = sim.to_frames("base")
+    logged["category"] = np.where(np.arange(len(logged)) % 2 == 0, "a", "b")
+    res = evaluate_offpolicy(logged, fresh, mode="logs-only", segment_by=["category"], inference="analytic",
+                             baseline="base", seed=0).to_dict()
+    comps = res["segments"]["comparisons"]
+    assert len(comps) == 2 and all(c["p_value"] == 1.0 and not c["significant"] for c in comps)
+    pairs = [c for c in res["assumes_transport"]["comparisons"] if c.get("reported")]
+    assert pairs and all(c["p_value"] == 1.0 and not c["significant"] for c in pairs)
+    # the bootstrap route's paired replicates: rounding-level differences of one sign are not a difference
+    cols = PolicyColumns(names=["x", "y"], estimate=np.array([0.5 + 2e-16, 0.5]),
+                         replicates=np.column_stack([np.full(50, 0.4 + 1e-16), np.full(50, 0.4)]),
+                         influence=np.zeros((10, 2)), dfs=np.array([9.0, 9.0]), refused=np.zeros(2, bool),
+                         claims=["ok", "ok"], raw=np.zeros(2), relative=["ok", "ok"], relative_reason=[None, None],
+                         kinds=["verified", "verified"], bias_bound=np.zeros(2), labels=np.full(2, 10.0),
+                         calibration_labels=10.0)
+    (c,) = compare_pairs(cols, alpha=0.05, method="holm", span=1.0, warnings=[])
+    assert c["diff"] == 0.0 and c["p_value"] == 1.0 and not c["significant"]
