@@ -379,19 +379,21 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
     rows = {} if rows is None else rows  # row-level cell coding per mode, shared by every round
     selection, fits = choose_mode(data, opts, sources, rows)
     fit = fits[selection["chosen"]]
+    current = sources
     while True:
         bad = _failing_source(fit, opts.alpha)
         if bad is None:
             break
         rest = tuple(n for n in names if n != bad["policy"])
-        fit.release()  # its plan and labelled terms are rebuilt if it is kept: not held beside the next fits
-        for other in fits.values():
-            other.release()
+        fit = fits = None  # not held beside the next round's fits (refitted, identical, if they cannot be made)
         try:
             selection_new, fits_new = choose_mode(data, opts, rest, rows)
         except CJEInputError as exc:
             log.warning("calibration source %s failed its audit but is kept: %s", bad["policy"], exc)
+            selection, fits = choose_mode(data, opts, current, rows)
+            fit = fits[selection["chosen"]]
             break
+        current = rest
         bad["reason"] = (f"its own out-of-fold audit failed (mean residual {bad['residual_mean']:+.3f}, SE "
                          f"{bad['se']:.3f}, Holm-adjusted p {bad['p_adjusted']:.2g} over {bad['family_size']} "
                          "calibration sources): its labels disagree with the other sources' calibration, so "
@@ -401,5 +403,6 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
         log.info("robust pooling: %s leaves the calibrator (%s)", bad["policy"], bad["reason"])
         names = list(rest)
         selection, fits = selection_new, fits_new
+        selection_new = fits_new = None
         fit = fits[selection["chosen"]]
     return fit, selection, excluded

@@ -793,29 +793,29 @@ class GramBuilder:
         K = self.K = design.n_policies
         plug, aug = stats[:K], stats[K:]
         lab, cr = design.lab_rows, design.cal_rows
-        lw = d.label_weight[lab]
-        lab_pol = d.policy[lab]
-        y = d.label[lab]
+        lw = _take(d.label_weight, lab)
+        lab_pol = _take(d.policy, lab)
+        y = _take(d.label, lab)
         den = np.bincount(lab_pol, weights=lw, minlength=K)
         with np.errstate(invalid="ignore", divide="ignore"):
-            self.res_contrib = lw * ((y - f[lab]) - (aug - plug)[lab_pol]) / den[lab_pol]  # labelled_influence_parts
+            self.res_contrib = lw * ((y - _take(f, lab)) - (aug - plug)[lab_pol]) / den[lab_pol]  # labelled_influence_parts
             means = np.bincount(lab_pol, weights=lw * y, minlength=K) / den  # own_label_influence
             self.own_contrib = lw * (y - means[lab_pol]) / den[lab_pol]
-        del lw, y
         self.gone = np.flatnonzero(den <= 0)
         self.own_gone = den <= 0
         ls = level_set_shares(design, full, f[cr])
         self.b_cal, self.resid_cal, self.m = ls.b_cal, ls.resid_cal, ls.m
         G = design.cells.cells.size
-        lab_counts = np.bincount(lab_pol.astype(np.int64) * G + design.cells.row_cell[lab],
-                                 weights=d.label_weight[lab], minlength=K * G).reshape(K, G)
+        lab_counts = np.bincount(lab_pol.astype(np.int64) * G + _take(design.cells.row_cell, lab),
+                                 weights=lw, minlength=K * G).reshape(K, G)
+        del lw, y
         with np.errstate(invalid="ignore", divide="ignore"):
             lab_share = np.where(den[:, None] > 0, lab_counts / den[:, None], 0.0)
         self.rho_cal = _level_set_weights(ls, design.cells.counts / n_k[:, None])
         self.rho_audit = _level_set_weights(ls, lab_share)
         self.lab_pol = lab_pol
-        self.prompt_lab, self.prompt_cal = d.prompt[lab], d.prompt[cr]
-        self.shard_lab, self.shard_cal = lab_shard[lab], lab_shard[cr]
+        self.prompt_lab, self.prompt_cal = _take(d.prompt, lab), _take(d.prompt, cr)
+        self.shard_lab, self.shard_cal = _take(lab_shard, lab), _take(lab_shard, cr)
         self.rest: list = [None] * n_shards
         self.sums: list = [None] * n_shards
         D = 5 * K
@@ -893,6 +893,14 @@ class GramBuilder:
         maps["own"][:, gone] = np.nan
         basis = SummedBasis(sums, rest)
         return {name: GramTerms(basis, M) for name, M in maps.items()}
+
+
+def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]``, without a copy when ``idx`` is every row in order (the sharded driver's data holds the labelled
+    rows only: its labelled rows are all of them, and so are its calibration rows without calibration policies)."""
+    if idx.size == a.shape[0] and (idx.size == 0 or (idx[0] == 0 and idx[-1] == idx.size - 1)):
+        return a
+    return a[idx]
 
 
 def _level_set_weights(ls: Any, share: np.ndarray) -> np.ndarray:

@@ -257,7 +257,8 @@ def test_summed_basis_reductions_equal_the_per_prompt_ones():
         sums.add(np.full((1, D), np.nan))
 
 
-def test_the_gram_builder_writes_the_labelled_parts_bit_for_bit_a_block_at_a_time(table, monkeypatch):
+@pytest.mark.parametrize("kw", [{}, dict(calibration_policies=("base",))], ids=["all", "calibration_policies"])
+def test_the_gram_builder_writes_the_labelled_parts_bit_for_bit_a_block_at_a_time(table, monkeypatch, kw):
     """The basis rows `GramBuilder` reduces, built a shard and a block of prompts at a time, are bit for bit the
     calibration, label-residual, audit and own-label parts computed over every labelled prompt at once
     (`labelled_influence_parts`, `own_label_influence`)."""
@@ -274,7 +275,7 @@ def test_the_gram_builder_writes_the_labelled_parts_bit_for_bit_a_block_at_a_tim
 
     monkeypatch.setattr(sharded, "BasisSums", Recording)
     monkeypatch.setattr(sharded, "BASIS_BLOCK_BYTES", 8 * 15 * 17)  # blocks of 17 prompts
-    opts = EvaluationOptions.of(None, seed=3, inference="analytic")
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic", **kw)
     sp = sharded.prepare_sharded(_range_split(table, 3), opts, keep_terms=False)
     got = np.vstack(seen)
     design, K = sp.prep.design, sp.prep.design.n_policies
@@ -282,6 +283,7 @@ def test_the_gram_builder_writes_the_labelled_parts_bit_for_bit_a_block_at_a_tim
     lab_prompts = np.unique(d.prompt)
     L = lab_prompts.size
     assert got.shape == (L, 5 * K) and len(seen) > 3
+    assert design.lab_rows.size == d.n_rows > design.cal_rows.size  # no copy of the labelled rows; of the calibration rows
     local_prompt = np.searchsorted(lab_prompts, d.prompt)
     local = dataclasses.replace(design, data=dataclasses.replace(
         d, prompt=local_prompt, prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (L,))))
