@@ -8,7 +8,8 @@ So the driver needs, for the unlabelled prompts, only their number, the sum of `
 cross-products and its K x K x K third moments (`Moments`, merged over shards). A labelled prompt's columns
 are linear too, in its *basis* vector (``e`` and its calibration, label-residual, audit and own-label parts:
 5K numbers), so the labelled prompts are kept as those basis rows (`Basis`), never as the finalize's 4K-column
-arrays. A `GramTerms` is a basis plus a column map ``M`` (basis dimensions x columns): column ``c`` of a
+arrays, or only as their sums (`BasisSums`, `SummedBasis`: count, sums, cross-products, per-policy third
+moments; what the sharded driver keeps, built a block of rows at a time). A `GramTerms` is a basis plus a column map ``M`` (basis dimensions x columns): column ``c`` of a
 labelled prompt is ``b @ M[:, c]``, of an unlabelled one ``e @ M[:K, c]``. It behaves like the (prompts,
 columns) array for the operations the finalize applies to influence terms (they change ``M`` only): column selection, linear combinations (``+``, ``-``, ``*`` by constants),
 `numpy.hstack`, `numpy.column_stack`, `numpy.where` over columns, `numpy.nan_to_num`; and answers the
