@@ -8,7 +8,8 @@ So the driver needs, for the unlabelled prompts, only their number, the sum of `
 cross-products and its K x K x K third moments (`Moments`, merged over shards). A labelled prompt's columns
 are linear too, in its *basis* vector (``e`` and its calibration, label-residual, audit and own-label parts:
 5K numbers), so the labelled prompts are kept as those basis rows (`Basis`), never as the finalize's 4K-column
-arrays. A `GramTerms` is a basis plus a column map ``M`` (basis dimensions x columns): column ``c`` of a
+arrays, or only as their sums (`BasisSums`, `SummedBasis`: count, sums, cross-products, per-policy third
+moments; what the sharded driver keeps, built a block of rows at a time). A `GramTerms` is a basis plus a column map ``M`` (basis dimensions x columns): column ``c`` of a
 labelled prompt is ``b @ M[:, c]``, of an unlabelled one ``e @ M[:K, c]``. It behaves like the (prompts,
 columns) array for the operations the finalize applies to influence terms (they change ``M`` only): column selection, linear combinations (``+``, ``-``, ``*`` by constants),
 `numpy.hstack`, `numpy.column_stack`, `numpy.where` over columns, `numpy.nan_to_num`; and answers the
@@ -89,6 +90,16 @@ class Basis:
         """Every prompt: labelled rows plus unlabelled ones."""
         return int(self.rows.shape[0] + self.moments.n)
 
+    @property
+    def dim(self) -> int:
+        """Dimensions of a basis row (D)."""
+        return int(self.rows.shape[1])
+
+    def cube(self, a: np.ndarray) -> float:
+        """``sum over the basis rows of (b @ a)^3`` for the column map ``a`` (D,) (labelled prompts only)."""
+        x = self.times(a)
+        return float(np.sum(x * x * x))
+
     def times(self, a: np.ndarray) -> np.ndarray:
         """The values ``rows @ a`` of the column map ``a`` (D,) at the basis rows (labelled prompts only here),
         for sums of their powers: a subclass may leave out rows where the value is 0."""
@@ -125,6 +136,100 @@ class SparseBasis(Basis):
         return (sub @ sparse.csc_matrix(a[nz].reshape(-1, 1))).data
 
 
+class BasisSums:
+    """What the finalize reads of the labelled prompts' basis rows, accumulated a block of rows at a time
+    (`add`), so the rows themselves are never all held: their number, column sums, cross-products and, per
+    group of dimensions (``groups``, (n_groups, g) indices: a policy's ``[e | c | r | audit | own]``), their third
+    moments. `SummedBasis` answers `GramTerms` from them; the acceleration of a column whose map reads
+    dimensions of more than one group needs every row (`TermsNotKept`)."""
+
+    def __init__(self, dim: int, groups: np.ndarray) -> None:
+        self.groups = np.asarray(groups, dtype=np.int64).reshape(len(groups), -1)
+        g = self.groups.shape[1]
+        self.n = 0
+        self.sum = np.zeros(dim)
+        self.cross = np.zeros((dim, dim))
+        self.cubes = np.zeros((self.groups.shape[0], g, g, g))
+
+    def add(self, rows: np.ndarray) -> None:
+        """Add basis rows (c, D) (finite)."""
+        rows = np.asarray(rows, dtype=float)
+        if not np.isfinite(rows).all():
+            raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
+        self.n += int(rows.shape[0])
+        self.sum += rows.sum(0)
+        self.cross += rows.T @ rows
+        for i, idx in enumerate(self.groups):
+            b = rows[:, idx]
+            self.cubes[i] += np.einsum("pi,pj,pk->ijk", b, b, b, optimize=True)
+
+    def merge(self, other: "BasisSums") -> None:
+        """Add another block's sums (same dimensions and groups)."""
+        self.n += other.n
+        self.sum += other.sum
+        self.cross += other.cross
+        self.cubes += other.cubes
+
+
+class SummedBasis:
+    """A `Basis` kept as sums (`BasisSums`): the labelled prompts' count, sums, cross-products and per-group
+    third moments instead of their rows (the sharded driver's Gram form, `cje_engine.pipeline.sharded`)."""
+
+    prompts = None
+
+    def __init__(self, sums: BasisSums, moments: Moments) -> None:
+        K, D = moments.s.size, sums.sum.size
+        if K > D:
+            raise ValueError(f"moments of {K} dimensions for a basis of {D}")
+        self.sums, self.moments = sums, moments
+        self.sum = sums.sum.copy()
+        self.sum[:K] += moments.s
+        self.cross = sums.cross.copy()
+        self.cross[:K, :K] += moments.S
+
+    @property
+    def n(self) -> int:
+        """Every prompt: labelled rows plus unlabelled ones."""
+        return int(self.sums.n + self.moments.n)
+
+    @property
+    def n_rows(self) -> int:
+        """The labelled prompts (rows summed)."""
+        return int(self.sums.n)
+
+    @property
+    def dim(self) -> int:
+        """Dimensions of a basis row (D)."""
+        return int(self.sum.size)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Not kept: raises `TermsNotKept`."""
+        raise TermsNotKept(NOT_KEPT + " (the labelled prompts' basis rows are kept as sums)")
+
+    def times(self, a: np.ndarray) -> np.ndarray:
+        """Not kept: raises `TermsNotKept`."""
+        raise TermsNotKept(NOT_KEPT + " (the labelled prompts' basis rows are kept as sums)")
+
+    def local(self, prompt: np.ndarray) -> np.ndarray:
+        """Not kept: raises `TermsNotKept`."""
+        raise TermsNotKept(NOT_KEPT + " (the labelled prompts' basis rows are kept as sums)")
+
+    def cube(self, a: np.ndarray) -> float:
+        """``sum over the labelled prompts of (b @ a)^3`` from the third moments of the one group of dimensions
+        that ``a`` reads (0 when it reads none); `TermsNotKept` when it reads dimensions of two groups."""
+        nz = np.flatnonzero(a)
+        if not nz.size:
+            return 0.0
+        groups = self.sums.groups
+        hit = np.flatnonzero(np.isin(groups, nz).sum(1) == nz.size)
+        if not hit.size:
+            raise TermsNotKept(NOT_KEPT + " (the third moments are kept within a policy's dimensions only)")
+        g = int(hit[0])
+        ag = a[groups[g]]
+        return float(np.einsum("ijk,i,j,k->", self.sums.cubes[g], ag, ag, ag))
+
+
 class GramTerms:
     """A (prompts, C) matrix of influence terms: a `Basis` and a column map (module doc).
 
@@ -144,8 +249,8 @@ class GramTerms:
         self.basis = basis
         self.M = np.asarray(M, dtype=float)
         self.vector = vector
-        if self.M.ndim != 2 or self.M.shape[0] != basis.rows.shape[1]:
-            raise ValueError(f"GramTerms: basis of {basis.rows.shape[1]} dimensions, map {self.M.shape}")
+        if self.M.ndim != 2 or self.M.shape[0] != basis.dim:
+            raise ValueError(f"GramTerms: basis of {basis.dim} dimensions, map {self.M.shape}")
 
     # ---------------------------------------------------------------- array-like surface
 
@@ -289,11 +394,10 @@ class GramTerms:
             raise ValueError("acceleration of a single column")
         a = np.nan_to_num(self.M[:, 0])
         m = self.moments
-        x = self.basis.times(a)
         g, s, P = self._sums()
         s1, s2 = float(s[0]), float(P[0, 0])
         ak = a[:m.s.size]
-        s3 = np.sum(x * x * x) + np.einsum("ijk,i,j,k->", m.T, ak, ak, ak)
+        s3 = self.basis.cube(a) + np.einsum("ijk,i,j,k->", m.T, ak, ak, ak)
         mu = s1 / g
         c2 = s2 - g * mu * mu
         if not c2 > 0:

@@ -93,6 +93,20 @@ class Fit:
         """`_labelled_residual_terms` of this fit (mode selection and the source audits read them; read-only)."""
         return _labelled_residual_terms(self)
 
+    @cached_property
+    def labelled_prompts(self) -> tuple[int, np.ndarray]:
+        """(distinct prompts of the labelled rows, each labelled row's index among them): per-prompt sums over the
+        labelled rows without a (prompts,) array of every prompt (`_sparse_column_var`)."""
+        u, inv = np.unique(self.design.data.prompt[self.design.lab_rows], return_inverse=True)
+        return int(u.size), inv.reshape(-1)
+
+    def release(self) -> None:
+        """Drop what is rebuilt, identical, on demand (the calibration plan cached on the design, the labelled
+        residual terms and prompt index): before another fit is computed beside this one."""
+        self.design.__dict__.pop("_calibration_plan", None)
+        self.__dict__.pop("residual_terms", None)
+        self.__dict__.pop("labelled_prompts", None)
+
     @property
     def sources(self) -> np.ndarray:
         """Policy codes whose labels train the calibrator."""
@@ -121,6 +135,15 @@ def _column_var(psi: np.ndarray, overwrite: bool = False) -> np.ndarray:
     c -= c.mean(axis=0)
     c *= c
     return (g / (g - 1) if g > 1 else 1.0) * np.sum(c, axis=0)
+
+
+def _sparse_column_var(values: np.ndarray, g: int) -> float:
+    """`_column_var` of one column of ``g`` clusters of which all but ``values`` are 0 (G/(G-1)): the centred
+    sum of squares of the given values plus the zeros', without a (g,) array."""
+    mean = float(values.sum()) / g if g else 0.0
+    c = values - mean
+    c *= c
+    return (g / (g - 1) if g > 1 else 1.0) * (float(np.sum(c)) + (g - values.size) * mean * mean)
 
 
 def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -184,7 +207,8 @@ def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = fit.design.data
     K = fit.design.n_policies
     is_source = np.isin(np.arange(K), fit.sources)
-    prompt, w, r = fit.residual_terms
+    _, w, r = fit.residual_terms
+    n_lab_prompts, lab_prompt = fit.labelled_prompts
     pol = d.policy[fit.design.lab_rows]
     delta = np.full(K, np.nan)
     se = np.full(K, np.nan)
@@ -193,8 +217,9 @@ def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if not sel.any():
             continue
         delta[k] = float(np.sum(w[sel] * r[sel]))
-        psi = np.bincount(prompt[sel], weights=w[sel] * (r[sel] - delta[k]), minlength=d.n_prompts)
-        se[k] = float(np.sqrt(_column_var(psi[:, None], overwrite=True)[0]))  # psi is ours: no copy
+        # per prompt over the labelled prompts only: the others' terms are 0 (no array of every prompt)
+        psi = np.bincount(lab_prompt[sel], weights=w[sel] * (r[sel] - delta[k]), minlength=n_lab_prompts)
+        se[k] = float(np.sqrt(_sparse_column_var(psi, d.n_prompts)))
     return delta, se, is_source
 
 
@@ -224,11 +249,14 @@ def _candidates(data: EvalData, opts: EvaluationOptions, n_cal: int) -> tuple[li
 def _paired(fits: dict, entry, other, n_prompts: int) -> tuple[float, float]:
     """Mean difference of squared labelled residuals, ``other`` minus ``entry`` (each policy weighing 1),
     and its prompt-clustered SE."""
-    prompt, w, r_other = fits[other.name].residual_terms
+    _, w, r_other = fits[other.name].residual_terms
     _, _, r_entry = fits[entry.name].residual_terms
-    t = np.bincount(prompt, weights=w * (r_other**2 - r_entry**2), minlength=n_prompts)
+    n_lab_prompts, lab_prompt = fits[other.name].labelled_prompts
+    t = np.bincount(lab_prompt, weights=w * (r_other**2 - r_entry**2), minlength=n_lab_prompts)  # 0 elsewhere
     n_pol = float(np.sum(w))  # policies with labels (each weighs 1)
-    return float(t.sum() / n_pol), float(np.sqrt(_column_var(t[:, None] / n_pol)[0]))
+    diff = float(t.sum() / n_pol)
+    t /= n_pol
+    return diff, float(np.sqrt(_sparse_column_var(t, n_prompts)))
 
 
 def _compare(fits: dict, candidates: list, labelled_rmse: dict, n_prompts: int) -> tuple[str, str, dict]:
@@ -278,6 +306,9 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         if m not in rows:
             rows[m] = row_cells(data, m)
         fits[m] = fit_mode(data, m, sources, rows[m])
+        # its calibration plan (~80 B a calibration row) is rebuilt, identical, where a bootstrap replicate needs
+        # it: not held beside the next mode's fit, the audits and the rounds of robust pooling
+        fits[m].design.__dict__.pop("_calibration_plan", None)
     rmse, labelled_rmse = {}, {}
     for m, fit in fits.items():
         cr = fit.design.cal_rows
@@ -348,16 +379,21 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
     rows = {} if rows is None else rows  # row-level cell coding per mode, shared by every round
     selection, fits = choose_mode(data, opts, sources, rows)
     fit = fits[selection["chosen"]]
+    current = sources
     while True:
         bad = _failing_source(fit, opts.alpha)
         if bad is None:
             break
         rest = tuple(n for n in names if n != bad["policy"])
+        fit = fits = None  # not held beside the next round's fits (refitted, identical, if they cannot be made)
         try:
             selection_new, fits_new = choose_mode(data, opts, rest, rows)
         except CJEInputError as exc:
             log.warning("calibration source %s failed its audit but is kept: %s", bad["policy"], exc)
+            selection, fits = choose_mode(data, opts, current, rows)
+            fit = fits[selection["chosen"]]
             break
+        current = rest
         bad["reason"] = (f"its own out-of-fold audit failed (mean residual {bad['residual_mean']:+.3f}, SE "
                          f"{bad['se']:.3f}, Holm-adjusted p {bad['p_adjusted']:.2g} over {bad['family_size']} "
                          "calibration sources): its labels disagree with the other sources' calibration, so "
@@ -367,5 +403,6 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
         log.info("robust pooling: %s leaves the calibrator (%s)", bad["policy"], bad["reason"])
         names = list(rest)
         selection, fits = selection_new, fits_new
+        selection_new = fits_new = None
         fit = fits[selection["chosen"]]
     return fit, selection, excluded

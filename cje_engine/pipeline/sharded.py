@@ -43,10 +43,11 @@ from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
 from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, calibration_term,
+                                          level_set_shares,
                                           evaluation_terms, fold_jackknife, influence_with_evaluation_terms)
 from cje_engine.errors import CJEInputError
 from cje_engine.direct.verified import own_label_influence
-from cje_engine.inference.gram import Basis, GramTerms, Moments
+from cje_engine.inference.gram import BasisSums, GramTerms, Moments, SummedBasis
 from cje_engine.options import EvaluationOptions
 from cje_engine.pipeline.calibration import fit_calibration
 from cje_engine.pipeline.direct import Prepared
@@ -694,8 +695,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     fit, selection, excluded = (fit or fit_calibration)(data, opts, dict(merged.rows))
     # the calibration plan cached on the design (~70 B a labelled row) is rebuilt, identical, if a bootstrap
     # replicate needs it; the analytic route does not
-    fit.design.__dict__.pop("_calibration_plan", None)
-    fit.__dict__.pop("residual_terms", None)  # the sources' audits are done: 24 B a labelled row
+    fit.release()  # the plan, and the sources' audits' residual terms and prompt index: ~100 B a labelled row
     _release()
     _note("calibration fit")
     design = fit.design
@@ -717,9 +717,12 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     for i, t in enumerate(shards):
         sel = shard_of_row == i
         items.append((t, cov, pols, codes[i], fit.F_all, cal_rows_window[sel], fit.f_cal[sel], plug, n_k, keep_terms))
-    del cal_rows_window, shard_of_row, lab_window_rows, lab_shard, sel
+    del cal_rows_window, shard_of_row, lab_window_rows, sel
     merged.rows = None  # every mode's row coding: the chosen one lives on in the design
     total = np.zeros((merged.n_prompts, 2 * K)) if keep_terms else None
+    # the Gram form: each shard's labelled prompts reduced to sums as its part arrives (no basis rows kept)
+    builder = None if keep_terms else GramBuilder(design, f, fit.full, stats, n_k, lab_shard, len(shards))
+    del lab_shard
     gram = {"count": 0, "sum": np.zeros(K), "gram": np.zeros((K, K))}
     parts: list = [None] * len(shards)
     for i, res in mapper(shard_evaluation_terms, items):
@@ -729,6 +732,8 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
             else:
                 total[codes[i].prompt_rank, :K] = res.terms
             res.terms = None
+        else:
+            builder.add(i, res)
         parts[i] = res
     items = None
     for res in parts:  # in shard order: the same sums whatever the order of arrival
@@ -741,7 +746,8 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         total[:, K:] = total[:, :K]
         infl = influence_with_evaluation_terms(design, f, fit.full, stats, total, n_k)
     else:
-        infl = gram_influence(design, f, fit.full, stats, parts, n_k)
+        infl = builder.finish()
+        builder = None
     _note("influence terms")
     jk = fold_jackknife(design, fit.models)
     log.info("prepared %d rows on %d shards (%d prompts, %d labelled rows on the driver), mode=%s",
@@ -755,52 +761,166 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     return sp
 
 
-def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, parts: Sequence[ShardTerms],
-                   n_k: np.ndarray) -> dict[str, GramTerms]:
-    """Direct's influence terms (``total``, ``calibration``, ``audit`` and the own-label ``own``) in the Gram
-    form (`cje_engine.inference.gram`) from pass 2's parts.
+#: Bytes of labelled prompts' basis rows built at a time (`GramBuilder`): a block of them, reduced to sums.
+BASIS_BLOCK_BYTES = 16 * 2**20
 
-    Each labelled prompt keeps its basis vector ``[e | c | r | audit | own]`` (5K numbers: evaluation terms,
-    calibration part of the plug-in, label-residual part of the augmented level, audit term, own-label term;
-    the last four from `estimators.influence_with_evaluation_terms` and `verified.own_label_influence` on the
-    design with its prompts renumbered to the labelled ones, the only prompts where they are not 0); every other
-    prompt enters through the moments of its ``e``. ``total = [e + c | e + r]``, ``calibration = [c | r]``; a
+
+class GramBuilder:
+    """Direct's influence terms in the Gram form (`cje_engine.inference.gram`) from pass 2's parts, as they arrive.
+
+    Each labelled prompt's basis vector ``[e | c | r | audit | own]`` (5K numbers: evaluation terms, calibration
+    part of the plug-in, label-residual part of the augmented level, audit term, own-label term; the last four the
+    values of `labelled_influence_parts` and `verified.own_label_influence` on the labelled prompts, bit for bit)
+    is built a shard's part at a time, a block of its prompts at a time (`BASIS_BLOCK_BYTES`), and reduced at once
+    to its sums, cross-products and per-policy third moments (`BasisSums`): the rows are never all held. Every
+    other prompt enters through the moments of its ``e``. The shards' sums are added in shard order (`finish`):
+    the same numbers whatever the order of arrival. ``total = [e + c | e + r]``, ``calibration = [c | r]``; a
     column NaN for lack of labels is NaN for every prompt (in the column map).
+
+    Parameters
+    ----------
+    design, f, full, stats, n_k
+        The fitted design, calibrated values of its (labelled) rows, the full calibrator, `cell_policy_stats`
+        and rows per policy.
+    lab_shard : ndarray (int32)
+        The shard of each row of ``design.data`` (the merge's ``lab_shard``).
+    n_shards : int
     """
-    d = design.data
-    K = design.n_policies
-    lab_prompts = np.unique(d.prompt)
-    rest = Moments.zero(K)
-    L = lab_prompts.size
-    base = np.empty((L, 5 * K))  # written in place, block by block: no (L, 2K) arrays beside it
-    for res in parts:  # in shard order
-        rest = rest + res.rest
-        if res.labelled.size:
-            pos = np.searchsorted(lab_prompts, res.labelled)
-            if pos.max() >= L or not np.array_equal(lab_prompts[pos], res.labelled):
+
+    def __init__(self, design: Any, f: np.ndarray, full: Any, stats: np.ndarray, n_k: np.ndarray,
+                 lab_shard: np.ndarray, n_shards: int) -> None:
+        d = design.data
+        K = self.K = design.n_policies
+        plug, aug = stats[:K], stats[K:]
+        lab, cr = design.lab_rows, design.cal_rows
+        lw = _take(d.label_weight, lab)
+        lab_pol = _take(d.policy, lab)
+        y = _take(d.label, lab)
+        den = np.bincount(lab_pol, weights=lw, minlength=K)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            self.res_contrib = lw * ((y - _take(f, lab)) - (aug - plug)[lab_pol]) / den[lab_pol]  # labelled_influence_parts
+            means = np.bincount(lab_pol, weights=lw * y, minlength=K) / den  # own_label_influence
+            self.own_contrib = lw * (y - means[lab_pol]) / den[lab_pol]
+        self.gone = np.flatnonzero(den <= 0)
+        self.own_gone = den <= 0
+        ls = level_set_shares(design, full, f[cr])
+        self.b_cal, self.resid_cal, self.m = ls.b_cal, ls.resid_cal, ls.m
+        G = design.cells.cells.size
+        lab_counts = np.bincount(lab_pol.astype(np.int64) * G + _take(design.cells.row_cell, lab),
+                                 weights=lw, minlength=K * G).reshape(K, G)
+        del lw, y
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lab_share = np.where(den[:, None] > 0, lab_counts / den[:, None], 0.0)
+        self.rho_cal = _level_set_weights(ls, design.cells.counts / n_k[:, None])
+        self.rho_audit = _level_set_weights(ls, lab_share)
+        self.lab_pol = lab_pol
+        self.prompt_lab, self.prompt_cal = _take(d.prompt, lab), _take(d.prompt, cr)
+        self.shard_lab, self.shard_cal = _take(lab_shard, lab), _take(lab_shard, cr)
+        self.rest: list = [None] * n_shards
+        self.sums: list = [None] * n_shards
+        D = 5 * K
+        self.groups = np.arange(D).reshape(5, K).T  # policy k: its e, c, r, audit and own dimensions
+        self.block = max(1, BASIS_BLOCK_BYTES // (8 * D))
+
+    def add(self, i: int, res: ShardTerms) -> None:
+        """Reduce shard ``i``'s part (its labelled prompts' terms are released; its ``rest`` moments kept)."""
+        K = self.K
+        self.rest[i] = res.rest
+        sums = BasisSums(5 * K, self.groups)
+        P = res.labelled
+        if P is not None and P.size:
+            rl = np.flatnonzero(self.shard_lab == i)
+            rc = np.flatnonzero(self.shard_cal == i)
+            if not np.array_equal(np.unique(self.prompt_lab[rl]), P):
                 raise ValueError("a shard's labelled prompts are not the driver's")
-            base[pos, :K] = res.labelled_terms
-        res.labelled_terms = None  # copied: the shard's part is released as the basis fills
-    local_prompt = np.searchsorted(lab_prompts, d.prompt)
-    local = dataclasses.replace(design, data=dataclasses.replace(
-        d, prompt=local_prompt, prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (L,))))
-    labelled_influence_parts(local, f, full, stats, n_k, calibration=base[:, K:2 * K], residual=base[:, 2 * K:3 * K],
-                             audit=base[:, 3 * K:4 * K])
-    lab = design.lab_rows
-    _, psi_own = own_label_influence(local_prompt[lab], d.policy[lab], d.label[lab], d.label_weight[lab], L, K)
-    base[:, 4 * K:] = np.nan_to_num(psi_own, copy=False)
-    del psi_own, local_prompt, local
-    den = np.bincount(d.policy[lab], weights=d.label_weight[lab], minlength=K)
-    gone = np.flatnonzero(~(den > 0))
-    eye, zero = np.eye(K), np.zeros((K, K))
-    e, c, r, au, ow = (np.vstack([eye if j == i else zero for j in range(5)]) for i in range(5))  # (5K, K) each
-    maps = {"total": np.hstack([e + c, e + r]), "calibration": np.hstack([c, r]), "audit": au.copy(), "own": ow.copy()}
-    maps["total"][:, K + gone] = np.nan
-    maps["calibration"][:, K + gone] = np.nan
-    maps["audit"][:, gone] = np.nan
-    maps["own"][:, gone] = np.nan
-    basis = Basis(base, rest, lab_prompts)
-    return {name: GramTerms(basis, M) for name, M in maps.items()}
+            loc_l = np.searchsorted(P, self.prompt_lab[rl])
+            loc_c = np.searchsorted(P, self.prompt_cal[rc])
+            for a in range(0, P.size, self.block):
+                b = min(a + self.block, P.size)
+                if a == 0 and b == P.size:
+                    sl, sc = rl, rc
+                    ll, lc = loc_l, loc_c
+                else:
+                    kl = (loc_l >= a) & (loc_l < b)
+                    kc = (loc_c >= a) & (loc_c < b)
+                    sl, sc, ll, lc = rl[kl], rc[kc], loc_l[kl] - a, loc_c[kc] - a
+                sums.add(self._rows(res.labelled_terms[a:b], sl, sc, ll, lc))
+        res.labelled_terms = None
+        self.sums[i] = sums
+
+    def _rows(self, e: np.ndarray, sl: np.ndarray, sc: np.ndarray, ll: np.ndarray, lc: np.ndarray) -> np.ndarray:
+        """The basis rows of a block of labelled prompts (their terms ``e``; their labelled rows ``sl`` and
+        calibration rows ``sc`` at block positions ``ll``, ``lc``), as `labelled_influence_parts` writes them."""
+        K = self.K
+        n = e.shape[0]
+        base = np.empty((n, 5 * K))
+        base[:, :K] = e
+        residual, calibration, audit = base[:, 2 * K:3 * K], base[:, K:2 * K], base[:, 3 * K:4 * K]
+        key = ll.astype(np.int64) * K
+        key += self.lab_pol[sl]
+        residual[...] = np.bincount(key, weights=self.res_contrib[sl], minlength=n * K).reshape(n, K)
+        residual[:, self.gone] = np.nan
+        b_cal, resid = self.b_cal[sc], self.resid_cal[sc]
+        for k in range(K):
+            calibration[:, k] = np.bincount(lc, weights=self.rho_cal[k][b_cal] * resid / self.m, minlength=n)
+            audit[:, k] = np.bincount(lc, weights=self.rho_audit[k][b_cal] * resid / self.m, minlength=n)
+        np.nan_to_num(calibration, copy=False)
+        np.subtract(residual, audit, out=audit)
+        audit[:, self.gone] = np.nan
+        np.nan_to_num(audit, copy=False)
+        np.nan_to_num(residual, copy=False)
+        own = np.bincount(key, weights=self.own_contrib[sl], minlength=n * K).reshape(n, K)
+        own[:, self.own_gone] = np.nan
+        base[:, 4 * K:] = np.nan_to_num(own, copy=False)
+        return base
+
+    def finish(self) -> dict[str, GramTerms]:
+        """The influence terms (``total``, ``calibration``, ``audit``, ``own``) from every shard's sums, added in
+        shard order."""
+        K = self.K
+        rest, sums = Moments.zero(K), BasisSums(5 * K, self.groups)
+        for r, b in zip(self.rest, self.sums):
+            rest = rest + r
+            sums.merge(b)
+        gone = self.gone
+        eye, zero = np.eye(K), np.zeros((K, K))
+        e, c, r, au, ow = (np.vstack([eye if j == i else zero for j in range(5)]) for i in range(5))  # (5K, K) each
+        maps = {"total": np.hstack([e + c, e + r]), "calibration": np.hstack([c, r]), "audit": au.copy(),
+                "own": ow.copy()}
+        maps["total"][:, K + gone] = np.nan
+        maps["calibration"][:, K + gone] = np.nan
+        maps["audit"][:, gone] = np.nan
+        maps["own"][:, gone] = np.nan
+        basis = SummedBasis(sums, rest)
+        return {name: GramTerms(basis, M) for name, M in maps.items()}
+
+
+def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]``, without a copy when ``idx`` is every row in order (the sharded driver's data holds the labelled
+    rows only: its labelled rows are all of them, and so are its calibration rows without calibration policies)."""
+    if idx.size == a.shape[0] and (idx.size == 0 or (idx[0] == 0 and idx[-1] == idx.size - 1)):
+        return a
+    return a[idx]
+
+
+def _level_set_weights(ls: Any, share: np.ndarray) -> np.ndarray:
+    """``rho_k`` of `estimators.calibration_term` for every row ``k`` of ``share`` (K', n_blocks), the same bits."""
+    out = np.empty((share.shape[0], ls.n_blocks))
+    for k in range(share.shape[0]):
+        p_k = (np.bincount(ls.bj, weights=share[k] * (1 - ls.t), minlength=ls.n_blocks)
+               + np.bincount(ls.bj1, weights=share[k] * ls.t, minlength=ls.n_blocks))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out[k] = np.where(ls.q > 0, p_k / ls.q, 0.0)
+    return out
+
+
+def gram_influence(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, parts: Sequence[ShardTerms],
+                   n_k: np.ndarray, lab_shard: np.ndarray) -> dict[str, GramTerms]:
+    """`GramBuilder` over every part (in shard order): Direct's influence terms in the Gram form."""
+    builder = GramBuilder(design, f, full, stats, n_k, lab_shard, len(parts))
+    for i, res in enumerate(parts):
+        builder.add(i, res)
+    return builder.finish()
 
 
 def labelled_influence_parts(design: Any, f: np.ndarray, full: Any, stats: np.ndarray, n_k: np.ndarray, *,

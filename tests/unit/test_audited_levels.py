@@ -259,3 +259,30 @@ def test_auto_considers_a_smaller_two_stage_index_with_few_calibration_labels():
     assert set(fits) == {"monotone", "two_stage"}
     assert selection["two_stage_knots"] == fits["two_stage"].design.n_knots == two_stage_knots(n_cal, 1) < 6
     assert "paired_difference" in selection and selection["chosen"] in ("monotone", "two_stage")
+
+
+def test_a_source_that_cannot_leave_keeps_the_previous_rounds_fit(monkeypatch):
+    """Robust pooling does not hold a round's fits beside the next round's: when the next round cannot be fitted
+    (too few labels without the failing source) the failing source is kept and the previous round's fit is made
+    again, the same numbers bit for bit, and nothing is excluded."""
+    from cje_engine.pipeline import calibration
+
+    data = _data(_pooled(1).frame)
+    opts = EvaluationOptions.of(None, inference="analytic")
+    first = choose_mode(data, opts, None)
+    want = first[1][first[0]["chosen"]]
+    calls = []
+
+    def refusing(data, opts, sources, rows=None):
+        calls.append(sources)
+        if len(calls) == 2:
+            raise CJEInputError("too few labelled prompts to cross-fit")
+        return choose_mode(data, opts, sources, rows)
+
+    monkeypatch.setattr(calibration, "choose_mode", refusing)
+    fit, selection, excluded = calibration.fit_calibration(data, opts)
+    assert excluded == [] and calls[0] is None and calls[2] is None and len(calls) == 3
+    assert "unhelpful" not in calls[1]
+    assert selection == first[0]
+    assert np.array_equal(fit.F_all, want.F_all) and np.array_equal(fit.f_cal, want.f_cal)
+    assert np.array_equal(fit.design.cal_rows, want.design.cal_rows)

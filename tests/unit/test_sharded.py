@@ -13,7 +13,7 @@ import pytest
 
 from cje_engine.direct.verified import power_tuned_lambda
 from cje_engine.errors import CJEInputError
-from cje_engine.inference.gram import Basis, GramTerms, Moments, TermsNotKept
+from cje_engine.inference.gram import Basis, BasisSums, GramTerms, Moments, SummedBasis, TermsNotKept
 from cje_engine.inference.intervals import acceleration
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
@@ -185,8 +185,11 @@ def test_the_gram_form_gives_the_single_process_numbers(table, n_shards, kw):
     assert sp.influence == "gram"
     for name, terms in sp.prep.infl.items():
         assert isinstance(terms, GramTerms), name
-        assert terms.basis.rows.shape == (np.unique(sp.prep.design.data.prompt).size, 5 * sp.prep.design.n_policies)
-        assert terms.basis.rows.shape[0] < sp.n_prompts / 2
+        # the labelled prompts' basis rows are kept as sums only: no array of them on the driver
+        assert terms.basis.n_rows == np.unique(sp.prep.design.data.prompt).size < sp.n_prompts / 2
+        assert terms.basis.dim == 5 * sp.prep.design.n_policies
+        with pytest.raises(TermsNotKept):
+            terms.basis.rows
     assert_same_result(single, sp.finalize(chunks).to_dict(), influence="gram")
 
 
@@ -218,6 +221,80 @@ def test_gram_reductions_equal_the_per_prompt_ones():
     assert power_tuned_lambda(own, g[:, 2 * K - 1]) == 1.0 == power_tuned_lambda(full[:, 0], full[:, 2 * K - 1])
     with pytest.raises(TermsNotKept, match="row_pass.influence = 'gram'"):
         np.asarray(g)
+
+
+def test_summed_basis_reductions_equal_the_per_prompt_ones():
+    """A basis kept as sums (`BasisSums`, added a block of rows at a time) gives the per-prompt matrix's
+    covariance, power-tuning weight and, for a column within one policy's dimensions, acceleration; a column
+    mixing two policies' dimensions asks for rows that were not kept."""
+    rng = np.random.default_rng(1)
+    K, L, U = 3, 50, 400
+    D = 5 * K
+    groups = np.arange(D).reshape(5, K).T
+    e = rng.standard_normal((U, K)) ** 2 - 1
+    base = rng.standard_normal((L, D)) ** 2 - 1
+    sums = BasisSums(D, groups)
+    for a in range(0, L, 7):
+        sums.add(base[a:a + 7])
+    M = np.zeros((D, 2 * K))
+    for k in range(K):  # a policy's columns read its own dimensions only (as `GramBuilder`'s maps)
+        M[groups[k], k] = rng.standard_normal(5)
+        M[groups[k], K + k] = rng.standard_normal(5)
+    full = np.vstack([base @ M, e @ M[:K]])
+    g = GramTerms(SummedBasis(sums, Moments.of(e)), M)
+    ref = GramTerms(Basis(base, Moments.of(e)), M)
+    assert g.shape == full.shape and g.basis.n_rows == L
+    np.testing.assert_allclose(cluster_cov(g), cluster_cov(full), rtol=1e-12, atol=1e-15)
+    for c in range(2 * K):
+        assert acceleration(g[:, c]) == pytest.approx(acceleration(full[:, c]), rel=1e-12, abs=1e-15)
+        assert acceleration(g[:, c]) == pytest.approx(acceleration(ref[:, c]), rel=1e-12, abs=1e-15)
+    assert power_tuned_lambda(g[:, 0], g[:, K]) == pytest.approx(power_tuned_lambda(full[:, 0], full[:, K]), rel=1e-12)
+    with pytest.raises(TermsNotKept, match="within a policy"):
+        acceleration(g[:, 0] - g[:, 1])
+    with pytest.raises(TermsNotKept):
+        g.rows
+    with pytest.raises(ValueError, match="finite"):
+        sums.add(np.full((1, D), np.nan))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(calibration_policies=("base",))], ids=["all", "calibration_policies"])
+def test_the_gram_builder_writes_the_labelled_parts_bit_for_bit_a_block_at_a_time(table, monkeypatch, kw):
+    """The basis rows `GramBuilder` reduces, built a shard and a block of prompts at a time, are bit for bit the
+    calibration, label-residual, audit and own-label parts computed over every labelled prompt at once
+    (`labelled_influence_parts`, `own_label_influence`)."""
+    import dataclasses
+
+    from cje_engine.direct.verified import own_label_influence
+
+    seen = []
+
+    class Recording(sharded.BasisSums):
+        def add(self, rows):
+            seen.append(rows.copy())
+            super().add(rows)
+
+    monkeypatch.setattr(sharded, "BasisSums", Recording)
+    monkeypatch.setattr(sharded, "BASIS_BLOCK_BYTES", 8 * 15 * 17)  # blocks of 17 prompts
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic", **kw)
+    sp = sharded.prepare_sharded(_range_split(table, 3), opts, keep_terms=False)
+    got = np.vstack(seen)
+    design, K = sp.prep.design, sp.prep.design.n_policies
+    d = design.data
+    lab_prompts = np.unique(d.prompt)
+    L = lab_prompts.size
+    assert got.shape == (L, 5 * K) and len(seen) > 3
+    assert design.lab_rows.size == d.n_rows > design.cal_rows.size  # no copy of the labelled rows; of the calibration rows
+    local_prompt = np.searchsorted(lab_prompts, d.prompt)
+    local = dataclasses.replace(design, data=dataclasses.replace(
+        d, prompt=local_prompt, prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (L,))))
+    want = np.empty((L, 5 * K))
+    sharded.labelled_influence_parts(local, sp.prep.f, sp.prep.full, sp.prep.stats, design.cells.counts.sum(1),
+                                     calibration=want[:, K:2 * K], residual=want[:, 2 * K:3 * K],
+                                     audit=want[:, 3 * K:4 * K])
+    lab = design.lab_rows
+    want[:, 4 * K:] = np.nan_to_num(own_label_influence(local_prompt[lab], d.policy[lab], d.label[lab],
+                                                        d.label_weight[lab], L, K)[1])
+    assert np.array_equal(got[:, K:], want[:, K:])
 
 
 def test_a_gram_result_answers_confint_and_compare_and_refuses_per_prompt_terms(table, tmp_path):
