@@ -204,16 +204,21 @@ def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arr
     if column.null_count or not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         codes, uniques = pd.factorize(column.to_pandas(), sort=True)
         return codes.astype(np.int64), pa.array(np.asarray(uniques, dtype=object), pa.string())
-    uniq = pc.unique(column)
-    if isinstance(uniq, pa.ChunkedArray):
-        uniq = uniq.combine_chunks()
-    uniq = uniq.cast(pa.string())
+    enc = pc.dictionary_encode(column)  # one hash pass: every chunk's indices into one dictionary
+    if isinstance(enc, pa.ChunkedArray):
+        chunks = enc.chunks
+        if not chunks:
+            return np.empty(0, dtype=np.int64), pa.array([], pa.string())
+        if any(not c.dictionary.equals(chunks[0].dictionary) for c in chunks[1:]):
+            enc = pc.dictionary_encode(column.combine_chunks())
+            chunks = [enc]
+    else:
+        chunks = [enc]
+    uniq = chunks[0].dictionary.cast(pa.string())
     order = np.asarray(pc.sort_indices(uniq), dtype=np.int64)
     rank = np.empty(order.size, dtype=np.int64)
     rank[order] = np.arange(order.size)
-    idx = pc.index_in(column, value_set=uniq)
-    idx = np.asarray(idx.to_numpy() if isinstance(idx, pa.Array) else np.concatenate(
-        [c.to_numpy() for c in idx.chunks] or [np.empty(0, np.int32)]), dtype=np.int64)
+    idx = np.concatenate([np.asarray(c.indices.to_numpy()) for c in chunks])
     return rank[idx], uniq.take(pa.array(order))
 
 

@@ -30,8 +30,11 @@ DEFAULT_MAX_RETRIES = 3
 
 
 def n_shards_for(n_rows: int, cpus: int) -> int:
-    """Shards for a window of ``n_rows``: one a CPU at least, and no shard above `ROWS_PER_SHARD` rows."""
-    return max(1, cpus, math.ceil(n_rows / ROWS_PER_SHARD))
+    """Shards for a window of ``n_rows``: no shard above `ROWS_PER_SHARD` rows, and a multiple of the CPUs (one
+    a CPU at least), so that every round of a pass keeps every CPU busy (3 shards on 2 CPUs take two rounds of
+    a third of the rows each; 4 take two rounds of a quarter)."""
+    cpus = max(1, int(cpus))
+    return cpus * max(1, math.ceil(math.ceil(n_rows / ROWS_PER_SHARD) / cpus))
 
 
 def task_memory(rows: int, n_prompts: int = 0, replicates: int = 0, n_policies: int = 0, n_cells: int = 0) -> int:
@@ -53,16 +56,23 @@ ROW_BITS = 40
 
 
 def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] | None, mapping: dict | None
-                ) -> list[str]:
-    """``k`` evenly spaced distinct prompt ids of one log file (its prompt column only): the readers' sample
-    from which the driver cuts the shards' ranges (`cje_engine.pipeline.sharded.range_splitters`)."""
+                ) -> tuple[list[str], list[str]]:
+    """``k`` evenly spaced distinct prompt ids and response ids of one log file (those two columns only; no
+    response ids when the file has none): the readers' samples from which the driver cuts the shards' prompt-id
+    ranges and the response-id buckets' ranges (`cje_engine.pipeline.sharded.range_splitters`)."""
+    from cje_engine.errors import CJEInputError
     from cje_engine.pipeline.sharded import sample_prompt_ids
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
-    table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
-    return sample_prompt_ids(table["prompt_id"], k)
+    try:
+        table = read_window(st, [key], columns=["prompt_id", "response_id"], policies=policies, mapping=mapping,
+                            check_unique=False)
+    except CJEInputError:  # no response ids in this file (a malformed file raises again just below)
+        table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
+    rids = sample_prompt_ids(table["response_id"], k) if "response_id" in table.column_names else []
+    return sample_prompt_ids(table["prompt_id"], k), rids
 
 
 #: Multiplier of `string_hash`'s polynomial (odd) and its finalizer's constants (splitmix64).
@@ -107,16 +117,21 @@ def string_hash(values) -> "np.ndarray":
     return h
 
 
-def response_id_buckets(table, n_buckets: int) -> list:
+def response_id_buckets(table, n_buckets: int, splitters: Sequence[str] | None = None) -> list:
     """The ``response_id`` column of a file's rows (with their window place `ROW`) split into ``n_buckets`` by
-    a hash of the id: every copy of an id lands in the same bucket, whatever file or shard it is in."""
+    the id's range among ``splitters`` (``n_buckets - 1`` sorted ids, cut from the readers' samples), or
+    without them by a hash of the id (`string_hash`): every copy of an id lands in the same bucket, whatever
+    file or shard it is in."""
     import numpy as np
     import pyarrow as pa
 
-    from cje_engine.pipeline.sharded import ROW
+    from cje_engine.pipeline.sharded import ROW, range_shard
 
     rid = table["response_id"].cast(pa.string())
-    bucket = (string_hash(rid) % np.uint64(n_buckets)).astype(np.int64)
+    if splitters is not None and len(splitters) == n_buckets - 1:
+        bucket = range_shard(rid, splitters)
+    else:
+        bucket = (string_hash(rid) % np.uint64(n_buckets)).astype(np.int64)
     order = np.argsort(bucket, kind="stable")
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
     taken = pa.table({"response_id": rid, ROW: table[ROW]}).take(pa.array(order))
@@ -125,12 +140,14 @@ def response_id_buckets(table, n_buckets: int) -> list:
 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
-               splitters: list[str] | None = None, keep: Sequence[str] | None = None):
+               splitters: list[str] | None = None, keep: Sequence[str] | None = None,
+               id_splitters: Sequence[str] | None = None):
     """Read one log file on a worker and return its rows per shard, its response ids per bucket
     (`response_id_buckets`, without the rest of the row) and a small dict about the file
     (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
-    by hash). ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
+    by hash); ``id_splitters``: the response-id buckets' ranges (`response_id_buckets`; None: by hash).
+    ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
     evaluate flow: join the label store's labels, derive covariates, check columns) and returns
     ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it); ``keep``: the
     only columns they keep (those of it the file has, after ``prepare_rows``; None: every column)."""
@@ -152,7 +169,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
-        rids = response_id_buckets(table, n_shards)
+        rids = response_id_buckets(table, n_shards, id_splitters)
         table = table.drop_columns(["response_id"])
     else:
         rids = [pa.table({"response_id": pa.array([], pa.string()), ROW: pa.array([], pa.int64())})] * n_shards
@@ -247,7 +264,7 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
 
     The shards hold ranges of prompt ids, cut from a sample of every file's ids (`sample_file`), so the
     engine codes prompts without their ids on the driver (`cje_engine.pipeline.sharded.prepare_sharded`).
-    The window's response ids are checked unique on the workers (by hash bucket, across files and shards):
+    The window's response ids are checked unique on the workers (by bucket of response-id range, across files and shards):
     a repeated id raises `CJEInputError` naming it and its files and rows.
 
     ``keys``: the window's log files in window order; ``rows_hint``: the window's rows when known (for the
@@ -263,11 +280,12 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                                              name="cje_shard_sample")
     samples = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping)
                        for k in keys], timeout=ray_get_timeout())
-    splitters = range_splitters(samples, n_shards)
+    splitters = range_splitters([p for p, _ in samples], n_shards)
+    id_splitters = range_splitters([r for _, r in samples], n_shards)
     split = ray.remote(split_file).options(num_returns=2 * n_shards + 1, max_retries=max_retries,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep)
-              for i, k in enumerate(keys)]
+    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
+                           id_splitters) for i, k in enumerate(keys)]
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
                                                    memory=task_memory(rows_hint // n_shards // 4))
     checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_shards)]
