@@ -12,11 +12,14 @@ Stages, each in its own child process so that every peak RSS is that process's a
    ``prepare`` + ``finalize`` (``--inference``); wall, CPU and peak RSS of the process.
 3. ``sharded``: the driver of the sharded path (`cje_engine.pipeline.sharded` on Ray,
    `flows.runtime.sharded_ray`): shards read and reduced on Ray workers, the driver merges and finalizes.
-   Wall and CPU of the driver process, its peak RSS (the driver alone: the workers are other processes),
-   and the Ray workers' CPU measured inside the tasks is not included. ``RAY_ADDRESS`` set: that cluster
+   Wall and CPU of the driver process, its peak RSS (the driver alone: the workers are other processes). ``RAY_ADDRESS`` set: that cluster
    (e.g. two nodes of ``infra/stack``); else a local Ray with ``--ray-cpus`` CPUs.
 4. ``groupby`` (comparator): a Ray-parallel read of the same objects plus a group-by mean of the judge
-   score per policy (one task per file, partial sums merged).
+   score per policy (one task per file, partial sums merged), twice: reading the two columns the mean needs
+   (``wall_s``) and reading the columns the sharded readers keep plus the response id (``wall_needed_s``).
+   Both stages first run one task a CPU that imports what the tasks import (``warmup_s``, not in the
+   figures): warm workers, as on a long-lived cluster. The sharded stage reports the Ray workers' CPU too (``ray_workers_cpu_s``, from /proc: every ``ray::``
+   process under the driver; ``ray_other_cpu_s``: raylet, GCS and agents).
 
 ``--sizes 1000000,2000000`` runs write/single/sharded per size (prompts; rows = 5x) and prints one line per
 size; ``--skip-single`` leaves out the single-process run (sizes where it does not fit). The numbers of the
@@ -186,6 +189,7 @@ def stage_sharded(args: argparse.Namespace) -> dict:
     import ray
 
     from cje_engine.pipeline import sharded
+    from flows.pipelines.sharded_pass import shard_columns
     from flows.runtime import ray_fanout, sharded_ray
     from flows.storage.objects import StorageConfig
 
@@ -196,9 +200,13 @@ def stage_sharded(args: argparse.Namespace) -> dict:
     with _ray(args):
         cpus = ray_fanout.cluster_cpus()
         n_shards = args.shards or sharded_ray.n_shards_for(rows, cpus)
+        w0 = time.perf_counter()
+        _warm(cpus)
+        warmup = time.perf_counter() - w0
+        ray0 = _ray_cpu()
         with MemorySampler() as mem:
             t0, c0 = time.perf_counter(), time.process_time()
-            refs = sharded_ray.read_shards(args.logs, cfg, keys, n_shards, rows_hint=rows)
+            refs = sharded_ray.read_shards(args.logs, cfg, keys, n_shards, rows_hint=rows, keep=shard_columns(()))
             mapper = sharded_ray.ray_mapper(memory=sharded_ray.task_memory(rows // n_shards))
             keep = {"auto": None, "per_prompt": True, "gram": False}[args.terms]
             sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason="benchmark", keep_terms=keep)
@@ -214,22 +222,96 @@ def stage_sharded(args: argparse.Namespace) -> dict:
             result = sp.finalize(chunks)
             mem.mark("finalize")
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        ray1 = _ray_cpu()
+        time.sleep(2)  # the workers' task events reach the GCS every second
+        tasks = _task_times()
         del refs
+    workers = {k: ray1[k] - ray0.get(k, 0.0) for k in ray1}
     out = _write_result(args, "sharded", result)
     if reps is not None:
         np.save(args.out / "sharded_reps.npy", reps)
     return {"wall_s": wall, "cpu_s": cpu, "prepare_wall_s": t_prep, "max_rss_gib": _max_rss(), "shards": n_shards,
-            "terms": sp.influence,
+            "terms": sp.influence, "warmup_s": warmup, "ray_workers_cpu_s": sum(v for k, v in workers.items() if k == "worker"),
+            "ray_other_cpu_s": sum(v for k, v in workers.items() if k != "worker"), "tasks": tasks,
             "cpus": cpus, "stages": mem.stages, **out}
 
 
-def _groupby_file(uri: str, cfg: dict, key: str):
-    import pyarrow.compute as pc  # noqa: F401
+def _ray_cpu() -> dict:
+    """CPU seconds (user + system) of this process's descendants by kind: ``worker`` (Ray's worker processes,
+    ``ray::...`` but its agents) and ``other`` (raylet, GCS, agents). Processes that ended are not counted
+    (Ray's local workers live as long as the session, so this is read before it ends)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    stats: dict[int, tuple[float, bytes]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read()
+        except OSError:
+            continue
+        parent[int(entry)] = int(fields[1])
+        stats[int(entry)] = ((int(fields[11]) + int(fields[12])) / tick, cmd)
+    me, out = os.getpid(), {"worker": 0.0, "other": 0.0}
+    for pid, (cpu, cmd) in stats.items():
+        p = parent.get(pid)
+        while p and p != me:
+            p = parent.get(p)
+        if p != me:
+            continue
+        agent = any(w in cmd for w in (b"Dashboard", b"RuntimeEnv", b"Agent"))
+        out["worker" if cmd.startswith(b"ray::") and not agent else "other"] += cpu
+    return out
 
+
+def _warm(cpus: int) -> None:
+    """One task a CPU importing what the passes and the comparator import (Arrow, the log reader, the engine),
+    so that neither measure pays the Ray workers' first imports (reported apart as ``warmup_s``)."""
+    import ray
+
+    def imports() -> int:
+        import flows.storage.logs  # noqa: F401
+        import cje_engine.pipeline.sharded  # noqa: F401
+        time.sleep(0.5)  # hold the worker: the next task goes to another one
+        return os.getpid()
+
+    ray.get([ray.remote(imports).remote() for _ in range(max(1, cpus))])
+
+
+def _task_times() -> dict:
+    """Per Ray task name: [tasks, their summed wall seconds, first start and last end in seconds from the first
+    task's start] (Ray's timeline of this session)."""
+    import ray
+
+    spans: dict = {}
+    for ev in ray.timeline():
+        cat = str(ev.get("cat", ""))
+        if ev.get("ph") != "X" or not cat.startswith("task::cje_"):
+            continue
+        name = cat[len("task::"):]
+        spans.setdefault(name, []).append((ev["ts"] / 1e6, (ev["ts"] + ev["dur"]) / 1e6))
+    if not spans:
+        return {}
+    t0 = min(a for v in spans.values() for a, _ in v)
+    return {n: [len(v), round(sum(b - a for a, b in v), 2), round(min(a for a, _ in v) - t0, 2),
+                round(max(b for _, b in v) - t0, 2)] for n, v in spans.items()}
+
+
+#: Columns of the comparator's read: ``minimal`` (what a mean of the score per policy needs) and ``needed``
+#: (what the sharded readers keep of the same files, plus the response id they check).
+GROUPBY_COLUMNS = {"minimal": ["policy", "judge_score"],
+                   "needed": ["prompt_id", "policy", "judge_score", "oracle_label", "label_probability",
+                              "response_id"]}
+
+
+def _groupby_file(uri: str, cfg: dict, key: str, columns: list[str] = GROUPBY_COLUMNS["minimal"]):
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
-    t = read_window(Storage.for_uri(uri, StorageConfig.from_dict(cfg)), [key], columns=["policy", "judge_score"],
+    t = read_window(Storage.for_uri(uri, StorageConfig.from_dict(cfg)), [key], columns=columns,
                     check_unique=False)
     g = t.group_by("policy").aggregate([("judge_score", "sum"), ("judge_score", "count")])
     return dict(zip(g["policy"].to_pylist(), zip(g["judge_score_sum"].to_pylist(), g["judge_score_count"].to_pylist())))
@@ -244,18 +326,26 @@ def stage_groupby(args: argparse.Namespace) -> dict:
 
     keys = _keys(args.logs)
     cfg = StorageConfig.from_env().to_dict(include_secrets=True)
+    walls, cpus = {}, {}
     with _ray(args):
-        t0 = time.perf_counter()
+        w0 = time.perf_counter()
+        _warm(ray_fanout.cluster_cpus())
+        warmup = time.perf_counter() - w0
         remote = ray.remote(_groupby_file)
-        parts = ray.get([remote.remote(args.logs, cfg, k) for k in keys])
-        total: dict = {}
-        for p in parts:
-            for pol, (s, n) in p.items():
-                a = total.setdefault(pol, [0.0, 0])
-                a[0] += s
-                a[1] += n
-        wall = time.perf_counter() - t0
-    return {"wall_s": wall, "means": {p: s / n for p, (s, n) in total.items()}}
+        for name, columns in GROUPBY_COLUMNS.items():
+            ray0 = _ray_cpu()
+            t0 = time.perf_counter()
+            parts = ray.get([remote.remote(args.logs, cfg, k, columns) for k in keys])
+            total: dict = {}
+            for p in parts:
+                for pol, (s, n) in p.items():
+                    a = total.setdefault(pol, [0.0, 0])
+                    a[0] += s
+                    a[1] += n
+            walls[name] = time.perf_counter() - t0
+            cpus[name] = _ray_cpu()["worker"] - ray0["worker"]
+    return {"wall_s": walls["minimal"], "wall_needed_s": walls["needed"], "workers_cpu_s": cpus, "warmup_s": warmup,
+            "means": {p: s / n for p, (s, n) in total.items()}}
 
 
 def compare(a: dict, b: dict) -> tuple[float, str]:
@@ -343,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         sh = _child("sharded", args, prompts)
         gb = _child("groupby", args, prompts)
         row = {"prompts": prompts, "rows": w["rows"], "files": w["files"], "sharded": sh, "single": single,
-               "groupby_wall_s": gb["wall_s"]}
+               "groupby_wall_s": gb["wall_s"], "groupby_needed_wall_s": gb["wall_needed_s"],
+               "groupby_workers_cpu_s": gb["workers_cpu_s"]}
         if single is not None:
             a = json.loads((args.out / str(prompts) / "single.json").read_text())
             b = json.loads((args.out / str(prompts) / "sharded.json").read_text())
@@ -368,7 +459,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'-':>6} |       |")
         print(f" {r['rows']:>11,} | sharded | {sh['wall_s']:6.1f} | {sh['cpu_s']:12.1f} | {sh['max_rss_gib']:19.2f} | "
               f"{sh['shards']:>6} | {ratio:>5} | {same} | terms {sh.get('terms')}")
-        print(f" {r['rows']:>11,} | read+group-by on Ray: {r['groupby_wall_s']:.1f} s")
+        print(f" {r['rows']:>11,} | Ray workers' CPU {sh['ray_workers_cpu_s']:.1f} s (+ raylet/GCS "
+              f"{sh['ray_other_cpu_s']:.1f} s)")
+        print(f" {r['rows']:>11,} | read+group-by on Ray: {r['groupby_wall_s']:.1f} s (2 columns), "
+              f"{r['groupby_needed_wall_s']:.1f} s (the sharded readers' columns); sharded / read+group-by "
+              f"{sh['wall_s'] / r['groupby_wall_s']:.1f}x, {sh['wall_s'] / r['groupby_needed_wall_s']:.1f}x")
     (args.out / "summary.json").write_text(json.dumps(rows_out, indent=1))
     return 0
 

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE
 from cje_engine.errors import CJEInputError
 from cje_engine.pipeline import sharded
 from cje_engine.result.model import RowPass
@@ -97,6 +98,13 @@ class FileRows:
         return table, info
 
 
+def shard_columns(covariates: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    """The columns the shards keep (the rest of a file's row is dropped by its reader, before the shuffle): what
+    the passes read (prompt, policy, score, label and its probability), the covariates and ``extra`` (the
+    segment columns)."""
+    return list(dict.fromkeys([PROMPT, POLICY, SCORE, LABEL, LABEL_PROB, *covariates, *extra]))
+
+
 def merge_file_infos(infos: Sequence[dict]) -> dict:
     """The flow's counts (`flows.pipelines.evaluate.validate`'s shape) from every file's info."""
     per: dict[str, dict[str, int]] = {}
@@ -123,7 +131,8 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: pa.Table | N
     refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
                                           policies=plan.read_policies, mapping=plan.columns,
                                           prepare_rows=FileRows(labels, plan.covariates, plan.extra_columns),
-                                          rows_hint=rows_hint, with_info=True)
+                                          rows_hint=rows_hint, with_info=True,
+                                          keep=shard_columns(plan.covariates, plan.extra_columns))
     counts = merge_file_infos(infos)
     if counts["n_rows"] == 0:
         raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)

@@ -1,9 +1,9 @@
 """The sharded row pass on Ray: shards read and reduced where they are read (issue 29).
 
 `read_shards` runs one task per log file that reads it (`flows.storage.logs.read_window`, local or S3) and
-splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard, then one
-task per shard that concatenates its pieces: the rows go from the readers to the shards' objects in the
-cluster's object store, never through the driver. `ray_mapper` is the engine's `Mapper` on Ray: one task per
+splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard: a shard is
+its pieces (`ShardPieces`), concatenated inside each task that reads it; the rows go from the readers to the
+cluster's object store once, never through the driver. `ray_mapper` is the engine's `Mapper` on Ray: one task per
 shard, results yielded as they arrive (the engine merges them so that the order does not matter), a worker
 lost mid-pass retried by Ray (`max_retries`): the task is a pure function of its shard, so its retry gives
 the same numbers. The memory each task asks for is derived from the data (`task_memory`).
@@ -30,8 +30,11 @@ DEFAULT_MAX_RETRIES = 3
 
 
 def n_shards_for(n_rows: int, cpus: int) -> int:
-    """Shards for a window of ``n_rows``: one a CPU at least, and no shard above `ROWS_PER_SHARD` rows."""
-    return max(1, cpus, math.ceil(n_rows / ROWS_PER_SHARD))
+    """Shards for a window of ``n_rows``: no shard above `ROWS_PER_SHARD` rows, and a multiple of the CPUs (one
+    a CPU at least), so that every round of a pass keeps every CPU busy (3 shards on 2 CPUs take two rounds of
+    a third of the rows each; 4 take two rounds of a quarter)."""
+    cpus = max(1, int(cpus))
+    return cpus * max(1, math.ceil(math.ceil(n_rows / ROWS_PER_SHARD) / cpus))
 
 
 def task_memory(rows: int, n_prompts: int = 0, replicates: int = 0, n_policies: int = 0, n_cells: int = 0) -> int:
@@ -53,31 +56,82 @@ ROW_BITS = 40
 
 
 def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] | None, mapping: dict | None
-                ) -> list[str]:
-    """``k`` evenly spaced distinct prompt ids of one log file (its prompt column only): the readers' sample
-    from which the driver cuts the shards' ranges (`cje_engine.pipeline.sharded.range_splitters`)."""
+                ) -> tuple[list[str], list[str]]:
+    """``k`` evenly spaced distinct prompt ids and response ids of one log file (those two columns only; no
+    response ids when the file has none): the readers' samples from which the driver cuts the shards' prompt-id
+    ranges and the response-id buckets' ranges (`cje_engine.pipeline.sharded.range_splitters`)."""
+    from cje_engine.errors import CJEInputError
     from cje_engine.pipeline.sharded import sample_prompt_ids
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
-    table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
-    return sample_prompt_ids(table["prompt_id"], k)
+    try:
+        table = read_window(st, [key], columns=["prompt_id", "response_id"], policies=policies, mapping=mapping,
+                            check_unique=False)
+    except CJEInputError:  # no response ids in this file (a malformed file raises again just below)
+        table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
+    rids = sample_prompt_ids(table["response_id"], k) if "response_id" in table.column_names else []
+    return sample_prompt_ids(table["prompt_id"], k), rids
 
 
-def response_id_buckets(table, n_buckets: int) -> list:
-    """The ``response_id`` column of a file's rows (with their window place `ROW`) split into ``n_buckets`` by
-    a hash of the id: every copy of an id lands in the same bucket, whatever file or shard it is in."""
+#: Multiplier of `string_hash`'s polynomial (odd) and its finalizer's constants (splitmix64).
+_HASH_P = 0x100000001B3
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def string_hash(values) -> "np.ndarray":
+    """A 64-bit hash of each string of an Arrow string column, vectorized over its bytes (no Python string a
+    row): a polynomial of the UTF-8 bytes (wrapping uint64) and the length, mixed by splitmix64's finalizer.
+    A function of the string alone (not of its chunk or place); nulls hash as the empty string."""
     import numpy as np
-    import pandas as pd
     import pyarrow as pa
 
-    from cje_engine.pipeline.sharded import ROW
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks() if values.num_chunks else pa.array([], pa.string())
+    values = values.cast(pa.large_string())
+    n = len(values)
+    if n == 0:
+        return np.empty(0, dtype=np.uint64)
+    _, off_buf, data_buf = values.buffers()
+    off = np.frombuffer(off_buf, dtype=np.int64)[values.offset:values.offset + n + 1]
+    base = int(off[0])
+    start, end = off[:-1] - base, off[1:] - base
+    length = end - start
+    data = (np.frombuffer(data_buf, dtype=np.uint8)[base:int(off[-1])] if data_buf is not None
+            else np.empty(0, np.uint8)).astype(np.uint64)
+    longest = int(length.max()) if n else 0
+    powers = np.cumprod(np.full(max(longest, 1), _HASH_P, dtype=np.uint64), dtype=np.uint64)
+    pos = np.arange(data.size, dtype=np.int64) - np.repeat(start, length)
+    data *= powers[pos]
+    del pos
+    acc = np.zeros(data.size + 1, dtype=np.uint64)
+    np.cumsum(data, dtype=np.uint64, out=acc[1:])
+    h = acc[end] - acc[start]
+    h += length.astype(np.uint64) * np.uint64(_MIX[0])
+    h ^= h >> np.uint64(30)
+    h *= np.uint64(_MIX[0])
+    h ^= h >> np.uint64(27)
+    h *= np.uint64(_MIX[1])
+    h ^= h >> np.uint64(31)
+    return h
+
+
+def response_id_buckets(table, n_buckets: int, splitters: Sequence[str] | None = None) -> list:
+    """The ``response_id`` column of a file's rows (with their window place `ROW`) split into ``n_buckets`` by
+    the id's range among ``splitters`` (``n_buckets - 1`` sorted ids, cut from the readers' samples), or
+    without them by a hash of the id (`string_hash`): every copy of an id lands in the same bucket, whatever
+    file or shard it is in."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.pipeline.sharded import ROW, range_shard
 
     rid = table["response_id"].cast(pa.string())
-    ids = np.asarray(rid.to_numpy(zero_copy_only=False), dtype=object)
-    bucket = (pd.util.hash_array(ids, categorize=False) % np.uint64(n_buckets)).astype(np.int64)
-    del ids
+    if splitters is not None and len(splitters) == n_buckets - 1:
+        bucket = range_shard(rid, splitters)
+    else:
+        bucket = (string_hash(rid) % np.uint64(n_buckets)).astype(np.int64)
     order = np.argsort(bucket, kind="stable")
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
     taken = pa.table({"response_id": rid, ROW: table[ROW]}).take(pa.array(order))
@@ -86,14 +140,17 @@ def response_id_buckets(table, n_buckets: int) -> list:
 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
-               splitters: list[str] | None = None):
+               splitters: list[str] | None = None, keep: Sequence[str] | None = None,
+               id_splitters: Sequence[str] | None = None):
     """Read one log file on a worker and return its rows per shard, its response ids per bucket
     (`response_id_buckets`, without the rest of the row) and a small dict about the file
     (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
-    by hash). ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
+    by hash); ``id_splitters``: the response-id buckets' ranges (`response_id_buckets`; None: by hash).
+    ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
     evaluate flow: join the label store's labels, derive covariates, check columns) and returns
-    ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it)."""
+    ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it); ``keep``: the
+    only columns they keep (those of it the file has, after ``prepare_rows``; None: every column)."""
     import numpy as np
     import pyarrow as pa
 
@@ -112,10 +169,13 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
-        rids = response_id_buckets(table, n_shards)
+        rids = response_id_buckets(table, n_shards, id_splitters)
         table = table.drop_columns(["response_id"])
     else:
         rids = [pa.table({"response_id": pa.array([], pa.string()), ROW: pa.array([], pa.int64())})] * n_shards
+    if keep is not None:
+        wanted = set(keep) | {ROW}
+        table = table.select([c for c in table.column_names if c in wanted])
     return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
 
 
@@ -147,26 +207,69 @@ def duplicate_response_id_error(found: dict, keys: Sequence[str], source: str):
 
 
 def _concat(*parts):
-    """One shard's table from its pieces of every file."""
+    """One shard's table from its pieces of every file (in file order: window order; zero-copy)."""
     import pyarrow as pa
 
     kept = [p for p in parts if p.num_rows]
     return pa.concat_tables(kept, promote_options="default") if kept else parts[0]
 
 
+class ShardPieces:
+    """A shard as the object references of its pieces, one from every file's reader, in file order: what
+    `read_shards` returns for each shard. `ray_mapper` hands them to its tasks as top-level arguments (so Ray
+    resolves them, zero-copy from the object store) and the task concatenates them (`_concat`): the rows are
+    put in the object store once, by the readers, never copied into a second, concatenated object."""
+
+    def __init__(self, refs: Sequence[Any]) -> None:
+        self.refs = tuple(refs)
+
+    def __repr__(self) -> str:
+        return f"ShardPieces({len(self.refs)} pieces)"
+
+
+def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
+    """``fn`` on its arguments with every shard rebuilt from its pieces: ``layout`` gives, per argument of
+    ``fn``, None (taken as it is) or the number of pieces that follow (concatenated, `_concat`)."""
+    out, i = [], 0
+    for spec in layout:
+        if spec is None:
+            out.append(args[i])
+            i += 1
+        else:
+            out.append(_concat(*args[i:i + spec]))
+            i += spec
+    return fn(*out)
+
+
+def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
+    """(layout, arguments) of one task: each `ShardPieces` of ``item`` spread into its references."""
+    layout, args = [], []
+    for x in item:
+        if isinstance(x, ShardPieces):
+            layout.append(len(x.refs))
+            args.extend(x.refs)
+        else:
+            layout.append(None)
+            args.append(x)
+    return tuple(layout), args
+
+
 def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *, columns: list[str] | None = None,
                 policies: list[str] | None = None, mapping: dict | None = None, prepare_rows: Callable | None = None,
-                rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False):
-    """Object references of the window's shards (one `pyarrow.Table` each, in the cluster's object store).
+                rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False,
+                keep: Sequence[str] | None = None, concat: bool = False):
+    """The window's shards: per shard a `ShardPieces` (its pieces from every file's reader, in the cluster's
+    object store; `ray_mapper` rebuilds the shard's `pyarrow.Table` in each task), or with ``concat`` the
+    reference of one concatenated table (a task per shard: a second copy of the rows in the store).
 
     The shards hold ranges of prompt ids, cut from a sample of every file's ids (`sample_file`), so the
     engine codes prompts without their ids on the driver (`cje_engine.pipeline.sharded.prepare_sharded`).
-    The window's response ids are checked unique on the workers (by hash bucket, across files and shards):
+    The window's response ids are checked unique on the workers (by bucket of response-id range, across files and shards):
     a repeated id raises `CJEInputError` naming it and its files and rows.
 
     ``keys``: the window's log files in window order; ``rows_hint``: the window's rows when known (for the
-    tasks' memory); ``prepare_rows``: see `split_file`. With ``with_info`` also the list of every file's
-    info dict (small: fetched to the driver).
+    tasks' memory); ``prepare_rows``, ``keep``: see `split_file`. With ``with_info`` also the list of every
+    file's info dict (small: fetched to the driver).
     """
     import ray
 
@@ -177,17 +280,21 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                                              name="cje_shard_sample")
     samples = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping)
                        for k in keys], timeout=ray_get_timeout())
-    splitters = range_splitters(samples, n_shards)
+    splitters = range_splitters([p for p, _ in samples], n_shards)
+    id_splitters = range_splitters([r for _, r in samples], n_shards)
     split = ray.remote(split_file).options(num_returns=2 * n_shards + 1, max_retries=max_retries,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters)
-              for i, k in enumerate(keys)]
+    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
+                           id_splitters) for i, k in enumerate(keys)]
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
                                                    memory=task_memory(rows_hint // n_shards // 4))
     checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_shards)]
-    concat = ray.remote(_concat).options(max_retries=max_retries, memory=task_memory(2 * rows_hint // n_shards),
-                                         name="cje_shard_concat")
-    refs = [concat.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
+    if concat:
+        join = ray.remote(_concat).options(max_retries=max_retries, memory=task_memory(2 * rows_hint // n_shards),
+                                           name="cje_shard_concat")
+        refs = [join.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
+    else:
+        refs = [ShardPieces([p[s] for p in pieces]) for s in range(n_shards)]
     found = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
     if found:
         raise duplicate_response_id_error(min(found, key=lambda c: c["rows"][0]), keys, uri)
@@ -203,6 +310,7 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
 
     ``memory``: bytes each task asks for, or a function of the pass's function name giving them (derived
     from the data by the caller, `task_memory`). A worker lost mid-task is retried ``max_retries`` times.
+    A `ShardPieces` among an item's arguments reaches ``fn`` as its shard's table (`_with_pieces`).
     """
     import ray
 
@@ -211,8 +319,12 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
         opts = {"max_retries": max_retries, "retry_exceptions": False, "name": f"cje_{fn.__name__}"}
         if mem:
             opts["memory"] = int(mem)
-        remote = ray.remote(fn).options(**opts)
-        refs = [remote.remote(*item) for item in items]
+        refs = []
+        plain = ray.remote(fn).options(**opts)
+        pieced = ray.remote(_with_pieces).options(**opts)
+        for item in items:
+            layout, args = _flatten(item)
+            refs.append(pieced.remote(fn, layout, *args) if any(x is not None for x in layout) else plain.remote(*item))
         index = {r: i for i, r in enumerate(refs)}
         pending = list(refs)
         limit = ray_get_timeout()
