@@ -270,7 +270,7 @@ def _remove_deployments(stack: Stack) -> Iterator[None]:
             c.delete_deployment(uuid.UUID(dep_id))
 
 
-def deploy(stack: Stack, config: Path, heartbeat_timeout: float = 40.0) -> str:
+def deploy(stack: Stack, config: Path, heartbeat_timeout: float = 75.0) -> str:
     """`cje deploy` on the stack's pool; returns the deployment id."""
     out = stack.cje("deploy", "--config", str(config), "--pool", stack.pool, "--no-drift",
                     "--heartbeat-timeout", str(heartbeat_timeout))

@@ -47,6 +47,8 @@ SLOW = {"n_bootstrap": 8000, "seed": 0, "calibration_mode": "monotone", "inferen
 FAST = dict(SLOW, n_bootstrap=200)
 #: The heartbeat automation's timeout for the tests that do not restart the API (heartbeats every 30 s).
 CRASH_AFTER = 40.0
+#: Days of an older window the fast-clock publisher publishes.
+WINDOW = 3
 
 
 class Shared:
@@ -224,3 +226,52 @@ def test_chaos_soak_short(stack, tmp_path):
     assert rep["runs"] == 4 and rep["published"] + rep["failed_cleanly"] == rep["runs"]
     assert rep["hung"] == 0 and rep["dangling_pointers"] == 0 and rep["duplicated_results"] == 0
     assert rep["lost_results"] == 0 and rep["lost_labels"] == 0 and rep["problems"] == []
+
+
+def test_publisher_clock_2_hours_fast_neither_holds_nor_moves_back_latest(shared, monkeypatch):
+    """A publisher whose clock runs 2 h ahead (its ``published_at`` and attempt ids 2 h in the future) publishes
+    older windows of the evaluation on the stack's radosgw, before and after the deployment's run of the current
+    window.  ``latest.json`` follows the runs' identity (`publication_order`: window dates, then label-store
+    version; the clock only between runs of the same window and labels) by a conditional write on its ETag:
+    the fast publisher neither keeps the pointer from the next run (was: for 2 h) nor moves it back.
+
+    The skew is the publisher's clock only (``flows.storage.publish.datetime``): a whole host 2 h fast is refused
+    by S3 itself (SigV4 requests more than 15 min off are ``RequestTimeTooSkewed``)."""
+    from datetime import datetime as real_datetime, timedelta, timezone
+
+    import flows.storage.publish as publish
+    from flows.storage.publish import publish_run, read_latest
+    from tests.storage.test_publish import artifacts_for
+
+    class FastClock(real_datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return real_datetime.now(tz) + timedelta(hours=2)
+
+    stack = shared.stack
+    st = F.storage(stack, shared.bucket)
+    ev = f"f{uuid.uuid4().hex[:6]}-clock"
+    shared.evaluations.append(ev)
+    today = real_datetime.now(timezone.utc).date()
+
+    def fast_publish(days_back: int) -> str:
+        start, end = (today - timedelta(days=days_back + WINDOW), today - timedelta(days=days_back))
+        window = f"{start}_{end}"
+        with monkeypatch.context() as m:
+            m.setattr(publish, "datetime", FastClock)
+            out = publish_run(st, ev, window, f"fast{days_back}", artifacts_for(),
+                              {"window_spec": {"start": str(start), "end": str(end)},
+                               "labels": {"label_store_version": 1}})
+        assert out.published, out
+        return f"fast{days_back}"
+
+    assert read_latest(st, ev)["run_key"] == fast_publish(30)  # the only run so far
+    run_id, _ = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST}), ev
+    run = F.wait_final(stack, run_id, timeout=300)
+    assert _state(run) == "COMPLETED", run.state.message
+    (current,) = [r for r in F.list_runs(st, ev) if not r["run_key"].startswith("fast")]
+    assert current["published_at"] < F.list_runs(st, ev)[-1]["published_at"]  # the fast clock's is later
+    assert read_latest(st, ev)["run_key"] == current["run_key"]  # was: still fast30, for 2 h
+    fast_publish(20)  # an older window published later by the fast publisher
+    assert read_latest(st, ev)["run_key"] == current["run_key"]  # was: moved back to fast20
+    shared.check(ev, published=3)
