@@ -166,7 +166,7 @@ def test_ray_head_killed_mid_run_the_run_ends_and_the_next_run_publishes(shared)
     if _state(run) == "FAILED":
         shared.check(ev, published=0)
     # the head is back: the next run of the window publishes (or finds it published)
-    nxt, _ = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": SLOW}), ev
+    nxt = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST})
     assert _state(F.wait_final(stack, nxt, timeout=300)) == "COMPLETED"
     shared.check(ev, published=1)
 
@@ -265,7 +265,8 @@ def test_publisher_clock_2_hours_fast_neither_holds_nor_moves_back_latest(shared
         assert out.published, out
         return f"fast{days_back}"
 
-    assert read_latest(st, ev)["run_key"] == fast_publish(30)  # the only run so far
+    first = fast_publish(30)
+    assert read_latest(st, ev)["run_key"] == first  # the only run so far
     run_id, _ = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST}), ev
     run = F.wait_final(stack, run_id, timeout=300)
     assert _state(run) == "COMPLETED", run.state.message
