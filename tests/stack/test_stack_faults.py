@@ -35,8 +35,9 @@ from .test_stack import _wait_bootstrap
 
 pytestmark = pytest.mark.stack
 
-#: Not yet in CI's service tier (issue 25 stays open): tests 1 to 3 were not re-run after their last fix and
-#: took 26 minutes together with the others at load 12 to 22; the soak never ran. By hand, on a started stack:
+#: Out of CI's service tier for time, not for doubt: each passed by hand (18:29-18:53 UTC, load 9 to 19) in
+#: 148 s (PostgreSQL), 229 s (a 90 s API outage) and 393 s (the Ray head), ~770 s beside the tier's ~880 s stack
+#: process, whose budget is ~1,000 s (docs/testing.md). By hand, on a started stack:
 #: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
 UNVERIFIED = pytest.mark.stack_faults
 
