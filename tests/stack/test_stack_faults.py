@@ -268,7 +268,7 @@ def test_publisher_clock_2_hours_fast_neither_holds_nor_moves_back_latest(shared
 
     first = fast_publish(30)
     assert read_latest(st, ev)["run_key"] == first  # the only run so far
-    run_id, _ = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST}), ev
+    run_id = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST})
     run = F.wait_final(stack, run_id, timeout=300)
     assert _state(run) == "COMPLETED", run.state.message
     (current,) = [r for r in F.list_runs(st, ev) if not r["run_key"].startswith("fast")]
