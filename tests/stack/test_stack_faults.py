@@ -36,7 +36,7 @@ from .test_stack import _wait_bootstrap
 pytestmark = pytest.mark.stack
 
 #: Out of CI's service tier for time, not for doubt: each passed by hand (18:29-18:53 UTC, load 9 to 19) in
-#: 148 s (PostgreSQL), 229 s (a 90 s API outage) and 393 s (the Ray head), ~770 s beside the tier's ~880 s stack
+#: 148 s (PostgreSQL), 229 s (a 90 s API outage) and 164 s (the Ray head), ~540 s beside the tier's ~880 s stack
 #: process, whose budget is ~1,000 s (docs/testing.md). By hand, on a started stack:
 #: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
 UNVERIFIED = pytest.mark.stack_faults
