@@ -114,7 +114,7 @@ def soak(stack: Stack, runs: int, seed: int, timeout: float = 420.0) -> dict:
         write_window(stack, bucket, n_prompts=N_PROMPTS, seed=seed)
         labels0 = F.labels_stored(stack, bucket)
         name = f"soak-{uuid.uuid4().hex[:6]}"
-        dep_id = deploy(stack, evaluations_file(Path(tmp), name, bucket), heartbeat_timeout=40)
+        dep_id = deploy(stack, evaluations_file(Path(tmp), name, bucket))  # the tests' crash timeout (HEARTBEAT_TIMEOUT, the product default 90 s)
         rows, slots = [], []
         states = Counter()
         hung = 0

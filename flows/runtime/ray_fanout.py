@@ -202,6 +202,43 @@ def _forget_lost_client(ray: Any, address: str) -> None:
             ray_client.ray.disconnect()
 
 
+#: The cluster session `ray_session` opened (address and runtime env), for `reconnect_if_lost`.
+_SESSION: dict[str, Any] = {}
+
+
+class RayConnectionLost(ConnectionError):
+    """The Ray Client connection of the session was lost (head down or restarted) and could not be made again."""
+
+
+def reconnect_if_lost() -> bool:
+    """Connect again when the session's Ray Client connection was lost (its head died or restarted).
+
+    A task retried inside `ray_session` after the head was lost otherwise reached Ray's auto-init, which
+    failed with "The client has already connected to the cluster with allow_multiple=True" (naming neither
+    the cluster nor the lost head).  Returns True when it reconnected.
+
+    Raises
+    ------
+    RayConnectionLost
+        The connection was lost and connecting again failed (the head is still down): names the address.
+    """
+    address = _SESSION.get("address")
+    if not address or not str(address).startswith("ray://"):
+        return False
+    import ray
+    from ray.util import client as ray_client
+
+    if ray_client.num_connected_contexts() == 0 or ray_client.ray.is_connected():
+        return False
+    try:
+        _connect(ray, address, _SESSION.get("runtime_env") or {})
+    except Exception as exc:  # noqa: BLE001 - any failure to connect: the cluster is unreachable
+        raise RayConnectionLost(f"the Ray cluster at {address} was lost (head down or restarted) and connecting "
+                                f"again failed: {type(exc).__name__}: {str(exc)[:300]}") from exc
+    log.warning("connected again to the Ray cluster at %s after its connection was lost", address)
+    return True
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[str]:
     """Ray for the duration of the block.
@@ -228,9 +265,11 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         _connect(ray, address, runtime_env)
+        _SESSION.update(address=address, runtime_env=runtime_env)
         try:
             yield "cluster"
         finally:
+            _SESSION.clear()
             ray.shutdown()
         return
     with _local_ray(num_cpus, runtime_env):
@@ -260,6 +299,7 @@ def map_ordered(
     import ray
     from ray.exceptions import GetTimeoutError, RayTaskError
 
+    reconnect_if_lost()  # a retried task after the head was lost
     remote = ray.remote(fn).options(max_retries=max_retries, retry_exceptions=False,
                                     num_cpus=num_cpus, name=name or fn.__name__)
     receiver = None

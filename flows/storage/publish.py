@@ -605,9 +605,18 @@ def _compare_and_swap(st: Storage, key: str, wanted: Any, body: bytes, attempts:
 
 
 def _s3_compare_and_swap(st: "S3Storage", key: str, wanted: Any, body: bytes, attempts: int) -> bool:
+    """`_compare_and_swap` on S3: read the object and its ETag, PUT with ``If-Match`` (``If-None-Match: *`` when
+    absent), read again on 412.
+
+    Ceph radosgw compares ``If-Match`` on PUT with the ETag *without* its quotes (a quoted ETag, as AWS and
+    the ``ETag`` header give it, always answered 412: observed on the stack, where every replacement of a
+    ``latest.json`` failed with "the pointer kept changing"). A 412 while the object's ETag is unchanged is
+    that refusal, not a racing writer: the ETag is then sent the other way (unquoted, or quoted) and kept so.
+    """
     from botocore.exceptions import ClientError
 
     full = st._full(key)  # the bucket key of a storage key (S3Storage's own mapping)
+    unquoted = False
     for attempt in range(attempts):
         try:
             got = st.client.get_object(Bucket=st.bucket, Key=full)
@@ -618,7 +627,8 @@ def _s3_compare_and_swap(st: "S3Storage", key: str, wanted: Any, body: bytes, at
             raw, etag = None, None
         if not wanted(_parse(raw)):
             return False
-        cond = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+        sent = (etag.strip('"') if unquoted else etag) if etag else None
+        cond = {"IfMatch": sent} if etag else {"IfNoneMatch": "*"}
         try:
             st.client.put_object(Bucket=st.bucket, Key=full, Body=body, **cond)
             return True
@@ -626,11 +636,22 @@ def _s3_compare_and_swap(st: "S3Storage", key: str, wanted: Any, body: bytes, at
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             code = exc.response.get("Error", {}).get("Code")
             if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                if etag and _s3_etag(st, full) == etag:  # unchanged: the endpoint refused this spelling
+                    unquoted = not unquoted
+                    continue
                 time.sleep(0.02 * (attempt + 1))  # another publisher moved the pointer: read again
                 continue
             raise StorageError(f"write {st.url(key)} failed: {exc}", key=key, operation="write") from None
     raise StorageError(f"write {st.url(key)} failed: the pointer kept changing over {attempts} attempts",
                        key=key, operation="write")
+
+
+def _s3_etag(st: "S3Storage", full: str) -> str | None:
+    """The current ETag of bucket key ``full`` (None when absent or unreadable)."""
+    try:
+        return st.client.head_object(Bucket=st.bucket, Key=full)["ETag"]
+    except Exception:  # noqa: BLE001 - unknown: treated as changed (read again)
+        return None
 
 
 def clean_temp_files(st: Storage, evaluation: str, older_than_seconds: float = 60.0) -> int:

@@ -179,8 +179,9 @@ RAY_ENV="export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN RAY_USAGE_STATS_EN
 export PYTHONPATH=\"$ROOT\${PYTHONPATH:+:\$PYTHONPATH}\""
 # Under CPU load a node's raylet gives up after ~16 s waiting for its dashboard agent ("Timed out waiting
 # for file .../dashboard_agent_listen_port_..."; seen at a load of 12-18 on 2 cores): `ray start` is tried
-# again, up to 5 times, after stopping what the failed attempt left in this service's session. A node that
-# ran for over 90 s and then stopped (e.g. its head lost) is not restarted.
+# again, up to 5 times, after stopping what the failed attempt left in this service's session. A head that
+# ran for over 90 s and then stopped is not restarted here (its host's supervisor, here the fault tests,
+# relaunches it).
 RETRY_START=$(cat <<'SH'
 for attempt in 1 2 3 4 5; do
     t0=$(date +%s)
@@ -198,17 +199,49 @@ $RAY_ENV
 ray_start() {
 $RETRY_START
 }
+# A head killed with SIGKILL leaves its temp folder's ray_current_cluster: with it, and a node of the old
+# cluster still running on this host (its processes carry --gcs-address=<this port>), a relaunched head
+# refuses to start ("Ray is trying to start at ..., but is already running at ..."). The head is new.
+rm -f "$DIR/ray/ray_current_cluster"
 ray_start "$BIN/ray" start --head --block --node-ip-address=127.0.0.1 --port=$GCS_PORT \
     --ray-client-server-port=$CLIENT_PORT --include-dashboard=false --num-cpus=1 \
     --object-store-memory=$OBJ_STORE --temp-dir="$DIR/ray" $(ray_ports) --disable-usage-stats
 EOF
 launch ray-head
+# The worker node is supervised, as a real deployment's node is (systemd Restart=always, a Kubernetes pod):
+# a new head is a new cluster (no GCS fault tolerance without Redis), which the running raylet never joins;
+# and a node that joins while the head is down waits forever ("Failed to get cluster ID from GCS"). So:
+# wait until the head's GCS port accepts connections, join, and whenever the node stops or the head's port
+# has refused connections for 20 s, stop what is left of the node and start over (it rejoins a relaunched
+# head by itself, ~10-30 s after the head is back).
+SUPERVISE=$(cat <<'SH'
+gcs_up() { (exec 3<>"/dev/tcp/127.0.0.1/$GCS_PORT") 2>/dev/null; }
+stop_node() { for p in $(ps -eo pid=,sid= | awk -v s=$$ '$2 == s && $1 != s {print $1}'); do kill -9 "$p" 2>/dev/null; done; }
+trap 'stop_node; exit 0' TERM INT
+while true; do
+    until gcs_up; do sleep 1; done
+    "$@" &
+    node=$!
+    down=0
+    while kill -0 "$node" 2>/dev/null; do
+        sleep 2
+        if gcs_up; then down=0; else down=$((down + 2)); fi
+        if (( down >= 20 )); then echo "[ray] the head at 127.0.0.1:$GCS_PORT is unreachable for 20 s: leaving its cluster" >&2; break; fi
+    done
+    echo "[ray] node stopped: rejoining when the head answers" >&2
+    stop_node
+    wait "$node" 2>/dev/null
+    sleep 2
+done
+SH
+)
 write_service ray-worker <<EOF
 $RAY_ENV
-ray_start() {
-$RETRY_START
+GCS_PORT=$GCS_PORT
+supervise() {
+$SUPERVISE
 }
-ray_start "$BIN/ray" start --block --address=127.0.0.1:$GCS_PORT --node-ip-address=127.0.0.1 --num-cpus=1 \
+supervise "$BIN/ray" start --block --address=127.0.0.1:$GCS_PORT --node-ip-address=127.0.0.1 --num-cpus=1 \
     --object-store-memory=$OBJ_STORE $(ray_ports) --disable-usage-stats
 EOF
 

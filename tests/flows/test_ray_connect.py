@@ -71,3 +71,43 @@ def test_a_lost_client_connection_is_dropped_before_connecting_again(monkeypatch
     assert any("was lost" in r.getMessage() for r in caplog.records)
     ray_fanout._connect(ray, "ray://127.0.0.1:1", {})  # nothing lost now: nothing dropped
     assert dropped == [1]
+
+
+def _lost_connection(monkeypatch, dropped: list) -> None:
+    from ray.util import client as ray_client
+
+    monkeypatch.setattr(ray_client, "num_connected_contexts", lambda: 1 - len(dropped))
+    monkeypatch.setattr(ray_client.ray, "is_connected", lambda: bool(dropped))
+    monkeypatch.setattr(ray_client.ray, "disconnect", lambda *a, **k: dropped.append(1))
+
+
+def test_a_task_retried_after_the_head_was_lost_connects_again(monkeypatch, caplog):
+    """Issue 25, the Ray head killed on the stack: the bootstrap task's retry ran inside the same `ray_session`,
+    whose Ray Client connection was lost; `map_ordered` went to Ray's auto-init, which failed with "already
+    connected to the cluster with allow_multiple=True".  `map_ordered` now connects again first."""
+    import sys
+
+    dropped: list = []
+    _lost_connection(monkeypatch, dropped)
+    fake = FakeRay([])
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(ray_fanout, "_SESSION", {"address": "ray://127.0.0.1:1", "runtime_env": {}})
+    assert ray_fanout.reconnect_if_lost() is True
+    assert dropped == [1] and fake.inits == 1
+    assert any("connected again" in r.getMessage() for r in caplog.records)
+    assert ray_fanout.reconnect_if_lost() is False  # connected: nothing to do
+
+
+def test_a_head_still_down_is_a_clear_connection_error(monkeypatch):
+    import sys
+
+    _lost_connection(monkeypatch, [])
+    monkeypatch.setitem(sys.modules, "ray", FakeRay([ConnectionError("ray client connection timeout")]))
+    monkeypatch.setattr(ray_fanout, "_SESSION", {"address": "ray://127.0.0.1:1", "runtime_env": {}})
+    with pytest.raises(ray_fanout.RayConnectionLost, match=r"ray://127.0.0.1:1 was lost .*connection timeout"):
+        ray_fanout.reconnect_if_lost()
+
+
+def test_outside_a_cluster_session_nothing_happens(monkeypatch):
+    monkeypatch.setattr(ray_fanout, "_SESSION", {})
+    assert ray_fanout.reconnect_if_lost() is False

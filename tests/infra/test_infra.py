@@ -682,7 +682,7 @@ def _script_commands(text: str, program: str) -> list[list[str]]:
     text = text.replace("\\\n", " ")
     out = []
     for line in text.splitlines():
-        m = re.search(rf'(?:exec|ray_start|\$\(|^)\s*(?:PREFECT_API_URL="\$API"\s+)?"\$BIN/{program}"\s+(.*)$', line.strip())
+        m = re.search(rf'(?:exec|ray_start|supervise|\$\(|^)\s*(?:PREFECT_API_URL="\$API"\s+)?"\$BIN/{program}"\s+(.*)$', line.strip())
         if m:
             rest = re.sub(r"\$\([^)]*\)", "", m.group(1))
             rest = re.sub(r"\$\{[^}]*\}|\$[A-Za-z_]+", "X", rest).replace("\\", "")

@@ -119,22 +119,21 @@ def restart_postgres(stack: Stack) -> None:
     _wait("the Prefect API's database", lambda: api_ready(stack), 90, pause=1.0)
 
 
-def restart_ray(stack: Stack, head: bool) -> None:
-    """Relaunch the Ray worker node (and first the head when ``head``) and wait for two alive nodes.
+def restart_ray(stack: Stack, head: bool, timeout: float = 240.0) -> None:
+    """Relaunch the Ray head (when ``head``) and wait for two alive nodes.
 
-    A new head is a new cluster: the worker node of the old one is stopped and started again.
+    The worker node is supervised by its launch script (infra/stack/start.sh): it leaves a lost head's
+    cluster and rejoins the relaunched head by itself, as a real deployment's node must; it is relaunched
+    here only if its supervisor itself is gone.
     """
     if head:
         if alive(stack, "ray-head"):
             stack.kill("ray-head")
-        if alive(stack, "ray-worker"):
-            stack.kill("ray-worker")
         stack.launch("ray-head")
-        _wait("the Ray head", lambda: ray_nodes_alive(stack) >= 1, 420, pause=2.0)
-    elif alive(stack, "ray-worker"):
-        stack.kill("ray-worker")
-    stack.launch("ray-worker")
-    _wait("the Ray worker node", lambda: ray_nodes_alive(stack) >= 2, 420, pause=2.0)
+        _wait("the Ray head", lambda: ray_nodes_alive(stack) >= 1, timeout, pause=2.0)
+    if not alive(stack, "ray-worker"):
+        stack.launch("ray-worker")
+    _wait("the Ray worker node (rejoining by itself)", lambda: ray_nodes_alive(stack) >= 2, timeout, pause=2.0)
 
 
 def restore(stack: Stack) -> list[str]:
@@ -255,10 +254,21 @@ class Integrity:
         return asdict(self)
 
 
-def _storage(stack: Stack, bucket: str):
+def storage(stack: Stack, bucket: str):
+    """The `Storage` of ``s3://bucket`` on the stack's radosgw."""
     from flows.storage.objects import Storage
 
     return Storage.for_uri(f"s3://{bucket}", stack.storage_config())
+
+
+_storage = storage
+
+
+def list_runs(st: Any, evaluation: str) -> list[dict]:
+    """Published runs of ``evaluation`` (`flows.storage.publish.list_runs`: oldest ``published_at`` first)."""
+    from flows.storage.publish import list_runs as listed
+
+    return listed(st, evaluation)
 
 
 def check_integrity(stack: Stack, bucket: str, evaluations: list[str]) -> Integrity:

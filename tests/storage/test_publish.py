@@ -675,3 +675,28 @@ def test_latest_follows_the_runs_identity_not_the_publishers_clock(storage: Stor
     # the listing fallback (a pointer lost) agrees
     storage.delete("results/ev/latest.json")
     assert read_latest(storage, "ev")["run_key"] == "relabelled"
+
+
+def test_latest_moves_on_an_endpoint_that_compares_if_match_unquoted(s3_storage):
+    """Issue 25, found by the stack's clock test: Ceph radosgw compares ``If-Match`` on PUT with the ETag
+    without its quotes, so the quoted ETag (as ``GetObject`` returns it) always answered 412 and every
+    replacement of ``latest.json`` failed with "the pointer kept changing over 20 attempts" after the run's
+    manifest was committed (the flow run then failed).  A 412 on an unchanged object now retries with the
+    other spelling; a racing writer is still told apart (the ETag changed)."""
+    from botocore.exceptions import ClientError
+
+    client = s3_storage.client
+    real_put, refused = client.put_object, []
+
+    def radosgw_put(**kw):
+        if str(kw.get("IfMatch", "")).startswith('"'):
+            refused.append(kw["Key"])
+            raise ClientError({"Error": {"Code": "PreconditionFailed"}, "ResponseMetadata": {"HTTPStatusCode": 412}},
+                              "PutObject")
+        return real_put(**kw)
+
+    client.put_object = radosgw_put
+    publish_run(s3_storage, "ev", "2025-03-01_2025-03-03", "old", artifacts_for(), _dated("2025-03-01_2025-03-03", 1))
+    publish_run(s3_storage, "ev", "2025-03-02_2025-03-04", "new", artifacts_for(), _dated("2025-03-02_2025-03-04", 1))
+    assert read_latest(s3_storage, "ev")["run_key"] == "new"  # was: StorageError "the pointer kept changing"
+    assert refused == [s3_storage._full("results/ev/latest.json")]  # one refusal, then the unquoted ETag
