@@ -24,6 +24,7 @@ import pytest
 from . import faults as F
 from .conftest import (
     _DEPLOYED,
+    HEARTBEAT_TIMEOUT,
     REPO,
     deploy,
     evaluations_file,
@@ -46,8 +47,9 @@ UNVERIFIED = pytest.mark.stack_faults
 N_PROMPTS = 20000
 SLOW = {"n_bootstrap": 8000, "seed": 0, "calibration_mode": "monotone", "inference": "bootstrap"}
 FAST = dict(SLOW, n_bootstrap=200)
-#: The heartbeat automation's timeout for the tests that do not restart the API (heartbeats every 30 s).
-CRASH_AFTER = 40.0
+#: The heartbeat automation's timeout for the tests that do not restart the API (heartbeats every 30 s): the
+#: product's 90 s, as every stack test (at 40 s a late heartbeat crashed a healthy run in CI).
+CRASH_AFTER = HEARTBEAT_TIMEOUT
 #: Days of an older window the fast-clock publisher publishes.
 WINDOW = 3
 
