@@ -607,6 +607,38 @@ def joint_replicates(view: BootstrapView, cells: BootstrapView, to_plain: np.nda
     return out, out_c
 
 
+@dataclass(frozen=True)
+class JointView:
+    """The replicate source of a run with segment cells on bootstrap workers: the run's `BootstrapView`, the
+    cells' (``cells``: the same rows recoded, `cje_engine.pipeline.segments`) and each cell key's run key
+    (``to_plain``). `replicates` computes both in one pass (`joint_replicates`) and returns them side by side,
+    shape (stop - start, 3K + 3Kc): the run's columns first, then the cells'; each block equal bit for bit
+    to `bootstrap_replicates` of its view (`cje_engine.pipeline.direct.finalize` splits them)."""
+
+    view: BootstrapView
+    cells: BootstrapView
+    to_plain: np.ndarray
+
+    @property
+    def n_plain(self) -> int:
+        """Columns of the run's replicates (3K), the first block of a chunk."""
+        return 3 * self.view.n_policies
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in arrays (the run's view, the cells' arrays not shared with it, the key map)."""
+        shared = {id(v) for v in vars(self.view).values() if isinstance(v, np.ndarray)}
+        own = sum(v.nbytes for v in vars(self.cells).values() if isinstance(v, np.ndarray) and id(v) not in shared)
+        c = self.cells.calibration
+        own += sum(v.nbytes for v in vars(c).values() if isinstance(v, np.ndarray))
+        return int(self.view.nbytes + own + self.to_plain.nbytes)
+
+    def replicates(self, start: int, stop: int) -> np.ndarray:
+        """Replicates ``start..stop-1`` of the run and of its cells, side by side (`joint_replicates`)."""
+        plain, cells = joint_replicates(self.view, self.cells, self.to_plain, start, stop)
+        return np.hstack([plain, cells])
+
+
 def _replicate_row(view: BootstrapView, prompt_w: np.ndarray, wc: np.ndarray, fit: tuple | None, T: np.ndarray,
                    lw: np.ndarray) -> np.ndarray:
     """One replicate's row of `bootstrap_replicates` (3K: `_replicate_stats` then `own_label_means`, the same

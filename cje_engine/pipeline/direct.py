@@ -8,15 +8,15 @@ chunking gives bit-identical numbers.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from cje_engine.data.frame import EvalData
 from cje_engine.data.io import load_coded
-from cje_engine.direct.estimators import (Design, bootstrap_replicates, bootstrap_view, bootstrap_weights,
-                                          fold_jackknife, joint_replicates, own_label_means)
+from cje_engine.direct.estimators import (BootstrapView, Design, JointView, bootstrap_replicates, bootstrap_view,
+                                          bootstrap_weights, fold_jackknife, joint_replicates, own_label_means)
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.comparisons import PolicyColumns, claim_kind, relative_claims
 from cje_engine.inference.intervals import OWN_LABEL_ANALYTIC, OWN_LABEL_BOOTSTRAP
@@ -66,11 +66,13 @@ class Prepared:
 
     def bootstrap_source(self) -> Any:
         """The design's `BootstrapView` (8 bytes a row plus the labelled rows; replicates bit-identical
-        to `bootstrap_chunk`) unless robust pooling is rerun in each replicate, else this state."""
+        to `bootstrap_chunk`) unless robust pooling is rerun in each replicate, else this state. With
+        ``segment_by`` on the bootstrap route: a `JointView` (the run's and the cells' replicates in one pass
+        on the workers, side by side; `finalize` splits them), see `joint_source`."""
         if self.replay is None:
             view = bootstrap_view(self.design, seed=self.options.seed)
             if view.n_policies * 2 == self.stats.size:
-                return view
+                return joint_source(self, view)
         return self
 
     def finalize(self, chunks: Sequence[np.ndarray]) -> EvaluationResult:
@@ -193,6 +195,41 @@ def evaluate(data: Any, options: EvaluationOptions | None = None, **kwargs: Any)
     return finalize(prep, chunks)
 
 
+def joint_source(prep: Prepared, view: BootstrapView) -> BootstrapView | JointView:
+    """``view`` (the run's `BootstrapView`), or with segment cells on the bootstrap route a `JointView` of the
+    run and its cells: a bootstrap worker then computes the cells' replicates in the run's pass (one set of
+    prompt weights, one histogram, shared refits; `joint_replicates`), as `bootstrap_chunk(with_segments=True)`
+    does in process, and `finalize` does not bootstrap the cells again. The cells' view takes the run's row
+    prompts (the same values: shipped once)."""
+    if prep.segments is None or prep.options.inference != "bootstrap":
+        return view
+    sp = segments_of(prep)
+    if sp.to_plain is None:
+        return view
+    cells = bootstrap_view(sp.vprep.design, view.seed)
+    if cells.row_prompt is not view.row_prompt and np.array_equal(cells.row_prompt, view.row_prompt):
+        cells = replace(cells, row_prompt=view.row_prompt)
+    return JointView(view, cells, sp.to_plain)
+
+
+def split_joint_chunks(prep: Prepared, chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The run's replicates of bootstrap chunks from a `JointView` (run's and cells' columns side by side),
+    the cells' kept on the run's `SegmentPass` for `summarize_segments` (as `bootstrap_chunk(with_segments=True)`
+    keeps them); chunks of the run's width pass through unchanged. Chunks come in replicate order and cover
+    0..B-1 (`stacked_replicates` checks the count)."""
+    n = prep.n_replicate_stats
+    if prep.segments is None or not chunks or all(np.shape(c)[1] == n for c in chunks):
+        return list(chunks)
+    sp = segments_of(prep)
+    n_cells = 3 * sp.vprep.design.n_policies
+    if sp.to_plain is None or any(np.shape(c)[1] != n + n_cells for c in chunks):
+        raise ValueError(f"bootstrap chunks of {sorted({np.shape(c)[1] for c in chunks})} columns: expected {n}, "
+                         f"or {n + n_cells} (the run's and its segment cells' replicates)")
+    sp.chunks.clear()
+    sp.chunks[(0, sum(len(c) for c in chunks))] = np.vstack([c[:, n:] for c in chunks])
+    return [c[:, :n] for c in chunks]
+
+
 def segments_of(prep: Prepared) -> SegmentPass:
     """The run's `cje_engine.pipeline.segments.SegmentPass` (plan, omnibus tests, prepared cells), computed once
     and kept on ``prep`` (a private cache: not a field, so not copied by ``dataclasses.replace``)."""
@@ -238,6 +275,8 @@ def finalize(prep: Prepared, chunks: Sequence[np.ndarray]) -> EvaluationResult:
     opts = prep.options
     d = prep.design.data
     use_boot = opts.inference == "bootstrap"
+    if use_boot:
+        chunks = split_joint_chunks(prep, chunks)  # a `JointView`'s chunks: the cells' replicates kept for them
     reps = stacked_replicates(chunks, opts.n_bootstrap if use_boot else 0, prep.n_replicate_stats)
     s = summarize_direct(prep, reps if use_boot else None)
     K = len(prep.design.data.policies)

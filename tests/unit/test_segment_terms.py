@@ -155,6 +155,45 @@ def test_joint_bootstrap_pass_gives_the_run_and_cells_replicates_bit_for_bit(sce
     assert json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 
+def test_bootstrap_workers_get_the_joint_pass_and_finalize_does_not_bootstrap_the_cells_again(monkeypatch):
+    """The Ray fan-out's replicate source (`Prepared.bootstrap_source`, pickled as `map_ordered` ships it) is a
+    `JointView` with segments: its chunks carry the run's and the cells' replicates side by side, each block the
+    same bits as its own `bootstrap_replicates`; `finalize` splits them and runs no cells' bootstrap (patched to
+    fail), and its result equals the in-process one's, also on a prepared state that never cached the segment
+    pass (as after a reload)."""
+    import json
+    import pickle
+
+    from cje_engine.direct.estimators import JointView, bootstrap_replicates, bootstrap_view
+    from cje_engine.pipeline import direct
+
+    frame = simulate_segments(segment_scenario("opposite", seed=7, n_prompts=500, oracle_fraction=0.25)).frame
+    opts = dict(inference="bootstrap", n_bootstrap=60, seed=3, segment_by=["segment"], segment_min_labels=10)
+    prep, fresh, ref = (prepare(frame.copy(), **opts) for _ in range(3))
+    src = pickle.loads(pickle.dumps(prep.bootstrap_source(), protocol=5))
+    assert isinstance(src, JointView) and src.cells.row_prompt is src.view.row_prompt  # shipped once
+    chunks = [src.replicates(a, b) for a, b in ((0, 7), (7, 33), (33, 60))]
+    K = len(prep.design.data.policies)
+    sp = direct.segments_of(prep)
+    assert sp.recal["applied"]  # the cells refit their own (two-stage) calibration in the workers' pass
+    plain, cells = np.vstack([c[:, :3 * K] for c in chunks]), np.vstack([c[:, 3 * K:] for c in chunks])
+    assert np.array_equal(plain, bootstrap_replicates(bootstrap_view(ref.design, 3), 0, 60), equal_nan=True)
+    assert np.array_equal(cells, bootstrap_replicates(bootstrap_view(sp.vprep.design, 3), 0, 60), equal_nan=True)
+    want = direct.evaluate(frame.copy(), **opts).to_dict()
+
+    def no_second_pass(*a, **k):
+        raise AssertionError("finalize bootstrapped the segment cells again")
+
+    monkeypatch.setattr("cje_engine.pipeline.segments.bootstrap_replicates", no_second_pass)
+    for p in (prep, fresh):
+        got = p.finalize(chunks).to_dict()
+        for r in (got, want):
+            r.pop("meta", None)
+        assert json.dumps(got, sort_keys=True, default=str) == json.dumps(want, sort_keys=True, default=str)
+    with pytest.raises(ValueError, match="columns"):
+        direct.finalize(ref, [c[:, :-1] for c in chunks])
+
+
 def test_cli_bootstrap_with_segments_gives_the_two_pass_segments_block(tmp_path):
     """`cje evaluate --segment-by` on the bootstrap route (chunks of a few replicates, the cells' replicates in
     the same pass) writes the segments block of the two separate passes, number for number."""
