@@ -277,11 +277,33 @@ def _warm_start(plan: CalibrationPlan) -> dict | None:
                                  n_knots=plan.n_knots)
 
 
+def _fold_cell_index(plan: CalibrationPlan) -> np.ndarray:
+    """Each calibration row's (fold, calibration cell) in its own row order, as ``fold * Gc + cell``
+    (`_out_of_fold`'s table; cached on the plan)."""
+    idx = plan.__dict__.get("_fold_cell_index")
+    if idx is None:
+        sizes = [b - a for a, b in plan.fold_bounds]
+        fold = np.repeat(np.arange(plan.n_folds), sizes)
+        idx = np.empty(plan.order.size, dtype=np.intp)
+        idx[plan.order] = fold * plan.cal_cells.size + plan.cell_sorted
+        object.__setattr__(plan, "_fold_cell_index", idx)  # frozen dataclass: a private cache
+    return idx
+
+
 def _out_of_fold(plan: CalibrationPlan, F_all: np.ndarray, Z: np.ndarray, live: list[int], xs: list,
                  ys: list) -> np.ndarray:
     """Out-of-fold value of every calibration row from the fits' index matrix ``Z`` (fit k + 1 at
     the cells of fold k's rows, then its stage-2 curve ``xs[k], ys[k]``); folds not in ``live``
     keep the full fit's value ``F_all``."""
+    if plan.cell_sorted is not None and len(live) == plan.n_folds and Z.shape[1] == plan.cal_cells.size:
+        # every fold refitted: each (fold, cell)'s value interpolated and clipped once, then one gather in
+        # the calibration rows' own order (np.interp and the clip are elementwise: the same bits as the
+        # per-row passes below, without the sorted copy, its clip and the scatter)
+        Gc = plan.cal_cells.size
+        table = np.empty(plan.n_folds * Gc)
+        for k in live:
+            table[k * Gc:(k + 1) * Gc] = interp_flat(Z[k + 1], xs[k], ys[k])
+        return clip_to(table, plan.label_scale)[_fold_cell_index(plan)]
     out = F_all[plan.global_sorted]
     if plan.cell_sorted is not None:
         # a row's index value is its (fit, cell)'s: the stage-2 curve at each cell once, then read per row
@@ -586,6 +608,7 @@ def joint_replicates(view: BootstrapView, cells: BootstrapView, to_plain: np.nda
     G, Gc = plan.cells.size, cplan.cells.size
     shared = same_calibration(plan, cplan) and np.array_equal(view.cal_prompt, cells.cal_prompt)
     same_labels = np.array_equal(view.lab_prompt, cells.lab_prompt) and np.array_equal(view.lab_lw, cells.lab_lw)
+    same_cal_rows = np.array_equal(view.cal_prompt, cells.cal_prompt)  # the calibration rows' weights shared
     out, out_c = np.empty((stop - start, 3 * K)), np.empty((stop - start, 3 * Kc))
     # the refits of a batch are held together (their prompt weights too): sized by the refits' arrays
     per = max(_replicate_elements(plan), _replicate_elements(cplan)) + view.n_prompts // 4
@@ -594,7 +617,7 @@ def joint_replicates(view: BootstrapView, cells: BootstrapView, to_plain: np.nda
         ws = [bootstrap_weights(view.seed, i, view.n_prompts) for i in range(a, min(a + batch, stop))]
         wcs = [w[view.cal_prompt] for w in ws]
         fits = _refits(plan, wcs)
-        wcs_c = wcs if shared else [w[cells.cal_prompt] for w in ws]
+        wcs_c = wcs if shared or same_cal_rows else [w[cells.cal_prompt] for w in ws]
         fits_c = fits if shared else _refits(cplan, wcs_c)
         for j, w in enumerate(ws):
             i = a - start + j

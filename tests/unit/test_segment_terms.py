@@ -194,6 +194,44 @@ def test_bootstrap_workers_get_the_joint_pass_and_finalize_does_not_bootstrap_th
         direct.finalize(ref, [c[:, :-1] for c in chunks])
 
 
+def test_out_of_fold_table_gather_equals_the_per_row_interpolation_bit_for_bit():
+    """`_out_of_fold` with every fold refitted (the segment-covariate two-stage refits of the cells' bootstrap)
+    interpolates each (fold, calibration cell) once and gathers in row order: the same bits as interpolating
+    and clipping every calibration row on its own (the slow obvious reference), for the point fit and for
+    bootstrap-weighted refits."""
+    from cje_engine.calibration.calibrators import clip_to, interp_flat
+    from cje_engine.direct import estimators as est
+    from cje_engine.pipeline.direct import segments_of
+
+    frame = simulate_segments(segment_scenario("opposite", seed=7, n_prompts=500, oracle_fraction=0.25)).frame
+    prep = prepare(frame, inference="bootstrap", n_bootstrap=50, seed=3, segment_by=["segment"],
+                   segment_min_labels=10)
+    plan = est.calibration_plan(segments_of(prep).vprep.design)
+    assert plan.entry.batched and plan.cell_sorted is not None  # the two-stage plan of the cells
+    fold_of = np.empty(plan.order.size, dtype=int)
+    for k, (a, b) in enumerate(plan.fold_bounds):
+        fold_of[plan.order[a:b]] = k
+    cell_of = np.empty(plan.order.size, dtype=int)
+    cell_of[plan.order] = plan.cell_sorted
+    n_checked = 0
+    for b in (None, 0, 1, 2):
+        wc = np.ones(plan.y.size) if b is None else est.bootstrap_weights(3, b, prep.design.data.n_prompts)[
+            est.bootstrap_view(segments_of(prep).vprep.design, 3).cal_prompt]
+        _, M = est._fold_sums(plan, wc)
+        fits = plan.entry.fit_many(plan.cal_cells, M[0], M[1], M[2], clip=plan.label_scale, warm=plan.warm,
+                                   n_knots=plan.n_knots)
+        F_all = fits.predict_cells(0, plan.cells)
+        live = [k for k in range(plan.n_folds) if fits.ok[k + 1]]
+        if len(live) < plan.n_folds:
+            continue
+        got = est._out_of_fold(plan, F_all, fits.Z, live, fits.x[1:], fits.y[1:])
+        ref = np.array([clip_to(interp_flat(fits.Z[k + 1, c:c + 1], fits.x[k + 1], fits.y[k + 1]), plan.label_scale)[0]
+                        for k, c in zip(fold_of, cell_of)])
+        assert np.array_equal(got, ref, equal_nan=True)
+        n_checked += 1
+    assert n_checked >= 3
+
+
 def test_cli_bootstrap_with_segments_gives_the_two_pass_segments_block(tmp_path):
     """`cje evaluate --segment-by` on the bootstrap route (chunks of a few replicates, the cells' replicates in
     the same pass) writes the segments block of the two separate passes, number for number."""
