@@ -59,19 +59,30 @@ def fanout(frame, n_chunks: int = 4, two_pass: bool = False, **options):
     """The ``evaluate`` flow's single-row-pass computation in this process: prepare, the shipped replicate
     source (pickled and read back), its chunks, finalize. ``two_pass``: the run's view only is shipped (as before
     the joint pass reached the workers) and ``finalize`` bootstraps the segment cells in a second pass."""
+    c0 = time.process_time()
     prep = prepare(frame, **options)
     chunks = []
+    c1 = time.process_time()
     if prep.options.inference == "bootstrap":
         src = bootstrap_view(prep.design, prep.options.seed) if two_pass else prep.bootstrap_source()
         src = pickle.loads(pickle.dumps(src, protocol=5))
         chunks = [src.replicates(a, b) for a, b in chunk_ranges(prep.options.n_bootstrap, n_chunks)]
         del src
-    return prep.finalize(chunks)
+    c2 = time.process_time()
+    res = prep.finalize(chunks)
+    STEPS.update(prepare_s=round(c1 - c0, 2), replicates_s=round(c2 - c1, 2), finalize_s=round(time.process_time() - c2, 2))
+    return res
+
+
+#: CPU seconds of the last fan-out run's steps (prepare; the source and its chunks, i.e. the workers' part;
+#: finalize): the per-replicate cost is ``replicates_s / B`` (the source's segment pass, computed once, included)
+STEPS: dict = {}
 
 
 def timed(frame, route: str = "bootstrap", **options) -> dict:
     """CPU and wall seconds of one evaluation (garbage collected before)."""
     gc.collect()
+    STEPS.clear()
     c0, w0 = time.process_time(), time.perf_counter()
     if route.startswith("fanout"):
         res = fanout(frame, two_pass=route == "fanout_two_pass", **options)
@@ -79,9 +90,11 @@ def timed(frame, route: str = "bootstrap", **options) -> dict:
         res = evaluate(frame, **options)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     d = res.to_dict()
+    out_steps = dict(STEPS)
     seg = d.get("segments")
     out = {"cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
            "segments_shown": None if seg is None else sum(s["status"] == "shown" for s in seg["segments"])}
+    out.update(out_steps)
     if seg is not None:
         omni = [t for t in seg["omnibus"] if t["policy"] == "*"]
         out["omnibus_p"] = omni[0]["p_value"] if omni else None
@@ -117,6 +130,14 @@ def main() -> int:
                   f"segmented {segd['cpu_s']:8.1f} s CPU ({segd['wall_s']:.1f} s wall, {segd['segments_shown']} "
                   f"segments shown, segment covariate {segd.get('recalibrated')}): x{rec['cpu_ratio']:.2f} CPU, "
                   f"x{rec['wall_ratio']:.2f} wall", flush=True)
+            if "replicates_s" in plain:
+                B = base["n_bootstrap"]
+                rec["ms_per_replicate"] = {"plain": round(1000 * plain["replicates_s"] / B, 2),
+                                           "segmented": round(1000 * segd["replicates_s"] / B, 2)}
+                print(f"{'':>10s}      steps (CPU s: prepare, replicates, finalize): plain {plain['prepare_s']}, "
+                      f"{plain['replicates_s']}, {plain['finalize_s']}; segmented {segd['prepare_s']}, "
+                      f"{segd['replicates_s']}, {segd['finalize_s']}; per replicate {rec['ms_per_replicate']['plain']} "
+                      f"ms against {rec['ms_per_replicate']['segmented']} ms", flush=True)
             out.append(rec)
         del frame
     print(json.dumps(out))
