@@ -63,6 +63,52 @@ def _parts(designs: list, counts: np.ndarray) -> list:
     return parts
 
 
+_SPARSE: dict[int, tuple] = {}
+_SPARSE_MAX = 64
+
+
+def _sparse_form(M: np.ndarray) -> tuple:
+    """The non-zero structure of a constant design matrix ``M`` (S, Q) for `_product`: (``M`` itself, the
+    columns with a single non-zero entry equal to 1 and that entry's row, the other non-zero columns, the rows
+    non-zero in any of those, and ``M`` restricted to those rows and columns), cached per array."""
+    hit = _SPARSE.get(id(M))
+    if hit is not None and hit[0] is M:
+        return hit
+    nz = M != 0
+    count = nz.sum(0)
+    unit = np.flatnonzero((count == 1) & (M.max(0, initial=0.0) == 1.0) & (M.min(0, initial=0.0) == 0.0))
+    src = nz[:, unit].argmax(0)
+    is_unit = np.zeros(M.shape[1], dtype=bool)
+    is_unit[unit] = True
+    multi = np.flatnonzero((count > 0) & ~is_unit)
+    rows = np.flatnonzero(nz[:, multi].any(1))
+    if len(_SPARSE) >= _SPARSE_MAX:  # designs follow the refits' knots: keep the recent ones only
+        _SPARSE.clear()
+    form = _SPARSE[id(M)] = (M, unit, src, multi, rows, np.ascontiguousarray(M[np.ix_(rows, multi)]))
+    return form
+
+
+def _product(a: np.ndarray, M: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``einsum("js,sq->jq", a, M)`` with the same bits, skipping ``M``'s zeros: the einsum adds the products
+    one ``s`` at a time onto a zero start, so a column with a single unit entry is that entry's ``a`` column
+    (plus 0.0: the einsum's sign of a zero), an all-zero column is +0.0, and the other columns need only the
+    rows where they are non-zero (the skipped products are zeros). ``a`` must be finite (a zero times an
+    infinity is NaN): otherwise the full einsum. Pinned against the einsum in tests/unit/test_segment_terms.py."""
+    if not np.isfinite(a).all():
+        return _einsum("js,sq->jq", a, M) if out is None else _einsum("js,sq->jq", a, M, out=out)
+    _, unit, src, multi, rows, Mr = _sparse_form(M)
+    if out is None:
+        out = np.zeros((a.shape[0], M.shape[1]))
+    else:
+        out[...] = 0.0
+    if unit.size:
+        out[:, unit] = a[:, src]
+        out[:, unit] += 0.0
+    if multi.size:
+        out[:, multi] = _einsum("js,sq->jq", np.ascontiguousarray(a[:, rows]), Mr)
+    return out
+
+
 def _level_sums(levels: tuple, v: np.ndarray, products: bool) -> np.ndarray:
     """Per fit: the sums of ``v`` and of ``v x_k`` over each score level's cells (``[sum v (D), sum v x
     (D x p)]``), and with ``products`` also ``sum v x_k x_l`` over all cells."""
@@ -74,7 +120,7 @@ def _level_sums(levels: tuple, v: np.ndarray, products: bool) -> np.ndarray:
     elif p:
         parts.append(np.add.reduceat(v[:, :, None] * X, starts, axis=1).reshape(v.shape[0], -1))
     if products and p:
-        parts.append(_einsum("jg,gt->jt", v, XX))
+        parts.append(_product(v, XX))  # einsum "jg,gt->jt" (one-hot covariates: most products are zero)
     return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
 
@@ -84,12 +130,13 @@ def _gram(parts: list, levels: tuple, v: np.ndarray, r: np.ndarray, P: int) -> t
     sv, sr = _level_sums(levels, v, True), _level_sums(levels, r, False)
     # einsum, not BLAS: a threaded BLAS product's rounding depends on its thread count, and
     # replicates must be the same bits in every process (any node, any chunking)
+    # (`_product`: the einsum's bits without its products with L's zeros)
     if len(parts) == 1:
-        return _einsum("js,sq->jq", sv, parts[0][1]), _einsum("js,sp->jp", sr, parts[0][2])
+        return _product(sv, parts[0][1]), _einsum("js,sp->jp", sr, parts[0][2])
     h = np.empty((v.shape[0], parts[0][1].shape[1]))
     b = np.empty((v.shape[0], P))
     for idx, L, Lb, _ in parts:
-        _einsum("js,sq->jq", sv[idx], L, out=h[idx])
+        h[idx] = _product(sv[idx], L)
         _einsum("js,sp->jp", sr[idx], Lb, out=b[idx])
     return h, b
 
