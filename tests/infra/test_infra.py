@@ -67,9 +67,12 @@ def compose() -> dict:
 
 def interpolate(text: str) -> str:
     """Compose-style ``${VAR:-default}`` / ``${VAR:?msg}`` / ``$$`` with defaults (no env)."""
-    text = re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
-    text = re.sub(r"\$\{[A-Z0-9_]+:\?[^}]*\}", "set-by-operator", text)
-    return text.replace("$$", "$")
+    def one(m: re.Match) -> str:
+        if m.group(0) == "$$":  # compose's escape: a literal $ (what follows is not interpolated)
+            return "$"
+        return "set-by-operator" if m.group(1) == ":?" else m.group(2)
+
+    return re.sub(r"\$\$|\$\{[A-Z0-9_]+(:-|:\?)([^}]*)\}", one, text)
 
 
 @lru_cache(maxsize=1)
@@ -286,7 +289,10 @@ def test_compose_commands_exist():
         assert svc["build"]["dockerfile"] == "infra/Dockerfile"
         assert (COMPOSE.parent / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == \
             (INFRA / "Dockerfile").resolve()
-        assert_cli_exists(_compose_argv(svc), f"compose service {name}")
+        argv = _compose_argv(svc)
+        if argv[:2] == ["/bin/sh", "-c"]:  # a supervising script (ray-worker): the command after its $0
+            argv = argv[4:]
+        assert_cli_exists(argv, f"compose service {name}")
     deploy, worker = _compose_argv(ours["cje-deploy"]), _compose_argv(ours["prefect-worker"])
     assert deploy[:2] == ["cje", "deploy"]
     assert worker[:3] == ["prefect", "worker", "start"]
@@ -530,6 +536,59 @@ def test_flow_runner_gets_what_the_code_needs_at_scale():
     assert cm["RAY_ADDRESS"] == f"ray://{ray['metadata']['name']}-head-svc.cje.svc:10001"
     ports = {p["containerPort"] for p in ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]}
     assert 10001 in ports
+
+
+def test_compose_ray_worker_waits_for_the_head_and_leaves_a_lost_one(tmp_path):
+    """Issue 25: the ray-worker container started while the head was down waited forever ("Failed to get
+    cluster ID from GCS"), and a relaunched head is a new cluster the running node never joins. Its
+    entrypoint (compose's own argv, run here with a stand-in `ray` and a loopback socket as the head's GCS
+    port) starts the node only once the head's port accepts connections, and when the head refuses them for
+    RAY_HEAD_LOST_S s (20 in compose) it stops the node and exits non-zero (`restart` starts the container
+    again, which rejoins the new head), as infra/stack/start.sh's supervised node does."""
+    import socket
+    import time
+
+    svc = compose()["services"]["ray-worker"]
+    assert svc["restart"] == "unless-stopped"
+    argv = _compose_argv(svc)
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[3:6] == ["ray-worker", "ray", "start"]
+    assert "--address=ray-head:6379" in argv and "--block" in argv
+    fake = tmp_path / "ray"
+    started = tmp_path / "started"
+    fake.write_text(f'#!/bin/sh\necho "$$" >> {started}\nexec sleep 300\n')
+    fake.chmod(0o755)
+    head = socket.socket()
+    head.bind(("127.0.0.1", 0))
+    port = head.getsockname()[1]
+    head.close()  # the head is down
+    argv = [a.replace("ray-head:6379", f"127.0.0.1:{port}") for a in argv]
+    argv[4] = str(fake)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_HEAD_LOST_S": "4"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        time.sleep(3)
+        assert not started.exists() and proc.poll() is None  # waits, without joining a head that is not there
+        head = socket.socket()
+        head.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        head.bind(("127.0.0.1", port))
+        head.listen(16)
+        deadline = time.monotonic() + 20
+        while not started.exists():
+            assert time.monotonic() < deadline, "the node did not start once the head answered"
+            time.sleep(0.2)
+        node = int(started.read_text().split()[0])
+        time.sleep(5)
+        assert proc.poll() is None  # the head answers: the node stays
+        head.close()  # the head is lost
+        rc = proc.wait(timeout=30)
+        assert rc == 1 and "leaving its cluster" in proc.stderr.read()
+        time.sleep(0.5)
+        assert not Path(f"/proc/{node}").exists() or "Z" in Path(f"/proc/{node}/stat").read_text().split()[2]
+    finally:
+        head.close()
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
 
 
 def test_readme_documents_exactly_the_variables_the_flow_runner_gets():
