@@ -139,20 +139,21 @@ if [[ $(id -u) == 0 ]]; then
 fi
 "${AS[@]}" "$PGBIN/initdb" -D "$PGDATA" -U prefect --auth=trust -E UTF8 --no-instructions >"$DIR/pg/initdb.log" 2>&1 \
     || die "initdb failed (see $DIR/pg/initdb.log)"
-# A SIGKILLed postmaster leaves postmaster.pid, and PostgreSQL refuses to start while a process with that PID
-# exists (for another user, kill -0 answers EPERM, which counts too): a reused PID or the killed postmaster
-# itself as a zombie not yet reaped by whoever inherited it (seen: "lock file postmaster.pid already exists",
-# PostgreSQL never back). The launch script removes the file unless its PID is a live postgres on this folder.
+# A SIGKILLed postmaster leaves postmaster.pid and its socket's lock file, and PostgreSQL refuses to start
+# while a process with the PID they name exists (for another user, kill -0 answers EPERM, which counts too):
+# a reused PID, or the killed postmaster itself as a zombie not yet reaped by whoever inherited it (seen:
+# "lock file postmaster.pid already exists", PostgreSQL never back). The launch script removes each file
+# unless its PID is a live postgres on this data folder.
 write_service postgres <<EOF
-pidf="$PGDATA/postmaster.pid"
-if [[ -f "\$pidf" ]]; then
-    old=\$(head -n 1 "\$pidf")
+for lock in "$PGDATA/postmaster.pid" "$DIR/pg/.s.PGSQL.$PG_PORT.lock"; do
+    [[ -f "\$lock" ]] || continue
+    old=\$(head -n 1 "\$lock" | tr -dc 0-9)
     state=\$(sed -n 's/^[^)]*) \\([A-Za-z]\\).*/\\1/p' "/proc/\$old/stat" 2>/dev/null)
     if [[ -z "\$state" || "\$state" == Z ]] || ! tr '\\0' ' ' < "/proc/\$old/cmdline" 2>/dev/null | grep -qF -- "$PGDATA"; then
-        echo "[postgres] removing the stale postmaster.pid of PID \$old (state \${state:-gone})" >&2
-        rm -f "\$pidf"
+        echo "[postgres] removing the stale \$lock of PID \$old (state \${state:-gone})" >&2
+        rm -f "\$lock"
     fi
-fi
+done
 exec ${AS[*]} "$PGBIN/postgres" -D "$PGDATA" -h 127.0.0.1 -p $PG_PORT -k "$DIR/pg" -c fsync=off -c max_connections=200
 EOF
 launch postgres
