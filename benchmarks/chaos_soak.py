@@ -34,7 +34,7 @@ duplicated label requests and budget-ledger mismatches, and each round's wall ti
 Usage::
 
     bash infra/stack/start.sh
-    .venv/bin/python benchmarks/chaos_soak.py --runs 30 --lanes 4 --seed 12 --json benchmarks/_work/chaos_soak.json
+    .venv/bin/python benchmarks/chaos_soak.py --runs 30 --lanes 5 --seed 12 --json benchmarks/_work/chaos_soak.json
 
 Exit 0 when every invariant held, 1 otherwise.
 """
@@ -210,7 +210,7 @@ def wait_all(stack: Stack, run_ids: list[str], timeout: float, pause: float = 2.
     return out
 
 
-def soak(stack: Stack, runs: int, seed: int, lanes: int = 4, timeout: float = 420.0) -> dict:
+def soak(stack: Stack, runs: int, seed: int, lanes: int = 5, timeout: float = 420.0) -> dict:
     """Run the soak (see the module docstring); returns the report."""
     rng = random.Random(seed)
     kinds, weights = zip(*FAULTS.items())
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: ``--runs``, ``--lanes``, ``--seed``, ``--env``, ``--json``; exit 0 when every invariant held."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--lanes", type=int, default=4)
+    ap.add_argument("--lanes", type=int, default=5)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--env", default=os.environ.get("CJE_STACK_ENV") or "/tmp/cje-stack/env")
     ap.add_argument("--json", help="write the report here")
