@@ -934,11 +934,27 @@ def read_latest(st: Storage, evaluation: str) -> dict[str, Any] | None:
     return read_run(st, evaluation, newest["window"], newest["run_key"])
 
 
+def storage_now(st: Storage, prefix: str) -> float | None:
+    """The storage's own current time (seconds since the epoch): the modification time it gives a probe
+    object written under ``prefix`` (deleted again); None if it gives none."""
+    probe = f"{prefix}.clock-probe-{secrets.token_hex(6)}"
+    st.write_bytes(probe, b"")
+    try:
+        return st.info(probe).modified
+    finally:
+        st.delete(probe)
+
+
 def cleanup_orphans(st: Storage, evaluation: str, older_than_seconds: float = 3600.0) -> int:
     """Delete attempt folders that no manifest references and that are older than the limit.
 
     Returns the number of objects deleted.  Young orphans are kept because their publisher
-    may still be writing.
+    may still be writing.  An attempt's age is measured on the storage's own clock: from the
+    modification time of its newest object (S3 ``LastModified``, a file's mtime) to the time the
+    storage gives a probe object written now (`storage_now`), so neither the publisher's clock (the
+    attempt id's timestamp) nor this caller's matters; a publisher whose clock runs hours slow does not
+    have its attempt deleted while it is still writing.  The attempt id's timestamp is used only
+    when the storage gives no modification times.
     """
     base = f"{RESULTS}/{check_segment(evaluation, 'evaluation name')}/"
     runs: dict[str, set[str]] = {}
@@ -947,20 +963,27 @@ def cleanup_orphans(st: Storage, evaluation: str, older_than_seconds: float = 36
         if len(parts) >= 5:
             runs.setdefault("/".join(parts[:4]), set()).add(parts[4])
     removed = 0
+    now = storage_now(st, base) if runs else None
     for run, names in runs.items():
         manifest = _read_json(st, f"{run}/{MANIFEST}") if MANIFEST in names else None
         keep = manifest.get("attempt") if manifest else None
+        attempts: dict[str, list] = {}
         for info in st.list(f"{run}/"):
             rest = info.key[len(run) + 1:]
-            if "/" not in rest:
+            if "/" in rest:
+                attempts.setdefault(rest.split("/", 1)[0], []).append(info)
+        for attempt, infos in attempts.items():
+            if attempt == keep or not _ATTEMPT.match(attempt):  # only attempt folders are ours to delete
                 continue
-            attempt = rest.split("/", 1)[0]
-            if attempt == keep:
-                continue
-            age = _attempt_age_seconds(attempt)
+            times = [i.modified for i in infos]
+            if now is not None and None not in times:
+                age: float | None = now - max(times)
+            else:
+                age = _attempt_age_seconds(attempt)
             if age is not None and age >= older_than_seconds:
-                st.delete(info.key)
-                removed += 1
+                for info in infos:
+                    st.delete(info.key)
+                    removed += 1
     if removed:
         log.info("removed %d orphaned object(s) under %s", removed, st.url(base))
     return removed

@@ -58,11 +58,20 @@ fi
 # ---------------------------------------------------------------------------------------------
 # 1. Install the Ceph daemons if missing (Debian packages; quiet; needs root or sudo).
 # ---------------------------------------------------------------------------------------------
-need_install=0
-for b in ceph-mon ceph-osd radosgw radosgw-admin ceph monmaptool ceph-authtool curl; do
-    command -v "$b" >/dev/null 2>&1 || need_install=1
-done
-if [[ $need_install == 1 ]]; then
+missing() {
+    local b
+    for b in ceph-mon ceph-osd radosgw radosgw-admin ceph monmaptool ceph-authtool curl; do
+        command -v "$b" >/dev/null 2>&1 || return 0
+    done
+    return 1
+}
+# Two stacks may start at once (.ci/run starts a second one for the fault tests): one apt-get at a time (dpkg
+# takes its lock without waiting), and the second finds the packages the first installed.
+if missing; then
+    exec 9> /tmp/cje-apt.lock
+    flock 9
+fi
+if missing; then
     SUDO=""
     [[ $(id -u) != 0 ]] && SUDO="sudo"
     log "installing radosgw ceph-mon ceph-osd (apt-get)"
@@ -73,6 +82,7 @@ if [[ $need_install == 1 ]]; then
         radosgw ceph-mon ceph-osd ceph-common curl >/dev/null \
         || die "apt-get install radosgw ceph-mon ceph-osd ceph-common failed"
 fi
+exec 9>&- 2>/dev/null || true
 
 # Where the Ceph plugins (erasure code, compressors, crypto) and OSD object classes were unpacked.
 LIBCEPH=""

@@ -117,6 +117,8 @@ fi
 # 2. PostgreSQL: Debian's server binaries, a private cluster, loopback only.
 # ---------------------------------------------------------------------------------------------
 pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
+# One apt-get at a time (radosgw's start, below in the background, and a second stack may install too).
+[[ -z "$(pg_bin)" ]] && { exec 8> /tmp/cje-apt.lock; flock 8; }
 if [[ -z "$(pg_bin)" ]]; then
     SUDO=""; [[ $(id -u) != 0 ]] && SUDO="sudo"
     log "installing postgresql (apt-get)"
@@ -124,6 +126,7 @@ if [[ -z "$(pg_bin)" ]]; then
     $SUDO apt-get update -qq >/dev/null || die "apt-get update failed"
     $SUDO apt-get install -y -qq postgresql >/dev/null || die "apt-get install postgresql failed"
 fi
+exec 8>&- 2>/dev/null || true
 PGBIN="$(pg_bin)"
 PG_PORT=$(free_port)
 PGDATA="$DIR/pg/data"
@@ -136,7 +139,21 @@ if [[ $(id -u) == 0 ]]; then
 fi
 "${AS[@]}" "$PGBIN/initdb" -D "$PGDATA" -U prefect --auth=trust -E UTF8 --no-instructions >"$DIR/pg/initdb.log" 2>&1 \
     || die "initdb failed (see $DIR/pg/initdb.log)"
+# A SIGKILLed postmaster leaves postmaster.pid and its socket's lock file, and PostgreSQL refuses to start
+# while a process with the PID they name exists (for another user, kill -0 answers EPERM, which counts too):
+# a reused PID, or the killed postmaster itself as a zombie not yet reaped by whoever inherited it (seen:
+# "lock file postmaster.pid already exists", PostgreSQL never back). The launch script removes each file
+# unless its PID is a live postgres on this data folder.
 write_service postgres <<EOF
+for lock in "$PGDATA/postmaster.pid" "$DIR/pg/.s.PGSQL.$PG_PORT.lock"; do
+    [[ -f "\$lock" ]] || continue
+    old=\$(head -n 1 "\$lock" | tr -dc 0-9)
+    state=\$(sed -n 's/^[^)]*) \\([A-Za-z]\\).*/\\1/p' "/proc/\$old/stat" 2>/dev/null)
+    if [[ -z "\$state" || "\$state" == Z ]] || ! tr '\\0' ' ' < "/proc/\$old/cmdline" 2>/dev/null | grep -qF -- "$PGDATA"; then
+        echo "[postgres] removing the stale \$lock of PID \$old (state \${state:-gone})" >&2
+        rm -f "\$lock"
+    fi
+done
 exec ${AS[*]} "$PGBIN/postgres" -D "$PGDATA" -h 127.0.0.1 -p $PG_PORT -k "$DIR/pg" -c fsync=off -c max_connections=200
 EOF
 launch postgres
@@ -293,6 +310,9 @@ PREFECT_API_URL="$API" "$BIN/prefect" --no-prompt work-pool create "$POOL" --typ
 write_service prefect-worker <<EOF
 set -a; . "$DIR/service.env"; set +a
 export DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0 PREFECT_HOME="$DIR/prefect-worker-\${CJE_WORKER_NAME:-worker-1}"
+# Flow runs import the deployments' entrypoints (module paths) from the checkout this stack was started from,
+# as the Ray nodes do, also when the venv's editable install points at another checkout.
+export PYTHONPATH="$ROOT\${PYTHONPATH:+:\$PYTHONPATH}"
 # Flow runs send heartbeats: a run whose worker died is marked Crashed (cje deploy's automation).
 export PREFECT_FLOWS_HEARTBEAT_FREQUENCY=\${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30}
 # It asks for due runs every 2 s (the default 10 s adds up to 10 s to each of the tier's ~40 runs).

@@ -104,6 +104,22 @@ def ray_nodes_alive(stack: Stack) -> int:
         return 0
 
 
+def stack_cpu_seconds(stack: Stack) -> float:
+    """CPU seconds (user + system) used so far by the stack's services and their processes: every live process
+    of their sessions, with the children each has reaped (the worker's finished flow runs, Ray's workers).
+    Processes killed by a fault take theirs with them, so across faults this undercounts."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for sid in stack.pids().values():
+        for pid in session_pids(sid):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / tick
+
+
 def _wait(what: str, ok, timeout: float, pause: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while not ok():

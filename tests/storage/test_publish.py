@@ -340,16 +340,46 @@ def test_publisher_killed_midway(storage: Storage):
         + [f"results/ev/w/k/{a['key']}" for a in manifest["artifacts"].values()])
 
 
-def test_cleanup_orphans_removes_old_uncommitted_attempts(storage: Storage):
-    storage.write_bytes("results/ev/w/k2/20200101T000000Z-deadbeef/result.json", b"{}")  # old, never committed
+def test_cleanup_orphans_removes_old_uncommitted_attempts(local_storage: Storage, tmp_path):
+    """Old by the storage's clock (the objects' modification time, here backdated 2 h): removed, whatever the
+    attempt id says (one id from a clock 2 h fast, which the publisher's clock used to keep for 3 h); young:
+    kept; the committed run untouched."""
+    import os
+    import time as _time
+    from datetime import datetime, timedelta, timezone
+
+    storage = local_storage
+    old = "results/ev/w/k2/20200101T000000Z-deadbeef/result.json"
+    fast = f"results/ev/w/k4/{(datetime.now(timezone.utc) + timedelta(hours=2)).strftime('%Y%m%dT%H%M%SZ')}-0badc10c/result.json"
     young = f"results/ev/w/k3/{__import__('flows.storage.publish', fromlist=['x'])._new_attempt()}/result.json"
-    storage.write_bytes(young, b"{}")
+    for key in (old, fast, young):
+        storage.write_bytes(key, b"{}")
+    two_hours_ago = _time.time() - 7200
+    for key in (old, fast):
+        os.utime(tmp_path / "store" / key, (two_hours_ago, two_hours_ago))
     publish_run(storage, "ev", "w", "k1", artifacts_for(), LINEAGE)
     committed = _run_objects(storage)
-    assert cleanup_orphans(storage, "ev", older_than_seconds=3600) == 1
-    assert not storage.exists("results/ev/w/k2/20200101T000000Z-deadbeef/result.json")
+    assert cleanup_orphans(storage, "ev", older_than_seconds=3600) == 2
+    assert not storage.exists(old) and not storage.exists(fast)
     assert storage.exists(young)
-    assert set(_run_objects(storage)) == set(committed) - {"results/ev/w/k2/20200101T000000Z-deadbeef/result.json"}
+    assert set(_run_objects(storage)) == set(committed) - {old, fast}
+    assert read_latest(storage, "ev")["run_key"] == "k1"
+    assert not [o.key for o in storage.list("results/ev/") if "clock-probe" in o.key]  # the probe is gone
+
+
+def test_cleanup_orphans_keeps_an_attempt_of_a_slow_publisher_clock(storage: Storage):
+    """Issue 25: attempts were dated by the publisher's clock (the attempt id): a publisher whose clock is
+    hours slow (here its id says 2020) had its attempt deleted while it was still writing. Dated by the
+    storage's own clock the attempt is seconds old and kept; with a limit of 0 s it goes, nothing committed
+    with it."""
+    slow = "results/ev/w/k2/20200101T000000Z-deadbeef/result.json"
+    storage.write_bytes(slow, b"{}")
+    publish_run(storage, "ev", "w", "k1", artifacts_for(), LINEAGE)
+    committed = _run_objects(storage)
+    assert cleanup_orphans(storage, "ev", older_than_seconds=3600) == 0  # was 1
+    assert storage.exists(slow)
+    assert cleanup_orphans(storage, "ev", older_than_seconds=0) == 1
+    assert set(_run_objects(storage)) == set(committed) - {slow}
     assert read_latest(storage, "ev")["run_key"] == "k1"
 
 
