@@ -241,6 +241,16 @@ def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
     return fn(*out)
 
 
+def _keeping(fn: Callable, field: str, layout: tuple, *args: Any) -> tuple[Any, Any]:
+    """``fn``'s result (its shard rebuilt from its pieces, `_with_pieces`) and, apart, its ``field`` (set to None
+    in the result): the task's two returns, so that the field stays in the object store and only its reference
+    reaches the driver (`ray_mapper`)."""
+    res = _with_pieces(fn, layout, *args)
+    kept = getattr(res, field)
+    setattr(res, field, None)
+    return res, kept
+
+
 def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
     """(layout, arguments) of one task: each `ShardPieces` of ``item`` spread into its references."""
     layout, args = [], []
@@ -311,6 +321,10 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
     ``memory``: bytes each task asks for, or a function of the pass's function name giving them (derived
     from the data by the caller, `task_memory`). A worker lost mid-task is retried ``max_retries`` times.
     A `ShardPieces` among an item's arguments reaches ``fn`` as its shard's table (`_with_pieces`).
+    A function with a ``kept_field`` (`cje_engine.pipeline.sharded.reduce_shard`: pass 1's codes of the shard)
+    returns that field as a second object left in the object store: the driver gets the result with the
+    field set to its reference, which a later pass takes as a top-level argument (Ray resolves it on the
+    worker, zero-copy; lost with a node, Ray rebuilds it by running the task again, a pure function).
     """
     import ray
 
@@ -319,12 +333,20 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
         opts = {"max_retries": max_retries, "retry_exceptions": False, "name": f"cje_{fn.__name__}"}
         if mem:
             opts["memory"] = int(mem)
-        refs = []
+        refs, kept = [], {}
+        field = getattr(fn, "kept_field", None)
         plain = ray.remote(fn).options(**opts)
         pieced = ray.remote(_with_pieces).options(**opts)
+        keeping = ray.remote(_keeping).options(**opts, num_returns=2)
         for item in items:
             layout, args = _flatten(item)
-            refs.append(pieced.remote(fn, layout, *args) if any(x is not None for x in layout) else plain.remote(*item))
+            if field:
+                ref, kept_ref = keeping.remote(fn, field, layout, *args)
+                kept[ref] = kept_ref
+                refs.append(ref)
+            else:
+                refs.append(pieced.remote(fn, layout, *args) if any(x is not None for x in layout)
+                            else plain.remote(*item))
         index = {r: i for i, r in enumerate(refs)}
         pending = list(refs)
         limit = ray_get_timeout()
@@ -334,6 +356,9 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
                 raise TimeoutError(f"Ray tasks cje_{fn.__name__}: {len(pending)} of {len(refs)} did not finish "
                                    f"within {limit:g} s")
             for ref in done:
-                yield index[ref], ray.get(ref)
+                res = ray.get(ref)
+                if field:
+                    setattr(res, field, kept[ref])
+                yield index[ref], res
 
     return mapper
