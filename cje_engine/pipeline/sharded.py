@@ -262,8 +262,8 @@ def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequen
     if policies is not None:
         table = table.filter(pc.is_in(table[POLICY], value_set=pa.array(list(policies), pa.string())))
     row = np.asarray(table[ROW].to_numpy(), dtype=np.int64)
-    order = np.argsort(row, kind="stable")
-    if not np.all(order == np.arange(order.size)):
+    if row.size > 1 and not np.all(row[1:] >= row[:-1]):  # a shard's pieces come in window order: no sort then
+        order = np.argsort(row, kind="stable")
         table = table.take(pa.array(order))
         row = row[order]
     prompt_codes, prompt_ids = sorted_codes(table[PROMPT])
@@ -286,6 +286,31 @@ def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequen
                      policy=pol_codes,
                      score=np.asarray(table[SCORE].to_numpy(zero_copy_only=False), dtype=float),
                      label=label, label_weight=weight, X=X)
+
+
+def _prompts_per_policy(policy: np.ndarray, prompt: np.ndarray, n_policies: int, n_ids: int) -> np.ndarray:
+    """Distinct prompts of each policy among rows of (policy code, prompt code), codes dense: one flag per
+    (policy, prompt) set and counted (O(rows + policies x prompts); the number of distinct pairs, exactly)."""
+    if n_policies * n_ids >= 2**31 or policy.size * 4 < n_policies * n_ids:  # sparse: by a sort
+        pairs = unique_ints(policy.astype(np.int64) * (n_ids + 1) + prompt)
+        return np.bincount(pairs // (n_ids + 1), minlength=n_policies)
+    seen = np.zeros(n_policies * n_ids, dtype=bool)
+    key = policy.astype(np.int64) * n_ids
+    key += prompt
+    seen[key] = True
+    return np.count_nonzero(seen.reshape(n_policies, n_ids), axis=1).astype(np.int64)
+
+
+def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``numpy.unique(values, return_inverse=True)`` of integers, by a sort (`unique_ints`)."""
+    order = np.argsort(values, kind="stable")
+    s = values[order]
+    new = np.empty(s.size, dtype=bool)
+    new[:1] = True
+    np.not_equal(s[1:], s[:-1], out=new[1:])
+    inv = np.empty(s.size, dtype=np.int64)
+    inv[order] = np.cumsum(new) - 1
+    return s[new], inv
 
 
 @dataclass
@@ -371,13 +396,13 @@ def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequ
     G = cells.size
     counts = np.bincount(r.policy * G + cell, minlength=Kl * G).reshape(Kl, G)
     n_ids = len(r.prompt_ids)
-    pairs = unique_ints(r.policy * (n_ids + 1) + r.prompt)
-    n_prompts = np.bincount(pairs // (n_ids + 1), minlength=Kl)
-    del pairs
+    n_prompts = _prompts_per_policy(r.policy, r.prompt, Kl, n_ids)
     lab = np.flatnonzero(~np.isnan(r.label))
     lab_prompt = r.prompt[lab]
     folds = n_folds if n_folds is not None else EvaluationOptions.of(None).n_folds
-    fold = _folds(r.prompt_ids.take(pa.array(lab_prompt)), folds).astype(np.int8)
+    # one hash per labelled prompt (not per labelled row): the fold is a function of the prompt id
+    lab_ids, lab_at = _unique_inverse(lab_prompt)
+    fold = _folds(r.prompt_ids.take(pa.array(lab_ids)), folds).astype(np.int8)[lab_at]
     ranged = bool(table.schema.metadata and table.schema.metadata.get(RANGE_META) == b"1")
     kept = ShardKept(prompt=r.prompt.astype(np.int32 if n_ids < 2**31 else np.int64),
                      policy=r.policy.astype(_small_int(Kl)), cell=cell.astype(np.int32 if G < 2**31 else np.int64),
@@ -637,7 +662,7 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
             raise ValueError("a calibration row sent to this shard is not in it")
         f[v.lab_pos[at]] = cal_f
     K = plug.size
-    terms = evaluation_terms(v.prompt[keep].astype(np.int64), pol[keep], f[keep], plug, n_k, v.n_ids)[:, :K]
+    terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
     out = ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
     if not keep_terms:
         lab = unique_ints(v.prompt[v.lab_pos[keep[v.lab_pos]]].astype(np.int64))
@@ -647,6 +672,18 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
         out.labelled_terms = terms[lab]
         out.rest = Moments.of(terms[rest])
     return out
+
+
+def _evaluation_terms(prompt: np.ndarray, policy: np.ndarray, f: np.ndarray, plug: np.ndarray, n_k: np.ndarray,
+                      n_prompts: int) -> np.ndarray:
+    """`estimators.evaluation_terms`'s plug-in columns (n_prompts, K), the same bits (each term ``(f - theta_k) /
+    n_k`` computed alike, each bin summed in row order by ``numpy.bincount``), without its augmented copy."""
+    K = plug.size
+    contrib = np.subtract(f, plug[policy])
+    np.divide(contrib, n_k[policy], out=contrib)
+    key = np.multiply(prompt, K, dtype=np.int64)
+    key += policy
+    return np.bincount(key, weights=contrib, minlength=n_prompts * K).reshape(n_prompts, K)
 
 
 def shard_histograms(shard: Any, covariates: Sequence[str], policies: Sequence[str] | None,
