@@ -150,7 +150,8 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
     evaluate flow: join the label store's labels, derive covariates, check columns) and returns
     ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it); ``keep``: the
-    only columns they keep (those of it the file has, after ``prepare_rows``; None: every column)."""
+    only columns they keep (those of it the file has, after ``prepare_rows``, in the order of ``keep``; None: every
+    column); without ``columns`` and ``prepare_rows`` only those (and the response id) are read."""
     import numpy as np
     import pyarrow as pa
 
@@ -158,8 +159,19 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
+    from cje_engine.errors import CJEInputError
+
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
-    table = read_window(st, [key], columns=columns, policies=policies, mapping=mapping, check_unique=False)
+    wanted = columns
+    if columns is None and prepare_rows is None and keep is not None:  # only what the shards keep is read
+        wanted = list(dict.fromkeys([*keep, "response_id"]))
+    try:
+        table = read_window(st, [key], columns=wanted, policies=policies, mapping=mapping, check_unique=False)
+    except CJEInputError:
+        if wanted is columns:
+            raise
+        # a kept column this file lacks (read_window names it): the whole file, as without ``keep``
+        table = read_window(st, [key], columns=columns, policies=policies, mapping=mapping, check_unique=False)
     if "dt" in table.column_names:
         table = table.drop_columns(["dt"])
     info = {"key": key, "rows": table.num_rows}
@@ -174,8 +186,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     else:
         rids = [pa.table({"response_id": pa.array([], pa.string()), ROW: pa.array([], pa.int64())})] * n_shards
     if keep is not None:
-        wanted = set(keep) | {ROW}
-        table = table.select([c for c in table.column_names if c in wanted])
+        table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
     return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
 
 
