@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
+from cje_engine.data.ints import unique_ints, unique_inverse  # noqa: F401 (unique_ints: also this module's)
 from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, calibration_term,
                                           level_set_shares,
                                           evaluation_terms, fold_jackknife, influence_with_evaluation_terms)
@@ -223,18 +224,6 @@ def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arr
     return rank[idx], uniq.take(pa.array(order))
 
 
-def unique_ints(values: np.ndarray) -> np.ndarray:
-    """``numpy.unique`` of an integer array by a sort (numpy 2.4's hash-based `numpy.unique` of int64 takes
-    ~1 s a million values; this ~0.1 s)."""
-    if values.size == 0:
-        return values.copy()
-    s = np.sort(values)
-    keep = np.empty(s.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]
-
-
 @dataclass
 class ShardRows:
     """One shard's rows as arrays, in window order (`shard_rows`)."""
@@ -299,18 +288,6 @@ def _prompts_per_policy(policy: np.ndarray, prompt: np.ndarray, n_policies: int,
     key += prompt
     seen[key] = True
     return np.count_nonzero(seen.reshape(n_policies, n_ids), axis=1).astype(np.int64)
-
-
-def _unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``numpy.unique(values, return_inverse=True)`` of integers, by a sort (`unique_ints`)."""
-    order = np.argsort(values, kind="stable")
-    s = values[order]
-    new = np.empty(s.size, dtype=bool)
-    new[:1] = True
-    np.not_equal(s[1:], s[:-1], out=new[1:])
-    inv = np.empty(s.size, dtype=np.int64)
-    inv[order] = np.cumsum(new) - 1
-    return s[new], inv
 
 
 @dataclass
@@ -401,7 +378,7 @@ def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequ
     lab_prompt = r.prompt[lab]
     folds = n_folds if n_folds is not None else EvaluationOptions.of(None).n_folds
     # one hash per labelled prompt (not per labelled row): the fold is a function of the prompt id
-    lab_ids, lab_at = _unique_inverse(lab_prompt)
+    lab_ids, lab_at = unique_inverse(lab_prompt)
     fold = _folds(r.prompt_ids.take(pa.array(lab_ids)), folds).astype(np.int8)[lab_at]
     ranged = bool(table.schema.metadata and table.schema.metadata.get(RANGE_META) == b"1")
     kept = ShardKept(prompt=r.prompt.astype(np.int32 if n_ids < 2**31 else np.int64),

@@ -82,7 +82,7 @@ def test_prompts_per_policy_and_unique_inverse_are_numpy_unique():
         pol, pr = rng.integers(0, n_pol, rows), rng.integers(0, n_ids, rows)
         want = np.array([np.unique(pr[pol == k]).size for k in range(n_pol)])
         assert np.array_equal(sharded._prompts_per_policy(pol, pr, n_pol, n_ids), want)
-        u, inv = sharded._unique_inverse(pr)
+        u, inv = sharded.unique_inverse(pr)
         wu, winv = np.unique(pr, return_inverse=True)
         assert np.array_equal(u, wu) and np.array_equal(inv, winv)
 
