@@ -45,7 +45,7 @@ from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, Eval
 from cje_engine.data.ints import unique_ints, unique_inverse  # noqa: F401 (unique_ints: also this module's)
 from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, calibration_term,
                                           level_set_shares,
-                                          evaluation_terms, fold_jackknife, influence_with_evaluation_terms)
+                                          fold_jackknife, influence_with_evaluation_terms)
 from cje_engine.errors import CJEInputError
 from cje_engine.direct.verified import own_label_influence
 from cje_engine.inference.gram import BasisSums, GramTerms, Moments, SummedBasis
