@@ -32,6 +32,7 @@ from scipy.stats import norm
 
 from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
+from cje_engine.data.ints import unique_ints, unique_inverse
 from cje_engine.calibration import registry
 from cje_engine.direct.estimators import (Design, cell_fits, cell_policy_stats, calibration_plan, influence, make_design,
                                           row_cells)
@@ -97,7 +98,7 @@ class Fit:
     def labelled_prompts(self) -> tuple[int, np.ndarray]:
         """(distinct prompts of the labelled rows, each labelled row's index among them): per-prompt sums over the
         labelled rows without a (prompts,) array of every prompt (`_sparse_column_var`)."""
-        u, inv = np.unique(self.design.data.prompt[self.design.lab_rows], return_inverse=True)
+        u, inv = unique_inverse(self.design.data.prompt[self.design.lab_rows])
         return int(u.size), inv.reshape(-1)
 
     def release(self) -> None:
@@ -181,7 +182,7 @@ def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_sour
     v_res = _column_var(infl["calibration"][:, K:])
     v = np.stack([v_res, np.maximum(np.nan_to_num(np.asarray(se, dtype=float)) ** 2 - v_res, 0.0)], axis=-1)
     g_own = np.asarray(n_own_prompts, dtype=float)
-    g_cal = float(np.unique(d.prompt[design.cal_rows]).size)
+    g_cal = float(unique_ints(d.prompt[design.cal_rows]).size)
     nu = np.stack([np.maximum(g_own - 1, 1), np.full(K, max(g_cal - 1, 1))], axis=-1)
     df = satterthwaite_df(v, nu)
     df[is_source] = np.inf

@@ -18,6 +18,7 @@ from scipy.stats import t as student_t
 
 from cje_engine.audit import audit_policies, residual_deciles
 from cje_engine.data.frame import EvalData
+from cje_engine.data.ints import unique_ints
 from cje_engine.direct.estimators import Design
 from cje_engine.direct.verified import own_label_influence, power_tuned, power_tuned_lambda
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
@@ -465,7 +466,7 @@ def _own_labels(design: Design) -> tuple[list[np.ndarray], np.ndarray, np.ndarra
     d, K = design.data, design.n_policies
     lab_pol = d.policy[design.lab_rows]
     own_rows = [design.lab_rows[lab_pol == k] for k in range(K)]
-    n_own_prompts = np.array([np.unique(d.prompt[rows_k]).size for rows_k in own_rows])
+    n_own_prompts = np.array([unique_ints(d.prompt[rows_k]).size for rows_k in own_rows])
     return own_rows, np.bincount(lab_pol, minlength=K), n_own_prompts
 
 

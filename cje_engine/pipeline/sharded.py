@@ -42,9 +42,10 @@ import pyarrow.compute as pc
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
+from cje_engine.data.ints import unique_ints, unique_inverse  # noqa: F401 (unique_ints: also this module's)
 from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, calibration_term,
                                           level_set_shares,
-                                          evaluation_terms, fold_jackknife, influence_with_evaluation_terms)
+                                          fold_jackknife, influence_with_evaluation_terms)
 from cje_engine.errors import CJEInputError
 from cje_engine.direct.verified import own_label_influence
 from cje_engine.inference.gram import BasisSums, GramTerms, Moments, SummedBasis
@@ -223,18 +224,6 @@ def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arr
     return rank[idx], uniq.take(pa.array(order))
 
 
-def unique_ints(values: np.ndarray) -> np.ndarray:
-    """``numpy.unique`` of an integer array by a sort (numpy 2.4's hash-based `numpy.unique` of int64 takes
-    ~1 s a million values; this ~0.1 s)."""
-    if values.size == 0:
-        return values.copy()
-    s = np.sort(values)
-    keep = np.empty(s.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]
-
-
 @dataclass
 class ShardRows:
     """One shard's rows as arrays, in window order (`shard_rows`)."""
@@ -262,8 +251,8 @@ def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequen
     if policies is not None:
         table = table.filter(pc.is_in(table[POLICY], value_set=pa.array(list(policies), pa.string())))
     row = np.asarray(table[ROW].to_numpy(), dtype=np.int64)
-    order = np.argsort(row, kind="stable")
-    if not np.all(order == np.arange(order.size)):
+    if row.size > 1 and not np.all(row[1:] >= row[:-1]):  # a shard's pieces come in window order: no sort then
+        order = np.argsort(row, kind="stable")
         table = table.take(pa.array(order))
         row = row[order]
     prompt_codes, prompt_ids = sorted_codes(table[PROMPT])
@@ -288,6 +277,19 @@ def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequen
                      label=label, label_weight=weight, X=X)
 
 
+def _prompts_per_policy(policy: np.ndarray, prompt: np.ndarray, n_policies: int, n_ids: int) -> np.ndarray:
+    """Distinct prompts of each policy among rows of (policy code, prompt code), codes dense: one flag per
+    (policy, prompt) set and counted (O(rows + policies x prompts); the number of distinct pairs, exactly)."""
+    if n_policies * n_ids >= 2**31 or policy.size * 4 < n_policies * n_ids:  # sparse: by a sort
+        pairs = unique_ints(policy.astype(np.int64) * (n_ids + 1) + prompt)
+        return np.bincount(pairs // (n_ids + 1), minlength=n_policies)
+    seen = np.zeros(n_policies * n_ids, dtype=bool)
+    key = policy.astype(np.int64) * n_ids
+    key += prompt
+    seen[key] = True
+    return np.count_nonzero(seen.reshape(n_policies, n_ids), axis=1).astype(np.int64)
+
+
 @dataclass
 class ShardSummary:
     """What pass 1 returns from a shard (`reduce_shard`): O(cells + labels), never its rows, and its prompt ids
@@ -306,6 +308,56 @@ class ShardSummary:
     labelled: dict  # the labelled rows: row, prompt (local), policy, cell, score, X, label, weight, fold
     n_ids: int = 0  # distinct prompt ids
     id_range: tuple = (None, None)  # its smallest and largest prompt id (None: no rows)
+    kept: Any = None  # the shard's `ShardKept` (or, on Ray, its object reference: it stays on the cluster)
+
+
+@dataclass
+class ShardKept:
+    """Pass 1's codes of a shard's rows (window order), kept where the shard is for passes 2 and 3, so that they
+    neither read the shard's table again nor hash its prompt ids again (`shard_view`): ~9 bytes a row.
+
+    On Ray `reduce_shard` returns it as a second object that stays in the cluster's object store
+    (`flows.runtime.sharded_ray.ray_mapper`, ``kept_field``); in process it rides on the `ShardSummary`."""
+
+    prompt: np.ndarray  # (n,) int32: index into the shard's sorted distinct prompt ids
+    policy: np.ndarray  # (n,) int8/int16: index into the shard's sorted policies
+    cell: np.ndarray  # (n,) int32: the row's fine cell (index into the summary's ``cell_score``)
+    lab_pos: np.ndarray  # (L,) int64: positions of the labelled rows (label not NaN), increasing
+    lab_row: np.ndarray  # (L,) int64: their window rows (`ROW`), increasing
+    n_ids: int  # the shard's distinct prompt ids
+
+    @property
+    def n_rows(self) -> int:
+        """Rows of the shard."""
+        return int(self.prompt.size)
+
+
+@dataclass
+class ShardView:
+    """What passes 2 and 3 read of a shard (`shard_view`), from its table or from its `ShardKept`."""
+
+    prompt: np.ndarray  # (n,) local prompt code (rank among the shard's ids)
+    policy: np.ndarray  # (n,) local policy code
+    cell: np.ndarray  # (n,) local fine cell
+    lab_pos: np.ndarray  # positions of the labelled rows
+    lab_row: np.ndarray  # their window rows
+    n_ids: int
+
+
+def _small_int(n: int) -> type:
+    """The smallest signed integer type holding ``0..n``."""
+    return np.int8 if n < 2**7 else np.int16 if n < 2**15 else np.int32 if n < 2**31 else np.int64
+
+
+def shard_view(shard: Any, covariates: Sequence[str] = (), policies: Sequence[str] | None = None) -> ShardView:
+    """A shard's codes for passes 2 and 3: from its `ShardKept` (pass 1's, as they are), or from its table
+    (the shard read and coded again: `shard_rows` and `make_cells`, as pass 1 codes it; the reference)."""
+    if isinstance(shard, ShardKept):
+        return ShardView(shard.prompt, shard.policy, shard.cell, shard.lab_pos, shard.lab_row, shard.n_ids)
+    r = shard_rows(shard, covariates, policies)
+    _, fine = make_cells(r.score, r.X)
+    lab = np.flatnonzero(~np.isnan(r.label))
+    return ShardView(r.prompt, r.policy, fine, lab, r.row[lab], len(r.prompt_ids))
 
 
 def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None,
@@ -321,14 +373,17 @@ def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequ
     G = cells.size
     counts = np.bincount(r.policy * G + cell, minlength=Kl * G).reshape(Kl, G)
     n_ids = len(r.prompt_ids)
-    pairs = unique_ints(r.policy * (n_ids + 1) + r.prompt)
-    n_prompts = np.bincount(pairs // (n_ids + 1), minlength=Kl)
-    del pairs
+    n_prompts = _prompts_per_policy(r.policy, r.prompt, Kl, n_ids)
     lab = np.flatnonzero(~np.isnan(r.label))
     lab_prompt = r.prompt[lab]
     folds = n_folds if n_folds is not None else EvaluationOptions.of(None).n_folds
-    fold = _folds(r.prompt_ids.take(pa.array(lab_prompt)), folds).astype(np.int8)
+    # one hash per labelled prompt (not per labelled row): the fold is a function of the prompt id
+    lab_ids, lab_at = unique_inverse(lab_prompt)
+    fold = _folds(r.prompt_ids.take(pa.array(lab_ids)), folds).astype(np.int8)[lab_at]
     ranged = bool(table.schema.metadata and table.schema.metadata.get(RANGE_META) == b"1")
+    kept = ShardKept(prompt=r.prompt.astype(np.int32 if n_ids < 2**31 else np.int64),
+                     policy=r.policy.astype(_small_int(Kl)), cell=cell.astype(np.int32 if G < 2**31 else np.int64),
+                     lab_pos=lab, lab_row=r.row[lab], n_ids=n_ids)
     return ShardSummary(
         n_rows=int(r.row.size), prompt_ids=None if ranged else r.prompt_ids, policies=r.policies,
         cell_score=cells.score, cell_X=cells.X, counts=counts, n_prompts=n_prompts,
@@ -338,7 +393,13 @@ def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequ
         labelled={"row": r.row[lab], "prompt": lab_prompt.astype(np.int32), "policy": r.policy[lab].astype(np.int32),
                   "cell": cell[lab].astype(np.int32), "score": r.score[lab], "X": r.X[lab], "label": r.label[lab],
                   "weight": r.label_weight[lab], "fold": fold},
-        n_ids=n_ids, id_range=(r.prompt_ids[0].as_py(), r.prompt_ids[n_ids - 1].as_py()) if n_ids else (None, None))
+        n_ids=n_ids, id_range=(r.prompt_ids[0].as_py(), r.prompt_ids[n_ids - 1].as_py()) if n_ids else (None, None),
+        kept=kept)
+
+
+#: `reduce_shard`'s summary field a mapper may keep where the task ran (`flows.runtime.sharded_ray.ray_mapper`
+#: returns it as a second object, left in the cluster's object store, and puts its reference in the field).
+reduce_shard.kept_field = "kept"
 
 
 def shard_prompt_ids(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None
@@ -537,12 +598,11 @@ def _row_totals(summaries: Sequence[ShardSummary], policy_maps: list, K: int) ->
     return RowTotals(n_rows=n_rows, n_prompts=n_prompts, score_sum=score_sum, score_min=float(lo), score_max=float(hi))
 
 
-def _shard_keys(r: ShardRows, codes: ShardCodes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _shard_keys(v: ShardView, codes: ShardCodes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(global policy, global cell, kept) of a shard's rows under ``codes``."""
-    _, fine = make_cells(r.score, r.X)
-    pol = codes.policy_code[r.policy]
+    pol = codes.policy_code[v.policy]
     keep = pol >= 0
-    return pol, codes.cell_code[fine], keep
+    return pol, codes.cell_code[v.cell], keep
 
 
 @dataclass
@@ -558,7 +618,7 @@ class ShardTerms:
     rest: Moments | None = None  # Gram form: moments (orders 1-3) of the other prompts' terms
 
 
-def shard_evaluation_terms(table: pa.Table, covariates: Sequence[str], policies: Sequence[str] | None,
+def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequence[str] | None,
                            codes: ShardCodes, F_all: np.ndarray, cal_row: np.ndarray, cal_f: np.ndarray,
                            plug: np.ndarray, n_k: np.ndarray, keep_terms: bool = True) -> ShardTerms:
     """Pass 2 on one shard: every row's calibrated value (the full fit at its cell; out of fold on the
@@ -566,20 +626,23 @@ def shard_evaluation_terms(table: pa.Table, covariates: Sequence[str], policies:
     ``(f - theta_k) / n_k`` summed per prompt (`estimators.evaluation_terms`, the same bits per prompt as the
     single-process path), with their sums and cross-products over policies. ``keep_terms=False`` (the Gram
     form): only the prompts with a labelled row keep their terms; the others are returned as their moments
-    (`cje_engine.inference.gram.Moments`), O(K^3) whatever the shard's size."""
-    r = shard_rows(table, covariates, policies)
-    pol, cell, keep = _shard_keys(r, codes)
+    (`cje_engine.inference.gram.Moments`), O(K^3) whatever the shard's size.
+
+    ``shard``: pass 1's `ShardKept` of the shard (its codes, not read or hashed again) or its table
+    (`shard_view`: the same codes, computed again)."""
+    v = shard_view(shard, covariates, policies)
+    pol, cell, keep = _shard_keys(v, codes)
     f = F_all[cell]
     if cal_row.size:
-        pos = np.searchsorted(r.row, cal_row)
-        if not np.array_equal(r.row[np.minimum(pos, r.row.size - 1)], cal_row):
+        at = np.searchsorted(v.lab_row, cal_row)
+        if at.max() >= v.lab_row.size or not np.array_equal(v.lab_row[at], cal_row):
             raise ValueError("a calibration row sent to this shard is not in it")
-        f[pos] = cal_f
+        f[v.lab_pos[at]] = cal_f
     K = plug.size
-    terms = evaluation_terms(r.prompt[keep], pol[keep], f[keep], plug, n_k, len(r.prompt_ids))[:, :K]
+    terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
     out = ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
     if not keep_terms:
-        lab = unique_ints(r.prompt[keep & ~np.isnan(r.label)])
+        lab = unique_ints(v.prompt[v.lab_pos[keep[v.lab_pos]]].astype(np.int64))
         rest = np.ones(terms.shape[0], dtype=bool)
         rest[lab] = False
         out.labelled = codes.ranks(lab)
@@ -588,16 +651,29 @@ def shard_evaluation_terms(table: pa.Table, covariates: Sequence[str], policies:
     return out
 
 
-def shard_histograms(table: pa.Table, covariates: Sequence[str], policies: Sequence[str] | None,
+def _evaluation_terms(prompt: np.ndarray, policy: np.ndarray, f: np.ndarray, plug: np.ndarray, n_k: np.ndarray,
+                      n_prompts: int) -> np.ndarray:
+    """`estimators.evaluation_terms`'s plug-in columns (n_prompts, K), the same bits (each term ``(f - theta_k) /
+    n_k`` computed alike, each bin summed in row order by ``numpy.bincount``), without its augmented copy."""
+    K = plug.size
+    contrib = np.subtract(f, plug[policy])
+    np.divide(contrib, n_k[policy], out=contrib)
+    key = np.multiply(prompt, K, dtype=np.int64)
+    key += policy
+    return np.bincount(key, weights=contrib, minlength=n_prompts * K).reshape(n_prompts, K)
+
+
+def shard_histograms(shard: Any, covariates: Sequence[str], policies: Sequence[str] | None,
                      codes: ShardCodes, seed: int, start: int, stop: int, n_prompts: int, n_policies: int
                      ) -> np.ndarray:
     """Pass 3 on one shard: the weighted (policy, cell) histogram of replicates ``start..stop-1``, shape
     (stop - start, K * G), int64. The prompt weights are regenerated from ``(seed, b)`` (`bootstrap_weights`),
-    whole numbers: the histograms of the shards add up exactly to the single-process one."""
-    r = shard_rows(table, covariates, policies)
-    pol, cell, keep = _shard_keys(r, codes)
+    whole numbers: the histograms of the shards add up exactly to the single-process one. ``shard``: its
+    `ShardKept` or its table (`shard_view`)."""
+    v = shard_view(shard, covariates, policies)
+    pol, cell, keep = _shard_keys(v, codes)
     key = (pol * codes.n_cells + cell)[keep]
-    prompt = codes.ranks(r.prompt[keep])
+    prompt = codes.ranks(v.prompt[keep])
     KG = n_policies * codes.n_cells
     out = np.empty((stop - start, KG), dtype=np.int64)
     for i, b in enumerate(range(start, stop)):
@@ -624,6 +700,7 @@ class ShardedPrepared:
     gram: dict = field(default_factory=dict)  # the merged Gram form of the evaluation terms
     reason: str = "requested"  # why the sharded path was taken (the result's ``inference.row_pass``)
     segments: Any = None  # options.segment_by: the shards' segment counts (`sharded_segments.SegmentCounts`)
+    kept: list = field(default_factory=list, repr=False)  # per shard, pass 1's `ShardKept` (or its reference)
 
     @property
     def options(self) -> EvaluationOptions:
@@ -642,7 +719,7 @@ class ShardedPrepared:
         """Replicates ``start..stop-1``'s (policy, cell) histograms summed over the shards (exact, any order)."""
         opts, d = self.prep.options, self.prep.design
         items = [(t, tuple(opts.covariates), opts.policies, c, opts.seed, start, stop, self.n_prompts,
-                  d.n_policies) for t, c in zip(self.shards, self.codes)]
+                  d.n_policies) for t, c in zip(self.kept or self.shards, self.codes)]
         total = None
         for _, h in self.mapper(shard_histograms, items):
             total = h.copy() if total is None else total + h  # int64: exact in any order
@@ -737,6 +814,12 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         for i, ids in mapper(shard_prompt_ids, [(t, cov, pols) for t in shards]):
             summaries[i].prompt_ids = ids
     _note("pass 1")
+    # pass 1's codes of every shard (references on Ray: they stay in the cluster) for passes 2 and 3
+    kept = [x.kept for x in summaries]
+    if any(k is None for k in kept):
+        kept = []
+    for x in summaries:
+        x.kept = None
     merged = merge_summaries(summaries, opts)
     summaries = None  # their labelled rows moved into the merge; the rest released before the fit
     lab_window_rows, lab_shard = merged.lab_rows, merged.lab_shard
@@ -772,7 +855,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     cal_rows_window = lab_window_rows[cr]
     shard_of_row = lab_shard[cr]
     items = []
-    for i, t in enumerate(shards):
+    for i, t in enumerate(kept or shards):
         sel = shard_of_row == i
         items.append((t, cov, pols, codes[i], fit.F_all, cal_rows_window[sel], fit.f_cal[sel], plug, n_k, keep_terms))
     del cal_rows_window, shard_of_row, lab_window_rows, sel
@@ -813,7 +896,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     prep = Prepared(opts, design, selection, f, fit.full, stats, infl, jk, fit.models, excluded, None,
                     rows=merged.totals)
     sp = ShardedPrepared(prep, shards, codes, merged.n_prompts, mapper, "per_prompt" if keep_terms else "gram",
-                         gram, reason)
+                         gram, reason, kept=kept)
     if opts.segment_by:  # each row's segment, counted on the shards (errors here, before any bootstrap)
         sp.segments = sharded_segments.count_segments(sp, ROW)
     return sp
@@ -889,7 +972,7 @@ class GramBuilder:
         if P is not None and P.size:
             rl = np.flatnonzero(self.shard_lab == i)
             rc = np.flatnonzero(self.shard_cal == i)
-            if not np.array_equal(np.unique(self.prompt_lab[rl]), P):
+            if not np.array_equal(unique_ints(self.prompt_lab[rl]), P):
                 raise ValueError("a shard's labelled prompts are not the driver's")
             loc_l = np.searchsorted(P, self.prompt_lab[rl])
             loc_c = np.searchsorted(P, self.prompt_cal[rc])

@@ -191,9 +191,12 @@ def recoding_mapper(mapper: Mapper, recode: Callable[[pa.Table], pa.Table]) -> M
 
     def mapped(fn: Callable, items: Sequence[tuple]):
         def call(recoder, table, *rest):
-            return fn(recoder(table), *rest)
+            # pass 1's kept codes (`sharded.ShardKept`) are of the recoded shard already
+            return fn(recoder(table) if isinstance(table, pa.Table) else table, *rest)
 
         call.__name__ = call.__qualname__ = fn.__name__
+        if getattr(fn, "kept_field", None):
+            call.kept_field = fn.kept_field
         return mapper(call, [(recode, *item) for item in items])
 
     return mapped

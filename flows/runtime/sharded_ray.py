@@ -150,7 +150,8 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
     evaluate flow: join the label store's labels, derive covariates, check columns) and returns
     ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it); ``keep``: the
-    only columns they keep (those of it the file has, after ``prepare_rows``; None: every column)."""
+    only columns they keep (those of it the file has, after ``prepare_rows``, in the order of ``keep``; None: every
+    column); without ``columns`` and ``prepare_rows`` only those (and the response id) are read."""
     import numpy as np
     import pyarrow as pa
 
@@ -158,8 +159,19 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
+    from cje_engine.errors import CJEInputError
+
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
-    table = read_window(st, [key], columns=columns, policies=policies, mapping=mapping, check_unique=False)
+    wanted = columns
+    if columns is None and prepare_rows is None and keep is not None:  # only what the shards keep is read
+        wanted = list(dict.fromkeys([*keep, "response_id"]))
+    try:
+        table = read_window(st, [key], columns=wanted, policies=policies, mapping=mapping, check_unique=False)
+    except CJEInputError:
+        if wanted is columns:
+            raise
+        # a kept column this file lacks (read_window names it): the whole file, as without ``keep``
+        table = read_window(st, [key], columns=columns, policies=policies, mapping=mapping, check_unique=False)
     if "dt" in table.column_names:
         table = table.drop_columns(["dt"])
     info = {"key": key, "rows": table.num_rows}
@@ -174,8 +186,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     else:
         rids = [pa.table({"response_id": pa.array([], pa.string()), ROW: pa.array([], pa.int64())})] * n_shards
     if keep is not None:
-        wanted = set(keep) | {ROW}
-        table = table.select([c for c in table.column_names if c in wanted])
+        table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
     return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
 
 
@@ -239,6 +250,16 @@ def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
             out.append(_concat(*args[i:i + spec]))
             i += spec
     return fn(*out)
+
+
+def _keeping(fn: Callable, field: str, layout: tuple, *args: Any) -> tuple[Any, Any]:
+    """``fn``'s result (its shard rebuilt from its pieces, `_with_pieces`) and, apart, its ``field`` (set to None
+    in the result): the task's two returns, so that the field stays in the object store and only its reference
+    reaches the driver (`ray_mapper`)."""
+    res = _with_pieces(fn, layout, *args)
+    kept = getattr(res, field)
+    setattr(res, field, None)
+    return res, kept
 
 
 def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
@@ -311,6 +332,10 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
     ``memory``: bytes each task asks for, or a function of the pass's function name giving them (derived
     from the data by the caller, `task_memory`). A worker lost mid-task is retried ``max_retries`` times.
     A `ShardPieces` among an item's arguments reaches ``fn`` as its shard's table (`_with_pieces`).
+    A function with a ``kept_field`` (`cje_engine.pipeline.sharded.reduce_shard`: pass 1's codes of the shard)
+    returns that field as a second object left in the object store: the driver gets the result with the
+    field set to its reference, which a later pass takes as a top-level argument (Ray resolves it on the
+    worker, zero-copy; lost with a node, Ray rebuilds it by running the task again, a pure function).
     """
     import ray
 
@@ -319,12 +344,20 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
         opts = {"max_retries": max_retries, "retry_exceptions": False, "name": f"cje_{fn.__name__}"}
         if mem:
             opts["memory"] = int(mem)
-        refs = []
+        refs, kept = [], {}
+        field = getattr(fn, "kept_field", None)
         plain = ray.remote(fn).options(**opts)
         pieced = ray.remote(_with_pieces).options(**opts)
+        keeping = ray.remote(_keeping).options(**opts, num_returns=2)
         for item in items:
             layout, args = _flatten(item)
-            refs.append(pieced.remote(fn, layout, *args) if any(x is not None for x in layout) else plain.remote(*item))
+            if field:
+                ref, kept_ref = keeping.remote(fn, field, layout, *args)
+                kept[ref] = kept_ref
+                refs.append(ref)
+            else:
+                refs.append(pieced.remote(fn, layout, *args) if any(x is not None for x in layout)
+                            else plain.remote(*item))
         index = {r: i for i, r in enumerate(refs)}
         pending = list(refs)
         limit = ray_get_timeout()
@@ -334,6 +367,9 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
                 raise TimeoutError(f"Ray tasks cje_{fn.__name__}: {len(pending)} of {len(refs)} did not finish "
                                    f"within {limit:g} s")
             for ref in done:
-                yield index[ref], ray.get(ref)
+                res = ray.get(ref)
+                if field:
+                    setattr(res, field, kept[ref])
+                yield index[ref], res
 
     return mapper

@@ -74,3 +74,59 @@ def test_shards_are_a_multiple_of_the_cpus():
     assert sharded_ray.n_shards_for(100_000_000, 2) == 26
     assert sharded_ray.n_shards_for(1_000, 3) == 3
     assert sharded_ray.n_shards_for(0, 0) == 1
+
+
+def test_prompts_per_policy_and_unique_inverse_are_numpy_unique():
+    rng = np.random.default_rng(1)
+    for n_pol, n_ids, rows in ((3, 50, 400), (5, 1000, 30), (1, 1, 1), (2, 10, 0)):
+        pol, pr = rng.integers(0, n_pol, rows), rng.integers(0, n_ids, rows)
+        want = np.array([np.unique(pr[pol == k]).size for k in range(n_pol)])
+        assert np.array_equal(sharded._prompts_per_policy(pol, pr, n_pol, n_ids), want)
+        u, inv = sharded.unique_inverse(pr)
+        wu, winv = np.unique(pr, return_inverse=True)
+        assert np.array_equal(u, wu) and np.array_equal(inv, winv)
+
+
+def test_the_shards_evaluation_terms_are_the_estimators_bit_for_bit():
+    from cje_engine.direct.estimators import evaluation_terms
+
+    rng = np.random.default_rng(2)
+    n, K, P = 5000, 4, 700
+    prompt, pol = rng.integers(0, P, n).astype(np.int32), rng.integers(0, K, n)
+    f, plug, n_k = rng.random(n), rng.random(K), rng.integers(100, 2000, K).astype(float)
+    want = evaluation_terms(prompt.astype(np.int64), pol, f, plug, n_k, P)[:, :K]
+    assert np.array_equal(sharded._evaluation_terms(prompt, pol, f, plug, n_k, P), want)
+
+
+@pytest.mark.parametrize("keep_terms", [True, False])
+def test_passes_2_and_3_on_kept_codes_give_the_parts_of_the_shards_read_again(keep_terms):
+    """Pass 2 and the bootstrap's pass 3 on pass 1's kept codes (`ShardKept`) return, bit for bit, what they
+    return from the shard's table read and coded again (`shard_view` of the table: the slow, obvious path)."""
+    from cje_engine.options import EvaluationOptions
+    from cje_engine.simulate import simulate
+
+    table = pa.Table.from_pandas(simulate(900, seed=4, oracle_fraction=0.1).frame, preserve_index=False)
+    shards = sharded.split_by_shard(table, 3)
+    # two days of one shard arrive in the other order: the reader's rows are sorted back into window order
+    shards[1] = pa.concat_tables([shards[1].slice(200), shards[1].slice(0, 200)])
+    opts = EvaluationOptions.of(None, seed=1, inference="analytic", covariates=("response_length",),
+                                calibration_mode="two_stage")
+    seen = {}
+
+    def recording(fn, items):
+        seen[fn.__name__] = items
+        return sharded.serial_map(fn, items)
+
+    sp = sharded.prepare_sharded(shards, opts, mapper=recording, keep_terms=keep_terms)
+    assert len(sp.kept) == 3 and all(isinstance(k, sharded.ShardKept) for k in sp.kept)
+    for i, item in enumerate(seen["shard_evaluation_terms"]):
+        assert item[0] is sp.kept[i]
+        fast = sharded.shard_evaluation_terms(*item)
+        slow = sharded.shard_evaluation_terms(shards[i], *item[1:])
+        for name in ("terms", "count", "total", "gram", "labelled", "labelled_terms"):
+            assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+        if not keep_terms:
+            for name in ("n", "s", "S", "T"):
+                assert np.array_equal(getattr(fast.rest, name), getattr(slow.rest, name)), name
+        args = (tuple(opts.covariates), None, sp.codes[i], 11, 0, 7, sp.n_prompts, sp.prep.design.n_policies)
+        assert np.array_equal(sharded.shard_histograms(sp.kept[i], *args), sharded.shard_histograms(shards[i], *args))
