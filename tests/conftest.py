@@ -34,3 +34,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if stats_dir in Path(str(item.fspath)).parents and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.stats)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``: the flow tests' files on one worker, the costliest files first
+    (`tests.xdist_schedule.ClusterFirstScheduling`); other modes are pytest-xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.xdist_schedule import ClusterFirstScheduling
+
+    return ClusterFirstScheduling(config, log)

@@ -220,3 +220,34 @@ def test_cje_run_derives_response_length_like_cje_evaluate(tmp_path, prefect_ser
     for name, p in ref["policies"].items():
         assert doc["result"]["policies"][name]["plug_in"]["estimate"] == pytest.approx(p["plug_in"]["estimate"],
                                                                                        abs=1e-9)
+
+
+def test_cje_run_quiet_reports_bad_data_found_inside_the_flow_as_one_line(tmp_path, prefect_server, ray_cluster):
+    """Issue 25: with ``-q``, bad data found inside the flow (a response id twice in the window: the flow's
+    ``validate`` step, after Prefect and Ray started) printed Prefect's task- and flow-run errors with three
+    tracebacks (129 lines) before the command's own line.  Now: exit 2 and one error line.
+
+    A `cje run` process on the session's Prefect server and Ray cluster, as at scale (was in tests/cli on an
+    embedded server and a local Ray started for this one run: 19 CPU s; the flow's errors are logged by the
+    `cje run` process either way)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.cli.test_anchors_and_service import _config, _logs
+
+    _logs(tmp_path / "logs")
+    first, second = sorted((tmp_path / "logs").rglob("*.parquet"))[:2]
+    table = pq.read_table(second)
+    ids = table.column("response_id").to_pylist()
+    ids[3] = pq.read_table(first).column("response_id")[0].as_py()  # the same response on two days
+    pq.write_table(table.set_column(table.schema.get_field_index("response_id"), "response_id", pa.array(ids)),
+                   second)
+    cfg = _config(tmp_path, tmp_path / "logs")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS", "CJE_CONFIG"))}
+    env.update(PREFECT_API_URL=prefect_server.url, RAY_ADDRESS=ray_cluster.address, PYTHONPATH=str(REPO))
+    r = _cje("run", "ev", "--config", str(cfg), "-q", env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "prefect" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("cje run: error:") and "appears more than once" in errors[0]
+    assert not list(tmp_path.rglob("manifest.json"))
