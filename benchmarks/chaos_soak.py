@@ -73,7 +73,7 @@ from tests.stack.conftest import (  # noqa: E402
 log = logging.getLogger("chaos_soak")
 
 #: Fault kinds and their weights (the Ray head costs a cluster restart, so it is drawn less often).
-FAULTS = {"none": 3, "flow_kill": 2, "ray_node": 2, "api_crash": 2, "pg_kill": 2, "double_fire": 2, "ray_head": 1}
+FAULTS = F.SOAK_FAULTS
 #: Faults of a shared service (they hit every run in flight).
 SHARED = {"ray_node", "api_crash", "pg_kill", "ray_head"}
 #: 1,000 prompts x 5 policies and 500 replicates: a run spends ~20 s Running (read ~5 s, bootstrap ~3 s,
