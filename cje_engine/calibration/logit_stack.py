@@ -93,7 +93,7 @@ def _product(a: np.ndarray, M: np.ndarray, out: np.ndarray | None = None) -> np.
     one ``s`` at a time onto a zero start, so a column with a single unit entry is that entry's ``a`` column
     (plus 0.0: the einsum's sign of a zero), an all-zero column is +0.0, and the other columns need only the
     rows where they are non-zero (the skipped products are zeros). ``a`` must be finite (a zero times an
-    infinity is NaN): otherwise the full einsum. Pinned against the einsum in tests/unit/test_segment_terms.py."""
+    infinity is NaN): otherwise the full einsum. Pinned against the einsum in tests/unit/test_logit_stack_product.py."""
     if not np.isfinite(a).all():
         return _einsum("js,sq->jq", a, M) if out is None else _einsum("js,sq->jq", a, M, out=out)
     _, unit, src, multi, rows, Mr = _sparse_form(M)

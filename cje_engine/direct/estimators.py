@@ -606,9 +606,9 @@ def joint_replicates(view: BootstrapView, cells: BootstrapView, to_plain: np.nda
     K, Kc = view.n_policies, cells.n_policies
     plan, cplan = view.calibration, cells.calibration
     G, Gc = plan.cells.size, cplan.cells.size
-    shared = same_calibration(plan, cplan) and np.array_equal(view.cal_prompt, cells.cal_prompt)
-    same_labels = np.array_equal(view.lab_prompt, cells.lab_prompt) and np.array_equal(view.lab_lw, cells.lab_lw)
     same_cal_rows = np.array_equal(view.cal_prompt, cells.cal_prompt)  # the calibration rows' weights shared
+    shared = same_cal_rows and same_calibration(plan, cplan)
+    same_labels = np.array_equal(view.lab_prompt, cells.lab_prompt) and np.array_equal(view.lab_lw, cells.lab_lw)
     out, out_c = np.empty((stop - start, 3 * K)), np.empty((stop - start, 3 * Kc))
     # the refits of a batch are held together (their prompt weights too): sized by the refits' arrays
     per = max(_replicate_elements(plan), _replicate_elements(cplan)) + view.n_prompts // 4
@@ -617,7 +617,7 @@ def joint_replicates(view: BootstrapView, cells: BootstrapView, to_plain: np.nda
         ws = [bootstrap_weights(view.seed, i, view.n_prompts) for i in range(a, min(a + batch, stop))]
         wcs = [w[view.cal_prompt] for w in ws]
         fits = _refits(plan, wcs)
-        wcs_c = wcs if shared or same_cal_rows else [w[cells.cal_prompt] for w in ws]
+        wcs_c = wcs if same_cal_rows else [w[cells.cal_prompt] for w in ws]
         fits_c = fits if shared else _refits(cplan, wcs_c)
         for j, w in enumerate(ws):
             i = a - start + j

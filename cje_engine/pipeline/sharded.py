@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
-from cje_engine.data.ints import unique_ints, unique_inverse  # noqa: F401 (unique_ints: also this module's)
+from cje_engine.data.ints import unique_ints, unique_inverse
 from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, calibration_term,
                                           level_set_shares,
                                           fold_jackknife, influence_with_evaluation_terms)

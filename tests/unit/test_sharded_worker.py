@@ -6,6 +6,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
+from cje_engine.data.ints import unique_ints, unique_inverse
 from cje_engine.pipeline import sharded
 from flows.runtime import sharded_ray
 
@@ -28,7 +29,7 @@ def test_sorted_codes_are_pandas_sorted_factorize(column):
 def test_unique_ints_is_numpy_unique():
     rng = np.random.default_rng(0)
     for values in (rng.integers(-5, 50, 400), np.empty(0, np.int64), np.array([7])):
-        assert np.array_equal(sharded.unique_ints(values), np.unique(values))
+        assert np.array_equal(unique_ints(values), np.unique(values))
 
 
 def test_range_shard_is_searchsorted_right():
@@ -82,7 +83,7 @@ def test_prompts_per_policy_and_unique_inverse_are_numpy_unique():
         pol, pr = rng.integers(0, n_pol, rows), rng.integers(0, n_ids, rows)
         want = np.array([np.unique(pr[pol == k]).size for k in range(n_pol)])
         assert np.array_equal(sharded._prompts_per_policy(pol, pr, n_pol, n_ids), want)
-        u, inv = sharded.unique_inverse(pr)
+        u, inv = unique_inverse(pr)
         wu, winv = np.unique(pr, return_inverse=True)
         assert np.array_equal(u, wu) and np.array_equal(inv, winv)
 
