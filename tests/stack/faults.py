@@ -30,12 +30,12 @@ FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 #: The services `restore` checks, in the order it relaunches them.
 SERVICES = ("postgres", "prefect-server", "ray-head", "ray-worker", "prefect-worker")
 
-
-# ------------------------------------------------------------------------------------------- processes
-
 #: The chaos soak's fault kinds and their weights (benchmarks/chaos_soak.py; the Ray head costs a cluster
 #: restart, so it is drawn less often). Here, so that the soak's test reads them without importing benchmarks.
 SOAK_FAULTS = {"none": 3, "flow_kill": 2, "ray_node": 2, "api_crash": 2, "pg_kill": 2, "double_fire": 2, "ray_head": 1}
+
+# ------------------------------------------------------------------------------------------- processes
+
 
 def alive(stack: Stack, name: str) -> bool:
     """Whether the service's session still has a process."""
