@@ -86,6 +86,7 @@ def stage_write(args: argparse.Namespace) -> dict:
 
     st = _storage(args.logs)
     rows = 0
+    labels = []  # with --label-store: the labels leave the logs for the label store (as the evaluate flow reads)
     with MemorySampler() as mem:
         for block in range(math.ceil(args.prompts / BLOCK)):
             n = min(BLOCK, args.prompts - block * BLOCK)
@@ -94,6 +95,10 @@ def stage_write(args: argparse.Namespace) -> dict:
             t = t.set_column(0, "prompt_id", pc.binary_join_element_wise(f"b{block}-", t["prompt_id"].cast(pa.string()), ""))
             t = t.set_column(t.column_names.index("response_id"), "response_id",
                              pc.binary_join_element_wise(f"b{block}-", t["response_id"].cast(pa.string()), ""))
+            if args.label_store:
+                lab = t.filter(t["oracle_label"].is_valid())
+                labels.append(lab.select(["response_id", "oracle_label", "label_probability"]))
+                t = t.drop_columns(["oracle_label", "label_probability"])
             pol = np.asarray(pc.index_in(t["policy"], value_set=pc.unique(t["policy"])))
             day = (pol + block) % DAYS
             for d in range(DAYS):
@@ -111,7 +116,18 @@ def stage_write(args: argparse.Namespace) -> dict:
             del t
             _release_memory()
         mem.mark("write")
-    return {"rows": rows, "files": len(_keys(args.logs)), "max_rss_gib": _max_rss()}
+        version = n_labels = None
+        if args.label_store:
+            from flows.storage.labels import LabelStore
+
+            table = pa.concat_tables(labels)
+            del labels
+            n_labels = table.num_rows
+            version = LabelStore(_storage(args.label_store)).append(table, "bench_sharded")
+            del table
+            mem.mark("labels")
+    return {"rows": rows, "files": len(_keys(args.logs)), "labels": n_labels, "label_version": version,
+            "max_rss_gib": _max_rss()}
 
 
 def _max_rss() -> float:
@@ -413,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the written logs")
     p.add_argument("--out", type=Path, default=HERE / "_work" / "sharded_out")
     p.add_argument("--stage", choices=["write", "single", "sharded", "groupby"])
+    p.add_argument("--label-store", default=None,
+                   help="write stage: the labels go to this label store (folder or s3:// root), not into the logs")
     args = p.parse_args(argv)
     if args.inference == "bootstrap" and args.bootstrap < 50:
         p.error("--inference bootstrap needs --bootstrap >= 50")

@@ -305,6 +305,10 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     id_splitters = range_splitters([r for _, r in samples], n_shards)
     split = ray.remote(split_file).options(num_returns=2 * n_shards + 1, max_retries=max_retries,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
+    if prepare_rows is not None:
+        # Put once: passed by value, Ray would serialize it into the object store again for every file's task
+        # (the evaluate flow's `FileRows` carries the label store's labels: ~5M rows at 100M log rows, 100 files).
+        prepare_rows = ray.put(prepare_rows)
     pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
                            id_splitters) for i, k in enumerate(keys)]
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
