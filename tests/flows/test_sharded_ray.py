@@ -181,3 +181,30 @@ def test_a_repeated_response_id_is_refused_on_the_sharded_path(local_ray, direct
     files = {k for k in keys if k in str(err.value)}
     assert files == ({keys[0]} if where == "one_file_one_shard" else set(keys))
     assert exit_code_of(err.value) == EXIT_BAD_INPUT
+
+
+class _CountedRows:
+    """A ``prepare_rows`` that counts how often the driver pickles it (its rows unchanged)."""
+
+    pickled = 0
+
+    def __reduce__(self):
+        type(self).pickled += 1
+        return (_CountedRows, ())
+
+    def __call__(self, table: pa.Table, source: str) -> tuple[pa.Table, dict]:
+        return table, {}
+
+
+def test_prepare_rows_is_put_in_the_object_store_once_for_every_file(local_ray, two_days):
+    """The evaluate flow's `prepare_rows` carries the label store's labels (~5M rows at 100M log rows): passed to
+    every file's reader by value, Ray would serialize it into the object store once per file (100 copies at 100
+    files); `read_shards` puts it once and passes its reference. Two files here: pickled once, not twice (or 4:
+    ``sample_file`` does not take it), and the shards' numbers unchanged."""
+    uri, cfg, keys, window = two_days
+    _CountedRows.pickled = 0
+    refs = sharded_ray.read_shards(uri, cfg, keys, 3, rows_hint=window.num_rows, prepare_rows=_CountedRows())
+    assert len(keys) == 2 and _CountedRows.pickled == 1
+    opts = EvaluationOptions.of(None, seed=4, inference="analytic")
+    sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
+    assert_same_result(direct.finalize(direct.prepare(window, opts), []).to_dict(), sp.finalize([]).to_dict())
