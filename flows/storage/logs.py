@@ -113,6 +113,29 @@ def as_date(value: date | datetime | str, what: str = "date") -> date:
         raise CJEInputError(f"{what} {value!r} is not a date; expected YYYY-MM-DD") from None
 
 
+def parquet_rows(st: Storage, keys: Sequence[str], threads: int = 8) -> int | None:
+    """The rows of the Parquet files ``keys`` from their footers (one small read each, in ``threads`` threads),
+    or None when a footer cannot be read (storage down, not Parquet: the read that follows reports it with its own
+    retries and messages). The sharded row pass sizes its shards by it (`flows.pipelines.sharded_pass`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not keys:
+        return 0
+    fs, _ = st.arrow_fs
+
+    def rows(key: str) -> int | None:
+        try:
+            with fs.open_input_file(st.arrow_path(key)) as f:
+                return int(pq.read_metadata(f).num_rows)
+        except (OSError, pa.ArrowException) as exc:
+            log.debug("footer of %s not readable (%s)", st.url(key), exc)
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(keys)))) as pool:
+        counts = list(pool.map(rows, list(keys)))
+    return None if any(c is None for c in counts) else int(sum(counts))
+
+
 def partition_dates(start: date | str, end: date | str) -> list[date]:
     """Every date from ``start`` to ``end`` inclusive."""
     s, e = as_date(start, "start date"), as_date(end, "end date")

@@ -134,3 +134,27 @@ def test_a_log_file_without_a_segment_column_is_refused_by_its_read_task():
     assert err.value.source == "s3://b/logs/dt=2026-02-02/part-0.parquet"
     table, info = FileRows(None, [], ["band"])(t.append_column("band", pa.array(["x"] * t.num_rows)), "f")
     assert "band" in table.column_names and info["policies"]
+
+
+def test_the_shards_are_sized_by_the_rows_in_the_files_footers_not_by_their_bytes(tmp_path):
+    """The sharded path sizes its shards by the window's rows (`window_rows`: the Parquet footers). The files'
+    bytes misjudge them by the bytes a row, which depends on the columns and on how well they compress: the
+    100M-row window of issue 29 (no inline labels, 3.1 B a row) read as 26M rows, 8 shards of 12.5M rows on
+    2 CPUs instead of 26 of at most 4M. Here two files whose bytes give a tenth of their rows or less; a file
+    whose footer cannot be read falls back to the bytes (the read then reports it)."""
+    from flows.pipelines.sharded_pass import PARQUET_BYTES_PER_ROW, window_rows
+
+    files = []
+    for i, n in enumerate((40_000, 25_000)):
+        key = f"dt={DAYS[i]}/part-0.parquet"
+        (tmp_path / key).parent.mkdir(parents=True)
+        pq.write_table(pa.table({"prompt_id": pa.array(np.zeros(n, np.int64)), "judge_score": np.full(n, 0.5)}),
+                       tmp_path / key)
+        files.append({"key": key, "size": (tmp_path / key).stat().st_size})
+    by_bytes = sum(f["size"] for f in files) // PARQUET_BYTES_PER_ROW
+    assert by_bytes * 10 < 65_000  # constant columns: a few bytes for 65,000 rows
+    assert window_rows(str(tmp_path), None, files) == 65_000
+    (tmp_path / "dt=2026-02-04").mkdir()
+    (tmp_path / "dt=2026-02-04" / "part-0.parquet").write_bytes(b"not parquet" * 100)
+    bad = files + [{"key": "dt=2026-02-04/part-0.parquet", "size": 1100}]
+    assert window_rows(str(tmp_path), None, bad) == (sum(f["size"] for f in files) + 1100) // PARQUET_BYTES_PER_ROW
