@@ -47,7 +47,7 @@ WINDOW = "2026-03-01..2026-03-07"  # bench_sharded's FIRST_DAY and DAYS
 
 class RayCpu:
     """CPU seconds of the cluster's Ray processes while it runs: every 0.5 s the user + system time of each
-    ``ray::`` process (workers) and of each process whose command line names ``marker`` (raylet, GCS, agents);
+    process whose command line names ``marker`` (raylet, GCS, agents) and of their descendants (``ray::`` workers);
     a process's CPU counts from its first sample (from 0 when it started after this sampler), up to its last."""
 
     def __init__(self, marker: str, interval: float = 0.5) -> None:
@@ -58,30 +58,50 @@ class RayCpu:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._started = False
+        self.samples = 0
 
     def _scan(self) -> dict[int, tuple[str, float]]:
+        """Every process of the cluster: whose command line names ``marker`` (raylet, GCS, agents) or that
+        descends from one (its ``ray::`` workers); other sessions' Ray processes on the machine are left out."""
         tick = os.sysconf("SC_CLK_TCK")
-        out = {}
+        procs: dict[int, tuple[bytes, int, float]] = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as fh:
                     cmd = fh.read()
-                if not (cmd.startswith(b"ray::") or self.marker in cmd):
-                    continue
                 with open(f"/proc/{entry}/stat", "rb") as fh:
                     f = fh.read().rsplit(b")", 1)[1].split()
             except OSError:
                 continue
+            procs[int(entry)] = (cmd, int(f[1]), (int(f[11]) + int(f[12])) / tick)
+        out = {}
+        for pid, (cmd, _, cpu) in procs.items():
+            p, ours = pid, False
+            for _ in range(64):
+                if p not in procs or p <= 1:
+                    break
+                if self.marker in procs[p][0]:
+                    ours = True
+                    break
+                p = procs[p][1]
+            if not ours:
+                continue
             agent = any(w in cmd for w in (b"Dashboard", b"RuntimeEnv", b"Agent"))
             kind = "worker" if cmd.startswith(b"ray::") and not agent else "other"
-            out[int(entry)] = (kind, (int(f[11]) + int(f[12])) / tick)
+            out[pid] = (kind, cpu)
         return out
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            for pid, v in self._scan().items():
+            try:
+                seen = self._scan()
+            except Exception as exc:  # noqa: BLE001 - a process that vanished mid-read: the next sample
+                log.debug("sample failed: %s", exc)
+                continue
+            self.samples += 1
+            for pid, v in seen.items():
                 if pid not in self.first:
                     self.first[pid] = 0.0 if self._started else v[1]
                 self.last[pid] = v
@@ -104,7 +124,7 @@ class RayCpu:
         out = {"worker": 0.0, "other": 0.0}
         for pid, (kind, cpu) in self.last.items():
             out[kind] += cpu - self.first.get(pid, 0.0)
-        return {k: round(v, 2) for k, v in out.items()}
+        return {**{k: round(v, 2) for k, v in out.items()}, "samples": self.samples}
 
 
 def _hwm() -> float:
