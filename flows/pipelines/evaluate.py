@@ -70,7 +70,8 @@ from flows.config import (EngineOptions, EngineOptionsParameter, MonitoringConfi
 from flows.pipelines import preflight
 from flows.pipelines.pages import contextual_report, refresh_pages
 from flows.pipelines.regressions import monitor_evaluation
-from flows.pipelines.sharded_pass import check_row_pass, compute_sharded, row_pass_for, single_row_pass
+from flows.pipelines.sharded_pass import (SHARDED_MIN_BYTES, SHARDED_MIN_ROWS, check_row_pass, compute_sharded,
+                                          row_pass_for, single_row_pass, window_rows)
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
@@ -673,7 +674,12 @@ def evaluate(
     get_run_logger().info("evaluation %r over %s (%s) from %s", evaluation, plan.window.label, window, logs_uri)
     with ray_runtime.ray_session() as ray_kind:
         files = discover.with_options(**plan.retry)(plan.logs_uri, quote(cfg), plan.window)
-        path, why = row_pass_for(row_pass, plan.mode, files)
+        size = sum(int(f.get("size") or 0) for f in files)
+        # The footers' rows, when they can decide (`auto`, Direct, under the bytes' threshold, and at least a byte a
+        # row of `SHARDED_MIN_ROWS`): a small window reads no footer, and its reads stay those of the single path.
+        n_rows = (window_rows(plan.logs_uri, cfg, files) if row_pass == "auto" and plan.mode == "direct" and
+                  SHARDED_MIN_ROWS <= size < SHARDED_MIN_BYTES else None)
+        path, why = row_pass_for(row_pass, plan.mode, files, n_rows)
         get_run_logger().info("row pass: %s (%s)", path, why)
         if path == "sharded":
             rows, counts, result = sharded_window(plan, cfg, files, why)  # load_labels, shards on Ray, finalize

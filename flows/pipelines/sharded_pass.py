@@ -1,8 +1,8 @@
 """The evaluate flow's sharded row pass (issue 29): which path a run takes, and the sharded path itself.
 
 `row_pass_for` picks the path: ``row_pass="sharded"`` or ``"single"`` forces one; ``"auto"`` takes the
-sharded path for a Direct window (segmented or not) whose Parquet files reach `SHARDED_MIN_BYTES`, and the single
-path in logs-only and hybrid mode (their estimators need every logged row; ``"sharded"`` with them is refused
+sharded path for a Direct window (segmented or not) whose Parquet files reach `SHARDED_MIN_BYTES` or whose rows (their
+footers) reach `SHARDED_MIN_ROWS`, and the single path in logs-only and hybrid mode (their estimators need every logged row; ``"sharded"`` with them is refused
 by `check_row_pass` before Prefect or Ray start). `compute_sharded` reads
 every file on a Ray worker, joins the label store's labels and derives covariates there
 (`prepare_file_rows`), splits the rows by prompt into shards (`flows.runtime.sharded_ray.read_shards`) and
@@ -42,9 +42,16 @@ def check_row_pass(requested: str, mode: str) -> None:
         sharded.check_sharded_mode(mode)
 
 
-def row_pass_for(requested: str, mode: str, files: Sequence[dict]) -> tuple[str, str]:
-    """(path, reason): ``"single"`` or ``"sharded"`` for a run of ``mode`` over ``files`` (their ``size``).
-    ``auto`` takes the single path in a mode without a sharded one (logs-only, hybrid) and says why."""
+#: ``row_pass="auto"``: the sharded path also from this many rows in the window (the files' Parquet footers), whatever
+#: their bytes: the bytes a row vary with the columns and their compression (the simulator's logs without inline
+#: labels are ~3 B a row: 512 MiB would be ~170M rows, far beyond the single driver's ~165 B a row).
+SHARDED_MIN_ROWS = 45_000_000
+
+
+def row_pass_for(requested: str, mode: str, files: Sequence[dict], rows: int | None = None) -> tuple[str, str]:
+    """(path, reason): ``"single"`` or ``"sharded"`` for a run of ``mode`` over ``files`` (their ``size``) of
+    ``rows`` rows (None: unknown; `window_rows`). ``auto`` takes the single path in a mode without a sharded one
+    (logs-only, hybrid) and says why."""
     check_row_pass(requested, mode)
     size = sum(int(f.get("size") or 0) for f in files)
     if requested == "sharded":
@@ -55,6 +62,8 @@ def row_pass_for(requested: str, mode: str, files: Sequence[dict]) -> tuple[str,
         return "single", f"mode {mode!r} has no sharded row pass: {sharded.OFFPOLICY_UNSHARDED} (row_pass: auto)"
     if size >= SHARDED_MIN_BYTES:
         return "sharded", f"{size / 2**20:.0f} MiB of logs >= {SHARDED_MIN_BYTES / 2**20:.0f} MiB (row_pass: auto)"
+    if rows is not None and rows >= SHARDED_MIN_ROWS:
+        return "sharded", f"{rows:,} rows of logs >= {SHARDED_MIN_ROWS:,} (row_pass: auto)"
     return "single", f"{size / 2**20:.0f} MiB of logs < {SHARDED_MIN_BYTES / 2**20:.0f} MiB (row_pass: auto)"
 
 

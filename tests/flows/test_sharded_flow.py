@@ -32,6 +32,15 @@ def test_row_pass_is_chosen_by_size_or_forced():
     assert row_pass_for("single", "direct", big)[0] == "single"
     with pytest.raises(CJEInputError, match="row_pass: sharded is not available in mode 'hybrid'"):
         row_pass_for("sharded", "hybrid", small)
+    # Few bytes, many rows (logs without inline labels compress to ~3 B a row: issue 29's 100M rows are 312 MB,
+    # under the bytes' threshold): the footers' rows decide; fewer rows, or none known, leave it to the bytes.
+    from flows.pipelines.sharded_pass import SHARDED_MIN_ROWS
+
+    path, why = row_pass_for("auto", "direct", small, rows=SHARDED_MIN_ROWS)
+    assert (path, why) == ("sharded", f"{SHARDED_MIN_ROWS:,} rows of logs >= {SHARDED_MIN_ROWS:,} (row_pass: auto)")
+    assert row_pass_for("auto", "direct", small, rows=SHARDED_MIN_ROWS - 1)[0] == "single"
+    assert row_pass_for("auto", "logs-only", small, rows=SHARDED_MIN_ROWS)[0] == "single"
+    assert row_pass_for("single", "direct", small, rows=SHARDED_MIN_ROWS)[0] == "single"
 
 
 @pytest.mark.parametrize("mode", ["logs-only", "hybrid"])
