@@ -70,7 +70,8 @@ def main() -> None:
         t_old, old = _best(lambda: first_duplicate(col), args.repeat)
         t_new, new = _best(lambda: sharded_ray.check_response_ids(bucket), args.repeat)
         assert old is None and new is None, (old, new)  # distinct ids: both find none
-        print(f"{order:10s} {n:10d} {t_old:14.3f}s {t_new:12.3f}s {t_old / t_new:5.1f}x {t_range:17.3f}s {t_bucket:12.3f}s")
+        print(f"{order:10s} {n:10d} {t_old:14.3f}s {t_new:12.3f}s {t_old / t_new:5.1f}x "
+              f"{t_range:17.3f}s {t_bucket:12.3f}s")
 
 
 if __name__ == "__main__":
