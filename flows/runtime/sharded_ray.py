@@ -130,7 +130,10 @@ def id_fingerprint(values) -> "np.ndarray":
     h ^= words[np.maximum((start + end) // 2 - 4, start)] * long_
     _splitmix(h)
     h ^= words[np.maximum(end - 8, start)] * long_
-    return _splitmix(h)
+    _splitmix(h)
+    if values.null_count:  # a null's slot may hold bytes: it is fingerprinted as the empty string
+        h[np.asarray(values.is_null())] = id_fingerprint(pa.array([""]))[0]
+    return h
 
 
 def response_id_buckets(table, n_buckets: int) -> list:

@@ -57,6 +57,9 @@ def test_id_fingerprint_depends_on_the_string_alone():
     assert np.array_equal(whole, np.concatenate([sharded_ray.id_fingerprint(pa.array([x])) for x in ids]))
     assert np.unique(whole).size == len(ids)  # distinct here; buckets spread
     assert np.bincount((whole % np.uint64(4)).astype(np.int64)).min() > 40
+    nulls = sharded_ray.id_fingerprint(pa.array(["ab", None, "abcdefghi"]))
+    assert nulls[1] == sharded_ray.id_fingerprint(pa.array([""]))[0]
+    assert np.array_equal(nulls[[0, 2]], whole[[302, 304]])
     assert sharded_ray.id_fingerprint(pa.array([_collide("xyz"), _collide("abc")])).tolist() == \
         [sharded_ray.id_fingerprint(pa.array([_collide("qqq")]))[0]] * 2
 
