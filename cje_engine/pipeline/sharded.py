@@ -145,6 +145,8 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
             raise ValueError(f"{len(splitters)} splitters for {n_shards} shards")
         shard = range_shard(table[PROMPT], splitters)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), RANGE_META: b"1"})
+    if n_shards <= 2**16:  # 1- or 2-byte keys: numpy's stable sort of them is a radix sort (the same order)
+        shard = shard.astype(np.uint8 if n_shards <= 2**8 else np.uint16)
     order = np.argsort(shard, kind="stable")
     bounds = np.searchsorted(shard[order], np.arange(n_shards + 1))
     taken = table.take(pa.array(order))

@@ -56,59 +56,29 @@ ROW_BITS = 40
 
 
 def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] | None, mapping: dict | None
-                ) -> tuple[list[str], list[str]]:
-    """``k`` evenly spaced distinct prompt ids and response ids of one log file (those two columns only; no
-    response ids when the file has none): the readers' samples from which the driver cuts the shards' prompt-id
-    ranges and the response-id buckets' ranges (`cje_engine.pipeline.sharded.range_splitters`)."""
-    from cje_engine.errors import CJEInputError
+                ) -> list[str]:
+    """``k`` evenly spaced distinct prompt ids of one log file (that column only): a reader's sample from which the
+    driver cuts the shards' prompt-id ranges (`cje_engine.pipeline.sharded.range_splitters`). The response-id
+    buckets need no sample (`id_fingerprint`)."""
     from cje_engine.pipeline.sharded import sample_prompt_ids
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
-    try:
-        table = read_window(st, [key], columns=["prompt_id", "response_id"], policies=policies, mapping=mapping,
-                            check_unique=False)
-    except CJEInputError:  # no response ids in this file (a malformed file raises again just below)
-        table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
-    rids = sample_prompt_ids(table["response_id"], k) if "response_id" in table.column_names else []
-    return sample_prompt_ids(table["prompt_id"], k), rids
+    table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
+    return sample_prompt_ids(table["prompt_id"], k)
 
 
-#: Multiplier of `string_hash`'s polynomial (odd) and its finalizer's constants (splitmix64).
-_HASH_P = 0x100000001B3
+#: splitmix64's finalizer constants (`id_fingerprint`).
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+#: Column of a response-id bucket: the id's `id_fingerprint`.
+FINGERPRINT = "_fp"
 
 
-def string_hash(values) -> "np.ndarray":
-    """A 64-bit hash of each string of an Arrow string column, vectorized over its bytes (no Python string a
-    row): a polynomial of the UTF-8 bytes (wrapping uint64) and the length, mixed by splitmix64's finalizer.
-    A function of the string alone (not of its chunk or place); nulls hash as the empty string."""
+def _splitmix(h: "np.ndarray") -> "np.ndarray":
+    """splitmix64's finalizer, in place on a uint64 array (and returned)."""
     import numpy as np
-    import pyarrow as pa
 
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks() if values.num_chunks else pa.array([], pa.string())
-    values = values.cast(pa.large_string())
-    n = len(values)
-    if n == 0:
-        return np.empty(0, dtype=np.uint64)
-    _, off_buf, data_buf = values.buffers()
-    off = np.frombuffer(off_buf, dtype=np.int64)[values.offset:values.offset + n + 1]
-    base = int(off[0])
-    start, end = off[:-1] - base, off[1:] - base
-    length = end - start
-    data = (np.frombuffer(data_buf, dtype=np.uint8)[base:int(off[-1])] if data_buf is not None
-            else np.empty(0, np.uint8)).astype(np.uint64)
-    longest = int(length.max()) if n else 0
-    powers = np.cumprod(np.full(max(longest, 1), _HASH_P, dtype=np.uint64), dtype=np.uint64)
-    pos = np.arange(data.size, dtype=np.int64) - np.repeat(start, length)
-    data *= powers[pos]
-    del pos
-    acc = np.zeros(data.size + 1, dtype=np.uint64)
-    np.cumsum(data, dtype=np.uint64, out=acc[1:])
-    h = acc[end] - acc[start]
-    h += length.astype(np.uint64) * np.uint64(_MIX[0])
     h ^= h >> np.uint64(30)
     h *= np.uint64(_MIX[0])
     h ^= h >> np.uint64(27)
@@ -117,36 +87,81 @@ def string_hash(values) -> "np.ndarray":
     return h
 
 
-def response_id_buckets(table, n_buckets: int, splitters: Sequence[str] | None = None) -> list:
-    """The ``response_id`` column of a file's rows (with their window place `ROW`) split into ``n_buckets`` by
-    the id's range among ``splitters`` (``n_buckets - 1`` sorted ids, cut from the readers' samples), or
-    without them by a hash of the id (`string_hash`): every copy of an id lands in the same bucket, whatever
-    file or shard it is in."""
+def id_fingerprint(values) -> "np.ndarray":
+    """A 64-bit fingerprint of each string of an Arrow string column, a function of the string alone (not of its
+    chunk, offset or place; nulls as the empty string): its length and its first, middle and last 8 bytes
+    (three unaligned 8-byte loads a string; no Python string a row), mixed by splitmix64's finalizer.
+
+    Not a hash of every byte: two ids equal in length and in those 24 bytes (shorter than 8 bytes: in every
+    byte) share a fingerprint. It buckets the response ids (`response_id_buckets`: every copy of an id in one
+    bucket) and lets `check_response_ids` sort integers; ids with the same fingerprint are then compared as
+    strings, so a shared fingerprint never hides nor invents a repeated id."""
     import numpy as np
     import pyarrow as pa
 
-    from cje_engine.pipeline.sharded import ROW, range_shard
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks() if values.num_chunks else pa.array([], pa.string())
+    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        values = values.cast(pa.string())
+    n = len(values)
+    if n == 0:
+        return np.empty(0, dtype=np.uint64)
+    _, off_buf, data_buf = values.buffers()
+    width = np.int64 if pa.types.is_large_string(values.type) else np.int32
+    off = np.frombuffer(off_buf, dtype=width)[values.offset:values.offset + n + 1].astype(np.int64)
+    base = int(off[0])
+    off -= base
+    size = int(off[-1])
+    data = np.zeros(size + 8, dtype=np.uint8)  # 8 bytes of padding: a load at any byte stays inside
+    if size:
+        data[:size] = np.frombuffer(data_buf, dtype=np.uint8)[base:base + size]
+    words = np.ndarray(shape=(size + 1,), dtype="<u8", buffer=data, strides=(1,))  # a word at every byte
+    start, end = off[:-1], off[1:]
+    length = end - start
+    long_ = (length >= 8).astype(np.uint64)  # 0 or 1
+    # the first word keeps the string's own bytes only (a short string's neighbour follows it)
+    keep = np.minimum(length, 7).astype(np.uint64) * np.uint64(8)
+    mask = (np.uint64(1) << keep) - np.uint64(1)
+    mask |= np.uint64(0) - long_  # every bit when the string has 8 bytes or more
+    h = words[start] & mask
+    h ^= length.astype(np.uint64) * np.uint64(_MIX[0])
+    _splitmix(h)
+    # the middle and last words, of strings of 8 bytes or more (else 0: the first word holds every byte)
+    h ^= words[np.maximum((start + end) // 2 - 4, start)] * long_
+    _splitmix(h)
+    h ^= words[np.maximum(end - 8, start)] * long_
+    _splitmix(h)
+    if values.null_count:  # a null's slot may hold bytes: it is fingerprinted as the empty string
+        h[np.asarray(values.is_null())] = id_fingerprint(pa.array([""]))[0]
+    return h
+
+
+def response_id_buckets(table, n_buckets: int) -> list:
+    """The ``response_id`` column of a file's rows (with their `id_fingerprint` and window place `ROW`) split into
+    ``n_buckets`` by the fingerprint: every copy of an id lands in the same bucket, whatever file or shard it is
+    in; no sample of the ids is needed for it."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.pipeline.sharded import ROW
 
     rid = table["response_id"].cast(pa.string())
-    if splitters is not None and len(splitters) == n_buckets - 1:
-        bucket = range_shard(rid, splitters)
-    else:
-        bucket = (string_hash(rid) % np.uint64(n_buckets)).astype(np.int64)
-    order = np.argsort(bucket, kind="stable")
+    fp = id_fingerprint(rid)
+    bucket = (fp % np.uint64(n_buckets)).astype(np.uint8 if n_buckets <= 256 else np.int64)
+    order = np.argsort(bucket, kind="stable")  # a radix sort of 1-byte keys
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
-    taken = pa.table({"response_id": rid, ROW: table[ROW]}).take(pa.array(order))
+    taken = pa.table({"response_id": rid, FINGERPRINT: pa.array(fp), ROW: table[ROW]}).take(pa.array(order))
     return [taken.slice(bounds[b], bounds[b + 1] - bounds[b]) for b in range(n_buckets)]
 
 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
-               splitters: list[str] | None = None, keep: Sequence[str] | None = None,
-               id_splitters: Sequence[str] | None = None):
+               splitters: list[str] | None = None, keep: Sequence[str] | None = None):
     """Read one log file on a worker and return its rows per shard, its response ids per bucket
     (`response_id_buckets`, without the rest of the row) and a small dict about the file
     (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
-    by hash); ``id_splitters``: the response-id buckets' ranges (`response_id_buckets`; None: by hash).
+    by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
     evaluate flow: join the label store's labels, derive covariates, check columns) and returns
     ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it); ``keep``: the
@@ -181,18 +196,29 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
-        rids = response_id_buckets(table, n_shards, id_splitters)
+        rids = response_id_buckets(table, n_shards)
         table = table.drop_columns(["response_id"])
     else:
-        rids = [pa.table({"response_id": pa.array([], pa.string()), ROW: pa.array([], pa.int64())})] * n_shards
+        rids = [pa.table({"response_id": pa.array([], pa.string()), FINGERPRINT: pa.array([], pa.uint64()),
+                          ROW: pa.array([], pa.int64())})] * n_shards
     if keep is not None:
         table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
     return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
 
 
+#: Rows of a response-id bucket up to which `check_response_ids` packs the row into the sorted fingerprint.
+_PACKED_ROWS = 2**32
+
+
 def check_response_ids(*pieces) -> dict | None:
-    """One bucket of response ids from every file: None when they are distinct, else the first repeated id
-    and the window places of its rows (at most 5)."""
+    """One bucket of response ids from every file (`response_id_buckets`): None when they are distinct, else
+    the first repeated id (the smallest in code-point order) and the window places of its rows (at most 5).
+
+    The ids' fingerprints are sorted (integers: their high 32 bits packed with the row), not the ids: only the
+    ids whose half-fingerprint repeats (every copy of a repeated id, and ~n^2 / 2^33 others) are then compared as
+    strings (`flows.storage.logs.first_duplicate`), so a shared fingerprint of two different ids costs a string
+    comparison, never a miss or a false alarm."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -200,10 +226,30 @@ def check_response_ids(*pieces) -> dict | None:
     from flows.storage.logs import first_duplicate
 
     table = pa.concat_tables([p for p in pieces if p.num_rows] or [pieces[0]])
-    dup = first_duplicate(table["response_id"])
-    if dup is None:
+    n = table.num_rows
+    if n < 2:
         return None
-    rows = table.filter(pc.equal(table["response_id"], dup))[ROW].to_pylist()
+    fp = (np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64)
+          if FINGERPRINT in table.column_names else id_fingerprint(table["response_id"]))
+    if n < _PACKED_ROWS:  # one sort of (high half of the fingerprint, row): the rows of a repeated half come out
+        packed = (fp >> np.uint64(32)) << np.uint64(32)
+        packed |= np.arange(n, dtype=np.uint64)
+        packed.sort()
+        high = packed >> np.uint64(32)
+        same = np.flatnonzero(high[1:] == high[:-1])
+        maybe = np.unique(np.concatenate([same, same + 1]))  # positions in the sorted order
+        rows = (packed[maybe] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    else:
+        ordered = np.sort(fp)
+        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+        rows = np.flatnonzero(np.isin(fp, repeated))
+    if rows.size == 0:
+        return None
+    maybe = table.take(pa.array(np.sort(rows)))
+    dup = first_duplicate(maybe["response_id"])
+    if dup is None:  # fingerprints (or their halves) shared by different ids only
+        return None
+    rows = maybe.filter(pc.equal(maybe["response_id"], dup))[ROW].to_pylist()
     return {"response_id": dup, "rows": sorted(rows)[:5], "count": len(rows)}
 
 
@@ -285,8 +331,8 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
 
     The shards hold ranges of prompt ids, cut from a sample of every file's ids (`sample_file`), so the
     engine codes prompts without their ids on the driver (`cje_engine.pipeline.sharded.prepare_sharded`).
-    The window's response ids are checked unique on the workers (by bucket of response-id range, across files and shards):
-    a repeated id raises `CJEInputError` naming it and its files and rows.
+    The window's response ids are checked unique on the workers (by bucket of response-id fingerprint, across
+    files and shards): a repeated id raises `CJEInputError` naming it and its files and rows.
 
     ``keys``: the window's log files in window order; ``rows_hint``: the window's rows when known (for the
     tasks' memory); ``prepare_rows``, ``keep``: see `split_file`. With ``with_info`` also the list of every
@@ -301,16 +347,15 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                                              name="cje_shard_sample")
     samples = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping)
                        for k in keys], timeout=ray_get_timeout())
-    splitters = range_splitters([p for p, _ in samples], n_shards)
-    id_splitters = range_splitters([r for _, r in samples], n_shards)
+    splitters = range_splitters(samples, n_shards)
     split = ray.remote(split_file).options(num_returns=2 * n_shards + 1, max_retries=max_retries,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
     if prepare_rows is not None:
         # Put once: passed by value, Ray would serialize it into the object store again for every file's task
         # (the evaluate flow's `FileRows` carries the label store's labels: ~5M rows at 100M log rows, 100 files).
         prepare_rows = ray.put(prepare_rows)
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
-                           id_splitters) for i, k in enumerate(keys)]
+    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep)
+             for i, k in enumerate(keys)]
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
                                                    memory=task_memory(rows_hint // n_shards // 4))
     checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_shards)]

@@ -39,27 +39,109 @@ def test_range_shard_is_searchsorted_right():
     assert np.array_equal(sharded.range_shard(ids, cuts), want)
 
 
-def test_string_hash_depends_on_the_string_alone():
-    ids = [f"r{i}" for i in range(300)] + ["", "a", "a" * 40]
-    whole = sharded_ray.string_hash(pa.array(ids))
-    chunked = sharded_ray.string_hash(pa.chunked_array([pa.array(ids[:7]), pa.array(ids[7:])]))
-    assert np.array_equal(whole, sharded_ray.string_hash(pa.array(ids, pa.large_string())))
-    sliced = sharded_ray.string_hash(pa.array(ids).slice(100, 50))
+def _collide(middle: str) -> str:
+    """A 30-byte id whose first, middle (bytes 11-18) and last 8 bytes are fixed: its fingerprint does not
+    depend on ``middle`` (bytes 8-10)."""
+    assert len(middle) == 3
+    return "AAAAAAAA" + middle + "MMMMMMMM" + "qqq" + "ZZZZZZZZ"
+
+
+def test_id_fingerprint_depends_on_the_string_alone():
+    ids = [f"r{i}" for i in range(300)] + ["", "a", "ab", "abcdefgh", "abcdefghi", "a" * 40, "日本", "é"]
+    whole = sharded_ray.id_fingerprint(pa.array(ids))
+    chunked = sharded_ray.id_fingerprint(pa.chunked_array([pa.array(ids[:7]), pa.array(ids[7:])]))
+    assert np.array_equal(whole, sharded_ray.id_fingerprint(pa.array(ids, pa.large_string())))
+    sliced = sharded_ray.id_fingerprint(pa.array(ids).slice(100, 50))
     assert np.array_equal(whole, chunked) and np.array_equal(whole[100:150], sliced)
+    # one id at a time (no neighbour's bytes can leak into a short id's loads)
+    assert np.array_equal(whole, np.concatenate([sharded_ray.id_fingerprint(pa.array([x])) for x in ids]))
     assert np.unique(whole).size == len(ids)  # distinct here; buckets spread
     assert np.bincount((whole % np.uint64(4)).astype(np.int64)).min() > 40
+    nulls = sharded_ray.id_fingerprint(pa.array(["ab", None, "abcdefghi"]))
+    assert nulls[1] == sharded_ray.id_fingerprint(pa.array([""]))[0]
+    assert np.array_equal(nulls[[0, 2]], whole[[302, 304]])
+    assert sharded_ray.id_fingerprint(pa.array([_collide("xyz"), _collide("abc")])).tolist() == \
+        [sharded_ray.id_fingerprint(pa.array([_collide("qqq")]))[0]] * 2
 
 
 def test_response_id_buckets_keep_every_copy_of_an_id_together():
     rid = [f"r{i % 50}" for i in range(200)]
     table = pa.table({"response_id": rid, sharded.ROW: np.arange(200)})
-    for cuts in (None, ["r2", "r31", "r7"]):
-        parts = sharded_ray.response_id_buckets(table, 4, cuts)
-        where = {}
-        for b, part in enumerate(parts):
-            for r in part["response_id"].to_pylist():
-                where.setdefault(r, set()).add(b)
-        assert sum(p.num_rows for p in parts) == 200 and all(len(v) == 1 for v in where.values())
+    parts = sharded_ray.response_id_buckets(table, 4)
+    where = {}
+    for b, part in enumerate(parts):
+        for r in part["response_id"].to_pylist():
+            where.setdefault(r, set()).add(b)
+    assert sum(p.num_rows for p in parts) == 200 and all(len(v) == 1 for v in where.values())
+    assert min(p.num_rows for p in parts) > 0
+
+
+def _slow_check(pieces):
+    """The obvious check: every id of the bucket sorted as a string (`first_duplicate`), then its rows."""
+    from flows.storage.logs import first_duplicate
+
+    ids = [r for p in pieces for r in p["response_id"].to_pylist()]
+    rows = [r for p in pieces for r in p[sharded.ROW].to_pylist()]
+    dup = first_duplicate(pa.array(ids))
+    if dup is None:
+        return None
+    at = sorted(r for i, r in zip(ids, rows) if i == dup)
+    return {"response_id": dup, "rows": at[:5], "count": len(at)}
+
+
+@pytest.mark.parametrize("case", ["distinct", "colliding", "repeated", "repeated_and_colliding", "many"])
+def test_the_fingerprinted_check_is_the_string_sort(case, monkeypatch):
+    """`check_response_ids` sorts fingerprints and compares only the ids whose fingerprint repeats: it finds
+    what the sort of every id as a string finds, with ids that share a fingerprint (bytes 8-10 of 30 differ)
+    and without, with one repeated id and with several (the smallest is named, with its rows)."""
+    rng = np.random.default_rng(7)
+    ids = [f"resp-{i:07d}" for i in range(3000)]
+    if case in ("colliding", "repeated_and_colliding"):
+        ids += [_collide(f"{i:03d}") for i in range(200)]  # 200 different ids, one fingerprint
+    if case in ("repeated", "repeated_and_colliding"):
+        ids[2500] = ids[17]
+        ids[2999] = ids[17]
+    if case == "repeated_and_colliding":
+        ids[3100] = ids[3050]  # a repeat among the ids that share a fingerprint
+    if case == "many":
+        for a, b in rng.integers(0, 3000, (20, 2)):
+            ids[b] = ids[a]
+    order = rng.permutation(len(ids))
+    table = pa.table({"response_id": [ids[i] for i in order], sharded.ROW: order.astype(np.int64)})
+    pieces = [p for f in (table.slice(0, 1700), table.slice(1700)) for p in [sharded_ray.response_id_buckets(f, 3)]]
+    for b in range(3):
+        bucket = [pieces[0][b], pieces[1][b]]
+        assert sharded_ray.check_response_ids(*bucket) == _slow_check(bucket)
+    found = [sharded_ray.check_response_ids(*[p[b] for p in pieces]) for b in range(3)]
+    assert (all(f is None for f in found)) == (case in ("distinct", "colliding"))
+    if case == "repeated":
+        (hit,) = [f for f in found if f]
+        assert hit == {"response_id": ids[17], "rows": [17, 2500, 2999], "count": 3}
+    if case == "repeated_and_colliding":
+        assert {"response_id": ids[3050], "rows": [3050, 3100], "count": 2} in found
+    # a bucket without the fingerprint column (pieces from elsewhere): fingerprinted in the check
+    assert sharded_ray.check_response_ids(table) == _slow_check([table])
+    # buckets too large to pack the row into the sort: whole fingerprints sorted, then the repeated ones found
+    monkeypatch.setattr(sharded_ray, "_PACKED_ROWS", 0)
+    for b in range(3):
+        bucket = [pieces[0][b], pieces[1][b]]
+        assert sharded_ray.check_response_ids(*bucket) == _slow_check(bucket)
+
+
+def test_split_by_shard_keeps_each_shards_rows_in_order():
+    """The split's sort of 1- or 2-byte shard keys (radix) gives each shard its rows in their order, as the
+    obvious filter of the table by shard does, for hash and range shards and 300 shards (2-byte keys)."""
+    rng = np.random.default_rng(3)
+    ids = [f"p{i}" for i in rng.integers(0, 5000, 20000)]
+    table = pa.table({"prompt_id": ids, "x": rng.random(20000)})
+    for n_shards, splitters in ((5, None), (4, ["p2", "p4", "p7"]), (300, None)):
+        parts = sharded.split_by_shard(table, n_shards, splitters=splitters)
+        full = table.append_column(sharded.ROW, pa.array(np.arange(20000, dtype=np.int64)))
+        shard = (sharded.shard_of(ids, n_shards) if splitters is None
+                 else np.searchsorted(np.array(splitters, dtype=object), np.array(ids, dtype=object), side="right"))
+        for s, part in enumerate(parts):
+            want = full.filter(pa.array(shard == s))
+            assert part.select(want.column_names).equals(want)
 
 
 def test_shard_pieces_reach_the_task_as_one_table():
