@@ -225,7 +225,8 @@ SOAK = {"runs": 30, "lanes": 5, "seed": 12}
 @pytest.mark.soak
 def test_chaos_soak_30_scheduled_runs(stack, tmp_path):
     """benchmarks/chaos_soak.py: 30 scheduled runs, faults at seeded random points, every invariant held."""
-    out = tmp_path / "soak.json"
+    # the whole report (rows, rounds) kept where CJE_SOAK_REPORT says, for docs/testing.md; else in tmp_path
+    out = Path(os.environ.get("CJE_SOAK_REPORT") or tmp_path / "soak.json")
     env = stack.command_env()
     env["CJE_STACK_ENV"] = os.environ.get("CJE_STACK_ENV") or "/tmp/cje-stack/env"
     env["PYTHONPATH"] = str(REPO)
