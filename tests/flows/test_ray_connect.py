@@ -185,3 +185,17 @@ def test_the_patience_comes_from_the_environment(monkeypatch):
     assert timeouts.ray_connect_patience() == 300.0
     monkeypatch.setenv(timeouts.RAY_CONNECT_PATIENCE_ENV, "0")  # never switched off by a typo or a zero
     assert timeouts.ray_connect_patience() == 120.0
+
+
+@pytest.mark.parametrize("address, patience", [("ray://127.0.0.1:1", 120.0), ("127.0.0.1:6379", 0.0)])
+def test_a_runs_session_connects_with_the_patience_only_through_the_ray_client(monkeypatch, address, patience):
+    """`ray_session` gives its first connection the patience when it goes through ``ray://`` (a driver joining
+    with the GCS address gets Ray's own behaviour)."""
+    from flows.runtime import timeouts
+
+    monkeypatch.delenv(timeouts.RAY_CONNECT_PATIENCE_ENV, raising=False)
+    seen = []
+    monkeypatch.setattr(ray_fanout, "_connect", lambda ray, a, env, patience=0.0: seen.append((a, patience)))
+    with ray_fanout.ray_session(address) as kind:
+        assert kind == "cluster"
+    assert seen == [(address, patience)]
