@@ -50,7 +50,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from flows.runtime.timeouts import RAY_GET_TIMEOUT_ENV, RayTimeoutError, ray_get_timeout
+from flows.runtime.timeouts import RAY_GET_TIMEOUT_ENV, RayTimeoutError, ray_connect_patience, ray_get_timeout
 
 log = logging.getLogger(__name__)
 
@@ -155,34 +155,56 @@ def _local_ray(num_cpus: int | None, runtime_env: dict) -> Iterator[None]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-#: Attempts and pauses (s) for a Ray Client connection whose server side failed to start.
+#: Attempts and pauses (s) for a Ray Client connection whose server failed to start.
 CLIENT_INIT_ATTEMPTS, CLIENT_INIT_PAUSE = 3, 2.0
+#: Longest pause (s) between two attempts of a connection that timed out.
+CLIENT_PAUSE_MAX = 30.0
 
 
-def _connect(ray: Any, address: str, runtime_env: dict) -> None:
-    """``ray.init`` on a cluster; a Ray Client connection is retried when its server failed to start.
+def _connect(ray: Any, address: str, runtime_env: dict, patience: float = 0.0) -> None:
+    """``ray.init`` on a cluster; a Ray Client connection is retried when its server failed to start, and,
+    for ``patience`` s, when it timed out.
 
     Through ``ray://`` the head's proxier spawns one server process per client connection, and that
     spawn can fail transiently (seen once in CI under load: "Initialization failure from server ...
     Starting Ray client server failed"); the proxier frees the port and the next connection starts a
-    fresh one. Only that error is retried (``CLIENT_INIT_ATTEMPTS`` in all, ``CLIENT_INIT_PAUSE`` s
-    apart, doubling), so a wrong address or a refused connection still fails at once.
+    fresh one. That error is retried (``CLIENT_INIT_ATTEMPTS`` in all, ``CLIENT_INIT_PAUSE`` s apart,
+    doubling).
+
+    A connection that timed out (Ray raises a plain `ConnectionError`, "ray client connection timeout",
+    after ~35 s without an answer from the client port: a head being relaunched, or a client server
+    starved of CPU) is tried again, the pauses doubling up to ``CLIENT_PAUSE_MAX`` s, as long as an
+    attempt can start before ``patience`` s have passed since the first; then it is raised, so a run
+    that cannot reach its cluster still ends (failed) and frees its slot.  Anything else (a wrong
+    address's ``ValueError``, a refused or aborted connection) is raised at once.
     """
     _forget_lost_client(ray, address)
-    pause = CLIENT_INIT_PAUSE
-    for attempt in range(1, CLIENT_INIT_ATTEMPTS + 1):
+    t0 = time.monotonic()
+    pause, failed_starts, timeouts = CLIENT_INIT_PAUSE, 0, 0
+    while True:
         try:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, logging_level=logging.WARNING)
+            if timeouts:
+                log.warning("connected to the Ray Client at %s after %d timed-out attempt(s), %.0f s", address,
+                            timeouts, time.monotonic() - t0)
             return
         except ConnectionAbortedError as exc:
-            if "Initialization failure from server" not in str(exc) or attempt == CLIENT_INIT_ATTEMPTS:
+            failed_starts += 1
+            if "Initialization failure from server" not in str(exc) or failed_starts == CLIENT_INIT_ATTEMPTS:
                 raise
             log.warning("Ray Client at %s: its server failed to start (attempt %d of %d), retrying in %.0f s: %s",
-                        address, attempt, CLIENT_INIT_ATTEMPTS, pause, str(exc).splitlines()[-1][:200])
-            with contextlib.suppress(Exception):
-                ray.shutdown()
-            time.sleep(pause)
-            pause *= 2
+                        address, failed_starts, CLIENT_INIT_ATTEMPTS, pause, str(exc).splitlines()[-1][:200])
+        except ConnectionError as exc:
+            # exactly ConnectionError: Ray's client timeout (its subclasses, refused or reset, are other faults)
+            if type(exc) is not ConnectionError or time.monotonic() - t0 + pause > patience:
+                raise
+            timeouts += 1
+            log.warning("Ray Client at %s did not answer (attempt %d, %.0f s of %.0f s patience), retrying in "
+                        "%.0f s: %s", address, timeouts, time.monotonic() - t0, patience, pause, exc)
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        time.sleep(pause)
+        pause = min(pause * 2, CLIENT_PAUSE_MAX)
 
 
 def _forget_lost_client(ray: Any, address: str) -> None:
@@ -264,7 +286,8 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
     runtime_env = {"env_vars": worker_env()}
     if address:
         log.info("connecting to the Ray cluster at %s", address)
-        _connect(ray, address, runtime_env)
+        _connect(ray, address, runtime_env, patience=ray_connect_patience() if str(address).startswith("ray://")
+                 else 0.0)
         _SESSION.update(address=address, runtime_env=runtime_env)
         try:
             yield "cluster"

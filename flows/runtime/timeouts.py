@@ -8,7 +8,10 @@ Every remote call has a limit, set explicitly:
   ``CJE_RAY_GET_TIMEOUT`` (default: the task limit);
 * a Prefect task run: ``CJE_TASK_TIMEOUT`` (default 3600 s), ``timeout_seconds`` of every task
   of the flows;
-* a Prefect flow run: ``CJE_FLOW_TIMEOUT`` (default 14400 s), ``timeout_seconds`` of every flow.
+* a Prefect flow run: ``CJE_FLOW_TIMEOUT`` (default 14400 s), ``timeout_seconds`` of every flow;
+* a run's first Ray Client connection (`flows.runtime.ray_fanout.ray_session`): Ray's own ~35 s per
+  attempt, retried while ``CJE_RAY_CONNECT_PATIENCE`` (default 120 s, longer than a head relaunch
+  takes) has not passed, then the run fails.
 
 A run past its limit ends ``Failed`` (Prefect's ``TimedOut``), which releases its concurrency
 slot; a ``ray.get`` past its limit raises `RayTimeoutError` naming the tasks and the setting.
@@ -25,9 +28,13 @@ log = logging.getLogger(__name__)
 TASK_TIMEOUT_ENV = "CJE_TASK_TIMEOUT"
 FLOW_TIMEOUT_ENV = "CJE_FLOW_TIMEOUT"
 RAY_GET_TIMEOUT_ENV = "CJE_RAY_GET_TIMEOUT"
+RAY_CONNECT_PATIENCE_ENV = "CJE_RAY_CONNECT_PATIENCE"
 
 DEFAULT_TASK_TIMEOUT = 3600.0
 DEFAULT_FLOW_TIMEOUT = 4 * 3600.0
+#: A Ray head relaunched by its supervisor answered again ~60 s after it was killed on the loopback stack
+#: (tests/stack, 4 December 2026): twice that.
+DEFAULT_RAY_CONNECT_PATIENCE = 120.0
 
 
 class RayTimeoutError(TimeoutError):
@@ -68,5 +75,10 @@ def ray_get_timeout() -> float:
     return _seconds(RAY_GET_TIMEOUT_ENV, task_timeout())
 
 
-__all__ = ["RayTimeoutError", "task_timeout", "flow_timeout", "ray_get_timeout", "TASK_TIMEOUT_ENV",
-           "FLOW_TIMEOUT_ENV", "RAY_GET_TIMEOUT_ENV"]
+def ray_connect_patience() -> float:
+    """Seconds a run's first Ray Client connection keeps retrying (``CJE_RAY_CONNECT_PATIENCE``, default 120)."""
+    return _seconds(RAY_CONNECT_PATIENCE_ENV, DEFAULT_RAY_CONNECT_PATIENCE)
+
+
+__all__ = ["RayTimeoutError", "task_timeout", "flow_timeout", "ray_get_timeout", "ray_connect_patience",
+           "TASK_TIMEOUT_ENV", "FLOW_TIMEOUT_ENV", "RAY_GET_TIMEOUT_ENV", "RAY_CONNECT_PATIENCE_ENV"]

@@ -305,6 +305,10 @@ PREFECT_API_URL="$API" "$BIN/prefect" --no-prompt work-pool create "$POOL" --typ
     echo "CJE_RAY_DIRECT_PUT_MIN_BYTES=1"
     # Flow runs ride out an API restart (the client retries connection errors with backoff).
     echo "PREFECT_CLIENT_MAX_RETRIES=8"
+    # ... and a PostgreSQL restart: while the database refuses connections the Prefect server answers 500, not
+    # 503 (its retryable-error test knows DBAPIError, not the ConnectionRefusedError of a new connection), and a
+    # flow run whose set_state or task-run creation got that 500 crashed (exit 1; seen in the chaos soak).
+    echo "PREFECT_CLIENT_RETRY_EXTRA_CODES=500"
     [[ -n "$S3_LINES" ]] && echo "$S3_LINES"
 } > "$DIR/service.env"
 write_service prefect-worker <<EOF

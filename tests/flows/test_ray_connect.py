@@ -1,4 +1,5 @@
-"""`ray_session`'s connection to a cluster: a Ray Client server that failed to start is retried, nothing else.
+"""`ray_session`'s connection to a cluster: a Ray Client server that failed to start is retried; a connection
+that timed out is retried within the run's connect patience (a head being relaunched); nothing else.
 
 The failure is the proxier's (its per-connection server process died at start-up), so it is simulated here
 with a stand-in for the ``ray`` module; the real connection path runs in tests/stack.
@@ -46,9 +47,11 @@ def test_the_last_attempt_raises():
     assert ray.inits == ray_fanout.CLIENT_INIT_ATTEMPTS
 
 
-@pytest.mark.parametrize("exc", [ConnectionAbortedError("connection refused by peer"),
+@pytest.mark.parametrize("exc", [ConnectionAbortedError("connection refused by peer"), ConnectionRefusedError(),
                                  ConnectionError("ray client connection timeout"), ValueError("bad address")])
 def test_other_failures_are_not_retried(exc):
+    """Without patience (a reconnect inside a running task, whose task has retries of its own) a timeout is
+    raised at once too."""
     ray = FakeRay([exc])
     with pytest.raises(type(exc)):
         ray_fanout._connect(ray, "ray://127.0.0.1:1", {})
@@ -111,3 +114,88 @@ def test_a_head_still_down_is_a_clear_connection_error(monkeypatch):
 def test_outside_a_cluster_session_nothing_happens(monkeypatch):
     monkeypatch.setattr(ray_fanout, "_SESSION", {})
     assert ray_fanout.reconnect_if_lost() is False
+
+
+TIMEOUT = "ray client connection timeout"
+#: What one timed-out ``ray.init("ray://...")`` costs in Ray 2.60: channel waits of 5 + 10 + 20 s.
+ATTEMPT_S = 35.0
+
+
+class Clock:
+    """`ray_fanout`'s view of time: each ``init`` of the fake Ray costs `ATTEMPT_S`, each pause its length."""
+
+    def __init__(self) -> None:
+        self.now, self.pauses = 0.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.pauses.append(s)
+        self.now += s
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    import types
+
+    c = Clock()
+    monkeypatch.setattr(ray_fanout, "time", types.SimpleNamespace(monotonic=c.monotonic, sleep=c.sleep))
+    monkeypatch.setattr(ray_fanout, "CLIENT_INIT_PAUSE", 2.0)
+    return c
+
+
+class SlowFakeRay(FakeRay):
+    def __init__(self, errors, clock: Clock) -> None:
+        super().__init__(errors)
+        self.clock = clock
+
+    def init(self, **kwargs) -> None:
+        if self.errors:
+            self.clock.now += ATTEMPT_S
+        super().init(**kwargs)
+
+
+def test_a_timed_out_connection_is_retried_within_the_patience(clock, caplog):
+    """Issue 25, the soak: a Ray head relaunched with runs in flight answered again ~60 s after its kill; a new
+    run's connection timed out (~35 s) and the run failed.  Within its patience it connects again."""
+    ray = SlowFakeRay([ConnectionError(TIMEOUT)] * 2, clock)
+    ray_fanout._connect(ray, "ray://127.0.0.1:1", {}, patience=120.0)
+    assert ray.inits == 3 and ray.shutdowns == 2
+    assert clock.pauses == [2.0, 4.0]  # doubling
+    assert any("after 2 timed-out attempt(s)" in r.getMessage() for r in caplog.records)
+
+
+def test_past_the_patience_the_timeout_is_raised_and_the_run_can_end(clock):
+    """A head that stays down: four attempts, then the timeout is raised (a run that cannot reach Ray fails)."""
+    ray = SlowFakeRay([ConnectionError(TIMEOUT)] * 10, clock)
+    with pytest.raises(ConnectionError, match=TIMEOUT):
+        ray_fanout._connect(ray, "ray://127.0.0.1:1", {}, patience=120.0)
+    # starts at 0, 37 (35 + 2), 76 (72 + 4), 119 (111 + 8); the fifth would start at 154 + 16 = 170 > 120
+    assert ray.inits == 4
+    assert clock.now <= 120.0 + ATTEMPT_S + ray_fanout.CLIENT_PAUSE_MAX  # bounded: patience + one attempt
+
+
+def test_the_patience_comes_from_the_environment(monkeypatch):
+    from flows.runtime import timeouts
+
+    monkeypatch.delenv(timeouts.RAY_CONNECT_PATIENCE_ENV, raising=False)
+    assert timeouts.ray_connect_patience() == timeouts.DEFAULT_RAY_CONNECT_PATIENCE == 120.0
+    monkeypatch.setenv(timeouts.RAY_CONNECT_PATIENCE_ENV, "300")
+    assert timeouts.ray_connect_patience() == 300.0
+    monkeypatch.setenv(timeouts.RAY_CONNECT_PATIENCE_ENV, "0")  # never switched off by a typo or a zero
+    assert timeouts.ray_connect_patience() == 120.0
+
+
+@pytest.mark.parametrize("address, patience", [("ray://127.0.0.1:1", 120.0), ("127.0.0.1:6379", 0.0)])
+def test_a_runs_session_connects_with_the_patience_only_through_the_ray_client(monkeypatch, address, patience):
+    """`ray_session` gives its first connection the patience when it goes through ``ray://`` (a driver joining
+    with the GCS address gets Ray's own behaviour)."""
+    from flows.runtime import timeouts
+
+    monkeypatch.delenv(timeouts.RAY_CONNECT_PATIENCE_ENV, raising=False)
+    seen = []
+    monkeypatch.setattr(ray_fanout, "_connect", lambda ray, a, env, patience=0.0: seen.append((a, patience)))
+    with ray_fanout.ray_session(address) as kind:
+        assert kind == "cluster"
+    assert seen == [(address, patience)]

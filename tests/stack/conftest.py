@@ -126,7 +126,9 @@ class Stack:
         """Start a service from its launch script (start.sh wrote it) and record its PID."""
         run = Path(self.env["CJE_STACK_RUN"]) / f"{script or name}.sh"
         log = open(Path(self.env["CJE_STACK_LOGS"]) / f"{name}.log", "ab")
-        env = dict(os.environ)
+        # The caller's cluster and API settings stay out (the soak runs with the stack's command environment,
+        # RAY_ADDRESS=ray://... among it): a relaunched service gets what its launch script sets, as at start.
+        env = {k: v for k, v in os.environ.items() if k not in _DROP}
         env.update(extra_env or {})
         proc = subprocess.Popen(["bash", str(run)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)

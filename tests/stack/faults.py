@@ -108,6 +108,20 @@ def ray_nodes_alive(stack: Stack) -> int:
         return 0
 
 
+def ray_client_ready(stack: Stack, timeout: float = 120.0) -> tuple[bool, str]:
+    """Whether a real Ray Client handshake on the stack's ``ray://`` address (what a flow run does) works: a
+    fresh process connects, reads the cluster's CPUs and disconnects within ``timeout`` s; (ok, what it said)."""
+    code = ("import ray, os; ray.init(os.environ['RAY_ADDRESS'], logging_level='ERROR', log_to_driver=False); "
+            "print(ray.cluster_resources().get('CPU', 0)); ray.shutdown()")
+    try:
+        out = subprocess.run([str(Path(os.sys.executable)), "-c", code], env=stack.command_env(), capture_output=True,
+                             text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"no answer within {timeout:.0f} s"
+    said = (out.stdout + out.stderr).strip().splitlines()
+    return out.returncode == 0, said[-1][:300] if said else f"exit {out.returncode}"
+
+
 def stack_cpu_seconds(stack: Stack) -> float:
     """CPU seconds (user + system) used so far by the stack's services and their processes: every live process
     of their sessions, with the children each has reaped (the worker's finished flow runs, Ray's workers).
@@ -154,6 +168,41 @@ def restart_ray(stack: Stack, head: bool, timeout: float = 240.0) -> None:
     if not alive(stack, "ray-worker"):
         stack.launch("ray-worker")
     _wait("the Ray worker node (rejoining by itself)", lambda: ray_nodes_alive(stack) >= 2, timeout, pause=2.0)
+    if head:
+        for relaunch in range(2):
+            try:
+                wait_ray_client(stack, timeout=120.0)
+                return
+            except AssertionError as exc:
+                if relaunch:  # relaunched once already: reported (the soak counts it as a problem)
+                    raise
+                # what a readiness probe does to a head whose client port is dead: a new head
+                log.error("%s: relaunching the Ray head again", exc)
+                stack.kill("ray-head")
+                stack.launch("ray-head")
+                _wait("the Ray head", lambda: ray_nodes_alive(stack) >= 2, timeout, pause=2.0)
+
+
+def wait_ray_client(stack: Stack, timeout: float = 240.0) -> float:
+    """Until the relaunched head's Ray Client server completes a real ``ray://`` handshake (the GCS answering
+    is not enough: the client port is a separate server process of the head); returns the seconds waited."""
+    t0, last = time.monotonic(), ""
+
+    def ok() -> bool:
+        nonlocal last
+        good, last = ray_client_ready(stack, timeout=min(120.0, timeout))
+        if not good:
+            log.warning("the Ray Client at %s does not answer yet: %s", stack.env.get("RAY_ADDRESS"), last)
+        return good
+
+    try:
+        _wait("the Ray Client server of the relaunched head", ok, timeout, pause=2.0)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last: {last}") from None
+    waited = time.monotonic() - t0
+    log.info("the Ray Client at %s answered a handshake %.1f s after both nodes were alive",
+             stack.env.get("RAY_ADDRESS"), waited)
+    return waited
 
 
 def restore(stack: Stack) -> list[str]:
