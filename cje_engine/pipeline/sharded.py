@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -782,7 +783,7 @@ def replicate_weights(seed: int, start: int, stop: int, n_prompts: int, prompts:
 replicate_weights.kept_field = "block"
 
 #: Bytes of one chunk's prompt counts (`replicate_weights`' block): it sets the replicates drawn per task.
-WEIGHTS_BLOCK_BYTES = 128 * 2**20
+WEIGHTS_BLOCK_BYTES = 256 * 2**20
 #: Chunks of replicates whose weights are drawn ahead of the histograms (object-store memory: this many blocks).
 WEIGHTS_IN_FLIGHT = 4
 
@@ -851,19 +852,31 @@ class ShardedPrepared:
         bounds = [(a, min(a + step, stop)) for a in range(start, stop, step)]
         out = np.empty((stop - start, 3 * self.prep.design.n_policies))
         cov, K = tuple(opts.covariates), self.prep.design.n_policies
-        for w0 in range(0, len(bounds), WEIGHTS_IN_FLIGHT):
-            window = bounds[w0:w0 + WEIGHTS_IN_FLIGHT]
-            for _, rw in self.mapper(replicate_weights, [(opts.seed, a, b, self.n_prompts, prompts)
-                                                           for a, b in window]):
-                items = [(lay, cov, opts.policies, c, opts.seed, rw.start, rw.stop, self.n_prompts, K, rw.block)
-                         for lay, c in zip(layouts, self.codes)]
-                total = None
-                for _, h in self.mapper(shard_histograms, items):
-                    total = h.copy() if total is None else total + h  # int64: exact in any order
-                items = None
-                out[rw.start - start:rw.stop - start] = bootstrap_replicates(
-                    small, rw.start, rw.stop, total.astype(float), weights=rw.driver)
-                rw = None
+
+        def refit(a: int, b: int, hist: np.ndarray, counts: np.ndarray) -> None:
+            out[a - start:b - start] = bootstrap_replicates(small, a, b, hist.astype(float), weights=counts)
+
+        # the driver's refits of a chunk run in a thread while the shards sum the next chunk's histograms (the
+        # same computation in the same order: one thread, each chunk's rows written to its own place)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cje-refit") as pool:
+            pending: list = []
+            for w0 in range(0, len(bounds), WEIGHTS_IN_FLIGHT):
+                window = bounds[w0:w0 + WEIGHTS_IN_FLIGHT]
+                for _, rw in self.mapper(replicate_weights, [(opts.seed, a, b, self.n_prompts, prompts)
+                                                               for a, b in window]):
+                    items = [(lay, cov, opts.policies, c, opts.seed, rw.start, rw.stop, self.n_prompts, K,
+                              rw.block) for lay, c in zip(layouts, self.codes)]
+                    total = None
+                    for _, h in self.mapper(shard_histograms, items):
+                        total = h.copy() if total is None else total + h  # int64: exact in any order
+                    items = None
+                    pending = [f for f in pending if not f.done() or f.result()]  # raise a refit's error here
+                    pending.append(pool.submit(refit, rw.start, rw.stop, total, rw.driver))
+                    rw = None
+                log.debug("replicates %d..%d of %d..%d: histograms summed", window[0][0], window[-1][1] - 1, start,
+                          stop - 1)
+            for f in pending:
+                f.result()
         return out
 
     def histogram_layouts(self) -> list:
