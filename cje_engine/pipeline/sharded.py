@@ -769,12 +769,12 @@ def replicate_weights(seed: int, start: int, stop: int, n_prompts: int, prompts:
     """The prompt counts of replicates ``start..stop-1`` (`bootstrap_counts`: `bootstrap_weights`' draws, as small
     unsigned integers; the chunk's type is the smallest holding its largest count), for every shard's histograms,
     and apart those at ``prompts`` for the driver's refits."""
-    rows = [bootstrap_counts(seed, b, n_prompts) for b in range(start, stop)]
-    dtype = np.result_type(*[r.dtype for r in rows]) if rows else np.uint8
-    block = np.empty((stop - start, n_prompts), dtype=dtype)
-    for i, r in enumerate(rows):
-        block[i] = r
-    rows = None
+    block = np.empty((stop - start, n_prompts), dtype=np.uint8)
+    for i, b in enumerate(range(start, stop)):
+        row = bootstrap_counts(seed, b, n_prompts)
+        if row.dtype.itemsize > block.dtype.itemsize:  # a count above the type's largest: widen the chunk
+            block = block.astype(row.dtype)
+        block[i] = row
     return ReplicateWeights(start, stop, block[:, prompts], block)
 
 

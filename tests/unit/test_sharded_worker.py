@@ -243,3 +243,25 @@ def test_replicates_in_many_small_chunks_are_the_single_paths(monkeypatch, n_sha
     assert [name for name, _ in calls].count("shard_histogram_layout") == 1  # built once, kept
     sp.fast_histograms = False
     assert np.array_equal(sp.replicates(0, 50), expected, equal_nan=True)
+
+
+def test_a_chunk_with_a_count_above_255_is_widened(monkeypatch):
+    """`replicate_weights` widens its chunk's block when one replicate holds a count above 255 (the other rows'
+    counts kept), so the shards' sums stay exact."""
+    from cje_engine.direct import estimators
+
+    real = estimators.bootstrap_counts
+
+    def counts(seed, b, n):
+        c = real(seed, b, n)
+        if b == 3:
+            c = c.astype(np.uint16)
+            c[7] = 300
+        return c
+
+    monkeypatch.setattr(sharded, "bootstrap_counts", counts)
+    rw = sharded.replicate_weights(1, 2, 6, 50, np.array([7, 9]))
+    assert rw.block.dtype == np.uint16 and rw.block[1, 7] == 300
+    for i, b in enumerate(range(2, 6)):
+        assert np.array_equal(rw.block[i], counts(1, b, 50))
+    assert np.array_equal(rw.driver, rw.block[:, [7, 9]])
