@@ -209,9 +209,11 @@ def stage_sharded(args: argparse.Namespace) -> dict:
         with MemorySampler() as mem:
             t0, c0 = time.perf_counter(), time.process_time()
             refs = sharded_ray.read_shards(args.logs, cfg, keys, n_shards, rows_hint=rows, keep=shard_columns(()))
-            mapper = sharded_ray.ray_mapper(memory=sharded_ray.task_memory(rows // n_shards))
+            per_task, memory = sharded_ray.task_memory(rows // n_shards), {}
+            mapper = sharded_ray.ray_mapper(memory=lambda name: memory.get(name, per_task))
             keep = {"auto": None, "per_prompt": True, "gram": False}[args.terms]
             sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason="benchmark", keep_terms=keep)
+            memory["replicate_weights"] = sharded_ray.weights_task_memory(sp.n_prompts)
             mem.mark("read + passes 1-2 + merge")
             t_prep = time.perf_counter() - t0
             chunks = []

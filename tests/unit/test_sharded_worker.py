@@ -265,3 +265,12 @@ def test_a_chunk_with_a_count_above_255_is_widened(monkeypatch):
     for i, b in enumerate(range(2, 6)):
         assert np.array_equal(rw.block[i], counts(1, b, 50))
     assert np.array_equal(rw.driver, rw.block[:, [7, 9]])
+
+
+def test_the_weights_task_asks_for_its_draws_and_its_block():
+    """A `replicate_weights` task's memory covers one replicate's int64 draws and counts (16 B a prompt) and its
+    chunk's block with the driver's part, whatever the rows per shard."""
+    for n in (1000, 2_000_000, 20_000_000):
+        need = sharded_ray.weights_task_memory(n)
+        assert need >= 16 * n + 2 * sharded.WEIGHTS_BLOCK_BYTES
+        assert need > sharded_ray.weights_task_memory(n // 2)
