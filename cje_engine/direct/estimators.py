@@ -22,7 +22,6 @@ import numpy as np
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import TWO_STAGE_MAX_KNOTS, Cells, clip_to, interp_flat, make_cells
 from cje_engine.data.frame import EvalData
-from cje_engine.data.ints import unique_ints
 from cje_engine.errors import CJEInputError
 
 #: Rows per chunk of the row passes that would otherwise allocate several row-sized temporaries.
@@ -718,7 +717,11 @@ def compact_view(view: BootstrapView) -> tuple[BootstrapView, np.ndarray]:
     ``prompts`` (sorted global codes), recoded ``0..len(prompts)-1``; no per-row arrays. With the weights at
     ``prompts`` (``weights[:, prompts]``) it gives the same replicates, bit for bit: every weight it reads is
     the same number."""
-    prompts = unique_ints(np.concatenate([view.cal_prompt, view.lab_prompt]).astype(np.int64))
+    read = np.zeros(view.n_prompts, dtype=bool)
+    read[view.cal_prompt] = True
+    read[view.lab_prompt] = True
+    prompts = np.flatnonzero(read)
+    read = None
     small = np.int32 if prompts.size < 2**31 else np.int64
     empty = np.zeros(0, dtype=small)
     return replace(view, n_prompts=int(prompts.size), row_prompt=empty, row_key=empty,

@@ -786,6 +786,9 @@ replicate_weights.kept_field = "block"
 WEIGHTS_BLOCK_BYTES = 256 * 2**20
 #: Chunks of replicates whose weights are drawn ahead of the histograms (object-store memory: this many blocks).
 WEIGHTS_IN_FLIGHT = 4
+#: Chunks whose driver refits may wait while the next chunk's histograms are summed (the driver holds their counts
+#: at its prompts: ~1 byte a labelled prompt and replicate each).
+REFITS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -870,7 +873,8 @@ class ShardedPrepared:
                     for _, h in self.mapper(shard_histograms, items):
                         total = h.copy() if total is None else total + h  # int64: exact in any order
                     items = None
-                    pending = [f for f in pending if not f.done() or f.result()]  # raise a refit's error here
+                    while len(pending) >= REFITS_IN_FLIGHT:  # bound the driver's counts waiting for a refit
+                        pending.pop(0).result()  # (and raise a refit's error here)
                     pending.append(pool.submit(refit, rw.start, rw.stop, total, rw.driver))
                     rw = None
                 log.debug("replicates %d..%d of %d..%d: histograms summed", window[0][0], window[-1][1] - 1, start,
