@@ -16,8 +16,11 @@ one shard whatever file or day it came from) and each shard is reduced where it 
    prompts with a labelled row keep their terms and the others arrive as moments of orders 1-3: the driver's
    `GramTerms` (`cje_engine.inference.gram`, result ``inference.row_pass.influence = "gram"``).
 3. `shard_histograms`: per bootstrap replicate ``b`` the shard's weighted (policy, cell) histogram under the
-   prompt weights regenerated from ``(seed, b)``; whole numbers, so their sum over shards is exact in any
-   order and the driver's replicates are bit-identical to the single-process ones (layout B).
+   prompt weights of ``(seed, b)``; whole numbers, so their sum over shards is exact in any order and the
+   driver's replicates are bit-identical to the single-process ones (layout B). The weights of a chunk of
+   replicates are drawn once for every shard (`replicate_weights`, one-byte counts left where they were drawn);
+   each shard sums its slice of them from its `HistogramLayout`, and the driver refits from the counts at the
+   labelled prompts (`ShardedPrepared.replicates`).
 
 Every function here is pure: a shard is a `pyarrow.Table` of canonical columns plus `ROW` (the row's place
 in the whole window, to keep the single-process row order). Where the shards live and how the passes are run
