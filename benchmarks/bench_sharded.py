@@ -19,7 +19,9 @@ Stages, each in its own child process so that every peak RSS is that process's a
    (``wall_s``) and reading the columns the sharded readers keep plus the response id (``wall_needed_s``).
    Both stages first run one task a CPU that imports what the tasks import (``warmup_s``, not in the
    figures): warm workers, as on a long-lived cluster. The sharded stage reports the Ray workers' CPU too (``ray_workers_cpu_s``, from /proc: every ``ray::``
-   process under the driver; ``ray_other_cpu_s``: raylet, GCS and agents).
+   process under the driver; ``ray_other_cpu_s``: raylet, GCS and agents), and with ``--inference bootstrap`` the
+   bootstrap's own wall and CPU (``bootstrap``: driver, Ray workers, raylet/GCS over pass 3 and the refits alone,
+   and per replicate); ``--reference-pass3`` runs pass 3 as before (every shard draws every replicate's weights).
 
 ``--sizes 1000000,2000000`` runs write/single/sharded per size (prompts; rows = 5x) and prints one line per
 size; ``--skip-single`` leaves out the single-process run (sizes where it does not fit). The numbers of the
@@ -223,16 +225,29 @@ def stage_sharded(args: argparse.Namespace) -> dict:
         with MemorySampler() as mem:
             t0, c0 = time.perf_counter(), time.process_time()
             refs = sharded_ray.read_shards(args.logs, cfg, keys, n_shards, rows_hint=rows, keep=shard_columns(()))
-            mapper = sharded_ray.ray_mapper(memory=sharded_ray.task_memory(rows // n_shards))
+            per_task, memory = sharded_ray.task_memory(rows // n_shards), {}
+            mapper = sharded_ray.ray_mapper(memory=lambda name: memory.get(name, per_task))
             keep = {"auto": None, "per_prompt": True, "gram": False}[args.terms]
             sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason="benchmark", keep_terms=keep)
+            memory["replicate_weights"] = sharded_ray.weights_task_memory(sp.n_prompts)
             mem.mark("read + passes 1-2 + merge")
             t_prep = time.perf_counter() - t0
             chunks = []
+            boot = {}
             if args.inference == "bootstrap":
                 K, G = sp.prep.design.n_policies, sp.prep.design.cells.cells.size
                 step = sharded_ray.replicate_chunk(args.bootstrap, K, G)
+                rb0, b0, cb0 = _ray_cpu(), time.perf_counter(), time.process_time()
+                sp.fast_histograms = not args.reference_pass3
                 chunks = [sp.replicates(a, min(a + step, args.bootstrap)) for a in range(0, args.bootstrap, step)]
+                rb1 = _ray_cpu()
+                boot = {"wall_s": time.perf_counter() - b0, "driver_cpu_s": time.process_time() - cb0,
+                        "ray_workers_cpu_s": rb1["worker"] - rb0.get("worker", 0.0),
+                        "ray_other_cpu_s": rb1["other"] - rb0.get("other", 0.0), "replicates": args.bootstrap,
+                        "weights": "every shard draws them" if args.reference_pass3 else "drawn once per chunk"}
+                boot["cpu_per_replicate_ms"] = 1e3 * (boot["driver_cpu_s"] + boot["ray_workers_cpu_s"]
+                                                      + boot["ray_other_cpu_s"]) / args.bootstrap
+                log.info("bootstrap (pass 3): %s", boot)
                 mem.mark("bootstrap (pass 3)")
             reps = sp.replicates(0, args.check_replicates) if args.check_replicates else None
             result = sp.finalize(chunks)
@@ -247,7 +262,7 @@ def stage_sharded(args: argparse.Namespace) -> dict:
     if reps is not None:
         np.save(args.out / "sharded_reps.npy", reps)
     return {"wall_s": wall, "cpu_s": cpu, "prepare_wall_s": t_prep, "max_rss_gib": _max_rss(), "shards": n_shards,
-            "terms": sp.influence, "warmup_s": warmup, "ray_workers_cpu_s": sum(v for k, v in workers.items() if k == "worker"),
+            "terms": sp.influence, "warmup_s": warmup, "bootstrap": boot, "ray_workers_cpu_s": sum(v for k, v in workers.items() if k == "worker"),
             "ray_other_cpu_s": sum(v for k, v in workers.items() if k != "worker"), "tasks": tasks,
             "cpus": cpus, "stages": mem.stages, **out}
 
@@ -395,6 +410,7 @@ def _child(stage: str, args: argparse.Namespace, prompts: int) -> dict:
            "--logs", _logs_for(args, prompts), "--inference", args.inference, "--bootstrap", str(args.bootstrap),
            "--seed", str(args.seed), "--fraction", str(args.fraction), "--ray-cpus", str(args.ray_cpus),
            "--shards", str(args.shards), "--check-replicates", str(args.check_replicates), "--terms", args.terms,
+           *(["--reference-pass3"] if args.reference_pass3 else []),
            "--out", str(args.out / str(prompts))]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -427,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--terms", default="auto", choices=["auto", "per_prompt", "gram"],
                    help="influence terms on the sharded driver: per prompt, the Gram form, or by the driver budget")
     p.add_argument("--keep", action="store_true", help="keep the written logs")
+    p.add_argument("--reference-pass3", action="store_true",
+                   help="the bootstrap's pass 3 as before: every shard draws every replicate's weights itself")
     p.add_argument("--out", type=Path, default=HERE / "_work" / "sharded_out")
     p.add_argument("--stage", choices=["write", "single", "sharded", "groupby"])
     p.add_argument("--label-store", default=None,
@@ -479,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{sh['shards']:>6} | {ratio:>5} | {same} | terms {sh.get('terms')}")
         print(f" {r['rows']:>11,} | Ray workers' CPU {sh['ray_workers_cpu_s']:.1f} s (+ raylet/GCS "
               f"{sh['ray_other_cpu_s']:.1f} s)")
+        if sh.get("bootstrap"):
+            b = sh["bootstrap"]
+            print(f" {r['rows']:>11,} | bootstrap B={b['replicates']} ({b['weights']}): wall {b['wall_s']:.1f} s, CPU "
+                  f"driver {b['driver_cpu_s']:.1f} s + Ray workers {b['ray_workers_cpu_s']:.1f} s + raylet/GCS "
+                  f"{b['ray_other_cpu_s']:.1f} s = {b['cpu_per_replicate_ms']:.1f} ms a replicate")
         print(f" {r['rows']:>11,} | read+group-by on Ray: {r['groupby_wall_s']:.1f} s (2 columns), "
               f"{r['groupby_needed_wall_s']:.1f} s (the sharded readers' columns); sharded / read+group-by "
               f"{sh['wall_s'] / r['groupby_wall_s']:.1f}x, {sh['wall_s'] / r['groupby_needed_wall_s']:.1f}x")

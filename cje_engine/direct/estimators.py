@@ -539,20 +539,29 @@ def own_label_means(view: BootstrapView, prompt_w: np.ndarray) -> np.ndarray:
 
 
 def bootstrap_replicates(view: BootstrapView, start: int, stop: int,
-                         histograms: np.ndarray | None = None) -> np.ndarray:
+                         histograms: np.ndarray | None = None, weights: np.ndarray | None = None) -> np.ndarray:
     """Replicates ``start..stop-1`` on a view, shape (stop - start, 3K): the 2K statistics of
     `policy_stats` (calibrator refitted) then every policy's own-label mean (`own_label_means`, the
     third block: the power-tuned verified level combines it with the augmented one). Replicate ``b``
     depends only on ``(view.seed, b)``, so any split into chunks gives the same rows (the same bits:
     the batches of `_replicates` do not change any replicate's numbers). ``histograms``: the replicates'
     weighted (policy, cell) histograms, shape (stop - start, K * G), when the rows are on shards
-    (`cje_engine.pipeline.sharded.shard_histograms`, summed over the shards: whole numbers, exact)."""
+    (`cje_engine.pipeline.sharded.shard_histograms`, summed over the shards: whole numbers, exact).
+    ``weights``: the replicates' prompt weights when already drawn, shape (stop - start, view.n_prompts), any
+    integer or float dtype (row ``i``: ``bootstrap_weights(view.seed, start + i, ...)`` at the view's prompts,
+    e.g. those of a `compact_view`; converted to float64, the same values), instead of drawing them again."""
     K = view.n_policies
+
+    def draw(b: int) -> np.ndarray:
+        if weights is None:
+            return bootstrap_weights(view.seed, b, view.n_prompts)
+        return weights[b - start].astype(float)
+
     out = np.empty((stop - start, 3 * K))
     plan = view.calibration
     if not plan.entry.batched:
         for i, b in enumerate(range(start, stop)):
-            w = bootstrap_weights(view.seed, b, view.n_prompts)
+            w = draw(b)
             out[i, :2 * K] = replicate_view(view, w, None if histograms is None else histograms[i])
             out[i, 2 * K:] = own_label_means(view, w)
         return out
@@ -562,7 +571,7 @@ def bootstrap_replicates(view: BootstrapView, start: int, stop: int,
     batch = max(1, min(REPLICATE_BATCH, _BATCH_ELEMENTS // max(per, 1)))
     for a in range(start, stop, batch):
         b = min(a + batch, stop)
-        ws = [bootstrap_weights(view.seed, i, view.n_prompts) for i in range(a, b)]
+        ws = [draw(i) for i in range(a, b)]
         out[a - start:b - start, :2 * K] = _replicates(view, ws, None if histograms is None
                                                        else histograms[a - start:b - start])
         out[a - start:b - start, 2 * K:] = [own_label_means(view, w) for w in ws]
@@ -700,6 +709,40 @@ def replicate(design: Design, prompt_w: np.ndarray | None = None) -> np.ndarray:
         f, _ = cross_fit(design)
         return policy_stats(design, f)
     return replicate_view(bootstrap_view(design), prompt_w)
+
+
+def compact_view(view: BootstrapView) -> tuple[BootstrapView, np.ndarray]:
+    """(view, prompts): ``view`` restricted to the prompts a replicate reads when its weighted (policy, cell)
+    histogram is given (`bootstrap_replicates` with ``histograms``): those of the calibration and labelled rows,
+    ``prompts`` (sorted global codes), recoded ``0..len(prompts)-1``; no per-row arrays. With the weights at
+    ``prompts`` (``weights[:, prompts]``) it gives the same replicates, bit for bit: every weight it reads is
+    the same number."""
+    read = np.zeros(view.n_prompts, dtype=bool)
+    read[view.cal_prompt] = True
+    read[view.lab_prompt] = True
+    prompts = np.flatnonzero(read)
+    read = None
+    small = np.int32 if prompts.size < 2**31 else np.int64
+    empty = np.zeros(0, dtype=small)
+    return replace(view, n_prompts=int(prompts.size), row_prompt=empty, row_key=empty,
+                   cal_prompt=np.searchsorted(prompts, view.cal_prompt).astype(small),
+                   lab_prompt=np.searchsorted(prompts, view.lab_prompt).astype(small)), prompts
+
+
+def bootstrap_counts(seed: int, b: int, n_prompts: int) -> np.ndarray:
+    """`bootstrap_weights` as whole numbers in the smallest unsigned integer type holding them (uint8 unless a
+    prompt is drawn more than 255 times): the same draws and counts, 1 byte a prompt instead of 8."""
+    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(b,)))
+    counts = np.bincount(rng.integers(0, n_prompts, n_prompts), minlength=n_prompts)
+    return counts.astype(count_dtype(int(counts.max()) if counts.size else 0))
+
+
+def count_dtype(largest: int) -> type:
+    """The smallest unsigned integer type holding ``0..largest``."""
+    for t in (np.uint8, np.uint16, np.uint32):
+        if largest <= np.iinfo(t).max:
+            return t
+    return np.uint64
 
 
 def bootstrap_weights(seed: int, b: int, n_prompts: int) -> np.ndarray:

@@ -16,8 +16,11 @@ one shard whatever file or day it came from) and each shard is reduced where it 
    prompts with a labelled row keep their terms and the others arrive as moments of orders 1-3: the driver's
    `GramTerms` (`cje_engine.inference.gram`, result ``inference.row_pass.influence = "gram"``).
 3. `shard_histograms`: per bootstrap replicate ``b`` the shard's weighted (policy, cell) histogram under the
-   prompt weights regenerated from ``(seed, b)``; whole numbers, so their sum over shards is exact in any
-   order and the driver's replicates are bit-identical to the single-process ones (layout B).
+   prompt weights of ``(seed, b)``; whole numbers, so their sum over shards is exact in any order and the
+   driver's replicates are bit-identical to the single-process ones (layout B). The weights of a chunk of
+   replicates are drawn once for every shard (`replicate_weights`, one-byte counts left where they were drawn);
+   each shard sums its slice of them from its `HistogramLayout`, and the driver refits from the counts at the
+   labelled prompts (`ShardedPrepared.replicates`).
 
 Every function here is pure: a shard is a `pyarrow.Table` of canonical columns plus `ROW` (the row's place
 in the whole window, to keep the single-process row order). Where the shards live and how the passes are run
@@ -31,6 +34,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -43,8 +47,8 @@ from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
 from cje_engine.data.ints import unique_ints, unique_inverse
-from cje_engine.direct.estimators import (bootstrap_replicates, bootstrap_view, bootstrap_weights, calibration_term,
-                                          level_set_shares,
+from cje_engine.direct.estimators import (bootstrap_counts, bootstrap_replicates, bootstrap_view, bootstrap_weights,
+                                          calibration_term, compact_view, level_set_shares,
                                           fold_jackknife, influence_with_evaluation_terms)
 from cje_engine.errors import CJEInputError
 from cje_engine.direct.verified import own_label_influence
@@ -666,12 +670,20 @@ def _evaluation_terms(prompt: np.ndarray, policy: np.ndarray, f: np.ndarray, plu
 
 
 def shard_histograms(shard: Any, covariates: Sequence[str], policies: Sequence[str] | None,
-                     codes: ShardCodes, seed: int, start: int, stop: int, n_prompts: int, n_policies: int
-                     ) -> np.ndarray:
+                     codes: ShardCodes, seed: int, start: int, stop: int, n_prompts: int, n_policies: int,
+                     weights: np.ndarray | None = None) -> np.ndarray:
     """Pass 3 on one shard: the weighted (policy, cell) histogram of replicates ``start..stop-1``, shape
-    (stop - start, K * G), int64. The prompt weights are regenerated from ``(seed, b)`` (`bootstrap_weights`),
-    whole numbers: the histograms of the shards add up exactly to the single-process one. ``shard``: its
-    `ShardKept` or its table (`shard_view`)."""
+    (stop - start, K * G), int64. The prompt weights are whole numbers, so the histograms of the shards add up
+    exactly to the single-process one, in any order.
+
+    ``weights`` None: every replicate's weights regenerated here from ``(seed, b)`` (`bootstrap_weights`, all
+    the window's prompts) and gathered per row (the reference). Else ``shard`` is the shard's
+    `HistogramLayout` (`shard_histogram_layout`) and ``weights`` the replicates' prompt counts drawn once for
+    every shard (`replicate_weights`: (stop - start, n_prompts), small unsigned integers): the shard takes its
+    prompts' columns (a range shard its contiguous slice ``offset .. offset + n``) and sums them per (policy,
+    cell) in integers. ``shard`` otherwise: its `ShardKept` or its table (`shard_view`)."""
+    if weights is not None:
+        return _layout_histograms(shard, codes, weights, start, stop)
     v = shard_view(shard, covariates, policies)
     pol, cell, keep = _shard_keys(v, codes)
     key = (pol * codes.n_cells + cell)[keep]
@@ -682,6 +694,106 @@ def shard_histograms(shard: Any, covariates: Sequence[str], policies: Sequence[s
         w = bootstrap_weights(seed, b, n_prompts)
         out[i] = np.bincount(key, weights=w[prompt], minlength=KG)
     return out
+
+
+@dataclass
+class HistogramLayout:
+    """A shard's rows arranged for pass 3 (`shard_histogram_layout`): their local prompt codes grouped by global
+    (policy, cell) key (window order within a key), and where each key's group starts; 4 bytes a row. Built once
+    per shard and kept where the shard is (on Ray, in the object store) for every chunk of replicates."""
+
+    prompt: np.ndarray  # (kept rows,) local prompt code, grouped by key
+    starts: np.ndarray  # (keys with rows,) first position of each non-empty key's group
+    keys: np.ndarray  # (keys with rows,) the key (policy * G + cell) of each group
+    n_keys: int  # K * G
+    n_ids: int  # the shard's prompts
+
+
+@dataclass
+class LayoutBuilt:
+    """What `shard_histogram_layout` returns: the layout (on Ray its reference: it stays in the object store)."""
+
+    rows: int  # the layout's rows
+    layout: Any
+
+
+def shard_histogram_layout(shard: Any, covariates: Sequence[str], policies: Sequence[str] | None,
+                           codes: ShardCodes, n_policies: int) -> LayoutBuilt:
+    """A shard's `HistogramLayout` under the merge's ``codes`` (from its `ShardKept` or its table)."""
+    v = shard_view(shard, covariates, policies)
+    pol, cell, keep = _shard_keys(v, codes)
+    KG = n_policies * codes.n_cells
+    key = (pol * codes.n_cells + cell)[keep]
+    # a stable counting order of the keys (radix sort when they fit 16 bits): window order within a key
+    order = np.argsort(key.astype(np.int16 if KG < 2**15 else np.int64), kind="stable")
+    counts = np.bincount(key, minlength=KG)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    live = np.flatnonzero(counts)
+    small = np.int32 if v.n_ids < 2**31 else np.int64
+    out = HistogramLayout(prompt=v.prompt[keep][order].astype(small), starts=first[live].astype(np.int64),
+                          keys=live.astype(np.int64), n_keys=KG, n_ids=int(v.n_ids))
+    return LayoutBuilt(int(key.size), out)
+
+
+#: `shard_histogram_layout`'s field a mapper may keep where the task ran (the layout itself: ~4 bytes a row).
+shard_histogram_layout.kept_field = "layout"
+
+
+def _layout_histograms(layout: HistogramLayout, codes: ShardCodes, weights: np.ndarray, start: int, stop: int
+                       ) -> np.ndarray:
+    """`shard_histograms` from a layout and the replicates' prompt counts of the whole window: per replicate one
+    gather of the shard's counts (1-2 bytes a prompt: the shard's slice stays in cache) and a sum per key group
+    in int64 (exact)."""
+    weights = np.asarray(weights)
+    if weights.shape[0] != stop - start:
+        raise ValueError(f"weights of {weights.shape[0]} replicates for replicates {start}..{stop - 1}")
+    if codes.prompt_rank is None:  # a range shard: its prompts are a contiguous block of global codes
+        local = weights[:, codes.prompt_offset:codes.prompt_offset + layout.n_ids]
+    else:
+        local = weights[:, codes.prompt_rank]
+    out = np.zeros((stop - start, layout.n_keys), dtype=np.int64)
+    if layout.prompt.size == 0:
+        return out
+    for i in range(stop - start):
+        row = np.ascontiguousarray(local[i])
+        out[i, layout.keys] = np.add.reduceat(row[layout.prompt], layout.starts, dtype=np.int64)
+    return out
+
+
+@dataclass
+class ReplicateWeights:
+    """Replicates ``start..stop-1``'s prompt counts (`replicate_weights`), drawn once for every shard."""
+
+    start: int
+    stop: int
+    driver: np.ndarray  # (stop - start, len(prompts)) the counts at the driver's prompts (`compact_view`)
+    block: Any  # (stop - start, n_prompts) every prompt's counts (on Ray: its object reference)
+
+
+def replicate_weights(seed: int, start: int, stop: int, n_prompts: int, prompts: np.ndarray) -> ReplicateWeights:
+    """The prompt counts of replicates ``start..stop-1`` (`bootstrap_counts`: `bootstrap_weights`' draws, as small
+    unsigned integers; the chunk's type is the smallest holding its largest count), for every shard's histograms,
+    and apart those at ``prompts`` for the driver's refits."""
+    block = np.empty((stop - start, n_prompts), dtype=np.uint8)
+    for i, b in enumerate(range(start, stop)):
+        row = bootstrap_counts(seed, b, n_prompts)
+        if row.dtype.itemsize > block.dtype.itemsize:  # a count above the type's largest: widen the chunk
+            block = block.astype(row.dtype)
+        block[i] = row
+    return ReplicateWeights(start, stop, block[:, prompts], block)
+
+
+#: `replicate_weights`' field a mapper may keep where the task ran (every prompt's counts: ~1 byte a prompt and
+#: replicate), so that the shards' tasks read it from the object store and the driver gets only its prompts'.
+replicate_weights.kept_field = "block"
+
+#: Bytes of one chunk's prompt counts (`replicate_weights`' block): it sets the replicates drawn per task.
+WEIGHTS_BLOCK_BYTES = 256 * 2**20
+#: Chunks of replicates whose weights are drawn ahead of the histograms (object-store memory: this many blocks).
+WEIGHTS_IN_FLIGHT = 4
+#: Chunks whose driver refits may wait while the next chunk's histograms are summed (the driver holds their counts
+#: at its prompts: ~1 byte a labelled prompt and replicate each).
+REFITS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -703,6 +815,8 @@ class ShardedPrepared:
     reason: str = "requested"  # why the sharded path was taken (the result's ``inference.row_pass``)
     segments: Any = None  # options.segment_by: the shards' segment counts (`sharded_segments.SegmentCounts`)
     kept: list = field(default_factory=list, repr=False)  # per shard, pass 1's `ShardKept` (or its reference)
+    fast_histograms: bool = True  # replicates from weights drawn once per chunk (False: every shard draws them)
+    _layouts: Any = field(default=None, repr=False)  # per shard, its `HistogramLayout` (or its reference)
 
     @property
     def options(self) -> EvaluationOptions:
@@ -728,9 +842,63 @@ class ShardedPrepared:
         return total.astype(float)
 
     def replicates(self, start: int, stop: int) -> np.ndarray:
-        """Bootstrap replicates ``start..stop-1``: bit-identical to the single-process `bootstrap_chunk`."""
-        view = bootstrap_view(self.prep.design, self.prep.options.seed)
-        return bootstrap_replicates(view, start, stop, self.histograms(start, stop))
+        """Bootstrap replicates ``start..stop-1``: bit-identical to the single-process `bootstrap_chunk`.
+
+        Each chunk's prompt weights are drawn once (`replicate_weights`, a task of ``mapper``; its block of every
+        prompt's counts stays where it was drawn), every shard sums its slice of them per (policy, cell) from its
+        `HistogramLayout` (`shard_histograms`), and the driver refits from the labelled rows with the counts at
+        their prompts (`compact_view`). ``fast_histograms=False``: every shard draws every replicate's weights
+        itself (`histograms`, the reference)."""
+        opts = self.prep.options
+        view = bootstrap_view(self.prep.design, opts.seed)
+        if not self.fast_histograms:
+            return bootstrap_replicates(view, start, stop, self.histograms(start, stop))
+        small, prompts = compact_view(view)
+        prompts = prompts.astype(np.int32 if self.n_prompts < 2**31 else np.int64)
+        layouts = self.histogram_layouts()
+        step = max(1, min(stop - start, WEIGHTS_BLOCK_BYTES // max(self.n_prompts, 1)))
+        bounds = [(a, min(a + step, stop)) for a in range(start, stop, step)]
+        out = np.empty((stop - start, 3 * self.prep.design.n_policies))
+        cov, K = tuple(opts.covariates), self.prep.design.n_policies
+
+        def refit(a: int, b: int, hist: np.ndarray, counts: np.ndarray) -> None:
+            out[a - start:b - start] = bootstrap_replicates(small, a, b, hist.astype(float), weights=counts)
+
+        # the driver's refits of a chunk run in a thread while the shards sum the next chunk's histograms (the
+        # same computation in the same order: one thread, each chunk's rows written to its own place)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cje-refit") as pool:
+            pending: list = []
+            for w0 in range(0, len(bounds), WEIGHTS_IN_FLIGHT):
+                window = bounds[w0:w0 + WEIGHTS_IN_FLIGHT]
+                for _, rw in self.mapper(replicate_weights, [(opts.seed, a, b, self.n_prompts, prompts)
+                                                               for a, b in window]):
+                    items = [(lay, cov, opts.policies, c, opts.seed, rw.start, rw.stop, self.n_prompts, K,
+                              rw.block) for lay, c in zip(layouts, self.codes)]
+                    total = None
+                    for _, h in self.mapper(shard_histograms, items):
+                        total = h.copy() if total is None else total + h  # int64: exact in any order
+                    items = None
+                    while len(pending) >= REFITS_IN_FLIGHT:  # bound the driver's counts waiting for a refit
+                        pending.pop(0).result()  # (and raise a refit's error here)
+                    pending.append(pool.submit(refit, rw.start, rw.stop, total, rw.driver))
+                    rw = None
+                log.debug("replicates %d..%d of %d..%d: histograms summed", window[0][0], window[-1][1] - 1, start,
+                          stop - 1)
+            for f in pending:
+                f.result()
+        return out
+
+    def histogram_layouts(self) -> list:
+        """Every shard's `HistogramLayout` (built on the first call, with ``mapper``; on Ray their references)."""
+        if self._layouts is None:
+            opts = self.prep.options
+            items = [(t, tuple(opts.covariates), opts.policies, c, self.prep.design.n_policies)
+                     for t, c in zip(self.kept or self.shards, self.codes)]
+            layouts: list = [None] * len(items)
+            for i, res in self.mapper(shard_histogram_layout, items):
+                layouts[i] = res.layout
+            self._layouts = layouts
+        return self._layouts
 
     def finalize(self, chunks: Sequence[np.ndarray]):
         """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""

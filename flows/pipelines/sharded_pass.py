@@ -166,8 +166,10 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: pa.Table | N
     if counts["n_labelled"] == 0:
         raise CJEInputError("no row of the window has an oracle label", source=plan.logs_uri, column="oracle_label")
     per_task = sharded_ray.task_memory(counts["n_rows"] // n_shards)
-    mapper = sharded_ray.ray_mapper(memory=per_task)
+    memory: dict = {}  # per pass where it differs from a shard task's: the bootstrap's weights (known after pass 1)
+    mapper = sharded_ray.ray_mapper(memory=lambda name: memory.get(name, per_task))
     sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason=reason)
+    memory["replicate_weights"] = sharded_ray.weights_task_memory(sp.n_prompts)
     logger.info("row pass: sharded (%s): %d rows in %d shard(s) read and reduced on Ray in %.2f s; the driver "
                 "holds %d labelled rows", reason, counts["n_rows"], n_shards, time.perf_counter() - t0,
                 sp.prep.design.data.n_rows)

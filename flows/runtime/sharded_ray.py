@@ -43,6 +43,15 @@ def task_memory(rows: int, n_prompts: int = 0, replicates: int = 0, n_policies: 
     return int(64 * 2**20 + BYTES_PER_ROW * rows + 8 * n_prompts + 8 * replicates * n_policies * n_cells)
 
 
+def weights_task_memory(n_prompts: int) -> int:
+    """Bytes a `cje_engine.pipeline.sharded.replicate_weights` task asks Ray for: one replicate's draws and their
+    counts (int64, 16 B a prompt) and its chunk's block of counts with the driver's part of it (each at most
+    `cje_engine.pipeline.sharded.WEIGHTS_BLOCK_BYTES`, doubled for a chunk widened past uint8)."""
+    from cje_engine.pipeline.sharded import WEIGHTS_BLOCK_BYTES
+
+    return int(64 * 2**20 + 16 * n_prompts + 4 * WEIGHTS_BLOCK_BYTES)
+
+
 def replicate_chunk(n_replicates: int, n_policies: int, n_cells: int) -> int:
     """Replicates per histogram task: as many as keep its returned block under `HISTOGRAM_BLOCK_BYTES`."""
     per = max(1, 8 * n_policies * n_cells)

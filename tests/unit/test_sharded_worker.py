@@ -213,3 +213,146 @@ def test_passes_2_and_3_on_kept_codes_give_the_parts_of_the_shards_read_again(ke
                 assert np.array_equal(getattr(fast.rest, name), getattr(slow.rest, name)), name
         args = (tuple(opts.covariates), None, sp.codes[i], 11, 0, 7, sp.n_prompts, sp.prep.design.n_policies)
         assert np.array_equal(sharded.shard_histograms(sp.kept[i], *args), sharded.shard_histograms(shards[i], *args))
+
+
+def test_bootstrap_counts_are_bootstrap_weights_as_small_integers():
+    """The counts drawn once per chunk (`bootstrap_counts`) are `bootstrap_weights`' numbers, 1 byte a prompt."""
+    from cje_engine.direct.estimators import bootstrap_counts, bootstrap_weights, count_dtype
+
+    for seed, b, n in [(0, 0, 1), (3, 7, 1000), (11, 1999, 123_457)]:
+        c = bootstrap_counts(seed, b, n)
+        assert c.dtype == np.uint8 and np.array_equal(c.astype(float), bootstrap_weights(seed, b, n))
+    assert bootstrap_counts(0, 0, 0).size == 0
+    # a prompt drawn more than 255 times needs a wider type (here: a 1-prompt window is drawn once)
+    assert [count_dtype(v) for v in (0, 255, 256, 65_535, 65_536, 2**32)] == [
+        np.uint8, np.uint8, np.uint16, np.uint16, np.uint32, np.uint64]
+
+
+def _slow_histograms(key: np.ndarray, prompt: np.ndarray, weights: np.ndarray, n_keys: int) -> np.ndarray:
+    """The obvious pass 3: per replicate every row's prompt weight (float64), summed per key."""
+    return np.stack([np.bincount(key, weights=w.astype(float)[prompt], minlength=n_keys) for w in weights])
+
+
+@pytest.mark.parametrize("ranged", [True, False])
+def test_layout_histograms_are_the_gather_and_bincount(ranged):
+    """`shard_histograms` from a shard's `HistogramLayout` and the chunk's counts of every prompt (drawn once)
+    equals the per-row gather and float64 bincount, for a range shard (its slice of the prompts) and a hash
+    shard (its prompts' global codes), with a count above 255 (uint16 counts), rows of a policy that is not
+    evaluated (code -1) and keys without rows."""
+    rng = np.random.default_rng(5)
+    n_ids, n_rows, Kl, Gf, K, G, n_prompts = 300, 2000, 3, 9, 2, 4, 1000
+    kept = sharded.ShardKept(prompt=rng.integers(0, n_ids, n_rows).astype(np.int32),
+                             policy=rng.integers(0, Kl, n_rows).astype(np.int8),
+                             cell=rng.integers(0, Gf, n_rows).astype(np.int32),
+                             lab_pos=np.zeros(0, np.int64), lab_row=np.zeros(0, np.int64), n_ids=n_ids)
+    policy_code = np.array([1, -1, 0])  # the shard's second policy is not evaluated
+    cell_code = np.array([0, 0, 1, 1, 3, 3, 3, 0, 1])  # cell 2 has no row: its key stays 0
+    offset = 400
+    rank = None if ranged else np.sort(rng.choice(n_prompts, n_ids, replace=False))
+    codes = sharded.ShardCodes(rank, policy_code, cell_code, G, offset)
+    weights = rng.integers(0, 4, (6, n_prompts)).astype(np.uint16)
+    weights[2, offset + 5 if ranged else rank[5]] = 300  # more than uint8 holds
+    built = sharded.shard_histogram_layout(kept, (), None, codes, K)
+    assert built.rows == int((policy_code[kept.policy] >= 0).sum())
+    got = sharded.shard_histograms(built.layout, (), None, codes, 0, 10, 16, n_prompts, K, weights)
+    pol = policy_code[kept.policy]
+    keep = pol >= 0
+    key = (pol * G + cell_code[kept.cell])[keep]
+    glob = codes.ranks(kept.prompt[keep])
+    want = _slow_histograms(key, glob, weights, K * G)
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert want[2].max() >= 300 and not want[:, 2].any()
+    # the reference path of the same shard (every replicate's weights drawn here) is the same sum
+    ref = sharded.shard_histograms(kept, (), None, codes, 3, 0, 4, n_prompts, K)
+    from cje_engine.direct.estimators import bootstrap_counts
+
+    drawn = np.stack([bootstrap_counts(3, b, n_prompts) for b in range(4)])
+    assert np.array_equal(ref, sharded.shard_histograms(built.layout, (), None, codes, 3, 0, 4, n_prompts, K, drawn))
+
+
+def test_replicate_weights_and_the_compact_view_give_the_replicates_bit_for_bit():
+    """The driver's refits from the counts at the labelled prompts (`compact_view` + `replicate_weights`' driver
+    part) are `bootstrap_replicates` drawing every prompt's weights itself, bit for bit."""
+    from cje_engine.direct.estimators import bootstrap_replicates, bootstrap_view, compact_view
+    from cje_engine.options import EvaluationOptions
+    from cje_engine.pipeline import direct
+    from cje_engine.simulate import simulate
+
+    table = pa.Table.from_pandas(simulate(700, seed=6, oracle_fraction=0.1).frame, preserve_index=False)
+    opts = EvaluationOptions.of(None, seed=2, inference="bootstrap", n_bootstrap=50)
+    prep = direct.prepare(table, opts)
+    view = bootstrap_view(prep.design, 2)
+    small, prompts = compact_view(view)
+    assert small.n_prompts == prompts.size < view.n_prompts
+    start, stop = 5, 17
+    rw = sharded.replicate_weights(2, start, stop, view.n_prompts, prompts)
+    assert rw.block.dtype == np.uint8 and rw.block.shape == (stop - start, view.n_prompts)
+    assert np.array_equal(rw.driver, rw.block[:, prompts])
+    hist = np.stack([np.bincount(view.row_key, weights=w.astype(float)[view.row_prompt],
+                                 minlength=prep.design.n_policies * prep.design.cells.cells.size)
+                     for w in rw.block])
+    want = bootstrap_replicates(view, start, stop)
+    assert np.array_equal(bootstrap_replicates(view, start, stop, hist), want, equal_nan=True)
+    assert np.array_equal(bootstrap_replicates(small, start, stop, hist, weights=rw.driver), want, equal_nan=True)
+
+
+@pytest.mark.parametrize("n_shards", [1, 3])
+def test_replicates_in_many_small_chunks_are_the_single_paths(monkeypatch, n_shards):
+    """Weights blocks of a few replicates each and windows of two chunks (many `replicate_weights` tasks, the
+    driver's refits overlapping the next chunk's histograms): the replicates are the single path's, bit for bit,
+    and those of the reference pass 3 (every shard drawing every replicate's weights)."""
+    from cje_engine.options import EvaluationOptions
+    from cje_engine.pipeline import direct
+    from cje_engine.simulate import simulate
+
+    table = pa.Table.from_pandas(simulate(400, seed=8, oracle_fraction=0.1).frame, preserve_index=False)
+    opts = EvaluationOptions.of(None, seed=9, inference="bootstrap", n_bootstrap=50)
+    expected = direct.bootstrap_chunk(direct.prepare(table, opts), 0, 50)
+    n_prompts = len(set(table["prompt_id"].to_pylist()))
+    monkeypatch.setattr(sharded, "WEIGHTS_BLOCK_BYTES", 3 * n_prompts)  # 3 replicates a chunk
+    monkeypatch.setattr(sharded, "WEIGHTS_IN_FLIGHT", 2)
+    calls = []
+
+    def counting(fn, items):
+        calls.append((fn.__name__, len(items)))
+        return sharded.serial_map(fn, items)
+
+    sp = sharded.prepare_sharded(sharded.split_by_shard(table, n_shards), opts, mapper=counting)
+    got = np.vstack([sp.replicates(0, 20), sp.replicates(20, 50)])
+    assert np.array_equal(got, expected, equal_nan=True)
+    weights = [n for name, n in calls if name == "replicate_weights"]
+    assert sum(weights) == 7 + 10 and max(weights) == 2  # ceil(20 / 3) + 30 / 3 chunks, 2 at a time
+    assert [name for name, _ in calls].count("shard_histogram_layout") == 1  # built once, kept
+    sp.fast_histograms = False
+    assert np.array_equal(sp.replicates(0, 50), expected, equal_nan=True)
+
+
+def test_a_chunk_with_a_count_above_255_is_widened(monkeypatch):
+    """`replicate_weights` widens its chunk's block when one replicate holds a count above 255 (the other rows'
+    counts kept), so the shards' sums stay exact."""
+    from cje_engine.direct import estimators
+
+    real = estimators.bootstrap_counts
+
+    def counts(seed, b, n):
+        c = real(seed, b, n)
+        if b == 3:
+            c = c.astype(np.uint16)
+            c[7] = 300
+        return c
+
+    monkeypatch.setattr(sharded, "bootstrap_counts", counts)
+    rw = sharded.replicate_weights(1, 2, 6, 50, np.array([7, 9]))
+    assert rw.block.dtype == np.uint16 and rw.block[1, 7] == 300
+    for i, b in enumerate(range(2, 6)):
+        assert np.array_equal(rw.block[i], counts(1, b, 50))
+    assert np.array_equal(rw.driver, rw.block[:, [7, 9]])
+
+
+def test_the_weights_task_asks_for_its_draws_and_its_block():
+    """A `replicate_weights` task's memory covers one replicate's int64 draws and counts (16 B a prompt) and its
+    chunk's block with the driver's part, whatever the rows per shard."""
+    for n in (1000, 2_000_000, 20_000_000):
+        need = sharded_ray.weights_task_memory(n)
+        assert need >= 16 * n + 2 * sharded.WEIGHTS_BLOCK_BYTES
+        assert need > sharded_ray.weights_task_memory(n // 2)
