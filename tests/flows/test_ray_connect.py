@@ -196,6 +196,11 @@ def test_a_runs_session_connects_with_the_patience_only_through_the_ray_client(m
     monkeypatch.delenv(timeouts.RAY_CONNECT_PATIENCE_ENV, raising=False)
     seen = []
     monkeypatch.setattr(ray_fanout, "_connect", lambda ray, a, env, patience=0.0: seen.append((a, patience)))
+    # Another test of this worker may hold a Ray session: this one must neither see it nor shut it down.
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: None)
     with ray_fanout.ray_session(address) as kind:
         assert kind == "cluster"
     assert seen == [(address, patience)]
