@@ -168,7 +168,7 @@ def stage_groupby(args: argparse.Namespace) -> dict:
     """Comparator: a Ray-parallel read + group-by of the same objects on the same cluster."""
     import ray
 
-    from bench_sharded import GROUPBY_COLUMNS, _groupby_file, _keys, _warm
+    from bench_sharded import GROUPBY_COLUMNS, _groupby_file, _keys, _warm, merge_groupby
     from flows.storage.objects import StorageConfig
 
     keys = _keys(args.logs)
@@ -188,13 +188,7 @@ def stage_groupby(args: argparse.Namespace) -> dict:
         for name, columns in sets.items():
             with RayCpu(args.marker) as ray_cpu:
                 t0 = time.perf_counter()
-                parts = ray.get([remote.remote(args.logs, cfg, k, columns) for k in keys])
-                total: dict = {}
-                for p in parts:
-                    for pol, (s, n) in p.items():
-                        a = total.setdefault(pol, [0.0, 0])
-                        a[0] += s
-                        a[1] += n
+                total = merge_groupby(ray.get([remote.remote(args.logs, cfg, k, columns) for k in keys]))
                 wall = time.perf_counter() - t0
             out[name] = {"columns": columns, "wall_s": round(wall, 2), "ray_cpu_s": ray_cpu.totals(),
                          "rows": sum(n for _, n in total.values())}

@@ -338,6 +338,17 @@ GROUPBY_COLUMNS = {"minimal": ["policy", "judge_score"],
                               "response_id"]}
 
 
+def merge_groupby(parts: list[dict]) -> dict:
+    """The comparator's merge: per policy the sum and count over the files' partial results."""
+    total: dict = {}
+    for p in parts:
+        for pol, (s, n) in p.items():
+            a = total.setdefault(pol, [0.0, 0])
+            a[0] += s
+            a[1] += n
+    return total
+
+
 def _groupby_file(uri: str, cfg: dict, key: str, columns: list[str] = GROUPBY_COLUMNS["minimal"]):
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
@@ -366,13 +377,7 @@ def stage_groupby(args: argparse.Namespace) -> dict:
         for name, columns in GROUPBY_COLUMNS.items():
             ray0 = _ray_cpu()
             t0 = time.perf_counter()
-            parts = ray.get([remote.remote(args.logs, cfg, k, columns) for k in keys])
-            total: dict = {}
-            for p in parts:
-                for pol, (s, n) in p.items():
-                    a = total.setdefault(pol, [0.0, 0])
-                    a[0] += s
-                    a[1] += n
+            total = merge_groupby(ray.get([remote.remote(args.logs, cfg, k, columns) for k in keys]))
             walls[name] = time.perf_counter() - t0
             cpus[name] = _ray_cpu()["worker"] - ray0["worker"]
     return {"wall_s": walls["minimal"], "wall_needed_s": walls["needed"], "workers_cpu_s": cpus, "warmup_s": warmup,
