@@ -746,9 +746,9 @@ def count_dtype(largest: int) -> type:
 
 
 def bootstrap_weights(seed: int, b: int, n_prompts: int) -> np.ndarray:
-    """Prompt multiplicities of bootstrap replicate ``b`` (depends only on ``seed`` and ``b``)."""
-    rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(b,)))
-    return np.bincount(rng.integers(0, n_prompts, n_prompts), minlength=n_prompts).astype(float)
+    """Prompt multiplicities of bootstrap replicate ``b`` (depends only on ``seed`` and ``b``): `bootstrap_counts`
+    as floats."""
+    return bootstrap_counts(seed, b, n_prompts).astype(float)
 
 
 def _level_sets(full) -> tuple[np.ndarray, int]:

@@ -559,12 +559,13 @@ def compute(plan: RunPlan, cfg: Any, rows: WindowRows, n_chunks: int | None) -> 
         return counts, finalize(quote(prep), quote(chunks))
 
 
-def sharded_window(plan: RunPlan, cfg: Any, files: list[dict], reason: str) -> tuple[WindowRows, dict, Any]:
+def sharded_window(plan: RunPlan, cfg: Any, files: list[dict], reason: str,
+                   rows: int | None = None) -> tuple[WindowRows, dict, Any]:
     """``load_labels`` then the sharded row pass (`flows.pipelines.sharded_pass.compute_sharded`): the rows are
     read, joined with the labels and reduced on Ray workers; the driver never holds them."""
     with plan.timed("statistics"):
         labels, label_info = load_labels.with_options(**plan.retry)(plan.labels_uri, quote(cfg))
-        counts, join, result = compute_sharded(plan, cfg, files, labels, reason, get_run_logger())
+        counts, join, result = compute_sharded(plan, cfg, files, labels, reason, get_run_logger(), rows=rows)
     label_info = {**label_info, **join, "n_joined": counts["n_labelled"],
                   "source": ("logs+label_store" if join["n_inline_labels"] else "label_store") if labels is not None
                   else ("logs" if counts["n_labelled"] else "none")}
@@ -682,7 +683,7 @@ def evaluate(
         path, why = row_pass_for(row_pass, plan.mode, files, n_rows)
         get_run_logger().info("row pass: %s (%s)", path, why)
         if path == "sharded":
-            rows, counts, result = sharded_window(plan, cfg, files, why)  # load_labels, shards on Ray, finalize
+            rows, counts, result = sharded_window(plan, cfg, files, why, n_rows)  # load_labels, shards on Ray, finalize
         else:
             rows = read_labelled_window(plan, cfg, files)  # load_labels, read, join_labels
             counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize

@@ -146,13 +146,14 @@ def window_rows(logs_uri: str, cfg: Any, files: Sequence[dict]) -> int:
 
 
 def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: pa.Table | None, reason: str,
-                    logger: Any = log) -> tuple[dict, dict, Any]:
+                    logger: Any = log, rows: int | None = None) -> tuple[dict, dict, Any]:
     """The sharded path of a run: (counts, join counts, result). Shards are read, joined and reduced on Ray;
-    the bootstrap's histograms too (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`)."""
+    the bootstrap's histograms too (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`). ``rows``: the
+    window's rows when the caller has read the footers already (`window_rows`), else they are read here."""
     opts = plan.opts
     cfg_dict = cfg.to_dict(include_secrets=True)
     keys = [f["key"] for f in files]
-    rows_hint = window_rows(plan.logs_uri, cfg, files)
+    rows_hint = rows if rows is not None else window_rows(plan.logs_uri, cfg, files)  # footers read once a run
     n_shards = sharded_ray.n_shards_for(rows_hint, ray_fanout.cluster_cpus())
     t0 = time.perf_counter()
     refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
