@@ -145,10 +145,12 @@ def id_fingerprint(values) -> "np.ndarray":
     return h
 
 
-def response_id_buckets(table, n_buckets: int) -> list:
+def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
     """The ``response_id`` column of a file's rows (with their `id_fingerprint` and window place `ROW`) split into
     ``n_buckets`` by the fingerprint: every copy of an id lands in the same bucket, whatever file or shard it is
-    in; no sample of the ids is needed for it."""
+    in; no sample of the ids is needed for it. ``ids=False``: the buckets hold the fingerprints and places only
+    (16 bytes a row, no string: what `split_file` ships; `check_response_ids` then names the rows whose
+    fingerprint repeats and `read_shards` fetches only their ids, `response_ids_at`)."""
     import numpy as np
     import pyarrow as pa
 
@@ -159,6 +161,12 @@ def response_id_buckets(table, n_buckets: int) -> list:
     bucket = (fp % np.uint64(n_buckets)).astype(np.uint8 if n_buckets <= 256 else np.int64)
     order = np.argsort(bucket, kind="stable")  # a radix sort of 1-byte keys
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
+    if not ids:
+        row = table[ROW]
+        row = np.asarray(row.combine_chunks() if isinstance(row, pa.ChunkedArray) else row, dtype=np.int64)
+        fp, row = fp[order], row[order]
+        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]]),
+                          ROW: pa.array(row[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
     taken = pa.table({"response_id": rid, FINGERPRINT: pa.array(fp), ROW: table[ROW]}).take(pa.array(order))
     return [taken.slice(bounds[b], bounds[b + 1] - bounds[b]) for b in range(n_buckets)]
 
@@ -205,11 +213,10 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
-        rids = response_id_buckets(table, n_shards)
+        rids = response_id_buckets(table, n_shards, ids=False)  # fingerprints and places: no string leaves
         table = table.drop_columns(["response_id"])
     else:
-        rids = [pa.table({"response_id": pa.array([], pa.string()), FINGERPRINT: pa.array([], pa.uint64()),
-                          ROW: pa.array([], pa.int64())})] * n_shards
+        rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64()), ROW: pa.array([], pa.int64())})] * n_shards
     if keep is not None:
         table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
     return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
@@ -226,7 +233,12 @@ def check_response_ids(*pieces) -> dict | None:
     The ids' fingerprints are sorted (integers: their high 32 bits packed with the row), not the ids: only the
     ids whose half-fingerprint repeats (every copy of a repeated id, and ~n^2 / 2^33 others) are then compared as
     strings (`flows.storage.logs.first_duplicate`), so a shared fingerprint of two different ids costs a string
-    comparison, never a miss or a false alarm."""
+    comparison, never a miss or a false alarm.
+
+    Buckets of fingerprints without their ids (``response_id_buckets(..., ids=False)``, what `split_file` ships):
+    None when no whole 64-bit fingerprint repeats, else ``{"candidates": [window places]}``, every row whose
+    fingerprint repeats (every copy of a repeated id among them); the caller fetches those rows' ids
+    (`response_ids_at`) and checks them as strings here (`resolve_candidates`)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -238,6 +250,12 @@ def check_response_ids(*pieces) -> dict | None:
     n = table.num_rows
     if n < 2:
         return None
+    if "response_id" not in table.column_names:
+        at = _repeated_fingerprints(np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64))
+        if at.size == 0:
+            return None
+        rows = np.asarray(table[ROW].combine_chunks().to_numpy(), dtype=np.int64)[at]
+        return {"candidates": np.sort(rows).tolist()}
     fp = (np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64)
           if FINGERPRINT in table.column_names else id_fingerprint(table["response_id"]))
     if n < _PACKED_ROWS:  # one sort of (high half of the fingerprint, row): the rows of a repeated half come out
@@ -260,6 +278,73 @@ def check_response_ids(*pieces) -> dict | None:
         return None
     rows = maybe.filter(pc.equal(maybe["response_id"], dup))[ROW].to_pylist()
     return {"response_id": dup, "rows": sorted(rows)[:5], "count": len(rows)}
+
+
+def _repeated_fingerprints(fp: "np.ndarray") -> "np.ndarray":
+    """Positions (increasing) of the fingerprints that occur more than once in ``fp`` (uint64): a sort of their
+    high 32 bits (half the bytes of a sort of the whole), then the whole fingerprints of the few whose half
+    repeats (~n^2 / 2^33 of n) compared exactly."""
+    import numpy as np
+
+    high = (fp >> np.uint64(32)).astype(np.uint32)
+    s = np.sort(high)
+    rep = s[1:][s[1:] == s[:-1]]
+    if rep.size == 0:
+        return np.empty(0, dtype=np.int64)
+    rep = np.unique(rep)
+    pos = np.minimum(np.searchsorted(rep, high), rep.size - 1)
+    maybe = np.flatnonzero(rep[pos] == high)
+    whole = fp[maybe]
+    ordered = np.sort(whole)
+    again = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    return maybe[np.isin(whole, again)] if again.size else np.empty(0, dtype=np.int64)
+
+
+def response_ids_at(uri: str, cfg_dict: dict, key: str, positions: Sequence[int], policies: list[str] | None,
+                    mapping: dict | None) -> list[str]:
+    """The ``response_id`` of one log file at ``positions`` (rows of the file as `split_file` read them: the same
+    policy filter and mapping; ``prepare_rows`` keeps the row order), for `resolve_candidates`."""
+    import numpy as np
+    import pyarrow as pa
+
+    from flows.storage.logs import read_window
+    from flows.storage.objects import Storage, StorageConfig
+
+    st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
+    table = read_window(st, [key], columns=["response_id"], policies=policies, mapping=mapping, check_unique=False)
+    return table["response_id"].cast(pa.string()).take(pa.array(np.asarray(positions, dtype=np.int64))).to_pylist()
+
+
+def resolve_candidates(candidates: Sequence[Sequence[int]], ids_of: Callable[[int, list[int]], list[str]]
+                       ) -> list[dict]:
+    """Every bucket's candidate rows (`check_response_ids` on fingerprints) checked as strings: the buckets'
+    findings (`check_response_ids` of each bucket's candidates with their ids). ``ids_of(file index, positions)``
+    gives the ids of a file's rows (`response_ids_at`; called once a file that has candidates)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.pipeline.sharded import ROW
+
+    mask = (1 << ROW_BITS) - 1
+    by_file: dict[int, set] = {}
+    for rows in candidates:
+        for r in rows:
+            by_file.setdefault(int(r) >> ROW_BITS, set()).add(int(r) & mask)
+    ids: dict[int, str] = {}
+    for f, pos in sorted(by_file.items()):
+        pos = sorted(pos)
+        for p, rid in zip(pos, ids_of(f, pos)):
+            ids[(f << ROW_BITS) | p] = rid
+    found = []
+    for rows in candidates:
+        if not rows:
+            continue
+        table = pa.table({"response_id": pa.array([ids[int(r)] for r in rows], pa.string()),
+                          ROW: pa.array(np.asarray(rows, dtype=np.int64))})
+        hit = check_response_ids(table)
+        if hit is not None:
+            found.append(hit)
+    return found
 
 
 def duplicate_response_id_error(found: dict, keys: Sequence[str], source: str):
@@ -374,7 +459,18 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
         refs = [join.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
     else:
         refs = [ShardPieces([p[s] for p in pieces]) for s in range(n_shards)]
-    found = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
+    results = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
+    found = [c for c in results if "candidates" not in c]
+    candidates = [c["candidates"] for c in results if "candidates" in c]
+    if candidates:  # repeated fingerprints (a repeated id, or rarely two ids sharing one): compare their ids
+        fetch = ray.remote(response_ids_at).options(max_retries=max_retries, name="cje_response_ids_at",
+                                                    memory=task_memory(per_file))
+
+        def ids_of(f: int, positions: list[int]) -> list[str]:
+            return ray.get(fetch.remote(uri, cfg_dict, keys[f], positions, policies, mapping),
+                           timeout=ray_get_timeout())
+
+        found += resolve_candidates(candidates, ids_of)
     if found:
         raise duplicate_response_id_error(min(found, key=lambda c: c["rows"][0]), keys, uri)
     if not with_info:
