@@ -133,7 +133,7 @@ def id_fingerprint(values) -> "np.ndarray":
     long_ = length >= 8
     # the first word keeps the string's own bytes only (a short string's neighbour follows it)
     h = words[start]
-    h &= _FIRST_MASKS[np.minimum(length, 8)]
+    h &= np.array(_FIRST_MASKS, dtype=np.uint64)[np.minimum(length, 8)]
     h ^= length.astype(np.uint64) * np.uint64(_MIX[0])
     h *= np.uint64(_MIX[1])
     # the middle and last words of strings of 8 bytes or more (else the zero word: the first holds every byte)
@@ -146,8 +146,8 @@ def id_fingerprint(values) -> "np.ndarray":
     return h
 
 
-#: The bytes of the first word a string of each length (0-7, then 8 or more) keeps.
-_FIRST_MASKS = __import__("numpy").array([(1 << (8 * k)) - 1 for k in range(8)] + [(1 << 64) - 1], dtype="uint64")
+#: The bits of the first word a string of each length (0-7, then 8 or more) keeps (`id_fingerprint`).
+_FIRST_MASKS = tuple((1 << (8 * k)) - 1 for k in range(8)) + ((1 << 64) - 1,)
 
 
 def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
