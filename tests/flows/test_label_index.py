@@ -85,6 +85,8 @@ def test_the_index_joins_as_join_labels_does(tmp_path, inline):
     if inline != "none":
         assert counts["n_inline_labels"] > 0 and counts["n_inline_overridden"] > 0
     _assert_same_join(logs.slice(0, 0), store)  # an empty file
+    _assert_same_join(pa.concat_tables([logs.slice(0, 100), logs.slice(100)]), store)  # columns in two chunks
+    _assert_same_join(logs, store.slice(0, 0))  # an empty label table
     _assert_same_join(logs, store.drop_columns(["flagged"]))  # a table without `flagged`: conflicts found here
     _assert_same_join(pa.table({"response_id": pa.array([None, "r1"], pa.string()), "x": [1, 2]}), store)
 
