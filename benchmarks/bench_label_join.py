@@ -1,4 +1,4 @@
-"""The sharded readers' label join (issue 29): one log file joined against a big label store, main's way and the index's.
+"""The sharded readers' label join (issue 29): one log file against a big label store, main's way and the index's.
 
 One process, CPU seconds (`time.process_time`: every thread of the process) of each step, the median of
 ``--repeat`` runs:

@@ -701,7 +701,7 @@ def evaluate(
         path, why = row_pass_for(row_pass, plan.mode, files, n_rows)
         get_run_logger().info("row pass: %s (%s)", path, why)
         if path == "sharded":
-            rows, counts, result = sharded_window(plan, cfg, files, why, n_rows)  # load_label_index, shards on Ray, finalize
+            rows, counts, result = sharded_window(plan, cfg, files, why, n_rows)  # label index, shards on Ray, finalize
         else:
             rows = read_labelled_window(plan, cfg, files)  # load_labels, read, join_labels
             counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize
