@@ -178,7 +178,7 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
-               splitters: list[str] | None = None, keep: Sequence[str] | None = None):
+               splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None):
     """Read one log file on a worker and return its rows per shard, its response ids per bucket
     (`response_id_buckets`, without the rest of the row) and a small dict about the file
     (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
@@ -186,7 +186,9 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
     evaluate flow: join the label store's labels, derive covariates, check columns) and returns
-    ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it); ``keep``: the
+    ``(table, info)``; ``prepare_arg`` (not None): its third argument (`read_shards` hands it as a top-level
+    argument, so Ray resolves a reference of it on the worker, zero-copy). The shards' rows leave ``response_id``
+    behind (the passes do not read it); ``keep``: the
     only columns they keep (those of it the file has, after ``prepare_rows``, in the order of ``keep``; None: every
     column); without ``columns`` and ``prepare_rows`` only those (and the response id) are read."""
     import numpy as np
@@ -213,7 +215,8 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
         table = table.drop_columns(["dt"])
     info = {"key": key, "rows": table.num_rows}
     if prepare_rows is not None:
-        table, more = prepare_rows(table, st.url(key))
+        table, more = (prepare_rows(table, st.url(key)) if prepare_arg is None
+                       else prepare_rows(table, st.url(key), prepare_arg))
         info.update(more)
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
@@ -427,7 +430,7 @@ def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
 def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *, columns: list[str] | None = None,
                 policies: list[str] | None = None, mapping: dict | None = None, prepare_rows: Callable | None = None,
                 rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False,
-                keep: Sequence[str] | None = None, concat: bool = False):
+                keep: Sequence[str] | None = None, concat: bool = False, prepare_arg: Any = None):
     """The window's shards: per shard a `ShardPieces` (its pieces from every file's reader, in the cluster's
     object store; `ray_mapper` rebuilds the shard's `pyarrow.Table` in each task), or with ``concat`` the
     reference of one concatenated table (a task per shard: a second copy of the rows in the store).
@@ -438,8 +441,9 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     files and shards): a repeated id raises `CJEInputError` naming it and its files and rows.
 
     ``keys``: the window's log files in window order; ``rows_hint``: the window's rows when known (for the
-    tasks' memory); ``prepare_rows``, ``keep``: see `split_file`. With ``with_info`` also the list of every
-    file's info dict (small: fetched to the driver).
+    tasks' memory); ``prepare_rows``, ``keep``, ``prepare_arg``: see `split_file` (the evaluate flow's
+    ``prepare_arg`` is the reference of its label index, `flows.runtime.label_index`). With ``with_info`` also
+    the list of every file's info dict (small: fetched to the driver).
     """
     import ray
 
@@ -455,10 +459,10 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
     if prepare_rows is not None:
         # Put once: passed by value, Ray would serialize it into the object store again for every file's task
-        # (the evaluate flow's `FileRows` carries the label store's labels: ~5M rows at 100M log rows, 100 files).
+        # (a `FileRows` built with a label table carries its index: ~5M ids at 100M log rows, 100 files).
         prepare_rows = ray.put(prepare_rows)
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep)
-             for i, k in enumerate(keys)]
+    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
+                           prepare_arg) for i, k in enumerate(keys)]
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
                                                    memory=task_memory(rows_hint // n_shards // 4))
     checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_shards)]
