@@ -549,21 +549,37 @@ def bootstrap_replicates(view: BootstrapView, start: int, stop: int,
     (`cje_engine.pipeline.sharded.shard_histograms`, summed over the shards: whole numbers, exact).
     ``weights``: the replicates' prompt weights when already drawn, shape (stop - start, view.n_prompts), any
     integer or float dtype (row ``i``: ``bootstrap_weights(view.seed, start + i, ...)`` at the view's prompts,
-    e.g. those of a `compact_view`; converted to float64, the same values), instead of drawing them again."""
+    e.g. those of a `compact_view`), instead of drawing them again.
+
+    Each replicate is computed as `replicate_view` then `own_label_means` compute it, the same bits, in one pass
+    (`_replicate_row`: the labelled rows' weights and their per-policy totals once for both parts; when the
+    labelled rows are the calibration rows, their weights and calibrated values are read once)."""
     K = view.n_policies
 
     def draw(b: int) -> np.ndarray:
         if weights is None:
             return bootstrap_weights(view.seed, b, view.n_prompts)
+        # float64 once a replicate (whole numbers: exact), then gathered (numpy gathers 8-byte items fastest)
         return weights[b - start].astype(float)
 
     out = np.empty((stop - start, 3 * K))
     plan = view.calibration
+    same = _labelled_are_calibration(view)
+
+    def row(i: int, w: np.ndarray, wc: np.ndarray, fit: tuple | None) -> np.ndarray:
+        if histograms is not None:
+            T = np.asarray(histograms[i], dtype=float)
+        else:
+            T = np.bincount(view.row_key, weights=w[view.row_prompt], minlength=K * plan.cells.size)
+        lw = np.multiply(wc if same else w[view.lab_prompt], view.lab_lw)
+        return _replicate_row(view, w, wc, fit, T, lw, same)
+
     if not plan.entry.batched:
         for i, b in enumerate(range(start, stop)):
             w = draw(b)
-            out[i, :2 * K] = replicate_view(view, w, None if histograms is None else histograms[i])
-            out[i, 2 * K:] = own_label_means(view, w)
+            wc = w[view.cal_prompt]
+            fit = cell_fits(plan, wc, with_models=False)[:2] if (wc > 0).any() else None
+            out[i] = row(i, w, wc, fit)
         return out
     # per replicate of a batch: its prompt weights, calibration weights and out-of-fold values, its
     # fold sums and fits over the calibration cells, its full fit at every cell
@@ -572,10 +588,23 @@ def bootstrap_replicates(view: BootstrapView, start: int, stop: int,
     for a in range(start, stop, batch):
         b = min(a + batch, stop)
         ws = [draw(i) for i in range(a, b)]
-        out[a - start:b - start, :2 * K] = _replicates(view, ws, None if histograms is None
-                                                       else histograms[a - start:b - start])
-        out[a - start:b - start, 2 * K:] = [own_label_means(view, w) for w in ws]
+        wcs = [w[view.cal_prompt] for w in ws]
+        fits = _refits(plan, wcs)  # the batch's refits in one batched fit, as `_replicates` fits them
+        for j, w in enumerate(ws):
+            out[a - start + j] = row(a - start + j, w, wcs[j], fits.get(j))
     return out
+
+
+def _labelled_are_calibration(view: BootstrapView) -> bool:
+    """Whether the view's labelled rows are its calibration rows, in the same order (no calibration policies:
+    the sharded driver's case), so a replicate reads their weights and out-of-fold values once (cached)."""
+    same = view.__dict__.get("_lab_are_cal")
+    if same is None:
+        same = bool(view.lab_is_cal.all() and view.lab_cal.size == view.cal_prompt.size
+                    and np.array_equal(view.lab_cal, np.arange(view.lab_cal.size))
+                    and np.array_equal(view.lab_prompt, view.cal_prompt))
+        object.__setattr__(view, "_lab_are_cal", same)  # frozen dataclass: a private cache
+    return same
 
 
 def _refits(plan: CalibrationPlan, wcs: list) -> dict:
@@ -672,11 +701,12 @@ class JointView:
 
 
 def _replicate_row(view: BootstrapView, prompt_w: np.ndarray, wc: np.ndarray, fit: tuple | None, T: np.ndarray,
-                   lw: np.ndarray) -> np.ndarray:
+                   lw: np.ndarray, lab_are_cal: bool = False) -> np.ndarray:
     """One replicate's row of `bootstrap_replicates` (3K: `_replicate_stats` then `own_label_means`, the same
     bits) from its refit ``fit`` (None: no calibration prompt, NaN statistics), its weighted (policy, cell)
     histogram ``T`` and its labelled rows' weights ``lw`` (prompt weight times label weight), the denominators
-    shared by both parts."""
+    shared by both parts. ``lab_are_cal``: the labelled rows are the calibration rows in order
+    (`_labelled_are_calibration`), so their calibrated values are the out-of-fold ``f_cal`` as they are."""
     K = view.n_policies
     out = np.full(3 * K, np.nan)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -689,8 +719,11 @@ def _replicate_row(view: BootstrapView, prompt_w: np.ndarray, wc: np.ndarray, fi
         n_k = T.sum(1)
         # as `_replicate_stats`: einsum, not BLAS (the same bits whatever the BLAS thread count)
         num = np.einsum("kg,g->k", T, F_all) + np.bincount(view.cal_policy, weights=wc * (f_cal - F_all[view.cal_cell_global]), minlength=K)
-        f_lab = F_all[view.lab_cell]
-        f_lab[view.lab_is_cal] = f_cal[view.lab_cal]
+        if lab_are_cal:  # every labelled row is overwritten by its out-of-fold value below: f_cal itself
+            f_lab = f_cal
+        else:
+            f_lab = F_all[view.lab_cell]
+            f_lab[view.lab_is_cal] = f_cal[view.lab_cal]
         plug = num / n_k
         corr = np.bincount(view.lab_policy, weights=lw * (view.lab_y - f_lab), minlength=K) / den
     out[:K] = plug

@@ -199,6 +199,8 @@ def recoding_mapper(mapper: Mapper, recode: Callable[[pa.Table], pa.Table]) -> M
             call.kept_field = fn.kept_field
         return mapper(call, [(recode, *item) for item in items])
 
+    if getattr(mapper, "put", None) is not None:
+        mapped.put = mapper.put
     return mapped
 
 

@@ -52,6 +52,14 @@ def weights_task_memory(n_prompts: int) -> int:
     return int(64 * 2**20 + 16 * n_prompts + 4 * WEIGHTS_BLOCK_BYTES)
 
 
+def refit_task_memory(n_labelled: int) -> int:
+    """Bytes a `cje_engine.pipeline.sharded.replicate_refits` task asks Ray for: its view and counts are read from
+    the object store (zero-copy); per replicate one float64 weight a labelled prompt (at most one a labelled row)
+    and about a dozen float64 temporaries a labelled row (the calibration rows' weights, out-of-fold values, the
+    labelled rows' weights and residual terms, the fold sums' values): 128 B a labelled row."""
+    return int(64 * 2**20 + 128 * n_labelled)
+
+
 def replicate_chunk(n_replicates: int, n_policies: int, n_cells: int) -> int:
     """Replicates per histogram task: as many as keep its returned block under `HISTOGRAM_BLOCK_BYTES`."""
     per = max(1, 8 * n_policies * n_cells)
@@ -404,14 +412,24 @@ def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
     return fn(*out)
 
 
-def _keeping(fn: Callable, field: str, layout: tuple, *args: Any) -> tuple[Any, Any]:
-    """``fn``'s result (its shard rebuilt from its pieces, `_with_pieces`) and, apart, its ``field`` (set to None
-    in the result): the task's two returns, so that the field stays in the object store and only its reference
-    reaches the driver (`ray_mapper`)."""
+def _keeping(fn: Callable, fields: tuple, layout: tuple, *args: Any) -> tuple:
+    """``fn``'s result (its shard rebuilt from its pieces, `_with_pieces`) and, apart, each of its ``fields`` (set
+    to None in the result): the task's ``1 + len(fields)`` returns, so that the fields stay in the object store and
+    only their references reach the driver (`ray_mapper`)."""
     res = _with_pieces(fn, layout, *args)
-    kept = getattr(res, field)
-    setattr(res, field, None)
-    return res, kept
+    kept = []
+    for name in fields:
+        kept.append(getattr(res, name))
+        setattr(res, name, None)
+    return (res, *kept)
+
+
+def _kept_fields(fn: Callable) -> tuple:
+    """``fn.kept_field`` as a tuple of field names (a name or a tuple of them; none: empty)."""
+    field = getattr(fn, "kept_field", None)
+    if not field:
+        return ()
+    return (field,) if isinstance(field, str) else tuple(field)
 
 
 def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
@@ -499,10 +517,12 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
     ``memory``: bytes each task asks for, or a function of the pass's function name giving them (derived
     from the data by the caller, `task_memory`). A worker lost mid-task is retried ``max_retries`` times.
     A `ShardPieces` among an item's arguments reaches ``fn`` as its shard's table (`_with_pieces`).
-    A function with a ``kept_field`` (`cje_engine.pipeline.sharded.reduce_shard`: pass 1's codes of the shard)
-    returns that field as a second object left in the object store: the driver gets the result with the
-    field set to its reference, which a later pass takes as a top-level argument (Ray resolves it on the
-    worker, zero-copy; lost with a node, Ray rebuilds it by running the task again, a pure function).
+    A function with a ``kept_field`` (`cje_engine.pipeline.sharded.reduce_shard`: pass 1's codes of the shard;
+    a name or a tuple of names) returns each such field as another object left in the object store: the driver
+    gets the result with the field set to its reference, which a later pass takes as a top-level argument (Ray
+    resolves it on the worker, zero-copy; lost with a node, Ray rebuilds it by running the task again, a pure
+    function). The mapper's ``put`` (`ray.put`) puts an object shared by many tasks in the object store once
+    (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`: the refits' view).
     """
     import ray
 
@@ -512,15 +532,15 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
         if mem:
             opts["memory"] = int(mem)
         refs, kept = [], {}
-        field = getattr(fn, "kept_field", None)
+        fields = _kept_fields(fn)
         plain = ray.remote(fn).options(**opts)
         pieced = ray.remote(_with_pieces).options(**opts)
-        keeping = ray.remote(_keeping).options(**opts, num_returns=2)
+        keeping = ray.remote(_keeping).options(**opts, num_returns=1 + len(fields))
         for item in items:
             layout, args = _flatten(item)
-            if field:
-                ref, kept_ref = keeping.remote(fn, field, layout, *args)
-                kept[ref] = kept_ref
+            if fields:
+                ref, *kept_refs = keeping.remote(fn, fields, layout, *args)
+                kept[ref] = kept_refs
                 refs.append(ref)
             else:
                 refs.append(pieced.remote(fn, layout, *args) if any(x is not None for x in layout)
@@ -535,8 +555,9 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
                                    f"within {limit:g} s")
             for ref in done:
                 res = ray.get(ref)
-                if field:
-                    setattr(res, field, kept[ref])
+                for name, kept_ref in zip(fields, kept.get(ref, ())):
+                    setattr(res, name, kept_ref)
                 yield index[ref], res
 
+    mapper.put = ray.put
     return mapper

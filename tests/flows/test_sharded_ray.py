@@ -65,22 +65,9 @@ def two_days(direct_storage, bucket, s3_server):
     return uri, cfg, keys, window.drop([c for c in ("dt", "ts") if c in window.column_names])
 
 
-def _shard_workers(root: int, name: bytes) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if cmd.startswith(b"ray::" + name) and _descends_from(int(entry), root):
-            pids.append(int(entry))
-    return pids
-
-
-def test_shards_read_on_workers_give_the_single_process_numbers(local_ray, two_days):
+def test_shards_read_on_workers_give_the_single_process_numbers(local_ray, two_days, monkeypatch):
+    """The shards' numbers on Ray are the single path's; the bootstrap in 9 chunks of 7 replicates, so that
+    weights, histograms and up to two refit tasks are in flight at once, and chunks finish in any order."""
     uri, cfg, keys, window = two_days
     opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=60)
     prep = direct.prepare(window, opts)
@@ -88,6 +75,7 @@ def test_shards_read_on_workers_give_the_single_process_numbers(local_ray, two_d
     refs = sharded_ray.read_shards(uri, cfg, keys, 3, rows_hint=window.num_rows)
     sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper(
         memory=sharded_ray.task_memory(window.num_rows // 3)))
+    monkeypatch.setattr(sharded, "WEIGHTS_BLOCK_BYTES", 7 * sp.n_prompts)
     got = sp.replicates(0, 60)
     assert np.array_equal(got, expected, equal_nan=True)
     assert_same_result(direct.finalize(prep, [expected]).to_dict(), sp.finalize([got]).to_dict())
@@ -123,30 +111,100 @@ class _WithBand:
         return table.append_column("band", pa.array(band)), {}
 
 
-def test_a_worker_killed_mid_pass_is_retried_without_changing_a_number(local_ray, two_days):
+#: Where a held pass's task finds its chunk's first replicate among its arguments.
+_START = {"shard_histograms": 5, "replicate_refits": 2}
+#: Seconds a held task waits for the test to kill it (then it goes on: the test fails on its retry count).
+HOLD_S = 120.0
+
+
+def _held(fn_name: str, hold: str, index: int, *args):
+    """``sharded.<fn_name>(*args)`` on a Ray worker, recording each attempt: every task writes
+    ``started-<index>-<start>-<attempt>`` holding its pid; the first attempt of item 0 of the pass's first chunk
+    (``start`` 0) then waits for ``hold/release`` (at most `HOLD_S`), so the test's SIGKILL lands while it runs."""
+    import glob
+
+    fn = getattr(sharded, fn_name)
+    start = args[_START[fn_name]]
+    stem = os.path.join(hold, f"started-{index}-{start}-")
+    attempt = len(glob.glob(stem + "*"))
+    with open(f"{stem}{attempt}", "w") as f:
+        f.write(str(os.getpid()))
+    if index == 0 and start == 0 and attempt == 0:
+        deadline = time.monotonic() + HOLD_S
+        while not os.path.exists(os.path.join(hold, "release")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return fn(*args)
+
+
+def _holding_mapper(inner, fn_name: str, hold: str):
+    """``inner`` (a `sharded_ray.ray_mapper`) with the pass ``fn_name``'s tasks run through `_held`."""
+    def mapper(fn, items):
+        if fn.__name__ != fn_name:
+            yield from inner(fn, items)
+            return
+        wrapped = [(fn_name, hold, i, *item) for i, item in enumerate(items)]
+        yield from inner(_held, wrapped)
+
+    mapper.put = inner.put
+    return mapper
+
+
+def _kill_held(hold: str, root: int, killed: list, timeout: float = HOLD_S) -> None:
+    """Wait for the held task's first attempt to start, SIGKILL its worker (a process of this test's Ray),
+    wait until it is gone, then release the hold (the retry then runs at once)."""
+    first = os.path.join(hold, "started-0-0-0")
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and not killed:
+            if os.path.exists(first):
+                with open(first) as f:
+                    text = f.read()
+                if text:
+                    pid = int(text)
+                    assert _descends_from(pid, root), "the held task is not a worker of this test's Ray"
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    while time.monotonic() < deadline:  # gone, or a zombie until Ray reaps it
+                        try:
+                            with open(f"/proc/{pid}/stat") as f:
+                                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                                    break
+                        except OSError:
+                            break
+                        time.sleep(0.01)
+                    break
+            time.sleep(0.01)
+    finally:
+        open(os.path.join(hold, "release"), "w").close()
+
+
+@pytest.mark.parametrize("task", ["shard_histograms", "replicate_refits"])
+def test_a_worker_killed_mid_pass_is_retried_without_changing_a_number(local_ray, two_days, tmp_path, task):
+    """A bootstrap task (shard 0's histograms of the first chunk, or the first chunk's refits) is held running
+    until the test has SIGKILLed its worker: Ray runs it again on another worker (the task ran twice, the first
+    attempt's process is gone) and every replicate equals the undisturbed single-process run's, bit for bit."""
     uri, cfg, keys, window = two_days
-    B = 400
+    B = 100
     opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=B)
     expected = direct.bootstrap_chunk(direct.prepare(window, opts), 0, B)
     refs = sharded_ray.read_shards(uri, cfg, keys, 2, rows_hint=window.num_rows)
-    sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
-    killed = []
-
-    def killer():
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not killed:
-            pids = _shard_workers(local_ray, b"cje_shard_histograms")
-            if pids:
-                time.sleep(0.2)
-                os.kill(pids[0], signal.SIGKILL)
-                killed.append(pids[0])
-            time.sleep(0.02)
-
-    th = threading.Thread(target=killer)
+    hold = str(tmp_path)
+    mapper = _holding_mapper(sharded_ray.ray_mapper(), task, hold)
+    sp = sharded.prepare_sharded(refs, opts, mapper=mapper)
+    killed: list = []
+    th = threading.Thread(target=_kill_held, args=(hold, local_ray, killed))
     th.start()
-    got = sp.replicates(0, B)
-    th.join()
-    assert killed, "no histogram task was seen running"
+    try:
+        got = sp.replicates(0, B)
+    finally:
+        th.join()
+    assert len(killed) == 1, f"the held {task} task was never seen running"
+    attempts = sorted(p.name for p in tmp_path.glob("started-0-0-*"))
+    assert attempts == ["started-0-0-0", "started-0-0-1"], attempts  # killed mid-task, then retried once
+    assert int((tmp_path / "started-0-0-0").read_text()) == killed[0]
+    assert int((tmp_path / "started-0-0-1").read_text()) != killed[0]
+    if task == "shard_histograms":  # the other shard's task ran once
+        assert sorted(p.name for p in tmp_path.glob("started-1-0-*")) == ["started-1-0-0"]
     assert np.array_equal(got, expected, equal_nan=True)
 
 

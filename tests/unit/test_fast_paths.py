@@ -515,3 +515,37 @@ def test_the_protocol_cell_with_singular_bootstrap_folds_runs_without_warnings()
         res = evaluate(sim.frame, covariates=["response_length"], calibration_policies=["base"], n_bootstrap=1000,
                        seed=seed % 2**31).to_dict()
     assert all(np.isfinite(p["se"]) for p in res["policies"].values() if p["se"] is not None)
+
+
+@pytest.mark.parametrize("cal_pols", [None, ("p0",)])
+def test_one_pass_replicates_are_replicate_view_and_own_label_means(cal_pols):
+    """`bootstrap_replicates` computes each replicate's statistics and own-label means in one pass (the labelled
+    rows' weights and per-policy totals once; with no calibration policies the labelled rows are the calibration
+    rows, read once): the same bits as the two obvious calls, `replicate_view` then `own_label_means`, under
+    weights drawn there, given as integer counts (a compact view's, `sharded.replicate_refits`) and with the
+    histograms given; a resample without any calibration prompt gives NaN statistics and the own-label means of
+    the labelled rows it still weights."""
+    from cje_engine.direct.estimators import (_labelled_are_calibration, bootstrap_counts, bootstrap_replicates,
+                                              bootstrap_view, compact_view, own_label_means)
+
+    data = EvalData.from_frame(_sim_frame(4), covariates=["len"])
+    view = bootstrap_view(make_design(data, "monotone", cal_pols), seed=3)
+    assert _labelled_are_calibration(view) == (cal_pols is None)
+    B, K, G = 12, view.n_policies, view.calibration.cells.size
+    counts = np.stack([bootstrap_counts(3, b, data.n_prompts) for b in range(B)])
+    counts[5] = 1
+    counts[5, view.cal_prompt] = 0  # no calibration prompt in this resample
+    weights = counts.astype(float)
+    obvious = np.array([np.concatenate([replicate_view(view, w), own_label_means(view, w)]) for w in weights])
+    assert np.isnan(obvious[5, :2 * K]).all()
+    # own-label means from the labelled rows off the calibration prompts: p1's and p2's with p0 calibrating, none
+    # without calibration policies
+    assert np.isfinite(obvious[5, 2 * K:]).tolist() == ([False, True, True] if cal_pols else [False] * 3)
+    assert np.isfinite(np.delete(obvious, 5, axis=0)).all()
+    drawn = bootstrap_replicates(view, 0, B)
+    assert np.array_equal(np.delete(drawn, 5, axis=0), np.delete(obvious, 5, axis=0))
+    assert np.array_equal(bootstrap_replicates(view, 0, B, weights=counts), obvious, equal_nan=True)
+    hist = np.stack([np.bincount(view.row_key, weights=w[view.row_prompt], minlength=K * G) for w in weights])
+    small, prompts = compact_view(view)
+    assert np.array_equal(bootstrap_replicates(small, 0, B, hist.astype(np.int64), weights=counts[:, prompts]),
+                          obvious, equal_nan=True)

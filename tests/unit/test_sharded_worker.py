@@ -293,6 +293,9 @@ def test_layout_histograms_are_the_gather_and_bincount(ranged):
     weights[2, offset + 5 if ranged else rank[5]] = 300  # more than uint8 holds
     built = sharded.shard_histogram_layout(kept, (), None, codes, K)
     assert built.rows == int((policy_code[kept.policy] >= 0).sum())
+    lay = built.layout  # each key's group: its rows' prompts, ascending (a forward sweep through the counts)
+    for a, b in zip(lay.starts, [*lay.starts[1:], lay.prompt.size]):
+        assert np.all(np.diff(lay.prompt[a:b]) >= 0)
     got = sharded.shard_histograms(built.layout, (), None, codes, 0, 10, 16, n_prompts, K, weights)
     pol = policy_code[kept.policy]
     keep = pol >= 0
@@ -333,13 +336,19 @@ def test_replicate_weights_and_the_compact_view_give_the_replicates_bit_for_bit(
     want = bootstrap_replicates(view, start, stop)
     assert np.array_equal(bootstrap_replicates(view, start, stop, hist), want, equal_nan=True)
     assert np.array_equal(bootstrap_replicates(small, start, stop, hist, weights=rw.driver), want, equal_nan=True)
+    # the refit task of a chunk: the histograms summed over the shards as int64, the counts as drawn
+    got = sharded.replicate_refits(small, rw.driver, start, stop, hist.astype(np.int64))
+    assert np.array_equal(got, want, equal_nan=True)
 
 
+@pytest.mark.parametrize("put", [False, True])
 @pytest.mark.parametrize("n_shards", [1, 3])
-def test_replicates_in_many_small_chunks_are_the_single_paths(monkeypatch, n_shards):
+def test_replicates_in_many_small_chunks_are_the_single_paths(monkeypatch, n_shards, put):
     """Weights blocks of a few replicates each and windows of two chunks (many `replicate_weights` tasks, the
-    driver's refits overlapping the next chunk's histograms): the replicates are the single path's, bit for bit,
-    and those of the reference pass 3 (every shard drawing every replicate's weights)."""
+    refits overlapping the next chunk's histograms): the replicates are the single path's, bit for bit, and those
+    of the reference pass 3 (every shard drawing every replicate's weights). The refits are the mapper's tasks,
+    one a chunk; a mapper with a ``put`` (Ray's) gets the compact view put once a call, and two refits may run at
+    once."""
     from cje_engine.options import EvaluationOptions
     from cje_engine.pipeline import direct
     from cje_engine.simulate import simulate
@@ -356,11 +365,20 @@ def test_replicates_in_many_small_chunks_are_the_single_paths(monkeypatch, n_sha
         calls.append((fn.__name__, len(items)))
         return sharded.serial_map(fn, items)
 
+    puts = []
+    if put:
+        def putting(obj):
+            puts.append(type(obj).__name__)
+            return obj
+
+        counting.put = putting
     sp = sharded.prepare_sharded(sharded.split_by_shard(table, n_shards), opts, mapper=counting)
     got = np.vstack([sp.replicates(0, 20), sp.replicates(20, 50)])
     assert np.array_equal(got, expected, equal_nan=True)
     weights = [n for name, n in calls if name == "replicate_weights"]
     assert sum(weights) == 7 + 10 and max(weights) == 2  # ceil(20 / 3) + 30 / 3 chunks, 2 at a time
+    assert [n for name, n in calls if name == "replicate_refits"] == [1] * (7 + 10)  # one task a chunk
+    assert puts == (["BootstrapView"] * 2 if put else [])  # the view once a call, never once a chunk
     assert [name for name, _ in calls].count("shard_histogram_layout") == 1  # built once, kept
     sp.fast_histograms = False
     assert np.array_equal(sp.replicates(0, 50), expected, equal_nan=True)
