@@ -50,7 +50,6 @@ from datetime import datetime, timezone
 from typing import Any, Iterator, Literal, Sequence
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prefect import task
 from prefect.context import FlowRunContext
@@ -192,15 +191,10 @@ def read_needed(plan: "RunPlan", cfg: Any, files: list[dict]) -> pa.Table:
 @task(name="load_labels", **_STORAGE_TASK)
 def load_labels(labels_uri: str, cfg: Any) -> tuple[pa.Table | None, dict]:
     """The label store's labels at its current version (``None`` when empty) and lineage."""
-    store = LabelStore(_storage(labels_uri, cfg))
-    version = int(store.version())
-    info = {"labels_uri": labels_uri, "label_store_version": version, "n_label_rows": 0, "n_flagged": 0}
-    if version == 0:
+    labels, info = LabelStore(_storage(labels_uri, cfg)).current(labels_uri)
+    if labels is None:
         return None, info
-    labels = store.read(version=version)
-    info["n_label_rows"] = labels.num_rows
-    info["n_flagged"] = int(pc.sum(pc.cast(labels["flagged"], pa.int64())).as_py() or 0)
-    get_run_logger().info("label store version %d: %d label row(s), %d flagged", version,
+    get_run_logger().info("label store version %d: %d label row(s), %d flagged", info["label_store_version"],
                           info["n_label_rows"], info["n_flagged"])
     return labels, info
 

@@ -153,14 +153,9 @@ def build_label_index(labels_uri: str, cfg_dict: dict) -> tuple[LabelIndex | Non
     from flows.storage.labels import LabelStore
     from flows.storage.objects import Storage, StorageConfig
 
-    store = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict)))
-    version = int(store.version())
-    info = {"labels_uri": labels_uri, "label_store_version": version, "n_label_rows": 0, "n_flagged": 0}
-    if version == 0:
+    labels, info = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict))).current(labels_uri)
+    if labels is None:
         return None, info
-    labels = store.read(version=version)
-    info["n_label_rows"] = labels.num_rows
-    info["n_flagged"] = int(pc.sum(pc.cast(labels["flagged"], pa.int64())).as_py() or 0)
     index = LabelIndex.build(labels)
     info["index_bytes"] = index.nbytes
     return index, info

@@ -294,6 +294,19 @@ class LabelStore:
                     return version
         return None
 
+    def current(self, labels_uri: str) -> tuple[pa.Table | None, dict]:
+        """The labels at the store's current version (`read`: every object verified; ``None`` when the store is
+        empty) and the run's lineage of them: ``labels_uri``, ``label_store_version``, ``n_label_rows``,
+        ``n_flagged``."""
+        version = int(self.version())
+        info = {"labels_uri": labels_uri, "label_store_version": version, "n_label_rows": 0, "n_flagged": 0}
+        if version == 0:
+            return None, info
+        labels = self.read(version=version)
+        info["n_label_rows"] = labels.num_rows
+        info["n_flagged"] = int(pc.sum(pc.cast(labels["flagged"], pa.int64())).as_py() or 0)
+        return labels, info
+
     def read(self, version: int | None = None) -> pa.Table:
         """All labels committed up to ``version`` (default: latest), each object verified.
 
