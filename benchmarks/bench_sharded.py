@@ -14,7 +14,9 @@ Stages, each in its own child process so that every peak RSS is that process's a
    `flows.runtime.sharded_ray`): shards read and reduced on Ray workers, the driver merges and finalizes.
    Wall and CPU of the driver process, its peak RSS (the driver alone: the workers are other processes). ``RAY_ADDRESS`` set: that cluster
    (e.g. two nodes of ``infra/stack``); else a local Ray with ``--ray-cpus`` CPUs.
-4. ``groupby`` (comparator): a Ray-parallel read of the same objects plus a group-by mean of the judge
+4. ``inprocess``: every Ray task's function of the analytic route run in this one process (no Ray): CPU per
+   function (the readers' sample, split and check, passes 1 and 2, the driver's merge/fit/Gram form, finalize).
+5. ``groupby`` (comparator): a Ray-parallel read of the same objects plus a group-by mean of the judge
    score per policy (one task per file, partial sums merged), twice: reading the two columns the mean needs
    (``wall_s``) and reading the columns the sharded readers keep plus the response id (``wall_needed_s``).
    Both stages first run one task a CPU that imports what the tasks import (``warmup_s``, not in the
@@ -267,6 +269,63 @@ def stage_sharded(args: argparse.Namespace) -> dict:
             "cpus": cpus, "stages": mem.stages, **out}
 
 
+def stage_inprocess(args: argparse.Namespace) -> dict:
+    """Every Ray task's function of the analytic route run in this process, in the order Ray runs them (the readers'
+    sample, split and response-id check, passes 1 and 2, the driver's merge, fit and Gram form, finalize), with
+    ``--shards`` (default 4) range shards: CPU seconds (`time.process_time`) per function, without Ray's own costs.
+    What to cut first, and a before/after of the same files without the noise of the Ray processes."""
+    from cje_engine.pipeline import sharded
+    from flows.pipelines.sharded_pass import shard_columns
+    from flows.runtime import sharded_ray
+    from flows.storage.objects import StorageConfig
+
+    keys = _keys(args.logs)
+    opts = _opts(args)
+    cfg = StorageConfig.from_env().to_dict(include_secrets=True)
+    n_shards = args.shards or 4
+    cpu: dict[str, float] = {}
+
+    def timed(fn):
+        def run(*a):
+            c = time.process_time()
+            try:
+                return fn(*a)
+            finally:
+                cpu[fn.__name__] = cpu.get(fn.__name__, 0.0) + time.process_time() - c
+        return run
+
+    c0 = time.process_time()
+    samples = [timed(sharded_ray.sample_file)(args.logs, cfg, k, sharded_ray.SAMPLES_PER_SHARD * n_shards, None, None)
+               for k in keys]
+    splitters = sharded.range_splitters(samples, n_shards)
+    pieces = [timed(sharded_ray.split_file)(args.logs, cfg, k, i, n_shards, None, None, None, None, splitters,
+                                            shard_columns(())) for i, k in enumerate(keys)]
+    found = [timed(sharded_ray.check_response_ids)(*[p[n_shards + b] for p in pieces]) for b in range(n_shards)]
+    if any(f is not None for f in found):
+        raise RuntimeError(f"repeated response-id fingerprints in the benchmark's files: {found}")
+    shards = [sharded_ray.ShardPieces([p[s] for p in pieces]) for s in range(n_shards)]
+    del pieces
+    readers = time.process_time() - c0
+
+    def mapper(fn, items):
+        run = timed(fn)
+        for i, item in enumerate(items):
+            layout, flat = sharded_ray._flatten(item)
+            yield i, sharded_ray._with_pieces(run, layout, *flat)
+
+    keep = {"auto": None, "per_prompt": True, "gram": False}[args.terms]
+    c1 = time.process_time()
+    sp = sharded.prepare_sharded(shards, opts, mapper=mapper, reason="benchmark", keep_terms=keep)
+    prepare = time.process_time() - c1
+    result = timed(sp.finalize)([])
+    total = time.process_time() - c0
+    cpu["driver: merge, fit, Gram form"] = prepare - cpu.get("reduce_shard", 0.0) - cpu.get("shard_evaluation_terms",
+                                                                                           0.0)
+    out = _write_result(args, "inprocess", result)
+    return {"cpu_s": total, "readers_cpu_s": readers, "cpu_by_function_s": {k: round(v, 3) for k, v in cpu.items()},
+            "shards": n_shards, "terms": sp.influence, "max_rss_gib": _max_rss(), **out}
+
+
 def _ray_cpu() -> dict:
     """CPU seconds (user + system) of this process's descendants by kind: ``worker`` (Ray's worker processes,
     ``ray::...`` but its agents) and ``other`` (raylet, GCS, agents). Processes that ended are not counted
@@ -451,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-pass3", action="store_true",
                    help="the bootstrap's pass 3 as before: every shard draws every replicate's weights itself")
     p.add_argument("--out", type=Path, default=HERE / "_work" / "sharded_out")
-    p.add_argument("--stage", choices=["write", "single", "sharded", "groupby"])
+    p.add_argument("--stage", choices=["write", "single", "sharded", "groupby", "inprocess"])
     p.add_argument("--label-store", default=None,
                    help="write stage: the labels go to this label store (folder or s3:// root), not into the logs")
     args = p.parse_args(argv)
@@ -461,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("cje_engine.pipeline.sharded").setLevel(logging.DEBUG)  # the driver's RSS per step
     if args.stage:
         args.prompts = int(args.sizes)
-        fn = {"write": stage_write, "single": stage_single, "sharded": stage_sharded, "groupby": stage_groupby}
+        fn = {"write": stage_write, "single": stage_single, "sharded": stage_sharded, "groupby": stage_groupby,
+              "inprocess": stage_inprocess}
         print("STAGE_JSON " + json.dumps(fn[args.stage](args)))
         return 0
     rows_out = []

@@ -35,6 +35,22 @@ class TermsNotKept(ValueError):
     """An operation needs every prompt's influence terms, and only their Gram form was kept."""
 
 
+def third_moments(e: np.ndarray) -> np.ndarray:
+    """``T[i, j, k] = sum over rows p of e[p, i] e[p, j] e[p, k]`` of ``e`` (n, K): K matrix products
+    ``(e[:, i] * e).T @ e`` (BLAS; ~4x less CPU than ``numpy.einsum("pi,pj,pk->ijk")``, whose pairwise contraction
+    goes through an (n, K, K) temporary without BLAS). The sums are in another order than einsum's: they agree
+    to rounding (a few ulps of the sum of absolute products; `tests/unit/test_gram.py`)."""
+    e = np.asarray(e, dtype=float)
+    K = e.shape[1] if e.ndim == 2 else 0
+    out = np.empty((K, K, K))
+    if K == 0:
+        return out
+    et = np.ascontiguousarray(e.T)  # (K, n): each product's left factor is a contiguous row scaling
+    for i in range(K):
+        out[i] = (et * et[i]) @ e
+    return out
+
+
 @dataclass
 class Moments:
     """Moments of the unlabelled prompts' evaluation terms ``e`` (K each), merged over shards."""
@@ -48,7 +64,7 @@ class Moments:
     def of(cls, e: np.ndarray) -> "Moments":
         """The moments of the rows of ``e`` (prompts, K)."""
         e = np.asarray(e, dtype=float)
-        return cls(int(e.shape[0]), e.sum(0), e.T @ e, np.einsum("pi,pj,pk->ijk", e, e, e, optimize=True))
+        return cls(int(e.shape[0]), e.sum(0), e.T @ e, third_moments(e))
 
     @classmethod
     def zero(cls, K: int) -> "Moments":
@@ -161,7 +177,7 @@ class BasisSums:
         self.cross += rows.T @ rows
         for i, idx in enumerate(self.groups):
             b = rows[:, idx]
-            self.cubes[i] += np.einsum("pi,pj,pk->ijk", b, b, b, optimize=True)
+            self.cubes[i] += third_moments(b)
 
     def merge(self, other: "BasisSums") -> None:
         """Add another block's sums (same dimensions and groups)."""

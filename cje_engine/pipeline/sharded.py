@@ -151,9 +151,14 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), RANGE_META: b"1"})
     if n_shards <= 2**16:  # 1- or 2-byte keys: numpy's stable sort of them is a radix sort (the same order)
         shard = shard.astype(np.uint8 if n_shards <= 2**8 else np.uint16)
-    order = np.argsort(shard, kind="stable")
-    bounds = np.searchsorted(shard[order], np.arange(n_shards + 1))
-    taken = table.take(pa.array(order))
+    if shard.size < 2 or bool(np.all(shard[1:] >= shard[:-1])):
+        # the rows are in shard order already (a file in prompt-id order, split by range): slices, no copy
+        taken = table
+        bounds = np.searchsorted(shard, np.arange(n_shards + 1))
+    else:
+        order = np.argsort(shard, kind="stable")
+        bounds = np.searchsorted(shard[order], np.arange(n_shards + 1))
+        taken = table.take(pa.array(order))
     return [taken.slice(bounds[s], bounds[s + 1] - bounds[s]) for s in range(n_shards)]
 
 

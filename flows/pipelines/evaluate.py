@@ -205,6 +205,23 @@ def load_labels(labels_uri: str, cfg: Any) -> tuple[pa.Table | None, dict]:
     return labels, info
 
 
+@task(name="load_label_index", **_STORAGE_TASK)
+def load_label_index(labels_uri: str, cfg: Any) -> tuple[Any, dict]:
+    """The sharded path's `load_labels`: the label store read and indexed on a Ray worker
+    (`flows.runtime.label_index.remote_label_index`); returns the Ray reference of its `LabelIndex` (``None``
+    when the store is empty), which the read tasks take from the object store, and the lineage. This process
+    never holds the labels."""
+    from flows.runtime.label_index import remote_label_index
+
+    ref, info = remote_label_index(labels_uri, cfg.to_dict(include_secrets=True))
+    info = dict(info)
+    index_bytes = info.pop("index_bytes", 0)
+    get_run_logger().info("label store version %d: %d label row(s), %d flagged; indexed on a Ray worker (%.1f MiB "
+                          "in the object store)", info["label_store_version"], info["n_label_rows"],
+                          info["n_flagged"], index_bytes / 2**20)
+    return ref, info
+
+
 @task(name="inline_labels", **_STORAGE_TASK)
 def inline_labels(logs_uri: str, cfg: Any, files: list[dict], mapping: dict[str, str] | None = None) -> dict:
     """Label columns the log files carry inline, under their canonical names after ``mapping``
@@ -561,10 +578,11 @@ def compute(plan: RunPlan, cfg: Any, rows: WindowRows, n_chunks: int | None) -> 
 
 def sharded_window(plan: RunPlan, cfg: Any, files: list[dict], reason: str,
                    rows: int | None = None) -> tuple[WindowRows, dict, Any]:
-    """``load_labels`` then the sharded row pass (`flows.pipelines.sharded_pass.compute_sharded`): the rows are
-    read, joined with the labels and reduced on Ray workers; the driver never holds them."""
+    """``load_label_index`` then the sharded row pass (`flows.pipelines.sharded_pass.compute_sharded`): the label
+    store is read and indexed on a Ray worker, the rows are read, joined with its labels and reduced on Ray
+    workers; the driver holds neither the labels nor the rows."""
     with plan.timed("statistics"):
-        labels, label_info = load_labels.with_options(**plan.retry)(plan.labels_uri, quote(cfg))
+        labels, label_info = load_label_index.with_options(**plan.retry)(plan.labels_uri, quote(cfg))
         counts, join, result = compute_sharded(plan, cfg, files, labels, reason, get_run_logger(), rows=rows)
     label_info = {**label_info, **join, "n_joined": counts["n_labelled"],
                   "source": ("logs+label_store" if join["n_inline_labels"] else "label_store") if labels is not None
@@ -683,7 +701,7 @@ def evaluate(
         path, why = row_pass_for(row_pass, plan.mode, files, n_rows)
         get_run_logger().info("row pass: %s (%s)", path, why)
         if path == "sharded":
-            rows, counts, result = sharded_window(plan, cfg, files, why, n_rows)  # load_labels, shards on Ray, finalize
+            rows, counts, result = sharded_window(plan, cfg, files, why, n_rows)  # label index, shards on Ray, finalize
         else:
             rows = read_labelled_window(plan, cfg, files)  # load_labels, read, join_labels
             counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize

@@ -5,7 +5,8 @@ sharded path for a Direct window (segmented or not) whose Parquet files reach `S
 footers) reach `SHARDED_MIN_ROWS`, and the single path in logs-only and hybrid mode (their estimators need every logged row; ``"sharded"`` with them is refused
 by `check_row_pass` before Prefect or Ray start). `compute_sharded` reads
 every file on a Ray worker, joins the label store's labels and derives covariates there
-(`prepare_file_rows`), splits the rows by prompt into shards (`flows.runtime.sharded_ray.read_shards`) and
+(`FileRows`: each file probes the label index built once a run on a worker, `flows.runtime.label_index`),
+splits the rows by prompt into shards (`flows.runtime.sharded_ray.read_shards`) and
 runs `cje_engine.pipeline.sharded.prepare_sharded` with the Ray mapper: the flow's driver holds the labelled
 rows, counts per (policy, cell) and the per-prompt evaluation terms, never the rows.
 """
@@ -22,6 +23,7 @@ from cje_engine.errors import CJEInputError
 from cje_engine.pipeline import sharded
 from cje_engine.result.model import RowPass
 from flows.runtime import ray_fanout, sharded_ray
+from flows.runtime.label_index import LabelIndex
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +76,31 @@ def single_row_pass(reason: str) -> RowPass:
 
 class FileRows:
     """What a read task does to one file's rows before they are split (picklable: shipped to the workers):
-    join the label store's labels (`flows.storage.labels.join_labels`, row order kept), derive covariates
+    join the label store's labels (`flows.runtime.label_index.LabelIndex.join`: `flows.storage.labels.join_labels`'
+    rows and counts, at a cost in proportion to the file), derive covariates
     (`flows.pipelines.preflight.derive_covariates`) and check the columns (``extra``: the segment columns),
-    naming the file."""
+    naming the file.
 
-    def __init__(self, labels: pa.Table | None, covariates: Sequence[str], extra: Sequence[str] = ()) -> None:
-        self.labels = labels
+    ``labels``: None, a `LabelIndex`, or a label table (`flows.storage.labels.LabelStore.read`), indexed here
+    once; or the labels come with each call (``labels`` of `__call__`: the index a read task got by reference,
+    `flows.runtime.sharded_ray.read_shards`' ``prepare_arg``)."""
+
+    def __init__(self, labels: pa.Table | LabelIndex | None, covariates: Sequence[str],
+                 extra: Sequence[str] = ()) -> None:
+        self.labels = LabelIndex.build(labels) if isinstance(labels, pa.Table) else labels
         self.covariates = tuple(covariates)
         self.extra = tuple(extra)
 
-    def __call__(self, table: pa.Table, source: str) -> tuple[pa.Table, dict]:
-        """The file's rows ready for the shards, and its counts (rows, labels per policy, join counts)."""
+    def __call__(self, table: pa.Table, source: str, labels: LabelIndex | None = None) -> tuple[pa.Table, dict]:
+        """The file's rows ready for the shards, and its counts (rows, labels per policy, join counts);
+        ``labels``: the index to join (default: this object's)."""
         from flows.pipelines import preflight
-        from flows.storage.labels import join_counts, join_labels
+        from flows.storage.labels import join_counts
 
         info: dict[str, Any] = {}
-        if self.labels is not None:
-            table = join_labels(table, self.labels)
+        index = labels if labels is not None else self.labels
+        if index is not None:
+            table = index.join(table)
             info.update(join_counts(table))
             if "label_conflict" in table.column_names:
                 table = table.drop_columns(["label_conflict"])
@@ -145,22 +155,28 @@ def window_rows(logs_uri: str, cfg: Any, files: Sequence[dict]) -> int:
     return int(sum(int(f.get("size") or 0) for f in files) / PARQUET_BYTES_PER_ROW)
 
 
-def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: pa.Table | None, reason: str,
+def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason: str,
                     logger: Any = log, rows: int | None = None) -> tuple[dict, dict, Any]:
     """The sharded path of a run: (counts, join counts, result). Shards are read, joined and reduced on Ray;
     the bootstrap's histograms too (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`). ``rows``: the
-    window's rows when the caller has read the footers already (`window_rows`), else they are read here."""
+    window's rows when the caller has read the footers already (`window_rows`), else they are read here.
+    ``labels``: None (no label store), the Ray object reference of the store's `LabelIndex`
+    (`flows.runtime.label_index.remote_label_index`: every reader gets it from the object store, this process
+    never holds it), or a label table or `LabelIndex` in this process (`FileRows`)."""
     opts = plan.opts
     cfg_dict = cfg.to_dict(include_secrets=True)
     keys = [f["key"] for f in files]
     rows_hint = rows if rows is not None else window_rows(plan.logs_uri, cfg, files)  # footers read once a run
     n_shards = sharded_ray.n_shards_for(rows_hint, ray_fanout.cluster_cpus())
     t0 = time.perf_counter()
+    by_ref = labels is not None and not isinstance(labels, (pa.Table, LabelIndex))
     refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
                                           policies=plan.read_policies, mapping=plan.columns,
-                                          prepare_rows=FileRows(labels, plan.covariates, plan.extra_columns),
+                                          prepare_rows=FileRows(None if by_ref else labels, plan.covariates,
+                                                                plan.extra_columns),
                                           rows_hint=rows_hint, with_info=True,
-                                          keep=shard_columns(plan.covariates, plan.extra_columns))
+                                          keep=shard_columns(plan.covariates, plan.extra_columns),
+                                          prepare_arg=labels if by_ref else None)
     counts = merge_file_infos(infos)
     if counts["n_rows"] == 0:
         raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)

@@ -99,7 +99,8 @@ def _splitmix(h: "np.ndarray") -> "np.ndarray":
 def id_fingerprint(values) -> "np.ndarray":
     """A 64-bit fingerprint of each string of an Arrow string column, a function of the string alone (not of its
     chunk, offset or place; nulls as the empty string): its length and its first, middle and last 8 bytes
-    (three unaligned 8-byte loads a string; no Python string a row), mixed by splitmix64's finalizer.
+    (three unaligned 8-byte loads a string; no Python string a row), combined by multiply-xor steps and mixed
+    once by splitmix64's finalizer.
 
     Not a hash of every byte: two ids equal in length and in those 24 bytes (shorter than 8 bytes: in every
     byte) share a fingerprint. It buckets the response ids (`response_id_buckets`: every copy of an id in one
@@ -119,36 +120,42 @@ def id_fingerprint(values) -> "np.ndarray":
     width = np.int64 if pa.types.is_large_string(values.type) else np.int32
     off = np.frombuffer(off_buf, dtype=width)[values.offset:values.offset + n + 1].astype(np.int64)
     base = int(off[0])
-    off -= base
+    if base:
+        off -= base
     size = int(off[-1])
-    data = np.zeros(size + 8, dtype=np.uint8)  # 8 bytes of padding: a load at any byte stays inside
+    data = np.empty(size + 8, dtype=np.uint8)  # 8 zero bytes of padding: a load at any byte stays inside, and
+    data[size:] = 0  # the word at ``size`` is 0 (the middle and last words of a short string)
     if size:
         data[:size] = np.frombuffer(data_buf, dtype=np.uint8)[base:base + size]
     words = np.ndarray(shape=(size + 1,), dtype="<u8", buffer=data, strides=(1,))  # a word at every byte
     start, end = off[:-1], off[1:]
     length = end - start
-    long_ = (length >= 8).astype(np.uint64)  # 0 or 1
+    long_ = length >= 8
     # the first word keeps the string's own bytes only (a short string's neighbour follows it)
-    keep = np.minimum(length, 7).astype(np.uint64) * np.uint64(8)
-    mask = (np.uint64(1) << keep) - np.uint64(1)
-    mask |= np.uint64(0) - long_  # every bit when the string has 8 bytes or more
-    h = words[start] & mask
+    h = words[start]
+    h &= np.array(_FIRST_MASKS, dtype=np.uint64)[np.minimum(length, 8)]
     h ^= length.astype(np.uint64) * np.uint64(_MIX[0])
-    _splitmix(h)
-    # the middle and last words, of strings of 8 bytes or more (else 0: the first word holds every byte)
-    h ^= words[np.maximum((start + end) // 2 - 4, start)] * long_
-    _splitmix(h)
-    h ^= words[np.maximum(end - 8, start)] * long_
+    h *= np.uint64(_MIX[1])
+    # the middle and last words of strings of 8 bytes or more (else the zero word: the first holds every byte)
+    h ^= words[np.where(long_, (start + end) // 2 - 4, size)]
+    h *= np.uint64(_MIX[0])
+    h ^= words[np.where(long_, end - 8, size)]
     _splitmix(h)
     if values.null_count:  # a null's slot may hold bytes: it is fingerprinted as the empty string
         h[np.asarray(values.is_null())] = id_fingerprint(pa.array([""]))[0]
     return h
 
 
-def response_id_buckets(table, n_buckets: int) -> list:
+#: The bits of the first word a string of each length (0-7, then 8 or more) keeps (`id_fingerprint`).
+_FIRST_MASKS = tuple((1 << (8 * k)) - 1 for k in range(8)) + ((1 << 64) - 1,)
+
+
+def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
     """The ``response_id`` column of a file's rows (with their `id_fingerprint` and window place `ROW`) split into
     ``n_buckets`` by the fingerprint: every copy of an id lands in the same bucket, whatever file or shard it is
-    in; no sample of the ids is needed for it."""
+    in; no sample of the ids is needed for it. ``ids=False``: the buckets hold the fingerprints and places only
+    (16 bytes a row, no string: what `split_file` ships; `check_response_ids` then names the rows whose
+    fingerprint repeats and `read_shards` fetches only their ids, `response_ids_at`)."""
     import numpy as np
     import pyarrow as pa
 
@@ -159,13 +166,19 @@ def response_id_buckets(table, n_buckets: int) -> list:
     bucket = (fp % np.uint64(n_buckets)).astype(np.uint8 if n_buckets <= 256 else np.int64)
     order = np.argsort(bucket, kind="stable")  # a radix sort of 1-byte keys
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
+    if not ids:
+        row = table[ROW]
+        row = np.asarray(row.combine_chunks() if isinstance(row, pa.ChunkedArray) else row, dtype=np.int64)
+        fp, row = fp[order], row[order]
+        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]]),
+                          ROW: pa.array(row[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
     taken = pa.table({"response_id": rid, FINGERPRINT: pa.array(fp), ROW: table[ROW]}).take(pa.array(order))
     return [taken.slice(bounds[b], bounds[b + 1] - bounds[b]) for b in range(n_buckets)]
 
 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
-               splitters: list[str] | None = None, keep: Sequence[str] | None = None):
+               splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None):
     """Read one log file on a worker and return its rows per shard, its response ids per bucket
     (`response_id_buckets`, without the rest of the row) and a small dict about the file
     (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
@@ -173,7 +186,9 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
     evaluate flow: join the label store's labels, derive covariates, check columns) and returns
-    ``(table, info)``. The shards' rows leave ``response_id`` behind (the passes do not read it); ``keep``: the
+    ``(table, info)``; ``prepare_arg`` (not None): its third argument (`read_shards` hands it as a top-level
+    argument, so Ray resolves a reference of it on the worker, zero-copy). The shards' rows leave ``response_id``
+    behind (the passes do not read it); ``keep``: the
     only columns they keep (those of it the file has, after ``prepare_rows``, in the order of ``keep``; None: every
     column); without ``columns`` and ``prepare_rows`` only those (and the response id) are read."""
     import numpy as np
@@ -200,16 +215,16 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
         table = table.drop_columns(["dt"])
     info = {"key": key, "rows": table.num_rows}
     if prepare_rows is not None:
-        table, more = prepare_rows(table, st.url(key))
+        table, more = (prepare_rows(table, st.url(key)) if prepare_arg is None
+                       else prepare_rows(table, st.url(key), prepare_arg))
         info.update(more)
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
-        rids = response_id_buckets(table, n_shards)
+        rids = response_id_buckets(table, n_shards, ids=False)  # fingerprints and places: no string leaves
         table = table.drop_columns(["response_id"])
     else:
-        rids = [pa.table({"response_id": pa.array([], pa.string()), FINGERPRINT: pa.array([], pa.uint64()),
-                          ROW: pa.array([], pa.int64())})] * n_shards
+        rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64()), ROW: pa.array([], pa.int64())})] * n_shards
     if keep is not None:
         table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
     return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
@@ -226,7 +241,12 @@ def check_response_ids(*pieces) -> dict | None:
     The ids' fingerprints are sorted (integers: their high 32 bits packed with the row), not the ids: only the
     ids whose half-fingerprint repeats (every copy of a repeated id, and ~n^2 / 2^33 others) are then compared as
     strings (`flows.storage.logs.first_duplicate`), so a shared fingerprint of two different ids costs a string
-    comparison, never a miss or a false alarm."""
+    comparison, never a miss or a false alarm.
+
+    Buckets of fingerprints without their ids (``response_id_buckets(..., ids=False)``, what `split_file` ships):
+    None when no whole 64-bit fingerprint repeats, else ``{"candidates": [window places]}``, every row whose
+    fingerprint repeats (every copy of a repeated id among them); the caller fetches those rows' ids
+    (`response_ids_at`) and checks them as strings here (`resolve_candidates`)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -238,6 +258,12 @@ def check_response_ids(*pieces) -> dict | None:
     n = table.num_rows
     if n < 2:
         return None
+    if "response_id" not in table.column_names:
+        at = _repeated_fingerprints(np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64))
+        if at.size == 0:
+            return None
+        rows = np.asarray(table[ROW].combine_chunks().to_numpy(), dtype=np.int64)[at]
+        return {"candidates": np.sort(rows).tolist()}
     fp = (np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64)
           if FINGERPRINT in table.column_names else id_fingerprint(table["response_id"]))
     if n < _PACKED_ROWS:  # one sort of (high half of the fingerprint, row): the rows of a repeated half come out
@@ -260,6 +286,77 @@ def check_response_ids(*pieces) -> dict | None:
         return None
     rows = maybe.filter(pc.equal(maybe["response_id"], dup))[ROW].to_pylist()
     return {"response_id": dup, "rows": sorted(rows)[:5], "count": len(rows)}
+
+
+def _repeated_fingerprints(fp: "np.ndarray") -> "np.ndarray":
+    """Positions (increasing) of the fingerprints that occur more than once in ``fp`` (uint64): a sort of their
+    high 32 bits (half the bytes of a sort of the whole: ~40% less CPU), then the whole fingerprints of the few
+    whose half repeats (~n^2 / 2^33 of n) compared exactly."""
+    import numpy as np
+
+    high = (fp >> np.uint64(32)).astype(np.uint32)
+    s = np.sort(high)
+    rep = s[1:][s[1:] == s[:-1]]
+    if rep.size == 0:
+        return np.empty(0, dtype=np.int64)
+    rep = np.unique(rep)
+    # the positions of those halves: a flag per value of their top 24 bits (2 MiB, a gather a row: cheaper than a
+    # binary search a row), then the few flagged compared exactly
+    flag = np.zeros(1 << 24, dtype=bool)
+    flag[rep >> np.uint32(8)] = True
+    maybe = np.flatnonzero(flag[high >> np.uint32(8)])
+    maybe = maybe[np.isin(high[maybe], rep)]
+    whole = fp[maybe]
+    ordered = np.sort(whole)
+    again = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    return maybe[np.isin(whole, again)] if again.size else np.empty(0, dtype=np.int64)
+
+
+def response_ids_at(uri: str, cfg_dict: dict, key: str, positions: Sequence[int], policies: list[str] | None,
+                    mapping: dict | None) -> list[str]:
+    """The ``response_id`` of one log file at ``positions`` (rows of the file as `split_file` read them: the same
+    policy filter and mapping; ``prepare_rows`` keeps the row order), for `resolve_candidates`."""
+    import numpy as np
+    import pyarrow as pa
+
+    from flows.storage.logs import read_window
+    from flows.storage.objects import Storage, StorageConfig
+
+    st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
+    table = read_window(st, [key], columns=["response_id"], policies=policies, mapping=mapping, check_unique=False)
+    return table["response_id"].cast(pa.string()).take(pa.array(np.asarray(positions, dtype=np.int64))).to_pylist()
+
+
+def resolve_candidates(candidates: Sequence[Sequence[int]], ids_of: Callable[[int, list[int]], list[str]]
+                       ) -> list[dict]:
+    """Every bucket's candidate rows (`check_response_ids` on fingerprints) checked as strings: the buckets'
+    findings (`check_response_ids` of each bucket's candidates with their ids). ``ids_of(file index, positions)``
+    gives the ids of a file's rows (`response_ids_at`; called once a file that has candidates)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.pipeline.sharded import ROW
+
+    mask = (1 << ROW_BITS) - 1
+    by_file: dict[int, set] = {}
+    for rows in candidates:
+        for r in rows:
+            by_file.setdefault(int(r) >> ROW_BITS, set()).add(int(r) & mask)
+    ids: dict[int, str] = {}
+    for f, pos in sorted(by_file.items()):
+        pos = sorted(pos)
+        for p, rid in zip(pos, ids_of(f, pos)):
+            ids[(f << ROW_BITS) | p] = rid
+    found = []
+    for rows in candidates:
+        if not rows:
+            continue
+        table = pa.table({"response_id": pa.array([ids[int(r)] for r in rows], pa.string()),
+                          ROW: pa.array(np.asarray(rows, dtype=np.int64))})
+        hit = check_response_ids(table)
+        if hit is not None:
+            found.append(hit)
+    return found
 
 
 def duplicate_response_id_error(found: dict, keys: Sequence[str], source: str):
@@ -333,7 +430,7 @@ def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
 def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *, columns: list[str] | None = None,
                 policies: list[str] | None = None, mapping: dict | None = None, prepare_rows: Callable | None = None,
                 rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False,
-                keep: Sequence[str] | None = None, concat: bool = False):
+                keep: Sequence[str] | None = None, concat: bool = False, prepare_arg: Any = None):
     """The window's shards: per shard a `ShardPieces` (its pieces from every file's reader, in the cluster's
     object store; `ray_mapper` rebuilds the shard's `pyarrow.Table` in each task), or with ``concat`` the
     reference of one concatenated table (a task per shard: a second copy of the rows in the store).
@@ -344,8 +441,9 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     files and shards): a repeated id raises `CJEInputError` naming it and its files and rows.
 
     ``keys``: the window's log files in window order; ``rows_hint``: the window's rows when known (for the
-    tasks' memory); ``prepare_rows``, ``keep``: see `split_file`. With ``with_info`` also the list of every
-    file's info dict (small: fetched to the driver).
+    tasks' memory); ``prepare_rows``, ``keep``, ``prepare_arg``: see `split_file` (the evaluate flow's
+    ``prepare_arg`` is the reference of its label index, `flows.runtime.label_index`). With ``with_info`` also
+    the list of every file's info dict (small: fetched to the driver).
     """
     import ray
 
@@ -361,10 +459,10 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
     if prepare_rows is not None:
         # Put once: passed by value, Ray would serialize it into the object store again for every file's task
-        # (the evaluate flow's `FileRows` carries the label store's labels: ~5M rows at 100M log rows, 100 files).
+        # (a `FileRows` built with a label table carries its index: ~5M ids at 100M log rows, 100 files).
         prepare_rows = ray.put(prepare_rows)
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep)
-             for i, k in enumerate(keys)]
+    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
+                           prepare_arg) for i, k in enumerate(keys)]
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
                                                    memory=task_memory(rows_hint // n_shards // 4))
     checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_shards)]
@@ -374,7 +472,18 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
         refs = [join.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
     else:
         refs = [ShardPieces([p[s] for p in pieces]) for s in range(n_shards)]
-    found = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
+    results = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
+    found = [c for c in results if "candidates" not in c]
+    candidates = [c["candidates"] for c in results if "candidates" in c]
+    if candidates:  # repeated fingerprints (a repeated id, or rarely two ids sharing one): compare their ids
+        fetch = ray.remote(response_ids_at).options(max_retries=max_retries, name="cje_response_ids_at",
+                                                    memory=task_memory(per_file))
+
+        def ids_of(f: int, positions: list[int]) -> list[str]:
+            return ray.get(fetch.remote(uri, cfg_dict, keys[f], positions, policies, mapping),
+                           timeout=ray_get_timeout())
+
+        found += resolve_candidates(candidates, ids_of)
     if found:
         raise duplicate_response_id_error(min(found, key=lambda c: c["rows"][0]), keys, uri)
     if not with_info:

@@ -424,18 +424,40 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
     ``response_id`` is not in the logs are ignored.  A label without a ``label_probability``
     gets 1.0 (drawn completely at random within its policy), the engine's convention.
     """
+    rid = log_response_ids(logs_table)
+    first = first_labels(label_table)
+    idx = pc.index_in(rid, value_set=first.column("response_id"))
+    return fill_store_labels(logs_table, idx, first)
+
+
+def log_response_ids(logs_table: pa.Table) -> pa.ChunkedArray:
+    """The logs' ``response_id`` column as strings in NFC (the engine's spelling of ids): what a join matches.
+
+    An NFD id in the logs still finds its label; invisible characters are left to the engine, which names
+    the object and row.  Raises `CJEInputError` when the logs have no ``response_id``.
+    """
     if "response_id" not in logs_table.column_names:
         raise CJEInputError("logs have no response_id column; labels are joined on it", column="response_id")
-    for col in ("response_id", "oracle_label", "label_probability"):
-        if col not in label_table.column_names:
-            raise CJEInputError(f"label table lacks column {col!r}", column=col)
     rid = logs_table.column("response_id")
     if not pa.types.is_string(rid.type):
         rid = rid.cast(pa.string())
-    # Matched in NFC (the engine's spelling of ids): an NFD id in the logs still finds its label.
-    # Invisible characters are left to the engine, which names the object and row.
     if pc.all(pc.string_is_ascii(rid)).as_py() is False:
         rid = pc.utf8_normalize(rid, form="NFC")
+    return rid
+
+
+def first_labels(label_table: pa.Table) -> pa.Table:
+    """The first label of each ``response_id`` of a label table (lowest version, then row order of
+    `LabelStore.read`): columns ``response_id`` (in NFC), ``oracle_label``, ``label_probability`` and
+    ``flagged`` (the id has conflicting labels), one row per stored id in order of first appearance.
+
+    Ids stored before ids were normalised are put in NFC after the grouping (two spellings of one id then
+    give two rows, the first of which a join uses, as `pyarrow.compute.index_in` does).
+    Raises `CJEInputError` when a label column is missing.
+    """
+    for col in ("response_id", "oracle_label", "label_probability"):
+        if col not in label_table.column_names:
+            raise CJEInputError(f"label table lacks column {col!r}", column=col)
     labels = label_table
     if "flagged" not in labels.column_names:
         labels = labels.append_column("flagged", pc.is_in(labels.column("response_id"),
@@ -449,12 +471,20 @@ def join_labels(logs_table: pa.Table, label_table: pa.Table) -> pa.Table:
     stored_ids = first.column("response_id").cast(pa.string())
     if pc.all(pc.string_is_ascii(stored_ids)).as_py() is False:  # labels stored before ids were normalised
         stored_ids = pc.utf8_normalize(stored_ids, form="NFC")
-    idx = pc.index_in(rid, value_set=stored_ids)
-    store_label = pc.take(first.column("oracle_label_first"), idx)
-    store_prob = pc.take(first.column("label_probability_first"), idx)
-    conflict = pc.fill_null(pc.take(first.column("flagged_max"), idx), False)
-    has = pc.is_valid(idx)
+    return pa.table({"response_id": stored_ids, "oracle_label": first.column("oracle_label_first"),
+                     "label_probability": first.column("label_probability_first"),
+                     "flagged": first.column("flagged_max")})
 
+
+def fill_store_labels(logs_table: pa.Table, idx: pa.Array | pa.ChunkedArray, first: pa.Table) -> pa.Table:
+    """The logs with the store's labels filled in: ``idx`` gives, for each log row, its row of ``first``
+    (`first_labels`' columns) or null where the store has no label for it (`join_labels`' rules: the store
+    wins, inline labels kept elsewhere, a missing probability is 1.0, conflicts marked and counted in the
+    schema metadata with the other join counts, `join_counts`)."""
+    store_label = pc.take(first.column("oracle_label"), idx)
+    store_prob = pc.take(first.column("label_probability"), idx)
+    conflict = pc.fill_null(pc.take(first.column("flagged"), idx), False)
+    has = pc.is_valid(idx)
     out = logs_table
     n_inline = n_overridden = 0
     if "oracle_label" in out.column_names:

@@ -167,3 +167,37 @@ def test_the_shards_are_sized_by_the_rows_in_the_files_footers_not_by_their_byte
     (tmp_path / "dt=2026-02-04" / "part-0.parquet").write_bytes(b"not parquet" * 100)
     bad = files + [{"key": "dt=2026-02-04/part-0.parquet", "size": 1100}]
     assert window_rows(str(tmp_path), None, bad) == (sum(f["size"] for f in files) + 1100) // PARQUET_BYTES_PER_ROW
+
+
+def test_a_swapped_label_object_fails_the_sharded_flow_naming_it(prefect_server, tmp_path, monkeypatch):
+    """The sharded path reads and indexes the label store on a Ray worker (`flows.runtime.label_index`): a label
+    object swapped for another valid label table is still the store's own error, naming the object (exit 2), raised
+    as itself by the flow, and none of its labels is used (the run fails before any log file is read)."""
+    import io
+
+    from flows.pipelines.evaluate import evaluate
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    f = simulate(60, seed=3, oracle_fraction=0.2).frame
+    (tmp_path / "logs" / f"dt={DAYS[0]}").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pandas(f.drop(columns=["oracle_label", "label_probability"]), preserve_index=False),
+                   tmp_path / "logs" / f"dt={DAYS[0]}" / "part-0.parquet")
+    st = Storage.for_uri(str(tmp_path / "labels"))
+    store = LabelStore(st)
+    lab = f.loc[f["oracle_label"].notna(), ["response_id", "oracle_label", "label_probability"]]
+    store.append(pa.Table.from_pandas(lab.iloc[:5], preserve_index=False), "one")
+    store.append(pa.Table.from_pandas(lab.iloc[5:], preserve_index=False), "two")
+    obj = store.history()[1]["object"]
+    other = pa.table({"response_id": lab["response_id"].iloc[5:].tolist(),
+                      "oracle_label": [1.0] * (len(lab) - 5), "label_probability": [None] * (len(lab) - 5)},
+                     schema=pa.schema([("response_id", pa.string()), ("oracle_label", pa.float64()),
+                                       ("label_probability", pa.float64())]))
+    buf = io.BytesIO()
+    pq.write_table(other, buf)
+    st.write_bytes(obj, buf.getvalue())  # valid Parquet, other labels
+    with pytest.raises(CJEInputError, match="label-store object checksum mismatch") as err:
+        evaluate(logs_uri=str(tmp_path / "logs"), window=DAYS[0], evaluation="swapped",
+                 results_uri=str(tmp_path / "results"), labels_uri=str(tmp_path / "labels"),
+                 options={"inference": "analytic", "seed": 1}, row_pass="sharded")
+    assert err.value.source == st.url(obj)
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("result.json"))

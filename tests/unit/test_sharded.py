@@ -13,7 +13,7 @@ import pytest
 
 from cje_engine.direct.verified import power_tuned_lambda
 from cje_engine.errors import CJEInputError
-from cje_engine.inference.gram import Basis, BasisSums, GramTerms, Moments, SummedBasis, TermsNotKept
+from cje_engine.inference.gram import Basis, BasisSums, GramTerms, Moments, SummedBasis, TermsNotKept, third_moments
 from cje_engine.inference.intervals import acceleration
 from cje_engine.inference.variance import cluster_cov
 from cje_engine.options import EvaluationOptions
@@ -221,6 +221,30 @@ def test_gram_reductions_equal_the_per_prompt_ones():
     assert power_tuned_lambda(own, g[:, 2 * K - 1]) == 1.0 == power_tuned_lambda(full[:, 0], full[:, 2 * K - 1])
     with pytest.raises(TermsNotKept, match="row_pass.influence = 'gram'"):
         np.asarray(g)
+
+
+def test_third_moments_are_the_triple_sum():
+    """`third_moments` (K matrix products) against the obvious triple loop summed in exact rational arithmetic:
+    within rounding. Each entry is a sum of n products; a float sum in any order is within ~n * eps of the sum
+    of the products' absolute values (the classic bound for recursive/blocked summation, each product itself
+    within 2 eps), so the tolerance is 4 n eps of that sum, far below anything the Gram form reads."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(7)
+    for n, K in ((0, 3), (1, 2), (37, 4), (300, 5)):
+        e = rng.standard_normal((n, K)) ** 3
+        got = third_moments(e)
+        assert got.shape == (K, K, K)
+        exact = np.zeros((K, K, K))
+        bound = np.zeros((K, K, K))
+        for i in range(K):
+            for j in range(K):
+                for k in range(K):
+                    exact[i, j, k] = float(sum((Fraction(float(x)) * Fraction(float(y)) * Fraction(float(z))
+                                                for x, y, z in zip(e[:, i], e[:, j], e[:, k])), Fraction(0)))
+                    bound[i, j, k] = np.abs(e[:, i] * e[:, j] * e[:, k]).sum()
+        assert np.all(np.abs(got - exact) <= 4 * max(n, 1) * np.finfo(float).eps * bound)
+        np.testing.assert_allclose(Moments.of(e).T, got, rtol=0, atol=0)  # Moments.of uses it as it is
 
 
 def test_summed_basis_reductions_equal_the_per_prompt_ones():

@@ -119,6 +119,24 @@ def test_the_fingerprinted_check_is_the_string_sort(case, monkeypatch):
         assert hit == {"response_id": ids[17], "rows": [17, 2500, 2999], "count": 3}
     if case == "repeated_and_colliding":
         assert {"response_id": ids[3050], "rows": [3050, 3100], "count": 2} in found
+    # buckets of fingerprints without their ids (what `split_file` ships): the rows whose fingerprint repeats, then
+    # only their ids fetched (`resolve_candidates`) and compared as strings: the same findings
+    bare = [sharded_ray.response_id_buckets(f, 3, ids=False) for f in (table.slice(0, 1700), table.slice(1700))]
+    assert all(p.column_names == [sharded_ray.FINGERPRINT, sharded.ROW] for b in bare for p in b)
+    lookup = dict(zip(table[sharded.ROW].to_pylist(), table["response_id"].to_pylist()))
+    fetched = []
+
+    def ids_of(f, positions):
+        fetched.extend(positions)
+        return [lookup[(f << sharded_ray.ROW_BITS) | p] for p in positions]
+
+    results = [sharded_ray.check_response_ids(*[p[b] for p in bare]) for b in range(3)]
+    assert all(set(r) == {"candidates"} for r in results if r is not None)
+    candidates = [r["candidates"] for r in results if r is not None]
+    resolved = sharded_ray.resolve_candidates(candidates, ids_of)
+    assert sorted(map(repr, resolved)) == sorted(repr(f) for f in found if f is not None)
+    assert (candidates == []) == (case == "distinct")  # distinct ids of distinct fingerprints: nothing fetched
+    assert len(fetched) == sum(map(len, candidates)) and len(fetched) <= 200 + 60
     # a bucket without the fingerprint column (pieces from elsewhere): fingerprinted in the check
     assert sharded_ray.check_response_ids(table) == _slow_check([table])
     # buckets too large to pack the row into the sort: whole fingerprints sorted, then the repeated ones found
@@ -128,17 +146,38 @@ def test_the_fingerprinted_check_is_the_string_sort(case, monkeypatch):
         assert sharded_ray.check_response_ids(*bucket) == _slow_check(bucket)
 
 
+def test_repeated_fingerprints_are_the_counted_ones():
+    """`_repeated_fingerprints` (a sort of the high halves, then the whole fingerprints of the few) finds exactly the
+    positions whose whole 64-bit value occurs more than once: against counting every value, with values sharing a
+    high half but not the low one, and values equal in both."""
+    rng = np.random.default_rng(11)
+    for n in (0, 1, 2, 50, 5000):
+        high = rng.integers(0, max(n // 3, 1), n).astype(np.uint64) << np.uint64(32)
+        fp = high | rng.integers(0, 4, n).astype(np.uint64)  # many shared halves, some whole repeats
+        fp[: n // 2] = rng.integers(0, 2**63, n // 2).astype(np.uint64)  # and distinct ones
+        values, counts = np.unique(fp, return_counts=True)
+        want = np.flatnonzero(np.isin(fp, values[counts > 1]))
+        assert np.array_equal(sharded_ray._repeated_fingerprints(fp), want)
+
+
 def test_split_by_shard_keeps_each_shards_rows_in_order():
     """The split's sort of 1- or 2-byte shard keys (radix) gives each shard its rows in their order, as the
-    obvious filter of the table by shard does, for hash and range shards and 300 shards (2-byte keys)."""
+    obvious filter of the table by shard does, for hash and range shards and 300 shards (2-byte keys); and so do
+    the slices of a file already in shard order (its ids sorted, split by range: no take)."""
     rng = np.random.default_rng(3)
     ids = [f"p{i}" for i in rng.integers(0, 5000, 20000)]
     table = pa.table({"prompt_id": ids, "x": rng.random(20000)})
-    for n_shards, splitters in ((5, None), (4, ["p2", "p4", "p7"]), (300, None)):
+    cases = [(table, 5, None), (table, 4, ["p2", "p4", "p7"]), (table, 300, None)]
+    ordered = table.take(pa.array(np.argsort(np.array(ids, dtype=object), kind="stable")))
+    cases += [(ordered, 4, ["p2", "p4", "p7"]), (ordered, 3, ["p0", "p0"]), (ordered.slice(0, 1), 2, ["p5"])]
+    for table, n_shards, splitters in cases:
+        ids = table["prompt_id"].to_pylist()
+        n = table.num_rows
         parts = sharded.split_by_shard(table, n_shards, splitters=splitters)
-        full = table.append_column(sharded.ROW, pa.array(np.arange(20000, dtype=np.int64)))
+        full = table.append_column(sharded.ROW, pa.array(np.arange(n, dtype=np.int64)))
         shard = (sharded.shard_of(ids, n_shards) if splitters is None
                  else np.searchsorted(np.array(splitters, dtype=object), np.array(ids, dtype=object), side="right"))
+        assert len(parts) == n_shards
         for s, part in enumerate(parts):
             want = full.filter(pa.array(shard == s))
             assert part.select(want.column_names).equals(want)
