@@ -55,6 +55,7 @@ class RayCpu:
         self.interval = interval
         self.first: dict[int, float] = {}
         self.last: dict[int, tuple[str, float]] = {}
+        self.node: dict[int, int] = {}  # pid -> the raylet it runs under (its node), 0 for GCS and others
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._started = False
@@ -78,16 +79,19 @@ class RayCpu:
             procs[int(entry)] = (cmd, int(f[1]), (int(f[11]) + int(f[12])) / tick)
         out = {}
         for pid, (cmd, _, cpu) in procs.items():
-            p, ours = pid, False
+            p, ours, raylet = pid, False, 0
             for _ in range(64):
                 if p not in procs or p <= 1:
                     break
+                if not raylet and b"raylet/raylet" in procs[p][0]:
+                    raylet = p
                 if self.marker in procs[p][0]:
                     ours = True
                     break
                 p = procs[p][1]
             if not ours:
                 continue
+            self.node[pid] = raylet
             agent = any(w in cmd for w in (b"Dashboard", b"RuntimeEnv", b"Agent"))
             kind = "worker" if cmd.startswith(b"ray::") and not agent else "other"
             out[pid] = (kind, cpu)
@@ -122,9 +126,13 @@ class RayCpu:
 
     def totals(self) -> dict[str, float]:
         out = {"worker": 0.0, "other": 0.0}
+        per_node: dict[str, float] = {}  # CPU under each raylet (its workers and itself); "0": GCS, agents of no raylet
         for pid, (kind, cpu) in self.last.items():
             out[kind] += cpu - self.first.get(pid, 0.0)
-        return {**{k: round(v, 2) for k, v in out.items()}, "samples": self.samples}
+            key = str(self.node.get(pid, 0))
+            per_node[key] = per_node.get(key, 0.0) + cpu - self.first.get(pid, 0.0)
+        return {**{k: round(v, 2) for k, v in out.items()}, "samples": self.samples,
+                "per_raylet": {k: round(v, 2) for k, v in sorted(per_node.items())}}
 
 
 def _hwm() -> float:
