@@ -108,12 +108,12 @@ def main(argv: list[str] | None = None) -> dict:
         """main's reader: `join_labels` against the whole label table at each call."""
 
         def __init__(self, labels, covariates):
-            super().__init__(None, covariates)
+            super().__init__(covariates)
             self.table = labels
 
         def __call__(self, table, source, labels=None):
             joined = join_labels(table, self.table).drop_columns(["label_conflict"])
-            out, info = FileRows(None, self.covariates)(joined, source)
+            out, info = FileRows(self.covariates)(joined, source)
             return out, {**join_counts(joined), **info}
 
     logs, labels = _tables(args.labels, args.prompts, args.seed)
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     covs = ["response_length"]
     c, w, main_out = _cpu(lambda: MainFileRows(labels, covs)(logs, "file"), args.repeat)
     res["file_rows_main"] = {"cpu_s": round(c, 3), "wall_s": round(w, 3)}
-    reader = FileRows(index, covs)
-    c, w, new_out = _cpu(lambda: reader(logs, "file"), args.repeat)
+    reader = FileRows(covs)
+    c, w, new_out = _cpu(lambda: reader(logs, "file", index), args.repeat)
     res["file_rows_index"] = {"cpu_s": round(c, 3), "wall_s": round(w, 3)}
     assert new_out[0].equals(main_out[0]) and new_out[1] == main_out[1], "the readers differ"
     for name, obj in (("table", labels), ("index", index)):

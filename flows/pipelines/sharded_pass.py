@@ -79,28 +79,22 @@ class FileRows:
     join the label store's labels (`flows.runtime.label_index.LabelIndex.join`: `flows.storage.labels.join_labels`'
     rows and counts, at a cost in proportion to the file), derive covariates
     (`flows.pipelines.preflight.derive_covariates`) and check the columns (``extra``: the segment columns),
-    naming the file.
+    naming the file. The labels come with each call: the index a read task got by reference
+    (`flows.runtime.sharded_ray.read_shards`' ``prepare_arg``)."""
 
-    ``labels``: None, a `LabelIndex`, or a label table (`flows.storage.labels.LabelStore.read`), indexed here
-    once; or the labels come with each call (``labels`` of `__call__`: the index a read task got by reference,
-    `flows.runtime.sharded_ray.read_shards`' ``prepare_arg``)."""
-
-    def __init__(self, labels: pa.Table | LabelIndex | None, covariates: Sequence[str],
-                 extra: Sequence[str] = ()) -> None:
-        self.labels = LabelIndex.build(labels) if isinstance(labels, pa.Table) else labels
+    def __init__(self, covariates: Sequence[str], extra: Sequence[str] = ()) -> None:
         self.covariates = tuple(covariates)
         self.extra = tuple(extra)
 
     def __call__(self, table: pa.Table, source: str, labels: LabelIndex | None = None) -> tuple[pa.Table, dict]:
         """The file's rows ready for the shards, and its counts (rows, labels per policy, join counts);
-        ``labels``: the index to join (default: this object's)."""
+        ``labels``: the label store's index (None: no label store)."""
         from flows.pipelines import preflight
         from flows.storage.labels import join_counts
 
         info: dict[str, Any] = {}
-        index = labels if labels is not None else self.labels
-        if index is not None:
-            table = index.join(table)
+        if labels is not None:
+            table = labels.join(table)
             info.update(join_counts(table))
             if "label_conflict" in table.column_names:
                 table = table.drop_columns(["label_conflict"])
@@ -160,23 +154,21 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
     """The sharded path of a run: (counts, join counts, result). Shards are read, joined and reduced on Ray;
     the bootstrap's histograms too (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`). ``rows``: the
     window's rows when the caller has read the footers already (`window_rows`), else they are read here.
-    ``labels``: None (no label store), the Ray object reference of the store's `LabelIndex`
+    ``labels``: None (no label store) or the Ray object reference of the store's `LabelIndex`
     (`flows.runtime.label_index.remote_label_index`: every reader gets it from the object store, this process
-    never holds it), or a label table or `LabelIndex` in this process (`FileRows`)."""
+    never holds it)."""
     opts = plan.opts
     cfg_dict = cfg.to_dict(include_secrets=True)
     keys = [f["key"] for f in files]
     rows_hint = rows if rows is not None else window_rows(plan.logs_uri, cfg, files)  # footers read once a run
     n_shards = sharded_ray.n_shards_for(rows_hint, ray_fanout.cluster_cpus())
     t0 = time.perf_counter()
-    by_ref = labels is not None and not isinstance(labels, (pa.Table, LabelIndex))
     refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
                                           policies=plan.read_policies, mapping=plan.columns,
-                                          prepare_rows=FileRows(None if by_ref else labels, plan.covariates,
-                                                                plan.extra_columns),
+                                          prepare_rows=FileRows(plan.covariates, plan.extra_columns),
                                           rows_hint=rows_hint, with_info=True,
                                           keep=shard_columns(plan.covariates, plan.extra_columns),
-                                          prepare_arg=labels if by_ref else None)
+                                          prepare_arg=labels)
     counts = merge_file_infos(infos)
     if counts["n_rows"] == 0:
         raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)

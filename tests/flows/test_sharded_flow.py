@@ -139,9 +139,9 @@ def test_a_log_file_without_a_segment_column_is_refused_by_its_read_task():
 
     t = pa.Table.from_pandas(simulate(20, seed=1).frame, preserve_index=False)
     with pytest.raises(CJEInputError, match="column 'band'.*column is missing from the logs") as err:
-        FileRows(None, [], ["band"])(t, "s3://b/logs/dt=2026-02-02/part-0.parquet")
+        FileRows([], ["band"])(t, "s3://b/logs/dt=2026-02-02/part-0.parquet")
     assert err.value.source == "s3://b/logs/dt=2026-02-02/part-0.parquet"
-    table, info = FileRows(None, [], ["band"])(t.append_column("band", pa.array(["x"] * t.num_rows)), "f")
+    table, info = FileRows([], ["band"])(t.append_column("band", pa.array(["x"] * t.num_rows)), "f")
     assert "band" in table.column_names and info["policies"]
 
 
