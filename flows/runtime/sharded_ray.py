@@ -476,8 +476,8 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     split = ray.remote(split_file).options(num_returns=2 * n_shards + 1, max_retries=max_retries,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
     if prepare_rows is not None:
-        # Put once: passed by value, Ray would serialize it into the object store again for every file's task
-        # (a `FileRows` built with a label table carries its index: ~5M ids at 100M log rows, 100 files).
+        # Put once: passed by value, Ray would serialize it again for every file's task (large shared data, such
+        # as the label index, goes by reference instead: ``prepare_arg``).
         prepare_rows = ray.put(prepare_rows)
     pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
                            prepare_arg) for i, k in enumerate(keys)]
