@@ -85,19 +85,24 @@ def _release() -> None:
 
 
 def _note(stage: str) -> None:
-    """Log (DEBUG) the driver's resident memory now and its peak so far after ``stage`` (Linux; for the
-    benchmarks' memory profile of the merge)."""
+    """Log (DEBUG) the driver's resident memory now and its peak so far after ``stage``, and of it now the
+    process's own heap (``RssAnon``) and the shared object-store pages it has touched (``RssShmem``: a Ray
+    driver's ``ray.put`` and zero-copy ``ray.get`` map the node's object store, and those pages stay in its RSS
+    after the object is freed) (Linux; for the benchmarks' memory profile of the driver)."""
     if not log.isEnabledFor(logging.DEBUG):
         return
     try:
         import resource
 
-        with open("/proc/self/statm") as fh:
-            now = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    except (OSError, ValueError, ImportError):
+        with open("/proc/self/status") as fh:
+            status = {k.rstrip(":"): v for k, _, v in (line.partition(" ") for line in fh)}
+        kib = {k: int(status[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssShmem") if k in status}
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (OSError, ValueError, ImportError, KeyError, IndexError):
         return
-    log.debug("driver RSS %.2f GiB (peak %.2f GiB) after %s", now / 2**30, peak / 2**30, stage)
+    log.debug("driver RSS %.2f GiB (peak %.2f GiB; heap %.2f, object store %.2f GiB) after %s",
+              kib.get("VmRSS", 0) / 2**20, peak / 2**20, kib.get("RssAnon", 0) / 2**20, kib.get("RssShmem", 0) / 2**20,
+              stage)
 
 
 def serial_map(fn: Callable, items: Sequence[tuple]) -> Iterable[tuple[int, Any]]:
@@ -889,13 +894,16 @@ class ShardedPrepared:
         itself (`histograms`, the reference)."""
         opts = self.prep.options
         view = bootstrap_view(self.prep.design, opts.seed)
+        _note("bootstrap view")
         if not self.fast_histograms:
             return bootstrap_replicates(view, start, stop, self.histograms(start, stop))
         small, prompts = compact_view(view)
         prompts = prompts.astype(np.int32 if self.n_prompts < 2**31 else np.int64)
+        _note("compact view")
         put = getattr(self.mapper, "put", None)
         if put is not None:  # the refits run where the mapper runs them: the view crosses once, not once a chunk
             small = put(small)
+            _note("compact view put")
         layouts = self.histogram_layouts()
         step = max(1, min(stop - start, WEIGHTS_BLOCK_BYTES // max(self.n_prompts, 1)))
         bounds = [(a, min(a + step, stop)) for a in range(start, stop, step)]
@@ -927,8 +935,10 @@ class ShardedPrepared:
                     rw = None
                 log.debug("replicates %d..%d of %d..%d: histograms summed", window[0][0], window[-1][1] - 1, start,
                           stop - 1)
+                _note(f"histograms of replicates {window[0][0]}..{window[-1][1] - 1}")
             for f in pending:
                 f.result()
+        _note(f"replicates {start}..{stop - 1}")
         return out
 
     def histogram_layouts(self) -> list:
@@ -946,6 +956,7 @@ class ShardedPrepared:
     def finalize(self, chunks: Sequence[np.ndarray]):
         """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""
         result = self.prep.finalize(chunks)
+        _note("finalize")
         if self.segments is not None:  # the segment x policy cells, reduced on the shards too
             sharded_segments.summarize_sharded_segments(self, result, prepare_sharded)
         result.model.inference.row_pass = RowPass(path="sharded", shards=len(self.shards), influence=self.influence,
