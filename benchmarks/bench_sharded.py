@@ -231,8 +231,7 @@ def stage_sharded(args: argparse.Namespace) -> dict:
             mapper = sharded_ray.ray_mapper(memory=lambda name: memory.get(name, per_task))
             keep = {"auto": None, "per_prompt": True, "gram": False}[args.terms]
             sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason="benchmark", keep_terms=keep)
-            memory["replicate_weights"] = sharded_ray.weights_task_memory(sp.n_prompts)
-            memory["replicate_refits"] = sharded_ray.refit_task_memory(sp.prep.design.data.n_rows)
+            memory.update(sharded_ray.bootstrap_task_memory(sp))
             mem.mark("read + passes 1-2 + merge")
             t_prep = time.perf_counter() - t0
             chunks = []

@@ -96,6 +96,15 @@ def _cell_index(data: EvalData, mode: str, cal: np.ndarray, rows: tuple | None =
     return CellIndex(cells, row_cell, row_key, cal_cells, cal_global, cal_cell.astype(np.int64), cal_key, counts)
 
 
+def design_from_parts(data: EvalData, mode: str, cal_rows: np.ndarray, lab_rows: np.ndarray, rows: tuple,
+                      n_knots: int) -> Design:
+    """The `Design` `make_design` returned for ``data``, rebuilt from its parts: its calibration and labelled rows
+    (already chosen and checked), `row_cells` of ``data`` in ``mode`` and its ``n_knots``; the same cell index,
+    array for array (`cje_engine.pipeline.sharded.refit_view` rebuilds a design where its refits run)."""
+    return Design(data=data, mode=mode, cal_rows=cal_rows, lab_rows=lab_rows,
+                  cells=_cell_index(data, mode, cal_rows, rows), n_knots=n_knots)
+
+
 def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...] | None,
                 rows: tuple | None = None) -> Design:
     """Select the calibration rows, check there is enough to cross-fit, and code the cells.

@@ -819,13 +819,153 @@ def replicate_weights(seed: int, start: int, stop: int, n_prompts: int, prompts:
 replicate_weights.kept_field = ("block", "driver")
 
 
-def replicate_refits(view: Any, counts: np.ndarray, start: int, stop: int, histograms: np.ndarray) -> np.ndarray:
+def replicate_refits(view: Any, counts: np.ndarray, start: int, stop: int, *histograms: np.ndarray) -> np.ndarray:
     """Replicates ``start..stop-1`` (3K columns each) refitted from the labelled rows: `bootstrap_replicates` on
-    the compact view ``view`` (`compact_view`) with the chunk's counts at its prompts (``counts``,
-    `replicate_weights`' ``driver`` part) and the chunk's (policy, cell) histograms summed over the shards
-    (int64, whole numbers: converted to float64 exactly). A pure function of its arguments: on Ray one task a
-    chunk (`ShardedPrepared.replicates`), the view put in the object store once; a retry gives the same bits."""
-    return bootstrap_replicates(view, start, stop, np.asarray(histograms, dtype=float), weights=counts)
+    the compact view ``view`` (`compact_view`, `refit_view`'s) with the chunk's counts at its prompts (``counts``,
+    `replicate_weights`' ``driver`` part) and the chunk's (policy, cell) histograms: one int64 block, or each
+    shard's block (`shard_histogram_block`), summed here in the order given (whole numbers: exact in any order,
+    then converted to float64 exactly). A pure function of its arguments: on Ray one task a chunk
+    (`ShardedPrepared.replicates`) whose view, counts and shards' blocks are references resolved on the worker, so
+    none of them passes through the driver; a retry gives the same bits."""
+    if not histograms:
+        raise ValueError("replicate_refits needs the chunk's histograms")
+    total = np.array(histograms[0], dtype=np.int64)  # a copy: the blocks may be read-only (the object store)
+    for h in histograms[1:]:
+        total += h
+    return bootstrap_replicates(view, start, stop, total.astype(float), weights=counts)
+
+
+@dataclass
+class RefitRows:
+    """What the refits' compact view is built from (`refit_rows` on the driver, `refit_view` where it runs): the
+    design's labelled rows, the columns a `BootstrapView` reads of them only, each in the smallest integer type
+    holding it (its own type in ``dtypes``, restored by `refit_view`); the calibration mode, cells and counts.
+    ~26 bytes a labelled row (the `CalibrationPlan` and the views built from it: 140-180 with their temporaries)."""
+
+    mode: str
+    n_knots: int
+    seed: int
+    n_prompts: int
+    policies: tuple
+    covariate_names: tuple
+    n_folds: int
+    label_scale: Any
+    score_scale: Any
+    cells: Any  # the design's `Cells` (O(cells))
+    counts: np.ndarray  # (K, G) rows per (policy, cell)
+    prompt: np.ndarray  # (n,) each labelled row's global prompt code
+    policy: np.ndarray
+    row_cell: np.ndarray  # (n,) its cell in ``cells``
+    label: np.ndarray
+    label_weight: np.ndarray
+    fold: np.ndarray
+    dtypes: dict  # field -> its dtype in the design (``prompt``, ``policy``, ``fold``, ``cal_rows``, ``lab_rows``)
+    cal_rows: np.ndarray | None  # the calibration rows (None: every row)
+    lab_rows: np.ndarray | None  # the labelled rows (None: every row)
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """``a`` (integers) in the smallest signed integer type holding its values (``a`` itself when it is one)."""
+    if a.size == 0:
+        return a
+    lo, hi = int(a.min()), int(a.max())
+    t = next(t for t in (np.int8, np.int16, np.int32, np.int64)
+             if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
+    return a if a.dtype == t else a.astype(t)
+
+
+def _every_row(idx: np.ndarray, n: int) -> bool:
+    """Whether a design's increasing row indices ``idx`` (`numpy.flatnonzero`'s) are every row ``0..n-1``."""
+    return idx.size == n and (n == 0 or (int(idx[0]) == 0 and int(idx[-1]) == n - 1))
+
+
+def refit_rows(design: Any, seed: int) -> RefitRows:
+    """The design's `RefitRows` for bootstrap seed ``seed``: what `refit_view` needs to build, away from the driver,
+    the compact view `compact_view(bootstrap_view(design, seed))` gives. The driver's own arrays where they
+    are already small (labels, label weights, cells), narrowed copies of its integer codes (~6 bytes a row)."""
+    d, ci = design.data, design.cells
+    n = d.n_rows
+    return RefitRows(
+        mode=design.mode, n_knots=design.n_knots, seed=int(seed), n_prompts=d.n_prompts, policies=d.policies,
+        covariate_names=d.covariate_names, n_folds=d.n_folds, label_scale=d.label_scale, score_scale=d.score_scale,
+        cells=ci.cells, counts=ci.counts, prompt=_narrow(d.prompt), policy=_narrow(d.policy), row_cell=ci.row_cell,
+        label=d.label, label_weight=d.label_weight, fold=_narrow(d.fold),
+        dtypes={"prompt": d.prompt.dtype.str, "policy": d.policy.dtype.str, "fold": d.fold.dtype.str,
+                "cal_rows": design.cal_rows.dtype.str, "lab_rows": design.lab_rows.dtype.str},
+        cal_rows=None if _every_row(design.cal_rows, n) else _narrow(design.cal_rows),
+        lab_rows=None if _every_row(design.lab_rows, n) else _narrow(design.lab_rows))
+
+
+@dataclass
+class RefitView:
+    """What `refit_view` returns: the refits' compact view and the prompts it reads (sorted global codes, int32
+    where they fit), on Ray both left in the object store (the driver gets their references)."""
+
+    n_prompts: int  # len(prompts)
+    view: Any
+    prompts: Any
+
+
+def refit_view(rows: RefitRows) -> RefitView:
+    """The compact view of the refits (`compact_view` of `bootstrap_view`) and its prompts, built from ``rows``
+    (`refit_rows`) where this runs: the design rebuilt (the driver's arrays in their own types, its cell index
+    recomputed as `make_design` computes it), then its `CalibrationPlan` and view: array for array those the
+    driver would build (`test_the_refit_view_is_the_drivers`), so the refits are the same bits. On Ray one task a
+    bootstrap (`ShardedPrepared.replicates`): the plan and views (~150 bytes a labelled row and their
+    temporaries) are built on a worker and stay in the object store; the driver sends ``rows`` (~26 bytes a
+    labelled row) once."""
+    from cje_engine.direct.estimators import design_from_parts
+
+    n = rows.label.size
+    dt = rows.dtypes
+    p = len(rows.covariate_names)
+    data = EvalData(
+        prompt_ids=np.broadcast_to(np.array("", dtype="<U1"), (rows.n_prompts,)),  # ids stay on the shards
+        prompt=rows.prompt.astype(dt["prompt"]),
+        policies=tuple(rows.policies), policy=rows.policy.astype(dt["policy"]),
+        score=np.broadcast_to(np.float64(0.0), (n,)),  # not read by a refit (the cells carry the scores)
+        label=rows.label, label_weight=rows.label_weight, X=np.broadcast_to(np.zeros(p), (n, p)),
+        covariate_names=tuple(rows.covariate_names), fold=rows.fold.astype(dt["fold"]), n_folds=rows.n_folds,
+        label_scale=rows.label_scale, score_scale=rows.score_scale)
+    G = rows.cells.size
+    small = rows.row_cell.dtype.type
+    row_key = data.policy.astype(small) * small(G) + rows.row_cell  # as `row_cells` codes it
+    every = np.arange(n)
+    cal = (every if rows.cal_rows is None else rows.cal_rows).astype(dt["cal_rows"], copy=False)
+    lab = (every if rows.lab_rows is None else rows.lab_rows).astype(dt["lab_rows"], copy=False)
+    design = design_from_parts(data, rows.mode, cal, lab, (rows.cells, rows.row_cell, row_key, rows.counts),
+                               rows.n_knots)
+    small_view, prompts = compact_view(bootstrap_view(design, rows.seed))
+    prompts = prompts.astype(np.int32 if rows.n_prompts < 2**31 else np.int64)
+    return RefitView(int(prompts.size), small_view, prompts)
+
+
+#: `refit_view`'s fields a mapper may keep where the task ran (the view, read by every refit task; the prompts,
+#: read by every `replicate_weights` task): the driver gets their references.
+refit_view.kept_field = ("view", "prompts")
+
+
+@dataclass
+class HistogramBlock:
+    """One shard's (policy, cell) histograms of replicates ``start..stop-1`` (`shard_histogram_block`)."""
+
+    start: int
+    stop: int
+    block: Any  # (stop - start, K * G) int64 (on Ray its reference: it stays in the object store)
+
+
+def shard_histogram_block(layout: HistogramLayout, codes: ShardCodes, weights: np.ndarray, start: int, stop: int
+                          ) -> HistogramBlock:
+    """Pass 3 on one shard from its `HistogramLayout` and the chunk's prompt counts (`replicate_weights`' block):
+    `shard_histograms`' sums, returned as a `HistogramBlock` whose block a mapper may keep where it was summed
+    (on Ray the chunk's refit task reads every shard's block from the object store and sums them there:
+    `replicate_refits`)."""
+    return HistogramBlock(start, stop, _layout_histograms(layout, codes, weights, start, stop))
+
+
+#: `shard_histogram_block`'s field a mapper may keep where the task ran.
+shard_histogram_block.kept_field = "block"
+
 
 #: Bytes of one chunk's prompt counts (`replicate_weights`' block): it sets the replicates drawn per task.
 WEIGHTS_BLOCK_BYTES = 256 * 2**20
@@ -858,6 +998,7 @@ class ShardedPrepared:
     kept: list = field(default_factory=list, repr=False)  # per shard, pass 1's `ShardKept` (or its reference)
     fast_histograms: bool = True  # replicates from weights drawn once per chunk (False: every shard draws them)
     _layouts: Any = field(default=None, repr=False)  # per shard, its `HistogramLayout` (or its reference)
+    _refit: Any = field(default=None, repr=False)  # the refits' `RefitView` (on Ray: references), built once
 
     @property
     def options(self) -> EvaluationOptions:
@@ -887,52 +1028,49 @@ class ShardedPrepared:
 
         Each chunk's prompt weights are drawn once (`replicate_weights`, a task of ``mapper``; its block of every
         prompt's counts and its counts at the labelled prompts stay where they were drawn), every shard sums its
-        slice of them per (policy, cell) from its `HistogramLayout` (`shard_histograms`), and one task of
-        ``mapper`` a chunk refits from the labelled rows with the counts at their prompts (`replicate_refits` on
-        the `compact_view`; a mapper with a ``put``, as on Ray, gets the view put once, and the driver then holds
-        only the chunks' summed histograms). ``fast_histograms=False``: every shard draws every replicate's weights
-        itself (`histograms`, the reference)."""
+        slice of them per (policy, cell) from its `HistogramLayout` (`shard_histogram_block`, its block left where
+        it was summed), and one task of ``mapper`` a chunk sums the shards' blocks and refits from the labelled
+        rows with the counts at their prompts (`replicate_refits` on the compact view, which `refit_view` builds
+        once, as a task of ``mapper``, from the labelled rows' `RefitRows`). On Ray the driver sends the labelled
+        rows' few columns once and otherwise only submits tasks: no view, no plan, no weights and no histogram
+        is built in, written from or read into its memory (a driver's ``ray.put`` and ``ray.get`` map the node's
+        object store, and the pages they touch stay in its RSS). ``fast_histograms=False``: every shard draws
+        every replicate's weights itself and the driver refits from the full view (`histograms`, the
+        reference)."""
         opts = self.prep.options
-        view = bootstrap_view(self.prep.design, opts.seed)
-        _note("bootstrap view")
         if not self.fast_histograms:
+            view = bootstrap_view(self.prep.design, opts.seed)
+            _note("bootstrap view")
             return bootstrap_replicates(view, start, stop, self.histograms(start, stop))
-        small, prompts = compact_view(view)
-        prompts = prompts.astype(np.int32 if self.n_prompts < 2**31 else np.int64)
-        _note("compact view")
-        put = getattr(self.mapper, "put", None)
-        if put is not None:  # the refits run where the mapper runs them: the view crosses once, not once a chunk
-            small = put(small)
-            _note("compact view put")
+        refit = self.refit_view()
         layouts = self.histogram_layouts()
         step = max(1, min(stop - start, WEIGHTS_BLOCK_BYTES // max(self.n_prompts, 1)))
         bounds = [(a, min(a + step, stop)) for a in range(start, stop, step)]
         out = np.empty((stop - start, 3 * self.prep.design.n_policies))
-        cov, K = tuple(opts.covariates), self.prep.design.n_policies
+        K = self.prep.design.n_policies
 
-        def refit(a: int, b: int, hist: np.ndarray, counts: Any) -> None:
-            for _, reps in self.mapper(replicate_refits, [(small, counts, a, b, hist)]):
+        def refit_chunk(a: int, b: int, counts: Any, blocks: list) -> None:
+            for _, reps in self.mapper(replicate_refits, [(refit.view, counts, a, b, *blocks)]):
                 out[a - start:b - start] = reps
 
-        # a chunk's refits run (in process: in a thread; with a ``put``: as a task, waited on by a thread) while the
-        # shards sum the next chunk's histograms (each chunk's rows written to its own place: any order)
-        with ThreadPoolExecutor(max_workers=REFITS_IN_FLIGHT if put is not None else 1,
-                                thread_name_prefix="cje-refit") as pool:
+        # a chunk's refits run (in process: in a thread; on Ray: as a task, waited on by a thread) while the shards
+        # sum the next chunk's histograms (each chunk's rows written to its own place: any order)
+        remote = getattr(self.mapper, "put", None) is not None
+        with ThreadPoolExecutor(max_workers=REFITS_IN_FLIGHT if remote else 1, thread_name_prefix="cje-refit") as pool:
             pending: list = []
             for w0 in range(0, len(bounds), WEIGHTS_IN_FLIGHT):
                 window = bounds[w0:w0 + WEIGHTS_IN_FLIGHT]
-                for _, rw in self.mapper(replicate_weights, [(opts.seed, a, b, self.n_prompts, prompts)
+                for _, rw in self.mapper(replicate_weights, [(opts.seed, a, b, self.n_prompts, refit.prompts)
                                                                for a, b in window]):
-                    items = [(lay, cov, opts.policies, c, opts.seed, rw.start, rw.stop, self.n_prompts, K,
-                              rw.block) for lay, c in zip(layouts, self.codes)]
-                    total = None
-                    for _, h in self.mapper(shard_histograms, items):
-                        total = h.copy() if total is None else total + h  # int64: exact in any order
+                    items = [(lay, c, rw.block, rw.start, rw.stop) for lay, c in zip(layouts, self.codes)]
+                    blocks: list = [None] * len(items)
+                    for i, h in self.mapper(shard_histogram_block, items):
+                        blocks[i] = h.block  # shard order (the sums are exact in any order)
                     items = None
-                    while len(pending) >= REFITS_IN_FLIGHT:  # bound the driver's counts waiting for a refit
+                    while len(pending) >= REFITS_IN_FLIGHT:  # bound the chunks waiting for a refit
                         pending.pop(0).result()  # (and raise a refit's error here)
-                    pending.append(pool.submit(refit, rw.start, rw.stop, total, rw.driver))
-                    rw = None
+                    pending.append(pool.submit(refit_chunk, rw.start, rw.stop, rw.driver, blocks))
+                    rw = blocks = None
                 log.debug("replicates %d..%d of %d..%d: histograms summed", window[0][0], window[-1][1] - 1, start,
                           stop - 1)
                 _note(f"histograms of replicates {window[0][0]}..{window[-1][1] - 1}")
@@ -940,6 +1078,19 @@ class ShardedPrepared:
                 f.result()
         _note(f"replicates {start}..{stop - 1}")
         return out
+
+    def refit_view(self) -> RefitView:
+        """The refits' `RefitView` (built on the first call, as a task of ``mapper`` from `refit_rows`; on Ray its
+        view and prompts are references: they stay in the object store until `finalize`)."""
+        if self._refit is None:
+            rows = refit_rows(self.prep.design, self.prep.options.seed)
+            _note("refit rows")
+            for _, res in self.mapper(refit_view, [(rows,)]):
+                self._refit = res
+            rows = None
+            _release()
+            _note("refit view")
+        return self._refit
 
     def histogram_layouts(self) -> list:
         """Every shard's `HistogramLayout` (built on the first call, with ``mapper``; on Ray their references)."""
@@ -955,6 +1106,7 @@ class ShardedPrepared:
 
     def finalize(self, chunks: Sequence[np.ndarray]):
         """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""
+        self._refit = None  # the refits' view and prompts (on Ray: released from the object store)
         result = self.prep.finalize(chunks)
         _note("finalize")
         if self.segments is not None:  # the segment x policy cells, reduced on the shards too

@@ -178,8 +178,7 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
     memory: dict = {}  # per pass where it differs from a shard task's: the bootstrap's weights (known after pass 1)
     mapper = sharded_ray.ray_mapper(memory=lambda name: memory.get(name, per_task))
     sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason=reason)
-    memory["replicate_weights"] = sharded_ray.weights_task_memory(sp.n_prompts)
-    memory["replicate_refits"] = sharded_ray.refit_task_memory(sp.prep.design.data.n_rows)
+    memory.update(sharded_ray.bootstrap_task_memory(sp))
     logger.info("row pass: sharded (%s): %d rows in %d shard(s) read and reduced on Ray in %.2f s; the driver "
                 "holds %d labelled rows", reason, counts["n_rows"], n_shards, time.perf_counter() - t0,
                 sp.prep.design.data.n_rows)

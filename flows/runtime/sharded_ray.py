@@ -52,12 +52,37 @@ def weights_task_memory(n_prompts: int) -> int:
     return int(64 * 2**20 + 16 * n_prompts + 4 * WEIGHTS_BLOCK_BYTES)
 
 
-def refit_task_memory(n_labelled: int) -> int:
-    """Bytes a `cje_engine.pipeline.sharded.replicate_refits` task asks Ray for: its view and counts are read from
-    the object store (zero-copy); per replicate one float64 weight a labelled prompt (at most one a labelled row)
-    and about a dozen float64 temporaries a labelled row (the calibration rows' weights, out-of-fold values, the
-    labelled rows' weights and residual terms, the fold sums' values): 128 B a labelled row."""
-    return int(64 * 2**20 + 128 * n_labelled)
+def refit_task_memory(n_labelled: int, n_policies: int = 0, n_cells: int = 0, replicates: int = 0) -> int:
+    """Bytes a `cje_engine.pipeline.sharded.replicate_refits` task asks Ray for: its view, counts and the shards'
+    histogram blocks are read from the object store (zero-copy); per replicate one float64 weight a labelled prompt
+    (at most one a labelled row) and about a dozen float64 temporaries a labelled row (the calibration rows'
+    weights, out-of-fold values, the labelled rows' weights and residual terms, the fold sums' values): 128 B a
+    labelled row; and the chunk's histograms summed over the shards, int64 then float64 (16 B a (policy, cell) key
+    and replicate of a chunk of at most ``replicates``)."""
+    return int(64 * 2**20 + 128 * n_labelled + 16 * n_policies * n_cells * replicates)
+
+
+def refit_view_task_memory(n_labelled: int) -> int:
+    """Bytes a `cje_engine.pipeline.sharded.refit_view` task asks Ray for: the design rebuilt from the labelled rows'
+    columns (its integer codes widened: 24 B a row), its cell index (~16 B and `numpy.unique`'s sort), the
+    calibration plan (~90 B), the bootstrap view and the compact one (~80 B): at most ~240 B a labelled row held at
+    once (measured with tracemalloc at 0.3M labelled rows: a peak of 143 B a row in monotone mode, 175 B in
+    two-stage), 256 B asked."""
+    return int(64 * 2**20 + 256 * n_labelled)
+
+
+def bootstrap_task_memory(sp: Any) -> dict[str, int]:
+    """Bytes each bootstrap task of a `cje_engine.pipeline.sharded.ShardedPrepared` asks Ray for, by the task's
+    function name (for `ray_mapper`'s ``memory``): the weights (`weights_task_memory`), the refits' view
+    (`refit_view_task_memory`) and the refits (`refit_task_memory`, a chunk of at most the replicates of one
+    weights block, the callers' chunks being at most `replicate_chunk`'s)."""
+    from cje_engine.pipeline.sharded import WEIGHTS_BLOCK_BYTES
+
+    d = sp.prep.design
+    K, G, n_lab = d.n_policies, d.cells.cells.size, d.data.n_rows
+    reps = max(1, min(WEIGHTS_BLOCK_BYTES // max(sp.n_prompts, 1), HISTOGRAM_BLOCK_BYTES // max(8 * K * G, 1)))
+    return {"replicate_weights": weights_task_memory(sp.n_prompts), "refit_view": refit_view_task_memory(n_lab),
+            "replicate_refits": refit_task_memory(n_lab, K, G, reps)}
 
 
 def replicate_chunk(n_replicates: int, n_policies: int, n_cells: int) -> int:

@@ -112,7 +112,7 @@ class _WithBand:
 
 
 #: Where a held pass's task finds its chunk's first replicate among its arguments.
-_START = {"shard_histograms": 5, "replicate_refits": 2}
+_START = {"shard_histogram_block": 3, "replicate_refits": 2}
 #: Seconds a held task waits for the test to kill it (then it goes on: the test fails on its retry count).
 HOLD_S = 120.0
 
@@ -178,7 +178,7 @@ def _kill_held(hold: str, root: int, killed: list, timeout: float = HOLD_S) -> N
         open(os.path.join(hold, "release"), "w").close()
 
 
-@pytest.mark.parametrize("task", ["shard_histograms", "replicate_refits"])
+@pytest.mark.parametrize("task", ["shard_histogram_block", "replicate_refits"])
 def test_a_worker_killed_mid_pass_is_retried_without_changing_a_number(local_ray, two_days, tmp_path, task):
     """A bootstrap task (shard 0's histograms of the first chunk, or the first chunk's refits) is held running
     until the test has SIGKILLed its worker: Ray runs it again on another worker (the task ran twice, the first
@@ -203,7 +203,7 @@ def test_a_worker_killed_mid_pass_is_retried_without_changing_a_number(local_ray
     assert attempts == ["started-0-0-0", "started-0-0-1"], attempts  # killed mid-task, then retried once
     assert int((tmp_path / "started-0-0-0").read_text()) == killed[0]
     assert int((tmp_path / "started-0-0-1").read_text()) != killed[0]
-    if task == "shard_histograms":  # the other shard's task ran once
+    if task == "shard_histogram_block":  # the other shard's task ran once
         assert sorted(p.name for p in tmp_path.glob("started-1-0-*")) == ["started-1-0-0"]
     assert np.array_equal(got, expected, equal_nan=True)
 

@@ -347,8 +347,9 @@ def test_replicates_in_many_small_chunks_are_the_single_paths(monkeypatch, n_sha
     """Weights blocks of a few replicates each and windows of two chunks (many `replicate_weights` tasks, the
     refits overlapping the next chunk's histograms): the replicates are the single path's, bit for bit, and those
     of the reference pass 3 (every shard drawing every replicate's weights). The refits are the mapper's tasks,
-    one a chunk; a mapper with a ``put`` (Ray's) gets the compact view put once a call, and two refits may run at
-    once."""
+    one a chunk, each given every shard's block; the refits' view is one task of the mapper for the whole
+    bootstrap (not one a call, never one a chunk), and the driver puts nothing itself (a mapper with a ``put``,
+    as Ray's, runs two refits at once)."""
     from cje_engine.options import EvaluationOptions
     from cje_engine.pipeline import direct
     from cje_engine.simulate import simulate
@@ -362,7 +363,7 @@ def test_replicates_in_many_small_chunks_are_the_single_paths(monkeypatch, n_sha
     calls = []
 
     def counting(fn, items):
-        calls.append((fn.__name__, len(items)))
+        calls.append((fn.__name__, len(items), [len(item) for item in items]))
         return sharded.serial_map(fn, items)
 
     puts = []
@@ -375,13 +376,76 @@ def test_replicates_in_many_small_chunks_are_the_single_paths(monkeypatch, n_sha
     sp = sharded.prepare_sharded(sharded.split_by_shard(table, n_shards), opts, mapper=counting)
     got = np.vstack([sp.replicates(0, 20), sp.replicates(20, 50)])
     assert np.array_equal(got, expected, equal_nan=True)
-    weights = [n for name, n in calls if name == "replicate_weights"]
+    weights = [n for name, n, _ in calls if name == "replicate_weights"]
     assert sum(weights) == 7 + 10 and max(weights) == 2  # ceil(20 / 3) + 30 / 3 chunks, 2 at a time
-    assert [n for name, n in calls if name == "replicate_refits"] == [1] * (7 + 10)  # one task a chunk
-    assert puts == (["BootstrapView"] * 2 if put else [])  # the view once a call, never once a chunk
-    assert [name for name, _ in calls].count("shard_histogram_layout") == 1  # built once, kept
+    refits = [(n, sizes) for name, n, sizes in calls if name == "replicate_refits"]
+    assert refits == [(1, [4 + n_shards])] * (7 + 10)  # one task a chunk: view, counts, start, stop, the blocks
+    assert [name for name, _, _ in calls].count("refit_view") == 1  # once for both calls
+    assert puts == []
+    assert [name for name, _, _ in calls].count("shard_histogram_layout") == 1  # built once, kept
     sp.fast_histograms = False
     assert np.array_equal(sp.replicates(0, 50), expected, equal_nan=True)
+
+
+def _same_arrays(a, b, path="") -> None:
+    """``a`` and ``b`` (dataclasses, dicts, tuples of arrays) equal field by field: every array of the same dtype,
+    shape and values (NaN equal to NaN)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b), path
+        fa = {k: v for k, v in vars(a).items() if not k.startswith("_")}
+        fb = {k: v for k, v in vars(b).items() if not k.startswith("_")}
+        assert fa.keys() == fb.keys(), path
+        for k in fa:
+            _same_arrays(fa[k], fb[k], f"{path}.{k}")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _same_arrays(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_arrays(x, y, f"{path}[{i}]")
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, path
+        assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), path
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("mode, calibration_policies, every_row", [("monotone", None, True), ("two_stage", None, True),
+                                                                   ("monotone", ("base", "clone"), False)])
+def test_the_refit_view_is_the_drivers(mode, calibration_policies, every_row):
+    """`refit_view` of the driver's `refit_rows` (a few narrowed columns, pickled as Ray ships them) is the compact
+    view the driver would build from its design (`compact_view(bootstrap_view(...))`): every array of the
+    calibration plan and the view of the same dtype and values, the same prompts, in monotone and two-stage
+    mode, with and without calibration policies (calibration rows a subset of the labelled rows: sent as such)."""
+    import pickle
+
+    from cje_engine.direct.estimators import bootstrap_view, compact_view
+    from cje_engine.options import EvaluationOptions
+    from cje_engine.simulate import simulate
+
+    table = pa.Table.from_pandas(simulate(600, seed=12, oracle_fraction=0.2).frame, preserve_index=False)
+    cov = ("response_length",) if mode == "two_stage" else ()
+    opts = EvaluationOptions.of(None, seed=5, inference="bootstrap", n_bootstrap=50, calibration_mode=mode,
+                                covariates=cov, calibration_policies=calibration_policies,
+                                policies=("base", "clone", "verbose"))  # no source fails its audit
+    sp = sharded.prepare_sharded(sharded.split_by_shard(table, 3), opts)
+    design = sp.prep.design
+    assert not sp.prep.excluded
+    rows = sharded.refit_rows(design, 5)
+    assert (rows.cal_rows is None) == every_row and rows.lab_rows is None  # the driver holds labelled rows only
+    if not every_row:
+        assert np.array_equal(rows.cal_rows, design.cal_rows)
+    assert rows.prompt.dtype == np.int16 and rows.fold.dtype == np.int8 and rows.policy.dtype == np.int8
+    got = sharded.refit_view(pickle.loads(pickle.dumps(rows, protocol=5)))
+    want, prompts = compact_view(bootstrap_view(design, 5))
+    assert got.n_prompts == prompts.size
+    _same_arrays(got.prompts, prompts.astype(np.int32))
+    assert got.view.calibration.mode == mode
+    _same_arrays(got.view, want)
 
 
 def test_a_chunk_with_a_count_above_255_is_widened(monkeypatch):
