@@ -477,3 +477,82 @@ def test_the_weights_task_asks_for_its_draws_and_its_block():
         need = sharded_ray.weights_task_memory(n)
         assert need >= 16 * n + 2 * sharded.WEIGHTS_BLOCK_BYTES
         assert need > sharded_ray.weights_task_memory(n // 2)
+
+
+class _Ref:
+    """A stand-in for a Ray object reference (`_StoreMapper`): a key into the store, a few bytes pickled."""
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+
+class _StoreMapper:
+    """`flows.runtime.sharded_ray.ray_mapper` in process: each function's ``kept_field`` objects stay in a store and
+    the driver gets a `_Ref`, resolved when a later task takes it as an argument (as Ray resolves top-level
+    references on the worker). Records the bytes the driver would write for each task (its arguments pickled, the
+    references as such) and read back (its result pickled, kept fields as references)."""
+
+    def __init__(self) -> None:
+        self.store: dict = {}
+        self.sent: list = []
+        self.got: list = []
+        self.put = lambda obj: obj  # a remote mapper's attribute (two refits in flight)
+
+    def _keep(self, obj):
+        ref = _Ref(len(self.store))
+        self.store[ref.key] = obj
+        return ref
+
+    def __call__(self, fn, items):
+        import pickle
+
+        field = getattr(fn, "kept_field", None)
+        fields = () if not field else (field,) if isinstance(field, str) else tuple(field)
+        for i, item in enumerate(items):
+            self.sent.append((fn.__name__, len(pickle.dumps(item, protocol=5))))
+            res = fn(*[self.store[a.key] if isinstance(a, _Ref) else a for a in item])
+            for name in fields:
+                setattr(res, name, self._keep(getattr(res, name)))
+            self.got.append((fn.__name__, len(pickle.dumps(res, protocol=5))))
+            yield i, res
+
+
+@pytest.mark.parametrize("n_prompts", [300, 1200])
+def test_the_driver_ships_the_labelled_rows_once_and_reads_no_array_of_rows(n_prompts):
+    """What a bootstrap writes from the driver and reads into it (on Ray both go through the driver's mapping of the
+    object store and stay in its RSS): the labelled rows' `RefitRows` once, at most 30 bytes a labelled row (prompt
+    code <= 4, policy 1, cell 4, label 8, label weight 8, fold 1, calibration rows <= 4) beside the cells and
+    counts and a pickle's framing (8 KiB); every other task's arguments at most a shard's `ShardCodes` and 4 KiB
+    (references and scalars: nothing that grows with the rows or the prompts); every result at most a chunk's
+    replicates (3K float64 each) and 4 KiB. The driver caches neither the view nor the calibration plan, and the
+    replicates are the single path's."""
+    import pickle
+
+    from cje_engine.options import EvaluationOptions
+    from cje_engine.pipeline import direct
+    from cje_engine.simulate import simulate
+
+    table = pa.Table.from_pandas(simulate(n_prompts, seed=2, oracle_fraction=0.3).frame, preserve_index=False)
+    opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=50)
+    expected = direct.bootstrap_chunk(direct.prepare(table, opts), 0, 50)
+    n = 3
+    cut = sharded.range_splitters([sharded.sample_prompt_ids(table["prompt_id"], 8 * n)], n)
+    mapper = _StoreMapper()
+    sp = sharded.prepare_sharded(sharded.split_by_shard(table, n, splitters=cut), opts, mapper=mapper)
+    mapper.sent.clear()
+    mapper.got.clear()
+    got = np.vstack([sp.replicates(0, 30), sp.replicates(30, 50)])
+    assert np.array_equal(got, expected, equal_nan=True)
+    design = sp.prep.design
+    assert "_bootstrap_view" not in design.__dict__ and "_calibration_plan" not in design.__dict__
+    L, K = design.data.n_rows, design.n_policies
+    ci = design.cells
+    fixed = sum(len(pickle.dumps(x, protocol=5)) for x in (ci.cells, ci.counts)) + 8192
+    view_items = [b for name, b in mapper.sent if name == "refit_view"]
+    assert len(view_items) == 1 and view_items[0] <= 30 * L + fixed
+    codes = max(len(pickle.dumps(c, protocol=5)) for c in sp.codes)
+    others = [(name, b) for name, b in mapper.sent if name != "refit_view"]
+    assert {name for name, _ in others} == {"replicate_weights", "shard_histogram_layout", "shard_histogram_block",
+                                            "replicate_refits"}
+    assert all(b <= codes + 4096 for _, b in others), others
+    assert all(b <= 8 * 3 * K * 30 + 4096 for _, b in mapper.got), mapper.got
