@@ -95,7 +95,7 @@ def _note(stage: str) -> None:
         import resource
 
         with open("/proc/self/status") as fh:
-            status = {k.rstrip(":"): v for k, _, v in (line.partition(" ") for line in fh)}
+            status = {k: v for k, _, v in (line.partition(":") for line in fh)}
         kib = {k: int(status[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssShmem") if k in status}
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     except (OSError, ValueError, ImportError, KeyError, IndexError):
