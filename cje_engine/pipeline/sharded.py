@@ -19,8 +19,9 @@ one shard whatever file or day it came from) and each shard is reduced where it 
    prompt weights of ``(seed, b)``; whole numbers, so their sum over shards is exact in any order and the
    driver's replicates are bit-identical to the single-process ones (layout B). The weights of a chunk of
    replicates are drawn once for every shard (`replicate_weights`, one-byte counts left where they were drawn);
-   each shard sums its slice of them from its `HistogramLayout`, and the driver refits from the counts at the
-   labelled prompts (`ShardedPrepared.replicates`).
+   each shard sums its slice of them from its `HistogramLayout` (`shard_histogram_block`), and one task a chunk
+   sums the shards' blocks and refits from the counts at the labelled prompts (`replicate_refits`, on the compact
+   view `refit_view` builds once from the labelled rows' columns): `ShardedPrepared.replicates`.
 
 Every function here is pure: a shard is a `pyarrow.Table` of canonical columns plus `ROW` (the row's place
 in the whole window, to keep the single-process row order). Where the shards live and how the passes are run
@@ -982,8 +983,9 @@ class ShardedPrepared:
     """A Direct evaluation prepared from shards (`cje_engine.pipeline.prepared.Prepared`).
 
     ``prep`` is Direct's prepared state on the labelled rows with every row's counts, totals and evaluation
-    terms merged in: `finalize` is Direct's. The replicates fan out over the shards (`shard_histograms`) with
-    ``mapper`` and are finished here; ``mapper`` and ``shards`` stay with the driver (not pickled).
+    terms merged in: `finalize` is Direct's. The replicates fan out over the shards (`shard_histogram_block`) and
+    are refitted by tasks of ``mapper`` (`replicate_refits`); ``mapper`` and ``shards`` stay with the driver (not
+    pickled).
     """
 
     prep: Prepared
