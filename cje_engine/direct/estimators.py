@@ -167,7 +167,10 @@ class CalibrationPlan:
     """What a refit of the cross-fitted calibrator reads: O(labels + cells), no per-row arrays.
 
     Built once per design (`calibration_plan`); the refits of `cross_fit` and of every bootstrap
-    replicate run on it (`cell_fits`), so both compute the same numbers the same way.
+    replicate run on it (`cell_fits`), so both compute the same numbers the same way. A mode fitted one fit
+    at a time reads ``fold_cells`` and not the calibration rows in fold order (``order``, ``z_index``,
+    ``global_sorted``, ``cell_sorted``: None); a batched mode the reverse (``fold_cells`` empty): each plan
+    holds only what its refits read (32 or 16 bytes a calibration row less).
     """
 
     mode: str
@@ -179,14 +182,14 @@ class CalibrationPlan:
     cal_cell: np.ndarray  # (m,) calibration cell of every calibration row
     y: np.ndarray  # (m,) label of every calibration row
     key3: np.ndarray  # (3m,) flat (quantity, fold, cell) key of the fold sums
-    order: np.ndarray  # (m,) calibration rows grouped by fold
+    order: np.ndarray | None  # (m,) batched: calibration rows grouped by fold
     fold_bounds: tuple  # (K,) (start, stop) of each fold in ``order``
-    z_index: np.ndarray  # (m,) in ``order``: flat (fit = fold + 1, cell) index into a fits' index matrix
-    global_sorted: np.ndarray  # (m,) in ``order``: each row's cell in ``cells``
-    fold_cells: tuple  # (K,) fitted one at a time: (rows of fold k, the cells they occupy, index into those)
+    z_index: np.ndarray | None  # (m,) batched, in ``order``: flat (fit = fold + 1, cell) index into the fits' index
+    global_sorted: np.ndarray | None  # (m,) batched, in ``order``: each row's cell in ``cells``
+    fold_cells: tuple  # (K,) one fit at a time: (rows of fold k, the cells they occupy, index into those); batched ()
     warm: dict | None  # batched: where the solver of every refit starts (`_warm_start`)
     n_knots: int = TWO_STAGE_MAX_KNOTS  # an index's segments (the design's)
-    cell_sorted: np.ndarray | None = None  # (m,) in ``order``: each row's calibration cell
+    cell_sorted: np.ndarray | None = None  # (m,) batched, in ``order``: each row's calibration cell
 
     @property
     def entry(self) -> registry.CalibrationMode:
@@ -201,22 +204,25 @@ def calibration_plan(design: Design) -> CalibrationPlan:
         d, ci = design.data, design.cells
         K, Gc = d.n_folds, ci.cal_cells.size
         folds = design.cal_fold
-        order = np.argsort(folds, kind="stable")
         size = np.bincount(folds, minlength=K)
         ends = np.cumsum(size)
+        batched = registry.get(design.mode).batched
         fold_cells = []
-        for k in range(K):
+        for k in range(0 if batched else K):  # a mode fitted one fit at a time predicts each fold at its cells
             held = np.flatnonzero(folds == k)
             used, pos = np.unique(ci.cal_cell[held], return_inverse=True)
             c = ci.cal_cells
             fold_cells.append((held, Cells(c.score[used], c.X[used], c.score_values, c.score_code[used]), pos))
+        order = np.argsort(folds, kind="stable") if batched else None  # batched: out of fold in fold order
         plan = CalibrationPlan(
             mode=design.mode, n_folds=K, label_scale=d.label_scale, cells=ci.cells, cal_cells=ci.cal_cells,
             cal_global=ci.cal_global, cal_cell=ci.cal_cell, y=d.label[design.cal_rows],
             key3=np.concatenate([ci.cal_key, ci.cal_key + K * Gc, ci.cal_key + 2 * K * Gc]),
             order=order, fold_bounds=tuple(zip((ends - size).tolist(), ends.tolist())),
-            z_index=(folds[order] + 1) * Gc + ci.cal_cell[order], global_sorted=ci.cal_global[ci.cal_cell[order]],
-            fold_cells=tuple(fold_cells), warm=None, n_knots=design.n_knots, cell_sorted=ci.cal_cell[order])
+            z_index=(folds[order] + 1) * Gc + ci.cal_cell[order] if batched else None,
+            global_sorted=ci.cal_global[ci.cal_cell[order]] if batched else None,
+            fold_cells=tuple(fold_cells), warm=None, n_knots=design.n_knots,
+            cell_sorted=ci.cal_cell[order] if batched else None)
         if plan.entry.batched:
             plan = replace(plan, warm=_warm_start(plan))
         object.__setattr__(design, "_calibration_plan", plan)  # frozen dataclass: a private cache
