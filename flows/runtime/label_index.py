@@ -22,12 +22,14 @@ labels.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
 from flows.storage.labels import fill_store_labels, first_labels, log_response_ids
 
@@ -146,39 +148,112 @@ def _repeated_in_runs(ids: pa.ChunkedArray, sorted_fp: np.ndarray, shared: int) 
     return dup
 
 
-def build_label_index(labels_uri: str, cfg_dict: dict) -> tuple[LabelIndex | None, dict]:
+def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] = ()
+                      ) -> tuple[LabelIndex | None, dict]:
     """Read the label store under ``labels_uri`` at its current version (every object verified,
     `flows.storage.labels.LabelStore.read`) and index it: ``(index, info)``, the index None for an empty store;
-    ``info``: ``labels_uri``, ``label_store_version``, ``n_label_rows``, ``n_flagged`` (the flow's lineage)."""
+    ``info``: ``labels_uri``, ``label_store_version``, ``n_label_rows``, ``n_flagged`` (the flow's lineage), and
+    the build's ``index_bytes``, ``build_s`` and ``build_cpu_s`` (this process's CPU).
+
+    ``delays``: a storage failure (anything but bad data, `CJEInputError`, or an exception marked
+    ``retryable = False``) is retried after each of these pauses (seconds), as the flow's storage tasks are
+    (`flows.runtime.retries`); the last one is raised."""
     from flows.storage.labels import LabelStore
     from flows.storage.objects import Storage, StorageConfig
 
-    labels, info = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict))).current(labels_uri)
-    if labels is None:
-        return None, info
-    index = LabelIndex.build(labels)
-    info["index_bytes"] = index.nbytes
+    t0, c0 = time.perf_counter(), time.process_time()
+    for attempt, pause in enumerate([*delays, None]):
+        try:
+            labels, info = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict))).current(
+                labels_uri)
+            break
+        except Exception as exc:  # noqa: BLE001 - retried unless final, as `flows.runtime.retries.is_retryable`
+            if pause is None or isinstance(exc, CJEInputError) or getattr(exc, "retryable", True) is False:
+                raise
+            log.warning("label store %s: %s; retry %d of %d in %g s", labels_uri, exc, attempt + 1, len(delays),
+                        pause)
+            time.sleep(pause)
+    index = None if labels is None else LabelIndex.build(labels)
+    del labels
+    info.update(index_bytes=0 if index is None else index.nbytes, build_s=round(time.perf_counter() - t0, 3),
+                build_cpu_s=round(time.process_time() - c0, 3))
     return index, info
 
 
-def remote_label_index(labels_uri: str, cfg_dict: dict, max_retries: int = 3) -> tuple[Any, dict]:
-    """`build_label_index` in a Ray task: ``(reference of the index or None, info)``. The index stays in the
-    cluster's object store (a read task takes the reference as an argument); only ``info`` reaches this process.
-    An error of the task (a damaged label store: `CJEInputError` naming the object) is raised as itself; a
-    worker lost mid-task is retried by Ray."""
+#: Keys of `build_label_index`'s info that describe the build, not the labels (the flow logs them; not lineage).
+BUILD_KEYS = ("index_bytes", "build_s", "build_cpu_s")
+
+#: Bytes of task memory a label index build asks Ray for a label row of the store: the objects' bytes and their
+#: decoded table (`LabelStore.read`: ~60 B a row with the version and flag columns, plus its concatenation), the
+#: first labels (`first_labels`: a group-by, ~50 B), the fingerprints and their order (16 B) and the index's
+#: sorted copy (~50 B); measured peak 210-230 B a label row over the process's baseline at 5M labels
+#: (`benchmarks/RESULTS.md`, "The flow around the engine"), rounded up.
+INDEX_BYTES_PER_LABEL = 256
+
+
+def index_task_memory(label_rows: int) -> int:
+    """Bytes the label index's task asks Ray for (`submit_label_index`): 64 MiB plus `INDEX_BYTES_PER_LABEL` a
+    label row of the store (its committed rows: `flows.storage.labels.LabelStore.committed_rows`)."""
+    return int(64 * 2**20 + INDEX_BYTES_PER_LABEL * max(0, int(label_rows)))
+
+
+class PendingLabelIndex:
+    """The label index of a run, its build submitted to Ray and not awaited (`submit_label_index`).
+
+    ``ref``: the reference of the `LabelIndex` (None when there is no build: an empty store), which every reader
+    takes as an argument, so Ray starts a reader only once the index is built (and fails it with the build's
+    error); `info` waits for the build and returns its information, raising the build's own error (a damaged
+    label store: `CJEInputError` naming the object) as itself.
+    """
+
+    def __init__(self, ref: Any, info_ref: Any = None, info: dict | None = None) -> None:
+        self.ref = ref
+        self._info_ref = info_ref
+        self._info = info
+
+    def __repr__(self) -> str:
+        return f"PendingLabelIndex({'built' if self._info is not None else 'building'})"
+
+    def info(self) -> dict:
+        """The build's information (`build_label_index`), once it is done; raises its error as itself."""
+        if self._info is None:
+            import ray
+            from ray.exceptions import RayTaskError
+
+            from flows.runtime.timeouts import ray_get_timeout
+
+            try:
+                self._info = ray.get(self._info_ref, timeout=ray_get_timeout())
+            except RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, BaseException):
+                    raise cause from None
+                raise
+            if not self._info["label_store_version"]:
+                self.ref = None  # the store was emptied or never written: the readers got None
+        return dict(self._info)
+
+
+def submit_label_index(labels_uri: str, cfg_dict: dict, label_rows: int | None = None, delays: Sequence[float] = (),
+                       max_retries: int = 3) -> PendingLabelIndex:
+    """`build_label_index` submitted as a Ray task, not awaited: the index stays in the cluster's object store (a
+    read task takes its reference as an argument, Ray waits for it there); only its info reaches this process,
+    when `PendingLabelIndex.info` is called. ``label_rows``: the store's committed rows, for the task's memory
+    request (`index_task_memory`; None: no request). A worker lost mid-task is retried by Ray; a storage failure
+    within the task after each of ``delays``."""
     import ray
-    from ray.exceptions import RayTaskError
 
-    from flows.runtime.timeouts import ray_get_timeout
+    opts: dict[str, Any] = dict(num_returns=2, max_retries=max_retries, retry_exceptions=False,
+                                name="cje_label_index")
+    if label_rows is not None:
+        opts["memory"] = index_task_memory(label_rows)
+    index_ref, info_ref = ray.remote(build_label_index).options(**opts).remote(labels_uri, cfg_dict, tuple(delays))
+    return PendingLabelIndex(index_ref, info_ref)
 
-    task = ray.remote(build_label_index).options(num_returns=2, max_retries=max_retries, retry_exceptions=False,
-                                                 name="cje_label_index")
-    index_ref, info_ref = task.remote(labels_uri, cfg_dict)
-    try:
-        info = ray.get(info_ref, timeout=ray_get_timeout())
-    except RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, BaseException):
-            raise cause from None
-        raise
-    return (index_ref if info["label_store_version"] else None), info
+
+def remote_label_index(labels_uri: str, cfg_dict: dict, max_retries: int = 3) -> tuple[Any, dict]:
+    """`submit_label_index` awaited: ``(reference of the index or None, info)``; the build's error (a damaged label
+    store: `CJEInputError` naming the object) is raised as itself."""
+    pending = submit_label_index(labels_uri, cfg_dict, max_retries=max_retries)
+    info = pending.info()
+    return pending.ref, info
