@@ -199,9 +199,11 @@ class DriverThreads:
         return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if abs(v) >= 0.01}
 
 
-#: The flow's phase borders: (a regular expression of a log line, the phase it ends).
+#: The flow's phase borders: (a regular expression of a log line, the phase it ends; the first that matches).
 PHASE_MARKS = [
+    (r"^row pass: sharded \(.*read and reduced", "jackknife"),
     (r"^row pass: sharded \(", "discover"),
+    (r"indexed on a Ray worker \([\d.]+ MiB in the object store\)$", "label index (serial, main)"),
     (r"prompt ids of \d+ file\(s\) sampled", "sampling"),
     (r"file\(s\) read, joined and split into", "readers"),
     (r"after pass 1$", "pass 1"),
@@ -209,7 +211,6 @@ PHASE_MARKS = [
     (r"after calibration fit$", "calibration fit"),
     (r"after pass 2$", "pass 2"),
     (r"after influence terms$", "influence terms"),
-    (r"^row pass: sharded \(.*read and reduced", "jackknife"),
     (r"replicates from the shards' histograms", "bootstrap"),
     (r"^finalized in", "finalize"),
     (r"^timings \(s\)", "render, publish"),

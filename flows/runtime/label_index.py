@@ -22,6 +22,7 @@ labels.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Sequence
 
@@ -44,13 +45,15 @@ class LabelIndex:
 
     Build it with `LabelIndex.build`; ``table`` has `flows.storage.labels.first_labels`' columns (one row per
     NFC id), ``fp`` the sorted fingerprints of its ids (None when the index probes by exact hash, see the module
-    docstring) and ``shared`` the most ids sharing a fingerprint.
+    docstring) and ``shared`` the most ids sharing a fingerprint; ``bits``: a bit set of the fingerprints' top
+    bits (`filter_bits`; None: none), which lets `lookup` search only the ids that may be stored.
     """
 
-    def __init__(self, table: pa.Table, fp: np.ndarray | None, shared: int) -> None:
+    def __init__(self, table: pa.Table, fp: np.ndarray | None, shared: int, bits: np.ndarray | None = None) -> None:
         self.table = table
         self.fp = fp
         self.shared = int(shared)
+        self.bits = bits if fp is not None else None
 
     def __repr__(self) -> str:
         how = "exact hash" if self.fp is None else f"fingerprints, at most {self.shared} a fingerprint"
@@ -59,7 +62,17 @@ class LabelIndex:
     @property
     def nbytes(self) -> int:
         """Bytes of its arrays."""
-        return int(self.table.nbytes + (0 if self.fp is None else self.fp.nbytes))
+        return int(self.table.nbytes + (0 if self.fp is None else self.fp.nbytes)
+                   + (0 if self.bits is None else self.bits.nbytes))
+
+    def _may_hold(self, q: np.ndarray) -> np.ndarray:
+        """Positions of the fingerprints ``q`` whose bit is set in ``bits``: every stored one among them (no false
+        negative), and ~1 - exp(-ids / bits) of the others."""
+        if self.bits is None:
+            return np.arange(len(q))
+        top = q >> np.uint64(64 - _log2(self.bits.size * 64))
+        word = self.bits[(top >> np.uint64(6)).astype(np.int64)]
+        return np.flatnonzero((word >> (top & np.uint64(63))) & np.uint64(1))
 
     @classmethod
     def build(cls, label_table: pa.Table) -> "LabelIndex":
@@ -85,7 +98,7 @@ class LabelIndex:
                 keep = np.flatnonzero(~dup)
                 table, fp = table.take(pa.array(keep)), fp[keep]
                 shared = _longest_run(fp)
-        return cls(table, fp, shared)
+        return cls(table, fp, shared, _bit_set(fp))
 
     def lookup(self, rid: pa.ChunkedArray | pa.Array) -> pa.Array:
         """For each id of ``rid`` (strings in NFC, `flows.storage.labels.log_response_ids`): its row of
@@ -99,14 +112,18 @@ class LabelIndex:
         out = np.full(len(q), -1, dtype=np.int64)
         if n == 0 or len(q) == 0:
             return pa.array(out, mask=out < 0)
+        # only the ids whose bit is set are searched (the stored ones and a few others: 1M ids of a file with 5%
+        # labelled against 5M stored, ~8% searched; the bit test 0.014 s against 0.12 s of sort and search of all)
+        cand = self._may_hold(q)
+        qc = q[cand]
         # the queries sorted first: a binary search of sorted keys walks the index in order (in the file's order,
         # each search misses the cache: 0.68 s against 0.03 s for 1M ids into 5M, plus 0.08 s for the sort)
-        order = np.argsort(q)
-        pos = np.empty(len(q), dtype=np.int64)
-        pos[order] = np.searchsorted(self.fp, q[order])
-        rows = np.flatnonzero(pos < n)
-        rows = rows[self.fp[pos[rows]] == q[rows]]  # ids whose fingerprint is stored: compare the strings
-        at = pos[rows]
+        order = np.argsort(qc)
+        pos = np.empty(len(qc), dtype=np.int64)
+        pos[order] = np.searchsorted(self.fp, qc[order])
+        found = np.flatnonzero(pos < n)
+        found = found[self.fp[pos[found]] == qc[found]]  # ids whose fingerprint is stored: compare the strings
+        rows, at = cand[found], pos[found]
         for _ in range(self.shared):
             if rows.size == 0:
                 break
@@ -125,6 +142,30 @@ class LabelIndex:
         table (rows in order, labels, ``label_conflict``) and the same join counts in its schema metadata."""
         rid = log_response_ids(logs_table)
         return fill_store_labels(logs_table, self.lookup(rid), self.table)
+
+
+#: Bits of `LabelIndex.bits` a stored id, at least (a power of two of them): a file's id not stored passes the bit
+#: test with a probability of ~1 - exp(-1/16) = 6% at most.
+BITS_PER_ID = 16
+
+
+def filter_bits(n_ids: int) -> int:
+    """Bits of the bit set of an index of ``n_ids`` ids: a power of two, at least `BITS_PER_ID` a stored id,
+    between 2^12 and 2^34 (2 GiB)."""
+    return 1 << int(min(34, max(12, math.ceil(math.log2(max(1, BITS_PER_ID * n_ids))))))
+
+
+def _log2(n: int) -> int:
+    return int(n).bit_length() - 1
+
+
+def _bit_set(sorted_fp: np.ndarray) -> np.ndarray:
+    """The bit set of the fingerprints' top bits (`filter_bits` of them; as uint64 words)."""
+    nbits = filter_bits(sorted_fp.size)
+    words = np.zeros(nbits // 64, dtype=np.uint64)
+    top = sorted_fp >> np.uint64(64 - _log2(nbits))
+    np.bitwise_or.at(words, (top >> np.uint64(6)).astype(np.int64), np.uint64(1) << (top & np.uint64(63)))
+    return words
 
 
 def _longest_run(sorted_fp: np.ndarray) -> int:

@@ -217,3 +217,32 @@ def test_a_damaged_commit_record_fails_the_memory_estimate_naming_it(tmp_path):
     with pytest.raises(CJEInputError, match="commit record") as err:
         ls.committed_rows()
     assert "v000002.json" in str(err.value.source)
+
+
+def test_the_bit_set_skips_only_ids_that_are_not_stored():
+    """`LabelIndex.lookup` searches only the ids whose fingerprint's top bits are set in the index's bit set: the
+    same rows as `pyarrow.compute.index_in` (no stored id is skipped), and the unstored ids that pass are the bit
+    set's false positives only."""
+    import math
+
+    import pyarrow.compute as pc
+
+    stored = [f"s-{i}" for i in range(10_000)]
+    index = LabelIndex.build(_labels(stored, [1.0] * len(stored), [0.5] * len(stored)).append_column(
+        "version", pa.array(np.ones(len(stored), dtype=np.int64))))
+    assert index.bits is not None and index.bits.size * 64 == label_index.filter_bits(10_000) == 2**18
+    probe = pa.chunked_array([pa.array([f"s-{i}" for i in range(0, 20_000, 2)] + [f"u-{i}" for i in range(10_000)])])
+    got = index.lookup(probe)
+    want = pc.index_in(probe, value_set=index.table.column("response_id"))
+    assert got.to_pylist() == want.to_pylist()
+    assert sum(v is not None for v in got.to_pylist()) == 5_000
+    fp = id_fingerprint(probe)
+    passed = index._may_hold(fp)
+    assert set(range(5_000)) <= set(passed.tolist())  # every stored id is searched
+    # unstored ids passing: Binomial(10,000, p), p = 1 - exp(-10,000 / 2^18) = 0.0374 (fingerprints uniform): mean
+    # 374, sd 19; 5 sd above the mean bounds it (a false failure ~3e-7)
+    p = 1 - math.exp(-10_000 / 2**18)
+    bound = 10_000 * p + 5 * math.sqrt(10_000 * p * (1 - p))
+    assert (passed >= 10_000).sum() < bound
+    no_bits = LabelIndex(index.table, index.fp, index.shared)
+    assert no_bits.lookup(probe).to_pylist() == want.to_pylist()
