@@ -224,12 +224,12 @@ def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] =
 #: Keys of `build_label_index`'s info that describe the build, not the labels (the flow logs them; not lineage).
 BUILD_KEYS = ("index_bytes", "build_s", "build_cpu_s")
 
-#: Bytes of task memory a label index build asks Ray for a label row of the store: the objects' bytes and their
-#: decoded table (`LabelStore.read`: ~60 B a row with the version and flag columns, plus its concatenation), the
-#: first labels (`first_labels`: a group-by, ~50 B), the fingerprints and their order (16 B) and the index's
-#: sorted copy (~50 B); measured peak 210-230 B a label row over the process's baseline at 5M labels
-#: (`benchmarks/RESULTS.md`, "The flow around the engine"), rounded up.
-INDEX_BYTES_PER_LABEL = 256
+#: Bytes of task memory a label index build asks Ray for a label row of the store: the objects' bytes, their
+#: decoded and verified table (`LabelStore.read`: the content hash's IPC copy, the version and flag columns), the
+#: first labels (`first_labels`), the fingerprints and their order and the index's sorted copy; measured peak
+#: 317-329 B a label row over the process's baseline at 5M labels (1.63-1.68 GiB; `benchmarks/RESULTS.md`, "The
+#: flow around the engine"), rounded up.
+INDEX_BYTES_PER_LABEL = 384
 
 
 def index_task_memory(label_rows: int) -> int:
