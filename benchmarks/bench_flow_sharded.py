@@ -65,6 +65,7 @@ class RayCpu:
         self.timeline: list[tuple[float, dict[str, float]]] = []  # (perf_counter, CPU so far per raylet)
         self.threads = DriverThreads()
         self.own_cpu = 0.0  # this sampler thread's CPU (in the driver process: not the flow's)
+        self.new_workers: set[int] = set()  # processes of the cluster started while it ran (a run's workers)
 
     def _scan(self) -> dict[int, tuple[str, float]]:
         """Every process of the cluster: whose command line names ``marker`` (raylet, GCS, agents) or that
@@ -113,6 +114,8 @@ class RayCpu:
             for pid, v in seen.items():
                 if pid not in self.first:
                     self.first[pid] = 0.0 if self._started else v[1]
+                    if self._started:
+                        self.new_workers.add(pid)
                 self.last[pid] = v
             self.timeline.append((time.perf_counter(), self.per_node()))
             self.threads.sample()
@@ -164,6 +167,7 @@ class RayCpu:
             key = str(self.node.get(pid, 0))
             per_node[key] = per_node.get(key, 0.0) + cpu - self.first.get(pid, 0.0)
         return {**{k: round(v, 2) for k, v in out.items()}, "samples": self.samples,
+                "workers_started": len(self.new_workers),
                 "per_raylet": {k: round(v, 2) for k, v in sorted(per_node.items())}}
 
 
