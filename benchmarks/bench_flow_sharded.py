@@ -65,6 +65,7 @@ class RayCpu:
         self.timeline: list[tuple[float, dict[str, float]]] = []  # (perf_counter, CPU so far per raylet)
         self.threads = DriverThreads()
         self.own_cpu = 0.0  # this sampler thread's CPU (in the driver process: not the flow's)
+        self.cmd: dict[int, str] = {}  # the last command line seen of each process (60 characters)
         self.new_workers: set[int] = set()  # processes of the cluster started while it ran (a run's workers)
 
     def _scan(self) -> dict[int, tuple[str, float]]:
@@ -98,6 +99,7 @@ class RayCpu:
             if not ours:
                 continue
             self.node[pid] = raylet
+            self.cmd[pid] = cmd[:60].replace(b"\0", b" ").decode(errors="replace")
             agent = any(w in cmd for w in (b"Dashboard", b"RuntimeEnv", b"Agent"))
             kind = "worker" if cmd.startswith(b"ray::") and not agent else "other"
             out[pid] = (kind, cpu)
@@ -168,6 +170,8 @@ class RayCpu:
             per_node[key] = per_node.get(key, 0.0) + cpu - self.first.get(pid, 0.0)
         return {**{k: round(v, 2) for k, v in out.items()}, "samples": self.samples,
                 "workers_started": len(self.new_workers),
+                "started": sorted(([self.cmd.get(p, "?"), round(self.last[p][1] - self.first.get(p, 0.0), 2)]
+                                   for p in self.new_workers if p in self.last), key=lambda x: -x[1]),
                 "per_raylet": {k: round(v, 2) for k, v in sorted(per_node.items())}}
 
 
