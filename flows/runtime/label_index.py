@@ -15,9 +15,12 @@ one): ids of the store sharing a fingerprint sit side by side in the index and a
 with each of them. Past `MAX_SHARED` ids to a fingerprint the index probes with an exact hash of the stored ids
 instead (`pyarrow.compute.index_in`, the per-file cost of `join_labels`): the same numbers, slower, and logged.
 
-`remote_label_index` reads the store and builds the index in a Ray task (`build_label_index`): the index stays
-in the cluster's object store, and the flow's driver holds its reference and the store's counts, never the
-labels.
+`submit_label_index` reads the store and builds the index in a Ray task (`build_label_index`) without waiting for
+it (`PendingLabelIndex`): the flow submits it as the sharded pass starts, the readers sample the prompt ids
+meanwhile, and every reader takes the index's reference as an argument (Ray starts it once the index is built). The
+index stays in the cluster's object store; the flow's driver holds its reference and the store's counts, never the
+labels. A reader's probe tests a bit set of the stored fingerprints' top bits first (`filter_bits`), so only the ids
+the store may hold are searched.
 """
 from __future__ import annotations
 
