@@ -178,6 +178,10 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
     log.info("%d file(s) read, joined and split into %d shard(s) in %.2f s", len(keys), n_shards,
              time.perf_counter() - t0)
     counts = merge_file_infos(infos)
+    if counts["n_rows"] == 0:
+        raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)
+    if counts["n_labelled"] == 0:
+        raise CJEInputError("no row of the window has an oracle label", source=plan.logs_uri, column="oracle_label")
     per_task = sharded_ray.task_memory(counts["n_rows"] // n_shards)
     memory: dict = {}  # per pass where it differs from a shard task's: the bootstrap's weights (known after pass 1)
     mapper = sharded_ray.ray_mapper(memory=lambda name: memory.get(name, per_task))
