@@ -37,6 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if "--code" in sys.argv:  # another tree's flow code (e.g. main's, to alternate with this branch): before any import
+    ROOT = Path(sys.argv[sys.argv.index("--code") + 1]).resolve()
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
@@ -57,9 +59,14 @@ class RayCpu:
         self.last: dict[int, tuple[str, float]] = {}
         self.node: dict[int, int] = {}  # pid -> the raylet it runs under (its node), 0 for GCS and others
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ray-cpu-sampler")
         self._started = False
         self.samples = 0
+        self.timeline: list[tuple[float, dict[str, float]]] = []  # (perf_counter, CPU so far per raylet)
+        self.threads = DriverThreads()
+        self.own_cpu = 0.0  # this sampler thread's CPU (in the driver process: not the flow's)
+        self.cmd: dict[int, str] = {}  # the last command line seen of each process (60 characters)
+        self.new_workers: set[int] = set()  # processes of the cluster started while it ran (a run's workers)
 
     def _scan(self) -> dict[int, tuple[str, float]]:
         """Every process of the cluster: whose command line names ``marker`` (raylet, GCS, agents) or that
@@ -92,6 +99,7 @@ class RayCpu:
             if not ours:
                 continue
             self.node[pid] = raylet
+            self.cmd[pid] = cmd[:60].replace(b"\0", b" ").decode(errors="replace")
             agent = any(w in cmd for w in (b"Dashboard", b"RuntimeEnv", b"Agent"))
             kind = "worker" if cmd.startswith(b"ray::") and not agent else "other"
             out[pid] = (kind, cpu)
@@ -108,7 +116,12 @@ class RayCpu:
             for pid, v in seen.items():
                 if pid not in self.first:
                     self.first[pid] = 0.0 if self._started else v[1]
+                    if self._started:
+                        self.new_workers.add(pid)
                 self.last[pid] = v
+            self.timeline.append((time.perf_counter(), self.per_node()))
+            self.threads.sample()
+            self.own_cpu = time.thread_time()
 
     def __enter__(self) -> "RayCpu":
         for pid, v in self._scan().items():
@@ -124,6 +137,30 @@ class RayCpu:
         for pid, v in self._scan().items():
             self.last[pid] = v
 
+    def per_node(self) -> dict[str, float]:
+        """CPU so far under each raylet ("0": GCS and agents of no raylet)."""
+        out: dict[str, float] = {}
+        for pid, (_, cpu) in self.last.items():
+            key = str(self.node.get(pid, 0))
+            out[key] = out.get(key, 0.0) + cpu - self.first.get(pid, 0.0)
+        return out
+
+    def at(self, t: float) -> dict[str, float]:
+        """CPU so far per raylet at ``t`` (perf_counter), linear between the samples around it."""
+        import bisect
+
+        tl = self.timeline
+        if not tl:
+            return {}
+        i = bisect.bisect_left([x[0] for x in tl], t)
+        if i == 0:
+            return dict(tl[0][1])
+        if i >= len(tl):
+            return dict(tl[-1][1])
+        (ta, a), (tb, b) = tl[i - 1], tl[i]
+        w = (t - ta) / (tb - ta) if tb > ta else 1.0
+        return {k: a.get(k, 0.0) + w * (b.get(k, 0.0) - a.get(k, 0.0)) for k in set(a) | set(b)}
+
     def totals(self) -> dict[str, float]:
         out = {"worker": 0.0, "other": 0.0}
         per_node: dict[str, float] = {}  # CPU under each raylet (its workers and itself); "0": GCS, agents of no raylet
@@ -132,7 +169,107 @@ class RayCpu:
             key = str(self.node.get(pid, 0))
             per_node[key] = per_node.get(key, 0.0) + cpu - self.first.get(pid, 0.0)
         return {**{k: round(v, 2) for k, v in out.items()}, "samples": self.samples,
+                "workers_started": len(self.new_workers),
+                "started": sorted(([self.cmd.get(p, "?"), round(self.last[p][1] - self.first.get(p, 0.0), 2)]
+                                   for p in self.new_workers if p in self.last), key=lambda x: -x[1]),
                 "per_raylet": {k: round(v, 2) for k, v in sorted(per_node.items())}}
+
+
+class DriverThreads:
+    """CPU of each thread of this process (user + system from /proc/self/task), its largest value seen by name:
+    a Python thread by its ``threading`` name, another (Ray's C++ threads, gRPC) by its ``comm``."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[int, tuple[str, float]] = {}
+
+    def sample(self) -> dict[int, tuple[str, float]]:
+        tick = os.sysconf("SC_CLK_TCK")
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as fh:
+                    raw = fh.read()
+            except OSError:
+                continue
+            comm = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode(errors="replace")
+            f = raw.rsplit(b")", 1)[1].split()
+            t = int(tid)
+            name = names.get(t) or (self.cpu[t][0] if t in self.cpu else comm)
+            if name.startswith("Thread-") or name.startswith("ThreadPoolExecutor") or name.startswith("AnyIO"):
+                name = name.split("-")[0] + " (pool)"
+            self.cpu[t] = (name, (int(f[11]) + int(f[12])) / tick)
+        return dict(self.cpu)
+
+    def by_name(self, since: dict[int, tuple[str, float]] | None = None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t, (name, cpu) in self.cpu.items():
+            out[name] = out.get(name, 0.0) + cpu - (since.get(t, (name, 0.0))[1] if since else 0.0)
+        return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if abs(v) >= 0.01}
+
+
+#: The flow's phase borders: (a regular expression of a log line, the phase it ends; the first that matches).
+PHASE_MARKS = [
+    (r"^row pass: sharded \(.*read and reduced", "jackknife"),
+    (r"^row pass: sharded \(", "discover"),
+    (r"indexed on a Ray worker \([\d.]+ MiB in the object store\)$", "label index (serial, main)"),
+    (r"prompt ids of \d+ file\(s\) sampled", "sampling"),
+    (r"file\(s\) read, joined and split into", "readers"),
+    (r"after pass 1$", "pass 1"),
+    (r"after merge$", "merge"),
+    (r"after calibration fit$", "calibration fit"),
+    (r"after pass 2$", "pass 2"),
+    (r"after influence terms$", "influence terms"),
+    (r"replicates from the shards' histograms", "bootstrap"),
+    (r"^finalized in", "finalize"),
+    (r"^timings \(s\)", "render, publish"),
+]
+
+
+class Phases(logging.Handler):
+    """The flow's phase borders from its log lines (`PHASE_MARKS`): at each, the wall clock and this process's CPU
+    and threads (the log line is emitted by the thread that reaches the border)."""
+
+    def __init__(self, threads: DriverThreads) -> None:
+        super().__init__(logging.DEBUG)
+        import re
+
+        self.marks = [(re.compile(p), name) for p, name in PHASE_MARKS]
+        self.threads = threads
+        self.borders: list[tuple[str, float, float, dict]] = []
+
+    def start(self) -> None:
+        self.borders.append(("start", time.perf_counter(), time.process_time(), self.threads.sample()))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001
+            return
+        for rx, name in self.marks:
+            if rx.search(msg):
+                self.borders.append((name, time.perf_counter(), time.process_time(), self.threads.sample()))
+                return
+
+    def table(self, ray_cpu: "RayCpu", end: float, end_cpu: float) -> list[dict]:
+        """Per phase: wall, this process's CPU (all threads; the sampler's own thread apart), the main thread's
+        and the others' by name, the Ray CPU per raylet."""
+        rows = []
+        borders = self.borders + [("flow end", end, end_cpu, self.threads.sample())]
+        sampler = {t for t, (n, _) in self.threads.cpu.items() if n == "ray-cpu-sampler"}
+        for (_, t0, c0, th0), (name, t1, c1, th1) in zip(borders, borders[1:]):
+            own = sum(th1.get(t, ("", 0.0))[1] - th0.get(t, ("", 0.0))[1] for t in sampler)
+            r0, r1 = ray_cpu.at(t0), ray_cpu.at(t1)
+            per = {k: round(r1.get(k, 0.0) - r0.get(k, 0.0), 2) for k in sorted(set(r0) | set(r1))}
+            threads: dict[str, float] = {}
+            for t, (n, cpu) in th1.items():
+                if t in sampler:
+                    continue
+                threads[n] = threads.get(n, 0.0) + cpu - th0.get(t, (n, 0.0))[1]
+            rows.append({"phase": name, "wall_s": round(t1 - t0, 2), "driver_cpu_s": round(c1 - c0 - own, 2),
+                         "driver_threads": {k: round(v, 2) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])
+                                            if v >= 0.05},
+                         "ray_cpu_s": round(sum(per.values()), 2), "ray_cpu_per_raylet": per})
+        return rows
 
 
 def _hwm() -> float:
@@ -155,15 +292,28 @@ def stage_flow(args: argparse.Namespace) -> dict:
     if args.inference == "bootstrap":
         options["n_bootstrap"] = args.bootstrap
     with RayCpu(args.marker) as ray_cpu, use_api(os.environ["PREFECT_API_URL"]):
+        phases = Phases(ray_cpu.threads)
+        logging.getLogger().addHandler(phases)
         t1, c1 = time.perf_counter(), time.process_time()
+        phases.start()
         state = evaluate(logs_uri=args.logs, labels_uri=args.labels, results_uri=args.results, window=WINDOW,
                          evaluation=args.evaluation, options=options, row_pass=args.row_pass, return_state=True)
-        wall, cpu = time.perf_counter() - t1, time.process_time() - c1
+        t2, c2 = time.perf_counter(), time.process_time()
+        wall, cpu = t2 - t1, c2 - c1
         out = state.result()
+        time.sleep(1.0)  # a last sample of the Ray processes after the flow
+    logging.getLogger().removeHandler(phases)
+    table = phases.table(ray_cpu, t2, c2)
+    sampler_cpu = round(sum(c for n, c in ray_cpu.threads.by_name().items() if n == "ray-cpu-sampler"), 2)
+    log.info("phases:\n%s", "\n".join(f"  {r['phase']:<16} wall {r['wall_s']:7.2f} s  driver {r['driver_cpu_s']:6.2f} s"
+                                       f"  Ray {r['ray_cpu_s']:7.2f} s {r['ray_cpu_per_raylet']}  {r['driver_threads']}"
+                                       for r in table))
     res = out["result"]
     pols = res.get("policies") or {}
     return {"stage": "flow", "evaluation": args.evaluation, "ray": args.ray, "flow_wall_s": round(wall, 2),
-            "driver_cpu_s": round(cpu, 2), "import_s": round(t_import, 2),
+            "driver_cpu_s": round(cpu - sampler_cpu, 2), "sampler_cpu_s": sampler_cpu,
+            "import_s": round(t_import, 2), "code": str(ROOT), "phases": table,
+            "driver_threads_cpu_s": ray_cpu.threads.by_name(),
             "driver_maxrss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
             "driver_vmhwm_gib": round(_hwm(), 3), "ray_cpu_s": ray_cpu.totals(),
             "flow_run_id": str(state.state_details.flow_run_id), "published": out["published"], "path": out["path"],
@@ -219,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--row-pass", default="sharded", choices=["auto", "single", "sharded"])
     p.add_argument("--out", type=Path)
+    p.add_argument("--code", type=Path, default=ROOT, help="the tree whose flow code runs (default: this one)")
     args = p.parse_args(argv)
     if not args.ray:
         p.error("--ray (or CJE_STACK_RAY_GCS) is needed")

@@ -200,20 +200,20 @@ def load_labels(labels_uri: str, cfg: Any) -> tuple[pa.Table | None, dict]:
 
 
 @task(name="load_label_index", **_STORAGE_TASK)
-def load_label_index(labels_uri: str, cfg: Any) -> tuple[Any, dict]:
-    """The sharded path's `load_labels`: the label store read and indexed on a Ray worker
-    (`flows.runtime.label_index.remote_label_index`); returns the Ray reference of its `LabelIndex` (``None``
-    when the store is empty), which the read tasks take from the object store, and the lineage. This process
-    never holds the labels."""
-    from flows.runtime.label_index import remote_label_index
+def load_label_index(labels_uri: str, cfg: Any, delays: Sequence[float] = ()) -> Any:
+    """The sharded path's `load_labels`: the label store is read and indexed on a Ray worker
+    (`flows.runtime.label_index.submit_label_index`), concurrently with the readers' sampling of the prompt ids;
+    this task reads the store's commit records only (its version and rows: the build's memory request) and
+    returns a `flows.runtime.label_index.PendingLabelIndex` at once: the read tasks take the index's reference
+    from the object store (Ray starts them once it is built), ``info()`` its lineage. ``delays``: the build's
+    retries of a storage failure. This process never holds the labels."""
+    from flows.runtime.label_index import PendingLabelIndex, submit_label_index
 
-    ref, info = remote_label_index(labels_uri, cfg.to_dict(include_secrets=True))
-    info = dict(info)
-    index_bytes = info.pop("index_bytes", 0)
-    get_run_logger().info("label store version %d: %d label row(s), %d flagged; indexed on a Ray worker (%.1f MiB "
-                          "in the object store)", info["label_store_version"], info["n_label_rows"],
-                          info["n_flagged"], index_bytes / 2**20)
-    return ref, info
+    version, rows = LabelStore(_storage(labels_uri, cfg)).committed_rows()
+    if not version:  # an empty store: no build, no label
+        return PendingLabelIndex(None, info={"labels_uri": labels_uri, "label_store_version": 0, "n_label_rows": 0,
+                                             "n_flagged": 0})
+    return submit_label_index(labels_uri, cfg.to_dict(include_secrets=True), label_rows=rows, delays=delays)
 
 
 @task(name="inline_labels", **_STORAGE_TASK)
@@ -573,14 +573,24 @@ def compute(plan: RunPlan, cfg: Any, rows: WindowRows, n_chunks: int | None) -> 
 def sharded_window(plan: RunPlan, cfg: Any, files: list[dict], reason: str,
                    rows: int | None = None) -> tuple[WindowRows, dict, Any]:
     """``load_label_index`` then the sharded row pass (`flows.pipelines.sharded_pass.compute_sharded`): the label
-    store is read and indexed on a Ray worker, the rows are read, joined with its labels and reduced on Ray
-    workers; the driver holds neither the labels nor the rows."""
+    store is read and indexed on a Ray worker while the readers sample the prompt ids; the rows are read, joined
+    with its labels and reduced on Ray workers; the driver holds neither the labels nor the rows."""
+    from flows.runtime.label_index import BUILD_KEYS
+
     with plan.timed("statistics"):
-        labels, label_info = load_label_index.with_options(**plan.retry)(plan.labels_uri, quote(cfg))
-        counts, join, result = compute_sharded(plan, cfg, files, labels, reason, get_run_logger(), rows=rows)
+        pending = load_label_index.with_options(**plan.retry)(plan.labels_uri, quote(cfg),
+                                                              plan.retry["retry_delay_seconds"][:plan.retry["retries"]])
+        counts, join, result = compute_sharded(plan, cfg, files, pending, reason, get_run_logger(), rows=rows)
+    label_info = pending.info()  # done: the readers had the index (its error was raised by `compute_sharded`)
+    build = {k: label_info.pop(k, 0) for k in BUILD_KEYS}
+    if label_info["label_store_version"]:
+        get_run_logger().info("label store version %d: %d label row(s), %d flagged; indexed on a Ray worker (%.1f MiB "
+                              "in the object store) in %.2f s (%.2f s of CPU)", label_info["label_store_version"],
+                              label_info["n_label_rows"], label_info["n_flagged"], build["index_bytes"] / 2**20,
+                              build["build_s"], build["build_cpu_s"])
     label_info = {**label_info, **join, "n_joined": counts["n_labelled"],
-                  "source": ("logs+label_store" if join["n_inline_labels"] else "label_store") if labels is not None
-                  else ("logs" if counts["n_labelled"] else "none")}
+                  "source": ("logs+label_store" if join["n_inline_labels"] else "label_store")
+                  if label_info["label_store_version"] else ("logs" if counts["n_labelled"] else "none")}
     return WindowRows(files=files, label_info=label_info, table=None), counts, result
 
 

@@ -154,21 +154,29 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
     """The sharded path of a run: (counts, join counts, result). Shards are read, joined and reduced on Ray;
     the bootstrap's histograms too (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`). ``rows``: the
     window's rows when the caller has read the footers already (`window_rows`), else they are read here.
-    ``labels``: None (no label store) or the Ray object reference of the store's `LabelIndex`
-    (`flows.runtime.label_index.remote_label_index`: every reader gets it from the object store, this process
-    never holds it)."""
+    ``labels``: None (no label store) or the store's `flows.runtime.label_index.PendingLabelIndex`, its build
+    submitted to Ray and not awaited: the readers sample the prompt ids meanwhile, then every reader gets the
+    index from the object store (this process never holds it). A failed build (a damaged label store) is raised
+    as its own error (`CJEInputError` naming the object), whatever the readers' failure it caused."""
     opts = plan.opts
     cfg_dict = cfg.to_dict(include_secrets=True)
     keys = [f["key"] for f in files]
     rows_hint = rows if rows is not None else window_rows(plan.logs_uri, cfg, files)  # footers read once a run
     n_shards = sharded_ray.n_shards_for(rows_hint, ray_fanout.cluster_cpus())
     t0 = time.perf_counter()
-    refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
-                                          policies=plan.read_policies, mapping=plan.columns,
-                                          prepare_rows=FileRows(plan.covariates, plan.extra_columns),
-                                          rows_hint=rows_hint, with_info=True,
-                                          keep=shard_columns(plan.covariates, plan.extra_columns),
-                                          prepare_arg=labels)
+    try:
+        refs, infos = sharded_ray.read_shards(plan.logs_uri, cfg_dict, keys, n_shards, columns=None,
+                                              policies=plan.read_policies, mapping=plan.columns,
+                                              prepare_rows=FileRows(plan.covariates, plan.extra_columns),
+                                              rows_hint=rows_hint, with_info=True,
+                                              keep=shard_columns(plan.covariates, plan.extra_columns),
+                                              prepare_arg=None if labels is None else labels.ref)
+    except BaseException:
+        if labels is not None and labels.ref is not None:
+            labels.info()  # the build's own error, if it failed (the readers' error is then its echo)
+        raise
+    log.info("%d file(s) read, joined and split into %d shard(s) in %.2f s", len(keys), n_shards,
+             time.perf_counter() - t0)
     counts = merge_file_infos(infos)
     if counts["n_rows"] == 0:
         raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)
@@ -194,4 +202,7 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
                     time.perf_counter() - t1)
     join = {k: sum(int(i.get(k, 0)) for i in infos) for k in
             ("n_inline_labels", "n_inline_overridden", "n_conflicting_rows")}
-    return counts, join, sp.finalize(chunks)
+    t2 = time.perf_counter()
+    result = sp.finalize(chunks)
+    log.info("finalized in %.2f s", time.perf_counter() - t2)
+    return counts, join, result

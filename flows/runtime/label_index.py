@@ -15,19 +15,25 @@ one): ids of the store sharing a fingerprint sit side by side in the index and a
 with each of them. Past `MAX_SHARED` ids to a fingerprint the index probes with an exact hash of the stored ids
 instead (`pyarrow.compute.index_in`, the per-file cost of `join_labels`): the same numbers, slower, and logged.
 
-`remote_label_index` reads the store and builds the index in a Ray task (`build_label_index`): the index stays
-in the cluster's object store, and the flow's driver holds its reference and the store's counts, never the
-labels.
+`submit_label_index` reads the store and builds the index in a Ray task (`build_label_index`) without waiting for
+it (`PendingLabelIndex`): the flow submits it as the sharded pass starts, the readers sample the prompt ids
+meanwhile, and every reader takes the index's reference as an argument (Ray starts it once the index is built). The
+index stays in the cluster's object store; the flow's driver holds its reference and the store's counts, never the
+labels. A reader's probe tests a bit set of the stored fingerprints' top bits first (`filter_bits`), so only the ids
+the store may hold are searched.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
+import math
+import time
+from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
 from flows.storage.labels import fill_store_labels, first_labels, log_response_ids
 
@@ -42,13 +48,15 @@ class LabelIndex:
 
     Build it with `LabelIndex.build`; ``table`` has `flows.storage.labels.first_labels`' columns (one row per
     NFC id), ``fp`` the sorted fingerprints of its ids (None when the index probes by exact hash, see the module
-    docstring) and ``shared`` the most ids sharing a fingerprint.
+    docstring) and ``shared`` the most ids sharing a fingerprint; ``bits``: a bit set of the fingerprints' top
+    bits (`filter_bits`; None: none), which lets `lookup` search only the ids that may be stored.
     """
 
-    def __init__(self, table: pa.Table, fp: np.ndarray | None, shared: int) -> None:
+    def __init__(self, table: pa.Table, fp: np.ndarray | None, shared: int, bits: np.ndarray | None = None) -> None:
         self.table = table
         self.fp = fp
         self.shared = int(shared)
+        self.bits = bits if fp is not None else None
 
     def __repr__(self) -> str:
         how = "exact hash" if self.fp is None else f"fingerprints, at most {self.shared} a fingerprint"
@@ -57,7 +65,17 @@ class LabelIndex:
     @property
     def nbytes(self) -> int:
         """Bytes of its arrays."""
-        return int(self.table.nbytes + (0 if self.fp is None else self.fp.nbytes))
+        return int(self.table.nbytes + (0 if self.fp is None else self.fp.nbytes)
+                   + (0 if self.bits is None else self.bits.nbytes))
+
+    def _may_hold(self, q: np.ndarray) -> np.ndarray:
+        """Positions of the fingerprints ``q`` whose bit is set in ``bits``: every stored one among them (no false
+        negative), and ~1 - exp(-ids / bits) of the others."""
+        if self.bits is None:
+            return np.arange(len(q))
+        top = q >> np.uint64(64 - _log2(self.bits.size * 64))
+        word = self.bits[(top >> np.uint64(6)).astype(np.int64)]
+        return np.flatnonzero((word >> (top & np.uint64(63))) & np.uint64(1))
 
     @classmethod
     def build(cls, label_table: pa.Table) -> "LabelIndex":
@@ -83,7 +101,7 @@ class LabelIndex:
                 keep = np.flatnonzero(~dup)
                 table, fp = table.take(pa.array(keep)), fp[keep]
                 shared = _longest_run(fp)
-        return cls(table, fp, shared)
+        return cls(table, fp, shared, _bit_set(fp))
 
     def lookup(self, rid: pa.ChunkedArray | pa.Array) -> pa.Array:
         """For each id of ``rid`` (strings in NFC, `flows.storage.labels.log_response_ids`): its row of
@@ -97,14 +115,18 @@ class LabelIndex:
         out = np.full(len(q), -1, dtype=np.int64)
         if n == 0 or len(q) == 0:
             return pa.array(out, mask=out < 0)
+        # only the ids whose bit is set are searched (the stored ones and a few others: 1M ids of a file with 5%
+        # labelled against 5M stored, ~8% searched; the bit test 0.014 s against 0.12 s of sort and search of all)
+        cand = self._may_hold(q)
+        qc = q[cand]
         # the queries sorted first: a binary search of sorted keys walks the index in order (in the file's order,
         # each search misses the cache: 0.68 s against 0.03 s for 1M ids into 5M, plus 0.08 s for the sort)
-        order = np.argsort(q)
-        pos = np.empty(len(q), dtype=np.int64)
-        pos[order] = np.searchsorted(self.fp, q[order])
-        rows = np.flatnonzero(pos < n)
-        rows = rows[self.fp[pos[rows]] == q[rows]]  # ids whose fingerprint is stored: compare the strings
-        at = pos[rows]
+        order = np.argsort(qc)
+        pos = np.empty(len(qc), dtype=np.int64)
+        pos[order] = np.searchsorted(self.fp, qc[order])
+        found = np.flatnonzero(pos < n)
+        found = found[self.fp[pos[found]] == qc[found]]  # ids whose fingerprint is stored: compare the strings
+        rows, at = cand[found], pos[found]
         for _ in range(self.shared):
             if rows.size == 0:
                 break
@@ -123,6 +145,30 @@ class LabelIndex:
         table (rows in order, labels, ``label_conflict``) and the same join counts in its schema metadata."""
         rid = log_response_ids(logs_table)
         return fill_store_labels(logs_table, self.lookup(rid), self.table)
+
+
+#: Bits of `LabelIndex.bits` a stored id, at least (a power of two of them): a file's id not stored passes the bit
+#: test with a probability of ~1 - exp(-1/16) = 6% at most.
+BITS_PER_ID = 16
+
+
+def filter_bits(n_ids: int) -> int:
+    """Bits of the bit set of an index of ``n_ids`` ids: a power of two, at least `BITS_PER_ID` a stored id,
+    between 2^12 and 2^34 (2 GiB)."""
+    return 1 << int(min(34, max(12, math.ceil(math.log2(max(1, BITS_PER_ID * n_ids))))))
+
+
+def _log2(n: int) -> int:
+    return int(n).bit_length() - 1
+
+
+def _bit_set(sorted_fp: np.ndarray) -> np.ndarray:
+    """The bit set of the fingerprints' top bits (`filter_bits` of them; as uint64 words)."""
+    nbits = filter_bits(sorted_fp.size)
+    words = np.zeros(nbits // 64, dtype=np.uint64)
+    top = sorted_fp >> np.uint64(64 - _log2(nbits))
+    np.bitwise_or.at(words, (top >> np.uint64(6)).astype(np.int64), np.uint64(1) << (top & np.uint64(63)))
+    return words
 
 
 def _longest_run(sorted_fp: np.ndarray) -> int:
@@ -146,39 +192,112 @@ def _repeated_in_runs(ids: pa.ChunkedArray, sorted_fp: np.ndarray, shared: int) 
     return dup
 
 
-def build_label_index(labels_uri: str, cfg_dict: dict) -> tuple[LabelIndex | None, dict]:
+def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] = ()
+                      ) -> tuple[LabelIndex | None, dict]:
     """Read the label store under ``labels_uri`` at its current version (every object verified,
     `flows.storage.labels.LabelStore.read`) and index it: ``(index, info)``, the index None for an empty store;
-    ``info``: ``labels_uri``, ``label_store_version``, ``n_label_rows``, ``n_flagged`` (the flow's lineage)."""
+    ``info``: ``labels_uri``, ``label_store_version``, ``n_label_rows``, ``n_flagged`` (the flow's lineage), and
+    the build's ``index_bytes``, ``build_s`` and ``build_cpu_s`` (this process's CPU).
+
+    ``delays``: a storage failure (anything but bad data, `CJEInputError`, or an exception marked
+    ``retryable = False``) is retried after each of these pauses (seconds), as the flow's storage tasks are
+    (`flows.runtime.retries`); the last one is raised."""
     from flows.storage.labels import LabelStore
     from flows.storage.objects import Storage, StorageConfig
 
-    labels, info = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict))).current(labels_uri)
-    if labels is None:
-        return None, info
-    index = LabelIndex.build(labels)
-    info["index_bytes"] = index.nbytes
+    t0, c0 = time.perf_counter(), time.process_time()
+    for attempt, pause in enumerate([*delays, None]):
+        try:
+            labels, info = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict))).current(
+                labels_uri)
+            break
+        except Exception as exc:  # noqa: BLE001 - retried unless final, as `flows.runtime.retries.is_retryable`
+            if pause is None or isinstance(exc, CJEInputError) or getattr(exc, "retryable", True) is False:
+                raise
+            log.warning("label store %s: %s; retry %d of %d in %g s", labels_uri, exc, attempt + 1, len(delays),
+                        pause)
+            time.sleep(pause)
+    index = None if labels is None else LabelIndex.build(labels)
+    del labels
+    info.update(index_bytes=0 if index is None else index.nbytes, build_s=round(time.perf_counter() - t0, 3),
+                build_cpu_s=round(time.process_time() - c0, 3))
     return index, info
 
 
-def remote_label_index(labels_uri: str, cfg_dict: dict, max_retries: int = 3) -> tuple[Any, dict]:
-    """`build_label_index` in a Ray task: ``(reference of the index or None, info)``. The index stays in the
-    cluster's object store (a read task takes the reference as an argument); only ``info`` reaches this process.
-    An error of the task (a damaged label store: `CJEInputError` naming the object) is raised as itself; a
-    worker lost mid-task is retried by Ray."""
+#: Keys of `build_label_index`'s info that describe the build, not the labels (the flow logs them; not lineage).
+BUILD_KEYS = ("index_bytes", "build_s", "build_cpu_s")
+
+#: Bytes of task memory a label index build asks Ray for a label row of the store: the objects' bytes, their
+#: decoded and verified table (`LabelStore.read`: the content hash's IPC copy, the version and flag columns), the
+#: first labels (`first_labels`), the fingerprints and their order and the index's sorted copy; measured peak
+#: 317-329 B a label row over the process's baseline at 5M labels (1.63-1.68 GiB; `benchmarks/RESULTS.md`, "The
+#: flow around the engine"), rounded up.
+INDEX_BYTES_PER_LABEL = 384
+
+
+def index_task_memory(label_rows: int) -> int:
+    """Bytes the label index's task asks Ray for (`submit_label_index`): 64 MiB plus `INDEX_BYTES_PER_LABEL` a
+    label row of the store (its committed rows: `flows.storage.labels.LabelStore.committed_rows`)."""
+    return int(64 * 2**20 + INDEX_BYTES_PER_LABEL * max(0, int(label_rows)))
+
+
+class PendingLabelIndex:
+    """The label index of a run, its build submitted to Ray and not awaited (`submit_label_index`).
+
+    ``ref``: the reference of the `LabelIndex` (None when there is no build: an empty store), which every reader
+    takes as an argument, so Ray starts a reader only once the index is built (and fails it with the build's
+    error); `info` waits for the build and returns its information, raising the build's own error (a damaged
+    label store: `CJEInputError` naming the object) as itself.
+    """
+
+    def __init__(self, ref: Any, info_ref: Any = None, info: dict | None = None) -> None:
+        self.ref = ref
+        self._info_ref = info_ref
+        self._info = info
+
+    def __repr__(self) -> str:
+        return f"PendingLabelIndex({'built' if self._info is not None else 'building'})"
+
+    def info(self) -> dict:
+        """The build's information (`build_label_index`), once it is done; raises its error as itself."""
+        if self._info is None:
+            import ray
+            from ray.exceptions import RayTaskError
+
+            from flows.runtime.timeouts import ray_get_timeout
+
+            try:
+                self._info = ray.get(self._info_ref, timeout=ray_get_timeout())
+            except RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, BaseException):
+                    raise cause from None
+                raise
+            if not self._info["label_store_version"]:
+                self.ref = None  # the store was emptied or never written: the readers got None
+        return dict(self._info)
+
+
+def submit_label_index(labels_uri: str, cfg_dict: dict, label_rows: int | None = None, delays: Sequence[float] = (),
+                       max_retries: int = 3) -> PendingLabelIndex:
+    """`build_label_index` submitted as a Ray task, not awaited: the index stays in the cluster's object store (a
+    read task takes its reference as an argument, Ray waits for it there); only its info reaches this process,
+    when `PendingLabelIndex.info` is called. ``label_rows``: the store's committed rows, for the task's memory
+    request (`index_task_memory`; None: no request). A worker lost mid-task is retried by Ray; a storage failure
+    within the task after each of ``delays``."""
     import ray
-    from ray.exceptions import RayTaskError
 
-    from flows.runtime.timeouts import ray_get_timeout
+    opts: dict[str, Any] = dict(num_returns=2, max_retries=max_retries, retry_exceptions=False,
+                                name="cje_label_index")
+    if label_rows is not None:
+        opts["memory"] = index_task_memory(label_rows)
+    index_ref, info_ref = ray.remote(build_label_index).options(**opts).remote(labels_uri, cfg_dict, tuple(delays))
+    return PendingLabelIndex(index_ref, info_ref)
 
-    task = ray.remote(build_label_index).options(num_returns=2, max_retries=max_retries, retry_exceptions=False,
-                                                 name="cje_label_index")
-    index_ref, info_ref = task.remote(labels_uri, cfg_dict)
-    try:
-        info = ray.get(info_ref, timeout=ray_get_timeout())
-    except RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, BaseException):
-            raise cause from None
-        raise
-    return (index_ref if info["label_store_version"] else None), info
+
+def remote_label_index(labels_uri: str, cfg_dict: dict, max_retries: int = 3) -> tuple[Any, dict]:
+    """`submit_label_index` awaited: ``(reference of the index or None, info)``; the build's error (a damaged label
+    store: `CJEInputError` naming the object) is raised as itself."""
+    pending = submit_label_index(labels_uri, cfg_dict, max_retries=max_retries)
+    info = pending.info()
+    return pending.ref, info

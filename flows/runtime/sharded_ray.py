@@ -498,6 +498,7 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     samples = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping)
                        for k in keys], timeout=ray_get_timeout())
     splitters = range_splitters(samples, n_shards)
+    log.info("prompt ids of %d file(s) sampled: %d shard ranges", len(keys), n_shards)
     split = ray.remote(split_file).options(num_returns=2 * n_shards + 1, max_retries=max_retries,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
     if prepare_rows is not None:

@@ -218,6 +218,19 @@ class LabelStore:
         """Commit records in version order (version, sha256, object, source_name, rows, created_at)."""
         return [self._commit_record(v) for v in sorted(self._commits())]
 
+    def committed_rows(self, threads: int = 8) -> tuple[int, int]:
+        """``(version, rows)``: the store's current version and the label rows committed up to it, from the commit
+        records alone (read in ``threads`` threads, each checked as `read` checks it; no label object is read):
+        what the label index's build asks memory for (`flows.runtime.label_index.index_task_memory`)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        versions = sorted(self._commits())
+        if not versions:
+            return 0, 0
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(versions)))) as pool:
+            records = list(pool.map(self._commit_record, versions))
+        return len(versions), int(sum(int(r["rows"]) for r in records))
+
     def append(self, table: pa.Table, source_name: str) -> int:
         """Append labels; returns the version that holds them.
 

@@ -16,7 +16,7 @@ import pytest
 from cje_engine.errors import CJEInputError
 from flows.pipelines.sharded_pass import FileRows
 from flows.runtime import label_index
-from flows.runtime.label_index import LabelIndex, build_label_index
+from flows.runtime.label_index import BUILD_KEYS, LabelIndex, build_label_index
 from flows.runtime.sharded_ray import id_fingerprint
 from flows.storage.labels import LabelStore, join_counts, join_labels
 from flows.storage.objects import Storage
@@ -147,8 +147,9 @@ def test_the_index_is_built_from_the_store_with_its_lineage_and_its_errors(tmp_p
     rng = np.random.default_rng(5)
     cfg = {}
     empty, info = build_label_index(str(tmp_path / "nothing"), cfg)
-    assert empty is None and info == {"labels_uri": str(tmp_path / "nothing"), "label_store_version": 0,
-                                      "n_label_rows": 0, "n_flagged": 0}
+    assert empty is None and {k: v for k, v in info.items() if k not in BUILD_KEYS} == {
+        "labels_uri": str(tmp_path / "nothing"), "label_store_version": 0, "n_label_rows": 0, "n_flagged": 0}
+    assert set(info) - {"labels_uri", "label_store_version", "n_label_rows", "n_flagged"} == set(BUILD_KEYS)
     ls, ids = _store(tmp_path, rng, 100)
     index, info = build_label_index(str(tmp_path / "labels"), cfg)
     store = ls.read()
@@ -163,3 +164,85 @@ def test_the_index_is_built_from_the_store_with_its_lineage_and_its_errors(tmp_p
     with pytest.raises(CJEInputError, match="checksum mismatch") as err:
         build_label_index(str(tmp_path / "labels"), cfg)
     assert obj in str(err.value.source)
+
+
+def test_the_build_retries_a_storage_failure_never_bad_data_and_its_memory_follows_the_committed_rows(
+        tmp_path, monkeypatch):
+    """The build runs in a Ray task, concurrently with the readers' sampling (no Prefect task around it retries it):
+    a storage failure is retried after each of the run's delays, bad data (`CJEInputError`) is raised at once; the
+    task's memory request is derived from the store's committed rows, read from its commit records alone."""
+    from flows.storage.objects import StorageError
+
+    rng = np.random.default_rng(11)
+    ls, _ = _store(tmp_path, rng, 100)
+    want_rows = sum(r["rows"] for r in ls.history())
+    assert ls.committed_rows() == (3, want_rows)
+    assert LabelStore(Storage.for_uri(str(tmp_path / "empty"))).committed_rows() == (0, 0)
+    assert label_index.index_task_memory(want_rows) == 64 * 2**20 + label_index.INDEX_BYTES_PER_LABEL * want_rows
+
+    calls = []
+    real = LabelStore.current
+
+    def flaky(self, uri):
+        calls.append(uri)
+        if len(calls) == 1:
+            raise StorageError("simulated 503 on the first read", key="labels/_commits/", operation="list")
+        return real(self, uri)
+
+    monkeypatch.setattr(LabelStore, "current", flaky)
+    index, info = build_label_index(str(tmp_path / "labels"), {}, delays=(0.0,))
+    assert len(calls) == 2 and index is not None and info["n_label_rows"] == ls.read().num_rows
+    calls.clear()
+    with pytest.raises(StorageError, match="simulated 503"):  # no delay left: the failure is the build's error
+        build_label_index(str(tmp_path / "labels"), {}, delays=())
+    assert len(calls) == 1
+
+    def bad(self, uri):
+        calls.append(uri)
+        raise CJEInputError("label-store object checksum mismatch (simulated)", source="labels/v000001.parquet")
+
+    calls.clear()
+    monkeypatch.setattr(LabelStore, "current", bad)
+    with pytest.raises(CJEInputError, match="checksum mismatch"):
+        build_label_index(str(tmp_path / "labels"), {}, delays=(0.0, 0.0, 0.0))
+    assert len(calls) == 1  # bad data is never retried
+
+
+def test_a_damaged_commit_record_fails_the_memory_estimate_naming_it(tmp_path):
+    ls, _ = _store(tmp_path, np.random.default_rng(12), 50)
+    rec = tmp_path / "labels" / "labels" / "_commits" / "v000002.json"
+    if not rec.exists():  # the store's own layout: find the second record
+        rec = next(p for p in (tmp_path / "labels").rglob("v000002.json"))
+    rec.write_text(rec.read_text()[:-9])
+    with pytest.raises(CJEInputError, match="commit record") as err:
+        ls.committed_rows()
+    assert "v000002.json" in str(err.value.source)
+
+
+def test_the_bit_set_skips_only_ids_that_are_not_stored():
+    """`LabelIndex.lookup` searches only the ids whose fingerprint's top bits are set in the index's bit set: the
+    same rows as `pyarrow.compute.index_in` (no stored id is skipped), and the unstored ids that pass are the bit
+    set's false positives only."""
+    import math
+
+    import pyarrow.compute as pc
+
+    stored = [f"s-{i}" for i in range(10_000)]
+    index = LabelIndex.build(_labels(stored, [1.0] * len(stored), [0.5] * len(stored)).append_column(
+        "version", pa.array(np.ones(len(stored), dtype=np.int64))))
+    assert index.bits is not None and index.bits.size * 64 == label_index.filter_bits(10_000) == 2**18
+    probe = pa.chunked_array([pa.array([f"s-{i}" for i in range(0, 20_000, 2)] + [f"u-{i}" for i in range(10_000)])])
+    got = index.lookup(probe)
+    want = pc.index_in(probe, value_set=index.table.column("response_id"))
+    assert got.to_pylist() == want.to_pylist()
+    assert sum(v is not None for v in got.to_pylist()) == 5_000
+    fp = id_fingerprint(probe)
+    passed = index._may_hold(fp)
+    assert set(range(5_000)) <= set(passed.tolist())  # every stored id is searched
+    # unstored ids passing: Binomial(10,000, p), p = 1 - exp(-10,000 / 2^18) = 0.0374 (fingerprints uniform): mean
+    # 374, sd 19; 5 sd above the mean bounds it (a false failure ~3e-7)
+    p = 1 - math.exp(-10_000 / 2**18)
+    bound = 10_000 * p + 5 * math.sqrt(10_000 * p * (1 - p))
+    assert (passed >= 10_000).sum() < bound
+    no_bits = LabelIndex(index.table, index.fp, index.shared)
+    assert no_bits.lookup(probe).to_pylist() == want.to_pylist()

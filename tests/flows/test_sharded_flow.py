@@ -170,15 +170,18 @@ def test_the_shards_are_sized_by_the_rows_in_the_files_footers_not_by_their_byte
 
 
 def test_a_swapped_label_object_fails_the_sharded_flow_naming_it(prefect_server, tmp_path, monkeypatch):
-    """The sharded path reads and indexes the label store on a Ray worker (`flows.runtime.label_index`): a label
-    object swapped for another valid label table is still the store's own error, naming the object (exit 2), raised
-    as itself by the flow, and none of its labels is used (the run fails before any log file is read)."""
+    """The sharded path reads and indexes the label store in a Ray task (`flows.runtime.label_index`) while the readers
+    sample the files' prompt ids, and every reader waits for the index: a label object swapped for another valid
+    label table is still the store's own error, naming the object (exit 2), raised as itself by the flow (not the
+    readers' echo of it, a `RayTaskError`), and none of its labels is used (no reader ran: the run fails before any
+    file's rows are read and split; nothing published)."""
     import io
 
     from flows.pipelines.evaluate import evaluate
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     f = simulate(60, seed=3, oracle_fraction=0.2).frame
+    f["ts"] = pd.Timestamp(DAYS[0], tz="UTC") + pd.Timedelta(hours=12)  # valid logs: the store's error is the only one
     (tmp_path / "logs" / f"dt={DAYS[0]}").mkdir(parents=True)
     pq.write_table(pa.Table.from_pandas(f.drop(columns=["oracle_label", "label_probability"]), preserve_index=False),
                    tmp_path / "logs" / f"dt={DAYS[0]}" / "part-0.parquet")
@@ -200,4 +203,25 @@ def test_a_swapped_label_object_fails_the_sharded_flow_naming_it(prefect_server,
                  results_uri=str(tmp_path / "results"), labels_uri=str(tmp_path / "labels"),
                  options={"inference": "analytic", "seed": 1}, row_pass="sharded")
     assert err.value.source == st.url(obj)
+    assert type(err.value) is CJEInputError  # the build's own error, not a reader's RayTaskError wrapping it
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("result.json"))
+
+
+def test_a_window_without_labels_fails_the_sharded_flow_naming_the_column(prefect_server, tmp_path, monkeypatch):
+    """An empty label store (no build submitted: `load_label_index` reads its commit records only) and logs without
+    inline labels: the sharded pass refuses the window after its readers, naming the label column, nothing
+    published."""
+    from flows.pipelines.evaluate import evaluate
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    f = simulate(60, seed=4, oracle_fraction=0.2).frame
+    f["ts"] = pd.Timestamp(DAYS[0], tz="UTC") + pd.Timedelta(hours=12)
+    (tmp_path / "logs" / f"dt={DAYS[0]}").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pandas(f.drop(columns=["oracle_label", "label_probability"]), preserve_index=False),
+                   tmp_path / "logs" / f"dt={DAYS[0]}" / "part-0.parquet")
+    with pytest.raises(CJEInputError, match="no row of the window has an oracle label") as err:
+        evaluate(logs_uri=str(tmp_path / "logs"), window=DAYS[0], evaluation="unlabelled",
+                 results_uri=str(tmp_path / "results"), labels_uri=str(tmp_path / "labels"),
+                 options={"inference": "analytic", "seed": 1}, row_pass="sharded")
+    assert err.value.column == "oracle_label"
     assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("result.json"))
