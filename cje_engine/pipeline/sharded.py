@@ -213,7 +213,12 @@ def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arr
 
     The distinct values are sorted by their UTF-8 bytes, which is code-point order, Python's order of `str`, so
     the codes are pandas'; the values come back as `pyarrow.string`. A column with nulls (or not of strings)
-    goes through pandas as before."""
+    goes through pandas as before. A dictionary-encoded column (the policy as the sharded readers ship it) is
+    coded from its dictionaries' values (`dictionary_codes`): no string a row."""
+    if pa.types.is_dictionary(column.type):
+        if not column.null_count and pa.types.is_string(column.type.value_type):
+            return dictionary_codes(column)
+        column = column.cast(column.type.value_type)  # pandas would sort a categorical by its dictionary order
     if column.null_count or not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         codes, uniques = pd.factorize(column.to_pandas(), sort=True)
         return codes.astype(np.int64), pa.array(np.asarray(uniques, dtype=object), pa.string())
@@ -233,6 +238,27 @@ def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arr
     rank[order] = np.arange(order.size)
     idx = np.concatenate([np.asarray(c.indices.to_numpy()) for c in chunks])
     return rank[idx], uniq.take(pa.array(order))
+
+
+def dictionary_codes(column: pa.DictionaryArray | pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
+    """`sorted_codes` of a dictionary-encoded string column without nulls: every chunk's dictionary (a chunk may
+    have its own, and may hold values no row of it uses: a slice keeps its file's) ranked among the sorted union
+    of the dictionaries' values, each row's index mapped through its chunk's ranks (a gather of small integers),
+    then only the values some row uses kept (pandas' uniques)."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    dicts = [c.dictionary.cast(pa.string()) for c in chunks]
+    allv = pc.unique(pa.concat_arrays(dicts)) if dicts else pa.array([], pa.string())
+    allv = allv.take(pc.sort_indices(allv))  # UTF-8 bytes: code-point order, as pandas sorts str
+    parts = []
+    for c, d in zip(chunks, dicts):
+        where = np.asarray(pc.index_in(d, value_set=allv), dtype=np.int64)  # every value is in ``allv``
+        parts.append(where[np.asarray(c.indices.to_numpy(zero_copy_only=False), dtype=np.int64)])
+    codes = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    used = np.bincount(codes, minlength=len(allv)) > 0
+    if used.all():
+        return codes, allv
+    rank = np.cumsum(used) - 1
+    return rank[codes], allv.filter(pa.array(used))
 
 
 @dataclass
