@@ -668,15 +668,19 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     ``shard``: pass 1's `ShardKept` of the shard (its codes, not read or hashed again) or its table
     (`shard_view`: the same codes, computed again)."""
     v = shard_view(shard, covariates, policies)
-    pol, cell, keep = _shard_keys(v, codes)
-    f = F_all[cell]
+    pol = codes.policy_code[v.policy]
+    keep = pol >= 0
+    f = np.asarray(F_all)[codes.cell_code][v.cell]  # the fit at the shard's fine cells, then one gather a row
     if cal_row.size:
         at = np.searchsorted(v.lab_row, cal_row)
         if at.max() >= v.lab_row.size or not np.array_equal(v.lab_row[at], cal_row):
             raise ValueError("a calibration row sent to this shard is not in it")
         f[v.lab_pos[at]] = cal_f
     K = plug.size
-    terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
+    if keep.all():  # every row's policy is evaluated (the usual case): the rows as they are, no copy
+        terms = _evaluation_terms(v.prompt, pol, f, plug, n_k, v.n_ids)
+    else:
+        terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
     out = ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
     if not keep_terms:
         lab = unique_ints(v.prompt[v.lab_pos[keep[v.lab_pos]]].astype(np.int64))
