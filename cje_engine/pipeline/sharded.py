@@ -71,13 +71,20 @@ ROW = "_row"
 Mapper = Callable[[Callable, Sequence[tuple]], Iterable[tuple[int, Any]]]
 
 
-def _release() -> None:
+#: Labelled rows on the driver from which `_release` also runs a full garbage collection (~0.08 s of CPU a call
+#: in a driver that imported Ray and the engine, whatever the window's size; below, the driver is small).
+RELEASE_COLLECT_MIN_LABELLED = 1_000_000
+
+
+def _release(collect: bool = True) -> None:
     """Hand the driver's freed memory back to the OS between the merge's steps (glibc keeps freed heap pages
-    resident otherwise, and the next step's large arrays would come on top of them); no-op off glibc."""
+    resident otherwise, and the next step's large arrays would come on top of them); no-op off glibc.
+    ``collect``: first a full garbage collection (cycles holding arrays), for the large drivers only."""
     import ctypes
     import gc
 
-    gc.collect()
+    if collect:
+        gc.collect()
     pa.default_memory_pool().release_unused()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -219,7 +226,12 @@ def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arr
 
     The distinct values are sorted by their UTF-8 bytes, which is code-point order, Python's order of `str`, so
     the codes are pandas'; the values come back as `pyarrow.string`. A column with nulls (or not of strings)
-    goes through pandas as before."""
+    goes through pandas as before. A dictionary-encoded column (the policy as the sharded readers ship it) is
+    coded from its dictionaries' values (`dictionary_codes`): no string a row."""
+    if pa.types.is_dictionary(column.type):
+        if not column.null_count and pa.types.is_string(column.type.value_type):
+            return dictionary_codes(column)
+        column = column.cast(column.type.value_type)  # pandas would sort a categorical by its dictionary order
     if column.null_count or not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         codes, uniques = pd.factorize(column.to_pandas(), sort=True)
         return codes.astype(np.int64), pa.array(np.asarray(uniques, dtype=object), pa.string())
@@ -239,6 +251,27 @@ def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arr
     rank[order] = np.arange(order.size)
     idx = np.concatenate([np.asarray(c.indices.to_numpy()) for c in chunks])
     return rank[idx], uniq.take(pa.array(order))
+
+
+def dictionary_codes(column: pa.DictionaryArray | pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
+    """`sorted_codes` of a dictionary-encoded string column without nulls: every chunk's dictionary (a chunk may
+    have its own, and may hold values no row of it uses: a slice keeps its file's) ranked among the sorted union
+    of the dictionaries' values, each row's index mapped through its chunk's ranks (a gather of small integers),
+    then only the values some row uses kept (pandas' uniques)."""
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    dicts = [c.dictionary.cast(pa.string()) for c in chunks]
+    allv = pc.unique(pa.concat_arrays(dicts)) if dicts else pa.array([], pa.string())
+    allv = allv.take(pc.sort_indices(allv))  # UTF-8 bytes: code-point order, as pandas sorts str
+    parts = []
+    for c, d in zip(chunks, dicts):
+        where = np.asarray(pc.index_in(d, value_set=allv), dtype=np.int64)  # every value is in ``allv``
+        parts.append(where[np.asarray(c.indices.to_numpy(zero_copy_only=False), dtype=np.int64)])
+    codes = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    used = np.bincount(codes, minlength=len(allv)) > 0
+    if used.all():
+        return codes, allv
+    rank = np.cumsum(used) - 1
+    return rank[codes], allv.filter(pa.array(used))
 
 
 @dataclass
@@ -648,15 +681,19 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     ``shard``: pass 1's `ShardKept` of the shard (its codes, not read or hashed again) or its table
     (`shard_view`: the same codes, computed again)."""
     v = shard_view(shard, covariates, policies)
-    pol, cell, keep = _shard_keys(v, codes)
-    f = F_all[cell]
+    pol = codes.policy_code[v.policy]
+    keep = pol >= 0
+    f = np.asarray(F_all)[codes.cell_code][v.cell]  # the fit at the shard's fine cells, then one gather a row
     if cal_row.size:
         at = np.searchsorted(v.lab_row, cal_row)
         if at.max() >= v.lab_row.size or not np.array_equal(v.lab_row[at], cal_row):
             raise ValueError("a calibration row sent to this shard is not in it")
         f[v.lab_pos[at]] = cal_f
     K = plug.size
-    terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
+    if keep.all():  # every row's policy is evaluated (the usual case): the rows as they are, no copy
+        terms = _evaluation_terms(v.prompt, pol, f, plug, n_k, v.n_ids)
+    else:
+        terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
     out = ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
     if not keep_terms:
         lab = unique_ints(v.prompt[v.lab_pos[keep[v.lab_pos]]].astype(np.int64))
@@ -1209,13 +1246,14 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         check_terms_memory(merged.n_prompts, len(merged.data.policies), terms_budget)
     data = merged.data
     _check_labels(data, merged.totals)
-    _release()
+    collect = data.n_rows >= RELEASE_COLLECT_MIN_LABELLED
+    _release(collect)
     _note("merge")
     fit, selection, excluded = (fit or fit_calibration)(data, opts, dict(merged.rows))
     # the calibration plan cached on the design (~70 B a labelled row) is rebuilt, identical, if a bootstrap
     # replicate needs it; the analytic route does not
     fit.release()  # the plan, and the sources' audits' residual terms and prompt index: ~100 B a labelled row
-    _release()
+    _release(collect)
     _note("calibration fit")
     design = fit.design
     mode = design.mode
@@ -1259,7 +1297,7 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         gram["count"] += res.count
         gram["sum"] += res.total
         gram["gram"] += res.gram
-    _release()
+    _release(collect)
     _note("pass 2")
     if keep_terms:
         total[:, K:] = total[:, :K]

@@ -66,6 +66,13 @@ def _evaluated(table: pa.Table, policies: Sequence[str] | None) -> pa.Table:
     return table.filter(pc.is_in(table[POLICY], value_set=pa.array(list(policies), pa.string())))
 
 
+def _policy_text(table: pa.Table) -> pa.ChunkedArray:
+    """The policy column as strings (the readers ship it dictionary-encoded; pandas would sort a categorical by
+    its dictionary's order, not by the names)."""
+    col = table[POLICY]
+    return col.cast(col.type.value_type) if pa.types.is_dictionary(col.type) else col
+
+
 def _labelled(table: pa.Table) -> np.ndarray:
     """Rows with an oracle label (`sharded.shard_rows`' conversion: NaN or null is unlabelled)."""
     if LABEL not in table.column_names:
@@ -88,7 +95,7 @@ def shard_segments(table: pa.Table, columns: Sequence[str], policies: Sequence[s
     of each labelled row (with its window row, column ``row_column``: `cje_engine.pipeline.sharded.ROW`)."""
     table = _evaluated(table, policies)
     seg = _segments_of(table, columns)
-    pol, pol_names = pd.factorize(table[POLICY].to_pandas(), sort=True)
+    pol, pol_names = pd.factorize(_policy_text(table).to_pandas(), sort=True)
     S, P = len(seg.names), len(pol_names)
     lab = _labelled(table)
     rows = np.bincount(seg.code * P + pol, minlength=S * P).reshape(S, P)
@@ -167,7 +174,7 @@ class SegmentRecode:
         seg = _segments_of(table, self.columns)
         g = np.array([self.groups.get(n, -1) for n in seg.names], dtype=np.int64)[seg.code] if seg.names \
             else np.empty(0, np.int64)
-        pol, pol_names = pd.factorize(table[POLICY].to_pandas(), sort=True)
+        pol, pol_names = pd.factorize(_policy_text(table).to_pandas(), sort=True)
         look = {p: i for i, p in enumerate(self.policies)}
         k = np.array([look.get(str(p), -1) for p in pol_names], dtype=np.int64)[pol] if len(pol_names) \
             else np.empty(0, np.int64)

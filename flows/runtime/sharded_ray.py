@@ -227,6 +227,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     import numpy as np
     import pyarrow as pa
 
+    from cje_engine.data.frame import POLICY
     from cje_engine.pipeline.sharded import ROW, split_by_shard
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
@@ -237,13 +238,17 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     wanted = columns
     if columns is None and prepare_rows is None and keep is not None:  # only what the shards keep is read
         wanted = list(dict.fromkeys([*keep, "response_id"]))
+    # the policy read from the Parquet dictionary pages and kept dictionary-encoded through the shuffle (1 byte a
+    # row, `compact_policy`; pass 1 codes it from its few distinct values, `cje_engine.pipeline.sharded.sorted_codes`)
     try:
-        table = read_window(st, [key], columns=wanted, policies=policies, mapping=mapping, check_unique=False)
+        table = read_window(st, [key], columns=wanted, policies=policies, mapping=mapping, check_unique=False,
+                            dictionary=(POLICY,))
     except CJEInputError:
         if wanted is columns:
             raise
         # a kept column this file lacks (read_window names it): the whole file, as without ``keep``
-        table = read_window(st, [key], columns=columns, policies=policies, mapping=mapping, check_unique=False)
+        table = read_window(st, [key], columns=columns, policies=policies, mapping=mapping, check_unique=False,
+                            dictionary=(POLICY,))
     if "dt" in table.column_names:
         table = table.drop_columns(["dt"])
     info = {"key": key, "rows": table.num_rows}
@@ -260,7 +265,34 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
         rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64()), ROW: pa.array([], pa.int64())})] * n_shards
     if keep is not None:
         table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
+    table = compact_policy(table)
     return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
+
+
+def compact_policy(table):
+    """``table`` with its policy column dictionary-encoded with the smallest index type that holds its dictionary
+    (1 byte a row for up to 127 policies, instead of a string a row; a ``prepare_rows`` that returned strings is
+    encoded here): what the shards carry through the object store."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from cje_engine.data.frame import POLICY
+
+    if POLICY not in table.column_names:
+        return table
+    col = table[POLICY]
+    if not pa.types.is_dictionary(col.type):
+        col = pc.dictionary_encode(col.cast(pa.string()))
+    elif col.type.value_type != pa.string():
+        col = col.cast(pa.dictionary(col.type.index_type, pa.string()))
+    if isinstance(col, pa.ChunkedArray):
+        size = max((len(c.dictionary) for c in col.chunks), default=0)
+    else:
+        size = len(col.dictionary)
+    index = pa.int8() if size < 2**7 else pa.int16() if size < 2**15 else pa.int32()
+    if col.type.index_type != index:
+        col = col.cast(pa.dictionary(index, pa.string()))
+    return table.set_column(table.column_names.index(POLICY), pa.field(POLICY, col.type), col)
 
 
 #: Rows of a response-id bucket up to which `check_response_ids` packs the row into the sorted fingerprint.

@@ -296,20 +296,28 @@ def renamed_schema(schema: pa.Schema, renames: Mapping[str, str]) -> pa.Schema:
     return pa.schema([f.with_name(renames.get(f.name, f.name)) for f in schema], metadata=schema.metadata)
 
 
-def _canonical_column(arr: pa.ChunkedArray | pa.Array, col: str) -> pa.ChunkedArray | pa.Array:
+def _canonical_column(arr: pa.ChunkedArray | pa.Array, col: str, dictionary: bool = False
+                      ) -> pa.ChunkedArray | pa.Array:
     target = COLUMN_TYPES[col]
+    if dictionary and target == pa.string():  # kept dictionary-encoded, its values as strings
+        if not pa.types.is_dictionary(arr.type):
+            arr = pc.dictionary_encode(arr.cast(target))
+        want = pa.dictionary(arr.type.index_type, target)
+        return arr if arr.type == want else arr.cast(want)
     if pa.types.is_dictionary(arr.type):
         arr = arr.cast(arr.type.value_type)
     # Naive timestamps: Arrow stores them as epoch offsets, so the cast reads them as UTC.
     return arr if arr.type == target else arr.cast(target)
 
 
-def canonicalize(table: pa.Table) -> pa.Table:
-    """Cast known columns to `COLUMN_TYPES` (ids to string, scores to float64, ts to UTC us)."""
+def canonicalize(table: pa.Table, dictionary: Sequence[str] = ()) -> pa.Table:
+    """Cast known columns to `COLUMN_TYPES` (ids to string, scores to float64, ts to UTC us); the string columns
+    named in ``dictionary`` stay (or become) dictionary-encoded, with string values."""
     for col in COLUMN_TYPES:
         if col in table.column_names:
             i = table.schema.get_field_index(col)
-            table = table.set_column(i, pa.field(col, COLUMN_TYPES[col]), _canonical_column(table.column(col), col))
+            arr = _canonical_column(table.column(col), col, col in dictionary)
+            table = table.set_column(i, pa.field(col, arr.type), arr)
     return table
 
 
@@ -327,8 +335,9 @@ def _check_ids(table: pa.Table, source: str, row_offset: int = 0) -> None:
 
 def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Sequence[str] | None,
               batch_size: int, row_filter: RowFilter | None = None,
-              mapping: Mapping[str, str] | None = None) -> pa.Table:
-    """Read one log object (with retries on transient storage errors), columns renamed by ``mapping``."""
+              mapping: Mapping[str, str] | None = None, dictionary: Sequence[str] = ()) -> pa.Table:
+    """Read one log object (with retries on transient storage errors), columns renamed by ``mapping``; the
+    canonical columns ``dictionary`` read as Parquet's dictionary (no string materialized a row)."""
     fs, _ = st.arrow_fs
     path = st.arrow_path(key)
     source = st.url(key)
@@ -338,6 +347,11 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
         try:
             dataset = ds.dataset(path, filesystem=fs, format="parquet")
             renames = {f: c for f, c in log_renames(dataset.schema.names, mapping, source).items() if f != c}
+            if dictionary:
+                file_of = {c: f for f, c in renames.items()}
+                fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(
+                    dictionary_columns=[file_of.get(c, c) for c in dictionary]))
+                dataset = ds.dataset(path, filesystem=fs, format=fmt)
             schema = renamed_schema(dataset.schema, renames)
             check_schema(schema, source)
             names = schema.names
@@ -466,6 +480,7 @@ def read_window(
     check_unique: bool = True,
     row_filter: RowFilter | None = None,
     mapping: Mapping[str, str] | None = None,
+    dictionary: Sequence[str] = (),
 ) -> pa.Table:
     """Read log files into one table with projection and the policy filter pushed down.
 
@@ -493,6 +508,9 @@ def read_window(
         The projection, the policy filter and a callable ``row_filter`` stay in the scan; an
         expression ``row_filter`` on a file whose columns are renamed is applied after reading that
         file whole (one file at a time).
+    dictionary : list of str, optional
+        Canonical string columns returned dictionary-encoded (values ``string``), read from the
+        Parquet dictionary pages without a string a row (the sharded readers' ``policy``).
 
     Returns
     -------
@@ -517,9 +535,9 @@ def read_window(
     seen_columns: set[str] = set()
     for key in keys:
         source = st.url(key)
-        table = _read_one(st, key, columns, policies, batch_size, row_filter, mapping)
+        table = _read_one(st, key, columns, policies, batch_size, row_filter, mapping, dictionary)
         seen_columns.update(table.column_names)
-        table = canonicalize(table)
+        table = canonicalize(table, dictionary)
         _check_ids(table, source)
         if columns is None or PARTITION in columns:
             dt = partition_of(key)

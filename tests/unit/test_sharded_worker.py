@@ -556,3 +556,80 @@ def test_the_driver_ships_the_labelled_rows_once_and_reads_no_array_of_rows(n_pr
                                             "replicate_refits"}
     assert all(b <= codes + 4096 for _, b in others), others
     assert all(b <= 8 * 3 * K * 30 + 4096 for _, b in mapper.got), mapper.got
+
+
+def _dict_chunk(values, dictionary):
+    """A dictionary array of ``values`` over ``dictionary`` (which may hold values no row uses)."""
+    look = {v: i for i, v in enumerate(dictionary)}
+    return pa.DictionaryArray.from_arrays(pa.array([look[v] for v in values], pa.int8()),
+                                          pa.array(dictionary, pa.string()))
+
+
+NFC, NFD = "\u00e9", "e\u0301"  # the same letter composed and decomposed: two different strings
+
+
+@pytest.mark.parametrize("column", [
+    pa.array(IDS, pa.string()).dictionary_encode(),
+    # chunks with their own dictionaries, in other orders, with values no row of the chunk uses (a slice of a
+    # file keeps the file's dictionary)
+    pa.chunked_array([_dict_chunk(["b", "a", NFC], ["zz", NFC, "b", "a", "unused"]),
+                      _dict_chunk([NFD, "b", "b", "日本"], ["日本", "b", NFD]),
+                      _dict_chunk([], ["q"])]),
+    pa.chunked_array([_dict_chunk(["x", "y", "x"], ["y", "x", "w"])]).slice(1, 2),
+    pa.chunked_array([], pa.dictionary(pa.int8(), pa.string())),
+    pa.array(["x", None, "a", "x"]).dictionary_encode(),  # nulls: the pandas path on its strings
+    pa.array(["b", "a"], pa.large_string()).dictionary_encode(),
+])
+def test_dictionary_codes_are_pandas_sorted_factorize_of_the_strings(column):
+    """The readers ship the policy dictionary-encoded; pass 1's codes of it are pandas' sorted factorize of its
+    strings (not of a categorical, which pandas sorts by its dictionary's order), only the values in use."""
+    codes, uniques = sharded.sorted_codes(column)
+    strings = column.cast(column.type.value_type)
+    want_codes, want_uniques = pd.factorize(strings.to_pandas(), sort=True)
+    assert np.array_equal(codes, want_codes)
+    assert uniques.type == pa.string() and uniques.to_pylist() == [str(u) for u in want_uniques]
+
+
+def test_compact_policy_keeps_every_name_in_one_byte_a_row():
+    names = ["base", "clone", NFC, NFD]
+    rng = np.random.default_rng(1)
+    plain = pa.table({"policy": pa.array([names[i] for i in rng.integers(0, 4, 300)]), "x": np.arange(300)})
+    for table in (plain, plain.set_column(0, "policy", plain["policy"].cast(pa.large_string()).dictionary_encode())):
+        out = sharded_ray.compact_policy(table)
+        assert out.schema.field("policy").type == pa.dictionary(pa.int8(), pa.string())
+        assert out["policy"].cast(pa.string()).to_pylist() == plain["policy"].to_pylist()
+        assert out["x"].equals(table["x"])
+    many = pa.table({"policy": [f"p{i}" for i in range(200)]})
+    out = sharded_ray.compact_policy(many)
+    assert out.schema.field("policy").type.index_type == pa.int16()
+    assert out["policy"].cast(pa.string()).to_pylist() == many["policy"].to_pylist()
+    assert sharded_ray.compact_policy(pa.table({"x": [1]})).equals(pa.table({"x": [1]}))
+
+
+def test_read_window_returns_the_policy_from_the_dictionary_pages(tmp_path):
+    """``dictionary=("policy",)`` (the sharded readers): the same names as the string read, with a column mapping
+    and the policy filter in the scan."""
+    import pyarrow.parquet as pq
+
+    from flows.storage.logs import read_window
+    from flows.storage.objects import Storage, StorageConfig
+
+    rng = np.random.default_rng(2)
+    n = 500
+    t = pa.table({"pid": [f"p{i % 70}" for i in range(n)], "arm": [["base", "b2", NFD][i] for i in rng.integers(0, 3, n)],
+                  "judge_score": rng.random(n), "response_id": [f"r{i}" for i in range(n)],
+                  "ts": pa.array([0] * n, pa.timestamp("us", tz="UTC"))})
+    (tmp_path / "dt=2026-03-01").mkdir()
+    pq.write_table(t, tmp_path / "dt=2026-03-01" / "a.parquet", row_group_size=128)
+    st = Storage.for_uri(str(tmp_path), StorageConfig.from_env())
+    key = "dt=2026-03-01/a.parquet"
+    mapping = {"prompt_id": "pid", "policy": "arm"}
+    for policies in (None, ["b2", NFD]):
+        plain = read_window(st, [key], columns=["prompt_id", "policy"], policies=policies, mapping=mapping,
+                            check_unique=False)
+        coded = read_window(st, [key], columns=["prompt_id", "policy"], policies=policies, mapping=mapping,
+                            check_unique=False, dictionary=("policy",))
+        assert pa.types.is_dictionary(coded.schema.field("policy").type)
+        assert coded.schema.field("policy").type.value_type == pa.string()
+        assert coded["policy"].cast(pa.string()).to_pylist() == plain["policy"].to_pylist()
+        assert coded["prompt_id"].equals(plain["prompt_id"])
