@@ -906,9 +906,7 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     """``a`` (integers) in the smallest signed integer type holding its values (``a`` itself when it is one)."""
     if a.size == 0:
         return a
-    lo, hi = int(a.min()), int(a.max())
-    t = next(t for t in (np.int8, np.int16, np.int32, np.int64)
-             if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
+    t = _small_int(max(int(a.max()) + 1, -int(a.min())))
     return a if a.dtype == t else a.astype(t)
 
 
