@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cje_engine.errors import CJEInputError
+from flows.runtime.retries import is_retryable
 from flows.runtime.sharded_ray import id_fingerprint
 from flows.storage.labels import fill_store_labels, first_labels, log_response_ids
 
@@ -211,8 +211,8 @@ def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] =
             labels, info = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict))).current(
                 labels_uri)
             break
-        except Exception as exc:  # noqa: BLE001 - retried unless final, as `flows.runtime.retries.is_retryable`
-            if pause is None or isinstance(exc, CJEInputError) or getattr(exc, "retryable", True) is False:
+        except Exception as exc:  # noqa: BLE001 - retried unless final (`flows.runtime.retries.is_retryable`)
+            if pause is None or not is_retryable(exc):
                 raise
             log.warning("label store %s: %s; retry %d of %d in %g s", labels_uri, exc, attempt + 1, len(delays),
                         pause)
@@ -264,13 +264,14 @@ class PendingLabelIndex:
             import ray
             from ray.exceptions import RayTaskError
 
+            from flows.runtime.ray_fanout import task_error_cause
             from flows.runtime.timeouts import ray_get_timeout
 
             try:
                 self._info = ray.get(self._info_ref, timeout=ray_get_timeout())
             except RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, BaseException):
+                cause = task_error_cause(exc)
+                if cause is not None:
                     raise cause from None
                 raise
             if not self._info["label_store_version"]:
@@ -294,10 +295,3 @@ def submit_label_index(labels_uri: str, cfg_dict: dict, label_rows: int | None =
     index_ref, info_ref = ray.remote(build_label_index).options(**opts).remote(labels_uri, cfg_dict, tuple(delays))
     return PendingLabelIndex(index_ref, info_ref)
 
-
-def remote_label_index(labels_uri: str, cfg_dict: dict, max_retries: int = 3) -> tuple[Any, dict]:
-    """`submit_label_index` awaited: ``(reference of the index or None, info)``; the build's error (a damaged label
-    store: `CJEInputError` naming the object) is raised as itself."""
-    pending = submit_label_index(labels_uri, cfg_dict, max_retries=max_retries)
-    info = pending.info()
-    return pending.ref, info

@@ -299,6 +299,13 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield "local"
 
 
+def task_error_cause(exc: BaseException) -> BaseException | None:
+    """The exception a failed Ray task raised (a `ray.exceptions.RayTaskError`'s ``cause``), or None when Ray kept
+    none: re-raised as itself, a task's error reaches the caller unwrapped (`map_ordered`)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else None
+
+
 def map_ordered(
     fn: Callable[..., Any],
     args: Sequence[tuple],
@@ -343,8 +350,8 @@ def map_ordered(
         # The other tasks are left to finish (their results are dropped): ray.cancel of
         # tasks racing their completion crashed the driver in Ray 2.60 (a failed
         # CHECK in TaskManager::CompletePendingTask aborts the process).
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, BaseException):
+        cause = task_error_cause(exc)
+        if cause is not None:
             raise cause from None
         raise
     finally:
