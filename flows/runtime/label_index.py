@@ -34,7 +34,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flows.runtime.retries import is_retryable
+from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
+from flows.storage.fingerprints import repeated_fingerprints
 from flows.storage.labels import fill_store_labels, first_labels, log_response_ids
 
 log = logging.getLogger(__name__)
@@ -83,9 +85,18 @@ class LabelIndex:
 
         Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
         """
-        first = first_labels(label_table)
+        for col in ("response_id", "oracle_label", "label_probability"):
+            if col not in label_table.column_names:
+                raise CJEInputError(f"label table lacks column {col!r}", column=col)
+        stored = label_table.column("response_id")
+        stored = stored if pa.types.is_string(stored.type) else stored.cast(pa.string())
+        fp = id_fingerprint(stored)
+        # no fingerprint twice: no id twice, every row is its id's first label (`first_labels` skips its grouping)
+        distinct = repeated_fingerprints(fp).size == 0
+        first = first_labels(label_table, distinct=distinct)
         ids = first.column("response_id")
-        fp = id_fingerprint(ids)
+        if not distinct or pc.all(pc.string_is_ascii(stored)).as_py() is False:  # else ``ids`` are ``stored``
+            fp = id_fingerprint(ids)
         order = np.argsort(fp, kind="stable")  # equal fingerprints keep the order of first appearance
         fp = fp[order]
         shared = _longest_run(fp)

@@ -111,76 +111,11 @@ def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] 
     return sample_prompt_ids(table["prompt_id"], k)
 
 
-#: splitmix64's finalizer constants (`id_fingerprint`).
-_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+from flows.storage.fingerprints import (  # noqa: E402,F401 - here for the callers of this module
+    _FIRST_MASKS, _MIX, _splitmix, id_fingerprint, repeated_fingerprints as _repeated_fingerprints)
+
 #: Column of a response-id bucket: the id's `id_fingerprint`.
 FINGERPRINT = "_fp"
-
-
-def _splitmix(h: "np.ndarray") -> "np.ndarray":
-    """splitmix64's finalizer, in place on a uint64 array (and returned)."""
-    import numpy as np
-
-    h ^= h >> np.uint64(30)
-    h *= np.uint64(_MIX[0])
-    h ^= h >> np.uint64(27)
-    h *= np.uint64(_MIX[1])
-    h ^= h >> np.uint64(31)
-    return h
-
-
-def id_fingerprint(values) -> "np.ndarray":
-    """A 64-bit fingerprint of each string of an Arrow string column, a function of the string alone (not of its
-    chunk, offset or place; nulls as the empty string): its length and its first, middle and last 8 bytes
-    (three unaligned 8-byte loads a string; no Python string a row), combined by multiply-xor steps and mixed
-    once by splitmix64's finalizer.
-
-    Not a hash of every byte: two ids equal in length and in those 24 bytes (shorter than 8 bytes: in every
-    byte) share a fingerprint. It buckets the response ids (`response_id_buckets`: every copy of an id in one
-    bucket) and lets `check_response_ids` sort integers; ids with the same fingerprint are then compared as
-    strings, so a shared fingerprint never hides nor invents a repeated id."""
-    import numpy as np
-    import pyarrow as pa
-
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks() if values.num_chunks else pa.array([], pa.string())
-    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
-        values = values.cast(pa.string())
-    n = len(values)
-    if n == 0:
-        return np.empty(0, dtype=np.uint64)
-    _, off_buf, data_buf = values.buffers()
-    width = np.int64 if pa.types.is_large_string(values.type) else np.int32
-    off = np.frombuffer(off_buf, dtype=width)[values.offset:values.offset + n + 1].astype(np.int64)
-    base = int(off[0])
-    if base:
-        off -= base
-    size = int(off[-1])
-    data = np.empty(size + 8, dtype=np.uint8)  # 8 zero bytes of padding: a load at any byte stays inside, and
-    data[size:] = 0  # the word at ``size`` is 0 (the middle and last words of a short string)
-    if size:
-        data[:size] = np.frombuffer(data_buf, dtype=np.uint8)[base:base + size]
-    words = np.ndarray(shape=(size + 1,), dtype="<u8", buffer=data, strides=(1,))  # a word at every byte
-    start, end = off[:-1], off[1:]
-    length = end - start
-    long_ = length >= 8
-    # the first word keeps the string's own bytes only (a short string's neighbour follows it)
-    h = words[start]
-    h &= np.array(_FIRST_MASKS, dtype=np.uint64)[np.minimum(length, 8)]
-    h ^= length.astype(np.uint64) * np.uint64(_MIX[0])
-    h *= np.uint64(_MIX[1])
-    # the middle and last words of strings of 8 bytes or more (else the zero word: the first holds every byte)
-    h ^= words[np.where(long_, (start + end) // 2 - 4, size)]
-    h *= np.uint64(_MIX[0])
-    h ^= words[np.where(long_, end - 8, size)]
-    _splitmix(h)
-    if values.null_count:  # a null's slot may hold bytes: it is fingerprinted as the empty string
-        h[np.asarray(values.is_null())] = id_fingerprint(pa.array([""]))[0]
-    return h
-
-
-#: The bits of the first word a string of each length (0-7, then 8 or more) keeps (`id_fingerprint`).
-_FIRST_MASKS = tuple((1 << (8 * k)) - 1 for k in range(8)) + ((1 << 64) - 1,)
 
 
 def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
@@ -351,30 +286,6 @@ def check_response_ids(*pieces) -> dict | None:
         return None
     rows = maybe.filter(pc.equal(maybe["response_id"], dup))[ROW].to_pylist()
     return {"response_id": dup, "rows": sorted(rows)[:5], "count": len(rows)}
-
-
-def _repeated_fingerprints(fp: "np.ndarray") -> "np.ndarray":
-    """Positions (increasing) of the fingerprints that occur more than once in ``fp`` (uint64): a sort of their
-    high 32 bits (half the bytes of a sort of the whole: ~40% less CPU), then the whole fingerprints of the few
-    whose half repeats (~n^2 / 2^33 of n) compared exactly."""
-    import numpy as np
-
-    high = (fp >> np.uint64(32)).astype(np.uint32)
-    s = np.sort(high)
-    rep = s[1:][s[1:] == s[:-1]]
-    if rep.size == 0:
-        return np.empty(0, dtype=np.int64)
-    rep = np.unique(rep)
-    # the positions of those halves: a flag per value of their top 24 bits (2 MiB, a gather a row: cheaper than a
-    # binary search a row), then the few flagged compared exactly
-    flag = np.zeros(1 << 24, dtype=bool)
-    flag[rep >> np.uint32(8)] = True
-    maybe = np.flatnonzero(flag[high >> np.uint32(8)])
-    maybe = maybe[np.isin(high[maybe], rep)]
-    whole = fp[maybe]
-    ordered = np.sort(whole)
-    again = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
-    return maybe[np.isin(whole, again)] if again.size else np.empty(0, dtype=np.int64)
 
 
 def response_ids_at(uri: str, cfg_dict: dict, key: str, positions: Sequence[int], policies: list[str] | None,
