@@ -101,7 +101,8 @@ class FileRows:
         table = preflight.derive_covariates(table, self.covariates, source)
         for col in dict.fromkeys(list(BASE_COLUMNS) + list(self.covariates) + list(self.extra)):
             if col not in table.column_names:
-                raise CJEInputError(f"column is missing from the logs (found: {', '.join(table.column_names)})",
+                found = [c for c in table.column_names if c != sharded_ray.FINGERPRINT]  # the reader's, not the logs'
+                raise CJEInputError(f"column is missing from the logs (found: {', '.join(found)})",
                                     source=source, column=col)
         lab = table["oracle_label"] if "oracle_label" in table.column_names else None
         g = table.group_by("policy").aggregate([("policy", "count")] + ([("oracle_label", "count")] if lab else []))

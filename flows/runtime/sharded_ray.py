@@ -130,7 +130,10 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
     from cje_engine.pipeline.sharded import ROW
 
     rid = table["response_id"].cast(pa.string())
-    fp = id_fingerprint(rid)
+    if FINGERPRINT in table.column_names:  # computed by the reader before the label join, which used it too
+        fp = np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64)
+    else:
+        fp = id_fingerprint(rid)
     bucket = (fp % np.uint64(n_buckets)).astype(np.uint8 if n_buckets <= 256 else np.int64)
     order = np.argsort(bucket, kind="stable")  # a radix sort of 1-byte keys
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
@@ -187,6 +190,8 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     if "dt" in table.column_names:
         table = table.drop_columns(["dt"])
     info = {"key": key, "rows": table.num_rows}
+    if "response_id" in table.column_names:  # fingerprinted once: the label join and the buckets use them
+        table = table.append_column(FINGERPRINT, pa.array(id_fingerprint(table["response_id"])))
     if prepare_rows is not None:
         table, more = (prepare_rows(table, st.url(key)) if prepare_arg is None
                        else prepare_rows(table, st.url(key), prepare_arg))
@@ -195,9 +200,11 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
         rids = response_id_buckets(table, n_shards, ids=False)  # fingerprints and places: no string leaves
-        table = table.drop_columns(["response_id"])
+        table = table.drop_columns([c for c in ("response_id", FINGERPRINT) if c in table.column_names])
     else:
         rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64()), ROW: pa.array([], pa.int64())})] * n_shards
+        if FINGERPRINT in table.column_names:  # ``prepare_rows`` dropped the ids: their fingerprints go too
+            table = table.drop_columns([FINGERPRINT])
     if keep is not None:
         table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
     table = compact_policy(table)

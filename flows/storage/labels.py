@@ -469,12 +469,20 @@ def log_response_ids(logs_table: pa.Table) -> pa.ChunkedArray:
     """
     if "response_id" not in logs_table.column_names:
         raise CJEInputError("logs have no response_id column; labels are joined on it", column="response_id")
+    return log_response_ids_nfc(logs_table)[0]
+
+
+def log_response_ids_nfc(logs_table: pa.Table) -> tuple[pa.ChunkedArray, bool]:
+    """`log_response_ids` and whether NFC changed them: False when they are the column as read (cast to string),
+    whose fingerprints the caller may then have computed already."""
+    if "response_id" not in logs_table.column_names:
+        raise CJEInputError("logs have no response_id column; labels are joined on it", column="response_id")
     rid = logs_table.column("response_id")
     if not pa.types.is_string(rid.type):
         rid = rid.cast(pa.string())
     if pc.all(pc.string_is_ascii(rid)).as_py() is False:
-        rid = pc.utf8_normalize(rid, form="NFC")
-    return rid
+        return pc.utf8_normalize(rid, form="NFC"), True
+    return rid, False
 
 
 def first_labels(label_table: pa.Table, distinct: bool = False) -> pa.Table:
@@ -485,8 +493,9 @@ def first_labels(label_table: pa.Table, distinct: bool = False) -> pa.Table:
     Ids stored before ids were normalised are put in NFC after the grouping (two spellings of one id then
     give two rows, the first of which a join uses, as `pyarrow.compute.index_in` does).
     ``distinct``: the caller knows that no ``response_id`` of the table repeats (as stored, before NFC;
-    `flows.storage.fingerprints.ids_distinct`): every row is then its id's first, and the grouping is skipped (the
-    same table).
+    `flows.storage.fingerprints.ids_distinct`): every row is then its id's first and the grouping is skipped: the
+    same rows, in the table's order (the grouping's order is Arrow's hash grouping's, which does not keep the
+    first appearance of every key: the rows are the same, their order may differ).
     Raises `CJEInputError` when a label column is missing.
     """
     for col in ("response_id", "oracle_label", "label_probability"):
@@ -521,12 +530,19 @@ def fill_store_labels(logs_table: pa.Table, idx: pa.Array | pa.ChunkedArray, fir
     (`first_labels`' columns) or null where the store has no label for it (`join_labels`' rules: the store
     wins, inline labels kept elsewhere, a missing probability is 1.0, conflicts marked and counted in the
     schema metadata with the other join counts, `join_counts`)."""
+    out = logs_table
+    n_inline = n_overridden = 0
+    if "oracle_label" not in out.column_names and "label_probability" not in out.column_names:
+        # no inline label: the store's labels at the joined rows only (`_store_columns`), not a take of every row
+        label, prob, conflict = _store_columns(idx, first)
+        n_conflicts = int(np.count_nonzero(conflict))
+        n_joined = len(idx) - idx.null_count
+        label, prob, conflict = _float_array(*label), _float_array(*prob), pa.array(conflict)
+        return _with_label_columns(out, label, prob, conflict, n_joined, n_conflicts, n_inline, n_overridden)
     store_label = pc.take(first.column("oracle_label"), idx)
     store_prob = pc.take(first.column("label_probability"), idx)
     conflict = pc.fill_null(pc.take(first.column("flagged"), idx), False)
     has = pc.is_valid(idx)
-    out = logs_table
-    n_inline = n_overridden = 0
     if "oracle_label" in out.column_names:
         old_label = out.column("oracle_label").cast(pa.float64())
         label = pc.if_else(has, store_label, old_label)
@@ -544,14 +560,63 @@ def fill_store_labels(logs_table: pa.Table, idx: pa.Array | pa.ChunkedArray, fir
     # A label stored without a probability was drawn completely at random within its policy.
     prob = pc.if_else(pc.and_(pc.is_valid(label), pc.is_null(prob)), pa.scalar(1.0, pa.float64()),
                       prob.cast(pa.float64()))
+    n_conflicts = int(pc.sum(conflict).as_py() or 0)
+    n_joined = int(pc.sum(has).as_py() or 0)
+    return _with_label_columns(out, label, prob, conflict, n_joined, n_conflicts, n_inline, n_overridden)
+
+
+def _valid_values(arr: pa.ChunkedArray | pa.Array, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(values, validity) of an Arrow column as numpy arrays (a null's value is 0)."""
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks() if arr.num_chunks else pa.array([], arr.type)
+    valid = np.ones(len(arr), dtype=bool) if arr.null_count == 0 else np.asarray(arr.is_valid())
+    values = np.asarray(pc.fill_null(arr, pa.scalar(0, arr.type) if not pa.types.is_boolean(arr.type) else False)
+                        .to_numpy(zero_copy_only=False), dtype=dtype)
+    return values, valid
+
+
+def _store_columns(idx: pa.Array | pa.ChunkedArray, first: pa.Table
+                   ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], np.ndarray]:
+    """The label, probability (each as (values, validity)) and conflict flag (bool) of each log row from the store
+    alone: a row whose ``idx`` is null has none (a null label and probability, no conflict); a stored label
+    without a probability has 1.0. What `fill_store_labels`' takes and ``if_else`` give without an inline label,
+    computed at the joined rows only (5% of a file: 0.02 s against ~0.04 s a 1M-row file)."""
+    if isinstance(idx, pa.ChunkedArray):
+        idx = idx.combine_chunks() if idx.num_chunks else pa.array([], pa.int64())
+    n = len(idx)
+    if idx.null_count == n:
+        rows = np.empty(0, dtype=np.int64)
+    else:
+        rows = np.flatnonzero(np.asarray(idx.is_valid()))
+    at = np.asarray(pc.fill_null(idx, 0).to_numpy(zero_copy_only=False), dtype=np.int64)[rows]
+    taken = pa.array(at)  # the joined rows' labels only (a few % of the store's)
+    lab_v, lab_ok = _valid_values(first.column("oracle_label").take(taken).cast(pa.float64()), np.float64)
+    prob_v, p_ok = _valid_values(first.column("label_probability").take(taken).cast(pa.float64()), np.float64)
+    flag_v, flag_ok = _valid_values(first.column("flagged").take(taken), bool)
+    label, label_ok = np.zeros(n), np.zeros(n, dtype=bool)
+    prob, prob_ok = np.zeros(n), np.zeros(n, dtype=bool)
+    conflict = np.zeros(n, dtype=bool)
+    label[rows], label_ok[rows] = lab_v, lab_ok
+    prob[rows] = np.where(p_ok, prob_v, 1.0)  # a stored label without a probability: 1.0
+    prob_ok[rows] = p_ok | lab_ok
+    conflict[rows] = flag_v & flag_ok
+    return (label, label_ok), (prob, prob_ok), conflict
+
+
+def _float_array(values: np.ndarray, valid: np.ndarray) -> pa.Array:
+    """A float64 Arrow array of ``values``, null where ``valid`` is False."""
+    return pa.array(values, type=pa.float64(), mask=None if valid.all() else ~valid)
+
+
+def _with_label_columns(out: pa.Table, label: Any, prob: Any, conflict: Any, n_joined: int, n_conflicts: int,
+                        n_inline: int, n_overridden: int) -> pa.Table:
+    """The logs with their label columns set and the join counts in the schema metadata (`fill_store_labels`)."""
     for name, arr in (("oracle_label", label), ("label_probability", prob), ("label_conflict", conflict)):
         field = pa.field(name, arr.type)
         if name in out.column_names:
             out = out.set_column(out.schema.get_field_index(name), field, arr)
         else:
             out = out.append_column(field, arr)
-    n_conflicts = int(pc.sum(conflict).as_py() or 0)
-    n_joined = int(pc.sum(has).as_py() or 0)
     meta = dict(out.schema.metadata or {})
     meta[b"cje.label_conflicts"] = str(n_conflicts).encode()
     meta[b"cje.inline_labels"] = str(n_inline).encode()
@@ -564,7 +629,7 @@ def fill_store_labels(logs_table: pa.Table, idx: pa.Array | pa.ChunkedArray, fir
     if n_conflicts:
         log.warning("%d logged responses have conflicting labels in the label store; the first label is used "
                     "and the rows are marked in column label_conflict", n_conflicts)
-    log.info("joined %d labels onto %d log rows (%d inline)", n_joined, logs_table.num_rows, n_inline)
+    log.info("joined %d labels onto %d log rows (%d inline)", n_joined, out.num_rows, n_inline)
     return out
 
 

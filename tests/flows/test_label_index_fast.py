@@ -1,0 +1,232 @@
+"""The label paths that skip work by fingerprint (issue 29, round 17) against the slow obvious computation.
+
+`LabelStore.read` and `first_labels` skip their grouping when no stored id repeats (told exactly by
+`flows.storage.fingerprints.ids_distinct`); `fill_store_labels` fills the store's labels at the joined rows only
+when the logs carry no inline label; a reader fingerprints its ids once (`split_file`'s ``_fp`` column), which the
+label join and the response-id buckets share. Each must give the table of the slow path exactly: forced fingerprint
+collisions, repeated ids, NFC/NFD spellings, null probabilities and conflicts included.
+"""
+from __future__ import annotations
+
+import unicodedata
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cje_engine.pipeline import sharded
+from flows.runtime import label_index, sharded_ray
+from flows.runtime.label_index import LabelIndex
+from flows.storage import fingerprints, labels
+from flows.storage.labels import LabelStore, fill_store_labels, first_labels, join_labels
+from flows.storage.objects import Storage
+
+
+def _collide(middle: str) -> str:
+    """A 30-byte id whose fingerprint does not depend on ``middle`` (bytes 8-10 are outside the windows read)."""
+    return "AAAAAAAA" + middle + "MMMMMMMM" + "qqq" + "ZZZZZZZZ"
+
+
+def _ids(case: str, rng: np.random.Generator, n: int = 3000) -> list[str]:
+    ids = [f"resp-{i:07d}-{rng.integers(1 << 30)}" for i in range(n)]
+    if case in ("colliding", "colliding_repeated"):
+        ids += [_collide(f"{i:03d}") for i in range(50)]  # 50 different ids of one fingerprint
+    if case in ("repeated", "colliding_repeated"):
+        ids[100] = ids[7]
+        ids[-1] = ids[-2]  # a repeat among the colliding ones (or two plain ids)
+    if case == "nfd":  # two spellings of one id: distinct as stored, one id in NFC
+        ids[5] = unicodedata.normalize("NFD", "caf\u00e9-5")
+        ids[6] = "caf\u00e9-5"
+    return ids
+
+
+CASES = ("distinct", "colliding", "repeated", "colliding_repeated", "nfd")
+
+
+def test_ids_distinct_is_the_count_of_distinct_strings():
+    rng = np.random.default_rng(3)
+    for case in CASES:
+        ids = _ids(case, rng)
+        want = len(set(ids)) == len(ids)
+        assert fingerprints.ids_distinct(pa.array(ids)) is want, case
+        assert fingerprints.ids_distinct(pa.chunked_array([pa.array(ids[:10]), pa.array(ids[10:])])) is want
+    assert fingerprints.ids_distinct(pa.array([], pa.string()))
+
+
+@pytest.mark.parametrize("case", ["distinct", "colliding", "repeated"])
+def test_the_store_read_without_repeats_is_the_grouped_read(tmp_path, monkeypatch, case):
+    """Versions of labels (exact repeats and conflicts when ``case`` repeats ids): the read with its shortcut
+    equals the read that always groups (`_drop_exact_duplicates`, `_conflicting_ids`)."""
+    rng = np.random.default_rng(11)
+    ids = _ids(case, rng, 2000)
+    ls = LabelStore(Storage.for_uri(str(tmp_path / "labels")))
+    prob = np.where(rng.random(len(ids)) < 0.3, np.nan, rng.uniform(0.1, 1, len(ids)))
+    values = rng.integers(0, 2, len(ids)).astype(float)
+    half = len(ids) // 2
+    for part in (slice(0, half), slice(half, None)):
+        ls.append(pa.table({"response_id": pa.array(ids[part], pa.string()), "oracle_label": values[part],
+                            "label_probability": pa.array(prob[part], from_pandas=True)}), "v")
+    fast = ls.read()
+    monkeypatch.setattr(labels, "ids_distinct", lambda values: False)
+    slow = ls.read()
+    assert fast.schema == slow.schema and fast.equals(slow)
+    assert (case == "repeated") == (pa.compute.sum(slow["flagged"]).as_py() > 0)
+
+
+@pytest.mark.parametrize("case", ["distinct", "colliding", "nfd"])
+@pytest.mark.parametrize("flagged", [False, True])
+def test_first_labels_of_distinct_ids_is_the_grouping(case, flagged):
+    rng = np.random.default_rng(5)
+    ids = _ids(case, rng, 500)
+    prob = np.where(rng.random(len(ids)) < 0.3, np.nan, rng.uniform(0.1, 1, len(ids)))
+    table = pa.table({"response_id": pa.array(ids, pa.string()), "oracle_label": rng.normal(size=len(ids)),
+                      "label_probability": pa.array(prob, from_pandas=True)})
+    if flagged:
+        table = table.append_column("flagged", pa.array(rng.random(len(ids)) < 0.1))
+    got = first_labels(table, distinct=True)
+    want = first_labels(table)
+    assert got.schema == want.schema and got.num_rows == want.num_rows == len(ids)
+    # the same rows (the grouping's order is Arrow's hash order, the shortcut's the table's)
+    assert got.sort_by("response_id").equals(want.sort_by("response_id"))
+    assert got["oracle_label"].equals(table["oracle_label"])  # in the table's order
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_index_built_by_fingerprint_joins_as_join_labels(monkeypatch, case):
+    """The index of a store whose ids are distinct (no grouping), or not (grouped), or two spellings of one id:
+    `join_labels`' table; the build fingerprints a store of distinct NFC ids once."""
+    rng = np.random.default_rng(17)
+    ids = _ids(case, rng, 1500)
+    store = pa.table({"response_id": pa.array(ids, pa.string()), "oracle_label": rng.normal(size=len(ids)),
+                      "label_probability": pa.array(np.where(rng.random(len(ids)) < 0.2, np.nan, 0.5),
+                                                    from_pandas=True),
+                      "version": pa.array(np.ones(len(ids), dtype=np.int64))})
+    store = store.append_column("flagged", pa.array(np.zeros(len(ids), dtype=bool)))
+    if case in ("repeated", "colliding_repeated"):
+        store = store.set_column(store.column_names.index("flagged"), "flagged",
+                                 pa.compute.is_in(store["response_id"], value_set=pa.array([ids[7], ids[-1]])))
+    logs_ids = [ids[i] for i in rng.choice(len(ids), 800, replace=False)] + [f"absent-{i}" for i in range(300)]
+    logs_ids += [unicodedata.normalize("NFD", "caf\u00e9-5")] if case == "nfd" else []
+    logs = pa.table({"response_id": pa.array(logs_ids, pa.string()), "policy": ["a"] * len(logs_ids)})
+    calls = []
+    real = label_index.id_fingerprint
+    monkeypatch.setattr(label_index, "id_fingerprint", lambda v: calls.append(len(v)) or real(v))
+    index = LabelIndex.build(store)
+    # distinct fingerprints of ASCII ids: one fingerprint a stored id (the grouping skipped); else grouped, and the
+    # grouped ids fingerprinted again (NFD: after the shortcut's NFC ids were found to repeat)
+    assert len(calls) == {"distinct": 1, "nfd": 3}.get(case, 2)
+    if case == "distinct":  # the index is the grouped one's, row for row
+        monkeypatch.setattr(label_index, "repeated_fingerprints", lambda fp: np.zeros(1, dtype=np.int64))
+        slow = LabelIndex.build(store)
+        assert index.table.equals(slow.table) and np.array_equal(index.fp, slow.fp)
+        assert np.array_equal(index.bits, slow.bits) and index.shared == slow.shared
+    got, want = index.join(logs), join_labels(logs, store)
+    assert got.schema == want.schema and got.schema.metadata == want.schema.metadata
+    assert got.equals(want)
+
+
+def _slow_fill(logs: pa.Table, idx: pa.Array, first: pa.Table) -> pa.Table:
+    """`fill_store_labels` by its takes of every row: inline label columns of nulls only (an inline column that
+    holds no value leaves every rule as without it) send it down its general path."""
+    n = logs.num_rows
+    with_nulls = logs.append_column("oracle_label", pa.nulls(n, pa.float64())).append_column(
+        "label_probability", pa.nulls(n, pa.float64()))
+    return fill_store_labels(with_nulls, idx, first)
+
+
+@pytest.mark.parametrize("n_logs", [0, 1, 2000])
+def test_the_store_labels_at_the_joined_rows_are_the_takes_of_every_row(n_logs):
+    rng = np.random.default_rng(23)
+    n_first = 300
+    first = pa.table({"response_id": pa.array([f"r{i}" for i in range(n_first)]),
+                      "oracle_label": pa.array(np.where(rng.random(n_first) < 0.05, np.nan, rng.normal(size=n_first)),
+                                               from_pandas=True),  # a few null labels: odd tables are joined too
+                      "label_probability": pa.array(np.where(rng.random(n_first) < 0.3, np.nan,
+                                                             rng.uniform(0.1, 1, n_first)), from_pandas=True),
+                      "flagged": pa.array(rng.random(n_first) < 0.1, mask=rng.random(n_first) < 0.05)})
+    at = rng.integers(0, n_first, n_logs)
+    idx = pa.array(at, mask=rng.random(n_logs) < 0.9)  # 10% of the rows joined
+    logs = pa.table({"response_id": pa.array([f"x{i}" for i in range(n_logs)], pa.string()),
+                     "judge_score": rng.random(n_logs)})
+    got, want = fill_store_labels(logs, idx, first), _slow_fill(logs, idx, first)
+    assert got.schema == want.schema and got.schema.metadata == want.schema.metadata
+    assert got.equals(want)
+    chunked = pa.chunked_array([idx.slice(0, n_logs // 2), idx.slice(n_logs // 2)])
+    assert fill_store_labels(logs, chunked, first).equals(want)
+
+
+def test_the_join_takes_the_readers_fingerprints_only_for_ids_nfc_leaves_alone(monkeypatch):
+    rng = np.random.default_rng(29)
+    stored = [f"resp-{i}" for i in range(400)] + ["caf\u00e9-1"]
+    store = pa.table({"response_id": pa.array(stored), "oracle_label": rng.normal(size=len(stored)),
+                      "label_probability": pa.array(np.full(len(stored), 0.5))})
+    index = LabelIndex.build(store)
+    ascii_ids = [f"resp-{i}" for i in range(0, 800, 3)]
+    for ids in (ascii_ids, ascii_ids + [unicodedata.normalize("NFD", "caf\u00e9-1")]):
+        logs = pa.table({"response_id": pa.array(ids)})
+        want = join_labels(logs, store)
+        with_fp = logs.append_column(sharded_ray.FINGERPRINT, pa.array(sharded_ray.id_fingerprint(logs["response_id"])))
+        calls = []
+        real = label_index.id_fingerprint
+        monkeypatch.setattr(label_index, "id_fingerprint", lambda v: calls.append(len(v)) or real(v))
+        got = index.join(with_fp)
+        monkeypatch.setattr(label_index, "id_fingerprint", real)
+        assert got.drop_columns([sharded_ray.FINGERPRINT]).equals(want)
+        assert calls == ([] if ids is ascii_ids else [len(ids)])  # NFD ids: fingerprinted in their NFC
+        # fingerprints of other ids in the column: an NFD file ignores them, an ASCII file is joined by them
+        wrong = logs.append_column(sharded_ray.FINGERPRINT, pa.array(np.arange(len(ids), dtype=np.uint64)))
+        assert index.join(wrong).drop_columns([sharded_ray.FINGERPRINT]).equals(want) is (ids is not ascii_ids)
+
+
+def test_a_reader_fingerprints_its_ids_once_and_ships_the_same_rows(tmp_path, monkeypatch):
+    """`split_file` with the label join (`FileRows` and an index): one fingerprint a row, shared by the join and
+    the response-id buckets; its shards, buckets and info are those of a join that fingerprints on its own."""
+    from flows.pipelines.sharded_pass import FileRows, shard_columns
+
+    rng = np.random.default_rng(31)
+    n = 3000
+    ids = [f"resp-{i:06d}" for i in range(n)]
+    ids[10] = unicodedata.normalize("NFD", "caf\u00e9-10")  # an NFD file: its join fingerprints its NFC ids
+    logs = pa.table({"prompt_id": [f"p{i // 3}" for i in range(n)], "policy": ["a", "b", "c"] * (n // 3),
+                     "judge_score": rng.random(n), "response_id": ids,
+                     "ts": pa.array(np.full(n, 1_767_225_600_000_000, dtype="datetime64[us]"))})
+    root = tmp_path / "logs"
+    (root / "dt=2026-01-01").mkdir(parents=True)
+    pq.write_table(logs, root / "dt=2026-01-01" / "part-0.parquet")
+    pq.write_table(logs.filter(pa.compute.not_equal(logs["response_id"], ids[10])),
+                   root / "dt=2026-01-01" / "part-1.parquet")
+    store = pa.table({"response_id": pa.array(ids[::20] + ["caf\u00e9-10"]),
+                      "oracle_label": rng.normal(size=n // 20 + 1),
+                      "label_probability": pa.array(np.full(n // 20 + 1, 0.5))})
+    index = LabelIndex.build(store)
+    keep = shard_columns([])
+
+    def run(key):
+        return sharded_ray.split_file(str(root), {}, key, 2, 3, None, None, None, FileRows([]), None, keep, index)
+
+    for key in ("dt=2026-01-01/part-0.parquet", "dt=2026-01-01/part-1.parquet"):
+        calls = []
+        real = sharded_ray.id_fingerprint
+        monkeypatch.setattr(sharded_ray, "id_fingerprint", lambda v: calls.append(len(v)) or real(v))
+        monkeypatch.setattr(label_index, "id_fingerprint", lambda v: calls.append(-len(v)) or real(v))
+        got = run(key)
+        rows = got[-1]["rows"]
+        # ASCII ids: once (the reader); NFD: the reader's and the join's of the NFC ids
+        assert calls == ([rows] if key.endswith("1.parquet") else [rows, -rows])
+        monkeypatch.undo()
+        # without the reader's fingerprints (the join and the buckets fingerprint on their own): the same objects
+        real_join, real_buckets = LabelIndex.join, sharded_ray.response_id_buckets
+        monkeypatch.setattr(LabelIndex, "join", lambda self, t: real_join(self, _without_fp(t)))
+        monkeypatch.setattr(sharded_ray, "response_id_buckets", lambda t, *a, **k: real_buckets(_without_fp(t), *a, **k))
+        want = run(key)
+        monkeypatch.undo()
+        assert len(got) == len(want) == 2 * 3 + 1
+        for a, b in zip(got[:-1], want[:-1]):
+            assert a.column_names == b.column_names and a.equals(b)
+        assert sharded_ray.FINGERPRINT not in got[0].column_names and got[-1] == want[-1]
+        assert sum(t.num_rows for t in got[:3]) == rows and sum(t.num_rows for t in got[3:6]) == rows
+
+
+def _without_fp(table: pa.Table) -> pa.Table:
+    return table.drop_columns([sharded_ray.FINGERPRINT]) if sharded_ray.FINGERPRINT in table.column_names else table
