@@ -36,7 +36,6 @@ import pyarrow.compute as pc
 from flows.runtime.retries import is_retryable
 from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
-from flows.storage.fingerprints import repeated_fingerprints
 from flows.storage.labels import fill_store_labels, first_labels, log_response_ids_nfc
 
 log = logging.getLogger(__name__)
@@ -90,23 +89,21 @@ class LabelIndex:
                 raise CJEInputError(f"label table lacks column {col!r}", column=col)
         stored = label_table.column("response_id")
         stored = stored if pa.types.is_string(stored.type) else stored.cast(pa.string())
-        fp = id_fingerprint(stored)
+        fp, order = _sorted_fingerprints(stored)
         first = None
-        if repeated_fingerprints(fp).size == 0:
+        if _longest_run(fp) <= 1:
             # no fingerprint twice: no id twice, every row is its id's first label (`first_labels` skips its
-            # grouping; 4.1 s of the build's 9.5 at 5M labels)
+            # grouping: 4.1 s of the build's 9.5 at 5M labels)
             first = first_labels(label_table, distinct=True)
             if pc.all(pc.string_is_ascii(stored)).as_py() is False:  # else the ids in NFC are ``stored``
-                fp = id_fingerprint(first.column("response_id"))
-                if repeated_fingerprints(fp).size:  # two spellings of one id (or ids sharing a fingerprint):
-                    first = None  # grouped, so that the spelling used is the one it uses
+                fp, order = _sorted_fingerprints(first.column("response_id"))
+                if _longest_run(fp) > 1:  # two spellings of one id (or ids sharing a fingerprint): grouped, so
+                    first = None  # that the spelling used is the one the grouping keeps first
         if first is None:
             first = first_labels(label_table)
-            fp = id_fingerprint(first.column("response_id"))
+            fp, order = _sorted_fingerprints(first.column("response_id"))
         # distinct fingerprints: the sorted table is the same whatever the order of ``first`` (the grouping's is
         # Arrow's hash order, not always the rows')
-        order = np.argsort(fp, kind="stable")  # equal fingerprints keep the order of first appearance
-        fp = fp[order]
         shared = _longest_run(fp)
         if shared > MAX_SHARED:
             log.warning("label index: up to %d stored response ids share a fingerprint; the files' labels are "
@@ -201,6 +198,13 @@ def _bit_set(sorted_fp: np.ndarray) -> np.ndarray:
     top = sorted_fp >> np.uint64(64 - _log2(nbits))
     np.bitwise_or.at(words, (top >> np.uint64(6)).astype(np.int64), np.uint64(1) << (top & np.uint64(63)))
     return words
+
+
+def _sorted_fingerprints(ids: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(the ids' fingerprints sorted, the order that sorts them); equal fingerprints keep the ids' order."""
+    fp = id_fingerprint(ids)
+    order = np.argsort(fp, kind="stable")
+    return fp[order], order
 
 
 def _longest_run(sorted_fp: np.ndarray) -> int:
