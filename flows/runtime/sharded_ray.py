@@ -118,12 +118,14 @@ from flows.storage.fingerprints import (  # noqa: E402,F401 - here for the calle
 FINGERPRINT = "_fp"
 
 
-def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
+def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = True) -> list:
     """The ``response_id`` column of a file's rows (with their `id_fingerprint` and window place `ROW`) split into
     ``n_buckets`` by the fingerprint: every copy of an id lands in the same bucket, whatever file or shard it is
     in; no sample of the ids is needed for it. ``ids=False``: the buckets hold the fingerprints and places only
-    (16 bytes a row, no string: what `split_file` ships; `check_response_ids` then names the rows whose
-    fingerprint repeats and `read_shards` fetches only their ids, `response_ids_at`)."""
+    (16 bytes a row, no string; `check_response_ids` then names the rows whose fingerprint repeats and
+    `read_shards` fetches only their ids, `response_ids_at`); ``ids=False, places=False``: the fingerprints alone
+    (8 bytes a row: what `split_file` ships; a file's rows are found again by their fingerprints,
+    `response_ids_with`)."""
     import numpy as np
     import pyarrow as pa
 
@@ -137,6 +139,9 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
     bucket = (fp % np.uint64(n_buckets)).astype(np.uint8 if n_buckets <= 256 else np.int64)
     order = np.argsort(bucket, kind="stable")  # a radix sort of 1-byte keys
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
+    if not ids and not places:
+        fp = fp[order]
+        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
     if not ids:
         row = table[ROW]
         row = np.asarray(row.combine_chunks() if isinstance(row, pa.ChunkedArray) else row, dtype=np.int64)
@@ -199,10 +204,10 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
-        rids = response_id_buckets(table, n_shards, ids=False)  # fingerprints and places: no string leaves
+        rids = response_id_buckets(table, n_shards, ids=False, places=False)  # fingerprints only: 8 B a row
         table = table.drop_columns([c for c in ("response_id", FINGERPRINT) if c in table.column_names])
     else:
-        rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64()), ROW: pa.array([], pa.int64())})] * n_shards
+        rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64())})] * n_shards
         if FINGERPRINT in table.column_names:  # ``prepare_rows`` dropped the ids: their fingerprints go too
             table = table.drop_columns([FINGERPRINT])
     if keep is not None:
@@ -253,7 +258,13 @@ def check_response_ids(*pieces) -> dict | None:
     Buckets of fingerprints without their ids (``response_id_buckets(..., ids=False)``, what `split_file` ships):
     None when no whole 64-bit fingerprint repeats, else ``{"candidates": [window places]}``, every row whose
     fingerprint repeats (every copy of a repeated id among them); the caller fetches those rows' ids
-    (`response_ids_at`) and checks them as strings here (`resolve_candidates`)."""
+    (`response_ids_at`) and checks them as strings here (`resolve_candidates`).
+
+    Buckets of fingerprints alone (``response_id_buckets(..., ids=False, places=False)``, what `split_file` ships;
+    the ``i``-th piece is the ``i``-th file's): None when no whole fingerprint repeats, else ``{"candidates":
+    {file index: [fingerprints]}}``, the repeated fingerprints of each file that has one; the caller finds every
+    row of those files with those fingerprints (`response_ids_with`) and checks their ids as strings here
+    (`resolve_fingerprints`): every copy of a repeated id is among them."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -261,6 +272,8 @@ def check_response_ids(*pieces) -> dict | None:
     from cje_engine.pipeline.sharded import ROW
     from flows.storage.logs import first_duplicate
 
+    if pieces and all(p.column_names == [FINGERPRINT] for p in pieces):
+        return _repeated_by_file(pieces)
     table = pa.concat_tables([p for p in pieces if p.num_rows] or [pieces[0]])
     n = table.num_rows
     if n < 2:
@@ -308,6 +321,81 @@ def response_ids_at(uri: str, cfg_dict: dict, key: str, positions: Sequence[int]
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
     table = read_window(st, [key], columns=["response_id"], policies=policies, mapping=mapping, check_unique=False)
     return table["response_id"].cast(pa.string()).take(pa.array(np.asarray(positions, dtype=np.int64))).to_pylist()
+
+
+def _repeated_by_file(pieces) -> dict | None:
+    """`check_response_ids` of buckets of fingerprints alone: the repeated fingerprints, by the file (the piece)
+    they are in."""
+    import numpy as np
+
+    fp = np.concatenate([np.asarray(p[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64) if p.num_rows
+                         else np.empty(0, dtype=np.uint64) for p in pieces])
+    if fp.size < 2:
+        return None
+    at = _repeated_fingerprints(fp)
+    if at.size == 0:
+        return None
+    file_of = np.searchsorted(np.cumsum([p.num_rows for p in pieces]), at, side="right")
+    found: dict[int, set] = {}
+    for f, v in zip(file_of.tolist(), fp[at].tolist()):
+        found.setdefault(int(f), set()).add(int(v))
+    return {"candidates": {f: sorted(v) for f, v in sorted(found.items())}}
+
+
+def response_ids_with(uri: str, cfg_dict: dict, key: str, fingerprints: Sequence[int], policies: list[str] | None,
+                      mapping: dict | None) -> tuple[list[int], list[str], list[int]]:
+    """The rows of one log file whose ``response_id`` has one of ``fingerprints`` (`id_fingerprint` of the id as
+    read, as `split_file` computes it): (their positions in the file as `split_file` read it, their ids, their
+    fingerprints), for `resolve_fingerprints`. The same read as `split_file`'s (policy filter, mapping;
+    ``prepare_rows`` keeps the rows, their order and their ids)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from flows.storage.logs import read_window
+    from flows.storage.objects import Storage, StorageConfig
+
+    st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
+    table = read_window(st, [key], columns=["response_id"], policies=policies, mapping=mapping, check_unique=False)
+    rid = table["response_id"].cast(pa.string())
+    fp = id_fingerprint(rid)
+    at = np.flatnonzero(np.isin(fp, np.asarray(list(fingerprints), dtype=np.uint64)))
+    return at.tolist(), rid.take(pa.array(at)).to_pylist(), fp[at].tolist()
+
+
+def resolve_fingerprints(candidates: Sequence[dict], rows_of: Callable[[int, list[int]], tuple]) -> list[dict]:
+    """Every bucket's repeated fingerprints by file (`check_response_ids` of buckets of fingerprints alone) checked
+    as strings: the buckets' findings (`check_response_ids` of the rows with those fingerprints, their ids and
+    window places). ``rows_of(file index, fingerprints)``: the file's rows with those fingerprints
+    (`response_ids_with`; called once a file that has candidates)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.pipeline.sharded import ROW
+
+    wanted: dict[int, set] = {}
+    for bucket in candidates:
+        for f, fps in bucket.items():
+            wanted.setdefault(int(f), set()).update(int(v) for v in fps)
+    rows: dict[int, list] = {}
+    for f, fps in sorted(wanted.items()):
+        pos, ids, fp = rows_of(f, sorted(fps))
+        rows[f] = list(zip(pos, ids, fp))
+    found = []
+    for bucket in candidates:
+        ids, places = [], []
+        for f, fps in sorted(bucket.items()):
+            keep = set(int(v) for v in fps)
+            for pos, rid, fp in rows[int(f)]:
+                if int(fp) in keep:
+                    ids.append(rid)
+                    places.append((int(f) << ROW_BITS) | int(pos))
+        if not ids:
+            continue
+        hit = check_response_ids(pa.table({"response_id": pa.array(ids, pa.string()),
+                                           ROW: pa.array(np.asarray(places, dtype=np.int64))}))
+        if hit is not None:
+            found.append(hit)
+    return found
 
 
 def resolve_candidates(candidates: Sequence[Sequence[int]], ids_of: Callable[[int, list[int]], list[str]]
@@ -470,14 +558,14 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     found = [c for c in results if "candidates" not in c]
     candidates = [c["candidates"] for c in results if "candidates" in c]
     if candidates:  # repeated fingerprints (a repeated id, or rarely two ids sharing one): compare their ids
-        fetch = ray.remote(response_ids_at).options(max_retries=max_retries, name="cje_response_ids_at",
-                                                    memory=task_memory(per_file))
+        fetch = ray.remote(response_ids_with).options(max_retries=max_retries, name="cje_response_ids_with",
+                                                      memory=task_memory(per_file))
 
-        def ids_of(f: int, positions: list[int]) -> list[str]:
-            return ray.get(fetch.remote(uri, cfg_dict, keys[f], positions, policies, mapping),
+        def rows_of(f: int, fingerprints: list[int]) -> tuple:
+            return ray.get(fetch.remote(uri, cfg_dict, keys[f], fingerprints, policies, mapping),
                            timeout=ray_get_timeout())
 
-        found += resolve_candidates(candidates, ids_of)
+        found += resolve_fingerprints(candidates, rows_of)
     if found:
         raise duplicate_response_id_error(min(found, key=lambda c: c["rows"][0]), keys, uri)
     if not with_info:

@@ -633,3 +633,56 @@ def test_read_window_returns_the_policy_from_the_dictionary_pages(tmp_path):
         assert coded.schema.field("policy").type.value_type == pa.string()
         assert coded["policy"].cast(pa.string()).to_pylist() == plain["policy"].to_pylist()
         assert coded["prompt_id"].equals(plain["prompt_id"])
+
+
+@pytest.mark.parametrize("case", ["distinct", "colliding", "two_files", "one_file", "repeated_and_colliding", "many"])
+def test_buckets_of_fingerprints_alone_find_what_the_string_sort_finds(case):
+    """What `split_file` ships (8 B a row: the fingerprint, no place): `check_response_ids` names each file's
+    repeated fingerprints, `resolve_fingerprints` finds those files' rows with them (`response_ids_with`'s part,
+    here from the files' ids) and compares their ids as strings: the findings of the string sort of every id of
+    the window (`_slow_check`: the smallest repeated id of each bucket, its first 5 rows, its count), with a repeat
+    across two files, within one file, among ids sharing a fingerprint, and several."""
+    rng = np.random.default_rng(13)
+    ids = [f"resp-{i:07d}" for i in range(3000)]
+    if case in ("colliding", "repeated_and_colliding"):
+        ids += [_collide(f"{i:03d}") for i in range(200)]  # 200 different ids, one fingerprint
+    if case == "two_files":
+        ids[2500] = ids[17]  # files of 1000 rows: rows 17 (file 0) and 2500 (file 2)
+    if case == "one_file":
+        ids[999] = ids[3]  # both in file 0
+        ids[998] = ids[3]
+    if case == "repeated_and_colliding":
+        ids[3100] = ids[3050]  # a repeat among the ids that share a fingerprint (file 3)
+        ids[1] = ids[3150]
+    if case == "many":
+        for a, b in rng.integers(0, 3000, (20, 2)):
+            ids[b] = ids[a]
+    n_buckets, size = 3, 1000
+    files = [ids[i:i + size] for i in range(0, len(ids), size)]
+    tables = [pa.table({"response_id": f, sharded.ROW: (k << sharded_ray.ROW_BITS) + np.arange(len(f))})
+              for k, f in enumerate(files)]
+    bare = [sharded_ray.response_id_buckets(t, n_buckets, ids=False, places=False) for t in tables]
+    assert all(p.column_names == [sharded_ray.FINGERPRINT] for b in bare for p in b)
+    assert sum(p.num_rows for b in bare for p in b) == len(ids)
+    full = [sharded_ray.response_id_buckets(t, n_buckets) for t in tables]
+    want = [_slow_check([f[b] for f in full]) for b in range(n_buckets)]
+    results = [sharded_ray.check_response_ids(*[f[b] for f in bare]) for b in range(n_buckets)]
+    assert all(r is None or set(r) == {"candidates"} for r in results)
+    asked = []
+
+    def rows_of(f, fps):
+        asked.append(f)
+        fp = sharded_ray.id_fingerprint(pa.array(files[f]))
+        at = np.flatnonzero(np.isin(fp, np.asarray(fps, dtype=np.uint64)))
+        return at.tolist(), [files[f][i] for i in at], fp[at].tolist()
+
+    got = sharded_ray.resolve_fingerprints([r["candidates"] for r in results if r is not None], rows_of)
+    assert sorted(map(repr, got)) == sorted(repr(w) for w in want if w is not None)
+    assert (got == []) == (case in ("distinct", "colliding"))
+    assert len(asked) == len(set(asked))  # a file read once at most
+    if case == "distinct":
+        assert asked == []  # distinct fingerprints: no file read again
+    if case == "two_files":
+        assert got == [{"response_id": ids[17], "rows": [17, (2 << sharded_ray.ROW_BITS) + 500], "count": 2}]
+    if case == "one_file":
+        assert got == [{"response_id": ids[3], "rows": [3, 998, 999], "count": 3}]
