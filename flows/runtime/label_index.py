@@ -4,11 +4,13 @@
 the sharded row pass joins every log file, so at 5M labels each 1M-row file paid ~3.9 s of CPU for a join
 whose rows are the file's. `LabelIndex` does the label-store side once: the first label of each id
 (`flows.storage.labels.first_labels`: lowest version, then row order; conflicts flagged; ids in NFC) sorted by
-the ids' 64-bit fingerprint (`flows.runtime.sharded_ray.id_fingerprint`). A file then probes it with its own
+the ids' 64-bit fingerprint (`flows.storage.fingerprints.id_fingerprint`; a store in which no id repeats, told by one
+sort of those fingerprints, skips `first_labels`' grouping: every row is then its id's first). A file then probes it with its own
 ids (`LabelIndex.lookup`: a binary search of each id's fingerprint, then a string comparison of the few ids
-whose fingerprint is found), so its join costs in proportion to the file, and `LabelIndex.join` fills the labels
-with `flows.storage.labels.fill_store_labels`, the code `join_labels` uses: the same rows, labels, conflicts and
-join counts.
+whose fingerprint is found), so its join costs in proportion to the file (the reader's fingerprints of its ids
+taken when it has them: `LabelIndex.join`), and `LabelIndex.join` fills the labels with
+`flows.storage.labels.fill_store_labels`, the code `join_labels` uses: the same rows, labels, conflicts and join
+counts.
 
 A fingerprint is not a hash of every byte (ids equal in length and in the three 8-byte windows it reads share
 one): ids of the store sharing a fingerprint sit side by side in the index and a probe compares the file's id
