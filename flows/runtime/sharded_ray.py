@@ -255,7 +255,7 @@ def check_response_ids(*pieces) -> dict | None:
     strings (`flows.storage.logs.first_duplicate`), so a shared fingerprint of two different ids costs a string
     comparison, never a miss or a false alarm.
 
-    Buckets of fingerprints without their ids (``response_id_buckets(..., ids=False)``, what `split_file` ships):
+    Buckets of fingerprints and places without their ids (``response_id_buckets(..., ids=False)``, 16 B a row):
     None when no whole 64-bit fingerprint repeats, else ``{"candidates": [window places]}``, every row whose
     fingerprint repeats (every copy of a repeated id among them); the caller fetches those rows' ids
     (`response_ids_at`) and checks them as strings here (`resolve_candidates`).
