@@ -156,7 +156,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
                splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None):
     """Read one log file on a worker and return its rows per shard, its response ids per bucket
-    (`response_id_buckets`, without the rest of the row) and a small dict about the file
+    (`response_id_buckets`: their fingerprints alone, 8 B a row) and a small dict about the file
     (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
