@@ -250,6 +250,9 @@ def test_passes_2_and_3_on_kept_codes_give_the_parts_of_the_shards_read_again(ke
         if not keep_terms:
             for name in ("n", "s", "S", "T"):
                 assert np.array_equal(getattr(fast.rest, name), getattr(slow.rest, name)), name
+            assert fast.labelled_terms is None and fast.sums is not None  # reduced on the shard
+            for name in ("n", "sum", "cross", "cubes"):
+                assert np.array_equal(getattr(fast.sums, name), getattr(slow.sums, name)), name
         args = (tuple(opts.covariates), None, sp.codes[i], 11, 0, 7, sp.n_prompts, sp.prep.design.n_policies)
         assert np.array_equal(sharded.shard_histograms(sp.kept[i], *args), sharded.shard_histograms(shards[i], *args))
 
