@@ -49,3 +49,23 @@ def small_unique_inverse(values: np.ndarray, n: int) -> tuple[np.ndarray, np.nda
     rank = np.cumsum(present, dtype=np.intp)
     rank -= 1
     return np.flatnonzero(present).astype(values.dtype, copy=False), rank[values]
+
+
+def present_codes(values: np.ndarray, n: int) -> np.ndarray:
+    """``numpy.unique(values)`` of integer codes in ``[0, n)`` with ``n`` small (policies, cells): by counting, no
+    sort or hash (the distinct codes sorted, int64)."""
+    values = np.asarray(values).reshape(-1)
+    return np.flatnonzero(np.bincount(values, minlength=n) > 0)
+
+
+def count_distinct(values: np.ndarray, n: int) -> int:
+    """``numpy.unique(values).size`` of integer codes in ``[0, n)`` (e.g. prompt codes): a one-byte mark per code
+    when ``n`` is at most 64 per value, else `unique_ints`' sort."""
+    values = np.asarray(values).reshape(-1)
+    if values.size == 0:
+        return 0
+    if n > 64 * values.size:
+        return int(unique_ints(values).size)
+    seen = np.zeros(n, dtype=bool)
+    seen[values] = True
+    return int(np.count_nonzero(seen))

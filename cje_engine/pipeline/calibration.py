@@ -32,7 +32,7 @@ from scipy.stats import norm
 
 from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
-from cje_engine.data.ints import unique_ints, unique_inverse
+from cje_engine.data.ints import count_distinct, present_codes, unique_inverse
 from cje_engine.calibration import registry
 from cje_engine.direct.estimators import (Design, cell_fits, cell_policy_stats, calibration_plan, influence, make_design,
                                           row_cells)
@@ -182,7 +182,7 @@ def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.
     """
     K = design.n_policies
     delta = stats[K:] - stats[:K]
-    is_source = np.isin(np.arange(K), np.unique(design.data.policy[design.cal_rows]))
+    is_source = np.isin(np.arange(K), present_codes(design.data.policy[design.cal_rows], K))
     psi = np.where(is_source[None, :], infl["calibration"][:, K:], infl["audit"])  # a new array: overwritten
     se = np.sqrt(np.maximum(_column_var(psi, overwrite=True), 0.0))
     se[~np.isfinite(delta)] = np.nan
@@ -209,7 +209,7 @@ def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_sour
     v_res = _column_var(infl["calibration"][:, K:])
     v = np.stack([v_res, np.maximum(np.nan_to_num(np.asarray(se, dtype=float)) ** 2 - v_res, 0.0)], axis=-1)
     g_own = np.asarray(n_own_prompts, dtype=float)
-    g_cal = float(unique_ints(d.prompt[design.cal_rows]).size)
+    g_cal = float(count_distinct(d.prompt[design.cal_rows], d.n_prompts))
     nu = np.stack([np.maximum(g_own - 1, 1), np.full(K, max(g_cal - 1, 1))], axis=-1)
     df = satterthwaite_df(v, nu)
     df[is_source] = np.inf
@@ -400,7 +400,7 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
     selection : the mode selection record (result ``calibration.selection``)
     excluded : one record per source removed from the calibrator, in order
     """
-    labelled = np.unique(data.policy[data.labelled])
+    labelled = present_codes(data.policy[data.labelled], len(data.policies))
     sources = opts.calibration_policies
     names = list(sources) if sources is not None else [data.policies[k] for k in labelled]
     excluded: list[dict] = []
