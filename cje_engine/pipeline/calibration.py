@@ -86,7 +86,11 @@ class Fit:
         if cr.size == lab.size and np.array_equal(cr, lab):  # every labelled row trains the calibrator
             return self.f_cal.copy()  # the values the gather below would overwrite entirely
         row_cell = self.design.cells.row_cell
-        f = self.F_all[_at_rows(row_cell, lab)]
+        rows = _at_rows(row_cell, lab)
+        f = self.F_all[rows]
+        if rows is row_cell:  # the labelled rows are every row: a calibration row's place among them is its index
+            f[cr] = self.f_cal
+            return f
         pos = np.clip(np.searchsorted(cr, lab), 0, max(cr.size - 1, 0))
         is_cal = cr[pos] == lab
         f[is_cal] = self.f_cal[pos[is_cal]]
