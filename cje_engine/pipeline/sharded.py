@@ -1406,6 +1406,14 @@ class LabelledBasis:
         return base
 
 
+def labelled_basis_task_bytes(n_labelled: int) -> int:
+    """Bytes a pass-2 task holds beyond its rows' arrays to reduce ``n_labelled`` labelled rows' basis sums
+    (`LabelledBasis.sums`): its part's arrays (prompt, policy and two contributions a labelled row, prompt, block and
+    residual a calibration row: at most 56 B), their block positions, masks and the sort of the labelled prompts
+    (~56 B more), and a block of basis rows with its per-policy copies and products (5 x `BASIS_BLOCK_BYTES`)."""
+    return int(112 * n_labelled + 5 * BASIS_BLOCK_BYTES)
+
+
 class GramBuilder:
     """Direct's influence terms in the Gram form (`cje_engine.inference.gram`) from pass 2's parts, as they arrive.
 
