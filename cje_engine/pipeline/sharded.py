@@ -1475,11 +1475,14 @@ class GramBuilder:
         # each shard's rows of every per-row array, taken an array at a time (the whole array then released)
         rows_l = _rows_by_shard(_take(lab_shard, lab), n_shards)
         rows_c = _rows_by_shard(_take(lab_shard, cr), n_shards)
+        # the codes sent in their smallest integer type (indices and keys only: the same values, fewer bytes)
+        small = {"lab_pol": _small_int(K), "prompt_lab": _small_int(d.n_prompts), "prompt_cal": _small_int(d.n_prompts),
+                 "b_cal": _small_int(ls.n_blocks)}
         split = {}
         for rows, arrays in ((rows_l, per_lab), (rows_c, per_cal)):
             for name in list(arrays):
                 a = arrays.pop(name)
-                split[name] = [a[r] for r in rows]
+                split[name] = [a[r].astype(small[name], copy=False) if name in small else a[r] for r in rows]
                 del a
         m = ls.m
         ls = None
