@@ -12,9 +12,10 @@ one shard whatever file or day it came from) and each shard is reduced where it 
    The driver fits the calibration from those exactly as the single-process path does.
 2. `shard_evaluation_terms`: the evaluation part of the influence terms per prompt (the same bits per
    prompt as the single-process path: a prompt's rows are in one shard, in the same order), and their sums,
-   squares and cross-products over policies. Over the driver's budget (or ``keep_terms=False``) only the
-   prompts with a labelled row keep their terms and the others arrive as moments of orders 1-3: the driver's
-   `GramTerms` (`cje_engine.inference.gram`, result ``inference.row_pass.influence = "gram"``).
+   squares and cross-products over policies. Over the driver's budget (or ``keep_terms=False``) the others
+   arrive as moments of orders 1-3 and the prompts with a labelled row as the sums of their basis rows, built on
+   the shard from its part of the fit's per-labelled-row arrays (`LabelledBasis`, sent with the task): the
+   driver's `GramTerms` (`cje_engine.inference.gram`, result ``inference.row_pass.influence = "gram"``).
 3. `shard_histograms`: per bootstrap replicate ``b`` the shard's weighted (policy, cell) histogram under the
    prompt weights of ``(seed, b)``; whole numbers, so their sum over shards is exact in any order and the
    driver's replicates are bit-identical to the single-process ones (layout B). The weights of a chunk of
