@@ -32,3 +32,40 @@ def unique_inverse(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inv = np.empty(s.size, dtype=np.int64)
     inv[order] = np.cumsum(new) - 1
     return s[new], inv
+
+
+def small_unique_inverse(values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``numpy.unique(values, return_inverse=True)`` of an integer array whose values lie in ``[0, n)``, by
+    counting instead of sorting (O(values + n), no sort: for codes of a small table, such as the calibration
+    cells of millions of labelled rows). The same arrays as `numpy.unique`: the distinct values sorted, in the
+    dtype of ``values``, and each element's index among them (intp). Falls back to `numpy.unique` when ``n`` is
+    larger than the values (the sort is then the cheaper)."""
+    values = np.asarray(values).reshape(-1)
+    if n > max(values.size, 1 << 16) or values.size == 0:
+        return np.unique(values, return_inverse=True)
+    present = np.bincount(values, minlength=n) > 0  # raises on a negative value
+    if present.size > n:
+        raise ValueError(f"a value {present.size - 1} outside [0, {n})")
+    rank = np.cumsum(present, dtype=np.intp)
+    rank -= 1
+    return np.flatnonzero(present).astype(values.dtype, copy=False), rank[values]
+
+
+def present_codes(values: np.ndarray, n: int) -> np.ndarray:
+    """``numpy.unique(values)`` of integer codes in ``[0, n)`` with ``n`` small (policies, cells): by counting, no
+    sort or hash (the distinct codes sorted, int64)."""
+    values = np.asarray(values).reshape(-1)
+    return np.flatnonzero(np.bincount(values, minlength=n) > 0)
+
+
+def count_distinct(values: np.ndarray, n: int) -> int:
+    """``numpy.unique(values).size`` of integer codes in ``[0, n)`` (e.g. prompt codes): a one-byte mark per code
+    when ``n`` is at most 64 per value, else `unique_ints`' sort."""
+    values = np.asarray(values).reshape(-1)
+    if values.size == 0:
+        return 0
+    if n > 64 * values.size:
+        return int(unique_ints(values).size)
+    seen = np.zeros(n, dtype=bool)
+    seen[values] = True
+    return int(np.count_nonzero(seen))

@@ -22,6 +22,7 @@ import numpy as np
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import TWO_STAGE_MAX_KNOTS, Cells, clip_to, interp_flat, make_cells
 from cje_engine.data.frame import EvalData
+from cje_engine.data.ints import small_unique_inverse
 from cje_engine.errors import CJEInputError
 
 #: Rows per chunk of the row passes that would otherwise allocate several row-sized temporaries.
@@ -89,7 +90,8 @@ def row_cells(data: EvalData, mode: str) -> tuple:
 
 def _cell_index(data: EvalData, mode: str, cal: np.ndarray, rows: tuple | None = None) -> CellIndex:
     cells, row_cell, row_key, counts = rows if rows is not None else row_cells(data, mode)
-    cal_global, cal_cell = np.unique(row_cell[cal], return_inverse=True)
+    # the cells' codes are a small table: counted, not sorted (`numpy.unique`'s arrays)
+    cal_global, cal_cell = small_unique_inverse(row_cell[cal], cells.size)
     cal_cells = Cells(cells.score[cal_global], cells.X[cal_global],
                       *np.unique(cells.score[cal_global], return_inverse=True))
     cal_key = data.fold[cal] * cal_global.size + cal_cell
@@ -121,8 +123,9 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
                 f"calibration policy {unknown[0]!r} has no rows (policies: {', '.join(data.policies)})",
                 column="policy", option="calibration_policies",
             )
-        codes = [data.policies.index(p) for p in calibration_policies]
-        cal = lab[np.isin(data.policy[lab], codes)]
+        is_cal = np.zeros(len(data.policies), dtype=bool)  # a lookup a row: `numpy.isin`'s mask, without its sort
+        is_cal[[data.policies.index(p) for p in calibration_policies]] = True
+        cal = lab[is_cal[data.policy[lab]]]
     if cal.size == 0:
         raise CJEInputError(
             "no labelled rows to calibrate on"
@@ -131,7 +134,10 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
         )
     folds = data.fold[cal]
     y, s = data.label[cal], data.score[cal]
+    spread = [_spread_without(folds, y, data.n_folds), _spread_without(folds, s, data.n_folds)]
     for k in range(data.n_folds):
+        if spread[0][k] and spread[1][k]:
+            continue  # both the smallest and the largest label and score are in the other folds
         train = folds != k
         if not train.any() or np.ptp(y[train]) == 0 or np.ptp(s[train]) == 0:
             raise CJEInputError(
@@ -146,6 +152,20 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
     n_knots = entry.n_knots(cal.size, data.X.shape[1])
     return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal, rows),
                   n_knots=n_knots)
+
+
+def _spread_without(folds: np.ndarray, v: np.ndarray, n_folds: int) -> np.ndarray:
+    """Per fold k: whether the rows of the other folds surely hold two distinct values of ``v`` (both its
+    smallest and its largest value, which differ). False means "not known" (the exact check then runs): one pass
+    and two counts instead of K copies of the training rows."""
+    if v.size == 0:
+        return np.zeros(n_folds, dtype=bool)
+    lo, hi = v.min(), v.max()
+    if not lo < hi:  # one value, or NaN
+        return np.zeros(n_folds, dtype=bool)
+    n_lo = np.bincount(folds[v == lo], minlength=n_folds)
+    n_hi = np.bincount(folds[v == hi], minlength=n_folds)
+    return ((n_lo.sum() - n_lo) > 0) & ((n_hi.sum() - n_hi) > 0)
 
 
 def cross_fit(design: Design, row_w: np.ndarray | None = None):
@@ -181,7 +201,7 @@ class CalibrationPlan:
     cal_global: np.ndarray  # (Gc,) each calibration cell's index in ``cells``
     cal_cell: np.ndarray  # (m,) calibration cell of every calibration row
     y: np.ndarray  # (m,) label of every calibration row
-    key3: np.ndarray  # (3m,) flat (quantity, fold, cell) key of the fold sums
+    cal_key: np.ndarray  # (m,) flat (fold, cell) key of the fold sums
     order: np.ndarray | None  # (m,) batched: calibration rows grouped by fold
     fold_bounds: tuple  # (K,) (start, stop) of each fold in ``order``
     z_index: np.ndarray | None  # (m,) batched, in ``order``: flat (fit = fold + 1, cell) index into the fits' index
@@ -210,14 +230,14 @@ def calibration_plan(design: Design) -> CalibrationPlan:
         fold_cells = []
         for k in range(0 if batched else K):  # a mode fitted one fit at a time predicts each fold at its cells
             held = np.flatnonzero(folds == k)
-            used, pos = np.unique(ci.cal_cell[held], return_inverse=True)
+            used, pos = small_unique_inverse(ci.cal_cell[held], Gc)
             c = ci.cal_cells
             fold_cells.append((held, Cells(c.score[used], c.X[used], c.score_values, c.score_code[used]), pos))
         order = np.argsort(folds, kind="stable") if batched else None  # batched: out of fold in fold order
         plan = CalibrationPlan(
             mode=design.mode, n_folds=K, label_scale=d.label_scale, cells=ci.cells, cal_cells=ci.cal_cells,
             cal_global=ci.cal_global, cal_cell=ci.cal_cell, y=d.label[design.cal_rows],
-            key3=np.concatenate([ci.cal_key, ci.cal_key + K * Gc, ci.cal_key + 2 * K * Gc]),
+            cal_key=ci.cal_key,
             order=order, fold_bounds=tuple(zip((ends - size).tolist(), ends.tolist())),
             z_index=(folds[order] + 1) * Gc + ci.cal_cell[order] if batched else None,
             global_sorted=ci.cal_global[ci.cal_cell[order]] if batched else None,
@@ -233,16 +253,16 @@ def _fold_sums(plan: CalibrationPlan, wc: np.ndarray) -> tuple[np.ndarray, np.nd
     """Per-(fold, cell) sums of the calibration rows under weights ``wc``, and the fits' sums.
 
     Returns ``S`` (3, K, Gc): weight, weighted label sum and rows with positive weight per fold
-    and calibration cell (one ``bincount``), and ``M`` (3, K + 1, Gc): the same for the full
+    and calibration cell (a ``bincount`` each), and ``M`` (3, K + 1, Gc): the same for the full
     fit (``M[:, 0]``, all folds) and each fold's complement (``M[:, k + 1]``, all but fold k).
     """
     K, Gc = plan.n_folds, plan.cal_cells.size
-    m = wc.size
-    vals = np.empty(3 * m)
-    vals[:m] = wc
-    np.multiply(wc, plan.y, out=vals[m:2 * m])
-    np.greater(wc, 0, out=vals[2 * m:])
-    S = np.bincount(plan.key3, weights=vals, minlength=3 * K * Gc).reshape(3, K, Gc)
+    S = np.empty((3, K, Gc))
+    # one bincount a quantity over the same key: each bin sums its rows in row order, the bits of one bincount
+    # over the three keys side by side, without their (3m,) key and weights
+    S[0] = np.bincount(plan.cal_key, weights=wc, minlength=K * Gc).reshape(K, Gc)
+    S[1] = np.bincount(plan.cal_key, weights=wc * plan.y, minlength=K * Gc).reshape(K, Gc)
+    S[2] = np.bincount(plan.cal_key, weights=(wc > 0).astype(float), minlength=K * Gc).reshape(K, Gc)
     M = np.empty((3, K + 1, Gc))
     np.sum(S, axis=1, out=M[:, 0])
     np.subtract(M[:, :1], S, out=M[:, 1:])
@@ -639,7 +659,7 @@ def same_calibration(a: CalibrationPlan, b: CalibrationPlan) -> bool:
         return False
     pairs = [(a.cells.score, b.cells.score), (a.cells.X, b.cells.X), (a.cal_cells.score, b.cal_cells.score),
              (a.cal_cells.X, b.cal_cells.X), (a.cal_global, b.cal_global), (a.cal_cell, b.cal_cell), (a.y, b.y),
-             (a.key3, b.key3)]
+             (a.cal_key, b.cal_key)]
     return all(x.shape == y.shape and np.array_equal(x, y) for x, y in pairs)
 
 

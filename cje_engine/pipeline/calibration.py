@@ -32,7 +32,7 @@ from scipy.stats import norm
 
 from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
-from cje_engine.data.ints import unique_ints, unique_inverse
+from cje_engine.data.ints import count_distinct, present_codes, unique_inverse
 from cje_engine.calibration import registry
 from cje_engine.direct.estimators import (Design, cell_fits, cell_policy_stats, calibration_plan, influence, make_design,
                                           row_cells)
@@ -83,7 +83,14 @@ class Fit:
     def f_lab(self) -> np.ndarray:
         """Calibrated value of every labelled row (``design.lab_rows`` order), without ``f``."""
         lab, cr = self.design.lab_rows, self.design.cal_rows
-        f = self.F_all[self.design.cells.row_cell[lab]]
+        if cr.size == lab.size and np.array_equal(cr, lab):  # every labelled row trains the calibrator
+            return self.f_cal.copy()  # the values the gather below would overwrite entirely
+        row_cell = self.design.cells.row_cell
+        rows = _at_rows(row_cell, lab)
+        f = self.F_all[rows]
+        if rows is row_cell:  # the labelled rows are every row: a calibration row's place among them is its index
+            f[cr] = self.f_cal
+            return f
         pos = np.clip(np.searchsorted(cr, lab), 0, max(cr.size - 1, 0))
         is_cal = cr[pos] == lab
         f[is_cal] = self.f_cal[pos[is_cal]]
@@ -98,8 +105,9 @@ class Fit:
     def labelled_prompts(self) -> tuple[int, np.ndarray]:
         """(distinct prompts of the labelled rows, each labelled row's index among them): per-prompt sums over the
         labelled rows without a (prompts,) array of every prompt (`_sparse_column_var`)."""
-        u, inv = unique_inverse(self.design.data.prompt[self.design.lab_rows])
-        return int(u.size), inv.reshape(-1)
+        u, inv = unique_inverse(_at_rows(self.design.data.prompt, self.design.lab_rows))
+        inv = inv.reshape(-1)
+        return int(u.size), inv.astype(np.int32) if u.size < 2**31 else inv  # an index for bincount: 4 B a row
 
     def release(self) -> None:
         """Drop what is rebuilt, identical, on demand (the calibration plan cached on the design, the labelled
@@ -111,7 +119,30 @@ class Fit:
     @property
     def sources(self) -> np.ndarray:
         """Policy codes whose labels train the calibrator."""
-        return np.unique(self.design.data.policy[self.design.cal_rows])
+        pol = self.design.data.policy
+        present = np.bincount(pol[self.design.cal_rows], minlength=self.design.n_policies) > 0
+        return np.flatnonzero(present).astype(pol.dtype, copy=False)  # `numpy.unique`'s array, without a sort
+
+
+def _at_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``a[rows]`` for sorted distinct row indices ``rows``; ``a`` itself (read-only use) when they are every row
+    (the sharded driver's data holds only labelled rows: its labelled rows are all of them)."""
+    n = a.shape[0]
+    if rows.size == n and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1)):
+        return a
+    return a[rows]
+
+
+def _share_labelled_prompts(data: EvalData, fits: dict, shared: dict) -> None:
+    """Give every fit of ``fits`` the labelled rows' prompt index (`Fit.labelled_prompts`) computed once for
+    ``data``: it depends on its labelled rows only (every design's ``lab_rows``, `make_design`), the same in every
+    mode and round of robust pooling."""
+    for fit in fits.values():
+        if fit.design.data is not data:
+            continue
+        if "value" not in shared:
+            shared["value"] = fit.labelled_prompts
+        fit.__dict__["labelled_prompts"] = shared["value"]
 
 
 def fit_mode(data: EvalData, mode: str, sources: tuple[str, ...] | None, rows: tuple | None = None) -> Fit:
@@ -155,7 +186,7 @@ def audit_statistics(design: Design, stats: np.ndarray, infl: dict) -> tuple[np.
     """
     K = design.n_policies
     delta = stats[K:] - stats[:K]
-    is_source = np.isin(np.arange(K), np.unique(design.data.policy[design.cal_rows]))
+    is_source = np.isin(np.arange(K), present_codes(design.data.policy[design.cal_rows], K))
     psi = np.where(is_source[None, :], infl["calibration"][:, K:], infl["audit"])  # a new array: overwritten
     se = np.sqrt(np.maximum(_column_var(psi, overwrite=True), 0.0))
     se[~np.isfinite(delta)] = np.nan
@@ -182,7 +213,7 @@ def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_sour
     v_res = _column_var(infl["calibration"][:, K:])
     v = np.stack([v_res, np.maximum(np.nan_to_num(np.asarray(se, dtype=float)) ** 2 - v_res, 0.0)], axis=-1)
     g_own = np.asarray(n_own_prompts, dtype=float)
-    g_cal = float(unique_ints(d.prompt[design.cal_rows]).size)
+    g_cal = float(count_distinct(d.prompt[design.cal_rows], d.n_prompts))
     nu = np.stack([np.maximum(g_own - 1, 1), np.full(K, max(g_cal - 1, 1))], axis=-1)
     df = satterthwaite_df(v, nu)
     df[is_source] = np.inf
@@ -193,10 +224,10 @@ def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_sour
 def _labelled_residual_terms(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(prompt, weight, residual) of every labelled row, weights summing to 1 within each policy."""
     d, lab = fit.design.data, fit.design.lab_rows
-    lw = d.label_weight[lab]
-    den = np.bincount(d.policy[lab], weights=lw, minlength=fit.design.n_policies)
-    w = lw / den[d.policy[lab]]
-    return d.prompt[lab], w, d.label[lab] - fit.f_lab
+    lw, pol = _at_rows(d.label_weight, lab), _at_rows(d.policy, lab)
+    den = np.bincount(pol, weights=lw, minlength=fit.design.n_policies)
+    w = lw / den[pol]
+    return _at_rows(d.prompt, lab), w, _at_rows(d.label, lab) - fit.f_lab
 
 
 def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -210,7 +241,7 @@ def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     is_source = np.isin(np.arange(K), fit.sources)
     _, w, r = fit.residual_terms
     n_lab_prompts, lab_prompt = fit.labelled_prompts
-    pol = d.policy[fit.design.lab_rows]
+    pol = _at_rows(d.policy, fit.design.lab_rows)
     delta = np.full(K, np.nan)
     se = np.full(K, np.nan)
     for k in np.flatnonzero(is_source):
@@ -373,12 +404,14 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
     selection : the mode selection record (result ``calibration.selection``)
     excluded : one record per source removed from the calibrator, in order
     """
-    labelled = np.unique(data.policy[data.labelled])
+    labelled = present_codes(data.policy[data.labelled], len(data.policies))
     sources = opts.calibration_policies
     names = list(sources) if sources is not None else [data.policies[k] for k in labelled]
     excluded: list[dict] = []
     rows = {} if rows is None else rows  # row-level cell coding per mode, shared by every round
     selection, fits = choose_mode(data, opts, sources, rows)
+    shared: dict = {}  # the labelled rows' prompt index, the same in every fit (`_share_labelled_prompts`)
+    _share_labelled_prompts(data, fits, shared)
     fit = fits[selection["chosen"]]
     current = sources
     while True:
@@ -392,6 +425,7 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
         except CJEInputError as exc:
             log.warning("calibration source %s failed its audit but is kept: %s", bad["policy"], exc)
             selection, fits = choose_mode(data, opts, current, rows)
+            _share_labelled_prompts(data, fits, shared)
             fit = fits[selection["chosen"]]
             break
         current = rest
@@ -405,5 +439,6 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
         names = list(rest)
         selection, fits = selection_new, fits_new
         selection_new = fits_new = None
+        _share_labelled_prompts(data, fits, shared)
         fit = fits[selection["chosen"]]
     return fit, selection, excluded

@@ -18,7 +18,7 @@ from scipy.stats import t as student_t
 
 from cje_engine.audit import audit_policies, residual_deciles
 from cje_engine.data.frame import EvalData
-from cje_engine.data.ints import unique_ints
+from cje_engine.data.ints import count_distinct, present_codes
 from cje_engine.direct.estimators import Design
 from cje_engine.direct.verified import own_label_influence, power_tuned, power_tuned_lambda
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
@@ -229,7 +229,7 @@ def calibration_summary(prep: Any) -> dict:
         if sel.any():
             rel.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "n": int(sel.sum()),
                         "mean_predicted": float(pred[sel].mean()), "mean_label": float(y[sel].mean())})
-    cal_pols = sorted({d.policies[i] for i in np.unique(d.policy[cr])})
+    cal_pols = sorted({d.policies[i] for i in present_codes(d.policy[cr], len(d.policies))})
     return {
         "mode": prep.design.mode,
         "selection": prep.selection,
@@ -466,7 +466,7 @@ def _own_labels(design: Design) -> tuple[list[np.ndarray], np.ndarray, np.ndarra
     d, K = design.data, design.n_policies
     lab_pol = d.policy[design.lab_rows]
     own_rows = [design.lab_rows[lab_pol == k] for k in range(K)]
-    n_own_prompts = np.array([unique_ints(d.prompt[rows_k]).size for rows_k in own_rows])
+    n_own_prompts = np.array([count_distinct(d.prompt[rows_k], d.n_prompts) for rows_k in own_rows])
     return own_rows, np.bincount(lab_pol, minlength=K), n_own_prompts
 
 
@@ -680,7 +680,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     own_rows, n_own, n_own_prompts = _own_labels(design)
     totals = row_totals(prep)
     n_rows, n_prompts_k = totals.n_rows, totals.n_prompts
-    cal_set = set(np.unique(d.policy[design.cal_rows]).tolist())
+    cal_set = set(present_codes(d.policy[design.cal_rows], len(d.policies)).tolist())
     excluded = {e["policy"] for e in prep.excluded}
     n_cal = design.cal_rows.size
 

@@ -12,9 +12,10 @@ one shard whatever file or day it came from) and each shard is reduced where it 
    The driver fits the calibration from those exactly as the single-process path does.
 2. `shard_evaluation_terms`: the evaluation part of the influence terms per prompt (the same bits per
    prompt as the single-process path: a prompt's rows are in one shard, in the same order), and their sums,
-   squares and cross-products over policies. Over the driver's budget (or ``keep_terms=False``) only the
-   prompts with a labelled row keep their terms and the others arrive as moments of orders 1-3: the driver's
-   `GramTerms` (`cje_engine.inference.gram`, result ``inference.row_pass.influence = "gram"``).
+   squares and cross-products over policies. Over the driver's budget (or ``keep_terms=False``) the others
+   arrive as moments of orders 1-3 and the prompts with a labelled row as the sums of their basis rows, built on
+   the shard from its part of the fit's per-labelled-row arrays (`LabelledBasis`, sent with the task): the
+   driver's `GramTerms` (`cje_engine.inference.gram`, result ``inference.row_pass.influence = "gram"``).
 3. `shard_histograms`: per bootstrap replicate ``b`` the shard's weighted (policy, cell) histogram under the
    prompt weights of ``(seed, b)``; whole numbers, so their sum over shards is exact in any order and the
    driver's replicates are bit-identical to the single-process ones (layout B). The weights of a chunk of
@@ -666,17 +667,21 @@ class ShardTerms:
     labelled: np.ndarray | None = None  # Gram form: global codes of its prompts with a labelled row (sorted)
     labelled_terms: np.ndarray | None = None  # Gram form: (labelled prompts, K) their terms
     rest: Moments | None = None  # Gram form: moments (orders 1-3) of the other prompts' terms
+    sums: BasisSums | None = None  # Gram form with the driver's `LabelledBasis`: its labelled prompts' basis sums
 
 
 def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequence[str] | None,
                            codes: ShardCodes, F_all: np.ndarray, cal_row: np.ndarray, cal_f: np.ndarray,
-                           plug: np.ndarray, n_k: np.ndarray, keep_terms: bool = True) -> ShardTerms:
+                           plug: np.ndarray, n_k: np.ndarray, keep_terms: bool = True,
+                           basis: "LabelledBasis | None" = None) -> ShardTerms:
     """Pass 2 on one shard: every row's calibrated value (the full fit at its cell; out of fold on the
     calibration rows ``cal_row`` of the shard, values ``cal_f``) and its evaluation term
     ``(f - theta_k) / n_k`` summed per prompt (`estimators.evaluation_terms`, the same bits per prompt as the
     single-process path), with their sums and cross-products over policies. ``keep_terms=False`` (the Gram
     form): only the prompts with a labelled row keep their terms; the others are returned as their moments
-    (`cje_engine.inference.gram.Moments`), O(K^3) whatever the shard's size.
+    (`cje_engine.inference.gram.Moments`), O(K^3) whatever the shard's size. With ``basis`` (the shard's part of
+    the driver's `GramBuilder`, `GramBuilder.part`) the labelled prompts' terms are reduced here to their basis
+    sums (`LabelledBasis.sums`: the numbers the driver would compute, bit for bit) and not returned.
 
     ``shard``: pass 1's `ShardKept` of the shard (its codes, not read or hashed again) or its table
     (`shard_view`: the same codes, computed again)."""
@@ -702,6 +707,9 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
         out.labelled = codes.ranks(lab)
         out.labelled_terms = terms[lab]
         out.rest = Moments.of(terms[rest])
+        if basis is not None:
+            out.sums = basis.sums(out.labelled, out.labelled_terms)
+            out.labelled_terms = None
     return out
 
 
@@ -1268,16 +1276,18 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
     # the calibration rows of each shard: their window row and out-of-fold value
     cal_rows_window = lab_window_rows[cr]
     shard_of_row = lab_shard[cr]
+    # the Gram form: each shard's labelled prompts reduced to sums in its pass-2 task, from its part of the
+    # builder's per-row arrays (no basis rows kept, none built on the driver)
+    builder = None if keep_terms else GramBuilder(design, f, fit.full, stats, n_k, lab_shard, len(shards))
+    del lab_shard
     items = []
     for i, t in enumerate(kept or shards):
         sel = shard_of_row == i
-        items.append((t, cov, pols, codes[i], fit.F_all, cal_rows_window[sel], fit.f_cal[sel], plug, n_k, keep_terms))
+        items.append((t, cov, pols, codes[i], fit.F_all, cal_rows_window[sel], fit.f_cal[sel], plug, n_k, keep_terms,
+                      None if keep_terms else builder.parts[i]))
     del cal_rows_window, shard_of_row, lab_window_rows, sel
     merged.rows = None  # every mode's row coding: the chosen one lives on in the design
     total = np.zeros((merged.n_prompts, 2 * K)) if keep_terms else None
-    # the Gram form: each shard's labelled prompts reduced to sums as its part arrives (no basis rows kept)
-    builder = None if keep_terms else GramBuilder(design, f, fit.full, stats, n_k, lab_shard, len(shards))
-    del lab_shard
     gram = {"count": 0, "sum": np.zeros(K), "gram": np.zeros((K, K))}
     parts: list = [None] * len(shards)
     for i, res in mapper(shard_evaluation_terms, items):
@@ -1320,6 +1330,91 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
 BASIS_BLOCK_BYTES = 16 * 2**20
 
 
+@dataclass
+class LabelledBasis:
+    """One shard's part of `GramBuilder`: what the basis rows of its labelled prompts are built from (its labelled
+    rows' prompts, policies, label-residual and own-label contributions; its calibration rows' prompts, level-set
+    blocks and corrected residuals; the fit's level-set weights), so that pass 2 reduces them to their sums where
+    the shard's terms are (`shard_evaluation_terms`), in the blocks and order the driver would use: the same bits.
+    """
+
+    K: int
+    groups: np.ndarray  # (K, 5): policy k's e, c, r, audit and own dimensions
+    block: int  # labelled prompts a block of basis rows
+    gone: np.ndarray  # policies without labels (their residual and audit columns NaN)
+    own_gone: np.ndarray  # (K,) bool: the same for the own-label column
+    rho_cal: np.ndarray  # (K, level-set blocks)
+    rho_audit: np.ndarray  # (K, level-set blocks)
+    m: float
+    prompt_lab: np.ndarray  # (the shard's labelled rows,) global prompt code
+    lab_pol: np.ndarray
+    res_contrib: np.ndarray
+    own_contrib: np.ndarray
+    prompt_cal: np.ndarray  # (the shard's calibration rows,) global prompt code
+    b_cal: np.ndarray
+    resid_cal: np.ndarray
+
+    def sums(self, P: np.ndarray | None, terms: np.ndarray | None) -> BasisSums:
+        """The `BasisSums` of the shard's labelled prompts ``P`` (global codes, sorted) with evaluation terms
+        ``terms`` (P, K): their basis rows built and reduced a block of prompts at a time (`BASIS_BLOCK_BYTES`)."""
+        sums = BasisSums(5 * self.K, self.groups)
+        if P is None or not P.size:
+            return sums
+        if not np.array_equal(unique_ints(self.prompt_lab), P):
+            raise ValueError("a shard's labelled prompts are not the driver's")
+        loc_l = np.searchsorted(P, self.prompt_lab)
+        loc_c = np.searchsorted(P, self.prompt_cal)
+        for a in range(0, P.size, self.block):
+            b = min(a + self.block, P.size)
+            if a == 0 and b == P.size:
+                sums.add(self._rows(terms, None, None, loc_l, loc_c))
+                continue
+            kl = np.flatnonzero((loc_l >= a) & (loc_l < b))
+            kc = np.flatnonzero((loc_c >= a) & (loc_c < b))
+            sums.add(self._rows(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a))
+        return sums
+
+    def _rows(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray
+              ) -> np.ndarray:
+        """The basis rows of a block of labelled prompts (their terms ``e``; the shard's labelled rows ``sl`` and
+        calibration rows ``sc``, None: all, at block positions ``ll``, ``lc``), as `labelled_influence_parts`
+        writes them."""
+        K = self.K
+        n = e.shape[0]
+
+        def at(a: np.ndarray, idx: np.ndarray | None) -> np.ndarray:
+            return a if idx is None else a[idx]
+
+        base = np.empty((n, 5 * K))
+        base[:, :K] = e
+        residual, calibration, audit = base[:, 2 * K:3 * K], base[:, K:2 * K], base[:, 3 * K:4 * K]
+        key = ll.astype(np.int64) * K
+        key += at(self.lab_pol, sl)
+        residual[...] = np.bincount(key, weights=at(self.res_contrib, sl), minlength=n * K).reshape(n, K)
+        residual[:, self.gone] = np.nan
+        b_cal, resid = at(self.b_cal, sc), at(self.resid_cal, sc)
+        for k in range(K):
+            calibration[:, k] = np.bincount(lc, weights=self.rho_cal[k][b_cal] * resid / self.m, minlength=n)
+            audit[:, k] = np.bincount(lc, weights=self.rho_audit[k][b_cal] * resid / self.m, minlength=n)
+        np.nan_to_num(calibration, copy=False)
+        np.subtract(residual, audit, out=audit)
+        audit[:, self.gone] = np.nan
+        np.nan_to_num(audit, copy=False)
+        np.nan_to_num(residual, copy=False)
+        own = np.bincount(key, weights=at(self.own_contrib, sl), minlength=n * K).reshape(n, K)
+        own[:, self.own_gone] = np.nan
+        base[:, 4 * K:] = np.nan_to_num(own, copy=False)
+        return base
+
+
+def labelled_basis_task_bytes(n_labelled: int) -> int:
+    """Bytes a pass-2 task holds beyond its rows' arrays to reduce ``n_labelled`` labelled rows' basis sums
+    (`LabelledBasis.sums`): its part's arrays (prompt, policy and two contributions a labelled row, prompt, block and
+    residual a calibration row: at most 56 B), their block positions, masks and the sort of the labelled prompts
+    (~56 B more), and a block of basis rows with its per-policy copies and products (5 x `BASIS_BLOCK_BYTES`)."""
+    return int(112 * n_labelled + 5 * BASIS_BLOCK_BYTES)
+
+
 class GramBuilder:
     """Direct's influence terms in the Gram form (`cje_engine.inference.gram`) from pass 2's parts, as they arrive.
 
@@ -1327,10 +1422,13 @@ class GramBuilder:
     part of the plug-in, label-residual part of the augmented level, audit term, own-label term; the last four the
     values of `labelled_influence_parts` and `verified.own_label_influence` on the labelled prompts, bit for bit)
     is built a shard's part at a time, a block of its prompts at a time (`BASIS_BLOCK_BYTES`), and reduced at once
-    to its sums, cross-products and per-policy third moments (`BasisSums`): the rows are never all held. Every
-    other prompt enters through the moments of its ``e``. The shards' sums are added in shard order (`finish`):
-    the same numbers whatever the order of arrival. ``total = [e + c | e + r]``, ``calibration = [c | r]``; a
-    column NaN for lack of labels is NaN for every prompt (in the column map).
+    to its sums, cross-products and per-policy third moments (`BasisSums`): the rows are never all held. What a
+    shard's rows are built from is its `LabelledBasis` (``parts[i]``): sent with its pass-2 task, the shard builds
+    and reduces them itself (`shard_evaluation_terms`) while the others run, and the driver only adds the sums;
+    else the driver builds them as the part arrives (`add`). Every other prompt enters through the moments of its
+    ``e``. The shards' sums are added in shard order (`finish`): the same numbers whatever the order of arrival
+    or where they were reduced. ``total = [e + c | e + r]``, ``calibration = [c | r]``; a column NaN for lack of
+    labels is NaN for every prompt (in the column map).
 
     Parameters
     ----------
@@ -1352,82 +1450,59 @@ class GramBuilder:
         lab_pol = _take(d.policy, lab)
         y = _take(d.label, lab)
         den = np.bincount(lab_pol, weights=lw, minlength=K)
+        per_lab = {}
         with np.errstate(invalid="ignore", divide="ignore"):
-            self.res_contrib = lw * ((y - _take(f, lab)) - (aug - plug)[lab_pol]) / den[lab_pol]  # labelled_influence_parts
+            per_lab["res_contrib"] = lw * ((y - _take(f, lab)) - (aug - plug)[lab_pol]) / den[lab_pol]  # labelled_influence_parts
             means = np.bincount(lab_pol, weights=lw * y, minlength=K) / den  # own_label_influence
-            self.own_contrib = lw * (y - means[lab_pol]) / den[lab_pol]
-        self.gone = np.flatnonzero(den <= 0)
-        self.own_gone = den <= 0
+            per_lab["own_contrib"] = lw * (y - means[lab_pol]) / den[lab_pol]
+        gone = np.flatnonzero(den <= 0)
+        own_gone = den <= 0
         ls = level_set_shares(design, full, f[cr])
-        self.b_cal, self.resid_cal, self.m = ls.b_cal, ls.resid_cal, ls.m
         G = design.cells.cells.size
         lab_counts = np.bincount(lab_pol.astype(np.int64) * G + _take(design.cells.row_cell, lab),
                                  weights=lw, minlength=K * G).reshape(K, G)
         del lw, y
         with np.errstate(invalid="ignore", divide="ignore"):
             lab_share = np.where(den[:, None] > 0, lab_counts / den[:, None], 0.0)
-        self.rho_cal = _level_set_weights(ls, design.cells.counts / n_k[:, None])
-        self.rho_audit = _level_set_weights(ls, lab_share)
-        self.lab_pol = lab_pol
-        self.prompt_lab, self.prompt_cal = _take(d.prompt, lab), _take(d.prompt, cr)
-        self.shard_lab, self.shard_cal = _take(lab_shard, lab), _take(lab_shard, cr)
+        rho_cal = _level_set_weights(ls, design.cells.counts / n_k[:, None])
+        rho_audit = _level_set_weights(ls, lab_share)
+        per_lab["lab_pol"] = lab_pol
+        per_lab["prompt_lab"] = _take(d.prompt, lab)
+        per_cal = {"prompt_cal": _take(d.prompt, cr), "b_cal": ls.b_cal, "resid_cal": ls.resid_cal}
+        D = 5 * K
+        groups = np.arange(D).reshape(5, K).T  # policy k: its e, c, r, audit and own dimensions
+        self.groups = groups
+        block = max(1, BASIS_BLOCK_BYTES // (8 * D))
+        # each shard's rows of every per-row array, taken an array at a time (the whole array then released)
+        rows_l = _rows_by_shard(_take(lab_shard, lab), n_shards)
+        rows_c = _rows_by_shard(_take(lab_shard, cr), n_shards)
+        # the codes sent in their smallest integer type (indices and keys only: the same values, fewer bytes)
+        small = {"lab_pol": _small_int(K), "prompt_lab": _small_int(d.n_prompts), "prompt_cal": _small_int(d.n_prompts),
+                 "b_cal": _small_int(ls.n_blocks)}
+        split = {}
+        for rows, arrays in ((rows_l, per_lab), (rows_c, per_cal)):
+            for name in list(arrays):
+                a = arrays.pop(name)
+                split[name] = [a[r].astype(small[name], copy=False) if name in small else a[r] for r in rows]
+                del a
+        m = ls.m
+        ls = None
+        self.gone = gone
+        self.parts: list = [LabelledBasis(K, groups, block, gone, own_gone, rho_cal, rho_audit, m,
+                                          **{name: v[i] for name, v in split.items()}) for i in range(n_shards)]
         self.rest: list = [None] * n_shards
         self.sums: list = [None] * n_shards
-        D = 5 * K
-        self.groups = np.arange(D).reshape(5, K).T  # policy k: its e, c, r, audit and own dimensions
-        self.block = max(1, BASIS_BLOCK_BYTES // (8 * D))
 
     def add(self, i: int, res: ShardTerms) -> None:
-        """Reduce shard ``i``'s part (its labelled prompts' terms are released; its ``rest`` moments kept)."""
-        K = self.K
+        """Take shard ``i``'s part: its labelled prompts' basis sums, reduced on the shard (``res.sums``) or here
+        from their terms (released); its ``rest`` moments kept."""
         self.rest[i] = res.rest
-        sums = BasisSums(5 * K, self.groups)
-        P = res.labelled
-        if P is not None and P.size:
-            rl = np.flatnonzero(self.shard_lab == i)
-            rc = np.flatnonzero(self.shard_cal == i)
-            if not np.array_equal(unique_ints(self.prompt_lab[rl]), P):
-                raise ValueError("a shard's labelled prompts are not the driver's")
-            loc_l = np.searchsorted(P, self.prompt_lab[rl])
-            loc_c = np.searchsorted(P, self.prompt_cal[rc])
-            for a in range(0, P.size, self.block):
-                b = min(a + self.block, P.size)
-                if a == 0 and b == P.size:
-                    sl, sc = rl, rc
-                    ll, lc = loc_l, loc_c
-                else:
-                    kl = (loc_l >= a) & (loc_l < b)
-                    kc = (loc_c >= a) & (loc_c < b)
-                    sl, sc, ll, lc = rl[kl], rc[kc], loc_l[kl] - a, loc_c[kc] - a
-                sums.add(self._rows(res.labelled_terms[a:b], sl, sc, ll, lc))
-        res.labelled_terms = None
-        self.sums[i] = sums
-
-    def _rows(self, e: np.ndarray, sl: np.ndarray, sc: np.ndarray, ll: np.ndarray, lc: np.ndarray) -> np.ndarray:
-        """The basis rows of a block of labelled prompts (their terms ``e``; their labelled rows ``sl`` and
-        calibration rows ``sc`` at block positions ``ll``, ``lc``), as `labelled_influence_parts` writes them."""
-        K = self.K
-        n = e.shape[0]
-        base = np.empty((n, 5 * K))
-        base[:, :K] = e
-        residual, calibration, audit = base[:, 2 * K:3 * K], base[:, K:2 * K], base[:, 3 * K:4 * K]
-        key = ll.astype(np.int64) * K
-        key += self.lab_pol[sl]
-        residual[...] = np.bincount(key, weights=self.res_contrib[sl], minlength=n * K).reshape(n, K)
-        residual[:, self.gone] = np.nan
-        b_cal, resid = self.b_cal[sc], self.resid_cal[sc]
-        for k in range(K):
-            calibration[:, k] = np.bincount(lc, weights=self.rho_cal[k][b_cal] * resid / self.m, minlength=n)
-            audit[:, k] = np.bincount(lc, weights=self.rho_audit[k][b_cal] * resid / self.m, minlength=n)
-        np.nan_to_num(calibration, copy=False)
-        np.subtract(residual, audit, out=audit)
-        audit[:, self.gone] = np.nan
-        np.nan_to_num(audit, copy=False)
-        np.nan_to_num(residual, copy=False)
-        own = np.bincount(key, weights=self.own_contrib[sl], minlength=n * K).reshape(n, K)
-        own[:, self.own_gone] = np.nan
-        base[:, 4 * K:] = np.nan_to_num(own, copy=False)
-        return base
+        if res.sums is not None:
+            self.sums[i] = res.sums
+        else:
+            self.sums[i] = self.parts[i].sums(res.labelled, res.labelled_terms)
+        res.labelled_terms = res.sums = None
+        self.parts[i] = None
 
     def finish(self) -> dict[str, GramTerms]:
         """The influence terms (``total``, ``calibration``, ``audit``, ``own``) from every shard's sums, added in
@@ -1448,6 +1523,11 @@ class GramBuilder:
         maps["own"][:, gone] = np.nan
         basis = SummedBasis(sums, rest)
         return {name: GramTerms(basis, M) for name, M in maps.items()}
+
+
+def _rows_by_shard(shard: np.ndarray, n_shards: int) -> list[np.ndarray]:
+    """The positions of each shard's entries in ``shard`` (each shard's in increasing order)."""
+    return [np.flatnonzero(shard == i) for i in range(n_shards)]
 
 
 def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -184,7 +184,10 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
     if counts["n_labelled"] == 0:
         raise CJEInputError("no row of the window has an oracle label", source=plan.logs_uri, column="oracle_label")
     per_task = sharded_ray.task_memory(counts["n_rows"] // n_shards)
-    memory: dict = {}  # per pass where it differs from a shard task's: the bootstrap's weights (known after pass 1)
+    # per pass where it differs from a shard task's: pass 2 in the Gram form also reduces the shard's labelled
+    # prompts' basis rows (`sharded.LabelledBasis`), the bootstrap's weights (known after pass 1)
+    memory: dict = {"shard_evaluation_terms": per_task + sharded.labelled_basis_task_bytes(
+        -(-counts["n_labelled"] // n_shards))}
     mapper = sharded_ray.ray_mapper(memory=lambda name: memory.get(name, per_task))
     sp = sharded.prepare_sharded(refs, opts, mapper=mapper, reason=reason)
     memory.update(sharded_ray.bootstrap_task_memory(sp))

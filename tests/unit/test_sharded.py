@@ -321,6 +321,34 @@ def test_the_gram_builder_writes_the_labelled_parts_bit_for_bit_a_block_at_a_tim
     assert np.array_equal(got[:, K:], want[:, K:])
 
 
+def test_the_labelled_basis_sums_reduced_on_the_shards_are_the_drivers_bit_for_bit(table, monkeypatch):
+    """Pass 2 reduces each shard's labelled prompts to their basis sums on the shard (its `LabelledBasis`, sent
+    with the task); without it the driver reduces them from the returned terms: the same sums, bit for bit, and
+    the same result, whatever the order the shards' parts arrive in."""
+    monkeypatch.setattr(sharded, "BASIS_BLOCK_BYTES", 8 * 15 * 17)  # blocks of 17 prompts: several a shard
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic", calibration_policies=("base", "clone"))
+    sent = []
+
+    def on_driver(fn, items):  # the basis not sent: each part returns its labelled terms, reduced by the driver
+        if fn is sharded.shard_evaluation_terms:
+            sent.extend(item[-1] for item in items)
+            items = [item[:-1] + (None,) for item in items]
+        return reversed(list(sharded.serial_map(fn, items)))
+
+    shards = _range_split(table, 3)
+    on_shards = sharded.prepare_sharded(shards, opts, keep_terms=False)
+    driver = sharded.prepare_sharded(shards, opts, mapper=on_driver, keep_terms=False)
+    assert len(sent) == 3 and all(isinstance(b, sharded.LabelledBasis) and b.prompt_lab.size for b in sent)
+    a, b = on_shards.prep.infl["total"].basis, driver.prep.infl["total"].basis
+    for name in ("n", "sum", "cross", "cubes"):
+        assert np.array_equal(getattr(a.sums, name), getattr(b.sums, name)), name
+    for name in ("n", "s", "S", "T"):
+        assert np.array_equal(getattr(a.moments, name), getattr(b.moments, name)), name
+    x, y = dict(_numbers(on_shards.finalize([]).to_dict())), dict(_numbers(driver.finalize([]).to_dict()))
+    assert x.keys() == y.keys()
+    assert {k: v for k, v in x.items() if "generated" not in k} == {k: v for k, v in y.items() if "generated" not in k}
+
+
 def test_a_gram_result_answers_confint_and_compare_and_refuses_per_prompt_terms(table, tmp_path):
     opts = EvaluationOptions.of(None, seed=3, inference="analytic")
     single = direct.evaluate(table, opts)

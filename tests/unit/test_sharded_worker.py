@@ -6,7 +6,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from cje_engine.data.ints import unique_ints, unique_inverse
+from cje_engine.data.ints import count_distinct, present_codes, small_unique_inverse, unique_ints, unique_inverse
 from cje_engine.pipeline import sharded
 from flows.runtime import sharded_ray
 
@@ -209,6 +209,23 @@ def test_prompts_per_policy_and_unique_inverse_are_numpy_unique():
         assert np.array_equal(u, wu) and np.array_equal(inv, winv)
 
 
+def test_the_counting_uniques_are_numpy_unique():
+    """`small_unique_inverse`, `present_codes` and `count_distinct` (the fit's and the finalize's codes of cells,
+    policies and prompts, by counting) give `numpy.unique`'s arrays and sizes, dtype included, on both their
+    counting and their sorting paths."""
+    rng = np.random.default_rng(3)
+    for n, rows, dtype in ((21, 5000, np.int32), (7, 3, np.int64), (1, 1, np.int8), (4, 0, np.int32),
+                           (200_000, 50, np.int64), (70_000, 70_000, np.int32)):
+        v = rng.integers(0, n, rows).astype(dtype)
+        wu, winv = np.unique(v, return_inverse=True)
+        u, inv = small_unique_inverse(v, n)
+        assert u.dtype == wu.dtype and np.array_equal(u, wu) and np.array_equal(inv, winv)
+        assert np.array_equal(present_codes(v, n), wu)
+        assert count_distinct(v, n) == wu.size
+    with pytest.raises(ValueError):
+        small_unique_inverse(np.array([0, 5]), 3)
+
+
 def test_the_shards_evaluation_terms_are_the_estimators_bit_for_bit():
     from cje_engine.direct.estimators import evaluation_terms
 
@@ -250,6 +267,9 @@ def test_passes_2_and_3_on_kept_codes_give_the_parts_of_the_shards_read_again(ke
         if not keep_terms:
             for name in ("n", "s", "S", "T"):
                 assert np.array_equal(getattr(fast.rest, name), getattr(slow.rest, name)), name
+            assert fast.labelled_terms is None and fast.sums is not None  # reduced on the shard
+            for name in ("n", "sum", "cross", "cubes"):
+                assert np.array_equal(getattr(fast.sums, name), getattr(slow.sums, name)), name
         args = (tuple(opts.covariates), None, sp.codes[i], 11, 0, 7, sp.n_prompts, sp.prep.design.n_policies)
         assert np.array_equal(sharded.shard_histograms(sp.kept[i], *args), sharded.shard_histograms(shards[i], *args))
 
