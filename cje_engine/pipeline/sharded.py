@@ -175,10 +175,98 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
     return [taken.slice(bounds[s], bounds[s + 1] - bounds[s]) for s in range(n_shards)]
 
 
+class _PrefixWords:
+    """Big-endian ``uint64`` words of the UTF-8 bytes of each string of ``ids`` (``pyarrow.string``, no nulls):
+    ``word(i)`` is bytes ``8i..8i+7`` of each string, zero-padded (an unaligned 8-byte load a string, as
+    `flows.runtime.sharded_ray.id_fingerprint` reads them), of every string or of the strings at ``rows``.
+
+    For two ids whose words differ, the first differing word's order is the strings' (its first differing byte is
+    a real byte of both, or the padding of the shorter, a prefix of the other); equal words say nothing (``"a"``
+    and ``"a\\0"``, or ids sharing those bytes)."""
+
+    def __init__(self, ids: pa.Array) -> None:
+        n = len(ids)
+        _, off_buf, data_buf = ids.buffers()
+        off = np.frombuffer(off_buf, dtype=np.int32)[ids.offset:ids.offset + n + 1].astype(np.int64)
+        base, size = int(off[0]), int(off[-1]) - int(off[0])
+        data = np.empty(size + 24, dtype=np.uint8)  # zero padding: a load of word 0 or 1 stays inside
+        data[size:] = 0
+        if size:
+            data[:size] = np.frombuffer(data_buf, dtype=np.uint8)[base:base + size]
+        self.words = np.ndarray(shape=(size + 17,), dtype="<u8", buffer=data, strides=(1,))  # a word at every byte
+        self.start, self.length = off[:-1] - base, off[1:] - off[:-1]
+
+    def word(self, i: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """Word ``i`` (0 or 1) of every string (``rows`` None) or of the strings at ``rows``."""
+        start = self.start if rows is None else self.start[rows]
+        length = self.length if rows is None else self.length[rows]
+        out = self.words[start + 8 * i if i else start]
+        out &= np.array(_BYTE_MASKS, dtype=np.uint64)[np.clip(length - 8 * i, 0, 8)]
+        return out.byteswap(inplace=True)
+
+
+#: The bits of a little-endian word that keep its first 0-8 bytes (`_prefix_words`).
+_BYTE_MASKS = tuple((1 << (8 * k)) - 1 for k in range(8)) + ((1 << 64) - 1,)
+
+
+def _search_words(cut: np.ndarray, key: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``[lo, hi)`` narrowed to the splitters of each run ``[lo, hi)`` whose word ``cut`` equals ``key`` (the
+    splitters of a run share their previous words, so their ``cut`` are sorted): a binary search a row among its
+    run, run by run (the runs are few: splitters sharing a prefix)."""
+    new_lo, new_hi = lo.copy(), hi.copy()
+    for j in np.unique(lo):
+        rows = np.flatnonzero(lo == j)
+        sub = cut[int(j):int(hi[rows[0]])]
+        new_hi[rows] = j + np.searchsorted(sub, key[rows], side="right")
+        new_lo[rows] = j + np.searchsorted(sub, key[rows], side="left")
+    return new_lo, new_hi
+
+
 def range_shard(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[str]) -> np.ndarray:
     """Shard of each id under sorted ``splitters``: how many splitters are <= it (``numpy.searchsorted(splitters,
-    id, side="right")``), one vectorized Arrow comparison per splitter (UTF-8 bytes compare in code-point order,
-    Python's order of `str`); no Python string per row."""
+    id, side="right")``; UTF-8 bytes compare in code-point order, Python's order of `str`); no Python string a row.
+
+    One binary search a row among the splitters' first 8 bytes (`_prefix_words`); the ids whose first word equals
+    some splitters' are searched among those by bytes 8-15, and those tied again compared as strings with the
+    tied splitters only (one vectorized Arrow comparison a tied splitter, over its tied ids).
+    `range_shard_reference` is the slow obvious computation (a comparison a splitter, over every id)."""
+    ids = ids.cast(pa.string())
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks() if ids.num_chunks else pa.array([], pa.string())
+    cuts = list(splitters)
+    if not cuts or len(ids) == 0:
+        return np.zeros(len(ids), dtype=np.int64)
+    if any(b > a for a, b in zip(cuts[1:], cuts)):
+        raise ValueError("range_shard: the splitters are not sorted")
+    if ids.null_count:  # a null is below every splitter (`range_shard_reference`: a comparison with null is false)
+        return range_shard_reference(ids, cuts)
+    words, cut_words = _PrefixWords(ids), _PrefixWords(pa.array(cuts, pa.string()))
+    w0, c0 = words.word(0), cut_words.word(0)
+    lo = np.searchsorted(c0, w0, side="right")  # splitters whose first word is <= the id's ...
+    tied = np.flatnonzero(lo > 0)
+    tied = tied[c0[lo[tied] - 1] == w0[tied]]  # ... all below the id but those whose first word is the id's
+    if tied.size:
+        hi = lo[tied]
+        lo1, hi1 = _search_words(cut_words.word(1), words.word(1, tied), np.searchsorted(c0, w0[tied]), hi)
+        again = np.flatnonzero(lo1 < hi1)
+        if again.size:  # the same 16 bytes as some splitters: compared as strings with those
+            sub = ids.take(pa.array(tied[again]))
+            run = lo1[again]
+            add = np.zeros(again.size, dtype=np.int64)
+            for j in np.unique(run):
+                rows = np.flatnonzero(run == j)
+                part = sub.take(pa.array(rows)) if rows.size < again.size else sub
+                for k in range(int(j), int(hi1[again[rows[0]]])):
+                    ge = pc.greater_equal(part, pa.scalar(cuts[k], pa.string()))
+                    add[rows] += np.asarray(ge.to_numpy(zero_copy_only=False), dtype=np.int64)
+            lo1[again] += add
+        lo[tied] = lo1
+    return lo.astype(np.int64, copy=False)
+
+
+def range_shard_reference(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[str]) -> np.ndarray:
+    """`range_shard` the slow obvious way: one vectorized Arrow comparison a splitter, over every id (a null id
+    is below every splitter)."""
     ids = ids.cast(pa.string())
     shard = np.zeros(len(ids), dtype=np.int64)
     for cut in splitters:
