@@ -276,6 +276,141 @@ def range_shard_reference(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[s
     return shard
 
 
+#: Distinct scores of a piece up to which `pack_piece` ships its score as codes into their values (2 bytes a row
+#: at most, instead of 8).
+PACK_SCORE_VALUES = 2**16
+#: Rows of a piece whose distinct scores `pack_piece` counts first: more than `PACK_SCORE_VALUES` among them and
+#: the score is shipped plain without hashing the rest.
+PACK_SCORE_PROBE = 8192
+
+
+@dataclass
+class PackedPiece:
+    """A reader's piece of a shard in the form it crosses the object store (`pack_piece`; `unpack_pieces` gives
+    back the table every pass reads, the same values in every column a pass reads).
+
+    What an unlabelled row does not need is not shipped: the label and its probability only for the labelled
+    rows (their positions in the piece, with the values); the window place `ROW` as its steps from the previous
+    row (a piece's rows are in window order; 1-2 bytes a row); the score, when the piece has few distinct
+    values, as codes into them (1-2 bytes a row); every other column as it is."""
+
+    table: pa.Table  # the piece without LABEL, LABEL_PROB and ROW; SCORE as codes when ``score_values``
+    schema: pa.Schema  # the piece's schema as `split_by_shard` gave it (columns in order, metadata)
+    row_first: int  # `ROW` of its first row
+    row_step: np.ndarray | None  # (n,) unsigned: ROW minus the previous row's (0 first); None: ``row`` shipped
+    row: np.ndarray | None  # (n,) int64: ROW as it is (steps too wide), else None
+    score_values: np.ndarray | None  # float64 values the codes index (bit patterns kept), None: SCORE plain
+    lab_pos: np.ndarray  # (L,) uint32/int64: positions of the rows whose label is a number
+    label: np.ndarray | None  # (L,) float64: their labels (None: no LABEL column)
+    label_prob: np.ndarray | None  # (L,) float64: their LABEL_PROB (NaN: null; None: no such column)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the piece."""
+        return self.table.num_rows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its buffers (what it puts in the object store, but for a small header)."""
+        arrays = (self.row_step, self.row, self.score_values, self.lab_pos, self.label, self.label_prob)
+        return int(self.table.nbytes + sum(a.nbytes for a in arrays if a is not None))
+
+
+def _float_column(table: pa.Table, name: str) -> np.ndarray:
+    """A column as float64 the way the passes read it (`shard_rows`: nulls are NaN)."""
+    col = table[name]
+    return np.asarray(col.to_numpy(zero_copy_only=False) if isinstance(col, pa.Array) else
+                      col.combine_chunks().to_numpy(zero_copy_only=False) if col.num_chunks else [], dtype=float)
+
+
+def _unsigned(top: int) -> type | None:
+    """The smallest unsigned type holding ``0..top`` (None: wider than 32 bits)."""
+    return np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32 if top < 2**32 else None
+
+
+def _score_codes(table: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
+    """(codes, values) of a float64 score column without nulls with at most `PACK_SCORE_VALUES` distinct values
+    (distinct by bit pattern: ``-0.0`` and ``0.0``, every NaN kept as it is), else None."""
+    col = table[SCORE]
+    if not pa.types.is_float64(col.type) or col.null_count or table.num_rows == 0:
+        return None
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    bits = np.asarray(col.to_numpy()).view(np.uint64)
+    if np.unique(bits[:PACK_SCORE_PROBE]).size > PACK_SCORE_VALUES:
+        return None
+    enc = pc.dictionary_encode(pa.array(bits))  # one hash pass
+    if len(enc.dictionary) > PACK_SCORE_VALUES:
+        return None
+    codes = np.asarray(enc.indices.to_numpy()).astype(_unsigned(len(enc.dictionary) - 1))
+    return codes, np.asarray(enc.dictionary.to_numpy()).view(np.float64).copy()
+
+
+def pack_piece(table: pa.Table) -> PackedPiece:
+    """A piece of `split_by_shard` (its `ROW` increasing) as it crosses the object store (`PackedPiece`)."""
+    drop = [c for c in (LABEL, LABEL_PROB, ROW) if c in table.column_names]
+    col = table[ROW]
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    row = np.asarray(col.to_numpy(), dtype=np.int64)
+    step = np.diff(row, prepend=row[:1])
+    kind = np.uint8 if row.size == 0 else _unsigned(int(step.max())) if int(step.min()) >= 0 else None
+    if LABEL in table.column_names:
+        label = _float_column(table, LABEL)
+        lab = np.flatnonzero(~np.isnan(label))
+        label = label[lab]
+    else:
+        lab, label = np.empty(0, dtype=np.int64), None
+    prob = _float_column(table, LABEL_PROB)[lab] if LABEL_PROB in table.column_names else None
+    coded = _score_codes(table) if SCORE in table.column_names else None
+    body = table.drop_columns(drop)
+    if coded is not None:
+        body = body.set_column(body.column_names.index(SCORE), SCORE, pa.array(coded[0]))
+    return PackedPiece(table=body, schema=table.schema, row_first=int(row[0]) if row.size else 0,
+                       row_step=step.astype(kind) if kind is not None else None,
+                       row=None if kind is not None else row, score_values=None if coded is None else coded[1],
+                       lab_pos=lab.astype(_unsigned(max(table.num_rows - 1, 0)) or np.int64), label=label,
+                       label_prob=prob)
+
+
+def unpack_piece(piece: PackedPiece) -> pa.Table:
+    """The table of a `PackedPiece`: its columns in the order and with the metadata of the piece it was packed
+    from; `ROW` and SCORE as they were, LABEL float64 (NaN where unlabelled: the passes read a null label as NaN)
+    and LABEL_PROB float64 (its values at the labelled rows, NaN elsewhere: the passes read it there only)."""
+    n = piece.num_rows
+    cols = {}
+    if piece.row is not None:
+        cols[ROW] = pa.array(piece.row)
+    else:
+        row = np.cumsum(piece.row_step, dtype=np.int64)
+        row += piece.row_first
+        cols[ROW] = pa.array(row)
+    lab = piece.lab_pos.astype(np.int64)
+    for name, values in ((LABEL, piece.label), (LABEL_PROB, piece.label_prob)):
+        if values is not None:
+            full = np.full(n, np.nan)
+            full[lab] = values
+            cols[name] = pa.array(full)
+    if piece.score_values is not None:
+        codes = piece.table[SCORE]
+        codes = codes.combine_chunks() if isinstance(codes, pa.ChunkedArray) else codes
+        cols[SCORE] = pa.array(piece.score_values[np.asarray(codes.to_numpy())])
+    arrays, fields = [], []
+    for f in piece.schema:
+        if f.name in cols:
+            arrays.append(cols[f.name])
+            fields.append(pa.field(f.name, cols[f.name].type))
+        else:
+            arrays.append(piece.table[f.name])
+            fields.append(f)
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=piece.schema.metadata))
+
+
+def unpack_pieces(*pieces: Any) -> pa.Table:
+    """One shard's table from its pieces (tables or `PackedPiece`, in window order; the plain tables zero-copy)."""
+    tables = [unpack_piece(p) if isinstance(p, PackedPiece) else p for p in pieces]
+    kept = [t for t in tables if t.num_rows]
+    return pa.concat_tables(kept, promote_options="default") if kept else tables[0]
+
+
 #: Rows a reader's sample looks at, per id it returns (`sample_prompt_ids`): the rest are not sorted.
 SAMPLE_ROWS_PER_ID = 64
 

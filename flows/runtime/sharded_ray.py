@@ -228,7 +228,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     import pyarrow as pa
 
     from cje_engine.data.frame import POLICY
-    from cje_engine.pipeline.sharded import ROW, split_by_shard
+    from cje_engine.pipeline.sharded import ROW, pack_piece, split_by_shard
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
@@ -266,7 +266,11 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     if keep is not None:
         table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
     table = compact_policy(table)
-    return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
+    # each piece as it crosses the object store: the labels of the labelled rows only, the row places as steps, the
+    # score as codes into its few values (`pack_piece`; `_concat` unpacks them in the task that reads the shard)
+    pieces = [pack_piece(t) for t in split_by_shard(table, n_shards, splitters=splitters)]
+    info["piece_bytes"] = sum(p.nbytes for p in pieces)
+    return (*pieces, *rids, info)
 
 
 def compact_policy(table):
@@ -435,11 +439,11 @@ def duplicate_response_id_error(found: dict, keys: Sequence[str], source: str):
 
 
 def _concat(*parts):
-    """One shard's table from its pieces of every file (in file order: window order; zero-copy)."""
-    import pyarrow as pa
+    """One shard's table from its pieces of every file (in file order: window order; `split_file`'s packed pieces
+    unpacked, `cje_engine.pipeline.sharded.unpack_pieces`; plain tables zero-copy)."""
+    from cje_engine.pipeline.sharded import unpack_pieces
 
-    kept = [p for p in parts if p.num_rows]
-    return pa.concat_tables(kept, promote_options="default") if kept else parts[0]
+    return unpack_pieces(*parts)
 
 
 class ShardPieces:
