@@ -281,7 +281,7 @@ def range_shard_reference(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[s
 PACK_SCORE_VALUES = 2**16
 #: Rows of a piece whose distinct scores `pack_piece` counts first: more than `PACK_SCORE_VALUES` among them and
 #: the score is shipped plain without hashing the rest.
-PACK_SCORE_PROBE = 8192
+PACK_SCORE_PROBE = 2048
 
 
 @dataclass
@@ -359,7 +359,8 @@ def pack_piece(table: pa.Table) -> PackedPiece:
         label = label[lab]
     else:
         lab, label = np.empty(0, dtype=np.int64), None
-    prob = _float_column(table, LABEL_PROB)[lab] if LABEL_PROB in table.column_names else None
+    prob = _float_column(table.select([LABEL_PROB]).take(pa.array(lab)), LABEL_PROB) \
+        if LABEL_PROB in table.column_names else None  # of the labelled rows only
     coded = _score_codes(table) if SCORE in table.column_names else None
     body = table.drop_columns(drop)
     if coded is not None:
