@@ -24,7 +24,8 @@ one shard whatever file or day it came from) and each shard is reduced where it 
    view `refit_view` builds once from the labelled rows' columns): `ShardedPrepared.replicates`.
 
 Every function here is pure: a shard is a `pyarrow.Table` of canonical columns plus `ROW` (the row's place
-in the whole window, to keep the single-process row order). Where the shards live and how the passes are run
+in the whole window, to keep the single-process row order); the Ray readers ship its pieces packed (`pack_piece`)
+and each task rebuilds the table (`unpack_pieces`). Where the shards live and how the passes are run
 (in process, on Ray workers) is the caller's: `prepare_sharded` takes a `Mapper`. Segments (``segment_by``) are
 reduced on the shards too (`cje_engine.pipeline.sharded_segments`); logs-only and hybrid have no sharded path
 (`check_sharded_mode`).

@@ -1,8 +1,9 @@
 """The sharded row pass on Ray: shards read and reduced where they are read (issue 29).
 
 `read_shards` runs one task per log file that reads it (`flows.storage.logs.read_window`, local or S3) and
-splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard: a shard is
-its pieces (`ShardPieces`), concatenated inside each task that reads it; the rows go from the readers to the
+splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard, packed
+(`cje_engine.pipeline.sharded.pack_piece`: the labels of the labelled rows only, the places as steps, the score as
+codes): a shard is its pieces (`ShardPieces`), unpacked and concatenated inside each task that reads it; the rows go from the readers to the
 cluster's object store once, never through the driver. `ray_mapper` is the engine's `Mapper` on Ray: one task per
 shard, results yielded as they arrive (the engine merges them so that the order does not matter), a worker
 lost mid-pass retried by Ray (`max_retries`): the task is a pure function of its shard, so its retry gives
@@ -212,7 +213,8 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True) -> list:
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
                splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None):
-    """Read one log file on a worker and return its rows per shard, its response ids per bucket
+    """Read one log file on a worker and return its rows per shard (packed for the object store,
+    `cje_engine.pipeline.sharded.pack_piece`; the info's ``piece_bytes`` their bytes), its response ids per bucket
     (`response_id_buckets`, without the rest of the row) and a small dict about the file
     (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
