@@ -25,7 +25,8 @@ one shard whatever file or day it came from) and each shard is reduced where it 
    view `refit_view` builds once from the labelled rows' columns): `ShardedPrepared.replicates`.
 
 Every function here is pure: a shard is a `pyarrow.Table` of canonical columns plus `ROW` (the row's place
-in the whole window, to keep the single-process row order). Where the shards live and how the passes are run
+in the whole window, to keep the single-process row order); the Ray readers ship its pieces packed (`pack_piece`)
+and each task rebuilds the table (`unpack_pieces`). Where the shards live and how the passes are run
 (in process, on Ray workers) is the caller's: `prepare_sharded` takes a `Mapper`. Segments (``segment_by``) are
 reduced on the shards too (`cje_engine.pipeline.sharded_segments`); logs-only and hybrid have no sharded path
 (`check_sharded_mode`).
@@ -176,10 +177,98 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
     return [taken.slice(bounds[s], bounds[s + 1] - bounds[s]) for s in range(n_shards)]
 
 
+class _PrefixWords:
+    """Big-endian ``uint64`` words of the UTF-8 bytes of each string of ``ids`` (``pyarrow.string``, no nulls):
+    ``word(i)`` is bytes ``8i..8i+7`` of each string, zero-padded (an unaligned 8-byte load a string, as
+    `flows.runtime.sharded_ray.id_fingerprint` reads them), of every string or of the strings at ``rows``.
+
+    For two ids whose words differ, the first differing word's order is the strings' (its first differing byte is
+    a real byte of both, or the padding of the shorter, a prefix of the other); equal words say nothing (``"a"``
+    and ``"a\\0"``, or ids sharing those bytes)."""
+
+    def __init__(self, ids: pa.Array) -> None:
+        n = len(ids)
+        _, off_buf, data_buf = ids.buffers()
+        off = np.frombuffer(off_buf, dtype=np.int32)[ids.offset:ids.offset + n + 1].astype(np.int64)
+        base, size = int(off[0]), int(off[-1]) - int(off[0])
+        data = np.empty(size + 24, dtype=np.uint8)  # zero padding: a load of word 0 or 1 stays inside
+        data[size:] = 0
+        if size:
+            data[:size] = np.frombuffer(data_buf, dtype=np.uint8)[base:base + size]
+        self.words = np.ndarray(shape=(size + 17,), dtype="<u8", buffer=data, strides=(1,))  # a word at every byte
+        self.start, self.length = off[:-1] - base, off[1:] - off[:-1]
+
+    def word(self, i: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """Word ``i`` (0 or 1) of every string (``rows`` None) or of the strings at ``rows``."""
+        start = self.start if rows is None else self.start[rows]
+        length = self.length if rows is None else self.length[rows]
+        out = self.words[start + 8 * i if i else start]
+        out &= np.array(_BYTE_MASKS, dtype=np.uint64)[np.clip(length - 8 * i, 0, 8)]
+        return out.byteswap(inplace=True)
+
+
+#: The bits of a little-endian word that keep its first 0-8 bytes (`_prefix_words`).
+_BYTE_MASKS = tuple((1 << (8 * k)) - 1 for k in range(8)) + ((1 << 64) - 1,)
+
+
+def _search_words(cut: np.ndarray, key: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``[lo, hi)`` narrowed to the splitters of each run ``[lo, hi)`` whose word ``cut`` equals ``key`` (the
+    splitters of a run share their previous words, so their ``cut`` are sorted): a binary search a row among its
+    run, run by run (the runs are few: splitters sharing a prefix)."""
+    new_lo, new_hi = lo.copy(), hi.copy()
+    for j in np.unique(lo):
+        rows = np.flatnonzero(lo == j)
+        sub = cut[int(j):int(hi[rows[0]])]
+        new_hi[rows] = j + np.searchsorted(sub, key[rows], side="right")
+        new_lo[rows] = j + np.searchsorted(sub, key[rows], side="left")
+    return new_lo, new_hi
+
+
 def range_shard(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[str]) -> np.ndarray:
     """Shard of each id under sorted ``splitters``: how many splitters are <= it (``numpy.searchsorted(splitters,
-    id, side="right")``), one vectorized Arrow comparison per splitter (UTF-8 bytes compare in code-point order,
-    Python's order of `str`); no Python string per row."""
+    id, side="right")``; UTF-8 bytes compare in code-point order, Python's order of `str`); no Python string a row.
+
+    One binary search a row among the splitters' first 8 bytes (`_prefix_words`); the ids whose first word equals
+    some splitters' are searched among those by bytes 8-15, and those tied again compared as strings with the
+    tied splitters only (one vectorized Arrow comparison a tied splitter, over its tied ids).
+    `range_shard_reference` is the slow obvious computation (a comparison a splitter, over every id)."""
+    ids = ids.cast(pa.string())
+    if isinstance(ids, pa.ChunkedArray):
+        ids = ids.combine_chunks() if ids.num_chunks else pa.array([], pa.string())
+    cuts = list(splitters)
+    if not cuts or len(ids) == 0:
+        return np.zeros(len(ids), dtype=np.int64)
+    if any(b > a for a, b in zip(cuts[1:], cuts)):
+        raise ValueError("range_shard: the splitters are not sorted")
+    if ids.null_count:  # a null is below every splitter (`range_shard_reference`: a comparison with null is false)
+        return range_shard_reference(ids, cuts)
+    words, cut_words = _PrefixWords(ids), _PrefixWords(pa.array(cuts, pa.string()))
+    w0, c0 = words.word(0), cut_words.word(0)
+    lo = np.searchsorted(c0, w0, side="right")  # splitters whose first word is <= the id's ...
+    tied = np.flatnonzero(lo > 0)
+    tied = tied[c0[lo[tied] - 1] == w0[tied]]  # ... all below the id but those whose first word is the id's
+    if tied.size:
+        hi = lo[tied]
+        lo1, hi1 = _search_words(cut_words.word(1), words.word(1, tied), np.searchsorted(c0, w0[tied]), hi)
+        again = np.flatnonzero(lo1 < hi1)
+        if again.size:  # the same 16 bytes as some splitters: compared as strings with those
+            sub = ids.take(pa.array(tied[again]))
+            run = lo1[again]
+            add = np.zeros(again.size, dtype=np.int64)
+            for j in np.unique(run):
+                rows = np.flatnonzero(run == j)
+                part = sub.take(pa.array(rows)) if rows.size < again.size else sub
+                for k in range(int(j), int(hi1[again[rows[0]]])):
+                    ge = pc.greater_equal(part, pa.scalar(cuts[k], pa.string()))
+                    add[rows] += np.asarray(ge.to_numpy(zero_copy_only=False), dtype=np.int64)
+            lo1[again] += add
+        lo[tied] = lo1
+    return lo.astype(np.int64, copy=False)
+
+
+def range_shard_reference(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[str]) -> np.ndarray:
+    """`range_shard` the slow obvious way: one vectorized Arrow comparison a splitter, over every id (a null id
+    is below every splitter)."""
     ids = ids.cast(pa.string())
     shard = np.zeros(len(ids), dtype=np.int64)
     for cut in splitters:
@@ -187,6 +276,142 @@ def range_shard(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[str]) -> np
         shard += np.asarray(ge.to_numpy(zero_copy_only=False) if isinstance(ge, pa.Array) else
                             ge.combine_chunks().to_numpy(zero_copy_only=False), dtype=np.int64)
     return shard
+
+
+#: Distinct scores of a piece up to which `pack_piece` ships its score as codes into their values (2 bytes a row
+#: at most, instead of 8).
+PACK_SCORE_VALUES = 2**16
+#: Rows of a piece whose distinct scores `pack_piece` counts first: more than `PACK_SCORE_VALUES` among them and
+#: the score is shipped plain without hashing the rest.
+PACK_SCORE_PROBE = 2048
+
+
+@dataclass
+class PackedPiece:
+    """A reader's piece of a shard in the form it crosses the object store (`pack_piece`; `unpack_pieces` gives
+    back the table every pass reads, the same values in every column a pass reads).
+
+    What an unlabelled row does not need is not shipped: the label and its probability only for the labelled
+    rows (their positions in the piece, with the values); the window place `ROW` as its steps from the previous
+    row (a piece's rows are in window order; 1-2 bytes a row); the score, when the piece has few distinct
+    values, as codes into them (1-2 bytes a row); every other column as it is."""
+
+    table: pa.Table  # the piece without LABEL, LABEL_PROB and ROW; SCORE as codes when ``score_values``
+    schema: pa.Schema  # the piece's schema as `split_by_shard` gave it (columns in order, metadata)
+    row_first: int  # `ROW` of its first row
+    row_step: np.ndarray | None  # (n,) unsigned: ROW minus the previous row's (0 first); None: ``row`` shipped
+    row: np.ndarray | None  # (n,) int64: ROW as it is (steps too wide), else None
+    score_values: np.ndarray | None  # float64 values the codes index (bit patterns kept), None: SCORE plain
+    lab_pos: np.ndarray  # (L,) uint32/int64: positions of the rows whose label is a number
+    label: np.ndarray | None  # (L,) float64: their labels (None: no LABEL column)
+    label_prob: np.ndarray | None  # (L,) float64: their LABEL_PROB (NaN: null; None: no such column)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the piece."""
+        return self.table.num_rows
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its buffers (what it puts in the object store, but for a small header)."""
+        arrays = (self.row_step, self.row, self.score_values, self.lab_pos, self.label, self.label_prob)
+        return int(self.table.nbytes + sum(a.nbytes for a in arrays if a is not None))
+
+
+def _float_column(table: pa.Table, name: str) -> np.ndarray:
+    """A column as float64 the way the passes read it (`shard_rows`: nulls are NaN)."""
+    col = table[name]
+    return np.asarray(col.to_numpy(zero_copy_only=False) if isinstance(col, pa.Array) else
+                      col.combine_chunks().to_numpy(zero_copy_only=False) if col.num_chunks else [], dtype=float)
+
+
+def _unsigned(top: int) -> type | None:
+    """The smallest unsigned type holding ``0..top`` (None: wider than 32 bits)."""
+    return np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32 if top < 2**32 else None
+
+
+def _score_codes(table: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
+    """(codes, values) of a float64 score column without nulls with at most `PACK_SCORE_VALUES` distinct values
+    (distinct by bit pattern: ``-0.0`` and ``0.0``, every NaN kept as it is), else None."""
+    col = table[SCORE]
+    if not pa.types.is_float64(col.type) or col.null_count or table.num_rows == 0:
+        return None
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    bits = np.asarray(col.to_numpy()).view(np.uint64)
+    if np.unique(bits[:PACK_SCORE_PROBE]).size > PACK_SCORE_VALUES:
+        return None
+    enc = pc.dictionary_encode(pa.array(bits))  # one hash pass
+    if len(enc.dictionary) > PACK_SCORE_VALUES:
+        return None
+    codes = np.asarray(enc.indices.to_numpy()).astype(_unsigned(len(enc.dictionary) - 1))
+    return codes, np.asarray(enc.dictionary.to_numpy()).view(np.float64).copy()
+
+
+def pack_piece(table: pa.Table) -> PackedPiece:
+    """A piece of `split_by_shard` (its `ROW` increasing) as it crosses the object store (`PackedPiece`)."""
+    drop = [c for c in (LABEL, LABEL_PROB, ROW) if c in table.column_names]
+    col = table[ROW]
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    row = np.asarray(col.to_numpy(), dtype=np.int64)
+    step = np.diff(row, prepend=row[:1])
+    kind = np.uint8 if row.size == 0 else _unsigned(int(step.max())) if int(step.min()) >= 0 else None
+    if LABEL in table.column_names:
+        label = _float_column(table, LABEL)
+        lab = np.flatnonzero(~np.isnan(label))
+        label = label[lab]
+    else:
+        lab, label = np.empty(0, dtype=np.int64), None
+    prob = _float_column(table.select([LABEL_PROB]).take(pa.array(lab)), LABEL_PROB) \
+        if LABEL_PROB in table.column_names else None  # of the labelled rows only
+    coded = _score_codes(table) if SCORE in table.column_names else None
+    body = table.drop_columns(drop)
+    if coded is not None:
+        body = body.set_column(body.column_names.index(SCORE), SCORE, pa.array(coded[0]))
+    return PackedPiece(table=body, schema=table.schema, row_first=int(row[0]) if row.size else 0,
+                       row_step=step.astype(kind) if kind is not None else None,
+                       row=None if kind is not None else row, score_values=None if coded is None else coded[1],
+                       lab_pos=lab.astype(_unsigned(max(table.num_rows - 1, 0)) or np.int64), label=label,
+                       label_prob=prob)
+
+
+def unpack_piece(piece: PackedPiece) -> pa.Table:
+    """The table of a `PackedPiece`: its columns in the order and with the metadata of the piece it was packed
+    from; `ROW` and SCORE as they were, LABEL float64 (NaN where unlabelled: the passes read a null label as NaN)
+    and LABEL_PROB float64 (its values at the labelled rows, NaN elsewhere: the passes read it there only)."""
+    n = piece.num_rows
+    cols = {}
+    if piece.row is not None:
+        cols[ROW] = pa.array(piece.row)
+    else:
+        row = np.cumsum(piece.row_step, dtype=np.int64)
+        row += piece.row_first
+        cols[ROW] = pa.array(row)
+    lab = piece.lab_pos.astype(np.int64)
+    for name, values in ((LABEL, piece.label), (LABEL_PROB, piece.label_prob)):
+        if values is not None:
+            full = np.full(n, np.nan)
+            full[lab] = values
+            cols[name] = pa.array(full)
+    if piece.score_values is not None:
+        codes = piece.table[SCORE]
+        codes = codes.combine_chunks() if isinstance(codes, pa.ChunkedArray) else codes
+        cols[SCORE] = pa.array(piece.score_values[np.asarray(codes.to_numpy())])
+    arrays, fields = [], []
+    for f in piece.schema:
+        if f.name in cols:
+            arrays.append(cols[f.name])
+            fields.append(pa.field(f.name, cols[f.name].type))
+        else:
+            arrays.append(piece.table[f.name])
+            fields.append(f)
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=piece.schema.metadata))
+
+
+def unpack_pieces(*pieces: Any) -> pa.Table:
+    """One shard's table from its pieces (tables or `PackedPiece`, in window order; the plain tables zero-copy)."""
+    tables = [unpack_piece(p) if isinstance(p, PackedPiece) else p for p in pieces]
+    kept = [t for t in tables if t.num_rows]
+    return pa.concat_tables(kept, promote_options="default") if kept else tables[0]
 
 
 #: Rows a reader's sample looks at, per id it returns (`sample_prompt_ids`): the rest are not sorted.

@@ -179,6 +179,9 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
     log.info("%d file(s) read, joined and split into %d shard(s) in %.2f s", len(keys), n_shards,
              time.perf_counter() - t0)
     counts = merge_file_infos(infos)
+    shipped = sum(int(i.get("piece_bytes", 0)) for i in infos)
+    log.info("the shards' pieces in the object store: %.2f GB, %.1f B a row (packed: `sharded.pack_piece`)",
+             shipped / 1e9, shipped / max(counts["n_rows"], 1))
     if counts["n_rows"] == 0:
         raise CJEInputError(f"no log rows in {len(files)} partition file(s) of {plan.logs_uri}", source=plan.logs_uri)
     if counts["n_labelled"] == 0:

@@ -1,8 +1,9 @@
 """The sharded row pass on Ray: shards read and reduced where they are read (issue 29).
 
 `read_shards` runs one task per log file that reads it (`flows.storage.logs.read_window`, local or S3) and
-splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard: a shard is
-its pieces (`ShardPieces`), concatenated inside each task that reads it; the rows go from the readers to the
+splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard, packed
+(`cje_engine.pipeline.sharded.pack_piece`: the labels of the labelled rows only, the places as steps, the score as
+codes): a shard is its pieces (`ShardPieces`), unpacked and concatenated inside each task that reads it; the rows go from the readers to the
 cluster's object store once, never through the driver. `ray_mapper` is the engine's `Mapper` on Ray: one task per
 shard, results yielded as they arrive (the engine merges them so that the order does not matter), a worker
 lost mid-pass retried by Ray (`max_retries`): the task is a pure function of its shard, so its retry gives
@@ -155,7 +156,8 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
                splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None):
-    """Read one log file on a worker and return its rows per shard, its response ids per bucket
+    """Read one log file on a worker and return its rows per shard (packed for the object store,
+    `cje_engine.pipeline.sharded.pack_piece`; the info's ``piece_bytes`` their bytes), its response ids per bucket
     (`response_id_buckets`: their fingerprints alone, 8 B a row) and a small dict about the file
     (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
@@ -171,7 +173,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     import pyarrow as pa
 
     from cje_engine.data.frame import POLICY
-    from cje_engine.pipeline.sharded import ROW, split_by_shard
+    from cje_engine.pipeline.sharded import ROW, pack_piece, split_by_shard
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
@@ -213,7 +215,11 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     if keep is not None:
         table = table.select([c for c in dict.fromkeys([*keep, ROW]) if c in table.column_names])
     table = compact_policy(table)
-    return (*split_by_shard(table, n_shards, splitters=splitters), *rids, info)
+    # each piece as it crosses the object store: the labels of the labelled rows only, the row places as steps, the
+    # score as codes into its few values (`pack_piece`; `_concat` unpacks them in the task that reads the shard)
+    pieces = [pack_piece(t) for t in split_by_shard(table, n_shards, splitters=splitters)]
+    info["piece_bytes"] = sum(p.nbytes for p in pieces)
+    return (*pieces, *rids, info)
 
 
 def compact_policy(table):
@@ -441,11 +447,11 @@ def duplicate_response_id_error(found: dict, keys: Sequence[str], source: str):
 
 
 def _concat(*parts):
-    """One shard's table from its pieces of every file (in file order: window order; zero-copy)."""
-    import pyarrow as pa
+    """One shard's table from its pieces of every file (in file order: window order; `split_file`'s packed pieces
+    unpacked, `cje_engine.pipeline.sharded.unpack_pieces`; plain tables zero-copy)."""
+    from cje_engine.pipeline.sharded import unpack_pieces
 
-    kept = [p for p in parts if p.num_rows]
-    return pa.concat_tables(kept, promote_options="default") if kept else parts[0]
+    return unpack_pieces(*parts)
 
 
 class ShardPieces:
