@@ -50,20 +50,30 @@ def _cpu(fn, repeat: int):
     return statistics.median(cpu), statistics.median(wall), out
 
 
-def _tables(n_labels: int, prompts: int, seed: int):
-    import numpy as np
+def block_file(prompts: int, seed: int):
+    """(logs, own labels): a file of `bench_sharded.py`'s block 0 (5 policies x ``prompts``, ids prefixed ``b0-``)
+    without its label columns, and its 5% labels (response id, label, probability) as a label store holds them."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from cje_engine.simulate.direct import simulate
-    from flows.storage.labels import READ_SCHEMA
 
     t = pa.Table.from_pandas(simulate(prompts, oracle_fraction=0.05, seed=seed).frame, preserve_index=False)
     t = t.set_column(0, "prompt_id", pc.binary_join_element_wise("b0-", t["prompt_id"].cast(pa.string()), ""))
     t = t.set_column(t.column_names.index("response_id"), "response_id",
                      pc.binary_join_element_wise("b0-", t["response_id"].cast(pa.string()), ""))
     own = t.filter(t["oracle_label"].is_valid()).select(["response_id", "oracle_label", "label_probability"])
-    logs = t.drop_columns(["oracle_label", "label_probability"])
+    return t.drop_columns(["oracle_label", "label_probability"]), own
+
+
+def _tables(n_labels: int, prompts: int, seed: int):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from flows.storage.labels import READ_SCHEMA
+
+    logs, own = block_file(prompts, seed)
     rng = np.random.default_rng(seed)
     n_other = max(0, n_labels - own.num_rows)
     pols = np.array(["base", "clone", "parallel_universe_prompt", "premium", "unhelpful"])
