@@ -112,8 +112,7 @@ def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] 
     return sample_prompt_ids(table["prompt_id"], k)
 
 
-from flows.storage.fingerprints import (  # noqa: E402,F401 - here for the callers of this module
-    _FIRST_MASKS, _MIX, _splitmix, id_fingerprint, repeated_fingerprints as _repeated_fingerprints)
+from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # noqa: E402 - also its callers'
 
 #: Column of a response-id bucket: the id's `id_fingerprint`.
 FINGERPRINT = "_fp"
@@ -285,7 +284,7 @@ def check_response_ids(*pieces) -> dict | None:
     if n < 2:
         return None
     if "response_id" not in table.column_names:
-        at = _repeated_fingerprints(np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64))
+        at = repeated_fingerprints(np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64))
         if at.size == 0:
             return None
         rows = np.asarray(table[ROW].combine_chunks().to_numpy(), dtype=np.int64)[at]
@@ -338,7 +337,7 @@ def _repeated_by_file(pieces) -> dict | None:
                          else np.empty(0, dtype=np.uint64) for p in pieces])
     if fp.size < 2:
         return None
-    at = _repeated_fingerprints(fp)
+    at = repeated_fingerprints(fp)
     if at.size == 0:
         return None
     file_of = np.searchsorted(np.cumsum([p.num_rows for p in pieces]), at, side="right")

@@ -147,7 +147,7 @@ def test_the_fingerprinted_check_is_the_string_sort(case, monkeypatch):
 
 
 def test_repeated_fingerprints_are_the_counted_ones():
-    """`_repeated_fingerprints` (a sort of the high halves, then the whole fingerprints of the few) finds exactly the
+    """`repeated_fingerprints` (a sort of the high halves, then the whole fingerprints of the few) finds exactly the
     positions whose whole 64-bit value occurs more than once: against counting every value, with values sharing a
     high half but not the low one, and values equal in both."""
     rng = np.random.default_rng(11)
@@ -157,7 +157,7 @@ def test_repeated_fingerprints_are_the_counted_ones():
         fp[: n // 2] = rng.integers(0, 2**63, n // 2).astype(np.uint64)  # and distinct ones
         values, counts = np.unique(fp, return_counts=True)
         want = np.flatnonzero(np.isin(fp, values[counts > 1]))
-        assert np.array_equal(sharded_ray._repeated_fingerprints(fp), want)
+        assert np.array_equal(sharded_ray.repeated_fingerprints(fp), want)
 
 
 def test_split_by_shard_keeps_each_shards_rows_in_order():
