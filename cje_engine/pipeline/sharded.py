@@ -50,6 +50,7 @@ from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
 from cje_engine.data.ints import unique_ints, unique_inverse
+from cje_engine.data.strings import BYTE_MASKS, byte_words
 from cje_engine.direct.estimators import (bootstrap_counts, bootstrap_replicates, bootstrap_view, bootstrap_weights,
                                           calibration_term, compact_view, level_set_shares,
                                           fold_jackknife, influence_with_evaluation_terms)
@@ -179,36 +180,24 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
 
 class _PrefixWords:
     """Big-endian ``uint64`` words of the UTF-8 bytes of each string of ``ids`` (``pyarrow.string``, no nulls):
-    ``word(i)`` is bytes ``8i..8i+7`` of each string, zero-padded (an unaligned 8-byte load a string, as
-    `flows.runtime.sharded_ray.id_fingerprint` reads them), of every string or of the strings at ``rows``.
+    ``word(i)`` is bytes ``8i..8i+7`` of each string, zero-padded (`cje_engine.data.strings.byte_words`, the
+    loads `flows.storage.fingerprints.id_fingerprint` makes too), of every string or of the strings at ``rows``.
 
     For two ids whose words differ, the first differing word's order is the strings' (its first differing byte is
     a real byte of both, or the padding of the shorter, a prefix of the other); equal words say nothing (``"a"``
     and ``"a\\0"``, or ids sharing those bytes)."""
 
     def __init__(self, ids: pa.Array) -> None:
-        n = len(ids)
-        _, off_buf, data_buf = ids.buffers()
-        off = np.frombuffer(off_buf, dtype=np.int32)[ids.offset:ids.offset + n + 1].astype(np.int64)
-        base, size = int(off[0]), int(off[-1]) - int(off[0])
-        data = np.empty(size + 24, dtype=np.uint8)  # zero padding: a load of word 0 or 1 stays inside
-        data[size:] = 0
-        if size:
-            data[:size] = np.frombuffer(data_buf, dtype=np.uint8)[base:base + size]
-        self.words = np.ndarray(shape=(size + 17,), dtype="<u8", buffer=data, strides=(1,))  # a word at every byte
-        self.start, self.length = off[:-1] - base, off[1:] - off[:-1]
+        self.bytes = byte_words(ids, pad=24)  # a load of word 0 or 1 stays inside
 
     def word(self, i: int, rows: np.ndarray | None = None) -> np.ndarray:
         """Word ``i`` (0 or 1) of every string (``rows`` None) or of the strings at ``rows``."""
-        start = self.start if rows is None else self.start[rows]
-        length = self.length if rows is None else self.length[rows]
-        out = self.words[start + 8 * i if i else start]
-        out &= np.array(_BYTE_MASKS, dtype=np.uint64)[np.clip(length - 8 * i, 0, 8)]
+        bw = self.bytes
+        start = bw.start if rows is None else bw.start[rows]
+        length = bw.length if rows is None else bw.length[rows]
+        out = bw.words[start + 8 * i if i else start]
+        out &= BYTE_MASKS[np.clip(length - 8 * i, 0, 8)]
         return out.byteswap(inplace=True)
-
-
-#: The bits of a little-endian word that keep its first 0-8 bytes (`_prefix_words`).
-_BYTE_MASKS = tuple((1 << (8 * k)) - 1 for k in range(8)) + ((1 << 64) - 1,)
 
 
 def _search_words(cut: np.ndarray, key: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

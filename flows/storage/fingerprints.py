@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from cje_engine.data.strings import BYTE_MASKS, byte_words
+
 #: splitmix64's finalizer constants (`id_fingerprint`).
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
@@ -43,24 +45,14 @@ def id_fingerprint(values) -> np.ndarray:
     n = len(values)
     if n == 0:
         return np.empty(0, dtype=np.uint64)
-    _, off_buf, data_buf = values.buffers()
-    width = np.int64 if pa.types.is_large_string(values.type) else np.int32
-    off = np.frombuffer(off_buf, dtype=width)[values.offset:values.offset + n + 1].astype(np.int64)
-    base = int(off[0])
-    if base:
-        off -= base
-    size = int(off[-1])
-    data = np.empty(size + 8, dtype=np.uint8)  # 8 zero bytes of padding: a load at any byte stays inside, and
-    data[size:] = 0  # the word at ``size`` is 0 (the middle and last words of a short string)
-    if size:
-        data[:size] = np.frombuffer(data_buf, dtype=np.uint8)[base:base + size]
-    words = np.ndarray(shape=(size + 1,), dtype="<u8", buffer=data, strides=(1,))  # a word at every byte
-    start, end = off[:-1], off[1:]
-    length = end - start
+    bw = byte_words(values, pad=8)  # 8 zero bytes of padding: the word at ``size`` is 0 (a short string's middle
+    words, size = bw.words, bw.size  # and last word)
+    start, length = bw.start, bw.length
+    end = start + length
     long_ = length >= 8
     # the first word keeps the string's own bytes only (a short string's neighbour follows it)
     h = words[start]
-    h &= np.array(_FIRST_MASKS, dtype=np.uint64)[np.minimum(length, 8)]
+    h &= BYTE_MASKS[np.minimum(length, 8)]
     h ^= length.astype(np.uint64) * np.uint64(_MIX[0])
     h *= np.uint64(_MIX[1])
     # the middle and last words of strings of 8 bytes or more (else the zero word: the first holds every byte)
@@ -71,10 +63,6 @@ def id_fingerprint(values) -> np.ndarray:
     if values.null_count:  # a null's slot may hold bytes: it is fingerprinted as the empty string
         h[np.asarray(values.is_null())] = id_fingerprint(pa.array([""]))[0]
     return h
-
-
-#: The bits of the first word a string of each length (0-7, then 8 or more) keeps (`id_fingerprint`).
-_FIRST_MASKS = tuple((1 << (8 * k)) - 1 for k in range(8)) + ((1 << 64) - 1,)
 
 
 def repeated_fingerprints(fp: np.ndarray) -> np.ndarray:
