@@ -120,8 +120,8 @@ class Fit:
     def sources(self) -> np.ndarray:
         """Policy codes whose labels train the calibrator."""
         pol = self.design.data.policy
-        present = np.bincount(pol[self.design.cal_rows], minlength=self.design.n_policies) > 0
-        return np.flatnonzero(present).astype(pol.dtype, copy=False)  # `numpy.unique`'s array, without a sort
+        # `numpy.unique`'s array (its dtype too), counted without a sort
+        return present_codes(pol[self.design.cal_rows], self.design.n_policies).astype(pol.dtype, copy=False)
 
 
 def _at_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
