@@ -591,6 +591,26 @@ def test_compose_ray_worker_waits_for_the_head_and_leaves_a_lost_one(tmp_path):
             os.killpg(proc.pid, 9)
 
 
+def test_flow_runner_retries_the_servers_500_as_the_stack_does():
+    """A PostgreSQL restart makes the Prefect server answer 500, which the client does not retry by default: the
+    flow runner of compose and of k8s retries it, with the stack's settings (infra/stack/start.sh's env file)."""
+    stack = (INFRA / "stack" / "start.sh").read_text()
+    want = {name: re.search(rf'echo "{name}=([^"]+)"', stack).group(1)
+            for name in ("PREFECT_CLIENT_MAX_RETRIES", "PREFECT_CLIENT_RETRY_EXTRA_CODES")}
+    assert "500" in want["PREFECT_CLIENT_RETRY_EXTRA_CODES"].split(",")
+    serve = _compose_env(compose()["services"]["prefect-worker"])
+    k8s = flow_run_pod_env()
+    cm = next(d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "cje-env")["data"]
+    for name, value in want.items():
+        assert str(serve.get(name)) == value, f"compose prefect-worker: {name}={serve.get(name)!r}, stack: {value!r}"
+        assert name in k8s, f"k8s flow-run pod lacks {name}"
+        assert str(cm.get(name)) == value, f"k8s cje-env: {name}={cm.get(name)!r}, stack: {value!r}"
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, PREFECT_CLIENT_RETRY_EXTRA_CODES  # settings that exist
+
+    assert PREFECT_CLIENT_MAX_RETRIES.name == "PREFECT_CLIENT_MAX_RETRIES"
+    assert PREFECT_CLIENT_RETRY_EXTRA_CODES.name == "PREFECT_CLIENT_RETRY_EXTRA_CODES"
+
+
 def test_readme_documents_exactly_the_variables_the_flow_runner_gets():
     readme = (INFRA / "README.md").read_text()
     documented = set(re.findall(r"^\| `([A-Z][A-Z0-9_]+)`", readme, flags=re.M))
