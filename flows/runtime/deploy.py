@@ -18,7 +18,12 @@ installed):
 * **crashed runs**: a flow run whose worker (or node) dies stops sending heartbeats
   (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` on the worker); the automation that `deploy` creates
   marks such a run ``Crashed``, which also releases its concurrency slot.  This is Prefect's
-  documented way to detect "zombie" runs; without it a dead worker's run stays ``Running``.
+  documented way to detect "zombie" runs; without it a dead worker's run stays ``Running``;
+* **runs stuck in Pending**: a run whose engine died before it set the run ``Running`` (a Prefect API
+  or PostgreSQL restart while it started) sends no heartbeat, so the first automation never sees it,
+  and it holds its deployment's concurrency slot for good; a second automation marks a run that stays
+  ``Pending`` for ``pending_timeout`` seconds (default 600: a container's image pull included)
+  ``Crashed``, which releases the slot.
 
 Everything here talks to ``PREFECT_API_URL``; an embedded, temporary server makes no sense
 for deployments that must outlive the command, so `deploy` refuses to run without one.
@@ -39,6 +44,9 @@ DEFAULT_POOL = "cje-process"
 
 #: Name of the automation that marks flow runs without heartbeats as crashed.
 ZOMBIE_AUTOMATION = "cje: crash flow runs whose heartbeats stopped"
+
+#: Name of the automation that marks flow runs stuck in ``Pending`` as crashed.
+PENDING_AUTOMATION = "cje: crash flow runs stuck in Pending"
 
 #: Flow-run state events that end a run (no heartbeat is expected after them).
 _TERMINAL_EVENTS = ("prefect.flow-run.Completed", "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
@@ -88,31 +96,60 @@ def ensure_pool(client: Any, pool: str, pool_type: str, base_job_template: dict 
     return False
 
 
-def ensure_zombie_automation(client: Any, within_seconds: float) -> str:
-    """Create (or replace) the automation that crashes runs without heartbeats; returns its id."""
+#: Flow-run state events that leave ``Pending`` (the run's engine started, or something ended or rescheduled it).
+_LEFT_PENDING = ("prefect.flow-run.Running", "prefect.flow-run.Cancelling", "prefect.flow-run.Scheduled",
+                 "prefect.flow-run.AwaitingConcurrencySlot", "prefect.flow-run.AwaitingRetry",
+                 "prefect.flow-run.Late", "prefect.flow-run.Paused", "prefect.flow-run.Suspended")
+
+
+def _ensure_proactive_automation(client: Any, name: str, description: str, after: set, expect: set,
+                                 within_seconds: float, message: str) -> str:
+    """Create (or replace) the automation ``name`` that marks a flow run ``Crashed`` when, after one of the
+    ``after`` events, none of the ``expect`` events follows within ``within_seconds``; returns its id."""
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
     automation = AutomationCore(
-        name=ZOMBIE_AUTOMATION,
-        description="A flow run that stopped sending heartbeats lost its worker: mark it Crashed "
-                    "(releases its deployment concurrency slot). Created by `cje deploy`.",
+        name=name,
+        description=description,
         trigger=EventTrigger(
-            after={"prefect.flow-run.heartbeat"},
-            expect={"prefect.flow-run.heartbeat", *_TERMINAL_EVENTS},
+            after=after,
+            expect=expect,
             match={"prefect.resource.id": ["prefect.flow-run.*"]},
             for_each={"prefect.resource.id"},
             posture=Posture.Proactive,
             threshold=1,
             within=timedelta(seconds=within_seconds),
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message=f"no heartbeat for {within_seconds:g} s: the worker running it died")],
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=message)],
     )
-    for old in client.read_automations_by_name(ZOMBIE_AUTOMATION):
+    for old in client.read_automations_by_name(name):
         client.delete_automation(old.id)
     return str(client.create_automation(automation))
+
+
+def ensure_zombie_automation(client: Any, within_seconds: float) -> str:
+    """Create (or replace) the automation that crashes runs without heartbeats; returns its id."""
+    return _ensure_proactive_automation(
+        client, ZOMBIE_AUTOMATION,
+        "A flow run that stopped sending heartbeats lost its worker: mark it Crashed "
+        "(releases its deployment concurrency slot). Created by `cje deploy`.",
+        after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *_TERMINAL_EVENTS},
+        within_seconds=within_seconds,
+        message=f"no heartbeat for {within_seconds:g} s: the worker running it died")
+
+
+def ensure_pending_automation(client: Any, within_seconds: float) -> str:
+    """Create (or replace) the automation that crashes runs left ``Pending`` for ``within_seconds`` (their engine
+    died before the run was ``Running``: no heartbeat ever); returns its id."""
+    return _ensure_proactive_automation(
+        client, PENDING_AUTOMATION,
+        "A flow run still Pending long after its worker submitted it lost its engine before it ran: mark it "
+        "Crashed (releases its deployment concurrency slot). Created by `cje deploy`.",
+        after={"prefect.flow-run.Pending"}, expect={*_LEFT_PENDING, *_TERMINAL_EVENTS},
+        within_seconds=within_seconds,
+        message=f"still Pending after {within_seconds:g} s: its engine died before the run started")
 
 
 def deploy(
@@ -122,6 +159,7 @@ def deploy(
     image: str | None = None,
     heartbeat_timeout: float = 90.0,
     base_job_template: dict | None = None,
+    pending_timeout: float = 600.0,
 ) -> list[Deployed]:
     """Create or update deployments on a work pool.
 
@@ -141,6 +179,9 @@ def deploy(
         must exceed the workers' ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` (at least 30 s).
     base_job_template : dict, optional
         Base job template of a pool that does not exist yet (Kubernetes: image, env, secrets).
+    pending_timeout : float
+        Seconds a flow run may stay ``Pending`` (submitted, its engine not yet running it) before it is
+        marked ``Crashed``; must exceed the time a worker takes to start a run (a container's image pull).
 
     Returns
     -------
@@ -151,6 +192,7 @@ def deploy(
     with get_client(sync_client=True) as client:
         ensure_pool(client, pool, pool_type, base_job_template)
         ensure_zombie_automation(client, heartbeat_timeout)
+        ensure_pending_automation(client, pending_timeout)
     out = []
     for dep in deployments:
         dep_id = dep.apply(work_pool_name=pool, image=image)
@@ -160,5 +202,5 @@ def deploy(
     return out
 
 
-__all__ = ["deploy", "ensure_pool", "ensure_zombie_automation", "Deployed",
-           "DEFAULT_POOL", "ZOMBIE_AUTOMATION"]
+__all__ = ["deploy", "ensure_pool", "ensure_zombie_automation", "ensure_pending_automation", "Deployed",
+           "DEFAULT_POOL", "ZOMBIE_AUTOMATION", "PENDING_AUTOMATION"]

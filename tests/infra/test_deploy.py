@@ -107,3 +107,40 @@ def test_zombie_automation_watches_heartbeats_and_crashes_the_run():
     assert "prefect.flow-run.Completed" in trig["expect"] and "prefect.flow-run.heartbeat" in trig["expect"]
     assert trig["for_each"] == ["prefect.resource.id"]
     assert body["actions"][0]["type"] == "change-flow-run-state" and body["actions"][0]["state"] == "CRASHED"
+
+
+def test_pending_automation_crashes_a_run_that_never_leaves_pending():
+    """The second automation `cje deploy` creates: a run Pending for ``within`` seconds with no state after it is
+    marked Crashed (no heartbeat is ever sent by a run whose engine died before it ran)."""
+    from flows.runtime.deploy import PENDING_AUTOMATION, ensure_pending_automation
+
+    class Recorder:
+        def __init__(self):
+            self.created, self.deleted = [], []
+
+        def read_automations_by_name(self, name):
+            return [type("A", (), {"id": f"old-{name}"})()]
+
+        def delete_automation(self, automation_id):
+            self.deleted.append(automation_id)
+
+        def create_automation(self, automation):
+            self.created.append(automation)
+            return "id-2"
+
+    rec = Recorder()
+    assert ensure_pending_automation(rec, 600) == "id-2"
+    assert rec.deleted == [f"old-{PENDING_AUTOMATION}"]  # replaced, never two
+    (auto,) = rec.created
+    body = json.loads(auto.model_dump_json())
+    assert body["name"] == PENDING_AUTOMATION
+    trig = body["trigger"]
+    assert trig["posture"] == "Proactive" and trig["within"] == 600.0
+    assert trig["after"] == ["prefect.flow-run.Pending"]
+    assert "prefect.flow-run.Pending" not in trig["expect"]
+    for left in ("Running", "Completed", "Failed", "Cancelled", "Crashed", "Cancelling", "Scheduled",
+                 "AwaitingConcurrencySlot"):
+        assert f"prefect.flow-run.{left}" in trig["expect"], left
+    assert trig["for_each"] == ["prefect.resource.id"]
+    assert body["actions"][0]["type"] == "change-flow-run-state" and body["actions"][0]["state"] == "CRASHED"
+    assert "Pending" in body["actions"][0]["message"]

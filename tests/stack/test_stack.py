@@ -12,7 +12,7 @@ import os
 import signal
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -37,6 +37,9 @@ pytestmark = pytest.mark.stack
 # replicates keep the two one-CPU Ray nodes busy for ~25 s (1,000 prompts finished in under a second).
 SLOW = dict(n_prompts=20000)
 SLOW_B = 20000
+#: The Pending automation's timeout in its test (the product's default is 600 s): long enough that the
+#: automation's own polling (every few seconds) is not what the test measures.
+PENDING_TIMEOUT = 20.0
 
 
 def _ray_task_running(stack, node: str, title: str = "cje_bootstrap") -> bool:
@@ -132,6 +135,39 @@ def test_worker_killed_mid_run_crashes_publishes_nothing_and_the_next_run_succee
     finally:
         stack.launch("prefect-worker")
     # The crash released the deployment's concurrency slot: the next run is not blocked.
+    run2 = wait_state(stack, start_run(stack, dep_id), {"COMPLETED"}, timeout=300)
+    assert run2.state.is_completed()
+    assert len(published(stack, bucket, name)) == 1
+
+
+def test_a_run_left_pending_by_a_dead_engine_is_crashed_and_frees_its_slot(stack, bucket, tmp_path):
+    """A run whose engine died before it set the run Running (a PostgreSQL restart while it started: the soak's
+    hung runs) stays Pending with its deployment's slot and no heartbeat; `cje deploy`'s second automation marks
+    it Crashed after its timeout, and the next run of the deployment runs."""
+    from prefect.states import Pending, Scheduled
+
+    from flows.runtime.deploy import ensure_pending_automation
+
+    name = _name("pending")
+    write_window(stack, bucket)
+    dep_id = deploy(stack, evaluations_file(tmp_path, name, bucket))
+    with stack.client() as c:
+        ensure_pending_automation(c, PENDING_TIMEOUT)
+    try:
+        with stack.client() as c:
+            # what a worker does before it starts the engine (Scheduled -> Pending takes the deployment's slot),
+            # then no engine: scheduled an hour ahead, so the stack's worker never takes it
+            run = c.create_flow_run_from_deployment(
+                uuid.UUID(dep_id), state=Scheduled(scheduled_time=datetime.now(timezone.utc) + timedelta(hours=1)))
+            assert c.set_flow_run_state(run.id, Pending()).status.value == "ACCEPT"
+        t0 = time.monotonic()
+        stuck = wait_state(stack, str(run.id), {"CRASHED"}, timeout=PENDING_TIMEOUT + 120)
+        assert time.monotonic() - t0 >= PENDING_TIMEOUT - 5  # not before its timeout (5 s: the polls' spacing)
+        assert "still Pending" in (stuck.state.message or "")
+    finally:
+        with stack.client() as c:
+            ensure_pending_automation(c, 600.0)  # `cje deploy`'s default, as the other tests expect
+    # The crash released the slot: a run of the same deployment completes (with the slot held it would wait).
     run2 = wait_state(stack, start_run(stack, dep_id), {"COMPLETED"}, timeout=300)
     assert run2.state.is_completed()
     assert len(published(stack, bucket, name)) == 1

@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                "(e.g. infra/k8s/base-job-template.json)")
     p.add_argument("--heartbeat-timeout", type=float, default=90.0,
                    help="seconds without a flow-run heartbeat before the run is marked Crashed (default 90)")
+    p.add_argument("--pending-timeout", type=float, default=600.0,
+                   help="seconds a flow run may stay Pending (its engine not yet running it) before it is marked "
+                        "Crashed, which releases its deployment's concurrency slot (default 600)")
     p.set_defaults(handler=cmd_deploy)
 
 
@@ -60,7 +63,8 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
             raise CJEInputError(f"not a JSON base job template: {exc}", source=ns.base_job_template) from None
     deployments = runner_deployments(str(config), only=ns.only, drift=not ns.no_drift)
     out = deploy(deployments, pool=ns.pool, pool_type=ns.pool_type, image=ns.image,
-                 heartbeat_timeout=ns.heartbeat_timeout, base_job_template=template)
+                 heartbeat_timeout=ns.heartbeat_timeout, base_job_template=template,
+                 pending_timeout=ns.pending_timeout)
     for d in out:
         sys.stdout.write(f"deployed {d.name} on pool {d.pool}: {d.schedule}\n")
     sys.stdout.write(f"{len(out)} deployment(s); start a worker with: prefect worker start --pool {ns.pool}\n")
