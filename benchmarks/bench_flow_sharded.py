@@ -15,6 +15,8 @@ radosgw, ``RAY_AUTH_*``) with the logs and the label store written by ``bench_sh
   (`flows.storage.logs.read_window`, radosgw) and sums the judge score per policy, partial sums merged
   (`bench_sharded._groupby_file`): the two columns a mean needs, then the six the sharded readers keep. The
   workers are warmed first (one import task a CPU, not counted), as the flow's are by ``ray_session``.
+  With ``--by-prompt`` also a second comparator, Ray's own: Ray Data reads the same objects and groups the rows by
+  prompt id (`ray_data_by_prompt`: the shuffle the per-prompt terms need, which the group-by of the policy skips).
 
 Usage (after ``set -a; . $CJE_STACK_DIR/env; set +a``)::
 
