@@ -513,16 +513,29 @@ def _ids_of_keys(ukeys: np.ndarray, u0: np.ndarray, u1: np.ndarray | None, nul: 
         words[:, 1] = u1[r1]
     words[:, 0] = u0[k]
     raw = words.view(np.uint8).reshape(nu, WORD_KEY_BYTES)
-    if not nul:
-        nz = raw != 0
-        length = np.where(nz.any(axis=1), WORD_KEY_BYTES - np.argmax(nz[:, ::-1], axis=1), 0)
+    if not nul:  # no id ends in NUL: its length is where its last non-NUL byte is
+        length = np.full(nu, WORD_KEY_BYTES, dtype=np.int64)
+        length -= _trailing_zero_bytes(words[:, 1].astype(np.uint64))
+        short = length == 8
+        length[short] -= _trailing_zero_bytes(words[short, 0].astype(np.uint64))
     ends = np.cumsum(length)
     if nu and int(ends[-1]) >= 2**31:
         return None
     offsets = np.zeros(nu + 1, dtype=np.int32)
     offsets[1:] = ends
-    data = np.ascontiguousarray(raw[np.arange(WORD_KEY_BYTES) < length[:, None]])
+    one = int(length[0]) if nu else 0
+    if nu and not np.any(length - one):
+        data = np.ascontiguousarray(raw[:, :one])
+    else:
+        data = np.ascontiguousarray(raw[np.arange(WORD_KEY_BYTES) < length[:, None]])
     return pa.Array.from_buffers(pa.string(), nu, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def _trailing_zero_bytes(w: np.ndarray) -> np.ndarray:
+    """Zero bytes at the low end of each ``uint64`` (8 for 0), int64."""
+    low = w & (~w + np.uint64(1))  # the lowest set bit (0 for 0)
+    low -= np.uint64(1)  # the bits below it (all 64 for 0)
+    return (np.bitwise_count(low) // 8).astype(np.int64)
 
 
 def _rows_of(column: pa.Array | pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
@@ -568,6 +581,26 @@ def dense_rank(values: np.ndarray, span: int | None = None) -> tuple[np.ndarray,
     return codes.astype(np.int64, copy=False), np.asarray(uniques)
 
 
+def _fixed_words(data_buf: pa.Buffer, base: int, n: int, each: int, w0: np.ndarray, w1: np.ndarray) -> None:
+    """`fill_id_words` of ``n`` values of ``each`` (1-16) bytes from ``base`` in ``data_buf``: a big-endian word
+    read at every value's first (and ninth) byte, the bytes of the next value cut off; the last values, whose
+    16 bytes would pass the buffer's end, from a padded copy."""
+    buf = np.frombuffer(data_buf, dtype=np.uint8)
+    safe = min(n, max(0, (buf.size - base - WORD_KEY_BYTES) // each + 1))
+    tail = np.zeros((n - safe) * each + WORD_KEY_BYTES, dtype=np.uint8)
+    tail[:(n - safe) * each] = buf[base + safe * each:base + n * each]
+    for w, at, keep in ((w0, 0, min(each, 8)), (w1, 8, each - 8)):
+        if keep <= 0:
+            w[:] = 0
+            continue
+        if safe:
+            w[:safe] = np.ndarray((safe,), dtype=">u8", buffer=buf, offset=base + at, strides=(each,))
+        if n > safe:
+            w[safe:] = np.ndarray((n - safe,), dtype=">u8", buffer=tail, offset=at, strides=(each,))
+        if keep < 8:
+            w &= np.uint64(~((1 << (8 * (8 - keep))) - 1) & (2**64 - 1))
+
+
 def fill_id_words(chunk: pa.Array, w0: np.ndarray, w1: np.ndarray, size: np.ndarray) -> bool:
     """Fill ``w0``, ``w1`` (``uint64``) and ``size`` (``uint8``) with each value of a string array without nulls:
     its UTF-8 bytes 0-7 and 8-15 as big-endian words (zero padded) and its length in bytes (17 for any longer);
@@ -580,15 +613,16 @@ def fill_id_words(chunk: pa.Array, w0: np.ndarray, w1: np.ndarray, size: np.ndar
     base, total = int(off[0]), int(off[-1] - off[0])
     data = np.frombuffer(data_buf, dtype=np.uint8)[base:base + total] if total else np.empty(0, dtype=np.uint8)
     each = total // n if n else 0
-    if (n and each <= WORD_KEY_BYTES and total == n * each and sys.byteorder == "little"
+    if (n and 0 < each <= WORD_KEY_BYTES and total == n * each and sys.byteorder == "little"
             and not np.any(np.diff(off) - each)):
-        d = data.reshape(n, each)
-        for w, a, b in ((w0, 0, min(each, 8)), (w1, 8, each)):
-            w[:] = 0
-            if b > a:  # byte j of the value: byte 7 - (j - a) of the little-endian word
-                w.view(np.uint8).reshape(n, 8)[:, 8 - (b - a):][:, ::-1] = d[:, a:b]
+        _fixed_words(data_buf, base, n, each, w0, w1)
         size[:] = each
-        return bool(each and not np.all(d[:, each - 1]))
+        return not np.all(data[each - 1::each])
+    if n and total == 0:  # every value empty
+        w0[:] = 0
+        w1[:] = 0
+        size[:] = 0
+        return False
     bw = byte_words(chunk, pad=16)
     np.take(bw.words, bw.start, out=w0)
     w0 &= BYTE_MASKS[np.minimum(bw.length, 8)]
@@ -1182,9 +1216,26 @@ FOLD_CHUNK = 1 << 18
 
 
 def _folds(ids: pa.Array, n_folds: int) -> np.ndarray:
-    """`fold_of` of Arrow ids, a chunk at a time (never every labelled id as a Python string at once)."""
-    parts = [fold_of(ids.slice(lo, FOLD_CHUNK).to_pylist(), n_folds) for lo in range(0, len(ids), FOLD_CHUNK)]
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    """`fold_of` of Arrow ids, a chunk at a time (never every labelled id as a Python object at once): each id's
+    UTF-8 bytes taken as they are (`pyarrow.binary`: no `str` decoded and encoded again), the same blake2b."""
+    if len(ids) == 0:
+        return np.empty(0, dtype=np.int64)
+    fresh = hashlib.blake2b(digest_size=8).copy
+    hashes = np.empty(len(ids), dtype=np.uint64)
+    for lo in range(0, len(ids), FOLD_CHUNK):
+        digests = []
+        append = digests.append
+        for value in ids.slice(lo, FOLD_CHUNK).cast(pa.binary()).to_pylist():
+            h = fresh()
+            h.update(value)
+            append(h.digest())
+        hashes[lo:lo + len(digests)] = np.frombuffer(b"".join(digests), dtype=">u8")
+    return (hashes % np.uint64(n_folds)).astype(np.int64)
+
+
+def folds_reference(ids: pa.Array, n_folds: int) -> np.ndarray:
+    """`_folds` the plain way: `fold_of` of the ids as Python strings."""
+    return fold_of(ids.to_pylist(), n_folds)
 
 
 def _row_totals(summaries: Sequence[ShardSummary], policy_maps: list, K: int) -> RowTotals:
