@@ -676,12 +676,17 @@ def dictionary_codes(column: pa.DictionaryArray | pa.ChunkedArray) -> tuple[np.n
     dicts = [c.dictionary.cast(pa.string()) for c in chunks]
     allv = pc.unique(pa.concat_arrays(dicts)) if dicts else pa.array([], pa.string())
     allv = allv.take(pc.sort_indices(allv))  # UTF-8 bytes: code-point order, as pandas sorts str
-    parts = []
+    codes = np.empty(sum(len(c) for c in chunks), dtype=np.int64)
+    used = np.zeros(len(allv), dtype=bool)
+    lo = 0
     for c, d in zip(chunks, dicts):
+        if not len(c):
+            continue
         where = np.asarray(pc.index_in(d, value_set=allv), dtype=np.int64)  # every value is in ``allv``
-        parts.append(where[np.asarray(c.indices.to_numpy(zero_copy_only=False), dtype=np.int64)])
-    codes = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-    used = np.bincount(codes, minlength=len(allv)) > 0
+        idx = np.asarray(c.indices.to_numpy(zero_copy_only=False))
+        np.take(where, idx, out=codes[lo:lo + idx.size])  # written in place: no copy a chunk, no concatenation
+        used[where[np.bincount(idx, minlength=where.size) > 0]] = True
+        lo += idx.size
     if used.all():
         return codes, allv
     rank = np.cumsum(used) - 1
@@ -1021,7 +1026,7 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
     return ShardSummary(
         n_rows=r.n, prompt_ids=None if ranged else r.prompt_ids, policies=r.policies,
         cell_score=cells.score, cell_X=cells.X, counts=counts, n_prompts=n_prompts,
-        score_sum=np.array([r.score[r.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
+        score_sum=np.array([r.score[kept.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
         score_min=float(r.score.min()) if r.n else np.inf,
         score_max=float(r.score.max()) if r.n else -np.inf,
         labelled={"row": r.lab_row, "prompt": lab_prompt.astype(np.int32), "policy": r.policy[lab].astype(np.int32),
