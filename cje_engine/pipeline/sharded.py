@@ -488,7 +488,7 @@ def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Arr
     elif nul:
         key, span, fit = _combine(key, span, size, WORD_KEY_BYTES + 1)
         exact &= fit
-    codes, ukeys = dense_rank(key, span)
+    codes, ukeys = dense_rank(key, span, inplace=True)
     del key
     if exact:
         ids = _ids_of_keys(ukeys, u0, u1, nul)
@@ -564,11 +564,12 @@ def _combine(key: np.ndarray, size: int, code: np.ndarray, n: int) -> tuple[np.n
 DENSE_RANK_SPAN = 1 << 26
 
 
-def dense_rank(values: np.ndarray, span: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def dense_rank(values: np.ndarray, span: int | None = None, inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(rank of each value among the sorted distinct ``values``, int64; the sorted distinct values):
     ``pandas.factorize(values, sort=True)`` of an integer array. ``span`` (the values known to lie in
     ``[0, span)``): ranked by flagging the values present and counting them, when ``span`` is at most
-    `DENSE_RANK_SPAN` and a few times the number of values."""
+    `DENSE_RANK_SPAN` and a few times the number of values (``inplace``: the ranks written over ``values``, an
+    int64 array); else by the values' runs or a hash (`_hash_rank`)."""
     if values.size == 0:
         return np.empty(0, dtype=np.int64), values[:0].copy()
     if span is not None and span <= DENSE_RANK_SPAN and span <= 8 * values.size + 4096:
@@ -576,9 +577,30 @@ def dense_rank(values: np.ndarray, span: int | None = None) -> tuple[np.ndarray,
         seen[values] = True
         rank = np.cumsum(seen, dtype=np.int64)
         rank -= 1
+        if inplace and values.dtype == np.int64:
+            np.take(rank, values, out=values, mode="clip")  # every value is a valid index: in place
+            return values, np.flatnonzero(seen)
         return rank[values], np.flatnonzero(seen)
-    codes, uniques = pd.factorize(values, sort=True)
-    return codes.astype(np.int64, copy=False), np.asarray(uniques)
+    head = np.empty(values.size, dtype=bool)  # runs of one value (the ids' first word along a sorted file)
+    head[0] = True
+    np.not_equal(values[1:], values[:-1], out=head[1:])
+    starts = np.flatnonzero(head)
+    if starts.size * 4 <= values.size:  # the runs' values ranked, their ranks repeated along the runs
+        codes, uniques = _hash_rank(values[starts])
+        return np.repeat(codes, np.diff(starts, append=values.size)), uniques
+    return _hash_rank(values)
+
+
+def _hash_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`dense_rank` by a hash: ``pandas.factorize`` (codes in order of appearance), its distinct values sorted,
+    the codes mapped to their ranks in place."""
+    codes, uniques = pd.factorize(values)
+    codes = codes.astype(np.int64, copy=False)
+    order = np.argsort(uniques, kind="stable")
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    np.take(rank, codes, out=codes, mode="clip")  # every code is a valid index: element by element, in place
+    return codes, np.asarray(uniques)[order]
 
 
 def _fixed_words(data_buf: pa.Buffer, base: int, n: int, each: int, w0: np.ndarray, w1: np.ndarray) -> None:
@@ -1010,7 +1032,10 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
     Kl = len(r.policies)
     cells, cell = r.cells, r.cell
     G = cells.size
-    counts = np.bincount(r.policy * G + cell, minlength=Kl * G).reshape(Kl, G)
+    key = r.policy * G
+    key += cell
+    counts = np.bincount(key, minlength=Kl * G).reshape(Kl, G)
+    del key
     n_ids = len(r.prompt_ids)
     n_prompts = _prompts_per_policy(r.policy, r.prompt, Kl, n_ids)
     lab = r.lab
