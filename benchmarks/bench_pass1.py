@@ -5,6 +5,7 @@ in its own fresh process (``cold``: its first call, as a task in a new worker; `
 ``--calls``), the processes alternated ``--repeat`` times; and the summaries' digest, which must be equal.
 
     PYTHONPATH=$PWD python benchmarks/bench_pass1.py --base /work/main [--rows 3850000] [--repeat 3] [--calls 3]
+        [--shuffle]
 
 The shard: ``--rows`` rows in ``--pieces`` packed pieces (`pack_piece`) of which ``--blocks * --policies`` hold
 rows, each one policy of a block of prompts (ids ``b<block>-p<6 digits>``, 10-11 bytes: the 100M benchmark's
@@ -25,8 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_pieces(rows: int, n_pieces: int, blocks: int, n_policies: int, seed: int) -> list:
-    """The shard's pieces (see the module docstring), packed by the running tree's `pack_piece`."""
+def make_pieces(rows: int, n_pieces: int, blocks: int, n_policies: int, seed: int, shuffle: bool = False) -> list:
+    """The shard's pieces (see the module docstring), packed by the running tree's `pack_piece`; ``shuffle``: each
+    piece's prompts in a random order (a file not sorted by prompt)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -49,8 +51,10 @@ def make_pieces(rows: int, n_pieces: int, blocks: int, n_policies: int, seed: in
         if f in held:
             b, k, first = held[f]
             n = per_block[b]
-            ids = pc.binary_join_element_wise(
-                f"b{12 + b}-p", pc.utf8_lpad(pa.array(np.arange(first, first + n)).cast(pa.string()), 6, "0"), "")
+            at = np.arange(first, first + n)
+            if shuffle:
+                at = np.random.default_rng(seed + f).permutation(at)
+            ids = pc.binary_join_element_wise(f"b{12 + b}-p", pc.utf8_lpad(pa.array(at).cast(pa.string()), 6, "0"), "")
             lab = rng.random(n) < 0.05
             table = pa.table({
                 PROMPT: ids,
@@ -91,7 +95,7 @@ def child(args: argparse.Namespace) -> dict:
     """One tree's pass 1 in this process: the first call and ``calls`` more (CPU seconds)."""
     from cje_engine.pipeline import sharded
 
-    pieces = make_pieces(args.rows, args.pieces, args.blocks, args.policies, args.seed)
+    pieces = make_pieces(args.rows, args.pieces, args.blocks, args.policies, args.seed, args.shuffle)
     fn = sharded.reduce_shard
     build = getattr(fn, "from_pieces", None) or sharded.unpack_pieces  # as `_with_pieces` hands the shard
 
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=2, help="blocks of prompts the shard's range spans")
     p.add_argument("--policies", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shuffle", action="store_true", help="each piece's prompts in a random order")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -135,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     digests = {name: sorted({r["digest"] for r in rs}) for name, rs in runs.items()}
     shards_100m = 1e8 / args.rows
     print(json.dumps({
-        "rows": args.rows, "ids": runs["this"][0]["ids"], "pieces": args.pieces, "repeat": args.repeat,
+        "rows": args.rows, "ids": runs["this"][0]["ids"], "pieces": args.pieces, "shuffle": args.shuffle,
+        "repeat": args.repeat,
         "load": os.getloadavg()[0], "cpu_s_median": med,
         "cpu_s_per_100M_rows": {name: {k: round(v * shards_100m, 1) for k, v in m.items()} for name, m in med.items()},
         "ratio_base_over_this": {k: round(med["base"][k] / med["this"][k], 2) for k in ("cold", "warm")},
