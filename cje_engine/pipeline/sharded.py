@@ -927,7 +927,7 @@ def _piece_cells(pieces: Sequence[PackedPiece], n: int) -> tuple[Any, np.ndarray
     lo = 0
     for p, a in zip(pieces, at):
         codes = p.table[SCORE]
-        codes = np.asarray((codes.combine_chunks() if isinstance(codes, pa.ChunkedArray) else codes).to_numpy())
+        codes = np.asarray(codes.chunk(0) if codes.num_chunks == 1 else codes.combine_chunks())  # one: zero-copy
         hi = lo + codes.size
         np.take(p.score_values, codes, out=score[lo:hi])
         np.take(klass[a:a + p.score_values.size], codes, out=cell[lo:hi])
@@ -972,8 +972,7 @@ def packed_rows(shard: PackedShard, covariates: Sequence[str] = (), policies: Se
         last = row[-1]
         rows.append(row)
     try:
-        prompt_col = pa.chunked_array([p.table[PROMPT].combine_chunks() if isinstance(p.table[PROMPT], pa.ChunkedArray)
-                                       else p.table[PROMPT] for p in pieces])
+        prompt_col = pa.chunked_array([c for p in pieces for c in p.table[PROMPT].chunks])  # zero-copy
         policy_col = pa.chunked_array([c for p in pieces for c in p.table[POLICY].chunks])
     except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
         return None  # the pieces' types differ: the table path promotes them
