@@ -292,6 +292,7 @@ def stage_inprocess(args: argparse.Namespace) -> dict:
                 return fn(*a, **kw)
             finally:
                 cpu[fn.__name__] = cpu.get(fn.__name__, 0.0) + time.process_time() - c
+        run.__dict__.update(fn.__dict__)  # its ``from_pieces`` (pass 1 reads the pieces as a Ray task does)
         return run
 
     # the readers' split and packing timed apart (`split_file` looks them up in the engine's module when called)

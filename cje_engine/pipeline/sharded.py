@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -47,7 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from cje_engine.calibration import registry
-from cje_engine.calibration.calibrators import make_cells
+from cje_engine.calibration.calibrators import Cells, make_cells
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
 from cje_engine.data.ints import unique_ints, unique_inverse
 from cje_engine.data.strings import BYTE_MASKS, byte_words
@@ -435,14 +436,234 @@ def range_splitters(samples: Iterable[Sequence[str]], n_shards: int) -> list[str
     return [pooled[i] for i in at]
 
 
+#: Bytes of an id up to which `sorted_codes` orders it by integers (its first two big-endian 8-byte words and, for
+#: the ids that need it, its length); longer ids are compared as strings among those sharing their first 16 bytes.
+WORD_KEY_BYTES = 16
+
+
 def sorted_codes(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
-    """(codes, sorted distinct values) of a string column: ``pandas.factorize(values, sort=True)``'s, computed in
-    Arrow (a hash of the column, then a sort of its distinct values only; no Python string per row).
+    """(codes, sorted distinct values) of a string column: ``pandas.factorize(values, sort=True)``'s, without a
+    Python string a row and without hashing the strings (`sorted_codes_reference` hashes them in Arrow).
+
+    Each id is read as an order-preserving integer key (`fill_id_words`: its first 16 UTF-8 bytes as two
+    big-endian words, zero padded; then, where two ids' words can tie, its length (an id ending in NUL bytes:
+    ``"a"`` and ``"a\\0"``) and, for an id longer than 16 bytes, its rank among the longer ids, which are few,
+    compared as strings), so the bytes' order, which is code-point order, Python's order of `str` and pandas', is
+    the order of integers, each coded densely (`dense_rank`); the distinct ids are rebuilt from their words.
+    A dictionary-encoded column (the policy as the sharded readers ship it) is coded from its dictionaries' values
+    (`dictionary_codes`); a column with nulls, not of strings, or of mostly long ids goes the reference's way."""
+    if pa.types.is_dictionary(column.type) or column.null_count or not (
+            pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return sorted_codes_reference(column)
+    chunks = [c for c in (column.chunks if isinstance(column, pa.ChunkedArray) else [column]) if len(c)]
+    n = sum(len(c) for c in chunks)
+    if n == 0:
+        return np.empty(0, dtype=np.int64), pa.array([], pa.string())
+    w0, w1 = np.empty(n, dtype=np.uint64), np.empty(n, dtype=np.uint64)
+    size = np.empty(n, dtype=np.uint8)  # bytes, 17 for any longer
+    nul, lo = False, 0
+    for c in chunks:
+        nul |= fill_id_words(c, w0[lo:lo + len(c)], w1[lo:lo + len(c)], size[lo:lo + len(c)])
+        lo += len(c)
+    long = size > WORD_KEY_BYTES
+    n_long = int(np.count_nonzero(long))
+    if n_long * 4 > n:  # mostly long ids: the strings hashed once beat a string compare among many ties
+        return sorted_codes_reference(column)
+    key, u0 = dense_rank(w0)
+    del w0
+    span, u1, exact = u0.size, None, True
+    if w1.any():
+        c1, u1 = dense_rank(w1)
+        key, span, fit = _combine(key, span, c1, u1.size)
+        exact &= fit
+        del c1
+    del w1
+    if n_long:  # the tie: the length (<= 16) below every longer id, then the longer ids' rank among them
+        tie = size.astype(np.int64)
+        codes_long, _ = sorted_codes_reference(_rows_of(column, np.flatnonzero(long)))
+        tie[long] += codes_long
+        key, span, _ = _combine(key, span, tie, WORD_KEY_BYTES + 2 + int(codes_long.max()))
+        exact = False
+        del tie
+    elif nul:
+        key, span, fit = _combine(key, span, size, WORD_KEY_BYTES + 1)
+        exact &= fit
+    codes, ukeys = dense_rank(key, span, inplace=True)
+    del key
+    if exact:
+        ids = _ids_of_keys(ukeys, u0, u1, nul)
+        if ids is not None:
+            return codes, ids
+    first = np.empty(ukeys.size, dtype=np.int64)
+    first[codes[::-1]] = np.arange(n - 1, -1, -1)  # a row of each distinct id (the first)
+    return codes, _rows_of(column, first)
+
+
+def _ids_of_keys(ukeys: np.ndarray, u0: np.ndarray, u1: np.ndarray | None, nul: bool) -> pa.Array | None:
+    """The ids of ``sorted_codes``'s distinct keys (no id longer than 16 bytes, no key re-coded), from their
+    words: ``key = (rank in u0 * len(u1) + rank in u1) * 17 + length`` (the length only when ``nul``, else the
+    bytes up to the last non-NUL one). None: more than 2 GiB of bytes (the caller takes them from the column)."""
+    nu = ukeys.size
+    k = ukeys
+    if nul:
+        k, length = np.divmod(k, WORD_KEY_BYTES + 1)
+    words = np.zeros((nu, 2), dtype=">u8")
+    if u1 is not None:
+        k, r1 = np.divmod(k, u1.size)
+        words[:, 1] = u1[r1]
+    words[:, 0] = u0[k]
+    raw = words.view(np.uint8).reshape(nu, WORD_KEY_BYTES)
+    if not nul:  # no id ends in NUL: its length is where its last non-NUL byte is
+        length = np.full(nu, WORD_KEY_BYTES, dtype=np.int64)
+        length -= _trailing_zero_bytes(words[:, 1].astype(np.uint64))
+        short = length == 8
+        length[short] -= _trailing_zero_bytes(words[short, 0].astype(np.uint64))
+    ends = np.cumsum(length)
+    if nu and int(ends[-1]) >= 2**31:
+        return None
+    offsets = np.zeros(nu + 1, dtype=np.int32)
+    offsets[1:] = ends
+    one = int(length[0]) if nu else 0
+    if nu and not np.any(length - one):
+        data = np.ascontiguousarray(raw[:, :one])
+    else:
+        data = np.ascontiguousarray(raw[np.arange(WORD_KEY_BYTES) < length[:, None]])
+    return pa.Array.from_buffers(pa.string(), nu, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def _trailing_zero_bytes(w: np.ndarray) -> np.ndarray:
+    """Zero bytes at the low end of each ``uint64`` (8 for 0), int64."""
+    low = w & (~w + np.uint64(1))  # the lowest set bit (0 for 0)
+    low -= np.uint64(1)  # the bits below it (all 64 for 0)
+    return (np.bitwise_count(low) // 8).astype(np.int64)
+
+
+def _rows_of(column: pa.Array | pa.ChunkedArray, rows: np.ndarray) -> pa.Array:
+    """The values of ``column`` at ``rows`` as one `pyarrow.string` array."""
+    out = column.take(pa.array(rows))
+    if isinstance(out, pa.ChunkedArray):
+        out = out.combine_chunks() if out.num_chunks else pa.array([], column.type)
+    return out.cast(pa.string())
+
+
+def _combine(key: np.ndarray, size: int, code: np.ndarray, n: int) -> tuple[np.ndarray, int, bool]:
+    """(``key * n + code``, its span, whether ``key`` was kept as it came): one order-preserving key of a pair of
+    dense codes (``key < size``, ``code < n``), ``key`` re-coded densely first when the product would leave
+    int64."""
+    kept = size * n < 2**62
+    if not kept:
+        key, u = dense_rank(key)
+        size = u.size
+    key = key.astype(np.int64, copy=False)
+    key *= n
+    key += code
+    return key, size * n, kept
+
+
+#: Key range up to which `dense_rank` ranks by a flag a value (O(values + range)) rather than by a hash.
+DENSE_RANK_SPAN = 1 << 26
+
+
+def dense_rank(values: np.ndarray, span: int | None = None, inplace: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(rank of each value among the sorted distinct ``values``, int64; the sorted distinct values):
+    ``pandas.factorize(values, sort=True)`` of an integer array. ``span`` (the values known to lie in
+    ``[0, span)``): ranked by flagging the values present and counting them, when ``span`` is at most
+    `DENSE_RANK_SPAN` and a few times the number of values (``inplace``: the ranks written over ``values``, an
+    int64 array); else by the values' runs or a hash (`_hash_rank`)."""
+    if values.size == 0:
+        return np.empty(0, dtype=np.int64), values[:0].copy()
+    if span is not None and span <= DENSE_RANK_SPAN and span <= 8 * values.size + 4096:
+        seen = np.zeros(span, dtype=bool)
+        seen[values] = True
+        rank = np.cumsum(seen, dtype=np.int64)
+        rank -= 1
+        if inplace and values.dtype == np.int64:
+            np.take(rank, values, out=values, mode="clip")  # every value is a valid index: in place
+            return values, np.flatnonzero(seen)
+        return rank[values], np.flatnonzero(seen)
+    head = np.empty(values.size, dtype=bool)  # runs of one value (the ids' first word along a sorted file)
+    head[0] = True
+    np.not_equal(values[1:], values[:-1], out=head[1:])
+    starts = np.flatnonzero(head)
+    if starts.size * 4 <= values.size:  # the runs' values ranked, their ranks repeated along the runs
+        codes, uniques = _hash_rank(values[starts])
+        return np.repeat(codes, np.diff(starts, append=values.size)), uniques
+    return _hash_rank(values)
+
+
+def _hash_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`dense_rank` by a hash: ``pandas.factorize`` (codes in order of appearance), its distinct values sorted,
+    the codes mapped to their ranks in place."""
+    codes, uniques = pd.factorize(values)
+    codes = codes.astype(np.int64, copy=False)
+    order = np.argsort(uniques, kind="stable")
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = np.arange(order.size)
+    np.take(rank, codes, out=codes, mode="clip")  # every code is a valid index: element by element, in place
+    return codes, np.asarray(uniques)[order]
+
+
+def _fixed_words(data_buf: pa.Buffer, base: int, n: int, each: int, w0: np.ndarray, w1: np.ndarray) -> None:
+    """`fill_id_words` of ``n`` values of ``each`` (1-16) bytes from ``base`` in ``data_buf``: a big-endian word
+    read at every value's first (and ninth) byte, the bytes of the next value cut off; the last values, whose
+    16 bytes would pass the buffer's end, from a padded copy."""
+    buf = np.frombuffer(data_buf, dtype=np.uint8)
+    safe = min(n, max(0, (buf.size - base - WORD_KEY_BYTES) // each + 1))
+    tail = np.zeros((n - safe) * each + WORD_KEY_BYTES, dtype=np.uint8)
+    tail[:(n - safe) * each] = buf[base + safe * each:base + n * each]
+    for w, at, keep in ((w0, 0, min(each, 8)), (w1, 8, each - 8)):
+        if keep <= 0:
+            w[:] = 0
+            continue
+        if safe:
+            w[:safe] = np.ndarray((safe,), dtype=">u8", buffer=buf, offset=base + at, strides=(each,))
+        if n > safe:
+            w[safe:] = np.ndarray((n - safe,), dtype=">u8", buffer=tail, offset=at, strides=(each,))
+        if keep < 8:
+            w &= np.uint64(~((1 << (8 * (8 - keep))) - 1) & (2**64 - 1))
+
+
+def fill_id_words(chunk: pa.Array, w0: np.ndarray, w1: np.ndarray, size: np.ndarray) -> bool:
+    """Fill ``w0``, ``w1`` (``uint64``) and ``size`` (``uint8``) with each value of a string array without nulls:
+    its UTF-8 bytes 0-7 and 8-15 as big-endian words (zero padded) and its length in bytes (17 for any longer);
+    True when some value's last byte is NUL (then two values may share their words). Values of one length (a
+    file's ids often are) are read as a matrix of their bytes; others by `cje_engine.data.strings.byte_words`."""
+    n = len(chunk)
+    _, off_buf, data_buf = chunk.buffers()
+    width = np.int64 if pa.types.is_large_string(chunk.type) else np.int32
+    off = np.frombuffer(off_buf, dtype=width)[chunk.offset:chunk.offset + n + 1]
+    base, total = int(off[0]), int(off[-1] - off[0])
+    data = np.frombuffer(data_buf, dtype=np.uint8)[base:base + total] if total else np.empty(0, dtype=np.uint8)
+    each = total // n if n else 0
+    if (n and 0 < each <= WORD_KEY_BYTES and total == n * each and sys.byteorder == "little"
+            and not np.any(np.diff(off) - each)):
+        _fixed_words(data_buf, base, n, each, w0, w1)
+        size[:] = each
+        return not np.all(data[each - 1::each])
+    if n and total == 0:  # every value empty
+        w0[:] = 0
+        w1[:] = 0
+        size[:] = 0
+        return False
+    bw = byte_words(chunk, pad=16)
+    np.take(bw.words, bw.start, out=w0)
+    w0 &= BYTE_MASKS[np.minimum(bw.length, 8)]
+    np.take(bw.words, bw.start + 8, out=w1)
+    w1 &= BYTE_MASKS[np.clip(bw.length - 8, 0, 8)]
+    w0.byteswap(inplace=True)
+    w1.byteswap(inplace=True)
+    np.minimum(bw.length, WORD_KEY_BYTES + 1, out=size, casting="unsafe")
+    ends = bw.start + bw.length - 1
+    return bool(total and np.any(data[ends[bw.length > 0]] == 0))
+
+
+def sorted_codes_reference(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, pa.Array]:
+    """`sorted_codes` computed in Arrow (a hash of the column, then a sort of its distinct values only): the
+    reference of its integer keys, and its way for what they do not cover (nulls, other types, mostly long ids).
 
     The distinct values are sorted by their UTF-8 bytes, which is code-point order, Python's order of `str`, so
     the codes are pandas'; the values come back as `pyarrow.string`. A column with nulls (or not of strings)
-    goes through pandas as before. A dictionary-encoded column (the policy as the sharded readers ship it) is
-    coded from its dictionaries' values (`dictionary_codes`): no string a row."""
+    goes through pandas. A dictionary-encoded column is coded from its dictionaries' values (`dictionary_codes`)."""
     if pa.types.is_dictionary(column.type):
         if not column.null_count and pa.types.is_string(column.type.value_type):
             return dictionary_codes(column)
@@ -477,12 +698,17 @@ def dictionary_codes(column: pa.DictionaryArray | pa.ChunkedArray) -> tuple[np.n
     dicts = [c.dictionary.cast(pa.string()) for c in chunks]
     allv = pc.unique(pa.concat_arrays(dicts)) if dicts else pa.array([], pa.string())
     allv = allv.take(pc.sort_indices(allv))  # UTF-8 bytes: code-point order, as pandas sorts str
-    parts = []
+    codes = np.empty(sum(len(c) for c in chunks), dtype=np.int64)
+    used = np.zeros(len(allv), dtype=bool)
+    lo = 0
     for c, d in zip(chunks, dicts):
+        if not len(c):
+            continue
         where = np.asarray(pc.index_in(d, value_set=allv), dtype=np.int64)  # every value is in ``allv``
-        parts.append(where[np.asarray(c.indices.to_numpy(zero_copy_only=False), dtype=np.int64)])
-    codes = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-    used = np.bincount(codes, minlength=len(allv)) > 0
+        idx = np.asarray(c.indices.to_numpy(zero_copy_only=False))
+        np.take(where, idx, out=codes[lo:lo + idx.size])  # written in place: no copy a chunk, no concatenation
+        used[where[np.bincount(idx, minlength=where.size) > 0]] = True
+        lo += idx.size
     if used.all():
         return codes, allv
     rank = np.cumsum(used) - 1
@@ -625,39 +851,211 @@ def shard_view(shard: Any, covariates: Sequence[str] = (), policies: Sequence[st
     return ShardView(r.prompt, r.policy, fine, lab, r.row[lab], len(r.prompt_ids))
 
 
-def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None,
+@dataclass
+class PackedShard:
+    """A shard as its readers' pieces (`PackedPiece` or tables, in window order), not concatenated: what a mapper
+    hands `reduce_shard` (its ``from_pieces``), which reads the packed pieces as they are (`packed_rows`) instead
+    of rebuilding the table (`table`, `unpack_pieces`) it reads otherwise."""
+
+    pieces: tuple
+
+    def table(self) -> pa.Table:
+        """The shard's table (`unpack_pieces`)."""
+        return unpack_pieces(*self.pieces)
+
+
+def packed_shard(*pieces: Any) -> PackedShard:
+    """A `PackedShard` of ``pieces`` (in window order)."""
+    return PackedShard(tuple(pieces))
+
+
+@dataclass
+class Pass1Rows:
+    """What pass 1 reads of a shard (`reduce_shard`): its rows' codes in window order, its fine cells, and the
+    labelled rows' values; from its table (`table_rows`: `shard_rows` and `make_cells`, the reference) or from
+    its packed pieces (`packed_rows`), the same arrays either way."""
+
+    n: int
+    prompt_ids: pa.Array  # sorted distinct prompt ids
+    prompt: np.ndarray  # (n,) index into ``prompt_ids``
+    policies: tuple
+    policy: np.ndarray  # (n,) index into ``policies``
+    score: np.ndarray  # (n,) float64
+    cells: Any  # the fine cells (`make_cells`)
+    cell: np.ndarray  # (n,) each row's fine cell
+    lab: np.ndarray  # (L,) int64: positions of the labelled rows (label not NaN), increasing
+    lab_row: np.ndarray  # (L,) int64: their window rows
+    lab_label: np.ndarray  # (L,) their labels
+    lab_weight: np.ndarray  # (L,) 1 / P(labelled) (1 where missing)
+    lab_X: np.ndarray  # (L, p) their covariates
+
+
+def table_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None) -> Pass1Rows:
+    """`Pass1Rows` of a shard's table: `shard_rows` and `make_cells` (the reference of `packed_rows`)."""
+    r = shard_rows(table, covariates, policies)
+    cells, cell = make_cells(r.score, r.X)
+    lab = np.flatnonzero(~np.isnan(r.label))
+    return Pass1Rows(n=int(r.row.size), prompt_ids=r.prompt_ids, prompt=r.prompt, policies=r.policies,
+                     policy=r.policy, score=r.score, cells=cells, cell=cell, lab=lab, lab_row=r.row[lab],
+                     lab_label=r.label[lab], lab_weight=r.label_weight[lab], lab_X=r.X[lab])
+
+
+def _piece_rows(p: PackedPiece) -> np.ndarray:
+    """`ROW` of a packed piece's rows (int64)."""
+    if p.row is not None:
+        return p.row
+    row = np.cumsum(p.row_step, dtype=np.int64)
+    row += p.row_first
+    return row
+
+
+def _piece_cells(pieces: Sequence[PackedPiece], n: int) -> tuple[Any, np.ndarray, np.ndarray] | None:
+    """(cells, cell of each row, score of each row) of pieces whose scores are codes into their values:
+    `make_cells` of their scores (no covariates) from the pieces' value tables, never a hash of the rows. Each
+    value of a table is classed as pandas classes the rows' scores (equal floats one class, ``-0.0`` with
+    ``0.0``; a class's score that of its first row); None when a value is NaN (the reference then decides)."""
+    tables = [p.score_values for p in pieces]
+    sizes = np.array([t.size for t in tables], dtype=np.int64)
+    allv = np.concatenate(tables) if tables else np.empty(0)
+    if np.isnan(allv).any():
+        return None
+    klass, uniq = pd.factorize(allv, sort=True)  # the classes of the values, in the order of the scores
+    G = int(uniq.size)
+    at = np.concatenate([[0], np.cumsum(sizes)])
+    score = np.empty(n)
+    cell = np.empty(n, dtype=np.int64)
+    lo = 0
+    for p, a in zip(pieces, at):
+        codes = p.table[SCORE]
+        codes = np.asarray(codes.chunk(0) if codes.num_chunks == 1 else codes.combine_chunks())  # one: zero-copy
+        hi = lo + codes.size
+        np.take(p.score_values, codes, out=score[lo:hi])
+        np.take(klass[a:a + p.score_values.size], codes, out=cell[lo:hi])
+        lo = hi
+    # a class's score: its first row's (a class of one bit pattern: that value, whatever row is first)
+    bits = allv.view(np.uint64)
+    first_bits = np.full(G, -1, dtype=np.int64)
+    rep = np.empty(G)
+    many = np.zeros(G, dtype=bool)
+    for i in range(allv.size):
+        k = klass[i]
+        if first_bits[k] == -1:
+            first_bits[k] = i
+            rep[k] = allv[i]
+        elif bits[i] != bits[first_bits[k]]:
+            many[k] = True
+    if many.any():
+        first = np.empty(G, dtype=np.int64)
+        first[cell[::-1]] = np.arange(n - 1, -1, -1)
+        rep[many] = score[first[many]]
+    cells = Cells(rep, np.empty((G, 0)), *np.unique(rep, return_inverse=True))
+    return cells, cell, score
+
+
+def packed_rows(shard: PackedShard, covariates: Sequence[str] = (), policies: Sequence[str] | None = None
+                ) -> Pass1Rows | None:
+    """`Pass1Rows` of a shard from its packed pieces as they are (no table rebuilt: the labels of the labelled
+    rows only, the scores' cells from the pieces' value tables, `_piece_cells`): the arrays `table_rows` gives of
+    `PackedShard.table`, bit for bit. None when the pieces are not all packed with coded scores, are out of window
+    order, hold a policy outside ``policies``, or the pass has covariates (then the table is read)."""
+    pieces = [p for p in shard.pieces if p.num_rows]
+    if covariates or not pieces or not all(isinstance(p, PackedPiece) and p.score_values is not None
+                                           for p in pieces):
+        return None
+    rows = []
+    last = None
+    for p in pieces:
+        row = _piece_rows(p)
+        if (p.row is not None and row.size > 1 and not np.all(row[1:] >= row[:-1])) or \
+                (last is not None and row[0] < last):
+            return None  # out of window order: the table path sorts them
+        last = row[-1]
+        rows.append(row)
+    try:
+        prompt_col = pa.chunked_array([c for p in pieces for c in p.table[PROMPT].chunks])  # zero-copy
+        policy_col = pa.chunked_array([c for p in pieces for c in p.table[POLICY].chunks])
+    except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
+        return None  # the pieces' types differ: the table path promotes them
+    pol_codes, pol_uniques = sorted_codes(policy_col)
+    pols = tuple(pol_uniques.to_pylist())
+    if policies is not None and not set(pols) <= set(policies):
+        return None
+    n = sum(p.num_rows for p in pieces)
+    got = _piece_cells(pieces, n)
+    if got is None:
+        return None
+    cells, cell, score = got
+    prompt_codes, prompt_ids = sorted_codes(prompt_col)
+    labs, lab_rows, labels, weights = [], [], [], []
+    lo = 0
+    for p, row in zip(pieces, rows):
+        if p.label is not None and p.lab_pos.size:
+            pos = p.lab_pos.astype(np.int64)
+            labs.append(pos + lo)
+            lab_rows.append(row[pos])
+            labels.append(p.label)
+            if p.label_prob is None:
+                weights.append(np.ones(pos.size))
+            else:
+                prob = p.label_prob.copy()
+                prob[np.isnan(prob)] = 1.0
+                weights.append(1.0 / prob)
+        lo += p.num_rows
+    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.empty(0, dtype=dt))
+    lab = cat(labs, np.int64)
+    return Pass1Rows(n=n, prompt_ids=prompt_ids, prompt=prompt_codes, policies=pols, policy=pol_codes, score=score,
+                     cells=cells, cell=cell, lab=lab, lab_row=cat(lab_rows, np.int64), lab_label=cat(labels, float),
+                     lab_weight=cat(weights, float), lab_X=np.empty((lab.size, 0)))
+
+
+def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), policies: Sequence[str] | None = None,
                  n_folds: int | None = None) -> ShardSummary:
     """Pass 1 on one shard: counts, totals and the labelled rows (see the module docstring).
 
-    The labelled rows travel with their fold (`fold_of` their prompt id, ``n_folds``: default the options')
-    and 4-byte codes, so no prompt id travels with them; a shard of a split by range keeps its ids.
+    ``table``: the shard's table, or its pieces (`PackedShard`: read as they are, `packed_rows`, where they
+    allow it). The labelled rows travel with their fold (`fold_of` their prompt id, ``n_folds``: default the
+    options') and 4-byte codes, so no prompt id travels with them; a shard of a split by range keeps its ids.
     """
-    r = shard_rows(table, covariates, policies)
+    r = None
+    if isinstance(table, PackedShard):
+        r = packed_rows(table, covariates, policies)
+        nonempty = [p for p in table.pieces if p.num_rows]
+        meta = (nonempty[0] if nonempty else table.pieces[0]).schema.metadata if table.pieces else None
+        if r is None:
+            table = table.table()
+            meta = table.schema.metadata
+    else:
+        meta = table.schema.metadata
+    if r is None:
+        r = table_rows(table, covariates, policies)
     Kl = len(r.policies)
-    cells, cell = make_cells(r.score, r.X)
+    cells, cell = r.cells, r.cell
     G = cells.size
-    counts = np.bincount(r.policy * G + cell, minlength=Kl * G).reshape(Kl, G)
+    key = r.policy * G
+    key += cell
+    counts = np.bincount(key, minlength=Kl * G).reshape(Kl, G)
+    del key
     n_ids = len(r.prompt_ids)
     n_prompts = _prompts_per_policy(r.policy, r.prompt, Kl, n_ids)
-    lab = np.flatnonzero(~np.isnan(r.label))
+    lab = r.lab
     lab_prompt = r.prompt[lab]
     folds = n_folds if n_folds is not None else EvaluationOptions.of(None).n_folds
     # one hash per labelled prompt (not per labelled row): the fold is a function of the prompt id
     lab_ids, lab_at = unique_inverse(lab_prompt)
     fold = _folds(r.prompt_ids.take(pa.array(lab_ids)), folds).astype(np.int8)[lab_at]
-    ranged = bool(table.schema.metadata and table.schema.metadata.get(RANGE_META) == b"1")
+    ranged = bool(meta and meta.get(RANGE_META) == b"1")
     kept = ShardKept(prompt=r.prompt.astype(np.int32 if n_ids < 2**31 else np.int64),
                      policy=r.policy.astype(_small_int(Kl)), cell=cell.astype(np.int32 if G < 2**31 else np.int64),
-                     lab_pos=lab, lab_row=r.row[lab], n_ids=n_ids)
+                     lab_pos=lab, lab_row=r.lab_row, n_ids=n_ids)
     return ShardSummary(
-        n_rows=int(r.row.size), prompt_ids=None if ranged else r.prompt_ids, policies=r.policies,
+        n_rows=r.n, prompt_ids=None if ranged else r.prompt_ids, policies=r.policies,
         cell_score=cells.score, cell_X=cells.X, counts=counts, n_prompts=n_prompts,
-        score_sum=np.array([r.score[r.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
-        score_min=float(r.score.min()) if r.row.size else np.inf,
-        score_max=float(r.score.max()) if r.row.size else -np.inf,
-        labelled={"row": r.row[lab], "prompt": lab_prompt.astype(np.int32), "policy": r.policy[lab].astype(np.int32),
-                  "cell": cell[lab].astype(np.int32), "score": r.score[lab], "X": r.X[lab], "label": r.label[lab],
-                  "weight": r.label_weight[lab], "fold": fold},
+        score_sum=np.array([r.score[kept.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
+        score_min=float(r.score.min()) if r.n else np.inf,
+        score_max=float(r.score.max()) if r.n else -np.inf,
+        labelled={"row": r.lab_row, "prompt": lab_prompt.astype(np.int32), "policy": r.policy[lab].astype(np.int32),
+                  "cell": cell[lab].astype(np.int32), "score": r.score[lab], "X": r.lab_X, "label": r.lab_label,
+                  "weight": r.lab_weight, "fold": fold},
         n_ids=n_ids, id_range=(r.prompt_ids[0].as_py(), r.prompt_ids[n_ids - 1].as_py()) if n_ids else (None, None),
         kept=kept)
 
@@ -665,6 +1063,8 @@ def reduce_shard(table: pa.Table, covariates: Sequence[str] = (), policies: Sequ
 #: `reduce_shard`'s summary field a mapper may keep where the task ran (`flows.runtime.sharded_ray.ray_mapper`
 #: returns it as a second object, left in the cluster's object store, and puts its reference in the field).
 reduce_shard.kept_field = "kept"
+#: How a mapper may hand `reduce_shard` a shard it holds as pieces (`flows.runtime.sharded_ray._with_pieces`).
+reduce_shard.from_pieces = packed_shard
 
 
 def shard_prompt_ids(table: pa.Table, covariates: Sequence[str] = (), policies: Sequence[str] | None = None
@@ -845,9 +1245,26 @@ FOLD_CHUNK = 1 << 18
 
 
 def _folds(ids: pa.Array, n_folds: int) -> np.ndarray:
-    """`fold_of` of Arrow ids, a chunk at a time (never every labelled id as a Python string at once)."""
-    parts = [fold_of(ids.slice(lo, FOLD_CHUNK).to_pylist(), n_folds) for lo in range(0, len(ids), FOLD_CHUNK)]
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+    """`fold_of` of Arrow ids, a chunk at a time (never every labelled id as a Python object at once): each id's
+    UTF-8 bytes taken as they are (`pyarrow.binary`: no `str` decoded and encoded again), the same blake2b."""
+    if len(ids) == 0:
+        return np.empty(0, dtype=np.int64)
+    fresh = hashlib.blake2b(digest_size=8).copy
+    hashes = np.empty(len(ids), dtype=np.uint64)
+    for lo in range(0, len(ids), FOLD_CHUNK):
+        digests = []
+        append = digests.append
+        for value in ids.slice(lo, FOLD_CHUNK).cast(pa.binary()).to_pylist():
+            h = fresh()
+            h.update(value)
+            append(h.digest())
+        hashes[lo:lo + len(digests)] = np.frombuffer(b"".join(digests), dtype=">u8")
+    return (hashes % np.uint64(n_folds)).astype(np.int64)
+
+
+def folds_reference(ids: pa.Array, n_folds: int) -> np.ndarray:
+    """`_folds` the plain way: `fold_of` of the ids as Python strings."""
+    return fold_of(ids.to_pylist(), n_folds)
 
 
 def _row_totals(summaries: Sequence[ShardSummary], policy_maps: list, K: int) -> RowTotals:

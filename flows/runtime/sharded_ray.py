@@ -468,14 +468,16 @@ class ShardPieces:
 
 def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
     """``fn`` on its arguments with every shard rebuilt from its pieces: ``layout`` gives, per argument of
-    ``fn``, None (taken as it is) or the number of pieces that follow (concatenated, `_concat`)."""
+    ``fn``, None (taken as it is) or the number of pieces that follow (concatenated, `_concat`; or, for a ``fn``
+    with a ``from_pieces``, such as `cje_engine.pipeline.sharded.reduce_shard`, handed to it as they are)."""
+    build = getattr(fn, "from_pieces", None) or _concat
     out, i = [], 0
     for spec in layout:
         if spec is None:
             out.append(args[i])
             i += 1
         else:
-            out.append(_concat(*args[i:i + spec]))
+            out.append(build(*args[i:i + spec]))
             i += spec
     return fn(*out)
 

@@ -1,0 +1,242 @@
+"""Pass 1's fast paths (issue 29, round 18) against the slow obvious computations they replace: the prompt ids'
+integer keys (`sorted_codes`) against Arrow's hash (`sorted_codes_reference`) and pandas, the shard read from its
+packed pieces (`packed_rows`) against the table rebuilt from them (`table_rows`), the folds from the ids' bytes
+against `fold_of` of Python strings. Every comparison is exact (codes, bytes of the ids, bits of every float)."""
+from __future__ import annotations
+
+import dataclasses
+import unicodedata
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE
+from cje_engine.pipeline import sharded
+from flows.runtime import sharded_ray
+
+LONG = "prompt-0000000000"  # 17 bytes: its first 16 shared by the ids built on it
+# ties of the 8- and 16-byte words, an id and itself plus NUL bytes, non-ASCII (NFC and NFD), the empty id, ids
+# longer than the 16-byte key (equal first 16 bytes), 8 and 16 bytes exactly
+IDS = ([f"{LONG}{i}" for i in range(12)] + [f"b12-p{i:06d}" for i in range(0, 3000, 37)] +
+       ["", "a", "a\0", "a\0\0", "a\0b", "é", unicodedata.normalize("NFD", "é"), "日本", "日本語", "zz", "Z",
+        "b12-p", "b12-p000", "b12-p0000000", "12345678", "1234567890abcdef", "1234567890abcdef\0",
+        "1234567890abcde\0", LONG, LONG + "\0", LONG[:16], "\x7f", "\U0001f600", "ab" * 30, "\0", "\0\0"])
+
+
+def _pandas(values: list[str]) -> tuple[np.ndarray, list[str]]:
+    codes, uniq = pd.factorize(pd.Series(values, dtype=object), sort=True)
+    return codes, list(uniq)
+
+
+def _check(col: pa.Array | pa.ChunkedArray) -> None:
+    codes, ids = sharded.sorted_codes(col)
+    ref_codes, ref_ids = sharded.sorted_codes_reference(col)
+    want_codes, want_ids = _pandas(col.to_pylist())
+    assert codes.dtype == np.int64 and ids.type == pa.string()
+    assert np.array_equal(codes, ref_codes) and np.array_equal(codes, want_codes)
+    assert ids.equals(ref_ids) and ids.to_pylist() == want_ids
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_sorted_codes_are_pandas_codes(seed):
+    rng = np.random.default_rng(seed)
+    ids = [IDS[i] for i in rng.integers(0, len(IDS), 400)]
+    short = [x for x in ids if len(x.encode()) <= 16]
+    _check(pa.array(ids))
+    _check(pa.array(ids, pa.large_string()))
+    _check(pa.array(short))
+    _check(pa.array(["pad", *ids, "pad"]).slice(1, len(ids)))  # offsets not from 0
+    _check(pa.chunked_array([pa.array(ids[:150]), pa.array([], pa.string()), pa.array(ids[150:])]))
+    # chunks of one width (read as a matrix of bytes), of other widths, ending in NUL, and empty ids only
+    for width in (1, 7, 8, 9, 11, 15, 16):
+        fixed = ["".join(rng.choice(list("ab\0c"), width)) for _ in range(300)]
+        _check(pa.array(fixed))
+        _check(pa.chunked_array([pa.array(fixed), pa.array(short), pa.array([f"b2-p{i:06d}" for i in range(50)])]))
+        _check(pa.array(["pad" * 10, *fixed]).slice(1, len(fixed)))  # a slice whose buffer ends at its last id
+    _check(pa.chunked_array([pa.array(["", "", ""]), pa.array(["b", "", "a"])]))
+    # chunks of one width each, told apart by a NUL byte only: "ab" < "ab\0" < "ab\0\0" < "ab\1"
+    _check(pa.chunked_array([pa.array(["ab\0", "cd\0", "ab\0"]), pa.array(["ab", "ab", "cd"]),
+                             pa.array(["ab\0\0", "ab\1\0", "cd\0\0"])]))
+    _check(pa.chunked_array([pa.array(["12345678abcdefg\0"[:16]]), pa.array(["12345678abcdefg"])]))
+
+
+def test_sorted_codes_edges():
+    _check(pa.array(["x"]))  # one row
+    _check(pa.array([""]))
+    _check(pa.array(["a", "a\0", "", "a\0\0", "b", "a"]))
+    _check(pa.array(["12345678", "12345678\0", "1234567"]))  # a tie of both words
+    _check(pa.array([LONG + "b", LONG + "a", LONG[:16], LONG + "a", "z"] + [f"q{i}" for i in range(40)]))
+    _check(pa.array([LONG + str(i % 9) for i in range(50)]))  # mostly longer ids: Arrow's hash
+    codes, ids = sharded.sorted_codes(pa.array([], pa.string()))
+    assert codes.size == 0 and len(ids) == 0 and ids.type == pa.string()
+    codes, ids = sharded.sorted_codes(pa.chunked_array([], pa.string()))
+    assert codes.size == 0 and len(ids) == 0
+    # nulls and dictionaries keep the reference's way
+    _check(pa.array(["b", None, "a"]))
+    _check(pa.array(["y", "x", "y"]).dictionary_encode())
+
+
+def test_sorted_codes_of_many_generated_ids():
+    """50,000 ids of the benchmark's shape and of random bytes, in chunks of different widths."""
+    rng = np.random.default_rng(7)
+    ids = [f"b{int(b)}-p{int(p):06d}" for b, p in zip(rng.integers(0, 20, 30_000), rng.integers(0, 10**6, 30_000))]
+    alphabet = np.array(list("ab\0é日-0"))
+    ids += ["".join(rng.choice(alphabet, int(k))) for k in rng.integers(0, 24, 20_000)]
+    _check(pa.array(ids))
+    _check(pa.chunked_array([pa.array(ids[i:i + 7000]) for i in range(0, len(ids), 7000)]))
+
+
+def test_dense_rank_is_pandas_factorize(monkeypatch):
+    rng = np.random.default_rng(3)
+    for values in (rng.integers(0, 50, 1000), rng.integers(0, 2**40, 1000), np.array([5]), np.arange(7)[::-1]):
+        want_codes, want_uniq = pd.factorize(values, sort=True)
+        for span in (None, int(values.max()) + 1):
+            codes, uniq = sharded.dense_rank(values, span)
+            assert np.array_equal(codes, want_codes) and np.array_equal(uniq, want_uniq)
+    words = rng.integers(0, 2**63, 500, dtype=np.uint64) * np.uint64(2)  # high bit set: unsigned order
+    codes, uniq = sharded.dense_rank(words)
+    assert np.array_equal(uniq[codes], words) and np.all(np.diff(uniq.astype(object)) > 0)
+    # the prompt codes by a hash of the combined key instead of the flags: the same
+    monkeypatch.setattr(sharded, "DENSE_RANK_SPAN", 0)
+    _check(pa.array([IDS[i] for i in rng.integers(0, len(IDS), 300)]))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 300])
+def test_folds_from_the_ids_bytes_are_fold_of(n, monkeypatch):
+    ids = pa.array([IDS[i % len(IDS)] + str(i) for i in range(n)])
+    monkeypatch.setattr(sharded, "FOLD_CHUNK", 64)
+    for k in (2, 5, 7):
+        got = sharded._folds(ids, k)
+        assert got.dtype == np.int64 and np.array_equal(got, sharded.folds_reference(ids, k))
+
+
+def _piece(n: int, seed: int, *, policies=("a", "b"), labelled: float = 0.1, ids: int = 60, first: int = 0,
+           label: bool = True, prob: bool = True, zeros: bool = True) -> pa.Table:
+    """A reader's piece of a range shard: ids ``q<number>`` of a block, judge scores (both zeros), labels."""
+    rng = np.random.default_rng(seed)
+    score = rng.integers(0, 21, n) / 20
+    if zeros and n > 2:
+        score[rng.integers(0, n, 2)] = [-0.0, 0.0]  # one class, two bit patterns: the first row's is the cell's
+    lab = rng.random(n) < labelled
+    cols = {PROMPT: pa.array([f"q{int(i):05d}" for i in rng.integers(first, first + ids, n)], pa.string()),
+            POLICY: pa.array(rng.choice(list(policies), n).tolist(), pa.string()).dictionary_encode(),
+            SCORE: score}
+    if label:
+        cols[LABEL] = pa.array(np.where(lab, rng.random(n), np.nan), from_pandas=True)
+    if prob:
+        cols[LABEL_PROB] = pa.array(np.where(rng.random(n) < 0.3, np.nan, 0.1), from_pandas=True)
+    cols[sharded.ROW] = (seed << 40) + np.cumsum(rng.integers(1, 300, n))
+    t = pa.table(cols).replace_schema_metadata({sharded.RANGE_META: b"1"})
+    return sharded_ray.compact_policy(t)
+
+
+def _same_summary(a, b) -> None:
+    for f in ("n_rows", "policies", "n_ids", "id_range"):
+        assert getattr(a, f) == getattr(b, f), f
+    for f in ("score_min", "score_max"):  # bits: NaN and -0.0 too
+        assert np.float64(getattr(a, f)).tobytes() == np.float64(getattr(b, f)).tobytes(), f
+    assert (a.prompt_ids is None) == (b.prompt_ids is None)
+    if a.prompt_ids is not None:
+        assert a.prompt_ids.equals(b.prompt_ids)
+    for f in ("cell_score", "cell_X", "counts", "n_prompts", "score_sum"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), f
+    assert a.labelled.keys() == b.labelled.keys()
+    for k, x in a.labelled.items():
+        y = b.labelled[k]
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+    for f in ("prompt", "policy", "cell", "lab_pos", "lab_row"):
+        x, y = getattr(a.kept, f), getattr(b.kept, f)
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), f
+    assert a.kept.n_ids == b.kept.n_ids
+
+
+def _both(pieces: list, fast: bool = True, **kw) -> None:
+    """Pass 1 on the packed pieces as they are and on the table rebuilt from them: the same summary, bit for bit;
+    ``fast``: the pieces are read as they are (`packed_rows` took them)."""
+    packed = [sharded.pack_piece(p) for p in pieces]
+    shard = sharded.reduce_shard.from_pieces(*packed)
+    assert (sharded.packed_rows(shard, kw.get("covariates", ()), kw.get("policies")) is not None) == fast
+    _same_summary(sharded.reduce_shard(sharded.unpack_pieces(*packed), **kw), sharded.reduce_shard(shard, **kw))
+    _same_summary(sharded.reduce_shard(pa.concat_tables(pieces, promote_options="default"), **kw),
+                  sharded.reduce_shard(shard, **kw))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pass1_on_packed_pieces_is_pass1_on_their_table(seed):
+    pieces = [_piece(400, seed * 10 + 1, first=0), _piece(0, seed * 10 + 2), _piece(300, seed * 10 + 3, first=40),
+              _piece(500, seed * 10 + 4, policies=("c",), first=70), _piece(250, seed * 10 + 5, labelled=0.0)]
+    _both(pieces)
+    _both(pieces, n_folds=7)
+    _both(pieces, policies=["a", "b", "c", "zz"])  # a filter keeping every row: no table needed
+    _both(pieces, fast=False, policies=["a", "c"])  # rows dropped: the table path
+    _both(pieces[:1])
+    _both([_piece(1, 9)])  # one row
+    _both([_piece(300, 9, zeros=False), _piece(300, 10, zeros=False)])  # every class of one bit pattern
+
+
+def _permuted(piece: sharded.PackedPiece, seed: int) -> sharded.PackedPiece:
+    """``piece`` with its score values in another order (the codes mapped along): the same scores."""
+    perm = np.random.default_rng(seed).permutation(piece.score_values.size)
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(perm.size)
+    codes = np.asarray(piece.table[SCORE].combine_chunks().to_numpy())
+    table = piece.table.set_column(piece.table.column_names.index(SCORE), SCORE,
+                                   pa.array(inverse[codes].astype(codes.dtype)))
+    return dataclasses.replace(piece, table=table, score_values=piece.score_values[perm])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_pass1_cells_whatever_the_order_of_the_pieces_values(seed):
+    """A class of two bit patterns (``-0.0``, ``0.0``): its cell's score is its first row's, not its first value's."""
+    pieces = [sharded.pack_piece(_piece(300, seed * 10 + k, first=20 * k)) for k in range(3)]
+    packed = [_permuted(p, seed + k) for k, p in enumerate(pieces)]
+    back = [sharded.unpack_piece(p) for p in packed]
+    for p, q in zip(pieces, back):  # the same scores, bit for bit
+        assert np.asarray(q[SCORE]).tobytes() == np.asarray(sharded.unpack_piece(p)[SCORE]).tobytes()
+    shard = sharded.reduce_shard.from_pieces(*packed)
+    assert sharded.packed_rows(shard) is not None
+    got = sharded.reduce_shard(shard)
+    _same_summary(sharded.reduce_shard(sharded.unpack_pieces(*packed)), got)
+    first = np.concatenate([np.asarray(q[SCORE]) for q in back])
+    first = first[first == 0][0]
+    assert np.float64(got.cell_score[got.cell_score == 0][0]).tobytes() == np.float64(first).tobytes()
+
+
+def test_pass1_on_packed_pieces_without_labels_or_probabilities():
+    _both([_piece(300, 1, label=False, prob=False), _piece(300, 2, label=False, prob=False)])
+    _both([_piece(300, 1, prob=False), _piece(300, 2)])  # a piece without LABEL_PROB: weight 1 there
+    _both([_piece(300, 1), _piece(300, 2, label=False, prob=False)])
+
+
+def test_pass1_on_packed_pieces_falls_back_to_the_table():
+    a, b = _piece(300, 1), _piece(300, 2)
+    _both([b, a], fast=False)  # out of window order: the table path sorts the rows
+    wide = a.set_column(a.column_names.index(sharded.ROW), sharded.ROW,
+                        pa.array(np.arange(300, dtype=np.int64) * 2**33))  # places shipped plain
+    _both([wide, b.set_column(b.column_names.index(sharded.ROW), sharded.ROW,
+                              pa.array(2**43 + np.arange(300, dtype=np.int64)))])
+    nan = a.set_column(a.column_names.index(SCORE), SCORE, pa.array(np.where(np.arange(300) == 5, np.nan, 0.5)))
+    _both([nan, b], fast=False)  # a NaN score: the reference decides
+    _both([a.append_column("x1", pa.array(np.arange(300.0))), b.append_column("x1", pa.array(np.ones(300)))],
+          fast=False, covariates=("x1",))
+    _both([_piece(0, 1), _piece(0, 2)], fast=False)  # an empty shard
+    with pytest.raises(Exception, match="prompt_id"):  # a missing column: the table path names it
+        sharded.reduce_shard(sharded.reduce_shard.from_pieces(sharded.pack_piece(a.drop_columns([PROMPT]))))
+
+
+def test_ray_tasks_hand_pass1_the_pieces():
+    """`flows.runtime.sharded_ray._with_pieces`: pass 1 gets its shard as pieces, every other function the table."""
+    pieces = [sharded.pack_piece(_piece(200, 1)), sharded.pack_piece(_piece(200, 2, first=30))]
+    seen = []
+
+    def probe(shard):
+        seen.append(type(shard))
+        return shard
+
+    got = sharded_ray._with_pieces(sharded.reduce_shard, (2, None), *pieces, ())
+    _same_summary(got, sharded.reduce_shard(sharded.unpack_pieces(*pieces)))
+    sharded_ray._with_pieces(probe, (2,), *pieces)
+    assert seen == [pa.Table]
