@@ -1,0 +1,153 @@
+"""Pass 2 of the sharded row pass (`shard_evaluation_terms`), fast path against its reference, in one process.
+
+Two stages:
+
+1. ``capture``: the analytic route's Ray tasks run in this process on the log files under ``--logs`` (the
+   readers' sample and split, pass 1, the driver's merge and fit, as `bench_sharded.py --stage inprocess`)
+   with ``--shards`` range shards and the Gram form; pass 2's task arguments (each shard's `ShardKept`, codes,
+   fit and `LabelledBasis`) are pickled to ``--items``.
+2. ``pass2``: each captured shard's pass 2 run ``--repeat`` times, alternately the reference (main's code:
+   ``reference=True``) and the fast path, CPU seconds (`time.process_time`) of each, the best of the repeats
+   summed over the shards; every output of the two compared bit for bit (the moments, the basis sums, the
+   diagnostic Gram sums to rounding). Also the parts apart: ``Moments.of`` of each shard's unlabelled prompts'
+   terms and ``LabelledBasis.sums`` of its labelled ones, reference beside fast.
+
+Usage::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_sharded.py --stage write --sizes 2000000 --logs /tmp/x/logs
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tail.py capture --logs /tmp/x/logs --shards 4 --items /tmp/x/items.pkl
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tail.py pass2 --items /tmp/x/items.pkl
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+
+def capture(args: argparse.Namespace) -> None:
+    from bench_sharded import _keys, _opts
+    from cje_engine.pipeline import sharded
+    from flows.pipelines.sharded_pass import shard_columns
+    from flows.runtime import sharded_ray
+    from flows.storage.objects import StorageConfig
+
+    args.inference, args.seed, args.bootstrap = "analytic", 0, 0
+    keys = _keys(args.logs)
+    cfg = StorageConfig.from_env().to_dict(include_secrets=True)
+    n = args.shards
+    samples = [sharded_ray.sample_file(args.logs, cfg, k, sharded_ray.SAMPLES_PER_SHARD * n, None, None) for k in keys]
+    splitters = sharded.range_splitters(samples, n)
+    pieces = [sharded_ray.split_file(args.logs, cfg, k, i, n, None, None, None, None, splitters, shard_columns(()))
+              for i, k in enumerate(keys)]
+    shards = [sharded_ray.ShardPieces([p[s] for p in pieces]) for s in range(n)]
+    del pieces
+    captured = []
+
+    def mapper(fn, items):
+        for i, item in enumerate(items):
+            layout, flat = sharded_ray._flatten(item)
+            if fn is sharded.shard_evaluation_terms:
+                captured.append(item)
+            yield i, sharded_ray._with_pieces(fn, layout, *flat)
+
+    sharded.prepare_sharded(shards, _opts(args), mapper=mapper, reason="benchmark", keep_terms=False)
+    with open(args.items, "wb") as fh:
+        pickle.dump(captured, fh, protocol=5)
+    print(f"captured {len(captured)} shards' pass-2 arguments in {args.items} ({os.path.getsize(args.items) / 2**20:.0f} MiB)")
+
+
+def _best(fn, repeat: int) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        c = time.process_time()
+        out = fn()
+        best = min(best, time.process_time() - c)
+    return best, out
+
+
+def pass2(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from cje_engine.inference.gram import Moments
+    from cje_engine.pipeline import sharded
+
+    with open(args.items, "rb") as fh:
+        items = pickle.load(fh)
+    cpu = {"shard_evaluation_terms": [0.0, 0.0], "Moments.of (unlabelled)": [0.0, 0.0],
+           "LabelledBasis.sums (labelled)": [0.0, 0.0]}
+    prompts = labelled = 0
+    for item in items:
+        fast_s = ref_s = 0.0
+        for _ in range(args.repeat):  # alternately: the same load for both
+            r, ref = _best(lambda: sharded.shard_evaluation_terms(*item[:-1], basis=item[-1], reference=True), 1)
+            f, out = _best(lambda: sharded.shard_evaluation_terms(*item[:-1], basis=item[-1]), 1)
+            ref_s, fast_s = (r, f) if not ref_s else (min(ref_s, r), min(fast_s, f))
+        cpu["shard_evaluation_terms"][0] += ref_s
+        cpu["shard_evaluation_terms"][1] += fast_s
+        for name in ("n", "s", "S", "T"):
+            assert np.array_equal(getattr(ref.rest, name), getattr(out.rest, name)), name
+        for name in ("n", "sum", "cross", "cubes"):
+            assert np.array_equal(getattr(ref.sums, name), getattr(out.sums, name)), name
+        assert np.array_equal(ref.labelled, out.labelled) and ref.count == out.count
+        # the diagnostic Gram sums (`ShardedPrepared.gram`, no number of the result): to rounding
+        # (a sum of n terms in another order: within 2 n eps of the sum of absolute values, <= sqrt(n sum e^2))
+        n, eps = ref.count, np.finfo(float).eps
+        assert np.all(np.abs(out.total - ref.total) <= 2 * n * eps * np.sqrt(n * np.diag(ref.gram)))
+        d = np.sqrt(np.diag(ref.gram))
+        assert np.all(np.abs(out.gram - ref.gram) <= 2 * n * eps * np.outer(d, d))
+        # the parts apart, on the same arrays
+        kept = sharded.shard_evaluation_terms(*item[:-1], basis=None, reference=True)
+        rest = _rest_terms(item, kept)
+        prompts += rest.shape[0] + kept.labelled.size
+        labelled += kept.labelled.size
+        r, a = _best(lambda: Moments.of(rest, reference=True), args.repeat)
+        f, b = _best(lambda: Moments.of(rest), args.repeat)
+        assert np.array_equal(a.T, b.T) and np.array_equal(a.S, b.S)
+        cpu["Moments.of (unlabelled)"][0] += r
+        cpu["Moments.of (unlabelled)"][1] += f
+        r, a = _best(lambda: item[-1].sums(kept.labelled, kept.labelled_terms, reference=True), args.repeat)
+        f, b = _best(lambda: item[-1].sums(kept.labelled, kept.labelled_terms), args.repeat)
+        assert np.array_equal(a.cubes, b.cubes) and np.array_equal(a.cross, b.cross) and np.array_equal(a.sum, b.sum)
+        cpu["LabelledBasis.sums (labelled)"][0] += r
+        cpu["LabelledBasis.sums (labelled)"][1] += f
+    print(f"{len(items)} shards, {prompts:,} prompts ({labelled:,} labelled); load {os.getloadavg()[0]:.2f}; "
+          f"CPU s, best of {args.repeat}, summed over the shards; every output bit for bit the reference's")
+    print(f"{'function':34s} {'reference (main)':>17s} {'fast':>8s} {'ratio':>6s}")
+    for name, (r, f) in cpu.items():
+        print(f"{name:34s} {r:17.3f} {f:8.3f} {r / max(f, 1e-9):6.2f}")
+
+
+def _rest_terms(item, kept):
+    """The unlabelled prompts' terms of a captured shard (its terms without the labelled prompts' rows)."""
+    import numpy as np
+
+    from cje_engine.pipeline import sharded
+
+    full = sharded.shard_evaluation_terms(*item[:-2], True, None, reference=True).terms
+    lab = np.searchsorted(np.asarray(item[3].ranks(np.arange(full.shape[0]))), kept.labelled)
+    rest = np.ones(full.shape[0], dtype=bool)
+    rest[lab] = False
+    return full[rest]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=["capture", "pass2"])
+    p.add_argument("--logs", default=str(HERE / "_work" / "sharded"))
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--items", default=str(HERE / "_work" / "pass2_items.pkl"))
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    {"capture": capture, "pass2": pass2}[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()
