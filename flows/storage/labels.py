@@ -312,14 +312,25 @@ class LabelStore:
         """The labels at the store's current version (`read`: every object verified; ``None`` when the store is
         empty) and the run's lineage of them: ``labels_uri``, ``label_store_version``, ``n_label_rows``,
         ``n_flagged``."""
+        labels, info, _ = self.current_sorted(labels_uri, reference=True)
+        return labels, info
+
+    def current_sorted(self, labels_uri: str, reference: bool = False
+                       ) -> tuple[pa.Table | None, dict, "SortedFingerprints | None"]:
+        """`current`, and the `SortedFingerprints` of the labels' ids when `read` found them all distinct by
+        them (`read_sorted`; None otherwise, or with ``reference``: `read` as first written): what the label
+        index sorts the ids by (`flows.runtime.label_index.LabelIndex.build`), computed once."""
         version = int(self.version())
         info = {"labels_uri": labels_uri, "label_store_version": version, "n_label_rows": 0, "n_flagged": 0}
         if version == 0:
-            return None, info
-        labels = self.read(version=version)
+            return None, info, None
+        if reference:
+            labels, fps = self.read(version=version), None
+        else:
+            labels, fps = self.read_sorted(version=version)
         info["n_label_rows"] = labels.num_rows
         info["n_flagged"] = int(pc.sum(pc.cast(labels["flagged"], pa.int64())).as_py() or 0)
-        return labels, info
+        return labels, info, fps
 
     def read(self, version: int | None = None) -> pa.Table:
         """All labels committed up to ``version`` (default: latest), each object verified.
@@ -334,6 +345,16 @@ class LabelStore:
         Columns: response_id, oracle_label, label_probability, version, flagged.  Rows are in
         version order, then in each version's (sorted) order.
         """
+        return self._read(version, reference=True)[0]
+
+    def read_sorted(self, version: int | None = None) -> tuple[pa.Table, "SortedFingerprints | None"]:
+        """`read`, the same table, and the `SortedFingerprints` of its ids when no two share a fingerprint (then
+        no id repeats: the check `read` makes, here by one sort of the 64-bit fingerprints that the label index
+        reuses, instead of `flows.storage.fingerprints.ids_distinct`'s sort of their halves; None when two
+        share one: the check then as `read`'s)."""
+        return self._read(version, reference=False)
+
+    def _read(self, version: int | None, reference: bool) -> tuple[pa.Table, "SortedFingerprints | None"]:
         commits = self._commits()
         latest = len(commits)
         if version is None:
@@ -349,15 +370,17 @@ class LabelStore:
             t = self._read_verified(v)
             parts.append(t.append_column("version", pa.array(np.full(t.num_rows, v, dtype=np.int64))))
         if not parts:
-            return READ_SCHEMA.empty_table()
+            return READ_SCHEMA.empty_table(), None
         table = pa.concat_tables(parts)
-        if ids_distinct(table.column("response_id")):
+        fps = None if reference else SortedFingerprints.of(table.column("response_id"))
+        if fps is not None or ids_distinct(table.column("response_id")):
             # no id twice (exact: `flows.storage.fingerprints.ids_distinct`, ~0.2 s at 5M labels): no duplicate to
             # drop and no conflict, what the grouping below finds at ~20x the CPU
-            return table.append_column("flagged", pa.array(np.zeros(table.num_rows, dtype=bool))).cast(READ_SCHEMA)
+            return (table.append_column("flagged", pa.array(np.zeros(table.num_rows, dtype=bool))).cast(READ_SCHEMA),
+                    fps)
         table = _drop_exact_duplicates(table)
         flagged = pc.is_in(table.column("response_id"), value_set=_conflicting_ids(table))
-        return table.append_column("flagged", flagged).cast(READ_SCHEMA)
+        return table.append_column("flagged", flagged).cast(READ_SCHEMA), None
 
 
     def _read_verified(self, v: int) -> pa.Table:
@@ -391,6 +414,29 @@ class LabelStore:
                 f"({record['rows']} rows); the object was replaced or corrupted and is not used (restore it)",
                 source=source)
         return t
+
+
+class SortedFingerprints:
+    """The `flows.storage.fingerprints.id_fingerprint` of every id of a column, sorted (``fp``), and the order that
+    sorts them (``order``), made only when no two are equal (`of`): then the ids are distinct, and the order is
+    the one a stable sort gives (there is no tie to order)."""
+
+    def __init__(self, fp: np.ndarray, order: np.ndarray) -> None:
+        self.fp, self.order = fp, order
+
+    @classmethod
+    def of(cls, ids: pa.ChunkedArray | pa.Array) -> "SortedFingerprints | None":
+        """The ids' sorted fingerprints, or None when two are equal (or there is no id)."""
+        from flows.storage.fingerprints import id_fingerprint
+
+        fp = id_fingerprint(ids)
+        if fp.size == 0:
+            return None
+        order = np.argsort(fp)  # not stable, and needs not be: the fingerprints are checked distinct below
+        fp = fp[order]
+        if bool(np.any(fp[1:] == fp[:-1])):
+            return None
+        return cls(fp, order)
 
 
 def _content_sha(data: bytes) -> str | None:

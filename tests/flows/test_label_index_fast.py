@@ -237,3 +237,57 @@ def test_a_reader_fingerprints_its_ids_once_and_ships_the_same_rows(tmp_path, mo
 
 def _without_fp(table: pa.Table) -> pa.Table:
     return table.drop_columns([sharded_ray.FINGERPRINT]) if sharded_ray.FINGERPRINT in table.column_names else table
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_store_read_sorted_and_the_index_built_from_it_are_the_references(tmp_path, case):
+    """`LabelStore.read_sorted` (the ids' fingerprints sorted once, no `ids_distinct`) reads `read`'s table, and
+    hands the sorted fingerprints only when no two are equal (then the order a stable sort gives); the index built
+    from them (`build_label_index`'s fast path: the default sort, the bit set by runs of words) is the reference
+    build's (a stable sort of fingerprints computed again, `numpy.bitwise_or.at`) field for field."""
+    rng = np.random.default_rng(23)
+    ids = _ids(case, rng, 2500)
+    ls = LabelStore(Storage.for_uri(str(tmp_path / "labels")))
+    half = len(ids) // 2
+    values = rng.integers(0, 2, len(ids)).astype(float)
+    for part in (slice(0, half), slice(half, None)):
+        ls.append(pa.table({"response_id": pa.array(ids[part], pa.string()), "oracle_label": values[part],
+                            "label_probability": pa.array(np.full(len(ids[part]), 0.5))}), "v")
+    table, fps = ls.read_sorted()
+    want = ls.read()
+    assert table.schema == want.schema and table.equals(want)
+    fp = fingerprints.id_fingerprint(want["response_id"])
+    if np.unique(fp).size == fp.size:  # (the store keeps ids in NFC: the two spellings of "nfd" are one id)
+        assert case == "distinct"
+        order = np.argsort(fp, kind="stable")
+        assert np.array_equal(fps.order, order) and np.array_equal(fps.fp, fp[order])
+    else:
+        assert fps is None
+    fast, fast_info = label_index.build_label_index(str(tmp_path / "labels"), {})
+    slow, slow_info = label_index.build_label_index(str(tmp_path / "labels"), {}, reference=True)
+    for key in ("labels_uri", "label_store_version", "n_label_rows", "n_flagged"):
+        assert fast_info[key] == slow_info[key], key
+    assert fast.table.equals(slow.table) and fast.shared == slow.shared
+    assert (fast.fp is None) == (slow.fp is None) and (fast.fp is None or np.array_equal(fast.fp, slow.fp))
+    assert (fast.bits is None) == (slow.bits is None) and (fast.bits is None or np.array_equal(fast.bits, slow.bits))
+    assert np.array_equal(LabelIndex.build(want, fps).bits, LabelIndex.build(want, reference=True).bits)
+    with pytest.raises(ValueError, match="another table"):
+        LabelIndex.build(want.slice(1), labels.SortedFingerprints(np.zeros(3, np.uint64), np.arange(3)))
+
+
+def test_the_bit_set_by_runs_and_the_sort_with_ties_are_their_references():
+    """`_bit_set` (runs of a word OR-ed at once) sets the words `numpy.bitwise_or.at` sets, sorted fingerprints
+    or not (then the reference itself), empty or full of repeats; `_sorted_fingerprints` gives the stable sort's
+    order when fingerprints repeat (ids sharing one) and when none does."""
+    rng = np.random.default_rng(29)
+    for n in (0, 1, 5, 1000, 300_000):
+        fp = np.sort(rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, n, dtype=np.uint64))
+        assert np.array_equal(label_index._bit_set(fp), label_index._bit_set_reference(fp)), n
+        rep = np.sort(np.repeat(fp[: n // 3], 3))
+        assert np.array_equal(label_index._bit_set(rep), label_index._bit_set_reference(rep)), n
+        shuffled = rng.permutation(fp)
+        assert np.array_equal(label_index._bit_set(shuffled), label_index._bit_set_reference(shuffled)), n
+    for case in CASES:
+        ids = pa.array(_ids(case, rng, 4000), pa.string())
+        got, want = label_index._sorted_fingerprints(ids), label_index._sorted_fingerprints_reference(ids)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), case
