@@ -138,15 +138,64 @@ def _rest_terms(item, kept):
     return full[rest]
 
 
+def labels(args: argparse.Namespace) -> None:
+    """A label store of ``--labels`` distinct ids shaped as the 100M benchmark's (`bench_sharded.py --label-store`:
+    "b<block>-<policy>:p<prompt>:0", 5% of 5 policies x 1M prompts a block), one version."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from flows.storage.labels import LabelStore
+    from flows.storage.objects import Storage, StorageConfig
+
+    rng = np.random.default_rng(0)
+    n = args.labels
+    pick = np.sort(rng.choice(np.int64(n) * 20, n, replace=False))  # of 20x as many (policy, prompt) pairs
+    block, rest = np.divmod(pick, 5_000_000)
+    pol, prompt = np.divmod(rest, 1_000_000)
+    names = np.array(["base", "clone", "parallel_universe_prompt", "premium", "unhelpful"])
+    ids = pc.binary_join_element_wise(pa.array(np.char.add("b", block.astype(str))), pa.array(names[pol]),
+                                      pa.array(np.char.add(np.char.add("p", np.char.zfill(prompt.astype(str), 6)),
+                                                           ":0")), "-")
+    ids = pc.replace_substring(ids, "-p", ":p")
+    table = pa.table({"response_id": ids, "oracle_label": rng.integers(0, 21, n) / 20.0,
+                      "label_probability": np.full(n, 0.05)})
+    version = LabelStore(Storage.for_uri(args.store, StorageConfig.from_env())).append(table, "bench_tail")
+    print(f"{n:,} labels in {args.store} (version {version}); e.g. {ids[0].as_py()}")
+
+
+def index(args: argparse.Namespace) -> None:
+    """`build_label_index` on ``--store``, alternately the reference (main's code: ``reference=True``) and the fast
+    path, ``--repeat`` times: CPU seconds of each (best), the two indexes compared field for field."""
+    import numpy as np
+
+    from flows.runtime.label_index import build_label_index
+
+    ref_s = fast_s = float("inf")
+    for _ in range(args.repeat):
+        r, (a, ai) = _best(lambda: build_label_index(args.store, {}, reference=True), 1)
+        f, (b, bi) = _best(lambda: build_label_index(args.store, {}), 1)
+        ref_s, fast_s = min(ref_s, r), min(fast_s, f)
+    assert a.table.equals(b.table) and np.array_equal(a.fp, b.fp) and np.array_equal(a.bits, b.bits)
+    assert a.shared == b.shared and {k: ai[k] for k in ("n_label_rows", "n_flagged")} == {
+        k: bi[k] for k in ("n_label_rows", "n_flagged")}
+    print(f"build_label_index of {ai['n_label_rows']:,} labels; load {os.getloadavg()[0]:.2f}; CPU s, best of "
+          f"{args.repeat}; the same index")
+    print(f"{'function':34s} {'reference (main)':>17s} {'fast':>8s} {'ratio':>6s}")
+    print(f"{'build_label_index':34s} {ref_s:17.3f} {fast_s:8.3f} {ref_s / max(fast_s, 1e-9):6.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["capture", "pass2"])
+    p.add_argument("stage", choices=["capture", "pass2", "labels", "index"])
+    p.add_argument("--store", default=str(HERE / "_work" / "tail_labels"), help="label store (labels, index)")
+    p.add_argument("--labels", type=int, default=5_000_000, help="labels the store gets (labels)")
     p.add_argument("--logs", default=str(HERE / "_work" / "sharded"))
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--items", default=str(HERE / "_work" / "pass2_items.pkl"))
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
-    {"capture": capture, "pass2": pass2}[args.stage](args)
+    {"capture": capture, "pass2": pass2, "labels": labels, "index": index}[args.stage](args)
 
 
 if __name__ == "__main__":

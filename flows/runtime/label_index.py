@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 from flows.runtime.retries import is_retryable
 from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
-from flows.storage.labels import fill_store_labels, first_labels, log_response_ids_nfc
+from flows.storage.labels import fill_store_labels, fingerprint_order, first_labels, log_response_ids_nfc
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +85,10 @@ class LabelIndex:
         """The index of a label table (`flows.storage.labels.LabelStore.read`'s columns; ``flagged`` optional).
 
         ``sorted_fp``: the `flows.storage.labels.SortedFingerprints` of the table's ids when the caller has them
-        (`flows.storage.labels.LabelStore.read_sorted`: not computed again). The fingerprints are sorted by the
-        default sort, a stable one only when two are equal (the same order), and the bit set built by runs of
-        its words (`_bit_set`); ``reference``: as first written (a stable sort, `numpy.bitwise_or.at`). The same
-        index. Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
+        (`flows.storage.labels.LabelStore.read_sorted`: not computed again). The fingerprints are ordered by
+        `flows.storage.labels.fingerprint_order` (the stable argsort's order) and the bit set built by runs of
+        its words (`_bit_set`); ``reference``: as first written (a stable argsort, `numpy.bitwise_or.at`). The
+        same index. Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
         """
         for col in ("response_id", "oracle_label", "label_probability"):
             if col not in label_table.column_names:
@@ -231,16 +231,11 @@ def _bit_set_reference(sorted_fp: np.ndarray) -> np.ndarray:
 
 
 def _sorted_fingerprints(ids: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(the ids' fingerprints sorted, the order that sorts them); equal fingerprints keep the ids' order. The
-    default (unstable, vectorised) sort first: when no two fingerprints are equal its order is the only one;
-    else the stable sort of `_sorted_fingerprints_reference`."""
+    """(the ids' fingerprints sorted, the order that sorts them); equal fingerprints keep the ids' order
+    (`flows.storage.labels.fingerprint_order`: the stable argsort's order by a sort of values)."""
     fp = id_fingerprint(ids)
-    order = np.argsort(fp)
-    s = fp[order]
-    if s.size > 1 and bool(np.any(s[1:] == s[:-1])):
-        order = np.argsort(fp, kind="stable")
-        s = fp[order]
-    return s, order
+    order = fingerprint_order(fp)
+    return fp[order], order
 
 
 def _sorted_fingerprints_reference(ids: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:

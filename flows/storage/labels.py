@@ -432,11 +432,45 @@ class SortedFingerprints:
         fp = id_fingerprint(ids)
         if fp.size == 0:
             return None
-        order = np.argsort(fp)  # not stable, and needs not be: the fingerprints are checked distinct below
+        order = fingerprint_order(fp)
         fp = fp[order]
         if bool(np.any(fp[1:] == fp[:-1])):
             return None
         return cls(fp, order)
+
+
+#: Runs of fingerprints sharing their high bits past which `fingerprint_order` sorts by a stable argsort instead.
+MAX_HIGH_RUNS = 1 << 14
+
+
+def fingerprint_order(fp: np.ndarray) -> np.ndarray:
+    """``numpy.argsort(fp, kind="stable")`` of 64-bit fingerprints (uint64), the same order, by a sort of values
+    instead of an argsort (~40% less CPU at 5M): each fingerprint's high bits with its position in the low
+    ``b`` bits (``2^b > len(fp)``) sorted as one integer, then the few runs whose high bits are equal (their
+    order by position, not by their low bits; ~n^2 / 2^(65 - b) of them for random fingerprints) sorted again by
+    the whole fingerprint, stably. Past `MAX_HIGH_RUNS` such runs: the stable argsort itself."""
+    n = fp.size
+    if n < 2:
+        return np.zeros(n, dtype=np.int64)
+    b = int(n - 1).bit_length()
+    shift = np.uint64(b)
+    key = fp >> shift
+    key <<= shift
+    key |= np.arange(n, dtype=np.uint64)
+    key.sort()
+    order = (key & np.uint64((1 << b) - 1)).astype(np.int64)
+    key >>= shift  # the high bits, in sorted order
+    same = np.flatnonzero(key[1:] == key[:-1])  # i and i + 1 share their high bits
+    if same.size == 0:
+        return order
+    starts = same[np.concatenate([[True], same[1:] != same[:-1] + 1])]
+    if starts.size > MAX_HIGH_RUNS:
+        return np.argsort(fp, kind="stable")
+    ends = np.searchsorted(key, key[starts], side="right")
+    for a, e in zip(starts.tolist(), ends.tolist()):
+        run = order[a:e]  # in position order: a stable sort of their fingerprints keeps equal ones so
+        order[a:e] = run[np.argsort(fp[run], kind="stable")]
+    return order
 
 
 def _content_sha(data: bytes) -> str | None:

@@ -291,3 +291,28 @@ def test_the_bit_set_by_runs_and_the_sort_with_ties_are_their_references():
         ids = pa.array(_ids(case, rng, 4000), pa.string())
         got, want = label_index._sorted_fingerprints(ids), label_index._sorted_fingerprints_reference(ids)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), case
+
+
+def test_fingerprint_order_is_the_stable_argsort(monkeypatch):
+    """`labels.fingerprint_order` (high bits and position sorted as one integer, runs of equal high bits sorted
+    again) is ``numpy.argsort(kind="stable")``: fingerprints that share their high bits but not their low ones,
+    equal fingerprints (kept in position order), every size from none to many, and past `MAX_HIGH_RUNS`."""
+    rng = np.random.default_rng(31)
+    for n in (0, 1, 2, 3, 17, 1000, 200_000):
+        fp = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+        if n >= 17:
+            b = np.uint64(int(n - 1).bit_length())
+            some = rng.choice(n, n // 5, replace=False)
+            donor = fp[rng.choice(n, n // 10)]  # another's high bits, low bits of its own
+            fp[some[: n // 10]] = (donor >> b << b) | rng.integers(0, 2**int(b), n // 10, dtype=np.uint64)
+            fp[some[n // 10:]] = fp[rng.choice(n, some.size - n // 10)]  # equal ones (several a value)
+            fp[:3] = [0, 2**64 - 1, 0]
+            s = np.sort(fp)
+            shared_high = (s[1:] >> b) == (s[:-1] >> b)
+            assert np.count_nonzero(shared_high & (s[1:] != s[:-1])) > n // 40  # high bits shared, low ones not
+            assert np.count_nonzero(s[1:] == s[:-1]) > n // 40  # equal fingerprints
+        want = np.argsort(fp, kind="stable")
+        assert np.array_equal(labels.fingerprint_order(fp), want), n
+        monkeypatch.setattr(labels, "MAX_HIGH_RUNS", 0)
+        assert np.array_equal(labels.fingerprint_order(fp), want), n
+        monkeypatch.undo()
