@@ -558,3 +558,23 @@ def test_pass_2_fast_path_is_its_reference(table, monkeypatch, kw):
             for reference in (False, True):
                 with pytest.raises(ValueError, match="labelled prompts are not the driver's"):
                     item[-1].sums(wrong, np.zeros((wrong.size, 5)), reference=reference)
+
+
+def test_the_driver_tails_fast_paths_are_their_references():
+    """`calibration.labelled_prompt_index` (a mark a prompt and their running count) is `unique_inverse`'s index
+    (values and dtype), prompts few or many; `audit.residual_deciles` (rows put in bin order once) returns the
+    reference's bins, every float bit for bit (the same slices summed alike), ties and one-value scores included."""
+    from cje_engine.audit import residual_deciles
+    from cje_engine.pipeline.calibration import labelled_prompt_index
+
+    rng = np.random.default_rng(41)
+    for rows, n_prompts in ((0, 10), (1, 1), (50, 40), (5000, 20_000), (5000, 10**6), (100_000, 30_000)):
+        p = rng.integers(0, n_prompts, rows)
+        n, inv = labelled_prompt_index(p, n_prompts)
+        n_ref, inv_ref = labelled_prompt_index(p, n_prompts, reference=True)
+        assert n == n_ref == np.unique(p).size and inv.dtype == inv_ref.dtype and np.array_equal(inv, inv_ref)
+    for n, values in ((0, 5), (1, 3), (7, 2), (1000, 21), (50_000, 21), (50_000, 10**6), (3000, 1)):
+        score = rng.integers(0, values, n) / max(values - 1, 1)
+        resid, w = rng.standard_normal(n), rng.random(n)
+        assert residual_deciles(score, resid, w) == residual_deciles(score, resid, w, reference=True)
+        assert residual_deciles(score, resid, w, n_bins=3) == residual_deciles(score, resid, w, n_bins=3, reference=True)
