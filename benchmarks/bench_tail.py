@@ -185,9 +185,78 @@ def index(args: argparse.Namespace) -> None:
     print(f"{'build_label_index':34s} {ref_s:17.3f} {fast_s:8.3f} {ref_s / max(fast_s, 1e-9):6.2f}")
 
 
+def driver(args: argparse.Namespace) -> None:
+    """The driver's serial tail on the files under ``--logs`` (readers and passes in this process, as `capture`):
+    the calibration fit (`fit_calibration`) and the finalize timed whole (this branch's code), and beside each the
+    functions this branch changed there, reference (main's code) against fast on the same arrays, ``--repeat``
+    times alternately (best): `labelled_prompt_index` of the fit's labelled rows and `residual_deciles` of every
+    policy's labelled rows (as `summarize_direct` calls it). The outputs compared bit for bit."""
+    import numpy as np
+
+    from bench_sharded import _keys, _opts
+    from cje_engine.audit import residual_deciles
+    from cje_engine.pipeline import sharded
+    from cje_engine.pipeline.calibration import fit_calibration, labelled_prompt_index
+    from flows.pipelines.sharded_pass import shard_columns
+    from flows.runtime import sharded_ray
+    from flows.storage.objects import StorageConfig
+
+    args.inference, args.seed, args.bootstrap = "analytic", 0, 0
+    keys = _keys(args.logs)
+    cfg = StorageConfig.from_env().to_dict(include_secrets=True)
+    n = args.shards
+    samples = [sharded_ray.sample_file(args.logs, cfg, k, sharded_ray.SAMPLES_PER_SHARD * n, None, None) for k in keys]
+    splitters = sharded.range_splitters(samples, n)
+    pieces = [sharded_ray.split_file(args.logs, cfg, k, i, n, None, None, None, None, splitters, shard_columns(()))
+              for i, k in enumerate(keys)]
+    shards = [sharded_ray.ShardPieces([p[s] for p in pieces]) for s in range(n)]
+    del pieces
+    cpu: dict = {}
+
+    def mapper(fn, items):
+        for i, item in enumerate(items):
+            layout, flat = sharded_ray._flatten(item)
+            yield i, sharded_ray._with_pieces(fn, layout, *flat)
+
+    def timed_fit(data, opts, rows):
+        lab = data.prompt[np.flatnonzero(data.labelled)]
+        r, a = _best(lambda: labelled_prompt_index(lab, data.n_prompts, reference=True), args.repeat)
+        f, b = _best(lambda: labelled_prompt_index(lab, data.n_prompts), args.repeat)
+        assert a[0] == b[0] and a[1].dtype == b[1].dtype and np.array_equal(a[1], b[1])
+        cpu["labelled_prompt_index"] = (r, f)
+        c = time.process_time()
+        out = fit_calibration(data, opts, rows)
+        cpu["fit_calibration (whole, this branch)"] = (None, time.process_time() - c)
+        return out
+
+    sp = sharded.prepare_sharded(shards, _opts(args), mapper=mapper, reason="benchmark", keep_terms=False,
+                                 fit=timed_fit)
+    c = time.process_time()
+    sp.finalize([])
+    cpu["finalize (whole, this branch)"] = (None, time.process_time() - c)
+    prep = sp.prep
+    d, lab = prep.design.data, prep.design.lab_rows
+    pol = d.policy[lab]
+    r_s = f_s = 0.0
+    for k in range(prep.design.n_policies):
+        rows = lab[pol == k]
+        score, resid, w = d.score[rows], d.label[rows] - prep.f[rows], d.label_weight[rows]
+        r, a = _best(lambda: residual_deciles(score, resid, w, reference=True), args.repeat)
+        f, b = _best(lambda: residual_deciles(score, resid, w), args.repeat)
+        assert a == b
+        r_s, f_s = r_s + r, f_s + f
+    cpu["residual_deciles (every policy)"] = (r_s, f_s)
+    print(f"driver tail, {len(keys)} files, {lab.size:,} labelled rows, {d.n_prompts:,} prompts; load "
+          f"{os.getloadavg()[0]:.2f}; CPU s (best of {args.repeat} where beside a reference); the same outputs")
+    print(f"{'function':38s} {'reference (main)':>17s} {'fast':>8s} {'ratio':>6s}")
+    for name, (r, f) in cpu.items():
+        print(f"{name:38s} {'' if r is None else f'{r:17.3f}':>17s} {f:8.3f} "
+              f"{'' if r is None else f'{r / max(f, 1e-9):6.2f}':>6s}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["capture", "pass2", "labels", "index"])
+    p.add_argument("stage", choices=["capture", "pass2", "labels", "index", "driver"])
     p.add_argument("--store", default=str(HERE / "_work" / "tail_labels"), help="label store (labels, index)")
     p.add_argument("--labels", type=int, default=5_000_000, help="labels the store gets (labels)")
     p.add_argument("--logs", default=str(HERE / "_work" / "sharded"))
@@ -195,7 +264,7 @@ def main() -> None:
     p.add_argument("--items", default=str(HERE / "_work" / "pass2_items.pkl"))
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
-    {"capture": capture, "pass2": pass2, "labels": labels, "index": index}[args.stage](args)
+    {"capture": capture, "pass2": pass2, "labels": labels, "index": index, "driver": driver}[args.stage](args)
 
 
 if __name__ == "__main__":
