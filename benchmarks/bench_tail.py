@@ -1,22 +1,32 @@
-"""Pass 2 of the sharded row pass (`shard_evaluation_terms`), fast path against its reference, in one process.
+"""Round 18's cuts of the analytic route (issue 29, helper tail), each fast path beside its reference (main's code,
+kept in the tree behind ``reference=True``) in one process, CPU seconds (`time.process_time`), outputs compared
+bit for bit.
 
-Two stages:
+Stages:
 
 1. ``capture``: the analytic route's Ray tasks run in this process on the log files under ``--logs`` (the
    readers' sample and split, pass 1, the driver's merge and fit, as `bench_sharded.py --stage inprocess`)
    with ``--shards`` range shards and the Gram form; pass 2's task arguments (each shard's `ShardKept`, codes,
    fit and `LabelledBasis`) are pickled to ``--items``.
-2. ``pass2``: each captured shard's pass 2 run ``--repeat`` times, alternately the reference (main's code:
-   ``reference=True``) and the fast path, CPU seconds (`time.process_time`) of each, the best of the repeats
-   summed over the shards; every output of the two compared bit for bit (the moments, the basis sums, the
-   diagnostic Gram sums to rounding). Also the parts apart: ``Moments.of`` of each shard's unlabelled prompts'
-   terms and ``LabelledBasis.sums`` of its labelled ones, reference beside fast.
+2. ``pass2``: each captured shard's pass 2 (`shard_evaluation_terms`) run ``--repeat`` times, alternately the
+   reference and the fast path (best of the repeats, summed over the shards); every output compared bit for bit
+   (the moments, the basis sums; the diagnostic Gram sums to their derived rounding bound). Also the parts apart:
+   ``Moments.of`` of each shard's unlabelled prompts' terms and ``LabelledBasis.sums`` of its labelled ones.
+3. ``labels``: a label store of ``--labels`` distinct ids shaped as the 100M benchmark's under ``--store``.
+4. ``index``: `build_label_index` of ``--store`` (the sampling phase's critical path), reference against fast,
+   alternately; the two indexes compared field for field.
+5. ``driver``: the driver's serial tail on ``--logs`` (readers and passes in this process): the calibration fit
+   and the finalize timed whole, and the functions changed there (`labelled_prompt_index`, `residual_deciles`)
+   reference against fast on the same arrays.
 
 Usage::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_sharded.py --stage write --sizes 2000000 --logs /tmp/x/logs
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tail.py capture --logs /tmp/x/logs --shards 4 --items /tmp/x/items.pkl
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tail.py pass2 --items /tmp/x/items.pkl
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tail.py pass2 --items /tmp/x/items.pkl --repeat 5
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tail.py labels --store /tmp/x/labels5m --labels 5000000
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tail.py index --store /tmp/x/labels5m --repeat 3
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_tail.py driver --logs /tmp/x/logs50 --shards 4 --repeat 3
 """
 from __future__ import annotations
 
