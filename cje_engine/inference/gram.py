@@ -35,11 +35,34 @@ class TermsNotKept(ValueError):
     """An operation needs every prompt's influence terms, and only their Gram form was kept."""
 
 
-def third_moments(e: np.ndarray) -> np.ndarray:
+def third_moments(e: np.ndarray, reference: bool = False, et: np.ndarray | None = None) -> np.ndarray:
     """``T[i, j, k] = sum over rows p of e[p, i] e[p, j] e[p, k]`` of ``e`` (n, K): K matrix products
     ``(e[:, i] * e).T @ e`` (BLAS; ~4x less CPU than ``numpy.einsum("pi,pj,pk->ijk")``, whose pairwise contraction
     goes through an (n, K, K) temporary without BLAS). The sums are in another order than einsum's: they agree
-    to rounding (a few ulps of the sum of absolute products; `tests/unit/test_gram.py`)."""
+    to rounding (a few ulps of the sum of absolute products; `tests/unit/test_gram.py`).
+
+    The K products' left factors are written into one (K, n) buffer (`_third_moments_reference`: a new
+    temporary each, ~3x the CPU of the products, all in first-touch page faults); each matrix product is the
+    reference's, the same call on the same values: the same bits (`tests/unit/test_sharded.py`). A caller that
+    holds ``e.T`` contiguous passes it as ``et`` (not copied again). ``reference``: the reference itself."""
+    if reference:
+        return _third_moments_reference(e)
+    e = np.asarray(e, dtype=float)
+    K = e.shape[1] if e.ndim == 2 else 0
+    out = np.empty((K, K, K))
+    if K == 0:
+        return out
+    if et is None:
+        et = np.ascontiguousarray(e.T)  # (K, n): each product's left factor is a contiguous row scaling
+    buf = np.empty_like(et)
+    for i in range(K):
+        np.multiply(et, et[i], out=buf)
+        out[i] = buf @ e
+    return out
+
+
+def _third_moments_reference(e: np.ndarray) -> np.ndarray:
+    """`third_moments` as first written (a new (K, n) temporary a product): the fast path's reference."""
     e = np.asarray(e, dtype=float)
     K = e.shape[1] if e.ndim == 2 else 0
     out = np.empty((K, K, K))
@@ -61,10 +84,11 @@ class Moments:
     T: np.ndarray  # (K, K, K) sum of e_i e_j e_k
 
     @classmethod
-    def of(cls, e: np.ndarray) -> "Moments":
-        """The moments of the rows of ``e`` (prompts, K)."""
+    def of(cls, e: np.ndarray, reference: bool = False) -> "Moments":
+        """The moments of the rows of ``e`` (prompts, K) (``reference``: `third_moments`' reference; the same
+        bits)."""
         e = np.asarray(e, dtype=float)
-        return cls(int(e.shape[0]), e.sum(0), e.T @ e, third_moments(e))
+        return cls(int(e.shape[0]), e.sum(0), e.T @ e, third_moments(e, reference))
 
     @classmethod
     def zero(cls, K: int) -> "Moments":
@@ -167,17 +191,24 @@ class BasisSums:
         self.cross = np.zeros((dim, dim))
         self.cubes = np.zeros((self.groups.shape[0], g, g, g))
 
-    def add(self, rows: np.ndarray) -> None:
-        """Add basis rows (c, D) (finite)."""
+    def add(self, rows: np.ndarray, reference: bool = False) -> None:
+        """Add basis rows (c, D) (finite). Each group's third moments from its columns taken once and its
+        products written into one reused buffer (`third_moments`; ``reference``: a copy of the group's columns
+        and a new temporary a product, as first written): the same calls on the same values, the same bits."""
         rows = np.asarray(rows, dtype=float)
         if not np.isfinite(rows).all():
             raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
         self.n += int(rows.shape[0])
         self.sum += rows.sum(0)
         self.cross += rows.T @ rows
+        if reference:
+            for i, idx in enumerate(self.groups):
+                b = rows[:, idx]
+                self.cubes[i] += _third_moments_reference(b)
+            return
+        rows_t = np.ascontiguousarray(rows.T)  # (D, c): a group's left factors are rows of it
         for i, idx in enumerate(self.groups):
-            b = rows[:, idx]
-            self.cubes[i] += third_moments(b)
+            self.cubes[i] += third_moments(rows[:, idx], et=rows_t[idx])
 
     def merge(self, other: "BasisSums") -> None:
         """Add another block's sums (same dimensions and groups)."""

@@ -105,9 +105,8 @@ class Fit:
     def labelled_prompts(self) -> tuple[int, np.ndarray]:
         """(distinct prompts of the labelled rows, each labelled row's index among them): per-prompt sums over the
         labelled rows without a (prompts,) array of every prompt (`_sparse_column_var`)."""
-        u, inv = unique_inverse(_at_rows(self.design.data.prompt, self.design.lab_rows))
-        inv = inv.reshape(-1)
-        return int(u.size), inv.astype(np.int32) if u.size < 2**31 else inv  # an index for bincount: 4 B a row
+        return labelled_prompt_index(_at_rows(self.design.data.prompt, self.design.lab_rows),
+                                     self.design.data.n_prompts)
 
     def release(self) -> None:
         """Drop what is rebuilt, identical, on demand (the calibration plan cached on the design, the labelled
@@ -131,6 +130,26 @@ def _at_rows(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
     if rows.size == n and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1)):
         return a
     return a[rows]
+
+
+def labelled_prompt_index(prompt: np.ndarray, n_prompts: int, reference: bool = False) -> tuple[int, np.ndarray]:
+    """(distinct values of ``prompt``, each value's index among them, int32 when they are fewer than 2^31): the
+    prompt codes (in ``[0, n_prompts)``) of the labelled rows (`Fit.labelled_prompts`). By counting when the
+    prompts are at most 64 a row (a mark a prompt, their running count: O(rows + prompts), 5 B a prompt), else
+    (and with ``reference``) by `unique_inverse`'s sort and scatter (O(rows log rows)): the same index."""
+    prompt = np.asarray(prompt).reshape(-1)
+    if reference or prompt.size == 0 or n_prompts > 64 * prompt.size:
+        u, inv = unique_inverse(prompt)
+        inv = inv.reshape(-1)
+        return int(u.size), inv.astype(np.int32) if u.size < 2**31 else inv  # an index for bincount: 4 B a row
+    seen = np.zeros(n_prompts, dtype=bool)
+    seen[prompt] = True
+    rank = np.cumsum(seen, dtype=np.int32 if n_prompts < 2**31 else np.int64)
+    n = int(rank[-1])
+    del seen
+    rank -= 1
+    inv = rank[prompt]
+    return n, inv.astype(np.int32) if n < 2**31 else inv.astype(np.int64, copy=False)
 
 
 def _share_labelled_prompts(data: EvalData, fits: dict, shared: dict) -> None:

@@ -1304,7 +1304,7 @@ class ShardTerms:
 def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequence[str] | None,
                            codes: ShardCodes, F_all: np.ndarray, cal_row: np.ndarray, cal_f: np.ndarray,
                            plug: np.ndarray, n_k: np.ndarray, keep_terms: bool = True,
-                           basis: "LabelledBasis | None" = None) -> ShardTerms:
+                           basis: "LabelledBasis | None" = None, reference: bool = False) -> ShardTerms:
     """Pass 2 on one shard: every row's calibrated value (the full fit at its cell; out of fold on the
     calibration rows ``cal_row`` of the shard, values ``cal_f``) and its evaluation term
     ``(f - theta_k) / n_k`` summed per prompt (`estimators.evaluation_terms`, the same bits per prompt as the
@@ -1315,7 +1315,12 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     sums (`LabelledBasis.sums`: the numbers the driver would compute, bit for bit) and not returned.
 
     ``shard``: pass 1's `ShardKept` of the shard (its codes, not read or hashed again) or its table
-    (`shard_view`: the same codes, computed again)."""
+    (`shard_view`: the same codes, computed again).
+
+    The Gram form's moments and basis sums are reduced by the fast paths (`Moments.of`, `LabelledBasis.sums`: the
+    same bits); the shard's diagnostic totals (``total``, ``gram``: `ShardedPrepared.gram`, no number of the
+    result) are then the sums of its two parts, equal to the sums over every prompt to rounding. ``reference``:
+    everything as first written (one more pass over every prompt's terms; the benchmarks' and tests' comparator)."""
     v = shard_view(shard, covariates, policies)
     pol = codes.policy_code[v.policy]
     keep = pol >= 0
@@ -1330,16 +1335,27 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
         terms = _evaluation_terms(v.prompt, pol, f, plug, n_k, v.n_ids)
     else:
         terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
-    out = ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
+    if keep_terms or reference:
+        out = ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
+    else:
+        out = ShardTerms(None, int(terms.shape[0]), np.zeros(K), np.zeros((K, K)))
     if not keep_terms:
-        lab = unique_ints(v.prompt[v.lab_pos[keep[v.lab_pos]]].astype(np.int64))
-        rest = np.ones(terms.shape[0], dtype=bool)
-        rest[lab] = False
+        if reference:
+            lab = unique_ints(v.prompt[v.lab_pos[keep[v.lab_pos]]].astype(np.int64))
+            rest = np.ones(terms.shape[0], dtype=bool)
+            rest[lab] = False
+        else:  # the labelled prompts marked, not sorted: the same increasing codes
+            rest = np.ones(terms.shape[0], dtype=bool)
+            rest[v.prompt[v.lab_pos[keep[v.lab_pos]]]] = False
+            lab = np.flatnonzero(~rest)
         out.labelled = codes.ranks(lab)
         out.labelled_terms = terms[lab]
-        out.rest = Moments.of(terms[rest])
+        out.rest = Moments.of(terms[rest], reference)
+        if not reference:  # the diagnostic totals from the two parts (no more pass over every prompt)
+            out.total = out.rest.s + out.labelled_terms.sum(0)
+            out.gram = out.rest.S + out.labelled_terms.T @ out.labelled_terms
         if basis is not None:
-            out.sums = basis.sums(out.labelled, out.labelled_terms)
+            out.sums = basis.sums(out.labelled, out.labelled_terms, reference)
             out.labelled_terms = None
     return out
 
@@ -1985,33 +2001,51 @@ class LabelledBasis:
     b_cal: np.ndarray
     resid_cal: np.ndarray
 
-    def sums(self, P: np.ndarray | None, terms: np.ndarray | None) -> BasisSums:
+    def sums(self, P: np.ndarray | None, terms: np.ndarray | None, reference: bool = False) -> BasisSums:
         """The `BasisSums` of the shard's labelled prompts ``P`` (global codes, sorted) with evaluation terms
-        ``terms`` (P, K): their basis rows built and reduced a block of prompts at a time (`BASIS_BLOCK_BYTES`)."""
+        ``terms`` (P, K): their basis rows built and reduced a block of prompts at a time (`BASIS_BLOCK_BYTES`).
+
+        ``P`` is checked against the driver's labelled rows' prompts by their positions in it (strictly
+        increasing, every row's prompt found, every prompt hit: the reference sorts the rows' prompts again), and
+        the rows' NaN and infinite parts replaced where there are any (`_nan_to_num`); ``reference``: as first
+        written (`numpy.nan_to_num` over every part, `BasisSums.add`'s reference). The same bits."""
         sums = BasisSums(5 * self.K, self.groups)
         if P is None or not P.size:
             return sums
-        if not np.array_equal(unique_ints(self.prompt_lab), P):
-            raise ValueError("a shard's labelled prompts are not the driver's")
-        loc_l = np.searchsorted(P, self.prompt_lab)
+        if reference:
+            if not np.array_equal(unique_ints(self.prompt_lab), P):
+                raise ValueError("a shard's labelled prompts are not the driver's")
+            loc_l = np.searchsorted(P, self.prompt_lab)
+        else:
+            loc_l = np.searchsorted(P, self.prompt_lab)
+            hit = np.zeros(P.size, dtype=bool)
+            ok = P.size == 1 or bool(np.all(P[1:] > P[:-1]))
+            if ok and loc_l.size:
+                ok = int(loc_l.max()) < P.size and np.array_equal(P[loc_l], self.prompt_lab)
+                hit[loc_l[loc_l < P.size]] = True
+            if not (ok and hit.all()):
+                raise ValueError("a shard's labelled prompts are not the driver's")
+            del hit
         loc_c = np.searchsorted(P, self.prompt_cal)
+        add = (lambda rows: sums.add(rows, reference=True)) if reference else sums.add
         for a in range(0, P.size, self.block):
             b = min(a + self.block, P.size)
             if a == 0 and b == P.size:
-                sums.add(self._rows(terms, None, None, loc_l, loc_c))
+                add(self._rows(terms, None, None, loc_l, loc_c, reference))
                 continue
             kl = np.flatnonzero((loc_l >= a) & (loc_l < b))
             kc = np.flatnonzero((loc_c >= a) & (loc_c < b))
-            sums.add(self._rows(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a))
+            add(self._rows(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a, reference))
         return sums
 
-    def _rows(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray
-              ) -> np.ndarray:
+    def _rows(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray,
+              reference: bool = False) -> np.ndarray:
         """The basis rows of a block of labelled prompts (their terms ``e``; the shard's labelled rows ``sl`` and
         calibration rows ``sc``, None: all, at block positions ``ll``, ``lc``), as `labelled_influence_parts`
         writes them."""
         K = self.K
         n = e.shape[0]
+        fix = (lambda x: np.nan_to_num(x, copy=False)) if reference else _nan_to_num
 
         def at(a: np.ndarray, idx: np.ndarray | None) -> np.ndarray:
             return a if idx is None else a[idx]
@@ -2027,15 +2061,25 @@ class LabelledBasis:
         for k in range(K):
             calibration[:, k] = np.bincount(lc, weights=self.rho_cal[k][b_cal] * resid / self.m, minlength=n)
             audit[:, k] = np.bincount(lc, weights=self.rho_audit[k][b_cal] * resid / self.m, minlength=n)
-        np.nan_to_num(calibration, copy=False)
+        fix(calibration)
         np.subtract(residual, audit, out=audit)
         audit[:, self.gone] = np.nan
-        np.nan_to_num(audit, copy=False)
-        np.nan_to_num(residual, copy=False)
+        fix(audit)
+        fix(residual)
         own = np.bincount(key, weights=at(self.own_contrib, sl), minlength=n * K).reshape(n, K)
         own[:, self.own_gone] = np.nan
-        base[:, 4 * K:] = np.nan_to_num(own, copy=False)
+        base[:, 4 * K:] = fix(own)
         return base
+
+
+def _nan_to_num(x: np.ndarray) -> np.ndarray:
+    """``numpy.nan_to_num(x, copy=False)`` (NaN 0, infinities the largest finite numbers), the same values,
+    with the replacements made only where an entry is not finite (one mask; `numpy.nan_to_num` builds three
+    over the whole array and writes through each). Returns ``x``."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        x[bad] = np.nan_to_num(x[bad])
+    return x
 
 
 def labelled_basis_task_bytes(n_labelled: int) -> int:

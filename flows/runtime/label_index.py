@@ -38,7 +38,7 @@ import pyarrow.compute as pc
 from flows.runtime.retries import is_retryable
 from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
-from flows.storage.labels import fill_store_labels, first_labels, log_response_ids_nfc
+from flows.storage.labels import fill_store_labels, fingerprint_order, first_labels, log_response_ids_nfc
 
 log = logging.getLogger(__name__)
 
@@ -81,29 +81,39 @@ class LabelIndex:
         return np.flatnonzero((word >> (top & np.uint64(63))) & np.uint64(1))
 
     @classmethod
-    def build(cls, label_table: pa.Table) -> "LabelIndex":
+    def build(cls, label_table: pa.Table, sorted_fp: Any = None, reference: bool = False) -> "LabelIndex":
         """The index of a label table (`flows.storage.labels.LabelStore.read`'s columns; ``flagged`` optional).
 
-        Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
+        ``sorted_fp``: the `flows.storage.labels.SortedFingerprints` of the table's ids when the caller has them
+        (`flows.storage.labels.LabelStore.read_sorted`: not computed again). The fingerprints are ordered by
+        `flows.storage.labels.fingerprint_order` (the stable argsort's order) and the bit set built by runs of
+        its words (`_bit_set`); ``reference``: as first written (a stable argsort, `numpy.bitwise_or.at`). The
+        same index. Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
         """
         for col in ("response_id", "oracle_label", "label_probability"):
             if col not in label_table.column_names:
                 raise CJEInputError(f"label table lacks column {col!r}", column=col)
         stored = label_table.column("response_id")
         stored = stored if pa.types.is_string(stored.type) else stored.cast(pa.string())
-        fp, order = _sorted_fingerprints(stored)
+        sort = _sorted_fingerprints_reference if reference else _sorted_fingerprints
+        if sorted_fp is not None and not reference:
+            if len(sorted_fp.fp) != len(stored):
+                raise ValueError("sorted fingerprints of another table")
+            fp, order = sorted_fp.fp, sorted_fp.order
+        else:
+            fp, order = sort(stored)
         first = None
         if _longest_run(fp) <= 1:
             # no fingerprint twice: no id twice, every row is its id's first label (`first_labels` skips its
             # grouping: 4.1 s of the build's 9.5 at 5M labels)
             first = first_labels(label_table, distinct=True)
             if pc.all(pc.string_is_ascii(stored)).as_py() is False:  # else the ids in NFC are ``stored``
-                fp, order = _sorted_fingerprints(first.column("response_id"))
+                fp, order = sort(first.column("response_id"))
                 if _longest_run(fp) > 1:  # two spellings of one id (or ids sharing a fingerprint): grouped, so
                     first = None  # that the spelling used is the one the grouping keeps first
         if first is None:
             first = first_labels(label_table)
-            fp, order = _sorted_fingerprints(first.column("response_id"))
+            fp, order = sort(first.column("response_id"))
         # distinct fingerprints: the sorted table is the same whatever the order of ``first`` (the grouping's is
         # Arrow's hash order, not always the rows')
         shared = _longest_run(fp)
@@ -119,7 +129,7 @@ class LabelIndex:
                 keep = np.flatnonzero(~dup)
                 table, fp = table.take(pa.array(keep)), fp[keep]
                 shared = _longest_run(fp)
-        return cls(table, fp, shared, _bit_set(fp))
+        return cls(table, fp, shared, _bit_set_reference(fp) if reference else _bit_set(fp))
 
     def lookup(self, rid: pa.ChunkedArray | pa.Array, fp: np.ndarray | None = None) -> pa.Array:
         """For each id of ``rid`` (strings in NFC, `flows.storage.labels.log_response_ids`): its row of
@@ -194,7 +204,25 @@ def _log2(n: int) -> int:
 
 
 def _bit_set(sorted_fp: np.ndarray) -> np.ndarray:
-    """The bit set of the fingerprints' top bits (`filter_bits` of them; as uint64 words)."""
+    """The bit set of the fingerprints' top bits (`filter_bits` of them; as uint64 words). The fingerprints are
+    sorted, so are their words: each run of one word's bits OR-ed at once (`numpy.bitwise_or.reduceat`), one
+    store a word (`_bit_set_reference`: `numpy.bitwise_or.at`, one unbuffered update a fingerprint, ~10x the
+    CPU); the same words."""
+    nbits = filter_bits(sorted_fp.size)
+    words = np.zeros(nbits // 64, dtype=np.uint64)
+    if sorted_fp.size == 0:
+        return words
+    top = sorted_fp >> np.uint64(64 - _log2(nbits))
+    word = (top >> np.uint64(6)).astype(np.int64)
+    if np.any(word[1:] < word[:-1]):  # not sorted after all: the reference's update a fingerprint
+        return _bit_set_reference(sorted_fp)
+    starts = np.flatnonzero(np.concatenate([[True], word[1:] != word[:-1]]))
+    words[word[starts]] = np.bitwise_or.reduceat(np.uint64(1) << (top & np.uint64(63)), starts)
+    return words
+
+
+def _bit_set_reference(sorted_fp: np.ndarray) -> np.ndarray:
+    """`_bit_set` as first written (one `numpy.bitwise_or.at` update a fingerprint): its reference."""
     nbits = filter_bits(sorted_fp.size)
     words = np.zeros(nbits // 64, dtype=np.uint64)
     top = sorted_fp >> np.uint64(64 - _log2(nbits))
@@ -203,7 +231,15 @@ def _bit_set(sorted_fp: np.ndarray) -> np.ndarray:
 
 
 def _sorted_fingerprints(ids: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(the ids' fingerprints sorted, the order that sorts them); equal fingerprints keep the ids' order."""
+    """(the ids' fingerprints sorted, the order that sorts them); equal fingerprints keep the ids' order
+    (`flows.storage.labels.fingerprint_order`: the stable argsort's order by a sort of values)."""
+    fp = id_fingerprint(ids)
+    order = fingerprint_order(fp)
+    return fp[order], order
+
+
+def _sorted_fingerprints_reference(ids: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """`_sorted_fingerprints` by a stable sort alone: its reference."""
     fp = id_fingerprint(ids)
     order = np.argsort(fp, kind="stable")
     return fp[order], order
@@ -230,7 +266,7 @@ def _repeated_in_runs(ids: pa.ChunkedArray, sorted_fp: np.ndarray, shared: int) 
     return dup
 
 
-def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] = ()
+def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] = (), reference: bool = False
                       ) -> tuple[LabelIndex | None, dict]:
     """Read the label store under ``labels_uri`` at its current version (every object verified,
     `flows.storage.labels.LabelStore.read`) and index it: ``(index, info)``, the index None for an empty store;
@@ -239,15 +275,17 @@ def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] =
 
     ``delays``: a storage failure (anything but bad data, `CJEInputError`, or an exception marked
     ``retryable = False``) is retried after each of these pauses (seconds), as the flow's storage tasks are
-    (`flows.runtime.retries`); the last one is raised."""
+    (`flows.runtime.retries`); the last one is raised. The ids' fingerprints are computed and sorted once, by the
+    store's read (`flows.storage.labels.LabelStore.current_sorted`), and reused by the index; ``reference``: the
+    read and the build as first written (each computes them). The same index."""
     from flows.storage.labels import LabelStore
     from flows.storage.objects import Storage, StorageConfig
 
     t0, c0 = time.perf_counter(), time.process_time()
     for attempt, pause in enumerate([*delays, None]):
         try:
-            labels, info = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict))).current(
-                labels_uri)
+            labels, info, fps = LabelStore(Storage.for_uri(labels_uri, StorageConfig.from_dict(cfg_dict))
+                                           ).current_sorted(labels_uri, reference=reference)
             break
         except Exception as exc:  # noqa: BLE001 - retried unless final (`flows.runtime.retries.is_retryable`)
             if pause is None or not is_retryable(exc):
@@ -255,8 +293,8 @@ def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] =
             log.warning("label store %s: %s; retry %d of %d in %g s", labels_uri, exc, attempt + 1, len(delays),
                         pause)
             time.sleep(pause)
-    index = None if labels is None else LabelIndex.build(labels)
-    del labels
+    index = None if labels is None else LabelIndex.build(labels, fps, reference=reference)
+    del labels, fps
     info.update(index_bytes=0 if index is None else index.nbytes, build_s=round(time.perf_counter() - t0, 3),
                 build_cpu_s=round(time.process_time() - c0, 3))
     return index, info

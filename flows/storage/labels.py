@@ -147,8 +147,18 @@ def content_hash(normalized: pa.Table) -> str:
     """sha256 (hex) of a normalised label table (order and duplicates already canonical).
 
     The same for the table written and the table read back from its object, however Parquet
-    split it into row groups (the columns are hashed as one chunk each).
+    split it into row groups (the columns are hashed as one chunk each). The IPC stream is written into an
+    Arrow buffer and hashed where it lies (`_content_hash_reference`: a `io.BytesIO`, grown by copies, then
+    copied out whole): the same bytes, the same hash, ~40% less CPU at 5M labels.
     """
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, LABEL_SCHEMA) as writer:
+        writer.write_table(normalized.cast(LABEL_SCHEMA).combine_chunks())
+    return hashlib.sha256(sink.getvalue()).hexdigest()
+
+
+def _content_hash_reference(normalized: pa.Table) -> str:
+    """`content_hash` as first written (through `io.BytesIO`): its reference."""
     sink = io.BytesIO()
     with pa.ipc.new_stream(sink, LABEL_SCHEMA) as writer:
         writer.write_table(normalized.cast(LABEL_SCHEMA).combine_chunks())
@@ -312,14 +322,25 @@ class LabelStore:
         """The labels at the store's current version (`read`: every object verified; ``None`` when the store is
         empty) and the run's lineage of them: ``labels_uri``, ``label_store_version``, ``n_label_rows``,
         ``n_flagged``."""
+        labels, info, _ = self.current_sorted(labels_uri, reference=True)
+        return labels, info
+
+    def current_sorted(self, labels_uri: str, reference: bool = False
+                       ) -> tuple[pa.Table | None, dict, "SortedFingerprints | None"]:
+        """`current`, and the `SortedFingerprints` of the labels' ids when `read` found them all distinct by
+        them (`read_sorted`; None otherwise, or with ``reference``: `read` as first written): what the label
+        index sorts the ids by (`flows.runtime.label_index.LabelIndex.build`), computed once."""
         version = int(self.version())
         info = {"labels_uri": labels_uri, "label_store_version": version, "n_label_rows": 0, "n_flagged": 0}
         if version == 0:
-            return None, info
-        labels = self.read(version=version)
+            return None, info, None
+        if reference:
+            labels, fps = self.read(version=version), None
+        else:
+            labels, fps = self.read_sorted(version=version)
         info["n_label_rows"] = labels.num_rows
         info["n_flagged"] = int(pc.sum(pc.cast(labels["flagged"], pa.int64())).as_py() or 0)
-        return labels, info
+        return labels, info, fps
 
     def read(self, version: int | None = None) -> pa.Table:
         """All labels committed up to ``version`` (default: latest), each object verified.
@@ -334,6 +355,16 @@ class LabelStore:
         Columns: response_id, oracle_label, label_probability, version, flagged.  Rows are in
         version order, then in each version's (sorted) order.
         """
+        return self._read(version, reference=True)[0]
+
+    def read_sorted(self, version: int | None = None) -> tuple[pa.Table, "SortedFingerprints | None"]:
+        """`read`, the same table, and the `SortedFingerprints` of its ids when no two share a fingerprint (then
+        no id repeats: the check `read` makes, here by one sort of the 64-bit fingerprints that the label index
+        reuses, instead of `flows.storage.fingerprints.ids_distinct`'s sort of their halves; None when two
+        share one: the check then as `read`'s)."""
+        return self._read(version, reference=False)
+
+    def _read(self, version: int | None, reference: bool) -> tuple[pa.Table, "SortedFingerprints | None"]:
         commits = self._commits()
         latest = len(commits)
         if version is None:
@@ -349,15 +380,17 @@ class LabelStore:
             t = self._read_verified(v)
             parts.append(t.append_column("version", pa.array(np.full(t.num_rows, v, dtype=np.int64))))
         if not parts:
-            return READ_SCHEMA.empty_table()
+            return READ_SCHEMA.empty_table(), None
         table = pa.concat_tables(parts)
-        if ids_distinct(table.column("response_id")):
+        fps = None if reference else SortedFingerprints.of(table.column("response_id"))
+        if fps is not None or ids_distinct(table.column("response_id")):
             # no id twice (exact: `flows.storage.fingerprints.ids_distinct`, ~0.2 s at 5M labels): no duplicate to
             # drop and no conflict, what the grouping below finds at ~20x the CPU
-            return table.append_column("flagged", pa.array(np.zeros(table.num_rows, dtype=bool))).cast(READ_SCHEMA)
+            return (table.append_column("flagged", pa.array(np.zeros(table.num_rows, dtype=bool))).cast(READ_SCHEMA),
+                    fps)
         table = _drop_exact_duplicates(table)
         flagged = pc.is_in(table.column("response_id"), value_set=_conflicting_ids(table))
-        return table.append_column("flagged", flagged).cast(READ_SCHEMA)
+        return table.append_column("flagged", flagged).cast(READ_SCHEMA), None
 
 
     def _read_verified(self, v: int) -> pa.Table:
@@ -391,6 +424,63 @@ class LabelStore:
                 f"({record['rows']} rows); the object was replaced or corrupted and is not used (restore it)",
                 source=source)
         return t
+
+
+class SortedFingerprints:
+    """The `flows.storage.fingerprints.id_fingerprint` of every id of a column, sorted (``fp``), and the order that
+    sorts them (``order``), made only when no two are equal (`of`): then the ids are distinct, and the order is
+    the one a stable sort gives (there is no tie to order)."""
+
+    def __init__(self, fp: np.ndarray, order: np.ndarray) -> None:
+        self.fp, self.order = fp, order
+
+    @classmethod
+    def of(cls, ids: pa.ChunkedArray | pa.Array) -> "SortedFingerprints | None":
+        """The ids' sorted fingerprints, or None when two are equal (or there is no id)."""
+        from flows.storage.fingerprints import id_fingerprint
+
+        fp = id_fingerprint(ids)
+        if fp.size == 0:
+            return None
+        order = fingerprint_order(fp)
+        fp = fp[order]
+        if bool(np.any(fp[1:] == fp[:-1])):
+            return None
+        return cls(fp, order)
+
+
+#: Runs of fingerprints sharing their high bits past which `fingerprint_order` sorts by a stable argsort instead.
+MAX_HIGH_RUNS = 1 << 14
+
+
+def fingerprint_order(fp: np.ndarray) -> np.ndarray:
+    """``numpy.argsort(fp, kind="stable")`` of 64-bit fingerprints (uint64), the same order, by a sort of values
+    instead of an argsort (~40% less CPU at 5M): each fingerprint's high bits with its position in the low
+    ``b`` bits (``2^b > len(fp)``) sorted as one integer, then the few runs whose high bits are equal (their
+    order by position, not by their low bits; ~n^2 / 2^(65 - b) of them for random fingerprints) sorted again by
+    the whole fingerprint, stably. Past `MAX_HIGH_RUNS` such runs: the stable argsort itself."""
+    n = fp.size
+    if n < 2:
+        return np.zeros(n, dtype=np.int64)
+    b = int(n - 1).bit_length()
+    shift = np.uint64(b)
+    key = fp >> shift
+    key <<= shift
+    key |= np.arange(n, dtype=np.uint64)
+    key.sort()
+    order = (key & np.uint64((1 << b) - 1)).astype(np.int64)
+    key >>= shift  # the high bits, in sorted order
+    same = np.flatnonzero(key[1:] == key[:-1])  # i and i + 1 share their high bits
+    if same.size == 0:
+        return order
+    starts = same[np.concatenate([[True], same[1:] != same[:-1] + 1])]
+    if starts.size > MAX_HIGH_RUNS:
+        return np.argsort(fp, kind="stable")
+    ends = np.searchsorted(key, key[starts], side="right")
+    for a, e in zip(starts.tolist(), ends.tolist()):
+        run = order[a:e]  # in position order: a stable sort of their fingerprints keeps equal ones so
+        order[a:e] = run[np.argsort(fp[run], kind="stable")]
+    return order
 
 
 def _content_sha(data: bytes) -> str | None:

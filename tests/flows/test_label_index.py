@@ -181,15 +181,15 @@ def test_the_build_retries_a_storage_failure_never_bad_data_and_its_memory_follo
     assert label_index.index_task_memory(want_rows) == 64 * 2**20 + label_index.INDEX_BYTES_PER_LABEL * want_rows
 
     calls = []
-    real = LabelStore.current
+    real = LabelStore.current_sorted  # what the build reads the store with (`current` and the sorted fingerprints)
 
-    def flaky(self, uri):
+    def flaky(self, uri, **kw):
         calls.append(uri)
         if len(calls) == 1:
             raise StorageError("simulated 503 on the first read", key="labels/_commits/", operation="list")
-        return real(self, uri)
+        return real(self, uri, **kw)
 
-    monkeypatch.setattr(LabelStore, "current", flaky)
+    monkeypatch.setattr(LabelStore, "current_sorted", flaky)
     index, info = build_label_index(str(tmp_path / "labels"), {}, delays=(0.0,))
     assert len(calls) == 2 and index is not None and info["n_label_rows"] == ls.read().num_rows
     calls.clear()
@@ -197,12 +197,12 @@ def test_the_build_retries_a_storage_failure_never_bad_data_and_its_memory_follo
         build_label_index(str(tmp_path / "labels"), {}, delays=())
     assert len(calls) == 1
 
-    def bad(self, uri):
+    def bad(self, uri, **kw):
         calls.append(uri)
         raise CJEInputError("label-store object checksum mismatch (simulated)", source="labels/v000001.parquet")
 
     calls.clear()
-    monkeypatch.setattr(LabelStore, "current", bad)
+    monkeypatch.setattr(LabelStore, "current_sorted", bad)
     with pytest.raises(CJEInputError, match="checksum mismatch"):
         build_label_index(str(tmp_path / "labels"), {}, delays=(0.0, 0.0, 0.0))
     assert len(calls) == 1  # bad data is never retried

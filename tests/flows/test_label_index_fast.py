@@ -237,3 +237,99 @@ def test_a_reader_fingerprints_its_ids_once_and_ships_the_same_rows(tmp_path, mo
 
 def _without_fp(table: pa.Table) -> pa.Table:
     return table.drop_columns([sharded_ray.FINGERPRINT]) if sharded_ray.FINGERPRINT in table.column_names else table
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_store_read_sorted_and_the_index_built_from_it_are_the_references(tmp_path, case):
+    """`LabelStore.read_sorted` (the ids' fingerprints sorted once, no `ids_distinct`) reads `read`'s table, and
+    hands the sorted fingerprints only when no two are equal (then the order a stable sort gives); the index built
+    from them (`build_label_index`'s fast path: the default sort, the bit set by runs of words) is the reference
+    build's (a stable sort of fingerprints computed again, `numpy.bitwise_or.at`) field for field."""
+    rng = np.random.default_rng(23)
+    ids = _ids(case, rng, 2500)
+    ls = LabelStore(Storage.for_uri(str(tmp_path / "labels")))
+    half = len(ids) // 2
+    values = rng.integers(0, 2, len(ids)).astype(float)
+    for part in (slice(0, half), slice(half, None)):
+        ls.append(pa.table({"response_id": pa.array(ids[part], pa.string()), "oracle_label": values[part],
+                            "label_probability": pa.array(np.full(len(ids[part]), 0.5))}), "v")
+    table, fps = ls.read_sorted()
+    want = ls.read()
+    assert table.schema == want.schema and table.equals(want)
+    fp = fingerprints.id_fingerprint(want["response_id"])
+    if np.unique(fp).size == fp.size:  # (the store keeps ids in NFC: the two spellings of "nfd" are one id)
+        assert case == "distinct"
+        order = np.argsort(fp, kind="stable")
+        assert np.array_equal(fps.order, order) and np.array_equal(fps.fp, fp[order])
+    else:
+        assert fps is None
+    fast, fast_info = label_index.build_label_index(str(tmp_path / "labels"), {})
+    slow, slow_info = label_index.build_label_index(str(tmp_path / "labels"), {}, reference=True)
+    for key in ("labels_uri", "label_store_version", "n_label_rows", "n_flagged"):
+        assert fast_info[key] == slow_info[key], key
+    assert fast.table.equals(slow.table) and fast.shared == slow.shared
+    assert (fast.fp is None) == (slow.fp is None) and (fast.fp is None or np.array_equal(fast.fp, slow.fp))
+    assert (fast.bits is None) == (slow.bits is None) and (fast.bits is None or np.array_equal(fast.bits, slow.bits))
+    assert np.array_equal(LabelIndex.build(want, fps).bits, LabelIndex.build(want, reference=True).bits)
+    with pytest.raises(ValueError, match="another table"):
+        LabelIndex.build(want.slice(1), labels.SortedFingerprints(np.zeros(3, np.uint64), np.arange(3)))
+
+
+def test_the_bit_set_by_runs_and_the_sort_with_ties_are_their_references():
+    """`_bit_set` (runs of a word OR-ed at once) sets the words `numpy.bitwise_or.at` sets, sorted fingerprints
+    or not (then the reference itself), empty or full of repeats; `_sorted_fingerprints` gives the stable sort's
+    order when fingerprints repeat (ids sharing one) and when none does."""
+    rng = np.random.default_rng(29)
+    for n in (0, 1, 5, 1000, 300_000):
+        fp = np.sort(rng.integers(0, 2**63, n, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, n, dtype=np.uint64))
+        assert np.array_equal(label_index._bit_set(fp), label_index._bit_set_reference(fp)), n
+        rep = np.sort(np.repeat(fp[: n // 3], 3))
+        assert np.array_equal(label_index._bit_set(rep), label_index._bit_set_reference(rep)), n
+        shuffled = rng.permutation(fp)
+        assert np.array_equal(label_index._bit_set(shuffled), label_index._bit_set_reference(shuffled)), n
+    for case in CASES:
+        ids = pa.array(_ids(case, rng, 4000), pa.string())
+        got, want = label_index._sorted_fingerprints(ids), label_index._sorted_fingerprints_reference(ids)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), case
+
+
+def test_fingerprint_order_is_the_stable_argsort(monkeypatch):
+    """`labels.fingerprint_order` (high bits and position sorted as one integer, runs of equal high bits sorted
+    again) is ``numpy.argsort(kind="stable")``: fingerprints that share their high bits but not their low ones,
+    equal fingerprints (kept in position order), every size from none to many, and past `MAX_HIGH_RUNS`."""
+    rng = np.random.default_rng(31)
+    for n in (0, 1, 2, 3, 17, 1000, 200_000):
+        fp = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+        if n >= 17:
+            b = np.uint64(int(n - 1).bit_length())
+            some = rng.choice(n, n // 5, replace=False)
+            donor = fp[rng.choice(n, n // 10)]  # another's high bits, low bits of its own
+            fp[some[: n // 10]] = (donor >> b << b) | rng.integers(0, 2**int(b), n // 10, dtype=np.uint64)
+            fp[some[n // 10:]] = fp[rng.choice(n, some.size - n // 10)]  # equal ones (several a value)
+            fp[:3] = [0, 2**64 - 1, 0]
+            s = np.sort(fp)
+            shared_high = (s[1:] >> b) == (s[:-1] >> b)
+            assert np.count_nonzero(shared_high & (s[1:] != s[:-1])) > n // 40  # high bits shared, low ones not
+            assert np.count_nonzero(s[1:] == s[:-1]) > n // 40  # equal fingerprints
+        want = np.argsort(fp, kind="stable")
+        assert np.array_equal(labels.fingerprint_order(fp), want), n
+        monkeypatch.setattr(labels, "MAX_HIGH_RUNS", 0)
+        assert np.array_equal(labels.fingerprint_order(fp), want), n
+        monkeypatch.undo()
+
+
+def test_content_hash_through_an_arrow_buffer_is_the_reference():
+    """`labels.content_hash` (the IPC stream hashed in an Arrow buffer) is the reference's sha256 (through
+    `io.BytesIO`): one table, the same table in several chunks, an empty one, null probabilities included; and
+    a changed label changes it."""
+    rng = np.random.default_rng(37)
+    ids = _ids("distinct", rng, 3000)
+    prob = np.where(rng.random(len(ids)) < 0.3, np.nan, rng.uniform(0.1, 1, len(ids)))
+    t = pa.table({"response_id": pa.array(ids, pa.string()), "oracle_label": rng.normal(size=len(ids)),
+                  "label_probability": pa.array(prob, from_pandas=True)})
+    chunked = pa.concat_tables([t.slice(0, 1000), t.slice(1000)])
+    for table in (t, chunked, t.slice(0, 0)):
+        assert labels.content_hash(table) == labels._content_hash_reference(table)
+    assert labels.content_hash(chunked) == labels.content_hash(t)
+    other = t.set_column(1, "oracle_label", pa.array(np.r_[t["oracle_label"].to_numpy()[:-1], 9.0]))
+    assert labels.content_hash(other) != labels.content_hash(t)

@@ -467,3 +467,114 @@ def test_range_splitters_cut_the_pooled_samples_evenly():
     sizes = [p.num_rows for p in sharded.split_by_shard(pa.table({"prompt_id": ids}), 4, splitters=cut)]
     assert sum(sizes) == 1000 and min(sizes) > 200
     assert sharded.range_splitters([], 3) == ["", ""] and sharded.range_splitters([["a"]], 1) == []
+
+
+def test_third_moments_fast_path_is_its_reference_bit_for_bit():
+    """`third_moments` writes its products into one reused buffer (and takes ``e.T`` when the caller has it):
+    the same matrix products on the same values as its reference (a new temporary a product), so the same
+    bits, not merely the same to rounding (`test_third_moments_are_the_triple_sum` bounds both)."""
+    from cje_engine.inference.gram import _third_moments_reference
+
+    rng = np.random.default_rng(11)
+    for n, K in ((0, 3), (1, 1), (2, 5), (37, 4), (300, 5), (4096, 3), (50_000, 5)):
+        e = rng.standard_normal((n, K)) ** 3
+        want = _third_moments_reference(e)
+        assert np.array_equal(third_moments(e), want), (n, K)
+        assert np.array_equal(third_moments(e, reference=True), want), (n, K)
+        assert np.array_equal(third_moments(e, et=np.ascontiguousarray(e.T)), want), (n, K)
+        assert np.array_equal(Moments.of(e).T, Moments.of(e, reference=True).T)
+
+
+def test_basis_sums_fast_path_is_its_reference_bit_for_bit():
+    """`BasisSums.add` (each group's columns taken from one transposed copy, products in a reused buffer) adds
+    the same count, sums, cross-products and per-group third moments as its reference, bit for bit."""
+    rng = np.random.default_rng(12)
+    K = 5
+    D = 5 * K
+    groups = np.arange(D).reshape(5, K).T
+    fast, ref = BasisSums(D, groups), BasisSums(D, groups)
+    for n in (1, 17, 3000, 20_000):
+        rows = rng.standard_normal((n, D)) ** 3
+        fast.add(rows)
+        ref.add(rows, reference=True)
+    for name in ("n", "sum", "cross", "cubes"):
+        assert np.array_equal(getattr(fast, name), getattr(ref, name)), name
+    with pytest.raises(ValueError, match="finite"):
+        fast.add(np.full((2, D), np.inf))
+
+
+def test_nan_to_num_in_place_is_numpys():
+    """`sharded._nan_to_num` (replacements only where an entry is not finite) leaves what `numpy.nan_to_num`
+    leaves, on a strided view as on a whole array, with and without non-finite entries."""
+    rng = np.random.default_rng(13)
+    base = rng.standard_normal((200, 15))
+    base[rng.integers(0, 200, 30), rng.integers(0, 15, 30)] = np.nan
+    base[3, 4], base[7, 9], base[8, 2] = np.inf, -np.inf, np.inf
+    base[:, 6] = np.nan  # a policy without labels: a whole column
+    for view in (lambda a: a, lambda a: a[:, 5:10], lambda a: a[:, 10:]):
+        a, b = base.copy(), base.copy()
+        got = sharded._nan_to_num(view(a))
+        np.nan_to_num(view(b), copy=False)
+        assert np.array_equal(a, b, equal_nan=True) and np.shares_memory(got, a)  # (NaN outside the view)
+        assert np.isfinite(view(a)).all()
+
+
+@pytest.mark.parametrize("kw", [{}, dict(calibration_policies=("base", "clone"))], ids=["all", "calibration_policies"])
+def test_pass_2_fast_path_is_its_reference(table, monkeypatch, kw):
+    """`shard_evaluation_terms` in the Gram form (labelled prompts marked, not sorted; `LabelledBasis.sums`
+    without a second sort, `_nan_to_num`, the fast `BasisSums.add` and `Moments.of`) returns the reference's
+    labelled prompts, unlabelled moments and basis sums bit for bit; its diagnostic totals (the sums of the two
+    parts instead of one pass over every prompt) agree to rounding: a sum of n terms in another order differs by
+    at most ~2 n eps times the sum of their absolute values, itself <= sqrt(n * sum of squares) (Cauchy-Schwarz),
+    and likewise for the cross-products with sqrt(S_ii S_jj)."""
+    monkeypatch.setattr(sharded, "BASIS_BLOCK_BYTES", 8 * 15 * 17)  # blocks of 17 prompts: several a shard
+    items = []
+
+    def capturing(fn, its):
+        its = list(its)
+        if fn is sharded.shard_evaluation_terms:
+            items.extend(its)
+        return sharded.serial_map(fn, its)
+
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic", **kw)
+    sharded.prepare_sharded(_range_split(table, 3), opts, mapper=capturing, keep_terms=False)
+    assert len(items) == 3
+    eps = np.finfo(float).eps
+    for item in items:
+        fast = sharded.shard_evaluation_terms(*item)
+        ref = sharded.shard_evaluation_terms(*item[:-1], basis=item[-1], reference=True)
+        assert fast.labelled.size and np.array_equal(fast.labelled, ref.labelled)
+        assert fast.labelled.dtype == ref.labelled.dtype and fast.count == ref.count
+        for name in ("n", "s", "S", "T"):
+            assert np.array_equal(getattr(fast.rest, name), getattr(ref.rest, name)), name
+        for name in ("n", "sum", "cross", "cubes"):
+            assert np.array_equal(getattr(fast.sums, name), getattr(ref.sums, name)), name
+        n, d = ref.count, np.sqrt(np.diag(ref.gram))
+        assert np.all(np.abs(fast.total - ref.total) <= 2 * n * eps * np.sqrt(n) * d)
+        assert np.all(np.abs(fast.gram - ref.gram) <= 2 * n * eps * np.outer(d, d))
+        # the check of the labelled prompts against the driver's: both paths refuse another set
+        P = fast.labelled
+        for wrong in (P[1:], np.append(P, P[-1] + 1), P[::-1].copy()):
+            for reference in (False, True):
+                with pytest.raises(ValueError, match="labelled prompts are not the driver's"):
+                    item[-1].sums(wrong, np.zeros((wrong.size, 5)), reference=reference)
+
+
+def test_the_driver_tails_fast_paths_are_their_references():
+    """`calibration.labelled_prompt_index` (a mark a prompt and their running count) is `unique_inverse`'s index
+    (values and dtype), prompts few or many; `audit.residual_deciles` (rows put in bin order once) returns the
+    reference's bins, every float bit for bit (the same slices summed alike), ties and one-value scores included."""
+    from cje_engine.audit import residual_deciles
+    from cje_engine.pipeline.calibration import labelled_prompt_index
+
+    rng = np.random.default_rng(41)
+    for rows, n_prompts in ((0, 10), (1, 1), (50, 40), (5000, 20_000), (5000, 10**6), (100_000, 30_000)):
+        p = rng.integers(0, n_prompts, rows)
+        n, inv = labelled_prompt_index(p, n_prompts)
+        n_ref, inv_ref = labelled_prompt_index(p, n_prompts, reference=True)
+        assert n == n_ref == np.unique(p).size and inv.dtype == inv_ref.dtype and np.array_equal(inv, inv_ref)
+    for n, values in ((0, 5), (1, 3), (7, 2), (1000, 21), (50_000, 21), (50_000, 10**6), (3000, 1)):
+        score = rng.integers(0, values, n) / max(values - 1, 1)
+        resid, w = rng.standard_normal(n), rng.random(n)
+        assert residual_deciles(score, resid, w) == residual_deciles(score, resid, w, reference=True)
+        assert residual_deciles(score, resid, w, n_bins=3) == residual_deciles(score, resid, w, n_bins=3, reference=True)
