@@ -55,11 +55,14 @@ class FixedWidth:
         """The little-endian ``uint64`` word of bytes ``at .. at + 7`` of every string (``0 <= at <= width - 8``), as
         a new array: what ``byte_words(values).words[start + at]`` gives, without the copy of the data and the
         gather."""
+        return self.word_view(at).copy()
+
+    def word_view(self, at: int) -> np.ndarray:
+        """`word` as a read-only strided view of the data buffer (index it to gather the words of a few strings)."""
         if not 0 <= at <= self.width - 8:
             raise ValueError(f"a word at byte {at} of strings of {self.width} bytes")
-        view = np.ndarray(shape=(self.n,), dtype="<u8", buffer=self.data, offset=self.first + at,
+        return np.ndarray(shape=(self.n,), dtype="<u8", buffer=self.data, offset=self.first + at,
                           strides=(self.width,))
-        return view.copy()
 
 
 def fixed_width(values: pa.Array, least: int = 8) -> FixedWidth | None:

@@ -203,8 +203,9 @@ class _PrefixWords:
 
     def word(self, i: int, rows: np.ndarray | None = None) -> np.ndarray:
         """Word ``i`` (0 or 1) of every string (``rows`` None) or of the strings at ``rows``."""
-        if rows is None and self.fixed is not None and self.fixed.width >= 8 * (i + 1):
-            return self.fixed.word(8 * i).byteswap(inplace=True)  # every byte is the strings' own
+        if self.fixed is not None and self.fixed.width >= 8 * (i + 1):  # every byte of the word is the string's own
+            return (self.fixed.word(8 * i) if rows is None else self.fixed.word_view(8 * i)[rows]).byteswap(
+                inplace=True)
         bw = self.bytes
         start = bw.start if rows is None else bw.start[rows]
         length = bw.length if rows is None else bw.length[rows]
@@ -248,7 +249,9 @@ def range_shard(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[str]) -> np
     `range_shard_reference` is the slow obvious computation (a comparison a splitter, over every id)."""
     ids = ids.cast(pa.string())
     if isinstance(ids, pa.ChunkedArray):
-        ids = ids.combine_chunks() if ids.num_chunks else pa.array([], pa.string())
+        if ids.num_chunks > 1:  # chunk by chunk (an id's shard is of the id alone): no copy of the column
+            return np.concatenate([range_shard(c, splitters) for c in ids.chunks])
+        ids = ids.chunk(0) if ids.num_chunks else pa.array([], pa.string())
     cuts = list(splitters)
     if not cuts or len(ids) == 0:
         return np.zeros(len(ids), dtype=np.int64)

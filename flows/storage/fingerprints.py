@@ -39,7 +39,9 @@ def id_fingerprint(values) -> np.ndarray:
     `flows.runtime.sharded_ray.response_id_buckets`) and lets `flows.runtime.sharded_ray.check_response_ids` sort
     integers; ids with the same fingerprint are then compared as strings, so a shared fingerprint never hides nor invents a repeated id."""
     if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks() if values.num_chunks else pa.array([], pa.string())
+        if values.num_chunks > 1:  # chunk by chunk (a function of each string alone): no copy of the column
+            return np.concatenate([id_fingerprint(c) for c in values.chunks])
+        values = values.chunk(0) if values.num_chunks else pa.array([], pa.string())
     if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
         values = values.cast(pa.string())
     n = len(values)
@@ -88,16 +90,24 @@ def _fingerprint(values) -> np.ndarray:
     return _splitmix(h)
 
 
-def repeated_fingerprints(fp: np.ndarray) -> np.ndarray:
-    """Positions (increasing) of the fingerprints that occur more than once in ``fp`` (uint64): a sort of their
-    high 32 bits (half the bytes of a sort of the whole: ~40% less CPU), then the whole fingerprints of the few
-    whose half repeats (~n^2 / 2^33 of n) compared exactly (`repeated_fingerprints_reference`: a sort of the
-    whole fingerprints)."""
-    fp = np.ascontiguousarray(fp, dtype=np.uint64)
-    if np.little_endian:  # the high halves as a strided view of the words (no shift pass, no uint64 temporary)
-        high = fp.view(np.uint32)[1::2].copy()
-    else:
-        high = (fp >> np.uint64(32)).astype(np.uint32)
+def repeated_fingerprints(fp) -> np.ndarray:
+    """Positions (increasing) of the fingerprints that occur more than once in ``fp`` (uint64; or a sequence of
+    uint64 arrays, positions in their concatenation, never made: a check task's pieces as they are in the object
+    store): a sort of their high 32 bits (half the bytes of a sort of the whole: ~40% less CPU), then the whole
+    fingerprints of the few whose half repeats (~n^2 / 2^33 of n) compared exactly
+    (`repeated_fingerprints_reference`: a sort of the whole fingerprints)."""
+    parts = [np.asarray(fp, dtype=np.uint64)] if isinstance(fp, np.ndarray) else [
+        np.asarray(a, dtype=np.uint64) for a in fp]
+    sizes = np.array([a.size for a in parts], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    high = np.empty(int(starts[-1]), dtype=np.uint32)
+    for a, o in zip(parts, starts[:-1].tolist()):
+        if not a.size:
+            continue
+        if np.little_endian and a.dtype.isnative and a.strides == (8,):  # the high halves by view: no shift pass
+            high[o:o + a.size] = a.view(np.uint32)[1::2]
+        else:
+            high[o:o + a.size] = a >> np.uint64(32)
     s = np.sort(high)
     rep = s[1:][s[1:] == s[:-1]]
     del s
@@ -111,7 +121,14 @@ def repeated_fingerprints(fp: np.ndarray) -> np.ndarray:
     flag[rep >> np.uint32(16)] = True
     maybe = np.flatnonzero(flag[high >> np.uint32(16)])
     maybe = maybe[np.isin(high[maybe], rep)]
-    whole = fp[maybe]
+    if len(parts) == 1:
+        whole = parts[0][maybe]
+    else:  # gathered from the parts they are in
+        part = np.searchsorted(starts, maybe, side="right") - 1
+        whole = np.empty(maybe.size, dtype=np.uint64)
+        for j in np.unique(part).tolist():
+            at = np.flatnonzero(part == j)
+            whole[at] = parts[j][maybe[at] - starts[j]]
     ordered = np.sort(whole)
     again = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
     return maybe[np.isin(whole, again)] if again.size else np.empty(0, dtype=np.int64)

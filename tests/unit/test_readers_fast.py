@@ -131,3 +131,15 @@ def test_repeated_fingerprints_is_the_sort_of_the_whole():
     assert fingerprints.repeated_fingerprints(np.unique(fp)).size == 0
     assert fingerprints.repeated_fingerprints(fp[::-1].copy()[::2]).size == \
         fingerprints.repeated_fingerprints_reference(fp[::-1][::2]).size  # a strided input
+
+
+def test_repeated_fingerprints_of_parts_is_of_their_concatenation():
+    rng = np.random.default_rng(11)
+    parts = [rng.integers(0, 2**64 - 1, n, dtype=np.uint64) for n in (0, 5000, 1, 20000, 0, 7000)]
+    parts[3][100] = parts[1][4]  # a repeat across parts
+    parts[5][6999] = parts[5][0]  # one within a part
+    parts[3][7:9] = (parts[3][7:9] & np.uint64(0xFFFFFFFF)) | (parts[2][0] & np.uint64(0xFFFFFFFF00000000))
+    whole = np.concatenate(parts)
+    got = fingerprints.repeated_fingerprints(parts)
+    assert np.array_equal(got, fingerprints.repeated_fingerprints_reference(whole))
+    assert np.array_equal(got, fingerprints.repeated_fingerprints(whole)) and got.size == 4
