@@ -143,3 +143,34 @@ def test_repeated_fingerprints_of_parts_is_of_their_concatenation():
     got = fingerprints.repeated_fingerprints(parts)
     assert np.array_equal(got, fingerprints.repeated_fingerprints_reference(whole))
     assert np.array_equal(got, fingerprints.repeated_fingerprints(whole)) and got.size == 4
+
+
+@pytest.mark.parametrize("n_buckets", [1, 4, 26, 40])
+def test_buckets_in_runs_find_every_repeated_fingerprint_by_file(n_buckets):
+    """The readers' buckets (in runs by the top bits for up to 32 buckets, plain beyond) checked run by run name the
+    same repeated fingerprints, by file, as a sort of the whole bucket."""
+    from flows.runtime import sharded_ray
+
+    rng = np.random.default_rng(n_buckets)
+    files = [rng.integers(0, 2**64 - 1, n, dtype=np.uint64) for n in (4000, 0, 2500, 6000)]
+    files[2][10] = files[0][3]  # across files
+    files[3][5] = files[3][4000]  # within a file
+    files[3][6] = (files[0][9] & np.uint64(0xFFFFFFFF)) ^ np.uint64(1) | (files[0][9] & ~np.uint64(0xFFFFFFFF))
+    # the buckets take the reader's fingerprints (its ``_fp`` column), not the ids'
+    tables = [pa.table({"response_id": pa.array([f"r{i}" for i in range(f.size)], pa.string()),
+                        sharded_ray.FINGERPRINT: pa.array(f, pa.uint64())}) for f in files]
+    buckets = [sharded_ray.response_id_buckets(t, n_buckets, ids=False, places=False) for t in tables]
+    want: dict[int, set] = {}
+    every = np.concatenate(files)
+    rep = every[fingerprints.repeated_fingerprints_reference(every)]
+    for f, arr in enumerate(files):
+        hit = set(np.intersect1d(arr, rep).tolist())
+        if hit:
+            want[f] = hit
+    got: dict[int, set] = {}
+    for b in range(n_buckets):
+        res = sharded_ray.check_response_ids(*[bs[b] for bs in buckets])
+        for f, fps in (res or {}).get("candidates", {}).items():
+            got.setdefault(f, set()).update(fps)
+    assert got == want and set(want) == {0, 2, 3}
+    assert sum(t.num_rows for bs in buckets for t in bs) == every.size
