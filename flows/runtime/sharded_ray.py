@@ -130,7 +130,8 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     (16 bytes a row, no string; `check_response_ids` then names the rows whose fingerprint repeats and
     `read_shards` fetches only their ids, `response_ids_at`); ``ids=False, places=False``: the fingerprints alone
     (8 bytes a row: what `split_file` ships; a file's rows are found again by their fingerprints,
-    `response_ids_with`)."""
+    `response_ids_with`), each bucket in `SUB_BUCKETS` runs by the fingerprint's top bits when ``n_buckets`` is at
+    most 32 (its check task sorts a run at a time)."""
     import numpy as np
     import pyarrow as pa
 
@@ -606,10 +607,11 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
         prepare_rows = ray.put(prepare_rows)
     pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
                            prepare_arg, n_buckets) for i, k in enumerate(keys)]
-    # a bucket's task holds its fingerprints concatenated (8 B an id), their high halves and their sort (8 B): 40 B
-    # an id asked (`task_memory` of a quarter of its ids)
+    # a bucket's task reads its pieces in place (the object store) and holds a run's high halves and their sort (8
+    # B an id of the run; of the whole bucket when its pieces are not in runs, and the flags): 20 B an id of the
+    # bucket asked (`task_memory` of an eighth of its ids)
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
-                                                   memory=task_memory(rows_hint // n_buckets // 4))
+                                                   memory=task_memory(rows_hint // n_buckets // 8))
     checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_buckets)]
     if concat:
         join = ray.remote(_concat).options(max_retries=max_retries, memory=task_memory(2 * rows_hint // n_shards),
