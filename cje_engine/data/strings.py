@@ -39,3 +39,46 @@ def byte_words(values: pa.Array, pad: int = 8) -> ByteWords:
         data[:size] = np.frombuffer(data_buf, dtype=np.uint8)[base:base + size]
     words = np.ndarray(shape=(size + pad - 7,), dtype="<u8", buffer=data, strides=(1,))  # a word at every byte
     return ByteWords(words=words, start=off[:-1], length=off[1:] - off[:-1], size=size)
+
+
+@dataclass
+class FixedWidth:
+    """A string column whose strings all have the same length ``width`` (>= 8 bytes), read in place from its data
+    buffer (`fixed_width`): the word at a given byte of every string is a strided copy, no gather by offset."""
+
+    data: np.ndarray  # uint8 view of the column's data buffer (no copy)
+    first: int  # byte of the data buffer where the first string starts
+    width: int  # bytes of every string
+    n: int  # strings
+
+    def word(self, at: int) -> np.ndarray:
+        """The little-endian ``uint64`` word of bytes ``at .. at + 7`` of every string (``0 <= at <= width - 8``), as
+        a new array: what ``byte_words(values).words[start + at]`` gives, without the copy of the data and the
+        gather."""
+        return self.word_view(at).copy()
+
+    def word_view(self, at: int) -> np.ndarray:
+        """`word` as a read-only strided view of the data buffer (index it to gather the words of a few strings)."""
+        if not 0 <= at <= self.width - 8:
+            raise ValueError(f"a word at byte {at} of strings of {self.width} bytes")
+        return np.ndarray(shape=(self.n,), dtype="<u8", buffer=self.data, offset=self.first + at,
+                          strides=(self.width,))
+
+
+def fixed_width(values: pa.Array, least: int = 8) -> FixedWidth | None:
+    """`FixedWidth` of ``values`` (``pyarrow.string`` or ``large_string``, one chunk, at least one string) when all
+    its strings (null slots included) have the same length of at least ``least`` (>= 8) bytes, else None (then
+    `byte_words`): fixed-width ids (UUIDs, ids of one pattern) skip the copy of the data and the gathers."""
+    n = len(values)
+    if n == 0:
+        return None
+    _, off_buf, data_buf = values.buffers()
+    width_t = np.int64 if pa.types.is_large_string(values.type) else np.int32
+    off = np.frombuffer(off_buf, dtype=width_t)[values.offset:values.offset + n + 1]
+    base = int(off[0])
+    width = int(off[1]) - base
+    if width < max(8, least) or int(off[-1]) - base != n * width or data_buf is None:
+        return None
+    if not bool((np.diff(off) == width).all()):
+        return None
+    return FixedWidth(data=np.frombuffer(data_buf, dtype=np.uint8), first=base, width=width, n=n)

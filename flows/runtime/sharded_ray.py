@@ -116,6 +116,11 @@ from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # 
 
 #: Column of a response-id bucket: the id's `id_fingerprint`.
 FINGERPRINT = "_fp"
+#: A bucket of fingerprints alone is shipped in runs by the fingerprint's top `SUB_BITS` bits (`response_id_buckets`),
+#: which its check task sorts one at a time: a sort of ~3M ids stays ~25% cheaper an id than one of 25M (the
+#: cache), and a run's repeated halves are few.
+SUB_BITS = 3
+SUB_BUCKETS = 1 << SUB_BITS
 
 
 def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = True) -> list:
@@ -125,7 +130,8 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     (16 bytes a row, no string; `check_response_ids` then names the rows whose fingerprint repeats and
     `read_shards` fetches only their ids, `response_ids_at`); ``ids=False, places=False``: the fingerprints alone
     (8 bytes a row: what `split_file` ships; a file's rows are found again by their fingerprints,
-    `response_ids_with`)."""
+    `response_ids_with`), each bucket in `SUB_BUCKETS` runs by the fingerprint's top bits when ``n_buckets`` is at
+    most 32 (its check task sorts a run at a time)."""
     import numpy as np
     import pyarrow as pa
 
@@ -136,7 +142,23 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
         fp = np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64)
     else:
         fp = id_fingerprint(rid)
-    bucket = (fp % np.uint64(n_buckets)).astype(np.uint8 if n_buckets <= 256 else np.int64)
+    # the bucket from the low half: floor(low * n / 2^32), one multiply (a 64-bit modulo a row costs more); every copy
+    # of an id has its fingerprint, so its bucket. Not from the high half, which `check_response_ids` sorts: a
+    # bucket's high halves stay spread over all 2^32 values (few shared, `repeated_fingerprints`)
+    bucket = fp & np.uint64(0xFFFFFFFF)
+    bucket *= np.uint64(n_buckets)
+    bucket >>= np.uint64(32)
+    if not ids and not places and n_buckets * SUB_BUCKETS <= 256:
+        # each bucket in `SUB_BUCKETS` runs by the fingerprint's top bits (the same 1-byte radix sort): its check
+        # task sorts a run at a time (`_repeated_by_file`)
+        bucket *= np.uint64(SUB_BUCKETS)
+        bucket += fp >> np.uint64(64 - SUB_BITS)
+        key = bucket.astype(np.uint8)
+        order = np.argsort(key, kind="stable")
+        bounds = np.searchsorted(key[order], np.arange(n_buckets + 1) * SUB_BUCKETS)
+        fp = fp[order]
+        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
+    bucket = bucket.astype(np.uint8 if n_buckets <= 256 else np.int64)
     order = np.argsort(bucket, kind="stable")  # a radix sort of 1-byte keys
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
     if not ids and not places:
@@ -154,11 +176,12 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
-               splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None):
+               splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None,
+               n_buckets: int | None = None):
     """Read one log file on a worker and return its rows per shard (packed for the object store,
     `cje_engine.pipeline.sharded.pack_piece`; the info's ``piece_bytes`` their bytes), its response ids per bucket
     (`response_id_buckets`: their fingerprints alone, 8 B a row) and a small dict about the file
-    (``num_returns = 2 * n_shards + 1``). Each row's window place is ``file_index << 40`` plus its row in the
+    (``num_returns = n_shards + n_buckets + 1``; ``n_buckets`` None: ``n_shards``, `response_id_buckets`). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
@@ -178,6 +201,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
 
     from cje_engine.errors import CJEInputError
 
+    n_buckets = n_shards if n_buckets is None else int(n_buckets)
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
     wanted = columns
     if columns is None and prepare_rows is None and keep is not None:  # only what the shards keep is read
@@ -205,10 +229,10 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
-        rids = response_id_buckets(table, n_shards, ids=False, places=False)  # fingerprints only: 8 B a row
+        rids = response_id_buckets(table, n_buckets, ids=False, places=False)  # fingerprints only: 8 B a row
         table = table.drop_columns([c for c in ("response_id", FINGERPRINT) if c in table.column_names])
     else:
-        rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64())})] * n_shards
+        rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64())})] * n_buckets
         if FINGERPRINT in table.column_names:  # ``prepare_rows`` dropped the ids: their fingerprints go too
             table = table.drop_columns([FINGERPRINT])
     if keep is not None:
@@ -245,6 +269,21 @@ def compact_policy(table):
     if col.type.index_type != index:
         col = col.cast(pa.dictionary(index, pa.string()))
     return table.set_column(table.column_names.index(POLICY), pa.field(POLICY, col.type), col)
+
+
+#: Fingerprints a response-id bucket holds at most (`response_id_bucket_count`): 8 B each, its check task's high
+#: halves and their sort ~16 B more (~0.8 GiB a task at the most).
+RESPONSE_IDS_PER_BUCKET = 32_000_000
+
+
+def response_id_bucket_count(n_rows: int, cpus: int) -> int:
+    """Response-id buckets (`check_response_ids` tasks) of a window of ``n_rows``: none above
+    `RESPONSE_IDS_PER_BUCKET` ids, a multiple of the CPUs (one a CPU at least), never more than needed: each reader
+    returns one object a bucket and each check task gets one from every reader, so fewer, larger buckets cut the
+    objects Ray serializes, puts and gets (at 100M rows on 2 CPUs: 4 buckets, 4 x 100 objects, against 26 x 100
+    with one a shard)."""
+    cpus = max(1, int(cpus))
+    return cpus * max(1, math.ceil(math.ceil(max(0, int(n_rows)) / RESPONSE_IDS_PER_BUCKET) / cpus))
 
 
 #: Rows of a response-id bucket up to which `check_response_ids` packs the row into the sorted fingerprint.
@@ -333,17 +372,32 @@ def _repeated_by_file(pieces) -> dict | None:
     they are in."""
     import numpy as np
 
-    fp = np.concatenate([np.asarray(p[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64) if p.num_rows
-                         else np.empty(0, dtype=np.uint64) for p in pieces])
-    if fp.size < 2:
+    # each piece's fingerprints as they are in the object store (zero-copy), never concatenated
+    fps = [np.asarray(p[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64) if p.num_rows
+           else np.empty(0, dtype=np.uint64) for p in pieces]
+    if sum(a.size for a in fps) < 2:
         return None
-    at = repeated_fingerprints(fp)
-    if at.size == 0:
-        return None
-    file_of = np.searchsorted(np.cumsum([p.num_rows for p in pieces]), at, side="right")
+    shift = np.uint64(64 - SUB_BITS)
+    runs = [a.size < 2 or bool(((a[1:] >> shift) >= (a[:-1] >> shift)).all()) for a in fps]
+    if all(runs):  # every piece in runs by the top bits (`response_id_buckets`): one run of every piece at a time
+        cut = [np.searchsorted(a, np.arange(SUB_BUCKETS + 1, dtype=np.uint64) << shift) if a.size else
+               np.zeros(SUB_BUCKETS + 1, dtype=np.int64) for a in fps]
+        for a, c in zip(fps, cut):
+            c[-1] = a.size  # (the last bound, 8 << 61, wraps to 0)
+        groups = [[a[c[j]:c[j + 1]] for a, c in zip(fps, cut)] for j in range(SUB_BUCKETS)]
+    else:
+        groups = [fps]
     found: dict[int, set] = {}
-    for f, v in zip(file_of.tolist(), fp[at].tolist()):
-        found.setdefault(int(f), set()).add(int(v))
+    for parts in groups:
+        at = repeated_fingerprints(parts)
+        if at.size == 0:
+            continue
+        starts = np.cumsum([0] + [a.size for a in parts])
+        file_of = np.searchsorted(starts, at, side="right") - 1
+        for f, r in zip(file_of.tolist(), at.tolist()):
+            found.setdefault(int(f), set()).add(int(parts[f][r - starts[f]]))
+    if not found:
+        return None
     return {"candidates": {f: sorted(v) for f, v in sorted(found.items())}}
 
 
@@ -544,17 +598,23 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                        for k in keys], timeout=ray_get_timeout())
     splitters = range_splitters(samples, n_shards)
     log.info("prompt ids of %d file(s) sampled: %d shard ranges", len(keys), n_shards)
-    split = ray.remote(split_file).options(num_returns=2 * n_shards + 1, max_retries=max_retries,
+    from flows.runtime.ray_fanout import cluster_cpus
+
+    n_buckets = response_id_bucket_count(rows_hint, cluster_cpus())
+    split = ray.remote(split_file).options(num_returns=n_shards + n_buckets + 1, max_retries=max_retries,
                                            memory=task_memory(2 * per_file), name="cje_shard_read")
     if prepare_rows is not None:
         # Put once: passed by value, Ray would serialize it again for every file's task (large shared data, such
         # as the label index, goes by reference instead: ``prepare_arg``).
         prepare_rows = ray.put(prepare_rows)
     pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
-                           prepare_arg) for i, k in enumerate(keys)]
+                           prepare_arg, n_buckets) for i, k in enumerate(keys)]
+    # a bucket's task reads its pieces in place (the object store) and holds a run's high halves and their sort (8
+    # B an id of the run; of the whole bucket when its pieces are not in runs, and the flags): 20 B an id of the
+    # bucket asked (`task_memory` of an eighth of its ids)
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
-                                                   memory=task_memory(rows_hint // n_shards // 4))
-    checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_shards)]
+                                                   memory=task_memory(rows_hint // n_buckets // 8))
+    checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_buckets)]
     if concat:
         join = ray.remote(_concat).options(max_retries=max_retries, memory=task_memory(2 * rows_hint // n_shards),
                                            name="cje_shard_concat")
@@ -577,7 +637,7 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
         raise duplicate_response_id_error(min(found, key=lambda c: c["rows"][0]), keys, uri)
     if not with_info:
         return refs
-    return refs, ray.get([p[2 * n_shards] for p in pieces], timeout=ray_get_timeout())
+    return refs, ray.get([p[n_shards + n_buckets] for p in pieces], timeout=ray_get_timeout())
 
 
 def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEFAULT_MAX_RETRIES,

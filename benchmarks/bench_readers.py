@@ -1,0 +1,157 @@
+"""The sharded readers phase of the 100M-row flow (issue 29, round 18), function by function on one 1M-row file,
+this tree beside another (``--main``, default ``/work/main``), each in its own process, alternated, same data.
+
+The file: one of `bench_sharded.py --stage write --label-store`'s files (one policy of a block of 1M prompts, in
+prompt-id order, its labels in the label store), probed against a label index of ``--labels`` labels (the file's
+own labels plus ids of other blocks), split into ``--shards`` prompt-id ranges cut from ids of 20 blocks (as the
+100M window's 26 shards: each file falls in 2-3 of them). Per tree, CPU seconds (`time.process_time`, the median of
+``--repeat`` runs) of:
+
+* ``split_file``: the whole reader (`flows.runtime.sharded_ray.split_file` with the flow's `FileRows`: read, label
+  join, buckets, split, pack);
+* ``id_fingerprint`` of the file's response ids; ``range_shard`` of its prompt ids; ``join`` (`LabelIndex.join`);
+  ``buckets`` (`response_id_buckets` into the tree's number of buckets at 100M rows on 2 CPUs: main one a shard,
+  26; this tree `response_id_bucket_count`, 4);
+* ``check_100M``: the window's response-id check at 100M rows: one `check_response_ids` task of 100 pieces (one a
+  file) of random fingerprints, times the tree's number of buckets (main 26 tasks of 3.85M ids, this tree 4 of 25M).
+
+Usage (after ``bench_sharded.py --stage write --sizes 1000000 --logs DIR --label-store LABELS``)::
+
+    PYTHONPATH=$PWD /work/main/.venv/bin/python benchmarks/bench_readers.py --logs DIR --label-store LABELS
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _cpu(fn, repeat: int) -> float:
+    out = []
+    for _ in range(repeat):
+        c = time.process_time()
+        fn()
+        out.append(time.process_time() - c)
+    return round(statistics.median(out), 4)
+
+
+def _label_table(label_store: str, n_labels: int):
+    """The store's labels plus ids of other blocks (``b<k>-<policy>:p<i>:0``) up to ``n_labels`` rows."""
+    import numpy as np
+    import pyarrow as pa
+
+    from flows.storage.labels import LabelStore
+    from flows.storage.objects import Storage
+
+    own = LabelStore(Storage.for_uri(label_store)).read()
+    n_other = max(0, n_labels - own.num_rows)
+    pols = ["base", "clone", "parallel_universe_prompt", "premium", "unhelpful"]
+    ids = [f"b{1 + j // 250_000}-{pols[j % 5]}:p{(j // 5) % 1_000_000:06d}:0" for j in range(n_other)]
+    rng = np.random.default_rng(1)
+    cols = {}
+    for c in own.column_names:
+        col = own[c].combine_chunks()
+        extra = pa.array(ids, col.type) if c == "response_id" else col.take(pa.array(rng.integers(0, len(col), n_other)))
+        cols[c] = pa.concat_arrays([col, extra])
+    return pa.table(cols)
+
+
+def splitters(n_shards: int) -> list[str]:
+    """Prompt-id ranges of a window of 20 blocks of 1M prompts (``b<k>-p<i>``), as `range_splitters` cuts them."""
+    ids = sorted(f"b{k}-p{i:06d}" for k in range(20) for i in range(0, 1_000_000, 997))
+    return [ids[(j * len(ids)) // n_shards] for j in range(1, n_shards)]
+
+
+def child(args: argparse.Namespace) -> dict:
+    """The measures of the tree this process imports (its ``PYTHONPATH``)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.data.frame import POLICY
+    from cje_engine.pipeline import sharded
+    from flows.pipelines.sharded_pass import FileRows, shard_columns
+    from flows.runtime import sharded_ray
+    from flows.runtime.label_index import LabelIndex
+    from flows.storage.logs import read_window
+    from flows.storage.objects import Storage
+
+    index = LabelIndex.build(_label_table(args.label_store, args.labels))
+    st = Storage.for_uri(args.logs)
+    keys = sorted(o.key for o in st.list() if o.key.endswith(".parquet"))
+    cuts = splitters(args.shards)
+    keep = shard_columns(())
+    rows_100m, cpus = 100_000_000, 2
+    count = getattr(sharded_ray, "response_id_bucket_count", None)
+    n_buckets = count(rows_100m, cpus) if count else args.shards  # main: one a shard
+
+    def reader(i: int = 0):
+        return sharded_ray.split_file(args.logs, {}, keys[i % len(keys)], i, args.shards, None, None, None,
+                                      FileRows((), ()), cuts, keep, index,
+                                      **({"n_buckets": n_buckets} if count else {}))
+
+    reader()  # warm
+    table = read_window(st, [keys[0]], check_unique=False, dictionary=(POLICY,))
+    fp = sharded_ray.id_fingerprint(table["response_id"])
+    with_fp = table.append_column(sharded_ray.FINGERPRINT, pa.array(fp))
+    res = {"code": os.environ.get("PYTHONPATH", ""), "rows": table.num_rows, "buckets_at_100M": n_buckets,
+           "split_file": _cpu(reader, args.repeat),
+           "id_fingerprint": _cpu(lambda: sharded_ray.id_fingerprint(table["response_id"]), args.repeat),
+           "range_shard": _cpu(lambda: sharded.range_shard(table["prompt_id"], cuts), args.repeat),
+           "join": _cpu(lambda: index.join(with_fp), args.repeat),
+           "buckets": _cpu(lambda: sharded_ray.response_id_buckets(with_fp, n_buckets, ids=False, places=False),
+                           args.repeat)}
+    rng = np.random.default_rng(0)
+    per = rows_100m // n_buckets // 100
+    bucket = [pa.table({sharded_ray.FINGERPRINT: pa.array(rng.integers(0, 2**64 - 1, per, dtype=np.uint64))})
+              for _ in range(100)]
+    assert sharded_ray.check_response_ids(*bucket) is None
+    res["check_one_task"] = _cpu(lambda: sharded_ray.check_response_ids(*bucket), max(1, args.repeat // 2))
+    res["check_100M"] = round(res["check_one_task"] * n_buckets, 2)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--logs", required=True)
+    p.add_argument("--label-store", required=True)
+    p.add_argument("--labels", type=int, default=5_000_000)
+    p.add_argument("--shards", type=int, default=26)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2, help="alternations of the two trees")
+    p.add_argument("--main", type=Path, default=Path("/work/main"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    trees = {"this": HERE.parent, "main": args.main}
+    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    for _ in range(args.rounds):
+        for name, root in trees.items():
+            env = {**os.environ, "PYTHONPATH": str(root)}
+            cmd = [sys.executable, str(HERE / "bench_readers.py"), "--child", "--logs", args.logs, "--label-store",
+                   args.label_store, "--labels", str(args.labels), "--shards", str(args.shards), "--repeat",
+                   str(args.repeat)]
+            out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True).stdout
+            runs[name].append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]))
+    keys = ["split_file", "id_fingerprint", "range_shard", "join", "buckets", "check_one_task", "check_100M"]
+    print(f"{'CPU s (median of rounds)':<26} {'this tree':>10} {'main':>10} {'ratio':>7}")
+    for k in keys:
+        a = statistics.median(r[k] for r in runs["this"])
+        b = statistics.median(r[k] for r in runs["main"])
+        print(f"{k:<26} {a:10.4f} {b:10.4f} {b / max(a, 1e-9):6.2f}x")
+    print(f"{'buckets at 100M':<26} {runs['this'][0]['buckets_at_100M']:>10} {runs['main'][0]['buckets_at_100M']:>10}")
+    for name in trees:
+        print(name, json.dumps(runs[name]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
