@@ -42,8 +42,13 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 
-def capture(args: argparse.Namespace) -> None:
-    from bench_sharded import _keys, _opts
+from bench_response_ids import _best  # noqa: E402 (CPU s, the best of ``repeat`` calls)
+
+
+def _split_in_process(args: argparse.Namespace) -> list:
+    """The window of ``--logs`` read and split into ``--shards`` range shards in this process, as the flow's readers
+    split it (no label store): the shards' `ShardPieces`. Sets the analytic options the stages run with."""
+    from bench_sharded import _keys
     from cje_engine.pipeline import sharded
     from flows.pipelines.sharded_pass import shard_columns
     from flows.runtime import sharded_ray
@@ -59,6 +64,15 @@ def capture(args: argparse.Namespace) -> None:
               for i, k in enumerate(keys)]
     shards = [sharded_ray.ShardPieces([p[s] for p in pieces]) for s in range(n)]
     del pieces
+    return shards
+
+
+def capture(args: argparse.Namespace) -> None:
+    from bench_sharded import _opts
+    from cje_engine.pipeline import sharded
+    from flows.runtime import sharded_ray
+
+    shards = _split_in_process(args)
     captured = []
 
     def mapper(fn, items):
@@ -72,15 +86,6 @@ def capture(args: argparse.Namespace) -> None:
     with open(args.items, "wb") as fh:
         pickle.dump(captured, fh, protocol=5)
     print(f"captured {len(captured)} shards' pass-2 arguments in {args.items} ({os.path.getsize(args.items) / 2**20:.0f} MiB)")
-
-
-def _best(fn, repeat: int) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        c = time.process_time()
-        out = fn()
-        best = min(best, time.process_time() - c)
-    return best, out
 
 
 def pass2(args: argparse.Namespace) -> None:
@@ -203,24 +208,13 @@ def driver(args: argparse.Namespace) -> None:
     policy's labelled rows (as `summarize_direct` calls it). The outputs compared bit for bit."""
     import numpy as np
 
-    from bench_sharded import _keys, _opts
+    from bench_sharded import _opts
     from cje_engine.audit import residual_deciles
     from cje_engine.pipeline import sharded
     from cje_engine.pipeline.calibration import fit_calibration, labelled_prompt_index
-    from flows.pipelines.sharded_pass import shard_columns
     from flows.runtime import sharded_ray
-    from flows.storage.objects import StorageConfig
 
-    args.inference, args.seed, args.bootstrap = "analytic", 0, 0
-    keys = _keys(args.logs)
-    cfg = StorageConfig.from_env().to_dict(include_secrets=True)
-    n = args.shards
-    samples = [sharded_ray.sample_file(args.logs, cfg, k, sharded_ray.SAMPLES_PER_SHARD * n, None, None) for k in keys]
-    splitters = sharded.range_splitters(samples, n)
-    pieces = [sharded_ray.split_file(args.logs, cfg, k, i, n, None, None, None, None, splitters, shard_columns(()))
-              for i, k in enumerate(keys)]
-    shards = [sharded_ray.ShardPieces([p[s] for p in pieces]) for s in range(n)]
-    del pieces
+    shards = _split_in_process(args)
     cpu: dict = {}
 
     def mapper(fn, items):
@@ -256,7 +250,7 @@ def driver(args: argparse.Namespace) -> None:
         assert a == b
         r_s, f_s = r_s + r, f_s + f
     cpu["residual_deciles (every policy)"] = (r_s, f_s)
-    print(f"driver tail, {len(keys)} files, {lab.size:,} labelled rows, {d.n_prompts:,} prompts; load "
+    print(f"driver tail, {len(shards[0].refs)} files, {lab.size:,} labelled rows, {d.n_prompts:,} prompts; load "
           f"{os.getloadavg()[0]:.2f}; CPU s (best of {args.repeat} where beside a reference); the same outputs")
     print(f"{'function':38s} {'reference (main)':>17s} {'fast':>8s} {'ratio':>6s}")
     for name, (r, f) in cpu.items():

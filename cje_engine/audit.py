@@ -28,6 +28,15 @@ import numpy as np
 from cje_engine.inference import reference_t
 
 
+def _decile_bins(score: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """The bins of `residual_deciles`: the distinct quantiles of ``score`` as edges (one value: one bin of it) and
+    each row's bin (right-closed but the first; ties keep a bin whole)."""
+    edges = np.unique(np.quantile(score, np.linspace(0, 1, n_bins + 1)))
+    if edges.size == 1:
+        edges = np.array([edges[0], edges[0]])
+    return edges, np.clip(np.searchsorted(edges, score, side="right") - 1, 0, edges.size - 2)
+
+
 def residual_deciles(score: np.ndarray, resid: np.ndarray, weight: np.ndarray, n_bins: int = 10,
                      reference: bool = False) -> list[dict]:
     """Mean residual by decile of the judge score (ties keep bins whole, so fewer may appear).
@@ -39,10 +48,7 @@ def residual_deciles(score: np.ndarray, resid: np.ndarray, weight: np.ndarray, n
         return _residual_deciles_reference(score, resid, weight, n_bins)
     if score.size == 0:
         return []
-    edges = np.unique(np.quantile(score, np.linspace(0, 1, n_bins + 1)))
-    if edges.size == 1:
-        edges = np.array([edges[0], edges[0]])
-    idx = np.clip(np.searchsorted(edges, score, side="right") - 1, 0, edges.size - 2)
+    edges, idx = _decile_bins(score, n_bins)
     nb = edges.size - 1
     order = np.argsort(idx.astype(np.int16 if nb < 2**15 else np.int64), kind="stable")  # radix: O(rows)
     starts = np.concatenate([[0], np.cumsum(np.bincount(idx, minlength=nb))])
@@ -65,10 +71,7 @@ def _residual_deciles_reference(score: np.ndarray, resid: np.ndarray, weight: np
     """`residual_deciles` as first written (a boolean mask a bin): its reference."""
     if score.size == 0:
         return []
-    edges = np.unique(np.quantile(score, np.linspace(0, 1, n_bins + 1)))
-    if edges.size == 1:
-        edges = np.array([edges[0], edges[0]])
-    idx = np.clip(np.searchsorted(edges, score, side="right") - 1, 0, edges.size - 2)
+    edges, idx = _decile_bins(score, n_bins)
     out = []
     for b in range(edges.size - 1):
         sel = idx == b
