@@ -31,6 +31,7 @@ for deployments that must outlive the command, so `deploy` refuses to run withou
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
@@ -152,6 +153,14 @@ def ensure_pending_automation(client: Any, within_seconds: float) -> str:
         message=f"still Pending after {within_seconds:g} s: its engine died before the run started")
 
 
+def check_timeouts(heartbeat_timeout: float, pending_timeout: float) -> None:
+    """`CJEInputError` naming the option unless both automations' timeouts are finite and positive (a timeout of 0
+    would mark every run ``Crashed`` as soon as it starts)."""
+    for name, value in (("--heartbeat-timeout", heartbeat_timeout), ("--pending-timeout", pending_timeout)):
+        if not math.isfinite(float(value)) or float(value) <= 0:
+            raise CJEInputError(f"{name} {value!r}: expected a positive number of seconds")
+
+
 def deploy(
     deployments: Sequence[Any],
     pool: str = DEFAULT_POOL,
@@ -189,6 +198,7 @@ def deploy(
     """
     from prefect.client.orchestration import get_client
 
+    check_timeouts(heartbeat_timeout, pending_timeout)
     with get_client(sync_client=True) as client:
         ensure_pool(client, pool, pool_type, base_job_template)
         ensure_zombie_automation(client, heartbeat_timeout)
@@ -202,5 +212,5 @@ def deploy(
     return out
 
 
-__all__ = ["deploy", "ensure_pool", "ensure_zombie_automation", "ensure_pending_automation", "Deployed",
+__all__ = ["deploy", "check_timeouts", "ensure_pool", "ensure_zombie_automation", "ensure_pending_automation", "Deployed",
            "DEFAULT_POOL", "ZOMBIE_AUTOMATION", "PENDING_AUTOMATION"]

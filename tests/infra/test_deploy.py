@@ -73,6 +73,16 @@ def test_deploy_without_an_api_is_service_unavailable(tmp_path):
     assert "PREFECT_API_URL is not set" in out.stderr
 
 
+@pytest.mark.parametrize("option,value", [("--pending-timeout", "0"), ("--heartbeat-timeout", "-5"),
+                                          ("--pending-timeout", "nan")])
+def test_deploy_with_a_timeout_that_is_not_positive_is_bad_input(tmp_path, option, value):
+    """A timeout of 0 (or less, or NaN) would crash every run as it starts: refused before any server, naming it."""
+    out = _cje("deploy", "--config", str(_config(tmp_path)), option, value,
+               env={"PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    assert out.returncode == 2, out.stderr
+    assert option in out.stderr and "positive number of seconds" in out.stderr
+
+
 def test_deploy_with_a_broken_template_is_bad_input(tmp_path):
     bad = tmp_path / "template.json"
     bad.write_text("{not json")

@@ -45,8 +45,10 @@ def cmd_deploy(ns: argparse.Namespace) -> int:
     """Apply the deployments of the evaluations file in use (``--config``, ``$CJE_CONFIG``,
     ``./evaluations.yaml``) to ``PREFECT_API_URL``; exit 69 when no API is configured."""
     from flows.cli.common import declared_evaluations
+    from flows.runtime.deploy import check_timeouts
 
     config, _ = declared_evaluations(ns.config, ns.only)  # never the repository's file; unknown --only names
+    check_timeouts(ns.heartbeat_timeout, ns.pending_timeout)  # before any server: exit 2
     if not os.environ.get("PREFECT_API_URL"):
         sys.stderr.write("cje deploy: error: PREFECT_API_URL is not set; deployments need a running Prefect "
                          "server (e.g. http://prefect-server:4200/api). `cje serve` runs them in one process "
