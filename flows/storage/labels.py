@@ -147,10 +147,43 @@ def content_hash(normalized: pa.Table) -> str:
     """sha256 (hex) of a normalised label table (order and duplicates already canonical).
 
     The same for the table written and the table read back from its object, however Parquet
-    split it into row groups (the columns are hashed as one chunk each). The IPC stream is written into an
-    Arrow buffer and hashed where it lies (`_content_hash_reference`: a `io.BytesIO`, grown by copies, then
-    copied out whole): the same bytes, the same hash, ~40% less CPU at 5M labels.
+    split it into row groups (the columns are hashed as one chunk each). The IPC stream is fed to the hash as
+    the writer writes it, buffer by buffer (`_HashSink`), never held whole: the same bytes, the same hash
+    (`_content_hash_reference`), without the stream's copy (~200 MiB at 5M labels: on a machine where fresh
+    memory is dear, ~1.3 s of system CPU of the label index's build, against ~0.15 s hashed as written).
     """
+    sink = _HashSink()
+    with pa.ipc.new_stream(sink, LABEL_SCHEMA) as writer:
+        writer.write_table(normalized.cast(LABEL_SCHEMA).combine_chunks())
+    return sink.hexdigest()
+
+
+class _HashSink:
+    """A write-only file that feeds what is written to a sha256 (`content_hash`'s IPC stream): Arrow hands it
+    each buffer as it is (no copy)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self._h.update(view)
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def _content_hash_buffer(normalized: pa.Table) -> str:
+    """`content_hash` through an Arrow buffer holding the whole stream (the code it replaced; a test's reference)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, LABEL_SCHEMA) as writer:
         writer.write_table(normalized.cast(LABEL_SCHEMA).combine_chunks())
