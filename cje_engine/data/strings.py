@@ -82,3 +82,37 @@ def fixed_width(values: pa.Array, least: int = 8) -> FixedWidth | None:
     if not bool((np.diff(off) == width).all()):
         return None
     return FixedWidth(data=np.frombuffer(data_buf, dtype=np.uint8), first=base, width=width, n=n)
+
+
+def all_ascii(values) -> bool:
+    """True when no string of ``values`` (an Arrow string column, chunked or not; nulls ignored) holds a byte
+    outside ASCII: ``pyarrow.compute.all(pyarrow.compute.string_is_ascii(values))`` not False, the same answer.
+    Each chunk's character data is tested as bytes first (their largest below 0x80: ~0.3 ms a 1M-id chunk
+    against ~5 ms for the per-string test); only a chunk whose bytes are not all ASCII (which may lie in a null's
+    slot) is tested string by string (`all_ascii_reference`)."""
+    chunks = values.chunks if isinstance(values, pa.ChunkedArray) else [values]
+    for c in chunks:
+        if len(c) == 0 or c.null_count == len(c):
+            continue
+        if not (pa.types.is_string(c.type) or pa.types.is_large_string(c.type)):
+            if not all_ascii_reference(c):
+                return False
+            continue
+        _, off_buf, data_buf = c.buffers()
+        width = np.int64 if pa.types.is_large_string(c.type) else np.int32
+        off = np.frombuffer(off_buf, dtype=width)[c.offset:c.offset + len(c) + 1]
+        lo, hi = int(off[0]), int(off[-1])
+        if hi <= lo or data_buf is None:
+            continue  # empty strings only
+        if int(np.frombuffer(data_buf, dtype=np.uint8)[lo:hi].max()) < 0x80:
+            continue
+        if not all_ascii_reference(c):
+            return False
+    return True
+
+
+def all_ascii_reference(values) -> bool:
+    """`all_ascii` string by string (``pyarrow.compute.string_is_ascii``): its reference."""
+    import pyarrow.compute as pc
+
+    return pc.all(pc.string_is_ascii(values)).as_py() is not False

@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flows.runtime.retries import is_retryable
+from cje_engine.data.strings import all_ascii
 from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
 from flows.storage.labels import fill_store_labels, fingerprint_order, first_labels, log_response_ids_nfc
@@ -123,7 +124,7 @@ class LabelIndex:
             # no fingerprint twice: no id twice, every row is its id's first label (`first_labels` skips its
             # grouping: 4.1 s of the build's 9.5 at 5M labels)
             first = first_labels(label_table, distinct=True)
-            if pc.all(pc.string_is_ascii(stored)).as_py() is False:  # else the ids in NFC are ``stored``
+            if not all_ascii(stored):  # else the ids in NFC are ``stored``
                 fp, order = sort(first.column("response_id"))
                 if _longest_run(fp) > 1:  # two spellings of one id (or ids sharing a fingerprint): grouped, so
                     first = None  # that the spelling used is the one the grouping keeps first

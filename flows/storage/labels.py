@@ -57,6 +57,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cje_engine.data.io import canonical_id_array
+from cje_engine.data.strings import all_ascii
 from cje_engine.errors import CJEInputError
 
 from flows.storage.arrow_threads import read_parquet_bytes
@@ -603,7 +604,7 @@ def log_response_ids_nfc(logs_table: pa.Table) -> tuple[pa.ChunkedArray, bool]:
     rid = logs_table.column("response_id")
     if not pa.types.is_string(rid.type):
         rid = rid.cast(pa.string())
-    if pc.all(pc.string_is_ascii(rid)).as_py() is False:
+    if not all_ascii(rid):  # bytes all ASCII: no NFC to apply (`cje_engine.data.strings.all_ascii`)
         return pc.utf8_normalize(rid, form="NFC"), True
     return rid, False
 
@@ -643,7 +644,7 @@ def first_labels(label_table: pa.Table, distinct: bool = False) -> pa.Table:
         cols = {"response_id": first.column("response_id"), "oracle_label": first.column("oracle_label_first"),
                 "label_probability": first.column("label_probability_first"), "flagged": first.column("flagged_max")}
     stored_ids = cols["response_id"].cast(pa.string())
-    if pc.all(pc.string_is_ascii(stored_ids)).as_py() is False:  # labels stored before ids were normalised
+    if not all_ascii(stored_ids):  # labels stored before ids were normalised
         stored_ids = pc.utf8_normalize(stored_ids, form="NFC")
     return pa.table({**cols, "response_id": stored_ids})
 
