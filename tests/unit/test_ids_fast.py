@@ -54,3 +54,65 @@ def test_all_ascii_is_the_per_string_test():
         assert all_ascii(c) == want, c
         seen.add(want)
     assert seen == {True, False}
+
+
+def test_slot_search_is_searchsorted():
+    """`_search_slots` (a direct address by the top bits, then steps) gives ``numpy.searchsorted``'s positions: random
+    fingerprints, crowded slots (many sharing their top bits, equal ones), the extremes 0 and 2^64 - 1, queries
+    before, inside and after the stored ones, and empty sides."""
+    from flows.runtime import label_index as li
+
+    rng = np.random.default_rng(23)
+    top = np.uint64(2**64 - 1)
+    for n in (0, 1, 5, 1000, 70_000):
+        fp = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+        if n >= 1000:
+            fp[: n // 10] = (fp[: n // 10] & np.uint64(0xFFFF)) | (fp[0] & ~np.uint64(0xFFFF))  # one crowded slot
+            fp[n // 10: n // 5] = fp[n // 5: n // 5 + n // 10]  # equal fingerprints
+            fp[-2:] = [0, top]
+        fp.sort()
+        starts = li._slot_starts(fp)
+        assert starts[0] == 0 and starts[-1] == n and np.all(np.diff(starts) >= 0)
+        q = np.concatenate([fp, fp - np.uint64(1), fp + np.uint64(1),
+                            rng.integers(0, 2**64 - 1, 5000, dtype=np.uint64, endpoint=True),
+                            np.array([0, 1, top, top - np.uint64(1)], dtype=np.uint64)])
+        want = np.searchsorted(fp, q)
+        assert np.array_equal(li._search_slots(fp, starts, q), want), n
+        assert np.array_equal(li._search_sorted_queries(fp, q), want), n
+
+
+@pytest.mark.parametrize("case", ["distinct", "colliding", "nfd"])
+def test_lookup_rows_by_slots_is_the_reference(case):
+    """`LabelIndex.lookup_rows` through the slots gives the rows and stored rows of the binary search it replaced
+    (``reference=True``) and of `pyarrow.compute.index_in` against the stored ids: ids sharing a fingerprint
+    (stored side by side; a file's id compared with each), ids the store lacks whose fingerprint it holds, NFD
+    spellings (the logs' ids in NFC), and a file with no id stored."""
+    from flows.runtime.label_index import LabelIndex
+    from flows.storage.labels import log_response_ids
+
+    rng = np.random.default_rng(29)
+    stored = [f"resp-{i:07d}-{rng.integers(1 << 30)}" for i in range(4000)]
+    logged = stored[::3] + [f"other-{i}" for i in range(3000)]
+    if case == "colliding":  # ids of one fingerprint (bytes 8-10 are outside the windows read), stored and not
+        coll = ["AAAAAAAA" + f"{i:03d}" + "MMMMMMMM" + "qqq" + "ZZZZZZZZ" for i in range(12)]
+        stored += coll[:6]
+        logged += coll[::2] + coll[1::2]
+    if case == "nfd":
+        stored += [f"caf\u00e9-{i}" for i in range(50)]
+        logged += [unicodedata.normalize("NFD", f"caf\u00e9-{i}") for i in range(0, 80, 2)]
+    order = rng.permutation(len(logged))
+    logs = pa.table({"response_id": pa.array([logged[i] for i in order], pa.string())})
+    labels_t = pa.table({"response_id": pa.array(stored, pa.string()), "oracle_label": rng.random(len(stored)),
+                         "label_probability": pa.array(np.full(len(stored), 0.5))})
+    index = LabelIndex.build(labels_t)
+    assert index.fp is not None
+    rid = log_response_ids(logs)
+    rows, at = index.lookup_rows(rid)
+    ref_rows, ref_at = index.lookup_rows(rid, reference=True)
+    assert np.array_equal(rows, ref_rows) and np.array_equal(at, ref_at)
+    want = pa.compute.index_in(rid, value_set=index.table.column("response_id")).to_numpy(zero_copy_only=False)
+    want = np.where(np.isnan(want.astype(float)), -1, want).astype(np.int64)
+    assert np.array_equal(rows, np.flatnonzero(want >= 0)) and np.array_equal(at, want[want >= 0])
+    assert rows.size > 1000
+    none = index.lookup_rows(pa.chunked_array([pa.array(["nope-1", "nope-2"])]))
+    assert none[0].size == 0 and none[1].size == 0
