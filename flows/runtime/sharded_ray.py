@@ -118,9 +118,24 @@ from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # 
 FINGERPRINT = "_fp"
 #: A bucket of fingerprints alone is shipped in runs by the fingerprint's top `SUB_BITS` bits (`response_id_buckets`),
 #: which its check task sorts one at a time: a sort of ~3M ids stays ~25% cheaper an id than one of 25M (the
-#: cache), and a run's repeated halves are few.
+#: cache), and a run's repeated halves are few. Up to `MAX_RUN_BITS` bits when the buckets are few (`run_bits`: the
+#: reader's one-byte radix key holds them), the bits a bucket's pieces are in runs by in their schema metadata
+#: (`RUN_BITS_KEY`).
 SUB_BITS = 3
 SUB_BUCKETS = 1 << SUB_BITS
+MAX_RUN_BITS = 6
+RUN_BITS_KEY = b"cje.run_bits"
+
+
+def run_bits(n_buckets: int) -> int:
+    """Bits of the fingerprint's top that cut each of ``n_buckets`` buckets into runs (`response_id_buckets`): the
+    most, up to `MAX_RUN_BITS`, for which ``n_buckets`` times the runs fit the reader's one-byte key (256): 6 for
+    up to 4 buckets (64 runs of a bucket: at 100M rows, runs of ~0.4M ids, each sorted ~25% cheaper an id than
+    one of ~3M), 3 for 32, none past 128."""
+    b = 0
+    while b < MAX_RUN_BITS and (int(n_buckets) << (b + 1)) <= 256:
+        b += 1
+    return b
 
 
 def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = True) -> list:
@@ -148,16 +163,19 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     bucket = fp & np.uint64(0xFFFFFFFF)
     bucket *= np.uint64(n_buckets)
     bucket >>= np.uint64(32)
-    if not ids and not places and n_buckets * SUB_BUCKETS <= 256:
-        # each bucket in `SUB_BUCKETS` runs by the fingerprint's top bits (the same 1-byte radix sort): its check
-        # task sorts a run at a time (`_repeated_by_file`)
-        bucket *= np.uint64(SUB_BUCKETS)
-        bucket += fp >> np.uint64(64 - SUB_BITS)
+    bits = run_bits(n_buckets)
+    if not ids and not places and bits:
+        # each bucket in ``2^bits`` runs by the fingerprint's top bits (the same 1-byte radix sort): its check
+        # task sorts a run at a time (`_repeated_by_file`), told the bits by the pieces' metadata
+        bucket <<= np.uint64(bits)
+        bucket += fp >> np.uint64(64 - bits)
         key = bucket.astype(np.uint8)
         order = np.argsort(key, kind="stable")
-        bounds = np.searchsorted(key[order], np.arange(n_buckets + 1) * SUB_BUCKETS)
+        bounds = np.searchsorted(key[order], np.arange(n_buckets + 1) << bits)
         fp = fp[order]
-        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
+        meta = {RUN_BITS_KEY: str(bits).encode()}
+        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}).replace_schema_metadata(meta)
+                for b in range(n_buckets)]
     bucket = bucket.astype(np.uint8 if n_buckets <= 256 else np.int64)
     order = np.argsort(bucket, kind="stable")  # a radix sort of 1-byte keys
     bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
@@ -377,19 +395,24 @@ def _repeated_by_file(pieces) -> dict | None:
            else np.empty(0, dtype=np.uint64) for p in pieces]
     if sum(a.size for a in fps) < 2:
         return None
-    shift = np.uint64(64 - SUB_BITS)
+    # the bits the readers cut their runs by (`response_id_buckets`' metadata; pieces without it: `SUB_BITS`)
+    bits = max([int((p.schema.metadata or {}).get(RUN_BITS_KEY, b"0")) for p in pieces] or [0]) or SUB_BITS
+    shift = np.uint64(64 - bits)
     runs = [a.size < 2 or bool(((a[1:] >> shift) >= (a[:-1] >> shift)).all()) for a in fps]
+    skip = 0
     if all(runs):  # every piece in runs by the top bits (`response_id_buckets`): one run of every piece at a time
-        cut = [np.searchsorted(a, np.arange(SUB_BUCKETS + 1, dtype=np.uint64) << shift) if a.size else
-               np.zeros(SUB_BUCKETS + 1, dtype=np.int64) for a in fps]
+        n_runs = 1 << bits
+        cut = [np.searchsorted(a, np.arange(n_runs + 1, dtype=np.uint64) << shift) if a.size else
+               np.zeros(n_runs + 1, dtype=np.int64) for a in fps]
         for a, c in zip(fps, cut):
-            c[-1] = a.size  # (the last bound, 8 << 61, wraps to 0)
-        groups = [[a[c[j]:c[j + 1]] for a, c in zip(fps, cut)] for j in range(SUB_BUCKETS)]
+            c[-1] = a.size  # (the last bound, 2^bits << (64 - bits), wraps to 0)
+        groups = [[a[c[j]:c[j + 1]] for a, c in zip(fps, cut)] for j in range(n_runs)]
+        skip = bits  # a run's top bits are equal: its sort key is the 32 bits below them
     else:
         groups = [fps]
     found: dict[int, set] = {}
     for parts in groups:
-        at = repeated_fingerprints(parts)
+        at = repeated_fingerprints(parts, skip_bits=skip)
         if at.size == 0:
             continue
         starts = np.cumsum([0] + [a.size for a in parts])

@@ -90,21 +90,29 @@ def _fingerprint(values) -> np.ndarray:
     return _splitmix(h)
 
 
-def repeated_fingerprints(fp) -> np.ndarray:
+def repeated_fingerprints(fp, skip_bits: int = 0) -> np.ndarray:
     """Positions (increasing) of the fingerprints that occur more than once in ``fp`` (uint64; or a sequence of
     uint64 arrays, positions in their concatenation, never made: a check task's pieces as they are in the object
-    store): a sort of their high 32 bits (half the bytes of a sort of the whole: ~40% less CPU), then the whole
-    fingerprints of the few whose half repeats (~n^2 / 2^33 of n) compared exactly
-    (`repeated_fingerprints_reference`: a sort of the whole fingerprints)."""
+    store): a sort of 32 of their bits (half the bytes of a sort of the whole: ~40% less CPU), then the whole
+    fingerprints of the few whose 32 bits repeat (~n^2 / 2^33 of n) compared exactly
+    (`repeated_fingerprints_reference`: a sort of the whole fingerprints). The 32 bits are the high half, or with
+    ``skip_bits`` the 32 below the top ``skip_bits`` (when the caller knows those equal in every fingerprint: a run
+    of `flows.runtime.sharded_ray.response_id_buckets`, whose bits then tell more apart). The same positions
+    whatever ``skip_bits``: it changes only which fingerprints are compared whole."""
     parts = [np.asarray(fp, dtype=np.uint64)] if isinstance(fp, np.ndarray) else [
         np.asarray(a, dtype=np.uint64) for a in fp]
     sizes = np.array([a.size for a in parts], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     high = np.empty(int(starts[-1]), dtype=np.uint32)
+    skip = int(skip_bits)
+    if not 0 <= skip <= 32:
+        raise ValueError(f"skip_bits {skip_bits!r} not in 0..32")
     for a, o in zip(parts, starts[:-1].tolist()):
         if not a.size:
             continue
-        if np.little_endian and a.dtype.isnative and a.strides == (8,):  # the high halves by view: no shift pass
+        if skip:
+            high[o:o + a.size] = (a << np.uint64(skip)) >> np.uint64(32)
+        elif np.little_endian and a.dtype.isnative and a.strides == (8,):  # the high halves by view: no shift pass
             high[o:o + a.size] = a.view(np.uint32)[1::2]
         else:
             high[o:o + a.size] = a >> np.uint64(32)

@@ -116,3 +116,54 @@ def test_lookup_rows_by_slots_is_the_reference(case):
     assert rows.size > 1000
     none = index.lookup_rows(pa.chunked_array([pa.array(["nope-1", "nope-2"])]))
     assert none[0].size == 0 and none[1].size == 0
+
+
+@pytest.mark.parametrize("skip", [0, 3, 6, 32])
+def test_repeated_fingerprints_with_skipped_bits_is_the_reference(skip):
+    """`repeated_fingerprints` keyed by the 32 bits below the top ``skip`` gives the positions of a sort of the whole
+    fingerprints: equal ones within and across parts, ones sharing those 32 bits (not the rest), ones sharing the
+    high half only, and fingerprints whose top bits differ (the key is then not the run's: still exact)."""
+    from flows.storage import fingerprints
+
+    rng = np.random.default_rng(41 + skip)
+    parts = [rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True) for n in (5000, 0, 3000, 8000)]
+    if skip:
+        top = np.uint64(((1 << skip) - 1) << (64 - skip)) if skip < 64 else np.uint64(0)
+        parts = [(a & ~top) | (parts[0][0] & top) for a in parts]  # one run: the top bits equal
+    parts[2][7] = parts[0][11]  # across parts
+    parts[3][100] = parts[3][2000]  # within a part
+    mask = np.uint64(((1 << 32) - 1) << (32 - skip))  # the key's bits
+    parts[3][5] = (parts[0][9] & mask) | (~parts[0][9] & ~mask)  # the same key, not the same fingerprint
+    parts[3][6] = (parts[0][13] & np.uint64(0xFFFFFFFF00000000)) | np.uint64(12345)  # the same high half
+    parts[2][8] = parts[0][17] ^ np.uint64(1 << 63)  # the top bit differs
+    whole = np.concatenate(parts)
+    want = fingerprints.repeated_fingerprints_reference(whole)
+    assert want.size == 4
+    assert np.array_equal(fingerprints.repeated_fingerprints(parts, skip_bits=skip), want)
+    assert np.array_equal(fingerprints.repeated_fingerprints(whole, skip_bits=skip), want)
+    with pytest.raises(ValueError):
+        fingerprints.repeated_fingerprints(whole, skip_bits=33)
+
+
+def test_run_bits_and_pieces_without_them():
+    """`run_bits`: 6 bits for up to 4 buckets, fewer as the buckets grow (their runs fit one byte), none past 128.
+    A bucket's pieces say the bits in their metadata; pieces without it (runs by `SUB_BITS`) or not in runs at all
+    are checked whole: the same repeated fingerprints, by file."""
+    from flows.runtime import sharded_ray
+
+    assert [sharded_ray.run_bits(n) for n in (1, 4, 5, 8, 26, 32, 40, 128, 129, 256)] == [6, 6, 5, 5, 3, 3, 2, 1, 0, 0]
+    rng = np.random.default_rng(43)
+    files = [rng.integers(0, 2**64 - 1, n, dtype=np.uint64) for n in (3000, 2000, 0)]
+    files[1][10] = files[0][3]
+    tables = [pa.table({"response_id": pa.array(["r"] * f.size, pa.string()),
+                        sharded_ray.FINGERPRINT: pa.array(f, pa.uint64())}) for f in files]
+    want = {0: [int(files[0][3])], 1: [int(files[0][3])]}
+    for n_buckets in (1, 4, 40):
+        buckets = [sharded_ray.response_id_buckets(t, n_buckets, ids=False, places=False) for t in tables]
+        b = int(((int(files[0][3]) & 0xFFFFFFFF) * n_buckets) >> 32)
+        pieces = [bs[b] for bs in buckets]
+        assert sharded_ray.check_response_ids(*pieces) == {"candidates": want}
+        bare = [p.replace_schema_metadata(None) for p in pieces]  # the bits unknown: `SUB_BITS`, or checked whole
+        assert sharded_ray.check_response_ids(*bare) == {"candidates": want}
+        shuffled = [p.take(pa.array(rng.permutation(p.num_rows))) if p.num_rows else p for p in pieces]
+        assert sharded_ray.check_response_ids(*shuffled) == {"candidates": want}  # not in runs: checked whole
