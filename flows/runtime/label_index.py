@@ -6,11 +6,11 @@ whose rows are the file's. `LabelIndex` does the label-store side once: the firs
 (`flows.storage.labels.first_labels`: lowest version, then row order; conflicts flagged; ids in NFC) sorted by
 the ids' 64-bit fingerprint (`flows.storage.fingerprints.id_fingerprint`; a store in which no id repeats, told by one
 sort of those fingerprints, skips `first_labels`' grouping: every row is then its id's first). A file then probes it with its own
-ids (`LabelIndex.lookup`: a binary search of each id's fingerprint, then a string comparison of the few ids
-whose fingerprint is found), so its join costs in proportion to the file (the reader's fingerprints of its ids
-taken when it has them: `LabelIndex.join`), and `LabelIndex.join` fills the labels with
-`flows.storage.labels.fill_store_labels`, the code `join_labels` uses: the same rows, labels, conflicts and join
-counts.
+ids (`LabelIndex.lookup_rows`: each id's fingerprint found through the slot of its top bits, `_search_slots`, then
+a string comparison of the few ids whose fingerprint is found), so its join costs in proportion to the file (the
+reader's fingerprints of its ids taken when it has them: `LabelIndex.join`), and `LabelIndex.join` fills the labels
+at the joined rows with `flows.storage.labels.fill_store_labels_at` (`fill_store_labels`, the code `join_labels`
+uses, of those rows): the same rows, labels, conflicts and join counts.
 
 A fingerprint is not a hash of every byte (ids equal in length and in the three 8-byte windows it reads share
 one): ids of the store sharing a fingerprint sit side by side in the index and a probe compares the file's id
@@ -39,7 +39,8 @@ from flows.runtime.retries import is_retryable
 from cje_engine.data.strings import all_ascii
 from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
-from flows.storage.labels import fill_store_labels, fill_store_labels_at, fingerprint_order, first_labels, log_response_ids_nfc
+from flows.storage.labels import (fill_store_labels, fill_store_labels_at, fingerprint_order, first_labels,
+                                  log_response_ids_nfc)
 
 log = logging.getLogger(__name__)
 
