@@ -1,7 +1,7 @@
 """The sharded row pass on Ray: shards read and reduced where they are read (issue 29).
 
 `read_shards` runs one task per log file that reads it (`flows.storage.logs.read_window`, local or S3) and
-splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard, packed
+splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard its ids touch, packed
 (`cje_engine.pipeline.sharded.pack_piece`: the labels of the labelled rows only, the places as steps, the score as
 codes): a shard is its pieces (`ShardPieces`), unpacked and concatenated inside each task that reads it; the rows go from the readers to the
 cluster's object store once, never through the driver. `ray_mapper` is the engine's `Mapper` on Ray: one task per
@@ -98,18 +98,21 @@ SAMPLES_PER_SHARD = 16
 ROW_BITS = 40
 
 
-def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] | None, mapping: dict | None
-                ) -> list[str]:
+def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] | None, mapping: dict | None,
+                with_bounds: bool = False) -> list[str] | tuple[list[str], tuple | None]:
     """``k`` evenly spaced distinct prompt ids of one log file (that column only): a reader's sample from which the
     driver cuts the shards' prompt-id ranges (`cje_engine.pipeline.sharded.range_splitters`). The response-id
-    buckets need no sample (`id_fingerprint`)."""
-    from cje_engine.pipeline.sharded import sample_prompt_ids
+    buckets need no sample (`id_fingerprint`). ``with_bounds``: (the sample, the file's least and greatest prompt
+    id, `cje_engine.pipeline.sharded.id_bounds`), from which the driver knows the shards the file's reader
+    returns pieces of (`cje_engine.pipeline.sharded.file_shards`)."""
+    from cje_engine.pipeline.sharded import id_bounds, sample_prompt_ids
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
     table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
-    return sample_prompt_ids(table["prompt_id"], k)
+    sample = sample_prompt_ids(table["prompt_id"], k)
+    return (sample, id_bounds(table["prompt_id"])) if with_bounds else sample
 
 
 from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # noqa: E402 - also its callers'
@@ -177,11 +180,14 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
                splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None,
-               n_buckets: int | None = None):
+               n_buckets: int | None = None, shards: Sequence[int] | None = None):
     """Read one log file on a worker and return its rows per shard (packed for the object store,
     `cje_engine.pipeline.sharded.pack_piece`; the info's ``piece_bytes`` their bytes), its response ids per bucket
     (`response_id_buckets`: their fingerprints alone, 8 B a row) and a small dict about the file
-    (``num_returns = n_shards + n_buckets + 1``; ``n_buckets`` None: ``n_shards``, `response_id_buckets`). Each row's window place is ``file_index << 40`` plus its row in the
+    (``num_returns = len(shards) + n_buckets + 1``; ``n_buckets`` None: ``n_shards``, `response_id_buckets`).
+    ``shards``: the shards whose pieces it returns, in order (those of the file's prompt-id range,
+    `cje_engine.pipeline.sharded.file_shards`; None: all ``n_shards``); a row of another shard raises `ValueError`
+    (`cje_engine.pipeline.sharded.split_by_shard`). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
@@ -240,7 +246,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     table = compact_policy(table)
     # each piece as it crosses the object store: the labels of the labelled rows only, the row places as steps, the
     # score as codes into its few values (`pack_piece`; `_concat` unpacks them in the task that reads the shard)
-    pieces = [pack_piece(t) for t in split_by_shard(table, n_shards, splitters=splitters)]
+    pieces = [pack_piece(t) for t in split_by_shard(table, n_shards, splitters=splitters, shards=shards)]
     info["piece_bytes"] = sum(p.nbytes for p in pieces)
     return (*pieces, *rids, info)
 
@@ -508,7 +514,8 @@ def _concat(*parts):
 
 
 class ShardPieces:
-    """A shard as the object references of its pieces, one from every file's reader, in file order: what
+    """A shard as the object references of its pieces, one from every reader of a file that touches it (at least
+    one), in file order: what
     `read_shards` returns for each shard. `ray_mapper` hands them to its tasks as top-level arguments (so Ray
     resolves them, zero-copy from the object store) and the task concatenates them (`_concat`): the rows are
     put in the object store once, by the readers, never copied into a second, concatenated object."""
@@ -572,7 +579,8 @@ def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
 def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *, columns: list[str] | None = None,
                 policies: list[str] | None = None, mapping: dict | None = None, prepare_rows: Callable | None = None,
                 rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False,
-                keep: Sequence[str] | None = None, concat: bool = False, prepare_arg: Any = None):
+                keep: Sequence[str] | None = None, concat: bool = False, prepare_arg: Any = None,
+                every_piece: bool = False):
     """The window's shards: per shard a `ShardPieces` (its pieces from every file's reader, in the cluster's
     object store; `ray_mapper` rebuilds the shard's `pyarrow.Table` in each task), or with ``concat`` the
     reference of one concatenated table (a task per shard: a second copy of the rows in the store).
@@ -586,41 +594,59 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     tasks' memory); ``prepare_rows``, ``keep``, ``prepare_arg``: see `split_file` (the evaluate flow's
     ``prepare_arg`` is the reference of its label index, `flows.runtime.label_index`). With ``with_info`` also
     the list of every file's info dict (small: fetched to the driver).
+
+    A reader returns the pieces of the shards its file's prompt-id range touches only (its least and greatest id
+    come with its sample: `cje_engine.pipeline.sharded.file_shards`), and a shard takes those pieces only, in file
+    order: the same non-empty pieces in the same order as when every reader returns a piece of every shard
+    (``every_piece``, the reference), so the same numbers, with far fewer objects where files are roughly in
+    prompt order (a file of a block of prompts touches 2-3 of 26 shards); files whose prompts span every shard
+    give every piece, as with ``every_piece``.
     """
     import ray
 
-    from cje_engine.pipeline.sharded import range_splitters
+    from cje_engine.pipeline.sharded import file_shards, range_splitters
 
     per_file = max(1, rows_hint // max(len(keys), 1))
     sample = ray.remote(sample_file).options(max_retries=max_retries, memory=task_memory(per_file // 2),
                                              name="cje_shard_sample")
-    samples = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping)
-                       for k in keys], timeout=ray_get_timeout())
-    splitters = range_splitters(samples, n_shards)
-    log.info("prompt ids of %d file(s) sampled: %d shard ranges", len(keys), n_shards)
+    got = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping, True)
+                   for k in keys], timeout=ray_get_timeout())
+    splitters = range_splitters([s for s, _ in got], n_shards)
+    # each reader returns the pieces of the shards its file's prompt-id range touches only (a file of a block of
+    # prompts: 2-3 of 26), and each shard takes the pieces of the files that touch it, in file order
+    touched = ([list(range(n_shards))] * len(keys) if every_piece
+               else file_shards([b for _, b in got], splitters, n_shards))
+    log.info("prompt ids of %d file(s) sampled: %d shard ranges, %d pieces", len(keys), n_shards,
+             sum(len(t) for t in touched))
     from flows.runtime.ray_fanout import cluster_cpus
 
     n_buckets = response_id_bucket_count(rows_hint, cluster_cpus())
-    split = ray.remote(split_file).options(num_returns=n_shards + n_buckets + 1, max_retries=max_retries,
-                                           memory=task_memory(2 * per_file), name="cje_shard_read")
+    split = ray.remote(split_file).options(max_retries=max_retries, memory=task_memory(2 * per_file),
+                                           name="cje_shard_read")
     if prepare_rows is not None:
         # Put once: passed by value, Ray would serialize it again for every file's task (large shared data, such
         # as the label index, goes by reference instead: ``prepare_arg``).
         prepare_rows = ray.put(prepare_rows)
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
-                           prepare_arg, n_buckets) for i, k in enumerate(keys)]
+    returns = [split.options(num_returns=len(touched[i]) + n_buckets + 1).remote(
+        uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep, prepare_arg,
+        n_buckets, touched[i]) for i, k in enumerate(keys)]
+    of_shard: list[list] = [[] for _ in range(n_shards)]  # each shard's pieces, in file order
+    for i, refs in enumerate(returns):
+        for s, ref in zip(touched[i], refs):
+            of_shard[s].append(ref)
+    buckets = [refs[len(touched[i]):len(touched[i]) + n_buckets] for i, refs in enumerate(returns)]
     # a bucket's task reads its pieces in place (the object store) and holds a run's high halves and their sort (8
     # B an id of the run; of the whole bucket when its pieces are not in runs, and the flags): 20 B an id of the
     # bucket asked (`task_memory` of an eighth of its ids)
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
                                                    memory=task_memory(rows_hint // n_buckets // 8))
-    checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_buckets)]
+    checks = [check.remote(*[p[b] for p in buckets]) for b in range(n_buckets)]
     if concat:
         join = ray.remote(_concat).options(max_retries=max_retries, memory=task_memory(2 * rows_hint // n_shards),
                                            name="cje_shard_concat")
-        refs = [join.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
+        refs = [join.remote(*of_shard[s]) for s in range(n_shards)]
     else:
-        refs = [ShardPieces([p[s] for p in pieces]) for s in range(n_shards)]
+        refs = [ShardPieces(of_shard[s]) for s in range(n_shards)]
     results = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
     found = [c for c in results if "candidates" not in c]
     candidates = [c["candidates"] for c in results if "candidates" in c]
@@ -637,7 +663,7 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
         raise duplicate_response_id_error(min(found, key=lambda c: c["rows"][0]), keys, uri)
     if not with_info:
         return refs
-    return refs, ray.get([p[n_shards + n_buckets] for p in pieces], timeout=ray_get_timeout())
+    return refs, ray.get([p[-1] for p in returns], timeout=ray_get_timeout())
 
 
 def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEFAULT_MAX_RETRIES,
