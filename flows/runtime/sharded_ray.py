@@ -621,13 +621,13 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     from flows.runtime.ray_fanout import cluster_cpus
 
     n_buckets = response_id_bucket_count(rows_hint, cluster_cpus())
-    split = ray.remote(split_file).options(max_retries=max_retries, memory=task_memory(2 * per_file),
-                                           name="cje_shard_read")
+    split = ray.remote(split_file)
+    split_opts = {"max_retries": max_retries, "memory": task_memory(2 * per_file), "name": "cje_shard_read"}
     if prepare_rows is not None:
         # Put once: passed by value, Ray would serialize it again for every file's task (large shared data, such
         # as the label index, goes by reference instead: ``prepare_arg``).
         prepare_rows = ray.put(prepare_rows)
-    returns = [split.options(num_returns=len(touched[i]) + n_buckets + 1).remote(
+    returns = [split.options(num_returns=len(touched[i]) + n_buckets + 1, **split_opts).remote(
         uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep, prepare_arg,
         n_buckets, touched[i]) for i, k in enumerate(keys)]
     of_shard: list[list] = [[] for _ in range(n_shards)]  # each shard's pieces, in file order
