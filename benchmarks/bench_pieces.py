@@ -2,6 +2,7 @@
 `flows.runtime.sharded_ray.read_shards`' ``every_piece``) against each reader returning the pieces of the shards its
 file's prompt range touches only (the default), alternated in one driver on a running cluster, same files.
 
+A third variant adds ``locality`` (the readers and the shards' tasks on the node of their shards, `read_shards`).
 Per run: `read_shards` (sampling, readers, the response-id check) then pass 1 (`ray_mapper` of
 `cje_engine.pipeline.sharded.reduce_shard` over the shards' pieces); the wall, this process's CPU
 (`time.process_time`), the CPU of the cluster's Ray processes (`bench_flow_sharded.RayCpu`: raylets, GCS, agents,
@@ -35,22 +36,23 @@ def _summary_bytes(s) -> bytes:
     return b"".join(parts) + repr((s.n_rows, s.policies, s.n_ids, s.id_range)).encode()
 
 
-def run(args: argparse.Namespace, keys: list[str], cfg: dict, every: bool) -> tuple[dict, list[bytes]]:
+def run(args: argparse.Namespace, keys: list[str], cfg: dict, every: bool, locality: bool = False
+        ) -> tuple[dict, list[bytes]]:
     from bench_flow_sharded import RayCpu
     from cje_engine.pipeline import sharded
     from flows.pipelines.sharded_pass import shard_columns
     from flows.runtime import sharded_ray
 
     rows = args.files * args.rows_per_file
-    out: dict = {"every_piece": every}
+    out: dict = {"every_piece": every, "locality": locality}
     with RayCpu(args.marker) as ray_cpu:
         t0, c0 = time.perf_counter(), time.process_time()
         refs = sharded_ray.read_shards(args.logs, cfg, keys, args.shards, rows_hint=rows, keep=shard_columns(()),
-                                       every_piece=every)
+                                       every_piece=every, locality=locality)
         t1, c1 = time.perf_counter(), time.process_time()
     out["read"] = {"wall_s": round(t1 - t0, 2), "driver_cpu_s": round(c1 - c0, 2),
                    "ray_cpu_s": round(sum(ray_cpu.per_node().values()), 2),
-                   "pieces": sum(len(r.refs) for r in refs)}
+                   "pieces": sum(len(r.refs) for r in refs), "homed": sum(r.node is not None for r in refs)}
     mapper = sharded_ray.ray_mapper(memory=sharded_ray.task_memory(rows // args.shards))
     with RayCpu(args.marker) as ray_cpu:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -61,6 +63,11 @@ def run(args: argparse.Namespace, keys: list[str], cfg: dict, every: bool) -> tu
     sums = [_summary_bytes(got[i]) for i in range(len(refs))]
     del refs, got  # the pieces and pass 1's kept codes leave the object store with their references
     return out, sums
+
+
+#: (every_piece, locality) of the runs, alternated: main's layout of objects, the pieces of the touched shards only,
+#: and those with the shards' tasks on the node of their pieces.
+VARIANTS = [(True, False), (False, False), (False, True)]
 
 
 def main() -> None:
@@ -87,9 +94,9 @@ def main() -> None:
     try:
         run(args, keys[:2], cfg, False)  # warm the workers (imports), not counted
         for r in range(args.repeat):
-            for every in (True, False):
+            for every, loc in VARIANTS:
                 load = os.getloadavg()[0]
-                out, sums = run(args, keys, cfg, every)
+                out, sums = run(args, keys, cfg, every, loc)
                 out["load"] = round(load, 2)
                 out["same_as_first"] = first is None or sums == first
                 first = first or sums
@@ -97,17 +104,17 @@ def main() -> None:
                 print(json.dumps(out), flush=True)
     finally:
         ray.shutdown()
-    print(f"{'every_piece':>11} {'pieces':>6} {'read wall':>9} {'read Ray CPU':>12} {'read driver':>11} "
+    print(f"{'every_piece':>11} {'local':>5} {'homed':>5} {'pieces':>6} {'read wall':>9} {'read Ray CPU':>12} {'read driver':>11} "
           f"{'pass1 wall':>10} {'pass1 Ray CPU':>13} {'load':>5} same")
     for o in runs:
-        print(f"{str(o['every_piece']):>11} {o['read']['pieces']:>6} {o['read']['wall_s']:>9} "
+        print(f"{str(o['every_piece']):>11} {str(o['locality']):>5} {o['read']['homed']:>5} {o['read']['pieces']:>6} {o['read']['wall_s']:>9} "
               f"{o['read']['ray_cpu_s']:>12} {o['read']['driver_cpu_s']:>11} {o['pass1']['wall_s']:>10} "
               f"{o['pass1']['ray_cpu_s']:>13} {o['load']:>5} {o['same_as_first']}")
-    for every in (True, False):
-        sel = [o for o in runs if o["every_piece"] == every]
+    for every, loc in VARIANTS:
+        sel = [o for o in runs if o["every_piece"] == every and o["locality"] == loc]
         tot = [o["read"]["ray_cpu_s"] + o["pass1"]["ray_cpu_s"] + o["read"]["driver_cpu_s"]
                + o["pass1"]["driver_cpu_s"] for o in sel]
-        print(f"every_piece={every}: read + pass 1, Ray + driver CPU: mean {sum(tot) / len(tot):.2f} s "
+        print(f"every_piece={every} locality={loc}: read + pass 1, Ray + driver CPU: mean {sum(tot) / len(tot):.2f} s "
               f"(runs {', '.join(f'{t:.2f}' for t in tot)})")
     print("STAGE_JSON " + json.dumps({"runs": runs}))
 

@@ -357,3 +357,29 @@ def test_a_reader_killed_mid_read_is_retried_with_the_same_pieces(local_ray, pro
     attempts = sorted(p.name for p in tmp_path.glob("started-0-0-*"))
     assert attempts == ["started-0-0-0", "started-0-0-1"], attempts
     assert_same_result(direct.finalize(direct.prepare(window, opts), []).to_dict(), sp.finalize([]).to_dict())
+
+
+def test_locality_pins_readers_and_shards_and_a_lost_node_changes_no_number(local_ray, prompt_blocks, monkeypatch):
+    """``locality`` on a cluster of two nodes, one of them gone (an id no node has: the soft affinity runs the
+    readers pinned to it on the node that is left, as when a node is lost mid-run): the shards name the node that
+    holds their pieces (`ShardPieces.node`: the one left); a shard named on the gone node runs elsewhere; every
+    number is the undisturbed run's."""
+    import ray
+
+    uri, cfg, keys, window = prompt_blocks
+    real = ray.get_runtime_context().get_node_id()
+    gone = "ab" * 28  # (all-ff is the nil id)
+    monkeypatch.setattr(sharded_ray, "_cluster_nodes", lambda: sorted([(real, 1.0), (gone, 1.0)]))
+    opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=50)
+    prep = direct.prepare(window, opts)
+    expected = direct.bootstrap_chunk(prep, 0, 50)
+    refs = sharded_ray.read_shards(uri, cfg, keys, 6, rows_hint=window.num_rows)
+    homes = [r.node for r in refs]
+    assert set(homes) == {real}  # every shard has rows, on the node left
+    refs[0].node = refs[5].node = gone  # as if their node was lost after the readers
+    plain = sharded_ray.read_shards(uri, cfg, keys, 6, rows_hint=window.num_rows, locality=False)
+    assert all(r.node is None for r in plain)
+    sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
+    got = sp.replicates(0, 50)
+    assert np.array_equal(got, expected, equal_nan=True)
+    assert_same_result(direct.finalize(prep, [expected]).to_dict(), sp.finalize([got]).to_dict())

@@ -170,3 +170,23 @@ def test_a_row_outside_the_shards_asked_is_refused():
         sharded.split_by_shard(t, 3, splitters=None, shards=[])
     with pytest.raises(ValueError, match="not increasing"):
         sharded.split_by_shard(t, 3, splitters=["b", "d"], shards=[1, 0])
+
+
+def test_shard_nodes_cut_consecutive_runs_in_proportion_to_cpus():
+    assert sharded_ray.shard_nodes(26, [("a", 1), ("b", 1)]) == ["a"] * 13 + ["b"] * 13
+    assert sharded_ray.shard_nodes(5, [("a", 1), ("b", 1)]) == ["a"] * 3 + ["b"] * 2  # shard 2 centred on the cut: the first
+    assert sharded_ray.shard_nodes(8, [("a", 1), ("b", 3)]) == ["a"] * 2 + ["b"] * 6
+    assert sharded_ray.shard_nodes(3, [("a", 2)]) == ["a"] * 3
+    assert sharded_ray.shard_nodes(1, [("a", 1), ("b", 1)]) == ["a"]
+    got = sharded_ray.shard_nodes(7, [("a", 1), ("b", 1), ("c", 1)])
+    assert got == sorted(got) and set(got) == {"a", "b", "c"}  # runs of consecutive shards, every node used
+
+
+def test_shard_homes_is_the_node_with_most_bytes_of_the_shards_pieces():
+    touched = [[0, 1], [1, 2], [2], []]
+    infos = [{"node": "a", "piece_bytes_of": [10, 5]}, {"node": "b", "piece_bytes_of": [6, 0]},
+             {"node": None, "piece_bytes_of": [99]}, {"node": "b", "piece_bytes_of": []}]
+    # shard 0: a only; 1: b's 6 bytes over a's 5; 2: b's empty piece and a piece of no node: no home
+    assert sharded_ray.shard_homes(touched, infos, 4) == ["a", "b", None, None]
+    assert sharded_ray.shard_homes([[0], [0]], [{"node": "b", "piece_bytes_of": [3]},
+                                               {"node": "a", "piece_bytes_of": [3]}], 1) == ["a"]  # a tie: the first id
