@@ -549,8 +549,9 @@ class ShardPieces:
 
     def __init__(self, refs: Sequence[Any], node: str | None = None) -> None:
         self.refs = tuple(refs)
-        #: The Ray node whose object store holds every piece (`read_shards`' ``locality``; None: unknown): a task of
-        #: the shard asks for it (`ray_mapper`, a soft node affinity) so that its pieces are not copied between nodes.
+        #: The Ray node whose object store holds most bytes of its pieces (`read_shards`' ``locality``, `shard_homes`;
+        #: None: none named): a task of the shard asks for it (`ray_mapper`, a soft node affinity), so that its pieces
+        #: are not copied between nodes.
         self.node = node
 
     def __repr__(self) -> str:
