@@ -375,7 +375,10 @@ def test_locality_pins_readers_and_shards_and_a_lost_node_changes_no_number(loca
     expected = direct.bootstrap_chunk(prep, 0, 50)
     refs = sharded_ray.read_shards(uri, cfg, keys, 6, rows_hint=window.num_rows)
     homes = [r.node for r in refs]
-    assert set(homes) == {real}  # every shard has rows, on the node left
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    # every shard has rows, named on a node that holds them: one alive (the session's cluster may have two), never
+    # the gone one
+    assert None not in homes and set(homes) <= alive and gone not in homes
     refs[0].node = refs[5].node = gone  # as if their node was lost after the readers
     plain = sharded_ray.read_shards(uri, cfg, keys, 6, rows_hint=window.num_rows, locality=False)
     assert all(r.node is None for r in plain)
