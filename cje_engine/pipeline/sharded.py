@@ -146,7 +146,7 @@ RANGE_META = b"cje.shard_range"
 
 
 def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
-                   splitters: Sequence[str] | None = None) -> list[pa.Table]:
+                   splitters: Sequence[str] | None = None, shards: Sequence[int] | None = None) -> list[pa.Table]:
     """The rows of ``table`` per shard, each with its `ROW` (``row_offset`` + its place in ``table`` unless the
     table has one): what a reader of one file hands to the shards.
 
@@ -154,29 +154,100 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
     sorted prompt ids, `range_splitters`) shard ``s`` holds the ids in ``[splitters[s-1], splitters[s])``:
     shards by range, so a prompt's global code is its shard's offset plus its rank in the shard and the ids
     never travel to the driver (`prepare_sharded`); the shards' tables say so in their schema metadata.
+
+    ``shards``: the only shards whose pieces are returned (increasing; None: all ``n_shards``), those the file's
+    prompt-id range touches (`file_shards`); each piece is the one of that shard without ``shards``, row for row.
+    A row of another shard raises `ValueError`. With ``splitters`` the ids are searched among the splitters of
+    the table's own range only (`id_bounds`), and a table of one shard's ids is not searched at all.
     """
     if ROW not in table.column_names:
         table = table.append_column(ROW, pa.array(np.arange(row_offset, row_offset + table.num_rows, dtype=np.int64)))
+    wanted = list(range(n_shards)) if shards is None else [int(s) for s in shards]
+    if any(b <= a for a, b in zip(wanted, wanted[1:])) or (wanted and not 0 <= wanted[0] <= wanted[-1] < n_shards):
+        raise ValueError(f"split_by_shard: shards {wanted} are not increasing shards of {n_shards}")
+    first = 0  # the shard of code 0
     if splitters is None:
         uniq = pc.unique(table[PROMPT])
         code = pc.index_in(table[PROMPT], value_set=uniq)
         shard = shard_of(uniq, n_shards)[np.asarray(code)]
+        span = (int(shard.min()), int(shard.max())) if shard.size else None
+        outside = np.setdiff1d(np.unique(shard), wanted) if shards is not None else np.empty(0)
     else:
         if len(splitters) != n_shards - 1:
             raise ValueError(f"{len(splitters)} splitters for {n_shards} shards")
-        shard = range_shard(table[PROMPT], splitters)
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), RANGE_META: b"1"})
+        # the shards of the table's least and greatest ids (`range_shard` is monotone in the id): every row's shard
+        # is between them, and is `lo` plus the splitters of [lo, hi) at most its id
+        span = bounds_shards(id_bounds(table[PROMPT]), splitters)
+        if span is None:
+            shard = np.zeros(0, dtype=np.int64)
+        elif span[0] == span[1]:
+            shard = None  # every row in one shard: nothing to search
+        else:
+            lo, hi = span
+            shard = range_shard(table[PROMPT], list(splitters)[lo:hi])
+            first = lo
+        outside = np.setdiff1d(np.arange(span[0], span[1] + 1), wanted) if span and shards is not None \
+            else np.empty(0)
+    if outside.size:
+        raise ValueError(f"split_by_shard: rows of shard(s) {outside.tolist()[:5]} outside the shards asked "
+                         f"({wanted[:5]}{'...' if len(wanted) > 5 else ''})")
+    if shard is None:  # one shard: the table is its piece, the others are empty
+        return [table if s == span[0] else table.slice(0, 0) for s in wanted]
     if n_shards <= 2**16:  # 1- or 2-byte keys: numpy's stable sort of them is a radix sort (the same order)
         shard = shard.astype(np.uint8 if n_shards <= 2**8 else np.uint16)
+    edges = np.asarray(wanted + [wanted[-1] + 1] if wanted else [0], dtype=np.int64) - first
     if shard.size < 2 or bool(np.all(shard[1:] >= shard[:-1])):
         # the rows are in shard order already (a file in prompt-id order, split by range): slices, no copy
         taken = table
-        bounds = np.searchsorted(shard, np.arange(n_shards + 1))
+        at = np.searchsorted(shard, edges)
     else:
         order = np.argsort(shard, kind="stable")
-        bounds = np.searchsorted(shard[order], np.arange(n_shards + 1))
+        at = np.searchsorted(shard[order], edges)
         taken = table.take(pa.array(order))
-    return [taken.slice(bounds[s], bounds[s + 1] - bounds[s]) for s in range(n_shards)]
+    return [taken.slice(at[j], at[j + 1] - at[j]) for j in range(len(wanted))]
+
+
+def id_bounds(ids: pa.Array | pa.ChunkedArray) -> tuple[str | None, str | None, bool] | None:
+    """(least id, greatest id, any null) of a prompt-id column as strings, in `range_shard`'s order (UTF-8 bytes:
+    code points); None when it has no row. (None, None, True) when every id is null."""
+    if len(ids) == 0:
+        return None
+    ids = ids.cast(pa.string())
+    mm = pc.min_max(ids)
+    return mm["min"].as_py(), mm["max"].as_py(), bool(ids.null_count)
+
+
+def bounds_shards(bounds: tuple[str | None, str | None, bool] | None, splitters: Sequence[str]
+                  ) -> tuple[int, int] | None:
+    """(first, last) shard under ``splitters`` (`range_shard`) of the ids within ``bounds`` (`id_bounds`): every
+    id between the least and the greatest is in one of them (a null id is in shard 0); None: no id."""
+    if bounds is None:
+        return None
+    lo_id, hi_id, nulls = bounds
+    if lo_id is None:
+        return (0, 0)
+    lo, hi = (int(x) for x in range_shard(pa.array([lo_id, hi_id], pa.string()), splitters))
+    return (0 if nulls else lo, hi)
+
+
+def file_shards(bounds: Sequence[tuple | None], splitters: Sequence[str], n_shards: int) -> list[list[int]]:
+    """For each file (its `id_bounds`), the shards whose pieces its reader returns (`split_by_shard`'s
+    ``shards``): those of its prompt-id range (`bounds_shards`), and, for the first file, every shard no file's
+    range touches (so that every shard has a piece: the empty piece it had from the first file when every reader
+    returned every shard, and the same concatenation, `unpack_pieces`). A file without rows returns none."""
+    out: list[list[int]] = []
+    hit = np.zeros(n_shards, dtype=bool)
+    for b in bounds:
+        span = bounds_shards(b, splitters)
+        if span is None:
+            out.append([])
+            continue
+        out.append(list(range(span[0], span[1] + 1)))
+        hit[span[0]:span[1] + 1] = True
+    if out and not hit.all():
+        out[0] = sorted(set(out[0]) | set(np.flatnonzero(~hit).tolist()))
+    return out
 
 
 class _PrefixWords:

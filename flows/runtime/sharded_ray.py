@@ -1,7 +1,7 @@
 """The sharded row pass on Ray: shards read and reduced where they are read (issue 29).
 
 `read_shards` runs one task per log file that reads it (`flows.storage.logs.read_window`, local or S3) and
-splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard, packed
+splits its rows by prompt (`cje_engine.pipeline.sharded.split_by_shard`) into one object per shard its ids touch, packed
 (`cje_engine.pipeline.sharded.pack_piece`: the labels of the labelled rows only, the places as steps, the score as
 codes): a shard is its pieces (`ShardPieces`), unpacked and concatenated inside each task that reads it; the rows go from the readers to the
 cluster's object store once, never through the driver. `ray_mapper` is the engine's `Mapper` on Ray: one task per
@@ -98,18 +98,21 @@ SAMPLES_PER_SHARD = 16
 ROW_BITS = 40
 
 
-def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] | None, mapping: dict | None
-                ) -> list[str]:
+def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] | None, mapping: dict | None,
+                with_bounds: bool = False) -> list[str] | tuple[list[str], tuple | None]:
     """``k`` evenly spaced distinct prompt ids of one log file (that column only): a reader's sample from which the
     driver cuts the shards' prompt-id ranges (`cje_engine.pipeline.sharded.range_splitters`). The response-id
-    buckets need no sample (`id_fingerprint`)."""
-    from cje_engine.pipeline.sharded import sample_prompt_ids
+    buckets need no sample (`id_fingerprint`). ``with_bounds``: (the sample, the file's least and greatest prompt
+    id, `cje_engine.pipeline.sharded.id_bounds`), from which the driver knows the shards the file's reader
+    returns pieces of (`cje_engine.pipeline.sharded.file_shards`)."""
+    from cje_engine.pipeline.sharded import id_bounds, sample_prompt_ids
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
     st = Storage.for_uri(uri, StorageConfig.from_dict(cfg_dict))
     table = read_window(st, [key], columns=["prompt_id"], policies=policies, mapping=mapping, check_unique=False)
-    return sample_prompt_ids(table["prompt_id"], k)
+    sample = sample_prompt_ids(table["prompt_id"], k)
+    return (sample, id_bounds(table["prompt_id"])) if with_bounds else sample
 
 
 from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # noqa: E402 - also its callers'
@@ -195,11 +198,14 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
                splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None,
-               n_buckets: int | None = None):
+               n_buckets: int | None = None, shards: Sequence[int] | None = None):
     """Read one log file on a worker and return its rows per shard (packed for the object store,
     `cje_engine.pipeline.sharded.pack_piece`; the info's ``piece_bytes`` their bytes), its response ids per bucket
     (`response_id_buckets`: their fingerprints alone, 8 B a row) and a small dict about the file
-    (``num_returns = n_shards + n_buckets + 1``; ``n_buckets`` None: ``n_shards``, `response_id_buckets`). Each row's window place is ``file_index << 40`` plus its row in the
+    (``num_returns = len(shards) + n_buckets + 1``; ``n_buckets`` None: ``n_shards``, `response_id_buckets`).
+    ``shards``: the shards whose pieces it returns, in order (those of the file's prompt-id range,
+    `cje_engine.pipeline.sharded.file_shards`; None: all ``n_shards``); a row of another shard raises `ValueError`
+    (`cje_engine.pipeline.sharded.split_by_shard`). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
@@ -258,9 +264,36 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     table = compact_policy(table)
     # each piece as it crosses the object store: the labels of the labelled rows only, the row places as steps, the
     # score as codes into its few values (`pack_piece`; `_concat` unpacks them in the task that reads the shard)
-    pieces = [pack_piece(t) for t in split_by_shard(table, n_shards, splitters=splitters)]
+    pieces = [pack_piece(t) for t in split_by_shard(table, n_shards, splitters=splitters, shards=shards)]
     info["piece_bytes"] = sum(p.nbytes for p in pieces)
+    info["piece_bytes_of"] = [p.nbytes for p in pieces]  # of each of ``shards``: where the shards' tasks run
+    info["node"] = _this_node()
     return (*pieces, *rids, info)
+
+
+def _this_node() -> str | None:
+    """The Ray node this task runs on (None outside a Ray worker): its pieces are in that node's object store."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no runtime context: not on Ray
+        return None
+
+
+def shard_homes(touched: Sequence[Sequence[int]], infos: Sequence[dict], n_shards: int) -> list[str | None]:
+    """Each shard's node: the one whose object store holds most bytes of its pieces (the readers' infos: their
+    ``node`` and ``piece_bytes_of`` their shards ``touched``); None when its pieces hold no byte or say no node."""
+    homes: list[str | None] = []
+    by_shard: list[dict] = [{} for _ in range(n_shards)]
+    for t, info in zip(touched, infos):
+        node = info.get("node")
+        for s, b in zip(t, info.get("piece_bytes_of", ())):
+            if node is not None and b:
+                by_shard[s][node] = by_shard[s].get(node, 0) + int(b)
+    for d in by_shard:
+        homes.append(max(sorted(d), key=lambda n: d[n]) if d else None)
+    return homes
 
 
 def compact_policy(table):
@@ -531,16 +564,55 @@ def _concat(*parts):
 
 
 class ShardPieces:
-    """A shard as the object references of its pieces, one from every file's reader, in file order: what
+    """A shard as the object references of its pieces, one from every reader of a file that touches it (at least
+    one), in file order: what
     `read_shards` returns for each shard. `ray_mapper` hands them to its tasks as top-level arguments (so Ray
     resolves them, zero-copy from the object store) and the task concatenates them (`_concat`): the rows are
     put in the object store once, by the readers, never copied into a second, concatenated object."""
 
-    def __init__(self, refs: Sequence[Any]) -> None:
+    def __init__(self, refs: Sequence[Any], node: str | None = None) -> None:
         self.refs = tuple(refs)
+        #: The Ray node whose object store holds most bytes of its pieces (`read_shards`' ``locality``, `shard_homes`;
+        #: None: none named): a task of the shard asks for it (`ray_mapper`, a soft node affinity), so that its pieces
+        #: are not copied between nodes.
+        self.node = node
 
     def __repr__(self) -> str:
         return f"ShardPieces({len(self.refs)} pieces)"
+
+
+def shard_nodes(n_shards: int, nodes: Sequence[tuple[str, float]]) -> list[str]:
+    """Each shard's node: the shards (ranges of prompt ids of about equal rows, in order) cut into one run of
+    consecutive shards a node, in proportion to the nodes' CPUs (``nodes``: (node id, CPUs))."""
+    total = sum(c for _, c in nodes)
+    out, acc = [], 0.0
+    bounds = []
+    for _, c in nodes:
+        acc += c
+        bounds.append(acc / total * n_shards)
+    j = 0
+    for s in range(n_shards):
+        while j < len(nodes) - 1 and s + 0.5 > bounds[j]:
+            j += 1
+        out.append(nodes[j][0])
+    return out
+
+
+def _cluster_nodes() -> list[tuple[str, float]]:
+    """The cluster's alive nodes with CPUs: (node id, CPUs), in node-id order."""
+    import ray
+
+    return sorted((n["NodeID"], float(n["Resources"].get("CPU", 0))) for n in ray.nodes()
+                  if n.get("Alive") and n["Resources"].get("CPU", 0) > 0)
+
+
+def _affinity(node: str | None) -> dict:
+    """Ray task options running a task on ``node`` while it is alive (soft: elsewhere when it is gone)."""
+    if node is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
 
 
 def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
@@ -595,7 +667,8 @@ def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
 def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *, columns: list[str] | None = None,
                 policies: list[str] | None = None, mapping: dict | None = None, prepare_rows: Callable | None = None,
                 rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False,
-                keep: Sequence[str] | None = None, concat: bool = False, prepare_arg: Any = None):
+                keep: Sequence[str] | None = None, concat: bool = False, prepare_arg: Any = None,
+                every_piece: bool = False, locality: bool = True):
     """The window's shards: per shard a `ShardPieces` (its pieces from every file's reader, in the cluster's
     object store; `ray_mapper` rebuilds the shard's `pyarrow.Table` in each task), or with ``concat`` the
     reference of one concatenated table (a task per shard: a second copy of the rows in the store).
@@ -609,41 +682,67 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     tasks' memory); ``prepare_rows``, ``keep``, ``prepare_arg``: see `split_file` (the evaluate flow's
     ``prepare_arg`` is the reference of its label index, `flows.runtime.label_index`). With ``with_info`` also
     the list of every file's info dict (small: fetched to the driver).
+
+    A reader returns the pieces of the shards its file's prompt-id range touches only (its least and greatest id
+    come with its sample: `cje_engine.pipeline.sharded.file_shards`), and a shard takes those pieces only, in file
+    order: the same non-empty pieces in the same order as when every reader returns a piece of every shard
+    (``every_piece``, the reference), so the same numbers, with far fewer objects where files are roughly in
+    prompt order (a file of a block of prompts touches 2-3 of 26 shards); files whose prompts span every shard
+    give every piece, as with ``every_piece``.
+
+    ``locality`` (on a cluster of several nodes): the shards are cut into runs of consecutive shards, one a node
+    (`shard_nodes`), and a reader whose shards are all in one node's run runs there; each shard then names the node
+    that holds most bytes of its pieces (`shard_homes`, from the readers' infos; `ShardPieces.node`), where its
+    passes' tasks run (`ray_mapper`): its pieces are not copied between nodes, and the nodes' work stays about
+    even. Soft: a node lost, its tasks run elsewhere.
     """
     import ray
 
-    from cje_engine.pipeline.sharded import range_splitters
+    from cje_engine.pipeline.sharded import file_shards, range_splitters
 
     per_file = max(1, rows_hint // max(len(keys), 1))
     sample = ray.remote(sample_file).options(max_retries=max_retries, memory=task_memory(per_file // 2),
                                              name="cje_shard_sample")
-    samples = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping)
-                       for k in keys], timeout=ray_get_timeout())
-    splitters = range_splitters(samples, n_shards)
-    log.info("prompt ids of %d file(s) sampled: %d shard ranges", len(keys), n_shards)
+    got = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping, True)
+                   for k in keys], timeout=ray_get_timeout())
+    splitters = range_splitters([s for s, _ in got], n_shards)
+    # each reader returns the pieces of the shards its file's prompt-id range touches only (a file of a block of
+    # prompts: 2-3 of 26), and each shard takes the pieces of the files that touch it, in file order
+    touched = ([list(range(n_shards))] * len(keys) if every_piece
+               else file_shards([b for _, b in got], splitters, n_shards))
+    log.info("prompt ids of %d file(s) sampled: %d shard ranges, %d pieces", len(keys), n_shards,
+             sum(len(t) for t in touched))
     from flows.runtime.ray_fanout import cluster_cpus
 
     n_buckets = response_id_bucket_count(rows_hint, cluster_cpus())
-    split = ray.remote(split_file).options(num_returns=n_shards + n_buckets + 1, max_retries=max_retries,
-                                           memory=task_memory(2 * per_file), name="cje_shard_read")
+    split = ray.remote(split_file)
+    split_opts = {"max_retries": max_retries, "memory": task_memory(2 * per_file), "name": "cje_shard_read"}
     if prepare_rows is not None:
         # Put once: passed by value, Ray would serialize it again for every file's task (large shared data, such
         # as the label index, goes by reference instead: ``prepare_arg``).
         prepare_rows = ray.put(prepare_rows)
-    pieces = [split.remote(uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep,
-                           prepare_arg, n_buckets) for i, k in enumerate(keys)]
+    node_of_shard = shard_nodes(n_shards, nodes) if locality and not every_piece and len(
+        nodes := _cluster_nodes()) > 1 else None
+    reader_node = [None] * len(keys)
+    if node_of_shard is not None:
+        for i, t in enumerate(touched):
+            on = {node_of_shard[s] for s in t}
+            reader_node[i] = on.pop() if len(on) == 1 else None
+    returns = [split.options(num_returns=len(touched[i]) + n_buckets + 1, **split_opts,
+                             **_affinity(reader_node[i])).remote(
+        uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep, prepare_arg,
+        n_buckets, touched[i]) for i, k in enumerate(keys)]
+    of_shard: list[list] = [[] for _ in range(n_shards)]  # each shard's pieces, in file order
+    for i, refs in enumerate(returns):
+        for s, ref in zip(touched[i], refs):
+            of_shard[s].append(ref)
+    buckets = [refs[len(touched[i]):len(touched[i]) + n_buckets] for i, refs in enumerate(returns)]
     # a bucket's task reads its pieces in place (the object store) and holds a run's high halves and their sort (8
     # B an id of the run; of the whole bucket when its pieces are not in runs, and the flags): 20 B an id of the
     # bucket asked (`task_memory` of an eighth of its ids)
     check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
                                                    memory=task_memory(rows_hint // n_buckets // 8))
-    checks = [check.remote(*[p[n_shards + b] for p in pieces]) for b in range(n_buckets)]
-    if concat:
-        join = ray.remote(_concat).options(max_retries=max_retries, memory=task_memory(2 * rows_hint // n_shards),
-                                           name="cje_shard_concat")
-        refs = [join.remote(*[p[s] for p in pieces]) for s in range(n_shards)]
-    else:
-        refs = [ShardPieces([p[s] for p in pieces]) for s in range(n_shards)]
+    checks = [check.remote(*[p[b] for p in buckets]) for b in range(n_buckets)]
     results = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
     found = [c for c in results if "candidates" not in c]
     candidates = [c["candidates"] for c in results if "candidates" in c]
@@ -658,9 +757,21 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
         found += resolve_fingerprints(candidates, rows_of)
     if found:
         raise duplicate_response_id_error(min(found, key=lambda c: c["rows"][0]), keys, uri)
+    infos = ray.get([p[-1] for p in returns], timeout=ray_get_timeout()) if (
+        with_info or node_of_shard is not None) else None
+    home = shard_homes(touched, infos, n_shards) if node_of_shard is not None else [None] * n_shards
+    if node_of_shard is not None:
+        log.info("locality: %d of %d readers on their shards' node; %d of %d shards homed", sum(
+            n is not None for n in reader_node), len(keys), sum(h is not None for h in home), n_shards)
+    if concat:
+        join = ray.remote(_concat)
+        opts = {"max_retries": max_retries, "memory": task_memory(2 * rows_hint // n_shards), "name": "cje_shard_concat"}
+        refs = [join.options(**opts, **_affinity(home[s])).remote(*of_shard[s]) for s in range(n_shards)]
+    else:
+        refs = [ShardPieces(of_shard[s], home[s]) for s in range(n_shards)]
     if not with_info:
         return refs
-    return refs, ray.get([p[n_shards + n_buckets] for p in pieces], timeout=ray_get_timeout())
+    return refs, infos
 
 
 def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEFAULT_MAX_RETRIES,
@@ -670,7 +781,8 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
 
     ``memory``: bytes each task asks for, or a function of the pass's function name giving them (derived
     from the data by the caller, `task_memory`). A worker lost mid-task is retried ``max_retries`` times.
-    A `ShardPieces` among an item's arguments reaches ``fn`` as its shard's table (`_with_pieces`).
+    A `ShardPieces` among an item's arguments reaches ``fn`` as its shard's table (`_with_pieces`); its task runs on
+    the node that holds the pieces when it says so (`ShardPieces.node`, a soft node affinity).
     A function with a ``kept_field`` (`cje_engine.pipeline.sharded.reduce_shard`: pass 1's codes of the shard;
     a name or a tuple of names) returns each such field as another object left in the object store: the driver
     gets the result with the field set to its reference, which a later pass takes as a top-level argument (Ray
@@ -688,17 +800,22 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
         refs, kept = [], {}
         fields = _kept_fields(fn)
         plain = ray.remote(fn).options(**opts)
-        pieced = ray.remote(_with_pieces).options(**opts)
-        keeping = ray.remote(_keeping).options(**opts, num_returns=1 + len(fields))
+        pieced_fn, keeping_fn = ray.remote(_with_pieces), ray.remote(_keeping)
+        pieced = pieced_fn.options(**opts)
+        keeping = keeping_fn.options(**opts, num_returns=1 + len(fields))
         for item in items:
             layout, args = _flatten(item)
+            homes = {x.node for x in item if isinstance(x, ShardPieces)}
+            where = _affinity(homes.pop()) if len(homes) == 1 else {}
             if fields:
-                ref, *kept_refs = keeping.remote(fn, fields, layout, *args)
+                ref, *kept_refs = (keeping_fn.options(**opts, num_returns=1 + len(fields), **where) if where
+                                   else keeping).remote(fn, fields, layout, *args)
                 kept[ref] = kept_refs
                 refs.append(ref)
+            elif any(x is not None for x in layout):
+                refs.append((pieced_fn.options(**opts, **where) if where else pieced).remote(fn, layout, *args))
             else:
-                refs.append(pieced.remote(fn, layout, *args) if any(x is not None for x in layout)
-                            else plain.remote(*item))
+                refs.append(plain.remote(*item))
         index = {r: i for i, r in enumerate(refs)}
         pending = list(refs)
         limit = ray_get_timeout()

@@ -266,3 +266,123 @@ def test_prepare_rows_is_put_in_the_object_store_once_for_every_file(local_ray, 
     opts = EvaluationOptions.of(None, seed=4, inference="analytic")
     sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
     assert_same_result(direct.finalize(direct.prepare(window, opts), []).to_dict(), sp.finalize([]).to_dict())
+
+
+@pytest.fixture
+def prompt_blocks(direct_storage, bucket, s3_server):
+    """Simulated logs in four daily files, each a block of prompts (the benchmark's layout: a file's prompt ids
+    touch few shards), but one prompt whose rows are spread over two days (two files, far apart in the window)."""
+    frame = simulate(1200, seed=5, oracle_fraction=0.05).frame.copy()
+    rank = frame["prompt_id"].rank(method="dense").astype(int).to_numpy() - 1
+    day = rank * 4 // (rank.max() + 1)
+    spread = frame.index[frame["prompt_id"] == frame["prompt_id"].iloc[0]].to_numpy()
+    day[spread[::2]] = 3  # prompt 0's rows on the first and the last day
+    start = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    frame["ts"] = [start + timedelta(days=int(d), seconds=i % 80000) for i, d in enumerate(day)]
+    uri = f"s3://{bucket}/logs"
+    st = direct_storage(uri)
+    keys = sorted(write_logs(st, pa.Table.from_pandas(frame, preserve_index=False), basename="blk"))
+    assert len(keys) == 4
+    window = read_window(st, keys)
+    return uri, st.config.to_dict(include_secrets=True), keys, window.drop(
+        [c for c in ("dt", "ts") if c in window.column_names])
+
+
+class _HeldRows:
+    """A ``prepare_rows`` whose first attempt on the file ``key`` records its pid (``started-0-0-0``, as `_held`)
+    and waits for the test to kill it (`_kill_held`); every other call leaves the rows as they are."""
+
+    def __init__(self, hold: str, key: str) -> None:
+        self.hold, self.key = hold, key
+
+    def __call__(self, table: pa.Table, source: str) -> tuple[pa.Table, dict]:
+        import glob
+
+        if source.endswith(self.key):
+            stem = os.path.join(self.hold, "started-0-0-")
+            attempt = len(glob.glob(stem + "*"))
+            with open(f"{stem}{attempt}", "w") as f:
+                f.write(str(os.getpid()))
+            if attempt == 0:
+                deadline = time.monotonic() + HOLD_S
+                while not os.path.exists(os.path.join(self.hold, "release")) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        return table, {}
+
+
+@pytest.mark.parametrize("n_shards", [1, 5])
+def test_readers_of_prompt_blocks_return_only_the_pieces_they_touch(local_ray, prompt_blocks, n_shards):
+    """Each reader returns the pieces of the shards its file's prompt range touches only (`file_shards`): fewer
+    pieces than every reader's every piece (the reference, ``every_piece``), the same numbers bit for bit (the
+    analytic result and the bootstrap's replicates), which are the single path's."""
+    uri, cfg, keys, window = prompt_blocks
+    opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=50)
+    prep = direct.prepare(window, opts)
+    expected = direct.bootstrap_chunk(prep, 0, 50)
+    results = {}
+    for every in (True, False):
+        refs = sharded_ray.read_shards(uri, cfg, keys, n_shards, rows_hint=window.num_rows, every_piece=every)
+        results[every] = ([len(r.refs) for r in refs], refs)
+    every_n, pruned_n = results[True][0], results[False][0]
+    assert every_n == [4] * n_shards
+    if n_shards == 5:  # 4 blocks over 5 ranges: each file 2-3 shards (the spread prompt widens the last file's)
+        assert sum(pruned_n) < sum(every_n) and all(1 <= n <= 4 for n in pruned_n)
+    got = {}
+    for every in (True, False):
+        sp = sharded.prepare_sharded(results[every][1], opts, mapper=sharded_ray.ray_mapper())
+        reps = sp.replicates(0, 50)
+        got[every] = (reps, sp.finalize([reps]).to_dict())
+    assert np.array_equal(got[True][0], got[False][0], equal_nan=True)
+    assert np.array_equal(got[False][0], expected, equal_nan=True)
+    assert got[True][1] == got[False][1]
+    assert_same_result(direct.finalize(prep, [expected]).to_dict(), got[False][1])
+
+
+def test_a_reader_killed_mid_read_is_retried_with_the_same_pieces(local_ray, prompt_blocks, tmp_path):
+    """The reader of the first file is SIGKILLed while it prepares its rows: Ray runs it again (its ``num_returns``
+    the pieces of its shards, as on the first attempt) and the numbers are the undisturbed run's."""
+    uri, cfg, keys, window = prompt_blocks
+    opts = EvaluationOptions.of(None, seed=4, inference="analytic")
+    hold = str(tmp_path)
+    killed: list = []
+    th = threading.Thread(target=_kill_held, args=(hold, local_ray, killed))
+    th.start()
+    try:
+        refs = sharded_ray.read_shards(uri, cfg, keys, 5, rows_hint=window.num_rows,
+                                       prepare_rows=_HeldRows(hold, keys[0]))
+        sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
+    finally:
+        th.join()
+    assert len(killed) == 1, "the held reader was never seen running"
+    attempts = sorted(p.name for p in tmp_path.glob("started-0-0-*"))
+    assert attempts == ["started-0-0-0", "started-0-0-1"], attempts
+    assert_same_result(direct.finalize(direct.prepare(window, opts), []).to_dict(), sp.finalize([]).to_dict())
+
+
+def test_locality_pins_readers_and_shards_and_a_lost_node_changes_no_number(local_ray, prompt_blocks, monkeypatch):
+    """``locality`` on a cluster of two nodes, one of them gone (an id no node has: the soft affinity runs the
+    readers pinned to it on the node that is left, as when a node is lost mid-run): the shards name the node that
+    holds their pieces (`ShardPieces.node`: the one left); a shard named on the gone node runs elsewhere; every
+    number is the undisturbed run's."""
+    import ray
+
+    uri, cfg, keys, window = prompt_blocks
+    real = ray.get_runtime_context().get_node_id()
+    gone = "ab" * 28  # (all-ff is the nil id)
+    monkeypatch.setattr(sharded_ray, "_cluster_nodes", lambda: sorted([(real, 1.0), (gone, 1.0)]))
+    opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=50)
+    prep = direct.prepare(window, opts)
+    expected = direct.bootstrap_chunk(prep, 0, 50)
+    refs = sharded_ray.read_shards(uri, cfg, keys, 6, rows_hint=window.num_rows)
+    homes = [r.node for r in refs]
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    # every shard has rows, named on a node that holds them: one alive (the session's cluster may have two), never
+    # the gone one
+    assert None not in homes and set(homes) <= alive and gone not in homes
+    refs[0].node = refs[5].node = gone  # as if their node was lost after the readers
+    plain = sharded_ray.read_shards(uri, cfg, keys, 6, rows_hint=window.num_rows, locality=False)
+    assert all(r.node is None for r in plain)
+    sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
+    got = sp.replicates(0, 50)
+    assert np.array_equal(got, expected, equal_nan=True)
+    assert_same_result(direct.finalize(prep, [expected]).to_dict(), sp.finalize([got]).to_dict())
