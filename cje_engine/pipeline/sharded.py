@@ -616,7 +616,40 @@ def dense_rank(values: np.ndarray, span: int | None = None, inplace: bool = Fals
     if starts.size * 4 <= values.size:  # the runs' values ranked, their ranks repeated along the runs
         codes, uniques = _hash_rank(values[starts])
         return np.repeat(codes, np.diff(starts, append=values.size)), uniques
-    return _hash_rank(values)
+    del head, starts
+    got = _span_rank(values)
+    return got if got is not None else _hash_rank(values)
+
+
+def _span_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """`dense_rank` of integers that, less their smallest and shifted right past the low bits they all share,
+    lie in a small range (`DENSE_RANK_SPAN`, a few times their number): ranked by flagging them (no hash). The
+    ids' second words are such (``"123"`` then zero bytes: a range of ~0x090909 once shifted). None: too wide."""
+    if values.dtype.kind not in "iu" or values.dtype.itemsize > 8:
+        return None
+    lo = np.asarray(values.min()).astype(np.uint64)[()]  # signed: its bits modulo 2^64
+    width = int(np.asarray(values.max()).astype(np.uint64)[()] - lo)  # modulo 2^64: the exact distance
+    d = values.astype(np.uint64)  # a copy (a view's bits for int64 would be the same values modulo 2^64)
+    d -= lo  # the distance from the smallest, modulo 2^64
+    shared = np.bitwise_or.reduce(d)
+    shift = 0 if shared == 0 else int(np.bitwise_count((shared & (~shared + np.uint64(1))) - np.uint64(1)))  # low 0s
+    span = (width >> shift) + 1
+    if span > DENSE_RANK_SPAN or span > 8 * values.size + 4096:
+        return None
+    if shift:
+        d >>= np.uint64(shift)
+    d = d.view(np.int64)  # below `DENSE_RANK_SPAN`: the same numbers, an index without a conversion
+    seen = np.zeros(span, dtype=bool)
+    seen[d] = True
+    rank = np.cumsum(seen, dtype=np.int64)
+    rank -= 1
+    np.take(rank, d, out=d, mode="clip")  # every distance is a valid index: element by element, in place
+    present = np.flatnonzero(seen)
+    codes = d
+    uniques = present.astype(np.uint64)
+    uniques <<= np.uint64(shift)
+    uniques += lo  # modulo 2^64: back to the values' bits
+    return codes, uniques.astype(values.dtype, copy=False)
 
 
 def _hash_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -733,6 +766,11 @@ def dictionary_codes(column: pa.DictionaryArray | pa.ChunkedArray) -> tuple[np.n
         if not len(c):
             continue
         where = np.asarray(pc.index_in(d, value_set=allv), dtype=np.int64)  # every value is in ``allv``
+        if where.size == 1:  # one value (a reader's piece of one policy): every row's code, no gather
+            codes[lo:lo + len(c)] = where[0]
+            used[where[0]] = True
+            lo += len(c)
+            continue
         idx = np.asarray(c.indices.to_numpy(zero_copy_only=False))
         np.take(where, idx, out=codes[lo:lo + idx.size])  # written in place: no copy a chunk, no concatenation
         used[where[np.bincount(idx, minlength=where.size) > 0]] = True
@@ -937,6 +975,20 @@ def _piece_rows(p: PackedPiece) -> np.ndarray:
     return row
 
 
+def _rows_at(p: PackedPiece, pos: np.ndarray, reference: bool = False) -> np.ndarray:
+    """`ROW` of a packed piece's rows at ``pos`` (increasing, int64): its steps summed between them (one pass over
+    the piece's 1-2 byte steps, no int64 array of every row's place); ``reference``: ``_piece_rows(p)[pos]``."""
+    if reference or p.row is not None or not pos.size:
+        return _piece_rows(p)[pos]
+    bounds = np.empty(pos.size, dtype=np.int64)  # segments [0, pos0], (pos0, pos1], ...: each one's steps summed
+    bounds[0] = 0
+    np.add(pos[:-1], 1, out=bounds[1:])
+    out = np.add.reduceat(p.row_step[:int(pos[-1]) + 1], bounds, dtype=np.int64)
+    np.cumsum(out, out=out)
+    out += p.row_first
+    return out
+
+
 def _piece_cells(pieces: Sequence[PackedPiece], n: int) -> tuple[Any, np.ndarray, np.ndarray] | None:
     """(cells, cell of each row, score of each row) of pieces whose scores are codes into their values:
     `make_cells` of their scores (no covariates) from the pieces' value tables, never a hash of the rows. Each
@@ -990,15 +1042,19 @@ def packed_rows(shard: PackedShard, covariates: Sequence[str] = (), policies: Se
     if covariates or not pieces or not all(isinstance(p, PackedPiece) and p.score_values is not None
                                            for p in pieces):
         return None
-    rows = []
     last = None
     for p in pieces:
-        row = _piece_rows(p)
-        if (p.row is not None and row.size > 1 and not np.all(row[1:] >= row[:-1])) or \
-                (last is not None and row[0] < last):
-            return None  # out of window order: the table path sorts them
-        last = row[-1]
-        rows.append(row)
+        if p.row is not None:
+            row = p.row
+            if row.size > 1 and not np.all(row[1:] >= row[:-1]):
+                return None  # out of window order: the table path sorts them
+            first, final = int(row[0]), int(row[-1])
+        else:  # steps are never negative: in order within the piece, its last place their sum past the first
+            first = p.row_first
+            final = first + int(p.row_step.sum(dtype=np.int64))
+        if last is not None and first < last:
+            return None
+        last = final
     try:
         prompt_col = pa.chunked_array([c for p in pieces for c in p.table[PROMPT].chunks])  # zero-copy
         policy_col = pa.chunked_array([c for p in pieces for c in p.table[POLICY].chunks])
@@ -1016,11 +1072,11 @@ def packed_rows(shard: PackedShard, covariates: Sequence[str] = (), policies: Se
     prompt_codes, prompt_ids = sorted_codes(prompt_col)
     labs, lab_rows, labels, weights = [], [], [], []
     lo = 0
-    for p, row in zip(pieces, rows):
+    for p in pieces:
         if p.label is not None and p.lab_pos.size:
             pos = p.lab_pos.astype(np.int64)
             labs.append(pos + lo)
-            lab_rows.append(row[pos])
+            lab_rows.append(_rows_at(p, pos))
             labels.append(p.label)
             if p.label_prob is None:
                 weights.append(np.ones(pos.size))
@@ -1078,7 +1134,7 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
     return ShardSummary(
         n_rows=r.n, prompt_ids=None if ranged else r.prompt_ids, policies=r.policies,
         cell_score=cells.score, cell_X=cells.X, counts=counts, n_prompts=n_prompts,
-        score_sum=np.array([r.score[kept.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
+        score_sum=_policy_sums(r.score, kept.policy, Kl),
         score_min=float(r.score.min()) if r.n else np.inf,
         score_max=float(r.score.max()) if r.n else -np.inf,
         labelled={"row": r.lab_row, "prompt": lab_prompt.astype(np.int32), "policy": r.policy[lab].astype(np.int32),
@@ -1086,6 +1142,28 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
                   "weight": r.lab_weight, "fold": fold},
         n_ids=n_ids, id_range=(r.prompt_ids[0].as_py(), r.prompt_ids[n_ids - 1].as_py()) if n_ids else (None, None),
         kept=kept)
+
+
+#: Runs of one policy along a shard's rows up to which `_policy_sums` sums their slices, not masks of every row.
+POLICY_SUM_RUNS = 4096
+
+
+def _policy_sums(score: np.ndarray, policy: np.ndarray, n_policies: int, reference: bool = False) -> np.ndarray:
+    """``score[policy == k].sum()`` for every policy ``k`` (numpy's pairwise sum of each policy's scores in row
+    order, as the mean sums them). Where the rows come in few runs of one policy (a reader's piece holds one
+    policy), each policy's runs are summed as one slice, or their slices joined, instead of a mask of every row
+    a policy: the same values in the same order, one contiguous array each, the same bits. ``reference``: the
+    masks."""
+    if not reference and policy.size:
+        cut = np.flatnonzero(policy[1:] != policy[:-1])
+        if cut.size < POLICY_SUM_RUNS:
+            starts = np.concatenate([[0], cut + 1]).tolist()
+            stops = starts[1:] + [policy.size]
+            runs: list[list] = [[] for _ in range(n_policies)]
+            for a, b in zip(starts, stops):
+                runs[int(policy[a])].append(score[a:b])
+            return np.array([(r[0] if len(r) == 1 else np.concatenate(r) if r else score[:0]).sum() for r in runs])
+    return np.array([score[policy == k].sum() for k in range(n_policies)])
 
 
 #: `reduce_shard`'s summary field a mapper may keep where the task ran (`flows.runtime.sharded_ray.ray_mapper`
