@@ -1428,8 +1428,8 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     result) are then the sums of its two parts, equal to the sums over every prompt to rounding. ``reference``:
     everything as first written (one more pass over every prompt's terms; the benchmarks' and tests' comparator)."""
     v = shard_view(shard, covariates, policies)
-    pol = codes.policy_code[v.policy]
-    keep = pol >= 0
+    pol, every = _row_policies(v.policy, codes.policy_code, reference)
+    keep = None if every else pol >= 0
     f = np.asarray(F_all)[codes.cell_code][v.cell]  # the fit at the shard's fine cells, then one gather a row
     if cal_row.size:
         at = np.searchsorted(v.lab_row, cal_row)
@@ -1437,7 +1437,7 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
             raise ValueError("a calibration row sent to this shard is not in it")
         f[v.lab_pos[at]] = cal_f
     K = plug.size
-    if keep.all():  # every row's policy is evaluated (the usual case): the rows as they are, no copy
+    if every:  # every row's policy is evaluated (the usual case): the rows as they are, no copy
         terms = _evaluation_terms(v.prompt, pol, f, plug, n_k, v.n_ids)
     else:
         terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
@@ -1446,13 +1446,14 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     else:
         out = ShardTerms(None, int(terms.shape[0]), np.zeros(K), np.zeros((K, K)))
     if not keep_terms:
+        lab_pos = v.lab_pos if every else v.lab_pos[keep[v.lab_pos]]
         if reference:
-            lab = unique_ints(v.prompt[v.lab_pos[keep[v.lab_pos]]].astype(np.int64))
+            lab = unique_ints(v.prompt[lab_pos].astype(np.int64))
             rest = np.ones(terms.shape[0], dtype=bool)
             rest[lab] = False
         else:  # the labelled prompts marked, not sorted: the same increasing codes
             rest = np.ones(terms.shape[0], dtype=bool)
-            rest[v.prompt[v.lab_pos[keep[v.lab_pos]]]] = False
+            rest[v.prompt[lab_pos]] = False
             lab = np.flatnonzero(~rest)
         out.labelled = codes.ranks(lab)
         out.labelled_terms = terms[lab]
@@ -1464,6 +1465,21 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
             out.sums = basis.sums(out.labelled, out.labelled_terms, reference)
             out.labelled_terms = None
     return out
+
+
+def _row_policies(local: np.ndarray, policy_code: np.ndarray, reference: bool = False) -> tuple[np.ndarray, bool]:
+    """(each row's global policy code, whether every one is evaluated) from its local code ``local`` and the
+    shard's table ``policy_code`` (-1: not evaluated). Every local policy is some row's (pass 1's sorted distinct
+    policies), so the table decides "every row": then, when the table is the identity, the local codes are the
+    global ones (no gather), else the table in the rows' small type is gathered; ``reference``: the table's own
+    type gathered and every row compared (the same codes)."""
+    table = np.asarray(policy_code)
+    if reference or not table.size or not (table >= 0).all():
+        pol = table[local]
+        return pol, bool((pol >= 0).all())
+    if np.array_equal(table, np.arange(table.size)):
+        return local, True
+    return table.astype(_small_int(int(table.max())))[local], True
 
 
 def _evaluation_terms(prompt: np.ndarray, policy: np.ndarray, f: np.ndarray, plug: np.ndarray, n_k: np.ndarray,
