@@ -310,3 +310,42 @@ def test_dictionary_codes_of_one_value_chunks():
     codes, ids = sharded.dictionary_codes(col)
     want_codes, want_ids = _pandas([str(x) for x in col.to_pylist()])
     assert np.array_equal(codes, want_codes) and ids.to_pylist() == want_ids  # "z" used by no row: not kept
+
+
+def test_contributions_by_runs_are_the_gathers(monkeypatch):
+    """Pass 2's ``(f - plug[k]) / n_k[k]`` a run of one policy at a time: the bits of the two gathers."""
+    rng = np.random.default_rng(9)
+    f = rng.standard_normal(40_000) * np.exp(rng.standard_normal(40_000) * 3)
+    plug, n_k = rng.standard_normal(4), rng.integers(1, 10**6, 4).astype(float)
+    runs = np.repeat(rng.integers(0, 4, 30), rng.integers(1, 3000, 30))[:f.size].astype(np.int8)
+    for policy in (runs, rng.integers(0, 4, runs.size), np.full(runs.size, 3, dtype=np.int8)):
+        x = f[:policy.size]
+        want = sharded._contributions(x, policy, plug, n_k, reference=True)
+        assert want.tobytes() == ((x - plug[policy]) / n_k[policy]).tobytes()
+        assert sharded._contributions(x, policy, plug, n_k).tobytes() == want.tobytes()
+    assert sharded._contributions(f[:0], runs[:0], plug, n_k).size == 0
+    monkeypatch.setattr(sharded, "CONTRIBUTION_RUNS", 0)
+    assert sharded._contributions(f[:runs.size], runs, plug, n_k).tobytes() == \
+        sharded._contributions(f[:runs.size], runs, plug, n_k, reference=True).tobytes()
+
+
+def test_row_policies_are_the_tables_gather():
+    """Pass 2's global policy a row: the table's gather (as values), and whether every row is evaluated."""
+    rng = np.random.default_rng(4)
+    local = rng.integers(0, 3, 500).astype(np.int8)
+    for table in (np.arange(3), np.array([2, 0, 1]), np.array([0, -1, 1]), np.array([4, 3, 2])):
+        want, every = sharded._row_policies(local, table, reference=True)
+        assert np.array_equal(want, table[local]) and every == bool((table[local] >= 0).all())
+        got, fast_every = sharded._row_policies(local, table)
+        assert np.array_equal(got, want) and fast_every == every
+
+
+def test_gram_rows_of_is_fancy_indexing():
+    from cje_engine.inference import gram
+
+    a = np.arange(60.0).reshape(20, 3)
+    for idx in ([0, 5, 10, 15], [3], [1, 2, 3], [4, 2, 0], [0, 1, 5], [19, 19]):
+        idx = np.asarray(idx)
+        got = gram._rows_of(a, idx)
+        assert np.array_equal(got, a[idx])
+    assert np.shares_memory(gram._rows_of(a, np.array([0, 5, 10, 15])), a)  # evenly forward: a view
