@@ -834,12 +834,31 @@ def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequen
                      label=label, label_weight=weight, X=X)
 
 
-def _prompts_per_policy(policy: np.ndarray, prompt: np.ndarray, n_policies: int, n_ids: int) -> np.ndarray:
+def _policy_runs(policy: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(policy, start, stop) of each run of one policy along a shard's rows (a reader's piece holds one policy),
+    in row order; None when there are `POLICY_SUM_RUNS` or more (then the per-row ways are cheaper)."""
+    if not policy.size:
+        return []
+    cut = np.flatnonzero(policy[1:] != policy[:-1])
+    if cut.size >= POLICY_SUM_RUNS:
+        return None
+    starts = [0, *(cut + 1).tolist()]
+    return [(int(policy[a]), a, b) for a, b in zip(starts, starts[1:] + [policy.size])]
+
+
+def _prompts_per_policy(policy: np.ndarray, prompt: np.ndarray, n_policies: int, n_ids: int,
+                        runs: list | None = None) -> np.ndarray:
     """Distinct prompts of each policy among rows of (policy code, prompt code), codes dense: one flag per
-    (policy, prompt) set and counted (O(rows + policies x prompts); the number of distinct pairs, exactly)."""
+    (policy, prompt) set and counted (O(rows + policies x prompts); the number of distinct pairs, exactly).
+    ``runs`` (`_policy_runs`): the flags set a run of one policy at a time (no key a row)."""
     if n_policies * n_ids >= 2**31 or policy.size * 4 < n_policies * n_ids:  # sparse: by a sort
         pairs = unique_ints(policy.astype(np.int64) * (n_ids + 1) + prompt)
         return np.bincount(pairs // (n_ids + 1), minlength=n_policies)
+    if runs is not None:
+        flags = np.zeros((n_policies, n_ids), dtype=bool)
+        for k, a, b in runs:
+            flags[k][prompt[a:b]] = True
+        return np.count_nonzero(flags, axis=1).astype(np.int64)
     seen = np.zeros(n_policies * n_ids, dtype=bool)
     key = policy.astype(np.int64) * n_ids
     key += prompt
@@ -1115,12 +1134,19 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
     Kl = len(r.policies)
     cells, cell = r.cells, r.cell
     G = cells.size
-    key = r.policy * G
-    key += cell
-    counts = np.bincount(key, minlength=Kl * G).reshape(Kl, G)
-    del key
+    # a NaN score's cell is -1 (the table path): the per-row key's way then, as it always counted it
+    runs = _policy_runs(r.policy) if not cell.size or cell.min() >= 0 else None
     n_ids = len(r.prompt_ids)
-    n_prompts = _prompts_per_policy(r.policy, r.prompt, Kl, n_ids)
+    if runs is None:
+        key = r.policy * G
+        key += cell
+        counts = np.bincount(key, minlength=Kl * G).reshape(Kl, G)
+        del key
+    else:  # a run of one policy at a time: its cells counted (integers: the same counts)
+        counts = np.zeros((Kl, G), dtype=np.int64)
+        for k, a, b in runs:
+            counts[k] += np.bincount(cell[a:b], minlength=G)
+    n_prompts = _prompts_per_policy(r.policy, r.prompt, Kl, n_ids, runs)
     lab = r.lab
     lab_prompt = r.prompt[lab]
     folds = n_folds if n_folds is not None else EvaluationOptions.of(None).n_folds
@@ -1134,7 +1160,7 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
     return ShardSummary(
         n_rows=r.n, prompt_ids=None if ranged else r.prompt_ids, policies=r.policies,
         cell_score=cells.score, cell_X=cells.X, counts=counts, n_prompts=n_prompts,
-        score_sum=_policy_sums(r.score, kept.policy, Kl),
+        score_sum=_policy_sums(r.score, kept.policy, Kl, runs=runs),
         score_min=float(r.score.min()) if r.n else np.inf,
         score_max=float(r.score.max()) if r.n else -np.inf,
         labelled={"row": r.lab_row, "prompt": lab_prompt.astype(np.int32), "policy": r.policy[lab].astype(np.int32),
@@ -1148,21 +1174,20 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
 POLICY_SUM_RUNS = 4096
 
 
-def _policy_sums(score: np.ndarray, policy: np.ndarray, n_policies: int, reference: bool = False) -> np.ndarray:
+def _policy_sums(score: np.ndarray, policy: np.ndarray, n_policies: int, reference: bool = False,
+                 runs: list | None = None) -> np.ndarray:
     """``score[policy == k].sum()`` for every policy ``k`` (numpy's pairwise sum of each policy's scores in row
     order, as the mean sums them). Where the rows come in few runs of one policy (a reader's piece holds one
     policy), each policy's runs are summed as one slice, or their slices joined, instead of a mask of every row
     a policy: the same values in the same order, one contiguous array each, the same bits. ``reference``: the
     masks."""
     if not reference and policy.size:
-        cut = np.flatnonzero(policy[1:] != policy[:-1])
-        if cut.size < POLICY_SUM_RUNS:
-            starts = np.concatenate([[0], cut + 1]).tolist()
-            stops = starts[1:] + [policy.size]
-            runs: list[list] = [[] for _ in range(n_policies)]
-            for a, b in zip(starts, stops):
-                runs[int(policy[a])].append(score[a:b])
-            return np.array([(r[0] if len(r) == 1 else np.concatenate(r) if r else score[:0]).sum() for r in runs])
+        runs = _policy_runs(policy) if runs is None else runs
+        if runs is not None:
+            parts: list[list] = [[] for _ in range(n_policies)]
+            for k, a, b in runs:
+                parts[k].append(score[a:b])
+            return np.array([(r[0] if len(r) == 1 else np.concatenate(r) if r else score[:0]).sum() for r in parts])
     return np.array([score[policy == k].sum() for k in range(n_policies)])
 
 

@@ -349,3 +349,21 @@ def test_gram_rows_of_is_fancy_indexing():
         got = gram._rows_of(a, idx)
         assert np.array_equal(got, a[idx])
     assert np.shares_memory(gram._rows_of(a, np.array([0, 5, 10, 15])), a)  # evenly forward: a view
+
+
+def test_pass1_counts_by_runs_are_the_per_row_counts(monkeypatch):
+    """Counts, distinct prompts and score sums a run of one policy at a time: pass 1's summary with every run
+    count forced through the per-row keys (`POLICY_SUM_RUNS` 0) is the same, bit for bit."""
+    rng = np.random.default_rng(2)
+    policy = np.repeat(rng.integers(0, 3, 25), rng.integers(1, 400, 25))
+    prompt = rng.integers(0, 500, policy.size)
+    runs = sharded._policy_runs(policy)
+    assert sum(b - a for _, a, b in runs) == policy.size and all(np.all(policy[a:b] == k) for k, a, b in runs)
+    assert np.array_equal(sharded._prompts_per_policy(policy, prompt, 3, 500, runs),
+                          sharded._prompts_per_policy(policy, prompt, 3, 500))
+    pieces = [sharded.pack_piece(_piece(400, 1, policies=("a",))), sharded.pack_piece(_piece(300, 2, policies=("b",))),
+              sharded.pack_piece(_piece(300, 3, policies=("a",), first=30))]
+    fast = sharded.reduce_shard(sharded.reduce_shard.from_pieces(*pieces))
+    monkeypatch.setattr(sharded, "POLICY_SUM_RUNS", 0)
+    assert sharded._policy_runs(policy) is None
+    _same_summary(fast, sharded.reduce_shard(sharded.reduce_shard.from_pieces(*pieces)))
