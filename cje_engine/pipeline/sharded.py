@@ -628,7 +628,8 @@ def _span_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     if values.dtype.kind not in "iu" or values.dtype.itemsize > 8:
         return None
     lo = np.asarray(values.min()).astype(np.uint64)[()]  # signed: its bits modulo 2^64
-    width = int(np.asarray(values.max()).astype(np.uint64)[()] - lo)  # modulo 2^64: the exact distance
+    with np.errstate(over="ignore"):  # signed values: the unsigned difference wraps, as intended
+        width = int(np.asarray(values.max()).astype(np.uint64)[()] - lo)  # modulo 2^64: the exact distance
     d = values.astype(np.uint64)  # a copy (a view's bits for int64 would be the same values modulo 2^64)
     d -= lo  # the distance from the smallest, modulo 2^64
     shared = np.bitwise_or.reduce(d)
