@@ -208,7 +208,7 @@ class BasisSums:
             return
         rows_t = np.ascontiguousarray(rows.T)  # (D, c): a group's left factors are rows of it
         for i, idx in enumerate(self.groups):
-            self.cubes[i] += third_moments(rows[:, idx], et=rows_t[idx])
+            self.cubes[i] += third_moments(rows[:, idx], et=_rows_of(rows_t, idx))
 
     def merge(self, other: "BasisSums") -> None:
         """Add another block's sums (same dimensions and groups)."""
@@ -216,6 +216,16 @@ class BasisSums:
         self.sum += other.sum
         self.cross += other.cross
         self.cubes += other.cubes
+
+
+def _rows_of(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]`` (rows of a 2-d array, only read), a view when ``idx`` steps evenly forward (a policy's
+    dimensions ``k, K + k, ...``): no copy for `third_moments`' elementwise left factors."""
+    if idx.size > 1:
+        step = int(idx[1] - idx[0])
+        if step > 0 and np.array_equal(np.diff(idx), np.full(idx.size - 1, step)):
+            return a[int(idx[0]):int(idx[-1]) + 1:step]
+    return a[idx]
 
 
 class SummedBasis:

@@ -102,6 +102,12 @@ class Fit:
         return _labelled_residual_terms(self)
 
     @cached_property
+    def labelled_weights(self) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt, weight) of every labelled row, the weights summing to 1 within each policy: a function of the
+        data's labelled rows only, the same in every fit of one data (`_share_labelled_prompts` shares it)."""
+        return _labelled_weights(self.design)
+
+    @cached_property
     def labelled_prompts(self) -> tuple[int, np.ndarray]:
         """(distinct prompts of the labelled rows, each labelled row's index among them): per-prompt sums over the
         labelled rows without a (prompts,) array of every prompt (`_sparse_column_var`)."""
@@ -114,6 +120,7 @@ class Fit:
         self.design.__dict__.pop("_calibration_plan", None)
         self.__dict__.pop("residual_terms", None)
         self.__dict__.pop("labelled_prompts", None)
+        self.__dict__.pop("labelled_weights", None)
 
     @property
     def sources(self) -> np.ndarray:
@@ -152,12 +159,18 @@ def labelled_prompt_index(prompt: np.ndarray, n_prompts: int, reference: bool = 
     return n, inv.astype(np.int32) if n < 2**31 else inv.astype(np.int64, copy=False)
 
 
-def _share_labelled_prompts(data: EvalData, fits: dict, shared: dict) -> None:
-    """Give every fit of ``fits`` the labelled rows' prompt index (`Fit.labelled_prompts`) computed once for
-    ``data``: it depends on its labelled rows only (every design's ``lab_rows``, `make_design`), the same in every
-    mode and round of robust pooling."""
+def _share_labelled_prompts(data: EvalData, fits: dict, shared: dict, weights_only: bool = False) -> None:
+    """Give every fit of ``fits`` the labelled rows' prompt index (`Fit.labelled_prompts`) and weights
+    (`Fit.labelled_weights`) computed once for ``data``: they depend on its labelled rows only (every design's
+    ``lab_rows``, `make_design`), the same in every mode and round of robust pooling. ``weights_only``: the weights
+    alone (`choose_mode` shares them before the residual terms read them)."""
     for fit in fits.values():
         if fit.design.data is not data:
+            continue
+        if "weights" not in shared:
+            shared["weights"] = fit.labelled_weights
+        fit.__dict__["labelled_weights"] = shared["weights"]
+        if weights_only:
             continue
         if "value" not in shared:
             shared["value"] = fit.labelled_prompts
@@ -240,13 +253,19 @@ def audit_degrees_of_freedom(design: Design, infl: dict, se: np.ndarray, is_sour
     return df
 
 
-def _labelled_residual_terms(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(prompt, weight, residual) of every labelled row, weights summing to 1 within each policy."""
-    d, lab = fit.design.data, fit.design.lab_rows
+def _labelled_weights(design: Design) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt, weight) of every labelled row of ``design``, weights summing to 1 within each policy."""
+    d, lab = design.data, design.lab_rows
     lw, pol = _at_rows(d.label_weight, lab), _at_rows(d.policy, lab)
-    den = np.bincount(pol, weights=lw, minlength=fit.design.n_policies)
-    w = lw / den[pol]
-    return _at_rows(d.prompt, lab), w, _at_rows(d.label, lab) - fit.f_lab
+    den = np.bincount(pol, weights=lw, minlength=design.n_policies)
+    return _at_rows(d.prompt, lab), lw / den[pol]
+
+
+def _labelled_residual_terms(fit: Fit, reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt, weight, residual) of every labelled row, weights summing to 1 within each policy (the prompt and
+    weights `Fit.labelled_weights`, shared by the fits of one data; ``reference``: computed here)."""
+    prompt, w = _labelled_weights(fit.design) if reference else fit.labelled_weights
+    return prompt, w, _at_rows(fit.design.data.label, fit.design.lab_rows) - fit.f_lab
 
 
 def source_audits(fit: Fit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -335,7 +354,7 @@ def _compare(fits: dict, candidates: list, labelled_rmse: dict, n_prompts: int) 
 
 
 def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...] | None,
-                rows: dict | None = None) -> tuple[dict, dict]:
+                rows: dict | None = None, shared: dict | None = None) -> tuple[dict, dict]:
     """The calibration mode and the fits of every mode tried (so the chosen one is not refitted).
 
     ``auto``: every eligible registered mode is fitted (`_candidates`); with one, it is chosen; with
@@ -360,6 +379,8 @@ def choose_mode(data: EvalData, opts: EvaluationOptions, sources: tuple[str, ...
         # its calibration plan (~80 B a calibration row) is rebuilt, identical, where a bootstrap replicate needs
         # it: not held beside the next mode's fit, the audits and the rounds of robust pooling
         fits[m].design.__dict__.pop("_calibration_plan", None)
+    if shared is not None:  # the labelled rows' weights of an earlier round (the same arrays), not computed again
+        _share_labelled_prompts(data, fits, shared, weights_only=True)
     rmse, labelled_rmse = {}, {}
     for m, fit in fits.items():
         cr = fit.design.cal_rows
@@ -428,8 +449,8 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
     names = list(sources) if sources is not None else [data.policies[k] for k in labelled]
     excluded: list[dict] = []
     rows = {} if rows is None else rows  # row-level cell coding per mode, shared by every round
-    selection, fits = choose_mode(data, opts, sources, rows)
-    shared: dict = {}  # the labelled rows' prompt index, the same in every fit (`_share_labelled_prompts`)
+    shared: dict = {}  # the labelled rows' prompt index and weights, the same in every fit (`_share_labelled_prompts`)
+    selection, fits = choose_mode(data, opts, sources, rows, shared)
     _share_labelled_prompts(data, fits, shared)
     fit = fits[selection["chosen"]]
     current = sources
@@ -440,10 +461,10 @@ def fit_calibration(data: EvalData, opts: EvaluationOptions, rows: dict | None =
         rest = tuple(n for n in names if n != bad["policy"])
         fit = fits = None  # not held beside the next round's fits (refitted, identical, if they cannot be made)
         try:
-            selection_new, fits_new = choose_mode(data, opts, rest, rows)
+            selection_new, fits_new = choose_mode(data, opts, rest, rows, shared)
         except CJEInputError as exc:
             log.warning("calibration source %s failed its audit but is kept: %s", bad["policy"], exc)
-            selection, fits = choose_mode(data, opts, current, rows)
+            selection, fits = choose_mode(data, opts, current, rows, shared)
             _share_labelled_prompts(data, fits, shared)
             fit = fits[selection["chosen"]]
             break

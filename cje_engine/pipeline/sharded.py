@@ -687,7 +687,41 @@ def dense_rank(values: np.ndarray, span: int | None = None, inplace: bool = Fals
     if starts.size * 4 <= values.size:  # the runs' values ranked, their ranks repeated along the runs
         codes, uniques = _hash_rank(values[starts])
         return np.repeat(codes, np.diff(starts, append=values.size)), uniques
-    return _hash_rank(values)
+    del head, starts
+    got = _span_rank(values)
+    return got if got is not None else _hash_rank(values)
+
+
+def _span_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """`dense_rank` of integers that, less their smallest and shifted right past the low bits they all share,
+    lie in a small range (`DENSE_RANK_SPAN`, a few times their number): ranked by flagging them (no hash). The
+    ids' second words are such (``"123"`` then zero bytes: a range of ~0x090909 once shifted). None: too wide."""
+    if values.dtype.kind not in "iu" or values.dtype.itemsize > 8:
+        return None
+    lo = np.asarray(values.min()).astype(np.uint64)[()]  # signed: its bits modulo 2^64
+    with np.errstate(over="ignore"):  # signed values: the unsigned difference wraps, as intended
+        width = int(np.asarray(values.max()).astype(np.uint64)[()] - lo)  # modulo 2^64: the exact distance
+    d = values.astype(np.uint64)  # a copy (a view's bits for int64 would be the same values modulo 2^64)
+    d -= lo  # the distance from the smallest, modulo 2^64
+    shared = np.bitwise_or.reduce(d)
+    shift = 0 if shared == 0 else int(np.bitwise_count((shared & (~shared + np.uint64(1))) - np.uint64(1)))  # low 0s
+    span = (width >> shift) + 1
+    if span > DENSE_RANK_SPAN or span > 8 * values.size + 4096:
+        return None
+    if shift:
+        d >>= np.uint64(shift)
+    d = d.view(np.int64)  # below `DENSE_RANK_SPAN`: the same numbers, an index without a conversion
+    seen = np.zeros(span, dtype=bool)
+    seen[d] = True
+    rank = np.cumsum(seen, dtype=np.int64)
+    rank -= 1
+    np.take(rank, d, out=d, mode="clip")  # every distance is a valid index: element by element, in place
+    present = np.flatnonzero(seen)
+    codes = d
+    uniques = present.astype(np.uint64)
+    uniques <<= np.uint64(shift)
+    uniques += lo  # modulo 2^64: back to the values' bits
+    return codes, uniques.astype(values.dtype, copy=False)
 
 
 def _hash_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -804,6 +838,11 @@ def dictionary_codes(column: pa.DictionaryArray | pa.ChunkedArray) -> tuple[np.n
         if not len(c):
             continue
         where = np.asarray(pc.index_in(d, value_set=allv), dtype=np.int64)  # every value is in ``allv``
+        if where.size == 1:  # one value (a reader's piece of one policy): every row's code, no gather
+            codes[lo:lo + len(c)] = where[0]
+            used[where[0]] = True
+            lo += len(c)
+            continue
         idx = np.asarray(c.indices.to_numpy(zero_copy_only=False))
         np.take(where, idx, out=codes[lo:lo + idx.size])  # written in place: no copy a chunk, no concatenation
         used[where[np.bincount(idx, minlength=where.size) > 0]] = True
@@ -867,12 +906,31 @@ def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequen
                      label=label, label_weight=weight, X=X)
 
 
-def _prompts_per_policy(policy: np.ndarray, prompt: np.ndarray, n_policies: int, n_ids: int) -> np.ndarray:
+def _policy_runs(policy: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(policy, start, stop) of each run of one policy along a shard's rows (a reader's piece holds one policy),
+    in row order; None when there are `POLICY_SUM_RUNS` or more (then the per-row ways are cheaper)."""
+    if not policy.size:
+        return []
+    cut = np.flatnonzero(policy[1:] != policy[:-1])
+    if cut.size >= POLICY_SUM_RUNS:
+        return None
+    starts = [0, *(cut + 1).tolist()]
+    return [(int(policy[a]), a, b) for a, b in zip(starts, starts[1:] + [policy.size])]
+
+
+def _prompts_per_policy(policy: np.ndarray, prompt: np.ndarray, n_policies: int, n_ids: int,
+                        runs: list | None = None) -> np.ndarray:
     """Distinct prompts of each policy among rows of (policy code, prompt code), codes dense: one flag per
-    (policy, prompt) set and counted (O(rows + policies x prompts); the number of distinct pairs, exactly)."""
+    (policy, prompt) set and counted (O(rows + policies x prompts); the number of distinct pairs, exactly).
+    ``runs`` (`_policy_runs`): the flags set a run of one policy at a time (no key a row)."""
     if n_policies * n_ids >= 2**31 or policy.size * 4 < n_policies * n_ids:  # sparse: by a sort
         pairs = unique_ints(policy.astype(np.int64) * (n_ids + 1) + prompt)
         return np.bincount(pairs // (n_ids + 1), minlength=n_policies)
+    if runs is not None:
+        flags = np.zeros((n_policies, n_ids), dtype=bool)
+        for k, a, b in runs:
+            flags[k][prompt[a:b]] = True
+        return np.count_nonzero(flags, axis=1).astype(np.int64)
     seen = np.zeros(n_policies * n_ids, dtype=bool)
     key = policy.astype(np.int64) * n_ids
     key += prompt
@@ -1008,6 +1066,20 @@ def _piece_rows(p: PackedPiece) -> np.ndarray:
     return row
 
 
+def _rows_at(p: PackedPiece, pos: np.ndarray, reference: bool = False) -> np.ndarray:
+    """`ROW` of a packed piece's rows at ``pos`` (increasing, int64): its steps summed between them (one pass over
+    the piece's 1-2 byte steps, no int64 array of every row's place); ``reference``: ``_piece_rows(p)[pos]``."""
+    if reference or p.row is not None or not pos.size:
+        return _piece_rows(p)[pos]
+    bounds = np.empty(pos.size, dtype=np.int64)  # segments [0, pos0], (pos0, pos1], ...: each one's steps summed
+    bounds[0] = 0
+    np.add(pos[:-1], 1, out=bounds[1:])
+    out = np.add.reduceat(p.row_step[:int(pos[-1]) + 1], bounds, dtype=np.int64)
+    np.cumsum(out, out=out)
+    out += p.row_first
+    return out
+
+
 def _piece_cells(pieces: Sequence[PackedPiece], n: int) -> tuple[Any, np.ndarray, np.ndarray] | None:
     """(cells, cell of each row, score of each row) of pieces whose scores are codes into their values:
     `make_cells` of their scores (no covariates) from the pieces' value tables, never a hash of the rows. Each
@@ -1061,15 +1133,19 @@ def packed_rows(shard: PackedShard, covariates: Sequence[str] = (), policies: Se
     if covariates or not pieces or not all(isinstance(p, PackedPiece) and p.score_values is not None
                                            for p in pieces):
         return None
-    rows = []
     last = None
     for p in pieces:
-        row = _piece_rows(p)
-        if (p.row is not None and row.size > 1 and not np.all(row[1:] >= row[:-1])) or \
-                (last is not None and row[0] < last):
-            return None  # out of window order: the table path sorts them
-        last = row[-1]
-        rows.append(row)
+        if p.row is not None:
+            row = p.row
+            if row.size > 1 and not np.all(row[1:] >= row[:-1]):
+                return None  # out of window order: the table path sorts them
+            first, final = int(row[0]), int(row[-1])
+        else:  # steps are never negative: in order within the piece, its last place their sum past the first
+            first = p.row_first
+            final = first + int(p.row_step.sum(dtype=np.int64))
+        if last is not None and first < last:
+            return None
+        last = final
     try:
         prompt_col = pa.chunked_array([c for p in pieces for c in p.table[PROMPT].chunks])  # zero-copy
         policy_col = pa.chunked_array([c for p in pieces for c in p.table[POLICY].chunks])
@@ -1087,11 +1163,11 @@ def packed_rows(shard: PackedShard, covariates: Sequence[str] = (), policies: Se
     prompt_codes, prompt_ids = sorted_codes(prompt_col)
     labs, lab_rows, labels, weights = [], [], [], []
     lo = 0
-    for p, row in zip(pieces, rows):
+    for p in pieces:
         if p.label is not None and p.lab_pos.size:
             pos = p.lab_pos.astype(np.int64)
             labs.append(pos + lo)
-            lab_rows.append(row[pos])
+            lab_rows.append(_rows_at(p, pos))
             labels.append(p.label)
             if p.label_prob is None:
                 weights.append(np.ones(pos.size))
@@ -1130,12 +1206,19 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
     Kl = len(r.policies)
     cells, cell = r.cells, r.cell
     G = cells.size
-    key = r.policy * G
-    key += cell
-    counts = np.bincount(key, minlength=Kl * G).reshape(Kl, G)
-    del key
+    # a NaN score's cell is -1 (the table path): the per-row key's way then, as it always counted it
+    runs = _policy_runs(r.policy) if not cell.size or cell.min() >= 0 else None
     n_ids = len(r.prompt_ids)
-    n_prompts = _prompts_per_policy(r.policy, r.prompt, Kl, n_ids)
+    if runs is None:
+        key = r.policy * G
+        key += cell
+        counts = np.bincount(key, minlength=Kl * G).reshape(Kl, G)
+        del key
+    else:  # a run of one policy at a time: its cells counted (integers: the same counts)
+        counts = np.zeros((Kl, G), dtype=np.int64)
+        for k, a, b in runs:
+            counts[k] += np.bincount(cell[a:b], minlength=G)
+    n_prompts = _prompts_per_policy(r.policy, r.prompt, Kl, n_ids, runs)
     lab = r.lab
     lab_prompt = r.prompt[lab]
     folds = n_folds if n_folds is not None else EvaluationOptions.of(None).n_folds
@@ -1149,7 +1232,7 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
     return ShardSummary(
         n_rows=r.n, prompt_ids=None if ranged else r.prompt_ids, policies=r.policies,
         cell_score=cells.score, cell_X=cells.X, counts=counts, n_prompts=n_prompts,
-        score_sum=np.array([r.score[kept.policy == k].sum() for k in range(Kl)]),  # pairwise, as the mean sums
+        score_sum=_policy_sums(r.score, kept.policy, Kl, runs=runs),
         score_min=float(r.score.min()) if r.n else np.inf,
         score_max=float(r.score.max()) if r.n else -np.inf,
         labelled={"row": r.lab_row, "prompt": lab_prompt.astype(np.int32), "policy": r.policy[lab].astype(np.int32),
@@ -1157,6 +1240,27 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
                   "weight": r.lab_weight, "fold": fold},
         n_ids=n_ids, id_range=(r.prompt_ids[0].as_py(), r.prompt_ids[n_ids - 1].as_py()) if n_ids else (None, None),
         kept=kept)
+
+
+#: Runs of one policy along a shard's rows up to which `_policy_sums` sums their slices, not masks of every row.
+POLICY_SUM_RUNS = 4096
+
+
+def _policy_sums(score: np.ndarray, policy: np.ndarray, n_policies: int, reference: bool = False,
+                 runs: list | None = None) -> np.ndarray:
+    """``score[policy == k].sum()`` for every policy ``k`` (numpy's pairwise sum of each policy's scores in row
+    order, as the mean sums them). Where the rows come in few runs of one policy (a reader's piece holds one
+    policy), each policy's runs are summed as one slice, or their slices joined, instead of a mask of every row
+    a policy: the same values in the same order, one contiguous array each, the same bits. ``reference``: the
+    masks."""
+    if not reference and policy.size:
+        runs = _policy_runs(policy) if runs is None else runs
+        if runs is not None:
+            parts: list[list] = [[] for _ in range(n_policies)]
+            for k, a, b in runs:
+                parts[k].append(score[a:b])
+            return np.array([(r[0] if len(r) == 1 else np.concatenate(r) if r else score[:0]).sum() for r in parts])
+    return np.array([score[policy == k].sum() for k in range(n_policies)])
 
 
 #: `reduce_shard`'s summary field a mapper may keep where the task ran (`flows.runtime.sharded_ray.ray_mapper`
@@ -1421,8 +1525,8 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     result) are then the sums of its two parts, equal to the sums over every prompt to rounding. ``reference``:
     everything as first written (one more pass over every prompt's terms; the benchmarks' and tests' comparator)."""
     v = shard_view(shard, covariates, policies)
-    pol = codes.policy_code[v.policy]
-    keep = pol >= 0
+    pol, every = _row_policies(v.policy, codes.policy_code, reference)
+    keep = None if every else pol >= 0
     f = np.asarray(F_all)[codes.cell_code][v.cell]  # the fit at the shard's fine cells, then one gather a row
     if cal_row.size:
         at = np.searchsorted(v.lab_row, cal_row)
@@ -1430,7 +1534,7 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
             raise ValueError("a calibration row sent to this shard is not in it")
         f[v.lab_pos[at]] = cal_f
     K = plug.size
-    if keep.all():  # every row's policy is evaluated (the usual case): the rows as they are, no copy
+    if every:  # every row's policy is evaluated (the usual case): the rows as they are, no copy
         terms = _evaluation_terms(v.prompt, pol, f, plug, n_k, v.n_ids)
     else:
         terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
@@ -1439,13 +1543,14 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     else:
         out = ShardTerms(None, int(terms.shape[0]), np.zeros(K), np.zeros((K, K)))
     if not keep_terms:
+        lab_pos = v.lab_pos if every else v.lab_pos[keep[v.lab_pos]]
         if reference:
-            lab = unique_ints(v.prompt[v.lab_pos[keep[v.lab_pos]]].astype(np.int64))
+            lab = unique_ints(v.prompt[lab_pos].astype(np.int64))
             rest = np.ones(terms.shape[0], dtype=bool)
             rest[lab] = False
         else:  # the labelled prompts marked, not sorted: the same increasing codes
             rest = np.ones(terms.shape[0], dtype=bool)
-            rest[v.prompt[v.lab_pos[keep[v.lab_pos]]]] = False
+            rest[v.prompt[lab_pos]] = False
             lab = np.flatnonzero(~rest)
         out.labelled = codes.ranks(lab)
         out.labelled_terms = terms[lab]
@@ -1459,13 +1564,51 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     return out
 
 
+def _row_policies(local: np.ndarray, policy_code: np.ndarray, reference: bool = False) -> tuple[np.ndarray, bool]:
+    """(each row's global policy code, whether every one is evaluated) from its local code ``local`` and the
+    shard's table ``policy_code`` (-1: not evaluated). Every local policy is some row's (pass 1's sorted distinct
+    policies), so the table decides "every row": then, when the table is the identity, the local codes are the
+    global ones (no gather), else the table in the rows' small type is gathered; ``reference``: the table's own
+    type gathered and every row compared (the same codes)."""
+    table = np.asarray(policy_code)
+    if reference or not table.size or not (table >= 0).all():
+        pol = table[local]
+        return pol, bool((pol >= 0).all())
+    if np.array_equal(table, np.arange(table.size)):
+        return local, True
+    return table.astype(_small_int(int(table.max())))[local], True
+
+
+#: Runs of one policy along a shard's rows up to which `_contributions` computes a run at a time (no gather).
+CONTRIBUTION_RUNS = 4096
+
+
+def _contributions(f: np.ndarray, policy: np.ndarray, plug: np.ndarray, n_k: np.ndarray,
+                   reference: bool = False) -> np.ndarray:
+    """Every row's ``(f - plug[k]) / n_k[k]`` (k its policy): where the rows come in few runs of one policy (a
+    reader's piece holds one), a run at a time with its policy's two numbers (the same two operations on the same
+    values: the same bits), instead of two gathers of every row's; ``reference``: the gathers."""
+    if not reference and policy.size:
+        cut = np.flatnonzero(policy[1:] != policy[:-1])
+        if cut.size < CONTRIBUTION_RUNS:
+            out = np.empty(f.shape)
+            starts = [0, *(cut + 1).tolist()]
+            for a, b in zip(starts, starts[1:] + [policy.size]):
+                k = int(policy[a])
+                np.subtract(f[a:b], plug[k], out=out[a:b])
+                np.divide(out[a:b], n_k[k], out=out[a:b])
+            return out
+    contrib = np.subtract(f, plug[policy])
+    np.divide(contrib, n_k[policy], out=contrib)
+    return contrib
+
+
 def _evaluation_terms(prompt: np.ndarray, policy: np.ndarray, f: np.ndarray, plug: np.ndarray, n_k: np.ndarray,
                       n_prompts: int) -> np.ndarray:
     """`estimators.evaluation_terms`'s plug-in columns (n_prompts, K), the same bits (each term ``(f - theta_k) /
     n_k`` computed alike, each bin summed in row order by ``numpy.bincount``), without its augmented copy."""
     K = plug.size
-    contrib = np.subtract(f, plug[policy])
-    np.divide(contrib, n_k[policy], out=contrib)
+    contrib = _contributions(f, policy, plug, n_k)
     key = np.multiply(prompt, K, dtype=np.int64)
     key += policy
     return np.bincount(key, weights=contrib, minlength=n_prompts * K).reshape(n_prompts, K)

@@ -273,11 +273,11 @@ def test_a_source_that_cannot_leave_keeps_the_previous_rounds_fit(monkeypatch):
     want = first[1][first[0]["chosen"]]
     calls = []
 
-    def refusing(data, opts, sources, rows=None):
+    def refusing(data, opts, sources, rows=None, shared=None):
         calls.append(sources)
         if len(calls) == 2:
             raise CJEInputError("too few labelled prompts to cross-fit")
-        return choose_mode(data, opts, sources, rows)
+        return choose_mode(data, opts, sources, rows, shared)
 
     monkeypatch.setattr(calibration, "choose_mode", refusing)
     fit, selection, excluded = calibration.fit_calibration(data, opts)

@@ -240,3 +240,130 @@ def test_ray_tasks_hand_pass1_the_pieces():
     _same_summary(got, sharded.reduce_shard(sharded.unpack_pieces(*pieces)))
     sharded_ray._with_pieces(probe, (2,), *pieces)
     assert seen == [pa.Table]
+
+
+def test_span_rank_is_pandas_factorize():
+    """Integers ranked by flags past the low bits they share (`_span_rank`): pandas' codes and sorted uniques,
+    for unsigned words with the high bit set, negative and extreme signed values, and values sharing no bit."""
+    rng = np.random.default_rng(11)
+    cases = [
+        (np.uint64(0x3030300000000000) + rng.integers(0, 10, 5000).astype(np.uint64) * np.uint64(1 << 40)),
+        np.uint64(2**63) + rng.integers(0, 300, 2000).astype(np.uint64) * np.uint64(1 << 12),  # high bit set
+        rng.integers(-500, 500, 3000) * 8,  # negative, three shared low bits
+        np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).min + 4, np.iinfo(np.int64).min]),
+        np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).max - 2]),
+        rng.permutation(np.arange(1000, dtype=np.int64)),  # no shared bit
+        np.array([7, 7, 7], dtype=np.int64), rng.integers(0, 50, 400).astype(np.int32),
+    ]
+    for values in cases:
+        want_codes, want_uniq = pd.factorize(values, sort=True)
+        got = sharded._span_rank(values)
+        assert got is not None
+        codes, uniq = got
+        assert codes.dtype == np.int64 and uniq.dtype == values.dtype
+        assert np.array_equal(codes, want_codes) and np.array_equal(uniq, want_uniq)
+        codes, uniq = sharded.dense_rank(values)  # whatever way it takes
+        assert np.array_equal(codes, want_codes) and np.array_equal(uniq, want_uniq)
+    # too wide a range once shifted: left to the hash
+    assert sharded._span_rank(rng.integers(0, 2**40, 1000)) is None
+    assert sharded._span_rank(np.array([0, 1, 2**63], dtype=np.uint64)) is None
+    codes, uniq = sharded._span_rank(np.array([2**63, 0, 2**63], dtype=np.uint64))  # 63 shared low bits
+    assert codes.tolist() == [1, 0, 1] and uniq.tolist() == [0, 2**63]
+
+
+def test_policy_sums_are_the_masks_sums(monkeypatch):
+    """Each policy's score sum over its runs' slices: the bits of the sum over its mask, whatever the runs."""
+    rng = np.random.default_rng(5)
+    score = rng.standard_normal(50_000) * np.exp(rng.standard_normal(50_000) * 4)
+    runs = np.repeat(rng.integers(0, 4, 40), rng.integers(1, 3000, 40))[:score.size]
+    for policy in (runs, rng.integers(0, 4, runs.size), np.zeros(runs.size, dtype=np.int8), runs[:0]):
+        s = score[:policy.size]
+        want = sharded._policy_sums(s, policy, 5, reference=True)
+        assert want.tobytes() == np.array([s[policy == k].sum() for k in range(5)]).tobytes()
+        assert sharded._policy_sums(s, policy, 5).tobytes() == want.tobytes()
+    monkeypatch.setattr(sharded, "POLICY_SUM_RUNS", 0)  # every run count through the masks: the same
+    assert sharded._policy_sums(score[:runs.size], runs, 5).tobytes() == \
+        sharded._policy_sums(score[:runs.size], runs, 5, reference=True).tobytes()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rows_at_are_the_pieces_rows(seed):
+    """The labelled rows' places from the piece's steps summed between them: ``_piece_rows(p)[pos]``."""
+    rng = np.random.default_rng(seed)
+    for n in (1, 2, 300):
+        t = _piece(n, seed + 3)
+        p = sharded.pack_piece(t)
+        assert p.row_step is not None
+        for pos in (np.arange(n), np.array([0]), np.array([n - 1]), np.flatnonzero(rng.random(n) < 0.2)):
+            got = sharded._rows_at(p, pos.astype(np.int64))
+            assert got.dtype == np.int64
+            assert np.array_equal(got, sharded._piece_rows(p)[pos])
+            assert np.array_equal(got, np.asarray(t[sharded.ROW])[pos])
+
+
+def test_dictionary_codes_of_one_value_chunks():
+    """Chunks whose dictionary holds one value (a piece of one policy) coded by a fill: the reference's codes."""
+    chunks = [pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)), pa.array([v]))
+              for n, v in ((5, "b"), (3, "a"), (0, "z"), (4, "b"))]
+    chunks.append(pa.DictionaryArray.from_arrays(pa.array([1, 0, 1], pa.int8()), pa.array(["a", "c"])))
+    col = pa.chunked_array(chunks)
+    codes, ids = sharded.dictionary_codes(col)
+    want_codes, want_ids = _pandas([str(x) for x in col.to_pylist()])
+    assert np.array_equal(codes, want_codes) and ids.to_pylist() == want_ids  # "z" used by no row: not kept
+
+
+def test_contributions_by_runs_are_the_gathers(monkeypatch):
+    """Pass 2's ``(f - plug[k]) / n_k[k]`` a run of one policy at a time: the bits of the two gathers."""
+    rng = np.random.default_rng(9)
+    f = rng.standard_normal(40_000) * np.exp(rng.standard_normal(40_000) * 3)
+    plug, n_k = rng.standard_normal(4), rng.integers(1, 10**6, 4).astype(float)
+    runs = np.repeat(rng.integers(0, 4, 30), rng.integers(1, 3000, 30))[:f.size].astype(np.int8)
+    for policy in (runs, rng.integers(0, 4, runs.size), np.full(runs.size, 3, dtype=np.int8)):
+        x = f[:policy.size]
+        want = sharded._contributions(x, policy, plug, n_k, reference=True)
+        assert want.tobytes() == ((x - plug[policy]) / n_k[policy]).tobytes()
+        assert sharded._contributions(x, policy, plug, n_k).tobytes() == want.tobytes()
+    assert sharded._contributions(f[:0], runs[:0], plug, n_k).size == 0
+    monkeypatch.setattr(sharded, "CONTRIBUTION_RUNS", 0)
+    assert sharded._contributions(f[:runs.size], runs, plug, n_k).tobytes() == \
+        sharded._contributions(f[:runs.size], runs, plug, n_k, reference=True).tobytes()
+
+
+def test_row_policies_are_the_tables_gather():
+    """Pass 2's global policy a row: the table's gather (as values), and whether every row is evaluated."""
+    rng = np.random.default_rng(4)
+    local = rng.integers(0, 3, 500).astype(np.int8)
+    for table in (np.arange(3), np.array([2, 0, 1]), np.array([0, -1, 1]), np.array([4, 3, 2])):
+        want, every = sharded._row_policies(local, table, reference=True)
+        assert np.array_equal(want, table[local]) and every == bool((table[local] >= 0).all())
+        got, fast_every = sharded._row_policies(local, table)
+        assert np.array_equal(got, want) and fast_every == every
+
+
+def test_gram_rows_of_is_fancy_indexing():
+    from cje_engine.inference import gram
+
+    a = np.arange(60.0).reshape(20, 3)
+    for idx in ([0, 5, 10, 15], [3], [1, 2, 3], [4, 2, 0], [0, 1, 5], [19, 19]):
+        idx = np.asarray(idx)
+        got = gram._rows_of(a, idx)
+        assert np.array_equal(got, a[idx])
+    assert np.shares_memory(gram._rows_of(a, np.array([0, 5, 10, 15])), a)  # evenly forward: a view
+
+
+def test_pass1_counts_by_runs_are_the_per_row_counts(monkeypatch):
+    """Counts, distinct prompts and score sums a run of one policy at a time: pass 1's summary with every run
+    count forced through the per-row keys (`POLICY_SUM_RUNS` 0) is the same, bit for bit."""
+    rng = np.random.default_rng(2)
+    policy = np.repeat(rng.integers(0, 3, 25), rng.integers(1, 400, 25))
+    prompt = rng.integers(0, 500, policy.size)
+    runs = sharded._policy_runs(policy)
+    assert sum(b - a for _, a, b in runs) == policy.size and all(np.all(policy[a:b] == k) for k, a, b in runs)
+    assert np.array_equal(sharded._prompts_per_policy(policy, prompt, 3, 500, runs),
+                          sharded._prompts_per_policy(policy, prompt, 3, 500))
+    pieces = [sharded.pack_piece(_piece(400, 1, policies=("a",))), sharded.pack_piece(_piece(300, 2, policies=("b",))),
+              sharded.pack_piece(_piece(300, 3, policies=("a",), first=30))]
+    fast = sharded.reduce_shard(sharded.reduce_shard.from_pieces(*pieces))
+    monkeypatch.setattr(sharded, "POLICY_SUM_RUNS", 0)
+    assert sharded._policy_runs(policy) is None
+    _same_summary(fast, sharded.reduce_shard(sharded.reduce_shard.from_pieces(*pieces)))

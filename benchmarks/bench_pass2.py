@@ -1,0 +1,101 @@
+"""Pass 2 of the sharded row pass (`shard_evaluation_terms`, issue 29) on captured shards, beside the same function
+of another tree (main) in the same run: CPU seconds (`time.process_time`) of each shard's task in its own fresh
+process (``cold``: the first call, as a task in a new worker; ``warm``: the median of the next ``--calls``), the
+trees' processes alternated ``--repeat`` times; and a digest of every output (the moments, the basis sums, the
+labelled prompts' codes, the diagnostic totals), which must be equal.
+
+    PYTHONPATH=$PWD python benchmarks/bench_tail.py capture --logs DIR --shards 3 --items /tmp/items.pkl
+    PYTHONPATH=$PWD python benchmarks/bench_pass2.py --items /tmp/items.pkl --base /work/main [--repeat 3]
+
+The items are the pass-2 task arguments of the Gram form (`bench_tail.py capture`: each shard's `ShardKept`, codes,
+fit and `LabelledBasis`), pickled once: both trees read the same bytes. Prints a JSON table."""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def digest(out) -> str:
+    """A hash of every array and number of a `ShardTerms` of the Gram form."""
+    import numpy as np
+
+    h = hashlib.sha256(repr(out.count).encode())
+    arrays = [out.total, out.gram, out.labelled]
+    if out.rest is not None:
+        arrays += [np.asarray(out.rest.n), out.rest.s, out.rest.S, out.rest.T]
+    if out.sums is not None:
+        arrays += [np.asarray(out.sums.n), out.sums.sum, out.sums.cross, out.sums.cubes]
+    if out.labelled_terms is not None:
+        arrays.append(out.labelled_terms)
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.dtype}{a.shape}".encode() + a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def child(args: argparse.Namespace) -> dict:
+    """This tree's pass 2 on every captured shard in this process: first calls, then ``calls`` more (CPU s)."""
+    import pickle
+
+    from cje_engine.pipeline import sharded
+
+    with open(args.items, "rb") as fh:
+        items = pickle.load(fh)
+
+    def once(item):
+        c = time.process_time()
+        out = sharded.shard_evaluation_terms(*item[:-1], basis=item[-1])
+        return time.process_time() - c, out
+
+    cold, digests = 0.0, []
+    for item in items:
+        t, out = once(item)
+        cold += t
+        digests.append(digest(out))
+    warm = [sum(once(item)[0] for item in items) for _ in range(args.calls)]
+    return {"cold": cold, "warm": statistics.median(warm) if warm else None, "digest": ",".join(digests),
+            "shards": len(items)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--items", required=True, help="pass-2 arguments pickled by bench_tail.py capture")
+    p.add_argument("--base", default="/work/main", help="the comparator's tree (its code on PYTHONPATH)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return 0
+    trees = {"this": str(ROOT), "base": str(Path(args.base).resolve())}
+    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
+    for _ in range(args.repeat):
+        for name, tree in trees.items():
+            env = dict(os.environ, PYTHONPATH=tree)
+            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *passed, "--child"], env=env,
+                                 cwd=tree, check=True, capture_output=True, text=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in ("cold", "warm")}
+           for name, rs in runs.items()}
+    digests = {name: sorted({r["digest"] for r in rs}) for name, rs in runs.items()}
+    print(json.dumps({
+        "items": args.items, "shards": runs["this"][0]["shards"], "repeat": args.repeat, "load": os.getloadavg()[0],
+        "cpu_s_median": med, "ratio_base_over_this": {k: round(med["base"][k] / med["this"][k], 2) for k in ("cold", "warm")},
+        "same_output": digests["this"] == digests["base"] and len(digests["this"]) == 1, "digests": digests,
+    }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
