@@ -35,7 +35,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from flows.runtime.retries import is_retryable
 from cje_engine.data.strings import all_ascii
 from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
@@ -375,6 +374,10 @@ def build_label_index(labels_uri: str, cfg_dict: dict, delays: Sequence[float] =
                                            ).current_sorted(labels_uri, reference=reference)
             break
         except Exception as exc:  # noqa: BLE001 - retried unless final (`flows.runtime.retries.is_retryable`)
+            # imported here: `flows.runtime.retries` imports Prefect, which a Ray worker that joins a file's labels
+            # never needs (~1 s of CPU a fresh worker)
+            from flows.runtime.retries import is_retryable
+
             if pause is None or not is_retryable(exc):
                 raise
             log.warning("label store %s: %s; retry %d of %d in %g s", labels_uri, exc, attempt + 1, len(delays),
