@@ -110,34 +110,51 @@ def child(args: argparse.Namespace) -> dict:
             "rows": out.n_rows, "ids": out.n_ids}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def alternate_trees(script: str, argv: list[str] | None, base: str, repeat: int) -> tuple[dict, dict, dict]:
+    """Run ``script --child`` (with ``argv``, the parent's arguments) in a fresh process per tree, this tree's and
+    ``base``'s alternated ``repeat`` times, each with its tree's code on ``PYTHONPATH``: (each child's JSON by tree,
+    the medians of its ``cold`` and ``warm`` CPU seconds, its distinct ``digest`` values) (bench_pass2.py too)."""
+    trees = {"this": str(ROOT), "base": str(Path(base).resolve())}
+    runs: dict[str, list[dict]] = {k: [] for k in trees}
+    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
+    for _ in range(repeat):
+        for name, tree in trees.items():
+            env = dict(os.environ, PYTHONPATH=tree)
+            out = subprocess.run([sys.executable, str(Path(script).resolve()), *passed, "--child"], env=env,
+                                 cwd=tree, check=True, capture_output=True, text=True)
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in ("cold", "warm")}
+           for name, rs in runs.items()}
+    digests = {name: sorted({r["digest"] for r in rs}) for name, rs in runs.items()}
+    return runs, med, digests
+
+
+def parse_and_alternate(p: argparse.ArgumentParser, argv: list[str] | None, script: str, child) -> tuple:
+    """``p``'s arguments with ``--base``, ``--repeat``, ``--calls`` (and the hidden ``--child``) added, and either
+    None after printing ``child(args)``'s JSON (in a child) or `alternate_trees`' result (in the parent)."""
     p.add_argument("--base", default="/work/main", help="the comparator's tree (its code on PYTHONPATH)")
-    p.add_argument("--rows", type=int, default=3_850_000, help="a shard of 100M rows in 26 shards")
-    p.add_argument("--pieces", type=int, default=100, help="a piece from every file's reader")
-    p.add_argument("--blocks", type=int, default=2, help="blocks of prompts the shard's range spans")
-    p.add_argument("--policies", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shuffle", action="store_true", help="each piece's prompts in a random order")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args)))
+        return args, None
+    return args, alternate_trees(script, argv, args.base, args.repeat)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=3_850_000, help="a shard of 100M rows in 26 shards")
+    p.add_argument("--pieces", type=int, default=100, help="a piece from every file's reader")
+    p.add_argument("--blocks", type=int, default=2, help="blocks of prompts the shard's range spans")
+    p.add_argument("--policies", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shuffle", action="store_true", help="each piece's prompts in a random order")
+    args, alternated = parse_and_alternate(p, argv, __file__, child)
+    if alternated is None:
         return 0
-    trees = {"this": str(ROOT), "base": str(Path(args.base).resolve())}
-    runs: dict[str, list[dict]] = {k: [] for k in trees}
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
-    for _ in range(args.repeat):
-        for name, tree in trees.items():
-            env = dict(os.environ, PYTHONPATH=tree)
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *passed, "--child"], env=env,
-                                 cwd=tree, check=True, capture_output=True, text=True)
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    med = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in ("cold", "warm")}
-           for name, rs in runs.items()}
-    digests = {name: sorted({r["digest"] for r in rs}) for name, rs in runs.items()}
+    runs, med, digests = alternated
     shards_100m = 1e8 / args.rows
     print(json.dumps({
         "rows": args.rows, "ids": runs["this"][0]["ids"], "pieces": args.pieces, "shuffle": args.shuffle,

@@ -16,12 +16,13 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pass1 import parse_and_alternate  # noqa: E402 - this script's folder, whichever tree its code is from
 
 
 def digest(out) -> str:
@@ -69,26 +70,10 @@ def child(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--items", required=True, help="pass-2 arguments pickled by bench_tail.py capture")
-    p.add_argument("--base", default="/work/main", help="the comparator's tree (its code on PYTHONPATH)")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--calls", type=int, default=3)
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args)))
+    args, alternated = parse_and_alternate(p, argv, __file__, child)
+    if alternated is None:
         return 0
-    trees = {"this": str(ROOT), "base": str(Path(args.base).resolve())}
-    runs: dict[str, list[dict]] = {k: [] for k in trees}
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--child"]
-    for _ in range(args.repeat):
-        for name, tree in trees.items():
-            env = dict(os.environ, PYTHONPATH=tree)
-            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *passed, "--child"], env=env,
-                                 cwd=tree, check=True, capture_output=True, text=True)
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    med = {name: {k: round(statistics.median(r[k] for r in rs), 3) for k in ("cold", "warm")}
-           for name, rs in runs.items()}
-    digests = {name: sorted({r["digest"] for r in rs}) for name, rs in runs.items()}
+    runs, med, digests = alternated
     print(json.dumps({
         "items": args.items, "shards": runs["this"][0]["shards"], "repeat": args.repeat, "load": os.getloadavg()[0],
         "cpu_s_median": med, "ratio_base_over_this": {k: round(med["base"][k] / med["this"][k], 2) for k in ("cold", "warm")},
