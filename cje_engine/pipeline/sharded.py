@@ -908,11 +908,11 @@ def shard_rows(table: pa.Table, covariates: Sequence[str] = (), policies: Sequen
 
 def _policy_runs(policy: np.ndarray) -> list[tuple[int, int, int]] | None:
     """(policy, start, stop) of each run of one policy along a shard's rows (a reader's piece holds one policy),
-    in row order; None when there are `POLICY_SUM_RUNS` or more (then the per-row ways are cheaper)."""
+    in row order; None when there are `POLICY_RUNS` or more (then the per-row ways are cheaper)."""
     if not policy.size:
         return []
     cut = np.flatnonzero(policy[1:] != policy[:-1])
-    if cut.size >= POLICY_SUM_RUNS:
+    if cut.size >= POLICY_RUNS:
         return None
     starts = [0, *(cut + 1).tolist()]
     return [(int(policy[a]), a, b) for a, b in zip(starts, starts[1:] + [policy.size])]
@@ -1242,8 +1242,9 @@ def reduce_shard(table: pa.Table | PackedShard, covariates: Sequence[str] = (), 
         kept=kept)
 
 
-#: Runs of one policy along a shard's rows up to which `_policy_sums` sums their slices, not masks of every row.
-POLICY_SUM_RUNS = 4096
+#: Runs of one policy along a shard's rows up to which passes 1 and 2 work a run at a time (`_policy_runs`: pass 1's
+#: counts and `_policy_sums`, pass 2's `_contributions`), not with a key, mask or gather of every row.
+POLICY_RUNS = 4096
 
 
 def _policy_sums(score: np.ndarray, policy: np.ndarray, n_policies: int, reference: bool = False,
@@ -1579,25 +1580,18 @@ def _row_policies(local: np.ndarray, policy_code: np.ndarray, reference: bool = 
     return table.astype(_small_int(int(table.max())))[local], True
 
 
-#: Runs of one policy along a shard's rows up to which `_contributions` computes a run at a time (no gather).
-CONTRIBUTION_RUNS = 4096
-
-
 def _contributions(f: np.ndarray, policy: np.ndarray, plug: np.ndarray, n_k: np.ndarray,
                    reference: bool = False) -> np.ndarray:
     """Every row's ``(f - plug[k]) / n_k[k]`` (k its policy): where the rows come in few runs of one policy (a
     reader's piece holds one), a run at a time with its policy's two numbers (the same two operations on the same
     values: the same bits), instead of two gathers of every row's; ``reference``: the gathers."""
-    if not reference and policy.size:
-        cut = np.flatnonzero(policy[1:] != policy[:-1])
-        if cut.size < CONTRIBUTION_RUNS:
-            out = np.empty(f.shape)
-            starts = [0, *(cut + 1).tolist()]
-            for a, b in zip(starts, starts[1:] + [policy.size]):
-                k = int(policy[a])
-                np.subtract(f[a:b], plug[k], out=out[a:b])
-                np.divide(out[a:b], n_k[k], out=out[a:b])
-            return out
+    runs = None if reference or not policy.size else _policy_runs(policy)
+    if runs is not None:
+        out = np.empty(f.shape)
+        for k, a, b in runs:
+            np.subtract(f[a:b], plug[k], out=out[a:b])
+            np.divide(out[a:b], n_k[k], out=out[a:b])
+        return out
     contrib = np.subtract(f, plug[policy])
     np.divide(contrib, n_k[policy], out=contrib)
     return contrib

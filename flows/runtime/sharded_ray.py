@@ -799,23 +799,20 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
             opts["memory"] = int(mem)
         refs, kept = [], {}
         fields = _kept_fields(fn)
-        plain = ray.remote(fn).options(**opts)
-        pieced_fn, keeping_fn = ray.remote(_with_pieces), ray.remote(_keeping)
-        pieced = pieced_fn.options(**opts)
-        keeping = keeping_fn.options(**opts, num_returns=1 + len(fields))
+        plain, pieced, keeping = ray.remote(fn), ray.remote(_with_pieces), ray.remote(_keeping)
         for item in items:
             layout, args = _flatten(item)
             homes = {x.node for x in item if isinstance(x, ShardPieces)}
-            where = _affinity(homes.pop()) if len(homes) == 1 else {}
+            where = _affinity(homes.pop()) if len(homes) == 1 else {}  # the node of the shard's pieces
             if fields:
-                ref, *kept_refs = (keeping_fn.options(**opts, num_returns=1 + len(fields), **where) if where
-                                   else keeping).remote(fn, fields, layout, *args)
+                ref, *kept_refs = keeping.options(**opts, num_returns=1 + len(fields), **where).remote(
+                    fn, fields, layout, *args)
                 kept[ref] = kept_refs
                 refs.append(ref)
             elif any(x is not None for x in layout):
-                refs.append((pieced_fn.options(**opts, **where) if where else pieced).remote(fn, layout, *args))
+                refs.append(pieced.options(**opts, **where).remote(fn, layout, *args))
             else:
-                refs.append(plain.remote(*item))
+                refs.append(plain.options(**opts).remote(*item))
         index = {r: i for i, r in enumerate(refs)}
         pending = list(refs)
         limit = ray_get_timeout()

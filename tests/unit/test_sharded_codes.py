@@ -281,7 +281,7 @@ def test_policy_sums_are_the_masks_sums(monkeypatch):
         want = sharded._policy_sums(s, policy, 5, reference=True)
         assert want.tobytes() == np.array([s[policy == k].sum() for k in range(5)]).tobytes()
         assert sharded._policy_sums(s, policy, 5).tobytes() == want.tobytes()
-    monkeypatch.setattr(sharded, "POLICY_SUM_RUNS", 0)  # every run count through the masks: the same
+    monkeypatch.setattr(sharded, "POLICY_RUNS", 0)  # every run count through the masks: the same
     assert sharded._policy_sums(score[:runs.size], runs, 5).tobytes() == \
         sharded._policy_sums(score[:runs.size], runs, 5, reference=True).tobytes()
 
@@ -324,7 +324,7 @@ def test_contributions_by_runs_are_the_gathers(monkeypatch):
         assert want.tobytes() == ((x - plug[policy]) / n_k[policy]).tobytes()
         assert sharded._contributions(x, policy, plug, n_k).tobytes() == want.tobytes()
     assert sharded._contributions(f[:0], runs[:0], plug, n_k).size == 0
-    monkeypatch.setattr(sharded, "CONTRIBUTION_RUNS", 0)
+    monkeypatch.setattr(sharded, "POLICY_RUNS", 0)
     assert sharded._contributions(f[:runs.size], runs, plug, n_k).tobytes() == \
         sharded._contributions(f[:runs.size], runs, plug, n_k, reference=True).tobytes()
 
@@ -353,7 +353,7 @@ def test_gram_rows_of_is_fancy_indexing():
 
 def test_pass1_counts_by_runs_are_the_per_row_counts(monkeypatch):
     """Counts, distinct prompts and score sums a run of one policy at a time: pass 1's summary with every run
-    count forced through the per-row keys (`POLICY_SUM_RUNS` 0) is the same, bit for bit."""
+    count forced through the per-row keys (`POLICY_RUNS` 0) is the same, bit for bit."""
     rng = np.random.default_rng(2)
     policy = np.repeat(rng.integers(0, 3, 25), rng.integers(1, 400, 25))
     prompt = rng.integers(0, 500, policy.size)
@@ -364,6 +364,6 @@ def test_pass1_counts_by_runs_are_the_per_row_counts(monkeypatch):
     pieces = [sharded.pack_piece(_piece(400, 1, policies=("a",))), sharded.pack_piece(_piece(300, 2, policies=("b",))),
               sharded.pack_piece(_piece(300, 3, policies=("a",), first=30))]
     fast = sharded.reduce_shard(sharded.reduce_shard.from_pieces(*pieces))
-    monkeypatch.setattr(sharded, "POLICY_SUM_RUNS", 0)
+    monkeypatch.setattr(sharded, "POLICY_RUNS", 0)
     assert sharded._policy_runs(policy) is None
     _same_summary(fast, sharded.reduce_shard(sharded.reduce_shard.from_pieces(*pieces)))
