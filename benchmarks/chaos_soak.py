@@ -212,8 +212,13 @@ def wait_all(stack: Stack, run_ids: list[str], timeout: float, pause: float = 2.
     return out
 
 
-def soak(stack: Stack, runs: int, seed: int, lanes: int = 5, timeout: float = 420.0) -> dict:
-    """Run the soak (see the module docstring); returns the report."""
+def soak(stack: Stack, runs: int, seed: int, lanes: int = 5, timeout: float = 420.0,
+         progress: Path | None = None) -> dict:
+    """Run the soak (see the module docstring); returns the report.
+
+    ``progress``: after each round, the rounds and slots so far are written there (``"complete": false``), so a
+    soak stopped from outside (its test's time limit) still shows where its time went.
+    """
     rng = random.Random(seed)
     kinds, weights = zip(*FAULTS.items())
     plan = [(rng.choices(kinds, weights)[0], round(rng.uniform(0.0, MAX_DELAY), 2)) for _ in range(runs)]
@@ -287,6 +292,11 @@ def soak(stack: Stack, runs: int, seed: int, lanes: int = 5, timeout: float = 42
                                "wall_s": round(time.monotonic() - r0, 1),
                                "cpu_s": round(F.stack_cpu_seconds(stack) + time.process_time() - cpu0, 1)})
                 log.info("round %s", json.dumps(rounds[-1]))
+                if progress is not None:
+                    progress.parent.mkdir(parents=True, exist_ok=True)
+                    progress.write_text(json.dumps({"complete": False, "runs": runs, "seed": seed,
+                                                    "elapsed_s": round(time.monotonic() - t_all, 1),
+                                                    "round_walls": rounds, "rows": rows}, indent=1))
         finally:
             for dep in deps:
                 with contextlib.suppress(Exception), stack.client() as c:
@@ -296,7 +306,7 @@ def soak(stack: Stack, runs: int, seed: int, lanes: int = 5, timeout: float = 42
     first = [r["states"][0] for r in rows]
     failed = ("FAILED", "CRASHED", "CANCELLED")
     return {
-        "runs": runs, "seed": seed, "lanes": lanes, "rounds": len(rounds),
+        "complete": True, "runs": runs, "seed": seed, "lanes": lanes, "rounds": len(rounds),
         "faults": dict(Counter(r["fault"] for r in rows)),
         "runs_scheduled": sum(len(r["states"]) + len(r["retries"]) for r in rows),
         "published": sum(1 for s in first if s == "COMPLETED"),
@@ -336,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     stack = Stack(parse_env(Path(args.env)))
     stack.wait_api(timeout=30)
-    report = soak(stack, args.runs, args.seed, lanes=args.lanes)
+    report = soak(stack, args.runs, args.seed, lanes=args.lanes, progress=Path(args.json) if args.json else None)
     text = json.dumps(report, indent=1)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

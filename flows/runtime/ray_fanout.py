@@ -131,28 +131,49 @@ def _loopback_only() -> Iterator[None]:
             os.environ[_LOCAL_ONLY_ENV] = old_env
 
 
+#: Starts of a local Ray tried when its node does not register in time (Ray waits a fixed 30 s for it).
+LOCAL_START_ATTEMPTS = 3
+_START_TIMEOUT = "timed out during startup"
+
+
 @contextlib.contextmanager
 def _local_ray(num_cpus: int | None, runtime_env: dict) -> Iterator[None]:
-    """An in-process local Ray on 127.0.0.1 with its own temporary folder (removed after)."""
+    """An in-process local Ray on 127.0.0.1 with its own temporary folder (removed after).
+
+    Ray gives its node a fixed 30 s to register ("The current node timed out during startup"), which a loaded
+    machine can exceed (seen in CI's service tier at a load of ~10 on 2 cores: a ``cje run`` failed with exit
+    69).  Such a start is tried again, in a fresh folder, ``LOCAL_START_ATTEMPTS`` times in all.
+    """
     import ray
 
     from flows.runtime.watchdog import graceful_sigterm, register_cleanup
 
     _prepare_local_auth()
-    temp_dir = tempfile.mkdtemp(prefix="cjeray")  # short: Ray's socket paths have a length limit
-    register_cleanup(temp_dir)  # starts the watchdog: Ray's processes die with this one
-    log.info("starting a local Ray")
-    try:
-        with graceful_sigterm(), _loopback_only():
-            ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1",
-                     _node_ip_address="127.0.0.1", _temp_dir=temp_dir, runtime_env=runtime_env,
-                     log_to_driver=False, logging_level=logging.WARNING)
-            try:
-                yield
-            finally:
-                ray.shutdown()
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        temp_dir = tempfile.mkdtemp(prefix="cjeray")  # short: Ray's socket paths have a length limit
+        register_cleanup(temp_dir)  # starts the watchdog: Ray's processes die with this one
+        log.info("starting a local Ray")
+        try:
+            with graceful_sigterm(), _loopback_only():
+                try:
+                    ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1",
+                             _node_ip_address="127.0.0.1", _temp_dir=temp_dir, runtime_env=runtime_env,
+                             log_to_driver=False, logging_level=logging.WARNING)
+                except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
+                    if _START_TIMEOUT not in str(exc) or attempt == LOCAL_START_ATTEMPTS:
+                        raise
+                    log.warning("the local Ray did not start (attempt %d of %d): %s; starting it again", attempt,
+                                LOCAL_START_ATTEMPTS, exc)
+                    with contextlib.suppress(Exception):
+                        ray.shutdown()
+                    continue
+                try:
+                    yield
+                finally:
+                    ray.shutdown()
+                return
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 #: Attempts and pauses (s) for a Ray Client connection whose server failed to start.

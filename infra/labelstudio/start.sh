@@ -63,7 +63,7 @@ fi
 # 2. state, port, environment
 rm -rf "$DIR"
 mkdir -p "$DIR/data"
-PORT="${CJE_LS_PORT:-$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+PORT="${CJE_LS_PORT:-$(python3 "$HERE/../free_port.py")}"  # below the ephemeral range (infra/free_port.py)
 URL="http://127.0.0.1:$PORT"
 export LABEL_STUDIO_BASE_DATA_DIR="$DIR/data"
 export DJANGO_DB=sqlite

@@ -97,14 +97,8 @@ done
 rm -rf "$DIR"
 mkdir -p "$DIR"/{mon.a,osd.0,run} "$(dirname "$ENV_FILE")"
 
-free_port() {
-    python3 - <<'PY'
-import socket
-s = socket.socket()
-s.bind(("127.0.0.1", 0))
-print(s.getsockname()[1])
-s.close()
-PY
+free_port() {  # below the ephemeral range, so no outgoing connection takes it before its service binds it
+    python3 "$(dirname "$0")/../free_port.py"
 }
 MON_PORT=$(free_port)
 RGW_PORT="${CJE_RGW_PORT:-$(free_port)}"

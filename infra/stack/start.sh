@@ -63,8 +63,8 @@ if [[ -f "$DIR/pids" && -f "$ENV_FILE" ]]; then
     bash "$HERE/stop.sh" >/dev/null 2>&1 || true
 fi
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+free_port() {  # below the ephemeral range, so no outgoing connection takes it before its service binds it
+    python3 "$ROOT/infra/free_port.py"
 }
 
 rm -rf "$DIR"
@@ -177,7 +177,15 @@ export PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS=5
 export PREFECT_SERVER_SERVICES_LATE_RUNS_LOOP_SECONDS=5
 # Leases of deployment concurrency slots survive a server restart (the default keeps them in memory).
 export PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem
-exec "$BIN/prefect" server start --host 127.0.0.1 --port $API_PORT
+# Restarted when it exits, as compose's \`restart: unless-stopped\` does (infra/compose.yaml): a server started
+# while PostgreSQL is down exits ("Application startup failed") and must come back once the database does
+# (seen in the chaos soak: a Prefect server crash and a PostgreSQL kill in one round left the API down for good).
+# Killing the service's session (stop.sh, the fault tests) stops this loop with the server.
+while true; do
+    "$BIN/prefect" server start --host 127.0.0.1 --port $API_PORT
+    echo "[prefect-server] exited with status \$?: starting it again in 2 s" >&2
+    sleep 2
+done
 EOF
 launch prefect-server
 

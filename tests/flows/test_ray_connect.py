@@ -204,3 +204,66 @@ def test_a_runs_session_connects_with_the_patience_only_through_the_ray_client(m
     with ray_fanout.ray_session(address) as kind:
         assert kind == "cluster"
     assert seen == [(address, patience)]
+
+
+# ------------------------------------------------------------------ the local Ray's start (embedded mode)
+
+NODE_TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the raylet "
+                         "failed to startup or the GCS has become overloaded.")
+
+
+class FakeLocalRay:
+    """A stand-in for the ``ray`` module's local start: raises ``errors`` first, records each start's folder."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        self.errors, self.temp_dirs, self.shutdowns = list(errors), [], 0
+
+    def init(self, **kwargs) -> None:
+        self.temp_dirs.append(kwargs["_temp_dir"])
+        if self.errors:
+            raise self.errors.pop(0)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+@pytest.fixture
+def local_ray(monkeypatch):
+    import sys
+
+    def make(errors):
+        fake = FakeLocalRay(errors)
+        monkeypatch.setitem(sys.modules, "ray", fake)
+        monkeypatch.setattr("flows.runtime.watchdog.register_cleanup", lambda path: None)
+        monkeypatch.setattr(ray_fanout, "_prepare_local_auth", lambda: None)  # no token left in os.environ
+        return fake
+    return make
+
+
+def test_a_local_ray_whose_node_did_not_register_in_time_is_started_again_in_a_fresh_folder(local_ray, caplog):
+    import os
+
+    ray = local_ray([NODE_TIMEOUT, NODE_TIMEOUT])
+    with ray_fanout._local_ray(1, {}):
+        assert len(ray.temp_dirs) == ray_fanout.LOCAL_START_ATTEMPTS
+    assert len(set(ray.temp_dirs)) == 3 and not any(os.path.exists(d) for d in ray.temp_dirs)  # each removed
+    assert ray.shutdowns == 3  # after each failed start, and at the end
+    assert sum("did not start (attempt" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_local_ray_that_never_starts_raises_rays_error_and_other_errors_are_not_retried(local_ray):
+    ray = local_ray([NODE_TIMEOUT] * ray_fanout.LOCAL_START_ATTEMPTS)
+    with pytest.raises(Exception, match="timed out during startup"), ray_fanout._local_ray(1, {}):
+        pass
+    assert len(ray.temp_dirs) == ray_fanout.LOCAL_START_ATTEMPTS
+    ray = local_ray([ValueError("bad argument")])
+    with pytest.raises(ValueError, match="bad argument"), ray_fanout._local_ray(1, {}):
+        pass
+    assert len(ray.temp_dirs) == 1
+
+
+def test_an_error_inside_the_local_ray_session_is_not_a_restart(local_ray):
+    ray = local_ray([])
+    with pytest.raises(RuntimeError, match="in the block"), ray_fanout._local_ray(1, {}):
+        raise RuntimeError("in the block")
+    assert len(ray.temp_dirs) == 1 and ray.shutdowns == 1

@@ -108,6 +108,31 @@ def ray_nodes_alive(stack: Stack) -> int:
         return 0
 
 
+def gcs_port_open(stack: Stack, tries: int = 3, pause: float = 2.0) -> bool:
+    """Whether the head's GCS port accepts a TCP connection (what the worker node's supervisor waits for),
+    asked ``tries`` times ``pause`` s apart before answering no."""
+    host, _, port = stack.env["CJE_STACK_RAY_GCS"].rpartition(":")
+    for k in range(tries):
+        with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=3):
+            return True
+        if k + 1 < tries:
+            time.sleep(pause)
+    return False
+
+
+def _session_left(stack: Stack, name: str) -> str:
+    """The processes left in a service's session: pid, state and command, for the log."""
+    out = []
+    for pid in session_pids(stack.pids()[name]):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:
+            continue
+        out.append(f"{pid} {state} {cmd}")
+    return "; ".join(out) or "none"
+
+
 def ray_client_ready(stack: Stack, timeout: float = 120.0) -> tuple[bool, str]:
     """Whether a real Ray Client handshake on the stack's ``ray://`` address (what a flow run does) works: a
     fresh process connects, reads the cluster's CPUs and disconnects within ``timeout`` s; (ok, what it said)."""
@@ -226,6 +251,14 @@ def restore(stack: Stack) -> list[str]:
     stack.wait_api(timeout=180)
     _wait("the Prefect API's database", lambda: api_ready(stack), 90, pause=1.0)
     head_dead = not alive(stack, "ray-head")
+    if not head_dead and not gcs_port_open(stack):
+        # what a liveness probe does to a head whose GCS port refuses connections: a new head (seen in the soak:
+        # after a Ray head kill and a node kill in one round the head's session still had a process, the
+        # head was not relaunched and the relaunched node waited for its GCS port for 240 s)
+        log.error("the Ray head's GCS port refuses connections but its session has processes (%s): relaunching it",
+                  _session_left(stack, "ray-head"))
+        stack.kill("ray-head")
+        head_dead = True
     if head_dead or not alive(stack, "ray-worker"):
         fixed.append("ray-head" if head_dead else "ray-worker")
         restart_ray(stack, head=head_dead)

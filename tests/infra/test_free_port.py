@@ -1,0 +1,59 @@
+"""infra/free_port.py: the start scripts' ports come from below the kernel's ephemeral range."""
+from __future__ import annotations
+
+import importlib.util
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+INFRA = Path(__file__).resolve().parents[2] / "infra"
+_spec = importlib.util.spec_from_file_location("free_port", INFRA / "free_port.py")
+free_port = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(free_port)
+
+
+def test_the_printed_ports_are_below_the_ephemeral_range_and_free():
+    low = free_port.ephemeral_start()
+    for _ in range(5):
+        port = int(subprocess.run([sys.executable, str(INFRA / "free_port.py")], capture_output=True, text=True,
+                                  check=True).stdout)
+        if low - free_port.LOW >= free_port.MIN_ROOM:
+            assert free_port.LOW <= port < low
+        with socket.socket() as s:
+            s.bind(("", port))  # nothing holds it
+
+
+def test_a_bound_port_is_never_picked():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        assert not free_port.bindable(taken)
+        # a draw that always lands on the held port finds nothing: None, not the held port
+        assert free_port.pick(taken, taken + free_port.MIN_ROOM, rng=_Always(taken)) is None
+
+
+class _Always(random.Random):
+    def __init__(self, value: int):
+        super().__init__(0)
+        self.value = value
+
+    def randrange(self, *args, **kwargs) -> int:  # noqa: ARG002 - the one port every draw gives
+        return self.value
+
+
+def test_no_room_below_the_ephemeral_range_falls_back_to_the_kernels_choice(tmp_path):
+    rng_file = tmp_path / "range"
+    rng_file.write_text("1024\t65535\n")
+    assert free_port.ephemeral_start(str(rng_file)) == 1024
+    assert free_port.pick(free_port.LOW, 1024) is None
+    assert free_port.ephemeral_start(str(tmp_path / "missing")) == 32768
+    assert 0 < free_port.any_port() < 65536
+
+
+def test_every_start_script_takes_its_ports_from_it():
+    for script in ("stack/start.sh", "radosgw/start.sh", "labelstudio/start.sh"):
+        text = (INFRA / script).read_text()
+        assert "free_port.py" in text, script
+        assert 's.bind(("127.0.0.1", 0))' not in text and "bind((\"127.0.0.1\",0))" not in text, script
