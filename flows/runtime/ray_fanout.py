@@ -142,11 +142,12 @@ def _local_ray(num_cpus: int | None, runtime_env: dict) -> Iterator[None]:
 
     Ray gives its node a fixed 30 s to register ("The current node timed out during startup"), which a loaded
     machine can exceed (seen in CI's service tier at a load of ~10 on 2 cores: a ``cje run`` failed with exit
-    69).  Such a start is tried again, in a fresh folder, ``LOCAL_START_ATTEMPTS`` times in all.
+    69).  Such a start is tried again, in a fresh folder, ``LOCAL_START_ATTEMPTS`` times in all; what the failed
+    start left running in its folder is stopped first.
     """
     import ray
 
-    from flows.runtime.watchdog import graceful_sigterm, register_cleanup
+    from flows.runtime.watchdog import graceful_sigterm, register_cleanup, stop_users_of
 
     _prepare_local_auth()
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
@@ -166,6 +167,7 @@ def _local_ray(num_cpus: int | None, runtime_env: dict) -> Iterator[None]:
                                 LOCAL_START_ATTEMPTS, exc)
                     with contextlib.suppress(Exception):
                         ray.shutdown()
+                    stop_users_of(temp_dir)  # the failed node's GCS, raylet or agents, if any are left
                     continue
                 try:
                     yield

@@ -210,6 +210,15 @@ def _users_of(paths: list[str]) -> dict[int, int]:
     return found
 
 
+def stop_users_of(path: str | os.PathLike) -> int:
+    """Stop (SIGTERM, then SIGKILL) this user's processes whose command line names ``path``, and their
+    descendants; returns how many there were.  What a failed start of a local Ray leaves in its folder."""
+    users = _users_of([str(path)])
+    if users:
+        _kill_all(users)
+    return len(users)
+
+
 def _remove_registered(registry: Path) -> None:
     """Remove the registered folders: first stop any process still naming one, then retry the removal
     while something still writes into it (``rmtree`` fails on a folder that gains a file meanwhile)."""

@@ -216,7 +216,7 @@ class FakeLocalRay:
     """A stand-in for the ``ray`` module's local start: raises ``errors`` first, records each start's folder."""
 
     def __init__(self, errors: list[BaseException]) -> None:
-        self.errors, self.temp_dirs, self.shutdowns = list(errors), [], 0
+        self.errors, self.temp_dirs, self.shutdowns, self.stopped = list(errors), [], 0, []
 
     def init(self, **kwargs) -> None:
         self.temp_dirs.append(kwargs["_temp_dir"])
@@ -236,6 +236,7 @@ def local_ray(monkeypatch):
         monkeypatch.setitem(sys.modules, "ray", fake)
         monkeypatch.setattr("flows.runtime.watchdog.register_cleanup", lambda path: None)
         monkeypatch.setattr(ray_fanout, "_prepare_local_auth", lambda: None)  # no token left in os.environ
+        monkeypatch.setattr("flows.runtime.watchdog.stop_users_of", fake.stopped.append)
         return fake
     return make
 
@@ -248,6 +249,7 @@ def test_a_local_ray_whose_node_did_not_register_in_time_is_started_again_in_a_f
         assert len(ray.temp_dirs) == ray_fanout.LOCAL_START_ATTEMPTS
     assert len(set(ray.temp_dirs)) == 3 and not any(os.path.exists(d) for d in ray.temp_dirs)  # each removed
     assert ray.shutdowns == 3  # after each failed start, and at the end
+    assert ray.stopped == ray.temp_dirs[:2]  # what each failed start left in its folder is stopped
     assert sum("did not start (attempt" in r.getMessage() for r in caplog.records) == 2
 
 
@@ -267,3 +269,21 @@ def test_an_error_inside_the_local_ray_session_is_not_a_restart(local_ray):
     with pytest.raises(RuntimeError, match="in the block"), ray_fanout._local_ray(1, {}):
         raise RuntimeError("in the block")
     assert len(ray.temp_dirs) == 1 and ray.shutdowns == 1
+
+
+def test_stop_users_of_stops_the_processes_naming_a_folder_and_no_other(tmp_path):
+    import subprocess
+    import sys
+
+    from flows.runtime.watchdog import stop_users_of
+
+    code = "import time, sys; time.sleep(120)"
+    user = subprocess.Popen([sys.executable, "-c", code, f"--temp-dir={tmp_path}/session"])
+    other = subprocess.Popen([sys.executable, "-c", code, f"--temp-dir={tmp_path}-other/session"])
+    try:
+        assert stop_users_of(tmp_path) == 1
+        assert user.wait(timeout=10) != 0 and other.poll() is None
+    finally:
+        for p in (user, other):
+            p.kill()
+            p.wait()
