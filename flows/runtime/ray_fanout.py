@@ -138,44 +138,51 @@ _START_TIMEOUT = "timed out during startup"
 
 @contextlib.contextmanager
 def _local_ray(num_cpus: int | None, runtime_env: dict) -> Iterator[None]:
-    """An in-process local Ray on 127.0.0.1 with its own temporary folder (removed after).
+    """An in-process local Ray on 127.0.0.1 with its own temporary folder (removed after)."""
+    import ray
+
+    from flows.runtime.watchdog import graceful_sigterm
+
+    _prepare_local_auth()
+    with graceful_sigterm(), _loopback_only():
+        temp_dir = _start_local_ray(ray, num_cpus, runtime_env)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _start_local_ray(ray: Any, num_cpus: int | None, runtime_env: dict) -> str:
+    """``ray.init`` of a local Ray in a fresh temporary folder; returns the folder.
 
     Ray gives its node a fixed 30 s to register ("The current node timed out during startup"), which a loaded
     machine can exceed (seen in CI's service tier at a load of ~10 on 2 cores: a ``cje run`` failed with exit
-    69).  Such a start is tried again, in a fresh folder, ``LOCAL_START_ATTEMPTS`` times in all; what the failed
-    start left running in its folder is stopped first.
+    69).  Such a start is tried again, in a fresh folder, ``LOCAL_START_ATTEMPTS`` times in all.  A failed start
+    is shut down, what it left running in its folder stopped and the folder removed; any other error is raised.
     """
-    import ray
+    from flows.runtime.watchdog import register_cleanup, stop_users_of
 
-    from flows.runtime.watchdog import graceful_sigterm, register_cleanup, stop_users_of
-
-    _prepare_local_auth()
-    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+    attempt = 1
+    while True:
         temp_dir = tempfile.mkdtemp(prefix="cjeray")  # short: Ray's socket paths have a length limit
         register_cleanup(temp_dir)  # starts the watchdog: Ray's processes die with this one
         log.info("starting a local Ray")
         try:
-            with graceful_sigterm(), _loopback_only():
-                try:
-                    ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1",
-                             _node_ip_address="127.0.0.1", _temp_dir=temp_dir, runtime_env=runtime_env,
-                             log_to_driver=False, logging_level=logging.WARNING)
-                except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
-                    if _START_TIMEOUT not in str(exc) or attempt == LOCAL_START_ATTEMPTS:
-                        raise
-                    log.warning("the local Ray did not start (attempt %d of %d): %s; starting it again", attempt,
-                                LOCAL_START_ATTEMPTS, exc)
-                    with contextlib.suppress(Exception):
-                        ray.shutdown()
-                    stop_users_of(temp_dir)  # the failed node's GCS, raylet or agents, if any are left
-                    continue
-                try:
-                    yield
-                finally:
-                    ray.shutdown()
-                return
-        finally:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1",
+                     _node_ip_address="127.0.0.1", _temp_dir=temp_dir, runtime_env=runtime_env,
+                     log_to_driver=False, logging_level=logging.WARNING)
+            return temp_dir
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            stop_users_of(temp_dir)  # the failed node's GCS, raylet or agents, if any are left
             shutil.rmtree(temp_dir, ignore_errors=True)
+            if _START_TIMEOUT not in str(exc) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            log.warning("the local Ray did not start (attempt %d of %d): %s; starting it again", attempt,
+                        LOCAL_START_ATTEMPTS, exc)
+            attempt += 1
 
 
 #: Attempts and pauses (s) for a Ray Client connection whose server failed to start.
