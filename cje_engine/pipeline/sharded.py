@@ -96,11 +96,22 @@ def _release(collect: bool = True) -> None:
         pass
 
 
-def _heap_frozen(fn: Callable) -> Callable:
-    """Run ``fn`` with the objects that exist when it starts left out of Python's garbage collections (`gc.freeze`,
-    undone when it returns or raises): the driver's full collections between the merge's steps (`_release`) and
-    the interpreter's own then scan what the preparation made, not the flow's ~10^5-10^6 imported and Prefect
-    objects (~0.1 s a full collection after the flow's imports alone). Under an outer freeze, ``fn`` runs as it is."""
+def heap_frozen(fn: Callable) -> Callable:
+    """Decorate ``fn`` to run with the objects that exist when it starts left out of Python's garbage collections
+    (`gc.freeze`, undone when it returns or raises): the driver's full collections between the merge's steps
+    (`_release`) and the interpreter's own then scan what the call made, not the flow's ~10^5-10^6 imported and
+    Prefect objects (~0.1 s a full collection after the flow's imports alone). Under an outer freeze (a decorated
+    caller: `flows.pipelines.sharded_pass.compute_sharded` around `prepare_sharded`), ``fn`` runs as it is.
+
+    Parameters
+    ----------
+    fn : callable
+        The function to wrap (its name, docstring and signature are kept).
+
+    Returns
+    -------
+    callable
+        ``fn`` run frozen."""
     import functools
 
     @functools.wraps(fn)
@@ -2140,7 +2151,7 @@ def check_terms_memory(n_prompts: int, n_policies: int, budget: int | None = Non
             "need them", option="row_pass")
 
 
-@_heap_frozen
+@heap_frozen
 def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = None, *,
                     mapper: Mapper = serial_map, keep_terms: bool | None = None, reason: str = "requested",
                     terms_budget: int | None = None, fit: Callable | None = None, **kwargs: Any) -> ShardedPrepared:

@@ -150,6 +150,7 @@ def window_rows(logs_uri: str, cfg: Any, files: Sequence[dict]) -> int:
     return int(sum(int(f.get("size") or 0) for f in files) / PARQUET_BYTES_PER_ROW)
 
 
+@sharded.heap_frozen  # the run's objects out of the collections: its finalize and bootstrap too
 def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason: str,
                     logger: Any = log, rows: int | None = None) -> tuple[dict, dict, Any]:
     """The sharded path of a run: (counts, join counts, result). Shards are read, joined and reduced on Ray;

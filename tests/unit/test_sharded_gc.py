@@ -1,5 +1,5 @@
 """The sharded driver's preparation runs with the objects older than it frozen out of the garbage collections
-(`cje_engine.pipeline.sharded._heap_frozen`): undone after it, kept under an outer freeze, and the cycles it makes
+(`cje_engine.pipeline.sharded.heap_frozen`): undone after it, kept under an outer freeze, and the cycles it makes
 itself still collected."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_prepare_sharded_is_frozen_and_undone_after():
     old_ref = weakref.ref(old)
     seen = {}
 
-    @sharded._heap_frozen
+    @sharded.heap_frozen
     def body(fail: bool) -> int:
         seen["frozen"] = gc.get_freeze_count()
         young = _Node()  # a cycle made inside: still collected
@@ -51,7 +51,7 @@ def test_prepare_sharded_is_frozen_and_undone_after():
 
 
 def test_an_outer_freeze_is_left_as_it_is():
-    @sharded._heap_frozen
+    @sharded.heap_frozen
     def body() -> int:
         return gc.get_freeze_count()
 
@@ -62,3 +62,11 @@ def test_an_outer_freeze_is_left_as_it_is():
         assert gc.get_freeze_count() == outer  # not undone by the inner call
     finally:
         gc.unfreeze()
+
+
+def test_the_flows_sharded_pass_runs_frozen():
+    """The evaluate flow's sharded path (prepare, bootstrap, finalize) is the frozen call; prepare inside it runs
+    under its freeze."""
+    from flows.pipelines import sharded_pass
+
+    assert sharded_pass.compute_sharded.__wrapped__.__name__ == "compute_sharded"
