@@ -10,7 +10,8 @@ radosgw, ``RAY_AUTH_*``) with the logs and the label store written by ``bench_sh
   holds is in this process). Reports the flow's wall, this process's CPU (`time.process_time`) and peak RSS
   (``ru_maxrss`` and ``VmHWM``: the driver alone), the CPU of the cluster's Ray processes over the run (sampled
   from /proc every 0.5 s: ``ray::`` workers, and raylet/GCS/agents of the stack's Ray temp folder), the result's
-  ``inference.row_pass`` and the levels.
+  ``inference.row_pass``, the levels and the driver's garbage collections during the flow (``driver_gc``: per
+  generation their count and the CPU of the thread that ran them, `GcCost`).
 * ``groupby``: the comparator on the same cluster: one Ray task per file of the same window reads it
   (`flows.storage.logs.read_window`, radosgw) and sums the judge score per policy, partial sums merged
   (`bench_sharded._groupby_file`): the two columns a mean needs, then the six the sharded readers keep. The
@@ -282,8 +283,31 @@ def _hwm() -> float:
     return float("nan")
 
 
+class GcCost:
+    """Python's garbage collections in this process while the flow runs: per generation their count and the CPU of
+    the thread that ran them (`time.thread_time` at each collection's start and stop, `gc.callbacks`)."""
+
+    def __init__(self) -> None:
+        self.by_gen: dict[int, list] = {}
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.thread_time()
+            return
+        acc = self.by_gen.setdefault(int(info["generation"]), [0, 0.0])
+        acc[0] += 1
+        acc[1] += time.thread_time() - self._t0
+
+    def totals(self) -> dict:
+        """``{generation: {"count": n, "cpu_s": s}}``."""
+        return {str(g): {"count": n, "cpu_s": round(c, 3)} for g, (n, c) in sorted(self.by_gen.items())}
+
+
 def stage_flow(args: argparse.Namespace) -> dict:
     """The evaluate flow in this process (the Ray driver), on the cluster at ``--ray``."""
+    import gc
+
     os.environ["RAY_ADDRESS"] = args.ray
     t0, c0 = time.perf_counter(), time.process_time()
     from flows.pipelines.evaluate import evaluate
@@ -298,9 +322,12 @@ def stage_flow(args: argparse.Namespace) -> dict:
         logging.getLogger().addHandler(phases)
         t1, c1 = time.perf_counter(), time.process_time()
         phases.start()
+        collections = GcCost()
+        gc.callbacks.append(collections)
         state = evaluate(logs_uri=args.logs, labels_uri=args.labels, results_uri=args.results, window=WINDOW,
                          evaluation=args.evaluation, options=options, row_pass=args.row_pass, return_state=True)
         t2, c2 = time.perf_counter(), time.process_time()
+        gc.callbacks.remove(collections)
         wall, cpu = t2 - t1, c2 - c1
         out = state.result()
         time.sleep(1.0)  # a last sample of the Ray processes after the flow
@@ -315,7 +342,7 @@ def stage_flow(args: argparse.Namespace) -> dict:
     return {"stage": "flow", "evaluation": args.evaluation, "ray": args.ray, "flow_wall_s": round(wall, 2),
             "driver_cpu_s": round(cpu - sampler_cpu, 2), "sampler_cpu_s": sampler_cpu,
             "import_s": round(t_import, 2), "code": str(ROOT), "phases": table,
-            "driver_threads_cpu_s": ray_cpu.threads.by_name(),
+            "driver_threads_cpu_s": ray_cpu.threads.by_name(), "driver_gc": collections.totals(),
             "driver_maxrss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
             "driver_vmhwm_gib": round(_hwm(), 3), "ray_cpu_s": ray_cpu.totals(),
             "flow_run_id": str(state.state_details.flow_run_id), "published": out["published"], "path": out["path"],
