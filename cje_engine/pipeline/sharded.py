@@ -59,11 +59,10 @@ from cje_engine.errors import CJEInputError
 from cje_engine.direct.verified import own_label_influence
 from cje_engine.inference.gram import BasisSums, GramTerms, Moments, SummedBasis
 from cje_engine.options import EvaluationOptions
-from cje_engine.pipeline.calibration import fit_calibration
-from cje_engine.pipeline.direct import Prepared
-from cje_engine.pipeline import sharded_segments
-from cje_engine.pipeline.policies import RowTotals
-from cje_engine.result.model import RowPass
+
+# The driver's modules (the calibration fit, `Prepared`, the result's model, the segments' driver side) are imported
+# where the driver uses them: a Ray worker of the passes imports this module without them (with them scipy.stats and
+# the result's pydantic models: ~0.7 s of CPU a fresh worker, two a run). `test_worker_imports` keeps it so.
 
 log = logging.getLogger(__name__)
 
@@ -1549,6 +1548,8 @@ def folds_reference(ids: pa.Array, n_folds: int) -> np.ndarray:
 
 def _row_totals(summaries: Sequence[ShardSummary], policy_maps: list, K: int) -> RowTotals:
     """Every row's per-policy totals, added over the shards in shard order."""
+    from cje_engine.pipeline.policies import RowTotals
+
     n_rows, n_prompts, score_sum = np.zeros(K, np.int64), np.zeros(K, np.int64), np.zeros(K)
     for s, pm in zip(summaries, policy_maps):
         ok = pm >= 0
@@ -2110,6 +2111,9 @@ class ShardedPrepared:
 
     def finalize(self, chunks: Sequence[np.ndarray]):
         """Direct's finalize on the merged state; the result's ``inference`` says the path it took."""
+        from cje_engine.pipeline import sharded_segments
+        from cje_engine.result.model import RowPass
+
         self._refit = None  # the refits' view and prompts (on Ray: released from the object store)
         result = self.prep.finalize(chunks)
         _note("finalize")
@@ -2181,6 +2185,10 @@ def prepare_sharded(shards: Sequence[Any], options: EvaluationOptions | None = N
         `cje_engine.pipeline.calibration.fit_calibration`: mode selection and robust pooling); the segment cells
         fit the run's mode only (`cje_engine.pipeline.sharded_segments`).
     """
+    from cje_engine.pipeline import sharded_segments
+    from cje_engine.pipeline.calibration import fit_calibration
+    from cje_engine.pipeline.direct import Prepared
+
     opts = EvaluationOptions.of(options, **kwargs)
     if opts.inference == "bootstrap" and opts.pooling_bootstrap == "rerun" and opts.calibration_policies:
         raise CJEInputError("pooling_bootstrap='rerun' is not available on the sharded path", option="pooling_bootstrap")

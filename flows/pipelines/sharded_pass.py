@@ -21,7 +21,6 @@ import pyarrow as pa
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE
 from cje_engine.errors import CJEInputError
 from cje_engine.pipeline import sharded
-from cje_engine.result.model import RowPass
 from flows.runtime import ray_fanout, sharded_ray
 from flows.runtime.label_index import LabelIndex
 
@@ -71,6 +70,8 @@ def row_pass_for(requested: str, mode: str, files: Sequence[dict], rows: int | N
 
 def single_row_pass(reason: str) -> RowPass:
     """The result's ``inference.row_pass`` of a run on the single path (one process, per-prompt terms)."""
+    from cje_engine.result.model import RowPass  # here: a read task imports this module for `FileRows`
+
     return RowPass(path="single", shards=1, influence="per_prompt", reason=reason)
 
 
