@@ -8,7 +8,7 @@ own labels plus ids of other blocks), split into ``--shards`` prompt-id ranges c
 ``--repeat`` runs) of:
 
 * ``split_file``: the whole reader (`flows.runtime.sharded_ray.split_file` with the flow's `FileRows`: read, label
-  join, buckets, split, pack);
+  join, buckets, split, pack), returning the pieces of its file's shards only (`file_shards`, as the flow's readers);
 * ``id_fingerprint`` of the file's response ids; ``range_shard`` of its prompt ids; ``join`` (`LabelIndex.join`);
   ``buckets`` (`response_id_buckets` into the tree's number of buckets at 100M rows on 2 CPUs: main one a shard,
   26; this tree `response_id_bucket_count`, 4);
@@ -91,10 +91,16 @@ def child(args: argparse.Namespace) -> dict:
     count = getattr(sharded_ray, "response_id_bucket_count", None)
     n_buckets = count(rows_100m, cpus) if count else args.shards  # main: one a shard
 
+    # the shards each file's reader returns pieces of (the flow's `file_shards`: 2-3 of 26 a file of a block of
+    # prompts), the first file of the window not being the one measured (it also returns every shard no file touches)
+    bounds = [sharded.id_bounds(read_window(st, [k], columns=["prompt_id"], check_unique=False)["prompt_id"])
+              for k in keys]
+    touched = sharded.file_shards([None] + bounds, cuts, args.shards)[1:]
+
     def reader(i: int = 0):
         return sharded_ray.split_file(args.logs, {}, keys[i % len(keys)], i, args.shards, None, None, None,
                                       FileRows((), ()), cuts, keep, index,
-                                      **({"n_buckets": n_buckets} if count else {}))
+                                      **({"n_buckets": n_buckets} if count else {}), shards=touched[i % len(keys)])
 
     reader()  # warm
     table = read_window(st, [keys[0]], check_unique=False, dictionary=(POLICY,))

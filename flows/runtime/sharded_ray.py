@@ -214,7 +214,9 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     argument, so Ray resolves a reference of it on the worker, zero-copy). The shards' rows leave ``response_id``
     behind (the passes do not read it); ``keep``: the
     only columns they keep (those of it the file has, after ``prepare_rows``, in the order of ``keep``; None: every
-    column); without ``columns`` and ``prepare_rows`` only those (and the response id) are read."""
+    column); without ``columns`` and ``prepare_rows`` only those (and the response id) are read, and without
+    ``columns`` only those and what a ``prepare_rows`` with a ``read_columns(names)`` needs of the file
+    (`flows.pipelines.sharded_pass.FileRows.read_columns`; every column when it returns None)."""
     import numpy as np
     import pyarrow as pa
 
@@ -230,11 +232,19 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     wanted = columns
     if columns is None and prepare_rows is None and keep is not None:  # only what the shards keep is read
         wanted = list(dict.fromkeys([*keep, "response_id"]))
+    select = None
+    needs = getattr(prepare_rows, "read_columns", None)
+    if columns is None and keep is not None and needs is not None:
+        # only what ``prepare_rows`` needs (`flows.pipelines.sharded_pass.FileRows.read_columns`; None: a column of
+        # it is missing, every column read as before) and what the shards keep, of the file's columns
+        def select(names: list[str]) -> list[str] | None:
+            need = None if "dt" in names else needs(names)  # a ``dt`` column of the file's own: read as before
+            return None if need is None else [*need, *keep, "response_id"]
     # the policy read from the Parquet dictionary pages and kept dictionary-encoded through the shuffle (1 byte a
     # row, `compact_policy`; pass 1 codes it from its few distinct values, `cje_engine.pipeline.sharded.sorted_codes`)
     try:
         table = read_window(st, [key], columns=wanted, policies=policies, mapping=mapping, check_unique=False,
-                            dictionary=(POLICY,))
+                            dictionary=(POLICY,), select=select)
     except CJEInputError:
         if wanted is columns:
             raise
