@@ -82,14 +82,17 @@ class LabelIndex:
         if not (np.little_endian and self.bits.dtype.isnative):
             return self._may_hold_reference(q)
         # bit ``top`` of the set is bit ``top & 7`` of its byte ``top >> 3`` (little-endian words): a gather of bytes
-        # and byte-wide shifts (~40% less CPU than of words; `_may_hold_reference`)
-        shift = 64 - _log2(self.bits.size * 64)
-        byte = self.bits.view(np.uint8)[(q >> np.uint64(shift + 3)).view(np.int64)]
-        bit = (q >> np.uint64(shift)).astype(np.uint8)
+        # and byte-wide shifts (~40% less CPU than of words; `_may_hold_reference`); ``top`` shifted once (its low
+        # byte the bit's), the bytes gathered by `numpy.take` and their 0/1 searched as booleans (`numpy.flatnonzero`
+        # of uint8 costs ~10x that of bool): ~half the CPU of the gather by indexing and the search of bytes
+        top = q >> np.uint64(64 - _log2(self.bits.size * 64))
+        bit = top.astype(np.uint8)
+        top >>= np.uint64(3)
+        byte = np.take(self.bits.view(np.uint8), top.view(np.int64))
         bit &= np.uint8(7)
         byte >>= bit
         byte &= np.uint8(1)
-        return np.flatnonzero(byte)
+        return np.flatnonzero(byte.view(bool))
 
     def _may_hold_reference(self, q: np.ndarray) -> np.ndarray:
         """`_may_hold` word by word (the code it replaced; the tests' reference)."""
@@ -219,8 +222,9 @@ class LabelIndex:
         fp = None
         if not changed and FINGERPRINT in logs_table.column_names:
             col = logs_table.column(FINGERPRINT)
-            fp = np.asarray((col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col).to_numpy(),
-                            dtype=np.uint64)
+            if isinstance(col, pa.ChunkedArray):  # one chunk (the reader's): its array, not a copy
+                col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+            fp = np.asarray(col.to_numpy(), dtype=np.uint64)
         if self.fp is None:
             return fill_store_labels(logs_table, self.lookup(rid, fp), self.table)
         rows, at = self.lookup_rows(rid, fp)
