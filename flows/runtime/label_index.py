@@ -191,7 +191,7 @@ class LabelIndex:
         for _ in range(self.shared):
             if rows.size == 0:
                 break
-            same = pc.fill_null(pc.equal(pc.take(rid, pa.array(rows)), pc.take(ids, pa.array(at))), False)
+            same = pc.fill_null(pc.equal(_take_rows(rid, rows), pc.take(ids, pa.array(at))), False)
             same = np.asarray(same.to_numpy(zero_copy_only=False), dtype=bool)
             hit_rows.append(rows[same])
             hit_at.append(at[same])
@@ -229,6 +229,20 @@ class LabelIndex:
             return fill_store_labels(logs_table, self.lookup(rid, fp), self.table)
         rows, at = self.lookup_rows(rid, fp)
         return fill_store_labels_at(logs_table, rows, at, self.table)
+
+
+def _take_rows(col: pa.ChunkedArray | pa.Array, rows: np.ndarray) -> pa.Array | pa.ChunkedArray:
+    """``pyarrow.compute.take(col, rows)`` (its values): of a column in chunks (a file as read, in batches) and
+    ``rows`` increasing, each chunk's rows taken from it, in one array (Arrow's take of a chunked column concatenates
+    its chunks first: ~2.4x the CPU at 50k rows of 1M)."""
+    if not isinstance(col, pa.ChunkedArray) or col.num_chunks < 2 or (rows.size and (
+            rows[0] < 0 or rows[-1] >= len(col) or bool(np.any(rows[1:] < rows[:-1])))):
+        return pc.take(col, pa.array(rows))
+    starts = np.concatenate([[0], np.cumsum([len(c) for c in col.chunks])])
+    cut = np.searchsorted(rows, starts)
+    parts = [pc.take(c, pa.array(rows[cut[j]:cut[j + 1]] - starts[j])) for j, c in enumerate(col.chunks)
+             if cut[j + 1] > cut[j]]
+    return pa.concat_arrays(parts) if parts else pa.array([], col.type)
 
 
 #: Bits of `LabelIndex.bits` a stored id, at least (a power of two of them): a file's id not stored passes the bit

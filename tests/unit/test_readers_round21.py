@@ -90,3 +90,41 @@ def test_the_bit_test_is_the_word_by_word_test_at_the_edges():
         for t in (with_fp, one):
             got = index.join(t).drop_columns([sharded_ray.FINGERPRINT])
             assert got.equals(want) and got.schema.equals(want.schema, check_metadata=True)
+
+
+def test_label_arrays_are_pyarrows():
+    """`flows.storage.labels._float_array` (its validity packed by numpy) and `_bool_array` against ``pyarrow.array``
+    of the same values: every length (not a multiple of 8 too), every null, none, some."""
+    from flows.storage.labels import _bool_array, _float_array, _float_array_reference
+
+    rng = np.random.default_rng(9)
+    for n in (0, 1, 7, 8, 9, 1000, 1001):
+        values = rng.random(n)
+        values[: n // 3] = 0.0
+        for valid in (np.ones(n, bool), np.zeros(n, bool), rng.random(n) < 0.05, rng.random(n) < 0.95):
+            got, want = _float_array(values, valid), _float_array_reference(values, valid)
+            assert got.type == want.type and got.null_count == want.null_count and got.equals(want)
+            assert np.array_equal(got.is_valid().to_numpy(zero_copy_only=False), valid)
+            assert got.fill_null(-1.0).to_numpy().tobytes() == want.fill_null(-1.0).to_numpy().tobytes()
+            got_b, want_b = _bool_array(valid), pa.array(valid)
+            assert got_b.type == want_b.type and got_b.null_count == 0 and got_b.equals(want_b)
+
+
+def test_take_rows_is_arrows_take():
+    """`flows.runtime.label_index._take_rows` (a chunked column's rows taken chunk by chunk) against
+    ``pyarrow.compute.take``: rows in no chunk, one, every one, at the chunks' edges, none, unsorted, one chunk."""
+    import pyarrow.compute as pc
+
+    from flows.runtime.label_index import _take_rows
+
+    rng = np.random.default_rng(4)
+    values = [f"id-{i}-{'é' * (i % 3)}" for i in range(1000)]
+    cols = [pa.chunked_array([pa.array(values[a:b], pa.string()) for a, b in ((0, 300), (300, 300), (300, 700), (700, 1000))]),
+            pa.chunked_array([pa.array(values)]), pa.array(values)]
+    for col in cols:
+        for rows in (np.zeros(0, np.int64), np.array([0]), np.array([299, 300, 699, 700, 999]),
+                     np.sort(rng.choice(1000, 50, replace=False)), np.arange(1000), np.array([5, 3, 900]),
+                     np.arange(310, 320)):
+            got = _take_rows(col, rows)
+            want = pc.take(col, pa.array(rows))
+            assert got.type == want.type and got.to_pylist() == want.to_pylist()
