@@ -8,7 +8,10 @@ own labels plus ids of other blocks), split into ``--shards`` prompt-id ranges c
 ``--repeat`` runs) of:
 
 * ``split_file``: the whole reader (`flows.runtime.sharded_ray.split_file` with the flow's `FileRows`: read, label
-  join, buckets, split, pack);
+  join, buckets, split, pack), returning the pieces of its file's shards only (`file_shards`, as the flow's readers);
+* ``read`` (`read_window` as the reader calls it: here the columns its rows need, `FileRows.read_columns`; main
+  every column); ``file_rows`` (`FileRows`: the join and the per-policy counts); ``split_by_shard`` and
+  ``pack_piece`` of its rows (the columns the shards keep, its shards);
 * ``id_fingerprint`` of the file's response ids; ``range_shard`` of its prompt ids; ``join`` (`LabelIndex.join`);
   ``buckets`` (`response_id_buckets` into the tree's number of buckets at 100M rows on 2 CPUs: main one a shard,
   26; this tree `response_id_bucket_count`, 4);
@@ -91,10 +94,16 @@ def child(args: argparse.Namespace) -> dict:
     count = getattr(sharded_ray, "response_id_bucket_count", None)
     n_buckets = count(rows_100m, cpus) if count else args.shards  # main: one a shard
 
+    # the shards each file's reader returns pieces of (the flow's `file_shards`: 2-3 of 26 a file of a block of
+    # prompts), the first file of the window not being the one measured (it also returns every shard no file touches)
+    bounds = [sharded.id_bounds(read_window(st, [k], columns=["prompt_id"], check_unique=False)["prompt_id"])
+              for k in keys]
+    touched = sharded.file_shards([None] + bounds, cuts, args.shards)[1:]
+
     def reader(i: int = 0):
         return sharded_ray.split_file(args.logs, {}, keys[i % len(keys)], i, args.shards, None, None, None,
                                       FileRows((), ()), cuts, keep, index,
-                                      **({"n_buckets": n_buckets} if count else {}))
+                                      **({"n_buckets": n_buckets} if count else {}), shards=touched[i % len(keys)])
 
     reader()  # warm
     table = read_window(st, [keys[0]], check_unique=False, dictionary=(POLICY,))
@@ -107,6 +116,23 @@ def child(args: argparse.Namespace) -> dict:
            "join": _cpu(lambda: index.join(with_fp), args.repeat),
            "buckets": _cpu(lambda: sharded_ray.response_id_buckets(with_fp, n_buckets, ids=False, places=False),
                            args.repeat)}
+    # the reader's other steps on the file as it reads it: its read (this tree: the columns its rows need,
+    # `FileRows.read_columns`; main: every column), `FileRows` (join and counts), the split and the packing
+    rows = FileRows((), ())
+    sel = {}
+    if hasattr(rows, "read_columns"):
+        sel = {"select": lambda names: None if rows.read_columns(names) is None else [*rows.read_columns(names), *keep]}
+    res["read"] = _cpu(lambda: read_window(st, [keys[0]], check_unique=False, dictionary=(POLICY,), **sel),
+                       args.repeat)
+    res["file_rows"] = _cpu(lambda: rows(with_fp, st.url(keys[0]), index), args.repeat)
+    prepared = rows(with_fp, st.url(keys[0]), index)[0]
+    prepared = prepared.append_column(sharded.ROW, pa.array(np.arange(prepared.num_rows, dtype=np.int64)))
+    prepared = sharded_ray.compact_policy(prepared.select([c for c in [*keep, sharded.ROW]
+                                                            if c in prepared.column_names]))
+    res["split_by_shard"] = _cpu(lambda: sharded.split_by_shard(prepared, args.shards, splitters=cuts,
+                                                                shards=touched[0]), args.repeat)
+    parts = sharded.split_by_shard(prepared, args.shards, splitters=cuts, shards=touched[0])
+    res["pack_piece"] = _cpu(lambda: [sharded.pack_piece(t) for t in parts], args.repeat)
     rng = np.random.default_rng(0)
     per = rows_100m // n_buckets // 100
     bucket = [pa.table({sharded_ray.FINGERPRINT: pa.array(rng.integers(0, 2**64 - 1, per, dtype=np.uint64))})
@@ -141,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                    str(args.repeat)]
             out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True).stdout
             runs[name].append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]))
-    keys = ["split_file", "id_fingerprint", "range_shard", "join", "buckets", "check_one_task", "check_100M"]
+    keys = ["split_file", "read", "id_fingerprint", "file_rows", "join", "buckets", "split_by_shard", "range_shard",
+            "pack_piece", "check_one_task", "check_100M"]
     print(f"{'CPU s (median of rounds)':<26} {'this tree':>10} {'main':>10} {'ratio':>7}")
     for k in keys:
         a = statistics.median(r[k] for r in runs["this"])

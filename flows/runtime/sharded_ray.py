@@ -157,6 +157,58 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
 
     rid = table["response_id"].cast(pa.string())
     if FINGERPRINT in table.column_names:  # computed by the reader before the label join, which used it too
+        fp = np.asarray(_one_chunk(table[FINGERPRINT]).to_numpy(), dtype=np.uint64)
+    else:
+        fp = id_fingerprint(rid)
+    # the bucket from the low half: floor(low * n / 2^32), one multiply (a 64-bit modulo a row costs more); every copy
+    # of an id has its fingerprint, so its bucket. Not from the high half, which `check_response_ids` sorts: a
+    # bucket's high halves stay spread over all 2^32 values (few shared, `repeated_fingerprints`)
+    bucket = fp & np.uint64(0xFFFFFFFF)
+    bucket *= np.uint64(n_buckets)
+    bucket >>= np.uint64(32)
+    bits = run_bits(n_buckets)
+    if not ids and not places and bits:
+        # each bucket in ``2^bits`` runs by the fingerprint's top bits (the same 1-byte radix sort): its check
+        # task sorts a run at a time (`_repeated_by_file`), told the bits by the pieces' metadata
+        bucket <<= np.uint64(bits)
+        bucket += fp >> np.uint64(64 - bits)
+        key = bucket.astype(np.uint8)
+        order, bounds = _byte_runs(key)
+        bounds = bounds[np.arange(n_buckets + 1) << bits]
+        fp = fp[order]
+        meta = {RUN_BITS_KEY: str(bits).encode()}
+        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}).replace_schema_metadata(meta)
+                for b in range(n_buckets)]
+    bucket = bucket.astype(np.uint8 if n_buckets <= 256 else np.int64)
+    if n_buckets <= 256:
+        order, bounds = _byte_runs(bucket)
+        bounds = bounds[:n_buckets + 1]
+    else:
+        order = np.argsort(bucket, kind="stable")
+        bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
+    if not ids and not places:
+        fp = fp[order]
+        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
+    if not ids:
+        row = table[ROW]
+        row = np.asarray(row.combine_chunks() if isinstance(row, pa.ChunkedArray) else row, dtype=np.int64)
+        fp, row = fp[order], row[order]
+        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]]),
+                          ROW: pa.array(row[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
+    taken = pa.table({"response_id": rid, FINGERPRINT: pa.array(fp), ROW: table[ROW]}).take(pa.array(order))
+    return [taken.slice(bounds[b], bounds[b + 1] - bounds[b]) for b in range(n_buckets)]
+
+
+def response_id_buckets_reference(table, n_buckets: int, ids: bool = True, places: bool = True) -> list:
+    """`response_id_buckets` as it was (numpy's stable argsort of the 1-byte keys, the bounds by a search of the
+    sorted keys, the fingerprints' column copied): the tests' reference."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.pipeline.sharded import ROW
+
+    rid = table["response_id"].cast(pa.string())
+    if FINGERPRINT in table.column_names:  # computed by the reader before the label join, which used it too
         fp = np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64)
     else:
         fp = id_fingerprint(rid)
@@ -195,6 +247,30 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     return [taken.slice(bounds[b], bounds[b + 1] - bounds[b]) for b in range(n_buckets)]
 
 
+def _one_chunk(col):
+    """A column as one Arrow array: its chunk when it has one (no copy: `pyarrow.ChunkedArray.combine_chunks` copies
+    even one chunk), else its chunks combined."""
+    import pyarrow as pa
+
+    if isinstance(col, pa.ChunkedArray):
+        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    return col
+
+
+def _byte_runs(key):
+    """(the stable order of the 1-byte ``key``, the first place of each key value 0..256 in it): numpy's
+    ``argsort(key, kind="stable")`` and ``searchsorted`` of the sorted keys, by Arrow's stable sort of the keys (a
+    counting sort, ~half numpy's radix sort's CPU) and their counts."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    order = np.asarray(pc.array_sort_indices(pa.array(key)).to_numpy()).view(np.int64)
+    bounds = np.zeros(257, dtype=np.int64)
+    np.cumsum(np.bincount(key, minlength=256), out=bounds[1:])
+    return order, bounds
+
+
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
                splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None,
@@ -214,7 +290,9 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     argument, so Ray resolves a reference of it on the worker, zero-copy). The shards' rows leave ``response_id``
     behind (the passes do not read it); ``keep``: the
     only columns they keep (those of it the file has, after ``prepare_rows``, in the order of ``keep``; None: every
-    column); without ``columns`` and ``prepare_rows`` only those (and the response id) are read."""
+    column); without ``columns`` and ``prepare_rows`` only those (and the response id) are read, and without
+    ``columns`` only those and what a ``prepare_rows`` with a ``read_columns(names)`` needs of the file
+    (`flows.pipelines.sharded_pass.FileRows.read_columns`; every column when it returns None)."""
     import numpy as np
     import pyarrow as pa
 
@@ -230,11 +308,19 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     wanted = columns
     if columns is None and prepare_rows is None and keep is not None:  # only what the shards keep is read
         wanted = list(dict.fromkeys([*keep, "response_id"]))
+    select = None
+    needs = getattr(prepare_rows, "read_columns", None)
+    if columns is None and keep is not None and needs is not None:
+        # only what ``prepare_rows`` needs (`flows.pipelines.sharded_pass.FileRows.read_columns`; None: a column of
+        # it is missing, every column read as before) and what the shards keep, of the file's columns
+        def select(names: list[str]) -> list[str] | None:
+            need = None if "dt" in names else needs(names)  # a ``dt`` column of the file's own: read as before
+            return None if need is None else [*need, *keep, "response_id"]
     # the policy read from the Parquet dictionary pages and kept dictionary-encoded through the shuffle (1 byte a
     # row, `compact_policy`; pass 1 codes it from its few distinct values, `cje_engine.pipeline.sharded.sorted_codes`)
     try:
         table = read_window(st, [key], columns=wanted, policies=policies, mapping=mapping, check_unique=False,
-                            dictionary=(POLICY,))
+                            dictionary=(POLICY,), select=select)
     except CJEInputError:
         if wanted is columns:
             raise

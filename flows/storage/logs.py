@@ -335,9 +335,11 @@ def _check_ids(table: pa.Table, source: str, row_offset: int = 0) -> None:
 
 def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Sequence[str] | None,
               batch_size: int, row_filter: RowFilter | None = None,
-              mapping: Mapping[str, str] | None = None, dictionary: Sequence[str] = ()) -> pa.Table:
+              mapping: Mapping[str, str] | None = None, dictionary: Sequence[str] = (),
+              select: Callable[[list[str]], Sequence[str] | None] | None = None) -> pa.Table:
     """Read one log object (with retries on transient storage errors), columns renamed by ``mapping``; the
-    canonical columns ``dictionary`` read as Parquet's dictionary (no string materialized a row)."""
+    canonical columns ``dictionary`` read as Parquet's dictionary (no string materialized a row); ``select`` (with
+    ``columns`` None): the columns read, of the file's canonical names (`read_window`)."""
     fs, _ = st.arrow_fs
     path = st.arrow_path(key)
     source = st.url(key)
@@ -356,6 +358,11 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
             check_schema(schema, source)
             names = schema.names
             wanted = list(names) if columns is None else [c for c in columns if c != PARTITION and c in names]
+            if columns is None and select is not None:
+                chosen = select(list(names))
+                if chosen is not None:  # the file's columns chosen, in the file's order
+                    chosen = set(chosen)
+                    wanted = [c for c in names if c in chosen]
             file_name = {c: s for s, c in renames.items()}
             flt = pc.field(file_name.get("policy", "policy")).isin(pa.array(list(policies), pa.string())) \
                 if policies else None
@@ -481,6 +488,7 @@ def read_window(
     row_filter: RowFilter | None = None,
     mapping: Mapping[str, str] | None = None,
     dictionary: Sequence[str] = (),
+    select: Callable[[list[str]], Sequence[str] | None] | None = None,
 ) -> pa.Table:
     """Read log files into one table with projection and the policy filter pushed down.
 
@@ -511,6 +519,11 @@ def read_window(
     dictionary : list of str, optional
         Canonical string columns returned dictionary-encoded (values ``string``), read from the
         Parquet dictionary pages without a string a row (the sharded readers' ``policy``).
+    select : callable, optional
+        With ``columns`` None: given a file's column names (canonical, after ``mapping``), the columns to read
+        of it (returned in the file's order, names it lacks ignored, no ``dt``), or None: every column and ``dt``,
+        as without ``select``. The sharded readers' choice of what their file's rows need
+        (`flows.pipelines.sharded_pass.FileRows.read_columns`), made from the footer the read opens anyway.
 
     Returns
     -------
@@ -535,11 +548,19 @@ def read_window(
     seen_columns: set[str] = set()
     for key in keys:
         source = st.url(key)
-        table = _read_one(st, key, columns, policies, batch_size, row_filter, mapping, dictionary)
+        chosen: list[bool] = []  # whether ``select`` chose the file's columns (else: every column, and ``dt``)
+
+        def pick(names: list[str]) -> Sequence[str] | None:
+            out = select(names)
+            chosen.append(out is not None)
+            return out
+
+        table = _read_one(st, key, columns, policies, batch_size, row_filter, mapping, dictionary,
+                          None if select is None else pick)
         seen_columns.update(table.column_names)
         table = canonicalize(table, dictionary)
         _check_ids(table, source)
-        if columns is None or PARTITION in columns:
+        if (columns is None and not (chosen and chosen[-1])) or (columns is not None and PARTITION in columns):
             dt = partition_of(key)
             if dt is None:
                 raise CJEInputError("object is not under a dt=YYYY-MM-DD/ partition folder", source=source)

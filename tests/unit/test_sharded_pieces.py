@@ -234,3 +234,61 @@ def test_id_bounds_is_the_plain_min_max(case):
     plain = [x for x in ids.to_pylist() if x is not None]
     if len(ids) and plain:
         assert got == (min(plain), max(plain), ids.null_count > 0)
+
+
+def _same_pieces(a: list[pa.Table], b: list[pa.Table]) -> None:
+    """The same pieces: schemas (metadata included), values (floats bit for bit) and chunk layouts."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert _same_table(x, y)
+        assert [c.num_chunks for c in x.columns] == [c.num_chunks for c in y.columns]
+        assert [[len(k) for k in c.chunks] for c in x.columns] == [[len(k) for k in c.chunks] for c in y.columns]
+
+
+def _split_both(t: pa.Table, n: int, splitters, shards=None, row_offset: int = 0) -> None:
+    """`split_by_shard` and `split_by_shard_reference` give the same pieces, or the same error."""
+    try:
+        ref = sharded.split_by_shard_reference(t, n, row_offset=row_offset, splitters=splitters, shards=shards)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as got:
+            sharded.split_by_shard(t, n, row_offset=row_offset, splitters=splitters, shards=shards)
+        assert str(got.value) == str(exc)
+        return
+    _same_pieces(sharded.split_by_shard(t, n, row_offset=row_offset, splitters=splitters, shards=shards), ref)
+
+
+def test_split_by_shard_is_its_reference():
+    """Every row's shard searched among every splitter (not the span of the file's `id_bounds` first): the same
+    pieces as `split_by_shard_reference`, for files in prompt-id order and not, chunked, of one shard, empty, of one
+    row, with nulls, non-ASCII ids, ids longer than 16 bytes, ids equal to splitters and sharing their first 16
+    bytes, repeated splitters, every shard or the file's only, and the same errors."""
+    rng = np.random.default_rng(11)
+    long = [f"prompt-{'x' * 12}-{int(i):05d}" for i in rng.integers(0, 3000, 800)]  # 16 bytes shared
+    cases = [
+        [f"b{i // 2:02d}-p{int(p):05d}" for i, p in enumerate(sorted(rng.integers(0, 9000, 900)))],
+        [f"q{int(p):04d}" for p in rng.integers(0, 5000, 700)], sorted(long), long,
+        ["é", "e\u0301", "\U0001f600", "\uffff", "z", "日本", "a\0", "a"],
+        ["z", None, "y", None], [None, None], ["c"], [], ["c"] * 5, ["b", "b", "c", "a0", "d", "dd", "e", "d", "f"],
+    ]
+    for ids in cases:
+        t = _file(ids, len(ids))
+        pool = pa.array([x for x in ids if x is not None], pa.string())
+        for n in (1, 2, 3, 7, 26):
+            cut_sets = [sharded.range_splitters([sharded.sample_prompt_ids(pool, 16 * n)], n)]
+            if n == 3:
+                cut_sets += [["b", "d"], ["d", "d"]]
+            for cuts in cut_sets:
+                _split_both(t, n, cuts)
+                bounds = sharded.id_bounds(t[PROMPT])
+                touched = sharded.file_shards([bounds], cuts, n)[0]
+                _split_both(t, n, cuts, shards=touched, row_offset=3 << ROW_BITS)
+                _split_both(t, n, cuts, shards=touched[1:])  # a row outside: the same error
+                if t.num_rows > 4:
+                    chunked = pa.concat_tables([t.slice(0, 3), t.slice(3)])
+                    _split_both(chunked, n, cuts, shards=touched)
+        for n in (1, 4):
+            _split_both(t, n, None)
+    t = _file(["a", "c", "e", "d", "d", "dd"], 0)
+    _split_both(t, 5, ["b", "d", "d", "f"])
+    _split_both(t, 5, ["b", "d", "d", "f"], shards=[0, 1, 3])
+    _split_both(t, 5, ["b", "d", "d"], shards=[0, 1, 3])  # too few splitters: the same error
