@@ -191,10 +191,11 @@ class BasisSums:
         self.cross = np.zeros((dim, dim))
         self.cubes = np.zeros((self.groups.shape[0], g, g, g))
 
-    def add(self, rows: np.ndarray, reference: bool = False) -> None:
+    def add(self, rows: np.ndarray, reference: bool = False, rows_t: np.ndarray | None = None) -> None:
         """Add basis rows (c, D) (finite). Each group's third moments from its columns taken once and its
         products written into one reused buffer (`third_moments`; ``reference``: a copy of the group's columns
-        and a new temporary a product, as first written): the same calls on the same values, the same bits."""
+        and a new temporary a product, as first written): the same calls on the same values, the same bits.
+        ``rows_t``: ``rows.T`` C-contiguous when the caller holds it (not copied again)."""
         rows = np.asarray(rows, dtype=float)
         if not np.isfinite(rows).all():
             raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
@@ -206,7 +207,8 @@ class BasisSums:
                 b = rows[:, idx]
                 self.cubes[i] += _third_moments_reference(b)
             return
-        rows_t = np.ascontiguousarray(rows.T)  # (D, c): a group's left factors are rows of it
+        if rows_t is None:
+            rows_t = np.ascontiguousarray(rows.T)  # (D, c): a group's left factors are rows of it
         for i, idx in enumerate(self.groups):
             self.cubes[i] += third_moments(rows[:, idx], et=_rows_of(rows_t, idx))
 

@@ -2263,15 +2263,20 @@ class LabelledBasis:
                 raise ValueError("a shard's labelled prompts are not the driver's")
             del hit
         loc_c = np.searchsorted(P, self.prompt_cal)
-        add = (lambda rows: sums.add(rows, reference=True)) if reference else sums.add
+        if reference:
+            add = (lambda *got: sums.add(got[0], reference=True))
+            build = self._rows
+        else:  # each block built as its transpose (contiguous columns), then its rows once (`_rows_t`)
+            add = (lambda rows_t: sums.add(_transposed(rows_t), rows_t=rows_t))
+            build = self._rows_t
         for a in range(0, P.size, self.block):
             b = min(a + self.block, P.size)
             if a == 0 and b == P.size:
-                add(self._rows(terms, None, None, loc_l, loc_c, reference))
+                add(build(terms, None, None, loc_l, loc_c, reference))
                 continue
             kl = np.flatnonzero((loc_l >= a) & (loc_l < b))
             kc = np.flatnonzero((loc_c >= a) & (loc_c < b))
-            add(self._rows(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a, reference))
+            add(build(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a, reference))
         return sums
 
     def _rows(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray,
@@ -2307,6 +2312,41 @@ class LabelledBasis:
         base[:, 4 * K:] = fix(own)
         return base
 
+    def _rows_t(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray,
+                reference: bool = False) -> np.ndarray:
+        """`_rows`' transpose (5K, n), C-contiguous: each column of the basis rows written as one contiguous row
+        (the per-policy sums by ``numpy.bincount`` over the key ``policy * n + position`` instead of ``position * K
+        + policy``: each bin the same weights added in the same order, the same bits), where `_rows` writes its
+        columns across the rows. ``reference``: `_rows` transposed."""
+        if reference:
+            return np.ascontiguousarray(self._rows(e, sl, sc, ll, lc, True).T)
+        K = self.K
+        n = e.shape[0]
+
+        def at(a: np.ndarray, idx: np.ndarray | None) -> np.ndarray:
+            return a if idx is None else a[idx]
+
+        base = np.empty((5 * K, n))
+        base[:K] = e.T
+        calibration, residual, audit, own = base[K:2 * K], base[2 * K:3 * K], base[3 * K:4 * K], base[4 * K:]
+        key = at(self.lab_pol, sl).astype(np.int64) * n
+        key += ll
+        residual[...] = np.bincount(key, weights=at(self.res_contrib, sl), minlength=K * n).reshape(K, n)
+        residual[self.gone] = np.nan
+        b_cal, resid = at(self.b_cal, sc), at(self.resid_cal, sc)
+        for k in range(K):
+            calibration[k] = np.bincount(lc, weights=self.rho_cal[k][b_cal] * resid / self.m, minlength=n)
+            audit[k] = np.bincount(lc, weights=self.rho_audit[k][b_cal] * resid / self.m, minlength=n)
+        _nan_to_num(calibration)
+        np.subtract(residual, audit, out=audit)
+        audit[self.gone] = np.nan
+        _nan_to_num(audit)
+        _nan_to_num(residual)
+        own[...] = np.bincount(key, weights=at(self.own_contrib, sl), minlength=K * n).reshape(K, n)
+        own[self.own_gone] = np.nan
+        _nan_to_num(own)
+        return base
+
 
 def _nan_to_num(x: np.ndarray) -> np.ndarray:
     """``numpy.nan_to_num(x, copy=False)`` (NaN 0, infinities the largest finite numbers), the same values,
@@ -2316,6 +2356,19 @@ def _nan_to_num(x: np.ndarray) -> np.ndarray:
     if bad.any():
         x[bad] = np.nan_to_num(x[bad])
     return x
+
+
+#: Rows of a (D, n) array transposed at a time by `_transposed` (a slab whose reads stay in cache).
+TRANSPOSE_STEP = 4096
+
+
+def _transposed(a: np.ndarray) -> np.ndarray:
+    """``numpy.ascontiguousarray(a.T)`` of a 2-d array, copied a slab of `TRANSPOSE_STEP` of its columns at a
+    time (the same values; a whole-array strided copy misses the cache on every read)."""
+    out = np.empty((a.shape[1], a.shape[0]), dtype=a.dtype)
+    for lo in range(0, a.shape[1], TRANSPOSE_STEP):
+        out[lo:lo + TRANSPOSE_STEP] = a[:, lo:lo + TRANSPOSE_STEP].T
+    return out
 
 
 def labelled_basis_task_bytes(n_labelled: int) -> int:
