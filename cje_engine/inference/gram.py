@@ -208,9 +208,10 @@ class BasisSums:
                 self.cubes[i] += _third_moments_reference(b)
             return
         if rows_t is None:
-            rows_t = np.ascontiguousarray(rows.T)  # (D, c): a group's left factors are rows of it
-        for i, idx in enumerate(self.groups):
-            self.cubes[i] += third_moments(rows[:, idx], et=_rows_of(rows_t, idx))
+            rows_t = _transposed(rows)  # (D, c): a group's left factors are rows of it
+        for i, idx in enumerate(self.groups):  # its columns (c, g) C-contiguous: its left factors transposed
+            et = _rows_of(rows_t, idx)
+            self.cubes[i] += third_moments(_transposed(et), et=et)
 
     def merge(self, other: "BasisSums") -> None:
         """Add another block's sums (same dimensions and groups)."""
@@ -218,6 +219,19 @@ class BasisSums:
         self.sum += other.sum
         self.cross += other.cross
         self.cubes += other.cubes
+
+
+#: Rows of a (D, n) array transposed at a time by `_transposed` (a slab whose reads stay in cache).
+TRANSPOSE_STEP = 4096
+
+
+def _transposed(a: np.ndarray) -> np.ndarray:
+    """``numpy.ascontiguousarray(a.T)`` of a 2-d array, copied a slab of `TRANSPOSE_STEP` of its columns at a
+    time (the same values; a whole-array strided copy misses the cache on every read)."""
+    out = np.empty((a.shape[1], a.shape[0]), dtype=a.dtype)
+    for lo in range(0, a.shape[1], TRANSPOSE_STEP):
+        out[lo:lo + TRANSPOSE_STEP] = a[:, lo:lo + TRANSPOSE_STEP].T
+    return out
 
 
 def _rows_of(a: np.ndarray, idx: np.ndarray) -> np.ndarray:

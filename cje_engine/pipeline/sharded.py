@@ -2267,6 +2267,7 @@ class LabelledBasis:
             add = (lambda *got: sums.add(got[0], reference=True))
             build = self._rows
         else:  # each block built as its transpose (contiguous columns), then its rows once (`_rows_t`)
+            from cje_engine.inference.gram import _transposed
             add = (lambda rows_t: sums.add(_transposed(rows_t), rows_t=rows_t))
             build = self._rows_t
         for a in range(0, P.size, self.block):
@@ -2356,19 +2357,6 @@ def _nan_to_num(x: np.ndarray) -> np.ndarray:
     if bad.any():
         x[bad] = np.nan_to_num(x[bad])
     return x
-
-
-#: Rows of a (D, n) array transposed at a time by `_transposed` (a slab whose reads stay in cache).
-TRANSPOSE_STEP = 4096
-
-
-def _transposed(a: np.ndarray) -> np.ndarray:
-    """``numpy.ascontiguousarray(a.T)`` of a 2-d array, copied a slab of `TRANSPOSE_STEP` of its columns at a
-    time (the same values; a whole-array strided copy misses the cache on every read)."""
-    out = np.empty((a.shape[1], a.shape[0]), dtype=a.dtype)
-    for lo in range(0, a.shape[1], TRANSPOSE_STEP):
-        out[lo:lo + TRANSPOSE_STEP] = a[:, lo:lo + TRANSPOSE_STEP].T
-    return out
 
 
 def labelled_basis_task_bytes(n_labelled: int) -> int:

@@ -535,11 +535,13 @@ def test_labelled_basis_rows_built_transposed_are_its_reference_bit_for_bit():
     infinite contributions, policies without labels, one prompt, blocks of every size); `_transposed` is
     ``numpy.ascontiguousarray(a.T)``; and `LabelledBasis.sums` (the rows from their transpose, `BasisSums.add`
     given ``rows_t``) is its reference's, bit for bit."""
+    from cje_engine.inference import gram
+
     rng = np.random.default_rng(14)
-    for shape in ((0, 0), (1, 1), (3, 0), (25, 1), (5, sharded.TRANSPOSE_STEP - 1), (25, sharded.TRANSPOSE_STEP),
-                  (7, 2 * sharded.TRANSPOSE_STEP + 3)):
+    for shape in ((0, 0), (1, 1), (3, 0), (25, 1), (5, gram.TRANSPOSE_STEP - 1), (25, gram.TRANSPOSE_STEP),
+                  (7, 2 * gram.TRANSPOSE_STEP + 3)):
         a = rng.standard_normal(shape)
-        got = sharded._transposed(a)
+        got = gram._transposed(a)
         assert got.flags.c_contiguous and np.array_equal(got, np.ascontiguousarray(a.T))
     for K, n, n_lab, n_cal, gone, own_gone in ((5, 1, 1, 1, (), ()), (5, 40, 90, 30, (2,), (2, 4)),
                                                (3, 700, 1500, 400, (), (0,)), (1, 9, 9, 0, (0,), (0,)),
@@ -558,7 +560,7 @@ def test_labelled_basis_rows_built_transposed_are_its_reference_bit_for_bit():
                     (K, n, block, name)
     rows = rng.standard_normal((300, 25))
     with_t, without = BasisSums(25, np.arange(25).reshape(5, 5).T), BasisSums(25, np.arange(25).reshape(5, 5).T)
-    with_t.add(rows, rows_t=sharded._transposed(rows))
+    with_t.add(rows, rows_t=gram._transposed(rows))
     without.add(rows)
     assert all(np.array_equal(getattr(with_t, f), getattr(without, f)) for f in ("n", "sum", "cross", "cubes"))
 
