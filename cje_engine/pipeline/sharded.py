@@ -701,8 +701,11 @@ def _span_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     lo = np.asarray(values.min()).astype(np.uint64)[()]  # signed: its bits modulo 2^64
     with np.errstate(over="ignore"):  # signed values: the unsigned difference wraps, as intended
         width = int(np.asarray(values.max()).astype(np.uint64)[()] - lo)  # modulo 2^64: the exact distance
-    d = values.astype(np.uint64)  # a copy (a view's bits for int64 would be the same values modulo 2^64)
-    d -= lo  # the distance from the smallest, modulo 2^64
+    if values.dtype.itemsize == 8:  # int64's bits as uint64 are its values modulo 2^64: one pass, no copy first
+        d = np.subtract(values.view(np.uint64), lo)  # the distance from the smallest, modulo 2^64
+    else:
+        d = values.astype(np.uint64)  # a copy (narrower ints: each widened, modulo 2^64)
+        d -= lo  # the distance from the smallest, modulo 2^64
     shared = np.bitwise_or.reduce(d)
     shift = 0 if shared == 0 else int(np.bitwise_count((shared & (~shared + np.uint64(1))) - np.uint64(1)))  # low 0s
     span = (width >> shift) + 1
@@ -1100,8 +1103,10 @@ def _piece_cells(pieces: Sequence[PackedPiece], n: int) -> tuple[Any, np.ndarray
         codes = p.table[SCORE]
         codes = np.asarray(codes.chunk(0) if codes.num_chunks == 1 else codes.combine_chunks())  # one: zero-copy
         hi = lo + codes.size
-        np.take(p.score_values, codes, out=score[lo:hi])
-        np.take(klass[a:a + p.score_values.size], codes, out=cell[lo:hi])
+        idx = cell[lo:hi]
+        idx[...] = codes  # the small codes widened once, in the cells' place: both gathers index by them
+        np.take(p.score_values, idx, out=score[lo:hi])
+        np.take(klass[a:a + p.score_values.size], idx, out=idx, mode="clip")  # every code valid: in place
         lo = hi
     # a class's score: its first row's (a class of one bit pattern: that value, whatever row is first)
     bits = allv.view(np.uint64)
