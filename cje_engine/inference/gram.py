@@ -208,10 +208,10 @@ class BasisSums:
                 self.cubes[i] += _third_moments_reference(b)
             return
         if rows_t is None:
-            rows_t = _transposed(rows)  # (D, c): a group's left factors are rows of it
+            rows_t = transposed(rows)  # (D, c): a group's left factors are rows of it
         for i, idx in enumerate(self.groups):  # its columns (c, g) C-contiguous: its left factors transposed
             et = _rows_of(rows_t, idx)
-            self.cubes[i] += third_moments(_transposed(et), et=et)
+            self.cubes[i] += third_moments(transposed(et), et=et)
 
     def merge(self, other: "BasisSums") -> None:
         """Add another block's sums (same dimensions and groups)."""
@@ -221,13 +221,24 @@ class BasisSums:
         self.cubes += other.cubes
 
 
-#: Rows of a (D, n) array transposed at a time by `_transposed` (a slab whose reads stay in cache).
+#: Rows of a (D, n) array transposed at a time by `transposed` (a slab whose reads stay in cache).
 TRANSPOSE_STEP = 4096
 
 
-def _transposed(a: np.ndarray) -> np.ndarray:
+def transposed(a: np.ndarray) -> np.ndarray:
     """``numpy.ascontiguousarray(a.T)`` of a 2-d array, copied a slab of `TRANSPOSE_STEP` of its columns at a
-    time (the same values; a whole-array strided copy misses the cache on every read)."""
+    time (the same values; a whole-array strided copy misses the cache on every read).
+
+    Parameters
+    ----------
+    a : numpy.ndarray
+        A 2-d array (n, m), any strides.
+
+    Returns
+    -------
+    numpy.ndarray
+        Its transpose (m, n), C-contiguous, a new array.
+    """
     out = np.empty((a.shape[1], a.shape[0]), dtype=a.dtype)
     for lo in range(0, a.shape[1], TRANSPOSE_STEP):
         out[lo:lo + TRANSPOSE_STEP] = a[:, lo:lo + TRANSPOSE_STEP].T

@@ -2272,8 +2272,8 @@ class LabelledBasis:
             add = (lambda *got: sums.add(got[0], reference=True))
             build = self._rows
         else:  # each block built as its transpose (contiguous columns), then its rows once (`_rows_t`)
-            from cje_engine.inference.gram import _transposed
-            add = (lambda rows_t: sums.add(_transposed(rows_t), rows_t=rows_t))
+            from cje_engine.inference.gram import transposed
+            add = (lambda rows_t: sums.add(transposed(rows_t), rows_t=rows_t))
             build = self._rows_t
         for a in range(0, P.size, self.block):
             b = min(a + self.block, P.size)

@@ -293,9 +293,9 @@ def test_the_gram_builder_writes_the_labelled_parts_bit_for_bit_a_block_at_a_tim
     seen = []
 
     class Recording(sharded.BasisSums):
-        def add(self, rows):
+        def add(self, rows, **kw):
             seen.append(rows.copy())
-            super().add(rows)
+            super().add(rows, **kw)
 
     monkeypatch.setattr(sharded, "BasisSums", Recording)
     monkeypatch.setattr(sharded, "BASIS_BLOCK_BYTES", 8 * 15 * 17)  # blocks of 17 prompts
@@ -532,7 +532,7 @@ def _labelled_basis(rng, K: int, n_prompts: int, n_lab: int, n_cal: int, gone=()
 def test_labelled_basis_rows_built_transposed_are_its_reference_bit_for_bit():
     """`LabelledBasis._rows_t` (each column of the basis rows written as one contiguous row, the per-policy sums
     binned by ``policy * n + position``) is `LabelledBasis._rows`' reference transposed, bit for bit (NaN and
-    infinite contributions, policies without labels, one prompt, blocks of every size); `_transposed` is
+    infinite contributions, policies without labels, one prompt, blocks of every size); `gram.transposed` is
     ``numpy.ascontiguousarray(a.T)``; and `LabelledBasis.sums` (the rows from their transpose, `BasisSums.add`
     given ``rows_t``) is its reference's, bit for bit."""
     from cje_engine.inference import gram
@@ -541,7 +541,7 @@ def test_labelled_basis_rows_built_transposed_are_its_reference_bit_for_bit():
     for shape in ((0, 0), (1, 1), (3, 0), (25, 1), (5, gram.TRANSPOSE_STEP - 1), (25, gram.TRANSPOSE_STEP),
                   (7, 2 * gram.TRANSPOSE_STEP + 3)):
         a = rng.standard_normal(shape)
-        got = gram._transposed(a)
+        got = gram.transposed(a)
         assert got.flags.c_contiguous and np.array_equal(got, np.ascontiguousarray(a.T))
     for K, n, n_lab, n_cal, gone, own_gone in ((5, 1, 1, 1, (), ()), (5, 40, 90, 30, (2,), (2, 4)),
                                                (3, 700, 1500, 400, (), (0,)), (1, 9, 9, 0, (0,), (0,)),
@@ -560,7 +560,7 @@ def test_labelled_basis_rows_built_transposed_are_its_reference_bit_for_bit():
                     (K, n, block, name)
     rows = rng.standard_normal((300, 25))
     with_t, without = BasisSums(25, np.arange(25).reshape(5, 5).T), BasisSums(25, np.arange(25).reshape(5, 5).T)
-    with_t.add(rows, rows_t=gram._transposed(rows))
+    with_t.add(rows, rows_t=gram.transposed(rows))
     without.add(rows)
     assert all(np.array_equal(getattr(with_t, f), getattr(without, f)) for f in ("n", "sum", "cross", "cubes"))
 
