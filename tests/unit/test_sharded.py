@@ -520,7 +520,8 @@ def _labelled_basis(rng, K: int, n_prompts: int, n_lab: int, n_cal: int, gone=()
     rho = rng.standard_normal((K, n_blocks))
     rho[0, 1] = np.inf
     basis = sharded.LabelledBasis(
-        K=K, groups=np.arange(5 * K).reshape(5, K).T, block=max(n_prompts, 1), gone=gone_mask, own_gone=own_mask,
+        K=K, groups=np.arange(5 * K).reshape(5, K).T, block=max(n_prompts, 1), gone=np.flatnonzero(gone_mask),
+        own_gone=own_mask,
         rho_cal=rho, rho_audit=rng.standard_normal((K, n_blocks)), m=3.0, prompt_lab=prompt_lab,
         lab_pol=rng.integers(0, K, L), res_contrib=res, own_contrib=own, prompt_cal=prompt_cal,
         b_cal=rng.integers(0, n_blocks, prompt_cal.size), resid_cal=rng.standard_normal(prompt_cal.size))
