@@ -5,7 +5,7 @@ trees' processes alternated ``--repeat`` times; and a digest of every output (th
 labelled prompts' codes, the diagnostic totals), which must be equal.
 
     PYTHONPATH=$PWD python benchmarks/bench_tail.py capture --logs DIR --shards 3 --items /tmp/items.pkl
-    PYTHONPATH=$PWD python benchmarks/bench_pass2.py --items /tmp/items.pkl --base /work/main [--repeat 3]
+    PYTHONPATH=$PWD python benchmarks/bench_pass2.py --items /tmp/items.pkl --base /work/main [--repeat 3] [--parts]
 
 The items are the pass-2 task arguments of the Gram form (`bench_tail.py capture`: each shard's `ShardKept`, codes,
 fit and `LabelledBasis`), pickled once: both trees read the same bytes. Prints a JSON table."""
@@ -63,13 +63,24 @@ def child(args: argparse.Namespace) -> dict:
         cold += t
         digests.append(digest(out))
     warm = [sum(once(item)[0] for item in items) for _ in range(args.calls)]
+    parts = {}
+    if args.parts:  # the labelled prompts' basis sums apart (`LabelledBasis.sums`): the best of ``calls``, summed
+        for item in items:
+            got = sharded.shard_evaluation_terms(*item[:-1], basis=None)
+            best = float("inf")
+            for _ in range(max(args.calls, 1)):
+                c = time.process_time()
+                item[-1].sums(got.labelled, got.labelled_terms)
+                best = min(best, time.process_time() - c)
+            parts["LabelledBasis.sums"] = parts.get("LabelledBasis.sums", 0.0) + best
     return {"cold": cold, "warm": statistics.median(warm) if warm else None, "digest": ",".join(digests),
-            "shards": len(items)}
+            "shards": len(items), "parts": parts}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--items", required=True, help="pass-2 arguments pickled by bench_tail.py capture")
+    p.add_argument("--parts", action="store_true", help="also time LabelledBasis.sums apart (best of --calls)")
     args, alternated = parse_and_alternate(p, argv, __file__, child)
     if alternated is None:
         return 0
@@ -77,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "items": args.items, "shards": runs["this"][0]["shards"], "repeat": args.repeat, "load": os.getloadavg()[0],
         "cpu_s_median": med, "ratio_base_over_this": {k: round(med["base"][k] / med["this"][k], 2) for k in ("cold", "warm")},
+        "parts_cpu_s_median": {name: {k: round(statistics.median(r.get("parts", {}).get(k, 0.0) for r in rs), 3)
+                                      for k in rs[0].get("parts", {})} for name, rs in runs.items()},
         "same_output": digests["this"] == digests["base"] and len(digests["this"]) == 1, "digests": digests,
     }, indent=1))
     return 0

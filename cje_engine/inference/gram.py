@@ -191,10 +191,11 @@ class BasisSums:
         self.cross = np.zeros((dim, dim))
         self.cubes = np.zeros((self.groups.shape[0], g, g, g))
 
-    def add(self, rows: np.ndarray, reference: bool = False) -> None:
+    def add(self, rows: np.ndarray, reference: bool = False, rows_t: np.ndarray | None = None) -> None:
         """Add basis rows (c, D) (finite). Each group's third moments from its columns taken once and its
         products written into one reused buffer (`third_moments`; ``reference``: a copy of the group's columns
-        and a new temporary a product, as first written): the same calls on the same values, the same bits."""
+        and a new temporary a product, as first written): the same calls on the same values, the same bits.
+        ``rows_t``: ``rows.T`` C-contiguous when the caller holds it (not copied again)."""
         rows = np.asarray(rows, dtype=float)
         if not np.isfinite(rows).all():
             raise ValueError("a Gram basis must be finite (NaN columns go in the column map)")
@@ -206,9 +207,11 @@ class BasisSums:
                 b = rows[:, idx]
                 self.cubes[i] += _third_moments_reference(b)
             return
-        rows_t = np.ascontiguousarray(rows.T)  # (D, c): a group's left factors are rows of it
-        for i, idx in enumerate(self.groups):
-            self.cubes[i] += third_moments(rows[:, idx], et=_rows_of(rows_t, idx))
+        if rows_t is None:
+            rows_t = transposed(rows)  # (D, c): a group's left factors are rows of it
+        for i, idx in enumerate(self.groups):  # its columns (c, g) C-contiguous: its left factors transposed
+            et = _rows_of(rows_t, idx)
+            self.cubes[i] += third_moments(transposed(et), et=et)
 
     def merge(self, other: "BasisSums") -> None:
         """Add another block's sums (same dimensions and groups)."""
@@ -216,6 +219,30 @@ class BasisSums:
         self.sum += other.sum
         self.cross += other.cross
         self.cubes += other.cubes
+
+
+#: Rows of a (D, n) array transposed at a time by `transposed` (a slab whose reads stay in cache).
+TRANSPOSE_STEP = 4096
+
+
+def transposed(a: np.ndarray) -> np.ndarray:
+    """``numpy.ascontiguousarray(a.T)`` of a 2-d array, copied a slab of `TRANSPOSE_STEP` of its columns at a
+    time (the same values; a whole-array strided copy misses the cache on every read).
+
+    Parameters
+    ----------
+    a : numpy.ndarray
+        A 2-d array (n, m), any strides.
+
+    Returns
+    -------
+    numpy.ndarray
+        Its transpose (m, n), C-contiguous, a new array.
+    """
+    out = np.empty((a.shape[1], a.shape[0]), dtype=a.dtype)
+    for lo in range(0, a.shape[1], TRANSPOSE_STEP):
+        out[lo:lo + TRANSPOSE_STEP] = a[:, lo:lo + TRANSPOSE_STEP].T
+    return out
 
 
 def _rows_of(a: np.ndarray, idx: np.ndarray) -> np.ndarray:

@@ -825,8 +825,11 @@ def _span_rank(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     lo = np.asarray(values.min()).astype(np.uint64)[()]  # signed: its bits modulo 2^64
     with np.errstate(over="ignore"):  # signed values: the unsigned difference wraps, as intended
         width = int(np.asarray(values.max()).astype(np.uint64)[()] - lo)  # modulo 2^64: the exact distance
-    d = values.astype(np.uint64)  # a copy (a view's bits for int64 would be the same values modulo 2^64)
-    d -= lo  # the distance from the smallest, modulo 2^64
+    if values.dtype.itemsize == 8:  # int64's bits as uint64 are its values modulo 2^64: one pass, no copy first
+        d = np.subtract(values.view(np.uint64), lo)  # the distance from the smallest, modulo 2^64
+    else:
+        d = values.astype(np.uint64)  # a copy (narrower ints: each widened, modulo 2^64)
+        d -= lo  # the distance from the smallest, modulo 2^64
     shared = np.bitwise_or.reduce(d)
     shift = 0 if shared == 0 else int(np.bitwise_count((shared & (~shared + np.uint64(1))) - np.uint64(1)))  # low 0s
     span = (width >> shift) + 1
@@ -1224,8 +1227,10 @@ def _piece_cells(pieces: Sequence[PackedPiece], n: int) -> tuple[Any, np.ndarray
         codes = p.table[SCORE]
         codes = np.asarray(codes.chunk(0) if codes.num_chunks == 1 else codes.combine_chunks())  # one: zero-copy
         hi = lo + codes.size
-        np.take(p.score_values, codes, out=score[lo:hi])
-        np.take(klass[a:a + p.score_values.size], codes, out=cell[lo:hi])
+        idx = cell[lo:hi]
+        idx[...] = codes  # the small codes widened once, in the cells' place: both gathers index by them
+        np.take(p.score_values, idx, out=score[lo:hi])
+        np.take(klass[a:a + p.score_values.size], idx, out=idx, mode="clip")  # every code valid: in place
         lo = hi
     # a class's score: its first row's (a class of one bit pattern: that value, whatever row is first)
     bits = allv.view(np.uint64)
@@ -2397,15 +2402,21 @@ class LabelledBasis:
                 raise ValueError("a shard's labelled prompts are not the driver's")
             del hit
         loc_c = np.searchsorted(P, self.prompt_cal)
-        add = (lambda rows: sums.add(rows, reference=True)) if reference else sums.add
+        if reference:
+            add = (lambda *got: sums.add(got[0], reference=True))
+            build = self._rows
+        else:  # each block built as its transpose (contiguous columns), then its rows once (`_rows_t`)
+            from cje_engine.inference.gram import transposed
+            add = (lambda rows_t: sums.add(transposed(rows_t), rows_t=rows_t))
+            build = self._rows_t
         for a in range(0, P.size, self.block):
             b = min(a + self.block, P.size)
             if a == 0 and b == P.size:
-                add(self._rows(terms, None, None, loc_l, loc_c, reference))
+                add(build(terms, None, None, loc_l, loc_c, reference))
                 continue
             kl = np.flatnonzero((loc_l >= a) & (loc_l < b))
             kc = np.flatnonzero((loc_c >= a) & (loc_c < b))
-            add(self._rows(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a, reference))
+            add(build(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a, reference))
         return sums
 
     def _rows(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray,
@@ -2439,6 +2450,41 @@ class LabelledBasis:
         own = np.bincount(key, weights=at(self.own_contrib, sl), minlength=n * K).reshape(n, K)
         own[:, self.own_gone] = np.nan
         base[:, 4 * K:] = fix(own)
+        return base
+
+    def _rows_t(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray,
+                reference: bool = False) -> np.ndarray:
+        """`_rows`' transpose (5K, n), C-contiguous: each column of the basis rows written as one contiguous row
+        (the per-policy sums by ``numpy.bincount`` over the key ``policy * n + position`` instead of ``position * K
+        + policy``: each bin the same weights added in the same order, the same bits), where `_rows` writes its
+        columns across the rows. ``reference``: `_rows` transposed."""
+        if reference:
+            return np.ascontiguousarray(self._rows(e, sl, sc, ll, lc, True).T)
+        K = self.K
+        n = e.shape[0]
+
+        def at(a: np.ndarray, idx: np.ndarray | None) -> np.ndarray:
+            return a if idx is None else a[idx]
+
+        base = np.empty((5 * K, n))
+        base[:K] = e.T
+        calibration, residual, audit, own = base[K:2 * K], base[2 * K:3 * K], base[3 * K:4 * K], base[4 * K:]
+        key = at(self.lab_pol, sl).astype(np.int64) * n
+        key += ll
+        residual[...] = np.bincount(key, weights=at(self.res_contrib, sl), minlength=K * n).reshape(K, n)
+        residual[self.gone] = np.nan
+        b_cal, resid = at(self.b_cal, sc), at(self.resid_cal, sc)
+        for k in range(K):
+            calibration[k] = np.bincount(lc, weights=self.rho_cal[k][b_cal] * resid / self.m, minlength=n)
+            audit[k] = np.bincount(lc, weights=self.rho_audit[k][b_cal] * resid / self.m, minlength=n)
+        _nan_to_num(calibration)
+        np.subtract(residual, audit, out=audit)
+        audit[self.gone] = np.nan
+        _nan_to_num(audit)
+        _nan_to_num(residual)
+        own[...] = np.bincount(key, weights=at(self.own_contrib, sl), minlength=K * n).reshape(K, n)
+        own[self.own_gone] = np.nan
+        _nan_to_num(own)
         return base
 
 

@@ -293,9 +293,9 @@ def test_the_gram_builder_writes_the_labelled_parts_bit_for_bit_a_block_at_a_tim
     seen = []
 
     class Recording(sharded.BasisSums):
-        def add(self, rows):
+        def add(self, rows, **kw):
             seen.append(rows.copy())
-            super().add(rows)
+            super().add(rows, **kw)
 
     monkeypatch.setattr(sharded, "BasisSums", Recording)
     monkeypatch.setattr(sharded, "BASIS_BLOCK_BYTES", 8 * 15 * 17)  # blocks of 17 prompts
@@ -501,6 +501,69 @@ def test_basis_sums_fast_path_is_its_reference_bit_for_bit():
         assert np.array_equal(getattr(fast, name), getattr(ref, name)), name
     with pytest.raises(ValueError, match="finite"):
         fast.add(np.full((2, D), np.inf))
+
+
+def _labelled_basis(rng, K: int, n_prompts: int, n_lab: int, n_cal: int, gone=(), own_gone=()) -> tuple:
+    """A `LabelledBasis` of ``n_prompts`` labelled prompts (codes 0..n-1), its rows' contributions with NaN and
+    infinite entries, and the prompts' terms."""
+    n_blocks = 4
+    prompt_lab = np.sort(np.concatenate([np.arange(n_prompts), rng.integers(0, max(n_prompts, 1), n_lab)]))
+    prompt_lab = prompt_lab[:max(n_lab, n_prompts)] if n_prompts else prompt_lab[:0]
+    L = prompt_lab.size
+    res, own = rng.standard_normal(L) ** 3, rng.standard_normal(L)
+    if L > 3:
+        res[1], own[2], res[3] = np.nan, np.inf, -np.inf
+    prompt_cal = rng.integers(0, max(n_prompts, 1), n_cal if n_prompts else 0)
+    gone_mask, own_mask = np.zeros(K, bool), np.zeros(K, bool)
+    gone_mask[list(gone)] = True
+    own_mask[list(own_gone)] = True
+    rho = rng.standard_normal((K, n_blocks))
+    rho[0, 1] = np.inf
+    basis = sharded.LabelledBasis(
+        K=K, groups=np.arange(5 * K).reshape(5, K).T, block=max(n_prompts, 1), gone=np.flatnonzero(gone_mask),
+        own_gone=own_mask,
+        rho_cal=rho, rho_audit=rng.standard_normal((K, n_blocks)), m=3.0, prompt_lab=prompt_lab,
+        lab_pol=rng.integers(0, K, L), res_contrib=res, own_contrib=own, prompt_cal=prompt_cal,
+        b_cal=rng.integers(0, n_blocks, prompt_cal.size), resid_cal=rng.standard_normal(prompt_cal.size))
+    terms = rng.standard_normal((n_prompts, K))
+    return basis, np.unique(prompt_lab), terms
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the largest floats summed: inf, NaN (alike in both)
+def test_labelled_basis_rows_built_transposed_are_its_reference_bit_for_bit():
+    """`LabelledBasis._rows_t` (each column of the basis rows written as one contiguous row, the per-policy sums
+    binned by ``policy * n + position``) is `LabelledBasis._rows`' reference transposed, bit for bit (NaN and
+    infinite contributions, policies without labels, one prompt, blocks of every size); `gram.transposed` is
+    ``numpy.ascontiguousarray(a.T)``; and `LabelledBasis.sums` (the rows from their transpose, `BasisSums.add`
+    given ``rows_t``) is its reference's, bit for bit."""
+    from cje_engine.inference import gram
+
+    rng = np.random.default_rng(14)
+    for shape in ((0, 0), (1, 1), (3, 0), (25, 1), (5, gram.TRANSPOSE_STEP - 1), (25, gram.TRANSPOSE_STEP),
+                  (7, 2 * gram.TRANSPOSE_STEP + 3)):
+        a = rng.standard_normal(shape)
+        got = gram.transposed(a)
+        assert got.flags.c_contiguous and np.array_equal(got, np.ascontiguousarray(a.T))
+    for K, n, n_lab, n_cal, gone, own_gone in ((5, 1, 1, 1, (), ()), (5, 40, 90, 30, (2,), (2, 4)),
+                                               (3, 700, 1500, 400, (), (0,)), (1, 9, 9, 0, (0,), (0,)),
+                                               (5, 5000, 9000, 2000, (4,), ())):
+        basis, P, terms = _labelled_basis(rng, K, n, n_lab, n_cal, gone, own_gone)
+        loc_l, loc_c = np.searchsorted(P, basis.prompt_lab), np.searchsorted(P, basis.prompt_cal)
+        want = basis._rows(terms, None, None, loc_l, loc_c, reference=True)
+        got = basis._rows_t(terms, None, None, loc_l, loc_c)
+        assert got.flags.c_contiguous and got.tobytes() == np.ascontiguousarray(want.T).tobytes(), (K, n)
+        assert basis._rows_t(terms, None, None, loc_l, loc_c, reference=True).tobytes() == got.tobytes()
+        for block in (1, 7, max(n // 3, 1), n, n + 1):
+            basis.block = block
+            fast, ref = basis.sums(P, terms), basis.sums(P, terms, reference=True)
+            for name in ("n", "sum", "cross", "cubes"):
+                assert np.asarray(getattr(fast, name)).tobytes() == np.asarray(getattr(ref, name)).tobytes(), \
+                    (K, n, block, name)
+    rows = rng.standard_normal((300, 25))
+    with_t, without = BasisSums(25, np.arange(25).reshape(5, 5).T), BasisSums(25, np.arange(25).reshape(5, 5).T)
+    with_t.add(rows, rows_t=gram.transposed(rows))
+    without.add(rows)
+    assert all(np.array_equal(getattr(with_t, f), getattr(without, f)) for f in ("n", "sum", "cross", "cubes"))
 
 
 def test_nan_to_num_in_place_is_numpys():

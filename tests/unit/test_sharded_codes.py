@@ -254,6 +254,10 @@ def test_span_rank_is_pandas_factorize():
         np.array([np.iinfo(np.int64).max, np.iinfo(np.int64).max - 2]),
         rng.permutation(np.arange(1000, dtype=np.int64)),  # no shared bit
         np.array([7, 7, 7], dtype=np.int64), rng.integers(0, 50, 400).astype(np.int32),
+        (rng.integers(-500, 500, 3000) * 16)[::3],  # a strided int64 view: its bits read in place
+        np.uint64(2**64 - 2**20) + rng.integers(0, 99, 700).astype(np.uint64)[::2],  # strided, near 2^64
+        rng.integers(-2**31, 2**31 - 1, 500).astype(np.int32) // 2**20 * 2**20,  # narrower: widened first
+        (np.uint32(2**31) + rng.integers(0, 3000, 500).astype(np.uint32) * np.uint32(256)), rng.integers(-99, 99, 50).astype(np.int16),
     ]
     for values in cases:
         want_codes, want_uniq = pd.factorize(values, sort=True)
