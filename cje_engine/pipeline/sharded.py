@@ -1229,7 +1229,8 @@ def _piece_cells(pieces: Sequence[PackedPiece], n: int) -> tuple[Any, np.ndarray
         idx = cell[lo:hi]
         idx[...] = codes  # the small codes widened once, in the cells' place: both gathers index by them
         np.take(p.score_values, idx, out=score[lo:hi])
-        np.take(klass[a:a + p.score_values.size], idx, out=idx, mode="clip")  # every code valid: in place
+        # in place; "clip" is never used: the gather above (mode "raise") refused any code outside the values
+        np.take(klass[a:a + p.score_values.size], idx, out=idx, mode="clip")
         lo = hi
     # a class's score: its first row's (a class of one bit pattern: that value, whatever row is first)
     bits = allv.view(np.uint64)
@@ -2401,21 +2402,23 @@ class LabelledBasis:
                 raise ValueError("a shard's labelled prompts are not the driver's")
             del hit
         loc_c = np.searchsorted(P, self.prompt_cal)
-        if reference:
-            add = (lambda *got: sums.add(got[0], reference=True))
-            build = self._rows
+        if reference:  # the rows as first built, added as first written
+            def add(*args: Any) -> None:
+                sums.add(self._rows(*args, reference=True), reference=True)
         else:  # each block built as its transpose (contiguous columns), then its rows once (`_rows_t`)
             from cje_engine.inference.gram import transposed
-            add = (lambda rows_t: sums.add(transposed(rows_t), rows_t=rows_t))
-            build = self._rows_t
+
+            def add(*args: Any) -> None:
+                rows_t = self._rows_t(*args)
+                sums.add(transposed(rows_t), rows_t=rows_t)
         for a in range(0, P.size, self.block):
             b = min(a + self.block, P.size)
             if a == 0 and b == P.size:
-                add(build(terms, None, None, loc_l, loc_c, reference))
+                add(terms, None, None, loc_l, loc_c)
                 continue
             kl = np.flatnonzero((loc_l >= a) & (loc_l < b))
             kc = np.flatnonzero((loc_c >= a) & (loc_c < b))
-            add(build(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a, reference))
+            add(terms[a:b], kl, kc, loc_l[kl] - a, loc_c[kc] - a)
         return sums
 
     def _rows(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray,
@@ -2451,14 +2454,12 @@ class LabelledBasis:
         base[:, 4 * K:] = fix(own)
         return base
 
-    def _rows_t(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray, lc: np.ndarray,
-                reference: bool = False) -> np.ndarray:
+    def _rows_t(self, e: np.ndarray, sl: np.ndarray | None, sc: np.ndarray | None, ll: np.ndarray,
+                lc: np.ndarray) -> np.ndarray:
         """`_rows`' transpose (5K, n), C-contiguous: each column of the basis rows written as one contiguous row
         (the per-policy sums by ``numpy.bincount`` over the key ``policy * n + position`` instead of ``position * K
         + policy``: each bin the same weights added in the same order, the same bits), where `_rows` writes its
-        columns across the rows. ``reference``: `_rows` transposed."""
-        if reference:
-            return np.ascontiguousarray(self._rows(e, sl, sc, ll, lc, True).T)
+        columns across the rows."""
         K = self.K
         n = e.shape[0]
 

@@ -552,7 +552,6 @@ def test_labelled_basis_rows_built_transposed_are_its_reference_bit_for_bit():
         want = basis._rows(terms, None, None, loc_l, loc_c, reference=True)
         got = basis._rows_t(terms, None, None, loc_l, loc_c)
         assert got.flags.c_contiguous and got.tobytes() == np.ascontiguousarray(want.T).tobytes(), (K, n)
-        assert basis._rows_t(terms, None, None, loc_l, loc_c, reference=True).tobytes() == got.tobytes()
         for block in (1, 7, max(n // 3, 1), n, n + 1):
             basis.block = block
             fast, ref = basis.sums(P, terms), basis.sums(P, terms, reference=True)

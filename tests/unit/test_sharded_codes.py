@@ -371,3 +371,28 @@ def test_pass1_counts_by_runs_are_the_per_row_counts(monkeypatch):
     monkeypatch.setattr(sharded, "POLICY_RUNS", 0)
     assert sharded._policy_runs(policy) is None
     _same_summary(fast, sharded.reduce_shard(sharded.reduce_shard.from_pieces(*pieces)))
+
+
+def test_a_piece_score_code_outside_its_values_is_refused():
+    """`_piece_cells` looks the cells up with ``mode="clip"`` only after the scores' gather (``mode="raise"``) has
+    refused any code outside the piece's values: a damaged piece raises, never a wrong cell."""
+    import dataclasses
+
+    import numpy as np
+    import pyarrow as pa
+    import pytest
+
+    from cje_engine.data.frame import POLICY, PROMPT, SCORE
+    from cje_engine.pipeline import sharded
+
+    t = pa.table({PROMPT: ["a", "b", "c"], POLICY: ["p", "p", "p"], SCORE: [0.1, 0.2, 0.1],
+                  sharded.ROW: np.arange(3, dtype=np.int64)})
+    piece = sharded.pack_piece(t)
+    assert piece.score_values is not None
+    sharded._piece_cells([piece], 3)  # the piece as packed: fine
+    codes = np.asarray(piece.table[SCORE].combine_chunks()).copy()
+    codes[1] = len(piece.score_values)  # one past its values
+    bad = dataclasses.replace(piece, table=piece.table.set_column(
+        piece.table.schema.get_field_index(SCORE), SCORE, pa.array(codes)))
+    with pytest.raises(IndexError):
+        sharded._piece_cells([bad], 3)
