@@ -215,7 +215,7 @@ PHASE_MARKS = [
     (r"^row pass: sharded \(.*read and reduced", "jackknife"),
     (r"^row pass: sharded \(", "discover"),
     (r"indexed on a Ray worker \([\d.]+ MiB in the object store\)$", "label index (serial, main)"),
-    (r"prompt ids of \d+ file\(s\) sampled", "sampling"),
+    (r"prompt ids of \d+ (of \d+ )?file\(s\) sampled", "sampling"),
     (r"file\(s\) read, joined and split into", "readers"),
     (r"after pass 1$", "pass 1"),
     (r"after merge$", "merge"),

@@ -70,7 +70,7 @@ from flows.pipelines import preflight
 from flows.pipelines.pages import contextual_report, refresh_pages
 from flows.pipelines.regressions import monitor_evaluation
 from flows.pipelines.sharded_pass import (SHARDED_MIN_BYTES, SHARDED_MIN_ROWS, check_row_pass, compute_sharded,
-                                          row_pass_for, single_row_pass, window_rows)
+                                          row_pass_for, single_row_pass, window_footers)
 from flows.runtime import ray_fanout as ray_runtime
 from flows.runtime.guard import checked_flow
 from flows.runtime.retries import DEFAULT_RETRY_DELAYS, PURE_TASK, storage_task_options
@@ -571,7 +571,7 @@ def compute(plan: RunPlan, cfg: Any, rows: WindowRows, n_chunks: int | None) -> 
 
 
 def sharded_window(plan: RunPlan, cfg: Any, files: list[dict], reason: str,
-                   rows: int | None = None) -> tuple[WindowRows, dict, Any]:
+                   footers: tuple[int, list | None] | None = None) -> tuple[WindowRows, dict, Any]:
     """``load_label_index`` then the sharded row pass (`flows.pipelines.sharded_pass.compute_sharded`): the label
     store is read and indexed on a Ray worker while the readers sample the prompt ids; the rows are read, joined
     with its labels and reduced on Ray workers; the driver holds neither the labels nor the rows."""
@@ -580,7 +580,7 @@ def sharded_window(plan: RunPlan, cfg: Any, files: list[dict], reason: str,
     with plan.timed("statistics"):
         pending = load_label_index.with_options(**plan.retry)(plan.labels_uri, quote(cfg),
                                                               plan.retry["retry_delay_seconds"][:plan.retry["retries"]])
-        counts, join, result = compute_sharded(plan, cfg, files, pending, reason, get_run_logger(), rows=rows)
+        counts, join, result = compute_sharded(plan, cfg, files, pending, reason, get_run_logger(), footers=footers)
     label_info = pending.info()  # done: the readers had the index (its error was raised by `compute_sharded`)
     build = {k: label_info.pop(k, 0) for k in BUILD_KEYS}
     if label_info["label_store_version"]:
@@ -700,12 +700,12 @@ def evaluate(
         size = sum(int(f.get("size") or 0) for f in files)
         # The footers' rows, when they can decide (`auto`, Direct, under the bytes' threshold, and at least a byte a
         # row of `SHARDED_MIN_ROWS`): a small window reads no footer, and its reads stay those of the single path.
-        n_rows = (window_rows(plan.logs_uri, cfg, files) if row_pass == "auto" and plan.mode == "direct" and
-                  SHARDED_MIN_ROWS <= size < SHARDED_MIN_BYTES else None)
-        path, why = row_pass_for(row_pass, plan.mode, files, n_rows)
+        footers = (window_footers(plan.logs_uri, cfg, files, plan.columns) if row_pass == "auto" and
+                   plan.mode == "direct" and SHARDED_MIN_ROWS <= size < SHARDED_MIN_BYTES else None)
+        path, why = row_pass_for(row_pass, plan.mode, files, None if footers is None else footers[0])
         get_run_logger().info("row pass: %s (%s)", path, why)
         if path == "sharded":
-            rows, counts, result = sharded_window(plan, cfg, files, why, n_rows)  # label index, shards on Ray, finalize
+            rows, counts, result = sharded_window(plan, cfg, files, why, footers)  # label index, shards on Ray, finalize
         else:
             rows = read_labelled_window(plan, cfg, files)  # load_labels, read, join_labels
             counts, result = compute(plan, cfg, rows, n_chunks)  # validate, prepare, bootstrap, finalize

@@ -51,7 +51,7 @@ SHARDED_MIN_ROWS = 45_000_000
 
 def row_pass_for(requested: str, mode: str, files: Sequence[dict], rows: int | None = None) -> tuple[str, str]:
     """(path, reason): ``"single"`` or ``"sharded"`` for a run of ``mode`` over ``files`` (their ``size``) of
-    ``rows`` rows (None: unknown; `window_rows`). ``auto`` takes the single path in a mode without a sharded one
+    ``rows`` rows (None: unknown; `window_footers`). ``auto`` takes the single path in a mode without a sharded one
     (logs-only, hybrid) and says why."""
     check_row_pass(requested, mode)
     size = sum(int(f.get("size") or 0) for f in files)
@@ -185,26 +185,31 @@ def merge_file_infos(infos: Sequence[dict]) -> dict:
 PARQUET_BYTES_PER_ROW = 12
 
 
-def window_rows(logs_uri: str, cfg: Any, files: Sequence[dict]) -> int:
-    """The window's rows, from the files' Parquet footers (`flows.storage.logs.parquet_rows`), which size the
-    shards (`flows.runtime.sharded_ray.n_shards_for`) and the readers' memory; from the files' bytes
-    (`PARQUET_BYTES_PER_ROW`) when a footer cannot be read. A size alone misjudged a window: 100M rows in 312 MB
-    without inline labels (3.1 B a row) read as 26M rows, 8 shards of 12.5M rows instead of 26 of ~3.8M."""
-    from flows.storage.logs import parquet_rows
+def window_footers(logs_uri: str, cfg: Any, files: Sequence[dict], mapping: dict | None = None
+                   ) -> tuple[int, list | None]:
+    """(rows, footers) of the window: its rows and each file's `flows.storage.logs.Footer` (its rows and its
+    prompt ids' bounds where its statistics say them; ``mapping``: the evaluation's ``columns:``), read once a run
+    (`flows.storage.logs.parquet_footers`). The rows size the shards (`flows.runtime.sharded_ray.n_shards_for`)
+    and the readers' memory; the bounds spare the readers' sample a read (`flows.runtime.sharded_ray.read_shards`).
+    When a footer cannot be read: the rows from the files' bytes (`PARQUET_BYTES_PER_ROW`) and no footer. A size
+    alone misjudged a window: 100M rows in 312 MB without inline labels (3.1 B a row) read as 26M rows, 8 shards
+    of 12.5M rows instead of 26 of ~3.8M."""
+    from flows.storage.logs import parquet_footers
     from flows.storage.objects import Storage
 
-    rows = parquet_rows(Storage.for_uri(logs_uri, cfg), [f["key"] for f in files])
-    if rows is not None:
-        return rows
-    return int(sum(int(f.get("size") or 0) for f in files) / PARQUET_BYTES_PER_ROW)
+    footers = parquet_footers(Storage.for_uri(logs_uri, cfg), [f["key"] for f in files], column=PROMPT,
+                              mapping=mapping)
+    if footers is not None:
+        return int(sum(f.rows for f in footers)), footers
+    return int(sum(int(f.get("size") or 0) for f in files) / PARQUET_BYTES_PER_ROW), None
 
 
 @sharded.heap_frozen  # the run's objects out of the collections: its finalize and bootstrap too
 def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason: str,
-                    logger: Any = log, rows: int | None = None) -> tuple[dict, dict, Any]:
+                    logger: Any = log, footers: tuple[int, list | None] | None = None) -> tuple[dict, dict, Any]:
     """The sharded path of a run: (counts, join counts, result). Shards are read, joined and reduced on Ray;
-    the bootstrap's histograms too (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`). ``rows``: the
-    window's rows when the caller has read the footers already (`window_rows`), else they are read here.
+    the bootstrap's histograms too (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`). ``footers``: the
+    window's rows and footers when the caller has read them already (`window_footers`), else they are read here.
     ``labels``: None (no label store) or the store's `flows.runtime.label_index.PendingLabelIndex`, its build
     submitted to Ray and not awaited: the readers sample the prompt ids meanwhile, then every reader gets the
     index from the object store (this process never holds it). A failed build (a damaged label store) is raised
@@ -212,7 +217,7 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
     opts = plan.opts
     cfg_dict = cfg.to_dict(include_secrets=True)
     keys = [f["key"] for f in files]
-    rows_hint = rows if rows is not None else window_rows(plan.logs_uri, cfg, files)  # footers read once a run
+    rows_hint, footed = footers if footers is not None else window_footers(plan.logs_uri, cfg, files, plan.columns)
     n_shards = sharded_ray.n_shards_for(rows_hint, ray_fanout.cluster_cpus())
     t0 = time.perf_counter()
     try:
@@ -221,7 +226,8 @@ def compute_sharded(plan: Any, cfg: Any, files: list[dict], labels: Any, reason:
                                               prepare_rows=FileRows(plan.covariates, plan.extra_columns),
                                               rows_hint=rows_hint, with_info=True,
                                               keep=shard_columns(plan.covariates, plan.extra_columns),
-                                              prepare_arg=None if labels is None else labels.ref)
+                                              prepare_arg=None if labels is None else labels.ref,
+                                              footers=footed)
     except BaseException:
         if labels is not None and labels.ref is not None:
             labels.info()  # the build's own error, if it failed (the readers' error is then its echo)

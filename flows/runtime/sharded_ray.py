@@ -115,6 +115,24 @@ def sample_file(uri: str, cfg_dict: dict, key: str, k: int, policies: list[str] 
     return (sample, id_bounds(table["prompt_id"])) if with_bounds else sample
 
 
+def sample_picks(footers: Sequence[Any] | None, n_files: int) -> list[tuple[int, bool]]:
+    """The files `read_shards` samples, in order, as ``(file, read)``: ``read`` when the file's prompt-id bounds
+    are read with its sample (its footer does not say them: `flows.storage.logs.Footer.bounds_known`); of the
+    files whose footers say the same bounds, the first only (its sample stands for theirs), and none of a file
+    without rows or of null ids only. ``footers`` None: every file, read."""
+    if footers is None:
+        return [(i, True) for i in range(n_files)]
+    picks: list[tuple[int, bool]] = []
+    seen: set = set()
+    for i, f in enumerate(footers):
+        if f is None or not f.bounds_known:
+            picks.append((i, True))
+        elif f.bounds is not None and f.bounds[0] is not None and f.bounds not in seen:
+            seen.add(f.bounds)
+            picks.append((i, False))
+    return picks
+
+
 from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # noqa: E402 - also its callers'
 
 #: Column of a response-id bucket: the id's `id_fingerprint`.
@@ -723,13 +741,17 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                 policies: list[str] | None = None, mapping: dict | None = None, prepare_rows: Callable | None = None,
                 rows_hint: int = 0, max_retries: int = DEFAULT_MAX_RETRIES, with_info: bool = False,
                 keep: Sequence[str] | None = None, concat: bool = False, prepare_arg: Any = None,
-                every_piece: bool = False, locality: bool = True):
+                every_piece: bool = False, locality: bool = True, footers: Sequence[Any] | None = None):
     """The window's shards: per shard a `ShardPieces` (its pieces from every file's reader, in the cluster's
     object store; `ray_mapper` rebuilds the shard's `pyarrow.Table` in each task), or with ``concat`` the
     reference of one concatenated table (a task per shard: a second copy of the rows in the store).
 
-    The shards hold ranges of prompt ids, cut from a sample of every file's ids (`sample_file`), so the
+    The shards hold ranges of prompt ids, cut from a sample of the files' ids (`sample_file`), so the
     engine codes prompts without their ids on the driver (`cje_engine.pipeline.sharded.prepare_sharded`).
+    ``footers`` (the files' `flows.storage.logs.Footer`, with the prompt ids' bounds where their statistics say
+    them; None: none known): a file whose footer bounds its ids is not read for its bounds, and of the files whose
+    footers give the same bounds one only is sampled (each policy's file of the same prompts, the usual layout,
+    gives the same sample): the shards' balance, never a number, depends on the sample (`sample_files`).
     The window's response ids are checked unique on the workers (by bucket of response-id fingerprint, across
     files and shards): a repeated id raises `CJEInputError` naming it and its files and rows.
 
@@ -758,15 +780,20 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     per_file = max(1, rows_hint // max(len(keys), 1))
     sample = ray.remote(sample_file).options(max_retries=max_retries, memory=task_memory(per_file // 2),
                                              name="cje_shard_sample")
-    got = ray.get([sample.remote(uri, cfg_dict, k, SAMPLES_PER_SHARD * n_shards, policies, mapping, True)
-                   for k in keys], timeout=ray_get_timeout())
+    picks = sample_picks(footers, len(keys))
+    got = ray.get([sample.remote(uri, cfg_dict, keys[i], SAMPLES_PER_SHARD * n_shards, policies, mapping, read)
+                   for i, read in picks], timeout=ray_get_timeout())
+    got = [g if read else (g, None) for (_, read), g in zip(picks, got)]  # (sample, its bounds when read)
+    bounds = [f.bounds if f is not None and f.bounds_known else None for f in (footers or [None] * len(keys))]
+    for (i, read), (_, b) in zip(picks, got):
+        if read:
+            bounds[i] = b
     splitters = range_splitters([s for s, _ in got], n_shards)
     # each reader returns the pieces of the shards its file's prompt-id range touches only (a file of a block of
     # prompts: 2-3 of 26), and each shard takes the pieces of the files that touch it, in file order
-    touched = ([list(range(n_shards))] * len(keys) if every_piece
-               else file_shards([b for _, b in got], splitters, n_shards))
-    log.info("prompt ids of %d file(s) sampled: %d shard ranges, %d pieces", len(keys), n_shards,
-             sum(len(t) for t in touched))
+    touched = [list(range(n_shards))] * len(keys) if every_piece else file_shards(bounds, splitters, n_shards)
+    log.info("prompt ids of %d of %d file(s) sampled (%d bounded by their footers): %d shard ranges, %d pieces",
+             len(picks), len(keys), len(keys) - sum(r for _, r in picks), n_shards, sum(len(t) for t in touched))
     from flows.runtime.ray_fanout import cluster_cpus
 
     n_buckets = response_id_bucket_count(rows_hint, cluster_cpus())

@@ -57,6 +57,7 @@ import random
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
@@ -113,27 +114,108 @@ def as_date(value: date | datetime | str, what: str = "date") -> date:
         raise CJEInputError(f"{what} {value!r} is not a date; expected YYYY-MM-DD") from None
 
 
-def parquet_rows(st: Storage, keys: Sequence[str], threads: int = 8) -> int | None:
-    """The rows of the Parquet files ``keys`` from their footers (one small read each, in ``threads`` threads),
-    or None when a footer cannot be read (storage down, not Parquet: the read that follows reports it with its own
-    retries and messages). The sharded row pass sizes its shards by it (`flows.pipelines.sharded_pass`)."""
+#: Appended to a footer's greatest string (`footer_bounds`): its bound then also covers an id of which the statistic
+#: is a truncated prefix (the Parquet format lets a writer truncate a string's statistics; none we read does).
+TOP = "\U0010ffff"
+
+
+@dataclass(frozen=True)
+class Footer:
+    """What one log file's Parquet footer says: its ``rows``, and the ``bounds`` of a string column (its least and
+    greatest value and whether it has a null, `footer_bounds`; None with ``bounds_known``: no row) where the
+    footer's statistics say them (``bounds_known``)."""
+
+    rows: int
+    bounds: tuple[str | None, str | None, bool] | None = None
+    bounds_known: bool = False
+
+
+def footer_bounds(meta: pq.FileMetaData, column: str) -> tuple[bool, tuple[str | None, str | None, bool] | None]:
+    """``(known, bounds)`` of a string ``column`` of a Parquet file from its footer ``meta``: the least value, the
+    greatest (with `TOP` appended: an upper bound even of a truncated statistic) and whether a value is null, over
+    its row groups' statistics, as `cje_engine.pipeline.sharded.id_bounds` gives them of the column read (its
+    least, greatest and null); ``(True, None)`` for a file without rows. Not known (``(False, None)``) when the
+    column is not a top-level UTF-8 string column, or a row group with rows lacks its statistics (min and max, or a
+    null count that says every value is null): the caller reads the column then. Python's `str` order is the
+    UTF-8 bytes' order, Parquet's order of string statistics."""
+    if meta.num_rows == 0:
+        return True, None
+    schema = meta.schema
+    at = [i for i in range(len(schema)) if schema.column(i).path == column]
+    if len(at) != 1:
+        return False, None
+    i = at[0]
+    low: list[str] = []
+    high: list[str] = []
+    nulls = False
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        if group.num_rows == 0:
+            continue
+        chunk = group.column(i)
+        stats = chunk.statistics
+        if chunk.physical_type != "BYTE_ARRAY" or stats is None or not (
+                str(stats.logical_type) == "String" or stats.converted_type == "UTF8"):
+            return False, None
+        counted = stats.has_null_count
+        nulls = nulls or not counted or stats.null_count > 0
+        if stats.has_min_max:
+            try:
+                lo, hi = stats.min, stats.max
+            except (UnicodeDecodeError, pa.ArrowException):
+                return False, None
+            if not (isinstance(lo, str) and isinstance(hi, str)):
+                return False, None
+            low.append(lo)
+            high.append(hi)
+        elif not (counted and stats.null_count == group.num_rows):  # min and max absent: known only when all null
+            return False, None
+    if not low:
+        return True, (None, None, True)
+    return True, (min(low), max(high) + TOP, nulls)
+
+
+def parquet_footers(st: Storage, keys: Sequence[str], column: str | None = None, threads: int = 8,
+                    mapping: Mapping[str, str] | None = None) -> list[Footer] | None:
+    """The Parquet footers of the files ``keys`` (one small read each, in ``threads`` threads): their rows and,
+    with ``column`` (a canonical name, renamed by ``mapping`` as `read_window` renames it), that string column's
+    bounds (`footer_bounds`). None when a footer cannot be read (storage down, not Parquet: the read that follows
+    reports it with its own retries and messages)."""
     from concurrent.futures import ThreadPoolExecutor
 
     if not keys:
-        return 0
+        return []
     fs, _ = st.arrow_fs
 
-    def rows(key: str) -> int | None:
+    def footer(key: str) -> Footer | None:
         try:
             with fs.open_input_file(st.arrow_path(key)) as f:
-                return int(pq.read_metadata(f).num_rows)
+                meta = pq.read_metadata(f)
         except (OSError, pa.ArrowException) as exc:
             log.debug("footer of %s not readable (%s)", st.url(key), exc)
             return None
+        if column is None:
+            return Footer(int(meta.num_rows))
+        name = column
+        if mapping:
+            try:
+                renames = log_renames(meta.schema.names, mapping, st.url(key))
+            except CJEInputError:  # a mapped column missing: the read names it
+                return Footer(int(meta.num_rows))
+            name = next((f for f, c in renames.items() if c == column), column)
+        known, bounds = footer_bounds(meta, name)
+        return Footer(int(meta.num_rows), bounds, known)
 
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(keys)))) as pool:
-        counts = list(pool.map(rows, list(keys)))
-    return None if any(c is None for c in counts) else int(sum(counts))
+        footers = list(pool.map(footer, list(keys)))
+    return None if any(f is None for f in footers) else footers
+
+
+def parquet_rows(st: Storage, keys: Sequence[str], threads: int = 8) -> int | None:
+    """The rows of the Parquet files ``keys`` from their footers (`parquet_footers`), or None when a footer cannot
+    be read. The sharded row pass sizes its shards by it (`flows.pipelines.sharded_pass`)."""
+    footers = parquet_footers(st, keys, threads=threads)
+    return None if footers is None else int(sum(f.rows for f in footers))
 
 
 def partition_dates(start: date | str, end: date | str) -> list[date]:

@@ -146,12 +146,12 @@ def test_a_log_file_without_a_segment_column_is_refused_by_its_read_task():
 
 
 def test_the_shards_are_sized_by_the_rows_in_the_files_footers_not_by_their_bytes(tmp_path):
-    """The sharded path sizes its shards by the window's rows (`window_rows`: the Parquet footers). The files'
+    """The sharded path sizes its shards by the window's rows (`window_footers`: the Parquet footers). The files'
     bytes misjudge them by the bytes a row, which depends on the columns and on how well they compress: the
     100M-row window of issue 29 (no inline labels, 3.1 B a row) read as 26M rows, 8 shards of 12.5M rows on
     2 CPUs instead of 26 of at most 4M. Here two files whose bytes give a tenth of their rows or less; a file
     whose footer cannot be read falls back to the bytes (the read then reports it)."""
-    from flows.pipelines.sharded_pass import PARQUET_BYTES_PER_ROW, window_rows
+    from flows.pipelines.sharded_pass import PARQUET_BYTES_PER_ROW, window_footers
 
     files = []
     for i, n in enumerate((40_000, 25_000)):
@@ -162,11 +162,14 @@ def test_the_shards_are_sized_by_the_rows_in_the_files_footers_not_by_their_byte
         files.append({"key": key, "size": (tmp_path / key).stat().st_size})
     by_bytes = sum(f["size"] for f in files) // PARQUET_BYTES_PER_ROW
     assert by_bytes * 10 < 65_000  # constant columns: a few bytes for 65,000 rows
-    assert window_rows(str(tmp_path), None, files) == 65_000
+    rows, footers = window_footers(str(tmp_path), None, files)
+    assert rows == 65_000 and [f.rows for f in footers] == [40_000, 25_000]
+    assert not any(f.bounds_known for f in footers)  # integer prompt ids: their string order is not the footer's
     (tmp_path / "dt=2026-02-04").mkdir()
     (tmp_path / "dt=2026-02-04" / "part-0.parquet").write_bytes(b"not parquet" * 100)
     bad = files + [{"key": "dt=2026-02-04/part-0.parquet", "size": 1100}]
-    assert window_rows(str(tmp_path), None, bad) == (sum(f["size"] for f in files) + 1100) // PARQUET_BYTES_PER_ROW
+    assert window_footers(str(tmp_path), None, bad) == ((sum(f["size"] for f in files) + 1100) // PARQUET_BYTES_PER_ROW,
+                                                       None)
 
 
 def test_a_swapped_label_object_fails_the_sharded_flow_naming_it(prefect_server, tmp_path, monkeypatch):

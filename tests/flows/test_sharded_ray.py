@@ -338,6 +338,61 @@ def test_readers_of_prompt_blocks_return_only_the_pieces_they_touch(local_ray, p
     assert_same_result(direct.finalize(prep, [expected]).to_dict(), got[False][1])
 
 
+@pytest.fixture
+def policy_blocks(direct_storage, bucket, s3_server):
+    """Simulated logs in two daily blocks of prompts, each block in one file per policy (the benchmark's layout: the
+    files of a block have the same prompts, so their footers the same prompt-id range), plus one file of each
+    block in several row groups."""
+    frame = simulate(900, seed=6, oracle_fraction=0.05).frame.copy()
+    rank = frame["prompt_id"].rank(method="dense").astype(int).to_numpy() - 1
+    start = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    frame["ts"] = [start + timedelta(days=int(d), seconds=i % 80000) for i, d in enumerate(rank * 2 // (rank.max() + 1))]
+    uri = f"s3://{bucket}/logs"
+    st = direct_storage(uri)
+    keys = []
+    for j, p in enumerate(sorted(frame["policy"].unique())):
+        part = pa.Table.from_pandas(frame[frame["policy"] == p], preserve_index=False)
+        keys += write_logs(st, part, basename=f"p{j}", row_group_size=64 if j == 0 else 262_144)
+    keys = sorted(keys)
+    window = read_window(st, keys)
+    return uri, st, keys, window.drop([c for c in ("dt", "ts") if c in window.column_names])
+
+
+def test_footer_bounds_sample_one_file_of_each_prompt_range_and_give_the_same_numbers(local_ray, policy_blocks,
+                                                                                        caplog):
+    """With the files' footers (`flows.storage.logs.parquet_footers`), each reader's prompt-id range comes from its
+    footer, and of the files of one range one only is sampled: 2 of the 10 files read for the sample, the same shard
+    ranges (each policy's file of a block holds the block's prompts) and the same numbers bit for bit as without the
+    footers, which are the single path's."""
+    from flows.storage.logs import parquet_footers
+
+    uri, st, keys, window = policy_blocks
+    assert len(keys) == 10
+    cfg = st.config.to_dict(include_secrets=True)
+    footers = parquet_footers(st, keys, column="prompt_id")
+    assert all(f.bounds_known for f in footers) and len({f.bounds for f in footers}) == 2
+    opts = EvaluationOptions.of(None, seed=4, inference="bootstrap", n_bootstrap=50)
+    prep = direct.prepare(window, opts)
+    expected = direct.bootstrap_chunk(prep, 0, 50)
+    got = {}
+    for with_footers in (False, True):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="flows.runtime.sharded_ray"):
+            refs = sharded_ray.read_shards(uri, cfg, keys, 5, rows_hint=window.num_rows,
+                                           footers=footers if with_footers else None)
+        said = [r.getMessage() for r in caplog.records if "sampled" in r.getMessage()]
+        assert said and said[0].startswith("prompt ids of 2 of 10 file(s) sampled (10 bounded by their footers)"
+                                           if with_footers else "prompt ids of 10 of 10 file(s) sampled (0 bounded")
+        sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
+        reps = sp.replicates(0, 50)
+        got[with_footers] = ([len(r.refs) for r in refs], reps, sp.finalize([reps]).to_dict())
+    assert np.array_equal(got[True][1], got[False][1], equal_nan=True)
+    assert np.array_equal(got[True][1], expected, equal_nan=True)
+    assert got[True][2] == got[False][2]
+    assert_same_result(direct.finalize(prep, [expected]).to_dict(), got[True][2])
+    assert sum(got[True][0]) <= sum(got[False][0]) + len(keys)  # at most one more (empty) piece a file
+
+
 def test_a_reader_killed_mid_read_is_retried_with_the_same_pieces(local_ray, prompt_blocks, tmp_path):
     """The reader of the first file is SIGKILLed while it prepares its rows: Ray runs it again (its ``num_returns``
     the pieces of its shards, as on the first attempt) and the numbers are the undisturbed run's."""
