@@ -53,15 +53,20 @@ class LabelIndex:
     Build it with `LabelIndex.build`; ``table`` has `flows.storage.labels.first_labels`' columns (one row per
     NFC id), ``fp`` the sorted fingerprints of its ids (None when the index probes by exact hash, see the module
     docstring) and ``shared`` the most ids sharing a fingerprint; ``bits``: a bit set of the fingerprints' top
-    bits (`filter_bits`; None: none), which lets `lookup` search only the ids that may be stored.
+    bits (`filter_bits`; None: none), which lets `lookup` search only the ids that may be stored; ``rows``: the
+    row of ``table`` of each sorted fingerprint (None: ``table`` is in the fingerprints' order). Since round 22
+    the table is not put in that order (a gather of every stored row, ~1 s of the build's ~2.2 s at 5M labels):
+    `lookup_rows` maps the fingerprints it finds to their rows.
     """
 
-    def __init__(self, table: pa.Table, fp: np.ndarray | None, shared: int, bits: np.ndarray | None = None) -> None:
+    def __init__(self, table: pa.Table, fp: np.ndarray | None, shared: int, bits: np.ndarray | None = None,
+                 rows: np.ndarray | None = None) -> None:
         self.table = table
         self.fp = fp
         self.shared = int(shared)
         self.bits = bits if fp is not None else None
         self.starts = None if fp is None else _slot_starts(fp)
+        self.rows = rows if fp is not None else None
 
     def __repr__(self) -> str:
         how = "exact hash" if self.fp is None else f"fingerprints, at most {self.shared} a fingerprint"
@@ -70,9 +75,8 @@ class LabelIndex:
     @property
     def nbytes(self) -> int:
         """Bytes of its arrays."""
-        return int(self.table.nbytes + (0 if self.fp is None else self.fp.nbytes)
-                   + (0 if self.bits is None else self.bits.nbytes)
-                   + (0 if self.starts is None else self.starts.nbytes))
+        return int(self.table.nbytes + sum(0 if a is None else a.nbytes for a in (self.fp, self.bits, self.starts,
+                                                                                   self.rows)))
 
     def _may_hold(self, q: np.ndarray) -> np.ndarray:
         """Positions of the fingerprints ``q`` whose bit is set in ``bits``: every stored one among them (no false
@@ -109,8 +113,8 @@ class LabelIndex:
         ``sorted_fp``: the `flows.storage.labels.SortedFingerprints` of the table's ids when the caller has them
         (`flows.storage.labels.LabelStore.read_sorted`: not computed again). The fingerprints are ordered by
         `flows.storage.labels.fingerprint_order` (the stable argsort's order) and the bit set built by runs of
-        its words (`_bit_set`); ``reference``: as first written (a stable argsort, `numpy.bitwise_or.at`). The
-        same index. Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
+        its words (`_bit_set`); ``reference``: as first written (a stable argsort, `numpy.bitwise_or.at`, the
+        table put in the fingerprints' order, as it still is where ids share a fingerprint). The same labels. Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
         """
         for col in ("response_id", "oracle_label", "label_probability"):
             if col not in label_table.column_names:
@@ -144,6 +148,8 @@ class LabelIndex:
                         "joined by an exact hash of the %d stored ids instead (slower, same labels)", shared,
                         first.num_rows)
             return cls(first, None, shared)
+        if shared <= 1 and not reference:  # the table in its order, each fingerprint's row beside it
+            return cls(_compact(first), fp, shared, _bit_set(fp), rows=order)
         table = first.take(pa.array(order))
         if shared > 1:  # two spellings of one id (stored before ids were normalised): the first is the one used
             dup = _repeated_in_runs(table.column("response_id"), fp, shared)
@@ -191,10 +197,11 @@ class LabelIndex:
         for _ in range(self.shared):
             if rows.size == 0:
                 break
-            same = pc.fill_null(pc.equal(_take_rows(rid, rows), pc.take(ids, pa.array(at))), False)
+            stored = at if self.rows is None else self.rows[at]  # the table's rows of the fingerprints found
+            same = pc.fill_null(pc.equal(_take_rows(rid, rows), pc.take(ids, pa.array(stored))), False)
             same = np.asarray(same.to_numpy(zero_copy_only=False), dtype=bool)
             hit_rows.append(rows[same])
-            hit_at.append(at[same])
+            hit_at.append(stored[same])
             rows, at = rows[~same], at[~same] + 1  # the next stored id of the same fingerprint, if any
             more = at < n
             rows, at = rows[more], at[more]
@@ -229,6 +236,14 @@ class LabelIndex:
             return fill_store_labels(logs_table, self.lookup(rid, fp), self.table)
         rows, at = self.lookup_rows(rid, fp)
         return fill_store_labels_at(logs_table, rows, at, self.table)
+
+
+def _compact(table: pa.Table) -> pa.Table:
+    """``table`` in one chunk a column of buffers of its own (a copy in order, not a gather): the store's read is in
+    chunks that are slices of larger buffers (one an object), each of which pickling (Ray's put) would ship whole
+    (1.6 GB for a 0.26 GB table of 5M labels in 39 chunks)."""
+    return pa.table({name: pa.concat_arrays([pa.array([], col.type), *col.chunks]) for name, col in
+                     zip(table.column_names, table.columns)}, schema=table.schema)
 
 
 def _take_rows(col: pa.ChunkedArray | pa.Array, rows: np.ndarray) -> pa.Array | pa.ChunkedArray:

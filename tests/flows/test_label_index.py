@@ -244,5 +244,5 @@ def test_the_bit_set_skips_only_ids_that_are_not_stored():
     p = 1 - math.exp(-10_000 / 2**18)
     bound = 10_000 * p + 5 * math.sqrt(10_000 * p * (1 - p))
     assert (passed >= 10_000).sum() < bound
-    no_bits = LabelIndex(index.table, index.fp, index.shared)
+    no_bits = LabelIndex(index.table, index.fp, index.shared, rows=index.rows)
     assert no_bits.lookup(probe).to_pylist() == want.to_pylist()
