@@ -150,12 +150,14 @@ def policy_counts(table: pa.Table) -> dict:
 
 def policy_counts_reference(table: pa.Table) -> dict:
     """`policy_counts` by a group-by of the policy (`FileRows`' as first written, which refused a dictionary-encoded
-    policy in chunks of differing dictionaries: those are grouped on their unified dictionary)."""
+    policy in chunks of differing dictionaries: those are grouped on their unified dictionary), in one thread: in
+    order of the policies' first row (Arrow's threaded group-by of several chunks orders them as its threads
+    finish: two calls on one table once gave ``b, a`` and ``a, b``)."""
     lab = table[LABEL] if LABEL in table.column_names else None
     sub = table.select([POLICY] + ([LABEL] if lab is not None else []))
     if pa.types.is_dictionary(sub.schema.field(POLICY).type):
         sub = sub.unify_dictionaries()
-    g = sub.group_by(POLICY).aggregate([(POLICY, "count")] + ([(LABEL, "count")] if lab else []))
+    g = sub.group_by(POLICY, use_threads=False).aggregate([(POLICY, "count")] + ([(LABEL, "count")] if lab else []))
     return {p: {"rows": int(r), "labelled": int(n)} for p, r, n in zip(
         g[POLICY].to_pylist(), g[f"{POLICY}_count"].to_pylist(),
         g[f"{LABEL}_count"].to_pylist() if lab else [0] * g.num_rows)}

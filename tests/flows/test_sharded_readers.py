@@ -217,3 +217,9 @@ def test_policy_counts_are_the_group_bys():
                 assert got == _old_policy_counts(t)
     t = table(same[0])
     assert policy_counts(t) == {"a": {"rows": 12, "labelled": 12 - t["oracle_label"].null_count}}
+    # several policies in several chunks: in order of their first row, every call (Arrow's threaded group-by orders
+    # them as its threads finish)
+    mixed = pa.chunked_array([dict_chunk([1, 0] * 50, ["a", "b"]), dict_chunk([0, 2] * 50, ["c", "a", "d"]),
+                              dict_chunk([0, 1] * 50, ["e", "b"])])
+    for _ in range(20):
+        assert list(policy_counts(table(mixed))) == ["b", "a", "c", "d", "e"]
