@@ -1659,17 +1659,8 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
     v = shard_view(shard, covariates, policies)
     pol, every = _row_policies(v.policy, codes.policy_code, reference)
     keep = None if every else pol >= 0
-    f = np.asarray(F_all)[codes.cell_code][v.cell]  # the fit at the shard's fine cells, then one gather a row
-    if cal_row.size:
-        at = np.searchsorted(v.lab_row, cal_row)
-        if at.max() >= v.lab_row.size or not np.array_equal(v.lab_row[at], cal_row):
-            raise ValueError("a calibration row sent to this shard is not in it")
-        f[v.lab_pos[at]] = cal_f
     K = plug.size
-    if every:  # every row's policy is evaluated (the usual case): the rows as they are, no copy
-        terms = _evaluation_terms(v.prompt, pol, f, plug, n_k, v.n_ids)
-    else:
-        terms = _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
+    terms = (_row_terms_reference if reference else _row_terms)(v, pol, keep, codes, F_all, cal_row, cal_f, plug, n_k)
     if keep_terms or reference:
         out = ShardTerms(terms if keep_terms else None, int(terms.shape[0]), terms.sum(0), terms.T @ terms)
     else:
@@ -1694,6 +1685,63 @@ def shard_evaluation_terms(shard: Any, covariates: Sequence[str], policies: Sequ
             out.sums = basis.sums(out.labelled, out.labelled_terms, reference)
             out.labelled_terms = None
     return out
+
+
+def _cal_positions(v: ShardView, cal_row: np.ndarray) -> np.ndarray:
+    """The positions in the shard of its calibration rows ``cal_row`` (window rows; each must be a labelled row
+    of the shard, else ValueError)."""
+    at = np.searchsorted(v.lab_row, cal_row)
+    if at.max() >= v.lab_row.size or not np.array_equal(v.lab_row[at], cal_row):
+        raise ValueError("a calibration row sent to this shard is not in it")
+    return v.lab_pos[at]
+
+
+def _row_terms_reference(v: ShardView, pol: np.ndarray, keep: np.ndarray | None, codes: ShardCodes,
+                         F_all: np.ndarray, cal_row: np.ndarray, cal_f: np.ndarray, plug: np.ndarray,
+                         n_k: np.ndarray) -> np.ndarray:
+    """Pass 2's per-prompt evaluation terms (n_ids, K) of a shard as first written: every row's calibrated value
+    ``f`` (the fit at its cell, ``cal_f`` on the calibration rows ``cal_row``), then `_evaluation_terms` of the
+    evaluated rows (``keep``: None, every row). `_row_terms`' reference."""
+    f = np.asarray(F_all)[codes.cell_code][v.cell]  # the fit at the shard's fine cells, then one gather a row
+    if cal_row.size:
+        f[_cal_positions(v, cal_row)] = cal_f
+    if keep is None:  # every row's policy is evaluated (the usual case): the rows as they are, no copy
+        return _evaluation_terms(v.prompt, pol, f, plug, n_k, v.n_ids)
+    return _evaluation_terms(v.prompt[keep], pol[keep], f[keep], plug, n_k, v.n_ids)
+
+
+def _row_terms(v: ShardView, pol: np.ndarray, keep: np.ndarray | None, codes: ShardCodes, F_all: np.ndarray,
+               cal_row: np.ndarray, cal_f: np.ndarray, plug: np.ndarray, n_k: np.ndarray) -> np.ndarray:
+    """`_row_terms_reference`'s terms, bit for bit. Where every row is evaluated and the rows come in few runs of
+    one policy (`_policy_runs`), each row's contribution ``(f - plug[k]) / n_k[k]`` is gathered from its policy's
+    table of the same two operations on the fit at the shard's cells (the same operations on the same values:
+    the same bits), the calibration rows' then written over with those of their ``cal_f``, and the bincount key
+    ``prompt * K + k`` built a run at a time: no array of every row's ``f``, one pass less over the rows."""
+    runs = None if keep is not None or not pol.size else _policy_runs(pol)
+    if runs is None:
+        return _row_terms_reference(v, pol, keep, codes, F_all, cal_row, cal_f, plug, n_k)
+    K, n = plug.size, v.cell.size
+    fit = np.asarray(F_all)[codes.cell_code]  # the fit at the shard's fine cells
+    contrib = np.empty(n)
+    key = np.empty(n, dtype=np.int64)
+    table = np.empty(fit.shape)
+    for k, a, b in runs:
+        np.subtract(fit, plug[k], out=table)  # `_contributions`' two operations, on the cells' values
+        np.divide(table, n_k[k], out=table)
+        # "wrap": unbuffered, each cell in -1..G-1 (pass 1's; a NaN score's -1 the last, as the gather of f)
+        np.take(table, v.cell[a:b], out=contrib[a:b], mode="wrap")
+        np.multiply(v.prompt[a:b], K, out=key[a:b], dtype=np.int64)
+        key[a:b] += k
+    if cal_row.size:
+        at = _cal_positions(v, cal_row)
+        f = np.empty(at.size, dtype=fit.dtype)
+        f[...] = cal_f  # as `_row_terms_reference` writes them into its ``f``
+        k = pol[at]
+        x = np.empty(at.size)
+        np.subtract(f, plug[k], out=x)
+        np.divide(x, n_k[k], out=x)
+        contrib[at] = x
+    return np.bincount(key, weights=contrib, minlength=v.n_ids * K).reshape(v.n_ids, K)
 
 
 def _row_policies(local: np.ndarray, policy_code: np.ndarray, reference: bool = False) -> tuple[np.ndarray, bool]:

@@ -396,3 +396,52 @@ def test_a_piece_score_code_outside_its_values_is_refused():
         piece.table.schema.get_field_index(SCORE), SCORE, pa.array(codes)))
     with pytest.raises(IndexError):
         sharded._piece_cells([bad], 3)
+
+
+def test_row_terms_by_cell_tables_are_the_reference(monkeypatch):
+    """Pass 2's per-prompt terms with every row's contribution gathered from its policy's table over the cells
+    (and the calibration rows' written over): `_row_terms_reference`'s bits, for runs few or many, a NaN score's
+    cell (-1), float32 or float64 fits, whole-number or float row counts, calibration rows or none, some policy
+    not evaluated, one row, no row."""
+    rng = np.random.default_rng(12)
+
+    def case(n, n_ids, K, G, runs, fit_dtype=float, nk_int=False, n_cal=0, drop=False, nan_cell=False):
+        policy = np.repeat(rng.integers(0, K, runs), np.diff(np.linspace(0, n, runs + 1).astype(int)))
+        policy = policy.astype(np.int8)
+        cell = rng.integers(-1 if nan_cell else 0, G, n).astype(np.int32)
+        prompt = rng.integers(0, n_ids, n).astype(np.int32)
+        lab_pos = np.flatnonzero(rng.random(n) < 0.3)
+        lab_row = lab_pos.astype(np.int64) * 3 + 7
+        v = sharded.ShardView(prompt, policy, cell, lab_pos, lab_row, n_ids)
+        table = np.arange(K)
+        if drop:
+            table = np.where(table == K - 1, -1, table)
+        codes = sharded.ShardCodes(None, table, rng.permutation(G + 2)[:G], G + 2)
+        F_all = (rng.standard_normal(G + 2) * np.exp(rng.standard_normal(G + 2) * 3)).astype(fit_dtype)
+        plug = rng.standard_normal(K)
+        n_k = rng.integers(1, 10**6, K)
+        n_k = n_k if nk_int else n_k * 1.0 + rng.random(K)
+        cal = np.sort(rng.choice(lab_row, min(n_cal, lab_row.size), replace=False)) if n_cal else lab_row[:0]
+        cal_f = rng.standard_normal(cal.size)
+        pol, every = sharded._row_policies(v.policy, codes.policy_code)
+        keep = None if every else pol >= 0
+        got = sharded._row_terms(v, pol, keep, codes, F_all, cal, cal_f, plug, n_k)
+        want = sharded._row_terms_reference(v, pol, keep, codes, F_all, cal, cal_f, plug, n_k)
+        assert got.dtype == want.dtype and got.shape == want.shape == (n_ids, K)
+        assert got.tobytes() == want.tobytes()
+
+    case(50_000, 3000, 5, 21, 7, n_cal=2000)
+    case(50_000, 3000, 5, 21, 7, n_cal=2000, nan_cell=True)
+    case(50_000, 3000, 4, 300, 40, fit_dtype=np.float32, nk_int=True, n_cal=500)
+    case(50_000, 70_000, 3, 21, 2, n_cal=0)
+    case(20_000, 2000, 5, 21, 9, n_cal=100, drop=True)  # a policy not evaluated: the reference's way
+    case(1, 1, 2, 1, 1, n_cal=1)
+    case(1, 1, 2, 1, 1)
+    case(0, 0, 3, 2, 1)
+    with pytest.raises(ValueError, match="not in it"):
+        v = sharded.ShardView(np.zeros(3, np.int32), np.zeros(3, np.int8), np.zeros(3, np.int32), np.array([1]),
+                              np.array([5]), 1)
+        sharded._row_terms(v, v.policy, None, sharded.ShardCodes(None, np.arange(1), np.arange(1), 1), np.ones(1),
+                           np.array([6]), np.ones(1), np.zeros(1), np.ones(1))
+    monkeypatch.setattr(sharded, "POLICY_RUNS", 0)  # many runs: the reference's way
+    case(20_000, 2000, 5, 21, 300, n_cal=100)
