@@ -617,6 +617,11 @@ def test_pass_2_fast_path_is_its_reference(table, monkeypatch, kw):
         # the places of the rows' prompts the shard hints (`_places`), right, wrong or none: the same sums
         basis = item[-1]
         got = sharded.shard_evaluation_terms(*item[:-1], basis=None)
+        want = sharded.shard_evaluation_terms(*item[:-1], basis=None, reference=True)
+        x, y = got.labelled_terms, want.labelled_terms  # rows taken by `numpy.take`: the reference's indexing's
+        assert x.dtype == y.dtype and x.shape == y.shape and x.flags.c_contiguous and x.tobytes() == y.tobytes()
+        for name in ("n", "s", "S", "T"):  # of the rows `numpy.compress` took
+            assert np.array_equal(getattr(got.rest, name), getattr(want.rest, name)), name
         n_l, n_c = basis.prompt_lab.size, basis.prompt_cal.size
         right = (np.searchsorted(got.labelled, basis.prompt_lab), np.searchsorted(got.labelled, basis.prompt_cal))
         for at in (None, right, (right[0], None), (np.zeros(n_l, np.int64), np.zeros(n_c, np.int64)),
