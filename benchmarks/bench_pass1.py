@@ -5,7 +5,7 @@ in its own fresh process (``cold``: its first call, as a task in a new worker; `
 ``--calls``), the processes alternated ``--repeat`` times; and the summaries' digest, which must be equal.
 
     PYTHONPATH=$PWD python benchmarks/bench_pass1.py --base /work/main [--rows 3850000] [--repeat 3] [--calls 3]
-        [--shuffle]
+        [--shuffle] [--parts]
 
 The shard: ``--rows`` rows in ``--pieces`` packed pieces (`pack_piece`) of which ``--blocks * --policies`` hold
 rows, each one policy of a block of prompts (ids ``b<block>-p<6 digits>``, 10-11 bytes: the 100M benchmark's
@@ -106,8 +106,29 @@ def child(args: argparse.Namespace) -> dict:
 
     cold, out = once()
     warm = [once()[0] for _ in range(args.calls)]
+    parts = {}
+    if args.parts and hasattr(sharded, "packed_rows"):  # pass 1's steps apart: the best of ``calls`` each
+        import numpy as np
+        import pyarrow as pa
+
+        def best(name, f):
+            b = float("inf")
+            for _ in range(max(args.calls, 1)):
+                c = time.process_time()
+                f()
+                b = min(b, time.process_time() - c)
+            parts[name] = b
+
+        shard = build(*pieces)
+        best("packed_rows", lambda: sharded.packed_rows(shard))
+        held = [p for p in pieces if p.num_rows]
+        col = pa.chunked_array([c for p in held for c in p.table[sharded.PROMPT].chunks])
+        best("sorted_codes (prompt)", lambda: sharded.sorted_codes(col))
+        r = sharded.packed_rows(shard)
+        ids = sharded.unique_ints(r.prompt[r.lab].astype(np.int64))
+        best("_folds (labelled prompts)", lambda: sharded._folds(r.prompt_ids.take(pa.array(ids)), 5))
     return {"cold": cold, "warm": statistics.median(warm) if warm else None, "digest": digest(out),
-            "rows": out.n_rows, "ids": out.n_ids}
+            "rows": out.n_rows, "ids": out.n_ids, "parts": parts}
 
 
 def alternate_trees(script: str, argv: list[str] | None, base: str, repeat: int) -> tuple[dict, dict, dict]:
@@ -151,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle", action="store_true", help="each piece's prompts in a random order")
+    p.add_argument("--parts", action="store_true", help="also time pass 1's steps apart (best of --calls)")
     args, alternated = parse_and_alternate(p, argv, __file__, child)
     if alternated is None:
         return 0
@@ -162,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         "load": os.getloadavg()[0], "cpu_s_median": med,
         "cpu_s_per_100M_rows": {name: {k: round(v * shards_100m, 1) for k, v in m.items()} for name, m in med.items()},
         "ratio_base_over_this": {k: round(med["base"][k] / med["this"][k], 2) for k in ("cold", "warm")},
+        "parts_cpu_s_median": {name: {k: round(statistics.median(r.get("parts", {}).get(k, 0.0) for r in rs), 4)
+                                      for k in rs[0].get("parts", {})} for name, rs in runs.items()},
         "same_summary": digests["this"] == digests["base"] and len(digests["this"]) == 1, "digests": digests,
     }, indent=1))
     return 0

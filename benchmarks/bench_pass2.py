@@ -73,6 +73,20 @@ def child(args: argparse.Namespace) -> dict:
                 item[-1].sums(got.labelled, got.labelled_terms)
                 best = min(best, time.process_time() - c)
             parts["LabelledBasis.sums"] = parts.get("LabelledBasis.sums", 0.0) + best
+            if hasattr(sharded, "_row_terms"):  # the rows' per-prompt terms apart (`_row_terms`, since round 22)
+                import numpy as np
+                shard, cov, pols, codes, F_all, cal_row, cal_f, plug, n_k = item[:9]
+                v = sharded.shard_view(shard, cov, pols)
+                pol, every = sharded._row_policies(v.policy, codes.policy_code)
+                keep = None if every else pol >= 0
+                for fn in (sharded._row_terms, sharded._row_terms_reference):  # the reference: main's way
+                    best = float("inf")
+                    for _ in range(max(args.calls, 1)):
+                        c = time.process_time()
+                        at = sharded._cal_positions(v, cal_row) if np.size(cal_row) else None
+                        fn(v, pol, keep, codes, F_all, at, cal_f, plug, n_k)
+                        best = min(best, time.process_time() - c)
+                    parts[fn.__name__] = parts.get(fn.__name__, 0.0) + best
     return {"cold": cold, "warm": statistics.median(warm) if warm else None, "digest": ",".join(digests),
             "shards": len(items), "parts": parts}
 

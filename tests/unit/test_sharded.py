@@ -614,12 +614,29 @@ def test_pass_2_fast_path_is_its_reference(table, monkeypatch, kw):
         n, d = ref.count, np.sqrt(np.diag(ref.gram))
         assert np.all(np.abs(fast.total - ref.total) <= 2 * n * eps * np.sqrt(n) * d)
         assert np.all(np.abs(fast.gram - ref.gram) <= 2 * n * eps * np.outer(d, d))
+        # the places of the rows' prompts the shard hints (`_places`), right, wrong or none: the same sums
+        basis = item[-1]
+        got = sharded.shard_evaluation_terms(*item[:-1], basis=None)
+        want = sharded.shard_evaluation_terms(*item[:-1], basis=None, reference=True)
+        x, y = got.labelled_terms, want.labelled_terms  # rows taken by `numpy.take`: the reference's indexing's
+        assert x.dtype == y.dtype and x.shape == y.shape and x.flags.c_contiguous and x.tobytes() == y.tobytes()
+        for name in ("n", "s", "S", "T"):  # of the rows `numpy.compress` took
+            assert np.array_equal(getattr(got.rest, name), getattr(want.rest, name)), name
+        n_l, n_c = basis.prompt_lab.size, basis.prompt_cal.size
+        right = (np.searchsorted(got.labelled, basis.prompt_lab), np.searchsorted(got.labelled, basis.prompt_cal))
+        for at in (None, right, (right[0], None), (np.zeros(n_l, np.int64), np.zeros(n_c, np.int64)),
+                   (right[0][:-1], right[1][1:]), (right[0] + 1, right[1] - 1)):
+            sums = basis.sums(got.labelled, got.labelled_terms, at=at)
+            for name in ("n", "sum", "cross", "cubes"):
+                assert np.array_equal(getattr(sums, name), getattr(ref.sums, name)), name
         # the check of the labelled prompts against the driver's: both paths refuse another set
         P = fast.labelled
         for wrong in (P[1:], np.append(P, P[-1] + 1), P[::-1].copy()):
             for reference in (False, True):
                 with pytest.raises(ValueError, match="labelled prompts are not the driver's"):
                     item[-1].sums(wrong, np.zeros((wrong.size, 5)), reference=reference)
+            with pytest.raises(ValueError, match="labelled prompts are not the driver's"):
+                item[-1].sums(wrong, np.zeros((wrong.size, 5)), at=(np.arange(n_l) % wrong.size, None))
 
 
 def test_the_driver_tails_fast_paths_are_their_references():

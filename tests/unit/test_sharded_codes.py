@@ -37,6 +37,26 @@ def _check(col: pa.Array | pa.ChunkedArray) -> None:
     assert codes.dtype == np.int64 and ids.type == pa.string()
     assert np.array_equal(codes, ref_codes) and np.array_equal(codes, want_codes)
     assert ids.equals(ref_ids) and ids.to_pylist() == want_ids
+    # the ids kept as their keys (`KeyIds`, pass 1's way): the same codes, the same ids wherever read
+    kcodes, kids = sharded.sorted_codes(col, keys=True)
+    assert kcodes.dtype == np.int64 and np.array_equal(kcodes, codes) and len(kids) == len(ids)
+    assert kids.take(pa.array(np.arange(len(ids)))).equals(ids)
+    if isinstance(kids, sharded.KeyIds):
+        assert kids.array().equals(ids)
+        at = np.random.default_rng(len(ids)).integers(0, len(ids), 7) if len(ids) else np.empty(0, np.int64)
+        for pos in (at, np.sort(np.unique(at)), np.array([0, len(ids) - 1]) if len(ids) else at):
+            got = kids.take(pa.array(pos, pa.int64()))
+            assert got.type == pa.string() and got.equals(ids.take(pa.array(pos, pa.int64())))
+
+
+def test_key_ids_past_2_gib_are_the_columns(monkeypatch):
+    """`KeyIds` whose bytes would pass 2 GiB (`_ids_of_keys` None) take each id from a row of the column."""
+    col = pa.chunked_array([pa.array(["b", "a\0", "a", "é"]), pa.array(["a", "zz", "b"])])
+    codes, ids = sharded.sorted_codes(col)
+    monkeypatch.setattr(sharded, "_ids_of_keys", lambda *a: None)
+    kcodes, kids = sharded.sorted_codes(col, keys=True)
+    assert isinstance(kids, sharded.KeyIds) and np.array_equal(kcodes, codes)
+    assert kids.array().equals(ids) and kids.take(np.array([3, 0])).equals(ids.take(pa.array([3, 0])))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -175,6 +195,9 @@ def test_pass1_on_packed_pieces_is_pass1_on_their_table(seed):
     _both(pieces[:1])
     _both([_piece(1, 9)])  # one row
     _both([_piece(300, 9, zeros=False), _piece(300, 10, zeros=False)])  # every class of one bit pattern
+    plain = [p.replace_schema_metadata(None) for p in pieces]  # not a range shard: its ids returned, all built
+    _both(plain)
+    _both(plain[:1])
 
 
 def _permuted(piece: sharded.PackedPiece, seed: int) -> sharded.PackedPiece:
@@ -396,3 +419,90 @@ def test_a_piece_score_code_outside_its_values_is_refused():
         piece.table.schema.get_field_index(SCORE), SCORE, pa.array(codes)))
     with pytest.raises(IndexError):
         sharded._piece_cells([bad], 3)
+
+
+def test_row_terms_by_cell_tables_are_the_reference(monkeypatch):
+    """Pass 2's per-prompt terms with every row's contribution gathered from its policy's table over the cells
+    (and the calibration rows' written over): `_row_terms_reference`'s bits, for runs few or many, a NaN score's
+    cell (-1), float32 or float64 fits, whole-number or float row counts, calibration rows or none, some policy
+    not evaluated, one row, no row."""
+    rng = np.random.default_rng(12)
+
+    def case(n, n_ids, K, G, runs, fit_dtype=float, nk_int=False, n_cal=0, drop=False, nan_cell=False):
+        policy = np.repeat(rng.integers(0, K, runs), np.diff(np.linspace(0, n, runs + 1).astype(int)))
+        policy = policy.astype(np.int8)
+        cell = rng.integers(-1 if nan_cell else 0, G, n).astype(np.int32)
+        prompt = rng.integers(0, n_ids, n).astype(np.int32)
+        lab_pos = np.flatnonzero(rng.random(n) < 0.3)
+        lab_row = lab_pos.astype(np.int64) * 3 + 7
+        v = sharded.ShardView(prompt, policy, cell, lab_pos, lab_row, n_ids)
+        table = np.arange(K)
+        if drop:
+            table = np.where(table == K - 1, -1, table)
+        codes = sharded.ShardCodes(None, table, rng.permutation(G + 2)[:G], G + 2)
+        F_all = (rng.standard_normal(G + 2) * np.exp(rng.standard_normal(G + 2) * 3)).astype(fit_dtype)
+        plug = rng.standard_normal(K)
+        n_k = rng.integers(1, 10**6, K)
+        n_k = n_k if nk_int else n_k * 1.0 + rng.random(K)
+        cal = np.sort(rng.choice(lab_row, min(n_cal, lab_row.size), replace=False)) if n_cal else lab_row[:0]
+        cal_f = rng.standard_normal(cal.size)
+        pol, every = sharded._row_policies(v.policy, codes.policy_code)
+        keep = None if every else pol >= 0
+        at = sharded._cal_positions(v, cal) if cal.size else None
+        got = sharded._row_terms(v, pol, keep, codes, F_all, at, cal_f, plug, n_k)
+        want = sharded._row_terms_reference(v, pol, keep, codes, F_all, at, cal_f, plug, n_k)
+        assert got.dtype == want.dtype and got.shape == want.shape == (n_ids, K)
+        assert got.tobytes() == want.tobytes()
+
+    case(50_000, 3000, 5, 21, 7, n_cal=2000)
+    case(50_000, 3000, 5, 21, 7, n_cal=2000, nan_cell=True)
+    case(50_000, 3000, 4, 300, 40, fit_dtype=np.float32, nk_int=True, n_cal=500)
+    case(50_000, 70_000, 3, 21, 2, n_cal=0)
+    case(20_000, 2000, 5, 21, 9, n_cal=100, drop=True)  # a policy not evaluated: the reference's way
+    case(1, 1, 2, 1, 1, n_cal=1)
+    case(1, 1, 2, 1, 1)
+    case(0, 0, 3, 2, 1)
+    with pytest.raises(ValueError, match="not in it"):
+        v = sharded.ShardView(np.zeros(3, np.int32), np.zeros(3, np.int8), np.zeros(3, np.int32), np.array([1]),
+                              np.array([5]), 1)
+        sharded._cal_positions(v, np.array([6]))
+    monkeypatch.setattr(sharded, "POLICY_RUNS", 0)  # many runs: the reference's way
+    case(20_000, 2000, 5, 21, 300, n_cal=100)
+
+
+def test_places_are_searchsorted():
+    """`_places` (pass 2's labelled and calibration rows' places in the shard's labelled prompts, taken from the
+    shard's hint where the hint holds): ``numpy.searchsorted``'s positions whatever the hint."""
+    rng = np.random.default_rng(21)
+    P = np.unique(rng.integers(0, 10**6, 5000)).astype(np.int64)
+    right = rng.integers(0, P.size, 8000)
+    values = P[right].astype(np.int32)
+    want = np.searchsorted(P, values)
+    bad = right.copy()
+    bad[5] = (bad[5] + 1) % P.size
+    for hint in (right, None, bad, right[:-1], right.astype(np.int32), right - 1, right + 1, np.full_like(right, -1)):
+        got = sharded._places(P, values, hint)
+        assert got.dtype == np.int64 and np.array_equal(got, want)
+    stranger = np.append(values, P[-1] + 1)  # a value not in P: the search's place (past the end)
+    assert np.array_equal(sharded._places(P, stranger, np.append(right, P.size)), np.searchsorted(P, stranger))
+    assert np.array_equal(sharded._places(P, values, right), right)  # the hint itself, no search
+    ties = np.array([1, 1, 2])  # not strictly increasing: the search
+    assert np.array_equal(sharded._places(ties, np.array([1]), np.array([1])), np.searchsorted(ties, [1]))
+    assert sharded._places(P, values[:0], right[:0]).size == 0
+    assert np.array_equal(sharded._places(P[:1], values[:0], None), np.searchsorted(P[:1], values[:0]))
+
+
+def test_dense_rank_of_a_full_span_is_pandas_factorize():
+    """Every value of the span present (each value its own rank, no gather): pandas' codes and uniques, int64,
+    in place or not, whatever the integer type; a span with a gap ranks as before."""
+    rng = np.random.default_rng(8)
+    for values in (np.arange(7)[::-1], rng.permutation(1000), np.repeat(np.arange(50), 3), np.array([0]),
+                   np.append(rng.permutation(300), 301)):  # the last: 300 missing
+        want_codes, want_uniq = pd.factorize(values, sort=True)
+        for dtype in (np.int64, np.int32, np.uint16):
+            for inplace in (False, True):
+                x = values.astype(dtype)
+                codes, uniq = sharded.dense_rank(x, int(values.max()) + 1, inplace=inplace)
+                assert codes.dtype == np.int64 and uniq.dtype == np.int64
+                assert np.array_equal(codes, want_codes) and np.array_equal(uniq, want_uniq)
+                assert np.array_equal(x, values.astype(dtype)) or (inplace and dtype == np.int64)
