@@ -165,20 +165,22 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     # the bucket from the low half: floor(low * n / 2^32), one multiply (a 64-bit modulo a row costs more); every copy
     # of an id has its fingerprint, so its bucket. Not from the high half, which `check_response_ids` sorts: a
     # bucket's high halves stay spread over all 2^32 values (few shared, `repeated_fingerprints`)
+    bucket = fp & np.uint64(0xFFFFFFFF)
+    bucket *= np.uint64(n_buckets)
+    bucket >>= np.uint64(32)
     bits = run_bits(n_buckets)
     if not ids and not places and bits:
         # each bucket in ``2^bits`` runs by the fingerprint's top bits (the same 1-byte radix sort): its check
         # task sorts a run at a time (`_repeated_by_file`), told the bits by the pieces' metadata
-        key = (_run_keys_reference if runs is not None else _run_keys)(fp, n_buckets, bits)
+        bucket <<= np.uint64(bits)
+        bucket += fp >> np.uint64(64 - bits)
+        key = bucket.astype(np.uint8)
         order, bounds = (runs or _byte_runs)(key)
         bounds = bounds[np.arange(n_buckets + 1) << bits]
         fp = fp[order]
         meta = {RUN_BITS_KEY: str(bits).encode()}
         return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}).replace_schema_metadata(meta)
                 for b in range(n_buckets)]
-    bucket = fp & np.uint64(0xFFFFFFFF)
-    bucket *= np.uint64(n_buckets)
-    bucket >>= np.uint64(32)
     bucket = bucket.astype(np.uint8 if n_buckets <= 256 else np.int64)
     if n_buckets <= 256:
         order, bounds = (runs or _byte_runs)(bucket)
@@ -203,39 +205,6 @@ def response_id_buckets_reference(table, n_buckets: int, ids: bool = True, place
     """`response_id_buckets` with its 1-byte keys ordered as it first did (numpy's stable argsort, the bounds by a
     search of the sorted keys: `_byte_runs_reference`): the tests' reference."""
     return response_id_buckets(table, n_buckets, ids, places, runs=_byte_runs_reference)
-
-
-def _run_keys(fp, n_buckets: int, bits: int):
-    """The 1-byte key of each fingerprint (`response_id_buckets` in runs, ``n_buckets << bits`` at most 256): its
-    bucket (``floor(low half * n_buckets / 2^32)``) then its top ``bits``, as `_run_keys_reference` computes them.
-    For a power of two of buckets (2^L: the bucket is the low half's top L bits) from two bytes of each fingerprint
-    (bits 24-31 and 56-63, strided views of its bytes): no pass over the 8-byte words (~2 ms less a 1M-row file)."""
-    import numpy as np
-
-    n_buckets, bits = int(n_buckets), int(bits)
-    log2 = n_buckets.bit_length() - 1
-    if (n_buckets != 1 << log2 or not 0 < bits <= 8 - log2 or not np.little_endian or fp.dtype != np.uint64
-            or not fp.flags.c_contiguous):
-        return _run_keys_reference(fp, n_buckets, bits)
-    b = fp.view(np.uint8)
-    key = b[7::8] >> np.uint8(8 - bits)  # the fingerprint's top bits
-    if log2:
-        low = b[3::8] >> np.uint8(8 - log2)  # the low half's top bits: the bucket
-        low <<= np.uint8(bits)
-        key |= low
-    return key
-
-
-def _run_keys_reference(fp, n_buckets: int, bits: int):
-    """`_run_keys` by 64-bit arithmetic (a multiply and shifts a fingerprint): its reference."""
-    import numpy as np
-
-    bucket = fp & np.uint64(0xFFFFFFFF)
-    bucket *= np.uint64(n_buckets)
-    bucket >>= np.uint64(32)
-    bucket <<= np.uint64(bits)
-    bucket += fp >> np.uint64(64 - bits)
-    return bucket.astype(np.uint8)
 
 
 def _one_chunk(col):

@@ -155,26 +155,6 @@ def test_score_codes_take_the_table_way(monkeypatch):
     _same_codes(sharded._score_codes(t), want)
 
 
-@pytest.mark.parametrize("n_buckets", [1, 2, 3, 4, 5, 6, 8, 16, 32, 64, 128])
-def test_run_keys_are_the_reference(n_buckets):
-    """The 1-byte keys of the response-id buckets' runs from two bytes of each fingerprint (a power of two of
-    buckets) against the 64-bit arithmetic; the edges of both halves included."""
-    from flows.runtime import sharded_ray
-
-    rng = np.random.default_rng(n_buckets)
-    fp = rng.integers(0, 2**64 - 1, 20_000, dtype=np.uint64, endpoint=True)
-    fp[:8] = [0, 2**64 - 1, 0xFFFFFFFF, 0xFFFFFFFF00000000, 1 << 31, 1 << 63, (1 << 32) - (1 << 29), 1 << 58]
-    bits = sharded_ray.run_bits(n_buckets)
-    if not bits:
-        pytest.skip("no runs")
-    for arr in (fp, fp[1:], fp[::2], fp.byteswap().view(fp.dtype.newbyteorder())):
-        got, want = sharded_ray._run_keys(arr, n_buckets, bits), sharded_ray._run_keys_reference(arr, n_buckets, bits)
-        assert got.dtype == want.dtype == np.uint8 and got.tobytes() == want.tobytes()
-    for b in range(1, bits + 1):  # fewer bits than the most
-        got, want = sharded_ray._run_keys(fp, n_buckets, b), sharded_ray._run_keys_reference(fp, n_buckets, b)
-        assert got.tobytes() == want.tobytes()
-
-
 def _id_columns():
     rng = np.random.default_rng(5)
     fixed = [f"b0-clone:p{i:06d}:0" for i in range(3000)]
