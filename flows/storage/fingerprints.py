@@ -29,46 +29,6 @@ def _splitmix(h: np.ndarray) -> np.ndarray:
 
 
 def id_fingerprint(values) -> np.ndarray:
-    """A 64-bit fingerprint of each string of an Arrow string column, a function of the string alone
-    (`id_fingerprint_reference`'s values): a column in chunks fingerprinted chunk by chunk into one array (no
-    concatenation of the chunks' arrays), the fixed-width strings' words combined in place (`_fixed_fingerprint`:
-    no copy of the middle and last words, one scratch array for the finalizer's shifts)."""
-    if isinstance(values, pa.ChunkedArray):
-        if values.num_chunks > 1:
-            out = np.empty(len(values), dtype=np.uint64)
-            at = 0
-            for c in values.chunks:
-                k = len(c)
-                fixed = _fixed_of(c) if k else None
-                if fixed is not None:
-                    _fixed_fingerprint(fixed, out[at:at + k])
-                    if c.null_count:  # as below
-                        out[at:at + k][np.asarray(c.is_null())] = _EMPTY
-                elif k:
-                    out[at:at + k] = id_fingerprint(c)
-                at += k
-            return out
-        values = values.chunk(0) if values.num_chunks else pa.array([], pa.string())
-    if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
-        values = values.cast(pa.string())
-    n = len(values)
-    if n == 0:
-        return np.empty(0, dtype=np.uint64)
-    fixed = fixed_width(values)
-    h = _fixed_fingerprint(fixed, np.empty(n, dtype=np.uint64)) if fixed is not None else _fingerprint(values)
-    if values.null_count:  # a null's slot may hold bytes: it is fingerprinted as the empty string
-        h[np.asarray(values.is_null())] = _EMPTY
-    return h
-
-
-def _fixed_of(c):
-    """`cje_engine.data.strings.fixed_width` of a chunk of strings (None: not of strings, or not fixed-width)."""
-    if not (pa.types.is_string(c.type) or pa.types.is_large_string(c.type)):
-        return None
-    return fixed_width(c)
-
-
-def id_fingerprint_reference(values) -> np.ndarray:
     """A 64-bit fingerprint of each string of an Arrow string column, a function of the string alone (not of its
     chunk, offset or place; nulls as the empty string): its length and its first, middle and last 8 bytes
     (three unaligned 8-byte loads a string; no Python string a row), combined by multiply-xor steps and mixed
@@ -80,7 +40,7 @@ def id_fingerprint_reference(values) -> np.ndarray:
     integers; ids with the same fingerprint are then compared as strings, so a shared fingerprint never hides nor invents a repeated id."""
     if isinstance(values, pa.ChunkedArray):
         if values.num_chunks > 1:  # chunk by chunk (a function of each string alone): no copy of the column
-            return np.concatenate([id_fingerprint_reference(c) for c in values.chunks])
+            return np.concatenate([id_fingerprint(c) for c in values.chunks])
         values = values.chunk(0) if values.num_chunks else pa.array([], pa.string())
     if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
         values = values.cast(pa.string())
@@ -89,36 +49,15 @@ def id_fingerprint_reference(values) -> np.ndarray:
         return np.empty(0, dtype=np.uint64)
     fixed = fixed_width(values)
     if fixed is not None:
-        h = _fixed_fingerprint_reference(fixed)
+        h = _fixed_fingerprint(fixed)
     else:
         h = _fingerprint(values)
     if values.null_count:  # a null's slot may hold bytes: it is fingerprinted as the empty string
-        h[np.asarray(values.is_null())] = id_fingerprint_reference(pa.array([""]))[0]
+        h[np.asarray(values.is_null())] = id_fingerprint(pa.array([""]))[0]
     return h
 
 
-def _fixed_fingerprint(fixed, out: np.ndarray) -> np.ndarray:
-    """`_fixed_fingerprint_reference` into ``out`` (uint64, one a string): the first word copied into it, the
-    middle and last words xor-ed from strided views of the data (not copied first), the finalizer's shifts into one
-    scratch array (`_splitmix_into`). The same values."""
-    w = fixed.width
-    h = out
-    np.copyto(h, fixed.word_view(0))
-    h ^= np.uint64((w * _MIX[0]) & 0xFFFFFFFFFFFFFFFF)
-    h *= np.uint64(_MIX[1])
-    h ^= fixed.word_view(w // 2 - 4)  # the middle word: at (start + end) // 2 - 4
-    h *= np.uint64(_MIX[0])
-    h ^= fixed.word_view(w - 8)
-    scratch = np.empty_like(h)
-    for shift, mul in ((30, _MIX[0]), (27, _MIX[1]), (31, None)):  # `_splitmix`
-        np.right_shift(h, np.uint64(shift), out=scratch)
-        h ^= scratch
-        if mul is not None:
-            h *= np.uint64(mul)
-    return h
-
-
-def _fixed_fingerprint_reference(fixed) -> np.ndarray:
+def _fixed_fingerprint(fixed) -> np.ndarray:
     """`id_fingerprint` of strings all ``fixed.width`` (>= 8) bytes long (`cje_engine.data.strings.FixedWidth`):
     the same values as `_fingerprint`'s, its three words read as strided copies of the data buffer, not gathered
     (fixed-width ids: ~5x less CPU)."""
@@ -149,10 +88,6 @@ def _fingerprint(values) -> np.ndarray:
     h *= np.uint64(_MIX[0])
     h ^= words[np.where(long_, end - 8, size)]
     return _splitmix(h)
-
-
-#: The fingerprint of the empty string (a null's).
-_EMPTY = id_fingerprint_reference(pa.array([""]))[0]
 
 
 def repeated_fingerprints(fp, skip_bits: int = 0) -> np.ndarray:

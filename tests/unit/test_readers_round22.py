@@ -153,33 +153,3 @@ def test_score_codes_take_the_table_way(monkeypatch):
     want = sharded._score_codes_reference(t)
     monkeypatch.setattr(sharded, "_score_codes_reference", lambda table: pytest.fail("the reference's way"))
     _same_codes(sharded._score_codes(t), want)
-
-
-def _id_columns():
-    rng = np.random.default_rng(5)
-    fixed = [f"b0-clone:p{i:06d}:0" for i in range(3000)]
-    mixed = [f"r-{int(i):x}{'é' if i % 7 == 0 else ''}{'x' * int(i % 29)}" for i in rng.integers(0, 1 << 40, 3000)]
-    short = [f"{i % 1000}" for i in range(500)]
-    yield "fixed one chunk", pa.chunked_array([pa.array(fixed)])
-    yield "fixed chunks", _chunked(pa.array(fixed), [1, 500, 501, 2999], pa.string())
-    yield "fixed and mixed chunks", pa.chunked_array([pa.array(fixed[:900]), pa.array(mixed[:700]), pa.array([], pa.string()),
-                                                      pa.array(short), pa.array(fixed[900:])])
-    yield "nulls in fixed chunks", _chunked(pa.array([None if i % 11 == 0 else s for i, s in enumerate(fixed)]),
-                                            [300, 2000], pa.string())
-    yield "all null chunk", pa.chunked_array([pa.array([None] * 5, pa.string()), pa.array(fixed[:10])])
-    yield "large strings", _chunked(pa.array(fixed, pa.large_string()), [100], pa.large_string())
-    yield "long non-ascii", _chunked(pa.array(mixed), [10, 20], pa.string())
-    yield "offset slices", pa.chunked_array([pa.array(fixed).slice(7, 100), pa.array(fixed).slice(1000, 3)])
-    yield "fixed of 8 bytes", _chunked(pa.array([f"{i:08d}" for i in range(900)]), [450], pa.string())
-    yield "plain array", pa.array(fixed)
-    yield "empty", pa.chunked_array([], pa.string())
-    yield "dictionary", pa.chunked_array([pa.array(fixed[:50]).dictionary_encode(), pa.array(fixed[50:80]).dictionary_encode()])
-
-
-@pytest.mark.parametrize("case", list(_id_columns()), ids=lambda c: c[0])
-def test_id_fingerprint_is_the_reference(case):
-    from flows.storage import fingerprints
-
-    _, col = case
-    got, want = fingerprints.id_fingerprint(col), fingerprints.id_fingerprint_reference(col)
-    assert got.dtype == want.dtype == np.uint64 and got.tobytes() == want.tobytes()
