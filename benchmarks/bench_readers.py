@@ -16,7 +16,9 @@ own labels plus ids of other blocks), split into ``--shards`` prompt-id ranges c
   ``buckets`` (`response_id_buckets` into the tree's number of buckets at 100M rows on 2 CPUs: main one a shard,
   26; this tree `response_id_bucket_count`, 4);
 * ``check_100M``: the window's response-id check at 100M rows: one `check_response_ids` task of 100 pieces (one a
-  file) of random fingerprints, times the tree's number of buckets (main 26 tasks of 3.85M ids, this tree 4 of 25M).
+  file) of random fingerprints, times the tree's number of buckets (main 26 tasks of 3.85M ids, this tree 4 of 25M);
+* ``steps`` (round 22): `split_file`'s steps as it runs them on each file in turn, one `time.process_time` a step
+  (Arrow's threads included), the mean a file (`steps`); ``--steps-only``: ``split_file`` and the steps alone.
 
 Usage (after ``bench_sharded.py --stage write --sizes 1000000 --logs DIR --label-store LABELS``)::
 
