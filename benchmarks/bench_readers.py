@@ -16,7 +16,9 @@ own labels plus ids of other blocks), split into ``--shards`` prompt-id ranges c
   ``buckets`` (`response_id_buckets` into the tree's number of buckets at 100M rows on 2 CPUs: main one a shard,
   26; this tree `response_id_bucket_count`, 4);
 * ``check_100M``: the window's response-id check at 100M rows: one `check_response_ids` task of 100 pieces (one a
-  file) of random fingerprints, times the tree's number of buckets (main 26 tasks of 3.85M ids, this tree 4 of 25M).
+  file) of random fingerprints, times the tree's number of buckets (main 26 tasks of 3.85M ids, this tree 4 of 25M);
+* ``steps`` (round 22): `split_file`'s steps as it runs them on each file in turn, one `time.process_time` a step
+  (Arrow's threads included), the mean a file (`steps`); ``--steps-only``: ``split_file`` and the steps alone.
 
 Usage (after ``bench_sharded.py --stage write --sizes 1000000 --logs DIR --label-store LABELS``)::
 
@@ -72,6 +74,78 @@ def splitters(n_shards: int) -> list[str]:
     return [ids[(j * len(ids)) // n_shards] for j in range(1, n_shards)]
 
 
+#: `split_file`'s steps, in its order (`steps`).
+STEPS = ("read", "fingerprint", "join", "counts", "row", "buckets", "select", "compact_policy", "split_by_shard",
+         "pack_piece")
+
+
+def steps(st, keys, index, cuts, keep, touched, n_buckets, n_shards: int, repeat: int) -> dict:
+    """CPU seconds (`time.process_time`, Arrow's own threads included) of each step of `split_file` as it runs them
+    on each file in turn (the same calls in the same order, one timer a step), the mean a file of the median of
+    ``repeat`` passes over the files: ``read`` (`read_window` with the reader's choice of columns),
+    ``fingerprint`` (`id_fingerprint`), ``join`` (`LabelIndex.join`), ``counts`` (`join_counts` and
+    `policy_counts`: the rest of `FileRows`), ``row`` (the window places), ``buckets`` (`response_id_buckets`),
+    ``select`` (the drops and the shards' columns), ``compact_policy``, ``split_by_shard`` and ``pack_piece``;
+    ``total`` their sum."""
+    import numpy as np
+    import pyarrow as pa
+
+    from cje_engine.data.frame import POLICY
+    from cje_engine.pipeline import sharded
+    from flows.pipelines.sharded_pass import FileRows, policy_counts
+    from flows.runtime import sharded_ray
+    from flows.storage.labels import join_counts
+    from flows.storage.logs import read_window
+
+    rows = FileRows((), ())
+    row_bits = getattr(sharded_ray, "ROW_BITS", 40)
+
+    def select(names):
+        need = rows.read_columns(names)
+        return None if need is None else [*need, *keep, "response_id"]
+
+    def one_file(i: int, acc: dict) -> None:
+        def timed(name, fn):
+            c = time.process_time()
+            out = fn()
+            acc[name] = acc.get(name, 0.0) + time.process_time() - c
+            return out
+
+        key = keys[i]
+        table = timed("read", lambda: read_window(st, [key], check_unique=False, dictionary=(POLICY,),
+                                                  select=select))
+        table = timed("fingerprint", lambda: table.append_column(
+            sharded_ray.FINGERPRINT, pa.array(sharded_ray.id_fingerprint(table["response_id"]))))
+        joined = timed("join", lambda: index.join(table))
+        info = timed("counts", lambda: {**join_counts(joined), "policies": policy_counts(
+            joined.drop_columns(["label_conflict"]))})
+        joined = joined.drop_columns(["label_conflict"])
+        start = i << row_bits
+        joined = timed("row", lambda: joined.append_column(
+            sharded.ROW, pa.array(np.arange(start, start + joined.num_rows, dtype=np.int64))))
+        kw = {"n_buckets": n_buckets} if n_buckets else {}
+        timed("buckets", lambda: sharded_ray.response_id_buckets(joined, kw.get("n_buckets", n_shards), ids=False,
+                                                                 places=False))
+        out = timed("select", lambda: joined.drop_columns(["response_id", sharded_ray.FINGERPRINT]).select(
+            [c for c in dict.fromkeys([*keep, sharded.ROW]) if c in joined.column_names]))
+        out = timed("compact_policy", lambda: sharded_ray.compact_policy(out))
+        parts = timed("split_by_shard", lambda: sharded.split_by_shard(out, n_shards, splitters=cuts,
+                                                                        shards=touched[i]))
+        timed("pack_piece", lambda: [sharded.pack_piece(t) for t in parts])
+        assert info["policies"]
+
+    one_file(0, {})  # warm
+    runs = []
+    for _ in range(repeat):
+        acc: dict = {}
+        for i in range(len(keys)):
+            one_file(i, acc)
+        runs.append(acc)
+    out = {k: round(statistics.median(r[k] for r in runs) / len(keys), 4) for k in STEPS}
+    out["total"] = round(sum(out[k] for k in STEPS), 4)
+    return out
+
+
 def child(args: argparse.Namespace) -> dict:
     """The measures of the tree this process imports (its ``PYTHONPATH``)."""
     import numpy as np
@@ -105,6 +179,11 @@ def child(args: argparse.Namespace) -> dict:
                                       FileRows((), ()), cuts, keep, index,
                                       **({"n_buckets": n_buckets} if count else {}), shards=touched[i % len(keys)])
 
+    if args.steps_only:
+        return {"code": os.environ.get("PYTHONPATH", ""), "buckets_at_100M": n_buckets,
+                "split_file": _cpu(reader, args.repeat),
+                "steps": steps(st, keys, index, cuts, keep, touched, n_buckets if count else None, args.shards,
+                               args.repeat)}
     reader()  # warm
     table = read_window(st, [keys[0]], check_unique=False, dictionary=(POLICY,))
     fp = sharded_ray.id_fingerprint(table["response_id"])
@@ -133,6 +212,8 @@ def child(args: argparse.Namespace) -> dict:
                                                                 shards=touched[0]), args.repeat)
     parts = sharded.split_by_shard(prepared, args.shards, splitters=cuts, shards=touched[0])
     res["pack_piece"] = _cpu(lambda: [sharded.pack_piece(t) for t in parts], args.repeat)
+    res["steps"] = steps(st, keys, index, cuts, keep, touched, n_buckets if count else None, args.shards,
+                         args.repeat)
     rng = np.random.default_rng(0)
     per = rows_100m // n_buckets // 100
     bucket = [pa.table({sharded_ray.FINGERPRINT: pa.array(rng.integers(0, 2**64 - 1, per, dtype=np.uint64))})
@@ -152,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2, help="alternations of the two trees")
     p.add_argument("--main", type=Path, default=Path("/work/main"))
+    p.add_argument("--steps-only", action="store_true", help="split_file and its steps only")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -164,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             env = {**os.environ, "PYTHONPATH": str(root)}
             cmd = [sys.executable, str(HERE / "bench_readers.py"), "--child", "--logs", args.logs, "--label-store",
                    args.label_store, "--labels", str(args.labels), "--shards", str(args.shards), "--repeat",
-                   str(args.repeat)]
+                   str(args.repeat)] + (["--steps-only"] if args.steps_only else [])
             out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True).stdout
             runs[name].append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]))
-    keys = ["split_file", "read", "id_fingerprint", "file_rows", "join", "buckets", "split_by_shard", "range_shard",
+    keys = ["split_file"] if args.steps_only else ["split_file", "read", "id_fingerprint", "file_rows", "join", "buckets", "split_by_shard", "range_shard",
             "pack_piece", "check_one_task", "check_100M"]
     print(f"{'CPU s (median of rounds)':<26} {'this tree':>10} {'main':>10} {'ratio':>7}")
     for k in keys:
@@ -175,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         b = statistics.median(r[k] for r in runs["main"])
         print(f"{k:<26} {a:10.4f} {b:10.4f} {b / max(a, 1e-9):6.2f}x")
     print(f"{'buckets at 100M':<26} {runs['this'][0]['buckets_at_100M']:>10} {runs['main'][0]['buckets_at_100M']:>10}")
+    print(f"\n{'split_file by step, CPU s a file':<34} {'this tree':>10} {'main':>10} {'ratio':>7}")
+    for k in [*STEPS, "total"]:
+        a = statistics.median(r["steps"][k] for r in runs["this"])
+        b = statistics.median(r["steps"][k] for r in runs["main"])
+        print(f"{k:<34} {a:10.4f} {b:10.4f} {b / max(a, 1e-9):6.2f}x")
     for name in trees:
         print(name, json.dumps(runs[name]))
     return 0

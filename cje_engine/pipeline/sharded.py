@@ -537,14 +537,122 @@ def _float_column(table: pa.Table, name: str) -> np.ndarray:
                       col.combine_chunks().to_numpy(zero_copy_only=False) if col.num_chunks else [], dtype=float)
 
 
+def _labelled(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, values) of the rows of ``table`` whose LABEL is a number (not null, not NaN), as
+    `_labelled_reference` gives them: of a float64 column, from each chunk's values and validity bits in place (no
+    float copy of the column with its nulls as NaN)."""
+    col = table[LABEL]
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    if not pa.types.is_float64(col.type):
+        return _labelled_reference(table)
+    pos, vals, base = [], [], 0
+    for c in chunks:
+        n = len(c)
+        if n == 0 or c.null_count == n:
+            base += n
+            continue
+        validity, data = c.buffers()
+        if data is None:
+            return _labelled_reference(table)
+        v = np.frombuffer(data, dtype=np.float64, count=c.offset + n)[c.offset:]
+        ok = np.isnan(v)
+        np.logical_not(ok, out=ok)
+        if c.null_count:
+            ok &= np.unpackbits(np.frombuffer(validity, dtype=np.uint8), count=c.offset + n,
+                                bitorder="little")[c.offset:].view(bool)
+        at = np.flatnonzero(ok)
+        pos.append(at + base if base else at)
+        vals.append(v[at])
+        base += n
+    if not pos:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
+    return (pos[0], vals[0]) if len(pos) == 1 else (np.concatenate(pos), np.concatenate(vals))
+
+
+def _labelled_reference(table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """`_labelled` by the column as float64 with its nulls as NaN (`_float_column`): its reference."""
+    label = _float_column(table, LABEL)
+    lab = np.flatnonzero(~np.isnan(label))
+    return lab, label[lab]
+
+
 def _unsigned(top: int) -> type | None:
     """The smallest unsigned type holding ``0..top`` (None: wider than 32 bits)."""
     return np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32 if top < 2**32 else None
 
 
+#: Odd 64-bit multipliers `_table_codes` tries, in turn, for a slot a value without two values in one slot.
+_SLOT_MULTIPLIERS = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93,
+                     0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)
+
+
+def _table_codes(parts: Sequence[np.ndarray], values: np.ndarray) -> np.ndarray | None:
+    """The position in ``values`` (distinct uint64, at most 256) of each of the uint64 ``parts`` (one array of uint8
+    codes, the parts' in order), or None when some of them is not among ``values`` (or no multiplier of
+    `_SLOT_MULTIPLIERS` gives each value its own slot).
+
+    Each value is given a slot by its top bits after a multiply (``(x * m) >> (64 - b)``, 2^b slots, ~8 K^2 for K
+    values): a code a row is a gather from a small table of the slots' codes, checked by a gather of the slots'
+    values (every row's value must be its slot's: no hash table a row, ~half the CPU of Arrow's dictionary
+    encoding of the scores)."""
+    k = int(values.size)
+    if k == 0 or k > 256:
+        return None
+    b = min(16, max(10, 2 * k.bit_length() + 3))
+    shift = np.uint64(64 - b)
+    for m in _SLOT_MULTIPLIERS:
+        slot = ((values * np.uint64(m)) >> shift).astype(np.int64)
+        if np.unique(slot).size == k:
+            break
+    else:
+        return None
+    code = np.zeros(1 << b, dtype=np.uint8)
+    code[slot] = np.arange(k, dtype=np.uint8)
+    # a slot no value has holds ``values[0]``, which is not in that slot: a row hashed there fails the check
+    value = np.full(1 << b, values[0], dtype=np.uint64)
+    value[slot] = values
+    out = []
+    for bits in parts:  # a part (a chunk of the column) at a time: no copy of the column into one
+        at = bits * np.uint64(m)
+        at >>= shift
+        at = at.view(np.int64)
+        check = np.take(value, at)
+        check ^= bits
+        if check.any():  # a row's value is not among ``values``
+            return None
+        out.append(np.take(code, at))
+    return out[0] if len(out) == 1 else np.concatenate(out)
+
+
 def _score_codes(table: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
     """(codes, values) of a float64 score column without nulls with at most `PACK_SCORE_VALUES` distinct values
-    (distinct by bit pattern: ``-0.0`` and ``0.0``, every NaN kept as it is), else None."""
+    (distinct by bit pattern: ``-0.0`` and ``0.0``, every NaN kept as it is), else None: `_score_codes_reference`'s.
+    The values in order of their first row (Arrow's dictionary encoding's order). When every score of the piece is
+    among those of its first `PACK_SCORE_PROBE` rows (at most 256 of them), their order is that of the first rows and
+    the codes come from a table of slots (`_table_codes`), without a hash a row; else by the reference."""
+    col = table[SCORE]
+    if not pa.types.is_float64(col.type) or col.null_count or table.num_rows == 0:
+        return None
+    chunks = [c for c in (col.chunks if isinstance(col, pa.ChunkedArray) else [col]) if len(c)]
+    parts = [np.asarray(c.to_numpy()).view(np.uint64) for c in chunks]
+    n_head = min(PACK_SCORE_PROBE, table.num_rows)
+    head, k = [], 0
+    while sum(h.size for h in head) < n_head:  # the first rows, from the first parts
+        head.append(parts[k][:n_head])
+        k += 1
+    head = head[0] if len(head) == 1 else np.concatenate(head)[:n_head]
+    head, first = np.unique(head, return_index=True)
+    if head.size > PACK_SCORE_VALUES:
+        return None
+    values = head[np.argsort(first)]  # in order of their first row
+    codes = _table_codes(parts, values)
+    if codes is None:
+        return _score_codes_reference(table)
+    return codes, values.view(np.float64).copy()
+
+
+def _score_codes_reference(table: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
+    """`_score_codes` by Arrow's dictionary encoding of the scores' bit patterns (one hash a row): its reference."""
     col = table[SCORE]
     if not pa.types.is_float64(col.type) or col.null_count or table.num_rows == 0:
         return None
@@ -563,14 +671,13 @@ def pack_piece(table: pa.Table) -> PackedPiece:
     """A piece of `split_by_shard` (its `ROW` increasing) as it crosses the object store (`PackedPiece`)."""
     drop = [c for c in (LABEL, LABEL_PROB, ROW) if c in table.column_names]
     col = table[ROW]
-    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col, pa.ChunkedArray):  # one chunk (a reader's): its array, not a copy
+        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     row = np.asarray(col.to_numpy(), dtype=np.int64)
     step = np.diff(row, prepend=row[:1])
     kind = np.uint8 if row.size == 0 else _unsigned(int(step.max())) if int(step.min()) >= 0 else None
     if LABEL in table.column_names:
-        label = _float_column(table, LABEL)
-        lab = np.flatnonzero(~np.isnan(label))
-        label = label[lab]
+        lab, label = _labelled(table)
     else:
         lab, label = np.empty(0, dtype=np.int64), None
     prob = _float_column(table.select([LABEL_PROB]).take(pa.array(lab)), LABEL_PROB) \
