@@ -114,7 +114,8 @@ class LabelIndex:
         (`flows.storage.labels.LabelStore.read_sorted`: not computed again). The fingerprints are ordered by
         `flows.storage.labels.fingerprint_order` (the stable argsort's order) and the bit set built by runs of
         its words (`_bit_set`); ``reference``: as first written (a stable argsort, `numpy.bitwise_or.at`, the
-        table put in the fingerprints' order, as it still is where ids share a fingerprint). The same labels. Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
+        table put in the fingerprints' order, as it still is where ids share a fingerprint). The same labels.
+        Raises `CJEInputError` when a label column is missing (`flows.storage.labels.first_labels`).
         """
         for col in ("response_id", "oracle_label", "label_probability"):
             if col not in label_table.column_names:

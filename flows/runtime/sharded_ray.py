@@ -751,7 +751,7 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     ``footers`` (the files' `flows.storage.logs.Footer`, with the prompt ids' bounds where their statistics say
     them; None: none known): a file whose footer bounds its ids is not read for its bounds, and of the files whose
     footers give the same bounds one only is sampled (each policy's file of the same prompts, the usual layout,
-    gives the same sample): the shards' balance, never a number, depends on the sample (`sample_files`).
+    gives the same sample): the shards' balance, never a number, depends on the sample (`sample_picks`).
     The window's response ids are checked unique on the workers (by bucket of response-id fingerprint, across
     files and shards): a repeated id raises `CJEInputError` naming it and its files and rows.
 

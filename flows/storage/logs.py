@@ -211,13 +211,6 @@ def parquet_footers(st: Storage, keys: Sequence[str], column: str | None = None,
     return None if any(f is None for f in footers) else footers
 
 
-def parquet_rows(st: Storage, keys: Sequence[str], threads: int = 8) -> int | None:
-    """The rows of the Parquet files ``keys`` from their footers (`parquet_footers`), or None when a footer cannot
-    be read. The sharded row pass sizes its shards by it (`flows.pipelines.sharded_pass`)."""
-    footers = parquet_footers(st, keys, threads=threads)
-    return None if footers is None else int(sum(f.rows for f in footers))
-
-
 def partition_dates(start: date | str, end: date | str) -> list[date]:
     """Every date from ``start`` to ``end`` inclusive."""
     s, e = as_date(start, "start date"), as_date(end, "end date")
