@@ -2605,6 +2605,10 @@ class LabelledBasis:
             if not np.array_equal(unique_ints(self.prompt_lab), P):
                 raise ValueError("a shard's labelled prompts are not the driver's")
             loc_l = np.searchsorted(P, self.prompt_lab)
+            loc_c = np.searchsorted(P, self.prompt_cal)
+
+            def add(*args: Any) -> None:  # the rows as first built, added as first written
+                sums.add(self._rows(*args, reference=True), reference=True)
         else:
             loc_l = _places(P, self.prompt_lab, at[0] if at is not None else None)
             hit = np.zeros(P.size, dtype=bool)
@@ -2615,14 +2619,8 @@ class LabelledBasis:
             if not (ok and hit.all()):
                 raise ValueError("a shard's labelled prompts are not the driver's")
             del hit
-        if reference:
-            loc_c = np.searchsorted(P, self.prompt_cal)
-        else:
             loc_c = _places(P, self.prompt_cal, at[1] if at is not None else None)
-        if reference:  # the rows as first built, added as first written
-            def add(*args: Any) -> None:
-                sums.add(self._rows(*args, reference=True), reference=True)
-        else:  # each block built as its transpose (contiguous columns), then its rows once (`_rows_t`)
+            # each block built as its transpose (contiguous columns), then its rows once (`_rows_t`)
             from cje_engine.inference.gram import transposed
 
             def add(*args: Any) -> None:

@@ -125,7 +125,7 @@ def sample_picks(footers: Sequence[Any] | None, n_files: int) -> list[tuple[int,
     picks: list[tuple[int, bool]] = []
     seen: set = set()
     for i, f in enumerate(footers):
-        if f is None or not f.bounds_known:
+        if not f.bounds_known:
             picks.append((i, True))
         elif f.bounds is not None and f.bounds[0] is not None and f.bounds not in seen:
             seen.add(f.bounds)
@@ -784,7 +784,7 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     got = ray.get([sample.remote(uri, cfg_dict, keys[i], SAMPLES_PER_SHARD * n_shards, policies, mapping, read)
                    for i, read in picks], timeout=ray_get_timeout())
     got = [g if read else (g, None) for (_, read), g in zip(picks, got)]  # (sample, its bounds when read)
-    bounds = [f.bounds if f is not None and f.bounds_known else None for f in (footers or [None] * len(keys))]
+    bounds = [f.bounds if f.bounds_known else None for f in footers] if footers is not None else [None] * len(keys)
     for (i, read), (_, b) in zip(picks, got):
         if read:
             bounds[i] = b

@@ -96,7 +96,7 @@ def test_a_footer_that_cannot_say_leaves_the_bounds_unknown(tmp_path):
 
 def test_sample_picks_samples_one_file_of_each_footer_range():
     r1, r2 = ("a", "c" + TOP, False), ("d", "f" + TOP, False)
-    footers = [Footer(5, r1, True), Footer(5, r1, True), Footer(4), Footer(5, r2, True), None,
+    footers = [Footer(5, r1, True), Footer(5, r1, True), Footer(4), Footer(5, r2, True), Footer(3),
                Footer(0, None, True), Footer(2, (None, None, True), True), Footer(5, r2, True)]
     assert sample_picks(footers, len(footers)) == [(0, False), (2, True), (3, False), (4, True)]
     assert sample_picks(None, 3) == [(0, True), (1, True), (2, True)]
