@@ -337,7 +337,18 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     table = compact_policy(table)
     # each piece as it crosses the object store: the labels of the labelled rows only, the row places as steps, the
     # score as codes into its few values (`pack_piece`; `_concat` unpacks them in the task that reads the shard)
-    pieces = [pack_piece(t) for t in split_by_shard(table, n_shards, splitters=splitters, shards=shards)]
+    try:
+        parts = split_by_shard(table, n_shards, splitters=splitters, shards=shards)
+    except ValueError as exc:
+        if shards is None or "outside the shards asked" not in str(exc):
+            raise
+        # the file's prompt-id range was known before the read, from its Parquet footer's statistics or its sample
+        # (`read_shards`): rows outside it (statistics a writer got wrong) are refused, naming the file
+        raise CJEInputError("prompt ids outside the range the file's Parquet footer statistics give (row-group min "
+                            f"and max; {exc}): rewrite the file with correct statistics or without them",
+                            source=st.url(key), column="prompt_id") from None
+    pieces = [pack_piece(t) for t in parts]
+    del parts
     info["piece_bytes"] = sum(p.nbytes for p in pieces)
     info["piece_bytes_of"] = [p.nbytes for p in pieces]  # of each of ``shards``: where the shards' tasks run
     info["node"] = _this_node()

@@ -223,3 +223,18 @@ def test_policy_counts_are_the_group_bys():
                               dict_chunk([0, 1] * 50, ["e", "b"])])
     for _ in range(20):
         assert list(policy_counts(table(mixed))) == ["b", "a", "c", "d", "e"]
+
+
+def test_a_reader_whose_rows_leave_the_range_known_before_the_read_names_its_file(tmp_path):
+    """A file's shards come from the prompt-id range known before its read (its Parquet footer's statistics, or its
+    sample): a row of another shard (statistics a writer got wrong) is refused as bad input naming the file and the
+    column, not split into the wrong pieces."""
+    rng = np.random.default_rng(3)
+    key = _write(tmp_path / "logs", "part-0.parquet", pa.table(_logs(900, rng)))  # ids p00000..p00299: shards 0-1
+    with pytest.raises(CJEInputError, match="outside the range the file's Parquet footer statistics give") as err:
+        sharded_ray.split_file(str(tmp_path / "logs"), {}, key, 0, 3, None, None, None, None, ["p00100", "p00200"],
+                               None, None, n_buckets=2, shards=[0])
+    assert err.value.source.endswith(key) and err.value.column == "prompt_id"
+    pieces = sharded_ray.split_file(str(tmp_path / "logs"), {}, key, 0, 3, None, None, None, None,
+                                    ["p00100", "p00200"], None, None, n_buckets=2, shards=[0, 1, 2])
+    assert sum(p.table.num_rows for p in pieces[:3]) == 900
