@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -847,37 +848,75 @@ def test_ci_runs_every_tier_and_fails_at_the_end_naming_the_failing_ones():
 
 
 def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
-    """Rule 6 (test time): the stack and Label Studio idled through the default tier and took CPU from it.
+    """Rule 6 (test time): the stacks and Label Studio idled through the default tier and took CPU from it.
     They start after it and before the one tier that uses them; the stop-on-exit trap is set before the
     first service starts. Label Studio's preparation (its virtualenv and migrated database, no server left
-    running) runs beside the install and is waited for before the default tier."""
+    running) and the Debian packages of the tiers (Chromium, PostgreSQL, radosgw: infra/packages.sh) are made
+    beside the install and waited for before the default tier, so no apt-get is left for the stack starts."""
     lines = (CI / "run").read_text().splitlines()
     at = {name: i for i, line in enumerate(lines) for name in ("default", "services")
           if line.startswith(f"tier {name} ")}
     starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
     assert len(starts) == 2 and at["default"] < min(starts) and max(starts) < at["services"]
+    assert not any(line.startswith("service chromium ") for line in lines)
     trap = min(i for i, line in enumerate(lines) if line.startswith("trap stop_services EXIT"))
     assert trap < min(starts)
-    [prep] = [i for i, line in enumerate(lines) if "infra/labelstudio/prepare.sh" in line and line.endswith("&")]
-    [wait] = [i for i, line in enumerate(lines) if 'wait "$LS_PREPARE"' in line]
-    assert trap < prep < wait < at["default"]
+    install = next(i for i, line in enumerate(lines) if line.startswith("python3.11 -m venv .venv"))
+    for script, var in (("infra/labelstudio/prepare.sh", "LS_PREPARE"), ("infra/packages.sh", "PACKAGES")):
+        [bg] = [i for i, line in enumerate(lines) if script in line and line.endswith("&")]
+        [wait] = [i for i, line in enumerate(lines) if f'wait "${var}"' in line]
+        assert trap < bg < install < wait < at["default"], script
+    packages = (REPO / "infra" / "packages.sh").read_text()
+    for name in ("chromium", "postgresql", "radosgw", "ceph-mon", "ceph-osd", "/tmp/cje-apt.lock"):
+        assert name in packages, name
 
 
-def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp_path):
+def test_the_packages_script_does_nothing_when_every_package_is_there(tmp_path):
+    """infra/packages.sh exits 0 without apt-get when every command it checks is there (stand-ins on PATH), and
+    names what is missing when apt-get cannot install it."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for cmd in ("chromium", "radosgw", "ceph-mon", "ceph-osd", "ceph", "curl"):
+        (bin_ / cmd).write_text("#!/bin/sh\nexit 0\n")
+        (bin_ / cmd).chmod(0o755)
+    (bin_ / "apt-get").write_text("#!/bin/sh\necho apt-get called >&2; exit 100\n")
+    (bin_ / "apt-get").chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k != "PATH"}
+    path = f"{bin_}:/usr/bin:/bin"
+    has_pg = any(Path("/usr/lib/postgresql").glob("*/bin")) if Path("/usr/lib/postgresql").exists() else False
+    proc = subprocess.run(["bash", str(REPO / "infra" / "packages.sh")], capture_output=True, text=True,
+                          timeout=60, env={**base, "PATH": path})
+    if has_pg:
+        assert proc.returncode == 0 and "every package is installed" in proc.stderr, proc.stderr
+        assert "apt-get called" not in proc.stderr
+    (bin_ / "radosgw").unlink()
+    only = tmp_path / "only"
+    only.mkdir()
+    for f in bin_.iterdir():
+        (only / f.name).symlink_to(f)
+    for tool in ("bash", "flock", "ls", "id", "date", "dirname"):
+        (only / tool).symlink_to(shutil.which(tool))
+    proc = subprocess.run(["bash", str(REPO / "infra" / "packages.sh")], capture_output=True, text=True,
+                          timeout=60, env={**base, "PATH": str(only)})
+    assert proc.returncode == 1, proc.stderr
+    assert "radosgw" in proc.stderr and "ERROR: apt-get update failed" in proc.stderr, proc.stderr
+
+
+def test_ci_service_tier_runs_each_stack_alone_and_the_rest_beside_them(tmp_path):
     """Rule 6 (test time): the service tier's stack tests (serial: they kill and restart shared services,
-    mostly waiting on heartbeats), the long fault tests among them, run in one pytest process; the chaos soak
-    (`soak`, issue 25: once left out of CI) in a second, alone on a second stack of its own (CJE_FAULT_STACK_ENV
-    as its CJE_STACK_ENV); everything else of the tier (radosgw, Label Studio, the
-    lifecycle tests, the statistical property checks) in a third beside them. The lifecycle and statistical
-    tests are excluded from the default run, and CI still runs every one of them. With stand-in pytest
-    processes: all three run at once, the second sees the second stack's env file, every log is printed, and
-    a failure of any fails the tier."""
+    mostly waiting on heartbeats) run in one pytest process on the first stack; the fault tests (PostgreSQL,
+    the Prefect server, the Ray head killed ...) in a second on a second stack (CJE_FAULT_STACK_ENV as its
+    CJE_STACK_ENV); the chaos soak (`soak`, issue 25: once left out of CI) in a third, alone on a third stack
+    (CJE_SOAK_STACK_ENV); the radosgw, Label Studio and lifecycle tests and the statistical property checks in a
+    fourth. The lifecycle and statistical tests are excluded from the default run, and CI still runs every one of
+    them. With stand-in pytest processes: all four run at once, each stack process sees its stack's env file,
+    every log is printed, and a failure of any fails the tier."""
     text = (CI / "run").read_text()
     assert [line for line in text.splitlines() if line.startswith("tier services ")] == ["tier services bash .ci/services"]
-    assert "CJE_FAULT_STACK_ENV=" in text and "fault_stack bash infra/stack/start.sh" in text
+    for var, fn in (("CJE_FAULT_STACK_ENV", "fault_stack"), ("CJE_SOAK_STACK_ENV", "soak_stack")):
+        assert f"{var}=" in text and f"{fn} bash infra/stack/start.sh" in text and f"{fn} bash infra/stack/stop.sh" in text
     script = (CI / "services").read_text()
-    exprs = ("stack and not soak", "soak", "integration or lifecycle or stats")
-    for expr in exprs:
+    for expr in ("stack and not soak", "soak", "integration or lifecycle or stats"):
         assert f'-m "{expr}"' in script, expr
     addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     assert "not lifecycle" in addopts and "not stats" in addopts
@@ -885,19 +924,27 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
         source = (REPO / "tests" / "flows" / name).read_text()
         assert "@pytest.mark.lifecycle" in source and "@pytest.mark.slow" not in source, name
     fake = tmp_path / "py"
-    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4 env=${CJE_STACK_ENV:-}"; sleep 1; echo "end $4"\n'
-                    '[[ "$4" == "${FAIL:-none}" ]] && exit 3; exit 0\n')
+    # A stand-in python: its key is the marker expression and, for the stack tests, the file (stack / faults).
+    fake.write_text('#!/usr/bin/env bash\nkey="$4"; [[ "$5" == tests/stack/*.py ]] && key="$4:${5##*/}"\n'
+                    'echo "$(date +%s.%N) start $key env=${CJE_STACK_ENV:-}"; sleep 1; echo "end $key"\n'
+                    '[[ "$key" == "${FAIL:-none}" ]] && exit 3; exit 0\n')
     fake.chmod(0o755)
-    for fail, code in (("none", 0), *((e, 3) for e in exprs)):
+    keys = {"stack and not soak:test_stack.py": "/first/env", "stack and not soak:test_stack_faults.py": "/second/env",
+            "soak": "/third/env", "integration or lifecycle or stats": "/first/env"}
+    for fail, code in (("none", 0), *((k, 3) for k in keys)):
         proc = subprocess.run(["bash", str(CI / "services")], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "CJE_TEST_PYTHON": str(fake), "FAIL": fail,
-                                   "CJE_STACK_ENV": "/first/env", "CJE_FAULT_STACK_ENV": "/second/env"})
+                                   "CJE_STACK_ENV": "/first/env", "CJE_FAULT_STACK_ENV": "/second/env",
+                                   "CJE_SOAK_STACK_ENV": "/third/env"})
         assert proc.returncode == code, (fail, proc.stdout, proc.stderr)
-        starts = {line.split()[2]: line for line in proc.stdout.splitlines() if " start " in line}
+        starts = {line.split(" start ")[1].rsplit(" env=", 1)[0]: line for line in proc.stdout.splitlines()
+                  if " start " in line}
+        assert set(starts) == set(keys), proc.stdout
         times = [float(line.split()[0]) for line in starts.values()]
-        assert len(times) == 3 and max(times) - min(times) < 0.9, proc.stdout  # side by side, not one after
-        assert starts["soak"].endswith("env=/second/env") and starts["stack"].endswith("env=/first/env")
-        assert proc.stdout.count("end ") == 3 and "[services] the chaos soak" in proc.stdout
+        assert max(times) - min(times) < 0.9, proc.stdout  # side by side, not one after
+        for key, env in keys.items():
+            assert starts[key].endswith(f"env={env}"), (key, starts[key])
+        assert proc.stdout.count("end ") == 4 and "[services] the chaos soak" in proc.stdout
 
 
 def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
