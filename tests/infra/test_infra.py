@@ -907,8 +907,8 @@ def test_ci_service_tier_runs_each_stack_alone_and_the_rest_beside_them(tmp_path
     mostly waiting on heartbeats) run in one pytest process on the first stack; the fault tests (PostgreSQL,
     the Prefect server, the Ray head killed ...) in a second on a second stack (CJE_FAULT_STACK_ENV as its
     CJE_STACK_ENV); the chaos soak (`soak`, issue 25: once left out of CI) in a third, alone on a third stack
-    (CJE_SOAK_STACK_ENV); the radosgw, Label Studio and lifecycle tests and the statistical property checks in a
-    fourth. The lifecycle and statistical tests are excluded from the default run, and CI still runs every one of
+    (CJE_SOAK_STACK_ENV), each of these two stacks stopped as soon as its process ends; the radosgw, Label
+    Studio and lifecycle tests and the statistical property checks in a fourth. The lifecycle and statistical tests are excluded from the default run, and CI still runs every one of
     them. With stand-in pytest processes: all four run at once, each stack process sees its stack's env file,
     every log is printed, and a failure of any fails the tier."""
     text = (CI / "run").read_text()
@@ -931,12 +931,17 @@ def test_ci_service_tier_runs_each_stack_alone_and_the_rest_beside_them(tmp_path
     fake.chmod(0o755)
     keys = {"stack and not soak:test_stack.py": "/first/env", "stack and not soak:test_stack_faults.py": "/second/env",
             "soak": "/third/env", "integration or lifecycle or stats": "/first/env"}
+    stop = tmp_path / "stop"  # a stand-in stop.sh: the second and third stacks stop when their process ends
+    stop.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) stop $CJE_STACK_DIR $CJE_STACK_ENV"\n')
+    stop.chmod(0o755)
     for fail, code in (("none", 0), *((k, 3) for k in keys)):
         proc = subprocess.run(["bash", str(CI / "services")], capture_output=True, text=True, timeout=60,
                               env={**os.environ, "CJE_TEST_PYTHON": str(fake), "FAIL": fail,
                                    "CJE_STACK_ENV": "/first/env", "CJE_FAULT_STACK_ENV": "/second/env",
-                                   "CJE_SOAK_STACK_ENV": "/third/env"})
+                                   "CJE_SOAK_STACK_ENV": "/third/env", "CJE_STACK_STOP": str(stop)})
         assert proc.returncode == code, (fail, proc.stdout, proc.stderr)
+        stops = [line.split()[2:] for line in proc.stdout.splitlines() if " stop " in line]
+        assert sorted(stops) == [["/second", "/second/env"], ["/third", "/third/env"]], proc.stdout
         starts = {line.split(" start ")[1].rsplit(" env=", 1)[0]: line for line in proc.stdout.splitlines()
                   if " start " in line}
         assert set(starts) == set(keys), proc.stdout
