@@ -272,7 +272,8 @@ def stage_sharded(args: argparse.Namespace) -> dict:
 def stage_inprocess(args: argparse.Namespace) -> dict:
     """Every Ray task's function of the analytic route run in this process, in the order Ray runs them (the readers'
     sample, split and response-id check, passes 1 and 2, the driver's merge, fit and Gram form, finalize), with
-    ``--shards`` (default 4) range shards: CPU seconds (`time.process_time`) per function, without Ray's own costs.
+    ``--shards`` (default 4) range shards: CPU seconds (`time.process_time`) per function, without Ray's own costs
+    (and apart, its user and system CPU: the driver's merge and calibration fit are timed as functions too).
     What to cut first, and a before/after of the same files without the noise of the Ray processes."""
     from cje_engine.pipeline import sharded
     from flows.pipelines.sharded_pass import shard_columns
@@ -285,13 +286,23 @@ def stage_inprocess(args: argparse.Namespace) -> dict:
     n_shards = args.shards or 4
     cpu: dict[str, float] = {}
 
+    split: dict[str, list[float]] = {}  # user and system CPU of each function (getrusage: page faults are system)
+
+    def usage() -> tuple[float, float]:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime, r.ru_stime
+
     def timed(fn):
         def run(*a, **kw):
-            c = time.process_time()
+            c, (u, s) = time.process_time(), usage()
             try:
                 return fn(*a, **kw)
             finally:
                 cpu[fn.__name__] = cpu.get(fn.__name__, 0.0) + time.process_time() - c
+                u1, s1 = usage()
+                us = split.setdefault(fn.__name__, [0.0, 0.0])
+                us[0] += u1 - u
+                us[1] += s1 - s
         run.__dict__.update(fn.__dict__)  # its ``from_pieces`` (pass 1 reads the pieces as a Ray task does)
         return run
 
@@ -328,8 +339,16 @@ def stage_inprocess(args: argparse.Namespace) -> dict:
             yield i, sharded_ray._with_pieces(run, layout, *flat)
 
     keep = {"auto": None, "per_prompt": True, "gram": False}[args.terms]
+    # the driver's steps timed apart too (looked up in their modules when called)
+    from cje_engine.pipeline import calibration
+
+    plain_fit, plain_merge = calibration.fit_calibration, sharded.merge_summaries
+    calibration.fit_calibration, sharded.merge_summaries = timed(plain_fit), timed(plain_merge)
     c1 = time.process_time()
-    sp = sharded.prepare_sharded(shards, opts, mapper=mapper, reason="benchmark", keep_terms=keep)
+    try:
+        sp = sharded.prepare_sharded(shards, opts, mapper=mapper, reason="benchmark", keep_terms=keep)
+    finally:
+        calibration.fit_calibration, sharded.merge_summaries = plain_fit, plain_merge
     prepare = time.process_time() - c1
     result = timed(sp.finalize)([])
     total = time.process_time() - c0
@@ -337,6 +356,7 @@ def stage_inprocess(args: argparse.Namespace) -> dict:
                                                                                            0.0)
     out = _write_result(args, "inprocess", result)
     return {"cpu_s": total, "readers_cpu_s": readers, "cpu_by_function_s": {k: round(v, 3) for k, v in cpu.items()},
+            "user_system_by_function_s": {k: [round(u, 3), round(s, 3)] for k, (u, s) in split.items()},
             "shards": n_shards, "terms": sp.influence, "max_rss_gib": _max_rss(),
             "piece_bytes_per_row": round(shipped / max(n_rows, 1), 2),
             "plain_piece_bytes_per_row": round(plain / max(n_rows, 1), 2), **out}

@@ -1,0 +1,148 @@
+"""The sharded driver's steps run with glibc's heap keeping the large arrays they free
+(`cje_engine.pipeline.sharded.heap_kept`): freed arrays reused without fresh pages, numpy's huge-page requests off
+meanwhile, both undone after (an error too), nested calls left as they are; and every number of the sharded path
+(estimates, SEs, intervals, p-values, bootstrap replicates, errors) the same bits as without it, the reference run
+with every array of 64 KiB or more a fresh zeroed mapping and the kept run on a heap first filled with NaN (what an
+array read before it is written would show)."""
+from __future__ import annotations
+
+import ctypes
+import json
+import resource
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from cje_engine.errors import CJEInputError
+from cje_engine.options import EvaluationOptions
+from cje_engine.pipeline import sharded
+from cje_engine.simulate import simulate
+
+GLIBC = sharded._mallopt(sharded._M_MMAP_THRESHOLD, sharded.MMAP_THRESHOLD_MAX)
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _hugepage() -> bool | None:
+    was = sharded._madvise_hugepage(True)
+    if was is not None:
+        sharded._madvise_hugepage(was)
+    return was
+
+
+def _faults_of_a_large_array() -> int:
+    """Minor page faults of filling a 48 MiB array after one of the same size was filled and freed (4 KiB pages:
+    numpy's huge-page requests off for the measure, then as they were)."""
+    was = sharded._madvise_hugepage(False)
+    try:
+        a = np.ones(6 << 20)
+        del a
+        before = _minor_faults()
+        b = np.ones(6 << 20)
+        faults = _minor_faults() - before
+        del b
+    finally:
+        if was is not None:
+            sharded._madvise_hugepage(was)
+    return faults
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
+def test_a_freed_large_array_is_reused_while_kept_and_everything_is_undone_after():
+    assert sharded.prepare_sharded.__wrapped__.__wrapped__.__name__ == "prepare_sharded"  # name and doc kept
+    assert sharded.ShardedPrepared.finalize.__wrapped__.__name__ == "finalize"
+    huge = _hugepage()
+    seen = {}
+
+    @sharded.heap_kept
+    def body(fail: bool) -> int:
+        seen["faults"] = _faults_of_a_large_array()
+        seen["huge"] = _hugepage()
+        seen["depth"] = sharded._heap_kept_depth[0]
+        seen["inner_huge"] = inner()
+        return 1 if not fail else 1 // 0
+
+    @sharded.heap_kept
+    def inner() -> bool | None:  # nested: runs as it is, the outer scope not undone by it
+        return _hugepage()
+
+    assert _faults_of_a_large_array() > 1000  # its own mapping: fresh pages at every allocation
+    body(False)
+    assert seen["faults"] < 100 and seen["depth"] == 1
+    assert seen["huge"] in (False, None) and seen["inner_huge"] in (False, None)
+    assert sharded._heap_kept_depth[0] == 0 and _hugepage() == huge
+    assert _faults_of_a_large_array() > 1000  # the mmap threshold back at glibc's ceiling (32 MiB < 48 MiB)
+    with pytest.raises(ZeroDivisionError):
+        body(True)
+    assert sharded._heap_kept_depth[0] == 0 and _hugepage() == huge  # undone after an error too
+
+
+def _tables() -> dict[str, pa.Table]:
+    """Varied inputs: plain, tied scores (rounded to 0.1), many policies (nine), NaN labels of unlabelled rows,
+    non-ASCII prompt ids longer than 16 bytes."""
+    base = pa.Table.from_pandas(simulate(600, seed=1, oracle_fraction=0.1).frame, preserve_index=False)
+    ties = base.set_column(base.column_names.index("judge_score"), "judge_score",
+                           pa.array(np.round(base["judge_score"].to_numpy(), 1)))
+    many = pa.Table.from_pandas(simulate(300, seed=2, oracle_fraction=0.2).frame, preserve_index=False)
+    parts = []
+    for k in range(2):  # the policies again under other names: 2 x the simulator's
+        pol = pa.array([f"{p}-{k}" for p in many["policy"].to_pylist()])
+        parts.append(many.set_column(many.column_names.index("policy"), "policy", pol))
+    many = pa.concat_tables(parts)
+    ids = pa.array(["préfixe-très-long-" + p for p in base["prompt_id"].cast(pa.string()).to_pylist()])
+    long_ids = base.set_column(base.column_names.index("prompt_id"), "prompt_id", ids)
+    return {"plain": base, "ties": ties, "many_policies": many, "non_ascii_long_ids": long_ids}
+
+
+def _run(table: pa.Table, opts: EvaluationOptions, n_shards: int, keep: bool, reference: bool) -> str:
+    """The sharded path's result (and replicates) as JSON: decorated (``reference`` False) or the undecorated
+    functions with every allocation of 64 KiB or more its own zeroed mapping."""
+    parts = sharded.split_by_shard(table, n_shards)
+    if reference:
+        prepare, finalize = sharded.prepare_sharded.__wrapped__.__wrapped__, sharded.ShardedPrepared.finalize.__wrapped__
+        sharded._mallopt(sharded._M_MMAP_THRESHOLD, 64 << 10)
+    else:
+        prepare, finalize = sharded.prepare_sharded, sharded.ShardedPrepared.finalize
+        junk = [np.full(n, np.nan) for n in (1 << 14, 1 << 17, 1 << 20, 1 << 22)]  # garbage left in the heap
+        sharded._mallopt(sharded._M_MMAP_THRESHOLD, sharded.HEAP_KEPT_BYTES)
+        del junk
+    try:
+        sp = prepare(parts, opts, keep_terms=keep)
+        reps = [sp.replicates(0, 60)] if opts.inference == "bootstrap" else []
+        out = finalize(sp, reps).to_dict()
+    finally:
+        sharded._mallopt(sharded._M_MMAP_THRESHOLD, sharded.MMAP_THRESHOLD_MAX)
+    return json.dumps({"result": out, "replicates": [r.tolist() for r in reps]}, sort_keys=True, default=str)
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
+@pytest.mark.parametrize("name", ["plain", "ties", "many_policies", "non_ascii_long_ids"])
+@pytest.mark.parametrize("kw", [dict(inference="analytic"), dict(inference="bootstrap", n_bootstrap=60),
+                                dict(inference="analytic", covariates=("response_length",), calibration_mode="auto")],
+                         ids=["analytic", "bootstrap", "auto_covariates"])
+def test_every_number_is_the_same_bits_with_the_heap_kept(name, kw):
+    table = _tables()[name]
+    opts = EvaluationOptions.of(None, seed=3, **kw)
+    for n_shards, keep in ((1, True), (3, False)):
+        assert _run(table, opts, n_shards, keep, reference=False) == _run(table, opts, n_shards, keep,
+                                                                           reference=True), (name, n_shards, keep)
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's mallopt only")
+def test_too_few_labels_raise_the_same_error_with_the_heap_kept():
+    table = pa.Table.from_pandas(simulate(300, seed=4, oracle_fraction=0.05).frame, preserve_index=False)
+    label = table["oracle_label"].to_numpy(zero_copy_only=False).copy()
+    label[:] = np.nan
+    label[0] = 0.5  # one label: too few to cross-fit
+    table = table.set_column(table.column_names.index("oracle_label"), "oracle_label", pa.array(label))
+    opts = EvaluationOptions.of(None, seed=3, inference="analytic")
+    msgs = []
+    for reference in (False, True):
+        with pytest.raises(CJEInputError) as err:
+            _run(table, opts, 2, True, reference)
+        msgs.append(str(err.value))
+    assert msgs[0] == msgs[1]
+    assert sharded._heap_kept_depth[0] == 0
