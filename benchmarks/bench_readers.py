@@ -19,6 +19,12 @@ own labels plus ids of other blocks), split into ``--shards`` prompt-id ranges c
   file) of random fingerprints, times the tree's number of buckets (main 26 tasks of 3.85M ids, this tree 4 of 25M);
 * ``steps`` (round 22): `split_file`'s steps as it runs them on each file in turn, one `time.process_time` a step
   (Arrow's threads included), the mean a file (`steps`); ``--steps-only``: ``split_file`` and the steps alone.
+* ``--task`` (round 23): the reader's task as the flow runs it, the mean a file: in process (`split_file`'s user and
+  system CPU and page faults, `getrusage`) and as Ray tasks one after another on a local Ray of 1 CPU whose worker
+  gets the tree's `flows.runtime.ray_fanout.worker_env` (the flow's), the returned objects kept in the object store
+  as the flow keeps the pieces: the worker's CPU inside `split_file` and between two tasks (the results put in the
+  object store, the next task's arguments), user and system, and its page faults (`/proc/self/stat`). The child
+  process runs with the tree's allocator settings of `worker_env` (as a worker would).
 
 Usage (after ``bench_sharded.py --stage write --sizes 1000000 --logs DIR --label-store LABELS``)::
 
@@ -146,6 +152,75 @@ def steps(st, keys, index, cuts, keep, touched, n_buckets, n_shards: int, repeat
     return out
 
 
+def _proc_stat() -> tuple[float, float, int]:
+    """(user CPU s, system CPU s, minor page faults) of this process so far (`/proc/self/stat`)."""
+    with open("/proc/self/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(f[11]) / tick, int(f[12]) / tick, int(f[7])
+
+
+def task_costs(args: argparse.Namespace, reader_with, index, n_files: int) -> dict:
+    """`--task`: the reader in process (getrusage a file) and as Ray tasks on a local Ray of 1 CPU (the worker's
+    CPU and faults inside `split_file` and between two tasks), the mean a file of ``repeat`` passes over the files.
+    ``reader_with(i, index)``: the ``i``-th file's reader with the label index ``index`` (put once in the object
+    store for the tasks, as the flow does)."""
+    import resource
+
+    import ray
+
+    from flows.runtime.ray_fanout import worker_env
+
+    out: dict = {}
+
+    def reader(i: int):
+        return reader_with(i, index)
+
+    for i in range(n_files):  # warm
+        reader(i)
+    acc = [0.0, 0.0, 0]
+    for _ in range(args.repeat):
+        for i in range(n_files):
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            reader(i)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            acc[0] += r1.ru_utime - r0.ru_utime
+            acc[1] += r1.ru_stime - r0.ru_stime
+            acc[2] += r1.ru_minflt - r0.ru_minflt
+    n = args.repeat * n_files
+    out["inprocess"] = {"user": round(acc[0] / n, 4), "sys": round(acc[1] / n, 4), "faults": round(acc[2] / n)}
+    env = {**worker_env(), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    try:
+        stat = _proc_stat
+
+        def task(i: int, idx):
+            s0 = stat()
+            res = reader_with(i, idx)
+            s1 = stat()
+            res[-1]["stat"] = (*s0, *s1)
+            return res
+
+        remote = ray.remote(task)
+        n_returns = [len(reader(i)) for i in range(n_files)]
+        idx = ray.put(index)
+        kept, rows = [], []
+        ray.get(remote.options(num_returns=n_returns[0]).remote(0, idx)[-1])  # the worker started, imports done
+        for _ in range(args.repeat):
+            for i in range(n_files):
+                refs = remote.options(num_returns=n_returns[i]).remote(i, idx)
+                rows.append(ray.get(refs[-1])["stat"])
+                kept.append(refs)  # the pieces stay in the object store, as the flow's do
+        inside = [sum(r[k + 3] - r[k] for r in rows) / len(rows) for k in range(3)]
+        gaps = [sum(b[k] - a[k + 3] for a, b in zip(rows, rows[1:])) / max(len(rows) - 1, 1) for k in range(3)]
+        out["ray_task"] = {"user": round(inside[0], 4), "sys": round(inside[1], 4), "faults": round(inside[2])}
+        out["ray_between"] = {"user": round(gaps[0], 4), "sys": round(gaps[1], 4), "faults": round(gaps[2])}
+        out["worker_env"] = {k: v for k, v in env.items() if k.startswith(("MIMALLOC", "MALLOC", "ARROW"))}
+    finally:
+        ray.shutdown()
+    return out
+
+
 def child(args: argparse.Namespace) -> dict:
     """The measures of the tree this process imports (its ``PYTHONPATH``)."""
     import numpy as np
@@ -174,11 +249,18 @@ def child(args: argparse.Namespace) -> dict:
               for k in keys]
     touched = sharded.file_shards([None] + bounds, cuts, args.shards)[1:]
 
-    def reader(i: int = 0):
+    def reader_with(i: int, idx):
         return sharded_ray.split_file(args.logs, {}, keys[i % len(keys)], i, args.shards, None, None, None,
-                                      FileRows((), ()), cuts, keep, index,
+                                      FileRows((), ()), cuts, keep, idx,
                                       **({"n_buckets": n_buckets} if count else {}), shards=touched[i % len(keys)])
 
+    def reader(i: int = 0):
+        return reader_with(i, index)
+
+    if args.task:
+        return {"code": os.environ.get("PYTHONPATH", ""), "split_file": _cpu(reader, args.repeat),
+                "steps": steps(st, keys, index, cuts, keep, touched, n_buckets if count else None, args.shards,
+                               args.repeat), "task": task_costs(args, reader_with, index, len(keys))}
     if args.steps_only:
         return {"code": os.environ.get("PYTHONPATH", ""), "buckets_at_100M": n_buckets,
                 "split_file": _cpu(reader, args.repeat),
@@ -224,6 +306,27 @@ def child(args: argparse.Namespace) -> dict:
     return res
 
 
+def _print_task(runs: dict, trees: dict) -> int:
+    """`--task`'s table: CPU s (and page faults) a 1M-row file, this tree and main, the median of the rounds."""
+    def med(name: str, get) -> float:
+        return statistics.median(get(r) for r in runs[name])
+
+    print(f"{'CPU s a 1M-row file (median of rounds)':<52} {'this tree':>10} {'main':>10} {'ratio':>7}")
+    rows = [(f"step {k}", lambda r, k=k: r["steps"][k]) for k in [*STEPS, "total"]]
+    rows.append(("split_file (process_time)", lambda r: r["split_file"]))
+    for where in ("inprocess", "ray_task", "ray_between"):
+        for m in ("user", "sys", "faults"):
+            rows.append((f"{where} {m}", lambda r, w=where, m=m: r["task"][w][m]))
+    rows.append(("ray worker a file (task + between, user + sys)", lambda r: sum(
+        r["task"][w][m] for w in ("ray_task", "ray_between") for m in ("user", "sys"))))
+    for label, get in rows:
+        a, b = med("this", get), med("main", get)
+        print(f"{label:<52} {a:10.4f} {b:10.4f} {b / max(a, 1e-9):6.2f}x")
+    for name in trees:
+        print(name, json.dumps(runs[name]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--logs", required=True)
@@ -234,9 +337,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="alternations of the two trees")
     p.add_argument("--main", type=Path, default=Path("/work/main"))
     p.add_argument("--steps-only", action="store_true", help="split_file and its steps only")
+    p.add_argument("--task", action="store_true", help="the reader's task in process and on Ray (round 23)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
+        if args.task and not os.environ.get("_BENCH_WORKER_ENV"):  # as a Ray worker of the tree would start
+            from flows.runtime.ray_fanout import worker_env
+
+            alloc = {k: v for k, v in worker_env().items() if k.startswith(("MIMALLOC", "MALLOC", "ARROW"))}
+            os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **alloc, "_BENCH_WORKER_ENV": "1"})
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
     trees = {"this": HERE.parent, "main": args.main}
@@ -246,9 +355,16 @@ def main(argv: list[str] | None = None) -> int:
             env = {**os.environ, "PYTHONPATH": str(root)}
             cmd = [sys.executable, str(HERE / "bench_readers.py"), "--child", "--logs", args.logs, "--label-store",
                    args.label_store, "--labels", str(args.labels), "--shards", str(args.shards), "--repeat",
-                   str(args.repeat)] + (["--steps-only"] if args.steps_only else [])
-            out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True).stdout
+                   str(args.repeat)] + (["--steps-only"] if args.steps_only else []) + (
+                       ["--task"] if args.task else [])
+            proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
+            if proc.returncode:
+                sys.stderr.write(proc.stderr[-4000:])
+                proc.check_returncode()
+            out = proc.stdout
             runs[name].append(json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:]))
+    if args.task:
+        return _print_task(runs, trees)
     keys = ["split_file"] if args.steps_only else ["split_file", "read", "id_fingerprint", "file_rows", "join", "buckets", "split_by_shard", "range_shard",
             "pack_piece", "check_one_task", "check_100M"]
     print(f"{'CPU s (median of rounds)':<26} {'this tree':>10} {'main':>10} {'ratio':>7}")
