@@ -360,8 +360,12 @@ def stage_groupby(args: argparse.Namespace) -> dict:
 
     keys = _keys(args.logs)
     cfg = StorageConfig.from_env().to_dict(include_secrets=True)
-    ray.init(address=args.ray, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    env = {"PYTHONPATH": str(ROOT)}
+    if args.worker_allocator:  # the flow's workers' allocator settings (flows.runtime.ray_fanout) for it too
+        from flows.runtime.ray_fanout import WORKER_ALLOCATOR_ENV
+
+        env.update(WORKER_ALLOCATOR_ENV)
+    ray.init(address=args.ray, logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": env})
     try:
         cpus = int(ray.cluster_resources().get("CPU", 1))
         w0 = time.perf_counter()
@@ -421,6 +425,8 @@ def ray_data_by_prompt(logs: str, keys: list[str], cfg: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", choices=["flow", "groupby"], required=True)
+    p.add_argument("--worker-allocator", action="store_true",
+                   help="groupby: its Ray workers get the flow's allocator settings too (WORKER_ALLOCATOR_ENV)")
     p.add_argument("--logs", required=True)
     p.add_argument("--labels")
     p.add_argument("--results")
