@@ -36,9 +36,9 @@ from .test_stack import _wait_bootstrap
 
 pytestmark = pytest.mark.stack
 
-#: The long fault tests and the chaos soak: in CI this file's tests but the soak run in a pytest process of their
-#: own on a second stack, the soak in another on a third (.ci/services, ``CJE_STACK_ENV`` naming the stack),
-#: beside the other stack tests; by hand, on a started stack: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
+#: The long fault tests and the chaos soak: in CI they run in a pytest process of their own on a second stack
+#: (.ci/services, ``-m stack_faults`` with ``CJE_STACK_ENV`` naming that stack), beside the other stack tests;
+#: by hand, on a started stack: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
 LONG = pytest.mark.stack_faults
 
 #: The shared window: 20,000 prompts x 5 policies. `SLOW` replicates keep the bootstrap busy for ~10 s on the
@@ -241,7 +241,7 @@ SOAK = {"runs": 30, "lanes": 5, "seed": 12}
 SOAK_LIMIT_S = 1800
 
 
-#: In CI, alone in a pytest process of its own on a third stack (.ci/services: ``-m soak``).
+#: In CI, last in the fault process on the second stack (.ci/services: ``-m stack_faults``).
 #: By hand on a started stack: ``pytest -m soak tests/stack``.
 @LONG
 @pytest.mark.soak
