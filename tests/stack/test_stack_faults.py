@@ -237,8 +237,10 @@ def test_scheduler_double_fire_runs_one_at_a_time_and_publishes_one_result(share
 #: The soak in CI: 30 slots, 5 in flight at once (benchmarks/chaos_soak.py). Seed 12 draws every fault kind:
 #: none 10, flow_kill 3, ray_node 4, api_crash 4, pg_kill 5, double_fire 2, ray_head 2 (asserted below).
 SOAK = {"runs": 30, "lanes": 5, "seed": 12}
-#: Its time limit in CI (measured: 1,148-1,234 s on the CI layout, docs/testing.md).
-SOAK_LIMIT_S = 1800
+#: Its time limit in CI, a guard against a soak that stops making progress (each run's own hang is counted by the soak,
+#: 420 s a round): measured 1,148-1,234 s on the CI layout, then 1,329-1,654 s on machines ~1.35-1.6x slower
+#: (docs/testing.md, runs 7-9; 146 s left of the former 1,800 s in run 9).
+SOAK_LIMIT_S = 2100
 
 
 #: In CI, last in the fault process on the second stack (.ci/services: ``-m stack_faults``).
