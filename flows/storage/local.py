@@ -22,6 +22,9 @@ from flows.storage.objects import (STALE_TMP_SECONDS, TMP_PREFIX, NotFoundError,
 
 log = logging.getLogger(__name__)
 
+#: Attempts at a temporary file whose folder a concurrent `LocalStorage.delete` removed as it was created.
+FOLDER_RACE_TRIES = 5
+
 
 def _iso_mtime(ns: int) -> str:
     return "mtime:" + datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).isoformat().replace("+00:00", "Z")
@@ -78,20 +81,31 @@ class LocalStorage(Storage):
 
     def _tmp_file(self, path: Path, data: bytes) -> Path:
         """``data`` in a new temporary file beside ``path``; on any failure (a full disk, ...) the
-        partial temporary file is removed before the error propagates."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.sweep_stale_tmp(path.parent)
-        tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        return tmp
+        partial temporary file is removed before the error propagates. A folder removed between its creation
+        and the file's (`delete` removes the folders it leaves empty, and another thread or process may delete the
+        last object of a folder this write creates) is created again, up to `FOLDER_RACE_TRIES` times."""
+        for attempt in range(FOLDER_RACE_TRIES):
+            tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.sweep_stale_tmp(path.parent)
+                with open(tmp, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                return tmp
+            except FileNotFoundError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                if attempt + 1 == FOLDER_RACE_TRIES:
+                    raise
+                log.info("folder %s removed by a concurrent delete while writing %s: creating it again",
+                         path.parent, path.name)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def write_bytes(self, key: str, data: bytes) -> None:
         """Create or replace ``key`` through a temporary file and an atomic rename; see `Storage.write_bytes`."""

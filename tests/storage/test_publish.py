@@ -27,7 +27,7 @@ from flows.storage.publish import (
     run_key,
 )
 from flows.pipelines.pages import contextual_report
-from flows.storage.objects import ObjectInfo, Storage, StorageConfig, StorageError
+from flows.storage.objects import TMP_PREFIX, ObjectInfo, Storage, StorageConfig, StorageError
 from tests.storage.conftest import SECRET_KEY
 
 RESULT_EXAMPLE = Path(__file__).resolve().parents[1] / "fixtures" / "result_example.json"
@@ -730,3 +730,36 @@ def test_latest_moves_on_an_endpoint_that_compares_if_match_unquoted(s3_storage)
     publish_run(s3_storage, "ev", "2025-03-02_2025-03-04", "new", artifacts_for(), _dated("2025-03-02_2025-03-04", 1))
     assert read_latest(s3_storage, "ev")["run_key"] == "new"  # was: StorageError "the pointer kept changing"
     assert refused == [s3_storage._full("results/ev/latest.json")]  # one refusal, then the unquoted ETag
+
+
+def test_a_folder_pruned_by_a_concurrent_delete_while_writing_is_created_again(tmp_path, monkeypatch):
+    """The race behind a rare FileNotFoundError of six publishing threads (session 23's default run): one
+    thread's `delete` of a loser's last object removes the folder it leaves empty between another thread's
+    creating that folder and its temporary file there. The write creates the folder again; a folder that keeps
+    vanishing is still an error after `FOLDER_RACE_TRIES` attempts."""
+    import builtins
+    import shutil
+
+    from flows.storage import local
+
+    st = local.LocalStorage(tmp_path / "root", StorageConfig())
+    real_open = builtins.open
+    pruned = []
+
+    def racing_open(file, mode="r", *args, **kwargs):
+        name = os.path.basename(str(file))
+        if "wb" in mode and name.startswith(TMP_PREFIX) and len(pruned) < budget[0]:
+            shutil.rmtree(os.path.dirname(str(file)))  # the concurrent delete, just before our file
+            pruned.append(name)
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(local, "open", racing_open, raising=False)
+    budget = [2]
+    st.write_bytes("results/ev/w/k/a1/report.html", b"<html>x</html>")
+    assert len(pruned) == 2 and st.read_bytes("results/ev/w/k/a1/report.html") == b"<html>x</html>"
+    assert st.put_if_absent("results/ev/w/k/a2/manifest.json", b"{}") and len(pruned) == 2
+    budget[0] = 2 + local.FOLDER_RACE_TRIES
+    with pytest.raises(Exception) as err:
+        st.write_bytes("results/ev/w/k/a3/report.html", b"<html>y</html>")
+    assert "a3" in str(err.value) or "report.html" in str(err.value)
+    assert not [p for p in (tmp_path / "root").rglob(f"{TMP_PREFIX}*")]
