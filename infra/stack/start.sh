@@ -201,6 +201,7 @@ ray_ports() {  # the ports a Ray node opens, each free (Ray's defaults are fixed
          --min-worker-port=0 --max-worker-port=0
 }
 RAY_ENV="export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$RAY_TOKEN RAY_USAGE_STATS_ENABLED=0 DO_NOT_TRACK=1
+export RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 LOG_NAME_UPDATE_INTERVAL_S=2 REPORTER_UPDATE_INTERVAL_MS=60000
 export PYTHONPATH=\"$ROOT\${PYTHONPATH:+:\$PYTHONPATH}\""
 # Under CPU load a node's raylet gives up after ~16 s waiting for its dashboard agent ("Timed out waiting
 # for file .../dashboard_agent_listen_port_..."; seen at a load of 12-18 on 2 cores): `ray start` is tried
@@ -267,7 +268,7 @@ supervise() {
 $SUPERVISE
 }
 supervise "$BIN/ray" start --block --address=127.0.0.1:$GCS_PORT --node-ip-address=127.0.0.1 --num-cpus=1 \
-    --object-store-memory=$OBJ_STORE $(ray_ports) --disable-usage-stats
+    --object-store-memory=$OBJ_STORE $(ray_ports) --disable-usage-stats --include-log-monitor=false
 EOF
 
 # The head must accept the second node: its GCS answers once `ray start --head` is done.
