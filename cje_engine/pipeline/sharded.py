@@ -271,6 +271,32 @@ def shard_of(prompt_ids: Sequence[str] | np.ndarray | pa.Array, n_shards: int) -
 RANGE_META = b"cje.shard_range"
 
 
+class RowsOutsideShards(ValueError):
+    """`split_by_shard` was asked for some shards only and the table has rows of others: the caller's idea of the
+    table's shards (`file_shards` of a file's prompt-id range from its Parquet footer's statistics or its sample)
+    is wrong. A caller that knows where the range came from catches this type and names the file
+    (`flows.runtime.sharded_ray.split_file`).
+
+    Parameters
+    ----------
+    outside : sequence of int
+        The shards of the rows that are not among those asked (increasing).
+    asked : sequence of int
+        The shards asked (``shards`` of `split_by_shard`).
+
+    Attributes
+    ----------
+    outside, asked : list of int
+        As given.
+    """
+
+    def __init__(self, outside: Sequence[int], asked: Sequence[int]) -> None:
+        self.outside = [int(s) for s in outside]
+        self.asked = [int(s) for s in asked]
+        super().__init__(f"split_by_shard: rows of shard(s) {self.outside[:5]}{'...' if len(self.outside) > 5 else ''}"
+                         f" outside the shards asked ({self.asked[:5]}{'...' if len(self.asked) > 5 else ''})")
+
+
 def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
                    splitters: Sequence[str] | None = None, shards: Sequence[int] | None = None) -> list[pa.Table]:
     """The rows of ``table`` per shard, each with its `ROW` (``row_offset`` + its place in ``table`` unless the
@@ -283,9 +309,9 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
 
     ``shards``: the only shards whose pieces are returned (increasing; None: all ``n_shards``), those the file's
     prompt-id range touches (`file_shards`); each piece is the one of that shard without ``shards``, row for row.
-    A row of another shard raises `ValueError`. With ``splitters`` every id is searched among them (`range_shard`: a
-    file in prompt-id order one splitter at a time among its ids), and a table of one shard's ids is returned whole
-    (`split_by_shard_reference`: the same pieces).
+    A row of another shard raises `RowsOutsideShards` (a `ValueError`). With ``splitters`` every id is searched
+    among them (`range_shard`: a file in prompt-id order one splitter at a time among its ids), and a table of one
+    shard's ids is returned whole (`split_by_shard_reference`: the same pieces).
     """
     table, wanted = _split_rows(table, n_shards, row_offset, shards)
     if splitters is None:
@@ -310,10 +336,9 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
 def _pieces(table: pa.Table, shard: np.ndarray | None, span: tuple[int, int] | None, outside: np.ndarray,
             wanted: list[int], n_shards: int, first: int = 0) -> list[pa.Table]:
     """`split_by_shard`'s pieces of ``wanted`` from each row's shard (``shard`` minus ``first``; None: every row in
-    ``span[0]``); rows of shards ``outside`` those asked raise `ValueError`."""
+    ``span[0]``); rows of shards ``outside`` those asked raise `RowsOutsideShards`."""
     if outside.size:
-        raise ValueError(f"split_by_shard: rows of shard(s) {outside.tolist()[:5]} outside the shards asked "
-                         f"({wanted[:5]}{'...' if len(wanted) > 5 else ''})")
+        raise RowsOutsideShards(outside.tolist(), wanted)
     if shard is None:  # one shard: the table is its piece, the others are empty
         return [table if s == span[0] else table.slice(0, 0) for s in wanted]
     if n_shards <= 2**16:  # 1- or 2-byte keys: numpy's stable sort of them is a radix sort (the same order)
