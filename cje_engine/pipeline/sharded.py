@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -103,7 +104,12 @@ HEAP_KEPT_BYTES = 1 << 30
 #: glibc's own ceilings of the two thresholds on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX`` and twice it): where its
 #: dynamic thresholds stand once a process has freed an array of 32 MiB, and where `heap_kept` leaves them.
 MMAP_THRESHOLD_MAX = 32 << 20
+#: The `heap_kept` calls running now, in any thread; the first one in sets the heap's thresholds and numpy's huge
+#: pages, the last one out restores them (`_heap_kept_enter`, `_heap_kept_leave`, under `_heap_kept_lock`).
 _heap_kept_depth = [0]
+#: What the first call in found: whether glibc took the thresholds, numpy's huge-page setting before.
+_heap_kept_state: dict[str, Any] = {"kept": False, "huge": None}
+_heap_kept_lock = threading.Lock()
 
 
 def _mallopt(param: int, value: int) -> bool:
@@ -142,7 +148,9 @@ def heap_kept(fn: Callable | None = None, *, trim: bool = True) -> Callable:
     between the driver's steps, and on return both thresholds are left at glibc's ceilings (where its dynamic ones
     stand after a large free) and the heap is trimmed (``trim``; not at the end of `prepare_sharded`, whose free
     pages `ShardedPrepared.finalize` reuses next). Only the allocator's choices change: every array
-    holds what it held, every number is the same. Nested calls run as they are; off glibc a no-op.
+    holds what it held, every number is the same. Nested calls run as they are; off glibc a no-op. Thread-safe:
+    the calls running at once in several threads share one scope (a lock around entering and leaving), set by the
+    first to enter and restored by the last to leave (trimming if its ``trim`` says so), whatever their order.
 
     numpy's request of transparent huge pages for its large arrays (``madvise``) is off meanwhile too: with the
     kernel's ``defrag`` at ``madvise`` (Debian's default) each huge page is compacted for at the fault, in the
@@ -167,26 +175,45 @@ def heap_kept(fn: Callable | None = None, *, trim: bool = True) -> Callable:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _heap_kept_depth[0]:
-            return fn(*args, **kwargs)
-        kept = _mallopt(_M_MMAP_THRESHOLD, HEAP_KEPT_BYTES)
-        if kept:
-            _mallopt(_M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)
-        huge = _madvise_hugepage(False)
-        _heap_kept_depth[0] += 1
+        _heap_kept_enter()
         try:
             return fn(*args, **kwargs)
         finally:
-            _heap_kept_depth[0] -= 1
-            if huge is not None:
-                _madvise_hugepage(huge)
-            if kept:
-                _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
-                _mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX)
-                if trim:
-                    _release(collect=False)
+            _heap_kept_leave(trim)
 
     return run
+
+
+def _heap_kept_enter() -> None:
+    """A `heap_kept` call starts: the first one running (in any thread) keeps the heap and turns numpy's huge pages
+    off, remembering how they were; the others find them so. Under `_heap_kept_lock`: two threads entering at once
+    must not both take the settings as they found them (the second would find the first's, and restore those)."""
+    with _heap_kept_lock:
+        if not _heap_kept_depth[0]:
+            kept = _mallopt(_M_MMAP_THRESHOLD, HEAP_KEPT_BYTES)
+            if kept:
+                _mallopt(_M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)
+            _heap_kept_state.update(kept=kept, huge=_madvise_hugepage(False))
+        _heap_kept_depth[0] += 1
+
+
+def _heap_kept_leave(trim: bool) -> None:
+    """A `heap_kept` call ends: the last one running restores what the first found, then trims the heap if its own
+    ``trim`` says so (outside the lock: a trim takes time and changes no setting). Under `_heap_kept_lock`: a call
+    leaving while another thread's call still runs leaves the settings to it, and a call entering meanwhile waits until
+    the restore is done (else the restore would undo its settings)."""
+    with _heap_kept_lock:
+        _heap_kept_depth[0] -= 1
+        if _heap_kept_depth[0]:
+            return
+        kept, huge = _heap_kept_state["kept"], _heap_kept_state["huge"]
+        if huge is not None:
+            _madvise_hugepage(huge)
+        if kept:
+            _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+            _mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX)
+    if kept and trim:
+        _release(collect=False)
 
 
 def heap_frozen(fn: Callable) -> Callable:
