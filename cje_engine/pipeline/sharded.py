@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -103,7 +104,12 @@ HEAP_KEPT_BYTES = 1 << 30
 #: glibc's own ceilings of the two thresholds on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX`` and twice it): where its
 #: dynamic thresholds stand once a process has freed an array of 32 MiB, and where `heap_kept` leaves them.
 MMAP_THRESHOLD_MAX = 32 << 20
+#: The `heap_kept` calls running now, in any thread; the first one in sets the heap's thresholds and numpy's huge
+#: pages, the last one out restores them (`_heap_kept_enter`, `_heap_kept_leave`, under `_heap_kept_lock`).
 _heap_kept_depth = [0]
+#: What the first call in found: whether glibc took the thresholds, numpy's huge-page setting before.
+_heap_kept_state: dict[str, Any] = {"kept": False, "huge": None}
+_heap_kept_lock = threading.Lock()
 
 
 def _mallopt(param: int, value: int) -> bool:
@@ -142,7 +148,9 @@ def heap_kept(fn: Callable | None = None, *, trim: bool = True) -> Callable:
     between the driver's steps, and on return both thresholds are left at glibc's ceilings (where its dynamic ones
     stand after a large free) and the heap is trimmed (``trim``; not at the end of `prepare_sharded`, whose free
     pages `ShardedPrepared.finalize` reuses next). Only the allocator's choices change: every array
-    holds what it held, every number is the same. Nested calls run as they are; off glibc a no-op.
+    holds what it held, every number is the same. Nested calls run as they are; off glibc a no-op. Thread-safe:
+    the calls running at once in several threads share one scope (a lock around entering and leaving), set by the
+    first to enter and restored by the last to leave (trimming if its ``trim`` says so), whatever their order.
 
     numpy's request of transparent huge pages for its large arrays (``madvise``) is off meanwhile too: with the
     kernel's ``defrag`` at ``madvise`` (Debian's default) each huge page is compacted for at the fault, in the
@@ -167,26 +175,45 @@ def heap_kept(fn: Callable | None = None, *, trim: bool = True) -> Callable:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _heap_kept_depth[0]:
-            return fn(*args, **kwargs)
-        kept = _mallopt(_M_MMAP_THRESHOLD, HEAP_KEPT_BYTES)
-        if kept:
-            _mallopt(_M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)
-        huge = _madvise_hugepage(False)
-        _heap_kept_depth[0] += 1
+        _heap_kept_enter()
         try:
             return fn(*args, **kwargs)
         finally:
-            _heap_kept_depth[0] -= 1
-            if huge is not None:
-                _madvise_hugepage(huge)
-            if kept:
-                _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
-                _mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX)
-                if trim:
-                    _release(collect=False)
+            _heap_kept_leave(trim)
 
     return run
+
+
+def _heap_kept_enter() -> None:
+    """A `heap_kept` call starts: the first one running (in any thread) keeps the heap and turns numpy's huge pages
+    off, remembering how they were; the others find them so. Under `_heap_kept_lock`: two threads entering at once
+    must not both take the settings as they found them (the second would find the first's, and restore those)."""
+    with _heap_kept_lock:
+        if not _heap_kept_depth[0]:
+            kept = _mallopt(_M_MMAP_THRESHOLD, HEAP_KEPT_BYTES)
+            if kept:
+                _mallopt(_M_TRIM_THRESHOLD, HEAP_KEPT_BYTES)
+            _heap_kept_state.update(kept=kept, huge=_madvise_hugepage(False))
+        _heap_kept_depth[0] += 1
+
+
+def _heap_kept_leave(trim: bool) -> None:
+    """A `heap_kept` call ends: the last one running restores what the first found, then trims the heap if its own
+    ``trim`` says so (outside the lock: a trim takes time and changes no setting). Under `_heap_kept_lock`: a call
+    leaving while another thread's call still runs leaves the settings to it, and a call entering meanwhile waits until
+    the restore is done (else the restore would undo its settings)."""
+    with _heap_kept_lock:
+        _heap_kept_depth[0] -= 1
+        if _heap_kept_depth[0]:
+            return
+        kept, huge = _heap_kept_state["kept"], _heap_kept_state["huge"]
+        if huge is not None:
+            _madvise_hugepage(huge)
+        if kept:
+            _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+            _mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_MAX)
+    if kept and trim:
+        _release(collect=False)
 
 
 def heap_frozen(fn: Callable) -> Callable:
@@ -271,6 +298,32 @@ def shard_of(prompt_ids: Sequence[str] | np.ndarray | pa.Array, n_shards: int) -
 RANGE_META = b"cje.shard_range"
 
 
+class RowsOutsideShards(ValueError):
+    """`split_by_shard` was asked for some shards only and the table has rows of others: the caller's idea of the
+    table's shards (`file_shards` of a file's prompt-id range from its Parquet footer's statistics or its sample)
+    is wrong. A caller that knows where the range came from catches this type and names the file
+    (`flows.runtime.sharded_ray.split_file`).
+
+    Parameters
+    ----------
+    outside : sequence of int
+        The shards of the rows that are not among those asked (increasing).
+    asked : sequence of int
+        The shards asked (``shards`` of `split_by_shard`).
+
+    Attributes
+    ----------
+    outside, asked : list of int
+        As given.
+    """
+
+    def __init__(self, outside: Sequence[int], asked: Sequence[int]) -> None:
+        self.outside = [int(s) for s in outside]
+        self.asked = [int(s) for s in asked]
+        super().__init__(f"split_by_shard: rows of shard(s) {self.outside[:5]}{'...' if len(self.outside) > 5 else ''}"
+                         f" outside the shards asked ({self.asked[:5]}{'...' if len(self.asked) > 5 else ''})")
+
+
 def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
                    splitters: Sequence[str] | None = None, shards: Sequence[int] | None = None) -> list[pa.Table]:
     """The rows of ``table`` per shard, each with its `ROW` (``row_offset`` + its place in ``table`` unless the
@@ -283,9 +336,9 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
 
     ``shards``: the only shards whose pieces are returned (increasing; None: all ``n_shards``), those the file's
     prompt-id range touches (`file_shards`); each piece is the one of that shard without ``shards``, row for row.
-    A row of another shard raises `ValueError`. With ``splitters`` every id is searched among them (`range_shard`: a
-    file in prompt-id order one splitter at a time among its ids), and a table of one shard's ids is returned whole
-    (`split_by_shard_reference`: the same pieces).
+    A row of another shard raises `RowsOutsideShards` (a `ValueError`). With ``splitters`` every id is searched
+    among them (`range_shard`: a file in prompt-id order one splitter at a time among its ids), and a table of one
+    shard's ids is returned whole (`split_by_shard_reference`: the same pieces).
     """
     table, wanted = _split_rows(table, n_shards, row_offset, shards)
     if splitters is None:
@@ -310,10 +363,9 @@ def split_by_shard(table: pa.Table, n_shards: int, row_offset: int = 0,
 def _pieces(table: pa.Table, shard: np.ndarray | None, span: tuple[int, int] | None, outside: np.ndarray,
             wanted: list[int], n_shards: int, first: int = 0) -> list[pa.Table]:
     """`split_by_shard`'s pieces of ``wanted`` from each row's shard (``shard`` minus ``first``; None: every row in
-    ``span[0]``); rows of shards ``outside`` those asked raise `ValueError`."""
+    ``span[0]``); rows of shards ``outside`` those asked raise `RowsOutsideShards`."""
     if outside.size:
-        raise ValueError(f"split_by_shard: rows of shard(s) {outside.tolist()[:5]} outside the shards asked "
-                         f"({wanted[:5]}{'...' if len(wanted) > 5 else ''})")
+        raise RowsOutsideShards(outside.tolist(), wanted)
     if shard is None:  # one shard: the table is its piece, the others are empty
         return [table if s == span[0] else table.slice(0, 0) for s in wanted]
     if n_shards <= 2**16:  # 1- or 2-byte keys: numpy's stable sort of them is a radix sort (the same order)

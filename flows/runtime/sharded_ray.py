@@ -284,7 +284,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     import pyarrow as pa
 
     from cje_engine.data.frame import POLICY
-    from cje_engine.pipeline.sharded import ROW, pack_piece, split_by_shard
+    from cje_engine.pipeline.sharded import ROW, RowsOutsideShards, pack_piece, split_by_shard
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
@@ -339,9 +339,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     # score as codes into its few values (`pack_piece`; `_concat` unpacks them in the task that reads the shard)
     try:
         parts = split_by_shard(table, n_shards, splitters=splitters, shards=shards)
-    except ValueError as exc:
-        if shards is None or "outside the shards asked" not in str(exc):
-            raise
+    except RowsOutsideShards as exc:  # (raised only when ``shards`` are asked)
         # the file's prompt-id range was known before the read, from its Parquet footer's statistics or its sample
         # (`read_shards`): rows outside it (statistics a writer got wrong) are refused, naming the file
         raise CJEInputError("prompt ids outside the range the file's Parquet footer statistics give (row-group min "

@@ -9,7 +9,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 #: Attempts at a temporary file whose folder a concurrent `LocalStorage.delete` removed as it was created.
 FOLDER_RACE_TRIES = 5
+
+_T = TypeVar("_T")
 
 
 def _iso_mtime(ns: int) -> str:
@@ -79,33 +81,49 @@ class LocalStorage(Storage):
             log.info("removed %d stale temporary file(s) of killed writers in %s", removed, folder)
         return removed
 
-    def _tmp_file(self, path: Path, data: bytes) -> Path:
-        """``data`` in a new temporary file beside ``path``; on any failure (a full disk, ...) the
-        partial temporary file is removed before the error propagates. A folder removed between its creation
-        and the file's (`delete` removes the folders it leaves empty, and another thread or process may delete the
-        last object of a folder this write creates) is created again, up to `FOLDER_RACE_TRIES` times."""
-        for attempt in range(FOLDER_RACE_TRIES):
+    def _open_tmp(self, path: Path, opener: Callable[[Path], _T]) -> tuple[Path, _T]:
+        """Create the folder of ``path`` and a new temporary file beside it, opened for writing by ``opener``
+        (``opener(tmp)``: the open file); the temporary file's path and the open file. The one place a write
+        creates its folder and its temporary file (`_tmp_file`, `open_output`): a folder removed between its
+        creation and the file's (`delete` removes the folders it leaves empty, and another thread or process may
+        delete the last object of a folder this write creates) is created again, up to `FOLDER_RACE_TRIES`
+        attempts, the last one's `FileNotFoundError` propagating. Once the temporary file exists, its folder is
+        not empty and no `delete` removes it. On any failure no temporary file is left."""
+        attempt = 1
+        while True:
             tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self.sweep_stale_tmp(path.parent)
-                with open(tmp, "wb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                return tmp
+                return tmp, opener(tmp)
             except FileNotFoundError:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
-                if attempt + 1 == FOLDER_RACE_TRIES:
+                if attempt >= FOLDER_RACE_TRIES:
                     raise
-                log.info("folder %s removed by a concurrent delete while writing %s: creating it again",
-                         path.parent, path.name)
+                log.info("folder %s removed by a concurrent delete while writing %s: creating it again "
+                         "(attempt %d of %d)", path.parent, path.name, attempt + 1, FOLDER_RACE_TRIES)
+                attempt += 1
             except BaseException:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
                 raise
-        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _tmp_file(self, path: Path, data: bytes) -> Path:
+        """``data`` in a new temporary file beside ``path`` (`_open_tmp`: its folder created, again if a
+        concurrent `delete` removed it); on any failure (a full disk, ...) the partial temporary file is removed
+        before the error propagates."""
+        tmp, fh = self._open_tmp(path, lambda t: open(t, "wb"))
+        try:
+            with fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return tmp
 
     def write_bytes(self, key: str, data: bytes) -> None:
         """Create or replace ``key`` through a temporary file and an atomic rename; see `Storage.write_bytes`."""
@@ -258,14 +276,15 @@ class LocalStorage(Storage):
 
     @contextlib.contextmanager
     def open_output(self, key: str) -> Iterator[Any]:
-        """Write ``key`` through a temporary file renamed into place on success; see `Storage.open_output`."""
+        """Write ``key`` through a temporary file renamed into place on success (its folder created, again if a
+        concurrent `delete` removed it: `_open_tmp`); see `Storage.open_output`."""
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.sweep_stale_tmp(path.parent)
-        tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
         fs = pafs.LocalFileSystem()
         try:
-            stream = fs.open_output_stream(str(tmp))
+            tmp, stream = self._open_tmp(path, lambda t: fs.open_output_stream(str(t)))
+        except OSError as exc:
+            raise self._fail("write", key, exc) from None
+        try:
             try:
                 yield stream
             finally:

@@ -9,7 +9,8 @@
 #   Ceph radosgw S3 (infra/radosgw/start.sh, in this stack's own state folder)
 #
 # Everything binds 127.0.0.1 on ports chosen free at start; every daemon runs in its own session
-# (setsid) and its PID is recorded, so stop.sh ends exactly what this script started.
+# (setsid) and its PID is recorded, so stop.sh ends exactly what this script started; while it runs, its
+# own PID is recorded too ($CJE_STACK_DIR/start.pid), so a stop.sh run meanwhile ends this start first.
 #
 #   bash infra/stack/start.sh      # prints the env file path (~30-60 s)
 #   bash infra/stack/stop.sh
@@ -49,6 +50,14 @@ elapsed() { python3 -c "import time; print(f'{time.time() - $T0:.1f}')"; }
 export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false RAY_USAGE_STATS_ENABLED=0 \
        RAY_USAGE_STATS_PROMPT_ENABLED=0
 
+# This start in progress, recorded in the folder from its first step to its last ("<PID> <start time>": a PID
+# reused by another process is not it): stop.sh run meanwhile ends it, and what it started, before it reads the
+# pid files (else a service this start launches while stop.sh runs is never recorded where stop.sh looks, and
+# never stopped). Written again once the folder is made anew below.
+STARTER="$DIR/start.pid"
+record_start() { mkdir -p "$DIR" && echo "$$ $(sed 's/.*) //' "/proc/$$/stat" | cut -d' ' -f20)" > "$STARTER"; }
+record_start
+
 # ---------------------------------------------------------------------------------------------
 # 0. Already up? Reuse it. Stale state: stop it first.
 # ---------------------------------------------------------------------------------------------
@@ -56,6 +65,7 @@ if [[ -f "$DIR/pids" && -f "$ENV_FILE" ]]; then
     api=$(grep '^PREFECT_API_URL=' "$ENV_FILE" | cut -d= -f2-)
     if curl -fsS -o /dev/null --max-time 3 "$api/health"; then
         log "already running (env file $ENV_FILE)"
+        rm -f "$STARTER"
         echo "$ENV_FILE"
         exit 0
     fi
@@ -70,6 +80,7 @@ free_port() {  # below the ephemeral range, so no outgoing connection takes it b
 rm -rf "$DIR"
 mkdir -p "$DIR"/{run,logs,pg} "$(dirname "$ENV_FILE")"
 chmod 755 "$DIR"
+record_start
 PIDS="$DIR/pids"
 : > "$PIDS"
 
@@ -353,5 +364,6 @@ tmp="$ENV_FILE.tmp.$$"
 } > "$tmp"
 mv "$tmp" "$ENV_FILE"
 STARTED=1
+rm -f "$STARTER"
 log "stack up in $(elapsed)s (env $ENV_FILE)"
 echo "$ENV_FILE"

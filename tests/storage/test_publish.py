@@ -763,3 +763,51 @@ def test_a_folder_pruned_by_a_concurrent_delete_while_writing_is_created_again(t
         st.write_bytes("results/ev/w/k/a3/report.html", b"<html>y</html>")
     assert "a3" in str(err.value) or "report.html" in str(err.value)
     assert not [p for p in (tmp_path / "root").rglob(f"{TMP_PREFIX}*")]
+
+
+def test_a_folder_pruned_by_a_concurrent_delete_while_opening_an_output_is_created_again(tmp_path, monkeypatch):
+    """`LocalStorage.open_output` (a Parquet table written as a stream) has the same race as `write_bytes`: its
+    folder created, then removed by another thread's `delete` before its temporary file is opened there. It
+    creates the folder again (the helper `write_bytes` and `put_if_absent` share), and a folder that keeps
+    vanishing is a `StorageError` naming the key after `FOLDER_RACE_TRIES` attempts, no temporary file left.
+    The race is forced between the folder's creation and the file's, where the write sweeps stale temporary
+    files, for the three writes."""
+    import shutil
+
+    from flows.storage import local
+
+    st = local.LocalStorage(tmp_path / "root", StorageConfig())
+    real_sweep = local.LocalStorage.sweep_stale_tmp
+    pruned = []
+    budget = [0]
+
+    def racing_sweep(folder, *args, **kwargs):
+        removed = real_sweep(folder, *args, **kwargs)
+        if len(pruned) < budget[0]:
+            shutil.rmtree(folder)  # the concurrent delete: the folder was just created, the file is not there yet
+            pruned.append(str(folder))
+        return removed
+
+    monkeypatch.setattr(local.LocalStorage, "sweep_stale_tmp", staticmethod(racing_sweep))
+    table = pa.table({"x": [1, 2, 3]})
+
+    def write_parquet(key: str) -> None:
+        with st.open_output(key) as out:
+            pq.write_table(table, out)
+
+    writes = {"open_output": write_parquet,
+              "write_bytes": lambda key: st.write_bytes(key, b"<html>x</html>"),
+              "put_if_absent": lambda key: st.put_if_absent(key, b"{}")}
+    for i, (name, write) in enumerate(writes.items()):
+        key = f"results/ev/w/k/{name}/out.bin"
+        budget[0] = len(pruned) + local.FOLDER_RACE_TRIES - 1  # every attempt but the last loses its folder
+        write(key)
+        assert len(pruned) == (i + 1) * (local.FOLDER_RACE_TRIES - 1), name
+        if name == "open_output":
+            assert pq.read_table(io.BytesIO(st.read_bytes(key))).equals(table)
+        assert st.list(f"results/ev/w/k/{name}/")[0].key == key
+    budget[0] = len(pruned) + local.FOLDER_RACE_TRIES
+    with pytest.raises(StorageError, match="a3") as err:
+        write_parquet("results/ev/w/k/a3/table.parquet")
+    assert "table.parquet" in str(err.value) and not st.list("results/ev/w/k/a3/")
+    assert not [p for p in (tmp_path / "root").rglob(f"{TMP_PREFIX}*")]

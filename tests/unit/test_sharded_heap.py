@@ -84,6 +84,68 @@ def test_a_freed_large_array_is_reused_while_kept_and_everything_is_undone_after
     assert sharded._heap_kept_depth[0] == 0 and _hugepage() == huge  # undone after an error too
 
 
+def test_calls_in_two_threads_at_once_share_one_scope_restored_by_the_last_to_leave(monkeypatch):
+    """Two threads entering `heap_kept` at once (both before either counted itself) each took the settings as they
+    found them, so the first to leave restored the thresholds while the other still ran, and the last restored
+    numpy's huge pages as the first had set them (off for good). The interleaving is forced: glibc's and numpy's
+    switches are stand-ins, and the first one's raising of the mmap threshold waits (1 s at most) for a second
+    thread to get there too, which only an unlocked entry lets it do. With the lock: one scope, set by the first
+    in, held while either runs, restored once by the last out (and one trim)."""
+    import threading
+
+    state = {"mmap": sharded.MMAP_THRESHOLD_MAX, "trim": 2 * sharded.MMAP_THRESHOLD_MAX, "huge": True}
+    both_entering = threading.Barrier(2)
+    released = []
+
+    def mallopt(param: int, value: int) -> bool:
+        if param == sharded._M_MMAP_THRESHOLD and value == sharded.HEAP_KEPT_BYTES:
+            try:
+                both_entering.wait(timeout=1.0)  # the other thread entering meanwhile (unlocked only)
+            except threading.BrokenBarrierError:
+                pass
+        state["mmap" if param == sharded._M_MMAP_THRESHOLD else "trim"] = value
+        return True
+
+    def madvise_hugepage(enabled: bool) -> bool:
+        was, state["huge"] = state["huge"], enabled
+        return was
+
+    monkeypatch.setattr(sharded, "_mallopt", mallopt)
+    monkeypatch.setattr(sharded, "_madvise_hugepage", madvise_hugepage)
+    monkeypatch.setattr(sharded, "_release", lambda collect=True: released.append(collect))
+    both_inside = threading.Barrier(2)
+    first_left = threading.Event()
+    seen, errors = {}, []
+
+    @sharded.heap_kept
+    def body(i: int) -> None:
+        both_inside.wait(timeout=30)
+        if i == 1:  # still running after the other one left
+            assert first_left.wait(timeout=30)
+            seen.update(state)
+
+    def thread(i: int) -> None:
+        try:
+            body(i)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        finally:
+            if i == 0:
+                first_left.set()
+
+    threads = [threading.Thread(target=thread, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    # the scope held while the second thread still ran
+    assert seen == {"mmap": sharded.HEAP_KEPT_BYTES, "trim": sharded.HEAP_KEPT_BYTES, "huge": False}
+    # and restored by the last to leave as the first found it, trimmed once
+    assert state == {"mmap": sharded.MMAP_THRESHOLD_MAX, "trim": 2 * sharded.MMAP_THRESHOLD_MAX, "huge": True}
+    assert released == [False] and sharded._heap_kept_depth[0] == 0
+
+
 def _tables() -> dict[str, pa.Table]:
     """Varied inputs: plain, tied scores (rounded to 0.1), many policies (nine), NaN labels of unlabelled rows,
     non-ASCII prompt ids longer than 16 bytes."""

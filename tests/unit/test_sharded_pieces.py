@@ -173,6 +173,26 @@ def test_a_row_outside_the_shards_asked_is_refused():
         sharded.split_by_shard(t, 3, splitters=["b", "d"], shards=[1, 0])
 
 
+def test_rows_outside_the_shards_asked_raise_their_own_type_naming_the_shards():
+    """The refusal is a `RowsOutsideShards` (a `ValueError`) carrying the shards of the rows outside and those
+    asked, for shards by range and by hash and from the reference: its caller (`sharded_ray.split_file`) catches
+    the type, not the message's text; other bad arguments stay plain `ValueError`s."""
+    t = _file(["a", "c", "e"], 0)
+    for split in (sharded.split_by_shard, sharded.split_by_shard_reference):
+        with pytest.raises(sharded.RowsOutsideShards) as err:
+            split(t, 3, splitters=["b", "d"], shards=[0, 2])
+        assert isinstance(err.value, ValueError)
+        assert err.value.outside == [1] and err.value.asked == [0, 2]
+        assert "shard(s) [1]" in str(err.value) and "[0, 2]" in str(err.value)
+    hashed = sharded.shard_of(pa.array(["a", "c", "e"]), 3).tolist()
+    with pytest.raises(sharded.RowsOutsideShards) as err:
+        sharded.split_by_shard(t, 3, splitters=None, shards=[])
+    assert err.value.outside == sorted(set(hashed)) and err.value.asked == []
+    with pytest.raises(ValueError) as err:
+        sharded.split_by_shard(t, 3, splitters=["b", "d"], shards=[1, 0])
+    assert not isinstance(err.value, sharded.RowsOutsideShards)
+
+
 def test_shard_nodes_cut_consecutive_runs_in_proportion_to_cpus():
     assert sharded_ray.shard_nodes(26, [("a", 1), ("b", 1)]) == ["a"] * 13 + ["b"] * 13
     assert sharded_ray.shard_nodes(5, [("a", 1), ("b", 1)]) == ["a"] * 3 + ["b"] * 2  # shard 2 centred on the cut: the first
