@@ -30,3 +30,41 @@ tiers_result() {
     fi
     echo "[ci] every tier passed"
 }
+
+# tier_start NAME CMD...: a tier run in the background (its own session; output in a log file of its own), beside
+# the tiers that follow; `tier_wait NAME` waits for it, prints its output and result as `tier` does. A tier started
+# and never waited for is killed at exit by `tier_stop_all` (.ci/run's stops).
+declare -A TIER_PID=() TIER_LOG=() TIER_T0=()
+tier_start() {
+    local name=$1
+    shift
+    TIER_LOG[$name]=$(mktemp "/tmp/cje-tier-$name-XXXXXX")
+    TIER_T0[$name]=$(date +%s)
+    setsid "$@" > "${TIER_LOG[$name]}" 2>&1 < /dev/null &
+    TIER_PID[$name]=$!
+    echo "[ci] tier $name started in the background"
+}
+
+tier_wait() {
+    local name=$1 rc result
+    wait "${TIER_PID[$name]}" && rc=0 || rc=$?
+    unset "TIER_PID[$name]"
+    cat "${TIER_LOG[$name]}"
+    rm -f "${TIER_LOG[$name]}"
+    case $rc in
+        0) result="passed" ;;
+        5) result="FAILED (exit 5: no tests collected)" ;;
+        *) result="FAILED (exit $rc)" ;;
+    esac
+    if (( rc != 0 )); then
+        FAILED_TIERS+=("$name")
+    fi
+    echo "[ci] tier $name: $result in $(( $(date +%s) - TIER_T0[$name] )) s (in the background)"
+}
+
+tier_stop_all() {
+    local name
+    for name in "${!TIER_PID[@]}"; do
+        kill -TERM -- "-${TIER_PID[$name]}" 2>/dev/null || true
+    done
+}

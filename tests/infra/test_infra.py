@@ -848,35 +848,59 @@ def test_ci_runs_every_tier_and_fails_at_the_end_naming_the_failing_ones():
     assert subprocess.run(["bash", "-n", str(CI / "run")]).returncode == 0
 
 
-def test_ci_starts_the_services_before_the_default_tier_and_the_long_service_processes_beside_it():
-    """Rule 6 (test time): one tier after the other, CI took 2,600-2,900 s, over its 40 minutes, while the default
-    tier's two workers left ~40% of two cores idle. The stacks and Label Studio start right after the install; the
-    service tier's two long, mostly waiting processes (the stack tests and the soak: `.ci/services start`) start
-    before the default tier and run beside it; the rest of the service tier (`.ci/services finish`) after it. The
-    stop-on-exit trap is set before the first service starts, and `.ci/services stop` is among the stops. Label
-    Studio's preparation and the Debian packages (infra/packages.sh) are made beside the install and waited for
-    before the stacks start; our own modules are compiled once before the tiers."""
+def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
+    """Rule 6 (test time): the stacks and Label Studio idled through the default tier and took CPU from it.
+    They start after it and before the one tier that uses them; the stop-on-exit trap is set before the
+    first service starts. Label Studio's preparation (its virtualenv and migrated database, no server left
+    running) and the Debian packages of the tiers (Chromium, PostgreSQL, radosgw: infra/packages.sh) are made
+    beside the install and waited for before the default tier, so no apt-get is left for the stack starts."""
     lines = (CI / "run").read_text().splitlines()
     at = {name: i for i, line in enumerate(lines) for name in ("default", "services")
           if line.startswith(f"tier {name} ")}
     starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
-    [background] = [i for i, line in enumerate(lines) if line.startswith("service services ")]
-    assert '"bash .ci/services start" "bash .ci/services stop"' in lines[background]
-    assert len(starts) == 2 and max(starts) < background < at["default"] < at["services"]
-    assert lines[at["services"]] == "tier services bash .ci/services finish"
+    assert len(starts) == 2 and at["default"] < min(starts) and max(starts) < at["services"]
     assert not any(line.startswith("service chromium ") for line in lines)
     trap = min(i for i, line in enumerate(lines) if line.startswith("trap stop_services EXIT"))
     assert trap < min(starts)
     install = next(i for i, line in enumerate(lines) if line.startswith("python3.11 -m venv .venv"))
-    [compiled] = [i for i, line in enumerate(lines) if "-m compileall" in line]
-    assert install < compiled < min(starts)
+    # our own modules compiled once after the install, before the tiers (PYTHONDONTWRITEBYTECODE=1 on the machines)
+    [compiled] = [i for i, line in enumerate(lines) if "-m compileall" in line and "cje_engine flows" in line]
+    assert install < compiled < at["default"]
     for script, var in (("infra/labelstudio/prepare.sh", "LS_PREPARE"), ("infra/packages.sh", "PACKAGES")):
         [bg] = [i for i, line in enumerate(lines) if script in line and line.endswith("&")]
         [wait] = [i for i, line in enumerate(lines) if f'wait "${var}"' in line]
-        assert trap < bg < install < wait < min(starts), script
+        assert trap < bg < install < wait < at["default"], script
     packages = (REPO / "infra" / "packages.sh").read_text()
     for name in ("chromium", "postgresql", "radosgw", "ceph-mon", "ceph-osd", "/tmp/cje-apt.lock"):
         assert name in packages, name
+
+
+def test_ci_runs_the_statistical_checks_beside_the_default_tier_and_reports_them_as_a_tier():
+    """Rule 6 (test time): the `stats` checks (CPU alone, no service) run in a pytest process of their own beside
+    the default tier, whose two workers leave ~40% of two cores idle, started before it and waited for right after
+    it, before any service starts; a background tier reports like any tier (its output, its result, its time), a
+    failing one is named at the end, and one never waited for is killed by `tier_stop_all` (among .ci/run's stops).
+    With stand-in commands."""
+    lines = (CI / "run").read_text().splitlines()
+    [start] = [i for i, line in enumerate(lines) if line.startswith("tier_start stats ")]
+    assert lines[start].split()[2:] == [".venv/bin/python", "-m", "pytest", "-m", "stats", "--durations=15"]
+    [default] = [i for i, line in enumerate(lines) if line.startswith("tier default ")]
+    [wait] = [i for i, line in enumerate(lines) if line == "tier_wait stats"]
+    services = min(i for i, line in enumerate(lines) if line.startswith("service "))
+    stops = [i for i, line in enumerate(lines) if line == 'STOPS+=("tier_stop_all")']
+    assert stops and stops[0] < start < default < wait < services
+    proc = _run_tiers("tier_start bg bash -c 'sleep 0.5; echo out-of-bg; exit 3'\ntier fg true\ntier_wait bg\n"
+                      "tier_start ok true\ntier_wait ok\ntiers_result")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    assert out.index("[ci] tier bg started in the background") < out.index("[ci] tier fg: passed in 0 s")
+    assert out.index("[ci] tier fg: passed in 0 s") < out.index("out-of-bg")
+    assert any(line.startswith("[ci] tier bg: FAILED (exit 3) in ") for line in out)
+    assert any(line.startswith("[ci] tier ok: passed in ") for line in out)
+    assert "[ci] failing tiers: bg" in proc.stdout
+    t0 = time.monotonic()
+    left = _run_tiers("tier_start long sleep 30\ntier_stop_all\ntier_wait long\ntiers_result")
+    assert time.monotonic() - t0 < 10 and left.returncode == 1 and "[ci] failing tiers: long" in left.stdout
 
 
 def test_the_packages_script_does_nothing_when_every_package_is_there(tmp_path):
@@ -914,18 +938,16 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
     """Rule 6 (test time): the service tier's stack tests (serial: they kill and restart shared services,
     mostly waiting on heartbeats), the long fault tests among them, run in one pytest process; the chaos soak
     (`soak`, issue 25: once left out of CI) in a second, alone on a second stack of its own (CJE_FAULT_STACK_ENV
-    as its CJE_STACK_ENV); both start in the background (`start`, before the default tier). Everything else of
-    the tier (radosgw, Label Studio, the lifecycle tests, the statistical property checks) runs in a third, which
-    `finish` starts and then waits for all three. The lifecycle and statistical tests are excluded from the
-    default run, and CI still runs every one of them. With stand-in pytest processes: the first two run at once
-    and go on after `start` returns, the second sees the second stack's env file, every log is printed, a failure
-    of any fails the tier; `finish` without `start` and an unknown step exit 2; `stop` ends what `start` left."""
+    as its CJE_STACK_ENV); everything else of the tier (radosgw, Label Studio, the lifecycle tests) in a third
+    beside them. The lifecycle and statistical tests are excluded from the default run, and CI still runs every
+    one of them (the statistical ones beside the default tier, `tier_start stats`). With stand-in pytest
+    processes: all three run at once, the second sees the second stack's env file, every log is printed, and
+    a failure of any fails the tier."""
     text = (CI / "run").read_text()
-    assert [line for line in text.splitlines() if line.startswith("tier services ")] == \
-        ["tier services bash .ci/services finish"]
+    assert [line for line in text.splitlines() if line.startswith("tier services ")] == ["tier services bash .ci/services"]
     assert "CJE_FAULT_STACK_ENV=" in text and "fault_stack bash infra/stack/start.sh" in text
     script = (CI / "services").read_text()
-    exprs = ("stack and not soak", "soak", "integration or lifecycle or stats")
+    exprs = ("stack and not soak", "soak", "integration or lifecycle")
     for expr in exprs:
         assert f'-m "{expr}"' in script, expr
     addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
@@ -934,39 +956,19 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
         source = (REPO / "tests" / "flows" / name).read_text()
         assert "@pytest.mark.lifecycle" in source and "@pytest.mark.slow" not in source, name
     fake = tmp_path / "py"
-    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4 env=${CJE_STACK_ENV:-}"; sleep ${NAP:-1}; '
-                    'echo "end $4"\n[[ "$4" == "${FAIL:-none}" ]] && exit 3; exit 0\n')
+    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4 env=${CJE_STACK_ENV:-}"; sleep 1; echo "end $4"\n'
+                    '[[ "$4" == "${FAIL:-none}" ]] && exit 3; exit 0\n')
     fake.chmod(0o755)
-    base = {**os.environ, "CJE_TEST_PYTHON": str(fake), "CJE_STACK_ENV": "/first/env",
-            "CJE_FAULT_STACK_ENV": "/second/env", "CJE_SERVICES_DIR": str(tmp_path / "state")}
-
-    def step(name: str, **env: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(CI / "services"), name], capture_output=True, text=True, timeout=60,
-                              env={**base, **env})
-
     for fail, code in (("none", 0), *((e, 3) for e in exprs)):
-        t0 = time.monotonic()
-        started = step("start", FAIL=fail)
-        assert started.returncode == 0 and time.monotonic() - t0 < 0.9, started.stdout + started.stderr
-        proc = step("finish", FAIL=fail)
+        proc = subprocess.run(["bash", str(CI / "services")], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "CJE_TEST_PYTHON": str(fake), "FAIL": fail,
+                                   "CJE_STACK_ENV": "/first/env", "CJE_FAULT_STACK_ENV": "/second/env"})
         assert proc.returncode == code, (fail, proc.stdout, proc.stderr)
         starts = {line.split()[2]: line for line in proc.stdout.splitlines() if " start " in line}
-        assert set(starts) == {"stack", "soak", "integration"}, proc.stdout
-        first_two = [float(starts[k].split()[0]) for k in ("stack", "soak")]
-        assert max(first_two) - min(first_two) < 0.9, proc.stdout  # side by side, not one after
+        times = [float(line.split()[0]) for line in starts.values()]
+        assert len(times) == 3 and max(times) - min(times) < 0.9, proc.stdout  # side by side, not one after
         assert starts["soak"].endswith("env=/second/env") and starts["stack"].endswith("env=/first/env")
         assert proc.stdout.count("end ") == 3 and "[services] the chaos soak" in proc.stdout
-    assert step("stop").returncode == 0  # nothing left to stop
-    nothing = step("finish", CJE_SERVICES_DIR=str(tmp_path / "never"))
-    assert nothing.returncode == 2 and "run" in nothing.stderr and "start" in nothing.stderr
-    assert step("bogus").returncode == 2
-    # `stop` (.ci/run's exit trap) ends the processes `start` left running; `finish` then reports them failed
-    assert step("start", NAP="30").returncode == 0
-    time.sleep(0.5)
-    assert step("stop").returncode == 0
-    ended = step("finish", NAP="0")
-    assert ended.returncode != 0, ended.stdout
-    assert "[services] stack ended" in ended.stdout and "[services] soak ended" in ended.stdout
 
 
 def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
