@@ -65,6 +65,7 @@ tier_wait() {
 tier_stop_all() {
     local name
     for name in "${!TIER_PID[@]}"; do
-        kill -TERM -- "-${TIER_PID[$name]}" 2>/dev/null || true
+        # its session (a tier just started may not have made it yet: then the process itself)
+        kill -TERM -- "-${TIER_PID[$name]}" 2>/dev/null || kill -TERM "${TIER_PID[$name]}" 2>/dev/null || true
     done
 }
