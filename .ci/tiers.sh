@@ -7,19 +7,25 @@ FAILED_TIERS=()
 # tier NAME CMD...: run one test tier, print its result and how long it took. Any non-zero exit is a
 # failure of the tier, pytest's 5 ("no tests collected") included: a tier that tests nothing is broken.
 tier() {
-    local name=$1 t0 rc result
+    local name=$1 t0 rc
     shift
     t0=$(date +%s)
     "$@" && rc=0 || rc=$?
-    case $rc in
+    tier_done "$name" "$rc" "$t0" ""
+}
+
+# tier_done NAME RC T0 NOTE: a tier's result line (from its exit code RC and its start T0), a failure recorded.
+tier_done() {
+    local result
+    case $2 in
         0) result="passed" ;;
         5) result="FAILED (exit 5: no tests collected)" ;;
-        *) result="FAILED (exit $rc)" ;;
+        *) result="FAILED (exit $2)" ;;
     esac
-    if (( rc != 0 )); then
-        FAILED_TIERS+=("$name")
+    if (( $2 != 0 )); then
+        FAILED_TIERS+=("$1")
     fi
-    echo "[ci] tier $name: $result in $(( $(date +%s) - t0 )) s"
+    echo "[ci] tier $1: $result in $(( $(date +%s) - $3 )) s$4"
 }
 
 # tiers_result: after the last tier; non-zero with the list of failing tiers.
@@ -46,20 +52,12 @@ tier_start() {
 }
 
 tier_wait() {
-    local name=$1 rc result
+    local name=$1 rc
     wait "${TIER_PID[$name]}" && rc=0 || rc=$?
     unset "TIER_PID[$name]"
     cat "${TIER_LOG[$name]}"
     rm -f "${TIER_LOG[$name]}"
-    case $rc in
-        0) result="passed" ;;
-        5) result="FAILED (exit 5: no tests collected)" ;;
-        *) result="FAILED (exit $rc)" ;;
-    esac
-    if (( rc != 0 )); then
-        FAILED_TIERS+=("$name")
-    fi
-    echo "[ci] tier $name: $result in $(( $(date +%s) - TIER_T0[$name] )) s (in the background)"
+    tier_done "$name" "$rc" "${TIER_T0[$name]}" " (in the background)"
 }
 
 tier_stop_all() {
