@@ -36,7 +36,7 @@ duplicated label requests and budget-ledger mismatches, and each round's wall ti
 Usage::
 
     bash infra/stack/start.sh
-    .venv/bin/python benchmarks/chaos_soak.py --runs 30 --lanes 5 --seed 12 --json benchmarks/_work/chaos_soak.json
+    .venv/bin/python benchmarks/chaos_soak.py --runs 30 --lanes 5 --seed 33 --json benchmarks/_work/chaos_soak.json
 
 Exit 0 when every invariant held, 1 otherwise.
 """

@@ -36,9 +36,9 @@ from .test_stack import _wait_bootstrap
 
 pytestmark = pytest.mark.stack
 
-#: The long fault tests and the chaos soak: in CI they run in a pytest process of their own on a second stack
-#: (.ci/services, ``-m stack_faults`` with ``CJE_STACK_ENV`` naming that stack), beside the other stack tests;
-#: by hand, on a started stack: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
+#: The long fault tests and the chaos soak. In CI this file's tests but the soak run in a pytest process of their own
+#: on a second stack, the soak alone on a third (.ci/services: ``CJE_STACK_ENV`` naming each), beside the other
+#: stack tests; by hand, on a started stack: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
 LONG = pytest.mark.stack_faults
 
 #: The shared window: 20,000 prompts x 5 policies. `SLOW` replicates keep the bootstrap busy for ~10 s on the
@@ -234,16 +234,19 @@ def test_scheduler_double_fire_runs_one_at_a_time_and_publishes_one_result(share
     shared.check(ev, published=1)
 
 
-#: The soak in CI: 30 slots, 5 in flight at once (benchmarks/chaos_soak.py). Seed 12 draws every fault kind:
-#: none 10, flow_kill 3, ray_node 4, api_crash 4, pg_kill 5, double_fire 2, ray_head 2 (asserted below).
-SOAK = {"runs": 30, "lanes": 5, "seed": 12}
+#: The soak in CI: 30 slots, 5 in flight at once (benchmarks/chaos_soak.py). Seed 33 draws every fault kind
+#: (asserted below): none 9, flow_kill 4, ray_node 3, api_crash 4, pg_kill 5, double_fire 4, ray_head 1. Until
+#: 6 December seed 12 (none 10, flow_kill 3, ray_node 4, api_crash 4, pg_kill 5, double_fire 2, ray_head 2): each
+#: Ray head kill fails every run in flight, and their five slots are retried in a round of their own (134-267 s
+#: of CI's 40 minutes, with the head's relaunch); one such kill covers the kind, so the seed with one.
+SOAK = {"runs": 30, "lanes": 5, "seed": 33}
 #: Its time limit in CI, a guard against a soak that stops making progress (each run's own hang is counted by the soak,
 #: 420 s a round): measured 1,148-1,234 s on the CI layout, then 1,329-1,654 s on machines ~1.35-1.6x slower
 #: (docs/testing.md, runs 7-9; 146 s left of the former 1,800 s in run 9).
 SOAK_LIMIT_S = 2100
 
 
-#: In CI, last in the fault process on the second stack (.ci/services: ``-m stack_faults``).
+#: In CI, alone on a third stack (.ci/services: ``-m soak`` with ``CJE_STACK_ENV`` its env file).
 #: By hand on a started stack: ``pytest -m soak tests/stack``.
 @LONG
 @pytest.mark.soak
