@@ -242,6 +242,10 @@ def write_window(stack: Stack, bucket: str, n_prompts: int = 240, seed: int = 0)
         pa.Table.from_pandas(labels.reset_index(drop=True), preserve_index=False), "oracle")
 
 
+#: The evaluations' options but their replicates (`evaluations_file`).
+RUN_OPTIONS = {"seed": 0, "calibration_mode": "monotone", "inference": "bootstrap"}
+
+
 def evaluations_file(tmp_path: Path, name: str, bucket: str, *, interval: float | None = None,
                      n_bootstrap: int = 400) -> Path:
     """An evaluations.yaml with one evaluation over the bucket (no drift monitors)."""
@@ -250,7 +254,7 @@ def evaluations_file(tmp_path: Path, name: str, bucket: str, *, interval: float 
     entry: dict[str, Any] = {
         "name": name, "logs_uri": f"s3://{bucket}/logs", "labels_uri": f"s3://{bucket}", "results_uri": f"s3://{bucket}",
         "window": f"last {WINDOW_DAYS} days",
-        "options": {"n_bootstrap": n_bootstrap, "seed": 0, "calibration_mode": "monotone", "inference": "bootstrap"},
+        "options": dict(RUN_OPTIONS, n_bootstrap=n_bootstrap),
     }
     if interval:
         entry["interval"] = interval
@@ -299,9 +303,10 @@ def runs_of(stack: Stack, deployment_id: str) -> list:
         return c.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[uuid.UUID(deployment_id)])))
 
 
-def start_run(stack: Stack, deployment_id: str) -> str:
+def start_run(stack: Stack, deployment_id: str, parameters: dict | None = None) -> str:
+    """A flow run of the deployment (``parameters`` override the deployment's); returns its id."""
     with stack.client() as c:
-        return str(c.create_flow_run_from_deployment(uuid.UUID(deployment_id)).id)
+        return str(c.create_flow_run_from_deployment(uuid.UUID(deployment_id), parameters=parameters or {}).id)
 
 
 def read_run(stack: Stack, run_id: str):

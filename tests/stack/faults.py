@@ -17,12 +17,11 @@ import signal
 import socket
 import subprocess
 import time
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .conftest import Stack, read_run, session_pids
+from .conftest import Stack, read_run, session_pids, start_run  # noqa: F401 - start_run: F.start_run
 
 log = logging.getLogger(__name__)
 
@@ -277,12 +276,6 @@ def set_crash_timeout(stack: Stack, seconds: float) -> None:
 
 
 # ------------------------------------------------------------------------------------------- runs
-
-def start_run(stack: Stack, deployment_id: str, parameters: dict | None = None) -> str:
-    """A flow run of the deployment (``parameters`` override the deployment's); returns its id."""
-    with stack.client() as c:
-        return str(c.create_flow_run_from_deployment(uuid.UUID(deployment_id), parameters=parameters or {}).id)
-
 
 def wait_final(stack: Stack, run_id: str, timeout: float = 300.0):
     """The run once it is in a final state (whatever it is); AssertionError naming the last state if not."""

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from .conftest import (
+    RUN_OPTIONS,
     deploy,
     evaluations_file,
     published,
@@ -37,6 +38,8 @@ pytestmark = pytest.mark.stack
 # replicates keep the two one-CPU Ray nodes busy for ~25 s (1,000 prompts finished in under a second).
 SLOW = dict(n_prompts=20000)
 SLOW_B = 20000
+#: Replicates of a run no fault interrupts.
+FAST_B = 200
 #: The Pending automation's timeout in its test (the product's default is 600 s): long enough that the
 #: automation's own polling (every few seconds) is not what the test measures.
 PENDING_TIMEOUT = 20.0
@@ -134,10 +137,13 @@ def test_worker_killed_mid_run_crashes_publishes_nothing_and_the_next_run_succee
         assert [o.key for o in st.list(f"results/{name}/")] == []  # not even an attempt folder
     finally:
         stack.launch("prefect-worker")
-    # The crash released the deployment's concurrency slot: the next run is not blocked.
-    run2 = wait_state(stack, start_run(stack, dep_id), {"COMPLETED"}, timeout=300)
+    # The crash released the deployment's concurrency slot: the next run is not blocked. (Its bootstrap need not
+    # be long: nothing interrupts it; `FAST_B` replicates spare the tier ~45 CPU s of SLOW_B's.)
+    run2 = wait_state(stack, start_run(stack, dep_id, {"evaluation": name, "options": dict(RUN_OPTIONS, n_bootstrap=FAST_B)}),
+                      {"COMPLETED"}, timeout=300)
     assert run2.state.is_completed()
-    assert len(published(stack, bucket, name)) == 1
+    [manifest] = published(stack, bucket, name)
+    assert result_of(stack, bucket, manifest)["inference"]["n_bootstrap"] == FAST_B
 
 
 def test_a_run_left_pending_by_a_dead_engine_is_crashed_and_frees_its_slot(stack, bucket, tmp_path):
