@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy.linalg.lapack import dposv as _dposv
-from scipy.optimize import nnls
 
 from cje_engine.calibration.isotonic import isotonic_pooled
 
@@ -240,6 +238,10 @@ def ramp_lsq_gram(G: np.ndarray, b: np.ndarray, n_ramp: int, free: np.ndarray | 
     g = G.diagonal()
     if not (g > 0).all():
         return None
+    # imported here: the fit's (the driver's, the bootstrap's refits'), not the passes' workers, which import this
+    # module for `Cells` and `make_cells` (scipy.linalg and scipy.optimize: ~0.3 s of CPU a fresh worker)
+    from scipy.linalg.lapack import dposv as _dposv
+
     tol = 1e-9 * (np.abs(b).max() + 1e-300)
     free = None if free is None or free.size != n_ramp or free.all() else free.copy()
     for _ in range(6):
@@ -272,6 +274,8 @@ def _ramp_solve(M: np.ndarray, t: np.ndarray, n_ramp: int, free: np.ndarray | No
     """min ||M theta - t|| with theta[:n_ramp] >= 0: the active set (`_ramp_lsq`), else scipy NNLS."""
     theta = _ramp_lsq(M, t, n_ramp, free)
     if theta is None:
+        from scipy.optimize import nnls  # the fit's only (see `ramp_lsq_gram`)
+
         # NNLS with sign-free intercept and covariates: split them into +/- columns.
         A = np.hstack([M[:, :n_ramp], M[:, n_ramp:], -M[:, n_ramp:]])
         coef, _ = nnls(A, t, maxiter=50 * A.shape[1])

@@ -16,13 +16,24 @@ outside their range. PAVA is mean-preserving: ``sum(weights * values) == sum(w *
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import isotonic_regression
 
-try:  # scipy's compiled PAVA without the argument checks of the public wrapper (~10 us a call);
-    # a bootstrap replicate runs six fits, so the wrapper's overhead would be a third of it.
-    from scipy.optimize._pava_pybind import pava as _pava
-except ImportError:  # pragma: no cover - other scipy layouts: use the public function
-    _pava = None
+#: scipy's compiled PAVA (`_pava_impl`), once imported: a list of it (None: other scipy layouts).
+_PAVA: list = []
+
+
+def _pava_impl():
+    """scipy's compiled PAVA without the argument checks of the public wrapper (~10 us a call; a bootstrap
+    replicate runs six fits, so the wrapper's overhead would be a third of it), or None in other scipy layouts
+    (the public function then). Imported at the first fit, not with this module: the sharded passes' Ray workers
+    import it (through `cje_engine.calibration.calibrators`) without fitting, and scipy.optimize costs a fresh
+    worker ~0.2-0.3 s of CPU."""
+    if not _PAVA:
+        try:
+            from scipy.optimize._pava_pybind import pava
+        except ImportError:  # pragma: no cover - other scipy layouts: use the public function
+            pava = None
+        _PAVA.append(pava)
+    return _PAVA[0]
 
 __all__ = ["pool_ties", "isotonic_pooled", "isotonic_pooled_segments", "isotonic_fit", "isotonic_predict"]
 
@@ -63,7 +74,11 @@ def isotonic_pooled(sw: np.ndarray, swy: np.ndarray, *, increasing: bool = True)
     means = swy / sw
     if sw.size == 1:
         return means
+    _pava = _pava_impl()
     if _pava is None or not increasing:
+        # imported here: the fit's, not the passes' workers' (`cje_engine.calibration.calibrators` imports this module)
+        from scipy.optimize import isotonic_regression
+
         return isotonic_regression(means, weights=sw, increasing=increasing).x
     # pava works in place on (values, weights, block starts); values become the fitted values.
     x, _, _, _ = _pava(means, np.array(sw, dtype=np.float64), np.full(sw.size + 1, -1, dtype=np.intp))
@@ -76,6 +91,7 @@ def isotonic_pooled_segments(sw: np.ndarray, swy: np.ndarray, bounds: list[tuple
     For many small fits at once (a cross-fit's six stage-2 fits): one division and one copy
     for all segments, then one PAVA call per segment. Same values as `isotonic_pooled`.
     """
+    _pava = _pava_impl()
     if _pava is None:  # pragma: no cover - other scipy layouts
         return [isotonic_pooled(sw[a:b], swy[a:b]) for a, b in bounds]
     with np.errstate(invalid="ignore", divide="ignore"):  # entries outside the segments may be 0 / 0

@@ -25,9 +25,10 @@ from typing import Any, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from cje_engine.errors import CJEInputError
+# `did_you_mean` from the engine, where `flows.config` has it too: a Ray worker of the sharded readers imports this
+# module (`FileRows`) and not `flows.config` (pydantic's models: ~0.1 s of CPU a fresh worker)
+from cje_engine.errors import CJEInputError, did_you_mean
 
-from flows.config import did_you_mean
 from flows.storage.logs import log_renames
 
 log = logging.getLogger(__name__)

@@ -422,13 +422,21 @@ def _read_one(st: Storage, key: str, columns: Sequence[str] | None, policies: Se
     last: BaseException | None = None
     for attempt in range(1, attempts + 1):
         try:
-            dataset = ds.dataset(path, filesystem=fs, format="parquet")
-            renames = {f: c for f, c in log_renames(dataset.schema.names, mapping, source).items() if f != c}
-            if dictionary:
-                file_of = {c: f for f, c in renames.items()}
-                fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(
-                    dictionary_columns=[file_of.get(c, c) for c in dictionary]))
+            if dictionary and not mapping:
+                # no mapping, no renames (`log_renames`): the file's names of the dictionary columns are known
+                # before it is opened, so it is opened once (the other way opens it twice: on S3 two HEAD and a GET
+                # of the footer more a file, each a request the object store and this process pay for)
+                fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(dictionary_columns=list(dictionary)))
                 dataset = ds.dataset(path, filesystem=fs, format=fmt)
+                renames = {}
+            else:
+                dataset = ds.dataset(path, filesystem=fs, format="parquet")
+                renames = {f: c for f, c in log_renames(dataset.schema.names, mapping, source).items() if f != c}
+                if dictionary:  # the file's names of the dictionary columns, from its schema
+                    file_of = {c: f for f, c in renames.items()}
+                    fmt = ds.ParquetFileFormat(read_options=ds.ParquetReadOptions(
+                        dictionary_columns=[file_of.get(c, c) for c in dictionary]))
+                    dataset = ds.dataset(path, filesystem=fs, format=fmt)
             schema = renamed_schema(dataset.schema, renames)
             check_schema(schema, source)
             names = schema.names

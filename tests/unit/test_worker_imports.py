@@ -11,7 +11,10 @@ import sys
 WORKER_MODULES = ("cje_engine.pipeline.sharded", "flows.runtime.sharded_ray", "flows.pipelines.sharded_pass",
                   "flows.runtime.label_index", "flows.pipelines.preflight", "flows.storage.logs")
 DRIVER_ONLY = ("scipy.stats", "cje_engine.pipeline.calibration", "cje_engine.pipeline.direct",
-               "cje_engine.pipeline.policies", "cje_engine.result.model", "cje_engine.pipeline.sharded_segments")
+               "cje_engine.pipeline.policies", "cje_engine.result.model", "cje_engine.pipeline.sharded_segments",
+               # round 25: the calibration fit's solvers and the segments' sparse basis (scipy.optimize, scipy.linalg,
+               # scipy.sparse: ~0.3 s of CPU a fresh worker), the flow's configuration and its pydantic models (~0.1 s)
+               "scipy", "flows.config", "pydantic")
 
 
 def test_the_workers_modules_load_without_the_drivers():
