@@ -36,9 +36,10 @@ from .test_stack import _wait_bootstrap
 
 pytestmark = pytest.mark.stack
 
-#: The long fault tests and the chaos soak. In CI this file's tests but the soak run in a pytest process of their own
-#: on a second stack, the soak alone on a third (.ci/services: ``CJE_STACK_ENV`` naming each), beside the other
-#: stack tests; by hand, on a started stack: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
+#: The long fault tests and the chaos soak. In CI the fault tests run after test_stack.py in the stack process on
+#: the first stack, the soak alone in a pytest process of its own on a second stack (.ci/services: ``-m soak`` with
+#: ``CJE_STACK_ENV`` naming that stack); by hand, on a started stack: ``pytest -m stack_faults tests/stack``
+#: (docs/stack.md).
 LONG = pytest.mark.stack_faults
 
 #: The shared window: 20,000 prompts x 5 policies. `SLOW` replicates keep the bootstrap busy for ~10 s on the
@@ -246,7 +247,7 @@ SOAK = {"runs": 30, "lanes": 5, "seed": 33}
 SOAK_LIMIT_S = 2100
 
 
-#: In CI, alone on a third stack (.ci/services: ``-m soak`` with ``CJE_STACK_ENV`` its env file).
+#: In CI, alone on a second stack (.ci/services: ``-m soak`` with ``CJE_STACK_ENV`` its env file).
 #: By hand on a started stack: ``pytest -m soak tests/stack``.
 @LONG
 @pytest.mark.soak
