@@ -15,25 +15,24 @@ outside their range. PAVA is mean-preserving: ``sum(weights * values) == sum(w *
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-#: scipy's compiled PAVA (`_pava_impl`), once imported: a list of it (None: other scipy layouts).
-_PAVA: list = []
 
-
+@functools.cache
 def _pava_impl():
     """scipy's compiled PAVA without the argument checks of the public wrapper (~10 us a call; a bootstrap
     replicate runs six fits, so the wrapper's overhead would be a third of it), or None in other scipy layouts
     (the public function then). Imported at the first fit, not with this module: the sharded passes' Ray workers
     import it (through `cje_engine.calibration.calibrators`) without fitting, and scipy.optimize costs a fresh
     worker ~0.2-0.3 s of CPU."""
-    if not _PAVA:
-        try:
-            from scipy.optimize._pava_pybind import pava
-        except ImportError:  # pragma: no cover - other scipy layouts: use the public function
-            pava = None
-        _PAVA.append(pava)
-    return _PAVA[0]
+    try:
+        from scipy.optimize._pava_pybind import pava
+    except ImportError:  # pragma: no cover - other scipy layouts: use the public function
+        return None
+    return pava
+
 
 __all__ = ["pool_ties", "isotonic_pooled", "isotonic_pooled_segments", "isotonic_fit", "isotonic_predict"]
 

@@ -139,8 +139,8 @@ def test_worker_killed_mid_run_crashes_publishes_nothing_and_the_next_run_succee
         stack.launch("prefect-worker")
     # The crash released the deployment's concurrency slot: the next run is not blocked. (Its bootstrap need not
     # be long: nothing interrupts it; `FAST_B` replicates spare the tier ~45 CPU s of SLOW_B's.)
-    run2 = wait_state(stack, start_run(stack, dep_id, {"evaluation": name, "options": dict(RUN_OPTIONS, n_bootstrap=FAST_B)}),
-                      {"COMPLETED"}, timeout=300)
+    fast = {"evaluation": name, "options": dict(RUN_OPTIONS, n_bootstrap=FAST_B)}
+    run2 = wait_state(stack, start_run(stack, dep_id, fast), {"COMPLETED"}, timeout=300)
     assert run2.state.is_completed()
     [manifest] = published(stack, bucket, name)
     assert result_of(stack, bucket, manifest)["inference"]["n_bootstrap"] == FAST_B
