@@ -244,6 +244,14 @@ def write_window(stack: Stack, bucket: str, n_prompts: int = 240, seed: int = 0)
 
 #: The evaluations' options but their replicates (`evaluations_file`).
 RUN_OPTIONS = {"seed": 0, "calibration_mode": "monotone", "inference": "bootstrap"}
+#: The window of the runs a fault hits mid-bootstrap (20,000 prompts x 5 policies) and their replicates: about
+#: 2.3 ms of CPU per replicate at this size, in 4 chunks (two per one-CPU Ray node), so each chunk runs ~4.6 s of
+#: CPU (longer under CI's load) and a fault sent as a chunk is seen running (polls every 0.2 s) lands inside it;
+#: the whole bootstrap ~18 CPU s. (Until 6 December test_stack.py used 20,000 replicates, ~46 CPU s a run.)
+SLOW_PROMPTS = 20000
+SLOW_B = 8000
+#: Replicates of a run no fault interrupts.
+FAST_B = 200
 
 
 def evaluations_file(tmp_path: Path, name: str, bucket: str, *, interval: float | None = None,

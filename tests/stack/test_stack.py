@@ -17,7 +17,10 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from .conftest import (
+    FAST_B,
     RUN_OPTIONS,
+    SLOW_B,
+    SLOW_PROMPTS,
     deploy,
     evaluations_file,
     published,
@@ -31,15 +34,6 @@ from .conftest import (
 
 pytestmark = pytest.mark.stack
 
-#: A window of 1000 prompts x 5 policies and 1500 replicates: the bootstrap runs for ~8 s on
-#: the two 1-CPU nodes, long enough to hit it with a fault (the tests poll every 0.2 s).
-# Runs the fault tests interrupt must still be bootstrapping when the fault hits: about 2.3 ms CPU per
-# replicate at 20,000 prompts x 5 policies (the engine's replicate cost grows with n), so 20,000
-# replicates keep the two one-CPU Ray nodes busy for ~25 s (1,000 prompts finished in under a second).
-SLOW = dict(n_prompts=20000)
-SLOW_B = 20000
-#: Replicates of a run no fault interrupts.
-FAST_B = 200
 #: The Pending automation's timeout in its test (the product's default is 600 s): long enough that the
 #: automation's own polling (every few seconds) is not what the test measures.
 PENDING_TIMEOUT = 20.0
@@ -113,7 +107,7 @@ def test_schedule_fires_and_the_worker_runs_it_on_ray_and_s3(stack, bucket, tmp_
 
 def test_worker_killed_mid_run_crashes_publishes_nothing_and_the_next_run_succeeds(stack, bucket, tmp_path):
     name = _name("crash")
-    write_window(stack, bucket, **SLOW)
+    write_window(stack, bucket, n_prompts=SLOW_PROMPTS)
     dep_id = deploy(stack, evaluations_file(tmp_path, name, bucket, n_bootstrap=SLOW_B))
     run_id = start_run(stack, dep_id)
     _wait_bootstrap(stack, run_id)
@@ -138,7 +132,7 @@ def test_worker_killed_mid_run_crashes_publishes_nothing_and_the_next_run_succee
     finally:
         stack.launch("prefect-worker")
     # The crash released the deployment's concurrency slot: the next run is not blocked. (Its bootstrap need not
-    # be long: nothing interrupts it; `FAST_B` replicates spare the tier ~45 CPU s of SLOW_B's.)
+    # be long: nothing interrupts it; `FAST_B` replicates spare the tier ~18 CPU s of SLOW_B's.)
     fast = {"evaluation": name, "options": dict(RUN_OPTIONS, n_bootstrap=FAST_B)}
     run2 = wait_state(stack, start_run(stack, dep_id, fast), {"COMPLETED"}, timeout=300)
     assert run2.state.is_completed()
@@ -181,7 +175,7 @@ def test_a_run_left_pending_by_a_dead_engine_is_crashed_and_frees_its_slot(stack
 
 def test_prefect_server_restarted_mid_run(stack, bucket, tmp_path):
     name = _name("restart")
-    write_window(stack, bucket, **SLOW)
+    write_window(stack, bucket, n_prompts=SLOW_PROMPTS)
     # the crash automation must outlast a heartbeat interval (30 s) plus the API's outage: a restart on PostgreSQL
     # took longer than 40 s (CRASHED with "no heartbeat for 40 s" under load)
     dep_id = deploy(stack, evaluations_file(tmp_path, name, bucket, n_bootstrap=SLOW_B), heartbeat_timeout=150)
@@ -201,7 +195,7 @@ def test_prefect_server_restarted_mid_run(stack, bucket, tmp_path):
 
 
 def test_ray_worker_node_killed_mid_bootstrap_gives_identical_numbers(stack, bucket, tmp_path):
-    write_window(stack, bucket, **SLOW)
+    write_window(stack, bucket, n_prompts=SLOW_PROMPTS)
     ref_name, kill_name = _name("ref"), _name("nodekill")
     ref_dep = deploy(stack, evaluations_file(tmp_path, ref_name, bucket, n_bootstrap=SLOW_B))
     kill_dep = deploy(stack, evaluations_file(tmp_path, kill_name, bucket, n_bootstrap=SLOW_B))

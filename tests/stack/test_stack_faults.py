@@ -24,8 +24,12 @@ import pytest
 from . import faults as F
 from .conftest import (
     _DEPLOYED,
+    FAST_B,
     HEARTBEAT_TIMEOUT,
     REPO,
+    RUN_OPTIONS,
+    SLOW_B,
+    SLOW_PROMPTS,
     deploy,
     evaluations_file,
     new_bucket,
@@ -37,16 +41,19 @@ from .test_stack import _wait_bootstrap
 pytestmark = pytest.mark.stack
 
 #: The long fault tests and the chaos soak. In CI the fault tests run after test_stack.py in the stack process on
-#: the first stack, the soak alone in a pytest process of its own on a second stack (.ci/services: ``-m soak`` with
-#: ``CJE_STACK_ENV`` naming that stack); by hand, on a started stack: ``pytest -m stack_faults tests/stack``
-#: (docs/stack.md).
+#: the first stack, the soak (then the `after_soak` tests) in a pytest process of its own on a second stack
+#: (.ci/services: ``-m "soak or after_soak"`` with ``CJE_STACK_ENV`` naming that stack); by hand, on a started
+#: stack: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
 LONG = pytest.mark.stack_faults
+#: Short fault tests that, in CI, run after the soak on its stack, in its pytest process (``-m "soak or after_soak"``):
+#: the stack process's chain is the tier's longest (docs/testing.md); the soak's stack is restored after its last
+#: round. By hand they run with the other stack tests (``-m stack``).
+AFTER_SOAK = pytest.mark.after_soak
 
-#: The shared window: 20,000 prompts x 5 policies. `SLOW` replicates keep the bootstrap busy for ~10 s on the
-#: two one-CPU Ray nodes (the fault hits it); `FAST` ones make a run of a few seconds.
-N_PROMPTS = 20000
-SLOW = {"n_bootstrap": 8000, "seed": 0, "calibration_mode": "monotone", "inference": "bootstrap"}
-FAST = dict(SLOW, n_bootstrap=200)
+#: The shared window and the runs' options (tests/stack/conftest.py): `SLOW` replicates keep the bootstrap busy
+#: while a fault hits it; `FAST` ones make a run of a few seconds.
+SLOW = dict(RUN_OPTIONS, n_bootstrap=SLOW_B)
+FAST = dict(RUN_OPTIONS, n_bootstrap=FAST_B)
 #: The heartbeat automation's timeout for the tests that do not restart the API (heartbeats every 30 s): the
 #: product's 90 s, as every stack test (at 40 s a late heartbeat crashed a healthy run in CI).
 CRASH_AFTER = HEARTBEAT_TIMEOUT
@@ -80,7 +87,7 @@ class Shared:
 @pytest.fixture(scope="module")
 def shared(stack, tmp_path_factory):
     with new_bucket(stack) as bucket:
-        write_window(stack, bucket, n_prompts=N_PROMPTS)
+        write_window(stack, bucket, n_prompts=SLOW_PROMPTS)
         cfg = evaluations_file(tmp_path_factory.mktemp("faults"), f"faults-{uuid.uuid4().hex[:6]}", bucket)
         dep_id = deploy(stack, cfg, heartbeat_timeout=CRASH_AFTER)
         _DEPLOYED.remove(dep_id)  # kept for the whole module (the autouse fixture deletes per test)
@@ -221,20 +228,6 @@ def test_worker_host_frozen_sigstop_is_crashed_and_nothing_half_published(shared
     shared.check(ev, published=1)
 
 
-def test_scheduler_double_fire_runs_one_at_a_time_and_publishes_one_result(shared):
-    """Two flow runs for the same slot (a scheduler firing twice): the deployment's concurrency limit runs
-    them one after the other; the second finds the window published."""
-    stack = shared.stack
-    ev = f"f{uuid.uuid4().hex[:6]}-twice"
-    shared.evaluations.append(ev)
-    ids = [F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST}) for _ in range(2)]
-    runs = [F.wait_final(stack, i, timeout=300) for i in ids]
-    assert [_state(r) for r in runs] == ["COMPLETED", "COMPLETED"], [r.state.message for r in runs]
-    first, second = sorted(runs, key=lambda r: r.start_time)
-    assert second.start_time >= first.end_time  # never at once
-    shared.check(ev, published=1)
-
-
 #: The soak in CI: 30 slots, 5 in flight at once (benchmarks/chaos_soak.py). Seed 33 draws every fault kind
 #: (asserted below): none 9, flow_kill 4, ray_node 3, api_crash 4, pg_kill 5, double_fire 4, ray_head 1. Until
 #: 6 December seed 12 (none 10, flow_kill 3, ray_node 4, api_crash 4, pg_kill 5, double_fire 2, ray_head 2): each
@@ -286,6 +279,22 @@ def test_chaos_soak_30_scheduled_runs(stack, tmp_path):
     assert rep["retries"] == sum(len(r["retries"]) for r in rep["rows"]) >= len(unpublished)
 
 
+@AFTER_SOAK
+def test_scheduler_double_fire_runs_one_at_a_time_and_publishes_one_result(shared):
+    """Two flow runs for the same slot (a scheduler firing twice): the deployment's concurrency limit runs
+    them one after the other; the second finds the window published."""
+    stack = shared.stack
+    ev = f"f{uuid.uuid4().hex[:6]}-twice"
+    shared.evaluations.append(ev)
+    ids = [F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST}) for _ in range(2)]
+    runs = [F.wait_final(stack, i, timeout=300) for i in ids]
+    assert [_state(r) for r in runs] == ["COMPLETED", "COMPLETED"], [r.state.message for r in runs]
+    first, second = sorted(runs, key=lambda r: r.start_time)
+    assert second.start_time >= first.end_time  # never at once
+    shared.check(ev, published=1)
+
+
+@AFTER_SOAK
 def test_publisher_clock_2_hours_fast_neither_holds_nor_moves_back_latest(shared, monkeypatch):
     """A publisher whose clock runs 2 h ahead (its ``published_at`` and attempt ids 2 h in the future) publishes
     older windows of the evaluation on the stack's radosgw, before and after the deployment's run of the current
