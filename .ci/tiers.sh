@@ -14,7 +14,8 @@ tier() {
     tier_done "$name" "$rc" "$t0" ""
 }
 
-# tier_done NAME RC T0 NOTE: a tier's result line (from its exit code RC and its start T0), a failure recorded.
+# tier_done NAME RC T0 NOTE [T_END]: a tier's result line (from its exit code RC, its start T0 and its end T_END,
+# now if not given), a failure recorded.
 tier_done() {
     local result
     case $2 in
@@ -25,7 +26,7 @@ tier_done() {
     if (( $2 != 0 )); then
         FAILED_TIERS+=("$1")
     fi
-    echo "[ci] tier $1: $result in $(( $(date +%s) - $3 )) s$4"
+    echo "[ci] tier $1: $result in $(( ${5:-$(date +%s)} - $3 )) s$4"
 }
 
 # tiers_result: after the last tier; non-zero with the list of failing tiers.
@@ -38,26 +39,29 @@ tiers_result() {
 }
 
 # tier_start NAME CMD...: a tier run in the background (its own session; output in a log file of its own), beside
-# the tiers that follow; `tier_wait NAME` waits for it, prints its output and result as `tier` does. A tier started
-# and never waited for is killed at exit by `tier_stop_all` (.ci/run's stops).
+# the tiers that follow; `tier_wait NAME` waits for it, prints its output and result as `tier` does, with the time
+# it took (its end is written when it ends, not when it is waited for). A tier started and never waited for is
+# killed at exit by `tier_stop_all` (.ci/run's stops).
 declare -A TIER_PID=() TIER_LOG=() TIER_T0=()
 tier_start() {
     local name=$1
     shift
     TIER_LOG[$name]=$(mktemp "/tmp/cje-tier-$name-XXXXXX")
     TIER_T0[$name]=$(date +%s)
-    setsid "$@" > "${TIER_LOG[$name]}" 2>&1 < /dev/null &
+    TIER_END_FILE="${TIER_LOG[$name]}.end" setsid bash -c '"$@"; rc=$?; date +%s > "$TIER_END_FILE"; exit "$rc"' \
+        "$name" "$@" > "${TIER_LOG[$name]}" 2>&1 < /dev/null &
     TIER_PID[$name]=$!
     echo "[ci] tier $name started in the background"
 }
 
 tier_wait() {
-    local name=$1 rc
+    local name=$1 rc t_end
     wait "${TIER_PID[$name]}" && rc=0 || rc=$?
     unset "TIER_PID[$name]"
+    t_end=$(cat "${TIER_LOG[$name]}.end" 2>/dev/null || date +%s)
     cat "${TIER_LOG[$name]}"
-    rm -f "${TIER_LOG[$name]}"
-    tier_done "$name" "$rc" "${TIER_T0[$name]}" " (in the background)"
+    rm -f "${TIER_LOG[$name]}" "${TIER_LOG[$name]}.end"
+    tier_done "$name" "$rc" "${TIER_T0[$name]}" " (in the background)" "$t_end"
 }
 
 tier_stop_all() {

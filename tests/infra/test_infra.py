@@ -936,6 +936,10 @@ def test_ci_runs_the_statistical_checks_beside_the_default_tier_and_reports_them
     assert any(line.startswith("[ci] tier bg: FAILED (exit 3) in ") for line in out)
     assert any(line.startswith("[ci] tier ok: passed in ") for line in out)
     assert "[ci] failing tiers: bg" in proc.stdout
+    # its time is its own, not until it was waited for
+    late = _run_tiers("tier_start quick true\nsleep 2.5\ntier_wait quick\ntiers_result")
+    assert late.returncode == 0 and re.search(r"^\[ci\] tier quick: passed in [01] s \(in the background\)$",
+                                              late.stdout, flags=re.M), late.stdout
     t0 = time.monotonic()
     left = _run_tiers("tier_start long sleep 30\ntier_stop_all\ntier_wait long\ntiers_result")
     assert time.monotonic() - t0 < 10 and left.returncode == 1 and "[ci] failing tiers: long" in left.stdout
