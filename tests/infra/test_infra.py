@@ -843,31 +843,25 @@ def test_ci_runs_every_tier_and_fails_at_the_end_naming_the_failing_ones():
     text = (CI / "run").read_text()
     assert re.search(r"^set -[a-z]*u", text, flags=re.M) and "source .ci/tiers.sh" in text
     body = [line for line in text.splitlines() if line.startswith("tier ")]
-    assert [line.split()[1] for line in body] == ["services"]
-    background = [line.split()[1] for line in text.splitlines() if line.startswith("tier_start ")]
-    assert background == ["stats", "default"]
-    assert sorted(line for line in text.splitlines() if line.startswith("tier_wait ")) == [
-        "tier_wait default", "tier_wait stats"]
+    assert [line.split()[1] for line in body] == ["default", "services"]
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("tier_start ")] == ["stats"]
+    assert [line for line in text.splitlines() if line.startswith("tier_wait ")] == ["tier_wait stats"]
     assert text.rstrip().splitlines()[-1] == "tiers_result || exit 1"
     assert subprocess.run(["bash", "-n", str(CI / "run")]).returncode == 0
 
 
 def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
     """Rule 6 (test time): the stacks and Label Studio idled through the default tier and took CPU from it.
-    They start once the `stats` checks beside it have ended, in the default tier's last minutes (which leave
-    ~40% of the two cores idle), and the service tier runs after the default tier's result; the stop-on-exit
-    trap is set before the first service starts. Label Studio's preparation (its virtualenv and migrated
-    database, no server left running) and the Debian packages of the tiers (Chromium, PostgreSQL, radosgw:
-    infra/packages.sh) are made beside the install and waited for before the default tier, so no apt-get is
-    left for the stack starts."""
+    They start after it and before the one tier that uses them; the stop-on-exit trap is set before the
+    first service starts. Label Studio's preparation (its virtualenv and migrated database, no server left
+    running) and the Debian packages of the tiers (Chromium, PostgreSQL, radosgw: infra/packages.sh) are made
+    beside the install and waited for before the default tier, so no apt-get is left for the stack starts."""
     lines = (CI / "run").read_text().splitlines()
     at = {name: i for i, line in enumerate(lines) for name in ("default", "services")
-          if line.startswith((f"tier {name} ", f"tier_start {name} "))}
-    waits = {line.split()[1]: i for i, line in enumerate(lines) if line.startswith("tier_wait ")}
+          if line.startswith(f"tier {name} ")}
     starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
-    assert len(starts) == 2 and at["default"] < waits["stats"] < min(starts)
-    assert max(starts) < waits["default"] < at["services"]
-    # the services' settings are exported after the default tier started (it must not see them)
+    assert len(starts) == 2 and at["default"] < min(starts) and max(starts) < at["services"]
+    # the services' settings are exported after the default tier (it must not see them)
     exports = [i for i, line in enumerate(lines) if line.startswith("export CJE_STACK_DIR=")]
     assert exports and at["default"] < min(exports)
     assert not any(line.startswith("service chromium ") for line in lines)
@@ -886,11 +880,11 @@ def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
         assert name in packages, name
 
 
-def test_ci_a_service_that_does_not_start_fails_the_run_after_the_default_tier_reports():
-    """Rule 4: the services start while the default tier runs in the background; a start that fails must not cut
-    that tier short nor be swallowed. `service` (.ci/run's own function, run here with stand-in starts) prints
-    the failure with its exit code and returns it, its stop still registered (a half-started service is stopped
-    at exit); .ci/run collects the failed names, waits for the default tier's result, then exits 1 naming them
+def test_ci_a_service_that_does_not_start_fails_the_run_after_the_stats_checks_report():
+    """Rule 4: the services start while the `stats` checks may still run in the background; a start that fails
+    must not cut them short nor be swallowed. `service` (.ci/run's own function, run here with stand-in starts)
+    prints the failure with its exit code and returns it, its stop still registered (a half-started service is
+    stopped at exit); .ci/run collects the failed names, waits for the checks' result, then exits 1 naming them
     without running the service tier."""
     text = (CI / "run").read_text()
     func = re.search(r"^service\(\) \{\n.*?^\}\n", text, flags=re.M | re.S).group(0)
@@ -905,27 +899,30 @@ def test_ci_a_service_that_does_not_start_fails_the_run_after_the_default_tier_r
     assert "not started: two; stops: 2" in proc.stdout
     lines = text.splitlines()
     calls = [i for i, line in enumerate(lines) if line.startswith("service ")]
-    for i in calls:  # each start's failure is recorded, not fatal under set -e before the default tier's result
+    for i in calls:  # each start's failure is recorded, not fatal under set -e before the checks' result
         assert re.search(r"\|\| NOT_STARTED\+=\(\w+\)$", lines[i] + lines[i + 1].strip()), lines[i]
-    wait = lines.index("tier_wait default")
-    after = "\n".join(lines[wait:wait + 6])
-    assert max(calls) < wait and 'if (( ${#NOT_STARTED[@]} > 0 )); then' in after and "exit 1" in after
+    check = lines.index("if (( ${#NOT_STARTED[@]} > 0 )); then")
+    branch = [line.strip() for line in lines[check:check + 6]]
+    assert max(calls) < check and "tier_wait stats" in branch and "exit 1" in branch
+    assert branch.index("tier_wait stats") < branch.index("exit 1")
 
 
 def test_ci_runs_the_statistical_checks_beside_the_default_tier_and_reports_them_as_a_tier():
-    """Rule 6 (test time): the `stats` checks (CPU alone, no service) run in a pytest process of their own beside
-    the default tier, whose two workers leave ~40% of two cores idle, started before it and waited for while it
-    runs, before any service starts; a background tier reports like any tier (its output, its result, its time), a
-    failing one is named at the end, and one never waited for is killed by `tier_stop_all` (among .ci/run's stops).
-    With stand-in commands."""
+    """Rule 6 (test time): the `stats` checks (CPU alone, no service) run in a pytest process of their own at the
+    lowest priority (nice 19: they take only CPU the tiers leave idle; at nice 0 they slowed the default tier's
+    Ray workers, which run at nice 15), started before the default tier and waited for after the service tier;
+    a background tier reports like any tier (its output, its result, its own time), a failing one is named at
+    the end, and one never waited for is killed by `tier_stop_all` (among .ci/run's stops). With stand-in
+    commands."""
     lines = (CI / "run").read_text().splitlines()
     [start] = [i for i, line in enumerate(lines) if line.startswith("tier_start stats ")]
-    assert lines[start].split()[2:] == [".venv/bin/python", "-m", "pytest", "-m", "stats", "--durations=15"]
-    [default] = [i for i, line in enumerate(lines) if line.startswith("tier_start default ")]
+    assert lines[start].split()[2:] == ["nice", "-n", "19", ".venv/bin/python", "-m", "pytest", "-m", "stats",
+                                        "--durations=15"]
+    [default] = [i for i, line in enumerate(lines) if line.startswith("tier default ")]
     [wait] = [i for i, line in enumerate(lines) if line == "tier_wait stats"]
-    services = min(i for i, line in enumerate(lines) if line.startswith("service "))
+    services = [i for i, line in enumerate(lines) if line.startswith("tier services ")]
     stops = [i for i, line in enumerate(lines) if line == 'STOPS+=("tier_stop_all")']
-    assert stops and stops[0] < start < default < wait < services
+    assert stops and services and stops[0] < start < default < services[0] < wait
     proc = _run_tiers("tier_start bg bash -c 'sleep 0.5; echo out-of-bg; exit 3'\ntier fg true\ntier_wait bg\n"
                       "tier_start ok true\ntier_wait ok\ntiers_result")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -1018,7 +1015,7 @@ def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
     spreads the test files over two pytest-xdist workers (pinned in pyproject's test extra and the lock)."""
     readme = (REPO / "README.md").read_text()
     [command] = re.findall(r"^python3\.11 -m venv .* && (\.venv/bin/python -m pytest.*)$", readme, flags=re.M)
-    [tier] = [line for line in (CI / "run").read_text().splitlines() if line.startswith("tier_start default ")]
-    assert tier == f"tier_start default {command}" and "-n 2 --dist loadfile" in command
+    [tier] = [line for line in (CI / "run").read_text().splitlines() if line.startswith("tier default ")]
+    assert tier == f"tier default {command}" and "-n 2 --dist loadfile" in command
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert "pytest-xdist==3.8.0" in extra and "pytest-xdist==3.8.0" in (REPO / "requirements.lock").read_text()
