@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .conftest import Stack, read_run, session_pids, start_run  # noqa: F401 - start_run: F.start_run
+from .conftest import Stack, read_run, session_pids
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from .conftest import (
     evaluations_file,
     new_bucket,
     read_run,
+    start_run,
     write_window,
 )
 from .test_stack import _wait_bootstrap
@@ -72,7 +73,7 @@ class Shared:
         """Start a run of the deployment under its own evaluation name; returns (run id, evaluation)."""
         ev = f"f{uuid.uuid4().hex[:6]}-{tag}"
         self.evaluations.append(ev)
-        return F.start_run(self.stack, self.dep_id, {"evaluation": ev, "options": options}), ev
+        return start_run(self.stack, self.dep_id, {"evaluation": ev, "options": options}), ev
 
     def check(self, ev: str, published: int) -> F.Integrity:
         """The invariants over the whole bucket; ``published`` runs of ``ev``."""
@@ -196,7 +197,7 @@ def test_ray_head_killed_mid_run_the_run_ends_and_the_next_run_publishes(shared)
     if _state(run) == "FAILED":
         shared.check(ev, published=0)
     # the head is back: the next run of the window publishes (or finds it published)
-    nxt = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST})
+    nxt = start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST})
     assert _state(F.wait_final(stack, nxt, timeout=300)) == "COMPLETED"
     shared.check(ev, published=1)
 
@@ -220,7 +221,7 @@ def test_worker_host_frozen_sigstop_is_crashed_and_nothing_half_published(shared
                 os.kill(pid, signal.SIGCONT)
     # The host thaws: the crashed run's process resumes. Whatever it does next, it must not publish a
     # second result beside the next run's, nor leave a half-published one.
-    nxt = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": SLOW})
+    nxt = start_run(stack, shared.dep_id, {"evaluation": ev, "options": SLOW})
     assert _state(F.wait_final(stack, nxt, timeout=300)) == "COMPLETED"
     F.wait_process_gone(flow_pid, timeout=120)
     zombie = read_run(stack, run_id)
@@ -286,7 +287,7 @@ def test_scheduler_double_fire_runs_one_at_a_time_and_publishes_one_result(share
     stack = shared.stack
     ev = f"f{uuid.uuid4().hex[:6]}-twice"
     shared.evaluations.append(ev)
-    ids = [F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST}) for _ in range(2)]
+    ids = [start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST}) for _ in range(2)]
     runs = [F.wait_final(stack, i, timeout=300) for i in ids]
     assert [_state(r) for r in runs] == ["COMPLETED", "COMPLETED"], [r.state.message for r in runs]
     first, second = sorted(runs, key=lambda r: r.start_time)
@@ -334,7 +335,7 @@ def test_publisher_clock_2_hours_fast_neither_holds_nor_moves_back_latest(shared
 
     first = fast_publish(30)
     assert read_latest(st, ev)["run_key"] == first  # the only run so far
-    run_id = F.start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST})
+    run_id = start_run(stack, shared.dep_id, {"evaluation": ev, "options": FAST})
     run = F.wait_final(stack, run_id, timeout=300)
     assert _state(run) == "COMPLETED", run.state.message
     (current,) = [r for r in F.list_runs(st, ev) if not r["run_key"].startswith("fast")]
