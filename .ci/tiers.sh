@@ -64,6 +64,22 @@ tier_wait() {
     tier_done "$name" "$rc" "${TIER_T0[$name]}" " (in the background)" "$t_end"
 }
 
+# tier_wait_any NAME...: block until the first of these background tiers has ended (its end file written, or its
+# process gone), and print which; none is reaped (each is still waited for with `tier_wait`, for its result).
+tier_wait_any() {
+    local name t0
+    t0=$(date +%s)
+    while true; do
+        for name in "$@"; do
+            if [[ -e "${TIER_LOG[$name]}.end" ]] || ! kill -0 "${TIER_PID[$name]}" 2>/dev/null; then
+                echo "[ci] tier $name ended first (waited $(( $(date +%s) - t0 )) s)"
+                return 0
+            fi
+        done
+        sleep 1
+    done
+}
+
 tier_stop_all() {
     local name
     for name in "${!TIER_PID[@]}"; do

@@ -843,25 +843,29 @@ def test_ci_runs_every_tier_and_fails_at_the_end_naming_the_failing_ones():
     text = (CI / "run").read_text()
     assert re.search(r"^set -[a-z]*u", text, flags=re.M) and "source .ci/tiers.sh" in text
     body = [line for line in text.splitlines() if line.startswith("tier ")]
-    assert [line.split()[1] for line in body] == ["default", "services"]
-    assert [line.split()[1] for line in text.splitlines() if line.startswith("tier_start ")] == ["stats"]
-    assert [line for line in text.splitlines() if line.startswith("tier_wait ")] == ["tier_wait stats"]
+    assert [line.split()[1] for line in body] == ["services"]
+    assert [line.split()[1] for line in text.splitlines() if line.startswith("tier_start ")] == ["stats", "default"]
+    assert [line for line in text.splitlines() if line.startswith("tier_wait ")] == ["tier_wait default",
+                                                                                      "tier_wait stats"]
     assert text.rstrip().splitlines()[-1] == "tiers_result || exit 1"
     assert subprocess.run(["bash", "-n", str(CI / "run")]).returncode == 0
 
 
-def test_ci_starts_the_services_after_the_tiers_that_do_not_need_them():
-    """Rule 6 (test time): the stacks and Label Studio idled through the default tier and took CPU from it.
-    They start after it and before the one tier that uses them; the stop-on-exit trap is set before the
-    first service starts. Label Studio's preparation (its virtualenv and migrated database, no server left
+def test_ci_starts_the_services_once_the_first_tier_that_does_not_need_them_ends():
+    """Rule 6 (test time): the stacks and Label Studio idled through the default tier and took CPU from it; the
+    service tier waiting for the whole default tier left its last minutes' idle CPU unused. The default tier and
+    the `stats` checks start in the background; the services start when the first of the two has ended
+    (`tier_wait_any`), before the one tier that uses them; the stop-on-exit trap is set before the first service
+    starts. Label Studio's preparation (its virtualenv and migrated database, no server left
     running) and the Debian packages of the tiers (Chromium, PostgreSQL, radosgw: infra/packages.sh) are made
     beside the install and waited for before the default tier, so no apt-get is left for the stack starts."""
     lines = (CI / "run").read_text().splitlines()
     at = {name: i for i, line in enumerate(lines) for name in ("default", "services")
-          if line.startswith(f"tier {name} ")}
+          if line.startswith((f"tier {name} ", f"tier_start {name} "))}
     starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
-    assert len(starts) == 2 and at["default"] < min(starts) and max(starts) < at["services"]
-    # the services' settings are exported after the default tier (it must not see them)
+    [first] = [i for i, line in enumerate(lines) if line == "tier_wait_any stats default"]
+    assert len(starts) == 2 and at["default"] < first < min(starts) and max(starts) < at["services"]
+    # the services' settings are exported after the default tier's start (it must not see them)
     exports = [i for i, line in enumerate(lines) if line.startswith("export CJE_STACK_DIR=")]
     assert exports and at["default"] < min(exports)
     assert not any(line.startswith("service chromium ") for line in lines)
@@ -902,9 +906,9 @@ def test_ci_a_service_that_does_not_start_fails_the_run_after_the_stats_checks_r
     for i in calls:  # each start's failure is recorded, not fatal under set -e before the checks' result
         assert re.search(r"\|\| NOT_STARTED\+=\(\w+\)$", lines[i] + lines[i + 1].strip()), lines[i]
     check = lines.index("if (( ${#NOT_STARTED[@]} > 0 )); then")
-    branch = [line.strip() for line in lines[check:check + 6]]
-    assert max(calls) < check and "tier_wait stats" in branch and "exit 1" in branch
-    assert branch.index("tier_wait stats") < branch.index("exit 1")
+    branch = [line.strip() for line in lines[check:check + 7]]
+    assert max(calls) < check and {"tier_wait default", "tier_wait stats", "exit 1"} <= set(branch)
+    assert max(branch.index("tier_wait default"), branch.index("tier_wait stats")) < branch.index("exit 1")
 
 
 def test_ci_runs_the_statistical_checks_beside_the_default_tier_and_reports_them_as_a_tier():
@@ -918,7 +922,7 @@ def test_ci_runs_the_statistical_checks_beside_the_default_tier_and_reports_them
     [start] = [i for i, line in enumerate(lines) if line.startswith("tier_start stats ")]
     assert lines[start].split()[2:] == ["nice", "-n", "19", ".venv/bin/python", "-m", "pytest", "-m", "stats",
                                         "--durations=15"]
-    [default] = [i for i, line in enumerate(lines) if line.startswith("tier default ")]
+    [default] = [i for i, line in enumerate(lines) if line.startswith("tier_start default ")]
     [wait] = [i for i, line in enumerate(lines) if line == "tier_wait stats"]
     services = [i for i, line in enumerate(lines) if line.startswith("tier services ")]
     stops = [i for i, line in enumerate(lines) if line == 'STOPS+=("tier_stop_all")']
@@ -940,6 +944,28 @@ def test_ci_runs_the_statistical_checks_beside_the_default_tier_and_reports_them
     t0 = time.monotonic()
     left = _run_tiers("tier_start long sleep 30\ntier_stop_all\ntier_wait long\ntiers_result")
     assert time.monotonic() - t0 < 10 and left.returncode == 1 and "[ci] failing tiers: long" in left.stdout
+
+
+def test_ci_tier_wait_any_returns_when_the_first_background_tier_ends_and_reaps_none():
+    """`tier_wait_any` (.ci/tiers.sh), with which .ci/run starts the services once the first of the default tier and
+    the `stats` checks ends: it returns as soon as one of the named background tiers has ended, says which, and
+    reaps none (each still reports its own result and time through `tier_wait`, a failure included); a tier
+    whose process is gone without its end file (killed) counts as ended. With stand-in commands."""
+    t0 = time.monotonic()
+    proc = _run_tiers("tier_start slow bash -c 'sleep 6; exit 3'\ntier_start quick true\n"
+                      "tier_wait_any slow quick\necho after-any\ntier_wait quick\ntier_wait slow\ntiers_result")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    out = proc.stdout.splitlines()
+    [first] = [i for i, line in enumerate(out) if re.fullmatch(r"\[ci\] tier quick ended first \(waited \d+ s\)", line)]
+    slow = next(i for i, line in enumerate(out) if line.startswith("[ci] tier slow: FAILED (exit 3) in "))
+    assert first < out.index("after-any") < slow
+    assert re.search(r"^\[ci\] tier quick: passed in [0-2] s \(in the background\)$", proc.stdout, flags=re.M)
+    assert "[ci] failing tiers: slow" in proc.stdout and time.monotonic() - t0 < 30
+    t0 = time.monotonic()
+    gone = _run_tiers("tier_start a sleep 30\ntier_start b sleep 30\nsleep 1\nkill -KILL -- \"-${TIER_PID[b]}\"\n"
+                      "tier_wait_any a b\ntier_stop_all\ntier_wait a || true\ntier_wait b || true")
+    assert "[ci] tier b ended first" in gone.stdout, gone.stdout + gone.stderr
+    assert time.monotonic() - t0 < 15
 
 
 def test_the_packages_script_does_nothing_when_every_package_is_there(tmp_path):
@@ -1015,7 +1041,7 @@ def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
     spreads the test files over two pytest-xdist workers (pinned in pyproject's test extra and the lock)."""
     readme = (REPO / "README.md").read_text()
     [command] = re.findall(r"^python3\.11 -m venv .* && (\.venv/bin/python -m pytest.*)$", readme, flags=re.M)
-    [tier] = [line for line in (CI / "run").read_text().splitlines() if line.startswith("tier default ")]
-    assert tier == f"tier default {command}" and "-n 2 --dist loadfile" in command
+    [tier] = [line for line in (CI / "run").read_text().splitlines() if line.startswith("tier_start default ")]
+    assert tier == f"tier_start default {command}" and "-n 2 --dist loadfile" in command
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert "pytest-xdist==3.8.0" in extra and "pytest-xdist==3.8.0" in (REPO / "requirements.lock").read_text()
