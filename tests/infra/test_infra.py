@@ -865,6 +865,9 @@ def test_ci_starts_the_services_once_the_first_tier_that_does_not_need_them_ends
     starts = [i for i, line in enumerate(lines) if line.startswith(("service stack ", "service labelstudio "))]
     [first] = [i for i, line in enumerate(lines) if line == "tier_wait_any stats default"]
     assert len(starts) == 2 and at["default"] < first < min(starts) and max(starts) < at["services"]
+    # every Ray worker of the run at its parent's priority (Ray adds 15 by default; nice is relative, so the `stats`
+    # checks' workers stay at 19), set before the first tier
+    assert lines.index("export RAY_worker_niceness=0") < at["default"]
     # the services' settings are exported after the default tier's start (it must not see them)
     exports = [i for i, line in enumerate(lines) if line.startswith("export CJE_STACK_DIR=")]
     assert exports and at["default"] < min(exports)
