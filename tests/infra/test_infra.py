@@ -916,8 +916,9 @@ def test_ci_a_service_that_does_not_start_fails_the_run_after_the_stats_checks_r
 
 def test_ci_runs_the_statistical_checks_beside_the_default_tier_and_reports_them_as_a_tier():
     """Rule 6 (test time): the `stats` checks (CPU alone, no service) run in a pytest process of their own at the
-    lowest priority (nice 19: they take only CPU the tiers leave idle; at nice 0 they slowed the default tier's
-    Ray workers, which run at nice 15), started before the default tier and waited for after the service tier;
+    lowest priority (nice 19: they take only CPU the tiers leave idle; at nice 0 they slowed the default tier, whose
+    Ray workers then ran at Ray's nice 15: session 26), started before the default tier and waited for after the
+    service tier;
     a background tier reports like any tier (its output, its result, its own time), a failing one is named at
     the end, and one never waited for is killed by `tier_stop_all` (among .ci/run's stops). With stand-in
     commands."""
