@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import special
 
 from cje_engine.errors import CJEInputError
+from cje_engine.inference import distributions as dist
 from cje_engine.result.jsonable import jsonable as _jsonable
 
 ANCHOR, SCORE, LABEL = "anchor_id", "judge_score", "oracle_label"
@@ -22,12 +22,12 @@ ANCHOR, SCORE, LABEL = "anchor_id", "judge_score", "oracle_label"
 @functools.lru_cache(maxsize=4096)
 def t_isf(tail: float, df: int) -> float:
     """Upper ``tail`` quantile of Student's t with ``df`` degrees of freedom (cached)."""
-    return float(-special.stdtrit(df, tail))
+    return float(dist.t_isf(tail, df))
 
 
 def t_lower_p(z: float, df: int) -> float:
     """One-sided (lower tail) Student-t p-value ``P(T <= z)``."""
-    return float(special.stdtr(df, z))
+    return float(dist.t_cdf(z, df))
 
 
 def check_alpha(alpha: float) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-from scipy.stats import kendalltau, norm, t as student_t
+from cje_engine.inference.distributions import norm_cdf, t_ppf, t_sf
 
 from cje_engine.inference.multiplicity import adjust
 from cje_engine.inference.sequential import anytime_half_width, anytime_p_value, information_ratio, pair_labels
@@ -119,10 +119,10 @@ def _bootstrap_pair(D: np.ndarray, alpha: float) -> tuple[float, list[float], fl
 
 
 def _analytic_pair(diff: float, se: float, df: float, alpha: float) -> tuple[list[float], float, float]:
-    c = student_t.ppf(1 - alpha / 2, df)
+    c = t_ppf(1 - alpha / 2, df)
     ci = [diff - c * se, diff + c * se]
-    p = float(2 * student_t.sf(abs(diff) / se, df)) if se > 0 else (0.0 if diff != 0 else 1.0)
-    prob = float(norm.cdf(diff / se)) if se > 0 else (0.5 if diff == 0 else float(diff > 0))
+    p = float(2 * t_sf(abs(diff) / se, df)) if se > 0 else (0.0 if diff != 0 else 1.0)
+    prob = float(norm_cdf(diff / se)) if se > 0 else (0.5 if diff == 0 else float(diff > 0))
     return ci, p, prob
 
 
@@ -190,7 +190,7 @@ def compare_pairs(cols: PolicyColumns, *, alpha: float, method: str, span: float
                 # least favourable one within it (the difference shrunk toward 0 by the bound)
                 ci = [ci[0] - bound, ci[1] + bound]
                 shrunk = max(abs(diff) - bound, 0.0)
-                p = max(p, float(2 * student_t.sf(shrunk / se, min(cols.dfs[a], cols.dfs[b]))))
+                p = max(p, float(2 * t_sf(shrunk / se, min(cols.dfs[a], cols.dfs[b]))))
                 item["bias_bound"] = bound
             item.update(se=se, ci=None if ci is None else [float(max(ci[0], -span)), float(min(ci[1], span))],
                         p_value=float(p), prob_a_better=prob,
@@ -274,11 +274,25 @@ def rank_policies(names: Sequence[str], est: np.ndarray, comparisons: list[dict]
     return ranking, win, best, reason
 
 
+def _tau_b(x: np.ndarray, y: np.ndarray) -> float:
+    """Kendall's tau-b by `scipy.stats.kendalltau`'s formula (the same number), NaN when either is constant
+    or not finite; exact pair counts in O(n^2): ``x`` and ``y`` are one value per policy."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        return float("nan")
+    sx = np.sign(x[:, None] - x[None, :]).astype(np.int64)
+    sy = np.sign(y[:, None] - y[None, :]).astype(np.int64)
+    s, tx, ty = int((sx * sy).sum()) // 2, int(np.count_nonzero(sx)) // 2, int(np.count_nonzero(sy)) // 2
+    if tx == 0 or ty == 0:
+        return float("nan")
+    return float(min(1.0, max(-1.0, s / np.sqrt(tx) / np.sqrt(ty))))
+
+
 def rank_agreement(names: Sequence[str], raw: np.ndarray, est: np.ndarray) -> dict:
     """Kendall tau-b between raw judge means and calibrated estimates, and both orders."""
     tau = None
     if len(names) >= 2 and np.all(np.isfinite(est)):
-        tau = _num(float(kendalltau(raw, est, variant="b").statistic))
+        tau = _num(_tau_b(raw, est))
     key = np.where(np.isfinite(est), est, -np.inf)
     return {"kendall_tau_b_raw_vs_calibrated": tau,
             "raw_order": [names[i] for i in np.argsort(-raw, kind="stable")],

@@ -207,7 +207,9 @@ class BasisSums:
         self.cross += rows.T @ rows
         if reference:
             for i, idx in enumerate(self.groups):
-                b = rows[:, idx]
+                # C-ordered like the fast path's columns: ``rows[:, idx]`` alone is Fortran-ordered, and BLAS may
+                # sum a product of a transposed factor in another order (OpenBLAS's SkylakeX kernels do)
+                b = np.ascontiguousarray(rows[:, idx])
                 self.cubes[i] += _third_moments_reference(b)
             return
         if rows_t is None:

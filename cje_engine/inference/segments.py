@@ -13,8 +13,7 @@ Nothing here reads files or the clock (docs/architecture.md); `cje_engine.pipeli
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import chi2, norm
-from scipy.stats import t as student_t
+from cje_engine.inference.distributions import chi2_sf, norm_cdf, norm_ppf, norm_sf, t_ppf, t_sf
 
 from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.variance import cluster_cov
@@ -47,7 +46,7 @@ def by_interval_level(n_selected: int, n_family: int, alpha: float) -> float | N
 
 def normal_interval(estimate: float, se: float, level: float, df: float = np.inf) -> list[float]:
     """``estimate +- q se`` with ``q`` the ``(1 + level) / 2`` quantile of the normal (``df`` inf) or of Student's t."""
-    q = float(norm.ppf(0.5 + level / 2) if not np.isfinite(df) else student_t.ppf(0.5 + level / 2, df))
+    q = float(norm_ppf(0.5 + level / 2) if not np.isfinite(df) else t_ppf(0.5 + level / 2, df))
     return [float(estimate - q * se), float(estimate + q * se)]
 
 
@@ -85,7 +84,7 @@ def paired_difference(est_a: float, est_b: float, reps_a: np.ndarray | None, rep
     if not (np.isfinite(diff) and np.isfinite(se) and se > 0):
         return {"diff": diff if np.isfinite(diff) else float("nan"), "se": float("nan"), "ci": None,
                 "p_value": float("nan"), "df": df}
-    p = norm.sf(abs(diff) / se) if not np.isfinite(df) else student_t.sf(abs(diff) / se, df)
+    p = norm_sf(abs(diff) / se) if not np.isfinite(df) else t_sf(abs(diff) / se, df)
     return {"diff": diff, "se": se, "ci": normal_interval(diff, se, 1 - alpha, df), "p_value": float(2 * p), "df": df}
 
 
@@ -158,7 +157,7 @@ def wald_test(delta: np.ndarray, psi: np.ndarray | None, V: np.ndarray | None = 
         return float("nan"), 0, float("nan")
     proj = vecs[:, keep].T @ delta[ok]
     stat = float(np.sum(proj ** 2 / vals[keep]))
-    return stat, df, float(chi2.sf(stat, df))
+    return stat, df, float(chi2_sf(stat, df))
 
 
 def score_bins(score: np.ndarray, n_bins: int = 10) -> tuple[np.ndarray, np.ndarray]:
@@ -213,7 +212,7 @@ def reliability_bins(pred: np.ndarray, y: np.ndarray, weight: np.ndarray, prompt
 
 def _noncoverage(b: float, chi: float) -> float:
     """P(|Z + b| > chi), Z standard normal: the non-coverage of [-chi, chi] at normalised bias ``b``."""
-    return float(norm.cdf(-chi - b) + norm.cdf(-chi + b))
+    return float(norm_cdf(-chi - b) + norm_cdf(-chi + b))
 
 
 def max_noncoverage(m2: float, chi: float) -> float:
@@ -227,7 +226,7 @@ def max_noncoverage(m2: float, chi: float) -> float:
 
     def r0(t: np.ndarray | float) -> np.ndarray:
         b = np.sqrt(np.maximum(t, 0.0))
-        return norm.cdf(-chi - b) + norm.cdf(-chi + b)
+        return norm_cdf(-chi - b) + norm_cdf(-chi + b)
 
     base = float(r0(0.0))
     # t0: where the chord from (0, r0(0)) is steepest (tangent to r0): a grid over log t, then refined
@@ -249,7 +248,7 @@ def robust_critical_value(m2: float, alpha: float) -> float:
     moment ``m2`` (`max_noncoverage`)."""
     from scipy.optimize import brentq
 
-    lo = float(norm.ppf(1 - alpha / 2))
+    lo = float(norm_ppf(1 - alpha / 2))
     if m2 <= 0:
         return lo
     hi = lo + np.sqrt(m2 / alpha) + 10.0  # Chebyshev-like: the second-moment bound needs chi ~ sqrt(m2 / alpha)
@@ -281,7 +280,7 @@ def eb_pool(y: np.ndarray, se: np.ndarray, alpha: float) -> dict:
     floor = float(2 * np.sum(se ** 4) / (J * np.sum(se ** 2)))
     mu2 = max(float(np.mean((y - m) ** 2 - se ** 2)), floor)
     w = mu2 / (mu2 + se ** 2)
-    z = float(norm.ppf(1 - alpha / 2))
+    z = float(norm_ppf(1 - alpha / 2))
     est = m + w * (y - m)
     half = np.array([robust_critical_value(se[j] ** 2 / mu2, alpha) * w[j] * se[j] for j in range(J)])
     half += z * (1 - w) * m_se

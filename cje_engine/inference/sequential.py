@@ -126,9 +126,9 @@ def sequential_width_ratio(alpha: float = 0.05) -> float:
     float
         ``anytime_half_width(1, mixture_r(alpha), alpha) / z_{1 - alpha/2}`` (1.55 at alpha = 0.05).
     """
-    from scipy.stats import norm
+    from cje_engine.inference.distributions import norm_ppf
 
-    return anytime_half_width(1.0, mixture_r(alpha), alpha) / float(norm.ppf(1 - alpha / 2))
+    return anytime_half_width(1.0, mixture_r(alpha), alpha) / float(norm_ppf(1 - alpha / 2))
 
 
 def pair_labels(labels: np.ndarray | None, a: int, b: int, fallback: float) -> float:

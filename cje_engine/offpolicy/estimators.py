@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
-from scipy.stats import norm
+from cje_engine.inference.distributions import norm_ppf
 
 from cje_engine.errors import CJEInputError
 from cje_engine.inference.variance import cluster_cov, cluster_sums, clustered_se
@@ -46,7 +46,7 @@ class Estimate:
 
     def ci(self, level: float = 0.95) -> tuple[float, float]:
         """Normal interval ``value +/- z * se`` at ``level``."""
-        z = float(norm.ppf(0.5 + level / 2))
+        z = float(norm_ppf(0.5 + level / 2))
         return (self.value - z * self.se, self.value + z * self.se)
 
 

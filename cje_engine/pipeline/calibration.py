@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from scipy.stats import norm
+from cje_engine.inference.distributions import norm_sf
 
 from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
@@ -414,7 +414,7 @@ def failing_source(delta: np.ndarray, se: np.ndarray, is_source: np.ndarray,
     if cand.size < 2:
         return None
     z = np.abs(delta[cand] / se[cand])
-    p_adj = holm(2 * norm.sf(z))
+    p_adj = holm(2 * norm_sf(z))
     if not (p_adj <= alpha).any():
         return None
     i = int(np.argmax(np.where(p_adj <= alpha, z, -np.inf)))

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel
-from scipy.stats import t as student_t
+from cje_engine.inference import distributions as dist
 
 from cje_engine.audit import audit_policies, residual_deciles
 from cje_engine.data.frame import EvalData
@@ -552,7 +552,6 @@ def labels_to_verify(k: int, n_own: int, n_rows: int, assumed: np.ndarray, se_ve
     ``se_verified[j]``, so ``n = resid_sd^2 / ((diff / z)^2 - se_j^2)``; none when the other level alone is
     too imprecise. Capped at the policy's unlabelled rows (``capped``).
     """
-    from scipy.stats import norm
 
     need = max(min_labels - n_own, 0)
     out = {"n_labels": int(need), "for_level": int(need), "for_closest_comparison": None, "closest": None,
@@ -561,7 +560,7 @@ def labels_to_verify(k: int, n_own: int, n_rows: int, assumed: np.ndarray, se_ve
     if others and np.isfinite(assumed[k]) and np.isfinite(resid_sd) and resid_sd > 0:
         j = min(others, key=lambda j: abs(assumed[j] - assumed[k]))
         diff = abs(float(assumed[j] - assumed[k]))
-        z = float(norm.ppf(1 - alpha / 2) + norm.ppf(power))
+        z = float(dist.norm_ppf(1 - alpha / 2) + dist.norm_ppf(power))
         room = (diff / z) ** 2 - float(se_verified[j]) ** 2
         out["closest"] = {"policy": j, "assumed_difference": diff}
         if room > 0:
@@ -688,7 +687,7 @@ def summarize_direct(prep: Any, reps: np.ndarray | None) -> DirectSummaries:
     support = support_checks(design, opts, score_range=(totals.score_min, totals.score_max))
     dfs2 = degrees_of_freedom(K, n_own_prompts)
     dfs = np.concatenate([dfs2, dfs2[K:], dfs2[K:]])
-    summary = _Stats(ext.stats, cov, ext.reps, student_t.ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
+    summary = _Stats(ext.stats, cov, ext.reps, dist.t_ppf(1 - alpha / 2, dfs), alpha, d.label_scale,
                      infl=ext.total, dfs=dfs, n_policies=K)
     # for labels_to_verify: each policy's assumes-transport (protocol) level and verified SE
     assumed_est = np.array([summary(K + k if uses_own_labels(protocol, audits[k]["verdict"], int(n_own[k]),

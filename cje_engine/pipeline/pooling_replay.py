@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.stats import norm
+from cje_engine.inference.distributions import norm_isf
 
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import (Design, cell_fits, bootstrap_view, calibration_plan, make_design,
@@ -50,7 +50,7 @@ def decisive(record: dict, alpha: float, margin: float = DECISIVE_Z_MARGIN) -> b
     The Holm critical value of the round is the largest: the Bonferroni one over the round's family.
     """
     z = abs(record["residual_mean"]) / record["se"] if record["se"] > 0 else np.inf
-    crit = float(norm.isf(alpha / (2 * max(int(record["family_size"]), 1))))
+    crit = float(norm_isf(alpha / (2 * max(int(record["family_size"]), 1))))
     return bool(z >= crit + margin)
 
 

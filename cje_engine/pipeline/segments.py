@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy.stats import norm
+from cje_engine.inference.distributions import norm_sf
 
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
@@ -303,7 +303,7 @@ def _omnibus(policy_name: str, prompt: np.ndarray, resid: np.ndarray, weight: np
     return {"policy": policy_name, "statistic": stat, "df": df, "p_value": p,
             "reject": None if not np.isfinite(p) else bool(p <= alpha), "n_labels": int(resid.size),
             "n_clusters": n_c, "pooled_residual_mean": float(pooled[0]),
-            "pooled_se": pse, "pooled_p_value": float(2 * norm.sf(abs(pooled[0]) / pse)) if pse > 0 else None,
+            "pooled_se": pse, "pooled_p_value": float(2 * norm_sf(abs(pooled[0]) / pse)) if pse > 0 else None,
             "components": comps}
 
 

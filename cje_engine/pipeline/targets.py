@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy.stats import norm
+from cje_engine.inference.distributions import norm_ppf
 
 from cje_engine.offpolicy.gates import OffPolicyGates
 from cje_engine.offpolicy.target import TargetReport
@@ -64,7 +64,7 @@ def _estimator_table(prep: Any, t: str, off: np.ndarray | None, se_total: dict[s
     """
     rep = prep.reports[t]
     alpha = prep.options.engine.alpha
-    z = float(norm.ppf(1 - alpha / 2))
+    z = float(norm_ppf(1 - alpha / 2))
     col = {key: j for j, key in enumerate(prep.layout)}
     ests: dict[str, dict] = {}
     for k, e in rep.estimates.items():

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import numpy as np
-from scipy.stats import norm
+from cje_engine.inference.distributions import norm_ppf
 
 from cje_engine.errors import CJEInputError
 
@@ -57,7 +57,7 @@ def min_labels_of(value: Any) -> int:
 def mde_multiplier(alpha: float = 0.05, power: float = 0.8) -> float:
     """``z_{1-alpha/2} + z_power``: MDE = multiplier * SE (two-sided test at level alpha)."""
     a, p = check_alpha_power(alpha, power)
-    return float(norm.ppf(1 - a / 2) + norm.ppf(p))
+    return float(norm_ppf(1 - a / 2) + norm_ppf(p))
 
 
 # --------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy.stats import t as student_t
+from cje_engine.inference.distributions import t_ppf
 
 from cje_engine.inference.comparisons import PolicyColumns, claim_kind, compare_pairs
 from cje_engine.inference.intervals import ANALYTIC_METHODS, BOOTSTRAP_METHODS, own_label_interval
@@ -131,7 +131,7 @@ def marginal_interval(p: PolicyResult, k: int, terms: Terms, level: float, resul
         lo, hi = own_label_interval(method, est, se=se, alpha=alpha, df=df, infl=infl)
     else:
         method = "normal" if not np.isfinite(df) else "t"
-        q = float(student_t.ppf(1 - alpha / 2, df))
+        q = float(t_ppf(1 - alpha / 2, df))
         lo, hi = est - q * se, est + q * se
     return (*_clip(lo, hi, scale), method)
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from scipy.stats import norm
+from cje_engine.inference.distributions import norm_ppf
 
 from cje_engine.errors import CJEInputError
 from cje_engine.planning.allocation import is_under_labelled, labels_to_request
@@ -220,7 +220,7 @@ def label_prior_probability(rows: TriggerRows, policy: str) -> float:
 
 
 def _z(alpha: float) -> float:
-    return float(norm.ppf(1 - alpha / 2))
+    return float(norm_ppf(1 - alpha / 2))
 
 
 def audit_margin(result: Mapping) -> float:
@@ -542,7 +542,7 @@ def segment_triggers(result: Mapping, cfg: RequestConfig) -> list[dict]:
     alpha = float(conf.get("alpha", 0.05))
     min_labels = int(conf.get("min_labels", 10))
     margin = audit_margin(result)
-    z, z_pow = _z(alpha), float(norm.ppf(0.8))
+    z, z_pow = _z(alpha), float(norm_ppf(0.8))
     cells = {(c.get("segment"), c.get("policy")): c for c in seg.get("cells") or []}
     out = []
     if "segment_audit_inconclusive" in wanted:

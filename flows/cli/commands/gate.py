@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from scipy.stats import norm
+from cje_engine.inference.distributions import norm_cdf, norm_sf
 
 from cje_engine.errors import CJEInputError
 from cje_engine.result.model import AssumedClaims, Audit, Comparison, EvaluationModel, Multiplicity
@@ -149,7 +149,7 @@ def _claim_checks(m: EvaluationModel, base: str, cands: Sequence[str], claim: Cl
                 p_one[c] = 0.0 if (d < claim.threshold if claim.below else d > claim.threshold) else 1.0
             else:
                 z = (d - claim.threshold) / float(se)
-                p_one[c] = float(norm.cdf(z) if claim.below else norm.sf(z))
+                p_one[c] = float(norm_cdf(z) if claim.below else norm_sf(z))
         adj = dict(zip(usable, adjust(np.array([p_one[c] for c in usable]), method).tolist())) if usable else {}
     checks = []
     for cand in cands:
