@@ -1013,7 +1013,9 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
     processes: all three run at once, the second sees the second stack's env file, every log is printed, and
     a failure of any fails the tier."""
     text = (CI / "run").read_text()
-    assert [line for line in text.splitlines() if line.startswith("tier services ")] == ["tier services bash .ci/services"]
+    assert [line for line in text.splitlines() if line.startswith("tier services ")] == [
+        'tier services env CJE_BESIDE_AFTER="${TIER_LOG[default]}.end" CJE_BESIDE_AFTER_PID="${TIER_PID[default]}" '
+        'bash .ci/services']
     assert "CJE_FAULT_STACK_ENV=" in text and "fault_stack bash infra/stack/start.sh" in text
     script = (CI / "services").read_text()
     exprs = ("stack and not soak and not after_soak", "soak or after_soak", "integration or lifecycle")
@@ -1038,6 +1040,40 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
         assert len(times) == 3 and max(times) - min(times) < 0.9, proc.stdout  # side by side, not one after
         assert starts["soak"].endswith("env=/second/env") and starts["stack"].endswith("env=/first/env")
         assert proc.stdout.count("end ") == 3 and "[services] the chaos soak" in proc.stdout
+
+
+def test_ci_service_tier_starts_its_third_process_once_the_default_tier_has_ended(tmp_path):
+    """Rule 6 (test time): .ci/services starts the process beside the stack chains (radosgw, Label Studio,
+    lifecycle) once the file CJE_BESIDE_AFTER exists (the default tier's end file, .ci/tiers.sh) or the process
+    CJE_BESIDE_AFTER_PID is gone, whichever comes first; the two stack processes start at once either way."""
+    fake = tmp_path / "py"
+    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4"; echo "end $4"\n')
+    fake.chmod(0o755)
+    gate = tmp_path / "default.end"
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        for how in ("file", "pid"):
+            gate.unlink(missing_ok=True)
+            env = {**os.environ, "CJE_TEST_PYTHON": str(fake), "CJE_BESIDE_AFTER": str(gate),
+                   "CJE_BESIDE_AFTER_PID": str(sleeper.pid)}
+            proc = subprocess.Popen(["bash", str(CI / "services")], stdout=subprocess.PIPE, text=True, env=env)
+            time.sleep(4)
+            assert proc.poll() is None  # the third process still waits
+            t_open = time.time()
+            if how == "file":
+                gate.write_text("1")
+            else:
+                sleeper.kill()
+                sleeper.wait()
+            out = proc.communicate(timeout=30)[0]
+            assert proc.returncode == 0, out
+            starts = {line.split()[2]: float(line.split()[0]) for line in out.splitlines() if " start " in line}
+            assert set(starts) == {"stack", "soak", "integration"}, out
+            assert starts["integration"] >= t_open > max(starts["stack"], starts["soak"]), (how, out)
+            assert "[services] beside: started" in out
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_the_readme_test_command_is_the_ci_default_tier_on_two_workers():
