@@ -1008,18 +1008,20 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
     mostly waiting on heartbeats), the long fault tests among them, run in one pytest process; the chaos soak
     (`soak`, issue 25: once left out of CI) in a second, alone on a second stack of its own (CJE_FAULT_STACK_ENV
     as its CJE_STACK_ENV); everything else of the tier (radosgw, Label Studio, the lifecycle tests) in a third
-    beside them. The lifecycle and statistical tests are excluded from the default run, and CI still runs every
-    one of them (the statistical ones beside the default tier, `tier_start stats`). With stand-in pytest
-    processes: all three run at once, the second sees the second stack's env file, every log is printed, and
-    a failure of any fails the tier."""
+    beside them; the two short `after_soak` fault tests in a fourth, once the first of the two stack chains has
+    ended, on that chain's stack. The lifecycle and statistical tests are excluded from the default run, and CI
+    still runs every one of them (the statistical ones beside the default tier, `tier_start stats`). With
+    stand-in pytest processes: the first three run at once, the fourth after the first chain's end with its
+    stack's env file, every log is printed, and a failure of any fails the tier."""
     text = (CI / "run").read_text()
     assert [line for line in text.splitlines() if line.startswith("tier services ")] == [
         'tier services env CJE_BESIDE_AFTER="${TIER_LOG[default]}.end" CJE_BESIDE_AFTER_PID="${TIER_PID[default]}" '
         'bash .ci/services']
     assert "CJE_FAULT_STACK_ENV=" in text and "fault_stack bash infra/stack/start.sh" in text
     script = (CI / "services").read_text()
-    exprs = ("stack and not soak and not after_soak", "soak or after_soak", "integration or lifecycle")
-    for expr in exprs:
+    stack, soak, beside, after = ("stack and not soak and not after_soak", "soak", "integration or lifecycle",
+                                  "after_soak")
+    for expr in (stack, soak, beside, after):
         assert f'-m "{expr}"' in script, expr
     addopts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     assert "not lifecycle" in addopts and "not stats" in addopts
@@ -1027,19 +1029,27 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
         source = (REPO / "tests" / "flows" / name).read_text()
         assert "@pytest.mark.lifecycle" in source and "@pytest.mark.slow" not in source, name
     fake = tmp_path / "py"
-    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4 env=${CJE_STACK_ENV:-}"; sleep 1; echo "end $4"\n'
-                    '[[ "$4" == "${FAIL:-none}" ]] && exit 3; exit 0\n')
+    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4 env=${CJE_STACK_ENV:-}"\n'
+                    'if [[ "$4" == "$SLOW" ]]; then sleep 2; else sleep 0.5; fi\n'
+                    'echo "$(date +%s.%N) end $4"\n[[ "$4" == "${FAIL:-none}" ]] && exit 3; exit 0\n')
     fake.chmod(0o755)
-    for fail, code in (("none", 0), *((e, 3) for e in exprs)):
+    cases = [("none", soak, 0), ("none", stack, 0), *((e, soak, 3) for e in (stack, soak, beside, after))]
+    for fail, slow, code in cases:
         proc = subprocess.run(["bash", str(CI / "services")], capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "CJE_TEST_PYTHON": str(fake), "FAIL": fail,
+                              env={**os.environ, "CJE_TEST_PYTHON": str(fake), "FAIL": fail, "SLOW": slow,
                                    "CJE_STACK_ENV": "/first/env", "CJE_FAULT_STACK_ENV": "/second/env"})
         assert proc.returncode == code, (fail, proc.stdout, proc.stderr)
-        starts = {line.split()[2]: line for line in proc.stdout.splitlines() if " start " in line}
-        times = [float(line.split()[0]) for line in starts.values()]
-        assert len(times) == 3 and max(times) - min(times) < 0.9, proc.stdout  # side by side, not one after
-        assert starts["soak"].endswith("env=/second/env") and starts["stack"].endswith("env=/first/env")
-        assert proc.stdout.count("end ") == 3 and "[services] the chaos soak" in proc.stdout
+        lines = proc.stdout.splitlines()
+        starts = {line.split(" start ")[1].split(" env=")[0]: line for line in lines if " start " in line}
+        ends = {line.split(" end ")[1]: float(line.split()[0]) for line in lines if " end " in line}
+        assert set(starts) == {stack, soak, beside, after} and len(ends) == 4, proc.stdout
+        t = {e: float(line.split()[0]) for e, line in starts.items()}
+        assert max(t[stack], t[soak], t[beside]) - min(t[stack], t[soak], t[beside]) < 0.9, proc.stdout  # side by side
+        first = stack if slow == soak else soak  # the chain that ends first
+        assert t[after] >= ends[first] and t[after] < ends[slow], proc.stdout
+        assert starts[soak].endswith("env=/second/env") and starts[stack].endswith("env=/first/env")
+        assert starts[after].endswith("env=/first/env" if first == stack else "env=/second/env"), proc.stdout
+        assert "[services] the chaos soak" in proc.stdout and "[services] the after_soak tests" in proc.stdout
 
 
 def test_ci_service_tier_starts_its_third_process_once_the_default_tier_has_ended(tmp_path):
@@ -1068,7 +1078,7 @@ def test_ci_service_tier_starts_its_third_process_once_the_default_tier_has_ende
             out = proc.communicate(timeout=30)[0]
             assert proc.returncode == 0, out
             starts = {line.split()[2]: float(line.split()[0]) for line in out.splitlines() if " start " in line}
-            assert set(starts) == {"stack", "soak", "integration"}, out
+            assert set(starts) == {"stack", "soak", "integration", "after_soak"}, out
             assert starts["integration"] >= t_open > max(starts["stack"], starts["soak"]), (how, out)
             assert "[services] beside: started" in out
     finally:

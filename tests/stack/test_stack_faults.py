@@ -42,13 +42,14 @@ from .test_stack import _wait_bootstrap
 pytestmark = pytest.mark.stack
 
 #: The long fault tests and the chaos soak. In CI the fault tests run after test_stack.py in the stack process on
-#: the first stack, the soak (then the `after_soak` tests) in a pytest process of its own on a second stack
-#: (.ci/services: ``-m "soak or after_soak"`` with ``CJE_STACK_ENV`` naming that stack); by hand, on a started
-#: stack: ``pytest -m stack_faults tests/stack`` (docs/stack.md).
+#: the first stack, the soak in a pytest process of its own on a second stack (.ci/services: ``-m "soak"`` with
+#: ``CJE_STACK_ENV`` naming that stack); by hand, on a started stack: ``pytest -m stack_faults tests/stack``
+#: (docs/stack.md).
 LONG = pytest.mark.stack_faults
-#: Short fault tests that, in CI, run after the soak on its stack, in its pytest process (``-m "soak or after_soak"``):
-#: the stack process's chain is the tier's longest (docs/testing.md); the soak's stack is restored after its last
-#: round. By hand they run with the other stack tests (``-m stack``).
+#: Short fault tests that, in CI, run in a pytest process of their own (``-m "after_soak"``) once the first of the
+#: two stack chains (the stack process, the soak) has ended, on that chain's stack: they even out the chains,
+#: whose lengths depend on the machine (docs/testing.md); the soak's stack is restored after its last round. By
+#: hand they run with the other stack tests (``-m stack``).
 AFTER_SOAK = pytest.mark.after_soak
 
 #: The shared window and the runs' options (tests/stack/conftest.py): `SLOW` replicates keep the bootstrap busy
