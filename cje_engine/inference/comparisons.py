@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-from cje_engine.inference.distributions import norm_cdf, t_ppf, t_sf
 
+from cje_engine.inference.distributions import norm_cdf, t_ppf, t_sf
 from cje_engine.inference.multiplicity import adjust
 from cje_engine.inference.sequential import anytime_half_width, anytime_p_value, information_ratio, pair_labels
 from cje_engine.inference.variance import cluster_cov

@@ -1,7 +1,7 @@
 """The normal, Student-t and chi-squared functions the engine uses, on `scipy.special`.
 
 Each is the number ``scipy.stats`` gives for valid arguments (its ``norm``, ``t`` and ``chi2`` call these same
-special functions after their argument checks; `tests/stats/test_distributions.py` compares them), without
+special functions after their argument checks; `tests/unit/test_distributions.py` compares them), without
 importing ``scipy.stats``: ~0.4-1 CPU s at the start of every process that evaluates (a flow run, a `cje`
 command, a Ray worker), which imported it for a handful of quantiles.  Each accepts scalars or arrays and
 returns what the special function returns (a numpy float or array).

@@ -13,8 +13,8 @@ Nothing here reads files or the clock (docs/architecture.md); `cje_engine.pipeli
 from __future__ import annotations
 
 import numpy as np
-from cje_engine.inference.distributions import chi2_sf, norm_cdf, norm_ppf, norm_sf, t_ppf, t_sf
 
+from cje_engine.inference.distributions import chi2_sf, norm_cdf, norm_ppf, norm_sf, t_ppf, t_sf
 from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.variance import cluster_cov
 

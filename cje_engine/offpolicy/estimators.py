@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
-from cje_engine.inference.distributions import norm_ppf
 
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.distributions import norm_ppf
 from cje_engine.inference.variance import cluster_cov, cluster_sums, clustered_se
 from cje_engine.offpolicy.weights import log_mean_weight, mean_one_weights, solve_simplex_qp
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from cje_engine.inference.distributions import norm_sf
 
 from cje_engine.audit import satterthwaite_df
 from cje_engine.data.frame import EvalData
@@ -37,6 +36,7 @@ from cje_engine.calibration import registry
 from cje_engine.direct.estimators import (Design, cell_fits, cell_policy_stats, calibration_plan, influence, make_design,
                                           row_cells)
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.distributions import norm_sf
 from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.multiplicity import holm
 from cje_engine.options import EvaluationOptions

@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel
-from cje_engine.inference import distributions as dist
 
 from cje_engine.audit import audit_policies, residual_deciles
 from cje_engine.data.frame import EvalData
 from cje_engine.data.ints import count_distinct, present_codes
 from cje_engine.direct.estimators import Design
 from cje_engine.direct.verified import own_label_influence, power_tuned, power_tuned_lambda
+from cje_engine.inference import distributions as dist
 from cje_engine.inference.comparisons import SE_AGREEMENT_RATIO
 from cje_engine.inference.gram import GramTerms
 from cje_engine.inference.reference_t import t_ppf
@@ -552,7 +552,6 @@ def labels_to_verify(k: int, n_own: int, n_rows: int, assumed: np.ndarray, se_ve
     ``se_verified[j]``, so ``n = resid_sd^2 / ((diff / z)^2 - se_j^2)``; none when the other level alone is
     too imprecise. Capped at the policy's unlabelled rows (``capped``).
     """
-
     need = max(min_labels - n_own, 0)
     out = {"n_labels": int(need), "for_level": int(need), "for_closest_comparison": None, "closest": None,
            "power": power, "residual_sd": float(resid_sd) if np.isfinite(resid_sd) else None, "capped": False}

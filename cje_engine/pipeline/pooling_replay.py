@@ -31,12 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from cje_engine.inference.distributions import norm_isf
 
 from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import (Design, cell_fits, bootstrap_view, calibration_plan, make_design,
                                           replicate_view, row_cells)
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.distributions import norm_isf
 from cje_engine.pipeline.calibration import Fit, failing_source, source_audits
 
 #: How far beyond the Holm critical value of its round a full-data exclusion must lie to be taken

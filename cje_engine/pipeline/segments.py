@@ -22,7 +22,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-from cje_engine.inference.distributions import norm_sf
 
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import make_cells
@@ -30,6 +29,7 @@ from cje_engine.data.frame import EvalData
 from cje_engine.direct.estimators import bootstrap_replicates, bootstrap_view, fold_jackknife
 from cje_engine.direct.segment_terms import prompts_per_column, sparse_influence
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.distributions import norm_sf
 from cje_engine.inference.multiplicity import adjust, holm
 from cje_engine.inference.variance import cluster_cov_padded
 from cje_engine.pipeline.calibration import fit_mode

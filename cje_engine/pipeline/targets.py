@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from cje_engine.inference.distributions import norm_ppf
 
+from cje_engine.inference.distributions import norm_ppf
 from cje_engine.offpolicy.gates import OffPolicyGates
 from cje_engine.offpolicy.target import TargetReport
 from cje_engine.offpolicy.weights import mean_one_weights

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import numpy as np
-from cje_engine.inference.distributions import norm_ppf
 
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.distributions import norm_ppf
 
 # --------------------------------------------------------------------------------------
 # validation helpers

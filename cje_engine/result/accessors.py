@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from cje_engine.inference.distributions import t_ppf
 
 from cje_engine.inference.comparisons import PolicyColumns, claim_kind, compare_pairs
+from cje_engine.inference.distributions import t_ppf
 from cje_engine.inference.intervals import ANALYTIC_METHODS, BOOTSTRAP_METHODS, own_label_interval
 from cje_engine.inference.multiplicity import adjust
 from cje_engine.inference.variance import cluster_cov

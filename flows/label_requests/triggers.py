@@ -11,9 +11,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from cje_engine.inference.distributions import norm_ppf
 
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.distributions import norm_ppf
 from cje_engine.planning.allocation import is_under_labelled, labels_to_request
 from cje_engine.planning.components import policy_components
 from cje_engine.planning.model import VarianceComponents

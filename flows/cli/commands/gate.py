@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from cje_engine.inference.distributions import norm_cdf, norm_sf
 
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.distributions import norm_cdf, norm_sf
 from cje_engine.result.model import AssumedClaims, Audit, Comparison, EvaluationModel, Multiplicity
 from cje_engine.result.validate import typed_view
 from flows.config import did_you_mean
