@@ -559,34 +559,46 @@ def test_compose_ray_worker_waits_for_the_head_and_leaves_a_lost_one(tmp_path):
     started = tmp_path / "started"
     fake.write_text(f'#!/bin/sh\necho "$$" >> {started}\nexec sleep 300\n')
     fake.chmod(0o755)
+    # The head is down: a socket bound but not listening holds the port (no other process can take it between
+    # now and the head's start) and the kernel refuses connections to it.
     head = socket.socket()
+    head.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     head.bind(("127.0.0.1", 0))
     port = head.getsockname()[1]
-    head.close()  # the head is down
     argv = [a.replace("ray-head:6379", f"127.0.0.1:{port}") for a in argv]
     argv[4] = str(fake)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "RAY_HEAD_LOST_S": "4"}
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+
+    def node_pid() -> int | None:
+        # `echo >>` creates the file before it writes the line: a pid is read only once its line is whole.
+        text = started.read_text() if started.exists() else ""
+        return int(text.split()[0]) if text.endswith("\n") else None
+
+    def node_ended(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
     try:
         time.sleep(3)
         assert not started.exists() and proc.poll() is None  # waits, without joining a head that is not there
-        head = socket.socket()
-        head.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        head.bind(("127.0.0.1", port))
-        head.listen(16)
-        deadline = time.monotonic() + 20
-        while not started.exists():
+        head.listen(16)  # the head answers
+        deadline = time.monotonic() + 60
+        while (node := node_pid()) is None:
             assert time.monotonic() < deadline, "the node did not start once the head answered"
             time.sleep(0.2)
-        node = int(started.read_text().split()[0])
         time.sleep(5)
         assert proc.poll() is None  # the head answers: the node stays
         head.close()  # the head is lost
-        rc = proc.wait(timeout=30)
+        rc = proc.wait(timeout=60)
         assert rc == 1 and "leaving its cluster" in proc.stderr.read()
-        time.sleep(0.5)
-        assert not Path(f"/proc/{node}").exists() or "Z" in Path(f"/proc/{node}/stat").read_text().split()[2]
+        deadline = time.monotonic() + 30  # the node was sent SIGTERM before the entrypoint exited
+        while not node_ended(node):
+            assert time.monotonic() < deadline, f"the node (pid {node}) outlived its entrypoint by 30 s"
+            time.sleep(0.2)
     finally:
         head.close()
         with __import__("contextlib").suppress(ProcessLookupError):
