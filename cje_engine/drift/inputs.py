@@ -5,7 +5,6 @@ mapping holding both is a duplicate).
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,12 +16,6 @@ from cje_engine.inference import distributions as dist
 from cje_engine.result.jsonable import jsonable as _jsonable
 
 ANCHOR, SCORE, LABEL = "anchor_id", "judge_score", "oracle_label"
-
-
-@functools.lru_cache(maxsize=4096)
-def t_isf(tail: float, df: int) -> float:
-    """Upper ``tail`` quantile of Student's t with ``df`` degrees of freedom (cached)."""
-    return float(dist.t_isf(tail, df))
 
 
 def t_lower_p(z: float, df: int) -> float:

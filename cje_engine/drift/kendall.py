@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from cje_engine.drift.inputs import check_alpha, jsonable, t_isf
+from cje_engine.drift.inputs import check_alpha, jsonable
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.reference_t import t_isf
 
 # Above this many cells (distinct x values times distinct y values) the pair counts are computed
 # by blocked pairwise comparison instead of a contingency table.

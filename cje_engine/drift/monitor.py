@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from cje_engine.drift.inputs import (
-    ANCHOR, LABEL, as_clusters, as_scores, call_calibrate, check_alpha, jsonable, t_isf, t_lower_p,
+    ANCHOR, LABEL, as_clusters, as_scores, call_calibrate, check_alpha, jsonable, t_lower_p,
 )
 from cje_engine.drift.kendall import jackknife_se, kendall_tau_b, tau_b_leave_one_out, tau_result
 from cje_engine.drift.metrics import (
@@ -35,6 +35,7 @@ from cje_engine.drift.metrics import (
 from cje_engine.drift.monitor_state import check_state, state_dict
 from cje_engine.drift.signflip import sign_flip_interval, sign_flip_p
 from cje_engine.errors import CJEInputError
+from cje_engine.inference.reference_t import t_isf
 
 __all__ = ["METRICS", "DEFAULT_WEIGHTS", "WINDOW_SHARE", "DriftMonitor", "look_spending"]
 

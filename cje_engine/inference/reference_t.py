@@ -19,6 +19,13 @@ def t_ppf(q: float, df: float) -> float:
     return float(dist.t_ppf(q, df))
 
 
+@functools.lru_cache(maxsize=4096)
+def t_isf(p: float, df: float) -> float:
+    """`cje_engine.inference.distributions.t_isf` as a float, remembered (the drift monitor asks for the same
+    upper quantiles at every check)."""
+    return float(dist.t_isf(p, df))
+
+
 def quantile(q: float, df: float | None) -> float:
     """Quantile ``q`` of t with ``df`` degrees of freedom (the normal when ``df`` is None or inf)."""
     return float(dist.norm_ppf(q)) if _is_normal(df) else t_ppf(float(q), float(df))
@@ -26,7 +33,7 @@ def quantile(q: float, df: float | None) -> float:
 
 def upper_quantile(p: float, df: float | None) -> float:
     """The point with upper tail ``p`` (``quantile(1 - p)``, computed without the cancellation)."""
-    return float(dist.norm_isf(p) if _is_normal(df) else dist.t_isf(p, df))
+    return float(dist.norm_isf(p)) if _is_normal(df) else t_isf(float(p), float(df))
 
 
 def two_sided_p(z: float, df: float | None) -> float:
