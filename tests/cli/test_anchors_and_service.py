@@ -214,15 +214,13 @@ def test_cje_run_config_discovery(tmp_path, monkeypatch, capsys):
 
 
 def test_unreachable_prefect_api_exit_69_before_any_work(tmp_path, capsys, in_tmp, monkeypatch):
-    import socket
+    from tests.ports import refused_port
 
     _logs(tmp_path / "logs")
     cfg = _config(tmp_path, tmp_path / "logs", "[]")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
-    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{port}/api")
-    assert cli.main(["run", "ev", "--config", str(cfg)]) == 69
+    with refused_port() as port:  # nothing listens there, and no other process can start to meanwhile
+        monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{port}/api")
+        assert cli.main(["run", "ev", "--config", str(cfg)]) == 69
     err = capsys.readouterr().err
     assert "service unavailable" in err and "PREFECT_API_URL" in err and "Traceback" not in err
 

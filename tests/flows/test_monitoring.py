@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 from datetime import date, datetime, timedelta, timezone
 from html.parser import HTMLParser
@@ -29,6 +28,7 @@ from flows.storage.logs import write_logs
 from flows.storage.objects import Storage
 
 from tests.flows.test_notify import Receiver
+from tests.ports import refused_port
 
 DAYS, CHANGE_DAY = 5, 3  # 0-based: the change is injected on day 4
 FIRST = date(2025, 6, 1)
@@ -86,23 +86,20 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _render_offline(page: Path, tmp: Path, png: Path | None = None) -> str:
     """Load a page in headless Chromium with every network route dead; returns the DOM after load."""
     exe = _chromium()
-    args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run",
-            f"--user-data-dir={tmp / 'chromium-profile'}", f"--proxy-server=http://127.0.0.1:{_dead_port()}",
-            "--host-resolver-rules=MAP * ~NOTFOUND", "--window-size=1280,2400"]
-    if png is not None:
-        out = subprocess.run(args + [f"--screenshot={png}", page.as_uri()], capture_output=True, timeout=120)
-        assert png.exists() and png.stat().st_size > 10_000, out.stderr[-2000:]
-    out = subprocess.run(args + ["--dump-dom", page.as_uri()], capture_output=True, timeout=120, text=True)
+    with refused_port() as dead:  # the only route out; held, so that nothing else can listen there meanwhile
+        args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run",
+                f"--user-data-dir={tmp / 'chromium-profile'}", f"--proxy-server=http://127.0.0.1:{dead}",
+                "--host-resolver-rules=MAP * ~NOTFOUND", "--window-size=1280,2400"]
+        if png is not None:
+            out = subprocess.run(args + [f"--screenshot={png}", page.as_uri()], capture_output=True, timeout=120)
+            assert png.exists() and png.stat().st_size > 10_000, out.stderr[-2000:]
+        out = subprocess.run(args + ["--dump-dom", page.as_uri()], capture_output=True, timeout=120, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
@@ -155,11 +152,13 @@ def _measure(page: Path, tmp: Path, width: int) -> dict:
     try:
         exe = _chromium()
         profile = tmp / f"chromium-measure-{width}-{page.stem}"
-        args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-                f"--proxy-server=http://127.0.0.1:{_dead_port()}", "--host-resolver-rules=MAP * ~NOTFOUND",
-                f"--window-size={width},1600", "--dump-dom", copy.as_uri()]
-        out = subprocess.run(args, capture_output=True, timeout=120, text=True)
+        with refused_port() as dead:  # the only route out, held (see `_render_offline`)
+            args = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    "--no-first-run", f"--user-data-dir={profile}", f"--proxy-server=http://127.0.0.1:{dead}",
+                    "--host-resolver-rules=MAP * ~NOTFOUND", f"--window-size={width},1600", "--dump-dom",
+                    copy.as_uri()]
+            out = subprocess.run(args, capture_output=True, timeout=120, text=True)
         assert out.returncode == 0, out.stderr[-2000:]
     finally:
         copy.unlink()

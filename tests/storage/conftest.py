@@ -1,7 +1,9 @@
 """Fixtures for the storage tests: a moto S3 server (session), a fresh bucket per test, a local root."""
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -205,11 +207,14 @@ def black_hole():
     hole.close()
 
 
-def closed_port_endpoint() -> str:
-    """An endpoint where nothing listens (connection refused)."""
-    from tests.s3server import free_port
+@contextlib.contextmanager
+def closed_port_endpoint() -> Iterator[str]:
+    """An endpoint where nothing listens (connection refused) until the block ends (`tests.ports.refused_port`:
+    the port is held, so that no other process can start listening there meanwhile)."""
+    from tests.ports import refused_port
 
-    return f"http://127.0.0.1:{free_port()}"
+    with refused_port() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 # --------------------------------------------------------------------------- HTTP-level faults

@@ -216,21 +216,21 @@ def _assert_no_secret(text: str) -> None:
 
 
 def test_unreachable_endpoint_fails_cleanly_without_secrets(caplog):
-    cfg = make_s3_config(closed_port_endpoint(), max_attempts=2, connect_timeout=0.5,
-                         session_token=SESSION_TOKEN)
-    st = Storage.for_uri("s3://bucket-x/pre", cfg)
-    caplog.set_level(logging.DEBUG)
-    for op in (lambda: st.read_bytes("data/x.json"), lambda: st.write_bytes("data/x.json", b"1"),
-               lambda: st.put_if_absent("data/x.json", b"1"), lambda: st.list("data/")):
-        t0 = time.monotonic()
-        with pytest.raises(StorageError) as err:
-            op()
-        assert time.monotonic() - t0 < 20
-        msg = str(err.value)
-        assert "s3://bucket-x/pre/data" in msg or "s3://bucket-x/pre/." in msg
-        _assert_no_secret(msg)
-        _assert_no_secret(repr(err.value))
-        assert err.value.__cause__ is None and err.value.__suppress_context__
+    with closed_port_endpoint() as endpoint:
+        cfg = make_s3_config(endpoint, max_attempts=2, connect_timeout=0.5, session_token=SESSION_TOKEN)
+        st = Storage.for_uri("s3://bucket-x/pre", cfg)
+        caplog.set_level(logging.DEBUG)
+        for op in (lambda: st.read_bytes("data/x.json"), lambda: st.write_bytes("data/x.json", b"1"),
+                   lambda: st.put_if_absent("data/x.json", b"1"), lambda: st.list("data/")):
+            t0 = time.monotonic()
+            with pytest.raises(StorageError) as err:
+                op()
+            assert time.monotonic() - t0 < 20
+            msg = str(err.value)
+            assert "s3://bucket-x/pre/data" in msg or "s3://bucket-x/pre/." in msg
+            _assert_no_secret(msg)
+            _assert_no_secret(repr(err.value))
+            assert err.value.__cause__ is None and err.value.__suppress_context__
     _assert_no_secret(caplog.text)
 
 
