@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.runtime.watchdog import _alive, _descendants, _table
+from flows.runtime.watchdog import _alive, _cmdline, _descendants, _table
 from flows.storage.objects import Storage
 
 from .conftest import REPO, write_simulated_logs
@@ -178,6 +178,14 @@ def test_a_stale_temporary_home_is_removed_by_the_next_start(tmp_path):
     assert not stale.exists() and mine.exists() and foreign.exists()
 
 
+def _sleeps(pid: int) -> int:
+    """How many times ``pid`` has gone to sleep: its voluntary context switches (``/proc/<pid>/status``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches in /proc/{pid}/status")
+
+
 def test_the_watchdog_stops_the_orphans_of_a_killed_parent_and_removes_its_folders(tmp_path):
     """Fast twin of the kill -9 test: a parent registers a folder and starts a child in its own
     session (as the Prefect server is started) that starts a grandchild; kill -9 of the parent
@@ -199,15 +207,25 @@ time.sleep(600)
     seen: dict[int, int] = {}
     try:
         proc.stdout.readline()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # bounds a hang only (three Python starts on a loaded machine)
         while time.monotonic() < deadline and len(seen) < 3:  # watchdog, child, grandchild
             seen.update(_descendants({proc.pid}, _table()))
             time.sleep(0.2)
         assert len(seen) >= 3 and folder.exists()
-        time.sleep(1.5)  # the watchdog has seen the grandchild (it polls every second)
+        # The watchdog remembers what each of its polls finds (a scan of /proc, then a 1 s sleep): the grandchild,
+        # which exists now, is remembered once a scan begun after now has ended, i.e. once the watchdog has gone
+        # to sleep twice more (its sleeps are its only voluntary context switches; a third one for margin).
+        # A fixed 1.5 s wait was not enough where the watchdog's start and scans take longer (a loaded machine).
+        [dog] = [p for p in seen if "flows.runtime.watchdog" in _cmdline(p)]
+        slept = _sleeps(dog)
+        deadline = time.monotonic() + 120
+        while _sleeps(dog) < slept + 3:
+            assert time.monotonic() < deadline, "the watchdog did not poll in 120 s"
+            time.sleep(0.1)
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-        deadline = time.monotonic() + 20
+        proc.wait(timeout=60)
+        # the watchdog notices within a poll, allows 5 s of grace, kills, removes: 120 s bounds a hang only
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline and (any(_alive(p, s) for p, s in seen.items()) or folder.exists()):
             time.sleep(0.2)
         assert not any(_alive(p, s) for p, s in seen.items()), "an orphan survived its parent"
