@@ -1069,25 +1069,40 @@ def test_ci_service_tier_starts_its_third_process_once_the_default_tier_has_ende
     lifecycle) once the file CJE_BESIDE_AFTER exists (the default tier's end file, .ci/tiers.sh) or the process
     CJE_BESIDE_AFTER_PID is gone, whichever comes first; the two stack processes start at once either way."""
     fake = tmp_path / "py"
-    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4"; echo "end $4"\n')
+    started = tmp_path / "started"
+    fake.write_text('#!/usr/bin/env bash\necho "$(date +%s.%N) start $4"; echo "end $4"\n'
+                    f'echo "${{4%% *}}" >> {started}\n')  # its marker expression's first word
     fake.chmod(0o755)
     gate = tmp_path / "default.end"
-    sleeper = subprocess.Popen(["sleep", "60"])
+
+    def whole_lines() -> set[str]:
+        text = started.read_text() if started.exists() else ""
+        return set(text[:text.rfind("\n") + 1].splitlines())
+
+    sleeper = subprocess.Popen(["sleep", "600"])
     try:
         for how in ("file", "pid"):
             gate.unlink(missing_ok=True)
+            started.unlink(missing_ok=True)
             env = {**os.environ, "CJE_TEST_PYTHON": str(fake), "CJE_BESIDE_AFTER": str(gate),
                    "CJE_BESIDE_AFTER_PID": str(sleeper.pid)}
             proc = subprocess.Popen(["bash", str(CI / "services")], stdout=subprocess.PIPE, text=True, env=env)
-            time.sleep(4)
+            # The two stack processes have started (whole lines only: `echo >>` creates the file before it
+            # writes), not merely a fixed 4 s after the start, which a loaded machine may not have used for them.
+            deadline = time.monotonic() + 120
+            while not {"stack", "soak"} <= whole_lines():
+                assert time.monotonic() < deadline and proc.poll() is None, "the stack processes did not start"
+                time.sleep(0.1)
+            time.sleep(4)  # two of the wait's 2 s looks
             assert proc.poll() is None  # the third process still waits
+            assert "integration" not in whole_lines()
             t_open = time.time()
             if how == "file":
                 gate.write_text("1")
             else:
                 sleeper.kill()
                 sleeper.wait()
-            out = proc.communicate(timeout=30)[0]
+            out = proc.communicate(timeout=120)[0]
             assert proc.returncode == 0, out
             starts = {line.split()[2]: float(line.split()[0]) for line in out.splitlines() if " start " in line}
             assert set(starts) == {"stack", "soak", "integration", "after_soak"}, out
