@@ -71,10 +71,11 @@ def _answers(endpoint: str) -> bool:
         return False
 
 
-def start_s3_server(host: str = "127.0.0.1", port: int | None = None, timeout: float = 30.0,
+def start_s3_server(host: str = "127.0.0.1", port: int | None = None, timeout: float = 180.0,
                     log_file: str | os.PathLike | None = None) -> S3Server:
     """Start moto's S3 server (``python -m atomic_moto``: conditional writes atomic, as on S3) on ``host`` and
-    wait until it answers HTTP."""
+    wait until it answers HTTP (``timeout`` bounds a hang only: moto's imports take seconds of CPU, which a
+    loaded machine stretches tenfold; a start that ran out of time was retried on another port, from scratch)."""
     last_error = "did not answer"
     for _ in range(3):  # a port picked by free_port can be taken in between: retry
         chosen = port or free_port(host)

@@ -93,7 +93,7 @@ def prefect_server(_prefect_boot):
     """
     from flows.runtime.prefect_server import use_api, wait_healthy
 
-    server = wait_healthy(_prefect_boot)
+    server = wait_healthy(_prefect_boot, timeout=600)  # bounds a hang only: ~10 s of CPU, minutes at load 10
     with use_api(server.url):  # drains this process's log/event workers on exit (before the stop)
         yield server
 
@@ -160,7 +160,7 @@ def ray_cluster():
     address = f"127.0.0.1:{port}"
     worker = None
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 400  # bounds a hang only, as infra/stack's: the head and the node's join
         while time.monotonic() < deadline:
             r = subprocess.run([ray_bin, "status", f"--address={address}"], env=env, capture_output=True)
             if r.returncode == 0:
