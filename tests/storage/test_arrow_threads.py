@@ -116,7 +116,7 @@ class _BlockingFile:
 def test_wait_for_arrow_threads_sees_a_running_task():
     """The pool counters are found on this platform and count a task until it has ended."""
     assert len(arrow_task_counters()) == 2  # CPU and IO pools: otherwise the wait at exit is a no-op
-    assert wait_for_arrow_threads(timeout=5)
+    assert wait_for_arrow_threads(timeout=60)  # idle: returns at once; the timeout bounds a hang only
     release = threading.Event()
     data = b"a,b\n" + b"".join(b"%d,%d\n" % (i, i) for i in range(20000))
     reader = pacsv.open_csv(_BlockingFile(data, release), read_options=pacsv.ReadOptions(block_size=4096))
@@ -125,7 +125,7 @@ def test_wait_for_arrow_threads_sees_a_running_task():
         assert not wait_for_arrow_threads(timeout=0.2)  # the read-ahead is blocked in Python
     finally:
         release.set()
-    assert wait_for_arrow_threads(timeout=10)
+    assert wait_for_arrow_threads(timeout=60)  # returns once the released task has ended
     assert sum(count() for count in arrow_task_counters()) == 0
 
 
