@@ -1,73 +1,25 @@
 """Print a free TCP port for a service that binds it later, drawn from below the kernel's ephemeral range.
 
-The start scripts (infra/stack, infra/radosgw, infra/labelstudio) choose their services' ports first and
-start the services after.  A port from the ephemeral range (what binding port 0 hands out) can meanwhile
-become the local port of any outgoing connection on the host, and the service then cannot bind it (seen in
-CI's layout, two stacks starting at once: a Ray node's ``--node-manager-port`` taken, "No address added out
-of total 1 resolved", five failed starts, the stack down).  So ports are drawn at random from
-``[LOW, start of /proc/sys/net/ipv4/ip_local_port_range)``, above Ray Client's per-connection servers
-(23000-23999), and one is printed only if nothing on the host has it bound.  A host whose ephemeral range
-leaves no such room gets port 0's answer, as before.
+The start scripts (infra/stack, infra/radosgw, infra/labelstudio) choose their services' ports first and start
+the services after; `flows.runtime.ports` explains why the port comes from below the ephemeral range, and is
+what `cje`'s own local Prefect server uses too.
 
-Usage: ``python3 infra/free_port.py`` (standard library only: it runs before any virtualenv exists).
+Usage: ``python3 infra/free_port.py`` (standard library only: it runs before any virtualenv exists; it imports
+`flows.runtime.ports` from this checkout, which imports nothing outside the standard library).
 """
 from __future__ import annotations
 
-import random
-import socket
 import sys
-from collections.abc import Callable
+from pathlib import Path
 
-#: Lowest port drawn: above Ray Client's specific servers (ray.util.client.server.proxier: 23000-23999).
-LOW = 24000
-#: Fewest ports between LOW and the ephemeral range for drawing from there at all.
-MIN_ROOM = 1000
-#: Draws before giving up on the room below the ephemeral range.
-DRAWS = 200
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def ephemeral_start(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
-    """First port of the kernel's ephemeral range (32768, Linux's default, when it cannot be read)."""
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def bindable(port: int) -> bool:
-    """Whether ``port`` can be bound on every address now (nothing on the host holds it, not even in TIME_WAIT)."""
-    with socket.socket() as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
-
-
-def pick(low: int, high: int, free: Callable[[int], bool] = bindable, rng: random.Random | None = None) -> int | None:
-    """A port in ``[low, high)`` for which ``free`` holds (``DRAWS`` random draws), or None (no room, or none free)."""
-    if high - low < MIN_ROOM:
-        return None
-    rng = rng or random.SystemRandom()
-    for _ in range(DRAWS):
-        port = rng.randrange(low, high)
-        if free(port):
-            return port
-    return None
-
-
-def any_port() -> int:
-    """The kernel's choice (port 0): from the ephemeral range."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from flows.runtime.ports import free_port  # noqa: E402
 
 
 def main() -> int:
     """Print the port."""
-    port = pick(LOW, ephemeral_start())
-    print(port if port is not None else any_port())
+    print(free_port())
     return 0
 
 

@@ -29,7 +29,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from flows.runtime.ports import free_port
 from flows.runtime.watchdog import process_start_time, ensure_watchdog, graceful_sigterm, register_cleanup
 
 log = logging.getLogger(__name__)
@@ -85,13 +85,6 @@ class PrefectServer:
     def pid(self) -> int:
         """PID of the server process."""
         return self.process.pid
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def healthy(url: str, timeout: float = 2.0) -> bool:
@@ -140,7 +133,8 @@ def launch_server(
         PREFECT_HOME for the server; a fresh temporary directory (removed by `stop_server`)
         when omitted.
     port : int, optional
-        Port to listen on; a free one when omitted.
+        Port to listen on; a free one when omitted (`flows.runtime.ports.free_port`: below the ephemeral range,
+        so that no outgoing connection takes it while the server starts).
     extra_env : mapping, optional
         More environment for the server (e.g. a short scheduler loop).
     """

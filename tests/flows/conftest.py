@@ -34,6 +34,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest  # noqa: E402
 
+from flows.runtime.ports import free_port  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
@@ -49,10 +51,7 @@ S3_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_free_port = free_port  # below the ephemeral range (flows.runtime.ports)
 
 
 def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:

@@ -1,24 +1,23 @@
-"""infra/free_port.py: the start scripts' ports come from below the kernel's ephemeral range."""
+"""flows.runtime.ports and infra/free_port.py: services' ports come from below the kernel's ephemeral range."""
 from __future__ import annotations
 
-import importlib.util
 import random
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from flows.runtime import ports as free_port
+
 INFRA = Path(__file__).resolve().parents[2] / "infra"
-_spec = importlib.util.spec_from_file_location("free_port", INFRA / "free_port.py")
-free_port = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(free_port)
 
 
 def test_the_printed_ports_are_below_the_ephemeral_range_and_free():
     low = free_port.ephemeral_start()
     for _ in range(5):
-        port = int(subprocess.run([sys.executable, str(INFRA / "free_port.py")], capture_output=True, text=True,
-                                  check=True).stdout)
+        # the script as the start scripts run it: the system's python3 without the venv's site-packages (-S)
+        port = int(subprocess.run([sys.executable, "-S", str(INFRA / "free_port.py")], capture_output=True,
+                                  text=True, check=True, cwd="/").stdout)
         if low - free_port.LOW >= free_port.MIN_ROOM:
             assert free_port.LOW <= port < low
         with socket.socket() as s:
@@ -57,3 +56,17 @@ def test_every_start_script_takes_its_ports_from_it():
         text = (INFRA / script).read_text()
         assert "free_port.py" in text, script
         assert 's.bind(("127.0.0.1", 0))' not in text and "bind((\"127.0.0.1\",0))" not in text, script
+
+
+def test_cje_and_the_tests_take_their_services_ports_from_it():
+    """`cje`'s local Prefect server (`launch_server`, `cje ui`) and the tests' Ray head and moto server."""
+    import flows.runtime.prefect_server as prefect_server
+    from tests import s3server
+    from tests.flows import conftest
+
+    assert prefect_server.free_port is free_port.free_port
+    assert s3server.free_port is free_port.free_port
+    assert conftest._free_port is free_port.free_port
+    low = free_port.ephemeral_start()
+    if low - free_port.LOW >= free_port.MIN_ROOM:
+        assert all(free_port.LOW <= free_port.free_port() < low for _ in range(20))

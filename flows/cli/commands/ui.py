@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -25,15 +24,6 @@ log = logging.getLogger(__name__)
 
 #: Prefect's usual UI port, used when it is free.
 DEFAULT_PORT = 4200
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_ui(ns: argparse.Namespace) -> int:
     """Run the server until interrupted; returns the exit code."""
-    from flows.runtime.prefect_server import (clear_ui_state, free_port, launch_server, running_ui, stop_server,
+    from flows.runtime.ports import bindable, free_port
+    from flows.runtime.prefect_server import (clear_ui_state, launch_server, running_ui, stop_server,
                                               wait_healthy, write_ui_state)
     from flows.runtime.watchdog import graceful_sigterm
 
@@ -60,7 +51,7 @@ def cmd_ui(ns: argparse.Namespace) -> int:
         sys.stdout.write(f"cje ui is already running (pid {state['pid']}): {state['ui_url']}\n")
         return EXIT_OK
     data = Path(ns.data).resolve()
-    port = ns.port or (DEFAULT_PORT if _port_free(DEFAULT_PORT) else free_port())
+    port = ns.port or (DEFAULT_PORT if bindable(DEFAULT_PORT) else free_port())
     ui_url = f"http://127.0.0.1:{port}/"
     with graceful_sigterm():
         server = launch_server(home=data / "prefect", port=port,
