@@ -51,9 +51,6 @@ S3_ENV = {
 }
 
 
-_free_port = free_port  # below the ephemeral range (flows.runtime.ports)
-
-
 def _stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM the process group we started with ``start_new_session``, then SIGKILL."""
     if proc.poll() is None:
@@ -147,7 +144,7 @@ def ray_cluster():
     from flows.runtime import ray_fanout as ray_runtime
 
     temp_dir = tempfile.mkdtemp(prefix="cjeray")  # short: Ray's socket paths have a length limit
-    port = _free_port()
+    port = free_port()
     env = _ray_env()
     ray_bin = str(BIN / "ray")
     common = ["--num-cpus=1", "--disable-usage-stats", "--node-ip-address=127.0.0.1", "--block"]

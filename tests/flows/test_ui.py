@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from flows.runtime.ports import free_port
 from flows.storage.objects import Storage
 
-from .conftest import REPO, _free_port, _stop_group, write_simulated_logs
+from .conftest import REPO, _stop_group, write_simulated_logs
 
 CJE = str(Path(sys.executable).with_name("cje"))
 
@@ -57,7 +58,7 @@ def test_running_ui_forgets_a_stale_state_file(tmp_path, monkeypatch):
 
 @pytest.mark.lifecycle
 def test_cje_ui_is_used_by_later_commands_and_keeps_their_runs(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc, state = _start_ui(tmp_path, port)
     try:
         assert state["api_url"] == f"http://127.0.0.1:{port}/api" and state["pid"] != proc.pid

@@ -66,7 +66,7 @@ def test_cje_and_the_tests_take_their_services_ports_from_it():
 
     assert prefect_server.free_port is free_port.free_port
     assert s3server.free_port is free_port.free_port
-    assert conftest._free_port is free_port.free_port
+    assert conftest.free_port is free_port.free_port
     low = free_port.ephemeral_start()
     if low - free_port.LOW >= free_port.MIN_ROOM:
         assert all(free_port.LOW <= free_port.free_port() < low for _ in range(20))
