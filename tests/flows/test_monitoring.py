@@ -86,8 +86,6 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-
-
 def _render_offline(page: Path, tmp: Path, png: Path | None = None) -> str:
     """Load a page in headless Chromium with every network route dead; returns the DOM after load."""
     exe = _chromium()
