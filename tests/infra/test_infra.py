@@ -540,6 +540,13 @@ def test_flow_runner_gets_what_the_code_needs_at_scale():
     assert 10001 in ports
 
 
+def _whole_lines(path: Path) -> list[str]:
+    """The complete lines of a file another process appends to with ``echo >>`` (which creates the file before it
+    writes the line): none while the file is missing, never a part of a line."""
+    text = path.read_text() if path.exists() else ""
+    return text[:text.rfind("\n") + 1].splitlines()
+
+
 def test_compose_ray_worker_waits_for_the_head_and_leaves_a_lost_one(tmp_path):
     """Issue 25: the ray-worker container started while the head was down waited forever ("Failed to get
     cluster ID from GCS"), and a relaunched head is a new cluster the running node never joins. Its
@@ -572,9 +579,8 @@ def test_compose_ray_worker_waits_for_the_head_and_leaves_a_lost_one(tmp_path):
                             start_new_session=True)
 
     def node_pid() -> int | None:
-        # `echo >>` creates the file before it writes the line: a pid is read only once its line is whole.
-        text = started.read_text() if started.exists() else ""
-        return int(text.split()[0]) if text.endswith("\n") else None
+        lines = _whole_lines(started)
+        return int(lines[0]) if lines else None
 
     def node_ended(pid: int) -> bool:
         try:
@@ -1077,10 +1083,6 @@ def test_ci_service_tier_starts_its_third_process_once_the_default_tier_has_ende
     fake.chmod(0o755)
     gate = tmp_path / "default.end"
 
-    def whole_lines() -> set[str]:
-        text = started.read_text() if started.exists() else ""
-        return set(text[:text.rfind("\n") + 1].splitlines())
-
     sleeper = subprocess.Popen(["sleep", "600"])
     try:
         for how in ("file", "pid"):
@@ -1092,12 +1094,12 @@ def test_ci_service_tier_starts_its_third_process_once_the_default_tier_has_ende
             # The two stack processes have started (whole lines only: `echo >>` creates the file before it
             # writes), not merely a fixed 4 s after the start, which a loaded machine may not have used for them.
             deadline = time.monotonic() + 120
-            while not {"stack", "soak"} <= whole_lines():
+            while not {"stack", "soak"} <= set(_whole_lines(started)):
                 assert time.monotonic() < deadline and proc.poll() is None, "the stack processes did not start"
                 time.sleep(0.1)
             time.sleep(4)  # two of the wait's 2 s looks
             assert proc.poll() is None  # the third process still waits
-            assert "integration" not in whole_lines()
+            assert "integration" not in _whole_lines(started)
             t_open = time.time()
             if how == "file":
                 gate.write_text("1")
