@@ -137,26 +137,45 @@ from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # 
 
 #: Column of a response-id bucket: the id's `id_fingerprint`.
 FINGERPRINT = "_fp"
-#: A bucket of fingerprints alone is shipped in runs by the fingerprint's top `SUB_BITS` bits (`response_id_buckets`),
-#: which its check task sorts one at a time: a sort of ~3M ids stays ~25% cheaper an id than one of 25M (the
-#: cache), and a run's repeated halves are few. Up to `MAX_RUN_BITS` bits when the buckets are few (`run_bits`: the
-#: reader's one-byte radix key holds them), the bits a bucket's pieces are in runs by in their schema metadata
-#: (`RUN_BITS_KEY`).
+#: A bucket of fingerprints alone is shipped sorted (`response_id_buckets`), so in runs by any number of the
+#: fingerprint's top bits, which its check task sorts one at a time: a sort of ~0.4M ids stays ~25% cheaper an id
+#: than one of 25M (the cache), and a run's repeated halves are few. The bits a bucket's pieces are in runs by are in
+#: their schema metadata (`RUN_BITS_KEY`, `run_bits`); pieces without it are cut by `SUB_BITS`.
 SUB_BITS = 3
-SUB_BUCKETS = 1 << SUB_BITS
-MAX_RUN_BITS = 6
+#: Runs of a bucket (`run_bits`): 2^`RUN_BITS_PER_BUCKET` a bucket.
+RUN_BITS_PER_BUCKET = 6
 RUN_BITS_KEY = b"cje.run_bits"
 
 
 def run_bits(n_buckets: int) -> int:
-    """Bits of the fingerprint's top that cut each of ``n_buckets`` buckets into runs (`response_id_buckets`): the
-    most, up to `MAX_RUN_BITS`, for which ``n_buckets`` times the runs fit the reader's one-byte key (256): 6 for
-    up to 4 buckets (64 runs of a bucket: at 100M rows, runs of ~0.4M ids, each sorted ~25% cheaper an id than
-    one of ~3M), 3 for 32, none past 128."""
-    b = 0
-    while b < MAX_RUN_BITS and (int(n_buckets) << (b + 1)) <= 256:
-        b += 1
+    """Bits of the fingerprint's top that cut each of ``n_buckets`` buckets (ranges of the fingerprints,
+    `bucket_of`) into ~2^`RUN_BITS_PER_BUCKET` runs (`response_id_buckets`): the bits that tell the buckets
+    apart plus 6 (64 runs a bucket: at 100M rows in 4 buckets, runs of ~0.4M ids, each sorted ~25% cheaper an id
+    than one of ~3M), at most 24 (the check sorts the 32 bits below them, `repeated_fingerprints`)."""
+    return min(24, max(0, int(n_buckets) - 1).bit_length() + RUN_BITS_PER_BUCKET)
+
+
+def bucket_of(fp, n_buckets: int):
+    """The bucket (0..``n_buckets`` - 1) of each fingerprint (uint64 array): ``floor(high * n / 2^32)`` of its
+    high half, one multiply a row. Non-decreasing in the fingerprint, so each bucket is a range of fingerprints:
+    a sorted array's buckets are its slices between `bucket_starts`. Every copy of an id has its fingerprint, so
+    its bucket."""
+    import numpy as np
+
+    b = fp >> np.uint64(32)
+    b *= np.uint64(n_buckets)
+    b >>= np.uint64(32)
     return b
+
+
+def bucket_starts(n_buckets: int):
+    """The least fingerprint of each bucket of `bucket_of` and 2^64 - 1 after the last (uint64, n + 1):
+    ``ceil(b 2^32 / n) << 32``; a sorted array's bucket ``b`` is its slice ``searchsorted`` of entries ``b``
+    and ``b + 1`` (the last bucket to the end)."""
+    import numpy as np
+
+    n = int(n_buckets)
+    return np.array([(-(-(b << 32) // n)) << 32 for b in range(n)] + [2**64 - 1], dtype=np.uint64)
 
 
 def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = True,
@@ -167,9 +186,9 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     (16 bytes a row, no string; `check_response_ids` then names the rows whose fingerprint repeats and
     `read_shards` fetches only their ids, `response_ids_at`); ``ids=False, places=False``: the fingerprints alone
     (8 bytes a row: what `split_file` ships; a file's rows are found again by their fingerprints,
-    `response_ids_with`), each bucket in `SUB_BUCKETS` runs by the fingerprint's top bits when ``n_buckets`` is at
-    most 32 (its check task sorts a run at a time). ``runs``: how 1-byte keys are ordered (`_byte_runs`; the
-    reference's `_byte_runs_reference`)."""
+    `response_ids_with`), each bucket sorted (so in runs by the fingerprint's top `run_bits` bits, which its
+    check task sorts one at a time). The buckets are ranges of the fingerprints (`bucket_of`). ``runs``: how
+    1-byte keys are ordered (`_byte_runs`; the reference's `_byte_runs_reference`)."""
     import numpy as np
     import pyarrow as pa
 
@@ -180,25 +199,19 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
         fp = np.asarray(_one_chunk(table[FINGERPRINT]).to_numpy(), dtype=np.uint64)
     else:
         fp = id_fingerprint(rid)
-    # the bucket from the low half: floor(low * n / 2^32), one multiply (a 64-bit modulo a row costs more); every copy
-    # of an id has its fingerprint, so its bucket. Not from the high half, which `check_response_ids` sorts: a
-    # bucket's high halves stay spread over all 2^32 values (few shared, `repeated_fingerprints`)
-    bucket = fp & np.uint64(0xFFFFFFFF)
-    bucket *= np.uint64(n_buckets)
-    bucket >>= np.uint64(32)
-    bits = run_bits(n_buckets)
-    if not ids and not places and bits:
-        # each bucket in ``2^bits`` runs by the fingerprint's top bits (the same 1-byte radix sort): its check
-        # task sorts a run at a time (`_repeated_by_file`), told the bits by the pieces' metadata
-        bucket <<= np.uint64(bits)
-        bucket += fp >> np.uint64(64 - bits)
-        key = bucket.astype(np.uint8)
-        order, bounds = (runs or _byte_runs)(key)
-        bounds = bounds[np.arange(n_buckets + 1) << bits]
-        fp = fp[order]
-        meta = {RUN_BITS_KEY: str(bits).encode()}
-        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}).replace_schema_metadata(meta)
+    if not ids and not places:
+        # sorted (numpy's sort of 64-bit integers: ~2.5x less CPU than a one-byte radix order and its gather), so
+        # each bucket is a slice and in runs by any top bits: its check task sorts a run at a time
+        # (`_repeated_by_file`), told the bits by the pieces' metadata
+        fp = np.sort(fp)
+        cut = np.searchsorted(fp, bucket_starts(n_buckets)[:-1])
+        cut = np.append(cut, fp.size)
+        meta = {RUN_BITS_KEY: str(run_bits(n_buckets)).encode()}
+        return [pa.table({FINGERPRINT: pa.array(fp[cut[b]:cut[b + 1]])}).replace_schema_metadata(meta)
                 for b in range(n_buckets)]
+    # the bucket from the high half: floor(high * n / 2^32), one multiply (a 64-bit modulo a row costs more): ranges
+    # of the fingerprints, the buckets of fingerprints alone above
+    bucket = bucket_of(fp, n_buckets)
     bucket = bucket.astype(np.uint8 if n_buckets <= 256 else np.int64)
     if n_buckets <= 256:
         order, bounds = (runs or _byte_runs)(bucket)
@@ -206,9 +219,6 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     else:
         order = np.argsort(bucket, kind="stable")
         bounds = np.searchsorted(bucket[order], np.arange(n_buckets + 1))
-    if not ids and not places:
-        fp = fp[order]
-        return [pa.table({FINGERPRINT: pa.array(fp[bounds[b]:bounds[b + 1]])}) for b in range(n_buckets)]
     if not ids:
         row = table[ROW]
         row = np.asarray(row.combine_chunks() if isinstance(row, pa.ChunkedArray) else row, dtype=np.int64)
@@ -516,12 +526,14 @@ def _repeated_by_file(pieces) -> dict | None:
     runs = [a.size < 2 or bool(((a[1:] >> shift) >= (a[:-1] >> shift)).all()) for a in fps]
     skip = 0
     if all(runs):  # every piece in runs by the top bits (`response_id_buckets`): one run of every piece at a time
-        n_runs = 1 << bits
-        cut = [np.searchsorted(a, np.arange(n_runs + 1, dtype=np.uint64) << shift) if a.size else
-               np.zeros(n_runs + 1, dtype=np.int64) for a in fps]
+        # the runs the pieces hold only (a bucket's: a range of the fingerprints, `bucket_of`)
+        first = min(int(a[0] >> shift) for a in fps if a.size)
+        last = max(int(a[-1] >> shift) for a in fps if a.size)
+        bounds = np.arange(first, last + 2, dtype=np.uint64) << shift
+        cut = [np.searchsorted(a, bounds) if a.size else np.zeros(bounds.size, dtype=np.int64) for a in fps]
         for a, c in zip(fps, cut):
-            c[-1] = a.size  # (the last bound, 2^bits << (64 - bits), wraps to 0)
-        groups = [[a[c[j]:c[j + 1]] for a, c in zip(fps, cut)] for j in range(n_runs)]
+            c[-1] = a.size  # (the last bound, past the last run: 2^bits << (64 - bits) wraps to 0)
+        groups = [[a[c[j]:c[j + 1]] for a, c in zip(fps, cut)] for j in range(bounds.size - 1)]
         skip = bits  # a run's top bits are equal: its sort key is the 32 bits below them
     else:
         groups = [fps]

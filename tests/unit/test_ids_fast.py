@@ -146,12 +146,13 @@ def test_repeated_fingerprints_with_skipped_bits_is_the_reference(skip):
 
 
 def test_run_bits_and_pieces_without_them():
-    """`run_bits`: 6 bits for up to 4 buckets, fewer as the buckets grow (their runs fit one byte), none past 128.
-    A bucket's pieces say the bits in their metadata; pieces without it (runs by `SUB_BITS`) or not in runs at all
-    are checked whole: the same repeated fingerprints, by file."""
+    """`run_bits`: the bits that tell the buckets apart plus 6 (64 runs a bucket), at most 24. A bucket's pieces
+    (sorted) say the bits in their metadata; pieces without it (runs by `SUB_BITS`) or not in runs at all are
+    checked whole: the same repeated fingerprints, by file."""
     from flows.runtime import sharded_ray
 
-    assert [sharded_ray.run_bits(n) for n in (1, 4, 5, 8, 26, 32, 40, 128, 129, 256)] == [6, 6, 5, 5, 3, 3, 2, 1, 0, 0]
+    assert [sharded_ray.run_bits(n) for n in (1, 2, 4, 5, 8, 26, 32, 40, 2**18, 2**18 + 1, 2**30)] == \
+        [6, 7, 8, 9, 9, 11, 11, 12, 24, 24, 24]
     rng = np.random.default_rng(43)
     files = [rng.integers(0, 2**64 - 1, n, dtype=np.uint64) for n in (3000, 2000, 0)]
     files[1][10] = files[0][3]
@@ -160,10 +161,38 @@ def test_run_bits_and_pieces_without_them():
     want = {0: [int(files[0][3])], 1: [int(files[0][3])]}
     for n_buckets in (1, 4, 40):
         buckets = [sharded_ray.response_id_buckets(t, n_buckets, ids=False, places=False) for t in tables]
-        b = int(((int(files[0][3]) & 0xFFFFFFFF) * n_buckets) >> 32)
+        b = int(sharded_ray.bucket_of(files[0][3:4], n_buckets)[0])
+        assert all(p.schema.metadata[sharded_ray.RUN_BITS_KEY] == str(sharded_ray.run_bits(n_buckets)).encode()
+                   for p in (bs[b] for bs in buckets))
         pieces = [bs[b] for bs in buckets]
         assert sharded_ray.check_response_ids(*pieces) == {"candidates": want}
         bare = [p.replace_schema_metadata(None) for p in pieces]  # the bits unknown: `SUB_BITS`, or checked whole
         assert sharded_ray.check_response_ids(*bare) == {"candidates": want}
         shuffled = [p.take(pa.array(rng.permutation(p.num_rows))) if p.num_rows else p for p in pieces]
         assert sharded_ray.check_response_ids(*shuffled) == {"candidates": want}  # not in runs: checked whole
+
+
+@pytest.mark.parametrize("n_buckets", [1, 2, 3, 4, 7, 26, 40])
+def test_a_sorted_files_buckets_are_its_slices_between_the_bucket_starts(n_buckets):
+    """`bucket_of` is non-decreasing in the fingerprint and `bucket_starts` gives each bucket's least
+    fingerprint, so the buckets of fingerprints alone (`response_id_buckets(..., ids=False, places=False)`: the
+    file's fingerprints sorted, cut at the starts) hold exactly the fingerprints `bucket_of` puts there, at the
+    edges too (0, 2^64 - 1, each start and the fingerprint below it), every one once."""
+    from flows.runtime import sharded_ray
+
+    starts = sharded_ray.bucket_starts(n_buckets)
+    assert starts.size == n_buckets + 1 and starts[0] == 0 and np.all(np.diff(starts.astype(object)) > 0)
+    edges = np.concatenate([starts[1:-1], starts[1:-1] - np.uint64(1)]).astype(np.uint64)
+    rng = np.random.default_rng(n_buckets)
+    fp = np.concatenate([rng.integers(0, 2**64 - 1, 5000, dtype=np.uint64, endpoint=True), edges,
+                         np.array([0, 2**64 - 1], dtype=np.uint64)])
+    table = pa.table({"response_id": pa.array(["r"] * fp.size, pa.string()), sharded_ray.FINGERPRINT: pa.array(fp)})
+    parts = sharded_ray.response_id_buckets(table, n_buckets, ids=False, places=False)
+    assert len(parts) == n_buckets
+    got = [np.asarray(p[sharded_ray.FINGERPRINT].to_numpy()) for p in parts]
+    assert np.array_equal(np.sort(np.concatenate(got)), np.sort(fp))
+    for b, a in enumerate(got):
+        assert np.all(a[1:] >= a[:-1])  # sorted: in runs by any top bits
+        assert np.all(sharded_ray.bucket_of(a, n_buckets) == b)
+        # the obvious definition, in Python integers: floor(high * n / 2^32)
+        assert all(((int(x) >> 32) * n_buckets) >> 32 == b for x in a[:50].tolist() + a[-50:].tolist())
