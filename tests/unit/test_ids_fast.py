@@ -170,6 +170,15 @@ def test_run_bits_and_pieces_without_them():
         assert sharded_ray.check_response_ids(*bare) == {"candidates": want}
         shuffled = [p.take(pa.array(rng.permutation(p.num_rows))) if p.num_rows else p for p in pieces]
         assert sharded_ray.check_response_ids(*shuffled) == {"candidates": want}  # not in runs: checked whole
+        bits = sharded_ray.run_bits(n_buckets)
+        in_runs = []  # in runs by the top bits but not sorted within them: cut by the runs as well
+        for p in pieces:
+            a = np.asarray(p[sharded_ray.FINGERPRINT].to_numpy())
+            order = np.lexsort((rng.permutation(a.size), a >> np.uint64(64 - bits)))
+            in_runs.append(p.take(pa.array(order)))
+        assert any(p.num_rows > 1 and not np.all(np.diff(p[sharded_ray.FINGERPRINT].to_numpy().astype(float)) >= 0)
+                   for p in in_runs)
+        assert sharded_ray.check_response_ids(*in_runs) == {"candidates": want}
 
 
 @pytest.mark.parametrize("n_buckets", [1, 2, 3, 4, 7, 26, 40])
