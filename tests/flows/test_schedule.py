@@ -41,7 +41,10 @@ def test_cje_serve_runs_the_declared_evaluation_on_its_interval(prefect_server, 
                             stderr=subprocess.STDOUT, start_new_session=True)
     completed = []
     try:
-        deadline = time.monotonic() + 240  # a timeout for a loaded machine; a quiet one finishes one run after the first slot
+        # a bound on a hang only (the loop ends at the first completed run): a quiet machine finishes one run after
+        # the first slot (~30 s out); a loaded one that misses it catches a later slot, 60 s apart (600 s: room
+        # for several slots missed, where 240 s left about two)
+        deadline = time.monotonic() + 600
         with get_client(sync_client=True) as client:
             while time.monotonic() < deadline and not completed:
                 assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
