@@ -2,7 +2,8 @@
 
 * `flows.runtime.sharded_ray.response_id_buckets`: the 1-byte keys ordered by Arrow's stable sort and the runs'
   bounds from their counts (not numpy's radix argsort and a search of the sorted keys), the reader's fingerprints
-  read without a copy: the same buckets, bit for bit, in every mode.
+  read without a copy: the same buckets, bit for bit, in every mode (the fingerprints alone, sorted since session 30,
+  take no 1-byte keys: the reference's the same by construction there; `tests/unit/test_ids_fast.py` pins them).
 """
 from __future__ import annotations
 
