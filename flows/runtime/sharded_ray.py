@@ -169,13 +169,13 @@ def bucket_of(fp, n_buckets: int):
 
 
 def bucket_starts(n_buckets: int):
-    """The least fingerprint of each bucket of `bucket_of` and 2^64 - 1 after the last (uint64, n + 1):
-    ``ceil(b 2^32 / n) << 32``; a sorted array's bucket ``b`` is its slice ``searchsorted`` of entries ``b``
-    and ``b + 1`` (the last bucket to the end)."""
+    """The least fingerprint of each bucket of `bucket_of` (uint64, ``n_buckets``): ``ceil(b 2^32 / n) << 32``. A
+    sorted array's bucket ``b`` is its slice from the ``searchsorted`` of entry ``b`` to that of ``b + 1`` (the
+    last bucket to the end)."""
     import numpy as np
 
     n = int(n_buckets)
-    return np.array([(-(-(b << 32) // n)) << 32 for b in range(n)] + [2**64 - 1], dtype=np.uint64)
+    return np.array([(-(-(b << 32) // n)) << 32 for b in range(n)], dtype=np.uint64)
 
 
 def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = True,
@@ -204,7 +204,7 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
         # each bucket is a slice and in runs by any top bits: its check task sorts a run at a time
         # (`_repeated_by_file`), told the bits by the pieces' metadata
         fp = np.sort(fp)
-        cut = np.searchsorted(fp, bucket_starts(n_buckets)[:-1])
+        cut = np.searchsorted(fp, bucket_starts(n_buckets))
         cut = np.append(cut, fp.size)
         meta = {RUN_BITS_KEY: str(run_bits(n_buckets)).encode()}
         return [pa.table({FINGERPRINT: pa.array(fp[cut[b]:cut[b + 1]])}).replace_schema_metadata(meta)

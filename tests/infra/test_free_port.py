@@ -7,19 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flows.runtime import ports as free_port
+from flows.runtime import ports
 
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 
 
 def test_the_printed_ports_are_below_the_ephemeral_range_and_free():
-    low = free_port.ephemeral_start()
+    low = ports.ephemeral_start()
     for _ in range(5):
         # the script as the start scripts run it: the system's python3 without the venv's site-packages (-S)
         port = int(subprocess.run([sys.executable, "-S", str(INFRA / "free_port.py")], capture_output=True,
                                   text=True, check=True, cwd="/").stdout)
-        if low - free_port.LOW >= free_port.MIN_ROOM:
-            assert free_port.LOW <= port < low
+        if low - ports.LOW >= ports.MIN_ROOM:
+            assert ports.LOW <= port < low
         with socket.socket() as s:
             s.bind(("", port))  # nothing holds it
 
@@ -28,9 +28,9 @@ def test_a_bound_port_is_never_picked():
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
-        assert not free_port.bindable(taken)
+        assert not ports.bindable(taken)
         # a draw that always lands on the held port finds nothing: None, not the held port
-        assert free_port.pick(taken, taken + free_port.MIN_ROOM, rng=_Always(taken)) is None
+        assert ports.pick(taken, taken + ports.MIN_ROOM, rng=_Always(taken)) is None
 
 
 class _Always(random.Random):
@@ -45,10 +45,10 @@ class _Always(random.Random):
 def test_no_room_below_the_ephemeral_range_falls_back_to_the_kernels_choice(tmp_path):
     rng_file = tmp_path / "range"
     rng_file.write_text("1024\t65535\n")
-    assert free_port.ephemeral_start(str(rng_file)) == 1024
-    assert free_port.pick(free_port.LOW, 1024) is None
-    assert free_port.ephemeral_start(str(tmp_path / "missing")) == 32768
-    assert 0 < free_port.any_port() < 65536
+    assert ports.ephemeral_start(str(rng_file)) == 1024
+    assert ports.pick(ports.LOW, 1024) is None
+    assert ports.ephemeral_start(str(tmp_path / "missing")) == 32768
+    assert 0 < ports.any_port() < 65536
 
 
 def test_every_start_script_takes_its_ports_from_it():
@@ -64,9 +64,9 @@ def test_cje_and_the_tests_take_their_services_ports_from_it():
     from tests import s3server
     from tests.flows import conftest
 
-    assert prefect_server.free_port is free_port.free_port
-    assert s3server.free_port is free_port.free_port
-    assert conftest.free_port is free_port.free_port
-    low = free_port.ephemeral_start()
-    if low - free_port.LOW >= free_port.MIN_ROOM:
-        assert all(free_port.LOW <= free_port.free_port() < low for _ in range(20))
+    assert prefect_server.free_port is ports.free_port
+    assert s3server.free_port is ports.free_port
+    assert conftest.free_port is ports.free_port
+    low = ports.ephemeral_start()
+    if low - ports.LOW >= ports.MIN_ROOM:
+        assert all(ports.LOW <= ports.free_port() < low for _ in range(20))

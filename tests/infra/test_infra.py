@@ -1063,7 +1063,7 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
         assert set(starts) == {stack, soak, beside, after} and len(ends) == 4, proc.stdout
         t = {e: float(line.split()[0]) for e, line in starts.items()}
         # side by side: each of the three started before any of them ended (one after another, each would start
-        # after the end of one before it; a margin of 2 s against the start's own skew on a loaded machine)
+        # after the end of one before it); the shortest stand-in runs 2 s, the room for the starts' skew under load
         assert max(t[stack], t[soak], t[beside]) < min(ends[stack], ends[soak], ends[beside]), proc.stdout
         first = stack if slow == soak else soak  # the chain that ends first
         assert t[after] >= ends[first] and t[after] < ends[slow], proc.stdout

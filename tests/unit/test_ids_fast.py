@@ -190,8 +190,8 @@ def test_a_sorted_files_buckets_are_its_slices_between_the_bucket_starts(n_bucke
     from flows.runtime import sharded_ray
 
     starts = sharded_ray.bucket_starts(n_buckets)
-    assert starts.size == n_buckets + 1 and starts[0] == 0 and np.all(np.diff(starts.astype(object)) > 0)
-    edges = np.concatenate([starts[1:-1], starts[1:-1] - np.uint64(1)]).astype(np.uint64)
+    assert starts.size == n_buckets and starts[0] == 0 and np.all(np.diff(starts.astype(object)) > 0)
+    edges = np.concatenate([starts[1:], starts[1:] - np.uint64(1)]).astype(np.uint64)
     rng = np.random.default_rng(n_buckets)
     fp = np.concatenate([rng.integers(0, 2**64 - 1, 5000, dtype=np.uint64, endpoint=True), edges,
                          np.array([0, 2**64 - 1], dtype=np.uint64)])
