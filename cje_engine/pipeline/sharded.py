@@ -558,13 +558,34 @@ class _PrefixWords:
         return out.byteswap(inplace=True)
 
 
-def _count_at_most(cut: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """``numpy.searchsorted(cut, key, side="right")`` (``cut`` sorted): for each key, the cuts <= it. Keys in order
-    (a file in prompt-id order): one search a cut among the keys, not one a key among the cuts."""
+def _count_at_most(cut: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(``numpy.searchsorted(cut, key, side="right")``, the keys equal to a cut) (``cut`` sorted): for each key, the
+    cuts <= it, and the positions (increasing) of the keys whose greatest cut <= them is equal to them. Keys in order
+    (a file in prompt-id order): one search a cut among the keys, not one a key among the cuts, and the equal keys a
+    range of them a distinct cut; else a gather of each key's greatest cut from the cuts (`_count_at_most_reference`:
+    the gathers and the comparison of every key with a cut below it)."""
     if key.size > 1 and bool((key[1:] >= key[:-1]).all()):
         first = np.searchsorted(key, cut, side="left")  # key[i] >= cut[k] exactly for i >= first[k]
-        return np.repeat(np.arange(cut.size + 1, dtype=np.int64), np.diff(first, prepend=0, append=key.size))
-    return np.searchsorted(cut, key, side="right")
+        count = np.repeat(np.arange(cut.size + 1, dtype=np.int64), np.diff(first, prepend=0, append=key.size))
+        u = np.unique(cut)
+        a, b = np.searchsorted(key, u, side="left"), np.searchsorted(key, u, side="right")
+        ranges = [np.arange(x, y, dtype=np.int64) for x, y in zip(a.tolist(), b.tolist()) if y > x]
+        return count, np.concatenate(ranges) if ranges else np.empty(0, dtype=np.int64)
+    count = np.searchsorted(cut, key, side="right")
+    below = np.empty(cut.size + 1, dtype=cut.dtype)  # each key's greatest cut <= it (a key below every cut: none)
+    below[1:] = cut
+    below[0] = 0
+    eq = below[count] == key
+    eq &= count > 0
+    return count, np.flatnonzero(eq)
+
+
+def _count_at_most_reference(cut: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`_count_at_most` the obvious way: a binary search a key among the cuts, then the keys whose greatest cut
+    <= them equals them by gathers."""
+    count = np.searchsorted(cut, key, side="right")
+    tied = np.flatnonzero(count > 0)
+    return count, tied[cut[count[tied] - 1] == key[tied]]
 
 
 def _search_words(cut: np.ndarray, key: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -602,9 +623,8 @@ def range_shard(ids: pa.Array | pa.ChunkedArray, splitters: Sequence[str]) -> np
         return range_shard_reference(ids, cuts)
     words, cut_words = _PrefixWords(ids), _PrefixWords(pa.array(cuts, pa.string()))
     w0, c0 = words.word(0), cut_words.word(0)
-    lo = _count_at_most(c0, w0)  # splitters whose first word is <= the id's ...
-    tied = np.flatnonzero(lo > 0)
-    tied = tied[c0[lo[tied] - 1] == w0[tied]]  # ... all below the id but those whose first word is the id's
+    # splitters whose first word is <= the id's: all below the id but those whose first word is the id's (``tied``)
+    lo, tied = _count_at_most(c0, w0)
     if tied.size:
         hi = lo[tied]
         lo1, hi1 = _search_words(cut_words.word(1), words.word(1, tied), np.searchsorted(c0, w0[tied]), hi)
@@ -859,7 +879,8 @@ def unpack_piece(piece: PackedPiece) -> pa.Table:
             cols[name] = pa.array(full)
     if piece.score_values is not None:
         codes = piece.table[SCORE]
-        codes = codes.combine_chunks() if isinstance(codes, pa.ChunkedArray) else codes
+        if isinstance(codes, pa.ChunkedArray):  # one chunk (a piece's): its array (`combine_chunks` copies even one)
+            codes = codes.chunk(0) if codes.num_chunks == 1 else codes.combine_chunks()
         cols[SCORE] = pa.array(piece.score_values[np.asarray(codes.to_numpy())])
     arrays, fields = [], []
     for f in piece.schema:

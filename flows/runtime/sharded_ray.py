@@ -516,7 +516,7 @@ def _repeated_by_file(pieces) -> dict | None:
     import numpy as np
 
     # each piece's fingerprints as they are in the object store (zero-copy), never concatenated
-    fps = [np.asarray(p[FINGERPRINT].combine_chunks().to_numpy(), dtype=np.uint64) if p.num_rows
+    fps = [np.asarray(_one_chunk(p[FINGERPRINT]).to_numpy(), dtype=np.uint64) if p.num_rows
            else np.empty(0, dtype=np.uint64) for p in pieces]
     if sum(a.size for a in fps) < 2:
         return None

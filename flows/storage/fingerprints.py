@@ -20,11 +20,13 @@ _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 def _splitmix(h: np.ndarray) -> np.ndarray:
     """splitmix64's finalizer, in place on a uint64 array (and returned)."""
-    h ^= h >> np.uint64(30)
-    h *= np.uint64(_MIX[0])
-    h ^= h >> np.uint64(27)
-    h *= np.uint64(_MIX[1])
-    h ^= h >> np.uint64(31)
+    tmp = np.empty_like(h)  # the shifts written into one buffer (no new temporary a step)
+    for shift, mul in ((30, _MIX[0]), (27, _MIX[1])):
+        np.right_shift(h, np.uint64(shift), out=tmp)
+        h ^= tmp
+        h *= np.uint64(mul)
+    np.right_shift(h, np.uint64(31), out=tmp)
+    h ^= tmp
     return h
 
 
@@ -65,9 +67,9 @@ def _fixed_fingerprint(fixed) -> np.ndarray:
     h = fixed.word(0)
     h ^= np.uint64((w * _MIX[0]) & 0xFFFFFFFFFFFFFFFF)
     h *= np.uint64(_MIX[1])
-    h ^= fixed.word(w // 2 - 4)  # the middle word: at (start + end) // 2 - 4
+    np.bitwise_xor(h, fixed.word_view(w // 2 - 4), out=h)  # the middle word: at (start + end) // 2 - 4 (read in place)
     h *= np.uint64(_MIX[0])
-    h ^= fixed.word(w - 8)
+    np.bitwise_xor(h, fixed.word_view(w - 8), out=h)
     return _splitmix(h)
 
 

@@ -97,9 +97,21 @@ def test_count_at_most_is_searchsorted(keys_sorted):
     key = rng.integers(0, 60, 4000).astype(np.uint64)
     if keys_sorted:
         key = np.sort(key)
-    got = sharded._count_at_most(cut, key)
+    got, tied = sharded._count_at_most(cut, key)
     assert np.array_equal(got, np.searchsorted(cut, key, side="right"))
-    assert np.array_equal(sharded._count_at_most(cut[:0], key), np.zeros(key.size, dtype=np.int64))
+    ref_count, ref_tied = sharded._count_at_most_reference(cut, key)
+    assert np.array_equal(got, ref_count) and np.array_equal(tied, ref_tied)
+    # the definition: the keys equal to their greatest cut at or below them (keys 0 below every cut too)
+    assert np.array_equal(tied, [i for i, k in enumerate(key.tolist()) if any(c == k for c in cut.tolist())])
+    assert tied.size and tied.size < key.size  # both kinds present
+    count, none = sharded._count_at_most(cut[:0], key)
+    assert np.array_equal(count, np.zeros(key.size, dtype=np.int64)) and none.size == 0
+    with_zero = np.concatenate([[np.uint64(0)], key])  # a key 0 below every cut: not tied to the sentinel
+    if keys_sorted:
+        with_zero = np.sort(with_zero)
+    cut1 = cut[cut > 0]
+    c, t = sharded._count_at_most(cut1, with_zero)
+    assert np.array_equal(t, sharded._count_at_most_reference(cut1, with_zero)[1])
 
 
 def test_the_bit_test_by_bytes_is_the_word_by_word_test():
