@@ -110,7 +110,7 @@ def test_count_at_most_is_searchsorted(keys_sorted):
     if keys_sorted:
         with_zero = np.sort(with_zero)
     cut1 = cut[cut > 0]
-    c, t = sharded._count_at_most(cut1, with_zero)
+    _, t = sharded._count_at_most(cut1, with_zero)
     assert np.array_equal(t, sharded._count_at_most_reference(cut1, with_zero)[1])
 
 
