@@ -50,6 +50,7 @@ import pyarrow.compute as pc
 
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import Cells, make_cells
+from cje_engine.data.columns import one_chunk
 from cje_engine.data.frame import LABEL, LABEL_PROB, POLICY, PROMPT, SCORE, EvalData, fold_of
 from cje_engine.data.ints import unique_ints, unique_inverse
 from cje_engine.data.strings import BYTE_MASKS, byte_words, fixed_width
@@ -836,10 +837,7 @@ def _score_codes_reference(table: pa.Table) -> tuple[np.ndarray, np.ndarray] | N
 def pack_piece(table: pa.Table) -> PackedPiece:
     """A piece of `split_by_shard` (its `ROW` increasing) as it crosses the object store (`PackedPiece`)."""
     drop = [c for c in (LABEL, LABEL_PROB, ROW) if c in table.column_names]
-    col = table[ROW]
-    if isinstance(col, pa.ChunkedArray):  # one chunk (a reader's): its array, not a copy
-        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-    row = np.asarray(col.to_numpy(), dtype=np.int64)
+    row = np.asarray(one_chunk(table[ROW]).to_numpy(), dtype=np.int64)  # a reader's one chunk: no copy
     step = np.diff(row, prepend=row[:1])
     kind = np.uint8 if row.size == 0 else _unsigned(int(step.max())) if int(step.min()) >= 0 else None
     if LABEL in table.column_names:
@@ -878,9 +876,7 @@ def unpack_piece(piece: PackedPiece) -> pa.Table:
             full[lab] = values
             cols[name] = pa.array(full)
     if piece.score_values is not None:
-        codes = piece.table[SCORE]
-        if isinstance(codes, pa.ChunkedArray):  # one chunk (a piece's): its array (`combine_chunks` copies even one)
-            codes = codes.chunk(0) if codes.num_chunks == 1 else codes.combine_chunks()
+        codes = one_chunk(piece.table[SCORE])  # a piece's one chunk: no copy
         cols[SCORE] = pa.array(piece.score_values[np.asarray(codes.to_numpy())])
     arrays, fields = [], []
     for f in piece.schema:
@@ -1535,8 +1531,7 @@ def _piece_cells(pieces: Sequence[PackedPiece], n: int) -> tuple[Any, np.ndarray
     cell = np.empty(n, dtype=np.int64)
     lo = 0
     for p, a in zip(pieces, at):
-        codes = p.table[SCORE]
-        codes = np.asarray(codes.chunk(0) if codes.num_chunks == 1 else codes.combine_chunks())  # one: zero-copy
+        codes = np.asarray(one_chunk(p.table[SCORE]))  # one chunk: zero-copy
         hi = lo + codes.size
         idx = cell[lo:hi]
         idx[...] = codes  # the small codes widened once, in the cells' place: both gathers index by them

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from cje_engine.data.columns import one_chunk
 from cje_engine.data.strings import all_ascii
 from cje_engine.errors import CJEInputError
 from flows.runtime.sharded_ray import id_fingerprint
@@ -229,10 +230,7 @@ class LabelIndex:
         rid, changed = log_response_ids_nfc(logs_table)
         fp = None
         if not changed and FINGERPRINT in logs_table.column_names:
-            col = logs_table.column(FINGERPRINT)
-            if isinstance(col, pa.ChunkedArray):  # one chunk (the reader's): its array, not a copy
-                col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-            fp = np.asarray(col.to_numpy(), dtype=np.uint64)
+            fp = np.asarray(one_chunk(logs_table.column(FINGERPRINT)).to_numpy(), dtype=np.uint64)  # no copy
         if self.fp is None:
             return fill_store_labels(logs_table, self.lookup(rid, fp), self.table)
         rows, at = self.lookup_rows(rid, fp)

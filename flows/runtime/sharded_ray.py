@@ -133,6 +133,7 @@ def sample_picks(footers: Sequence[Any] | None, n_files: int) -> list[tuple[int,
     return picks
 
 
+from cje_engine.data.columns import one_chunk  # noqa: E402
 from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # noqa: E402 - also its callers'
 
 #: Column of a response-id bucket: the id's `id_fingerprint`.
@@ -196,7 +197,7 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
 
     rid = table["response_id"].cast(pa.string())
     if FINGERPRINT in table.column_names:  # computed by the reader before the label join, which used it too
-        fp = np.asarray(_one_chunk(table[FINGERPRINT]).to_numpy(), dtype=np.uint64)
+        fp = np.asarray(one_chunk(table[FINGERPRINT]).to_numpy(), dtype=np.uint64)
     else:
         fp = id_fingerprint(rid)
     if not ids and not places:
@@ -233,16 +234,6 @@ def response_id_buckets_reference(table, n_buckets: int, ids: bool = True, place
     """`response_id_buckets` with its 1-byte keys ordered as it first did (numpy's stable argsort, the bounds by a
     search of the sorted keys: `_byte_runs_reference`): the tests' reference."""
     return response_id_buckets(table, n_buckets, ids, places, runs=_byte_runs_reference)
-
-
-def _one_chunk(col):
-    """A column as one Arrow array: its chunk when it has one (no copy: `pyarrow.ChunkedArray.combine_chunks` copies
-    even one chunk), else its chunks combined."""
-    import pyarrow as pa
-
-    if isinstance(col, pa.ChunkedArray):
-        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-    return col
 
 
 def _byte_runs(key):
@@ -516,7 +507,7 @@ def _repeated_by_file(pieces) -> dict | None:
     import numpy as np
 
     # each piece's fingerprints as they are in the object store (zero-copy), never concatenated
-    fps = [np.asarray(_one_chunk(p[FINGERPRINT]).to_numpy(), dtype=np.uint64) if p.num_rows
+    fps = [np.asarray(one_chunk(p[FINGERPRINT]).to_numpy(), dtype=np.uint64) if p.num_rows
            else np.empty(0, dtype=np.uint64) for p in pieces]
     if sum(a.size for a in fps) < 2:
         return None
