@@ -373,17 +373,17 @@ def stage_groupby(args: argparse.Namespace) -> dict:
         sets["needed"] = [c for c in sets["needed"] if c not in ("oracle_label", "label_probability")]
     # the cold job first: measured as the flow is, from the connection on (this process's CPU and the cluster's),
     # its workers started by its own tasks, as the flow's are (a Ray job's workers are its own)
-    with RayCpu(args.marker) as ray_cpu:
-        t0, c0 = time.perf_counter(), time.process_time()
-        ray.init(address=args.ray, logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": env})
-        remote = ray.remote(_groupby_file)
-        total = merge_groupby(ray.get([remote.remote(args.logs, cfg, k, sets["needed"]) for k in keys]))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        time.sleep(1.0)  # a last sample of the Ray processes, as after the flow
-    sampler = sum(c for n, c in ray_cpu.threads.by_name().items() if n == "ray-cpu-sampler")
-    cold = {"columns": sets["needed"], "wall_s": round(wall, 2), "driver_cpu_s": round(cpu - sampler, 2),
-            "rows": sum(n for _, n in total.values()), "ray_cpu_s": ray_cpu.totals()}
     try:
+        with RayCpu(args.marker) as ray_cpu:
+            t0, c0 = time.perf_counter(), time.process_time()
+            ray.init(address=args.ray, logging_level="ERROR", log_to_driver=False, runtime_env={"env_vars": env})
+            remote = ray.remote(_groupby_file)
+            total = merge_groupby(ray.get([remote.remote(args.logs, cfg, k, sets["needed"]) for k in keys]))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            time.sleep(1.0)  # a last sample of the Ray processes, as after the flow
+        sampler = sum(c for n, c in ray_cpu.threads.by_name().items() if n == "ray-cpu-sampler")
+        cold = {"columns": sets["needed"], "wall_s": round(wall, 2), "driver_cpu_s": round(cpu - sampler, 2),
+                "rows": sum(n for _, n in total.values()), "ray_cpu_s": ray_cpu.totals()}
         cpus = int(ray.cluster_resources().get("CPU", 1))
         w0 = time.perf_counter()
         _warm(cpus)
