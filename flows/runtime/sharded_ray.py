@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from flows.runtime.timeouts import ray_get_timeout
 
@@ -711,6 +711,20 @@ def _affinity(node: str | None) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
 
 
+def item_home(item: Sequence[Any], homes: Mapping[str, str | None]) -> str | None:
+    """The node a task of ``item`` (its arguments) runs on: the one its `ShardPieces` name, or the one the tasks
+    that made its kept fields ran on (``homes``: a reference's hex id -> node, `ray_mapper`; ids, so that the map
+    holds no object alive), when they name one node only; else None (anywhere: Ray's choice). Pass 2 takes pass 1's
+    kept codes of its shard, not its pieces: unpinned, Ray's spillback ran some of its tasks where the codes are not
+    (150 of 980 MB moved at 100M rows on two nodes; RESULTS.md, "Session 32")."""
+    found = {x.node for x in item if isinstance(x, ShardPieces)}
+    if homes:
+        import ray
+
+        found.update(homes[x.hex()] for x in item if isinstance(x, ray.ObjectRef) and x.hex() in homes)
+    return found.pop() if len(found) == 1 else None
+
+
 def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
     """``fn`` on its arguments with every shard rebuilt from its pieces: ``layout`` gives, per argument of
     ``fn``, None (taken as it is) or the number of pieces that follow (concatenated, `_concat`; or, for a ``fn``
@@ -845,9 +859,15 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     # a bucket's task reads its pieces in place (the object store) and holds a run's high halves and their sort (8
     # B an id of the run; of the whole bucket when its pieces are not in runs, and the flags): 20 B an id of the
     # bucket asked (`task_memory` of an eighth of its ids)
-    check = ray.remote(check_response_ids).options(max_retries=max_retries, name="cje_response_ids",
-                                                   memory=task_memory(rows_hint // n_buckets // 8))
-    checks = [check.remote(*[p[b] for p in buckets]) for b in range(n_buckets)]
+    check = ray.remote(check_response_ids)
+    check_opts = {"max_retries": max_retries, "name": "cje_response_ids",
+                  "memory": task_memory(rows_hint // n_buckets // 8)}
+    # with locality, the buckets' checks spread over the nodes as the shards are (`shard_nodes`): each node's
+    # readers' pieces of the other nodes' buckets cross, (nodes - 1) / nodes of the fingerprints, and no more
+    # (unpinned, Ray's spillback moved 600 of 800 MB at 100M rows on two nodes; RESULTS.md, "Session 32")
+    node_of_bucket = shard_nodes(n_buckets, nodes) if node_of_shard is not None else [None] * n_buckets
+    checks = [check.options(**check_opts, **_affinity(node_of_bucket[b])).remote(*[p[b] for p in buckets])
+              for b in range(n_buckets)]
     results = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
     found = [c for c in results if "candidates" not in c]
     candidates = [c["candidates"] for c in results if "candidates" in c]
@@ -887,7 +907,8 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
     ``memory``: bytes each task asks for, or a function of the pass's function name giving them (derived
     from the data by the caller, `task_memory`). A worker lost mid-task is retried ``max_retries`` times.
     A `ShardPieces` among an item's arguments reaches ``fn`` as its shard's table (`_with_pieces`); its task runs on
-    the node that holds the pieces when it says so (`ShardPieces.node`, a soft node affinity).
+    the node that holds the pieces when it says so (`ShardPieces.node`, a soft node affinity), and a task whose
+    arguments hold kept fields of an earlier task of this mapper on the node that task was asked for (`item_home`).
     A function with a ``kept_field`` (`cje_engine.pipeline.sharded.reduce_shard`: pass 1's codes of the shard;
     a name or a tuple of names) returns each such field as another object left in the object store: the driver
     gets the result with the field set to its reference, which a later pass takes as a top-level argument (Ray
@@ -896,6 +917,8 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
     (`cje_engine.pipeline.sharded.ShardedPrepared.replicates`: the refits' view).
     """
     import ray
+
+    homes: dict[str, str | None] = {}  # each kept field's reference (hex id) -> the node its task was asked to run on
 
     def mapper(fn: Callable, items: Sequence[tuple]) -> Iterable[tuple[int, Any]]:
         mem = memory(fn.__name__) if callable(memory) else memory
@@ -907,17 +930,19 @@ def ray_mapper(*, memory: Callable[[str], int] | int = 0, max_retries: int = DEF
         plain, pieced, keeping = ray.remote(fn), ray.remote(_with_pieces), ray.remote(_keeping)
         for item in items:
             layout, args = _flatten(item)
-            homes = {x.node for x in item if isinstance(x, ShardPieces)}
-            where = _affinity(homes.pop()) if len(homes) == 1 else {}  # the node of the shard's pieces
+            node = item_home(item, homes)  # the node of the shard's pieces, or of its kept fields
+            where = _affinity(node)
             if fields:
                 ref, *kept_refs = keeping.options(**opts, num_returns=1 + len(fields), **where).remote(
                     fn, fields, layout, *args)
                 kept[ref] = kept_refs
+                for k in kept_refs:  # a later pass's task on them runs where they are (`item_home`)
+                    homes[k.hex()] = node
                 refs.append(ref)
             elif any(x is not None for x in layout):
                 refs.append(pieced.options(**opts, **where).remote(fn, layout, *args))
             else:
-                refs.append(plain.options(**opts).remote(*item))
+                refs.append(plain.options(**opts, **where).remote(*item))
         index = {r: i for i, r in enumerate(refs)}
         pending = list(refs)
         limit = ray_get_timeout()

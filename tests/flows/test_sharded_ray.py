@@ -414,6 +414,54 @@ def test_a_reader_killed_mid_read_is_retried_with_the_same_pieces(local_ray, pro
     assert_same_result(direct.finalize(direct.prepare(window, opts), []).to_dict(), sp.finalize([]).to_dict())
 
 
+def test_item_home_names_the_node_of_the_pieces_or_of_the_kept_fields(local_ray):
+    """`item_home`: the node a task's `ShardPieces` name, or the node the task that made a kept field of its arguments
+    ran on (by the reference's id); None when none is named or two differ; arrays, lists and other references
+    among the arguments name none."""
+    import ray
+
+    a, b, other = ray.put(1), ray.put(2), ray.put(3)
+    homes = {a.hex(): "node-a", b.hex(): "node-b"}
+    home = sharded_ray.item_home
+    assert home((sharded_ray.ShardPieces([], "node-a"), 3, None), {}) == "node-a"
+    assert home((a, np.arange(3), [1, 2], {"k": 1}, None), homes) == "node-a"
+    assert home((a, sharded_ray.ShardPieces([], "node-a")), homes) == "node-a"
+    assert home((a, b), homes) is None
+    assert home((a, sharded_ray.ShardPieces([], "node-b")), homes) is None
+    assert home((sharded_ray.ShardPieces([], None),), {}) is None
+    assert home((other, np.arange(3)), homes) is None
+    assert home((), homes) is None
+
+
+def test_the_checks_and_every_pass_ask_for_their_data_s_node(local_ray, prompt_blocks, monkeypatch):
+    """With ``locality`` on two nodes (one of them gone, as in the test below): the response-id checks spread over
+    the nodes as the shards (`shard_nodes` of the buckets), pass 1 asks for the node of each shard's pieces and pass
+    2, which takes pass 1's kept codes and not the pieces, for the same node (`item_home`); tasks asked for the gone
+    node run on the other (a soft affinity), and every number is the undisturbed run's."""
+    import ray
+
+    from flows.runtime.ray_fanout import cluster_cpus
+
+    uri, cfg, keys, window = prompt_blocks
+    real = ray.get_runtime_context().get_node_id()
+    gone = "cd" * 28
+    nodes = sorted([(real, 1.0), (gone, 1.0)])
+    monkeypatch.setattr(sharded_ray, "_cluster_nodes", lambda: nodes)
+    asked: list = []
+    affinity = sharded_ray._affinity
+    monkeypatch.setattr(sharded_ray, "_affinity", lambda node: (asked.append(node), affinity(node))[1])
+    refs = sharded_ray.read_shards(uri, cfg, keys, 6, rows_hint=window.num_rows)
+    n_buckets = sharded_ray.response_id_bucket_count(window.num_rows, cluster_cpus())
+    assert asked[len(keys):] == sharded_ray.shard_nodes(n_buckets, nodes)  # the checks, after the readers
+    refs[0].node = refs[3].node = gone  # as if their node was lost after the readers
+    homes = [r.node for r in refs]
+    asked.clear()
+    opts = EvaluationOptions.of(None, seed=4, inference="analytic")
+    sp = sharded.prepare_sharded(refs, opts, mapper=sharded_ray.ray_mapper())
+    assert asked == homes + homes  # pass 1 (the pieces' node), then pass 2 (the node of pass 1's kept codes)
+    assert_same_result(direct.finalize(direct.prepare(window, opts), []).to_dict(), sp.finalize([]).to_dict())
+
+
 def test_locality_pins_readers_and_shards_and_a_lost_node_changes_no_number(local_ray, prompt_blocks, monkeypatch):
     """``locality`` on a cluster of two nodes, one of them gone (an id no node has: the soft affinity runs the
     readers pinned to it on the node that is left, as when a node is lost mid-run): the shards name the node that
