@@ -8,10 +8,15 @@ radosgw, ``RAY_AUTH_*``) with the logs and the label store written by ``bench_sh
   is recorded by the stack's Prefect API) and ``RAY_ADDRESS`` = the cluster's GCS address (``--ray``; this
   process is then the Ray driver itself: the rows' reduction runs on the cluster's workers, whatever the driver
   holds is in this process). Reports the flow's wall, this process's CPU (`time.process_time`) and peak RSS
-  (``ru_maxrss`` and ``VmHWM``: the driver alone), the CPU of the cluster's Ray processes over the run (sampled
-  from /proc every 0.5 s: ``ray::`` workers, and raylet/GCS/agents of the stack's Ray temp folder), the result's
+  (``ru_maxrss`` and ``VmHWM``: the driver alone), the CPU of the stack's processes over the run (sampled
+  from /proc every 0.5 s, every process whose command line names the stack's folder, ``--marker``, or descends
+  from one: the ``ray::`` workers as ``worker``; as ``other`` the raylets, GCS and agents, and the stack's radosgw,
+  ceph, Prefect server and PostgreSQL, per program in ``other_by_program``), the result's
   ``inference.row_pass``, the levels and the driver's garbage collections during the flow (``driver_gc``: per
-  generation their count and the CPU of the thread that ran them, `GcCost`).
+  generation their count and the CPU of the thread that ran them, `GcCost`). With ``--runs N`` the flow runs N
+  times in one Ray job: the first run's figures hold the job's start (its connection, made inside them, and the
+  workers its tasks start), the others' (``warm_runs``) do not: the steady state, beside the comparator's warmed
+  figures.
 * ``groupby``: the comparator on the same cluster: one Ray task per file of the same window reads it
   (`flows.storage.logs.read_window`, radosgw) and sums the judge score per policy, partial sums merged
   (`bench_sharded._groupby_file`). First as a cold job (``cold``), measured as the flow is: this process's CPU
@@ -25,7 +30,8 @@ radosgw, ``RAY_AUTH_*``) with the logs and the label store written by ``bench_sh
 Usage (after ``set -a; . $CJE_STACK_DIR/env; set +a``)::
 
     benchmarks/bench_flow_sharded.py --stage flow --logs s3://big29/logs100 --labels s3://big29/labels100 \\
-        --results s3://big29/results --evaluation big29-100m --ray $CJE_STACK_RAY_GCS --out /tmp/flow100.json
+        --results s3://big29/results --evaluation big29-100m --ray $CJE_STACK_RAY_GCS --out /tmp/flow100.json \\
+        [--runs 3]
     benchmarks/bench_flow_sharded.py --stage groupby --logs s3://big29/logs100 --labels s3://big29/labels100 \
         --ray $CJE_STACK_RAY_GCS
 """
@@ -39,6 +45,7 @@ import resource
 import sys
 import threading
 import time
+from typing import Any
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -53,9 +60,23 @@ GiB = 1024**3
 WINDOW = "2026-03-01..2026-03-07"  # bench_sharded's FIRST_DAY and DAYS
 
 
+def _program(cmd: str) -> str:
+    """A process's program from its command line: the base name of its first word, or of the script a Python runs
+    (``ray::`` titles as they are)."""
+    words = cmd.split()
+    if not words or cmd.startswith("ray::"):
+        return words[0] if words else "?"
+    name = words[0].rsplit("/", 1)[-1]
+    if name.startswith("python") and len(words) > 1:
+        script = next((w for w in words[1:] if not w.startswith("-")), "")
+        return script.rsplit("/", 1)[-1] or name
+    return name
+
+
 class RayCpu:
-    """CPU seconds of the cluster's Ray processes while it runs: every 0.5 s the user + system time of each
-    process whose command line names ``marker`` (raylet, GCS, agents) and of their descendants (``ray::`` workers);
+    """CPU seconds of the stack's processes while it runs: every 0.5 s the user + system time of each process whose
+    command line names ``marker`` (raylet, GCS, agents; radosgw, ceph, PostgreSQL) and of their descendants (``ray::``
+    workers; the Prefect server);
     a process's CPU counts from its first sample (from 0 when it started after this sampler), up to its last."""
 
     def __init__(self, marker: str, interval: float = 0.5) -> None:
@@ -71,7 +92,7 @@ class RayCpu:
         self.timeline: list[tuple[float, dict[str, float]]] = []  # (perf_counter, CPU so far per raylet)
         self.threads = DriverThreads()
         self.own_cpu = 0.0  # this sampler thread's CPU (in the driver process: not the flow's)
-        self.cmd: dict[int, str] = {}  # the last command line seen of each process (60 characters)
+        self.cmd: dict[int, str] = {}  # the last command line seen of each process (200 characters)
         self.new_workers: set[int] = set()  # processes of the cluster started while it ran (a run's workers)
 
     def _scan(self) -> dict[int, tuple[str, float]]:
@@ -105,7 +126,7 @@ class RayCpu:
             if not ours:
                 continue
             self.node[pid] = raylet
-            self.cmd[pid] = cmd[:60].replace(b"\0", b" ").decode(errors="replace")
+            self.cmd[pid] = cmd[:200].replace(b"\0", b" ").decode(errors="replace")
             agent = any(w in cmd for w in (b"Dashboard", b"RuntimeEnv", b"Agent"))
             kind = "worker" if cmd.startswith(b"ray::") and not agent else "other"
             out[pid] = (kind, cpu)
@@ -174,9 +195,16 @@ class RayCpu:
             out[kind] += cpu - self.first.get(pid, 0.0)
             key = str(self.node.get(pid, 0))
             per_node[key] = per_node.get(key, 0.0) + cpu - self.first.get(pid, 0.0)
+        other: dict[str, float] = {}  # the "other" CPU by program (raylet, GCS, agents, radosgw, ceph, postgres)
+        for pid, (kind, cpu) in self.last.items():
+            if kind == "other":
+                name = _program(self.cmd.get(pid, "?"))
+                other[name] = other.get(name, 0.0) + cpu - self.first.get(pid, 0.0)
         return {**{k: round(v, 2) for k, v in out.items()}, "samples": self.samples,
+                "other_by_program": {k: round(v, 2) for k, v in sorted(other.items(), key=lambda kv: -kv[1])
+                                     if v >= 0.01},
                 "workers_started": len(self.new_workers),
-                "started": sorted(([self.cmd.get(p, "?"), round(self.last[p][1] - self.first.get(p, 0.0), 2)]
+                "started": sorted(([self.cmd.get(p, "?")[:60], round(self.last[p][1] - self.first.get(p, 0.0), 2)]
                                    for p in self.new_workers if p in self.last), key=lambda x: -x[1]),
                 "per_raylet": {k: round(v, 2) for k, v in sorted(per_node.items())}}
 
@@ -308,27 +336,70 @@ class GcCost:
 
 
 def stage_flow(args: argparse.Namespace) -> dict:
-    """The evaluate flow in this process (the Ray driver), on the cluster at ``--ray``."""
-    import gc
+    """The evaluate flow in this process (the Ray driver), on the cluster at ``--ray``: one run (``--runs 1``, its
+    own Ray job: connected and disconnected by the flow), or ``--runs N`` runs of the flow in one Ray job (this
+    process connects first, inside the first run's figures; the flow finds Ray connected): the first run as the
+    single one (its job's start: the connection and the workers its tasks start, with their imports), then
+    ``warm_runs``, each on the workers the job has already started (the steady state, as the comparator's warmed
+    figures)."""
+    import contextlib
 
     os.environ["RAY_ADDRESS"] = args.ray
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
     from flows.pipelines.evaluate import evaluate
     from flows.runtime.prefect_server import use_api
+    from flows.runtime.ray_fanout import ray_session
 
     t_import = time.perf_counter() - t0
+    with use_api(os.environ["PREFECT_API_URL"]), contextlib.ExitStack() as job:
+        def connect() -> None:
+            job.enter_context(ray_session(args.ray))
+
+        runs = [_flow_run(evaluate, args, args.evaluation if args.runs == 1 else f"{args.evaluation}-{i}",
+                          connect if args.runs > 1 and i == 0 else None) for i in range(args.runs)]
+    out = {"stage": "flow", "ray": args.ray, "import_s": round(t_import, 2), "code": str(ROOT),
+           "worker_code": _worker_code(args.ray), **runs[0]}
+    if out["worker_code"] != str(ROOT):
+        log.warning("the Ray workers ran the code of %s, not of %s", out["worker_code"], ROOT)
+    if args.runs > 1:
+        out["warm_runs"] = runs[1:]
+    return out
+
+
+def _worker_code(address: str) -> str:
+    """The tree whose ``flows`` a worker of a Ray job of this process imports (a job of its own, after the runs)."""
+    import ray
+
+    from flows.runtime.ray_fanout import ray_session
+
+    def where() -> str:
+        import flows
+
+        return str(Path(flows.__file__).resolve().parents[1])
+
+    with ray_session(address):
+        return ray.get(ray.remote(where).remote())
+
+
+def _flow_run(evaluate: Any, args: argparse.Namespace, evaluation: str, connect: Any = None) -> dict:
+    """One run of the flow, measured: its wall, this process's CPU, the cluster's Ray CPU, per phase too.
+    ``connect``: called first, inside the figures (the job's connection to Ray)."""
+    import gc
+
     options = {"inference": args.inference, "seed": 0}
     if args.inference == "bootstrap":
         options["n_bootstrap"] = args.bootstrap
-    with RayCpu(args.marker) as ray_cpu, use_api(os.environ["PREFECT_API_URL"]):
+    with RayCpu(args.marker) as ray_cpu:
         phases = Phases(ray_cpu.threads)
         logging.getLogger().addHandler(phases)
         t1, c1 = time.perf_counter(), time.process_time()
         phases.start()
         collections = GcCost()
         gc.callbacks.append(collections)
+        if connect is not None:
+            connect()
         state = evaluate(logs_uri=args.logs, labels_uri=args.labels, results_uri=args.results, window=WINDOW,
-                         evaluation=args.evaluation, options=options, row_pass=args.row_pass, return_state=True)
+                         evaluation=evaluation, options=options, row_pass=args.row_pass, return_state=True)
         t2, c2 = time.perf_counter(), time.process_time()
         gc.callbacks.remove(collections)
         wall, cpu = t2 - t1, c2 - c1
@@ -342,9 +413,8 @@ def stage_flow(args: argparse.Namespace) -> dict:
                                        for r in table))
     res = out["result"]
     pols = res.get("policies") or {}
-    return {"stage": "flow", "evaluation": args.evaluation, "ray": args.ray, "flow_wall_s": round(wall, 2),
-            "driver_cpu_s": round(cpu - sampler_cpu, 2), "sampler_cpu_s": sampler_cpu,
-            "import_s": round(t_import, 2), "code": str(ROOT), "phases": table,
+    return {"evaluation": evaluation, "flow_wall_s": round(wall, 2),
+            "driver_cpu_s": round(cpu - sampler_cpu, 2), "sampler_cpu_s": sampler_cpu, "phases": table,
             "driver_threads_cpu_s": ray_cpu.threads.by_name(), "driver_gc": collections.totals(),
             "driver_maxrss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
             "driver_vmhwm_gib": round(_hwm(), 3), "ray_cpu_s": ray_cpu.totals(),
@@ -450,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inference", default="analytic", choices=["analytic", "bootstrap"])
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--row-pass", default="sharded", choices=["auto", "single", "sharded"])
+    p.add_argument("--runs", type=int, default=1,
+                   help="flow stage: runs of the flow in one Ray job (the first connects; the others: warm_runs)")
     p.add_argument("--out", type=Path)
     p.add_argument("--by-prompt", action="store_true",
                    help="groupby stage: also Ray Data's group-by of the prompt id (a shuffle) over the same objects")
@@ -457,6 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.ray:
         p.error("--ray (or CJE_STACK_RAY_GCS) is needed")
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
+    if args.out is not None:
+        args.out = args.out.resolve()
+    # the tree's workers too: a Ray job's workers put the driver's working folder first on their path (measured: a
+    # driver in /work/main running another tree's flow had its workers import /work/main's `flows`)
+    os.chdir(ROOT)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     logging.getLogger("cje_engine.pipeline.sharded").setLevel(logging.DEBUG)  # the driver's RSS per step
     out = (stage_flow if args.stage == "flow" else stage_groupby)(args)

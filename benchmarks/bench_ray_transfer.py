@@ -4,7 +4,7 @@ Run against a stack of ``infra/stack/start.sh`` (two Ray nodes of 1 CPU on one m
 task pinned to the first node returns ``--objects`` arrays of ``--mib`` MiB each; a task pinned to a node then takes
 them all as arguments: on the same node (the comparator: read in place from the object store) or on the other node
 (the raylets push and pull them in chunks). Per case: the CPU seconds of the raylets and the GCS over the second
-task (from /proc, the processes whose command line names the stack's folder, ``--marker``), and its wall;
+task (`bench_flow_sharded.RayCpu`: from /proc, the stack's processes, ``--marker``), and its wall;
 ``--repeat`` times each, alternated. Prints a JSON table; the figure is the raylets' CPU per GiB moved.
 
     set -a; . $CJE_STACK_DIR/env; set +a
@@ -18,25 +18,10 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
-
-def daemon_cpu(marker: str) -> dict[str, float]:
-    """CPU seconds so far of each raylet and GCS process of the stack (by pid)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read()
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                f = fh.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if (b"raylet/raylet" in cmd or b"gcs_server" in cmd) and marker.encode() in cmd:
-            out[entry] = (int(f[11]) + int(f[12])) / tick
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_flow_sharded import RayCpu  # noqa: E402 - this script's folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,12 +64,13 @@ def main(argv: list[str] | None = None) -> int:
                 refs = make.options(**on(nodes[0])).remote()
                 ray.wait(refs, num_returns=len(refs))
                 time.sleep(1.0)
-                before, t0 = daemon_cpu(args.marker), time.perf_counter()
-                nbytes = ray.get(use.options(**on(node)).remote(*refs))
-                wall = time.perf_counter() - t0
-                time.sleep(1.0)  # the raylets' last chunks and frees
-                after = daemon_cpu(args.marker)
-                cpu = sum(after[k] - before.get(k, 0.0) for k in after)
+                with RayCpu(args.marker) as sampled:
+                    t0 = time.perf_counter()
+                    nbytes = ray.get(use.options(**on(node)).remote(*refs))
+                    wall = time.perf_counter() - t0
+                    time.sleep(1.0)  # the raylets' last chunks and frees
+                by_program = sampled.totals()["other_by_program"]
+                cpu = by_program.get("raylet", 0.0) + by_program.get("gcs_server", 0.0)
                 runs[case].append({"gib": round(nbytes / 2**30, 3), "daemon_cpu_s": round(cpu, 2),
                                    "wall_s": round(wall, 2)})
                 del refs
