@@ -716,7 +716,7 @@ def item_home(item: Sequence[Any], homes: Mapping[str, str | None]) -> str | Non
     that made its kept fields ran on (``homes``: a reference's hex id -> node, `ray_mapper`; ids, so that the map
     holds no object alive), when they name one node only; else None (anywhere: Ray's choice). Pass 2 takes pass 1's
     kept codes of its shard, not its pieces: unpinned, Ray's spillback ran some of its tasks where the codes are not
-    (150 of 980 MB moved at 100M rows on two nodes; RESULTS.md, "Session 32")."""
+    (150 of 980 MB moved at 100M rows on two nodes; RESULTS.md, "Session 32: the flow measured warm")."""
     found = {x.node for x in item if isinstance(x, ShardPieces)}
     if homes:
         import ray
@@ -864,7 +864,8 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
                   "memory": task_memory(rows_hint // n_buckets // 8)}
     # with locality, the buckets' checks spread over the nodes as the shards are (`shard_nodes`): each node's
     # readers' pieces of the other nodes' buckets cross, (nodes - 1) / nodes of the fingerprints, and no more
-    # (unpinned, Ray's spillback moved 600 of 800 MB at 100M rows on two nodes; RESULTS.md, "Session 32")
+    # (unpinned, Ray's spillback moved 600 of 800 MB at 100M rows on two nodes; RESULTS.md, "Session 32: the flow
+    # measured warm")
     node_of_bucket = shard_nodes(n_buckets, nodes) if node_of_shard is not None else [None] * n_buckets
     checks = [check.options(**check_opts, **_affinity(node_of_bucket[b])).remote(*[p[b] for p in buckets])
               for b in range(n_buckets)]
