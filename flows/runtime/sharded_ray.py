@@ -262,13 +262,16 @@ def _byte_runs_reference(key):
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
                splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None,
-               n_buckets: int | None = None, shards: Sequence[int] | None = None):
+               n_buckets: int | None = None, shards: Sequence[int] | None = None, groups: Sequence[Any] | None = None):
     """Read one log file on a worker and return its rows per shard (packed for the object store,
     `cje_engine.pipeline.sharded.pack_piece`; the info's ``piece_bytes`` their bytes), its response ids per bucket
     (`response_id_buckets`: their fingerprints alone, 8 B a row) and a small dict about the file
     (``num_returns = len(shards) + n_buckets + 1``; ``n_buckets`` None: ``n_shards``, `response_id_buckets`).
     ``shards``: the shards whose pieces it returns, in order (those of the file's prompt-id range,
-    `cje_engine.pipeline.sharded.file_shards`; None: all ``n_shards``); a row of another shard raises `ValueError`
+    `cje_engine.pipeline.sharded.file_shards`; None: all ``n_shards``); ``groups`` (one a shard of ``shards``):
+    the pieces of one group returned as one object, a `cje_engine.pipeline.sharded.PieceBundle` (in order of the
+    groups' first shard, ``num_returns = len(set(groups)) + n_buckets + 1``; a bundle's pieces in order of their
+    shards: `read_shards` groups them by the node their shards' passes run on); a row of another shard raises `ValueError`
     (`cje_engine.pipeline.sharded.split_by_shard`). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
@@ -285,7 +288,7 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     import pyarrow as pa
 
     from cje_engine.data.frame import POLICY
-    from cje_engine.pipeline.sharded import ROW, RowsOutsideShards, pack_piece, split_by_shard
+    from cje_engine.pipeline.sharded import ROW, RowsOutsideShards, bundle_pieces, pack_piece, split_by_shard
     from flows.storage.logs import read_window
     from flows.storage.objects import Storage, StorageConfig
 
@@ -351,6 +354,10 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     info["piece_bytes"] = sum(p.nbytes for p in pieces)
     info["piece_bytes_of"] = [p.nbytes for p in pieces]  # of each of ``shards``: where the shards' tasks run
     info["node"] = _this_node()
+    if groups is not None:
+        if len(groups) != len(pieces):
+            raise ValueError(f"split_file: {len(groups)} groups for {len(pieces)} pieces")
+        pieces = [bundle_pieces([p for p, g in zip(pieces, groups) if g == k]) for k in dict.fromkeys(groups)]
     return (*pieces, *rids, info)
 
 
@@ -401,8 +408,37 @@ def compact_policy(table):
         size = len(col.dictionary)
     index = pa.int8() if size < 2**7 else pa.int16() if size < 2**15 else pa.int32()
     if col.type.index_type != index:
-        col = col.cast(pa.dictionary(index, pa.string()))
+        col = narrow_dictionary(col, index)
     return table.set_column(table.column_names.index(POLICY), pa.field(POLICY, col.type), col)
+
+
+def narrow_dictionary(col, index):
+    """A dictionary column (values ``string``) with its indices narrowed to the integer type ``index`` (which holds
+    every index: `compact_policy` picked it from the dictionaries' sizes): each chunk's indices converted by numpy
+    and put beside the same dictionary, ~4x less CPU than Arrow's cast of the column (which also unifies nothing
+    here); a chunk with null indices by Arrow's cast (`narrow_dictionary_reference`). The same column."""
+    import numpy as np
+    import pyarrow as pa
+
+    target = pa.dictionary(index, pa.string())
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    out = []
+    for c in chunks:
+        if c.null_count or c.indices.null_count:
+            out.append(c.cast(target))
+            continue
+        idx = np.asarray(c.indices.to_numpy(zero_copy_only=True)).astype(index.to_pandas_dtype())
+        out.append(pa.DictionaryArray.from_arrays(pa.array(idx), c.dictionary, safe=False))
+    if isinstance(col, pa.ChunkedArray):
+        return pa.chunked_array(out, type=target)
+    return out[0]
+
+
+def narrow_dictionary_reference(col, index):
+    """`narrow_dictionary` by Arrow's cast: its reference."""
+    import pyarrow as pa
+
+    return col.cast(pa.dictionary(index, pa.string()))
 
 
 #: Fingerprints a response-id bucket holds at most (`response_id_bucket_count`): 8 B each, its check task's high
@@ -651,6 +687,11 @@ def duplicate_response_id_error(found: dict, keys: Sequence[str], source: str):
                          column="response_id")
 
 
+def _itself(x: Any) -> Any:
+    """``x`` (`read_shards`' ``concat``: the shard's table `_with_pieces` built)."""
+    return x
+
+
 def _concat(*parts):
     """One shard's table from its pieces of every file (in file order: window order; `split_file`'s packed pieces
     unpacked, `cje_engine.pipeline.sharded.unpack_pieces`; plain tables zero-copy)."""
@@ -666,8 +707,14 @@ class ShardPieces:
     resolves them, zero-copy from the object store) and the task concatenates them (`_concat`): the rows are
     put in the object store once, by the readers, never copied into a second, concatenated object."""
 
-    def __init__(self, refs: Sequence[Any], node: str | None = None) -> None:
+    def __init__(self, refs: Sequence[Any], node: str | None = None, at: Sequence[int | None] | None = None) -> None:
         self.refs = tuple(refs)
+        #: Each reference's piece in it: None, the object is the piece; ``j``, piece ``j`` of a
+        #: `cje_engine.pipeline.sharded.PieceBundle` (a reader's pieces of one node's shards, `split_file`'s
+        #: ``groups``: one object a node for its pieces, not one a piece). None: every object is its piece.
+        self.at = tuple(at) if at is not None else (None,) * len(self.refs)
+        if len(self.at) != len(self.refs):
+            raise ValueError(f"ShardPieces: {len(self.at)} places for {len(self.refs)} references")
         #: The Ray node whose object store holds most bytes of its pieces (`read_shards`' ``locality``, `shard_homes`;
         #: None: none named): a task of the shard asks for it (`ray_mapper`, a soft node affinity), so that its pieces
         #: are not copied between nodes.
@@ -727,8 +774,9 @@ def item_home(item: Sequence[Any], homes: Mapping[str, str | None]) -> str | Non
 
 def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
     """``fn`` on its arguments with every shard rebuilt from its pieces: ``layout`` gives, per argument of
-    ``fn``, None (taken as it is) or the number of pieces that follow (concatenated, `_concat`; or, for a ``fn``
-    with a ``from_pieces``, such as `cje_engine.pipeline.sharded.reduce_shard`, handed to it as they are)."""
+    ``fn``, None (taken as it is) or, for the objects that follow, each one's piece (`ShardPieces.at`: None, the
+    object itself; ``j``, piece ``j`` of a bundle), concatenated (`_concat`; or, for a ``fn`` with a
+    ``from_pieces``, such as `cje_engine.pipeline.sharded.reduce_shard`, handed to it as they are)."""
     build = getattr(fn, "from_pieces", None) or _concat
     out, i = [], 0
     for spec in layout:
@@ -736,8 +784,8 @@ def _with_pieces(fn: Callable, layout: tuple, *args: Any) -> Any:
             out.append(args[i])
             i += 1
         else:
-            out.append(build(*args[i:i + spec]))
-            i += spec
+            out.append(build(*[a if j is None else a.piece(j) for a, j in zip(args[i:i + len(spec)], spec)]))
+            i += len(spec)
     return fn(*out)
 
 
@@ -766,7 +814,7 @@ def _flatten(item: Sequence[Any]) -> tuple[tuple, list]:
     layout, args = [], []
     for x in item:
         if isinstance(x, ShardPieces):
-            layout.append(len(x.refs))
+            layout.append(x.at)
             args.extend(x.refs)
         else:
             layout.append(None)
@@ -847,15 +895,28 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
         for i, t in enumerate(touched):
             on = {node_of_shard[s] for s in t}
             reader_node[i] = on.pop() if len(on) == 1 else None
-    returns = [split.options(num_returns=len(touched[i]) + n_buckets + 1, **split_opts,
+    # a reader's pieces in one object a node (`split_file`'s ``groups``: the node of each piece's shard), not one a
+    # piece: a put costs the reader ~0.65 ms of CPU whatever its size, and a task reads its piece of the object
+    group_of = [node_of_shard[s] for s in range(n_shards)] if node_of_shard is not None and not every_piece \
+        else [None] * n_shards
+    groups = [[group_of[s] for s in t] for t in touched] if not every_piece else [None] * len(keys)
+    n_objects = [len(t) if g is None else len(set(g)) for t, g in zip(touched, groups)]
+    returns = [split.options(num_returns=n_objects[i] + n_buckets + 1, **split_opts,
                              **_affinity(reader_node[i])).remote(
         uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep, prepare_arg,
-        n_buckets, touched[i]) for i, k in enumerate(keys)]
-    of_shard: list[list] = [[] for _ in range(n_shards)]  # each shard's pieces, in file order
+        n_buckets, touched[i], groups[i]) for i, k in enumerate(keys)]
+    of_shard: list[list] = [[] for _ in range(n_shards)]  # each shard's pieces (object, its piece), in file order
     for i, refs in enumerate(returns):
-        for s, ref in zip(touched[i], refs):
-            of_shard[s].append(ref)
-    buckets = [refs[len(touched[i]):len(touched[i]) + n_buckets] for i, refs in enumerate(returns)]
+        if groups[i] is None:
+            for s, ref in zip(touched[i], refs):
+                of_shard[s].append((ref, None))
+            continue
+        bundle = {g: b for b, g in enumerate(dict.fromkeys(groups[i]))}
+        place = {g: 0 for g in bundle}
+        for s, g in zip(touched[i], groups[i]):
+            of_shard[s].append((refs[bundle[g]], place[g]))
+            place[g] += 1
+    buckets = [refs[n_objects[i]:n_objects[i] + n_buckets] for i, refs in enumerate(returns)]
     # a bucket's task reads its pieces in place (the object store) and holds a run's high halves and their sort (8
     # B an id of the run; of the whole bucket when its pieces are not in runs, and the flags): 20 B an id of the
     # bucket asked (`task_memory` of an eighth of its ids)
@@ -890,11 +951,12 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
         log.info("locality: %d of %d readers on their shards' node; %d of %d shards homed", sum(
             n is not None for n in reader_node), len(keys), sum(h is not None for h in home), n_shards)
     if concat:
-        join = ray.remote(_concat)
+        join = ray.remote(_with_pieces)  # the shard's table (`_concat`) of its pieces (`ShardPieces.at`)
         opts = {"max_retries": max_retries, "memory": task_memory(2 * rows_hint // n_shards), "name": "cje_shard_concat"}
-        refs = [join.options(**opts, **_affinity(home[s])).remote(*of_shard[s]) for s in range(n_shards)]
+        refs = [join.options(**opts, **_affinity(home[s])).remote(_itself, (tuple(j for _, j in of_shard[s]),),
+                                                                   *[r for r, _ in of_shard[s]]) for s in range(n_shards)]
     else:
-        refs = [ShardPieces(of_shard[s], home[s]) for s in range(n_shards)]
+        refs = [ShardPieces([r for r, _ in of_shard[s]], home[s], [j for _, j in of_shard[s]]) for s in range(n_shards)]
     if not with_info:
         return refs
     return refs, infos

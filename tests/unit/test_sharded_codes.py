@@ -259,9 +259,9 @@ def test_ray_tasks_hand_pass1_the_pieces():
         seen.append(type(shard))
         return shard
 
-    got = sharded_ray._with_pieces(sharded.reduce_shard, (2, None), *pieces, ())
+    got = sharded_ray._with_pieces(sharded.reduce_shard, ((None, None), None), *pieces, ())
     _same_summary(got, sharded.reduce_shard(sharded.unpack_pieces(*pieces)))
-    sharded_ray._with_pieces(probe, (2,), *pieces)
+    sharded_ray._with_pieces(probe, ((None, None),), *pieces)
     assert seen == [pa.Table]
 
 

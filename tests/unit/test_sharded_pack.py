@@ -156,3 +156,84 @@ def test_sharded_pass_on_packed_pieces_gives_the_same_summary():
         for k, v in a.labelled.items():
             assert v.tobytes() == b.labelled[k].tobytes(), k
         assert a.kept.prompt.tobytes() == b.kept.prompt.tobytes() and a.kept.cell.tobytes() == b.kept.cell.tobytes()
+
+
+def _same_bits(a: pa.Table, b: pa.Table) -> None:
+    """Two tables alike column for column: type, chunk lengths and values (floats by their bits: NaN too)."""
+    assert a.schema.equals(b.schema, check_metadata=True)
+    for name in a.column_names:
+        x, y = a[name], b[name]
+        assert x.type == y.type and [len(c) for c in x.chunks] == [len(c) for c in y.chunks], name
+        if pa.types.is_floating(x.type):
+            assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), name
+        else:
+            assert x.to_pylist() == y.to_pylist(), name
+
+
+def test_table_state_ships_only_the_rows_of_a_slice_and_rebuilds_the_table():
+    """A piece is a slice of its file's table: pickled as they are, pyarrow's arrays ship the file's buffers whole;
+    `table_state` ships the slice's own rows (strings with offsets from 0, dictionary codes, numbers), and any
+    other chunk (nulls, booleans) as Arrow does; the table comes back the same, bit for bit."""
+    import pickle
+
+    rng = np.random.default_rng(5)
+    n = 20_000
+    file = pa.table({PROMPT: pa.array([f"p{i:07d}" for i in range(n)]),
+                     "big": pa.array([f"p{i}" for i in range(n)], pa.large_string()),
+                     POLICY: pa.DictionaryArray.from_arrays(pa.array(rng.integers(0, 3, n).astype(np.int8)),
+                                                            pa.array(["a", "b", "c"])),
+                     SCORE: rng.random(n), "code": rng.integers(0, 9, n).astype(np.uint8),
+                     "gaps": pa.array([None if i % 7 == 0 else float(i) for i in range(n)]),
+                     "flag": pa.array(rng.random(n) < 0.5)},
+                    schema=None).replace_schema_metadata({"k": "v"})
+    piece = file.slice(1234, 500)
+    plain = len(pickle.dumps(piece, protocol=5))
+    state = sharded.table_state(piece)
+    bufs: list = []
+    meta = pickle.dumps(state, protocol=5, buffer_callback=bufs.append)
+    shipped = len(meta) + sum(b.raw().nbytes for b in bufs)
+    kinds = {name: [c[0] for c in col.chunks] for name, col in zip(piece.column_names, state[1])}
+    assert kinds == {PROMPT: ["s"], "big": ["s"], POLICY: ["d"], SCORE: ["p"], "code": ["p"], "gaps": ["a"],
+                     "flag": ["a"]}
+    _same_bits(sharded.table_of_state(pickle.loads(meta, buffers=bufs)), piece)
+    no_parents = sharded.table_state(piece.drop_columns(["gaps", "flag"]))
+    small = len(pickle.dumps(no_parents, protocol=5))
+    assert small < 500 * 40 < plain / 10  # the slice's ~33 B a row, not the file's buffers (pyarrow's pickle)
+    assert shipped > small  # the Arrow chunks (nulls, booleans) ship as pyarrow does: their parents
+    chunked = pa.concat_tables([piece, file.slice(0, 0), file.slice(9, 3)])
+    _same_bits(sharded.table_of_state(pickle.loads(pickle.dumps(sharded.table_state(chunked)))), chunked)
+    assert sharded.table_of_state(piece) is piece  # a plain table (an older pickle) as it is
+
+
+def test_a_bundle_gives_each_piece_back_and_the_pass_the_same_summary():
+    """A reader's pieces of one node's shards in one object (`bundle_pieces`): each piece unpickled alone from its
+    views of the bundle's bytes (aligned), unpacked to the same table, and pass 1 on a shard of bundled pieces gives
+    the summary of the plain pieces, bit for bit."""
+    import pickle
+
+    rng = np.random.default_rng(4)
+    n = 3000
+    t = pa.table({PROMPT: [f"q{int(i):04d}" for i in rng.integers(0, 700, n)],
+                  POLICY: rng.choice(["base", "new"], n).tolist(), SCORE: rng.integers(0, 11, n) / 10,
+                  LABEL: np.where(rng.random(n) < 0.1, rng.random(n), np.nan), LABEL_PROB: np.full(n, 0.1)})
+    cuts = sharded.range_splitters([sharded.sample_prompt_ids(t[PROMPT], 40)], 3)
+    files = [t.slice(0, 1000), t.slice(1000, 2000)]
+    plain = [sharded.split_by_shard(sharded_ray.compact_policy(f), 3, row_offset=o, splitters=cuts)
+             for f, o in zip(files, (0, 1000))]
+    packed = [[sharded.pack_piece(p) for p in ps] for ps in plain]
+    bundles = [sharded.bundle_pieces(ps) for ps in packed]
+    bundles = [pickle.loads(pickle.dumps(b, protocol=5)) for b in bundles]  # as through the object store
+    for ps, b in zip(packed, bundles):
+        assert len(b) == len(ps)
+        for j, p in enumerate(ps):
+            assert all(o % sharded.BUNDLE_ALIGN == 0 for o, _ in b.spans[j])
+            _same_bits(sharded.unpack_piece(b.piece(j)), sharded.unpack_piece(p))
+    for s in range(3):
+        a = sharded.reduce_shard(sharded_ray._concat(*[p[s] for p in plain]))
+        layout, args = sharded_ray._flatten((sharded_ray.ShardPieces(bundles, at=[s, s]),))
+        c = sharded_ray._with_pieces(sharded.reduce_shard, layout, *args)
+        for f in ("cell_score", "counts", "n_prompts", "score_sum"):
+            assert getattr(a, f).tobytes() == getattr(c, f).tobytes(), f
+        for k, v in a.labelled.items():
+            assert v.tobytes() == c.labelled[k].tobytes(), k
+        assert a.kept.prompt.tobytes() == c.kept.prompt.tobytes() and a.kept.cell.tobytes() == c.kept.cell.tobytes()

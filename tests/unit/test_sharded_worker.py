@@ -187,8 +187,14 @@ def test_shard_pieces_reach_the_task_as_one_table():
     a = pa.table({"x": [1, 2]})
     b = pa.table({"x": [3]})
     layout, args = sharded_ray._flatten(("k", sharded_ray.ShardPieces([a, b]), 5))
-    assert layout == (None, 2, None)
+    assert layout == (None, (None, None), None)
     assert sharded_ray._with_pieces(lambda k, t, n: (k, t["x"].to_pylist(), n), layout, *args) == ("k", [1, 2, 3], 5)
+    # pieces of bundles (a reader's pieces of one node's shards in one object): each task takes its own of each
+    c = pa.table({"x": [4, 5]})
+    one, two = sharded.bundle_pieces([a, c]), sharded.bundle_pieces([b])
+    layout, args = sharded_ray._flatten((sharded_ray.ShardPieces([one, two, one], at=[1, 0, 0]),))
+    assert layout == ((1, 0, 0),)
+    assert sharded_ray._with_pieces(lambda t: t["x"].to_pylist(), layout, *args) == [4, 5, 3, 1, 2]
 
 
 def test_shards_are_a_multiple_of_the_cpus():
@@ -624,6 +630,23 @@ def test_compact_policy_keeps_every_name_in_one_byte_a_row():
     assert out.schema.field("policy").type.index_type == pa.int16()
     assert out["policy"].cast(pa.string()).to_pylist() == many["policy"].to_pylist()
     assert sharded_ray.compact_policy(pa.table({"x": [1]})).equals(pa.table({"x": [1]}))
+
+
+@pytest.mark.parametrize("index", [pa.int8(), pa.int16()])
+def test_narrow_dictionary_is_arrow_s_cast_of_the_indices(index):
+    """The readers' policy (Parquet's dictionary pages: int32 indices, in chunks, some sliced) narrowed by numpy is
+    Arrow's cast of it, chunk for chunk: values, dictionaries and type; a chunk with a null by the cast itself."""
+    rng = np.random.default_rng(7)
+    d = pa.DictionaryArray.from_arrays(pa.array(rng.integers(0, 5, 1000).astype(np.int32)),
+                                       pa.array(["a", "b", NFC, NFD, "e"]))
+    with_null = pa.array(["a", None, "b"]).dictionary_encode()
+    for col in (d, d.slice(3, 500), pa.chunked_array([d.slice(0, 400), d.slice(400)]),
+                pa.chunked_array([d.slice(10, 20), with_null]), pa.chunked_array([], d.type)):
+        got = sharded_ray.narrow_dictionary(col, index)
+        want = sharded_ray.narrow_dictionary_reference(col, index)
+        assert got.type == want.type == pa.dictionary(index, pa.string())
+        assert got.equals(want)
+        assert got.cast(pa.string()).to_pylist() == col.cast(pa.string()).to_pylist()
 
 
 def test_read_window_returns_the_policy_from_the_dictionary_pages(tmp_path):
