@@ -96,7 +96,8 @@ def run(args: argparse.Namespace, bundled: bool) -> dict:
     for s in range(args.shards):
         if bundled:
             b = list(dict.fromkeys(node_of)).index(node_of[s])
-            shards.append(sharded_ray.ShardPieces([o[b] for o in outs], node_of[s], [at[node_of[s]].index(s)] * len(outs)))
+            j = at[node_of[s]].index(s)
+            shards.append(sharded_ray.ShardPieces([o[b] for o in outs], node_of[s], [j] * len(outs)))
         else:
             shards.append(sharded_ray.ShardPieces([o[s] for o in outs], node_of[s]))
     with RayCpu(args.marker) as cpu_pass:

@@ -271,7 +271,8 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     `cje_engine.pipeline.sharded.file_shards`; None: all ``n_shards``); ``groups`` (one a shard of ``shards``):
     the pieces of one group returned as one object, a `cje_engine.pipeline.sharded.PieceBundle` (in order of the
     groups' first shard, ``num_returns = len(set(groups)) + n_buckets + 1``; a bundle's pieces in order of their
-    shards: `read_shards` groups them by the node their shards' passes run on); a row of another shard raises `ValueError`
+    shards: `read_shards` groups them by the node their shards' passes run on); a row of another shard raises
+    `ValueError`
     (`cje_engine.pipeline.sharded.split_by_shard`). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
@@ -953,8 +954,8 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     if concat:
         join = ray.remote(_with_pieces)  # the shard's table (`_concat`) of its pieces (`ShardPieces.at`)
         opts = {"max_retries": max_retries, "memory": task_memory(2 * rows_hint // n_shards), "name": "cje_shard_concat"}
-        refs = [join.options(**opts, **_affinity(home[s])).remote(_itself, (tuple(j for _, j in of_shard[s]),),
-                                                                   *[r for r, _ in of_shard[s]]) for s in range(n_shards)]
+        refs = [join.options(**opts, **_affinity(home[s])).remote(
+            _itself, (tuple(j for _, j in of_shard[s]),), *[r for r, _ in of_shard[s]]) for s in range(n_shards)]
     else:
         refs = [ShardPieces([r for r, _ in of_shard[s]], home[s], [j for _, j in of_shard[s]]) for s in range(n_shards)]
     if not with_info:
