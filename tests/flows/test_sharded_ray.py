@@ -325,6 +325,11 @@ def test_readers_of_prompt_blocks_return_only_the_pieces_they_touch(local_ray, p
         results[every] = ([len(r.refs) for r in refs], refs)
     every_n, pruned_n = results[True][0], results[False][0]
     assert every_n == [4] * n_shards
+    # the pruned readers return their pieces as one object a file (one node: one bundle), each shard its place in it;
+    # every reader's every piece (the reference) one object a piece
+    assert len({ref for r in results[False][1] for ref in r.refs}) == len(keys)
+    assert all(j is not None for r in results[False][1] for j in r.at)
+    assert all(j is None for r in results[True][1] for j in r.at)
     if n_shards == 5:  # 4 blocks over 5 ranges: each file 2-3 shards (the spread prompt widens the last file's)
         assert sum(pruned_n) < sum(every_n) and all(1 <= n <= 4 for n in pruned_n)
     got = {}
@@ -336,6 +341,15 @@ def test_readers_of_prompt_blocks_return_only_the_pieces_they_touch(local_ray, p
     assert np.array_equal(got[False][0], expected, equal_nan=True)
     assert got[True][1] == got[False][1]
     assert_same_result(direct.finalize(prep, [expected]).to_dict(), got[False][1])
+    if n_shards == 5:  # ``concat``: each shard's table from its places in the bundles, the pieces' rows
+        import ray
+
+        tables = sharded_ray.read_shards(uri, cfg, keys, n_shards, rows_hint=window.num_rows, concat=True)
+        for ref, pieces in zip(tables, results[False][1]):
+            layout, args = sharded_ray._flatten((pieces,))
+            want = sharded_ray._with_pieces(sharded_ray._itself, layout, *ray.get(list(args)))
+            got_t = ray.get(ref)  # (NaN labels: compared as pandas does, NaN equal to NaN)
+            assert got_t.schema == want.schema and got_t.to_pandas().equals(want.to_pandas()) and want.num_rows > 0
 
 
 @pytest.fixture
