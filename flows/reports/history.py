@@ -130,12 +130,18 @@ def read_history(st: Storage, evaluation: str) -> list[dict[str, Any]]:
 
 def evaluations(st: Storage) -> list[str]:
     """Names of evaluations with at least one published run."""
-    names = set()
+    return sorted(published_manifests(st))
+
+
+def published_manifests(st: Storage) -> dict[str, list[tuple[str, int]]]:
+    """Each evaluation with a published run: its runs' manifests as (key, size), in key order, from one listing
+    of the results (what says that an evaluation's runs changed, `flows.reports.trend.write_pages`)."""
+    out: dict[str, list[tuple[str, int]]] = {}
     for info in st.list(f"{RESULTS}/"):
         parts = info.key.split("/")
         if len(parts) == 5 and parts[-1] == "manifest.json":
-            names.add(parts[1])
-    return sorted(names)
+            out.setdefault(parts[1], []).append((info.key, int(info.size)))
+    return {name: sorted(runs) for name, runs in sorted(out.items())}
 
 
 def latest_per_window(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Trend page, results index and run history (pure parts; storage end to end in tests/flows/test_monitoring.py)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -10,7 +11,7 @@ import pytest
 
 from flows.reports.history import (drift_for_report, latest_per_window, linked_drift, previous_run, read_history,
                                    what_changed, window_changes_of)
-from flows.reports.trend import render_index, render_trend, write_pages
+from flows.reports.trend import ENTRY, ENTRY_VERSION, kept_entry, render_index, render_trend, write_pages
 from flows.storage.objects import Storage
 from flows.pipelines.pages import contextual_report, rebuild_pages
 from flows.storage.publish import publish_run
@@ -117,6 +118,89 @@ def test_pages_written_on_publish_and_read_back(tmp_path):
     assert "data-evaluation='ev'" in index and "2025-01-02" in index
     assert trend.count('class="value-marker" data-policy="base"') == 2
     assert write_pages(st)["results/index.html"].endswith("index.html")
+
+
+class _CountedReads:
+    """A storage's ``read_bytes`` counted per evaluation folder (the index's kept entries apart)."""
+
+    def __init__(self, st, monkeypatch):
+        self.reads: dict[str, int] = {}
+        real = st.read_bytes
+
+        def read_bytes(key):
+            parts = key.split("/")
+            if len(parts) > 2 and parts[-1] != ENTRY:
+                self.reads[parts[1]] = self.reads.get(parts[1], 0) + 1
+            return real(key)
+
+        monkeypatch.setattr(st, "read_bytes", read_bytes)
+
+
+def _undated(page: str) -> str:
+    return re.sub(r"generated [0-9: -]+UTC", "generated -", page)
+
+
+def _publish(st, evaluation, day, key, result):
+    publish_run(st, evaluation, f"2025-01-0{day}_2025-01-0{day}", key, {"result.json": json.dumps(result).encode()}, {})
+
+
+def test_a_publish_reads_its_own_history_and_the_others_kept_entries(tmp_path, monkeypatch):
+    """The index after one evaluation's publish takes every other evaluation's kept entry (no read of their runs) and
+    is the index a rebuild of every evaluation gives; an evaluation whose runs changed since its entry was kept (a
+    run published without its pages rebuilt) is computed again."""
+    st = Storage.for_uri(tmp_path)
+    result = json.loads(FIXTURE.read_text())
+    for ev in ("a", "b", "c"):
+        _publish(st, ev, 1, "k1", result)
+        write_pages(st, ev)
+    counted = _CountedReads(st, monkeypatch)
+    _publish(st, "a", 2, "k2", result)
+    counted.reads.clear()
+    write_pages(st, "a")
+    assert set(counted.reads) == {"a"}  # b's and c's runs not read: their kept entries
+    index = _undated((tmp_path / "results" / "index.html").read_text())
+    write_pages(st)  # every evaluation computed again
+    assert index == _undated((tmp_path / "results" / "index.html").read_text())
+    assert "data-evaluation='b'" in index and "data-evaluation='c'" in index and "1 window(s) / 1 run(s)" in index
+    # b's run published without its pages (a flow whose pages step failed): its listing changed, its entry computed
+    _publish(st, "b", 3, "k3", result)
+    counted.reads.clear()
+    write_pages(st, "a")
+    assert set(counted.reads) == {"a", "b"}
+    assert "2 window(s) / 2 run(s)" in (tmp_path / "results" / "index.html").read_text().split("data-evaluation='b'")[1]
+    kept = json.loads((tmp_path / "results" / "b" / ENTRY).read_text())
+    assert json.loads(kept["body"])["entry"]["n_runs"] == 2
+
+
+@pytest.mark.parametrize("damage", ["altered", "not json", "other version"])
+def test_a_kept_entry_is_used_only_with_its_checksum_and_version(tmp_path, monkeypatch, caplog, damage):
+    """A kept entry whose body does not match its SHA-256, that is not JSON or of another format is not used: the
+    evaluation is computed again (a warning names the object where it is damaged) and its entry kept again."""
+    st = Storage.for_uri(tmp_path)
+    result = json.loads(FIXTURE.read_text())
+    for ev in ("a", "b"):
+        _publish(st, ev, 1, "k1", result)
+        write_pages(st, ev)
+    path = tmp_path / "results" / "b" / ENTRY
+    kept = json.loads(path.read_text())
+    if damage == "altered":  # a value changed, the checksum left as it was
+        path.write_text(json.dumps({**kept, "body": kept["body"].replace('"n_runs":1', '"n_runs":7')}))
+    elif damage == "not json":
+        path.write_text("{not json")
+    else:  # a body of another format, with its own correct checksum
+        body = json.loads(kept["body"])
+        text = json.dumps({**body, "version": 0}, sort_keys=True, separators=(",", ":"))
+        path.write_text(json.dumps({"sha256": hashlib.sha256(text.encode()).hexdigest(), "body": text}))
+    assert kept_entry(st, "b", [(f"results/b/2025-01-01_2025-01-01/k1/manifest.json",
+                                 (tmp_path / "results/b/2025-01-01_2025-01-01/k1/manifest.json").stat().st_size)]) is None
+    counted = _CountedReads(st, monkeypatch)
+    with caplog.at_level("WARNING"):
+        write_pages(st, "a")
+    assert "b" in counted.reads  # computed again
+    assert "7 run(s)" not in (tmp_path / "results" / "index.html").read_text()
+    if damage != "other version":
+        assert any(str(path.name) in r.getMessage() and "computed again" in r.getMessage() for r in caplog.records)
+    assert json.loads(json.loads(path.read_text())["body"])["version"] == ENTRY_VERSION  # kept again
 
 
 def test_linked_drift_reads_looks_of_monitors_calibrated_by_the_evaluation(tmp_path):
