@@ -698,7 +698,8 @@ class PackedPiece:
         return int(self.table.nbytes + sum(a.nbytes for a in arrays if a is not None))
 
     def __getstate__(self) -> dict:
-        """Pickled (the object store) with its string columns as numpy buffers (`table_state`)."""
+        """Pickled (the object store, a `PieceBundle`) with its table's columns as numpy views of its own rows
+        (`table_state`)."""
         state = dict(self.__dict__)
         state["table"] = table_state(self.table)
         return state
@@ -784,8 +785,8 @@ BUNDLE_ALIGN = 64
 class PieceBundle:
     """Several pieces of one reader (`bundle_pieces`) in one object: each piece's pickle (protocol 5) with its
     buffers out of band, all of them in one byte array. One object in the store instead of a piece each (a put
-    costs ~0.65 ms of CPU whatever its size: ~15 ms a file of 26 pieces); a task unpickles only the piece it reads
-    (`piece`), its arrays views of the bundle's bytes (zero-copy)."""
+    costs ~0.65 ms of CPU whatever its size: ~25 ms of a reader's CPU a file of 26 pieces, `bench_bundles.py`); a
+    task unpickles only the piece it reads (`piece`), its arrays views of the bundle's bytes (zero-copy)."""
 
     metas: list  # a piece's pickle without its buffers (bytes)
     spans: list  # a piece's buffers: [(offset, bytes), ...] in ``data``
