@@ -325,9 +325,11 @@ def test_readers_of_prompt_blocks_return_only_the_pieces_they_touch(local_ray, p
         results[every] = ([len(r.refs) for r in refs], refs)
     every_n, pruned_n = results[True][0], results[False][0]
     assert every_n == [4] * n_shards
-    # the pruned readers return their pieces as one object a file (one node: one bundle), each shard its place in it;
-    # every reader's every piece (the reference) one object a piece
-    assert len({ref for r in results[False][1] for ref in r.refs}) == len(keys)
+    # the pruned readers return their pieces as one object a node their file's shards run on (one node: one bundle a
+    # file; the session's cluster may have two), each shard its place in it; every reader's every piece (the
+    # reference) one object a piece
+    nodes = max(1, len(sharded_ray._cluster_nodes()))
+    assert len(keys) <= len({ref for r in results[False][1] for ref in r.refs}) <= len(keys) * min(nodes, n_shards)
     assert all(j is not None for r in results[False][1] for j in r.at)
     assert all(j is None for r in results[True][1] for j in r.at)
     if n_shards == 5:  # 4 blocks over 5 ranges: each file 2-3 shards (the spread prompt widens the last file's)
