@@ -53,7 +53,10 @@ def file_pieces(i: int, rows: int, n_shards: int, groups: list | None):
     pieces = [sharded.pack_piece(p) for p in parts]
     if groups is None:
         return tuple(pieces)
-    return tuple(sharded.bundle_pieces([p for p, g in zip(pieces, groups) if g == k]) for k in dict.fromkeys(groups))
+    from flows.runtime.sharded_ray import bundle_places
+
+    n_bundles, places = bundle_places(groups)  # as `split_file` bundles them
+    return tuple(sharded.bundle_pieces([p for p, (b, _) in zip(pieces, places) if b == k]) for k in range(n_bundles))
 
 
 def count_rows(shard) -> int:
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace, bundled: bool) -> dict:
     nodes = sharded_ray._cluster_nodes()
     node_of = sharded_ray.shard_nodes(args.shards, nodes) if len(nodes) > 1 else [None] * args.shards
     groups = node_of if bundled else None
-    n_obj = len(set(node_of)) if bundled else args.shards
+    n_bundles, places = sharded_ray.bundle_places(node_of)
+    n_obj = n_bundles if bundled else args.shards
     reader = ray.remote(file_pieces).options(num_returns=n_obj)
     with RayCpu(args.marker) as cpu_read:
         t0 = time.perf_counter()
@@ -88,15 +92,9 @@ def run(args: argparse.Namespace, bundled: bool) -> dict:
         outs = [o if isinstance(o, list) else [o] for o in outs]
         ray.wait([r for o in outs for r in o], num_returns=sum(len(o) for o in outs), fetch_local=False)
         read_wall = time.perf_counter() - t0
-    at = {}
-    if bundled:
-        for g in dict.fromkeys(node_of):
-            at[g] = [s for s in range(args.shards) if node_of[s] == g]
     shards = []
-    for s in range(args.shards):
+    for s, (b, j) in enumerate(places):  # each shard's piece: its bundle's, or its own object
         if bundled:
-            b = list(dict.fromkeys(node_of)).index(node_of[s])
-            j = at[node_of[s]].index(s)
             shards.append(sharded_ray.ShardPieces([o[b] for o in outs], node_of[s], [j] * len(outs)))
         else:
             shards.append(sharded_ray.ShardPieces([o[s] for o in outs], node_of[s]))

@@ -358,8 +358,26 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     if groups is not None:
         if len(groups) != len(pieces):
             raise ValueError(f"split_file: {len(groups)} groups for {len(pieces)} pieces")
-        pieces = [bundle_pieces([p for p, g in zip(pieces, groups) if g == k]) for k in dict.fromkeys(groups)]
+        n_bundles, places = bundle_places(groups)
+        members: list[list] = [[] for _ in range(n_bundles)]
+        for p, (b, _) in zip(pieces, places):
+            members[b].append(p)
+        pieces = [bundle_pieces(m) for m in members]
     return (*pieces, *rids, info)
+
+
+def bundle_places(groups: Sequence[Any]) -> tuple[int, list[tuple[int, int]]]:
+    """(bundles, each piece's (bundle, place in it)) of pieces of groups ``groups``: a bundle a group, in order of
+    its first piece, holding its pieces in their order: how `split_file` bundles a reader's pieces and how
+    `read_shards` finds each shard's piece in them."""
+    bundle = {g: b for b, g in enumerate(dict.fromkeys(groups))}
+    filled = [0] * len(bundle)
+    places = []
+    for g in groups:
+        b = bundle[g]
+        places.append((b, filled[b]))
+        filled[b] += 1
+    return len(bundle), places
 
 
 def _this_node() -> str | None:
@@ -898,25 +916,19 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
             reader_node[i] = on.pop() if len(on) == 1 else None
     # a reader's pieces in one object a node (`split_file`'s ``groups``: the node of each piece's shard), not one a
     # piece: a put costs the reader ~0.65 ms of CPU whatever its size, and a task reads its piece of the object
-    group_of = [node_of_shard[s] for s in range(n_shards)] if node_of_shard is not None and not every_piece \
-        else [None] * n_shards
-    groups = [[group_of[s] for s in t] for t in touched] if not every_piece else [None] * len(keys)
-    n_objects = [len(t) if g is None else len(set(g)) for t, g in zip(touched, groups)]
+    group_of = node_of_shard or [None] * n_shards  # (no node named: every_piece, or one node)
+    groups = [None if every_piece else [group_of[s] for s in t] for t in touched]
+    layouts = [None if g is None else bundle_places(g) for g in groups]
+    n_objects = [len(t) if lay is None else lay[0] for t, lay in zip(touched, layouts)]
     returns = [split.options(num_returns=n_objects[i] + n_buckets + 1, **split_opts,
                              **_affinity(reader_node[i])).remote(
         uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep, prepare_arg,
         n_buckets, touched[i], groups[i]) for i, k in enumerate(keys)]
     of_shard: list[list] = [[] for _ in range(n_shards)]  # each shard's pieces (object, its piece), in file order
     for i, refs in enumerate(returns):
-        if groups[i] is None:
-            for s, ref in zip(touched[i], refs):
-                of_shard[s].append((ref, None))
-            continue
-        bundle = {g: b for b, g in enumerate(dict.fromkeys(groups[i]))}
-        place = {g: 0 for g in bundle}
-        for s, g in zip(touched[i], groups[i]):
-            of_shard[s].append((refs[bundle[g]], place[g]))
-            place[g] += 1
+        places = [(k, None) for k in range(len(touched[i]))] if layouts[i] is None else layouts[i][1]
+        for s, (b, j) in zip(touched[i], places):
+            of_shard[s].append((refs[b], j))
     buckets = [refs[n_objects[i]:n_objects[i] + n_buckets] for i, refs in enumerate(returns)]
     # a bucket's task reads its pieces in place (the object store) and holds a run's high halves and their sort (8
     # B an id of the run; of the whole bucket when its pieces are not in runs, and the flags): 20 B an id of the

@@ -197,6 +197,14 @@ def test_shard_pieces_reach_the_task_as_one_table():
     assert sharded_ray._with_pieces(lambda t: t["x"].to_pylist(), layout, *args) == [4, 5, 3, 1, 2]
 
 
+def test_bundle_places_keep_each_group_s_pieces_in_order():
+    """A bundle a group, in order of its first piece; each piece's place in its bundle (what `split_file` ships and
+    `read_shards` reads back)."""
+    assert sharded_ray.bundle_places(["b", "a", "b", None, "a"]) == (3, [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1)])
+    assert sharded_ray.bundle_places([None, None]) == (1, [(0, 0), (0, 1)])
+    assert sharded_ray.bundle_places([]) == (0, [])
+
+
 def test_shards_are_a_multiple_of_the_cpus():
     assert sharded_ray.n_shards_for(10_000_000, 2) == 4
     assert sharded_ray.n_shards_for(100_000_000, 2) == 26
