@@ -146,6 +146,9 @@ SUB_BITS = 3
 #: Runs of a bucket (`run_bits`): 2^`RUN_BITS_PER_BUCKET` a bucket.
 RUN_BITS_PER_BUCKET = 6
 RUN_BITS_KEY = b"cje.run_bits"
+#: Metadata of a piece of fingerprints alone whose fingerprints are sorted (`response_id_buckets`): a check task
+#: takes its bucket's slice of it by a search (`check_response_ids`' ``bucket``), not a pass over every id.
+SORTED_KEY = b"cje.sorted"
 
 
 def run_bits(n_buckets: int) -> int:
@@ -179,8 +182,28 @@ def bucket_starts(n_buckets: int):
     return np.array([(-(-(b << 32) // n)) << 32 for b in range(n)], dtype=np.uint64)
 
 
+def bucket_spans(groups: Sequence[Any]) -> tuple[list[tuple[int, int]], list[int]]:
+    """(each group's buckets as ``(first, stop)``, in order; each bucket's group's place in that list) of buckets
+    of groups ``groups`` (one a bucket): how a reader ships its buckets (one object a group: `split_file`) and
+    which object a bucket's check task takes. A group's buckets must be consecutive (so its object is one slice of
+    the file's sorted fingerprints); else `ValueError`."""
+    spans: list[tuple[int, int]] = []
+    place: dict[Any, int] = {}
+    of_bucket = []
+    for b, g in enumerate(groups):
+        if g not in place:
+            place[g] = len(spans)
+            spans.append((b, b + 1))
+        elif spans[place[g]][1] != b:
+            raise ValueError(f"bucket_spans: the buckets of group {g!r} are not consecutive ({list(groups)!r})")
+        else:
+            spans[place[g]] = (spans[place[g]][0], b + 1)
+        of_bucket.append(place[g])
+    return spans, of_bucket
+
+
 def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = True,
-                        runs: Callable | None = None) -> list:
+                        runs: Callable | None = None, groups: Sequence[Any] | None = None) -> list:
     """The ``response_id`` column of a file's rows (with their `id_fingerprint` and window place `ROW`) split into
     ``n_buckets`` by the fingerprint: every copy of an id lands in the same bucket, whatever file or shard it is
     in; no sample of the ids is needed for it. ``ids=False``: the buckets hold the fingerprints and places only
@@ -189,7 +212,9 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     (8 bytes a row: what `split_file` ships; a file's rows are found again by their fingerprints,
     `response_ids_with`), each bucket sorted (so in runs by the fingerprint's top `run_bits` bits, which its
     check task sorts one at a time). The buckets are ranges of the fingerprints (`bucket_of`). ``runs``: how
-    1-byte keys are ordered (`_byte_runs`; the reference's `_byte_runs_reference`)."""
+    1-byte keys are ordered (`_byte_runs`; the reference's `_byte_runs_reference`). ``groups`` (fingerprints
+    alone; one a bucket, each group's buckets consecutive, `bucket_spans`): one table a group, the slice of its
+    buckets (a check task takes its own bucket's part, `check_response_ids`' ``bucket``), not one a bucket."""
     import numpy as np
     import pyarrow as pa
 
@@ -207,9 +232,11 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
         fp = np.sort(fp)
         cut = np.searchsorted(fp, bucket_starts(n_buckets))
         cut = np.append(cut, fp.size)
-        meta = {RUN_BITS_KEY: str(run_bits(n_buckets)).encode()}
-        return [pa.table({FINGERPRINT: pa.array(fp[cut[b]:cut[b + 1]])}).replace_schema_metadata(meta)
-                for b in range(n_buckets)]
+        meta = {RUN_BITS_KEY: str(run_bits(n_buckets)).encode(), SORTED_KEY: b"1"}
+        spans = [(b, b + 1) for b in range(n_buckets)] if groups is None else bucket_spans(groups)[0]
+        return [pa.table({FINGERPRINT: pa.array(fp[cut[a]:cut[z]])}).replace_schema_metadata(meta) for a, z in spans]
+    if groups is not None:
+        raise ValueError("response_id_buckets: groups of buckets are of fingerprints alone (ids=False, places=False)")
     # the bucket from the high half: floor(high * n / 2^32), one multiply (a 64-bit modulo a row costs more): ranges
     # of the fingerprints, the buckets of fingerprints alone above
     bucket = bucket_of(fp, n_buckets)
@@ -262,7 +289,8 @@ def _byte_runs_reference(key):
 def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: int, columns: list[str] | None,
                policies: list[str] | None, mapping: dict | None, prepare_rows: Callable | None = None,
                splitters: list[str] | None = None, keep: Sequence[str] | None = None, prepare_arg: Any = None,
-               n_buckets: int | None = None, shards: Sequence[int] | None = None, groups: Sequence[Any] | None = None):
+               n_buckets: int | None = None, shards: Sequence[int] | None = None, groups: Sequence[Any] | None = None,
+               bucket_groups: Sequence[Any] | None = None):
     """Read one log file on a worker and return its rows per shard (packed for the object store,
     `cje_engine.pipeline.sharded.pack_piece`; the info's ``piece_bytes`` their bytes), its response ids per bucket
     (`response_id_buckets`: their fingerprints alone, 8 B a row) and a small dict about the file
@@ -273,7 +301,9 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     groups' first shard, ``num_returns = len(set(groups)) + n_buckets + 1``; a bundle's pieces in order of their
     shards: `read_shards` groups them by the node their shards' passes run on); a row of another shard raises
     `ValueError`
-    (`cje_engine.pipeline.sharded.split_by_shard`). Each row's window place is ``file_index << 40`` plus its row in the
+    (`cje_engine.pipeline.sharded.split_by_shard`). ``bucket_groups`` (one a bucket, each group's buckets
+    consecutive): the buckets of one group returned as one object (`response_id_buckets`' ``groups``; in order of
+    the groups' first bucket, ``len(set(bucket_groups))`` objects in place of ``n_buckets``). Each row's window place is ``file_index << 40`` plus its row in the
     file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
     by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
@@ -331,10 +361,12 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     start = file_index << ROW_BITS
     table = table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows, dtype=np.int64)))
     if "response_id" in table.column_names:
-        rids = response_id_buckets(table, n_buckets, ids=False, places=False)  # fingerprints only: 8 B a row
+        # fingerprints only: 8 B a row; one object a group of buckets (the checks' node), a put costing ~0.65 ms
+        rids = response_id_buckets(table, n_buckets, ids=False, places=False, groups=bucket_groups)
         table = table.drop_columns([c for c in ("response_id", FINGERPRINT) if c in table.column_names])
     else:
-        rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64())})] * n_buckets
+        n_rids = n_buckets if bucket_groups is None else len(bucket_spans(bucket_groups)[0])
+        rids = [pa.table({FINGERPRINT: pa.array([], pa.uint64())})] * n_rids
         if FINGERPRINT in table.column_names:  # ``prepare_rows`` dropped the ids: their fingerprints go too
             table = table.drop_columns([FINGERPRINT])
     if keep is not None:
@@ -479,7 +511,7 @@ def response_id_bucket_count(n_rows: int, cpus: int) -> int:
 _PACKED_ROWS = 2**32
 
 
-def check_response_ids(*pieces) -> dict | None:
+def check_response_ids(*pieces, bucket: tuple[int, int] | None = None) -> dict | None:
     """One bucket of response ids from every file (`response_id_buckets`): None when they are distinct, else
     the first repeated id (the smallest in code-point order) and the window places of its rows (at most 5).
 
@@ -497,7 +529,10 @@ def check_response_ids(*pieces) -> dict | None:
     the ``i``-th piece is the ``i``-th file's): None when no whole fingerprint repeats, else ``{"candidates":
     {file index: [fingerprints]}}``, the repeated fingerprints of each file that has one; the caller finds every
     row of those files with those fingerprints (`response_ids_with`) and checks their ids as strings here
-    (`resolve_fingerprints`): every copy of a repeated id is among them."""
+    (`resolve_fingerprints`): every copy of a repeated id is among them. ``bucket`` (``(b, n_buckets)``, of such
+    pieces): only their fingerprints of bucket ``b`` (`bucket_of`) are checked, a piece holding several buckets
+    (`response_id_buckets`' ``groups``): a slice by a search where the piece says it is sorted (`SORTED_KEY`), else
+    the fingerprints `bucket_of` puts there."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -506,7 +541,9 @@ def check_response_ids(*pieces) -> dict | None:
     from flows.storage.logs import first_duplicate
 
     if pieces and all(p.column_names == [FINGERPRINT] for p in pieces):
-        return _repeated_by_file(pieces)
+        return _repeated_by_file(pieces, bucket)
+    if bucket is not None:
+        raise ValueError("check_response_ids: a bucket of pieces of fingerprints alone only")
     table = pa.concat_tables([p for p in pieces if p.num_rows] or [pieces[0]])
     n = table.num_rows
     if n < 2:
@@ -556,14 +593,16 @@ def response_ids_at(uri: str, cfg_dict: dict, key: str, positions: Sequence[int]
     return table["response_id"].cast(pa.string()).take(pa.array(np.asarray(positions, dtype=np.int64))).to_pylist()
 
 
-def _repeated_by_file(pieces) -> dict | None:
+def _repeated_by_file(pieces, bucket: tuple[int, int] | None = None) -> dict | None:
     """`check_response_ids` of buckets of fingerprints alone: the repeated fingerprints, by the file (the piece)
-    they are in."""
+    they are in; ``bucket``: of that bucket's fingerprints only."""
     import numpy as np
 
     # each piece's fingerprints as they are in the object store (zero-copy), never concatenated
     fps = [np.asarray(one_chunk(p[FINGERPRINT]).to_numpy(), dtype=np.uint64) if p.num_rows
            else np.empty(0, dtype=np.uint64) for p in pieces]
+    if bucket is not None:
+        fps = [_of_bucket(a, p, *bucket) for a, p in zip(fps, pieces)]
     if sum(a.size for a in fps) < 2:
         return None
     # the bits the readers cut their runs by (`response_id_buckets`' metadata; pieces without it: `SUB_BITS`)
@@ -595,6 +634,22 @@ def _repeated_by_file(pieces) -> dict | None:
     if not found:
         return None
     return {"candidates": {f: sorted(v) for f, v in sorted(found.items())}}
+
+
+def _of_bucket(a, piece, b: int, n_buckets: int):
+    """The fingerprints ``a`` (of ``piece``) of bucket ``b`` of ``n_buckets`` (`bucket_of`): a slice between the
+    bucket's starts where the piece's metadata says they are sorted (`SORTED_KEY`), else those `bucket_of` puts
+    there (in their order)."""
+    import numpy as np
+
+    if not 0 <= b < n_buckets:
+        raise ValueError(f"bucket {b} not in 0..{n_buckets - 1}")
+    if (piece.schema.metadata or {}).get(SORTED_KEY) == b"1":
+        starts = bucket_starts(n_buckets)
+        lo = int(np.searchsorted(a, starts[b]))
+        hi = a.size if b + 1 == n_buckets else int(np.searchsorted(a, starts[b + 1]))
+        return a[lo:hi]
+    return a[bucket_of(a, n_buckets) == np.uint64(b)]
 
 
 def _in_runs(a, shift):
@@ -920,29 +975,32 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     groups = [None if every_piece else [group_of[s] for s in t] for t in touched]
     layouts = [None if g is None else bundle_places(g) for g in groups]
     n_objects = [len(t) if lay is None else lay[0] for t, lay in zip(touched, layouts)]
-    returns = [split.options(num_returns=n_objects[i] + n_buckets + 1, **split_opts,
+    # the response-id buckets' checks spread over the nodes as the shards are (`shard_nodes`): each node's readers'
+    # pieces of the other nodes' buckets cross, (nodes - 1) / nodes of the fingerprints, and no more (unpinned,
+    # Ray's spillback moved 600 of 800 MB at 100M rows on two nodes; RESULTS.md, "Session 32: the flow measured
+    # warm"); a reader returns one object of a node's buckets (`bucket_spans`), not one a bucket
+    node_of_bucket = shard_nodes(n_buckets, nodes) if node_of_shard is not None else [None] * n_buckets
+    bucket_groups = None if every_piece else node_of_bucket
+    n_rids, bucket_object = ((n_buckets, list(range(n_buckets))) if bucket_groups is None else
+                             (len(bucket_spans(bucket_groups)[0]), bucket_spans(bucket_groups)[1]))
+    returns = [split.options(num_returns=n_objects[i] + n_rids + 1, **split_opts,
                              **_affinity(reader_node[i])).remote(
         uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep, prepare_arg,
-        n_buckets, touched[i], groups[i]) for i, k in enumerate(keys)]
+        n_buckets, touched[i], groups[i], bucket_groups) for i, k in enumerate(keys)]
     of_shard: list[list] = [[] for _ in range(n_shards)]  # each shard's pieces (object, its piece), in file order
     for i, refs in enumerate(returns):
         places = [(k, None) for k in range(len(touched[i]))] if layouts[i] is None else layouts[i][1]
         for s, (b, j) in zip(touched[i], places):
             of_shard[s].append((refs[b], j))
-    buckets = [refs[n_objects[i]:n_objects[i] + n_buckets] for i, refs in enumerate(returns)]
+    buckets = [refs[n_objects[i]:n_objects[i] + n_rids] for i, refs in enumerate(returns)]
     # a bucket's task reads its pieces in place (the object store) and holds a run's high halves and their sort (8
     # B an id of the run; of the whole bucket when its pieces are not in runs, and the flags): 20 B an id of the
     # bucket asked (`task_memory` of an eighth of its ids)
     check = ray.remote(check_response_ids)
     check_opts = {"max_retries": max_retries, "name": "cje_response_ids",
                   "memory": task_memory(rows_hint // n_buckets // 8)}
-    # with locality, the buckets' checks spread over the nodes as the shards are (`shard_nodes`): each node's
-    # readers' pieces of the other nodes' buckets cross, (nodes - 1) / nodes of the fingerprints, and no more
-    # (unpinned, Ray's spillback moved 600 of 800 MB at 100M rows on two nodes; RESULTS.md, "Session 32: the flow
-    # measured warm")
-    node_of_bucket = shard_nodes(n_buckets, nodes) if node_of_shard is not None else [None] * n_buckets
-    checks = [check.options(**check_opts, **_affinity(node_of_bucket[b])).remote(*[p[b] for p in buckets])
-              for b in range(n_buckets)]
+    checks = [check.options(**check_opts, **_affinity(node_of_bucket[b])).remote(
+        *[p[bucket_object[b]] for p in buckets], bucket=(b, n_buckets)) for b in range(n_buckets)]
     results = [c for c in ray.get(checks, timeout=ray_get_timeout()) if c is not None]
     found = [c for c in results if "candidates" not in c]
     candidates = [c["candidates"] for c in results if "candidates" in c]

@@ -18,9 +18,14 @@ from cje_engine.data.strings import BYTE_MASKS, byte_words, fixed_width
 _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
-def _splitmix(h: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer, in place on a uint64 array (and returned)."""
-    tmp = np.empty_like(h)  # the shifts written into one buffer (no new temporary a step)
+#: Rows of a block of `_fixed_fingerprint`: its steps run a block at a time, so that their operands stay in the
+#: core's cache (256 KiB a uint64 array) rather than each step streaming every row through memory (~35% less CPU).
+BLOCK_ROWS = 1 << 15
+
+
+def _splitmix(h: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64's finalizer, in place on a uint64 array (and returned); ``tmp``: a scratch array of its size."""
+    tmp = np.empty_like(h) if tmp is None else tmp  # the shifts written into one buffer (no new temporary a step)
     for shift, mul in ((30, _MIX[0]), (27, _MIX[1])):
         np.right_shift(h, np.uint64(shift), out=tmp)
         h ^= tmp
@@ -61,16 +66,23 @@ def id_fingerprint(values) -> np.ndarray:
 
 def _fixed_fingerprint(fixed) -> np.ndarray:
     """`id_fingerprint` of strings all ``fixed.width`` (>= 8) bytes long (`cje_engine.data.strings.FixedWidth`):
-    the same values as `_fingerprint`'s, its three words read as strided copies of the data buffer, not gathered
-    (fixed-width ids: ~5x less CPU)."""
+    the same values as `_fingerprint`'s, its three words read as strided views of the data buffer, not gathered
+    (fixed-width ids: ~5x less CPU), a block of `BLOCK_ROWS` at a time (the same steps)."""
     w = fixed.width
-    h = fixed.word(0)
-    h ^= np.uint64((w * _MIX[0]) & 0xFFFFFFFFFFFFFFFF)
-    h *= np.uint64(_MIX[1])
-    np.bitwise_xor(h, fixed.word_view(w // 2 - 4), out=h)  # the middle word: at (start + end) // 2 - 4 (read in place)
-    h *= np.uint64(_MIX[0])
-    np.bitwise_xor(h, fixed.word_view(w - 8), out=h)
-    return _splitmix(h)
+    first, middle, last = fixed.word_view(0), fixed.word_view(w // 2 - 4), fixed.word_view(w - 8)  # in place
+    length = np.uint64((w * _MIX[0]) & 0xFFFFFFFFFFFFFFFF)
+    out = np.empty(fixed.n, dtype=np.uint64)
+    tmp = np.empty(min(fixed.n, BLOCK_ROWS), dtype=np.uint64)
+    for lo in range(0, fixed.n, BLOCK_ROWS):
+        hi = min(lo + BLOCK_ROWS, fixed.n)
+        h = out[lo:hi]
+        np.bitwise_xor(first[lo:hi], length, out=h)
+        h *= np.uint64(_MIX[1])
+        np.bitwise_xor(h, middle[lo:hi], out=h)  # the middle word: at (start + end) // 2 - 4
+        h *= np.uint64(_MIX[0])
+        np.bitwise_xor(h, last[lo:hi], out=h)
+        _splitmix(h, tmp[:hi - lo])
+    return out
 
 
 def _fingerprint(values) -> np.ndarray:

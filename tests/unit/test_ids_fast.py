@@ -205,3 +205,47 @@ def test_a_sorted_files_buckets_are_its_slices_between_the_bucket_starts(n_bucke
         assert np.all(sharded_ray.bucket_of(a, n_buckets) == b)
         # the obvious definition, in Python integers: floor(high * n / 2^32)
         assert all(((int(x) >> 32) * n_buckets) >> 32 == b for x in a[:50].tolist() + a[-50:].tolist())
+
+
+@pytest.mark.parametrize("groups", [[0, 0, 0, 0], ["a", "a", "b", "b"], ["a", "b", "b", "c"], [0, 1, 2, 3]])
+def test_a_readers_buckets_of_a_node_in_one_object_check_as_one_a_bucket(groups):
+    """A reader ships the buckets of one check node as one object (`response_id_buckets`' ``groups``, a slice of
+    its sorted fingerprints between the groups' first and last buckets' starts, `bucket_spans`), and each bucket's
+    check takes its own part of it (`check_response_ids`' ``bucket``): the same candidates, bucket by bucket, as
+    one object a bucket; a group's part is its buckets' parts joined; the part of a piece not marked sorted is
+    found by `bucket_of` (the same fingerprints); groups whose buckets are not consecutive are refused."""
+    from flows.runtime import sharded_ray
+
+    n_buckets = len(groups)
+    rng = np.random.default_rng(61)
+    files = [rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True) for n in (4000, 2500, 0, 3000)]
+    edges = sharded_ray.bucket_starts(n_buckets)[1:]
+    files[0][:edges.size], files[0][edges.size:2 * edges.size] = edges, edges - np.uint64(1)  # at the bounds
+    files[1][7], files[3][5], files[3][9] = files[0][11], files[0][2], files[0][2]  # repeats across and within
+    tables = [pa.table({"response_id": pa.array(["r"] * f.size, pa.string()),
+                        sharded_ray.FINGERPRINT: pa.array(f, pa.uint64())}) for f in files]
+    spans, of_bucket = sharded_ray.bucket_spans(groups)
+    assert [b for a, z in spans for b in range(a, z)] == list(range(n_buckets))
+    assert all(spans[of_bucket[b]][0] <= b < spans[of_bucket[b]][1] for b in range(n_buckets))
+    plain = [sharded_ray.response_id_buckets(t, n_buckets, ids=False, places=False) for t in tables]
+    grouped = [sharded_ray.response_id_buckets(t, n_buckets, ids=False, places=False, groups=groups) for t in tables]
+    assert all(len(g) == len(spans) for g in grouped)
+    for g, p in zip(grouped, plain):
+        for (a, z), obj in zip(spans, g):
+            assert np.array_equal(obj.column(0).to_numpy(), pa.concat_tables(p[a:z]).column(0).to_numpy())
+    found = []
+    for b in range(n_buckets):
+        want = sharded_ray.check_response_ids(*[p[b] for p in plain])
+        got = sharded_ray.check_response_ids(*[g[of_bucket[b]] for g in grouped], bucket=(b, n_buckets))
+        unsorted = [g[of_bucket[b]].replace_schema_metadata(None) for g in grouped]
+        unsorted = [t.take(pa.array(rng.permutation(t.num_rows))) for t in unsorted]
+        assert got == want == sharded_ray.check_response_ids(*unsorted, bucket=(b, n_buckets))
+        found += [] if got is None else sorted(got["candidates"].items())
+    cands = {}
+    for f, v in found:
+        cands.setdefault(f, set()).update(v)
+    assert cands == {0: {int(files[0][11]), int(files[0][2])}, 1: {int(files[0][11])}, 3: {int(files[0][2])}}
+    with pytest.raises(ValueError, match="not consecutive"):
+        sharded_ray.bucket_spans(["a", "b", "a"])
+    with pytest.raises(ValueError, match="bucket 4 not in"):
+        sharded_ray.check_response_ids(*grouped[0], bucket=(4, 4))

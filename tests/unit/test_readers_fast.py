@@ -44,6 +44,17 @@ def test_fixed_width_fingerprints_are_the_general_paths(width):
     assert np.array_equal(fingerprints.id_fingerprint(pa.array(ids[:50])), one)
 
 
+@pytest.mark.parametrize("block", [1, 7, 1000, 1 << 15])
+def test_fixed_width_fingerprints_by_blocks_are_the_general_paths(monkeypatch, block):
+    """`_fixed_fingerprint` runs its steps a block of `BLOCK_ROWS` at a time: any block size, a last block cut
+    short and a column of one block give the general path's fingerprints, bit for bit."""
+    monkeypatch.setattr(fingerprints, "BLOCK_ROWS", block)
+    rng = np.random.default_rng(block)
+    ids = _fixed_ids(rng, 2003, 20)
+    arr = pa.array(["y" * 20] + ids, pa.string()).slice(1)  # an offset into the buffers
+    assert np.array_equal(fingerprints.id_fingerprint(arr), fingerprints._fingerprint(arr))
+
+
 def test_fixed_width_is_none_unless_every_string_has_the_same_length_of_8_bytes_or_more():
     assert fixed_width(pa.array(["abcdefgh", "abcdefghi"])) is None
     assert fixed_width(pa.array(["abcdefg", "hijklmn"])) is None  # 7 bytes: the general path's masks
