@@ -303,9 +303,10 @@ def split_file(uri: str, cfg_dict: dict, key: str, file_index: int, n_shards: in
     `ValueError`
     (`cje_engine.pipeline.sharded.split_by_shard`). ``bucket_groups`` (one a bucket, each group's buckets
     consecutive): the buckets of one group returned as one object (`response_id_buckets`' ``groups``; in order of
-    the groups' first bucket, ``len(set(bucket_groups))`` objects in place of ``n_buckets``). Each row's window place is ``file_index << 40`` plus its row in the
-    file (file order, then row order). ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None:
-    by hash); the response ids are bucketed by their fingerprint (`response_id_buckets`).
+    the groups' first bucket, ``len(set(bucket_groups))`` objects in place of ``n_buckets`` in ``num_returns``).
+    Each row's window place is ``file_index << 40`` plus its row in the file (file order, then row order).
+    ``splitters``: the shards' prompt-id ranges (`split_by_shard`; None: by hash); the response ids are bucketed by
+    their fingerprint (`response_id_buckets`).
     ``prepare_rows(table, key)``: what the caller does to a file's rows before they are split (the
     evaluate flow: join the label store's labels, derive covariates, check columns) and returns
     ``(table, info)``; ``prepare_arg`` (not None): its third argument (`read_shards` hands it as a top-level
@@ -981,8 +982,9 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     # warm"); a reader returns one object of a node's buckets (`bucket_spans`), not one a bucket
     node_of_bucket = shard_nodes(n_buckets, nodes) if node_of_shard is not None else [None] * n_buckets
     bucket_groups = None if every_piece else node_of_bucket
-    n_rids, bucket_object = ((n_buckets, list(range(n_buckets))) if bucket_groups is None else
-                             (len(bucket_spans(bucket_groups)[0]), bucket_spans(bucket_groups)[1]))
+    spans, bucket_object = (([(b, b + 1) for b in range(n_buckets)], list(range(n_buckets))) if bucket_groups is None
+                            else bucket_spans(bucket_groups))
+    n_rids = len(spans)
     returns = [split.options(num_returns=n_objects[i] + n_rids + 1, **split_opts,
                              **_affinity(reader_node[i])).remote(
         uri, cfg_dict, k, i, n_shards, columns, policies, mapping, prepare_rows, splitters, keep, prepare_arg,

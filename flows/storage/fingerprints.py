@@ -19,7 +19,8 @@ _MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
 
 
 #: Rows of a block of `_fixed_fingerprint`: its steps run a block at a time, so that their operands stay in the
-#: core's cache (256 KiB a uint64 array) rather than each step streaming every row through memory (~35% less CPU).
+#: core's cache (256 KiB a uint64 array) rather than each step streaming every row through memory (~40% less CPU:
+#: 4.6 against 8.1 ms a 1M-row file of 20-byte ids).
 BLOCK_ROWS = 1 << 15
 
 
