@@ -208,13 +208,27 @@ def test_a_worker_killed_mid_pass_is_retried_without_changing_a_number(local_ray
     assert np.array_equal(got, expected, equal_nan=True)
 
 
+@pytest.mark.parametrize("nodes", ["cluster", "two_nodes_four_buckets"])
 @pytest.mark.parametrize("where", ["one_file_one_shard", "two_days_two_shards"])
-def test_a_repeated_response_id_is_refused_on_the_sharded_path(local_ray, direct_storage, bucket, s3_server, where):
+def test_a_repeated_response_id_is_refused_on_the_sharded_path(local_ray, direct_storage, bucket, s3_server, where,
+                                                               nodes, monkeypatch):
     """The single path refuses a window whose ``response_id`` repeats (exit 2, naming it); so does the sharded
     path, whose rows never meet: the readers bucket the ids by hash and the workers check each bucket. A copy
-    in the same file (same prompt: the same shard) and a copy on another day (another prompt, another shard)."""
+    in the same file (same prompt: the same shard) and a copy on another day (another prompt, another shard).
+    Each reader returns one object of the buckets of a node (`split_file`'s ``bucket_groups``): on the session's
+    cluster, and on two nodes (one of them gone: its tasks run on the other) with four buckets, two an object."""
+    import ray
+
     from flows.cli.exits import EXIT_BAD_INPUT
     from flows.cli.main import exit_code_of
+
+    if nodes == "two_nodes_four_buckets":
+        real = ray.get_runtime_context().get_node_id()
+        monkeypatch.setattr(sharded_ray, "_cluster_nodes", lambda: sorted([(real, 1.0), ("ef" * 28, 1.0)]))
+        monkeypatch.setattr(sharded_ray, "response_id_bucket_count", lambda n_rows, cpus: 4)
+        # the readers' buckets: two objects of two buckets each
+        assert sharded_ray.bucket_spans(sharded_ray.shard_nodes(4, sharded_ray._cluster_nodes())) == (
+            [(0, 2), (2, 4)], [0, 0, 1, 1])
 
     frame = simulate(400, seed=3, oracle_fraction=0.05).frame.copy()
     pol_code = frame["policy"].astype("category").cat.codes.to_numpy()
