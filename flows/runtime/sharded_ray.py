@@ -184,21 +184,19 @@ def bucket_starts(n_buckets: int):
 
 def bucket_spans(groups: Sequence[Any]) -> tuple[list[tuple[int, int]], list[int]]:
     """(each group's buckets as ``(first, stop)``, in order; each bucket's group's place in that list) of buckets
-    of groups ``groups`` (one a bucket): how a reader ships its buckets (one object a group: `split_file`) and
-    which object a bucket's check task takes. A group's buckets must be consecutive (so its object is one slice of
-    the file's sorted fingerprints); else `ValueError`."""
+    of groups ``groups`` (one a bucket): `bundle_places`' bundles, whose buckets must be consecutive (so a reader's
+    object of a group is one slice of its sorted fingerprints, `split_file`; else `ValueError`), and which object a
+    bucket's check task takes."""
+    _, places = bundle_places(groups)
+    of_bucket = [g for g, _ in places]
     spans: list[tuple[int, int]] = []
-    place: dict[Any, int] = {}
-    of_bucket = []
-    for b, g in enumerate(groups):
-        if g not in place:
-            place[g] = len(spans)
+    for b, g in enumerate(of_bucket):
+        if g == len(spans):  # a group's first bucket (`bundle_places` numbers them in that order)
             spans.append((b, b + 1))
-        elif spans[place[g]][1] != b:
-            raise ValueError(f"bucket_spans: the buckets of group {g!r} are not consecutive ({list(groups)!r})")
+        elif g == len(spans) - 1:
+            spans[g] = (spans[g][0], b + 1)
         else:
-            spans[place[g]] = (spans[place[g]][0], b + 1)
-        of_bucket.append(place[g])
+            raise ValueError(f"bucket_spans: the buckets of group {groups[b]!r} are not consecutive ({list(groups)!r})")
     return spans, of_bucket
 
 
@@ -981,9 +979,8 @@ def read_shards(uri: str, cfg_dict: dict, keys: Sequence[str], n_shards: int, *,
     # Ray's spillback moved 600 of 800 MB at 100M rows on two nodes; RESULTS.md, "Session 32: the flow measured
     # warm"); a reader returns one object of a node's buckets (`bucket_spans`), not one a bucket
     node_of_bucket = shard_nodes(n_buckets, nodes) if node_of_shard is not None else [None] * n_buckets
-    bucket_groups = None if every_piece else node_of_bucket
-    spans, bucket_object = (([(b, b + 1) for b in range(n_buckets)], list(range(n_buckets))) if bucket_groups is None
-                            else bucket_spans(bucket_groups))
+    bucket_groups = list(range(n_buckets)) if every_piece else node_of_bucket  # (every_piece: one object a bucket)
+    spans, bucket_object = bucket_spans(bucket_groups)
     n_rids = len(spans)
     returns = [split.options(num_returns=n_objects[i] + n_rids + 1, **split_opts,
                              **_affinity(reader_node[i])).remote(
