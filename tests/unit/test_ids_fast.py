@@ -249,3 +249,5 @@ def test_a_readers_buckets_of_a_node_in_one_object_check_as_one_a_bucket(groups)
         sharded_ray.bucket_spans(["a", "b", "a"])
     with pytest.raises(ValueError, match="bucket 4 not in"):
         sharded_ray.check_response_ids(*grouped[0], bucket=(4, 4))
+    with pytest.raises(ValueError, match="fingerprints alone"):  # buckets with ids or places are one a bucket
+        sharded_ray.response_id_buckets(tables[0], n_buckets, ids=False, groups=groups)
