@@ -82,7 +82,7 @@ if missing; then
         radosgw ceph-mon ceph-osd ceph-common curl >/dev/null \
         || die "apt-get install radosgw ceph-mon ceph-osd ceph-common failed"
 fi
-exec 9>&- 2>/dev/null || true
+exec 9>&-  # the apt lock, if this script took it (closing a closed descriptor is no error)
 
 # Where the Ceph plugins (erasure code, compressors, crypto) and OSD object classes were unpacked.
 LIBCEPH=""

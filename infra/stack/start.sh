@@ -137,7 +137,7 @@ if [[ -z "$(pg_bin)" ]]; then
     $SUDO apt-get update -qq >/dev/null || die "apt-get update failed"
     $SUDO apt-get install -y -qq postgresql >/dev/null || die "apt-get install postgresql failed"
 fi
-exec 8>&- 2>/dev/null || true
+exec 8>&-  # the apt lock, if this script took it (closing a closed descriptor is no error)
 PGBIN="$(pg_bin)"
 PG_PORT=$(free_port)
 PGDATA="$DIR/pg/data"

@@ -70,3 +70,46 @@ def test_cje_and_the_tests_take_their_services_ports_from_it():
     low = ports.ephemeral_start()
     if low - ports.LOW >= ports.MIN_ROOM:
         assert all(ports.LOW <= ports.free_port() < low for _ in range(20))
+
+
+def test_a_leased_port_is_not_drawn_again_until_its_lease_ends(tmp_path):
+    now = 1_000_000 * ports.LEASE_S + 5.0
+    assert ports.lease(25000, tmp_path, now)
+    assert not ports.lease(25000, tmp_path, now + 1)  # the same window
+    assert not ports.lease(25000, tmp_path, now + ports.LEASE_S)  # the next: the previous window's lease holds
+    assert ports.lease(25001, tmp_path, now + ports.LEASE_S)
+    later = now + 2 * ports.LEASE_S
+    assert ports.lease(25000, tmp_path, later)  # two windows on: free again, and the old leases removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"25000.{int(later // ports.LEASE_S)}",
+                                                         f"25001.{int((now + ports.LEASE_S) // ports.LEASE_S)}"]
+    # a draw that always lands on a leased port finds nothing
+    ports.lease(26000, tmp_path)
+    assert ports.pick(26000, 26000 + ports.MIN_ROOM, free=lambda p: True, rng=_Always(26000), leases=tmp_path) is None
+
+
+def test_a_folder_that_cannot_be_written_leases_nothing(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert ports.lease(25000, blocker / "leases")
+    assert ports.lease(25000, blocker / "leases")
+
+
+_DRAWS = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from flows.runtime import ports
+print(" ".join(str(ports.pick(24000, 25000, free=lambda p: True, leases=Path(sys.argv[2]))) for _ in range(50)))
+"""
+
+
+def test_draws_at_once_from_several_processes_never_share_a_port(tmp_path):
+    """Eight processes drawing 50 ports each from 1,000 at once (two stacks' starts and the tests' servers do):
+    400 distinct ports (without the leases ~400^2 / 2,000 = 80 pairs would share one)."""
+    repo = str(INFRA.parent)
+    procs = [subprocess.Popen([sys.executable, "-c", _DRAWS, repo, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    drawn = [int(p) for proc in procs for p in proc.communicate(timeout=120)[0].split()]
+    assert all(proc.returncode == 0 for proc in procs)
+    assert len(drawn) == 400 and len(set(drawn)) == 400
+    assert all(24000 <= p < 25000 for p in drawn)

@@ -775,6 +775,31 @@ def test_stack_scripts_are_valid_bash_and_executable():
         assert os.access(path, os.X_OK), f"{path} is not executable"
 
 
+def _bare_exec_redirections(text: str) -> list[str]:
+    """The lines of a shell script whose ``exec`` has redirections and no command (they apply to the
+    rest of the script) and send its standard error away."""
+    out = []
+    for line in text.splitlines():
+        words = re.split(r"\|\||&&|;|\|", line.split("#")[0])[0].split()
+        if words[:1] != ["exec"] or len(words) < 2:
+            continue
+        if all(re.fullmatch(r"\d*(?:[<>]+&?\S*|&>\S*)", w) for w in words[1:]) and any(
+                re.fullmatch(r"(?:2>|&>)\S*", w) and w not in ("2>&1",) for w in words[1:]):
+            out.append(line.strip())
+    return out
+
+
+def test_start_scripts_keep_their_standard_error():
+    """`exec 8>&- 2>/dev/null` closes the descriptor and silences the rest of the script: a failed stack start
+    then printed nothing of why (CI, 7 December). No script of infra/ or .ci/ does that."""
+    assert _bare_exec_redirections("exec 8>&- 2>/dev/null || true\n") == ["exec 8>&- 2>/dev/null || true"]
+    assert _bare_exec_redirections("exec 8>&-\nexec \"$BIN/ray\" start 2>/dev/null\nexec 2>&1\n") == []
+    scripts = sorted(INFRA.rglob("*.sh")) + sorted(p for p in (REPO / ".ci").iterdir() if p.is_file())
+    assert len(scripts) >= 6
+    bad = {str(p.relative_to(REPO)): found for p in scripts if (found := _bare_exec_redirections(p.read_text()))}
+    assert bad == {}
+
+
 def _script_commands(text: str, program: str) -> list[list[str]]:
     """The ``"$BIN/<program>" ...`` command lines of a script (continuations joined, variables
     and command substitutions replaced by a placeholder)."""
@@ -932,6 +957,35 @@ def test_ci_a_service_that_does_not_start_fails_the_run_after_the_stats_checks_r
     assert max(branch.index("tier_wait default"), branch.index("tier_wait stats")) < branch.index("exit 1")
 
 
+def test_ci_starts_a_stack_that_failed_once_more_and_fails_on_the_second_failure(tmp_path):
+    """`start_stacks` (.ci/run's own functions, run with a stand-in start script): a stack whose start fails is
+    started once more, saying so; both stacks' starts are awaited; a second failure of either fails it."""
+    text = (CI / "run").read_text()
+    funcs = "".join(re.search(rf"^{name}\(\) \{{.*?^\}}\n", text, flags=re.M | re.S).group(0)
+                    for name in ("start_stack", "start_stacks"))
+    fake = tmp_path / "infra" / "stack" / "start.sh"
+    fake.parent.mkdir(parents=True)
+    # fails the first FAILS starts of each stack (CJE_STACK_DIR names the stack), counting in its folder
+    fake.write_text('n=$(( $(cat "$CJE_STACK_DIR/n" 2>/dev/null || echo 0) + 1 )); echo $n > "$CJE_STACK_DIR/n"\n'
+                    '(( n > FAILS_${CJE_STACK_DIR##*/} ))\n')
+    script = ("set -euo pipefail\nfault_stack() { CJE_STACK_DIR=$FAULT_DIR \"$@\"; }\n" + funcs
+              + 'start_stacks && echo "rc 0" || echo "rc $?"\n')
+    for one, two, rc, again in ((0, 0, 0, 0), (1, 0, 0, 1), (0, 1, 0, 1), (1, 1, 0, 2), (2, 0, 1, 1), (0, 2, 1, 1)):
+        for d in ("one", "two"):
+            (tmp_path / d).mkdir(exist_ok=True)
+            (tmp_path / d / "n").unlink(missing_ok=True)
+        env = dict(os.environ, CJE_STACK_DIR=str(tmp_path / "one"), FAULT_DIR=str(tmp_path / "two"),
+                   FAILS_one=str(one), FAILS_two=str(two))
+        proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30)
+        assert f"rc {rc}" in proc.stdout, (one, two, proc.stdout, proc.stderr)
+        assert proc.stdout.count("starting it once more") == again, (one, two, proc.stdout)
+        assert [int((tmp_path / d / "n").read_text()) for d in ("one", "two")] == [min(one + 1, 2), min(two + 1, 2)]
+    assert "fault_stack; its log lines above" in subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+        env=dict(os.environ, CJE_STACK_DIR=str(tmp_path / "one"), FAULT_DIR=str(tmp_path / "two"), FAILS_one="0",
+                 FAILS_two="9")).stdout
+
+
 def test_ci_runs_the_statistical_checks_beside_the_default_tier_and_reports_them_as_a_tier():
     """Rule 6 (test time): the `stats` checks (CPU alone, no service) run in a pytest process of their own at the
     lowest priority (nice 19: they take only CPU the tiers leave idle; at nice 0 they slowed the default tier, whose
@@ -1035,7 +1089,7 @@ def test_ci_service_tier_runs_the_stack_tests_alone_and_the_rest_beside_them(tmp
     assert [line for line in text.splitlines() if line.startswith("tier services ")] == [
         'tier services env CJE_BESIDE_AFTER="${TIER_LOG[default]}.end" CJE_BESIDE_AFTER_PID="${TIER_PID[default]}" '
         'bash .ci/services']
-    assert "CJE_FAULT_STACK_ENV=" in text and "fault_stack bash infra/stack/start.sh" in text
+    assert "CJE_FAULT_STACK_ENV=" in text and "start_stack fault_stack &" in text
     script = (CI / "services").read_text()
     stack, soak, beside, after = ("stack and not soak and not after_soak", "soak", "integration or lifecycle",
                                   "after_soak")
