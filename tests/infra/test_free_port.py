@@ -80,7 +80,7 @@ def test_a_leased_port_is_not_drawn_again_until_its_lease_ends(tmp_path):
     assert ports.lease(25001, tmp_path, now + ports.LEASE_S)
     later = now + 2 * ports.LEASE_S
     assert ports.lease(25000, tmp_path, later)  # two windows on: free again, and the old leases removed
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"25000.{int(later // ports.LEASE_S)}",
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [f"25000.{int(later // ports.LEASE_S)}",
                                                          f"25001.{int((now + ports.LEASE_S) // ports.LEASE_S)}"]
     # a draw that always lands on a leased port finds nothing
     ports.lease(26000, tmp_path)
@@ -107,8 +107,8 @@ def test_draws_at_once_from_several_processes_never_share_a_port(tmp_path):
     """Eight processes drawing 50 ports each from 1,000 at once (two stacks' starts and the tests' servers do):
     400 distinct ports (without the leases ~400^2 / 2,000 = 80 pairs would share one)."""
     repo = str(INFRA.parent)
-    procs = [subprocess.Popen([sys.executable, "-c", _DRAWS, repo, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-             for _ in range(8)]
+    procs = [subprocess.Popen([sys.executable, "-c", _DRAWS, repo, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True) for _ in range(8)]
     drawn = [int(p) for proc in procs for p in proc.communicate(timeout=120)[0].split()]
     assert all(proc.returncode == 0 for proc in procs)
     assert len(drawn) == 400 and len(set(drawn)) == 400
