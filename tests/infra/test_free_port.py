@@ -80,8 +80,8 @@ def test_a_leased_port_is_not_drawn_again_until_its_lease_ends(tmp_path):
     assert ports.lease(25001, tmp_path, now + ports.LEASE_S)
     later = now + 2 * ports.LEASE_S
     assert ports.lease(25000, tmp_path, later)  # two windows on: free again, and the old leases removed
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [f"25000.{int(later // ports.LEASE_S)}",
-                                                         f"25001.{int((now + ports.LEASE_S) // ports.LEASE_S)}"]
+    leases = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert leases == [f"25000.{int(later // ports.LEASE_S)}", f"25001.{int((now + ports.LEASE_S) // ports.LEASE_S)}"]
     # a draw that always lands on a leased port finds nothing
     ports.lease(26000, tmp_path)
     assert ports.pick(26000, 26000 + ports.MIN_ROOM, free=lambda p: True, rng=_Always(26000), leases=tmp_path) is None
