@@ -22,7 +22,7 @@ import numpy as np
 from cje_engine.calibration import registry
 from cje_engine.calibration.calibrators import TWO_STAGE_MAX_KNOTS, Cells, clip_to, interp_flat, make_cells
 from cje_engine.data.frame import EvalData
-from cje_engine.data.ints import small_unique_inverse
+from cje_engine.data.ints import at_rows, small_unique_inverse
 from cje_engine.errors import CJEInputError
 
 #: Rows per chunk of the row passes that would otherwise allocate several row-sized temporaries.
@@ -71,7 +71,7 @@ class Design:
     @property
     def cal_fold(self) -> np.ndarray:
         """Cross-fitting fold of each calibration row."""
-        return self.data.fold[self.cal_rows]
+        return at_rows(self.data.fold, self.cal_rows)
 
 
 def row_cells(data: EvalData, mode: str) -> tuple:
@@ -88,14 +88,17 @@ def row_cells(data: EvalData, mode: str) -> tuple:
     return cells, row_cell, row_key, counts
 
 
-def _cell_index(data: EvalData, mode: str, cal: np.ndarray, rows: tuple | None = None) -> CellIndex:
+def _cell_index(data: EvalData, mode: str, cal: np.ndarray, rows: tuple | None = None,
+                folds: np.ndarray | None = None) -> CellIndex:
+    """The design's `CellIndex`; ``folds``: the calibration rows' folds when the caller has them."""
     cells, row_cell, row_key, counts = rows if rows is not None else row_cells(data, mode)
     # the cells' codes are a small table: counted, not sorted (`numpy.unique`'s arrays)
-    cal_global, cal_cell = small_unique_inverse(row_cell[cal], cells.size)
+    cal_global, cal_cell = small_unique_inverse(at_rows(row_cell, cal), cells.size)
     cal_cells = Cells(cells.score[cal_global], cells.X[cal_global],
                       *np.unique(cells.score[cal_global], return_inverse=True))
-    cal_key = data.fold[cal] * cal_global.size + cal_cell
-    return CellIndex(cells, row_cell, row_key, cal_cells, cal_global, cal_cell.astype(np.int64), cal_key, counts)
+    cal_key = (at_rows(data.fold, cal) if folds is None else folds) * cal_global.size + cal_cell
+    return CellIndex(cells, row_cell, row_key, cal_cells, cal_global, cal_cell.astype(np.int64, copy=False), cal_key,
+                     counts)
 
 
 def design_from_parts(data: EvalData, mode: str, cal_rows: np.ndarray, lab_rows: np.ndarray, rows: tuple,
@@ -132,8 +135,8 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
             + ("" if calibration_policies is None else f" in calibration policies {list(calibration_policies)}"),
             column="oracle_label",
         )
-    folds = data.fold[cal]
-    y, s = data.label[cal], data.score[cal]
+    folds = at_rows(data.fold, cal)  # read only: the data's own arrays where every row calibrates
+    y, s = at_rows(data.label, cal), at_rows(data.score, cal)
     spread = [_spread_without(folds, y, data.n_folds), _spread_without(folds, s, data.n_folds)]
     for k in range(data.n_folds):
         if spread[0][k] and spread[1][k]:
@@ -150,7 +153,7 @@ def make_design(data: EvalData, mode: str, calibration_policies: tuple[str, ...]
     if short is not None:
         raise CJEInputError(short, column="oracle_label", option="calibration_mode")
     n_knots = entry.n_knots(cal.size, data.X.shape[1])
-    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal, rows),
+    return Design(data=data, mode=mode, cal_rows=cal, lab_rows=lab, cells=_cell_index(data, mode, cal, rows, folds),
                   n_knots=n_knots)
 
 
@@ -236,7 +239,7 @@ def calibration_plan(design: Design) -> CalibrationPlan:
         order = np.argsort(folds, kind="stable") if batched else None  # batched: out of fold in fold order
         plan = CalibrationPlan(
             mode=design.mode, n_folds=K, label_scale=d.label_scale, cells=ci.cells, cal_cells=ci.cal_cells,
-            cal_global=ci.cal_global, cal_cell=ci.cal_cell, y=d.label[design.cal_rows],
+            cal_global=ci.cal_global, cal_cell=ci.cal_cell, y=at_rows(d.label, design.cal_rows),
             cal_key=ci.cal_key,
             order=order, fold_bounds=tuple(zip((ends - size).tolist(), ends.tolist())),
             z_index=(folds[order] + 1) * Gc + ci.cal_cell[order] if batched else None,

@@ -640,15 +640,19 @@ def test_pass_2_fast_path_is_its_reference(table, monkeypatch, kw):
 
 
 def test_the_driver_tails_fast_paths_are_their_references():
-    """`calibration.labelled_prompt_index` (a mark a prompt and their running count) is `unique_inverse`'s index
-    (values and dtype), prompts few or many; `audit.residual_deciles` (rows put in bin order once) returns the
-    reference's bins, every float bit for bit (the same slices summed alike), ties and one-value scores included."""
+    """`calibration.labelled_prompt_index` (a bit a prompt and a running count a 64-bit word) is `unique_inverse`'s
+    index (values and dtype), prompts few or many, at the words' bounds and over several blocks of rows;
+    `audit.residual_deciles` (rows put in bin order once) returns the reference's bins, every float bit for bit (the same slices summed alike), ties and one-value scores included."""
     from cje_engine.audit import residual_deciles
     from cje_engine.pipeline.calibration import labelled_prompt_index
 
     rng = np.random.default_rng(41)
-    for rows, n_prompts in ((0, 10), (1, 1), (50, 40), (5000, 20_000), (5000, 10**6), (100_000, 30_000)):
+    for rows, n_prompts in ((0, 10), (1, 1), (50, 40), (5000, 20_000), (5000, 10**6), (100_000, 30_000),
+                            (140_000, 64 * 9000 + 7), (70_000, 64)):
         p = rng.integers(0, n_prompts, rows)
+        if rows > 10:  # the words' bounds (bits 0 and 63, the last word's partial bits) and the rows' blocks
+            p[:6] = [0, min(63, n_prompts - 1), min(64, n_prompts - 1), n_prompts - 1, n_prompts - 1, 0]
+            p[-3:] = n_prompts - 1
         n, inv = labelled_prompt_index(p, n_prompts)
         n_ref, inv_ref = labelled_prompt_index(p, n_prompts, reference=True)
         assert n == n_ref == np.unique(p).size and inv.dtype == inv_ref.dtype and np.array_equal(inv, inv_ref)
@@ -657,3 +661,34 @@ def test_the_driver_tails_fast_paths_are_their_references():
         resid, w = rng.standard_normal(n), rng.random(n)
         assert residual_deciles(score, resid, w) == residual_deciles(score, resid, w, reference=True)
         assert residual_deciles(score, resid, w, n_bins=3) == residual_deciles(score, resid, w, n_bins=3, reference=True)
+
+
+def test_a_design_whose_rows_all_calibrate_reads_the_datas_arrays_and_equals_the_gathers():
+    """The sharded driver's data holds its labelled rows only: in the first round of robust pooling every row
+    calibrates, and the design reads the data's own label, score and fold arrays (`at_rows`: no 5M-row copies)
+    instead of gathering them. The cell index and the calibration plan are the gathers' array for array (values and
+    dtypes); with a subset of the policies calibrating, they are gathers (not the data's arrays)."""
+    from cje_engine.data.frame import EvalData
+    from cje_engine.data.ints import at_rows, small_unique_inverse
+    from cje_engine.direct.estimators import calibration_plan, make_design, row_cells
+
+    a = np.arange(10.0)
+    assert at_rows(a, np.arange(10)) is a and at_rows(a, np.arange(0)).size == 0
+    assert np.array_equal(at_rows(a, np.array([1, 4, 9])), [1.0, 4.0, 9.0])
+    assert at_rows(a, np.array([0, 2, 9])) is not a and at_rows(a[:0], np.arange(0)).size == 0
+    frame = simulate(1500, seed=7, oracle_fraction=0.2).frame
+    data = EvalData.from_frame(frame[frame["oracle_label"].notna()].reset_index(drop=True))
+    assert data.labelled.all()
+    for sources in (None, tuple(data.policies[:2])):
+        design = make_design(data, "monotone", sources)
+        cal, ci = design.cal_rows, design.cells
+        plan = calibration_plan(design)
+        cells, row_cell, _, _ = row_cells(data, "monotone")
+        glob, cell = small_unique_inverse(row_cell[cal].copy(), cells.size)
+        for got, want in ((ci.cal_global, glob), (ci.cal_cell, cell.astype(np.int64)),
+                          (ci.cal_key, data.fold[cal] * glob.size + cell), (plan.y, data.label[cal]),
+                          (design.cal_fold, data.fold[cal])):
+            assert got.dtype == want.dtype and np.array_equal(got, want)
+        every = sources is None
+        assert every == (cal.size == data.n_rows)
+        assert (plan.y is data.label) == every and (design.cal_fold is data.fold) == every
