@@ -66,11 +66,11 @@ def lease_dir() -> Path:
 
 
 def lease(port: int, folder: Path | None = None, now: float | None = None) -> bool:
-    """Lease ``port`` for ``LEASE_S`` seconds: False if a lease of it from the last ``LEASE_S`` seconds exists.
+    """Lease ``port`` for at least ``LEASE_S`` seconds: False if another draw holds it leased.
 
     A lease is the file ``<port>.<window>`` (windows of ``LEASE_S`` seconds since the epoch), created exclusively:
     of two draws of one port in one window one gets it; a draw also skips the port if the previous window's file
-    exists. Files of older windows (any port's) are removed by the first lease of each window. A folder that
+    exists (a lease holds to the end of the window after its own: ``LEASE_S`` to twice that). Files of older windows (any port's) are removed by the first lease of each window. A folder that
     cannot be written leases nothing (True).
     """
     folder = lease_dir() if folder is None else folder
