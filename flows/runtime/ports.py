@@ -70,8 +70,9 @@ def lease(port: int, folder: Path | None = None, now: float | None = None) -> bo
 
     A lease is the file ``<port>.<window>`` (windows of ``LEASE_S`` seconds since the epoch), created exclusively:
     of two draws of one port in one window one gets it; a draw also skips the port if the previous window's file
-    exists (a lease holds to the end of the window after its own: ``LEASE_S`` to twice that). Files of older windows (any port's) are removed by the first lease of each window. A folder that
-    cannot be written leases nothing (True).
+    exists (a lease holds to the end of the window after its own: ``LEASE_S`` to twice that). Files of older
+    windows (any port's) are removed by the first lease of each window. A folder that cannot be written leases
+    nothing (True).
     """
     folder = lease_dir() if folder is None else folder
     window = int((time.time() if now is None else now) // LEASE_S)

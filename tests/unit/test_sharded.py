@@ -642,7 +642,8 @@ def test_pass_2_fast_path_is_its_reference(table, monkeypatch, kw):
 def test_the_driver_tails_fast_paths_are_their_references():
     """`calibration.labelled_prompt_index` (a bit a prompt and a running count a 64-bit word) is `unique_inverse`'s
     index (values and dtype), prompts few or many, at the words' bounds and over several blocks of rows;
-    `audit.residual_deciles` (rows put in bin order once) returns the reference's bins, every float bit for bit (the same slices summed alike), ties and one-value scores included."""
+    `audit.residual_deciles` (rows put in bin order once) returns the reference's bins, every float bit for bit
+    (the same slices summed alike), ties and one-value scores included."""
     from cje_engine.audit import residual_deciles
     from cje_engine.pipeline.calibration import labelled_prompt_index
 
