@@ -138,17 +138,18 @@ from flows.storage.fingerprints import id_fingerprint, repeated_fingerprints  # 
 
 #: Column of a response-id bucket: the id's `id_fingerprint`.
 FINGERPRINT = "_fp"
-#: A bucket of fingerprints alone is shipped sorted (`response_id_buckets`), so in runs by any number of the
-#: fingerprint's top bits, which its check task sorts one at a time: a sort of ~0.4M ids stays ~25% cheaper an id
+#: A bucket of fingerprints alone is shipped in runs by the fingerprint's top `run_bits` bits (`bucket_runs`,
+#: `response_id_buckets`), which its check task sorts one at a time: a sort of ~0.4M ids stays ~25% cheaper an id
 #: than one of 25M (the cache), and a run's repeated halves are few. The bits a bucket's pieces are in runs by are in
 #: their schema metadata (`RUN_BITS_KEY`, `run_bits`); pieces without it are cut by `SUB_BITS`.
 SUB_BITS = 3
 #: Runs of a bucket (`run_bits`): 2^`RUN_BITS_PER_BUCKET` a bucket.
 RUN_BITS_PER_BUCKET = 6
 RUN_BITS_KEY = b"cje.run_bits"
-#: Metadata of a piece of fingerprints alone whose fingerprints are sorted (`response_id_buckets`): a check task
-#: takes its bucket's slice of it by a search (`check_response_ids`' ``bucket``), not a pass over every id.
-SORTED_KEY = b"cje.sorted"
+#: Metadata of a piece of fingerprints alone in order of their buckets, then of their runs (`bucket_runs`; a sorted
+#: piece is too): a check task takes its bucket's slice of it by a search (`check_response_ids`' ``bucket``), not a
+#: pass over every id.
+BUCKET_RUNS_KEY = b"cje.bucket_runs"
 
 
 def run_bits(n_buckets: int) -> int:
@@ -182,6 +183,27 @@ def bucket_starts(n_buckets: int):
     return np.array([(-(-(b << 32) // n)) << 32 for b in range(n)], dtype=np.uint64)
 
 
+def bucket_runs(fp, n_buckets: int):
+    """The fingerprints ``fp`` (uint64) in order of their bucket (`bucket_of`), then of their run (their top
+    `run_bits` bits), in their order within a run: what a check task needs of a reader's piece (a bucket a slice
+    between `bucket_starts` by a search, each run a slice, `_repeated_by_file`) without a sort of every bit. The key
+    (bucket, run) in 16 bits (up to 32 buckets) is ordered by numpy's stable sort of 16-bit keys, a radix sort:
+    8.3 ms of CPU for 1M fingerprints in 4 buckets (11.9 ms in 6) against 50.9 ms by ``numpy.sort`` on this
+    service's machines (AMD EPYC, where numpy's sort is not vectorised; `benchmarks/bench_sorts.py`). More
+    buckets: sorted. The top bits never decrease along the result (a bucket is a range of the fingerprints), so
+    any of its runs is one slice too."""
+    import numpy as np
+
+    n = int(n_buckets)
+    bits = run_bits(n)
+    if n < 1 or ((n - 1) << bits) >> 16:  # the key would not fit in 16 bits
+        return np.sort(fp)
+    key = np.right_shift(fp, np.uint64(64 - bits))  # the run
+    if n & (n - 1):  # buckets not ranges of the run bits (a bucket's bounds inside a run): the bucket first
+        key |= bucket_of(fp, n) << np.uint64(bits)
+    return fp[np.argsort(key.astype(np.uint16), kind="stable")]
+
+
 def bucket_spans(groups: Sequence[Any]) -> tuple[list[tuple[int, int]], list[int]]:
     """(each group's buckets as ``(first, stop)``, in order; each bucket's group's place in that list) of buckets
     of groups ``groups`` (one a bucket): `bundle_places`' bundles, whose buckets must be consecutive (so a reader's
@@ -208,11 +230,12 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     (16 bytes a row, no string; `check_response_ids` then names the rows whose fingerprint repeats and
     `read_shards` fetches only their ids, `response_ids_at`); ``ids=False, places=False``: the fingerprints alone
     (8 bytes a row: what `split_file` ships; a file's rows are found again by their fingerprints,
-    `response_ids_with`), each bucket sorted (so in runs by the fingerprint's top `run_bits` bits, which its
-    check task sorts one at a time). The buckets are ranges of the fingerprints (`bucket_of`). ``runs``: how
-    1-byte keys are ordered (`_byte_runs`; the reference's `_byte_runs_reference`). ``groups`` (fingerprints
-    alone; one a bucket, each group's buckets consecutive, `bucket_spans`): one table a group, the slice of its
-    buckets (a check task takes its own bucket's part, `check_response_ids`' ``bucket``), not one a bucket."""
+    `response_ids_with`), in order of their bucket and their run, the fingerprint's top `run_bits` bits
+    (`bucket_runs`), which its check task sorts one at a time. The buckets are ranges of the fingerprints
+    (`bucket_of`). ``runs``: how 1-byte keys are ordered (`_byte_runs`; the reference's `_byte_runs_reference`).
+    ``groups`` (fingerprints alone; one a bucket, each group's buckets consecutive, `bucket_spans`): one table a
+    group, the slice of its buckets (a check task takes its own bucket's part, `check_response_ids`' ``bucket``),
+    not one a bucket."""
     import numpy as np
     import pyarrow as pa
 
@@ -224,13 +247,12 @@ def response_id_buckets(table, n_buckets: int, ids: bool = True, places: bool = 
     else:
         fp = id_fingerprint(rid)
     if not ids and not places:
-        # sorted (numpy's sort of 64-bit integers: ~2.5x less CPU than a one-byte radix order and its gather), so
-        # each bucket is a slice and in runs by any top bits: its check task sorts a run at a time
-        # (`_repeated_by_file`), told the bits by the pieces' metadata
-        fp = np.sort(fp)
+        # in order of their buckets and runs (`bucket_runs`), so each bucket is a slice and in runs: its check task
+        # sorts a run at a time (`_repeated_by_file`), told the bits by the pieces' metadata
+        fp = bucket_runs(fp, n_buckets)
         cut = np.searchsorted(fp, bucket_starts(n_buckets))
         cut = np.append(cut, fp.size)
-        meta = {RUN_BITS_KEY: str(run_bits(n_buckets)).encode(), SORTED_KEY: b"1"}
+        meta = {RUN_BITS_KEY: str(run_bits(n_buckets)).encode(), BUCKET_RUNS_KEY: b"1"}
         spans = [(b, b + 1) for b in range(n_buckets)] if groups is None else bucket_spans(groups)[0]
         return [pa.table({FINGERPRINT: pa.array(fp[cut[a]:cut[z]])}).replace_schema_metadata(meta) for a, z in spans]
     if groups is not None:
@@ -530,8 +552,8 @@ def check_response_ids(*pieces, bucket: tuple[int, int] | None = None) -> dict |
     row of those files with those fingerprints (`response_ids_with`) and checks their ids as strings here
     (`resolve_fingerprints`): every copy of a repeated id is among them. ``bucket`` (``(b, n_buckets)``, of such
     pieces): only their fingerprints of bucket ``b`` (`bucket_of`) are checked, a piece holding several buckets
-    (`response_id_buckets`' ``groups``): a slice by a search where the piece says it is sorted (`SORTED_KEY`), else
-    the fingerprints `bucket_of` puts there."""
+    (`response_id_buckets`' ``groups``): a slice by a search where the piece says it is in bucket order
+    (`BUCKET_RUNS_KEY`), else the fingerprints `bucket_of` puts there."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -637,13 +659,13 @@ def _repeated_by_file(pieces, bucket: tuple[int, int] | None = None) -> dict | N
 
 def _of_bucket(a, piece, b: int, n_buckets: int):
     """The fingerprints ``a`` (of ``piece``) of bucket ``b`` of ``n_buckets`` (`bucket_of`): a slice between the
-    bucket's starts where the piece's metadata says they are sorted (`SORTED_KEY`), else those `bucket_of` puts
-    there (in their order)."""
+    bucket's starts where the piece's metadata says they are in bucket order (`BUCKET_RUNS_KEY`), else those
+    `bucket_of` puts there (in their order)."""
     import numpy as np
 
     if not 0 <= b < n_buckets:
         raise ValueError(f"bucket {b} not in 0..{n_buckets - 1}")
-    if (piece.schema.metadata or {}).get(SORTED_KEY) == b"1":
+    if (piece.schema.metadata or {}).get(BUCKET_RUNS_KEY) == b"1":
         starts = bucket_starts(n_buckets)
         lo = int(np.searchsorted(a, starts[b]))
         hi = a.size if b + 1 == n_buckets else int(np.searchsorted(a, starts[b + 1]))

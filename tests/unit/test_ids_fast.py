@@ -182,11 +182,12 @@ def test_run_bits_and_pieces_without_them():
 
 
 @pytest.mark.parametrize("n_buckets", [1, 2, 3, 4, 7, 26, 40])
-def test_a_sorted_files_buckets_are_its_slices_between_the_bucket_starts(n_buckets):
+def test_a_files_buckets_are_its_slices_between_the_bucket_starts(n_buckets):
     """`bucket_of` is non-decreasing in the fingerprint and `bucket_starts` gives each bucket's least
     fingerprint, so the buckets of fingerprints alone (`response_id_buckets(..., ids=False, places=False)`: the
-    file's fingerprints sorted, cut at the starts) hold exactly the fingerprints `bucket_of` puts there, at the
-    edges too (0, 2^64 - 1, each start and the fingerprint below it), every one once."""
+    file's fingerprints in order of bucket and run, `bucket_runs`, cut at the starts) hold exactly the fingerprints
+    `bucket_of` puts there, at the edges too (0, 2^64 - 1, each start and the fingerprint below it), every one once,
+    in runs by their top `run_bits` bits."""
     from flows.runtime import sharded_ray
 
     starts = sharded_ray.bucket_starts(n_buckets)
@@ -201,7 +202,9 @@ def test_a_sorted_files_buckets_are_its_slices_between_the_bucket_starts(n_bucke
     got = [np.asarray(p[sharded_ray.FINGERPRINT].to_numpy()) for p in parts]
     assert np.array_equal(np.sort(np.concatenate(got)), np.sort(fp))
     for b, a in enumerate(got):
-        assert np.all(a[1:] >= a[:-1])  # sorted: in runs by any top bits
+        top = a >> np.uint64(64 - sharded_ray.run_bits(n_buckets))
+        assert np.all(top[1:] >= top[:-1])  # in runs by the top bits
+        assert sharded_ray._in_runs(a, np.uint64(64 - sharded_ray.run_bits(n_buckets)))
         assert np.all(sharded_ray.bucket_of(a, n_buckets) == b)
         # the obvious definition, in Python integers: floor(high * n / 2^32)
         assert all(((int(x) >> 32) * n_buckets) >> 32 == b for x in a[:50].tolist() + a[-50:].tolist())
@@ -251,3 +254,40 @@ def test_a_readers_buckets_of_a_node_in_one_object_check_as_one_a_bucket(groups)
         sharded_ray.check_response_ids(*grouped[0], bucket=(4, 4))
     with pytest.raises(ValueError, match="fingerprints alone"):  # buckets with ids or places are one a bucket
         sharded_ray.response_id_buckets(tables[0], n_buckets, ids=False, groups=groups)
+
+
+@pytest.mark.parametrize("n_buckets", [1, 2, 3, 4, 5, 7, 8, 26, 31, 32, 33, 40, 64])
+def test_bucket_runs_is_a_stable_sort_by_bucket_and_run(n_buckets):
+    """`flows.runtime.sharded_ray.bucket_runs` (a radix order of a 16-bit key, or ``numpy.sort`` above 32 buckets)
+    against the obvious order: a stable lexicographic sort by (bucket, top `run_bits` bits), the file's order kept
+    within a run; a sort where it sorts. Ties of fingerprints and the buckets' edges included."""
+    from flows.runtime import sharded_ray
+
+    rng = np.random.default_rng(100 + n_buckets)
+    starts = sharded_ray.bucket_starts(n_buckets)
+    fp = np.concatenate([rng.integers(0, 2**64 - 1, 20000, dtype=np.uint64, endpoint=True), starts,
+                         starts[1:] - np.uint64(1), np.array([0, 2**64 - 1, 7, 7], dtype=np.uint64)])
+    rng.shuffle(fp)
+    got = sharded_ray.bucket_runs(fp, n_buckets)
+    bits = sharded_ray.run_bits(n_buckets)
+    run = fp >> np.uint64(64 - bits)
+    want = fp[np.lexsort((run, sharded_ray.bucket_of(fp, n_buckets)))]
+    if ((n_buckets - 1) << bits) >> 16:
+        want = np.sort(fp)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 17, 65536, 400_000])
+def test_radix_sort_uint32_is_numpy_sort(n):
+    """`flows.storage.fingerprints.radix_sort_uint32` (two stable passes of 16-bit halves) gives ``numpy.sort``'s
+    array: random values with repeats, the extremes, and values equal in one half only."""
+    from flows.storage.fingerprints import radix_sort_uint32
+
+    rng = np.random.default_rng(n)
+    a = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    if n > 16:
+        a[:8] = [0, 2**32 - 1, 0xFFFF, 0x10000, 0xFFFF0000, 0x0000FFFF, a[9], a[9]]
+        a[10:n // 2] = a[10:n // 2] & np.uint32(0xFFFF0000)  # ties in the high half: the low pass decides
+    got = radix_sort_uint32(a)
+    assert got.dtype == np.uint32 and np.array_equal(got, np.sort(a))
+    assert got is not a
