@@ -19,21 +19,15 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
-
-def _best(fn, repeat: int) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeat):
-        c = time.process_time()
-        out = fn()
-        best = min(best, time.process_time() - c)
-    return best, out
+from bench_response_ids import _best  # noqa: E402 - the best CPU time of ``repeat`` calls
 
 
 def _cpu_model() -> str:
