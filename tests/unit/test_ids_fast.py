@@ -210,13 +210,15 @@ def test_a_files_buckets_are_its_slices_between_the_bucket_starts(n_buckets):
         assert all(((int(x) >> 32) * n_buckets) >> 32 == b for x in a[:50].tolist() + a[-50:].tolist())
 
 
-@pytest.mark.parametrize("groups", [[0, 0, 0, 0], ["a", "a", "b", "b"], ["a", "b", "b", "c"], [0, 1, 2, 3]])
+@pytest.mark.parametrize("groups", [[0, 0, 0, 0], ["a", "a", "b", "b"], ["a", "b", "b", "c"], [0, 1, 2, 3],
+                                    ["a", "a", "b"], [0, 0, 0, 1, 1, 1], [0, 1, 2, 3, 4]])
 def test_a_readers_buckets_of_a_node_in_one_object_check_as_one_a_bucket(groups):
     """A reader ships the buckets of one check node as one object (`response_id_buckets`' ``groups``, a slice of
     its sorted fingerprints between the groups' first and last buckets' starts, `bucket_spans`), and each bucket's
     check takes its own part of it (`check_response_ids`' ``bucket``): the same candidates, bucket by bucket, as
     one object a bucket; a group's part is its buckets' parts joined; the part of a piece not marked sorted is
-    found by `bucket_of` (the same fingerprints); groups whose buckets are not consecutive are refused."""
+    found by `bucket_of` (the same fingerprints); groups whose buckets are not consecutive are refused. Bucket
+    counts not a power of two too (a bucket's bounds inside a run of `bucket_runs`), a repeated id at a bound."""
     from flows.runtime import sharded_ray
 
     n_buckets = len(groups)
